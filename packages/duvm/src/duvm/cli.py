@@ -1,0 +1,48 @@
+"""The `duvm` command: one subcommand per piece.
+
+Each subcommand lives in its own module, which exports `add_arguments(parser)` and
+`run(args) -> int`; this file only wires them, so pieces can grow without touching each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from duvm import __version__
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "memserver": ("duvm.memserver", "serve this node's spare RAM to the pool (page server)"),
+    "daemon": ("duvm.daemon", "NBD server for the local kernel; its blocks live on memservers"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="duvm",
+        description="Pool RAM across a cluster: the kernel swaps cold pages to a duvm block "
+        "device whose pages live in other nodes' RAM.",
+    )
+    parser.add_argument("--version", action="version", version=f"duvm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
