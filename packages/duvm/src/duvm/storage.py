@@ -1,0 +1,65 @@
+"""The block storage interface the NBD server serves from.
+
+Theory of operation: the NBD layer (`nbdproto`/`nbdserver`) validates every request once
+(range, alignment, flags) and then calls one `BlockStore`. Stores only assert. Layers stack
+(a remote store over memservers, a fault-injecting store over any store), each calling the next,
+the way nbdkit stacks filters over plugins. Errors are errno values inside (`StorageError`);
+the NBD layer maps them to wire codes in one place.
+"""
+
+from __future__ import annotations
+
+import errno
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+PAGE_SIZE = 4096
+
+
+class StorageError(Exception):
+    """A failed block operation, carrying an errno value (EIO, ENOSPC, EINVAL, ...)."""
+
+    def __init__(self, err: int, reason: str) -> None:
+        super().__init__(f"{errno.errorcode.get(err, err)}: {reason}")
+        self.errno = err
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a store can do; decides the transmission flags advertised to NBD clients."""
+
+    can_write: bool = True
+    can_flush: bool = True
+    can_trim: bool = True
+    can_zero: bool = True
+    can_multi_conn: bool = True
+
+
+class BlockStore(ABC):
+    """A byte-addressed device of `size` bytes. Offsets and lengths arrive already validated."""
+
+    size: int
+    capabilities: Capabilities = Capabilities()
+
+    @abstractmethod
+    async def read(self, offset: int, out: memoryview) -> None:
+        """Fill `out` (len(out) bytes) with the data at `offset`; never-written bytes read as 0."""
+
+    @abstractmethod
+    async def write(self, offset: int, data: memoryview) -> None:
+        """Store `data` at `offset`; return only once a later read will see it."""
+
+    @abstractmethod
+    async def trim(self, offset: int, length: int) -> None:
+        """Forget the range (reads then return zeros); frees the backing pages."""
+
+    async def write_zeroes(self, offset: int, length: int) -> None:
+        """Make the range read as zeros. Default: trim, since trimmed pages read as zeros."""
+        await self.trim(offset, length)
+
+    async def flush(self) -> None:  # noqa: B027 - optional hook, default is a no-op
+        """Make completed writes durable. Stores that ack only when stored need nothing."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and buffers."""

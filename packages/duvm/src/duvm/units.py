@@ -1,0 +1,45 @@
+"""Parsing of sizes and addresses given on the command line or in config files."""
+
+from __future__ import annotations
+
+import re
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'512M', '1G', '4096', '1.5GiB' -> bytes (binary units). Raises ValueError with the input."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 512M, 2G)")
+    value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if value != int(value):
+        raise ValueError(f"size is not a whole number of bytes: {text!r}")
+    return int(value)
+
+
+def parse_hostport(text: str, default_port: int | None = None) -> tuple[str, int]:
+    """'host:port', '[::1]:port' or 'host' (with a default port) -> (host, port)."""
+    text = text.strip()
+    host, port_text = text, None
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ValueError(f"bad address {text!r}: unclosed '['")
+        host, rest = text[1:end], text[end + 1 :]
+        if rest.startswith(":"):
+            port_text = rest[1:]
+        elif rest:
+            raise ValueError(f"bad address {text!r}")
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    if port_text is None:
+        if default_port is None:
+            raise ValueError(f"address {text!r} needs a port (HOST:PORT)")
+        return host, default_port
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"bad port in {text!r}")
+    if not host:
+        raise ValueError(f"address {text!r} has no host")
+    return host, int(port_text)
