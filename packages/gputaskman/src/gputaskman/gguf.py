@@ -1,0 +1,504 @@
+"""Bounded GGUF header reader and the sizes that follow from a header.
+
+Theory of operation
+-------------------
+A GGUF file starts with a little header (magic ``GGUF``, version, tensor count, metadata
+count), then metadata key/value pairs, then one info record per tensor (name, dims, ggml type,
+offset), then the aligned tensor data. Everything gputaskman needs (architecture, name, file
+type, parameter count, weights bytes, KV-cache shape) is in the part before the data, so
+:func:`read_header` reads only that part, in chunks, from a plain file handle:
+
+* nothing is memory-mapped (a map would make gputaskman itself show up as a process that
+  maps the model file), nothing past the tensor infos is read;
+* every length the file declares is checked before it is used: strings are capped at
+  ``MAX_STRING``, arrays at ``MAX_ARRAY``, nesting at ``MAX_DEPTH``, tensors at
+  ``MAX_TENSORS``, dims at ``MAX_DIMS``, and the whole header at ``MAX_HEADER_BYTES``, so a
+  garbled or hostile file gives :class:`GGUFError` with a reason, never a hang or a huge
+  allocation;
+* versions 2 and 3 are read; version 1 (32-bit counts), unknown versions and big-endian files
+  (the version word reads byte-swapped) are refused with a reason;
+* large arrays (the tokenizer's vocabulary) are walked but not kept: only arrays of up to
+  ``KEEP_ARRAY`` elements keep their values, bigger ones become :class:`ArraySummary`.
+
+Results are cached by ``(realpath, size, mtime_ns)`` in :func:`read_header_cached`.
+
+Why not the ``gguf`` package's ``GGUFReader``: it memory-maps the whole file (see above) and
+builds numpy arrays for every field and tensor info; it is a development dependency here (the
+tests write real files with its ``GGUFWriter``), not a runtime one. ``benchmarks/
+gputaskman_llm_probes.py`` measures both on the same file; see the report/README cost table.
+
+Formulas (all from llama.cpp; ``ggml_row_size(t, n) = n * type_size(t) / block_size(t)``)
+--------------------------------------------------------------------------------------------
+* parameter count = sum over tensors of the product of their dims.
+* weights bytes = sum over tensors of ``ggml_row_size(type, n_elements)`` with the ggml block
+  table ``GGML_TYPES`` below (the same numbers as ``ggml.c`` ``type_traits`` and the ``gguf``
+  package's ``GGML_QUANT_SIZES``, which a test compares).
+* KV cache (``src/llama-kv-cache.cpp``: one K and one V tensor per layer that has KV heads,
+  ``ggml_new_tensor_3d(type, n_embd_{k,v}_gqa(il), kv_size, n_stream)``), with
+  ``src/llama-hparams.cpp``: ``n_embd_k_gqa(il) = n_embd_head_k * n_head_kv(il)``::
+
+      bytes = sum over layers il with n_head_kv(il) > 0 of
+              cells(il) * (row_size(type_k, key_length * n_head_kv(il))
+                         + row_size(type_v, value_length * n_head_kv(il)))
+
+  ``key_length``/``value_length`` default to ``embedding_length / head_count``;
+  ``head_count_kv`` defaults to ``head_count`` and may be a per-layer array. Cache types:
+  f16 = 2 bytes per element, q8_0 = 34 bytes per 32 elements, q4_0 = 18 bytes per 32.
+* Sliding-window layers (``src/llama-kv-cache-iswa.cpp``): SWA layers get their own cache of
+  ``cells = GGML_PAD(min(n_ctx, n_swa * n_seq + n_ubatch), 256)`` (all of ``n_ctx`` with
+  ``--swa-full``); other layers get ``n_ctx`` cells. Which layers slide comes from
+  ``llama_hparams::set_swa_pattern(n)``: layer ``il`` slides iff ``il % n < n - 1``.
+  Architectures honoured (``src/llama-model.cpp`` ``load_hparams``): ``gemma2`` (pattern 2,
+  window from ``gemma2.attention.sliding_window``, default 4096), ``gemma3`` (pattern 6),
+  ``gemma3n`` (pattern 5) and ``cohere2`` (pattern 4), each with the window from
+  ``<arch>.attention.sliding_window``. Other architectures are computed as full attention;
+  the estimate says so in ``notes``.
+* ``n_ctx`` is the runtime's context size when the caller knows it (``/props``, ``-c``),
+  else the header's ``context_length`` (the training context), and the result says which.
+  llama.cpp may pad ``n_ctx`` up (to 256); we do not guess the padding.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+__all__ = [
+    "GGML_TYPES",
+    "KV_CACHE_TYPES",
+    "ArraySummary",
+    "GGUFError",
+    "GGUFHeader",
+    "KvEstimate",
+    "TensorInfo",
+    "clear_cache",
+    "file_type_name",
+    "kv_cache_estimate",
+    "parse_header",
+    "read_header",
+    "read_header_cached",
+]
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+
+MAX_HEADER_BYTES = 64 * 1024 * 1024  # Qwen-size vocabularies need ~10 MiB
+MAX_STRING = 16 * 1024 * 1024  # a chat template or merges string; keys are far smaller
+MAX_KEY = 64 * 1024
+MAX_ARRAY = 16 * 1024 * 1024
+MAX_DEPTH = 4
+MAX_KV = 1_000_000
+MAX_TENSORS = 1_000_000
+MAX_DIMS = 8
+KEEP_ARRAY = 4096
+_CHUNK = 1024 * 1024
+
+# ggml type id -> (name, block size in elements, bytes per block); ggml.c type_traits.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+}
+_TYPE_BY_NAME = {name.lower(): tid for tid, (name, _, _) in GGML_TYPES.items()}
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+
+# llama.h llama_ftype -> the name llama.cpp prints ("Q4_K - Medium" is shown as Q4_K_M).
+_FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
+    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
+    38: "MXFP4_MOE",
+}
+
+# Architectures whose sliding-window layers llama.cpp lays out with set_swa_pattern(n):
+# arch -> (pattern n, default window or None when the key is required).
+SWA_ARCHS: dict[str, tuple[int, int | None]] = {
+    "gemma2": (2, 4096),
+    "gemma3": (6, None),
+    "gemma3n": (5, None),
+    "cohere2": (4, None),
+}
+
+# GGUF metadata value types: id -> (name, struct format or None for string/array).
+_SCALARS: dict[int, tuple[str, str]] = {
+    0: ("uint8", "<B"), 1: ("int8", "<b"), 2: ("uint16", "<H"), 3: ("int16", "<h"),
+    4: ("uint32", "<I"), 5: ("int32", "<i"), 6: ("float32", "<f"), 7: ("bool", "<?"),
+    10: ("uint64", "<Q"), 11: ("int64", "<q"), 12: ("float64", "<d"),
+}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF header this reader accepts; ``str()`` says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArraySummary:
+    """A metadata array too long to keep (e.g. the vocabulary): its element type and count."""
+
+    element_type: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes of this tensor's data, or None for a ggml type this reader does not know."""
+        t = GGML_TYPES.get(self.ggml_type)
+        if t is None:
+            return None
+        _, blck, size = t
+        return -(-self.n_elements // blck) * size
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    """What a GGUF file's header says. Unknown values are None, never 0."""
+
+    path: str
+    version: int
+    file_size: int
+    header_bytes: int  # bytes read: up to the end of the tensor infos
+    metadata: Mapping[str, Any]
+    tensors: tuple[TensorInfo, ...] = field(repr=False)
+
+    @property
+    def architecture(self) -> str | None:
+        v = self.metadata.get("general.architecture")
+        return v if isinstance(v, str) else None
+
+    @property
+    def name(self) -> str | None:
+        v = self.metadata.get("general.name")
+        return v if isinstance(v, str) and v else None
+
+    @property
+    def file_type(self) -> str | None:
+        """Quantization as llama.cpp names it (``general.file_type``), else None."""
+        v = self.metadata.get("general.file_type")
+        return file_type_name(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(t.n_elements for t in self.tensors)
+
+    @property
+    def bytes_by_type(self) -> dict[str, int]:
+        """Tensor data bytes per ggml type name (unknown types under ``type<id>``)."""
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            key = GGML_TYPES[t.ggml_type][0] if t.ggml_type in GGML_TYPES else f"type{t.ggml_type}"
+            out[key] = out.get(key, 0) + (t.nbytes or 0)
+        return out
+
+    @property
+    def weights_bytes(self) -> int | None:
+        """Sum of tensor data bytes; None if any tensor has a ggml type we cannot size."""
+        sizes = [t.nbytes for t in self.tensors]
+        if any(s is None for s in sizes):
+            return None
+        return sum(s for s in sizes if s is not None)
+
+    def arch_value(self, suffix: str) -> Any:
+        """``<architecture>.<suffix>`` from the metadata, or None."""
+        arch = self.architecture
+        return None if arch is None else self.metadata.get(f"{arch}.{suffix}")
+
+
+@dataclass(frozen=True, slots=True)
+class KvEstimate:
+    """An *estimate* of llama.cpp's KV cache for one header and context size."""
+
+    cache_type_k: str
+    cache_type_v: str
+    n_ctx: int
+    n_ctx_source: str  # "runtime" (given by the caller) or "header context_length"
+    bytes: int
+    full_layers: int
+    swa_layers: int
+    swa_cells: int | None
+    notes: tuple[str, ...] = ()
+
+
+def file_type_name(ftype: int) -> str:
+    return _FILE_TYPES.get(ftype, f"ftype{ftype}")
+
+
+class _Reader:
+    """Reads forward from a file in chunks, never past ``limit`` bytes in total."""
+
+    def __init__(self, f: BinaryIO, limit: int) -> None:
+        self.f = f
+        self.limit = limit
+        self.buf = bytearray()
+        self.base = 0  # file offset of buf[0]
+        self.pos = 0  # file offset of the next byte to parse
+        self.eof = False
+
+    def _need(self, n: int) -> int:
+        """Make ``n`` bytes from ``pos`` available; return their index into ``buf``."""
+        end = self.pos + n
+        if end > self.limit:
+            raise GGUFError(f"header larger than the {self.limit} byte cap (at offset {self.pos})")
+        while self.base + len(self.buf) < end:
+            if self.eof:
+                raise GGUFError(f"truncated: needs {n} bytes at offset {self.pos}")
+            want = max(_CHUNK, end - self.base - len(self.buf))
+            want = min(want, self.limit - self.base - len(self.buf))
+            chunk = self.f.read(want)
+            if not chunk:
+                self.eof = True
+                continue
+            # Drop what is already parsed so the buffer stays about one chunk.
+            drop = self.pos - self.base
+            if drop > _CHUNK:
+                del self.buf[:drop]
+                self.base += drop
+            self.buf += chunk
+        return self.pos - self.base
+
+    def unpack(self, fmt: str, size: int) -> Any:
+        i = self._need(size)
+        self.pos += size
+        return struct.unpack_from(fmt, self.buf, i)[0]
+
+    def u32(self) -> int:
+        return self.unpack("<I", 4)
+
+    def u64(self) -> int:
+        return self.unpack("<Q", 8)
+
+    def string(self, cap: int) -> str:
+        n = self.u64()
+        if n > cap:
+            raise GGUFError(f"string of {n} bytes at offset {self.pos - 8} exceeds cap {cap}")
+        i = self._need(n)
+        self.pos += n
+        return bytes(self.buf[i : i + n]).decode("utf-8", errors="replace")
+
+    def skip(self, n: int) -> None:
+        self._need(n)
+        self.pos += n
+
+
+def _value(r: _Reader, vtype: int, depth: int) -> Any:
+    if vtype in _SCALARS:
+        fmt = _SCALARS[vtype][1]
+        return r.unpack(fmt, struct.calcsize(fmt))
+    if vtype == _STRING:
+        return r.string(MAX_STRING)
+    if vtype == _ARRAY:
+        if depth >= MAX_DEPTH:
+            raise GGUFError(f"arrays nested deeper than {MAX_DEPTH} at offset {r.pos}")
+        etype = r.u32()
+        count = r.u64()
+        if count > MAX_ARRAY:
+            raise GGUFError(f"array of {count} elements at offset {r.pos - 8} exceeds cap")
+        if etype in _SCALARS:
+            fmt = _SCALARS[etype][1]
+            size = struct.calcsize(fmt)
+            if count > KEEP_ARRAY:
+                r.skip(count * size)  # checked against the byte cap before any read
+                return ArraySummary(_SCALARS[etype][0], count)
+            i = r._need(count * size)
+            r.pos += count * size
+            return list(struct.unpack_from(f"<{count}{fmt[1]}", r.buf, i))
+        if etype not in (_STRING, _ARRAY):
+            raise GGUFError(f"unknown array element type {etype} at offset {r.pos - 12}")
+        keep = count <= KEEP_ARRAY
+        items = [_value(r, etype, depth + 1) for _ in range(count)] if keep else None
+        if items is None:
+            for _ in range(count):
+                _value(r, etype, depth + 1)
+            return ArraySummary("string" if etype == _STRING else "array", count)
+        return items
+    raise GGUFError(f"unknown metadata value type {vtype} at offset {r.pos - 4}")
+
+
+def parse_header(f: BinaryIO, path: str = "", file_size: int | None = None,
+                 limit: int = MAX_HEADER_BYTES) -> GGUFHeader:
+    """Parse a GGUF header from an open binary file positioned at offset 0."""
+    r = _Reader(f, limit)
+    try:
+        magic = bytes(r.buf[r._need(4) :][:4])
+    except GGUFError as e:
+        raise GGUFError(f"not GGUF: {e}") from None
+    r.pos += 4
+    if magic != GGUF_MAGIC:
+        raise GGUFError(f"not GGUF: magic {magic!r}")
+    version = r.u32()
+    if version not in SUPPORTED_VERSIONS:
+        swapped = struct.unpack("<I", struct.pack(">I", version))[0]
+        if swapped in (1, 2, 3):
+            raise GGUFError(f"big-endian GGUF (version {swapped}) is not supported")
+        if version == 1:
+            raise GGUFError("GGUF version 1 (32-bit counts) is not supported")
+        raise GGUFError(f"unknown GGUF version {version}")
+    n_tensors = r.u64()
+    n_kv = r.u64()
+    if n_tensors > MAX_TENSORS:
+        raise GGUFError(f"declares {n_tensors} tensors, over the cap of {MAX_TENSORS}")
+    if n_kv > MAX_KV:
+        raise GGUFError(f"declares {n_kv} metadata entries, over the cap of {MAX_KV}")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = r.string(MAX_KEY)
+        meta[key] = _value(r, r.u32(), 0)
+    tensors = []
+    for _ in range(n_tensors):
+        name = r.string(MAX_KEY)
+        n_dims = r.u32()
+        if n_dims > MAX_DIMS:
+            raise GGUFError(f"tensor {name!r} has {n_dims} dims, over the cap of {MAX_DIMS}")
+        shape = tuple(r.u64() for _ in range(n_dims))
+        tensors.append(TensorInfo(name, shape, r.u32(), r.u64()))
+    return GGUFHeader(path=path, version=version,
+                      file_size=file_size if file_size is not None else r.pos,
+                      header_bytes=r.pos, metadata=meta, tensors=tuple(tensors))
+
+
+def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
+    """Read and parse the header of the GGUF file at ``path``.
+
+    Raises :class:`GGUFError` (bad or refused content) or ``OSError`` (cannot open/read).
+    """
+    p = os.fspath(path)
+    with open(p, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return parse_header(f, p, size)
+
+
+_cache: dict[tuple[str, int, int], GGUFHeader | GGUFError] = {}
+_cache_lock = threading.Lock()
+_CACHE_MAX = 256
+
+
+def read_header_cached(path: str | os.PathLike[str]) -> GGUFHeader:
+    """:func:`read_header`, cached by (real path, size, mtime); failures are cached too."""
+    real = os.path.realpath(os.fspath(path))
+    st = os.stat(real)
+    key = (real, st.st_size, st.st_mtime_ns)
+    with _cache_lock:
+        hit = _cache.get(key)
+    if hit is None:
+        try:
+            hit = read_header(real)
+        except GGUFError as e:
+            hit = e
+        with _cache_lock:
+            if len(_cache) >= _CACHE_MAX:
+                _cache.pop(next(iter(_cache)))
+            _cache[key] = hit
+    if isinstance(hit, GGUFError):
+        raise GGUFError(str(hit))
+    return hit
+
+
+def clear_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+
+
+def _row_size(type_name: str, n: int) -> int:
+    tid = _TYPE_BY_NAME.get(type_name.lower())
+    if tid is None or type_name.lower() not in KV_CACHE_TYPES:
+        raise ValueError(f"KV cache type must be one of {KV_CACHE_TYPES}, not {type_name!r}")
+    _, blck, size = GGML_TYPES[tid]
+    return -(-n // blck) * size
+
+
+def _uint(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def kv_cache_estimate(header: GGUFHeader, n_ctx: int | None = None, cache_type_k: str = "f16",
+                      cache_type_v: str | None = None, *, n_seq: int = 1, n_ubatch: int = 512,
+                      swa_full: bool = False) -> KvEstimate | None:
+    """Estimate llama.cpp's KV-cache bytes (formula in the module docstring).
+
+    Returns None when the header lacks what the formula needs (no architecture, block count,
+    head count or embedding length, or no context size at all).
+    """
+    cache_type_v = cache_type_v or cache_type_k
+    _row_size(cache_type_k, 1), _row_size(cache_type_v, 1)  # validate early
+    n_layer = _uint(header.arch_value("block_count"))
+    n_head_raw = header.arch_value("attention.head_count")
+    n_head = _uint(n_head_raw[0] if isinstance(n_head_raw, list) and n_head_raw else n_head_raw)
+    n_embd = _uint(header.arch_value("embedding_length"))
+    notes: list[str] = []
+    source = "runtime"
+    if n_ctx is None:
+        n_ctx = _uint(header.arch_value("context_length"))
+        source = "header context_length"
+    if not n_layer or not n_ctx or n_head is None:
+        return None
+    kv_raw = header.arch_value("attention.head_count_kv")
+    if isinstance(kv_raw, list):
+        if len(kv_raw) != n_layer or any(_uint(x) is None for x in kv_raw):
+            return None
+        heads_kv = [int(x) for x in kv_raw]
+    else:
+        one = _uint(kv_raw) if kv_raw is not None else n_head
+        if one is None:
+            return None
+        heads_kv = [one] * n_layer
+    head_k = _uint(header.arch_value("attention.key_length"))
+    head_v = _uint(header.arch_value("attention.value_length"))
+    if head_k is None or head_v is None:
+        if not n_embd or not n_head:
+            return None
+        head_k = head_k if head_k is not None else n_embd // n_head
+        head_v = head_v if head_v is not None else n_embd // n_head
+
+    arch = header.architecture or ""
+    swa = [False] * n_layer
+    n_swa: int | None = None
+    if arch in SWA_ARCHS:
+        pattern, default_window = SWA_ARCHS[arch]
+        n_swa = _uint(header.arch_value("attention.sliding_window")) or default_window
+        if n_swa:
+            swa = [il % pattern < pattern - 1 for il in range(n_layer)]
+        else:
+            notes.append(f"{arch} declares no sliding_window: all layers full attention")
+    else:
+        notes.append(f"no sliding-window layout known for {arch!r}: all layers full attention")
+    swa_cells = None
+    if n_swa and any(swa):
+        swa_cells = n_ctx if swa_full else -(-min(n_ctx, n_swa * n_seq + n_ubatch) // 256) * 256
+    total = 0
+    for il in range(n_layer):
+        if heads_kv[il] == 0:
+            continue  # recurrent / KV-less layer
+        cells = swa_cells if swa[il] and swa_cells is not None else n_ctx
+        total += cells * (_row_size(cache_type_k, head_k * heads_kv[il])
+                          + _row_size(cache_type_v, head_v * heads_kv[il]))
+    n_swa_layers = sum(1 for il in range(n_layer) if swa[il] and heads_kv[il])
+    return KvEstimate(cache_type_k=cache_type_k.lower(), cache_type_v=cache_type_v.lower(),
+                      n_ctx=n_ctx, n_ctx_source=source, bytes=total,
+                      full_layers=sum(1 for h in heads_kv if h) - n_swa_layers,
+                      swa_layers=n_swa_layers, swa_cells=swa_cells, notes=tuple(notes))
