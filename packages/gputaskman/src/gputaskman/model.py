@@ -1,0 +1,320 @@
+"""Plain data for one sample of the GPU and its processes, with the provenance of every number.
+
+Theory of operation
+-------------------
+Everything a backend learns ends up in a `Snapshot`: frozen, slotted dataclasses with no
+behaviour beyond small derived properties, so a snapshot can be rendered, serialised, diffed
+or replayed without touching the hardware again.
+
+Every number is a `Reading`: a value plus the `Kind` of knowledge it is (measured, inferred,
+estimated, or reported by a runtime), the API it came from (`source`), and, when the value
+is missing, a `Reason` saying why. A missing value is `None`, never 0; a measured zero stays
+0. `Reading` enforces this pairing itself, so a reading with neither a value nor a reason
+cannot exist.
+
+Two rules from the project's provenance contract live here as code:
+
+* `ProcGpu.shown_vram` (measured, else inferred, else `None`) is what the UI shows, sorts by
+  and scans first. It is never summed.
+* `Snapshot.attributed` sums measured per-process bytes only, and is `None` when nothing was
+  measured. `Snapshot.attributed_complete` says whether that sum can be a lower bound only
+  (a process whose memory the driver hid, or a process list that failed).
+
+Units are in the field names where they are not obvious: bytes, percent (0-100), degrees
+Celsius, watts, MHz. Timestamps are Unix seconds (float).
+
+This module imports only the standard library (checked by tests/test_import_graph.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Kind(StrEnum):
+    """What kind of knowledge a number is."""
+
+    MEASURED = "measured"  # read from a driver or OS counter for exactly this thing
+    INFERRED = "inferred"  # derived from measurements by a rule that admits one explanation
+    ESTIMATED = "estimated"  # computed from a model (e.g. GGUF sizes), not observed
+    RUNTIME = "runtime"  # reported by the runtime that owns it (llama.cpp log, an API)
+
+
+class Reason(StrEnum):
+    """Why a value is missing. The string values are part of the JSON format."""
+
+    DENIED = "denied"  # permission refused (another user's process, NVML NoPermission)
+    NOT_SUPPORTED = "not supported"  # this device/driver does not offer the counter
+    PROCESS_GONE = "process gone"  # the process exited between listing and reading
+    UNAVAILABLE = "unavailable"  # the source exists but gave no value this time
+    HIDDEN = "hidden by driver"  # NVML lists the process but withholds its memory
+    NO_LIBRARY = "library not found"  # libnvidia-ml.so is not installed
+    NO_DRIVER = "driver not loaded"  # library present, kernel driver absent
+    NO_GPU = "no gpu"  # the backend works but found no device
+    GPU_LOST = "gpu lost"  # the device fell off the bus or disappeared between samples
+    QUERY_FAILED = "query failed"  # any other error from the source; `detail` says which
+    NOT_LISTED = "not listed"  # the driver's process list does not name this process
+    NOT_SCANNED = "not scanned yet"  # budgeted scan has not reached this process yet
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One number with its provenance.
+
+    Exactly one of `value` and `reason` is set. `source` names the API or file the value
+    came from (or would have come from), e.g. ``"nvml:nvmlDeviceGetMemoryInfo"``.
+    `detail` is free text for humans (the raw error string), never parsed.
+    """
+
+    value: int | float | None
+    kind: Kind
+    source: str
+    reason: Reason | None = None
+    detail: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.value, bool):
+            raise TypeError("a Reading holds a number, not a bool")
+        if self.value is None and self.reason is None:
+            raise ValueError(f"missing value from {self.source!r} needs a reason")
+        if self.value is not None and self.reason is not None:
+            raise ValueError(f"value from {self.source!r} cannot also carry reason {self.reason}")
+        if isinstance(self.value, float) and not math.isfinite(self.value):
+            raise ValueError(f"non-finite value from {self.source!r}; use a reason instead")
+        if not isinstance(self.kind, Kind):
+            raise TypeError(f"kind must be a Kind, got {self.kind!r}")
+
+    @property
+    def known(self) -> bool:
+        return self.value is not None
+
+    @classmethod
+    def measured(cls, value: int | float, source: str) -> Reading:
+        return cls(value, Kind.MEASURED, source)
+
+    @classmethod
+    def inferred(cls, value: int | float, source: str) -> Reading:
+        return cls(value, Kind.INFERRED, source)
+
+    @classmethod
+    def estimated(cls, value: int | float, source: str) -> Reading:
+        return cls(value, Kind.ESTIMATED, source)
+
+    @classmethod
+    def runtime(cls, value: int | float, source: str) -> Reading:
+        return cls(value, Kind.RUNTIME, source)
+
+    @classmethod
+    def missing(
+        cls,
+        reason: Reason,
+        source: str,
+        detail: str | None = None,
+        kind: Kind = Kind.MEASURED,
+    ) -> Reading:
+        """A value that is unknown; `kind` is what it would have been."""
+        return cls(None, kind, source, reason, detail)
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Something that reduced what a snapshot can show, with the reason.
+
+    `where` names the probe: ``"backend.init"`` when the backend as a whole is unusable,
+    ``"processes.compute"`` / ``"processes.graphics"`` for a failed per-adapter process list,
+    ``"device.<field>"`` or ``"procinfo"`` otherwise. `adapter` is the PCI bus id it concerns.
+    """
+
+    where: str
+    reason: Reason
+    detail: str | None = None
+    adapter: str | None = None
+
+    @property
+    def is_process_list(self) -> bool:
+        """A failed per-adapter process list (``where`` starts with ``processes.``)."""
+        return self.where.startswith("processes.")
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """One GPU as the backend identifies it.
+
+    `pci_bus_id` is the pairing key across probes and samples (normalised lower case,
+    ``"00000000:01:00.0"``); `index` is the backend's enumeration order, for display and
+    `--gpu N` only.
+    """
+
+    index: int
+    vendor: str
+    name: str | None
+    uuid: str | None
+    pci_bus_id: str
+    backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMetrics:
+    """Device-wide readings for one adapter. All measured by the driver when known."""
+
+    memory_total_bytes: Reading
+    memory_used_bytes: Reading
+    memory_reserved_bytes: Reading
+    util_gpu_percent: Reading
+    util_memory_percent: Reading
+    encoder_percent: Reading
+    decoder_percent: Reading
+    temperature_c: Reading
+    power_w: Reading
+    power_limit_w: Reading
+    clock_graphics_mhz: Reading
+    clock_sm_mhz: Reading
+    clock_memory_mhz: Reading
+
+    @classmethod
+    def all_missing(cls, reason: Reason, source: str, detail: str | None = None) -> DeviceMetrics:
+        """Every field unknown for the same reason (e.g. the GPU was lost mid-sample)."""
+        r = Reading.missing(reason, source, detail)
+        return cls(*([r] * len(cls.__slots__)))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRef:
+    """Which model a process holds. Seam for the model-naming work; not filled yet.
+
+    `evidence` is one of ``api``, ``mapped``, ``cmdline``, ``path-arg``, ``installed``
+    (strongest first); `confirmed` is true only when two of api/mapped/cmdline agree.
+    """
+
+    name: str
+    evidence: str
+    confirmed: bool = False
+    path: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcDetail:
+    """What procinfo found about a process (not GPU numbers): identity and evidence.
+
+    `runtimes` are libraries mapped into the process (detection, not proof of GPU work);
+    `model_files` are mapped model files (.gguf, .safetensors, ...). `scanned` is false when
+    the budgeted scanner has not reached the process yet, so empty tuples mean "not looked"
+    rather than "none"; `reason` says why a scan failed (denied, process gone).
+    """
+
+    cmdline: tuple[str, ...] | None = None
+    runtimes: tuple[str, ...] = ()
+    model_files: tuple[str, ...] = ()
+    category: str | None = None
+    scanned: bool = False
+    reason: Reason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcGpu:
+    """One process as seen on one adapter (or on none: a runtime candidate with no context).
+
+    `dedicated` is the driver-measured VRAM of the process on `adapter` (missing with a
+    reason when hidden, not listed, or unknown); `inferred` is an optional derived value
+    (no Linux NVML path produces one yet). `engines` maps engine names (``gpu``, ``memory``,
+    ``encoder``, ``decoder``) to per-process utilisation readings; engine availability is
+    independent of memory availability.
+    """
+
+    pid: int
+    create_time: float | None
+    name: str | None
+    adapter: str | None  # pci_bus_id, None when the process has no GPU context we know of
+    contexts: tuple[str, ...]  # "compute", "graphics"
+    dedicated: Reading
+    inferred: Reading | None = None
+    engines: Mapping[str, Reading] = field(default_factory=dict)
+    detail: ProcDetail = field(default_factory=ProcDetail)
+    model: ModelRef | None = None  # seam: model naming (stores/gguf/llm) fills this later
+    breakdown: object | None = None  # seam: weights / KV cache / compute view, later
+
+    @property
+    def started_at(self) -> float | None:
+        return self.create_time
+
+    @property
+    def key(self) -> tuple[int, float | None]:
+        """Identity across samples: a reused PID has a different create_time."""
+        return (self.pid, self.create_time)
+
+    @property
+    def shown_vram(self) -> Reading | None:
+        """Measured, else inferred, else None. For display, sorting and scan priority only;
+        never add these up (see `Snapshot.attributed`)."""
+        if self.dedicated.kind is Kind.MEASURED and self.dedicated.value is not None:
+            return self.dedicated
+        if self.inferred is not None and self.inferred.value is not None:
+            return self.inferred
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One sample: adapters, their metrics, processes, and what went wrong.
+
+    `metrics` is keyed by `Adapter.pci_bus_id`. `problems` lists everything that reduced
+    what is shown (library missing, a failed process list, a lost GPU), each with a reason.
+    `notes` are informational lines for humans.
+    """
+
+    taken: float
+    backend: str
+    adapters: tuple[Adapter, ...] = ()
+    metrics: Mapping[str, DeviceMetrics] = field(default_factory=dict)
+    processes: tuple[ProcGpu, ...] = ()
+    problems: tuple[Problem, ...] = ()
+    notes: tuple[str, ...] = ()
+    driver_version: str | None = None
+    backend_problem: Problem | None = None  # set when the backend is unusable as a whole
+
+    @property
+    def available(self) -> bool:
+        """True when the backend answered (even with zero GPUs)."""
+        return self.backend_problem is None
+
+    def adapter(self, pci_bus_id: str) -> Adapter | None:
+        return next((a for a in self.adapters if a.pci_bus_id == pci_bus_id), None)
+
+    def processes_on(self, pci_bus_id: str | None) -> tuple[ProcGpu, ...]:
+        return tuple(p for p in self.processes if p.adapter == pci_bus_id)
+
+    def attributed_on(self, pci_bus_id: str | None = None) -> int | None:
+        """Sum of measured per-process VRAM bytes (all adapters when None); None when
+        nothing was measured. Inferred and estimated values never enter this sum."""
+        total: int | None = None
+        for p in self.processes:
+            if pci_bus_id is not None and p.adapter != pci_bus_id:
+                continue
+            d = p.dedicated
+            if d.kind is Kind.MEASURED and d.value is not None:
+                total = (total or 0) + int(d.value)
+        return total
+
+    @property
+    def attributed(self) -> int | None:
+        return self.attributed_on(None)
+
+    def attributed_complete_on(self, pci_bus_id: str | None = None) -> bool:
+        """False when the sum can only be a lower bound: a listed process's memory was
+        hidden or unknown, or a process-list query failed."""
+        for pr in self.problems:
+            if pr.is_process_list and (pci_bus_id is None or pr.adapter == pci_bus_id):
+                return False
+        for p in self.processes:
+            if p.adapter is None or (pci_bus_id is not None and p.adapter != pci_bus_id):
+                continue
+            if p.dedicated.value is None:
+                return False
+        return True
+
+    @property
+    def attributed_complete(self) -> bool:
+        return self.attributed_complete_on(None)

@@ -1,0 +1,454 @@
+"""Pure functions from a `Snapshot` (plus the host sample) to JSON and to text.
+
+Theory of operation
+-------------------
+`to_json_dict` is the single source of the ``--json`` object; record files store exactly
+this object, one per line, and replay/diff/summary read it back. `render_text` is the
+``--once`` report. Neither function samples anything or imports a UI library.
+
+JSON shape (``schema_version`` 1)
+---------------------------------
+Every number is a *reading object*, always with all five keys::
+
+    {"value": 123 | 1.5 | null, "kind": "measured" | "inferred" | "estimated" | "runtime",
+     "source": "nvml:nvmlDeviceGetMemoryInfo", "reason": null | "<reason>", "detail": null | "..."}
+
+``value`` is null exactly when ``reason`` is set (reasons: ``denied``, ``not supported``,
+``process gone``, ``unavailable``, ``hidden by driver``, ``library not found``,
+``driver not loaded``, ``no gpu``, ``gpu lost``, ``query failed``, ``not listed``,
+``not scanned yet``). A measured zero is ``0``; unknown is never ``0``.
+Plain integers outside reading objects are identities (pid, index, schema_version) or
+sums of measured readings (``attributed_bytes``, null when nothing was measured).
+
+Top level::
+
+    {
+      "schema": "gputaskman.snapshot", "schema_version": 1,
+      "tool": {"name": "gputaskman", "version": "0.1.0"},
+      "taken": 1796000000.25,                 # Unix seconds when sampling began
+      "taken_iso": "2026-11-29T18:30:00.250Z",
+      "backend": "nvml",
+      "available": true | false,              # did the backend answer at all
+      "unavailable": null | PROBLEM,          # why not, when available is false
+      "driver_version": "550.54" | null,
+      "selected_gpu": 0 | null,               # index the caller selected (--gpu), else null
+      "adapters": [ADAPTER, ...],             # [] when none (see "unavailable"/"problems")
+      "processes": [PROCESS, ...],
+      "attributed_bytes": int | null,         # sum of measured process VRAM, all adapters
+      "attributed_complete": bool,            # false: a memory was hidden or a list failed
+      "problems": [PROBLEM, ...],
+      "notes": ["...", ...],
+      "system": SYSTEM | null                 # host.py's object (RAM, swap, CPU); never GPU
+    }
+
+    PROBLEM = {"where": "backend.init" | "processes.compute" | ..., "reason": "<reason>",
+               "detail": str | null, "adapter": "<pci bus id>" | null}
+
+    ADAPTER = {"index": 0, "vendor": "nvidia", "name": str | null, "uuid": str | null,
+               "pci_bus_id": "00000000:01:00.0", "backend": "nvml",
+               "metrics": {"memory_total_bytes": R, "memory_used_bytes": R,
+                           "memory_reserved_bytes": R, "util_gpu_percent": R,
+                           "util_memory_percent": R, "encoder_percent": R,
+                           "decoder_percent": R, "temperature_c": R, "power_w": R,
+                           "power_limit_w": R, "clock_graphics_mhz": R, "clock_sm_mhz": R,
+                           "clock_memory_mhz": R} | null,
+               "attributed_bytes": int | null, "attributed_complete": bool,
+               "process_list": {"compute": "ok" | PROBLEM, "graphics": "ok" | PROBLEM}}
+
+    PROCESS = {"pid": 123, "started_at": 1795999000.5 | null, "name": str | null,
+               "gpu": "<pci bus id>" | null,          # null: no GPU context known
+               "contexts": ["compute", "graphics"],
+               "vram_bytes": R,                       # driver-measured, the only summed one
+               "vram_inferred_bytes": R | null,
+               "shown_vram": R | null,                # display/sort only, never summed
+               "engines": {"gpu_percent": R, ...},    # {} when the backend has none
+               "ram_bytes": R, "cpu_percent": R,      # from the host sample (OS-reported)
+               "cmdline": [str, ...] | null,          # secrets redacted by procinfo
+               "runtimes": [str, ...], "model_files": [str, ...],
+               "category": str | null, "scanned": bool, "scan_reason": "<reason>" | null,
+               "model": null | {"name", "evidence", "confirmed", "path"},
+               "breakdown": null}                     # seam for weights/KV/compute
+
+Compatibility: new keys may be added within schema_version 1; removing or renaming a key,
+or changing a value's meaning, bumps it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from gputaskman import __version__
+from gputaskman.model import (
+    DeviceMetrics,
+    Kind,
+    Problem,
+    ProcGpu,
+    Reading,
+    Reason,
+    Snapshot,
+)
+
+SCHEMA = "gputaskman.snapshot"
+SCHEMA_VERSION = 1
+
+HOST_SOURCE = "host"
+
+# Looks up the host's per-process readings (ram_bytes, cpu_percent) for (pid, create_time).
+ProcHostLookup = Callable[[int, float | None], Mapping[str, Reading]]
+
+
+# ---------------------------------------------------------------------------- JSON
+
+
+def reading_json(r: Reading | None) -> dict[str, Any] | None:
+    if r is None:
+        return None
+    return {
+        "value": r.value,
+        "kind": str(r.kind),
+        "source": r.source,
+        "reason": None if r.reason is None else str(r.reason),
+        "detail": r.detail,
+    }
+
+
+def problem_json(p: Problem) -> dict[str, Any]:
+    return {"where": p.where, "reason": str(p.reason), "detail": p.detail, "adapter": p.adapter}
+
+
+def _metrics_json(m: DeviceMetrics | None) -> dict[str, Any] | None:
+    if m is None:
+        return None
+    return {name: reading_json(getattr(m, name)) for name in DeviceMetrics.__slots__}
+
+
+def _system_json(system: object | None) -> Any:
+    if system is None:
+        return None
+    if isinstance(system, Mapping):
+        return dict(system)
+    to_json = getattr(system, "to_json_dict", None)
+    if callable(to_json):
+        return to_json()
+    raise TypeError(f"system must be a mapping or have to_json_dict(), got {type(system)!r}")
+
+
+def proc_host_lookup(system: object | None) -> ProcHostLookup:
+    """The per-process host readings provider for `system` (host.py's sample).
+
+    host.py's sample exposes ``process_readings(pid, create_time)``; anything else (or no
+    sample) yields readings that are missing with a reason, never zeros.
+    """
+    fn = getattr(system, "process_readings", None)
+    if callable(fn):
+        return fn  # type: ignore[return-value]
+    return _no_host_readings
+
+
+def _no_host_readings(pid: int, create_time: float | None) -> Mapping[str, Reading]:
+    return {}
+
+
+def _host_readings(lookup: ProcHostLookup, p: ProcGpu, system: object | None) -> dict[str, Any]:
+    got = lookup(p.pid, p.create_time) or {}
+    out: dict[str, Any] = {}
+    for key in ("ram_bytes", "cpu_percent"):
+        r = got.get(key)
+        if r is None:
+            detail = "host not sampled" if system is None else "process not in host sample"
+            r = Reading.missing(Reason.UNAVAILABLE, HOST_SOURCE, detail)
+        out[key] = reading_json(r)
+    return out
+
+
+def process_json(p: ProcGpu, lookup: ProcHostLookup, system: object | None) -> dict[str, Any]:
+    d = p.detail
+    row: dict[str, Any] = {
+        "pid": p.pid,
+        "started_at": p.create_time,
+        "name": p.name,
+        "gpu": p.adapter,
+        "contexts": list(p.contexts),
+        "vram_bytes": reading_json(p.dedicated),
+        "vram_inferred_bytes": reading_json(p.inferred),
+        "shown_vram": reading_json(p.shown_vram),
+        "engines": {k: reading_json(v) for k, v in p.engines.items()},
+    }
+    row.update(_host_readings(lookup, p, system))
+    row.update(
+        {
+            "cmdline": None if d.cmdline is None else list(d.cmdline),
+            "runtimes": list(d.runtimes),
+            "model_files": list(d.model_files),
+            "category": d.category,
+            "scanned": d.scanned,
+            "scan_reason": None if d.reason is None else str(d.reason),
+            "model": None
+            if p.model is None
+            else {
+                "name": p.model.name,
+                "evidence": p.model.evidence,
+                "confirmed": p.model.confirmed,
+                "path": p.model.path,
+            },
+            "breakdown": None,
+        }
+    )
+    return row
+
+
+def _process_list_status(snapshot: Snapshot, pci: str) -> dict[str, Any]:
+    status: dict[str, Any] = {"compute": "ok", "graphics": "ok"}
+    for pr in snapshot.problems:
+        if pr.is_process_list and pr.adapter == pci:
+            status[pr.where.split(".", 1)[1]] = problem_json(pr)
+    return status
+
+
+def to_json_dict(
+    snapshot: Snapshot, system: object | None = None, selected_gpu: int | None = None
+) -> dict[str, Any]:
+    """The ``--json`` object for one snapshot and the host sample taken beside it."""
+    lookup = proc_host_lookup(system)
+    taken_iso = (
+        _dt.datetime.fromtimestamp(snapshot.taken, tz=_dt.UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z")
+    )
+    adapters = []
+    for a in snapshot.adapters:
+        adapters.append(
+            {
+                "index": a.index,
+                "vendor": a.vendor,
+                "name": a.name,
+                "uuid": a.uuid,
+                "pci_bus_id": a.pci_bus_id,
+                "backend": a.backend,
+                "metrics": _metrics_json(snapshot.metrics.get(a.pci_bus_id)),
+                "attributed_bytes": snapshot.attributed_on(a.pci_bus_id),
+                "attributed_complete": snapshot.attributed_complete_on(a.pci_bus_id),
+                "process_list": _process_list_status(snapshot, a.pci_bus_id),
+            }
+        )
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "tool": {"name": "gputaskman", "version": __version__},
+        "taken": snapshot.taken,
+        "taken_iso": taken_iso,
+        "backend": snapshot.backend,
+        "available": snapshot.available,
+        "unavailable": None
+        if snapshot.backend_problem is None
+        else problem_json(snapshot.backend_problem),
+        "driver_version": snapshot.driver_version,
+        "selected_gpu": selected_gpu,
+        "adapters": adapters,
+        "processes": [process_json(p, lookup, system) for p in snapshot.processes],
+        "attributed_bytes": snapshot.attributed,
+        "attributed_complete": snapshot.attributed_complete,
+        "problems": [problem_json(p) for p in snapshot.problems],
+        "notes": list(snapshot.notes),
+        "system": _system_json(system),
+    }
+
+
+# ---------------------------------------------------------------------------- text
+
+# One-character provenance markers used in text and the TUI. Measured has none.
+KIND_MARK: dict[Kind, str] = {
+    Kind.MEASURED: "",
+    Kind.INFERRED: "~",
+    Kind.ESTIMATED: "≈",
+    Kind.RUNTIME: "ʳ",
+}
+NA = "n/a"
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """Binary units, one decimal; None is n/a (never 0)."""
+    if n is None:
+        return NA
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_reading(
+    r: Reading | None, unit: str = "", *, as_bytes: bool = False, reason: bool = False
+) -> str:
+    """A reading for display: value with its provenance marker, or n/a (plus the reason)."""
+    if r is None or r.value is None:
+        if reason and r is not None and r.reason is not None:
+            return f"{NA} ({r.reason})"
+        return NA
+    mark = KIND_MARK[r.kind]
+    if as_bytes:
+        text = fmt_bytes(r.value)
+    elif isinstance(r.value, float):
+        text = f"{r.value:.1f}{unit}"
+    else:
+        text = f"{r.value}{unit}"
+    return f"{mark}{text}"
+
+
+def describe_problem(p: Problem) -> str:
+    where = f" [{p.adapter}]" if p.adapter else ""
+    detail = f": {p.detail}" if p.detail else ""
+    return f"{p.where}{where}: {p.reason}{detail}"
+
+
+def _gpu_lines(snapshot: Snapshot, selected: str | None) -> list[str]:
+    lines: list[str] = []
+    if not snapshot.available:
+        bp = snapshot.backend_problem
+        assert bp is not None
+        lines.append(f"GPU: none usable via {snapshot.backend} ({bp.reason})")
+        if bp.detail:
+            lines.append(f"  {bp.detail}")
+        return lines
+    if not snapshot.adapters:
+        lines.append(f"GPU: {snapshot.backend} answered but lists no GPU")
+        return lines
+    for a in snapshot.adapters:
+        if selected is not None and a.pci_bus_id != selected:
+            continue
+        m = snapshot.metrics.get(a.pci_bus_id)
+        lines.append(f"GPU {a.index}  {a.name or NA}  {a.pci_bus_id}  {a.uuid or ''}".rstrip())
+        if m is None:
+            lines.append("  metrics: n/a")
+            continue
+        lines.append(
+            "  memory  used "
+            + fmt_reading(m.memory_used_bytes, as_bytes=True, reason=True)
+            + " / "
+            + fmt_reading(m.memory_total_bytes, as_bytes=True, reason=True)
+            + "  reserved "
+            + fmt_reading(m.memory_reserved_bytes, as_bytes=True, reason=True)
+        )
+        lines.append(
+            "  load    gpu "
+            + fmt_reading(m.util_gpu_percent, "%", reason=True)
+            + "  mem "
+            + fmt_reading(m.util_memory_percent, "%", reason=True)
+            + "  enc "
+            + fmt_reading(m.encoder_percent, "%", reason=True)
+            + "  dec "
+            + fmt_reading(m.decoder_percent, "%", reason=True)
+        )
+        lines.append(
+            "  temp "
+            + fmt_reading(m.temperature_c, " C", reason=True)
+            + "  power "
+            + fmt_reading(m.power_w, " W", reason=True)
+            + " / "
+            + fmt_reading(m.power_limit_w, " W", reason=True)
+            + "  clocks gfx "
+            + fmt_reading(m.clock_graphics_mhz, " MHz", reason=True)
+            + " sm "
+            + fmt_reading(m.clock_sm_mhz, " MHz", reason=True)
+            + " mem "
+            + fmt_reading(m.clock_memory_mhz, " MHz", reason=True)
+        )
+        att = snapshot.attributed_on(a.pci_bus_id)
+        complete = snapshot.attributed_complete_on(a.pci_bus_id)
+        lines.append(
+            f"  attributed to processes (measured only): {fmt_bytes(att)}"
+            + ("" if complete else "  (lower bound: some memory hidden or a list failed)")
+        )
+    return lines
+
+
+PROCESS_COLUMNS = ("PID", "NAME", "GPU", "VRAM", "RAM", "CPU%", "RUNTIMES", "CATEGORY", "MODEL")
+
+
+def process_cells(p: ProcGpu, lookup: ProcHostLookup, snapshot: Snapshot) -> tuple[str, ...]:
+    """Display cells for one process row, in `PROCESS_COLUMNS` order (shared with the TUI)."""
+    host = lookup(p.pid, p.create_time) or {}
+    gpu = NA
+    if p.adapter is not None:
+        a = snapshot.adapter(p.adapter)
+        gpu = str(a.index) if a is not None else p.adapter
+    vram = p.shown_vram
+    vram_text = fmt_reading(vram, as_bytes=True) if vram else fmt_reading(p.dedicated, reason=True)
+    runtimes = ",".join(p.detail.runtimes) if p.detail.scanned else "…"
+    model = (
+        p.model.name
+        if p.model
+        else (",".join(f.rsplit("/", 1)[-1] for f in p.detail.model_files) or "")
+    )
+    return (
+        str(p.pid),
+        p.name or NA,
+        gpu,
+        vram_text,
+        fmt_reading(host.get("ram_bytes"), as_bytes=True),
+        fmt_reading(host.get("cpu_percent")),
+        runtimes,
+        p.detail.category or "",
+        model,
+    )
+
+
+def sort_key_vram(p: ProcGpu) -> float:
+    """Sort key by shown VRAM (display only), unknown last when sorting descending."""
+    r = p.shown_vram
+    return -1.0 if r is None or r.value is None else float(r.value)
+
+
+def _table(rows: Iterable[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
+    rows = [header, *rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _system_lines(system: object | None) -> list[str]:
+    if system is None:
+        return ["SYSTEM: not sampled"]
+    render = getattr(system, "render_lines", None)
+    if callable(render):
+        return ["SYSTEM", *("  " + line for line in render())]
+    data = _system_json(system)
+    return ["SYSTEM", *(f"  {k}: {v}" for k, v in data.items())]
+
+
+def render_text(
+    snapshot: Snapshot, system: object | None = None, selected_gpu: int | None = None
+) -> str:
+    """The ``--once`` report: GPUs, processes, problems, then the system panel."""
+    when = _dt.datetime.fromtimestamp(snapshot.taken, tz=_dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    out = [f"gputaskman {__version__}  {when} UTC  backend {snapshot.backend}"]
+    if snapshot.driver_version:
+        out[0] += f"  driver {snapshot.driver_version}"
+    selected = None
+    if selected_gpu is not None:
+        sel = next((a for a in snapshot.adapters if a.index == selected_gpu), None)
+        selected = sel.pci_bus_id if sel else None
+    out += ["", *_gpu_lines(snapshot, selected), ""]
+    lookup = proc_host_lookup(system)
+    procs = [p for p in snapshot.processes if selected is None or p.adapter in (selected, None)]
+    procs.sort(key=sort_key_vram, reverse=True)
+    if procs:
+        out.append(
+            "PROCESSES  (VRAM: measured by the driver unless marked ~ inferred, "
+            "≈ estimated, ʳ runtime-reported; n/a = unknown)"
+        )
+        out += [
+            "  " + line
+            for line in _table((process_cells(p, lookup, snapshot) for p in procs), PROCESS_COLUMNS)
+        ]
+    else:
+        out.append("PROCESSES: none with a GPU context or a GPU runtime found")
+    problems = [p for p in snapshot.problems if p is not snapshot.backend_problem]
+    if problems:
+        out += ["", "PROBLEMS", *("  " + describe_problem(p) for p in problems)]
+    if snapshot.notes:
+        out += ["", "NOTES", *("  " + n for n in snapshot.notes)]
+    out += ["", *_system_lines(system)]
+    return "\n".join(out) + "\n"
