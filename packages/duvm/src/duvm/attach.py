@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from duvm import kernelnbd
+from duvm import cgroup, kernelnbd
 
 DEFAULT_RUN_DIR = Path("/run/duvm")
 DEFAULT_PRIORITY = 100  # above distribution swap (negative priorities): the pool is tried first
@@ -423,25 +423,52 @@ def attach(socket_path: str, state_path: Path, *, run_dir: Path = DEFAULT_RUN_DI
     return att
 
 
-def detach(state_path: Path) -> Attachment | None:
+def swapoff_problems(entry: SwapEntry) -> list[str]:
+    """Reasons swapoff of `entry` would fail or make the kernel kill processes (empty: none)."""
+    problems = []
+    available = mem_available_kb()
+    if available is not None and entry.used_kb > available:
+        problems.append(f"{entry.used_kb >> 10} MiB are swapped out to {entry.filename} but only "
+                        f"{available >> 10} MiB of RAM are available to bring them home")
+    problems += cgroup.swap_headroom_problems()
+    return problems
+
+
+def mem_available_kb() -> int | None:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1])
+    return None
+
+
+def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
     """Undo what the state file records: swapoff first, then the device, then the sysctl.
 
     Returns the attachment that was removed, or None when nothing was attached. Raises
-    SwapoffFailed (device still attached, state kept) when the kernel cannot take the pages back.
+    SwapoffFailed (device still attached, state kept) when the kernel cannot take the pages
+    back, or — unless `force` — when a check shows it could not without killing processes.
     """
     require_root()
     att = load_state(state_path)
     if att is None:
         return None
-    if att.device and swap_entry(att.device) is not None:
+    entry = swap_entry(att.device) if att.device else None
+    if entry is not None:
+        problems = [] if force else swapoff_problems(entry)
+        if problems:
+            raise SwapoffFailed(
+                f"not turning off swap on {att.device}: the kernel would have to bring every "
+                f"swapped page back into RAM, and there is no room: " + "; ".join(problems)
+                + ". It stays attached and nothing was lost. Free memory (stop or resize those "
+                "workloads) and run disable again.")
         try:
             _run("swapoff", att.device, timeout=3600)
         except AttachError as exc:
             raise SwapoffFailed(
-                f"swapoff of {att.device} failed, so it stays attached and nothing was lost. "
-                f"The kernel must bring every swapped page back into RAM first; this usually "
-                f"means there is not enough free memory. Free some (stop workloads) and run "
-                f"disable again. ({exc})") from exc
+                f"swapoff of {att.device} failed, so it stays attached. The kernel must bring "
+                f"every swapped page back into RAM first; this usually means there is not enough "
+                f"free memory (and a memory-limited cgroup that could not take its pages back "
+                f"may have been OOM-killed). Free memory and run disable again. ({exc})") from exc
     att.swap_active = False
     save_state(state_path, att)
     errors: list[str] = []

@@ -207,3 +207,60 @@ class MemoryCgroup:
             path.write_text(value)
         except OSError as exc:
             raise CgroupError(f"cannot write {value!r} to {path}: {exc}") from exc
+
+
+# --- would swapoff hurt someone? -------------------------------------------------------------
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def swap_headroom_problems(root: Path = CGROUP_ROOT, limit: int = 20) -> list[str]:
+    """Cgroups holding more in swap than they have room for under their RAM limit.
+
+    swapoff charges every page it brings home to the page's cgroup; a group that cannot take
+    its pages back makes swapoff fail with ENOMEM and the kernel OOM-kills that group's
+    processes (seen here on cgroup v1). Checking first lets `disable` refuse with a reason
+    instead. Conservative: swap on any device counts. At most `limit` lines are returned.
+    """
+    version = detect_version(root)
+    problems: list[str] = []
+    if version == 2:
+        base = root
+        swap_name, usage_name, limit_name = "memory.swap.current", "memory.current", "memory.max"
+    elif version == 1:
+        base = root / "memory"
+        swap_name, usage_name = "", "memory.usage_in_bytes"
+        limit_name = "memory.limit_in_bytes"
+    else:
+        return problems
+    for stat in base.rglob("memory.stat" if version == 1 else "memory.swap.current"):
+        group = stat.parent
+        if version == 1:
+            fields_ = {}
+            with contextlib.suppress(OSError):
+                for line in stat.read_text().splitlines():
+                    k, _, v = line.partition(" ")
+                    if k in ("total_swap", "hierarchical_memory_limit") and v.isdigit():
+                        fields_[k] = int(v)
+            swapped = fields_.get("total_swap")
+            cap = fields_.get("hierarchical_memory_limit")
+        else:
+            swapped = _read_int(group / swap_name)
+            cap = _read_int(group / limit_name)  # "max" reads as None: no limit
+        usage = _read_int(group / usage_name)
+        if not swapped or cap is None or usage is None:
+            continue
+        room = max(cap - usage, 0)
+        if swapped > room:
+            rel = "/" + str(group.relative_to(base)).lstrip(".")
+            problems.append(f"cgroup {rel} has {swapped >> 20} MiB in swap but only "
+                            f"{room >> 20} MiB of room under its {cap >> 20} MiB limit")
+            if len(problems) >= limit:
+                break
+    return problems

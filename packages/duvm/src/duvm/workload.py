@@ -14,7 +14,9 @@ chunk whose digest differs it regenerates the expected bytes and reports the fir
 
 The last line on stdout is one JSON object with the result. Exit status: 0 every byte intact,
 1 data differs, 2 bad arguments, 3 the memory could not be allocated.
-Progress goes to stderr as ``progress PHASE DONE TOTAL`` lines with ``--progress``.
+Progress goes to stderr as ``progress PHASE DONE TOTAL`` lines with ``--progress``; with
+``--hold`` it prints ``filled`` after filling and waits for a line on stdin before verifying, so
+a caller can look at (or act on) the swapped-out state.
 """
 
 from __future__ import annotations
@@ -66,45 +68,63 @@ def _progress(enabled: bool, phase: str, done: int, total: int) -> None:
         print(f"progress {phase} {done} {total}", file=sys.stderr, flush=True)
 
 
+def fill(view: memoryview, seed: int, chunk: int, progress: bool = False) -> list[bytes]:
+    """Write every chunk of `view`; return each chunk's digest."""
+    chunks = len(view) // chunk
+    step = max(1, chunks // 100)
+    digests = []
+    for i in range(chunks):
+        data = chunk_bytes(seed, i, chunk)
+        view[i * chunk:(i + 1) * chunk] = data
+        digests.append(_digest(data))
+        if i % step == 0:
+            _progress(progress, "fill", i, chunks)
+    _progress(progress, "fill", chunks, chunks)
+    return digests
+
+
+def verify(view: memoryview, digests: list[bytes], seed: int, chunk: int,
+           phase: str = "verify", progress: bool = False) -> list[dict[str, int]]:
+    """Read every byte back; one {"chunk", "offset"} per chunk that differs (first bad byte)."""
+    bad = []
+    chunks = len(digests)
+    step = max(1, chunks // 100)
+    for i, want in enumerate(digests):
+        with view[i * chunk:(i + 1) * chunk] as part:
+            if _digest(part) != want:
+                expected = chunk_bytes(seed, i, chunk)
+                off = next((k for k in range(chunk) if part[k] != expected[k]), 0)
+                bad.append({"chunk": i, "offset": i * chunk + off})
+        if i % step == 0:
+            _progress(progress, phase, i, chunks)
+    _progress(progress, phase, chunks, chunks)
+    return bad
+
+
 def run(mib: int, chunk_kib: int = 1024, seed: int = 1, passes: int = 1,
-        progress: bool = False) -> Result:
+        progress: bool = False, hold: bool = False) -> Result:
+    """Fill `mib` MiB, optionally wait for a line on stdin (`hold`), verify `passes` times."""
     size = mib << 20
     chunk = chunk_kib << 10
-    chunks = size // chunk
-    res = Result(mib, chunk, chunks, seed, passes)
+    res = Result(mib, chunk, size // chunk, seed, passes)
     mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        view = memoryview(mem)
-        digests: list[bytes] = []
-        t0 = time.perf_counter()
-        step = max(1, chunks // 100)
-        for i in range(chunks):
-            data = chunk_bytes(seed, i, chunk)
-            view[i * chunk:(i + 1) * chunk] = data
-            digests.append(_digest(data))
-            if i % step == 0:
-                _progress(progress, "fill", i, chunks)
-        _progress(progress, "fill", chunks, chunks)
-        res.fill_s = round(time.perf_counter() - t0, 3)
-
-        t0 = time.perf_counter()
-        bad: set[int] = set()
-        for p in range(passes):
-            for i in range(chunks):
-                part = view[i * chunk:(i + 1) * chunk]
-                if _digest(part) != digests[i] and i not in bad:
-                    bad.add(i)
-                    if len(res.first_bad) < MAX_REPORTED:
-                        expected = chunk_bytes(seed, i, chunk)
-                        off = next(k for k in range(chunk) if part[k] != expected[k])
-                        res.first_bad.append({"chunk": i, "offset": i * chunk + off})
-                if i % step == 0:
-                    _progress(progress, f"verify{p + 1}", i, chunks)
-                part.release()
-            _progress(progress, f"verify{p + 1}", chunks, chunks)
-        res.bad_chunks = len(bad)
-        res.verify_s = round(time.perf_counter() - t0, 3)
-        view.release()
+        with memoryview(mem) as view:
+            t0 = time.perf_counter()
+            digests = fill(view, seed, chunk, progress)
+            res.fill_s = round(time.perf_counter() - t0, 3)
+            if hold:
+                # a test or the demo looks at the swapped-out state, then lets us go on
+                print("filled", file=sys.stderr, flush=True)
+                sys.stdin.readline()
+            t0 = time.perf_counter()
+            bad: dict[int, dict[str, int]] = {}
+            for p in range(passes):
+                for b in verify(view, digests, seed, chunk, f"verify{p + 1}", progress):
+                    bad.setdefault(b["chunk"], b)
+            res.bad_chunks = len(bad)
+            res.first_bad = [bad[k] for k in sorted(bad)][:MAX_REPORTED]
+            res.verify_s = round(time.perf_counter() - t0, 3)
     finally:
         mem.close()
     return res
@@ -117,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--passes", type=int, default=1, help="verification passes over all data")
     p.add_argument("--progress", action="store_true", help="progress lines on stderr")
+    p.add_argument("--hold", action="store_true",
+                   help="after filling, print 'filled' on stderr and wait for a line on stdin")
     try:
         a = p.parse_args(argv)
     except SystemExit as exc:
@@ -129,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print("workload: --mib must be a whole number of chunks", file=sys.stderr)
         return EXIT_USAGE
     try:
-        res = run(a.mib, a.chunk_kib, a.seed, a.passes, a.progress)
+        res = run(a.mib, a.chunk_kib, a.seed, a.passes, a.progress, a.hold)
     except (MemoryError, OSError) as exc:
         print(f"workload: cannot hold {a.mib} MiB: {exc}", file=sys.stderr)
         return EXIT_NOMEM
