@@ -1,0 +1,509 @@
+"""asyncio driver of the NBD codec: sockets in front, one `BlockStore` behind.
+
+Theory of operation
+-------------------
+Each connection is an `asyncio.BufferedProtocol`. During the handshake it feeds bytes to a
+`nbdproto.Handshake`; once transmission starts the socket is read with recv_into straight into
+the `TransmissionDecoder`'s buffer (large write payloads straight into the pooled buffer that
+the store then receives). Requests arrive validated; invalid ones are answered at once with
+their error and never reach the store.
+
+Many requests are in flight per connection and replies go out in completion order. A store
+coroutine is first run inline (`coro.send(None)`): the in-RAM store finishes there and costs
+no task at all, and a remote store gets its network request out in the same loop iteration as
+the NBD request came in. Only a coroutine that really suspends is handed to an asyncio Task.
+
+Replies are batched: completions append to one output buffer (small read payloads are copied
+in; large ones are passed by reference and their buffers kept until the transport has sent
+them) and the batch is written with one `writelines` at the end of the loop iteration that
+produced it. Flow control keeps memory bounded: reading pauses while too many requests or
+bytes are in flight or while the transport's write buffer is above its high-water mark.
+
+NBD_CMD_DISC and server shutdown both let in-flight requests finish and their replies go out
+before the socket closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import socket
+from collections.abc import Coroutine, Generator
+from typing import Any
+
+from duvm import nbdconst as C
+from duvm.nbdproto import (
+    BufferPool,
+    ExportInfo,
+    Handshake,
+    HandshakeState,
+    ProtocolError,
+    Request,
+    TransmissionDecoder,
+    transmission_flags,
+    wire_error,
+)
+from duvm.storage import BlockStore, StorageError
+
+log = logging.getLogger("duvm.nbd")
+
+_SOCK_BUF = 4 << 20  # whole large replies fit, so one send per batch
+_COPY_MAX = 16 << 10  # read payloads up to this size are copied into the batch buffer
+_PACK_REPLY = C.SIMPLE_REPLY.pack
+_REPLY_MAGIC = C.SIMPLE_REPLY_MAGIC
+_FUA_CMDS = frozenset((C.CMD_WRITE, C.CMD_TRIM, C.CMD_WRITE_ZEROES))
+
+
+class _Resume:
+    """Awaitable that continues a coroutine already started by hand.
+
+    The coroutine stopped at an await and yielded `first` (a future, or None for a bare
+    yield); yielding it on to the enclosing Task makes the Task wait for it exactly as if the
+    coroutine had been the Task's from the start.
+    """
+
+    __slots__ = ("coro", "first")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
+        self.coro = coro
+        self.first = first
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        try:
+            yield self.first
+        except BaseException:
+            self.coro.close()
+            raise
+        return (yield from self.coro.__await__())
+
+
+class ServerStats:
+    """Counters for tests and the status socket."""
+
+    __slots__ = ("bytes_read", "bytes_written", "connections", "errors", "protocol_errors",
+                 "requests")
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests = 0
+        self.errors = 0
+        self.protocol_errors = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class NBDServer:
+    """Serve one `BlockStore` as one NBD export on Unix and/or TCP sockets."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        export_name: str = "",
+        *,
+        description: str = "duvm",
+        max_in_flight: int = 512,
+        max_in_flight_bytes: int = 64 << 20,
+    ) -> None:
+        self.store = store
+        self.export = ExportInfo(
+            name=export_name,
+            size=store.size,
+            flags=transmission_flags(store.capabilities),
+            description=description,
+        )
+        self.max_in_flight = max_in_flight
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self.stats = ServerStats()
+        self.pool = BufferPool()
+        self._servers: list[asyncio.Server] = []
+        self._connections: set[NBDConnection] = set()
+        self._closing = False
+
+    async def start_unix(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.exists(path) and not _is_socket(path):
+                raise FileExistsError(f"{path} exists and is not a socket")
+            os.unlink(path)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_unix_server(lambda: NBDConnection(self), path, backlog=128)
+        os.chmod(path, 0o600)
+        self._servers.append(server)
+
+    async def start_tcp(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: NBDConnection(self), host, port, backlog=128)
+        self._servers.append(server)
+        return server.sockets[0].getsockname()[:2]
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish and reply, then close connections."""
+        self._closing = True
+        for s in self._servers:
+            s.close()
+        for conn in list(self._connections):
+            conn.shutdown()
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._connections and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        for conn in list(self._connections):
+            conn.abort("server shut down before in-flight requests finished")
+        for s in self._servers:
+            await s.wait_closed()
+        self._servers.clear()
+
+
+def _is_socket(path: str) -> bool:
+    import stat
+
+    return stat.S_ISSOCK(os.lstat(path).st_mode)
+
+
+class NBDConnection(asyncio.BufferedProtocol):
+    """One client connection: handshake, then many concurrent requests."""
+
+    def __init__(self, server: NBDServer) -> None:
+        self.server = server
+        self.store = server.store
+        self.stats = server.stats
+        self.pool = server.pool
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self._hs: Handshake | None = Handshake([server.export])
+        self._hs_buf = bytearray(4096)
+        self._dec: TransmissionDecoder | None = None
+        self._loop = asyncio.get_event_loop()
+        # reply batching
+        self._out = bytearray()
+        self._segments: list[Any] = []
+        self._held: list[bytearray] = []  # buffers the transport may still be sending from
+        self._sent_held: list[bytearray] = []
+        self._flush_scheduled = False
+        # flow control
+        self._in_flight = 0
+        self._in_flight_bytes = 0
+        self._read_paused = False
+        self._write_paused = False
+        self._disconnecting = False  # DISC received or server shutting down
+        self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---------------------------------------------------------------- connection events
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self.transport = transport  # type: ignore[assignment]
+        self.server._connections.add(self)
+        self.stats.connections += 1
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.peer = str(sock.getpeername() or "unix")
+            _tune_socket(sock)
+        self.transport.set_write_buffer_limits(high=8 << 20, low=1 << 20)
+        if self.server._closing:
+            self.transport.abort()
+            return
+        assert self._hs is not None
+        self.transport.write(self._hs.data_to_send())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.server._connections.discard(self)
+        self.transport = None
+        self._segments.clear()
+        self._held.clear()
+        self._sent_held.clear()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._dec is not None:
+            return self._dec.get_buffer()
+        return memoryview(self._hs_buf)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._dec is not None:
+            self._dec.buffer_updated(nbytes)
+            self._process()
+        else:
+            self._handshake(bytes(self._hs_buf[:nbytes]))
+
+    def eof_received(self) -> bool:
+        # The client half-closed: finish what is in flight, then close.
+        self._disconnecting = True
+        self._maybe_close()
+        return True
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._update_reading()
+
+    # ---------------------------------------------------------------- handshake
+
+    def _handshake(self, data: bytes) -> None:
+        hs = self._hs
+        assert hs is not None and self.transport is not None
+        try:
+            hs.receive_data(data)
+        except ProtocolError as e:
+            self.stats.protocol_errors += 1
+            self.transport.write(hs.data_to_send())
+            self.abort(f"handshake: {e}")
+            return
+        out = hs.data_to_send()
+        if out:
+            self.transport.write(out)
+        if hs.state is HandshakeState.CLOSED:
+            log.debug("%s: %s", self.peer, hs.close_reason)
+            self.transport.close()
+        elif hs.state is HandshakeState.TRANSMISSION:
+            assert hs.export is not None
+            self._dec = TransmissionDecoder(hs.export, self.pool)
+            self._hs = None
+            if hs.trailing:
+                self._dec.receive_data(hs.trailing)
+                self._process()
+
+    # ---------------------------------------------------------------- transmission
+
+    def _process(self) -> None:
+        dec = self._dec
+        assert dec is not None
+        dispatch = self._dispatch
+        try:
+            while not self._disconnecting:
+                if (self._in_flight >= self.server.max_in_flight
+                        or self._in_flight_bytes >= self.server.max_in_flight_bytes):
+                    break  # resumed from _done once replies drain the backlog
+                req = dec.next_request()
+                if req is None:
+                    break
+                dispatch(req)
+        except ProtocolError as e:
+            self.stats.protocol_errors += 1
+            self.abort(str(e))
+            return
+        self._update_reading()
+        self._flush()
+
+    def _dispatch(self, req: Request) -> None:
+        self.stats.requests += 1
+        cmd = req.cmd
+        if req.error:
+            self._reply_error(req, req.error)
+            return
+        store = self.store
+        buf = None
+        view = None
+        if cmd == C.CMD_READ:
+            if req.length == 0:
+                self._queue(_PACK_REPLY(_REPLY_MAGIC, 0, req.cookie))
+                return
+            buf = self.pool.acquire(req.length)
+            view = memoryview(buf)[: req.length]
+            coro = store.read(req.offset, view)
+        elif cmd == C.CMD_WRITE:
+            if req.length == 0:
+                self._queue(_PACK_REPLY(_REPLY_MAGIC, 0, req.cookie))
+                return
+            coro = store.write(req.offset, req.payload)  # type: ignore[arg-type]
+        elif cmd == C.CMD_TRIM:
+            coro = store.trim(req.offset, req.length)
+        elif cmd == C.CMD_WRITE_ZEROES:
+            coro = store.write_zeroes(req.offset, req.length)
+        elif cmd == C.CMD_FLUSH:
+            coro = store.flush()
+        else:  # DISC (the decoder lets through only commands the export offers)
+            self._disconnecting = True
+            self._maybe_close()
+            return
+        if req.flags & C.CMD_FLAG_FUA and cmd in _FUA_CMDS:
+            coro = self._then_flush(coro)
+        self._in_flight += 1
+        self._in_flight_bytes += req.length if cmd <= C.CMD_WRITE else 0
+        try:
+            first = coro.send(None)
+        except StopIteration:
+            self._done(req, 0, buf, view)
+            return
+        except StorageError as e:
+            self._done(req, e.errno, buf, view)
+            return
+        except Exception:
+            log.exception("%s: store failed on %r", self.peer, req)
+            self._done(req, errno.EIO, buf, view)
+            return
+        task = self._loop.create_task(self._finish(req, coro, first, buf, view))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _then_flush(self, coro: Coroutine[Any, Any, None]) -> None:
+        await coro
+        await self.store.flush()
+
+    async def _finish(self, req: Request, coro: Coroutine[Any, Any, None], first: Any,
+                      buf: bytearray | None, view: memoryview | None) -> None:
+        err = 0
+        try:
+            await _Resume(coro, first)
+        except StorageError as e:
+            err = e.errno
+        except asyncio.CancelledError:
+            err = errno.ESHUTDOWN
+        except Exception:
+            log.exception("%s: store failed on %r", self.peer, req)
+            err = errno.EIO
+        self._done(req, err, buf, view)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _done(self, req: Request, err: int, buf: bytearray | None,
+              view: memoryview | None) -> None:
+        """A request finished: queue its reply, give buffers back, update flow control."""
+        self._in_flight -= 1
+        cmd = req.cmd
+        if cmd <= C.CMD_WRITE:
+            self._in_flight_bytes -= req.length
+        if req.buffer is not None:
+            self.pool.release(req.buffer)
+            req.buffer = req.payload = None
+        if err:
+            if buf is not None:
+                self.pool.release(buf)
+            self._reply_error(req, err)
+        elif cmd == C.CMD_READ:
+            assert buf is not None and view is not None
+            self.stats.bytes_read += req.length
+            hdr = _PACK_REPLY(_REPLY_MAGIC, 0, req.cookie)
+            if req.length <= _COPY_MAX:
+                self._out += hdr
+                self._out += view
+                self.pool.release(buf)
+            else:
+                self._out += hdr
+                self._segments.append(self._out)
+                self._segments.append(view)
+                self._out = bytearray()
+                self._held.append(buf)
+        else:
+            if cmd == C.CMD_WRITE:
+                self.stats.bytes_written += req.length
+            self._out += _PACK_REPLY(_REPLY_MAGIC, 0, req.cookie)
+        if self._read_paused:
+            self._update_reading()
+        if self._disconnecting:
+            self._maybe_close()
+
+    def _reply_error(self, req: Request, err: int) -> None:
+        self.stats.errors += 1
+        if err not in (errno.EINVAL, errno.ENOSPC, errno.EPERM):
+            log.warning("%s: %r failed: %s", self.peer, req, os.strerror(err))
+        self._queue(_PACK_REPLY(_REPLY_MAGIC, wire_error(err, req.flags), req.cookie))
+
+    def _queue(self, data: bytes) -> None:
+        self._out += data
+
+    def _flush(self) -> None:
+        """Write the batch of replies collected since the last flush."""
+        self._flush_scheduled = False
+        t = self.transport
+        if t is None:
+            return
+        # Buffers handed to the transport at the previous flush are free once it has
+        # nothing left to send (uvloop sends at the end of the loop iteration).
+        if self._sent_held and t.get_write_buffer_size() == 0:
+            for b in self._sent_held:
+                self.pool.release(b)
+            self._sent_held.clear()
+        if self._segments:
+            if self._out:
+                self._segments.append(self._out)
+                self._out = bytearray()
+            t.writelines(self._segments)
+            self._segments = []
+            self._sent_held += self._held
+            self._held.clear()
+        elif self._out:
+            out, self._out = self._out, bytearray()
+            t.write(out)
+        if self._disconnecting:
+            self._maybe_close()
+
+    # ---------------------------------------------------------------- flow control, closing
+
+    def _update_reading(self) -> None:
+        t = self.transport
+        if t is None or self._dec is None:
+            return
+        busy = (self._write_paused or self._disconnecting
+                or self._in_flight >= self.server.max_in_flight
+                or self._in_flight_bytes >= self.server.max_in_flight_bytes)
+        if busy and not self._read_paused:
+            self._read_paused = True
+            t.pause_reading()
+        elif not busy and self._read_paused:
+            self._read_paused = False
+            t.resume_reading()
+            # Requests may already be complete in the decoder's buffer.
+            if self._dec.buffered:
+                self._loop.call_soon(self._process_if_open)
+
+    def _process_if_open(self) -> None:
+        if self.transport is not None and not self._disconnecting:
+            self._process()
+
+    def _maybe_close(self) -> None:
+        if self._in_flight or self.transport is None:
+            return
+        if self._out or self._segments:
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush)
+            return
+        self.transport.close()  # sends what is buffered, then closes
+
+    def shutdown(self) -> None:
+        """Server is stopping: read nothing more, finish in-flight requests, close."""
+        self._disconnecting = True
+        if self.transport is not None and self._dec is None:
+            self.transport.close()  # still negotiating: nothing in flight
+            return
+        self._update_reading()
+        self._maybe_close()
+
+    def abort(self, reason: str) -> None:
+        log.warning("%s: closing connection: %s", self.peer, reason)
+        self._disconnecting = True
+        if self.transport is not None:
+            self.transport.abort()
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def _tune_socket(sock: socket.socket) -> None:
+    """Big socket buffers (one send per reply batch) and no Nagle delay on TCP."""
+    for force, plain in ((getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF),
+                         (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF)):
+        for opt in (force, plain):
+            if opt is None:
+                continue
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+                break
+            except OSError:
+                continue
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
