@@ -1,0 +1,263 @@
+"""Command lines: redact secrets, then find model-looking arguments (sans-io).
+
+API
+---
+``redact_argv(argv) -> RedactedArgs`` replaces secret values with ``"<redacted>"`` and
+records which argument indexes it touched. ``model_args(redacted) -> tuple[ModelArg, ...]``
+finds model candidates in a *redacted* command line and never returns a redacted value.
+``resolve(raw, cwd)`` turns a relative argument into the absolute path the process meant.
+
+What is redacted (documented list; keep README and tests in step)
+------------------------------------------------------------------
+* The value of a flag whose name, split on ``-``/``_``, contains one of `SECRET_FLAG_WORDS`
+  (``--api-key X``, ``--api-key=X``, ``--token``, ``--hf-token``, ``--password``,
+  ``--secret``, ``--auth``, ``--access-key`` ...), in both ``--flag value`` and
+  ``--flag=value`` forms. ``--max-tokens`` is *not* a secret: ``tokens`` is not ``token``.
+* ``NAME=value`` arguments (``env HF_TOKEN=x cmd``, ``docker -e OPENAI_API_KEY=x``) whose
+  upper-cased NAME contains one of `SECRET_ENV_WORDS`.
+* The password of a URL with credentials (``https://user:pass@host``).
+* ``Authorization:`` header values and ``Bearer`` tokens.
+* An argument holding whitespace (a process that rewrote its title into one string) is
+  split on whitespace and redacted by the same rules.
+
+Over-redaction is accepted (``--auth-file path`` loses its path); under-redaction is not.
+Model discovery runs on the redacted argv and skips redacted indexes, so a secret can never
+become a model path.
+
+Model arguments
+---------------
+* ``cmdline`` evidence: the value of a model flag (`MODEL_FLAGS`: ``-m``, ``--model``,
+  ``--model-path``, ``--mmproj``, ``--lora``, ...). ``-m`` is ambiguous (``python -m mod``,
+  other tools), so its value must look like a path or carry a model extension; Python
+  interpreter options are skipped so ``python -m vllm.entrypoints`` is not a model.
+* ``path-arg`` evidence: any other argument (or ``--flag=value`` value) ending in a model
+  extension (`MODEL_EXTENSIONS`). Informational only (the evidence ladder ranks it below
+  ``cmdline``). At most `MAX_MODEL_ARGS` candidates from the first `MAX_ARGS` arguments.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass
+
+REDACTED = "<redacted>"
+
+SECRET_FLAG_WORDS = frozenset(
+    {
+        "token",
+        "password",
+        "passwd",
+        "secret",
+        "apikey",
+        "key",
+        "credential",
+        "credentials",
+        "auth",
+        "authorization",
+        "cookie",
+        "bearer",
+    }
+)
+SECRET_ENV_WORDS = ("TOKEN", "PASSWORD", "PASSWD", "SECRET", "API_KEY", "APIKEY",
+                    "ACCESS_KEY", "PRIVATE_KEY", "CREDENTIAL", "AUTH")
+
+MODEL_EXTENSIONS = (".gguf", ".safetensors", ".onnx", ".bin", ".pt", ".pth", ".ckpt",
+                    ".tflite", ".engine", ".plan", ".ggml")
+
+MODEL_FLAGS = frozenset(
+    {
+        "-m", "--model", "--model-path", "--model_path", "--model-file", "--model_file",
+        "--model-dir", "--model_dir", "--models", "--mmproj", "--lora", "--lora-base",
+        "-md", "--model-draft", "--draft-model", "--checkpoint", "--ckpt", "--ckpt-path",
+        "--weights", "--model-name-or-path", "--model_name_or_path",
+        "--pretrained-model-name-or-path", "--pretrained_model_name_or_path",
+    }
+)
+# Flags whose values are model names rather than files; still `cmdline` evidence.
+_AMBIGUOUS_SHORT = frozenset({"-m", "-md"})
+
+MAX_ARGS = 4096
+MAX_MODEL_ARGS = 16
+
+_ENV_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+_URL_CRED_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):([^@\s/]+)@")
+_AUTH_RE = re.compile(r"(?i)\b(authorization:\s*|bearer\s+)\S.*")
+_PY_VALUE_OPTS = frozenset({"-X", "-W", "-Q"})
+
+
+@dataclass(frozen=True, slots=True)
+class RedactedArgs:
+    """A command line with secret values replaced; `redacted` holds the indexes changed."""
+
+    argv: tuple[str, ...]
+    redacted: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArg:
+    """A model-looking argument. `evidence` is ``cmdline`` (value of a model flag) or
+    ``path-arg`` (an argument with a model extension); `flag` is the flag it followed."""
+
+    raw: str
+    evidence: str
+    flag: str | None
+    index: int
+
+
+def _secret_flag(arg: str) -> bool:
+    name = arg.lstrip("-").lower()
+    if not name:
+        return False
+    return any(w in SECRET_FLAG_WORDS for w in re.split(r"[-_.]", name))
+
+
+def _secret_env(name: str) -> bool:
+    upper = name.upper()
+    return any(w in upper for w in SECRET_ENV_WORDS)
+
+
+def _redact_text(arg: str) -> str:
+    """Redact secrets embedded in one argument string (URLs, headers)."""
+    out = _URL_CRED_RE.sub(lambda m: f"{m.group(1)}:{REDACTED}@", arg)
+    return _AUTH_RE.sub(lambda m: f"{m.group(1)}{REDACTED}", out)
+
+
+def _redact_words(argv: list[str]) -> tuple[list[str], set[int]]:
+    out = list(argv)
+    touched: set[int] = set()
+    i = 0
+    n = len(out)
+    while i < n:
+        arg = out[i]
+        if arg.startswith("-") and len(arg) > 1:
+            name, eq, _value = arg.partition("=")
+            if _secret_flag(name):
+                if eq:
+                    out[i] = f"{name}={REDACTED}"
+                    touched.add(i)
+                elif i + 1 < n and not out[i + 1].startswith("--"):
+                    out[i + 1] = REDACTED
+                    touched.add(i + 1)
+                    i += 1
+                i += 1
+                continue
+        else:
+            m = _ENV_RE.match(arg)
+            if m and _secret_env(m.group(1)):
+                out[i] = f"{m.group(1)}={REDACTED}"
+                touched.add(i)
+                i += 1
+                continue
+        new = _redact_text(arg)
+        if new != arg:
+            out[i] = new
+            touched.add(i)
+        i += 1
+    return out, touched
+
+
+def redact_argv(argv: list[str] | tuple[str, ...]) -> RedactedArgs:
+    """Redact secret values (see the module docstring for the list). Never raises."""
+    words, touched = _redact_words(list(argv))
+    for i, arg in enumerate(words):
+        if i in touched or not any(c.isspace() for c in arg):
+            continue
+        # A retitled process (setproctitle) shows its whole command line as one string.
+        inner, inner_touched = _redact_words(arg.split())
+        if inner_touched:
+            words[i] = " ".join(inner)
+            touched.add(i)
+    return RedactedArgs(tuple(words), frozenset(touched))
+
+
+def _looks_like_model(value: str) -> bool:
+    return value.lower().endswith(MODEL_EXTENSIONS)
+
+
+def _program_start(argv: tuple[str, ...]) -> int:
+    """Index of the first argument that belongs to the program rather than to a Python
+    interpreter's own options (so ``python -m pkg`` is not read as ``-m MODEL``)."""
+    if not argv:
+        return 0
+    base = posixpath.basename(argv[0]).lower()
+    if not (base.startswith("python") or base.startswith("pypy")):
+        return 1
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-m", "-c"):
+            return i + 2
+        if a in _PY_VALUE_OPTS:
+            i += 2
+            continue
+        if a.startswith("-") and a != "-":
+            i += 1
+            continue
+        return i + 1  # the script path
+    return i
+
+
+def model_args(args: RedactedArgs) -> tuple[ModelArg, ...]:
+    """Model candidates in a redacted command line (bounded; redacted values skipped)."""
+    if len(args.argv) == 1 and any(c.isspace() for c in args.argv[0]):
+        # A retitled process: read its one string as words, redacted again by the same rules.
+        args = redact_argv(args.argv[0].split())
+    argv = args.argv[:MAX_ARGS]
+    skip = args.redacted
+    found: list[ModelArg] = []
+    seen: set[str] = set()
+
+    def add(raw: str, evidence: str, flag: str | None, index: int) -> None:
+        if raw and raw not in seen and REDACTED not in raw and len(found) < MAX_MODEL_ARGS:
+            seen.add(raw)
+            found.append(ModelArg(raw, evidence, flag, index))
+
+    i = _program_start(argv)
+    while i < len(argv):
+        arg = argv[i]
+        if i in skip:
+            i += 1
+            continue
+        name, eq, value = arg.partition("=")
+        if arg.startswith("-") and name in MODEL_FLAGS:
+            if eq:
+                val, idx = value, i
+            elif i + 1 < len(argv) and i + 1 not in skip:
+                val, idx = argv[i + 1], i + 1
+                i += 1
+            else:
+                i += 1
+                continue
+            ambiguous = name in _AMBIGUOUS_SHORT
+            if val.startswith("-") or (
+                ambiguous and "/" not in val and not _looks_like_model(val)
+            ):
+                i += 1
+                continue
+            add(val, "cmdline", name, idx)
+        elif arg.startswith("-") and eq and _looks_like_model(value):
+            add(value, "path-arg", name, i)
+        elif not arg.startswith("-") and _looks_like_model(arg):
+            add(arg, "path-arg", None, i)
+        i += 1
+    return tuple(found)
+
+
+def resolve(raw: str, cwd: str | None) -> str | None:
+    """Absolute, normalised path for `raw` as the process sees it; None when it is relative
+    and the working directory is unknown. ``~`` is left alone (the shell expands it)."""
+    if raw.startswith("/"):
+        return posixpath.normpath(raw)
+    if cwd is None:
+        return None
+    return posixpath.normpath(posixpath.join(cwd, raw))
+
+
+def split_cmdline(data: bytes) -> tuple[str, ...]:
+    """``/proc/PID/cmdline`` bytes as arguments (NUL separated, trailing NUL optional)."""
+    if not data:
+        return ()
+    if data.endswith(b"\0"):
+        data = data[:-1]
+    return tuple(a.decode("utf-8", "replace") for a in data.split(b"\0"))
