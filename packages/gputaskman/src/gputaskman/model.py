@@ -199,10 +199,13 @@ class ModelRef:
 class ProcDetail:
     """What procinfo found about a process (not GPU numbers): identity and evidence.
 
-    `runtimes` are libraries mapped into the process (detection, not proof of GPU work);
-    `model_files` are mapped model files (.gguf, .safetensors, ...). `scanned` is false when
-    the budgeted scanner has not reached the process yet, so empty tuples mean "not looked"
-    rather than "none"; `reason` says why a scan failed (denied, process gone).
+    `runtimes` are labels of libraries mapped into the process (detection, not proof of
+    GPU work); `model_files` are mapped model files (.gguf, .safetensors, ...);
+    `model_evidence` lists every model candidate as ``(evidence, path)`` with evidence
+    ``mapped``, ``cmdline`` or ``path-arg`` (path None when it could not be resolved).
+    `scanned` is false when the budgeted scanner has not reached the process yet, so empty
+    tuples mean "not looked" rather than "none"; `reason` says why a scan failed or a field
+    is missing (denied, process gone), with `reason_detail` in words.
     """
 
     cmdline: tuple[str, ...] | None = None
@@ -211,6 +214,9 @@ class ProcDetail:
     category: str | None = None
     scanned: bool = False
     reason: Reason | None = None
+    exe: str | None = None
+    model_evidence: tuple[tuple[str, str | None], ...] = ()
+    reason_detail: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +310,9 @@ class Snapshot:
 
     def attributed_complete_on(self, pci_bus_id: str | None = None) -> bool:
         """False when the sum can only be a lower bound: a listed process's memory was
-        hidden or unknown, or a process-list query failed."""
+        hidden or unknown, or a process-list query failed (or the backend is down)."""
+        if self.backend_problem is not None:
+            return False
         for pr in self.problems:
             if pr.is_process_list and (pci_bus_id is None or pr.adapter == pci_bus_id):
                 return False

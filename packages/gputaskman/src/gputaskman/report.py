@@ -65,7 +65,11 @@ Top level::
                "ram_bytes": R, "cpu_percent": R,      # from the host sample (OS-reported)
                "cmdline": [str, ...] | null,          # secrets redacted by procinfo
                "runtimes": [str, ...], "model_files": [str, ...],
-               "category": str | null, "scanned": bool, "scan_reason": "<reason>" | null,
+               "category": str | null,                # "?" suffix: names only (heuristic)
+               "scanned": bool, "scan_reason": "<reason>" | null, "scan_detail": str | null,
+               "exe": str | null,
+               "model_evidence": [{"evidence": "mapped" | "cmdline" | "path-arg",
+                                   "path": str | null}, ...],
                "model": null | {"name", "evidence", "confirmed", "path"},
                "breakdown": null}                     # seam for weights/KV/compute
 
@@ -79,7 +83,7 @@ import datetime as _dt
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from gputaskman import __version__
+from gputaskman import __version__, host
 from gputaskman.model import (
     DeviceMetrics,
     Kind,
@@ -127,6 +131,8 @@ def _metrics_json(m: DeviceMetrics | None) -> dict[str, Any] | None:
 def _system_json(system: object | None) -> Any:
     if system is None:
         return None
+    if isinstance(system, host.SystemInfo):
+        return host.to_json_dict(system)
     if isinstance(system, Mapping):
         return dict(system)
     to_json = getattr(system, "to_json_dict", None)
@@ -135,12 +141,38 @@ def _system_json(system: object | None) -> Any:
     raise TypeError(f"system must be a mapping or have to_json_dict(), got {type(system)!r}")
 
 
-def proc_host_lookup(system: object | None) -> ProcHostLookup:
-    """The per-process host readings provider for `system` (host.py's sample).
+# Two create times closer than this belong to the same process (both come from the same
+# /proc/PID/stat arithmetic, so in practice they are equal; the slack absorbs float noise).
+SAME_PROCESS_SECS = 0.5
 
-    host.py's sample exposes ``process_readings(pid, create_time)``; anything else (or no
-    sample) yields readings that are missing with a reason, never zeros.
-    """
+
+def _usage_readings(system: host.SystemInfo, pid: int, ct: float | None) -> Mapping[str, Reading]:
+    u = system.processes.get(pid)
+    if u is None:
+        return {}
+    if ct is not None and u.create_time is not None and abs(u.create_time - ct) > SAME_PROCESS_SECS:
+        return {}  # the PID was reused between the GPU sample and the host sample
+    src = f"/proc/{pid}/stat"
+    ram = (
+        Reading.measured(u.rss_bytes, f"{src} (rss)")
+        if u.rss_bytes is not None
+        else Reading.missing(u.rss_reason or Reason.UNAVAILABLE, src)
+    )
+    cpu = (
+        Reading.measured(round(u.cpu_percent, 1), f"{src} (utime+stime delta)")
+        if u.cpu_percent is not None
+        else Reading.missing(u.cpu_reason or Reason.UNAVAILABLE, src, u.cpu_detail)
+    )
+    return {"ram_bytes": ram, "cpu_percent": cpu}
+
+
+def proc_host_lookup(system: object | None) -> ProcHostLookup:
+    """The per-process host readings provider for `system` (host.py's `SystemInfo`, or any
+    object with ``process_readings(pid, create_time)``). A process the host sample does not
+    have yields nothing, and the caller shows a missing reading, never zeros."""
+    if isinstance(system, host.SystemInfo):
+        sysinfo = system
+        return lambda pid, ct: _usage_readings(sysinfo, pid, ct)
     fn = getattr(system, "process_readings", None)
     if callable(fn):
         return fn  # type: ignore[return-value]
@@ -185,6 +217,9 @@ def process_json(p: ProcGpu, lookup: ProcHostLookup, system: object | None) -> d
             "category": d.category,
             "scanned": d.scanned,
             "scan_reason": None if d.reason is None else str(d.reason),
+            "scan_detail": d.reason_detail,
+            "exe": d.exe,
+            "model_evidence": [{"evidence": e, "path": path} for e, path in d.model_evidence],
             "model": None
             if p.model is None
             else {
@@ -298,6 +333,16 @@ def fmt_reading(
     return f"{mark}{text}"
 
 
+# What a backend-wide failure means for a user, beside NVML's own words.
+BACKEND_HINTS: dict[Reason, str] = {
+    Reason.NO_LIBRARY: "libnvidia-ml.so.1 was not found: no NVIDIA driver is installed here "
+    "(or it is not on the library path), so there is no GPU to show",
+    Reason.NO_DRIVER: "the NVIDIA library is installed but the kernel driver is not loaded",
+    Reason.DENIED: "NVML refused access (permissions on /dev/nvidia*)",
+    Reason.GPU_LOST: "the GPU stopped answering",
+}
+
+
 def describe_problem(p: Problem) -> str:
     where = f" [{p.adapter}]" if p.adapter else ""
     detail = f": {p.detail}" if p.detail else ""
@@ -311,7 +356,9 @@ def _gpu_lines(snapshot: Snapshot, selected: str | None) -> list[str]:
         assert bp is not None
         lines.append(f"GPU: none usable via {snapshot.backend} ({bp.reason})")
         if bp.detail:
-            lines.append(f"  {bp.detail}")
+            lines.append(f"  {snapshot.backend}: {bp.detail}")
+        if bp.reason in BACKEND_HINTS:
+            lines.append(f"  {BACKEND_HINTS[bp.reason]}")
         return lines
     if not snapshot.adapters:
         lines.append(f"GPU: {snapshot.backend} answered but lists no GPU")
@@ -376,7 +423,11 @@ def process_cells(p: ProcGpu, lookup: ProcHostLookup, snapshot: Snapshot) -> tup
         a = snapshot.adapter(p.adapter)
         gpu = str(a.index) if a is not None else p.adapter
     vram = p.shown_vram
-    vram_text = fmt_reading(vram, as_bytes=True) if vram else fmt_reading(p.dedicated, reason=True)
+    if vram is not None:
+        vram_text = fmt_reading(vram, as_bytes=True)
+    else:  # only a reason the user can act on earns table width; the rest is plain n/a
+        loud = p.dedicated.reason in (Reason.HIDDEN, Reason.DENIED, Reason.GPU_LOST)
+        vram_text = fmt_reading(p.dedicated, reason=loud)
     runtimes = ",".join(p.detail.runtimes) if p.detail.scanned else "…"
     model = (
         p.model.name
@@ -408,14 +459,46 @@ def _table(rows: Iterable[tuple[str, ...]], header: tuple[str, ...]) -> list[str
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
-def _system_lines(system: object | None) -> list[str]:
+def system_lines(system: object | None) -> list[str]:
+    """The system panel as text lines (shared by --once and the TUI)."""
     if system is None:
-        return ["SYSTEM: not sampled"]
-    render = getattr(system, "render_lines", None)
-    if callable(render):
-        return ["SYSTEM", *("  " + line for line in render())]
-    data = _system_json(system)
-    return ["SYSTEM", *(f"  {k}: {v}" for k, v in data.items())]
+        return ["not sampled"]
+    if not isinstance(system, host.SystemInfo):
+        render = getattr(system, "render_lines", None)
+        if callable(render):
+            return list(render())
+        return [f"{k}: {v}" for k, v in _system_json(system).items()]
+    m, s, c = system.memory, system.swap, system.cpu
+    lines = [
+        "RAM   used "
+        + fmt_reading(m.used_bytes, as_bytes=True, reason=True)
+        + " / "
+        + fmt_reading(m.total_bytes, as_bytes=True, reason=True)
+        + "  available "
+        + fmt_reading(m.available_bytes, as_bytes=True, reason=True)
+        + "  cached "
+        + fmt_reading(m.cached_bytes, as_bytes=True, reason=True),
+        "swap  used "
+        + fmt_reading(s.used_bytes, as_bytes=True, reason=True)
+        + " / "
+        + fmt_reading(s.total_bytes, as_bytes=True, reason=True),
+    ]
+    if s.devices is None:
+        lines.append(f"      devices n/a ({s.devices_reason or 'unreadable'})")
+    elif not s.devices:
+        lines.append("      no swap devices")
+    for d in s.devices or ():
+        lines.append(
+            f"      {d.filename}  {d.type}  {fmt_bytes(d.used_bytes)} / {fmt_bytes(d.size_bytes)}"
+            f"  prio {NA if d.priority is None else d.priority}"
+        )
+    lines.append(
+        "CPU   "
+        + fmt_reading(c.percent, "%", reason=True)
+        + f"  load {fmt_reading(c.load_1)} {fmt_reading(c.load_5)} {fmt_reading(c.load_15)}"
+        + f"  cpus {fmt_reading(c.logical_cpus)}"
+    )
+    return lines
 
 
 def render_text(
@@ -450,5 +533,9 @@ def render_text(
         out += ["", "PROBLEMS", *("  " + describe_problem(p) for p in problems)]
     if snapshot.notes:
         out += ["", "NOTES", *("  " + n for n in snapshot.notes)]
-    out += ["", *_system_lines(system)]
+    out += [
+        "",
+        "SYSTEM  (OS-reported; never part of GPU totals)",
+        *("  " + line for line in system_lines(system)),
+    ]
     return "\n".join(out) + "\n"

@@ -1,0 +1,165 @@
+"""The `gputaskman` / `gtm` command.
+
+Without a subcommand it runs the TUI (or, when stdout is not a terminal, prints the
+``--once`` report). ``--once`` prints a text report, ``--json`` the JSON object of
+`report.to_json_dict`, ``--list-gpus`` the adapters NVML enumerates. One-shot output scans
+every process (``scan_budget=None``); the TUI spreads scans across refreshes.
+
+Subcommands (record, replay, diff, summary, ...) plug in through `SUBCOMMANDS`: each
+module exports ``add_arguments(parser)`` and ``run(args) -> int``, so adding one never
+touches the flags above. On a machine with no GPU, driver or NVML every mode says so and
+why, still shows the system panel, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+
+from gputaskman import __version__
+
+# subcommand -> (module, one-line help); the module exports add_arguments() and run().
+SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+
+# How long one-shot output waits between the priming host sample and the real one, so
+# CPU% (a rate) has two samples. Short enough not to be noticed.
+CPU_RATE_WINDOW_S = 0.25
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
+    return v
+
+
+def _gpu_index(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a GPU index: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"GPU index must be 0 or more: {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gputaskman",
+        description="What is inside GPU memory: per-process VRAM, engine load, runtimes and "
+        "models, with the provenance of every number (measured, inferred, estimated, "
+        "runtime-reported). Runs the TUI unless told otherwise.",
+    )
+    parser.add_argument("--version", action="version", version=f"gputaskman {__version__}")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="print one text report and exit")
+    mode.add_argument("--json", action="store_true", help="print one JSON snapshot and exit")
+    mode.add_argument("--list-gpus", action="store_true", help="list GPUs and exit")
+    parser.add_argument("--gpu", type=_gpu_index, metavar="N", help="select GPU N (index)")
+    parser.add_argument(
+        "--interval",
+        type=_positive_float,
+        default=1.0,
+        metavar="S",
+        help="TUI refresh interval in seconds (default 1.0)",
+    )
+    if SUBCOMMANDS:
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+        for name, (module_name, help_text) in SUBCOMMANDS.items():
+            module = importlib.import_module(module_name)
+            p = sub.add_parser(name, help=help_text, description=help_text)
+            module.add_arguments(p)
+            p.set_defaults(_module=module)
+    return parser
+
+
+def _one_shot(args: argparse.Namespace) -> int:
+    from gputaskman import report
+    from gputaskman.collector import Collector
+
+    collector = Collector(gpu=args.gpu, scan_budget=None)
+    try:
+        collector.prime()
+        time.sleep(CPU_RATE_WINDOW_S)
+        snap, system = collector.sample_with_system()
+    finally:
+        collector.close()
+    rc = _check_gpu_index(snap, args.gpu)
+    if args.json:
+        doc = report.to_json_dict(snap, system, selected_gpu=args.gpu)
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        sys.stdout.write(report.render_text(snap, system, selected_gpu=args.gpu))
+    return rc
+
+
+def _check_gpu_index(snap: object, gpu: int | None) -> int:
+    """Exit code for `--gpu N`: 2 when NVML works and lists no GPU N (a usage error);
+    0 when there is no backend at all (the report already says why)."""
+    if gpu is None or not snap.available:  # type: ignore[attr-defined]
+        return 0
+    if any(a.index == gpu for a in snap.adapters):  # type: ignore[attr-defined]
+        return 0
+    count = len(snap.adapters)  # type: ignore[attr-defined]
+    print(f"gputaskman: no GPU {gpu}; NVML lists {count} GPU(s)", file=sys.stderr)
+    return 2
+
+
+def _list_gpus(args: argparse.Namespace) -> int:
+    from gputaskman import report
+    from gputaskman.nvml import NvmlBackend
+
+    backend = NvmlBackend()
+    try:
+        s = backend.sample()
+    finally:
+        backend.close()
+    if s.backend_problem is not None:
+        p = s.backend_problem
+        # A failed probe is not an empty list: say it failed, and why.
+        print(f"no GPU listed: NVML probe failed ({p.reason}): {p.detail or ''}".rstrip(": "))
+        return 0
+    if not s.adapters:
+        print("NVML answered: 0 GPUs")
+        return 0
+    for a in s.adapters:
+        m = s.metrics.get(a.pci_bus_id)
+        total = report.fmt_reading(m.memory_total_bytes, as_bytes=True, reason=True) if m else "n/a"
+        print(f"{a.index}  {a.name or 'n/a'}  {a.pci_bus_id}  {a.uuid or 'n/a'}  {total}")
+    for p in s.problems:
+        print("problem: " + report.describe_problem(p))
+    return 0
+
+
+def _tui(args: argparse.Namespace) -> int:
+    from gputaskman.app import create_app
+
+    app = create_app(gpu=args.gpu, interval=args.interval)
+    app.run()
+    return int(app.return_code or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "command", None):
+        return int(args._module.run(args) or 0)
+    if args.list_gpus:
+        return _list_gpus(args)
+    if args.once or args.json:
+        return _one_shot(args)
+    if not sys.stdout.isatty():
+        print("gputaskman: stdout is not a terminal; printing the --once report", file=sys.stderr)
+        args.once = True
+        return _one_shot(args)
+    return _tui(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""One refresh: GPU backend + host sample + budgeted process scan -> `Snapshot`.
+
+Theory of operation
+-------------------
+`Collector.sample_with_system()` does, in order:
+
+1. **GPU backend** (`nvml.NvmlBackend`, chosen once at construction; `BACKEND` names it):
+   adapters, device metrics and the processes the driver lists per adapter. A missing
+   driver or library yields a snapshot with `backend_problem` set, never an exception.
+2. **Host** (`host.HostSampler`): system RAM, swap, CPU and every process's RSS/CPU%,
+   from one read of ``/proc/PID/stat`` each. It is returned *beside* the snapshot (the
+   JSON ``system`` key) and never enters GPU totals. The same pass supplies each process's
+   name and create time, so ``(pid, create_time)`` identifies a process everywhere.
+3. **Process scan** (`procinfo`): runtime libraries and mapped model files from
+   ``/proc/PID/maps``, the redacted command line and a category. Scans are cached per
+   ``(pid, create_time)`` inside the scanner and bounded by `scan_budget` seconds per
+   refresh; GPU-listed processes go first (largest shown VRAM first), then the rest. With
+   ``scan_budget=None`` (one-shot output) everything is scanned.
+
+Rows of the snapshot are every process NVML lists (one row per adapter it uses) plus
+every other process whose scan found a GPU/AI runtime library or a mapped model file;
+those rows have no adapter and VRAM ``n/a (not listed)``. A process the budget has not
+reached yet carries ``ProcDetail(scanned=False)`` until a later refresh gets to it.
+
+The collector is not thread-safe; the TUI runs `sample_with_system` in one worker thread
+at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from gputaskman import host as host_mod
+from gputaskman.model import (
+    ProcDetail,
+    ProcGpu,
+    Reading,
+    Reason,
+    Snapshot,
+)
+from gputaskman.nvml import NvmlBackend, NvmlProcess
+
+SCAN_BUDGET = 0.150  # seconds of /proc/PID/maps scanning per refresh (TUI, record)
+
+if sys.platform.startswith("linux"):
+    BACKEND = "nvml"
+else:  # other platforms are not built yet; NVML is still the only backend we have
+    BACKEND = "nvml"
+
+ScanKey = tuple[int, float | None]
+
+
+class ProcScanner(Protocol):
+    """What the collector needs from procinfo's scanner."""
+
+    def scan(
+        self, keys: Sequence[ScanKey], budget: float | None
+    ) -> Mapping[ScanKey, ProcDetail]: ...
+
+
+class NullScanner:
+    """No process scanning: every process reads as not scanned (a seam for tests)."""
+
+    def scan(self, keys: Sequence[ScanKey], budget: float | None) -> Mapping[ScanKey, ProcDetail]:
+        return {}
+
+
+class ProcinfoScanner:
+    """`procinfo.Scanner` (budgeted, cached per (pid, create_time)) seen as a `ProcScanner`."""
+
+    def __init__(self) -> None:
+        from gputaskman import procinfo
+
+        self._procinfo = procinfo
+        self.scanner = procinfo.Scanner()
+        self.last_result: Any = None
+
+    def scan(self, keys: Sequence[ScanKey], budget: float | None) -> Mapping[ScanKey, ProcDetail]:
+        res = self.scanner.scan(keys, budget)
+        self.last_result = res
+        return {info.key: detail_from_procinfo(info) for info in res.infos.values()}
+
+    def scan_one(self, pid: int, create_time: float | None) -> ProcDetail:
+        return detail_from_procinfo(self.scanner.scan_one(pid, create_time))
+
+
+def detail_from_procinfo(info: Any) -> ProcDetail:
+    """Convert a `procinfo.ProcInfo` into the snapshot's `ProcDetail`."""
+    reason = None
+    reason_detail = None
+    why = info.reason("maps") or info.reason("stat") or info.reason("cmdline")
+    if info.gone:
+        reason, reason_detail = Reason.PROCESS_GONE, None
+    elif why is not None:
+        reason, reason_detail = why.reason, f"{why.field}: {why.detail}"
+    return ProcDetail(
+        cmdline=info.cmdline,
+        runtimes=tuple(r.label for r in info.runtimes),
+        model_files=tuple(m.path for m in info.models if m.evidence == "mapped" and m.path),
+        category=info.category,
+        scanned=not info.gone,
+        reason=reason,
+        exe=info.exe,
+        model_evidence=tuple((m.evidence, m.path) for m in info.models),
+        reason_detail=reason_detail,
+    )
+
+
+def default_scanner() -> ProcScanner:
+    return ProcinfoScanner()
+
+
+def is_candidate(d: ProcDetail) -> bool:
+    """A process worth a row without a GPU context: a GPU/AI runtime is mapped, a model
+    file is mapped, or a model flag names one. A ``path-arg`` alone is informational."""
+    return bool(
+        d.runtimes or d.model_files or any(e in ("mapped", "cmdline") for e, _ in d.model_evidence)
+    )
+
+
+class Collector:
+    """Samples the GPU backend, the host and the processes; see the module docstring.
+
+    `gpu` is the adapter index the caller selected (display and ``selected_gpu`` in JSON;
+    every adapter is still sampled so the UI can switch). `scan_budget` bounds process
+    scanning per refresh in seconds; None scans everything (one-shot output).
+    """
+
+    SCAN_BUDGET = SCAN_BUDGET
+
+    def __init__(
+        self,
+        gpu: int | None = None,
+        scan_budget: float | None = SCAN_BUDGET,
+        *,
+        nvml: NvmlBackend | None = None,
+        host: host_mod.HostSampler | None = None,
+        scanner: ProcScanner | None = None,
+    ) -> None:
+        self.gpu = gpu
+        self.scan_budget = scan_budget
+        self._nvml = nvml if nvml is not None else NvmlBackend()
+        self._host = host if host is not None else host_mod.HostSampler()
+        self._scanner = scanner if scanner is not None else default_scanner()
+        self.backend = BACKEND
+        self.last_timing: dict[str, float] = {}
+
+    def close(self) -> None:
+        self._nvml.close()
+
+    def prime(self) -> None:
+        """Take a host sample whose only use is to give CPU% (a rate) its first point,
+        so one-shot output can show rates instead of "first sample"."""
+        # the real sample reports a failure with its reason; priming stays quiet
+        with contextlib.suppress(Exception):
+            self._host.sample()
+
+    def sample(self) -> Snapshot:
+        return self.sample_with_system()[0]
+
+    def sample_with_system(self) -> tuple[Snapshot, host_mod.SystemInfo | None]:
+        taken = time.time()
+        t0 = time.perf_counter()
+        gpu = self._nvml.sample()
+        t1 = time.perf_counter()
+        system: host_mod.SystemInfo | None
+        try:
+            system = self._host.sample()
+        except Exception as exc:  # the host panel degrades; the GPU part still shows
+            system = None
+            host_problem = f"host sample failed: {exc}"
+        else:
+            host_problem = None
+        t2 = time.perf_counter()
+        procs_by_pid: Mapping[int, Any] = system.processes if system is not None else {}
+
+        def ident(pid: int) -> tuple[str | None, float | None]:
+            u = procs_by_pid.get(pid)
+            return (None, None) if u is None else (u.name, u.create_time)
+
+        # Scan order: GPU-listed processes (largest measured memory first), then the rest.
+        gpu_rows = sorted(gpu.processes, key=_vram_desc)
+        keys: list[ScanKey] = []
+        seen: set[int] = set()
+        for r in gpu_rows:
+            if r.pid not in seen:
+                seen.add(r.pid)
+                keys.append((r.pid, ident(r.pid)[1]))
+        for pid, u in procs_by_pid.items():
+            if pid not in seen and u.create_time is not None:
+                keys.append((pid, u.create_time))
+        details = self._scanner.scan(keys, self.scan_budget)
+        t3 = time.perf_counter()
+
+        rows: list[ProcGpu] = []
+        for r in gpu_rows:
+            name, ct = ident(r.pid)
+            rows.append(_row(r, name, ct, details.get((r.pid, ct))))
+        for key, d in details.items():
+            pid, ct = key
+            if pid in seen or not is_candidate(d):
+                continue
+            name = ident(pid)[0]
+            not_listed = _not_listed(gpu.backend_problem is None)
+            rows.append(ProcGpu(pid, ct, name, None, (), not_listed, detail=d))
+
+        notes: list[str] = []
+        if host_problem:
+            notes.append(host_problem)
+        if gpu.backend_problem is None and not gpu.adapters:
+            notes.append("NVML answered but lists no GPU")
+        self.last_timing = {
+            "gpu_s": t1 - t0,
+            "host_s": t2 - t1,
+            "scan_s": t3 - t2,
+            "total_s": time.perf_counter() - t0,
+        }
+        snap = Snapshot(
+            taken=taken,
+            backend=self.backend,
+            adapters=gpu.adapters,
+            metrics=gpu.metrics,
+            processes=tuple(rows),
+            problems=gpu.problems,
+            notes=tuple(notes),
+            driver_version=gpu.driver_version,
+            backend_problem=gpu.backend_problem,
+        )
+        return snap, system
+
+
+def _vram_desc(r: NvmlProcess) -> tuple[int, int]:
+    v = r.dedicated.value
+    return (0 if v is not None else 1, -int(v or 0))
+
+
+def _not_listed(backend_ok: bool) -> Reading:
+    if backend_ok:
+        return Reading.missing(
+            Reason.NOT_LISTED, "nvml:running processes", "no GPU context on any adapter"
+        )
+    return Reading.missing(Reason.UNAVAILABLE, "nvml", "no GPU backend on this machine")
+
+
+def _row(r: NvmlProcess, name: str | None, ct: float | None, d: ProcDetail | None) -> ProcGpu:
+    if d is None:
+        d = ProcDetail(scanned=False, reason=None if ct is not None else Reason.PROCESS_GONE)
+    return ProcGpu(r.pid, ct, name, r.adapter, r.contexts, r.dedicated, engines=r.engines, detail=d)
