@@ -7,62 +7,26 @@ from typing import Any
 
 from gputaskman import report
 from gputaskman.demo import BUS0, BUS1, DemoSystem, demo_snapshot, unavailable_snapshot
-from gputaskman.model import Kind, Reason
-
-KINDS = {str(k) for k in Kind}
-REASONS = {str(r) for r in Reason}
-READING_KEYS = {"value", "kind", "source", "reason", "detail"}
-# Plain numbers allowed outside reading objects: identities, times, and measured sums.
-PLAIN_NUMBER_KEYS = {
-    "schema_version",
-    "taken",
-    "index",
-    "pid",
-    "started_at",
-    "attributed_bytes",
-    "selected_gpu",
-}
 
 
-def walk(node: Any, path: str, readings: list, plain: list) -> None:
+def check_null_rules(doc: dict) -> None:
+    assert report.null_rule_violations(doc) == []
+
+
+def count_readings(node: Any) -> int:
     if isinstance(node, dict):
-        if set(node) == READING_KEYS:
-            readings.append((path, node))
-            return
-        for k, v in node.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                plain.append((f"{path}.{k}", k, v))
-            walk(v, f"{path}.{k}", readings, plain)
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                plain.append((f"{path}[{i}]", None, v))
-            walk(v, f"{path}[{i}]", readings, plain)
-
-
-def check_null_rules(doc: dict, system_prefix: str = "$.system") -> list:
-    readings: list = []
-    plain: list = []
-    walk(doc, "$", readings, plain)
-    for path, r in readings:
-        assert r["kind"] in KINDS, path
-        assert isinstance(r["source"], str) and r["source"], path
-        if r["value"] is None:
-            assert r["reason"] in REASONS, f"{path}: null without a reason"
-        else:
-            assert r["reason"] is None, f"{path}: value with a reason"
-            assert isinstance(r["value"], (int, float)) and not isinstance(r["value"], bool)
-    for path, key, _v in plain:
-        if path.startswith(system_prefix):
-            continue  # host.py owns its object; its tests check it
-        assert key in PLAIN_NUMBER_KEYS, f"{path}: bare number outside a reading"
-    return readings
+        if set(node) == {"value", "kind", "source", "reason", "detail"}:
+            return 1
+        return sum(count_readings(v) for v in node.values())
+    if isinstance(node, list):
+        return sum(count_readings(v) for v in node)
+    return 0
 
 
 def test_demo_snapshot_json_keeps_null_rules_everywhere():
     doc = report.to_json_dict(demo_snapshot(), DemoSystem(), selected_gpu=None)
-    readings = check_null_rules(doc)
-    assert len(readings) > 40
+    check_null_rules(doc)
+    assert count_readings(doc) > 40
     # survives a JSON round trip unchanged (record files store exactly this)
     assert json.loads(json.dumps(doc)) == doc
 
@@ -145,3 +109,53 @@ def test_render_text_without_backend_says_why():
     text = report.render_text(unavailable_snapshot(), None)
     assert "GPU: none usable via nvml (library not found)" in text
     assert "NVML Shared Library Not Found" in text
+
+
+def test_null_rule_checker_catches_each_violation():
+    doc = report.to_json_dict(demo_snapshot(), None)
+    row = doc["processes"][0]
+    row["vram_bytes"] = {
+        "value": 0,
+        "kind": "measured",
+        "source": "x",
+        "reason": "hidden by driver",
+        "detail": None,
+    }
+    row["ram_bytes"] = {
+        "value": None,
+        "kind": "measured",
+        "source": "x",
+        "reason": None,
+        "detail": None,
+    }
+    row["cpu_percent"] = {
+        "value": 1,
+        "kind": "guessed",
+        "source": "",
+        "reason": None,
+        "detail": None,
+    }
+    row["vram_total"] = 0  # a bare number standing for something
+    problems = report.null_rule_violations(doc)
+    assert any("vram_bytes: value 0 with reason" in p for p in problems)
+    assert any("ram_bytes: null without a known reason" in p for p in problems)
+    assert any("cpu_percent: unknown kind" in p for p in problems)
+    assert any("cpu_percent: no source" in p for p in problems)
+    assert any("vram_total: bare number 0" in p for p in problems)
+    assert len(problems) == 5
+
+
+def test_json_of_a_live_sample_on_this_machine_keeps_null_rules():
+    from gputaskman.collector import Collector
+
+    c = Collector(scan_budget=None)
+    try:
+        snap, system = c.sample_with_system()
+    finally:
+        c.close()
+    doc = report.to_json_dict(snap, system)
+    check_null_rules(doc)
+    assert doc["system"]["memory"]["total_bytes"] > 0
+    if not snap.available:
+        assert doc["unavailable"]["reason"] in {"library not found", "driver not loaded", "denied"}
+        assert doc["attributed_bytes"] is None

@@ -539,3 +539,57 @@ def render_text(
         *("  " + line for line in system_lines(system)),
     ]
     return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------- checking
+
+_READING_KEYS = frozenset({"value", "kind", "source", "reason", "detail"})
+_KINDS = frozenset(str(k) for k in Kind)
+_REASONS = frozenset(str(r) for r in Reason)
+# Bare numbers allowed outside reading objects: identities, times and measured sums.
+PLAIN_NUMBER_KEYS = frozenset(
+    {"schema_version", "taken", "index", "pid", "started_at", "attributed_bytes", "selected_gpu"}
+)
+
+
+def null_rule_violations(doc: Mapping[str, Any]) -> list[str]:
+    """Every place a ``--json`` object breaks the null rules (empty when it keeps them).
+
+    Checks that each reading object has a known kind and a source, that its value is null
+    exactly when it carries a known reason, and that no bare number appears outside a
+    reading except identities, times and measured sums. The ``system`` object belongs to
+    host.py and is checked by its own tests.
+    """
+    out: list[str] = []
+
+    def visit(node: Any, path: str, key: str | None) -> None:
+        if isinstance(node, Mapping):
+            if set(node) == _READING_KEYS:
+                v, reason = node["value"], node["reason"]
+                if node["kind"] not in _KINDS:
+                    out.append(f"{path}: unknown kind {node['kind']!r}")
+                if not isinstance(node["source"], str) or not node["source"]:
+                    out.append(f"{path}: no source")
+                if v is None and reason not in _REASONS:
+                    out.append(f"{path}: null without a known reason")
+                if v is not None and reason is not None:
+                    out.append(f"{path}: value {v!r} with reason {reason!r}")
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                    out.append(f"{path}: value {v!r} is not a number")
+                return
+            for k, child in node.items():
+                if path == "$" and k == "system":
+                    continue
+                visit(child, f"{path}.{k}", str(k))
+        elif isinstance(node, list):
+            for i, child in enumerate(node):
+                visit(child, f"{path}[{i}]", key)
+        elif (
+            isinstance(node, (int, float))
+            and not isinstance(node, bool)
+            and key not in PLAIN_NUMBER_KEYS
+        ):
+            out.append(f"{path}: bare number {node!r} outside a reading")
+
+    visit(doc, "$", None)
+    return out
