@@ -11,7 +11,9 @@ The daemon is an NBD server on a Unix socket. The kernel needs a block device:
   so swap I/O goes straight to nbdfuse without a second copy in the page cache.
 
 Then ``mkswap`` and ``swapon -p PRIORITY --discard=pages``: discard makes the kernel trim swap
-slots as it frees them, which reaches the daemon as NBD_CMD_TRIM and frees remote pages.
+slots as it frees them, which reaches the daemon as NBD_CMD_TRIM and frees remote pages. After
+``swapoff``, ``blkdiscard`` trims the whole device (the swap header and anything left), so the
+pool holds 0 pages of ours once detached.
 
 Swapping over a network block device needs memory on the I/O path (socket buffers, FUSE
 requests). If free memory runs out, the kernel cannot allocate for the request that would free
@@ -57,6 +59,7 @@ TOOL_PACKAGES = {
     "mkswap": "util-linux",
     "swapon": "util-linux",
     "swapoff": "util-linux",
+    "blkdiscard": "util-linux",
     "modprobe": "kmod",
 }
 
@@ -370,7 +373,7 @@ def attach(socket_path: str, state_path: Path, *, run_dir: Path = DEFAULT_RUN_DI
     METHOD_FUSE. On failure everything done so far is undone and AttachError raised.
     """
     require_root()
-    for tool in ("mkswap", "swapon", "swapoff"):
+    for tool in ("mkswap", "swapon", "swapoff", "blkdiscard"):
         require_tool(tool)
     existing = load_state(state_path)
     if existing is not None:
@@ -472,6 +475,14 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
     att.swap_active = False
     save_state(state_path, att)
     errors: list[str] = []
+    if entry is not None and att.device:
+        # swapoff leaves the swap header and stale slots on the device; discard them all so the
+        # pool's RAM is given back even before the daemon releases its reservation
+        # (not fatal: stopping the daemon releases the reservation anyway)
+        try:
+            _run("blkdiscard", "-f", att.device, timeout=600)
+        except AttachError as exc:
+            att.extra["discard_error"] = str(exc)
     if att.method == METHOD_KERNEL:
         _detach_kernel(att, errors)
     else:

@@ -1,0 +1,316 @@
+"""Attach layer: NBD client handshake against real nbdkit, ioctl numbers against the kernel
+header, the vm.min_free_kbytes policy, /proc/swaps parsing, state file, and refusals.
+
+The kernel nbd device path itself needs a kernel with nbd (tested under QEMU elsewhere); the
+nbdfuse+loop path runs for real in test_swap_e2e.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from duvm import attach, kernelnbd
+from duvm.kernelnbd import NbdHandshakeError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+NBDKIT = shutil.which("nbdkit")
+QEMU_IO = shutil.which("qemu-io")
+needs_nbdkit = pytest.mark.skipif(NBDKIT is None, reason="nbdkit not installed (apt: nbdkit)")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+def start_nbdkit(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+    sock = str(tmp_path / f"nbdkit-{time.monotonic_ns()}.sock")
+    proc = subprocess.Popen([NBDKIT or "nbdkit", "-f", "-U", sock, *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(sock):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"nbdkit did not start: {proc.stderr.read() if proc.stderr else ''}")
+        time.sleep(0.02)
+    return proc, sock
+
+
+@pytest.fixture
+def nbdkit_memory(tmp_path: Path):
+    if NBDKIT is None:
+        pytest.skip("nbdkit not installed (apt: nbdkit)")
+    proc, sock = start_nbdkit(tmp_path, "memory", "64M")
+    yield sock
+    proc.terminate()
+    proc.wait(10)
+
+
+# --- ioctl numbers ---------------------------------------------------------------------------
+
+
+def test_ioctl_numbers_match_kernel_uapi_header() -> None:
+    header = Path("/usr/include/linux/nbd.h")
+    if not header.exists():
+        pytest.skip("linux/nbd.h not installed (apt: linux-libc-dev)")
+    pattern = r"#define\s+(NBD_\w+)\s+_IO\(\s*0xab,\s*(\d+)\s*\)"
+    found = dict(re.findall(pattern, header.read_text()))
+    assert len(found) >= 10
+    for name, nr in found.items():
+        if hasattr(kernelnbd, name):
+            assert getattr(kernelnbd, name) == 0xAB00 | int(nr), name
+    for name in ("NBD_SET_SOCK", "NBD_SET_BLKSIZE", "NBD_SET_SIZE_BLOCKS", "NBD_SET_FLAGS",
+                 "NBD_SET_TIMEOUT", "NBD_DO_IT", "NBD_CLEAR_SOCK", "NBD_DISCONNECT"):
+        assert name in found, name
+
+
+# --- handshake against real nbdkit -----------------------------------------------------------
+
+
+@needs_nbdkit
+def test_handshake_with_nbdkit_reaches_transmission_phase(nbdkit_memory: str) -> None:
+    sock, info = kernelnbd.connect_unix(nbdkit_memory)
+    with sock:
+        assert info.size == 64 << 20
+        assert info.transmission_flags & kernelnbd.NBD_FLAG_HAS_FLAGS
+        assert info.transmission_flags & (1 << 5), "nbdkit memory supports TRIM"
+        assert not info.read_only
+        # prove the socket is in transmission phase: a raw NBD_CMD_WRITE gets a clean reply
+        payload = bytes([0xAB]) * 4096
+        req = (0x25609513).to_bytes(4, "big") + (0).to_bytes(2, "big") + (1).to_bytes(2, "big")
+        req += (7).to_bytes(8, "big") + (8192).to_bytes(8, "big") + (4096).to_bytes(4, "big")
+        sock.sendall(req + payload)
+        reply = kernelnbd._recv_exact(sock, 16)
+        assert reply[:4] == (0x67446698).to_bytes(4, "big")
+        assert reply[4:8] == bytes(4), "error field"
+        assert reply[8:16] == (7).to_bytes(8, "big"), "handle echoed"
+    if QEMU_IO is None:
+        return
+    # another real client sees the bytes written through our handshake's socket
+    res = subprocess.run([QEMU_IO, "-f", "raw", "-c", "read -P 0xab 8192 4096",
+                          f"nbd+unix:///?socket={nbdkit_memory}"],
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert res.returncode == 0 and "Pattern verification failed" not in res.stdout, res.stdout
+
+
+@needs_nbdkit
+def test_handshake_named_export_and_refusal(tmp_path: Path) -> None:
+    proc, sock_path = start_nbdkit(tmp_path, "--filter=exportname", "memory", "16M",
+                                   "exportname-strict=true", "exportname=swap")
+    try:
+        sock, info = kernelnbd.connect_unix(sock_path, export_name="swap")
+        sock.close()
+        assert info.size == 16 << 20
+        with pytest.raises(NbdHandshakeError, match="refused export 'other'"):
+            kernelnbd.connect_unix(sock_path, export_name="other")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _serve_bytes(data: bytes) -> tuple[socket.socket, threading.Thread]:
+    client, server = socket.socketpair()
+
+    def serve() -> None:
+        try:
+            server.sendall(data)
+            server.shutdown(socket.SHUT_WR)
+            while server.recv(65536):
+                pass
+        except OSError:
+            pass
+        finally:
+            server.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    client.settimeout(5)
+    return client, t
+
+
+def test_handshake_rejects_non_nbd_peer() -> None:
+    client, t = _serve_bytes(b"SSH-2.0-OpenSSH_9.2\r\n")
+    with client, pytest.raises(NbdHandshakeError, match="bad magic"):
+        kernelnbd.handshake(client)
+    t.join(5)
+
+
+def test_handshake_caps_reply_length() -> None:
+    greeting = kernelnbd.NBDMAGIC.to_bytes(8, "big") + kernelnbd.IHAVEOPT.to_bytes(8, "big")
+    greeting += (3).to_bytes(2, "big")
+    huge = (kernelnbd.REPLY_MAGIC.to_bytes(8, "big") + (7).to_bytes(4, "big")
+            + (3).to_bytes(4, "big") + (1 << 30).to_bytes(4, "big"))
+    client, t = _serve_bytes(greeting + huge)
+    with client, pytest.raises(NbdHandshakeError, match="cap"):
+        kernelnbd.handshake(client)
+    t.join(5)
+
+
+_GREETING = kernelnbd.NBDMAGIC.to_bytes(8, "big") + kernelnbd.IHAVEOPT.to_bytes(8, "big") + b"\0\3"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.binary(max_size=200), st.binary(max_size=200).map(lambda b: _GREETING + b)))
+def test_fuzz_handshake_only_raises_handshake_error(data: bytes) -> None:
+    client, t = _serve_bytes(data)
+    with client, contextlib.suppress(NbdHandshakeError):
+        kernelnbd.handshake(client)
+    t.join(5)
+
+
+@given(st.binary(max_size=64))
+def test_fuzz_parsers(data: bytes) -> None:
+    for fn in (kernelnbd.parse_greeting, kernelnbd.parse_reply_header):
+        with contextlib.suppress(NbdHandshakeError):
+            fn(data)
+    info: dict[str, int] = {}
+    with contextlib.suppress(NbdHandshakeError):
+        kernelnbd.apply_info(info, data)
+
+
+# --- vm.min_free_kbytes ----------------------------------------------------------------------
+
+
+def test_min_free_floor_matches_measured_guest_and_scales() -> None:
+    # 192 MiB guest: froze at the default 1447 KiB, never at 8192 KiB (FACTS.md)
+    assert attach.safe_min_free_kbytes(192 * 1024) == 8192
+    assert attach.safe_min_free_kbytes(1 << 20) == 16384  # 1 GiB
+    assert attach.safe_min_free_kbytes(16 << 20) == 65536  # 16 GiB
+    assert attach.safe_min_free_kbytes(1 << 30) == 262144  # 1 TiB: capped
+    assert attach.safe_min_free_kbytes(0) == 8192
+
+
+@given(st.integers(min_value=0, max_value=1 << 40), st.integers(min_value=0, max_value=1 << 40))
+def test_fuzz_min_free_floor_monotonic_and_bounded(a: int, b: int) -> None:
+    lo, hi = sorted((a, b))
+    assert 8192 <= attach.safe_min_free_kbytes(lo) <= attach.safe_min_free_kbytes(hi) <= 262144
+
+
+def test_min_free_raised_restored_and_never_lowered(tmp_path: Path) -> None:
+    floor = attach.safe_min_free_kbytes(attach.mem_total_kb())
+    sysctl = tmp_path / "min_free_kbytes"
+    sysctl.write_text("1024\n")
+    before, we_set = attach.raise_min_free(sysctl)
+    assert (before, we_set) == (1024, floor)
+    assert int(sysctl.read_text()) == floor
+    attach.restore_min_free(before, we_set, sysctl)
+    assert int(sysctl.read_text()) == 1024
+
+    # someone changed it after us: theirs stands
+    attach.raise_min_free(sysctl)
+    sysctl.write_text("5000")
+    attach.restore_min_free(1024, floor, sysctl)
+    assert sysctl.read_text() == "5000"
+
+    # a higher value is never lowered, and nothing is restored
+    sysctl.write_text(str(floor + 1))
+    assert attach.raise_min_free(sysctl) == (floor + 1, None)
+    assert int(sysctl.read_text()) == floor + 1
+
+
+# --- /proc/swaps -----------------------------------------------------------------------------
+
+
+def test_parse_proc_swaps_sample_and_live() -> None:
+    text = ("Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
+            "/dev/loop0                              partition\t524284\t\t209188\t\t100\n"
+            "/swap\\040file                           file\t\t1048572\t\t0\t\t-2\n"
+            "garbage line\n")
+    entries = attach.parse_proc_swaps(text)
+    assert entries == [attach.SwapEntry("/dev/loop0", "partition", 524284, 209188, 100),
+                       attach.SwapEntry("/swap file", "file", 1048572, 0, -2)]
+    live = attach.parse_proc_swaps(Path("/proc/swaps").read_text())
+    assert all(e.size_kb >= e.used_kb >= 0 for e in live)
+
+
+@given(st.text(max_size=400))
+def test_fuzz_parse_proc_swaps(text: str) -> None:
+    for e in attach.parse_proc_swaps(text):
+        assert isinstance(e.size_kb, int)
+
+
+# --- state file ------------------------------------------------------------------------------
+
+
+def test_state_roundtrip_and_corruption(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "state.json"
+    assert attach.load_state(path) is None
+    att = attach.Attachment(socket="/run/x.sock", method=attach.METHOD_FUSE, device="/dev/loop7",
+                            loop_device="/dev/loop7", min_free_before=1447, extra={"pid": 5})
+    attach.save_state(path, att)
+    assert attach.load_state(path) == att
+    assert not list(path.parent.glob("*.tmp*")), "atomic write leaves no temp file"
+
+    raw = json.loads(path.read_text())
+    raw["from_a_newer_version"] = 1
+    path.write_text(json.dumps(raw))
+    assert attach.load_state(path) == att
+
+    path.write_text("{not json")
+    with pytest.raises(attach.AttachError, match="unreadable"):
+        attach.load_state(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(attach.AttachError, match="not a duvm attachment"):
+        attach.load_state(path)
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+def test_missing_tool_names_debian_package(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    monkeypatch.setattr(attach, "_TOOL_DIRS", (str(tmp_path),))
+    with pytest.raises(attach.AttachError, match="install the Debian package util-linux"):
+        attach.require_tool("mkswap")
+    assert any("libnbd-bin" in p for p in attach.fuse_path_problems())
+
+
+@needs_root
+def test_attach_refuses_without_root(tmp_path: Path) -> None:
+    """A real privilege drop (fork + setuid nobody), not a patched geteuid."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        msg = "no error"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            attach.attach(str(tmp_path / "none.sock"), tmp_path / "state.json")
+        except attach.AttachError as exc:
+            msg = f"AttachError: {exc}"
+        except BaseException as exc:  # report anything else as a failure
+            msg = f"{type(exc).__name__}: {exc}"
+        os.write(w, msg.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        msg = f.read()
+    os.waitpid(pid, 0)
+    assert msg.startswith("AttachError: attaching swap needs root"), msg
+    assert not (tmp_path / "state.json").exists()
+
+
+@needs_root
+def test_attach_without_server_leaves_nothing(tmp_path: Path) -> None:
+    before = Path("/proc/sys/vm/min_free_kbytes").read_text()
+    state = tmp_path / "state.json"
+    with pytest.raises(attach.AttachError):
+        attach.attach(str(tmp_path / "absent.sock"), state, run_dir=tmp_path / "run",
+                      method=attach.METHOD_FUSE)
+    assert not state.exists()
+    assert Path("/proc/sys/vm/min_free_kbytes").read_text() == before
+
+
+@needs_root
+def test_attach_unknown_method_and_detach_nothing(tmp_path: Path) -> None:
+    with pytest.raises(attach.AttachError):
+        attach.attach("/nonexistent.sock", tmp_path / "s.json", method="carrier-pigeon")
+    assert attach.detach(tmp_path / "s.json") is None
