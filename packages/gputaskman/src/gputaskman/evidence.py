@@ -19,11 +19,9 @@ Evidence that a process holds a model file comes from five places, ranked:
 ``path-arg`` (or ``installed``) is informational: ``allows_detail`` is False, which means no
 process classification, no API probing, no full GGUF header read and no estimates for it.
 
-Secrets: :func:`redact_argv` replaces the values of secret flags (``--api-key``, tokens,
-passwords, ``--flag=value`` forms too) with ``<redacted>``; :func:`model_args` works on the
-redacted argv, so a secret value can never become a model path. The same redaction is for
-every place a command line is shown. (Helper D's ``procinfo.py`` did not exist when this was
-written; if it grows its own redaction, one of the two should call the other.)
+Secrets: redaction and model-argument discovery are ``gputaskman.procargs`` (one list of
+secret flags for the whole tool); :func:`model_args` turns its candidates into evidence, so a
+secret value can never become a model path.
 The API key itself, needed to probe a llama-server that was started with one, is taken from
 the raw argv by :func:`api_key_from_argv` and handed only to the prober, never shown.
 """
@@ -31,26 +29,25 @@ the raw argv by :func:`api_key_from_argv` and handed only to the prober, never s
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
+
+from gputaskman import procargs
 
 __all__ = [
     "CORROBORATING",
-    "MODEL_EXTENSIONS",
-    "REDACTED",
     "Evidence",
     "ModelClaim",
     "Source",
     "api_key_from_argv",
     "assess",
-    "is_secret_flag",
+    "from_procinfo",
+    "mapped_store_files",
     "model_args",
     "redact_argv",
 ]
-
-REDACTED = "<redacted>"
-
 
 class Source(StrEnum):
     API = "api"
@@ -68,45 +65,9 @@ class Source(StrEnum):
 _RANK = {s: i for i, s in enumerate(Source)}
 CORROBORATING = frozenset({Source.API, Source.MAPPED, Source.CMDLINE})
 
-# Flags whose value is a secret. Matched exactly, plus any long flag whose name contains one
-# of _SECRET_WORDS (``--hf-token``, ``--openai-api-key``, ``--db-password``).
-_SECRET_FLAGS = frozenset({"--api-key", "--api-key-file", "-hft", "--hf-token", "--token",
-                           "--password", "--secret", "--ssl-key-file", "--auth"})
-_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "auth", "credential")
-# Flags whose value is a model file, per runtime (llama.cpp, whisper.cpp, vLLM, others).
-_MODEL_FLAGS = frozenset({"-m", "--model", "--model-path", "--model-file", "-md",
-                          "--model-draft", "--mmproj", "--lora", "--model-vocoder", "-mv"})
-MODEL_EXTENSIONS = (".gguf", ".ggml", ".bin", ".safetensors", ".onnx", ".pt", ".pth",
-                    ".ckpt", ".llamafile", ".mlmodel", ".tflite", ".engine", ".plan")
-MAX_ARGS = 512
-MAX_ARG_LEN = 4096
-
-
-def is_secret_flag(flag: str) -> bool:
-    f = flag.split("=", 1)[0].lower()
-    if f in _SECRET_FLAGS:
-        return True
-    return f.startswith("--") and any(w in f for w in _SECRET_WORDS)
-
-
 def redact_argv(argv: Sequence[str]) -> list[str]:
-    """``argv`` with every secret flag's value replaced by ``<redacted>``."""
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-            continue
-        if arg.startswith("-") and is_secret_flag(arg):
-            if "=" in arg:
-                out.append(arg.split("=", 1)[0] + "=" + REDACTED)
-            else:
-                out.append(arg)
-                hide_next = True
-            continue
-        out.append(arg)
-    return out
+    """``argv`` with secret values replaced by ``<redacted>`` (``procargs.redact_argv``)."""
+    return list(procargs.redact_argv(tuple(argv)).argv)
 
 
 def api_key_from_argv(argv: Sequence[str]) -> str | None:
@@ -120,48 +81,54 @@ def api_key_from_argv(argv: Sequence[str]) -> str | None:
 
 
 def model_args(argv: Sequence[str], cwd: str | None = None) -> list[Evidence]:
-    """``cmdline`` evidence from model flags and ``path-arg`` evidence from model-like args.
+    """``cmdline`` and ``path-arg`` evidence from a raw command line.
 
-    Works on the redacted argv (a secret value is never a path). Paths are joined to ``cwd``
-    when relative and resolved (symlinks, ``..``). Bounded to ``MAX_ARGS`` arguments.
+    Discovery is ``procargs.model_args`` on the redacted argv (a secret value is never a
+    path). Relative paths are joined to ``cwd``; symlinks and ``..`` are resolved. A
+    relative path with no known ``cwd`` is dropped (we cannot know what it names).
     """
-    args = redact_argv(list(argv)[:MAX_ARGS])
     out: list[Evidence] = []
-    seen: set[tuple[Source, str]] = set()
-
-    def add(src: Source, raw: str, detail: str) -> None:
-        if not raw or raw == REDACTED or len(raw) > MAX_ARG_LEN or "\0" in raw:
-            return
-        path = _resolve(raw, cwd)
-        if (src, path) not in seen:
-            seen.add((src, path))
-            out.append(Evidence(src, path=path, detail=detail))
-
-    skip_next = False
-    for i, arg in enumerate(args[1:], start=1):
-        if skip_next:
-            skip_next = False
+    for arg in procargs.model_args(procargs.redact_argv(tuple(argv))):
+        path = procargs.resolve(arg.raw, cwd)
+        if path is None:
             continue
-        flag, eq, val = arg.partition("=")
-        if arg.startswith("-") and flag in _MODEL_FLAGS:
-            if eq:
-                add(Source.CMDLINE, val, f"{flag}=")
-            elif i + 1 < len(args):
-                add(Source.CMDLINE, args[i + 1], flag)
-                skip_next = True
+        src = Source.CMDLINE if arg.evidence == "cmdline" else Source.PATH_ARG
+        where = arg.flag or f"argument {arg.index}"
+        out.append(Evidence(src, path=os.path.realpath(path), detail=where))
+    return out
+
+
+def from_procinfo(models: Iterable[Any]) -> list[Evidence]:
+    """Evidence from ``procinfo.ProcInfo.models`` (``ModelEvidence`` rows), paths resolved.
+
+    A row without a path (relative argument, unknown cwd) is dropped; a mapped file that was
+    deleted keeps its path (the process still holds it) with ``(deleted)`` in ``detail``.
+    """
+    out: list[Evidence] = []
+    for m in models:
+        path = getattr(m, "path", None)
+        kind = getattr(m, "evidence", None)
+        if not path or kind not in (Source.MAPPED, Source.CMDLINE, Source.PATH_ARG):
             continue
-        cand = val if (arg.startswith("-") and eq) else arg
-        if cand.lower().endswith(MODEL_EXTENSIONS) and not is_secret_flag(flag):
-            add(Source.PATH_ARG, cand, f"argument {i}")
-    # A path given to a model flag is not also a path-arg.
-    flagged = {e.path for e in out if e.source is Source.CMDLINE}
-    return [e for e in out if e.source is Source.CMDLINE or e.path not in flagged]
+        real = path if getattr(m, "deleted", False) else os.path.realpath(path)
+        detail = getattr(m, "flag", None) or ("(deleted)" if getattr(m, "deleted", False)
+                                               else None)
+        out.append(Evidence(Source(kind), path=real, detail=detail))
+    return out
 
 
-def _resolve(path: str, cwd: str | None) -> str:
-    if not os.path.isabs(path) and cwd:
-        path = os.path.join(cwd, path)
-    return os.path.realpath(path) if os.path.isabs(path) else os.path.normpath(path)
+def mapped_store_files(paths: Iterable[str], name_for: Callable[[str], object | None],
+                       limit: int = 64) -> list[Evidence]:
+    """``mapped`` evidence for mapped files a model store names (Ollama blobs have no
+    extension, so an extension filter misses them). ``name_for`` is
+    ``stores.StoreIndex.name_for``; at most ``limit`` paths are looked at."""
+    out = []
+    for i, p in enumerate(paths):
+        if i >= limit:
+            break
+        if name_for(p) is not None:
+            out.append(Evidence(Source.MAPPED, path=os.path.realpath(p), detail="store blob"))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

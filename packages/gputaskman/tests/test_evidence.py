@@ -1,0 +1,137 @@
+"""evidence.py: the ladder, corroboration, and secrets never becoming model paths."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+from gputaskman.evidence import (
+    CORROBORATING,
+    Evidence,
+    Source,
+    api_key_from_argv,
+    assess,
+    from_procinfo,
+    mapped_store_files,
+    model_args,
+    redact_argv,
+)
+from gputaskman.procinfo import ModelEvidence
+from gputaskman.stores import StoreIndex, StoreRoots
+
+
+def test_ladder_order() -> None:
+    ranked = sorted(Source, key=lambda s: s.rank)
+    assert [s.value for s in ranked] == ["api", "mapped", "cmdline", "path-arg", "installed"]
+    assert {s.value for s in CORROBORATING} == {"api", "mapped", "cmdline"}
+
+
+@pytest.mark.parametrize("sources,status,detail", [
+    (("mapped", "cmdline"), "confirmed", True),
+    (("api", "mapped"), "confirmed", True),
+    (("api", "cmdline"), "confirmed", True),
+    (("mapped",), "single source", True),
+    (("cmdline", "path-arg"), "single source", True),
+    (("cmdline", "cmdline"), "single source", True),  # the same source twice is not two
+    (("path-arg",), "informational", False),
+    (("path-arg", "installed"), "informational", False),
+    (("installed",), "informational", False),
+])
+def test_only_api_mapped_cmdline_corroborate(sources: tuple[str, ...], status: str,
+                                             detail: bool) -> None:
+    claims = assess(Evidence(Source(s), path="/m/x.gguf", detail=str(i))
+                    for i, s in enumerate(sources))
+    assert len(claims) == 1
+    c = claims[0]
+    assert (c.status, c.allows_detail, c.confirmed) == (status, detail, status == "confirmed")
+    assert c.best == min((Source(s) for s in sources), key=lambda s: s.rank)
+    assert json.loads(json.dumps(c.to_json()))["status"] == status
+
+
+def test_model_args_resolves_against_cwd_and_redacts(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    model = tmp_path / "models" / "tiny.gguf"
+    model.write_bytes(b"GGUF")
+    link = tmp_path / "link.gguf"
+    link.symlink_to(model)
+    argv = ["llama-server", "-m", "models/../models/tiny.gguf", "--api-key", "secret.gguf",
+            "--hf-token=tok.gguf", "--port", "8080", "extra/link.gguf", str(link)]
+    ev = model_args(argv, cwd=str(tmp_path))
+    got = [(e.source.value, e.path) for e in ev]
+    assert ("cmdline", str(model)) in got
+    assert ("path-arg", str(model)) in got  # the symlink resolves to the same file
+    assert all("secret" not in (e.path or "") and "tok" not in (e.path or "") for e in ev)
+    red = redact_argv(argv)
+    assert "secret.gguf" not in red and "--hf-token=tok.gguf" not in red
+    assert red[red.index("--api-key") + 1] == "<redacted>"
+
+
+def test_relative_path_without_cwd_is_dropped() -> None:
+    assert model_args(["llama-server", "-m", "rel.gguf"], cwd=None) == []
+
+
+def test_api_key_only_from_the_raw_argv() -> None:
+    assert api_key_from_argv(["llama-server", "--api-key", "k1"]) == "k1"
+    assert api_key_from_argv(["llama-server", "--api-key=k2"]) == "k2"
+    assert api_key_from_argv(["llama-server", "-m", "x"]) is None
+    assert api_key_from_argv(redact_argv(["llama-server", "--api-key", "k1"])) == "<redacted>"
+
+
+def test_api_name_joins_the_one_matching_path_claim() -> None:
+    claims = assess([
+        Evidence(Source.MAPPED, path="/m/a.gguf"),
+        Evidence(Source.CMDLINE, path="/m/b.gguf"),
+        Evidence(Source.API, model="a.gguf"),
+    ])
+    a = next(c for c in claims if c.path == "/m/a.gguf")
+    assert a.confirmed and a.model == "a.gguf" and a.best is Source.API
+    assert claims[0] is a  # confirmed first
+
+
+def test_ambiguous_api_name_stays_alone() -> None:
+    claims = assess([
+        Evidence(Source.MAPPED, path="/m/one/model.gguf"),
+        Evidence(Source.MAPPED, path="/m/two/model.gguf"),
+        Evidence(Source.API, model="model.gguf"),
+    ])
+    alone = [c for c in claims if c.path is None]
+    assert len(alone) == 1 and alone[0].model == "model.gguf" and not alone[0].confirmed
+
+
+def test_evidence_needs_a_path_or_a_name() -> None:
+    with pytest.raises(ValueError):
+        Evidence(Source.API)
+
+
+def test_from_procinfo_rows(tmp_path: Path) -> None:
+    real = tmp_path / "w.gguf"
+    real.write_bytes(b"GGUF")
+    link = tmp_path / "l.gguf"
+    link.symlink_to(real)
+    rows = [ModelEvidence("mapped", str(link)), ModelEvidence("cmdline", str(real), flag="-m"),
+            ModelEvidence("path-arg", None, raw="rel.gguf"),
+            ModelEvidence("mapped", "/gone/x.gguf", deleted=True)]
+    ev = from_procinfo(rows)
+    assert [(e.source.value, e.path) for e in ev] == [
+        ("mapped", str(real)), ("cmdline", str(real)), ("mapped", "/gone/x.gguf")]
+    claim = next(c for c in assess(ev) if c.path == str(real))
+    assert claim.confirmed
+
+
+def test_mapped_store_blobs_without_extension(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    content = b"weights"
+    hexd = hashlib.sha256(content).hexdigest()
+    blob = root / "blobs" / f"sha256-{hexd}"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(content)
+    man = root / "manifests" / "registry.ollama.ai" / "library" / "m" / "latest"
+    man.parent.mkdir(parents=True)
+    man.write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.model",
+                                           "digest": f"sha256:{hexd}"}]}))
+    idx = StoreIndex(StoreRoots(ollama=(str(root),)))
+    ev = mapped_store_files(["/usr/lib/libc.so.6", str(blob)], idx.name_for)
+    assert [(e.source, e.path) for e in ev] == [(Source.MAPPED, os.path.realpath(blob))]
