@@ -55,7 +55,16 @@ from gputaskman.drm_sysfs import (
     read_amdgpu,
     read_intel,
 )
-from gputaskman.model import Adapter, DeviceMetrics, Kind, Problem, ProcGpu, Reading, Reason
+from gputaskman.model import (
+    Adapter,
+    DeviceMetrics,
+    Kind,
+    Problem,
+    ProcGpu,
+    Reading,
+    Reason,
+    Snapshot,
+)
 
 BACKEND: Final = "drm"
 #: The model has no reason for "shared between processes"; until it does, this one is used
@@ -191,6 +200,24 @@ class DrmBackend:
             notes=_notes(scan, cards),
             extra=extra,
             throttle_reasons={k: v.throttle_reasons for k, v in extra.items()},
+        )
+
+    def snapshot(self, taken: float | None = None) -> Snapshot:
+        """One sample as a whole `Snapshot` (backend ``"drm"``), for standalone use."""
+        taken = time.time() if taken is None else taken
+        s = self.sample()
+        problem = None
+        if not s.adapters:
+            problem = Problem("backend.init", Reason.NO_GPU, "no amdgpu, i915 or xe card in sysfs")
+        return Snapshot(
+            taken=taken,
+            backend=BACKEND,
+            adapters=s.adapters,
+            metrics=s.metrics,
+            processes=s.processes,
+            problems=s.problems,
+            notes=s.notes,
+            backend_problem=problem,
         )
 
     def _intel_power(self, pdev: str, r: CardReadings, now: int) -> CardReadings:
