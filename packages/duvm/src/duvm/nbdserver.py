@@ -83,10 +83,11 @@ class _Resume:
 class ServerStats:
     """Counters for tests and the status socket."""
 
-    __slots__ = ("bytes_read", "bytes_written", "connections", "errors", "protocol_errors",
-                 "requests")
+    __slots__ = ("bytes_read", "bytes_written", "connections", "errors", "peak_in_flight",
+                 "protocol_errors", "requests")
 
     def __init__(self) -> None:
+        self.peak_in_flight = 0  # most requests of one connection inside the store at once
         self.connections = 0
         self.requests = 0
         self.errors = 0
@@ -123,6 +124,7 @@ class NBDServer:
         self.pool = BufferPool()
         self._servers: list[asyncio.Server] = []
         self._connections: set[NBDConnection] = set()
+        self._unix_paths: list[str] = []
         self._closing = False
 
     async def start_unix(self, path: str) -> None:
@@ -134,6 +136,7 @@ class NBDServer:
         server = await loop.create_unix_server(lambda: NBDConnection(self), path, backlog=128)
         os.chmod(path, 0o600)
         self._servers.append(server)
+        self._unix_paths.append(path)
 
     async def start_tcp(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
@@ -150,6 +153,11 @@ class NBDServer:
         self._closing = True
         for s in self._servers:
             s.close()
+        for path in self._unix_paths:
+            with contextlib.suppress(FileNotFoundError):
+                if _is_socket(path):
+                    os.unlink(path)
+        self._unix_paths.clear()
         for conn in list(self._connections):
             conn.shutdown()
         deadline = asyncio.get_running_loop().time() + timeout
@@ -344,6 +352,8 @@ class NBDConnection(asyncio.BufferedProtocol):
             log.exception("%s: store failed on %r", self.peer, req)
             self._done(req, errno.EIO, buf, view)
             return
+        if self._in_flight > self.stats.peak_in_flight:
+            self.stats.peak_in_flight = self._in_flight
         task = self._loop.create_task(self._finish(req, coro, first, buf, view))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

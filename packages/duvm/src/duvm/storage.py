@@ -9,6 +9,7 @@ the NBD layer maps them to wire codes in one place.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -63,3 +64,59 @@ class BlockStore(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and buffers."""
+
+
+class FaultStore(BlockStore):
+    """A layer that delays or fails operations of the store below: fault injection for tests.
+
+    `delay` maps an operation name ("read", "write", "trim", "write_zeroes", "flush") to
+    seconds to wait before passing it on; `fail` maps it to an errno to raise instead;
+    `only` restricts both to requests whose offset is in that range. Like nbdkit's delay and
+    error filters, it calls the next layer and adds nothing else.
+    """
+
+    def __init__(
+        self,
+        inner: BlockStore,
+        *,
+        delay: dict[str, float] | None = None,
+        fail: dict[str, int] | None = None,
+        only: range | None = None,
+    ) -> None:
+        self.inner = inner
+        self.size = inner.size
+        self.capabilities = inner.capabilities
+        self.delay = dict(delay or {})
+        self.fail = dict(fail or {})
+        self.only = only
+
+    async def _fault(self, op: str, offset: int) -> None:
+        if self.only is not None and offset not in self.only:
+            return
+        if op in self.delay:
+            await asyncio.sleep(self.delay[op])
+        if op in self.fail:
+            raise StorageError(self.fail[op], f"injected {op} failure")
+
+    async def read(self, offset: int, out: memoryview) -> None:
+        await self._fault("read", offset)
+        await self.inner.read(offset, out)
+
+    async def write(self, offset: int, data: memoryview) -> None:
+        await self._fault("write", offset)
+        await self.inner.write(offset, data)
+
+    async def trim(self, offset: int, length: int) -> None:
+        await self._fault("trim", offset)
+        await self.inner.trim(offset, length)
+
+    async def write_zeroes(self, offset: int, length: int) -> None:
+        await self._fault("write_zeroes", offset)
+        await self.inner.write_zeroes(offset, length)
+
+    async def flush(self) -> None:
+        await self._fault("flush", 0)
+        await self.inner.flush()
+
+    async def close(self) -> None:
+        await self.inner.close()
