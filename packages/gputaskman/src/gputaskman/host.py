@@ -26,10 +26,12 @@ different start time, finds no history, and its first CPU percent is None ("firs
 sample"), never a rate computed against another process's ticks and never 0. History
 for processes not seen in the latest sample is dropped, so state stays bounded.
 
-Per-process sampling reads ``/proc/PID/stat`` once per process (name, CPU ticks, start
-time and RSS are all in it); see ``benchmarks/gtm_refresh.py`` for its measured cost
-against ``psutil.process_iter``. Nothing here is GPU memory or ever added to GPU totals;
-the report shows it under the JSON key ``system``.
+Per-process sampling reads ``/proc/PID/stat`` (name, CPU ticks, start time) and
+``/proc/PID/statm`` (resident pages; stat's own rss field is an approximate per-CPU counter
+read on Linux >= 6.2 and lags by hundreds of pages) once per process; see
+``benchmarks/gtm_refresh.py`` for its measured cost against ``psutil.process_iter``.
+Nothing here is GPU memory or ever added to GPU totals; the report shows it under the
+JSON key ``system``.
 """
 
 from __future__ import annotations
@@ -401,6 +403,23 @@ class HostSampler:
                     detail,
                 )
                 continue
+            # RSS from statm, not stat: since Linux 6.2 stat's rss is the per-CPU counter's
+            # fast approximate read and can lag by hundreds of pages; statm sums exactly
+            # (and is what psutil, ps and top show).
+            rss: int | None
+            rss_reason: Reason | None = None
+            try:
+                with open(f"{root}/{pid}/statm", "rb") as f:
+                    rss = int(f.read().split()[1]) * page
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            except (OSError, IndexError, ValueError) as exc:
+                rss = None
+                rss_reason = (
+                    procfs.translate(exc, pid, "statm").reason
+                    if isinstance(exc, OSError)
+                    else Reason.QUERY_FAILED
+                )
             ct = procfs.create_time(st.start_ticks, btime)
             key = (pid, ct)
             ticks = st.utime_ticks + st.stime_ticks
@@ -413,9 +432,7 @@ class HostSampler:
             else:
                 cpu = 100.0 * (ticks - last[0]) / hz / (now - last[1])
                 creason, cdetail = None, None
-            out[pid] = ProcessUsage(
-                pid, ct, st.name, st.rss_pages * page, cpu, None, creason, cdetail
-            )
+            out[pid] = ProcessUsage(pid, ct, st.name, rss, cpu, rss_reason, creason, cdetail)
         if pids is None:
             self._proc_prev = seen
         else:

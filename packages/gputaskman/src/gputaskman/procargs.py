@@ -205,13 +205,16 @@ def model_args(args: RedactedArgs) -> tuple[ModelArg, ...]:
         args = redact_argv(args.argv[0].split())
     argv = args.argv[:MAX_ARGS]
     skip = args.redacted
-    found: list[ModelArg] = []
-    seen: set[str] = set()
+    found: dict[str, ModelArg] = {}  # raw -> strongest evidence for it, in first-seen order
 
     def add(raw: str, evidence: str, flag: str | None, index: int) -> None:
-        if raw and raw not in seen and REDACTED not in raw and len(found) < MAX_MODEL_ARGS:
-            seen.add(raw)
-            found.append(ModelArg(raw, evidence, flag, index))
+        if not raw or REDACTED in raw:
+            return
+        old = found.get(raw)
+        room = old is None and len(found) < MAX_MODEL_ARGS
+        stronger = old is not None and old.evidence == "path-arg" and evidence == "cmdline"
+        if room or stronger:
+            found[raw] = ModelArg(raw, evidence, flag, index)
 
     i = _program_start(argv)
     while i < len(argv):
@@ -241,7 +244,7 @@ def model_args(args: RedactedArgs) -> tuple[ModelArg, ...]:
         elif not arg.startswith("-") and _looks_like_model(arg):
             add(arg, "path-arg", None, i)
         i += 1
-    return tuple(found)
+    return tuple(found.values())
 
 
 def resolve(raw: str, cwd: str | None) -> str | None:

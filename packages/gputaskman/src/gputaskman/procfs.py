@@ -3,9 +3,9 @@
 Theory of operation
 -------------------
 Per-process probes read small /proc files directly instead of going through psutil
-objects: one ``open``/``read`` of ``/proc/PID/stat`` gives the name, the CPU ticks, the
-start time and the resident set size, which is all a refresh needs (measured in
-``benchmarks/gtm_refresh.py``: several times cheaper than ``psutil.process_iter``).
+objects: one ``open``/``read`` of ``/proc/PID/stat`` gives the name, the CPU ticks and the
+start time; ``statm`` gives the exact resident set size (measured against
+``psutil.process_iter`` in ``benchmarks/gtm_refresh.py``).
 
 OS errors are translated in exactly one place, `read_proc`, the way psutil does it:
 
@@ -107,7 +107,7 @@ class Stat:
     utime_ticks: int
     stime_ticks: int
     start_ticks: int  # since boot, in SC_CLK_TCK units; with btime, the create time
-    rss_pages: int
+    rss_pages: int  # approximate on Linux >= 6.2 (per-CPU counter); statm is exact
 
 
 def parse_stat(data: bytes) -> Stat | None:

@@ -25,8 +25,9 @@ seconds per process; one read of ``maps`` costs tens of microseconds (see the be
 
 The `Scanner` keeps one `ProcInfo` per ``(pid, create_time)``, so a process is scanned
 once and a reused PID never inherits another process's runtimes. Each refresh first scans
-processes never seen, in the caller's order, until the budget is spent (the last scan may
-overrun it by one process); then, if time remains, rescans entries older than
+processes never seen, in the caller's order, until the budget is spent (at least one per
+refresh, so a tiny budget still makes progress; the last scan may overrun the budget by one
+process); then, if time remains, rescans entries older than
 `maps_max_age` (libraries loaded after start, e.g. a Python that imports torch later).
 `scan_one` rescans on demand (the inspector). Entries for processes not requested for
 `forget_after` refreshes are dropped, so the cache stays bounded.
@@ -702,7 +703,8 @@ class Scanner:
         gone: list[int] = []
         scanned = 0
         for pid, ct in todo:
-            if limit is not None and clock() - start >= limit:
+            # At least one scan per refresh, so even a tiny budget makes progress.
+            if limit is not None and scanned and clock() - start >= limit:
                 pending.append(pid)
                 continue
             info = scan_process(pid, ct, root=self._root, btime=self._btime)
