@@ -24,6 +24,8 @@ from gputaskman.drm import (
     DrmBackend,
     backend_for,
     bus_id,
+    collector_backend,
+    combine_with_nvml,
     drm_adapters,
     merge_adapters,
 )
@@ -59,7 +61,8 @@ from gputaskman.drm_sysfs import (
     read_amdgpu,
     read_intel,
 )
-from gputaskman.model import Adapter, Kind, Reason
+from gputaskman.model import Adapter, Kind, Problem, Reading, Reason
+from gputaskman.nvml import NvmlProcess, NvmlSample
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -683,3 +686,44 @@ def test_demo_tree_end_to_end_json_and_text(tmp_path: Path) -> None:
     assert doc["backend"] == "drm"
     text = report.render_text(snap)
     assert "llama-server" in text and "00000000:00:02.0" in text
+
+
+def test_combine_with_nvml_sample_data_and_collector_backend(tmp_path: Path) -> None:
+    write_demo_tree(tmp_path)
+    drm = DrmBackend(str(tmp_path)).sample()
+    nv_metrics = drm.metrics[bus_id(AMD_PDEV)]  # any DeviceMetrics will do as NVML's
+    nvml = NvmlSample(
+        adapters=(_nvml("00000000:01:00.0"),),
+        metrics={"00000000:01:00.0": nv_metrics},
+        processes=(
+            NvmlProcess(7, "00000000:01:00.0", ("compute",), Reading.measured(1, "nvml:x")),
+        ),
+        driver_version="550.54",
+    )
+    both = combine_with_nvml(nvml, drm)
+    assert [a.pci_bus_id for a in both.adapters] == [
+        "00000000:01:00.0",
+        "00000000:03:00.0",
+        "00000000:00:02.0",
+    ]
+    assert set(both.metrics) == {a.pci_bus_id for a in both.adapters}
+    assert [p.pid for p in both.processes] == [7, 4100, 4200, 4300, 4301, 4400]
+    assert both.backend_problem is None and both.driver_version == "550.54"
+    assert collector_backend(both.adapters, None, "nvml") == "nvml"  # first adapter: NVIDIA
+    assert collector_backend(both.adapters, 1, "nvml") == "drm"
+    assert collector_backend(both.adapters, 2, "nvml") == "drm"
+
+    # NVML absent (an AMD/Intel-only machine): usable, NVML's reason kept as a problem
+    missing = Problem("backend.init", Reason.NO_LIBRARY, "NVML Shared Library Not Found")
+    alone = combine_with_nvml(NvmlSample(problems=(missing,), backend_problem=missing), drm)
+    assert alone.backend_problem is None and alone.problems == (missing,)
+    assert [(a.index, a.vendor) for a in alone.adapters] == [(0, "amd"), (1, "intel")]
+    assert collector_backend(alone.adapters, None, "nvml") == "drm"
+    # NVML already lists 03:00.0: the DRM copy, its metrics and its processes are dropped
+    owned = NvmlSample(adapters=(_nvml("00000000:03:00.0"),), metrics={})
+    merged = combine_with_nvml(owned, drm)
+    assert [a.backend for a in merged.adapters] == ["nvml", "drm"]
+    assert bus_id(AMD_PDEV) not in merged.metrics
+    assert {p.adapter for p in merged.processes} == {bus_id(INTEL_PDEV)}
+    # no DRM card: NVML's sample unchanged
+    assert combine_with_nvml(nvml, DrmBackend(str(tmp_path / "empty")).sample()) is nvml

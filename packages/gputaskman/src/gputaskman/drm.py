@@ -32,7 +32,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from gputaskman import procfs
 from gputaskman.drm_clients import (
@@ -65,6 +65,7 @@ from gputaskman.model import (
     Reason,
     Snapshot,
 )
+from gputaskman.nvml import NvmlProcess, NvmlSample
 
 BACKEND: Final = "drm"
 #: The model has no reason for "shared between processes"; until it does, this one is used
@@ -76,8 +77,11 @@ __all__ = [
     "INTEL_MEMORY_NOTE",
     "DrmBackend",
     "DrmSample",
+    "NvmlWithDrm",
     "backend_for",
     "bus_id",
+    "collector_backend",
+    "combine_with_nvml",
     "drm_adapters",
     "merge_adapters",
 ]
@@ -138,6 +142,72 @@ def backend_for(adapter: Adapter | None, default: str) -> str:
     if adapter is not None and (adapter.backend == BACKEND or adapter.vendor in ("amd", "intel")):
         return BACKEND
     return default
+
+
+def collector_backend(adapters: Sequence[Adapter], selected: int | None, default: str) -> str:
+    """`Collector.backend`: that of the selected adapter (by index), else of the first one."""
+    chosen = next((a for a in adapters if a.index == selected), None)
+    if chosen is None and selected is None and adapters:
+        chosen = adapters[0]
+    return backend_for(chosen, default)
+
+
+def combine_with_nvml(nvml: NvmlSample, drm: DrmSample) -> NvmlSample:
+    """NVML's sample with the DRM adapters, metrics, processes and problems added.
+
+    Adapters are merged by PCI address (`merge_adapters`); DRM data for a device NVML
+    already lists is dropped, so nothing shows twice. DRM processes become `NvmlProcess`
+    rows (same fields the collector reads). When NVML itself is unusable (no library on
+    an AMD/Intel machine) but DRM found cards, the result is usable: NVML's problem stays
+    in `problems` and `backend_problem` is cleared. DRM `notes` are not part of an
+    `NvmlSample`; the collector adds ``drm.notes`` to the snapshot's notes itself.
+    """
+    if not drm.adapters:
+        return nvml
+    adapters = merge_adapters(nvml.adapters, drm.adapters)
+    kept = {a.pci_bus_id for a in adapters if a.backend == BACKEND}
+    metrics = dict(nvml.metrics)
+    metrics.update({k: v for k, v in drm.metrics.items() if k in kept})
+    procs = tuple(
+        NvmlProcess(p.pid, p.adapter, p.contexts, p.dedicated, dict(p.engines))
+        for p in drm.processes
+        if p.adapter in kept
+    )
+    problems = nvml.problems + tuple(p for p in drm.problems if p.adapter in kept)
+    return NvmlSample(
+        adapters=adapters,
+        metrics=metrics,
+        processes=nvml.processes + procs,
+        problems=problems,
+        backend_problem=None,
+        driver_version=nvml.driver_version,
+    )
+
+
+class NvmlWithDrm:
+    """Drop-in for the collector's `NvmlBackend`: each sample is NVML's plus DRM's.
+
+    ``Collector(nvml=NvmlWithDrm(NvmlBackend(), DrmBackend()))`` shows NVIDIA, AMD and Intel
+    GPUs side by side. After each `sample`, `last_drm` holds the DRM sample (for its
+    ``notes``) and `backend(selected, default)` gives `Collector.backend`.
+    """
+
+    def __init__(self, nvml: Any, drm: DrmBackend) -> None:
+        self.nvml = nvml
+        self.drm = drm
+        self.last_drm = DrmSample()
+        self._last: NvmlSample = NvmlSample()
+
+    def sample(self) -> NvmlSample:
+        self.last_drm = self.drm.sample()
+        self._last = combine_with_nvml(self.nvml.sample(), self.last_drm)
+        return self._last
+
+    def backend(self, selected: int | None, default: str) -> str:
+        return collector_backend(self._last.adapters, selected, default)
+
+    def close(self) -> None:
+        self.nvml.close()
 
 
 @dataclass(frozen=True, slots=True)
