@@ -116,7 +116,7 @@ def _run(tool: str, *args: str, timeout: float = 120) -> str:
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
-def _spawn_detached(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn_detached(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     """Start a long-lived helper in its own session, so it outlives `duvm enable`."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
@@ -317,7 +317,7 @@ def _attach_kernel(att: Attachment, run_dir: Path, timeout_s: int, save: Saver) 
         raise AttachError("every /dev/nbdN is in use (load nbd with a higher nbds_max)")
     att.nbd_device = device
     logpath = run_dir / f"holder-{Path(device).name}.log"
-    proc = _spawn_detached(kernelnbd.holder_command(device, att.socket, timeout_s), logpath)
+    proc = spawn_detached(kernelnbd.holder_command(device, att.socket, timeout_s), logpath)
     att.holder_pid = proc.pid
     save()
     deadline = time.monotonic() + 30
@@ -340,8 +340,8 @@ def _attach_fuse(att: Attachment, run_dir: Path, save: Saver) -> None:
     save()
     pidfile = run_dir / f"{mountdir.name}.pid"
     logpath = run_dir / f"{mountdir.name}.log"
-    proc = _spawn_detached([nbdfuse, "-P", str(pidfile), att.fuse_file, "--unix", att.socket],
-                           logpath)
+    proc = spawn_detached([nbdfuse, "-P", str(pidfile), att.fuse_file, "--unix", att.socket],
+                          logpath)
     att.nbdfuse_pid = proc.pid
     save()
     deadline = time.monotonic() + 30

@@ -16,6 +16,10 @@ from duvm import __version__
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "memserver": ("duvm.memserver", "serve this node's spare RAM to the pool (page server)"),
     "daemon": ("duvm.daemon", "NBD server for the local kernel; its blocks live on memservers"),
+    "enable": ("duvm.enable", "start the daemon, attach its device and swap to the pool (root)"),
+    "disable": ("duvm.disable", "swapoff, detach, stop the daemon; refuses if pages can't go home"),
+    "status": ("duvm.status", "enabled or not, device, swap used, pages and health per peer"),
+    "demo": ("duvm.demo", "a whole pool on this machine: 3 memservers, a workload, verified"),
 }
 
 

@@ -1,0 +1,305 @@
+"""Enable, disable and inspect duvm on this node: daemon process + attach layer, as one unit.
+
+Theory of operation
+-------------------
+``enable`` starts the daemon (the NBD server whose blocks live on memservers) as a detached
+child in its own session, records it in ``STATE_DIR/daemon.json``, waits for its Unix socket,
+then hands over to :mod:`duvm.attach`, which attaches the export as a block device and activates
+swap (``STATE_DIR/state.json``). The daemon reserves capacity on the peers before it opens its
+socket, so the device the kernel sees only has slots that have somewhere to go.
+
+``disable`` is the reverse, and it is safe: :func:`duvm.attach.detach` turns swap off first; if
+the kernel cannot bring the pages home, the device stays attached, the daemon keeps running and
+the command explains. Only after a clean detach is the daemon stopped (SIGTERM), which ends its
+memserver sessions and so releases the reservations.
+
+``status`` reads the two state files, ``/proc/swaps`` and each peer's STATUS. What cannot be
+known (a peer that does not answer, a daemon without a status socket) is None, never 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from duvm import attach
+from duvm.units import parse_hostport, parse_size
+
+DEFAULT_STATE_DIR = Path("/run/duvm")
+MEMSERVER_PORT = 7070
+
+
+class ControlError(Exception):
+    """enable/disable cannot proceed; the message says why and what to do."""
+
+
+@dataclass
+class Config:
+    """What `duvm enable` needs: peers to reserve on and the device size."""
+
+    peers: list[str]
+    size: int
+    priority: int = attach.DEFAULT_PRIORITY
+    replicas: int = 1
+    method: str = "auto"
+    state_dir: Path = DEFAULT_STATE_DIR
+    daemon_args: list[str] = field(default_factory=list)
+
+    @property
+    def socket(self) -> str:
+        return str(self.state_dir / "nbd.sock")
+
+    def validate(self) -> Config:
+        if not self.peers:
+            raise ControlError("no peers: give --peers HOST:PORT[,...] or peers = [...] in "
+                               "the config file")
+        for p in self.peers:
+            try:
+                parse_hostport(p, MEMSERVER_PORT)
+            except ValueError as exc:
+                raise ControlError(f"bad peer address: {exc}") from exc
+        if self.size < 1 << 20 or self.size % 4096:
+            raise ControlError(f"size {self.size} must be at least 1 MiB and whole pages")
+        if not 1 <= self.replicas <= len(self.peers):
+            raise ControlError(f"replicas = {self.replicas} needs 1..{len(self.peers)} "
+                               "(at most one copy per peer)")
+        if not -1 <= self.priority <= 32767:
+            raise ControlError(f"swap priority {self.priority} is outside -1..32767")
+        return self
+
+
+_CONFIG_KEYS = {"peers", "size", "priority", "replicas", "method", "state_dir", "daemon_args"}
+
+
+def load_config(path: Path) -> Config:
+    """Read a TOML config (see docs/duvm.example.toml). Errors name the file and the key."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ControlError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ControlError(f"config {path} is not valid TOML: {exc}") from exc
+    unknown = set(raw) - _CONFIG_KEYS
+    if unknown:
+        raise ControlError(f"config {path}: unknown key(s) {sorted(unknown)}; known: "
+                           f"{sorted(_CONFIG_KEYS)}")
+    try:
+        peers = raw.get("peers", [])
+        if isinstance(peers, str):
+            peers = [p for p in peers.split(",") if p.strip()]
+        if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+            raise ControlError(f"config {path}: peers must be a list of \"HOST:PORT\" strings")
+        size = raw.get("size")
+        if size is None:
+            raise ControlError(f"config {path}: size is missing (e.g. size = \"4G\")")
+        cfg = Config(
+            peers=[p.strip() for p in peers],
+            size=parse_size(str(size)),
+            priority=int(raw.get("priority", attach.DEFAULT_PRIORITY)),
+            replicas=int(raw.get("replicas", 1)),
+            method=str(raw.get("method", "auto")),
+            state_dir=Path(raw.get("state_dir", DEFAULT_STATE_DIR)),
+            daemon_args=[str(a) for a in raw.get("daemon_args", [])],
+        )
+    except (ValueError, TypeError) as exc:
+        raise ControlError(f"config {path}: {exc}") from exc
+    return cfg.validate()
+
+
+# --- daemon process --------------------------------------------------------------------------
+
+
+@dataclass
+class DaemonInfo:
+    pid: int
+    socket: str
+    peers: list[str]
+    size: int
+    replicas: int
+    log: str
+    started: float
+
+
+def state_path(state_dir: Path) -> Path:
+    return state_dir / "state.json"
+
+
+def daemon_path(state_dir: Path) -> Path:
+    return state_dir / "daemon.json"
+
+
+def load_daemon(state_dir: Path) -> DaemonInfo | None:
+    try:
+        return DaemonInfo(**json.loads(daemon_path(state_dir).read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        raise ControlError(f"{daemon_path(state_dir)} is unreadable ({exc}); inspect it by "
+                           "hand") from exc
+
+
+def daemon_command(cfg: Config) -> list[str]:
+    """The `duvm daemon` command line for `cfg` (the daemon's own flags live in daemon.py)."""
+    return [sys.executable, "-m", "duvm.cli", "daemon", "--socket", cfg.socket,
+            "--peers", ",".join(cfg.peers), "--size", str(cfg.size),
+            "--replicas", str(cfg.replicas), *cfg.daemon_args]
+
+
+def daemon_alive(info: DaemonInfo | None) -> bool:
+    if info is None or not attach.pid_alive(info.pid):
+        return False
+    try:
+        cmd = Path(f"/proc/{info.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"duvm.cli" in cmd and b"daemon" in cmd  # not a recycled PID
+
+
+def start_daemon(cfg: Config, timeout: float = 60.0) -> DaemonInfo:
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(cfg.socket)  # a stale socket from a crashed daemon would look ready
+    log = cfg.state_dir / "daemon.log"
+    proc = attach.spawn_detached(daemon_command(cfg), log)
+    info = DaemonInfo(proc.pid, cfg.socket, cfg.peers, cfg.size, cfg.replicas, str(log),
+                      time.time())
+    daemon_path(cfg.state_dir).write_text(json.dumps(asdict(info)) + "\n")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(cfg.socket):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log.read_text()[-1500:].strip() if log.exists() else ""
+            stop_daemon(cfg.state_dir)
+            why = "exited" if proc.returncode is not None else f"not ready after {timeout:.0f} s"
+            raise ControlError(f"the duvm daemon {why}: {tail or '(no output)'}")
+        time.sleep(0.05)
+    return info
+
+
+def stop_daemon(state_dir: Path, timeout: float = 30.0) -> None:
+    """SIGTERM the recorded daemon (SIGKILL after `timeout`), then forget it."""
+    info = load_daemon(state_dir)
+    if info is not None and daemon_alive(info):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(info.pid, signal.SIGTERM)
+        if not attach.wait_pid_exit(info.pid, timeout):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(info.pid, signal.SIGKILL)
+            attach.wait_pid_exit(info.pid, 10)
+    daemon_path(state_dir).unlink(missing_ok=True)
+    if info is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(info.socket)
+
+
+# --- enable / disable ------------------------------------------------------------------------
+
+
+def enable(cfg: Config) -> attach.Attachment:
+    attach.require_root()
+    cfg.validate()
+    existing = attach.load_state(state_path(cfg.state_dir))
+    if existing is not None or daemon_alive(load_daemon(cfg.state_dir)):
+        where = existing.device if existing and existing.device else "daemon running"
+        raise ControlError(f"duvm is already enabled ({where}); `duvm status` shows it, "
+                           "`duvm disable` turns it off")
+    daemon = start_daemon(cfg)
+    try:
+        return attach.attach(daemon.socket, state_path(cfg.state_dir), run_dir=cfg.state_dir,
+                             method=cfg.method, priority=cfg.priority,
+                             extra={"daemon_pid": daemon.pid})
+    except BaseException:
+        stop_daemon(cfg.state_dir)
+        raise
+
+
+def disable(state_dir: Path = DEFAULT_STATE_DIR, *, force: bool = False) -> bool:
+    """Swap off, detach, stop the daemon. False when nothing was enabled."""
+    attach.require_root()
+    att = attach.detach(state_path(state_dir), force=force)  # SwapoffFailed: nothing else done
+    had_daemon = load_daemon(state_dir) is not None
+    stop_daemon(state_dir)
+    return att is not None or had_daemon
+
+
+# --- status ----------------------------------------------------------------------------------
+
+
+async def _peer_status(peer: str, timeout: float) -> dict[str, Any]:
+    from duvm.memclient import query_status  # the page protocol is only needed here
+
+    host, port = parse_hostport(peer, MEMSERVER_PORT)
+    try:
+        st = await query_status(host, port, timeout=timeout)
+    except Exception as exc:  # unreachable, refused, or a peer that speaks something else
+        return {"peer": peer, "health": "unreachable", "error": str(exc), "pages": None,
+                "capacity_pages": None}
+    return {"peer": peer, "health": "ok", "error": None, "pages": st.get("used_pages"),
+            "reserved_pages": st.get("reserved_pages"), "capacity_pages": st.get("capacity_pages"),
+            "namespaces": st.get("namespaces_total")}
+
+
+def peer_statuses(peers: list[str], timeout: float = 3.0) -> list[dict[str, Any]]:
+    async def gather() -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(_peer_status(p, timeout) for p in peers)))
+
+    return asyncio.run(gather()) if peers else []
+
+
+def status(state_dir: Path = DEFAULT_STATE_DIR) -> dict[str, Any]:
+    """Everything `duvm status` shows, as plain data (JSON-ready)."""
+    att = attach.load_state(state_path(state_dir))
+    daemon = load_daemon(state_dir)
+    entry = attach.swap_entry(att.device) if att and att.device else None
+    peers = daemon.peers if daemon else []
+    return {
+        "enabled": att is not None and entry is not None,
+        "state_dir": str(state_dir),
+        "method": att.method if att else None,
+        "device": att.device if att else None,
+        "path": (att.fuse_file or att.nbd_device) if att else None,
+        "socket": att.socket if att else (daemon.socket if daemon else None),
+        "size_bytes": att.size_bytes if att else None,
+        "swap": None if entry is None else {
+            "size_bytes": entry.size_kb * 1024, "used_bytes": entry.used_kb * 1024,
+            "priority": entry.priority},
+        "daemon": None if daemon is None else {
+            "pid": daemon.pid, "running": daemon_alive(daemon), "log": daemon.log,
+            "replicas": daemon.replicas},
+        "min_free_kbytes": {"before": att.min_free_before, "set": att.min_free_set}
+        if att else None,
+        "peers": peer_statuses(peers),
+    }
+
+
+def format_status(st: dict[str, Any]) -> str:
+    def mib(n: int | None) -> str:
+        return "n/a" if n is None else f"{n / (1 << 20):.1f} MiB"
+
+    lines = [f"duvm: {'enabled' if st['enabled'] else 'not enabled'}"]
+    if st["device"]:
+        lines.append(f"device: {st['device']} via {st['method']} ({st['path']})")
+    if st["swap"]:
+        s = st["swap"]
+        lines.append(f"swap: {mib(s['used_bytes'])} used of {mib(s['size_bytes'])}, "
+                     f"priority {s['priority']}")
+    elif st["device"]:
+        lines.append("swap: not active on the device")
+    if st["daemon"]:
+        d = st["daemon"]
+        lines.append(f"daemon: pid {d['pid']} {'running' if d['running'] else 'NOT RUNNING'} "
+                     f"(log {d['log']})")
+    for p in st["peers"]:
+        pages = "n/a" if p["pages"] is None else str(p["pages"])
+        cap = "n/a" if p["capacity_pages"] is None else str(p["capacity_pages"])
+        extra = f" ({p['error']})" if p["error"] else ""
+        lines.append(f"peer {p['peer']}: {p['health']}, pages {pages} of {cap}{extra}")
+    return "\n".join(lines)

@@ -1,0 +1,300 @@
+"""`duvm demo`: a whole pool on one machine, as a first-time user would try it (root).
+
+Theory of operation
+-------------------
+1. Preflight: root, a way to attach (kernel nbd, or nbdfuse + loop), a memory cgroup and the
+   swap tools; each missing piece is named with the package that provides it.
+2. Three memservers on 127.0.0.1 (ports picked by the kernel), our own children.
+3. ``duvm enable`` against them, with its own state directory so a real enablement on this
+   machine is left alone.
+4. The workload (:mod:`duvm.workload`) in a memory cgroup limited to a quarter (or so) of what
+   it holds: the kernel swaps most of it to the duvm device, i.e. into the memservers' RAM, and
+   back while every byte is verified. A sampler thread polls each memserver's STATUS for the
+   progress line and the peak pages it held.
+5. ``duvm disable``; then every memserver is shown back at 0 pages (discard and the released
+   reservation reached them).
+
+Everything is torn down in ``finally``: the cgroup (killing the workload if needed), the
+enablement (daemon, device, swap) and the memservers. ``--json`` prints the measured result as
+one object, which the end-to-end test asserts on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from duvm import attach, cgroup, control
+from duvm.units import parse_size
+
+PAGE = 4096
+_LISTEN_RE = re.compile(r"listening on (\S+):(\d+)")
+
+
+@dataclass
+class DemoResult:
+    workload_mib: int
+    limit_mib: int
+    method: str | None = None
+    device: str | None = None
+    intact: bool | None = None
+    workload: dict[str, Any] | None = None
+    pswpout: int | None = None
+    pswpin: int | None = None
+    peak_pages: dict[str, int] = field(default_factory=dict)
+    pages_after_disable: dict[str, int | None] = field(default_factory=dict)
+    reserved_after_disable: dict[str, int | None] = field(default_factory=dict)
+    swapoff_ok: bool | None = None
+    seconds: float | None = None
+    error: str | None = None
+
+
+def preflight() -> list[str]:
+    """Why the demo cannot run here (empty: it can), each with what to install or do."""
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("needs root (it creates a swap device, a loop device and a cgroup): "
+                        "run it with sudo")
+    for tool in ("mkswap", "swapon", "swapoff", "blkdiscard"):
+        if attach.find_tool(tool) is None:
+            problems.append(f"{tool} missing: install util-linux")
+    if not (Path("/dev/nbd0").exists() or Path("/sys/module/nbd").exists()):
+        fuse = attach.fuse_path_problems()
+        if fuse and attach.find_tool("modprobe") is None:
+            problems.append("no kernel nbd module (install kmod and a kernel with nbd) and the "
+                            "nbdfuse fallback is missing: " + "; ".join(fuse))
+        elif fuse:
+            problems.append("kernel nbd is not loaded (`modprobe nbd` may fix it) and the "
+                            "nbdfuse fallback is missing: " + "; ".join(fuse))
+    if cgroup.detect_version() is None:
+        problems.append("no cgroup memory controller (mount cgroup v2, or v1 with memory)")
+    return problems
+
+
+class Memservers:
+    """N local memserver processes; stopped (and waited for) by close()."""
+
+    def __init__(self, count: int, capacity: int) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.addrs: list[str] = []
+        try:
+            for _ in range(count):
+                p = subprocess.Popen([sys.executable, "-m", "duvm.cli", "memserver", "--listen",
+                                      "127.0.0.1:0", "--capacity", str(capacity)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     stdin=subprocess.DEVNULL)
+                self.procs.append(p)
+                assert p.stdout is not None
+                line = p.stdout.readline()
+                m = _LISTEN_RE.search(line)
+                if not m:
+                    rest = line + (p.stdout.read() if p.poll() is not None else "")
+                    raise control.ControlError(f"memserver did not start: {rest.strip()}")
+                self.addrs.append(f"{m.group(1)}:{m.group(2)}")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+            if p.stdout:
+                p.stdout.close()
+
+
+class Sampler(threading.Thread):
+    """Polls memserver STATUS: latest and peak used pages per memserver."""
+
+    def __init__(self, addrs: list[str], interval: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.addrs, self.interval = addrs, interval
+        self.latest: dict[str, int | None] = dict.fromkeys(addrs)
+        self.peak: dict[str, int] = dict.fromkeys(addrs, 0)
+        self.stop = threading.Event()
+
+    def sample(self) -> None:
+        for st in control.peer_statuses(self.addrs, timeout=2.0):
+            self.latest[st["peer"]] = st["pages"]
+            if st["pages"] is not None:
+                self.peak[st["peer"]] = max(self.peak[st["peer"]], st["pages"])
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.sample()
+            self.stop.wait(self.interval)
+
+
+def _vmstat() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        k, _, v = line.partition(" ")
+        out[k] = int(v)
+    return out
+
+
+def _progress_line(phase: str, done: int, total: int, sampler: Sampler, device: str) -> str:
+    entry = attach.swap_entry(device)
+    swap = "n/a" if entry is None else f"{entry.used_kb >> 10} MiB"
+    held = " ".join(f"{(v or 0) * PAGE >> 20:>4} MiB" if v is not None else " n/a"
+                    for v in sampler.latest.values())
+    pct = 100 * done // max(total, 1)
+    return f"  {phase:<8} {pct:3d}%  swap used {swap:>8}  memservers {held}"
+
+
+def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
+    res = DemoResult(args.mib, args.limit_mib)
+    say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=out, flush=True))
+    started = time.monotonic()
+    tty = out.isatty() and not args.json
+    size = args.size or ((args.mib + args.mib // 2) << 20)
+    capacity = max(size * args.replicas // 3 + (16 << 20), 32 << 20)
+    cfg = control.Config(peers=[], size=size, replicas=args.replicas, method=args.method,
+                         state_dir=args.state_dir)
+    servers: Memservers | None = None
+    enabled = False
+    try:
+        say(f"1/5 starting 3 memservers ({capacity >> 20} MiB of RAM each)")
+        servers = Memservers(3, capacity)
+        cfg.peers = servers.addrs
+        cfg.validate()
+        say("    " + ", ".join(servers.addrs))
+        say(f"2/5 duvm enable: {size >> 20} MiB swap device, {args.replicas} replica(s)")
+        att = control.enable(cfg)
+        enabled = True
+        res.method, res.device = att.method, att.device
+        say(f"    {att.device} via {att.method}")
+        say(f"3/5 workload: {args.mib} MiB of random data in a cgroup limited to "
+            f"{args.limit_mib} MiB")
+        sampler = Sampler(servers.addrs)
+        sampler.start()
+        before = _vmstat()
+        with cgroup.MemoryCgroup(args.limit_mib << 20, prefix="duvm-demo") as cg:
+            proc = cg.popen([sys.executable, "-m", "duvm.workload", "--mib", str(args.mib),
+                             "--progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+            assert proc.stderr is not None and proc.stdout is not None
+            last = 0.0
+            for line in proc.stderr:
+                parts = line.split()
+                if len(parts) == 4 and parts[0] == "progress":
+                    now = time.monotonic()
+                    done, total = int(parts[2]), int(parts[3])
+                    if now - last > (0.2 if tty else 2.0) or done == total:
+                        last = now
+                        text = _progress_line(parts[1], done, total, sampler, att.device or "")
+                        if tty:
+                            out.write("\r" + text)
+                            out.flush()
+                        else:
+                            say(text)
+            stdout = proc.stdout.read()
+            proc.wait()
+        if tty:
+            out.write("\n")
+        after = _vmstat()
+        sampler.stop.set()
+        sampler.join()
+        sampler.sample()
+        res.pswpout = after["pswpout"] - before["pswpout"]
+        res.pswpin = after["pswpin"] - before["pswpin"]
+        res.peak_pages = dict(sampler.peak)
+        lines = stdout.strip().splitlines()
+        res.workload = json.loads(lines[-1]) if lines else None
+        res.intact = proc.returncode == 0 and bool(res.workload and res.workload["intact"])
+        verdict = "every byte intact" if res.intact else f"FAILED (exit {proc.returncode})"
+        say(f"    verified: {verdict}; kernel swapped out {res.pswpout} pages "
+            f"({res.pswpout * PAGE >> 20} MiB) and in {res.pswpin} pages "
+            f"({res.pswpin * PAGE >> 20} MiB)")
+        say("    what moved where (peak pages held by each memserver during the run):")
+        for addr, pages in res.peak_pages.items():
+            say(f"      {addr:<22} {pages:>8} pages  {pages * PAGE >> 20:>5} MiB")
+
+        say("4/5 duvm disable (swapoff first)")
+        try:
+            control.disable(cfg.state_dir)
+            res.swapoff_ok = True
+            enabled = False
+        except attach.SwapoffFailed as exc:
+            res.swapoff_ok = False
+            raise control.ControlError(str(exc)) from exc
+        say("5/5 memservers after disable:")
+        deadline = time.monotonic() + 15
+        while True:
+            sts = control.peer_statuses(servers.addrs)
+            if all(s["pages"] == 0 and s.get("reserved_pages") == 0 for s in sts) or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for s in sts:
+            res.pages_after_disable[s["peer"]] = s["pages"]
+            res.reserved_after_disable[s["peer"]] = s.get("reserved_pages")
+            say(f"      {s['peer']:<22} {s['pages'] if s['pages'] is not None else 'n/a':>8} "
+                f"pages, {s.get('reserved_pages', 'n/a')} reserved")
+    except (control.ControlError, attach.AttachError, cgroup.CgroupError) as exc:
+        res.error = str(exc)
+    finally:
+        if enabled:
+            try:
+                control.disable(cfg.state_dir, force=True)
+            except (control.ControlError, attach.AttachError) as exc:
+                res.error = (res.error or "") + f"; cleanup: {exc}"
+        if servers is not None:
+            servers.close()
+        res.seconds = round(time.monotonic() - started, 2)
+    return res
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mib", type=int, default=256, help="workload size in MiB")
+    parser.add_argument("--limit-mib", type=int, default=64,
+                        help="RAM limit of the workload's cgroup in MiB")
+    parser.add_argument("--size", type=parse_size, default=None,
+                        help="swap device size (default 1.5x the workload)")
+    parser.add_argument("--replicas", type=int, default=1, help="copies of each page (1-3)")
+    parser.add_argument("--method", choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
+                        default="auto")
+    parser.add_argument("--state-dir", type=Path, default=Path("/run/duvm-demo"),
+                        help="state directory, apart from a real enablement's")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON only")
+
+
+def run(args: argparse.Namespace) -> int:
+    problems = preflight()
+    if problems:
+        print("duvm demo cannot run here:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        return 1
+    if args.mib <= args.limit_mib or args.limit_mib < 16:
+        print("duvm demo: --mib must exceed --limit-mib (>= 16) so the workload swaps",
+              file=sys.stderr)
+        return 2
+    res = run_demo(args, sys.stdout)
+    if args.json:
+        print(json.dumps(asdict(res)))
+    elif res.error:
+        print(f"duvm demo failed: {res.error}", file=sys.stderr)
+    else:
+        back = all(v == 0 for v in res.pages_after_disable.values())
+        print(f"done in {res.seconds:.1f} s: data {'intact' if res.intact else 'CORRUPTED'}, "
+              f"memservers {'all back at 0 pages' if back else 'NOT all back at 0 pages'}")
+    ok = res.error is None and res.intact and res.swapoff_ok
+    return 0 if ok else 1

@@ -1,0 +1,54 @@
+"""`duvm enable`: start the daemon, reserve capacity on peers, attach, activate swap (root)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from duvm import attach, control
+from duvm.units import parse_size
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, metavar="FILE",
+                        help="TOML config (peers, size, priority, replicas, state_dir)")
+    parser.add_argument("--peers", metavar="HOST:PORT[,...]",
+                        help="memservers to reserve on (instead of --config)")
+    parser.add_argument("--size", metavar="SIZE", help="swap device size, e.g. 4G")
+    parser.add_argument("--replicas", type=int, default=1, help="copies of each page")
+    parser.add_argument("--priority", type=int, default=attach.DEFAULT_PRIORITY,
+                        help=f"swap priority (default {attach.DEFAULT_PRIORITY})")
+    parser.add_argument("--method", choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
+                        default="auto", help="kernel nbd, or the nbdfuse+loop fallback")
+    parser.add_argument("--state-dir", type=Path, default=control.DEFAULT_STATE_DIR,
+                        help=f"where state, sockets and logs live (default "
+                        f"{control.DEFAULT_STATE_DIR})")
+
+
+def config_from_args(args: argparse.Namespace) -> control.Config:
+    if args.config is not None:
+        if args.peers or args.size:
+            raise control.ControlError("give either --config or --peers/--size, not both")
+        return control.load_config(args.config)
+    if not args.peers or not args.size:
+        raise control.ControlError("give --config FILE, or both --peers and --size")
+    try:
+        size = parse_size(args.size)
+    except ValueError as exc:
+        raise control.ControlError(str(exc)) from exc
+    return control.Config(peers=[p.strip() for p in args.peers.split(",") if p.strip()],
+                          size=size, priority=args.priority, replicas=args.replicas,
+                          method=args.method, state_dir=args.state_dir).validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+        att = control.enable(cfg)
+    except (control.ControlError, attach.AttachError) as exc:
+        print(f"duvm enable: {exc}", file=sys.stderr)
+        return 1
+    print(f"duvm enabled: {att.device} via {att.method}, {(att.size_bytes or 0) >> 20} MiB of "
+          f"swap at priority {att.priority} on {len(cfg.peers)} peer(s)")
+    return 0

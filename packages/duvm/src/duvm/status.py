@@ -1,0 +1,26 @@
+"""`duvm status [--json]`: enabled or not, device and path, swap used, pages and health per peer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from duvm import attach, control
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    parser.add_argument("--state-dir", type=Path, default=control.DEFAULT_STATE_DIR,
+                        help=f"as given to enable (default {control.DEFAULT_STATE_DIR})")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        st = control.status(args.state_dir)
+    except (control.ControlError, attach.AttachError, OSError) as exc:
+        print(f"duvm status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(st, indent=2) if args.json else control.format_status(st))
+    return 0
