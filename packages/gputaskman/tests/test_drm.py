@@ -22,6 +22,7 @@ from gputaskman import report
 from gputaskman.drm import (
     BACKEND,
     DrmBackend,
+    NvmlWithDrm,
     backend_for,
     bus_id,
     collector_backend,
@@ -727,3 +728,46 @@ def test_combine_with_nvml_sample_data_and_collector_backend(tmp_path: Path) -> 
     assert {p.adapter for p in merged.processes} == {bus_id(INTEL_PDEV)}
     # no DRM card: NVML's sample unchanged
     assert combine_with_nvml(nvml, DrmBackend(str(tmp_path / "empty")).sample()) is nvml
+
+
+def test_names_from_product_name_else_pci_ids(tmp_path: Path) -> None:
+    write_demo_tree(tmp_path)
+    ids = tmp_path / "usr/share/hwdata/pci.ids"
+    ids.parent.mkdir(parents=True)
+    ids.write_text(
+        "# comment\n"
+        "1002  Advanced Micro Devices, Inc. [AMD/ATI]\n"
+        "\t7550  Navi 48 [Radeon RX 9070/9070 XT/9070 GRE]\n"
+        "\t\t1002 7550  a subsystem line, skipped\n"
+        "8086  Intel Corporation\n"
+        "\t4680  AlderLake-S GT1 [UHD Graphics 730]\n"
+        "C 03  Display controller\n"
+    )
+    amd, intel = enumerate_cards(str(tmp_path))
+    assert amd.name == "Navi 48 [Radeon RX 9070/9070 XT/9070 GRE]"
+    assert intel.name == "AlderLake-S GT1 [UHD Graphics 730]"
+    product = tmp_path / "sys/devices/pci0000:00" / AMD_PDEV / "product_name"
+    product.write_text("AMD Radeon Pro W7900\n")
+    assert enumerate_cards(str(tmp_path))[0].name == "AMD Radeon Pro W7900"
+
+
+def test_collector_with_nvml_with_drm_source(tmp_path: Path) -> None:
+    from gputaskman.collector import Collector, NullScanner
+    from gputaskman.nvml import NvmlBackend
+
+    write_demo_tree(tmp_path)
+    source = NvmlWithDrm(NvmlBackend(), DrmBackend(str(tmp_path)))
+    collector = Collector(scan_budget=None, nvml=source, scanner=NullScanner())
+    try:
+        snap, _system = collector.sample_with_system()
+    finally:
+        collector.close()
+    drm_adapters_seen = [a for a in snap.adapters if a.backend == BACKEND]
+    assert [a.pci_bus_id for a in drm_adapters_seen] == [bus_id(AMD_PDEV), bus_id(INTEL_PDEV)]
+    assert snap.available  # usable even where NVML has no library
+    rows = {p.pid: p for p in snap.processes if p.adapter in {bus_id(AMD_PDEV), bus_id(INTEL_PDEV)}}
+    assert rows[4100].dedicated.value == 4 * GIB
+    assert rows[4300].dedicated.value is None
+    assert snap.attributed_on(bus_id(AMD_PDEV)) == 4 * GIB
+    assert source.backend(drm_adapters_seen[0].index, "nvml") == "drm"
+    assert any(INTEL_MEMORY_NOTE in n for n in source.last_drm.notes)

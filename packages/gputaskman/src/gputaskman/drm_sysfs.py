@@ -6,7 +6,8 @@ Theory of operation
 ``card0-DP-1``) and reads, through each card's ``device`` link: the PCI address (``uevent``
 ``PCI_SLOT_NAME``, else the link's target name), ``vendor`` and ``device`` ids, the bound
 driver (the ``driver`` link's name), and a product name where the kernel offers one
-(amdgpu's ``product_name``; often empty on consumer boards, then None).
+(amdgpu's ``product_name``, often empty on consumer boards; else the device's line in the
+system's ``pci.ids`` from hwdata; else None).
 
 Device readings come from plain sysfs files, one small read each:
 
@@ -32,6 +33,7 @@ xe sysfs code and documentation (Linux 6.13).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable
@@ -127,17 +129,50 @@ def enumerate_cards(root: str = "/") -> tuple[DrmCard, ...]:
             name = _read(root, f"{dev}/product_name").strip() or None
         except OSError:
             name = None
+        vendor_id, device_id = _hex(root, f"{dev}/vendor"), _hex(root, f"{dev}/device")
+        if name is None and vendor_id is not None and device_id is not None:
+            name = pci_ids_name(root, vendor_id, device_id)
         cards.append(
             DrmCard(
                 card=card,
                 pdev=pdev,
-                vendor_id=_hex(root, f"{dev}/vendor"),
-                device_id=_hex(root, f"{dev}/device"),
+                vendor_id=vendor_id,
+                device_id=device_id,
                 driver=driver,
                 name=name,
             )
         )
     return tuple(cards)
+
+
+PCI_IDS: Final = ("usr/share/hwdata/pci.ids", "usr/share/misc/pci.ids", "usr/share/pci.ids")
+
+
+@functools.lru_cache(maxsize=64)
+def pci_ids_name(root: str, vendor_id: int, device_id: int) -> str | None:
+    """The device's name in the system's ``pci.ids`` (hwdata), or None.
+
+    Format: a vendor line ``vvvv  Name``, then its devices as ``<tab>dddd  Name``
+    (subsystems, two tabs, are skipped). Read once per device and cached.
+    """
+    vendor_tag, device_tag = f"{vendor_id:04x}  ", f"\t{device_id:04x}  "
+    for rel in PCI_IDS:
+        try:
+            with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+                in_vendor = False
+                for line in f:
+                    if line.startswith(("#", "\t\t")) or not line.strip():
+                        continue
+                    if not line.startswith("\t"):
+                        if in_vendor:
+                            return None  # past the vendor's block: unknown device
+                        in_vendor = line.lower().startswith(vendor_tag)
+                    elif in_vendor and line.lower().startswith(device_tag):
+                        return line[len(device_tag) :].strip() or None
+        except OSError:
+            continue
+        return None
+    return None
 
 
 # --------------------------------------------------------------------------- readings
