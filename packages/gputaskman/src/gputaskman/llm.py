@@ -322,7 +322,7 @@ def build_view(claim: ModelClaim, *, header: GGUFHeader | None = None,
                 bucket.append(Reading.runtime(v, f"{src}: {kind} buffer"))
         if not buffers.complete:
             notes.append("log has no complete set of buffer lines yet")
-    if served and served.weights_bytes is not None and not weights_rt:
+    if served and served.weights_bytes is not None:
         weights_rt.append(Reading.runtime(served.weights_bytes, f"{runtime} API model size"))
 
     weights_est: list[tuple[Reading, bool]] = []
