@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import tomllib
@@ -127,6 +128,7 @@ class DaemonInfo:
     replicas: int
     log: str
     started: float
+    client_id: str | None = None
 
 
 def state_path(state_dir: Path) -> Path:
@@ -147,11 +149,19 @@ def load_daemon(state_dir: Path) -> DaemonInfo | None:
                            "hand") from exc
 
 
+def client_id(cfg: Config) -> str:
+    """This node's namespace on the memservers: host and state directory, stable across runs."""
+    return f"{socket.gethostname()}:{cfg.state_dir.resolve()}"
+
+
 def daemon_command(cfg: Config) -> list[str]:
     """The `duvm daemon` command line for `cfg` (the daemon's own flags live in daemon.py)."""
-    return [sys.executable, "-m", "duvm.cli", "daemon", "--socket", cfg.socket,
-            "--peers", ",".join(cfg.peers), "--size", str(cfg.size),
-            "--replicas", str(cfg.replicas), *cfg.daemon_args]
+    cmd = [sys.executable, "-m", "duvm.cli", "daemon", "--socket", cfg.socket,
+           "--peers", ",".join(cfg.peers), "--size", str(cfg.size),
+           "--client-id", client_id(cfg)]
+    if cfg.replicas != 1:  # only asked for when wanted, so a daemon without replication says so
+        cmd += ["--replicas", str(cfg.replicas)]
+    return cmd + cfg.daemon_args
 
 
 def daemon_alive(info: DaemonInfo | None) -> bool:
@@ -171,7 +181,7 @@ def start_daemon(cfg: Config, timeout: float = 60.0) -> DaemonInfo:
     log = cfg.state_dir / "daemon.log"
     proc = attach.spawn_detached(daemon_command(cfg), log)
     info = DaemonInfo(proc.pid, cfg.socket, cfg.peers, cfg.size, cfg.replicas, str(log),
-                      time.time())
+                      time.time(), client_id(cfg))
     daemon_path(cfg.state_dir).write_text(json.dumps(asdict(info)) + "\n")
     deadline = time.monotonic() + timeout
     while not os.path.exists(cfg.socket):
@@ -233,7 +243,7 @@ def disable(state_dir: Path = DEFAULT_STATE_DIR, *, force: bool = False) -> bool
 # --- status ----------------------------------------------------------------------------------
 
 
-async def _peer_status(peer: str, timeout: float) -> dict[str, Any]:
+async def _peer_status(peer: str, timeout: float, client: str | None) -> dict[str, Any]:
     from duvm.memclient import query_status  # the page protocol is only needed here
 
     host, port = parse_hostport(peer, MEMSERVER_PORT)
@@ -241,15 +251,21 @@ async def _peer_status(peer: str, timeout: float) -> dict[str, Any]:
         st = await query_status(host, port, timeout=timeout)
     except Exception as exc:  # unreachable, refused, or a peer that speaks something else
         return {"peer": peer, "health": "unreachable", "error": str(exc), "pages": None,
-                "capacity_pages": None}
+                "capacity_pages": None, "our_pages": None, "our_reserved_pages": None}
+    ours = next((ns for ns in st.get("namespaces", []) if ns.get("client_id") == client), None)
     return {"peer": peer, "health": "ok", "error": None, "pages": st.get("used_pages"),
             "reserved_pages": st.get("reserved_pages"), "capacity_pages": st.get("capacity_pages"),
-            "namespaces": st.get("namespaces_total")}
+            "namespaces": st.get("namespaces_total"),
+            "our_pages": ours.get("stored_pages") if ours else (0 if client else None),
+            "our_reserved_pages": ours.get("reserved_pages") if ours else (0 if client else None)}
 
 
-def peer_statuses(peers: list[str], timeout: float = 3.0) -> list[dict[str, Any]]:
+def peer_statuses(peers: list[str], timeout: float = 3.0,
+                  client: str | None = None) -> list[dict[str, Any]]:
+    """STATUS of each peer: totals, and the pages of namespace `client` when given."""
+
     async def gather() -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(_peer_status(p, timeout) for p in peers)))
+        return list(await asyncio.gather(*(_peer_status(p, timeout, client) for p in peers)))
 
     return asyncio.run(gather()) if peers else []
 
@@ -276,7 +292,8 @@ def status(state_dir: Path = DEFAULT_STATE_DIR) -> dict[str, Any]:
             "replicas": daemon.replicas},
         "min_free_kbytes": {"before": att.min_free_before, "set": att.min_free_set}
         if att else None,
-        "peers": peer_statuses(peers),
+        "client_id": daemon.client_id if daemon else None,
+        "peers": peer_statuses(peers, client=daemon.client_id if daemon else None),
     }
 
 
@@ -298,8 +315,11 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"daemon: pid {d['pid']} {'running' if d['running'] else 'NOT RUNNING'} "
                      f"(log {d['log']})")
     for p in st["peers"]:
-        pages = "n/a" if p["pages"] is None else str(p["pages"])
-        cap = "n/a" if p["capacity_pages"] is None else str(p["capacity_pages"])
+        def n(v: int | None) -> str:
+            return "n/a" if v is None else str(v)
+
         extra = f" ({p['error']})" if p["error"] else ""
-        lines.append(f"peer {p['peer']}: {p['health']}, pages {pages} of {cap}{extra}")
+        lines.append(f"peer {p['peer']}: {p['health']}, ours {n(p['our_pages'])} pages "
+                     f"({n(p['our_reserved_pages'])} reserved), all clients "
+                     f"{n(p['pages'])} of {n(p['capacity_pages'])}{extra}")
     return "\n".join(lines)

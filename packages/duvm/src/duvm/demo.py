@@ -56,6 +56,9 @@ class DemoResult:
     swapoff_ok: bool | None = None
     seconds: float | None = None
     error: str | None = None
+    # what it started, so a caller can check that nothing is left behind
+    pids: list[int] = field(default_factory=list)
+    cgroup: str | None = None
 
 
 def preflight() -> list[str]:
@@ -175,6 +178,7 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
     try:
         say(f"1/5 starting 3 memservers ({capacity >> 20} MiB of RAM each)")
         servers = Memservers(3, capacity)
+        res.pids += servers.pids
         cfg.peers = servers.addrs
         cfg.validate()
         say("    " + ", ".join(servers.addrs))
@@ -182,6 +186,8 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         att = control.enable(cfg)
         enabled = True
         res.method, res.device = att.method, att.device
+        res.pids += [p for p in (att.extra.get("daemon_pid"), att.nbdfuse_pid, att.holder_pid)
+                     if isinstance(p, int)]
         say(f"    {att.device} via {att.method}")
         say(f"3/5 workload: {args.mib} MiB of random data in a cgroup limited to "
             f"{args.limit_mib} MiB")
@@ -189,6 +195,7 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         sampler.start()
         before = _vmstat()
         with cgroup.MemoryCgroup(args.limit_mib << 20, prefix="duvm-demo") as cg:
+            res.cgroup = str(cg.path)
             proc = cg.popen([sys.executable, "-m", "duvm.workload", "--mib", str(args.mib),
                              "--progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, stdin=subprocess.DEVNULL)
