@@ -344,6 +344,10 @@ def _attach_fuse(att: Attachment, run_dir: Path, save: Saver) -> None:
                           logpath)
     att.nbdfuse_pid = proc.pid
     save()
+    # nbdfuse sits on the swap path: if the OOM killer picked it, every swapped page would be
+    # unreachable and the processes owning them would die on swap-in errors
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{proc.pid}/oom_score_adj").write_text("-1000")
     deadline = time.monotonic() + 30
     while not pidfile.exists() or not os.path.exists(att.fuse_file):
         if proc.poll() is not None or time.monotonic() > deadline:
