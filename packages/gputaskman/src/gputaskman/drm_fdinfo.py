@@ -40,7 +40,20 @@ MAX_FDINFO_CHARS: Final = 64 * 1024
 
 _SIZE_UNITS: Final = {"": 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 _FREQ_UNITS: Final = {"": 1, "Hz": 1, "KHz": 1000, "kHz": 1000, "MHz": 1000**2, "GHz": 1000**3}
-_MEMORY_STATS: Final = ("total", "shared", "resident", "purgeable", "active", "memory")
+# One pattern decides every drm-* key. Alternatives are tried in order, so the longer
+# "engine-capacity" and "total-cycles" win over "engine" and the memory stat "total".
+_DRM_KEY = re.compile(
+    r"drm-(engine-capacity|engine|total-cycles|cycles|maxfreq"
+    r"|total|shared|resident|purgeable|active|memory)-(.+)"
+)
+_UNITS_BY_KIND: Final = {
+    "engine-capacity": {"": 1},
+    "engine": {"ns": 1},
+    "total-cycles": {"": 1},
+    "cycles": {"": 1},
+    "maxfreq": _FREQ_UNITS,
+}
+_KEY = re.compile(r"[^\s:]+")
 _UINT = re.compile(r"[0-9]+")
 _PDEV = re.compile(r"([0-9A-Fa-f]{1,8}):([0-9A-Fa-f]{1,2}):([0-9A-Fa-f]{1,2})\.([0-7])")
 
@@ -124,14 +137,6 @@ def _number(value: str, units: dict[str, int]) -> int | None:
     return None if scale is None else int(parts[0]) * scale
 
 
-def _suffix(key: str, prefix: str) -> str | None:
-    """The ``<name>`` after ``prefix`` when it is a valid, non-empty key string."""
-    if not key.startswith(prefix):
-        return None
-    rest = key[len(prefix) :]
-    return rest if rest and ":" not in rest else None
-
-
 def parse_fdinfo(text: str) -> FdInfo | None:
     """Parse one fdinfo file's text. None if it has no ``drm-driver`` (not a DRM client)."""
     if len(text) > MAX_FDINFO_CHARS:
@@ -144,7 +149,7 @@ def parse_fdinfo(text: str) -> FdInfo | None:
             continue
         key, sep, value = line.partition(":")
         key = key.strip()
-        if not sep or not key or any(ch.isspace() for ch in key):
+        if not sep or not _KEY.fullmatch(key):
             errors.append(f"unreadable line {raw[:80]!r}")
             continue
         if key in fields and fields[key] != value.strip():
@@ -177,36 +182,29 @@ def parse_fdinfo(text: str) -> FdInfo | None:
             errors.append(f"drm-pdev {raw_pdev[:40]!r} is not a PCI address")
 
     for key, value in fields.items():
-        target: dict[str, int] | None = None
-        slot: str | None = None  # the name the value is stored under in target
-        units = _SIZE_UNITS
-        # Longer prefixes first: drm-engine-capacity-* before drm-engine-*, and
-        # drm-total-cycles-* before the memory stat drm-total-*.
-        if (slot := _suffix(key, "drm-engine-capacity-")) is not None:
-            target, units = capacity, {"": 1}
-        elif (slot := _suffix(key, "drm-engine-")) is not None:
-            target, units = engine_ns, {"ns": 1}
-        elif (slot := _suffix(key, "drm-total-cycles-")) is not None:
-            target, units = total_cycles, {"": 1}
-        elif (slot := _suffix(key, "drm-cycles-")) is not None:
-            target, units = cycles, {"": 1}
-        elif (slot := _suffix(key, "drm-maxfreq-")) is not None:
-            target, units = maxfreq, _FREQ_UNITS
-        else:
-            for stat in _MEMORY_STATS:
-                if (region := _suffix(key, f"drm-{stat}-")) is not None:
-                    target, slot = memory.setdefault(region, {}), stat
-                    break
-        if target is None or slot is None:
+        m = _DRM_KEY.fullmatch(key)
+        if m is None:
             other[key] = value
             continue
-        number = _number(value, units)
+        kind, name = m.groups()
+        number = _number(value, _UNITS_BY_KIND.get(kind, _SIZE_UNITS))
         if number is None:
             errors.append(f"{key}: unreadable value {value[:40]!r}")
-        elif target is capacity and number == 0:
-            errors.append(f"{key} is 0, which the spec forbids; capacity 1 assumed")
+        elif kind == "engine-capacity":
+            if number == 0:
+                errors.append(f"{key} is 0, which the spec forbids; capacity 1 assumed")
+            else:
+                capacity[name] = number
+        elif kind == "engine":
+            engine_ns[name] = number
+        elif kind == "total-cycles":
+            total_cycles[name] = number
+        elif kind == "cycles":
+            cycles[name] = number
+        elif kind == "maxfreq":
+            maxfreq[name] = number
         else:
-            target[slot] = number
+            memory.setdefault(name, {})[kind] = number
 
     regions = {name: RegionMemory(**stats) for name, stats in memory.items()}
     return FdInfo(

@@ -367,3 +367,20 @@ def write_demo_tree(root: Path, *, step: int = 0) -> FakeTree:
     )
     tree.process(4400, "firefox", {40: ("/dev/dri/renderD129", firefox)}, start_ticks=3000)
     return tree
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gputaskman.drm_fixtures DIR [STEP]``: write (or advance) the demo tree."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args or len(args) > 2 or (len(args) == 2 and not args[1].isdigit()):
+        print("usage: python -m gputaskman.drm_fixtures DIR [STEP]", file=sys.stderr)
+        return 2
+    write_demo_tree(Path(args[0]), step=int(args[1]) if len(args) == 2 else 0)
+    print(f"demo DRM tree written under {args[0]} (not measured on hardware)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
