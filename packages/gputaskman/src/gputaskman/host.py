@@ -372,16 +372,15 @@ class HostSampler:
         out: dict[int, ProcessUsage] = {}
         page = procfs.PAGE_SIZE
         hz = float(procfs.CLOCK_TICKS)
-        parse = procfs.parse_stat
+        read_small = procfs.read_small
+        translate = procfs.translate
         for pid in pid_list:
             try:
-                # Plain open/read: the cheapest way to get this file (benchmarked).
-                with open(f"{root}/{pid}/stat", "rb") as f:
-                    data = f.read()
+                data = read_small(f"{root}/{pid}/stat")
             except (FileNotFoundError, ProcessLookupError):
                 continue  # exited since listing: not a process any more, not a row
             except OSError as exc:
-                err = procfs.translate(exc, pid, "stat")
+                err = translate(exc, pid, "stat")
                 if err.reason is Reason.PROCESS_GONE:
                     continue
                 out[pid] = ProcessUsage(
@@ -389,40 +388,40 @@ class HostSampler:
                 )
                 continue
             now = time.monotonic()
-            st = parse(data)
-            if st is None or btime is None:
-                detail = "unparseable stat" if st is None else "boot time unknown"
-                out[pid] = ProcessUsage(
-                    pid,
-                    None,
-                    st.name if st else None,
-                    st.rss_pages * page if st else None,
-                    None,
-                    None if st else Reason.QUERY_FAILED,
-                    Reason.QUERY_FAILED,
-                    detail,
-                )
+            # Inline parse of the three stat fields needed (same rules as procfs.parse_stat,
+            # without building an object: this loop runs for every process).
+            rpar = data.rfind(b")")
+            fields = data[rpar + 2 :].split()
+            try:
+                ticks = int(fields[11]) + int(fields[12])
+                start = int(fields[19])
+            except (IndexError, ValueError):
+                out[pid] = ProcessUsage(pid, None, None, None, None, Reason.QUERY_FAILED,
+                                        Reason.QUERY_FAILED, "unparseable /proc/PID/stat")
                 continue
+            name = data[data.find(b"(") + 1 : rpar].decode("utf-8", "replace")
             # RSS from statm, not stat: since Linux 6.2 stat's rss is the per-CPU counter's
             # fast approximate read and can lag by hundreds of pages; statm sums exactly
             # (and is what psutil, ps and top show).
             rss: int | None
             rss_reason: Reason | None = None
             try:
-                with open(f"{root}/{pid}/statm", "rb") as f:
-                    rss = int(f.read().split()[1]) * page
+                rss = int(read_small(f"{root}/{pid}/statm").split()[1]) * page
             except (FileNotFoundError, ProcessLookupError):
                 continue
             except (OSError, IndexError, ValueError) as exc:
                 rss = None
                 rss_reason = (
-                    procfs.translate(exc, pid, "statm").reason
+                    translate(exc, pid, "statm").reason
                     if isinstance(exc, OSError)
                     else Reason.QUERY_FAILED
                 )
-            ct = procfs.create_time(st.start_ticks, btime)
+            if btime is None:
+                out[pid] = ProcessUsage(pid, None, name, rss, None, rss_reason,
+                                        Reason.UNAVAILABLE, "boot time unknown (/proc/stat)")
+                continue
+            ct = start / hz + btime  # == procfs.create_time(start, btime), inlined
             key = (pid, ct)
-            ticks = st.utime_ticks + st.stime_ticks
             seen[key] = (ticks, now)
             last = prev.get(key)
             if last is None:
@@ -432,7 +431,7 @@ class HostSampler:
             else:
                 cpu = 100.0 * (ticks - last[0]) / hz / (now - last[1])
                 creason, cdetail = None, None
-            out[pid] = ProcessUsage(pid, ct, st.name, rss, cpu, rss_reason, creason, cdetail)
+            out[pid] = ProcessUsage(pid, ct, name, rss, cpu, rss_reason, creason, cdetail)
         if pids is None:
             self._proc_prev = seen
         else:

@@ -119,8 +119,14 @@ def _secret_env(name: str) -> bool:
 
 def _redact_text(arg: str) -> str:
     """Redact secrets embedded in one argument string (URLs, headers)."""
-    out = _URL_CRED_RE.sub(lambda m: f"{m.group(1)}:{REDACTED}@", arg)
-    return _AUTH_RE.sub(lambda m: f"{m.group(1)}{REDACTED}", out)
+    # Cheap substring tests first: most arguments hold neither, and the regexes cost more.
+    out = arg
+    if "@" in out:
+        out = _URL_CRED_RE.sub(lambda m: f"{m.group(1)}:{REDACTED}@", out)
+    low = out.lower()
+    if "bearer" in low or "authorization" in low:
+        out = _AUTH_RE.sub(lambda m: f"{m.group(1)}{REDACTED}", out)
+    return out
 
 
 def _redact_words(argv: list[str]) -> tuple[list[str], set[int]]:

@@ -70,18 +70,47 @@ def translate(exc: OSError, pid: int | None, what: str) -> ProcError:
 
 
 def read_proc(pid: int, name: str, *, root: str = PROC) -> bytes:
-    """Bytes of ``/proc/PID/name``; raises `NoSuchProcess`, `AccessDenied` or `ProcError`."""
-    path = f"{root}/{pid}/{name}"
+    """Bytes of ``/proc/PID/name``; raises `NoSuchProcess`, `AccessDenied` or `ProcError`.
+
+    Uses ``os.open``/``os.read`` rather than ``open()``: no Python file object, about half
+    the cost per file on this machine (see the benchmark). Reads until EOF, because a
+    multi-record file such as ``maps`` may return short reads before its end.
+    """
     try:
-        with open(path, "rb", buffering=0) as f:
-            # One read is enough for stat/statm/cmdline of normal size; loop for big files
-            # (maps of a large process, cmdlines over a page).
-            chunks = [f.read(65536)]
-            while chunks[-1]:
-                chunks.append(f.read(262144))
-            return b"".join(chunks)
+        fd = os.open(f"{root}/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise translate(exc, pid, name) from None
+    try:
+        chunks = []
+        size = 4096
+        while True:
+            chunk = os.read(fd, size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size = 262144  # a big file: take larger bites
+        return b"".join(chunks)
+    except OSError as exc:
+        raise translate(exc, pid, name) from None
+    finally:
+        os.close(fd)
+
+
+def read_small(path: str) -> bytes:
+    """One ``os.read`` of a single-record /proc file (``stat``, ``statm``): such files are
+    produced whole by one ``show()``, so a read shorter than the buffer is the whole file.
+    Raises OSError untranslated (the hot per-process loop translates only on failure)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, 4096)
+        if len(data) == 4096:  # never for stat/statm; stay correct anyway
+            rest = [data]
+            while chunk := os.read(fd, 65536):
+                rest.append(chunk)
+            data = b"".join(rest)
+        return data
+    finally:
+        os.close(fd)
 
 
 def readlink_proc(pid: int, name: str, *, root: str = PROC) -> str:
@@ -139,7 +168,11 @@ def parse_stat(data: bytes) -> Stat | None:
 
 def read_stat(pid: int, *, root: str = PROC) -> Stat:
     """Read and parse ``/proc/PID/stat``; a malformed file is a `ProcError`."""
-    st = parse_stat(read_proc(pid, "stat", root=root))
+    try:
+        data = read_small(f"{root}/{pid}/stat")
+    except OSError as exc:
+        raise translate(exc, pid, "stat") from None
+    st = parse_stat(data)
     if st is None:
         raise ProcError(pid, f"unparseable /proc/{pid}/stat")
     return st
