@@ -1,12 +1,15 @@
 """Tests of the DRM backend (amdgpu, Intel i915 and xe) on fake /sys and /proc trees.
 
 Not validated on real hardware. The fdinfo text follows the kernel's
-``Documentation/gpu/drm-usage-stats.rst`` and what the drivers print in Linux 6.13
-(torvalds/linux: ``drivers/gpu/drm/amd/amdgpu/amdgpu_fdinfo.c``,
-``drivers/gpu/drm/i915/i915_drm_client.c``, ``drivers/gpu/drm/xe/xe_drm_client.c``,
-``drm_print_memory_stats`` in ``drivers/gpu/drm/drm_file.c``); legacy amdgpu text follows the
-pre-6.9 ``amdgpu_fdinfo.c`` (``drm-memory-*`` only). The sysfs files follow the amdgpu, i915
-and xe sysfs code of the same release. Trees are laid out by `gputaskman.drm_fixtures`.
+``Documentation/gpu/drm-usage-stats.rst`` and what the drivers print in the 2025 mainline
+kernel, read from torvalds/linux blobs: drm-usage-stats.rst at f76ad354,
+``drivers/gpu/drm/amd/amdgpu/amdgpu_fdinfo.c`` at 11aaec35,
+``drivers/gpu/drm/xe/xe_drm_client.c`` at 0739b8ba (its documented example is used verbatim),
+``drivers/gpu/drm/i915/i915_drm_client.c`` with ``show_meminfo``, and
+``drm_print_memory_stats`` in ``drivers/gpu/drm/drm_file.c``. Legacy amdgpu text follows the
+older ``amdgpu_fdinfo.c`` at 0604aa87 (``drm-memory-*`` only, no ``drm-shared-*``). The sysfs
+files follow the amdgpu, i915 and xe sysfs code of the same kernel. Trees are laid out by
+`gputaskman.drm_fixtures`.
 """
 
 from __future__ import annotations

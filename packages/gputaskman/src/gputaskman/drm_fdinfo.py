@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 Every open DRM file (a ``/dev/dri/card*`` or ``/dev/dri/renderD*`` descriptor) has an fdinfo
 file. Drivers that implement the kernel's "DRM client usage stats" format
-(``Documentation/gpu/drm-usage-stats.rst``, Linux 6.13 wording) add ``key:<ws>value`` lines
-to it:
+(``Documentation/gpu/drm-usage-stats.rst``, torvalds/linux f76ad354, 2025) add
+``key:<ws>value`` lines to it:
 
 * identification: ``drm-driver``, ``drm-pdev`` (PCI slot), ``drm-client-id`` (one value per
   ``struct drm_file``: dup'd or inherited descriptors of one client show the same id),

@@ -1,7 +1,8 @@
 """Fake /sys and /proc trees in the kernel's formats, for the DRM backend's tests and demos.
 
 Nothing here was measured on hardware. The text is printed the way the kernel prints it
-(Linux 6.13 sources): the common ``drm_show_fdinfo`` lines (``drm-driver``,
+(torvalds/linux mainline of 2025: amdgpu_fdinfo.c at 11aaec35, xe_drm_client.c at 0739b8ba,
+i915_drm_client.c with memory stats): the common ``drm_show_fdinfo`` lines (``drm-driver``,
 ``drm-client-id``, ``drm-pdev``), ``drm_print_memory_stats`` sizes (bytes, ``KiB`` or
 ``MiB``, the largest unit that loses nothing), amdgpu's extra ``drm-memory-*`` aliases (with
 the stray space in ``drm-memory-gtt: \\t``), i915's ``drm-engine-<class>: N ns`` and xe's
@@ -80,7 +81,7 @@ def amdgpu_fdinfo(
     legacy: bool = False,
     ino: int = 1047,
 ) -> str:
-    """amdgpu's fdinfo (amdgpu_fdinfo.c). `legacy`: kernels before drm-resident-* (6.9)."""
+    """amdgpu's fdinfo (amdgpu_fdinfo.c). `legacy`: older kernels (memory-only keys)."""
     text = _header(ino)
     if legacy:
         text += f"drm-driver:\tamdgpu\ndrm-pdev:\t{pdev}\ndrm-client-id:\t{client_id}\n"

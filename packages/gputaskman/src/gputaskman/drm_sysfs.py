@@ -28,7 +28,7 @@ Every value is a `model.Reading` whose ``source`` names the sysfs file (relative
 refused read ``denied``, unparseable text ``query failed``; never 0.
 
 Not validated on real hardware: file names and formats follow the kernel's amdgpu, i915 and
-xe sysfs code and documentation (Linux 6.13).
+xe sysfs code and documentation in the 2025 mainline kernel.
 """
 
 from __future__ import annotations
