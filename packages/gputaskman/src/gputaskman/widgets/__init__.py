@@ -1,0 +1,1 @@
+"""Textual widgets of the gputaskman TUI; each renders plain data from a `Snapshot`."""

@@ -1,0 +1,93 @@
+"""The header for the selected GPU: identity, a measured memory bar and engine loads.
+
+The bar is drawn only from measured device counters (used / total from NVML); when either
+is unknown the header says n/a with the reason instead of drawing an empty bar. When the
+backend is unavailable the header explains why (and what that means) in place of a GPU.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from gputaskman import report
+from gputaskman.model import Adapter, DeviceMetrics, Reading, Snapshot
+
+BAR_WIDTH = 32
+
+
+def memory_bar(used: Reading, total: Reading, width: int = BAR_WIDTH) -> Text:
+    """A bar of measured used/total memory, or n/a with the reason."""
+    if used.value is None or total.value is None or total.value <= 0:
+        missing = used if used.value is None else total
+        return Text(f"memory {report.fmt_reading(missing, reason=True)}", style="yellow")
+    frac = max(0.0, min(1.0, used.value / total.value))
+    filled = round(frac * width)
+    style = "green" if frac < 0.75 else "yellow" if frac < 0.9 else "red"
+    text = Text("memory ")
+    text.append("█" * filled, style=style)
+    text.append("░" * (width - filled), style="grey37")
+    text.append(
+        f" {report.fmt_bytes(used.value)} / {report.fmt_bytes(total.value)} used"
+        f" ({frac * 100:.0f}%)"
+    )
+    return text
+
+
+def gpu_text(snapshot: Snapshot | None, adapter: Adapter | None) -> Text:
+    if snapshot is None:
+        return Text("collecting the first sample…", style="italic")
+    if not snapshot.available:
+        bp = snapshot.backend_problem
+        assert bp is not None
+        out = Text(f"No GPU: {snapshot.backend} unavailable ({bp.reason})", style="bold yellow")
+        if bp.detail:
+            out.append(f"\n{snapshot.backend}: {bp.detail}")
+        hint = report.BACKEND_HINTS.get(bp.reason)
+        if hint:
+            out.append(f"\n{hint}")
+        return out
+    if adapter is None:
+        return Text(f"{snapshot.backend} answered but lists no GPU", style="bold yellow")
+    n = len(snapshot.adapters)
+    out = Text()
+    out.append(f"GPU {adapter.index}", style="bold")
+    out.append(f" of {n}  {adapter.name or 'n/a'}  {adapter.pci_bus_id}", style="bold")
+    if snapshot.driver_version:
+        out.append(f"  driver {snapshot.driver_version}")
+    m = snapshot.metrics.get(adapter.pci_bus_id)
+    if m is None:
+        out.append("\nmetrics n/a")
+        return out
+    out.append("\n")
+    out.append_text(memory_bar(m.memory_used_bytes, m.memory_total_bytes))
+    out.append(f"  reserved {report.fmt_reading(m.memory_reserved_bytes, as_bytes=True)}")
+    out.append("\n" + engines_line(m))
+    att = snapshot.attributed_on(adapter.pci_bus_id)
+    complete = snapshot.attributed_complete_on(adapter.pci_bus_id)
+    out.append(
+        f"\nattributed to processes (measured only) {report.fmt_bytes(att)}"
+        + ("" if complete else "  · lower bound: some memory hidden or a list failed")
+    )
+    return out
+
+
+def engines_line(m: DeviceMetrics) -> str:
+    f = report.fmt_reading
+    return (
+        f"gpu {f(m.util_gpu_percent, '%')}  mem {f(m.util_memory_percent, '%')}"
+        f"  enc {f(m.encoder_percent, '%')}  dec {f(m.decoder_percent, '%')}"
+        f"  temp {f(m.temperature_c, ' C')}  power {f(m.power_w, ' W')}"
+        f" / {f(m.power_limit_w, ' W')}  clock {f(m.clock_graphics_mhz, ' MHz')}"
+    )
+
+
+class GpuHeader(Static):
+    """Shows one adapter of the latest snapshot; `show()` re-renders it."""
+
+    DEFAULT_CSS = """
+    GpuHeader { height: auto; padding: 0 1; border-bottom: solid $primary-darken-2; }
+    """
+
+    def show(self, snapshot: Snapshot | None, adapter: Adapter | None) -> None:
+        self.update(gpu_text(snapshot, adapter))

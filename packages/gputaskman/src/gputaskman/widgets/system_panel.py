@@ -1,0 +1,17 @@
+"""The system panel: RAM, swap devices and CPU as the OS reports them (never GPU bytes)."""
+
+from __future__ import annotations
+
+from textual.widgets import Static
+
+from gputaskman import report
+
+
+class SystemPanel(Static):
+    DEFAULT_CSS = """
+    SystemPanel { height: auto; padding: 0 1; border-top: solid $primary-darken-2; }
+    """
+
+    def show(self, system: object | None) -> None:
+        lines = report.system_lines(system)
+        self.update("SYSTEM (OS-reported, not GPU)\n" + "\n".join(lines))

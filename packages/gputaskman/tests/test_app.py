@@ -1,0 +1,271 @@
+"""The Textual TUI: pilot tests for behaviour, snapshot tests for layout.
+
+A fake collector feeds fixed snapshots (`gputaskman.demo`: synthetic, not measured) so
+layouts are stable; one test runs the real `Collector` on this machine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from gputaskman.app import GtmApp, create_app
+from gputaskman.demo import BUS1, DemoSystem, demo_snapshot, unavailable_snapshot
+from gputaskman.screens.help import HelpScreen
+from gputaskman.widgets.gpu_header import GpuHeader
+from gputaskman.widgets.inspector import Inspector
+from gputaskman.widgets.process_table import ProcessTable
+from gputaskman.widgets.system_panel import SystemPanel
+
+SIZE = (120, 40)
+
+
+class FakeCollector:
+    """Returns a fixed snapshot; counts calls; can block until released."""
+
+    def __init__(self, snapshot=None, system=None, gate: threading.Event | None = None):
+        self.snapshot = snapshot or demo_snapshot()
+        self.system = system if system is not None else DemoSystem()
+        self.gate = gate
+        self.calls = 0
+        self.in_flight = threading.Event()
+        self.closed = False
+
+    def sample_with_system(self):
+        self.calls += 1
+        self.in_flight.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.in_flight.clear()
+        return self.snapshot, self.system
+
+    def close(self):
+        self.closed = True
+
+
+def app_with(fake: FakeCollector, **kw) -> GtmApp:
+    return create_app(collector_factory=lambda: fake, interval=kw.pop("interval", 60.0), **kw)
+
+
+def text_of(widget) -> str:
+    return str(widget.render())
+
+
+async def settle(pilot, app: GtmApp, samples: int = 1) -> None:
+    for _ in range(200):
+        await pilot.pause()
+        if app.samples >= samples:
+            return
+        await pilot.pause(0.01)
+    raise AssertionError("no sample arrived")
+
+
+async def test_header_table_inspector_and_system_panel_show_the_snapshot():
+    fake = FakeCollector()
+    app = app_with(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        header = text_of(app.query_one(GpuHeader))
+        assert "GPU 0 of 2" in header and "12.0 GiB / 16.0 GiB used" in header
+        assert "enc n/a" in header  # not supported stays n/a, never 0%
+        table = app.query_one(ProcessTable)
+        # selected GPU's rows plus the candidate without a GPU context; not BUS1's whisper
+        assert [p.pid for p in table.rows_shown.values()] == [4242, 5151, 777, 3131]
+        assert table.get_row_at(1)[3] == "~2.0 GiB"  # inferred value keeps its marker
+        assert table.get_row_at(3)[3] == "n/a"
+        assert "PID 4242" in text_of(app.query_one("#inspector-body"))
+        assert "cpu 37.5%" in text_of(app.query_one(SystemPanel))
+    assert fake.closed
+
+
+async def test_inspector_follows_the_cursor_and_shows_reasons():
+    app = app_with(FakeCollector())
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("down")
+        await pilot.pause()
+        body = text_of(app.query_one("#inspector-body"))
+        assert "PID 5151" in body
+        assert "hidden by driver" in body and "VRAM inferred: ~2.0 GiB  [inferred" in body
+        await pilot.press("i")
+        await pilot.pause()
+        assert not app.query_one(Inspector).display
+
+
+async def test_sorting_cycles_columns_reverses_and_keeps_unknown_last():
+    app = app_with(FakeCollector())
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        table = app.query_one(ProcessTable)
+        await pilot.press("s")  # VRAM -> RAM
+        await pilot.pause()
+        assert table.sort_column == "RAM" and table.descending
+        assert [p.pid for p in table.rows_shown.values()] == [4242, 5151, 777, 3131]
+        await pilot.press("r")
+        await pilot.pause()
+        # ascending; llama-cli's RAM is unknown and stays last either way
+        assert [p.pid for p in table.rows_shown.values()] == [777, 5151, 4242, 3131]
+        await pilot.press("s", "s")  # RAM -> CPU% -> PID
+        await pilot.pause()
+        assert table.sort_column == "PID" and not table.descending
+        assert [p.pid for p in table.rows_shown.values()] == [777, 3131, 4242, 5151]
+
+
+async def test_switching_gpus_changes_header_and_rows():
+    app = app_with(FakeCollector())
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("g")
+        await pilot.pause()
+        assert app.adapter is not None and app.adapter.pci_bus_id == BUS1
+        assert "GPU 1 of 2" in text_of(app.query_one(GpuHeader))
+        pids = [p.pid for p in app.query_one(ProcessTable).rows_shown.values()]
+        assert pids == [9001, 3131]
+        await pilot.press("G")
+        await pilot.pause()
+        assert app.adapter.index == 0
+
+
+async def test_gpu_option_selects_the_adapter_by_index():
+    app = app_with(FakeCollector(), gpu=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        assert app.adapter.pci_bus_id == BUS1
+
+
+async def test_help_screen_lists_every_key():
+    app = app_with(FakeCollector())
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        text = text_of(app.screen.query_one("#help-text"))
+        for b in GtmApp.BINDINGS:
+            assert b.description in text
+        assert "measured by the driver" in text
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, HelpScreen)
+
+
+async def test_no_gpu_says_why_and_still_shows_system_panel():
+    app = app_with(FakeCollector(unavailable_snapshot()))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        header = text_of(app.query_one(GpuHeader))
+        assert "No GPU: nvml unavailable (library not found)" in header
+        assert "NVML Shared Library Not Found" in header
+        assert "ram 12.0 GiB used" in text_of(app.query_one(SystemPanel))
+
+
+async def test_real_collector_on_this_machine():
+    """Not faked: the default factory builds the real Collector (NVML, /proc)."""
+    app = create_app(interval=60.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        snap = app.snapshot
+        assert snap is not None
+        system_text = text_of(app.query_one(SystemPanel))
+        assert "RAM   used" in system_text and "GiB" in system_text
+        if not snap.available:
+            assert "No GPU" in text_of(app.query_one(GpuHeader))
+
+
+async def test_refresh_runs_off_the_ui_thread_and_never_piles_up():
+    gate = threading.Event()
+    fake = FakeCollector(gate=gate)
+    app = app_with(fake, interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        for _ in range(100):
+            await pilot.pause(0.01)
+            if fake.in_flight.is_set():
+                break
+        assert fake.in_flight.is_set()
+        # the collector is blocked, yet the UI still handles keys
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        assert fake.in_flight.is_set() and app.samples == 0
+        await pilot.pause(0.3)  # several ticks pass while the sample is blocked
+        assert fake.calls == 1  # skipped, not queued
+        gate.set()
+        await settle(pilot, app)
+        assert app.samples >= 1
+
+
+async def test_pause_stops_collection_and_refresh_now_takes_one():
+    fake = FakeCollector()
+    app = app_with(fake, interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("space")
+        await pilot.pause(0.1)
+        calls = fake.calls
+        await pilot.pause(0.3)
+        assert fake.calls == calls
+        assert "PAUSED" in text_of(app.query_one("#status"))
+        before = app.samples
+        await pilot.press("u")
+        await settle(pilot, app, samples=before + 1)
+        assert fake.calls == calls + 1
+
+
+async def test_a_failing_collector_is_reported_not_fatal():
+    class Broken(FakeCollector):
+        def sample_with_system(self):
+            raise OSError("boom")
+
+    app = app_with(Broken())
+    async with app.run_test(size=SIZE) as pilot:
+        for _ in range(100):
+            await pilot.pause(0.01)
+            if app.last_error:
+                break
+        assert app.last_error == "OSError: boom"
+        assert "refresh failed: OSError: boom" in text_of(app.query_one("#status"))
+
+
+# ----------------------------------------------------------------- layout snapshots
+
+
+@pytest.fixture
+def utc(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def _steady(app: GtmApp):
+    async def run_before(pilot) -> None:
+        await settle(pilot, app)
+        app.last_elapsed_s = None  # wall-clock timing would make the layout flaky
+        app.render_status()
+        await pilot.pause()
+
+    return run_before
+
+
+def test_layout_snapshot_demo(snap_compare, utc):
+    app = app_with(FakeCollector())
+    assert snap_compare(app, terminal_size=SIZE, run_before=_steady(app))
+
+
+def test_layout_snapshot_no_gpu(snap_compare, utc):
+    app = app_with(FakeCollector(unavailable_snapshot()))
+    assert snap_compare(app, terminal_size=(100, 30), run_before=_steady(app))
+
+
+def test_layout_snapshot_help(snap_compare, utc):
+    app = app_with(FakeCollector())
+    steady = _steady(app)
+
+    async def run_before(pilot) -> None:
+        await steady(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
