@@ -314,3 +314,44 @@ def test_attach_unknown_method_and_detach_nothing(tmp_path: Path) -> None:
     with pytest.raises(attach.AttachError):
         attach.attach("/nonexistent.sock", tmp_path / "s.json", method="carrier-pigeon")
     assert attach.detach(tmp_path / "s.json") is None
+
+
+# --- kernel nbd device selection and the holder process ---------------------------------------
+
+
+def test_free_device_skips_connected_and_sized(tmp_path: Path) -> None:
+    """A sysfs tree in the kernel's layout: nbd0 connected (pid), nbd1 has a size, nbd2 free,
+    nbd10 free; numeric order, not string order, decides."""
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    dev.mkdir()
+    for name, size, pid in (("nbd0", "0", "123"), ("nbd1", "2048", None), ("nbd10", "0", None),
+                            ("nbd2", "0", None), ("loop0", "0", None)):
+        (sysfs / name).mkdir(parents=True)
+        (sysfs / name / "size").write_text(size + "\n")
+        if pid:
+            (sysfs / name / "pid").write_text(pid)
+        (dev / name).touch()
+    assert kernelnbd.free_device(sysfs, dev) == str(dev / "nbd2")
+    (sysfs / "nbd2" / "pid").write_text("7")
+    assert kernelnbd.free_device(sysfs, dev) == str(dev / "nbd10")
+    (dev / "nbd10").unlink()
+    assert kernelnbd.free_device(sysfs, dev) is None
+
+
+@needs_nbdkit
+def test_holder_handshakes_then_reports_a_missing_device(nbdkit_memory: str,
+                                                         tmp_path: Path) -> None:
+    """The real holder process: negotiates with nbdkit, then fails cleanly without /dev/nbdN."""
+    missing = str(tmp_path / "nbd99")
+    res = subprocess.run(kernelnbd.holder_command(missing, nbdkit_memory, 30),
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 1
+    assert f"duvm nbd holder: {missing}:" in res.stderr and "No such file" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_holder_reports_a_dead_server(tmp_path: Path) -> None:
+    res = subprocess.run(kernelnbd.holder_command("/dev/nbd0", str(tmp_path / "none.sock"), 30),
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 1 and "No such file" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -423,7 +423,7 @@ def attach(socket_path: str, state_path: Path, *, run_dir: Path = DEFAULT_RUN_DI
         save()
     except BaseException as exc:
         try:
-            detach(state_path)
+            detach(state_path, force=True)  # only just activated: nothing to protect yet
         except AttachError as undo:
             raise AttachError(f"{exc}; undoing the partial attach also failed: {undo}") from exc
         raise
@@ -431,8 +431,14 @@ def attach(socket_path: str, state_path: Path, *, run_dir: Path = DEFAULT_RUN_DI
 
 
 def swapoff_problems(entry: SwapEntry) -> list[str]:
-    """Reasons swapoff of `entry` would fail or make the kernel kill processes (empty: none)."""
-    problems = []
+    """Reasons swapoff of `entry` would fail or make the kernel kill processes (empty: none).
+
+    The cgroup check cannot tell which swap device a group's pages are on, so it is
+    conservative; it is skipped when nothing is on our device.
+    """
+    problems: list[str] = []
+    if entry.used_kb == 0:
+        return problems
     available = mem_available_kb()
     if available is not None and entry.used_kb > available:
         problems.append(f"{entry.used_kb >> 10} MiB are swapped out to {entry.filename} but only "
@@ -467,7 +473,8 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
                 f"not turning off swap on {att.device}: the kernel would have to bring every "
                 f"swapped page back into RAM, and there is no room: " + "; ".join(problems)
                 + ". It stays attached and nothing was lost. Free memory (stop or resize those "
-                "workloads) and run disable again.")
+                "workloads) and run disable again (--force skips this check; swapoff itself "
+                "still refuses when RAM is short, and the kernel may OOM-kill such a group).")
         try:
             _run("swapoff", att.device, timeout=3600)
         except AttachError as exc:

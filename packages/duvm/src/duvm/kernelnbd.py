@@ -221,9 +221,8 @@ def kernel_has_nbd() -> bool:
     return Path("/dev/nbd0").exists() or Path("/sys/module/nbd").exists()
 
 
-def free_device() -> str | None:
+def free_device(sys_block: Path = Path("/sys/block"), dev: Path = Path("/dev")) -> str | None:
     """The first /dev/nbdN that is not connected (no pid attribute, size 0)."""
-    sys_block = Path("/sys/block")
     names = sorted(
         (p.name for p in sys_block.glob("nbd*") if p.name[3:].isdigit()), key=lambda n: int(n[3:])
     )
@@ -235,8 +234,8 @@ def free_device() -> str | None:
                 continue
         except (OSError, ValueError):
             continue
-        if Path("/dev", name).exists():
-            return f"/dev/{name}"
+        if (dev / name).exists():
+            return str(dev / name)
     return None
 
 
