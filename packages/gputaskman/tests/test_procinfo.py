@@ -264,8 +264,8 @@ def test_budget_is_respected_in_priority_order_and_progresses(
     assert rounds == 5  # 40 processes, 8 per refresh
     again = scanner.scan(pids)
     assert again.scanned == 0 and again.pending == () and len(again.infos) == 40
-    # budget=None (one-shot) scans everything at once
-    assert Scanner(budget=None).scan(pids).scanned == 40
+    # budget=None (one-shot) scans everything at once, each PID once even if listed twice
+    assert Scanner(budget=None).scan(pids + pids[:5]).scanned == 40
     # a tiny budget still makes progress: one process per refresh
     assert Scanner(budget=0.0).scan(pids).scanned == 1
 

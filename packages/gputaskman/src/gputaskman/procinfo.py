@@ -708,8 +708,12 @@ class Scanner:
         todo: list[tuple[int, float | None]] = []
         stale: list[tuple[int, float]] = []
         now_mono = time.monotonic()
+        asked: set[int] = set()
         for item in order:
             pid, ct = self._key_of(item)
+            if pid in asked:  # a PID listed twice (e.g. on two GPUs) is scanned once
+                continue
+            asked.add(pid)
             if ct is None:
                 ct = self._current_ct(pid)
                 if ct is None:
