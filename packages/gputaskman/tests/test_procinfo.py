@@ -184,6 +184,23 @@ def test_exited_and_zombie_processes_give_reasons_not_crashes() -> None:
     assert result.gone == (done.pid,) and done.pid not in result.infos
 
 
+def test_kernel_thread_is_recognised_and_not_read_further() -> None:
+    kthreads = []
+    for pid in procfs.list_pids():
+        try:
+            if procfs.read_stat(pid).kernel_thread:
+                kthreads.append(pid)
+        except procfs.ProcError:
+            continue
+    if not kthreads:
+        pytest.skip("no kernel threads visible in this PID namespace")
+    info = scan_process(kthreads[0])
+    assert info.kernel_thread and not info.gone and info.reasons == ()
+    assert info.cmdline == () and info.exe is None and info.runtimes == ()
+    me = scan_process(os.getpid())
+    assert not me.kernel_thread and me.exe is not None
+
+
 def test_create_time_mismatch_means_the_meant_process_is_gone() -> None:
     me = scan_process(os.getpid())
     assert me.create_time is not None

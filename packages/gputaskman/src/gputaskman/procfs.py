@@ -31,6 +31,7 @@ from gputaskman.model import Reason
 PROC = "/proc"
 CLOCK_TICKS: int = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PAGE_SIZE: int = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PF_KTHREAD = 0x00200000  # include/linux/sched.h: "I am a kernel thread"
 
 
 class ProcError(Exception):
@@ -133,10 +134,15 @@ class Stat:
     name: str  # comm, at most 15 bytes, may contain spaces and parentheses
     state: str
     ppid: int
+    flags: int  # PF_* bits; PF_KTHREAD marks a kernel thread
     utime_ticks: int
     stime_ticks: int
     start_ticks: int  # since boot, in SC_CLK_TCK units; with btime, the create time
     rss_pages: int  # approximate on Linux >= 6.2 (per-CPU counter); statm is exact
+
+    @property
+    def kernel_thread(self) -> bool:
+        return bool(self.flags & PF_KTHREAD)
 
 
 def parse_stat(data: bytes) -> Stat | None:
@@ -157,6 +163,7 @@ def parse_stat(data: bytes) -> Stat | None:
             name=data[lpar + 1 : rpar].decode("utf-8", "replace"),
             state=fields[0].decode("ascii", "replace"),
             ppid=int(fields[1]),
+            flags=int(fields[6]),
             utime_ticks=int(fields[11]),
             stime_ticks=int(fields[12]),
             start_ticks=int(fields[19]),

@@ -279,6 +279,7 @@ class ProcInfo:
     scanned_at: float  # time.monotonic() of the scan
     gone: bool = False
     reasons: tuple[FieldReason, ...] = ()
+    kernel_thread: bool = False  # no user memory: maps, cwd and exe are not read
 
     @property
     def key(self) -> tuple[int, float | None]:
@@ -543,6 +544,11 @@ def scan_process(
         return _gone(pid, create_time, procfs.NoSuchProcess(
             pid, f"pid {pid} now belongs to a process started at {ct:.2f}"))
 
+    if st.kernel_thread:
+        # Kernel threads have no memory map, command line or executable; skip three reads.
+        return ProcInfo(pid, ct, st.name, None, None, (), 0, (), (), None, time.monotonic(),
+                        kernel_thread=True)
+
     argv: tuple[str, ...] | None = None
     redacted = 0
     margs = ()
@@ -562,8 +568,7 @@ def scan_process(
             links[what] = procfs.readlink_proc(pid, what, root=root)
         except procfs.ProcError as err:
             links[what] = None
-            if not (what == "exe" and not argv):  # kernel threads have no exe: not a fault
-                reasons.append(FieldReason(what, err.reason, err.detail))
+            reasons.append(FieldReason(what, err.reason, err.detail))
 
     paths: set[str] = set()
     try:
