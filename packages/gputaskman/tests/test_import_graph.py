@@ -1,0 +1,51 @@
+"""The non-UI modules never import Textual or Rich (checked in a fresh interpreter)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CORE = [
+    "gputaskman.model",
+    "gputaskman.nvml",
+    "gputaskman.host",
+    "gputaskman.procinfo",
+    "gputaskman.collector",
+    "gputaskman.report",
+    "gputaskman.demo",
+    "gputaskman.cli",
+]
+UI = ("textual", "rich")
+
+
+def imported_after(modules: list[str]) -> set[str]:
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    return set(json.loads(out.stdout))
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_module_imports_no_ui_library(module):
+    loaded = imported_after([module])
+    assert module in loaded
+    ui = sorted(m for m in loaded if m.split(".")[0] in UI)
+    assert ui == [], f"{module} pulls in {ui[:5]}"
+
+
+def test_nvml_binding_is_imported_lazily():
+    loaded = imported_after(["gputaskman.nvml", "gputaskman.collector"])
+    assert "pynvml" not in loaded
+
+
+def test_the_checker_sees_ui_imports():
+    loaded = imported_after(["gputaskman.app"])
+    assert "textual" in loaded  # so an empty result above means something
