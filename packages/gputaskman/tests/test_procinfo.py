@@ -135,9 +135,9 @@ def test_deleted_mapped_model_is_flagged(
     info = scan_process(proc.pid)
     (ev,) = [m for m in info.models if m.evidence == "mapped"]
     assert ev.path == str(model) and ev.deleted is True and ev.exists is None
-    # the argument still names it, as a path-arg that no longer exists
+    # the argument still names it, as a path-arg: informational, never stat'ed
     (arg,) = [m for m in info.models if m.evidence == "path-arg"]
-    assert arg.path == str(model) and arg.exists is False
+    assert arg.path == str(model) and arg.exists is None and arg.size_bytes is None
 
 
 def test_library_named_libcudart_is_detected_as_cuda_runtime(
@@ -392,6 +392,8 @@ def test_classify_prefers_evidence_over_names() -> None:
          ["srv", "--token", REDACTED, "--max-tokens", "5"]),
         (["srv", "--hf-token", "X1"], ["srv", "--hf-token", REDACTED]),
         (["srv", "--password", "X1"], ["srv", "--password", REDACTED]),
+        (["srv", "--hfToken", "X1", "--apiKey=X2"],
+         ["srv", "--hfToken", REDACTED, f"--apiKey={REDACTED}"]),
         (["env", "HF_TOKEN=X1", "OPENAI_API_KEY=X2", "PATH=/bin"],
          ["env", f"HF_TOKEN={REDACTED}", f"OPENAI_API_KEY={REDACTED}", "PATH=/bin"]),
         (["curl", "https://me:X1@host/p"], ["curl", f"https://me:{REDACTED}@host/p"]),
@@ -412,6 +414,8 @@ def test_model_args_flags_python_m_and_retitled() -> None:
     r = redact_argv(["llama-server -m /m/a.gguf --port 8"])
     assert [(a.raw, a.evidence) for a in model_args(r)] == [("/m/a.gguf", "cmdline")]
     assert model_args(redact_argv(["tar", "-m", "stuff"])) == ()  # -m needs a path-like value
+    r = redact_argv(["python3", "-mllama_cpp.server", "-m", "q.gguf"])
+    assert [(a.raw, a.flag) for a in model_args(r)] == [("q.gguf", "-m")]
     assert resolve("a/../b.gguf", "/w") == "/w/b.gguf" and resolve("x", None) is None
     assert split_cmdline(b"a\0b c\0") == ("a", "b c") and split_cmdline(b"") == ()
 

@@ -11,8 +11,9 @@ What is redacted (documented list; keep README and tests in step)
 ------------------------------------------------------------------
 * The value of a flag whose name, split on ``-``/``_``, contains one of `SECRET_FLAG_WORDS`
   (``--api-key X``, ``--api-key=X``, ``--token``, ``--hf-token``, ``--password``,
-  ``--secret``, ``--auth``, ``--access-key`` ...), in both ``--flag value`` and
-  ``--flag=value`` forms. ``--max-tokens`` is *not* a secret: ``tokens`` is not ``token``.
+  ``--secret``, ``--auth``, ``--access-key``, camelCase ``--hfToken`` ...), in both
+  ``--flag value`` and ``--flag=value`` forms. The value is the next argument unless it
+  starts with ``--``. ``--max-tokens`` is *not* a secret: ``tokens`` is not ``token``.
 * ``NAME=value`` arguments (``env HF_TOKEN=x cmd``, ``docker -e OPENAI_API_KEY=x``) whose
   upper-cased NAME contains one of `SECRET_ENV_WORDS`.
 * The password of a URL with credentials (``https://user:pass@host``).
@@ -105,8 +106,12 @@ class ModelArg:
     index: int
 
 
+_CAMEL_RE = re.compile(r"([a-z0-9])([A-Z])")
+
+
 def _secret_flag(arg: str) -> bool:
-    name = arg.lstrip("-").lower()
+    # camelCase flags (--hfToken, --apiKey) split like kebab-case ones.
+    name = _CAMEL_RE.sub(r"\1-\2", arg.lstrip("-")).lower()
     if not name:
         return False
     return any(w in SECRET_FLAG_WORDS for w in re.split(r"[-_.]", name))
@@ -194,6 +199,8 @@ def _program_start(argv: tuple[str, ...]) -> int:
         a = argv[i]
         if a in ("-m", "-c"):
             return i + 2
+        if a.startswith(("-m", "-c")) and len(a) > 2:  # -mpkg, -c'code'
+            return i + 1
         if a in _PY_VALUE_OPTS:
             i += 2
             continue

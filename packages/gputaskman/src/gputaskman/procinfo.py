@@ -224,7 +224,7 @@ class ModelEvidence:
     `path` is the absolute path as the process sees it (None when relative and the cwd is
     unknown); `raw` is the argument as written (None for mapped). `deleted` means the maps
     line ended in ``(deleted)``. `exists` / `size_bytes` come from a stat through
-    ``/proc/PID/root`` and are None when it could not be checked.
+    ``/proc/PID/root`` (mapped and cmdline evidence only) and are None when not checked.
     """
 
     evidence: str
@@ -588,7 +588,9 @@ def scan_process(
     cwd = links["cwd"]
     for ma in margs:
         path = resolve(ma.raw, cwd)
-        exists, size = _stat_model(pid, path, root)
+        # path-arg is informational only: no stat (a stat of an arbitrary argument could
+        # block on a dead network mount, and the ladder gives it no weight anyway).
+        exists, size = _stat_model(pid, path, root) if ma.evidence == "cmdline" else (None, None)
         models.append(ModelEvidence(ma.evidence, path, raw=ma.raw, flag=ma.flag,
                                     exists=exists, size_bytes=size))
     name = st.name
