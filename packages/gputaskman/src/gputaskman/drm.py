@@ -267,7 +267,7 @@ class DrmBackend:
             metrics=metrics,
             processes=processes,
             problems=_problems(scan, adapters),
-            notes=_notes(scan, cards),
+            notes=_notes(scan, cards) + _throttle_notes(extra),
             extra=extra,
             throttle_reasons={k: v.throttle_reasons for k, v in extra.items()},
         )
@@ -396,6 +396,16 @@ def _problems(scan: ScanResult, adapters: Sequence[Adapter]) -> tuple[Problem, .
         "(run as root to see every client)"
     )
     return tuple(Problem("processes.drm", Reason.DENIED, detail, a.pci_bus_id) for a in adapters)
+
+
+def _throttle_notes(extra: Mapping[str, CardReadings]) -> tuple[str, ...]:
+    """One line per card whose GT frequency is throttled now (Intel), naming the reasons."""
+    return tuple(
+        f"GPU {bus}: frequency throttled ({', '.join(r.throttle_reasons) or 'reason not given'})"
+        f" [{r.throttle_source}]"
+        for bus, r in extra.items()
+        if r.throttle_reasons is not None and r.throttle_active
+    )
 
 
 def _notes(scan: ScanResult, cards: Sequence[DrmCard]) -> tuple[str, ...]:

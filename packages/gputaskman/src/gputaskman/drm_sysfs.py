@@ -286,6 +286,7 @@ class CardReadings:
     throttle_reasons: tuple[str, ...] | None  # None: the card exposes no throttle status
     throttle_source: str | None
     energy_uj: Reading  # hwmon energy1_input (µJ) for a power rate between samples
+    throttle_active: bool = False  # a status file says throttled now
 
 
 def read_amdgpu(root: str, card: DrmCard) -> CardReadings:
@@ -332,8 +333,11 @@ def _natural(name: str) -> tuple[str, int]:
     return (m.group(1), int(m.group(2))) if m else (name, -1)
 
 
-def intel_throttle(root: str, card: DrmCard) -> tuple[tuple[str, ...] | None, str | None]:
-    """Active throttle reasons over all GTs: ``(reasons, source)``; (None, None) if absent.
+def intel_throttle(root: str, card: DrmCard) -> tuple[tuple[str, ...] | None, str | None, bool]:
+    """Throttle state over all GTs: ``(active reasons, source, any status is 1)``.
+
+    ``(None, None, False)`` when the card exposes no throttle status at all. Reasons are
+    read only from GTs whose status says throttled.
 
     i915: ``cardN/gt/gtM/throttle_reason_status`` and ``throttle_reason_<r>``; xe:
     ``device/tileN/gtM/freq0/throttle/status`` and ``reason_<r>``. Each file holds 0 or 1.
@@ -347,7 +351,7 @@ def intel_throttle(root: str, card: DrmCard) -> tuple[tuple[str, ...] | None, st
         dirs += [
             (f"{g}/freq0/throttle", "status", "reason_") for g in _gt_dirs(root, tile, r"gt[0-9]+")
         ]
-    found = False
+    found = throttled = False
     active: set[str] = set()
     source = None
     for d, status, prefix in dirs:
@@ -359,6 +363,12 @@ def intel_throttle(root: str, card: DrmCard) -> tuple[tuple[str, ...] | None, st
             continue
         found = True
         source = source or f"sysfs:{d}/{status}"
+        try:
+            if _read(root, f"{d}/{status}").strip() != "1":
+                continue  # this GT is not throttled; its reason bits are all clear
+        except OSError:
+            continue
+        throttled = True
         for f in files:
             if not f.startswith(prefix) or f == status:
                 continue
@@ -367,7 +377,7 @@ def intel_throttle(root: str, card: DrmCard) -> tuple[tuple[str, ...] | None, st
                     active.add(f[len(prefix) :])
             except OSError:
                 continue
-    return (tuple(sorted(active)), source) if found else (None, None)
+    return (tuple(sorted(active)), source, throttled) if found else (None, None, False)
 
 
 def intel_gt_freq(root: str, card: DrmCard) -> Reading:
@@ -408,7 +418,7 @@ def read_intel(root: str, card: DrmCard, clients_used_bytes: int | None) -> Card
             Reason.UNAVAILABLE, used_source, "no visible DRM client reports memory", Kind.INFERRED
         )
     )
-    reasons, throttle_source = intel_throttle(root, card)
+    reasons, throttle_source, throttled = intel_throttle(root, card)
     intel_only = "Intel exposes no device-wide counter for this"
     metrics = DeviceMetrics(
         memory_total_bytes=total,
@@ -426,7 +436,7 @@ def read_intel(root: str, card: DrmCard, clients_used_bytes: int | None) -> Card
         clock_memory_mhz=_not_supported(f"sysfs:{dev}", intel_only),
     )
     gtt = _not_supported(f"sysfs:{dev}", "no GTT counter on Intel")
-    return CardReadings(metrics, gtt, gtt, reasons, throttle_source, energy)
+    return CardReadings(metrics, gtt, gtt, reasons, throttle_source, energy, throttled)
 
 
 def _with_detail(r: Reading, note: str) -> Reading:
