@@ -1,0 +1,423 @@
+"""`duvm memserver`: serve this node's spare RAM to the pool as a page store.
+
+Theory of operation:
+
+- State (`PageStore`) is plain Python: one `Arena` of preallocated 4 KiB slots and one
+  `Namespace` per client id, mapping the client's page numbers to slots. Reservations are
+  promises: the sum of all namespaces' reservations never exceeds the arena, and a namespace
+  never stores more pages than it reserved, so a STORE within a reservation always finds a free
+  slot and receiving a page never allocates page memory. `handle()` turns one decoded request
+  into one reply; it is synchronous because every request is served from RAM.
+- The network driver (`_Conn`) is an asyncio BufferedProtocol around `pageproto.Decoder`: the
+  kernel copies received bytes straight into the decoder's preallocated buffer, STORE data is
+  copied from there into arena slots, and every reply produced while handling one read is sent
+  with a single `writelines` (one writev), so a pipelined burst costs one syscall each way.
+- A namespace outlives its connections for a lease (default 60 s): a client that reconnects
+  with the same client id within the lease finds its pages and reservation; when the lease runs
+  out both are freed. A frame that breaks the protocol closes that one connection with a logged
+  reason; other connections and namespaces are untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from duvm import pageproto as pp
+from duvm.arena import PAGE_SIZE, Arena
+from duvm.memclient import tune_socket
+from duvm.units import parse_hostport, parse_size
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_LEASE_S = 60.0
+SUPPORTED_VERSIONS = (pp.MIN_VERSION, pp.PROTOCOL_VERSION)
+
+
+@dataclass(slots=True, eq=False)
+class Namespace:
+    """One attached device of one node: its pages (key -> arena slot) and its reservation."""
+
+    client_id: str
+    reserved: int = 0
+    pages: dict[int, int] = field(default_factory=dict)
+    connections: int = 0
+    expires_at: float | None = None  # monotonic time; set while no connection holds it
+    timer: asyncio.TimerHandle | None = None
+
+
+class PageStore:
+    """Arena, namespaces, reservations; `handle(ns, request)` -> reply. No I/O."""
+
+    def __init__(self, capacity_pages: int, *, lease_s: float = DEFAULT_LEASE_S,
+                 lock: bool = True) -> None:  # fmt: skip
+        self.arena = Arena(capacity_pages, lock=lock)
+        self.lease_s = lease_s
+        self.namespaces: dict[str, Namespace] = {}
+        self.reserved_total = 0
+        self.connections = 0
+        self.started = time.monotonic()
+
+    @property
+    def capacity_pages(self) -> int:
+        return self.arena.slots
+
+    def attach(self, client_id: str) -> tuple[Namespace, bool]:
+        """A connection said HELLO: find (resumed=True) or create its namespace."""
+        ns = self.namespaces.get(client_id)
+        resumed = ns is not None
+        if ns is None:
+            ns = self.namespaces[client_id] = Namespace(client_id)
+        if ns.timer is not None:
+            ns.timer.cancel()
+            ns.timer = None
+        ns.expires_at = None
+        ns.connections += 1
+        return ns, resumed
+
+    def detach(self, ns: Namespace, loop: asyncio.AbstractEventLoop) -> None:
+        """A connection of `ns` ended: start the lease when it was the last one."""
+        ns.connections -= 1
+        if ns.connections > 0 or self.namespaces.get(ns.client_id) is not ns:
+            return
+        if not ns.pages and not ns.reserved:
+            del self.namespaces[ns.client_id]
+            return
+        ns.expires_at = time.monotonic() + self.lease_s
+        ns.timer = loop.call_later(self.lease_s, self._expire, ns)
+
+    def _expire(self, ns: Namespace) -> None:
+        if ns.connections or self.namespaces.get(ns.client_id) is not ns:
+            return
+        freed = self._release(ns)
+        del self.namespaces[ns.client_id]
+        log.info("lease of %r expired: freed %d pages", ns.client_id, freed)
+
+    def _release(self, ns: Namespace) -> int:
+        free = self.arena.free
+        for slot in ns.pages.values():
+            free(slot)
+        n = len(ns.pages)
+        ns.pages.clear()
+        self.reserved_total -= ns.reserved
+        ns.reserved = 0
+        return n
+
+    # --- requests (hot ones first) ---
+
+    def store(self, ns: Namespace, msg: pp.Store) -> pp.StoreReply | pp.ErrorReply:
+        pages, keys = ns.pages, msg.keys
+        new = sum(1 for k in keys if k not in pages)
+        if new and len(pages) + new > ns.reserved:
+            new = len(set(keys).difference(pages))  # exact count (duplicate keys in the batch)
+            if len(pages) + new > ns.reserved:
+                return pp.ErrorReply(msg.req_id, pp.MsgType.STORE, pp.ErrorCode.NO_SPACE,
+                                     f"STORE of {new} new pages exceeds the reservation "
+                                     f"({len(pages)} of {ns.reserved} pages used)")  # fmt: skip
+        mem, data, alloc = self.arena.memory, msg.data, self.arena.alloc
+        src = 0
+        for k in keys:
+            slot = pages.get(k)
+            if slot is None:
+                slot = pages[k] = alloc()
+            off = slot * PAGE_SIZE
+            mem[off : off + PAGE_SIZE] = data[src : src + PAGE_SIZE]
+            src += PAGE_SIZE
+        return pp.StoreReply(msg.req_id)
+
+    def load(self, ns: Namespace, msg: pp.Load) -> pp.LoadReply | pp.ErrorReply:
+        pages, mem = ns.pages, self.arena.memory
+        try:
+            offs = [pages[k] * PAGE_SIZE for k in msg.keys]
+        except KeyError as e:
+            missing = [k for k in msg.keys if k not in pages]
+            return pp.ErrorReply(msg.req_id, pp.MsgType.LOAD, pp.ErrorCode.NOT_FOUND,
+                                 f"{len(missing)} of {len(msg.keys)} pages not stored, "
+                                 f"first: {e.args[0]}")  # fmt: skip
+        # Copied (not a view of the arena): the slot may be freed and reused by another
+        # namespace before the transport has sent a reply it had to buffer.
+        if len(offs) == 1:
+            data = mem[offs[0] : offs[0] + PAGE_SIZE].tobytes()
+        else:
+            data = b"".join([mem[o : o + PAGE_SIZE] for o in offs])
+        return pp.LoadReply(msg.req_id, memoryview(data))
+
+    def free(self, ns: Namespace, msg: pp.Free) -> pp.FreeReply:
+        pages, free, n = ns.pages, self.arena.free, 0
+        for k in msg.keys:
+            slot = pages.pop(k, None)
+            if slot is not None:
+                free(slot)
+                n += 1
+        return pp.FreeReply(msg.req_id, n)
+
+    def reserve(self, ns: Namespace, msg: pp.Reserve) -> pp.ReserveReply | pp.ErrorReply:
+        want, stored = msg.pages, len(ns.pages)
+        if want < stored:
+            return pp.ErrorReply(msg.req_id, pp.MsgType.RESERVE, pp.ErrorCode.BUSY,
+                                 f"cannot reserve {want} pages: {stored} are stored; "
+                                 "FREE them first")  # fmt: skip
+        available = self.capacity_pages - self.reserved_total + ns.reserved
+        if want > available:
+            return pp.ErrorReply(msg.req_id, pp.MsgType.RESERVE, pp.ErrorCode.NO_SPACE,
+                                 f"cannot reserve {want} pages ({want * PAGE_SIZE >> 20} MiB): "
+                                 f"{available} available of {self.capacity_pages}")  # fmt: skip
+        self.reserved_total += want - ns.reserved
+        ns.reserved = want
+        return pp.ReserveReply(msg.req_id, want, stored)
+
+    def release(self, ns: Namespace, msg: pp.Release) -> pp.ReleaseReply:
+        return pp.ReleaseReply(msg.req_id, self._release(ns))
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        return {
+            "version": pp.PROTOCOL_VERSION,
+            "page_size": PAGE_SIZE,
+            "capacity_pages": self.capacity_pages,
+            "used_pages": self.arena.used_slots,
+            "reserved_pages": self.reserved_total,
+            "free_pages": self.arena.free_slots,
+            "unreserved_pages": self.capacity_pages - self.reserved_total,
+            "locked": self.arena.locked,
+            "lock_error": self.arena.lock_error,
+            "lease_seconds": self.lease_s,
+            "connections": self.connections,
+            "uptime_seconds": round(now - self.started, 3),
+            "namespaces": [
+                {
+                    "client_id": ns.client_id,
+                    "reserved_pages": ns.reserved,
+                    "stored_pages": len(ns.pages),
+                    "connections": ns.connections,
+                    "lease_expires_in": None
+                    if ns.expires_at is None
+                    else round(max(0.0, ns.expires_at - now), 3),
+                }
+                for ns in list(self.namespaces.values())[:1000]
+            ],
+            "namespaces_total": len(self.namespaces),
+        }
+
+    def close(self) -> None:
+        for ns in self.namespaces.values():
+            if ns.timer is not None:
+                ns.timer.cancel()
+        self.arena.close()
+
+
+class _Conn(asyncio.BufferedProtocol):
+    """One client connection: decode requests, handle them, batch the replies."""
+
+    def __init__(self, server: MemServer) -> None:
+        self.server = server
+        self.store = server.store
+        self.decoder = pp.Decoder("server")
+        self.transport: asyncio.Transport | None = None
+        self.ns: Namespace | None = None
+        self.peer = "?"
+        self.closing = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # uvloop: not a subclass
+        self.transport = transport  # type: ignore[assignment]
+        self.peer = str(transport.get_extra_info("peername"))
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            tune_socket(sock)
+        self.store.connections += 1
+        self.server.conns.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.store.connections -= 1
+        self.server.conns.discard(self)
+        if self.ns is not None:
+            self.store.detach(self.ns, asyncio.get_running_loop())
+            self.ns = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        dec, out = self.decoder, []
+        dec.buffer_updated(nbytes)
+        try:
+            while not self.closing:
+                msg = dec.next_event()
+                if msg is pp.NEED_DATA:
+                    break
+                reply = self._dispatch(msg)
+                out += pp.encode(reply)
+        except pp.RemoteProtocolError as e:
+            self._abort(str(e), out)
+            return
+        except Exception:
+            log.exception("closing connection from %s: internal error", self.peer)
+            self._abort("internal error", out)
+            return
+        if out:
+            self.transport.writelines(out)
+        if self.closing:
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        if self.decoder.buffered:
+            log.warning("closing connection from %s: closed inside a frame (%d bytes pending)",
+                        self.peer, self.decoder.buffered)  # fmt: skip
+        return False
+
+    def _abort(self, reason: str, out: list) -> None:
+        log.warning("closing connection from %s: %s", self.peer, reason)
+        if out:
+            self.transport.writelines(out)
+        self.closing = True
+        self.transport.close()
+
+    def _dispatch(self, msg: pp.Message) -> pp.Reply:
+        ns, store = self.ns, self.store
+        if ns is not None:
+            t = type(msg)
+            if t is pp.Store:
+                return store.store(ns, msg)
+            if t is pp.Load:
+                return store.load(ns, msg)
+            if t is pp.Free:
+                return store.free(ns, msg)
+            if t is pp.Reserve:
+                return store.reserve(ns, msg)
+            if t is pp.Release:
+                return store.release(ns, msg)
+        if isinstance(msg, pp.Status):
+            body = json.dumps(store.status(), separators=(",", ":")).encode()
+            return pp.StatusReply(msg.req_id, body)
+        if isinstance(msg, pp.Hello):
+            if ns is not None:
+                raise pp.RemoteProtocolError("second HELLO on one connection")
+            return self._hello(msg)
+        raise pp.RemoteProtocolError(f"{type(msg).__name__} before HELLO")
+
+    def _hello(self, msg: pp.Hello) -> pp.Reply:
+        lo, hi = SUPPORTED_VERSIONS
+        version = min(hi, msg.max_version)
+        if version < max(lo, msg.min_version):
+            self.closing = True  # the reply goes out, then the connection closes
+            log.warning("refusing %s: client speaks versions %d..%d, this server %d..%d",
+                        self.peer, msg.min_version, msg.max_version, lo, hi)  # fmt: skip
+            return pp.ErrorReply(msg.req_id, pp.MsgType.HELLO, pp.ErrorCode.VERSION,
+                                 "no common protocol version: client speaks "
+                                 f"{msg.min_version}..{msg.max_version}, "
+                                 f"server {lo}..{hi}")  # fmt: skip
+        ns, resumed = self.store.attach(msg.client_id)
+        self.ns = ns
+        if resumed:
+            log.info("%s resumed namespace %r (%d pages)", self.peer, ns.client_id, len(ns.pages))
+        return pp.HelloReply(msg.req_id, version, resumed, int(self.store.lease_s * 1000),
+                             self.decoder.max_frame, pp.MAX_BATCH, self.store.capacity_pages,
+                             ns.reserved, len(ns.pages))  # fmt: skip
+
+
+class MemServer:
+    """A memserver listening on TCP. `await start()` binds and returns (host, port)."""
+
+    def __init__(self, capacity_bytes: int, *, lease_s: float = DEFAULT_LEASE_S,
+                 lock: bool = True) -> None:  # fmt: skip
+        if capacity_bytes < PAGE_SIZE:
+            raise ValueError(f"capacity must be at least one page ({PAGE_SIZE} bytes)")
+        self.store = PageStore(capacity_bytes // PAGE_SIZE, lease_s=lease_s, lock=lock)
+        self.conns: set[_Conn] = set()
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Conn(self), host, port,
+                                                reuse_address=True, backlog=128)  # fmt: skip
+        addr = self._server.sockets[0].getsockname()
+        return addr[0], addr[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for conn in list(self.conns):
+                if conn.transport is not None:
+                    conn.transport.abort()
+            await self._server.wait_closed()
+            self._server = None
+        await asyncio.sleep(0)  # let connection_lost callbacks run before the arena goes
+        self.store.close()
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", required=True, metavar="HOST:PORT",
+                        help="address to listen on (port 0 picks a free port)")  # fmt: skip
+    parser.add_argument("--capacity", required=True, metavar="SIZE",
+                        help="RAM to serve, e.g. 512M or 4G (preallocated at start)")  # fmt: skip
+    parser.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
+                        help="how long a disconnected client's pages are kept "
+                        f"(default {DEFAULT_LEASE_S:g})")  # fmt: skip
+    parser.add_argument("--no-mlock", action="store_true",
+                        help="do not lock the arena in RAM")  # fmt: skip
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every connection")
+
+
+async def _serve(server: MemServer, host: str, port: int) -> None:
+    bound = await server.start(host, port)
+    st = server.store
+    print(f"duvm memserver listening on {bound[0]}:{bound[1]} "
+          f"capacity {st.capacity_pages} pages ({st.capacity_pages * PAGE_SIZE >> 20} MiB) "
+          f"locked {'yes' if st.arena.locked else 'no'} lease {st.lease_s:g}s",
+          flush=True)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="duvm memserver: %(levelname)s %(message)s")  # fmt: skip
+    try:
+        host, port = parse_hostport(args.listen)
+        capacity = parse_size(args.capacity)
+        if capacity < PAGE_SIZE:
+            raise ValueError(f"capacity {args.capacity!r} is less than one page ({PAGE_SIZE} B)")
+        if args.lease <= 0:
+            raise ValueError("--lease must be positive")
+    except ValueError as e:
+        print(f"duvm memserver: {e}", file=sys.stderr)
+        return 2
+    try:
+        server = MemServer(capacity, lease_s=args.lease, lock=not args.no_mlock)
+    except MemoryError as e:
+        print(f"duvm memserver: {e}", file=sys.stderr)
+        return 1
+    try:
+        run_loop(_serve(server, host, port))
+    except OSError as e:
+        print(f"duvm memserver: cannot listen on {args.listen}: {e.strerror or e}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
+def run_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
