@@ -200,6 +200,23 @@ def test_truncated_at_every_offset_is_a_clear_error(small_file: tuple[bytes, int
     assert h.header_bytes == header_bytes
 
 
+def test_truncated_inside_a_skipped_vocabulary(tmp_path: Path) -> None:
+    p = tmp_path / "vocab.gguf"
+    write_model(p, "llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=2, ctx=16,
+                vocab=g.KEEP_ARRAY + 50)
+    data = p.read_bytes()
+    h = g.read_header(p)
+    assert h.metadata["tokenizer.ggml.tokens"] == g.ArraySummary("string", g.KEEP_ARRAY + 50)
+    for cut in [*range(0, h.header_bytes, 61), *range(h.header_bytes - 40, h.header_bytes)]:
+        with pytest.raises(g.GGUFError, match=r"truncated|not GGUF"):
+            g.parse_header(io.BytesIO(data[:cut]))
+    # A vocabulary string declaring a huge length is refused, not skipped over.
+    i = data.index(b"tok0") - 8
+    bad = data[:i] + struct.pack("<Q", 2**40) + data[i + 8:]
+    with pytest.raises(g.GGUFError, match="exceeds cap"):
+        g.parse_header(io.BytesIO(bad))
+
+
 def test_garbage_big_endian_and_unknown_versions_are_refused(tmp_path: Path,
                                                             small_file: tuple[bytes, int]) -> None:
     with pytest.raises(g.GGUFError, match="not GGUF: magic"):

@@ -305,6 +305,26 @@ class _Reader:
         self._need(n)
         self.pos += n
 
+    def skip_strings(self, count: int) -> None:
+        """Walk ``count`` length-prefixed strings without decoding them (vocabularies)."""
+        unpack = struct.unpack_from
+        while count:
+            buf, i, end = self.buf, self.pos - self.base, len(self.buf)
+            # Fast path: strings wholly inside the buffer, one unpack each.
+            while count and i + 8 <= end:
+                n = unpack("<Q", buf, i)[0]
+                if n > MAX_STRING or i + 8 + n > end:
+                    break
+                i += 8 + n
+                count -= 1
+            self.pos = self.base + i
+            if count:  # crosses the buffer end (or is too long): the checked slow path
+                n = self.u64()
+                if n > MAX_STRING:
+                    raise GGUFError(f"string of {n} bytes at offset {self.pos - 8} exceeds cap")
+                self.skip(n)
+                count -= 1
+
 
 def _value(r: _Reader, vtype: int, depth: int) -> Any:
     if vtype in _SCALARS:
@@ -330,13 +350,14 @@ def _value(r: _Reader, vtype: int, depth: int) -> Any:
             return list(struct.unpack_from(f"<{count}{fmt[1]}", r.buf, i))
         if etype not in (_STRING, _ARRAY):
             raise GGUFError(f"unknown array element type {etype} at offset {r.pos - 12}")
-        keep = count <= KEEP_ARRAY
-        items = [_value(r, etype, depth + 1) for _ in range(count)] if keep else None
-        if items is None:
+        if count <= KEEP_ARRAY:
+            return [_value(r, etype, depth + 1) for _ in range(count)]
+        if etype == _STRING:
+            r.skip_strings(count)
+        else:
             for _ in range(count):
                 _value(r, etype, depth + 1)
-            return ArraySummary("string" if etype == _STRING else "array", count)
-        return items
+        return ArraySummary("string" if etype == _STRING else "array", count)
     raise GGUFError(f"unknown metadata value type {vtype} at offset {r.pos - 4}")
 
 
