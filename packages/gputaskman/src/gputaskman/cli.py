@@ -24,6 +24,7 @@ from gputaskman import __version__
 # subcommand -> (module, one-line help); the module exports add_arguments() and run().
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "record": ("gputaskman.record", "append one --json snapshot per interval to a record file"),
+    "summary": ("gputaskman.summary", "averages and peaks per run of a record file"),
 }
 
 # How long one-shot output waits between the priming host sample and the real one, so

@@ -32,6 +32,7 @@ mistyped path never damages another file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -119,10 +120,9 @@ def write_line(fd: int, data: bytes) -> None:
                 done += os.write(fd, data[done:])
         except OSError as exc:
             if done:
-                try:
+                # if even this fails, readers still skip the torn line
+                with contextlib.suppress(OSError):
                     os.ftruncate(fd, size)
-                except OSError:
-                    pass  # nothing more we can do; readers skip the torn line
             raise RecordError(f"writing the record failed: {exc.strerror or exc}") from None
     finally:
         if old is not None:
