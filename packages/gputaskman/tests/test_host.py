@@ -208,6 +208,23 @@ def test_real_process_rss_and_create_time_match_psutil() -> None:
         child.wait()
 
 
+def test_kernel_threads_have_zero_rss_without_reading_statm() -> None:
+    kthreads = [p for p in procfs.list_pids() if _is_kthread(p)]
+    if not kthreads:
+        pytest.skip("no kernel threads visible in this PID namespace")
+    rows = HostSampler().sample(pids=kthreads[:5]).processes
+    for pid, row in rows.items():
+        statm = Path(f"/proc/{pid}/statm").read_text().split()
+        assert statm[1] == "0" and row.rss_bytes == 0 and row.rss_reason is None
+
+
+def _is_kthread(pid: int) -> bool:
+    try:
+        return procfs.read_stat(pid).kernel_thread
+    except procfs.ProcError:
+        return False
+
+
 def test_vanished_process_is_dropped_and_broken_stat_has_a_reason(tmp_path: Path) -> None:
     child = subprocess.Popen(["true"])
     child.wait()

@@ -395,6 +395,7 @@ class HostSampler:
             try:
                 ticks = int(fields[11]) + int(fields[12])
                 start = int(fields[19])
+                kthread = int(fields[6]) & procfs.PF_KTHREAD
             except (IndexError, ValueError):
                 out[pid] = ProcessUsage(pid, None, None, None, None, Reason.QUERY_FAILED,
                                         Reason.QUERY_FAILED, "unparseable /proc/PID/stat")
@@ -406,7 +407,8 @@ class HostSampler:
             rss: int | None
             rss_reason: Reason | None = None
             try:
-                rss = int(read_small(f"{root}/{pid}/statm").split()[1]) * page
+                # A kernel thread has no user memory: statm would read all zeros.
+                rss = 0 if kthread else int(read_small(f"{root}/{pid}/statm").split()[1]) * page
             except (FileNotFoundError, ProcessLookupError):
                 continue
             except (OSError, IndexError, ValueError) as exc:
