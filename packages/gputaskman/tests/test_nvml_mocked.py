@@ -372,3 +372,14 @@ def test_nvml_real_binding_without_library_reports_library_not_found():
     assert s.backend_problem is not None
     assert s.backend_problem.reason is Reason.NO_LIBRARY
     assert "Not Found" in (s.backend_problem.detail or "")
+
+
+def test_nvml_real_binding_init_raises_library_not_found_and_maps_to_it():
+    """Not mocked: the real pynvml module passed in, so its own nvmlInit() runs (FACTS.md:
+    without a driver it raises NVMLError_LibraryNotFound)."""
+    if ctypes.util.find_library("nvidia-ml"):
+        pytest.skip("libnvidia-ml is installed here; this checks the no-driver path")
+    s = NvmlBackend(pynvml).sample()
+    assert s.backend_problem is not None
+    assert s.backend_problem.reason is Reason.NO_LIBRARY
+    assert s.backend_problem.detail == "NVML Shared Library Not Found"

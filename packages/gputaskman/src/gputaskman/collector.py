@@ -78,11 +78,23 @@ class ProcinfoScanner:
         self._procinfo = procinfo
         self.scanner = procinfo.Scanner()
         self.last_result: Any = None
+        # key -> (the ProcInfo object converted, its ProcDetail): a cached scan returns the
+        # same object every refresh, so the conversion is done once per scan, not per refresh.
+        self._details: dict[ScanKey, tuple[Any, ProcDetail]] = {}
 
     def scan(self, keys: Sequence[ScanKey], budget: float | None) -> Mapping[ScanKey, ProcDetail]:
         res = self.scanner.scan(keys, budget)
         self.last_result = res
-        return {info.key: detail_from_procinfo(info) for info in res.infos.values()}
+        old = self._details
+        new: dict[ScanKey, tuple[Any, ProcDetail]] = {}
+        for info in res.infos.values():
+            key = info.key
+            hit = old.get(key)
+            new[key] = (
+                hit if hit is not None and hit[0] is info else (info, detail_from_procinfo(info))
+            )
+        self._details = new  # entries for processes that left are dropped here
+        return {k: d for k, (_, d) in new.items()}
 
     def scan_one(self, pid: int, create_time: float | None) -> ProcDetail:
         return detail_from_procinfo(self.scanner.scan_one(pid, create_time))
