@@ -25,6 +25,7 @@ from gputaskman import __version__
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "record": ("gputaskman.record", "append one --json snapshot per interval to a record file"),
     "summary": ("gputaskman.summary", "averages and peaks per run of a record file"),
+    "diff": ("gputaskman.diff", "compare two saved --json snapshots"),
 }
 
 # How long one-shot output waits between the priming host sample and the real one, so
