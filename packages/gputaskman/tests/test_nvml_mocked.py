@@ -383,3 +383,29 @@ def test_nvml_real_binding_init_raises_library_not_found_and_maps_to_it():
     assert s.backend_problem is not None
     assert s.backend_problem.reason is Reason.NO_LIBRARY
     assert s.backend_problem.detail == "NVML Shared Library Not Found"
+
+
+def test_nvml_mocked_collector_joins_real_process_identity_and_scan():
+    """NVML mocked; /proc, the host sampler and procinfo are real. NVML lists this test
+    process and a PID that has no /proc entry here (as from another PID namespace)."""
+    import os
+
+    import psutil
+
+    ghost = 2**22 + 12345  # above the kernel's pid_max limit, so never a real process
+    dev = device(BUS_A, compute=[proc(os.getpid(), GIB), proc(ghost, 2 * GIB)])
+    c = Collector(nvml=NvmlBackend(MockedNvml([dev])), scan_budget=None)
+    snap, system = c.sample_with_system()
+    rows = {p.pid: p for p in snap.processes if p.adapter == BUS_A.lower()}
+    me = rows[os.getpid()]
+    assert me.create_time == pytest.approx(psutil.Process().create_time(), abs=0.01)
+    assert me.name and me.detail.scanned and me.detail.cmdline
+    g = rows[ghost]
+    assert g.name is None and g.create_time is None and not g.detail.scanned
+    assert g.detail.reason is Reason.UNAVAILABLE and "PID namespace" in g.detail.reason_detail
+    assert g.dedicated.value == 2 * GIB  # the driver's number stands even without /proc
+    doc = report.to_json_dict(snap, system)
+    assert report.null_rule_violations(doc) == []
+    row = next(p for p in doc["processes"] if p["pid"] == os.getpid())
+    assert row["ram_bytes"]["value"] > 0
+    assert doc["attributed_bytes"] == 3 * GIB

@@ -259,6 +259,14 @@ def _not_listed(backend_ok: bool) -> Reading:
 
 
 def _row(r: NvmlProcess, name: str | None, ct: float | None, d: ProcDetail | None) -> ProcGpu:
-    if d is None:
-        d = ProcDetail(scanned=False, reason=None if ct is not None else Reason.PROCESS_GONE)
+    if d is None and ct is None:
+        # NVML lists the PID but /proc here has no such process: it runs in another PID
+        # namespace (we are in a container) or exited between the two reads.
+        d = ProcDetail(
+            scanned=False,
+            reason=Reason.UNAVAILABLE,
+            reason_detail="no /proc entry for this PID here (another PID namespace, or exited)",
+        )
+    elif d is None:
+        d = ProcDetail(scanned=False, reason=Reason.NOT_SCANNED)
     return ProcGpu(r.pid, ct, name, r.adapter, r.contexts, r.dedicated, engines=r.engines, detail=d)

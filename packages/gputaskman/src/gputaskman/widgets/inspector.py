@@ -50,8 +50,8 @@ def inspect_text(p: ProcGpu | None, snapshot: Snapshot | None, system: object | 
     lines.append(reading_line("RAM", host.get("ram_bytes"), as_bytes=True))
     lines.append(reading_line("CPU", host.get("cpu_percent"), unit="%"))
     if not d.scanned:
-        why = f" ({d.reason})" if d.reason else ""
-        lines.append(f"scan: not scanned yet{why}")
+        detail = f" — {d.reason_detail}" if d.reason_detail else ""
+        lines.append(f"scan: {d.reason or 'not scanned yet'}{detail}")
     else:
         lines.append(f"category {d.category or 'none'}")
         lines.append("runtimes (mapped, detection not proof): " + (", ".join(d.runtimes) or "none"))
