@@ -25,6 +25,8 @@ import argparse
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -83,29 +85,46 @@ def preflight() -> list[str]:
     return problems
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Memservers:
-    """N local memserver processes; stopped (and waited for) by close()."""
+    """N local memserver processes on free loopback ports; stopped (and waited for) by close()."""
 
     def __init__(self, count: int, capacity: int) -> None:
         self.procs: list[subprocess.Popen[str]] = []
         self.addrs: list[str] = []
         try:
             for _ in range(count):
-                p = subprocess.Popen([sys.executable, "-m", "duvm.cli", "memserver", "--listen",
-                                      "127.0.0.1:0", "--capacity", str(capacity)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     stdin=subprocess.DEVNULL)
-                self.procs.append(p)
-                assert p.stdout is not None
-                line = p.stdout.readline()
-                m = _LISTEN_RE.search(line)
-                if not m:
-                    rest = line + (p.stdout.read() if p.poll() is not None else "")
-                    raise control.ControlError(f"memserver did not start: {rest.strip()}")
-                self.addrs.append(f"{m.group(1)}:{m.group(2)}")
+                self._start(capacity)
         except BaseException:
             self.close()
             raise
+
+    def _start(self, capacity: int, tries: int = 5) -> None:
+        for attempt in range(tries):
+            # the port is picked here and bound by the memserver a moment later; another
+            # process can take it in between, hence the retry
+            port = _free_port()
+            p = subprocess.Popen([sys.executable, "-m", "duvm.cli", "memserver", "--listen",
+                                  f"127.0.0.1:{port}", "--capacity", str(capacity)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 stdin=subprocess.DEVNULL)
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            m = _LISTEN_RE.search(line)
+            if m:
+                self.procs.append(p)
+                self.addrs.append(f"{m.group(1)}:{m.group(2)}")
+                return
+            rest = line + p.stdout.read()
+            p.wait()
+            p.stdout.close()
+            if "cannot listen" not in rest or attempt == tries - 1:
+                raise control.ControlError(f"memserver did not start: {rest.strip()}")
 
     @property
     def pids(self) -> list[int]:
@@ -134,6 +153,7 @@ class Sampler(threading.Thread):
         self.latest: dict[str, int | None] = dict.fromkeys(addrs)
         self.peak: dict[str, int] = dict.fromkeys(addrs, 0)
         self.stop = threading.Event()
+        self.error: str | None = None
 
     def sample(self) -> None:
         for st in control.peer_statuses(self.addrs, timeout=2.0):
@@ -143,7 +163,10 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            self.sample()
+            try:
+                self.sample()
+            except Exception as exc:  # a display helper must never take the demo down
+                self.error = str(exc)
             self.stop.wait(self.interval)
 
 
@@ -174,6 +197,7 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
     cfg = control.Config(peers=[], size=size, replicas=args.replicas, method=args.method,
                          state_dir=args.state_dir)
     servers: Memservers | None = None
+    sampler: Sampler | None = None
     enabled = False
     try:
         say(f"1/5 starting 3 memservers ({capacity >> 20} MiB of RAM each)")
@@ -220,7 +244,7 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
             out.write("\n")
         after = _vmstat()
         sampler.stop.set()
-        sampler.join()
+        sampler.join(10)
         sampler.sample()
         res.pswpout = after["pswpout"] - before["pswpout"]
         res.pswpin = after["pswpin"] - before["pswpin"]
@@ -260,6 +284,8 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
     except (control.ControlError, attach.AttachError, cgroup.CgroupError) as exc:
         res.error = str(exc)
     finally:
+        if sampler is not None:
+            sampler.stop.set()
         if enabled:
             try:
                 control.disable(cfg.state_dir, force=True)
@@ -285,7 +311,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON only")
 
 
+def _raise_on_signal(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(args: argparse.Namespace) -> int:
+    # SIGTERM (e.g. `timeout`) must unwind through the cleanup like Ctrl-C does
+    signal.signal(signal.SIGTERM, _raise_on_signal)
     problems = preflight()
     if problems:
         print("duvm demo cannot run here:\n  - " + "\n  - ".join(problems), file=sys.stderr)
@@ -294,7 +326,12 @@ def run(args: argparse.Namespace) -> int:
         print("duvm demo: --mib must exceed --limit-mib (>= 16) so the workload swaps",
               file=sys.stderr)
         return 2
-    res = run_demo(args, sys.stdout)
+    try:
+        res = run_demo(args, sys.stdout)
+    except KeyboardInterrupt:
+        print("\nduvm demo interrupted; everything it started was stopped and removed",
+              file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(asdict(res)))
     elif res.error:
