@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "record": ("gputaskman.record", "append one --json snapshot per interval to a record file"),
     "summary": ("gputaskman.summary", "averages and peaks per run of a record file"),
     "diff": ("gputaskman.diff", "compare two saved --json snapshots"),
+    "replay": ("gputaskman.replay", "play a record file in the TUI (offline, never samples)"),
 }
 
 # How long one-shot output waits between the priming host sample and the real one, so
