@@ -535,3 +535,27 @@ def test_end_to_end_imitation_llama_server(tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(timeout=10)
         proc.stdout.close()
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
+        st.sampled_from(["model_path", "data", "models", "id", "name", "meta", "size",
+                         "size_vram", "state", "n_ctx", "default_generation_settings",
+                         "owned_by", "root", "max_model_len", "x"]), kids, max_size=5),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_json)
+def test_fuzz_every_response_parser(doc: object) -> None:
+    from gputaskman.serverprobe import RUNTIMES, ServedModel, _Bad
+    for endpoints in RUNTIMES.values():
+        for ep in endpoints:
+            arg = json.dumps(doc) if ep.text else doc
+            try:
+                rows, gauges = ep.parse(arg)
+            except (_Bad, ValueError):
+                continue
+            assert all(isinstance(r, ServedModel) for r in rows)
+            assert all(isinstance(v, float) for v in gauges.values())
