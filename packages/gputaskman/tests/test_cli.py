@@ -167,3 +167,17 @@ def test_json_finds_a_process_mapping_a_real_gguf_and_redacts_its_secret(tmp_pat
     finally:
         child.kill()
         child.wait()
+
+
+def test_gpu_index_that_nvml_does_not_list_is_a_usage_error(capsys):
+    """With a working backend (the demo snapshot stands in for NVML's answer), asking for a
+    GPU it does not list exits 2 with a message; without a backend it is 0 (the report
+    already says why)."""
+    from gputaskman import cli
+    from gputaskman.demo import demo_snapshot, unavailable_snapshot
+
+    assert cli._check_gpu_index(demo_snapshot(), 1) == 0
+    assert cli._check_gpu_index(demo_snapshot(), None) == 0
+    assert cli._check_gpu_index(demo_snapshot(), 5) == 2
+    assert "no GPU 5; NVML lists 2 GPU(s)" in capsys.readouterr().err
+    assert cli._check_gpu_index(unavailable_snapshot(), 5) == 0
