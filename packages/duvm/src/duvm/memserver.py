@@ -370,6 +370,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log every connection")
 
 
+def parse_listen(text: str) -> tuple[str, int]:
+    """HOST:PORT to listen on; unlike peer addresses, port 0 (pick a free one) is allowed."""
+    if text.strip().endswith(":0"):
+        return parse_hostport(text.strip()[:-2] + ":1")[0], 0
+    return parse_hostport(text)
+
+
 async def _serve(server: MemServer, host: str, port: int) -> None:
     bound = await server.start(host, port)
     st = server.store
@@ -391,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="duvm memserver: %(levelname)s %(message)s")  # fmt: skip
     try:
-        host, port = parse_hostport(args.listen)
+        host, port = parse_listen(args.listen)
         capacity = parse_size(args.capacity)
         if capacity < PAGE_SIZE:
             raise ValueError(f"capacity {args.capacity!r} is less than one page ({PAGE_SIZE} B)")

@@ -89,11 +89,11 @@ class Pool:
         """Connect to every memserver and reserve this pool's share on each."""
         share = -(-self.pages // len(self.clients))
         try:
-            await asyncio.gather(*(c.connect() for c in self.clients))
-            await asyncio.gather(*(c.reserve(max(share, c.hello.stored_pages))
-                                   for c in self.clients))  # fmt: skip
+            await self._gather([c.connect() for c in self.clients], "connect", raw=True)
+            await self._gather([c.reserve(max(share, c.hello.stored_pages))
+                                for c in self.clients], "reserve", raw=True)  # fmt: skip
         except (PageServerError, MemserverUnreachable) as e:
-            await asyncio.gather(*(c.close() for c in self.clients))
+            await self.close()  # release what was reserved: all or nothing
             raise _translate(e, "opening the pool") from None
 
     async def close(self, *, release: bool = True) -> None:
@@ -189,9 +189,12 @@ class Pool:
         return await self._gather([c.status() for c in self.clients], "status")
 
     @staticmethod
-    async def _gather(jobs: list, what: str) -> list:
+    async def _gather(jobs: list, what: str, *, raw: bool = False) -> list:
+        """Await all jobs, then raise the first failure (translated unless `raw`)."""
         res = await asyncio.gather(*jobs, return_exceptions=True)
         for r in res:
+            if raw and isinstance(r, BaseException):
+                raise r
             if isinstance(r, (PageServerError, MemserverUnreachable)):
                 raise _translate(r, what) from None
             if isinstance(r, BaseException):

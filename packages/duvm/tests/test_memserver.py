@@ -1,0 +1,322 @@
+"""The memserver on loopback: namespaces, reservations, batches, leases, bad peers, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from duvm import pageproto as pp
+from duvm.memclient import MemClient, MemserverUnreachable, PageServerError, query_status
+from duvm.memserver import MemServer
+
+PS = pp.PAGE_SIZE
+
+
+@pytest.fixture
+async def server():
+    srv = MemServer(4 << 20, lease_s=60, lock=False)  # 1024 pages
+    addr = await srv.start()
+    srv.addr = addr
+    try:
+        yield srv
+    finally:
+        await srv.close()
+
+
+async def raw_exchange(addr: tuple[str, int], wire: bytes, replies: int = 1
+                       ) -> tuple[list[pp.Message], bool]:  # fmt: skip
+    """Send raw bytes; collect up to `replies` replies; report whether the server closed."""
+    reader, writer = await asyncio.open_connection(*addr)
+    writer.write(wire)
+    dec, got, closed = pp.Decoder("client"), [], False
+    try:
+        while len(got) < replies:
+            data = await asyncio.wait_for(reader.read(1 << 16), 5)
+            if not data:
+                closed = True
+                break
+            dec.receive_data(data)
+            got += [m for m in iter(dec.next_event, pp.NEED_DATA)]
+        if not closed:
+            closed = await asyncio.wait_for(reader.read(1), 0.3) == b""
+    except TimeoutError:
+        pass
+    finally:
+        writer.close()
+    return got, closed
+
+
+async def test_store_load_free_round_trip_with_batches(server: MemServer) -> None:
+    c = MemClient(*server.addr, "node-a/nbd0/1")
+    hello = await c.connect()
+    assert (hello.version, hello.resumed, hello.capacity_pages) == (1, False, 1024)
+    await c.reserve(100)
+    data = os.urandom(64 * PS)
+    await c.store(range(1000, 1064), data)
+    assert await c.load(range(1000, 1064)) == data
+    out = bytearray(2 * PS)
+    await c.load([1063, 1000], out)
+    assert out == data[63 * PS :] + data[:PS]
+    assert await c.free([1000, 1001, 5]) == 2  # absent keys are not an error
+    with pytest.raises(PageServerError) as ei:
+        await c.load([1000])
+    assert ei.value.code == pp.ErrorCode.NOT_FOUND and "1000" in str(ei.value)
+    st = await c.status()
+    assert (st["used_pages"], st["reserved_pages"], st["connections"]) == (62, 100, 1)
+    assert st["namespaces"] == [{"client_id": "node-a/nbd0/1", "reserved_pages": 100,
+                                 "stored_pages": 62, "connections": 1,
+                                 "lease_expires_in": None}]  # fmt: skip
+    assert await c.release() == 62
+    st = await c.status()
+    assert (st["used_pages"], st["reserved_pages"]) == (0, 0)
+    await c.close()
+
+
+async def test_overwrite_reuses_the_slot(server: MemServer) -> None:
+    c = MemClient(*server.addr, "n/1")
+    await c.connect()
+    await c.reserve(1)
+    await c.store([7], b"a" * PS)
+    await c.store([7], b"b" * PS)  # same key: no new page, so within a 1-page reservation
+    assert await c.load([7]) == b"b" * PS
+    assert server.store.arena.used_slots == 1
+    await c.close()
+
+
+async def test_many_requests_in_flight_on_one_connection(server: MemServer) -> None:
+    c = MemClient(*server.addr, "n/2")
+    await c.connect()
+    await c.reserve(512)
+    pages = {k: os.urandom(PS) for k in range(256)}
+    await asyncio.gather(*(c.store([k], v) for k, v in pages.items()))
+    got = await asyncio.gather(*(c.load([k]) for k in pages))
+    assert [bytes(g) for g in got] == list(pages.values())
+    assert server.store.connections == 1
+    await c.close()
+
+
+async def test_namespaces_are_separate(server: MemServer) -> None:
+    a, b = MemClient(*server.addr, "node-a/1"), MemClient(*server.addr, "node-b/1")
+    await a.connect()
+    await b.connect()
+    await a.reserve(10)
+    await b.reserve(10)
+    await a.store([1], b"A" * PS)
+    await b.store([1], b"B" * PS)
+    assert await a.load([1]) == b"A" * PS and await b.load([1]) == b"B" * PS
+    await b.free([1])
+    assert await a.load([1]) == b"A" * PS
+    await a.close()
+    await b.close()
+
+
+async def test_reservations_never_exceed_the_arena(server: MemServer) -> None:
+    a, b = MemClient(*server.addr, "a"), MemClient(*server.addr, "b")
+    await a.connect()
+    await b.connect()
+    await a.reserve(1000)
+    with pytest.raises(PageServerError) as ei:
+        await b.reserve(25)
+    assert ei.value.code == pp.ErrorCode.NO_SPACE and "24 available of 1024" in str(ei.value)
+    assert (await b.reserve(24)).reserved_pages == 24
+    await a.reserve(900)  # shrinking gives room back
+    assert (await b.reserve(124)).reserved_pages == 124
+    await a.store([1, 2], bytes(2 * PS))
+    with pytest.raises(PageServerError) as ei:
+        await a.reserve(1)
+    assert ei.value.code == pp.ErrorCode.BUSY
+    await a.close()
+    await b.close()
+
+
+async def test_store_beyond_reservation_is_refused_whole(server: MemServer) -> None:
+    c = MemClient(*server.addr, "n/3")
+    await c.connect()
+    await c.reserve(3)
+    await c.store([1, 2], bytes(2 * PS))
+    with pytest.raises(PageServerError) as ei:
+        await c.store([2, 3, 4], b"x" * 3 * PS)  # 2 new pages, 1 left
+    assert ei.value.code == pp.ErrorCode.NO_SPACE and ei.value.errno == 28
+    assert await c.load([2]) == bytes(PS)  # nothing of the refused batch was applied
+    assert server.store.arena.used_slots == 2
+    await c.store([3, 3, 3], b"y" * 3 * PS)  # duplicates count once
+    assert server.store.arena.used_slots == 3
+    with pytest.raises(PageServerError):
+        await MemClient(*server.addr, "none").store([1], bytes(PS))  # never connected
+    await c.close()
+
+
+async def test_lease_keeps_pages_for_a_reconnect_then_frees_them() -> None:
+    srv = MemServer(1 << 20, lease_s=0.5, lock=False)
+    addr = await srv.start()
+    try:
+        c = MemClient(*addr, "node-a/nbd0/7")
+        await c.connect()
+        await c.reserve(8)
+        await c.store([5], b"k" * PS)
+        await c.close()
+        st = await query_status(*addr)
+        ns = st["namespaces"][0]
+        assert ns["connections"] == 0 and 0 < ns["lease_expires_in"] <= 0.5
+        hello = await c.connect()  # same client id within the lease
+        assert (hello.resumed, hello.reserved_pages, hello.stored_pages) == (True, 8, 1)
+        assert await c.load([5]) == b"k" * PS
+        await c.close()
+        await asyncio.sleep(0.8)
+        st = await query_status(*addr)
+        assert (st["namespaces"], st["used_pages"], st["reserved_pages"]) == ([], 0, 0)
+        hello = await c.connect()
+        assert (hello.resumed, hello.stored_pages) == (False, 0)
+        await c.close()
+    finally:
+        await srv.close()
+
+
+async def test_empty_namespace_is_dropped_at_disconnect(server: MemServer) -> None:
+    c = MemClient(*server.addr, "tmp")
+    await c.connect()
+    await c.close()
+    await asyncio.sleep(0.05)
+    assert (await query_status(*server.addr))["namespaces"] == []
+
+
+async def test_version_mismatch_is_refused_clearly(server: MemServer) -> None:
+    got, closed = await raw_exchange(server.addr, pp.encode_bytes(pp.Hello(1, "x", 2, 3)))
+    assert closed and len(got) == 1
+    err = got[0]
+    assert isinstance(err, pp.ErrorReply) and err.code == pp.ErrorCode.VERSION
+    assert "client speaks 2..3, server 1..1" in err.message
+
+
+async def test_request_before_hello_closes(server: MemServer, caplog) -> None:
+    caplog.set_level(logging.WARNING, "duvm.memserver")
+    got, closed = await raw_exchange(server.addr, pp.encode_bytes(pp.make_load(1, [1])))
+    assert closed and got == []
+    assert "Load before HELLO" in caplog.text
+
+
+async def test_status_needs_no_hello(server: MemServer) -> None:
+    st = await query_status(*server.addr)
+    assert st["capacity_pages"] == 1024 and st["locked"] is False
+    assert st["lock_error"] == "locking disabled"
+
+
+@pytest.mark.parametrize(
+    "wire,reason",
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
+        (pp.HEADER.pack(pp.MAGIC, pp.MsgType.STORE, 0, 1, 0, 1 << 30), "exceeds the limit"),
+        (pp.encode_bytes(pp.Hello(1, "g")) + pp.encode_bytes(pp.Hello(2, "g")), "second HELLO"),
+        (pp.encode_bytes(pp.Hello(1, "g")) + pp.encode_bytes(pp.make_store(2, [1], bytes(PS)))[:-7],
+         "closed inside a frame"),
+    ],
+    ids=["garbage", "oversized", "second-hello", "truncated"],
+)
+async def test_bad_client_is_cut_off_while_a_good_one_keeps_working(
+    server: MemServer, caplog, wire: bytes, reason: str
+) -> None:
+    caplog.set_level(logging.WARNING, "duvm.memserver")
+    good = MemClient(*server.addr, "good/1")
+    await good.connect()
+    await good.reserve(64)
+    page = os.urandom(PS)
+    await good.store([1], page)
+
+    async def good_traffic() -> None:
+        for i in range(50):
+            await good.store([i % 64], page)
+            assert await good.load([i % 64]) == page
+
+    async def bad_peer() -> bool:
+        reader, writer = await asyncio.open_connection(*server.addr)
+        writer.write(wire)
+        await writer.drain()
+        if reason == "closed inside a frame":
+            writer.write_eof()
+        await asyncio.wait_for(reader.read(), 5)  # returns only once the server closed
+        writer.close()
+        return True
+
+    _, closed = await asyncio.gather(good_traffic(), bad_peer())
+    assert closed
+    assert reason in caplog.text and "closing connection from" in caplog.text
+    assert await good.load([1]) == page
+    st = await good.status()
+    assert st["connections"] == 1 and [n["client_id"] for n in st["namespaces"]] == ["good/1"]
+    await good.close()
+
+
+async def test_client_reconnects_and_retries_after_a_dropped_connection(server: MemServer) -> None:
+    c = MemClient(*server.addr, "n/retry")
+    await c.connect()
+    await c.reserve(4)
+    await c.store([1], b"r" * PS)
+    for conn in list(server.conns):  # the server drops the connection
+        conn.transport.abort()
+    await asyncio.sleep(0.05)
+    assert not c.connected
+    assert await c.load([1]) == b"r" * PS  # reconnected, same namespace, pages there
+    assert c.hello.resumed and c.namespace_losses == 0
+    await c.close()
+
+
+async def test_unreachable_memserver_is_a_clear_error() -> None:
+    c = MemClient("127.0.0.1", 1, "x", connect_timeout=2)
+    with pytest.raises(MemserverUnreachable, match=r"cannot reach memserver 127\.0\.0\.1:1"):
+        await c.connect()
+    with pytest.raises(MemserverUnreachable):
+        await query_status("127.0.0.1", 1)
+
+
+# --- the command line ---
+
+
+def start_cli(*args: str) -> tuple[subprocess.Popen, tuple[str, int]]:
+    proc = subprocess.Popen([sys.executable, "-m", "duvm.cli", "memserver", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    line = proc.stdout.readline()
+    m = re.search(r"listening on ([\d.]+):(\d+) capacity (\d+) pages", line)
+    if not m:
+        proc.kill()
+        raise AssertionError(f"no listening line: {line!r} {proc.stderr.read()}")
+    return proc, (m.group(1), int(m.group(2)))
+
+
+async def test_cli_serves_and_stops_cleanly_on_sigterm() -> None:
+    proc, addr = start_cli("--listen", "127.0.0.1:0", "--capacity", "8M", "--lease", "5")
+    try:
+        st = await query_status(*addr)
+        assert (st["capacity_pages"], st["lease_seconds"]) == (2048, 5.0)
+        c = MemClient(*addr, "cli/1")
+        await c.connect()
+        await c.reserve(2)
+        await c.store([0, 1], os.urandom(2 * PS))
+        assert (await c.status())["used_pages"] == 2
+        await c.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(10)
+    assert rc == 0
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--listen", "127.0.0.1", "--capacity", "8M"], "needs a port"),
+        (["--listen", "127.0.0.1:0", "--capacity", "lots"], "not a size"),
+        (["--listen", "127.0.0.1:0", "--capacity", "100"], "less than one page"),
+        (["--listen", "127.0.0.1:0", "--capacity", "8M", "--lease", "0"], "must be positive"),
+        (["--listen", "192.0.2.1:0", "--capacity", "8M"], "cannot listen on 192.0.2.1:0"),
+    ],
+)
+def test_cli_bad_arguments_exit_nonzero_with_a_reason(args: list[str], msg: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "duvm.cli", "memserver", *args],
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert proc.returncode in (1, 2)
+    assert msg in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,216 @@
+"""RemoteStore over real memservers on loopback: placement, zeros, trim, refusals, losses."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import random
+
+import pytest
+from duvm.memclient import MemClient, query_status
+from duvm.memserver import MemServer
+from duvm.remote_store import RemoteStore
+from duvm.storage import PAGE_SIZE as PS
+from duvm.storage import StorageError
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+async def servers():
+    srvs = [MemServer(8 * MiB, lease_s=60, lock=False) for _ in range(2)]
+    addrs = [await s.start() for s in srvs]
+    try:
+        yield srvs, addrs
+    finally:
+        for s in srvs:
+            await s.close()
+
+
+async def used(addrs: list[tuple[str, int]]) -> list[int]:
+    return [(await query_status(*a))["used_pages"] for a in addrs]
+
+
+async def test_reserve_before_exposing_and_release_on_close(servers) -> None:
+    _, addrs = servers
+    store = await RemoteStore.open(addrs, 10 * MiB, "node-a:/dev/nbd0:1", slab_pages=64)
+    st = await store.peer_status()
+    # 40 slabs of 64 pages alternate between the two memservers: 20 slabs = 1280 pages each
+    assert [s["reserved_pages"] for s in st] == [1280, 1280]
+    assert store.placement[:4] == [(0,), (1,), (0,), (1,)]
+    assert [s["used_pages"] for s in st] == [0, 0]
+    await store.close()
+    st = [await query_status(*a) for a in addrs]
+    assert [s["reserved_pages"] for s in st] == [0, 0]
+    assert [s["namespaces"] for s in st] == [[], []]
+
+
+async def test_round_trip_across_slabs_and_memservers(servers) -> None:
+    _, addrs = servers
+    store = await RemoteStore.open(addrs, 8 * MiB, "n:rt:1", slab_pages=16)
+    data = os.urandom(3 * MiB + 5 * PS)
+    await store.write(7 * PS, memoryview(data))
+    out = bytearray(len(data))
+    await store.read(7 * PS, memoryview(out))
+    assert out == data
+    whole = bytearray(8 * MiB)
+    await store.read(0, memoryview(whole))
+    assert whole[: 7 * PS] == bytes(7 * PS) and whole[7 * PS : 7 * PS + len(data)] == data
+    assert whole[7 * PS + len(data) :] == bytes(8 * MiB - 7 * PS - len(data))
+    pages = len(data) // PS
+    assert sum(await used(addrs)) == pages and min(await used(addrs)) > 0  # spread over both
+    await store.close()
+
+
+async def test_never_written_pages_read_as_zeros_without_a_network_trip(servers) -> None:
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs, 4 * MiB, "n:zero:1")
+    await store.write(PS, memoryview(b"w" * PS))
+    for s in srvs:  # every memserver gone: only a local answer can succeed
+        await s.close()
+    out = bytearray(b"\xff" * 2 * PS)
+    await store.read(2 * PS, memoryview(out))
+    assert out == bytes(2 * PS)
+    await store.read(0, memoryview(out[:PS]))
+    assert store.stats["loads"] == 0 and store.stats["zero_reads"] == 2
+    with pytest.raises(StorageError) as ei:  # the written page needs its memserver
+        await store.read(PS, memoryview(bytearray(PS)))
+    assert ei.value.errno == errno.EIO
+    await store.release()
+
+
+async def test_trim_and_write_zeroes_free_remote_pages(servers) -> None:
+    _, addrs = servers
+    store = await RemoteStore.open(addrs, 4 * MiB, "n:trim:1", slab_pages=32)
+    await store.write(0, memoryview(os.urandom(2 * MiB)))
+    assert sum(await used(addrs)) == 512
+    await store.trim(64 * PS, 100 * PS)
+    assert sum(await used(addrs)) == 412
+    out = bytearray(100 * PS)
+    await store.read(64 * PS, memoryview(out))
+    assert out == bytes(100 * PS)
+    await store.write_zeroes(0, 4 * MiB)
+    assert sum(await used(addrs)) == 0
+    frees = store.stats["frees"]
+    await store.trim(0, 4 * MiB)  # nothing written: no request at all
+    assert store.stats["frees"] == frees
+    await store.close()
+
+
+async def test_concurrent_pipelined_requests_keep_data_intact(servers) -> None:
+    _, addrs = servers
+    store = await RemoteStore.open(addrs, 4 * MiB, "n:conc:1", slab_pages=8)
+    rnd = random.Random(7)
+    model = bytearray(4 * MiB)
+
+    # Disjoint ranges per writer, so the expected final content is well defined.
+    async def disjoint_writer(i: int) -> None:
+        base = i * 64
+        for _ in range(40):
+            page = base + rnd.randrange(60)
+            n = rnd.choice([1, 2, 4])
+            blob = os.urandom(n * PS)
+            await store.write(page * PS, memoryview(blob))
+            model[page * PS : (page + n) * PS] = blob
+
+    await asyncio.gather(*(disjoint_writer(i) for i in range(16)))
+    out = bytearray(4 * MiB)
+    await asyncio.gather(*(store.read(i * 256 * PS, memoryview(out)[i * 256 * PS :
+                                                                      (i + 1) * 256 * PS])
+                           for i in range(4)))  # fmt: skip
+    assert out == model
+    await store.close()
+
+
+async def test_pool_too_small_is_enospc_and_reserves_nothing(servers) -> None:
+    _, addrs = servers
+    with pytest.raises(StorageError) as ei:
+        await RemoteStore.open(addrs, 17 * MiB, "n:big:1")
+    assert ei.value.errno == errno.ENOSPC and "cannot hold the export" in str(ei.value)
+    assert [(await query_status(*a))["reserved_pages"] for a in addrs] == [0, 0]
+
+
+async def test_unreachable_peer_is_a_clear_error_and_reserves_nothing(servers) -> None:
+    _, addrs = servers
+    with pytest.raises(StorageError) as ei:
+        await RemoteStore.open([addrs[0], ("127.0.0.1", 1)], MiB, "n:unreach:1")
+    assert ei.value.errno == errno.EHOSTUNREACH and "127.0.0.1:1" in str(ei.value)
+    st = await query_status(*addrs[0])
+    assert (st["reserved_pages"], st["namespaces"]) == (0, [])
+
+
+async def test_memserver_refusal_is_enospc_not_a_hang(servers) -> None:
+    """Another client with the same id shrinks the reservation under the store's feet."""
+    _, addrs = servers
+    store = await RemoteStore.open(addrs[:1], MiB, "n:full:1")
+    await store.write(0, memoryview(b"a" * PS))
+    thief = MemClient(*addrs[0], "n:full:1")
+    await thief.connect()
+    await thief.reserve(1)
+    with pytest.raises(StorageError) as ei:
+        await asyncio.wait_for(store.write(PS, memoryview(b"b" * PS)), 5)
+    assert ei.value.errno == errno.ENOSPC
+    out = bytearray(2 * PS)
+    await store.read(0, memoryview(out))
+    assert out == b"a" * PS + bytes(PS)  # the refused write left no trace
+    await thief.close()
+    await store.close()
+
+
+async def test_lost_namespace_reads_fail_with_eio_never_other_bytes() -> None:
+    srv = MemServer(MiB, lease_s=60, lock=False)
+    host, port = await srv.start()
+    store = await RemoteStore.open([(host, port)], MiB, "n:lost:1")
+    await store.write(0, memoryview(b"x" * PS))
+    await srv.close()  # the memserver restarts empty on the same port
+    srv = MemServer(MiB, lease_s=60, lock=False)
+    await srv.start(host, port)
+    try:
+        with pytest.raises(StorageError) as ei:
+            await store.read(0, memoryview(bytearray(PS)))
+        assert ei.value.errno == errno.EIO and "lost" in str(ei.value)
+        assert store.clients[0].namespace_losses == 1
+        await store.write(PS, memoryview(b"y" * PS))  # the reservation was restored
+        out = bytearray(PS)
+        await store.read(PS, memoryview(out))
+        assert out == b"y" * PS
+    finally:
+        await store.close()
+        await srv.close()
+
+
+async def test_two_replicas_hold_every_page_and_reads_fail_over(servers) -> None:
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs, 2 * MiB, "n:r2:1", replicas=2, slab_pages=64)
+    assert all(len(set(p)) == 2 for p in store.placement)
+    data = os.urandom(MiB)
+    await store.write(0, memoryview(data))
+    assert await used(addrs) == [256, 256]
+    await srvs[0].close()
+    out = bytearray(MiB)
+    await store.read(0, memoryview(out))
+    assert out == data
+    await store.close()
+
+
+async def test_unaligned_requests_are_einval(servers) -> None:
+    _, addrs = servers
+    store = await RemoteStore.open(addrs, MiB, "n:align:1")
+    for coro in (store.read(1, memoryview(bytearray(PS))), store.write(0, memoryview(b"x" * 512)),
+                 store.trim(PS, 100)):  # fmt: skip
+        with pytest.raises(StorageError) as ei:
+            await coro
+        assert ei.value.errno == errno.EINVAL
+    await store.close()
+
+
+def test_constructor_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        RemoteStore([("h", 1)], 1000, "x")
+    with pytest.raises(ValueError, match="at least one"):
+        RemoteStore([], PS, "x")
+    with pytest.raises(ValueError, match="replicas"):
+        RemoteStore([("h", 1)], PS, "x", replicas=2)
+    with pytest.raises(ValueError, match="twice"):
+        RemoteStore([("h", 1), ("h", 1)], PS, "x")
