@@ -192,3 +192,44 @@ def test_enable_fails_cleanly_when_a_peer_is_unreachable(state_dir: Path) -> Non
     finally:
         servers.close()
     assert leftovers(state_dir, servers.pids, []) == []
+
+
+def _cmdlines() -> list[str]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            with contextlib.suppress(OSError):
+                out.append(p.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode())
+    return out
+
+
+def test_demo_interrupted_midway_leaves_nothing_behind(state_dir: Path) -> None:
+    """SIGTERM while the workload holds swapped pages: the demo still tears everything down."""
+    proc = subprocess.Popen([sys.executable, "-m", "duvm.cli", "demo", "--mib",
+                             str(WORKLOAD_MIB), "--limit-mib", str(LIMIT_MIB), "--state-dir",
+                             str(state_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    ports: list[str] = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("    127.0.0.1:"):
+                ports = [a.strip() for a in line.split(",")]
+            if "fill" in line and "swap used" in line and " 0%" not in line:
+                break  # pages are on their way to the memservers now
+        assert len(ports) == 3 and attach.load_state(control.state_path(state_dir)) is not None
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err
+    parent = cgroup.MemoryCgroup(1 << 20).parent
+    demo_groups = [str(p) for p in parent.glob(f"duvm-demo-{proc.pid}-*")]
+    assert demo_groups == []
+    assert leftovers(state_dir, [], []) == []
+    running = [c for c in _cmdlines() if str(state_dir) in c
+               or ("memserver" in c and any(p in c for p in ports))]
+    assert running == []
