@@ -26,7 +26,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -85,46 +84,30 @@ def preflight() -> list[str]:
     return problems
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Memservers:
-    """N local memserver processes on free loopback ports; stopped (and waited for) by close()."""
+    """N local memserver processes on loopback ports the kernel picks; close() stops them."""
 
     def __init__(self, count: int, capacity: int) -> None:
         self.procs: list[subprocess.Popen[str]] = []
         self.addrs: list[str] = []
         try:
             for _ in range(count):
-                self._start(capacity)
+                p = subprocess.Popen([sys.executable, "-m", "duvm.cli", "memserver", "--listen",
+                                      "127.0.0.1:0", "--capacity", str(capacity)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     stdin=subprocess.DEVNULL)
+                self.procs.append(p)
+                assert p.stdout is not None
+                line = p.stdout.readline()  # "... listening on HOST:PORT ..." once it serves
+                m = _LISTEN_RE.search(line)
+                if not m:
+                    p.wait()
+                    raise control.ControlError(
+                        f"memserver did not start: {(line + p.stdout.read()).strip()}")
+                self.addrs.append(f"{m.group(1)}:{m.group(2)}")
         except BaseException:
             self.close()
             raise
-
-    def _start(self, capacity: int, tries: int = 5) -> None:
-        for attempt in range(tries):
-            # the port is picked here and bound by the memserver a moment later; another
-            # process can take it in between, hence the retry
-            port = _free_port()
-            p = subprocess.Popen([sys.executable, "-m", "duvm.cli", "memserver", "--listen",
-                                  f"127.0.0.1:{port}", "--capacity", str(capacity)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 stdin=subprocess.DEVNULL)
-            assert p.stdout is not None
-            line = p.stdout.readline()
-            m = _LISTEN_RE.search(line)
-            if m:
-                self.procs.append(p)
-                self.addrs.append(f"{m.group(1)}:{m.group(2)}")
-                return
-            rest = line + p.stdout.read()
-            p.wait()
-            p.stdout.close()
-            if "cannot listen" not in rest or attempt == tries - 1:
-                raise control.ControlError(f"memserver did not start: {rest.strip()}")
 
     @property
     def pids(self) -> list[int]:
