@@ -227,6 +227,36 @@ async def test_a_failing_collector_is_reported_not_fatal():
         assert "refresh failed: OSError: boom" in text_of(app.query_one("#status"))
 
 
+async def test_enter_rescans_the_highlighted_process_into_the_inspector():
+    from gputaskman.model import ProcDetail
+
+    class Rescanning(FakeCollector):
+        def __init__(self):
+            super().__init__()
+            self.asked = []
+
+        def rescan(self, pid, create_time):
+            self.asked.append((pid, create_time))
+            return ProcDetail(runtimes=("fresh-runtime",), scanned=True, category="video")
+
+    fake = Rescanning()
+    app = app_with(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        await pilot.press("down", "down")  # Xorg, which was not scanned yet
+        await pilot.pause()
+        assert "scan: not scanned yet" in text_of(app.query_one("#inspector-body"))
+        await pilot.press("enter")
+        for _ in range(100):
+            await pilot.pause(0.01)
+            if fake.asked and "fresh-runtime" in text_of(app.query_one("#inspector-body")):
+                break
+        xorg = demo_snapshot().processes[2]
+        assert fake.asked == [(777, xorg.create_time)]
+        body = text_of(app.query_one("#inspector-body"))
+        assert "fresh-runtime" in body and "category video" in body
+
+
 # ----------------------------------------------------------------- layout snapshots
 
 

@@ -16,6 +16,7 @@ readings, so the TUI, ``--once`` and ``--json`` always agree.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from textual.containers import Horizontal
 from textual.message import Message
 from textual.widgets import DataTable, Footer, Static
 
-from gputaskman.model import Adapter, ProcGpu, Snapshot
+from gputaskman.model import Adapter, ProcDetail, ProcGpu, Snapshot
 from gputaskman.screens.help import HelpScreen
 from gputaskman.widgets.gpu_header import GpuHeader
 from gputaskman.widgets.inspector import Inspector
@@ -57,6 +58,14 @@ class SampleFailed(Message):
     error: str
 
 
+@dataclass
+class RescanReady(Message):
+    """An on-demand scan of one process finished (None: the collector cannot rescan)."""
+
+    key: tuple[int, float | None]
+    detail: ProcDetail | None
+
+
 class GtmApp(App[int]):
     TITLE = "gputaskman"
     CSS = """
@@ -73,6 +82,7 @@ class GtmApp(App[int]):
         Binding("i", "toggle_inspector", "show/hide inspector"),
         Binding("space", "toggle_pause", "pause/resume refresh"),
         Binding("u", "refresh_now", "refresh now"),
+        Binding("enter", "rescan", "rescan the highlighted process now (inspector)", show=False),
     ]
 
     def __init__(
@@ -211,7 +221,43 @@ class GtmApp(App[int]):
         parts.append("? help")
         self.status.update(" · ".join(parts))
 
+    # -- on-demand rescan of one process (inspector)
+
+    def action_rescan(self) -> None:
+        p = self.table.current()
+        if p is None:
+            return
+        if not self._busy.acquire(blocking=False):
+            self.notify("a refresh is running; try again")
+            return
+        self.rescan(p.pid, p.create_time)
+
+    @work(thread=True, group="collect")
+    def rescan(self, pid: int, create_time: float | None) -> None:
+        try:
+            rescan = getattr(self._collector, "rescan", None)
+            detail = rescan(pid, create_time) if rescan is not None else None
+            self.post_message(RescanReady((pid, create_time), detail))
+        except Exception as exc:  # a process that vanished or a denied read: say so
+            self.post_message(SampleFailed(f"rescan of {pid}: {type(exc).__name__}: {exc}"))
+        finally:
+            self._busy.release()
+
+    def on_rescan_ready(self, msg: RescanReady) -> None:
+        if msg.detail is None:
+            self.notify("this collector cannot rescan one process")
+            return
+        for k, p in self.table.rows_shown.items():
+            if p.key == msg.key:
+                self.table.rows_shown[k] = dataclasses.replace(p, detail=msg.detail)
+        self.render_inspector()
+        self.notify(f"rescanned {msg.key[0]}")
+
     # -- events and actions
+
+    @on(DataTable.RowSelected)
+    def _row_selected(self, _event: DataTable.RowSelected) -> None:
+        self.action_rescan()  # the table takes enter itself and reports it as a selection
 
     @on(DataTable.RowHighlighted)
     def _row_highlighted(self, _event: DataTable.RowHighlighted) -> None:

@@ -164,6 +164,14 @@ class Collector:
     def close(self) -> None:
         self._nvml.close()
 
+    def rescan(self, pid: int, create_time: float | None) -> ProcDetail | None:
+        """Scan one process now, ignoring budget and cache (the inspector's refresh key).
+        None when the scanner cannot scan on demand."""
+        scan_one = getattr(self._scanner, "scan_one", None)
+        if scan_one is None:
+            return None
+        return scan_one(pid, create_time)
+
     def prime(self) -> None:
         """Take a host sample whose only use is to give CPU% (a rate) its first point,
         so one-shot output can show rates instead of "first sample"."""
