@@ -179,6 +179,7 @@ def start_daemon(cfg: Config, timeout: float = 60.0) -> DaemonInfo:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(cfg.socket)  # a stale socket from a crashed daemon would look ready
     log = cfg.state_dir / "daemon.log"
+    log.unlink(missing_ok=True)  # errors shown on failure must be this run's
     proc = attach.spawn_detached(daemon_command(cfg), log)
     info = DaemonInfo(proc.pid, cfg.socket, cfg.peers, cfg.size, cfg.replicas, str(log),
                       time.time(), client_id(cfg))
