@@ -557,7 +557,11 @@ def render_text(d: Mapping[str, Any], before_path: str, after_path: str) -> str:
     for section in SECTIONS:
         blocks: list[str] = []
         for e in d["adapters"]:
-            rows = [_field_row(f["field"], f) for f in e["fields"] if f["section"] == section]
+            rows = [
+                _field_row(FIELD_LABELS.get(f["field"], f["field"]), f)
+                for f in e["fields"]
+                if f["section"] == section
+            ]
             if rows:
                 how = f"paired by {e['paired_by']}" if e["paired_by"] else e["status"]
                 blocks.append(f"  {_gpu_name(e)}  ({how})")

@@ -12,9 +12,9 @@ Durability: the whole line (newline included) is built in memory first and hande
 kernel with ``os.write`` on an ``O_APPEND`` descriptor, so a sample is either entirely in
 the file or not at all:
 
-* Ctrl+C / SIGTERM / SIGHUP are blocked (``pthread_sigmask``) for the few microseconds of
-  the write, so a stop request lands before or after a line, never inside one; a sample
-  that was being taken when the signal came writes nothing.
+* Ctrl+C / SIGTERM / SIGHUP are caught by `stop_signals`; one that arrives during the
+  write is held until the line is complete, so a stop lands before or after a line, never
+  inside one, and a sample that was being taken when it came writes nothing.
 * A write that fails part-way (disk full) is undone with ``ftruncate`` to the size before
   it, and recording stops with the reason.
 * SIGKILL cannot be blocked: the kernel may then leave the last line short. Readers skip
@@ -39,7 +39,7 @@ import signal
 import stat
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -108,10 +108,37 @@ def open_record(path: Path) -> int:
     return fd
 
 
+class _Guard:
+    """Stop requests that arrive while a line is being written wait for the line."""
+
+    writing = False
+    pending: str | None = None
+
+
+def _on_stop_signal(signum: int, _frame: object) -> None:
+    # Python runs signal handlers in the main thread between bytecodes, which is where
+    # write_line runs, so this check cannot race with the write it protects.
+    name = signal.Signals(signum).name
+    if _Guard.writing:
+        _Guard.pending = name
+        return
+    raise KeyboardInterrupt(name)
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """Ctrl+C, SIGTERM and SIGHUP stop recording between lines, never inside one."""
+    previous = {sig: signal.signal(sig, _on_stop_signal) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def write_line(fd: int, data: bytes) -> None:
     """Append one whole line or nothing (see the module docstring)."""
-    blocked = hasattr(signal, "pthread_sigmask")
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS) if blocked else None
+    _Guard.writing = True
     try:
         size = os.fstat(fd).st_size
         done = 0
@@ -125,8 +152,10 @@ def write_line(fd: int, data: bytes) -> None:
                     os.ftruncate(fd, size)
             raise RecordError(f"writing the record failed: {exc.strerror or exc}") from None
     finally:
-        if old is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _Guard.writing = False
+    if _Guard.pending is not None:
+        name, _Guard.pending = _Guard.pending, None
+        raise KeyboardInterrupt(name)
 
 
 @dataclass
@@ -293,10 +322,6 @@ class _Progress:
         self.out.flush()
 
 
-def _raise_interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def run(args: argparse.Namespace) -> int:
     path = Path(args.file)
     interval = args.record_interval or getattr(args, "interval", None) or 1.0
@@ -307,38 +332,34 @@ def run(args: argparse.Namespace) -> int:
     except RecordError as exc:
         print(f"gputaskman record: {exc}", file=err)
         return 2
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        previous[sig] = signal.signal(sig, _raise_interrupt)
     progress = _Progress(path, interval, err)
     source: Sampler | None = None
-    try:
-        progress.start()
-        source = make_collector(gpu)
-        recorder = Recorder(
-            fd,
-            source,
-            selected_gpu=gpu,
-            interval=interval,
-            duration=args.duration,
-            count=args.count,
-            on_sample=progress.sample,
-            on_error=progress.error,
-        )
-        result = recorder.run()
-    except KeyboardInterrupt:  # before the first sample (while the collector started)
-        result = RecordResult(stopped_by="interrupt")
-    finally:
+    with stop_signals():
         try:
-            if source is not None:
-                source.close()
-            os.fsync(fd)
-        except (OSError, KeyboardInterrupt):
-            pass  # the data is written; a failed flush to disk is not worth a traceback
+            progress.start()
+            source = make_collector(gpu)
+            recorder = Recorder(
+                fd,
+                source,
+                selected_gpu=gpu,
+                interval=interval,
+                duration=args.duration,
+                count=args.count,
+                on_sample=progress.sample,
+                on_error=progress.error,
+            )
+            result = recorder.run()
+        except KeyboardInterrupt:  # before the first sample (while the collector started)
+            result = RecordResult(stopped_by="interrupt")
         finally:
-            os.close(fd)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            try:
+                if source is not None:
+                    source.close()
+                os.fsync(fd)
+            except (OSError, KeyboardInterrupt):
+                pass  # the lines are written; a failed flush to disk is not worth a traceback
+            finally:
+                os.close(fd)
     progress.end(result)
     if result.stopped_by == "error":
         print(f"gputaskman record: {result.errors[-1]}", file=err)
