@@ -56,7 +56,9 @@ def adapter(
     vendor: str = "nvidia",
     uuid: str | None = None,
 ) -> Adapter:
-    return Adapter(index, vendor, name, uuid if uuid is not None else f"GPU-mock-{bus}", bus, "nvml")
+    return Adapter(
+        index, vendor, name, uuid if uuid is not None else f"GPU-mock-{bus}", bus, "nvml"
+    )
 
 
 def metrics(

@@ -71,14 +71,17 @@ def test_record_subprocess_lines_are_exactly_json_objects(tmp_path: Path, model_
     out = tmp_path / "rec.jsonl"
     res = subprocess.run(
         gtm("record", str(out), "--interval", "0.2", "--count", "3"),
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert res.returncode == 0, res.stderr
     assert "recorded 3 samples" in res.stderr
     raw = lines_of(out)
     assert len(raw) == 3 and all(line.endswith(b"\n") for line in raw)
-    one_shot = json.loads(subprocess.run(gtm("--json"), capture_output=True, text=True,
-                                         timeout=60, check=True).stdout)
+    one_shot = json.loads(
+        subprocess.run(gtm("--json"), capture_output=True, text=True, timeout=60, check=True).stdout
+    )
     taken = []
     for line in raw:
         doc = check_snapshot(json.loads(line))
@@ -262,8 +265,9 @@ def test_duration_and_slow_samples_follow_the_interval_grid(tmp_path: Path) -> N
         sleeps.append(s)
         now[0] += s
 
-    res = run_recorder(tmp_path / "r.jsonl", src, interval=1.0, duration=6.0,
-                       clock=lambda: now[0], sleep=sleep)
+    res = run_recorder(
+        tmp_path / "r.jsonl", src, interval=1.0, duration=6.0, clock=lambda: now[0], sleep=sleep
+    )
     # starts at 0, 1 (takes 2.5 s: the tick at 2 and 3 are skipped, not burst), 4, 5; 6 is
     # the end of the duration
     assert res.samples == 4 and res.stopped_by == "duration"
@@ -283,8 +287,9 @@ def _wait_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 30)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_record_stopped_by_signal_keeps_every_sample_whole(tmp_path: Path, sig) -> None:
     out = tmp_path / "r.jsonl"
-    p = subprocess.Popen(gtm("record", str(out), "--interval", "0.02"),
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        gtm("record", str(out), "--interval", "0.02"), stderr=subprocess.PIPE, text=True
+    )
     try:
         _wait_lines(out, 3, p)
         p.send_signal(sig)
@@ -301,8 +306,7 @@ def test_record_stopped_by_signal_keeps_every_sample_whole(tmp_path: Path, sig) 
 
 def test_record_killed_with_sigkill_keeps_every_finished_sample(tmp_path: Path) -> None:
     out = tmp_path / "r.jsonl"
-    p = subprocess.Popen(gtm("record", str(out), "--interval", "0.01"),
-                         stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(gtm("record", str(out), "--interval", "0.01"), stderr=subprocess.DEVNULL)
     try:
         _wait_lines(out, 4, p)
         before = out.read_bytes()
@@ -321,8 +325,7 @@ def test_record_killed_with_sigkill_keeps_every_finished_sample(tmp_path: Path) 
     assert all(not e.incomplete for e in entries[:-1])
 
     # a second recorder appends after it without gluing onto a torn line
-    res = subprocess.run(gtm("record", str(out), "--count", "1"), capture_output=True,
-                         timeout=60)
+    res = subprocess.run(gtm("record", str(out), "--count", "1"), capture_output=True, timeout=60)
     assert res.returncode == 0
     again = list(iter_record(open(out, "rb")))  # noqa: SIM115
     assert again[-1].ok and not again[-1].incomplete
@@ -342,8 +345,9 @@ def test_append_after_a_torn_line_terminates_it(tmp_path: Path) -> None:
 def test_record_refuses_to_append_to_a_file_that_is_not_a_record(tmp_path: Path) -> None:
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes\nline two\n")
-    res = subprocess.run(gtm("record", str(notes), "--count", "1"), capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        gtm("record", str(notes), "--count", "1"), capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 2
     assert "not a gputaskman record file" in res.stderr
     assert notes.read_text() == "my notes\nline two\n"
@@ -356,19 +360,23 @@ def test_record_appends_to_its_own_file(tmp_path: Path) -> None:
     assert [json.loads(x)["taken"] for x in lines_of(out)] == [ms.T0 + 1, ms.T0 + 2, ms.T0 + 1]
 
 
-@pytest.mark.parametrize("bad", [["--interval", "0"], ["--interval", "x"], ["--count", "0"],
-                                 ["--duration", "-1"]])
+@pytest.mark.parametrize(
+    "bad", [["--interval", "0"], ["--interval", "x"], ["--count", "0"], ["--duration", "-1"]]
+)
 def test_record_rejects_bad_options(tmp_path: Path, bad: list[str]) -> None:
     out = tmp_path / "r.jsonl"
-    res = subprocess.run(gtm("record", str(out), *bad), capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(gtm("record", str(out), *bad), capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "error" in res.stderr
     assert not out.exists()
 
 
 def test_record_cannot_open_says_why(tmp_path: Path) -> None:
-    res = subprocess.run(gtm("record", str(tmp_path / "no" / "dir.jsonl"), "--count", "1"),
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        gtm("record", str(tmp_path / "no" / "dir.jsonl"), "--count", "1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "cannot open" in res.stderr
 
 
@@ -376,8 +384,11 @@ def test_record_shows_a_live_sample_count_on_a_terminal(tmp_path: Path) -> None:
     out = tmp_path / "r.jsonl"
     master, slave = pty.openpty()
     try:
-        p = subprocess.Popen(gtm("record", str(out), "--interval", "0.05", "--count", "3"),
-                             stderr=slave, stdout=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            gtm("record", str(out), "--interval", "0.05", "--count", "3"),
+            stderr=slave,
+            stdout=subprocess.DEVNULL,
+        )
         os.close(slave)
         chunks = b""
         while True:
