@@ -7,6 +7,8 @@ from typing import Any
 
 from gputaskman import report
 from gputaskman.demo import BUS0, BUS1, DemoSystem, demo_snapshot, unavailable_snapshot
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 def check_null_rules(doc: dict) -> None:
@@ -159,3 +161,39 @@ def test_json_of_a_live_sample_on_this_machine_keeps_null_rules():
     if not snap.available:
         assert doc["unavailable"]["reason"] in {"library not found", "driver not loaded", "denied"}
         assert doc["attributed_bytes"] is None
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["value", "kind", "source", "reason", "detail", "pid", "x", "system"]),
+            children,
+            max_size=5,
+        )
+    ),
+    max_leaves=30,
+)
+
+
+@given(
+    st.fixed_dictionaries(
+        {
+            "value": json_values,
+            "kind": json_values,
+            "source": json_values,
+            "reason": json_values,
+            "detail": json_values,
+        }
+    )
+)
+def test_null_rule_checker_never_crashes_on_malformed_readings(reading):
+    out = report.null_rule_violations({"processes": [{"vram_bytes": reading}]})
+    assert isinstance(out, list)
+
+
+@given(json_values)
+def test_null_rule_checker_never_crashes_on_any_json(doc):
+    out = report.null_rule_violations({"doc": doc} if not isinstance(doc, dict) else doc)
+    assert isinstance(out, list) and all(isinstance(x, str) for x in out)

@@ -565,8 +565,11 @@ def null_rule_violations(doc: Mapping[str, Any]) -> list[str]:
     def visit(node: Any, path: str, key: str | None) -> None:
         if isinstance(node, Mapping):
             if set(node) == _READING_KEYS:
-                v, reason = node["value"], node["reason"]
-                if node["kind"] not in _KINDS:
+                v, reason, kind = node["value"], node["reason"], node["kind"]
+                if not isinstance(reason, str | None):
+                    out.append(f"{path}: reason {reason!r} is not a string")
+                    reason = "?"
+                if not isinstance(kind, str) or kind not in _KINDS:
                     out.append(f"{path}: unknown kind {node['kind']!r}")
                 if not isinstance(node["source"], str) or not node["source"]:
                     out.append(f"{path}: no source")
