@@ -355,3 +355,27 @@ def test_holder_reports_a_dead_server(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 1 and "No such file" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@needs_root
+def test_neither_path_available_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    """Swap tools present, but no nbd module, no modprobe and no nbdfuse/losetup."""
+    if kernelnbd.kernel_has_nbd():
+        pytest.skip("this kernel has nbd; the fallback message is not reached")
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("mkswap", "swapon", "swapoff", "blkdiscard", "fusermount3"):
+        real = attach.find_tool(name)
+        if real is None:
+            pytest.skip(f"{name} missing")
+        (tools / name).symlink_to(real)
+    monkeypatch.setattr(attach, "_TOOL_DIRS", (str(tools),))
+    state = tmp_path / "state.json"
+    with pytest.raises(attach.AttachError) as info:
+        attach.attach(str(tmp_path / "x.sock"), state, run_dir=tmp_path / "run")
+    msg = str(info.value)
+    assert "no way to attach: the kernel has no nbd module" in msg
+    assert "nbdfuse missing (Debian package libnbd-bin" in msg and "losetup missing" in msg
+    assert "(Debian package mount)" in msg
+    assert not state.exists()

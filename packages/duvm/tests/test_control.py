@@ -142,3 +142,24 @@ def test_disable_when_not_enabled(tmp_path: Path) -> None:
         pytest.skip("needs root")
     res = run_cli("disable", "--state-dir", str(tmp_path))
     assert res.returncode == 0 and "was not enabled" in res.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to nobody")
+def test_demo_without_root_says_why() -> None:
+    from duvm import demo
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(w, json.dumps(demo.preflight()).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        problems = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert problems and problems[0].startswith("needs root") and "sudo" in problems[0]
