@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import dataclasses
 import json
 import logging
 import socket
-from array import array
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from duvm import pageproto as pp
@@ -37,6 +36,10 @@ log = logging.getLogger(__name__)
 
 SOCKET_BUFFER = 4 << 20  # bytes; holds a whole max-size frame in flight
 USER_TIMEOUT_MS = 15000  # unacknowledged data this long -> the connection is dead
+
+
+_STORE, _LOAD, _FREE = int(pp.MsgType.STORE), int(pp.MsgType.LOAD), int(pp.MsgType.FREE)
+_STORE_REPLY, _LOAD_REPLY = _STORE | pp.REPLY_BIT, _LOAD | pp.REPLY_BIT
 
 
 class PageServerError(Exception):
@@ -92,24 +95,28 @@ class _ClientProto(asyncio.BufferedProtocol):
         dec.buffer_updated(nbytes)
         try:
             while True:
-                msg = dec.next_event()
-                if msg is pp.NEED_DATA:
+                frame = dec.next_frame()
+                if frame is pp.NEED_DATA:
                     return
-                entry = pending.pop(msg.req_id, None)
+                mtype, req_id, status, body = frame
+                entry = pending.pop(req_id, None)
                 if entry is None:
-                    raise pp.RemoteProtocolError(f"reply to unknown request id {msg.req_id}")
+                    raise pp.RemoteProtocolError(f"reply to unknown request id {req_id}")
                 fut, out = entry
                 if fut.done():  # the caller was cancelled; drop the reply
                     continue
-                if type(msg) is pp.LoadReply:
-                    if out is None or msg.data.nbytes != out.nbytes:
-                        raise pp.RemoteProtocolError("LOAD reply does not match its request")
-                    out[:] = msg.data
-                    fut.set_result(None)
-                elif type(msg) is pp.ErrorReply:
+                if status:
+                    msg = pp.decode_frame(*frame)
                     fut.set_exception(PageServerError(msg.code, msg.message, self.client.peer))
+                elif mtype == _LOAD_REPLY:
+                    if out is None or body.nbytes != out.nbytes:
+                        raise pp.RemoteProtocolError("LOAD reply does not match its request")
+                    out[:] = body  # the one copy: receive buffer -> caller's buffer
+                    fut.set_result(None)
+                elif mtype == _STORE_REPLY:  # its payload is empty (the decoder checked)
+                    fut.set_result(None)
                 else:
-                    fut.set_result(msg)
+                    fut.set_result(pp.decode_frame(*frame))
         except pp.RemoteProtocolError as e:
             log.warning("memserver %s broke the protocol: %s; closing", self.client.peer, e)
             self.transport.abort()
@@ -139,7 +146,7 @@ class MemClient:
         self.namespace_losses = 0  # reconnects that found the namespace gone
         self._proto: _ClientProto | None = None
         self._pending: dict[int, tuple[asyncio.Future, memoryview | None]] = {}
-        self._ids = itertools.count(1)
+        self._next_id = 0
         self._outq: list[bytes | memoryview] = []
         self._flush_handle: asyncio.Handle | None = None
         self._reserved: int | None = None  # last reservation we asked for
@@ -170,7 +177,7 @@ class MemClient:
             raise MemserverUnreachable(f"cannot reach memserver {self.peer}: {reason}") from None
         self._proto = proto
         try:
-            reply = await self._request(pp.Hello(next(self._ids), self.client_id))
+            reply = await self._request(pp.Hello(0, self.client_id))
         except BaseException:
             proto.transport.abort()
             self._proto = None
@@ -180,7 +187,7 @@ class MemClient:
             self.namespace_losses += 1
             log.error("memserver %s lost namespace %r (lease expired or restart): its pages are "
                       "gone; restoring the reservation", self.peer, self.client_id)  # fmt: skip
-            await self._request(pp.Reserve(next(self._ids), self._reserved))
+            await self._request(pp.Reserve(0, self._reserved))
         return reply
 
     async def close(self) -> None:
@@ -219,12 +226,23 @@ class MemClient:
 
     # --- requests ---
 
-    def _send(self, msg: pp.Request, out: memoryview | None = None) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[msg.req_id] = (fut, out)
-        self._outq += pp.encode(msg)
+    def _send(self, mtype: int, keys: tuple[int, ...] | None, data: memoryview | None,
+              out: memoryview | None, msg: pp.Request | None = None) -> asyncio.Future:  # fmt: skip
+        """Queue one request (a batch, or `msg`); every request queued in this loop iteration
+        leaves in one writelines."""
+        self._next_id += 1
+        rid = self._next_id
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending[rid] = (fut, out)
+        if msg is not None:
+            self._outq += pp.encode(dataclasses.replace(msg, req_id=rid))
+        else:
+            self._outq.append(pp.batch_prefix(mtype, rid, keys))
+            if data is not None:
+                self._outq.append(data)
         if self._flush_handle is None:
-            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+            self._flush_handle = loop.call_soon(self._flush)
         return fut
 
     def _flush(self) -> None:
@@ -233,91 +251,114 @@ class MemClient:
         if q and self._proto is not None and self._proto.transport is not None:
             self._proto.transport.writelines(q)
 
-    async def _request(self, msg: pp.Request, out: memoryview | None = None) -> Any:
+    async def _request(self, msg: pp.Request) -> Any:
+        """One request on the current connection, no retry (HELLO and setup)."""
         if self._proto is None:
             raise MemserverUnreachable(f"not connected to memserver {self.peer}")
-        return await self._send(msg, out)
+        return await self._send(0, None, None, None, msg)
 
-    async def _call(self, build, out: memoryview | None = None) -> Any:
-        """Send build(req_id), reconnecting and retrying (requests are idempotent)."""
+    async def _call(self, mtype: int, keys: tuple[int, ...] | None = None,
+                    data: memoryview | None = None, out: memoryview | None = None,
+                    msg: pp.Request | None = None) -> Any:  # fmt: skip
+        """Send a request; on a lost connection reconnect and retry (requests are idempotent)."""
+        if self.hello is not None:  # connected: the fast path
+            try:
+                return await self._send(mtype, keys, data, out, msg)
+            except MemserverUnreachable:
+                if not self.retries:
+                    raise
+                log.warning("retrying request to memserver %s after reconnecting", self.peer)
         for attempt in range(self.retries + 1):
             await self._ensure_connected()
             try:
-                return await self._send(build(next(self._ids)), out)
+                return await self._send(mtype, keys, data, out, msg)
             except MemserverUnreachable:
                 if attempt == self.retries:
                     raise
-                log.warning("retrying request to memserver %s after reconnect", self.peer)
         raise AssertionError("unreachable")
 
     async def reserve(self, pages: int) -> pp.ReserveReply:
         """Set this namespace's reservation to `pages` (absolute)."""
-        reply = await self._call(lambda rid: pp.Reserve(rid, pages))
+        reply = await self._call(0, msg=pp.Reserve(0, pages))
         self._reserved = pages
         return reply
 
     async def release(self) -> int:
         """Free every page and the reservation; returns the number of pages freed."""
-        reply = await self._call(pp.Release)
+        reply = await self._call(0, msg=pp.Release(0))
         self._reserved = 0
         return reply.freed_pages
 
+    # The trusted fast path for RemoteStore: `keys` a tuple of valid keys, 1..max_batch of
+    # them; `data`/`out` byte memoryviews of exactly len(keys) pages. Nothing is checked.
+
+    def store_batch(self, keys: tuple[int, ...], data: memoryview) -> Awaitable[Any]:
+        return self._call(_STORE, keys, data)
+
+    def load_batch(self, keys: tuple[int, ...], out: memoryview) -> Awaitable[Any]:
+        return self._call(_LOAD, keys, None, out)
+
     async def store(self, keys: Iterable[int], data: bytes | bytearray | memoryview) -> None:
-        """Store pages `keys` from `data` (len(keys) * PAGE_SIZE bytes)."""
-        keys = pp.keys_array(keys)
-        mv = memoryview(data).cast("B")
-        if mv.nbytes != len(keys) * PAGE_SIZE:
-            raise ValueError(f"{len(keys)} pages need {len(keys) * PAGE_SIZE} bytes, "
-                             f"got {mv.nbytes}")  # fmt: skip
+        """Store pages `keys` from `data` (len(keys) * PAGE_SIZE bytes), all or nothing per
+        batch of max_batch pages. Refused with PageServerError(NO_SPACE) beyond the
+        reservation. `data` must stay unchanged until this returns."""
+        keys = pp.keys_tuple(keys)
+        mv = data if type(data) is memoryview and data.format == "B" else memoryview(data).cast("B")
+        n = len(keys)
+        if mv.nbytes != n * PAGE_SIZE:
+            raise ValueError(f"{n} pages need {n * PAGE_SIZE} bytes, got {mv.nbytes}")
         mb = self.max_batch
-        if len(keys) <= mb:
-            await self._call(lambda rid: pp.Store(rid, keys, mv))
-            return
-        await asyncio.gather(*(
-            self._call(lambda rid, i=i: pp.Store(rid, keys[i : i + mb],
-                                                 mv[i * PAGE_SIZE : (i + mb) * PAGE_SIZE]))
-            for i in range(0, len(keys), mb)
-        ))  # fmt: skip
+        if 0 < n <= mb:
+            await self._call(_STORE, keys, mv)
+        elif n:
+            await self._each([self._call(_STORE, keys[i : i + mb],
+                                         mv[i * PAGE_SIZE : (i + mb) * PAGE_SIZE])
+                              for i in range(0, n, mb)])  # fmt: skip
 
     async def load(self, keys: Iterable[int], out: bytearray | memoryview | None = None
                    ) -> bytearray | None:  # fmt: skip
         """Load pages `keys` into `out` (writable, len(keys) * PAGE_SIZE bytes), or into a new
         bytearray that is returned when `out` is None. A page not stored raises
         PageServerError(NOT_FOUND)."""
-        keys = pp.keys_array(keys)
+        keys = pp.keys_tuple(keys)
+        n = len(keys)
         ret = None
         if out is None:
-            ret = out = bytearray(len(keys) * PAGE_SIZE)
-        mv = memoryview(out).cast("B")
-        if mv.readonly or mv.nbytes != len(keys) * PAGE_SIZE:
-            raise ValueError(f"out must be writable and {len(keys) * PAGE_SIZE} bytes")
+            ret = out = bytearray(n * PAGE_SIZE)
+        mv = out if type(out) is memoryview and out.format == "B" else memoryview(out).cast("B")
+        if mv.readonly or mv.nbytes != n * PAGE_SIZE:
+            raise ValueError(f"out must be writable and {n * PAGE_SIZE} bytes")
         mb = self.max_batch
-        if len(keys) <= mb:
-            await self._call(lambda rid: pp.Load(rid, keys), mv)
-        else:
-            await asyncio.gather(*(
-                self._call(lambda rid, i=i: pp.Load(rid, keys[i : i + mb]),
-                           mv[i * PAGE_SIZE : (i + mb) * PAGE_SIZE])
-                for i in range(0, len(keys), mb)
-            ))  # fmt: skip
+        if 0 < n <= mb:
+            await self._call(_LOAD, keys, None, mv)
+        elif n:
+            await self._each([self._call(_LOAD, keys[i : i + mb], None,
+                                         mv[i * PAGE_SIZE : (i + mb) * PAGE_SIZE])
+                              for i in range(0, n, mb)])  # fmt: skip
         return ret
 
     async def free(self, keys: Iterable[int]) -> int:
         """Free pages `keys`; returns how many were stored. Absent keys are not an error."""
-        keys = pp.keys_array(keys)
-        if not keys:
-            return 0
+        keys = pp.keys_tuple(keys)
         mb = self.max_batch
-        replies = await asyncio.gather(*(
-            self._call(lambda rid, i=i: pp.Free(rid, keys[i : i + mb]))
-            for i in range(0, len(keys), mb)
-        ))  # fmt: skip
+        replies = await self._each([self._call(_FREE, keys[i : i + mb])
+                                    for i in range(0, len(keys), mb)])  # fmt: skip
         return sum(r.freed for r in replies)
 
     async def status(self) -> dict:
         """The memserver's STATUS (see docs/protocol.md for the fields)."""
-        reply = await self._call(pp.Status)
+        reply = await self._call(0, msg=pp.Status(0))
         return json.loads(reply.json)
+
+    @staticmethod
+    async def _each(coros: list) -> list:
+        """Await all parts, then raise the first failure: no part may still be using the
+        caller's buffer after we return."""
+        res = await asyncio.gather(*coros, return_exceptions=True)
+        for r in res:
+            if isinstance(r, BaseException):
+                raise r
+        return res
 
 
 async def query_status(host: str, port: int, *, timeout: float = 5.0) -> dict:
@@ -347,8 +388,3 @@ async def query_status(host: str, port: int, *, timeout: float = 5.0) -> dict:
     if not isinstance(msg, pp.StatusReply):
         raise MemserverUnreachable(f"memserver {peer} answered STATUS with {type(msg).__name__}")
     return json.loads(msg.json)
-
-
-def keys_range(first: int, count: int) -> array:
-    """array('Q') of `count` consecutive page numbers from `first`."""
-    return array("Q", range(first, first + count))

@@ -6,8 +6,8 @@ Theory of operation:
   `Namespace` per client id, mapping the client's page numbers to slots. Reservations are
   promises: the sum of all namespaces' reservations never exceeds the arena, and a namespace
   never stores more pages than it reserved, so a STORE within a reservation always finds a free
-  slot and receiving a page never allocates page memory. `handle()` turns one decoded request
-  into one reply; it is synchronous because every request is served from RAM.
+  slot and receiving a page never allocates page memory. Each request method is synchronous
+  (every request is served from RAM) and refuses by raising `Refused`, having changed nothing.
 - The network driver (`_Conn`) is an asyncio BufferedProtocol around `pageproto.Decoder`: the
   kernel copies received bytes straight into the decoder's preallocated buffer, STORE data is
   copied from there into arena slots, and every reply produced while handling one read is sent
@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import signal
+import struct
 import sys
 import time
 from collections.abc import Coroutine
@@ -38,6 +39,12 @@ from duvm.units import parse_hostport, parse_size
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+_header = pp.frame_header
+_STORE, _LOAD, _FREE = int(pp.MsgType.STORE), int(pp.MsgType.LOAD), int(pp.MsgType.FREE)
+_STORE_REPLY, _LOAD_REPLY = _STORE | pp.REPLY_BIT, _LOAD | pp.REPLY_BIT
+_FREE_REPLY = _FREE | pp.REPLY_BIT
+_FREE_BODY = struct.Struct("<II").pack
 
 DEFAULT_LEASE_S = 60.0
 SUPPORTED_VERSIONS = (pp.MIN_VERSION, pp.PROTOCOL_VERSION)
@@ -55,8 +62,21 @@ class Namespace:
     timer: asyncio.TimerHandle | None = None
 
 
+class Refused(Exception):
+    """A request the server declines (the reply carries `code`); it changed nothing."""
+
+    def __init__(self, code: pp.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _no_room(new: int, ns: Namespace) -> Refused:
+    return Refused(pp.ErrorCode.NO_SPACE, f"STORE of {new} new pages exceeds the reservation "
+                   f"({len(ns.pages)} of {ns.reserved} pages used)")  # fmt: skip
+
+
 class PageStore:
-    """Arena, namespaces, reservations; `handle(ns, request)` -> reply. No I/O."""
+    """Arena, namespaces, reservations and the requests on them. No I/O."""
 
     def __init__(self, capacity_pages: int, *, lease_s: float = DEFAULT_LEASE_S,
                  lock: bool = True) -> None:  # fmt: skip
@@ -112,19 +132,26 @@ class PageStore:
         ns.reserved = 0
         return n
 
-    # --- requests (hot ones first) ---
+    # --- requests (hot ones first). Refusals raise Refused; nothing changes then. ---
 
-    def store(self, ns: Namespace, msg: pp.Store) -> pp.StoreReply | pp.ErrorReply:
-        pages, keys = ns.pages, msg.keys
+    def store(self, ns: Namespace, keys: tuple[int, ...], data: memoryview) -> None:
+        pages, mem = ns.pages, self.arena.memory
+        if len(keys) == 1:  # the swap path's common case, kept short
+            k = keys[0]
+            slot = pages.get(k)
+            if slot is None:
+                if len(pages) >= ns.reserved:
+                    raise _no_room(1, ns)
+                slot = pages[k] = self.arena.alloc()
+            off = slot * PAGE_SIZE
+            mem[off : off + PAGE_SIZE] = data
+            return
         new = sum(1 for k in keys if k not in pages)
         if new and len(pages) + new > ns.reserved:
             new = len(set(keys).difference(pages))  # exact count (duplicate keys in the batch)
             if len(pages) + new > ns.reserved:
-                return pp.ErrorReply(msg.req_id, pp.MsgType.STORE, pp.ErrorCode.NO_SPACE,
-                                     f"STORE of {new} new pages exceeds the reservation "
-                                     f"({len(pages)} of {ns.reserved} pages used)")  # fmt: skip
-        mem, data, alloc = self.arena.memory, msg.data, self.arena.alloc
-        src = 0
+                raise _no_room(new, ns)
+        alloc, src = self.arena.alloc, 0
         for k in keys:
             slot = pages.get(k)
             if slot is None:
@@ -132,51 +159,47 @@ class PageStore:
             off = slot * PAGE_SIZE
             mem[off : off + PAGE_SIZE] = data[src : src + PAGE_SIZE]
             src += PAGE_SIZE
-        return pp.StoreReply(msg.req_id)
 
-    def load(self, ns: Namespace, msg: pp.Load) -> pp.LoadReply | pp.ErrorReply:
+    def load(self, ns: Namespace, keys: tuple[int, ...]) -> bytes:
+        """The pages, copied: a view of the arena could change under a reply the transport
+        still buffers (the slot freed and reused, even by another namespace)."""
         pages, mem = ns.pages, self.arena.memory
         try:
-            offs = [pages[k] * PAGE_SIZE for k in msg.keys]
+            if len(keys) == 1:
+                off = pages[keys[0]] * PAGE_SIZE
+                return mem[off : off + PAGE_SIZE].tobytes()
+            offs = [pages[k] * PAGE_SIZE for k in keys]
         except KeyError as e:
-            missing = [k for k in msg.keys if k not in pages]
-            return pp.ErrorReply(msg.req_id, pp.MsgType.LOAD, pp.ErrorCode.NOT_FOUND,
-                                 f"{len(missing)} of {len(msg.keys)} pages not stored, "
-                                 f"first: {e.args[0]}")  # fmt: skip
-        # Copied (not a view of the arena): the slot may be freed and reused by another
-        # namespace before the transport has sent a reply it had to buffer.
-        if len(offs) == 1:
-            data = mem[offs[0] : offs[0] + PAGE_SIZE].tobytes()
-        else:
-            data = b"".join([mem[o : o + PAGE_SIZE] for o in offs])
-        return pp.LoadReply(msg.req_id, memoryview(data))
+            missing = sum(1 for k in keys if k not in pages)
+            raise Refused(pp.ErrorCode.NOT_FOUND, f"{missing} of {len(keys)} pages not stored, "
+                          f"first: {e.args[0]}") from None  # fmt: skip
+        return b"".join([mem[o : o + PAGE_SIZE] for o in offs])
 
-    def free(self, ns: Namespace, msg: pp.Free) -> pp.FreeReply:
+    def free(self, ns: Namespace, keys: tuple[int, ...]) -> int:
         pages, free, n = ns.pages, self.arena.free, 0
-        for k in msg.keys:
+        for k in keys:
             slot = pages.pop(k, None)
             if slot is not None:
                 free(slot)
                 n += 1
-        return pp.FreeReply(msg.req_id, n)
+        return n
 
-    def reserve(self, ns: Namespace, msg: pp.Reserve) -> pp.ReserveReply | pp.ErrorReply:
-        want, stored = msg.pages, len(ns.pages)
+    def reserve(self, ns: Namespace, want: int) -> int:
+        stored = len(ns.pages)
         if want < stored:
-            return pp.ErrorReply(msg.req_id, pp.MsgType.RESERVE, pp.ErrorCode.BUSY,
-                                 f"cannot reserve {want} pages: {stored} are stored; "
-                                 "FREE them first")  # fmt: skip
+            raise Refused(pp.ErrorCode.BUSY, f"cannot reserve {want} pages: {stored} are "
+                          "stored; FREE them first")  # fmt: skip
         available = self.capacity_pages - self.reserved_total + ns.reserved
         if want > available:
-            return pp.ErrorReply(msg.req_id, pp.MsgType.RESERVE, pp.ErrorCode.NO_SPACE,
-                                 f"cannot reserve {want} pages ({want * PAGE_SIZE >> 20} MiB): "
-                                 f"{available} available of {self.capacity_pages}")  # fmt: skip
+            raise Refused(pp.ErrorCode.NO_SPACE, f"cannot reserve {want} pages "
+                          f"({want * PAGE_SIZE >> 20} MiB): {available} available of "
+                          f"{self.capacity_pages}")  # fmt: skip
         self.reserved_total += want - ns.reserved
         ns.reserved = want
-        return pp.ReserveReply(msg.req_id, want, stored)
+        return stored
 
-    def release(self, ns: Namespace, msg: pp.Release) -> pp.ReleaseReply:
-        return pp.ReleaseReply(msg.req_id, self._release(ns))
+    def release(self, ns: Namespace) -> int:
+        return self._release(ns)
 
     def status(self) -> dict:
         now = time.monotonic()
@@ -247,15 +270,32 @@ class _Conn(asyncio.BufferedProtocol):
         return self.decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        dec, out = self.decoder, []
+        dec, out, store = self.decoder, [], self.store
         dec.buffer_updated(nbytes)
         try:
             while not self.closing:
-                msg = dec.next_event()
-                if msg is pp.NEED_DATA:
+                frame = dec.next_frame()
+                if frame is pp.NEED_DATA:
                     break
-                reply = self._dispatch(msg)
-                out += pp.encode(reply)
+                mtype, req_id, _, body = frame
+                ns = self.ns
+                try:
+                    # The hot requests are served straight from the frame, no message objects.
+                    if mtype == _STORE and ns is not None:
+                        keys, data = pp.parse_batch(mtype, body)
+                        store.store(ns, keys, data)
+                        out.append(_header(_STORE_REPLY, req_id, 0))
+                    elif mtype == _LOAD and ns is not None:
+                        data = store.load(ns, pp.parse_batch(mtype, body)[0])
+                        out.append(_header(_LOAD_REPLY, req_id, len(data)))
+                        out.append(data)
+                    elif mtype == _FREE and ns is not None:
+                        n = store.free(ns, pp.parse_batch(mtype, body)[0])
+                        out.append(_header(_FREE_REPLY, req_id, 8) + _FREE_BODY(n, 0))
+                    else:
+                        out += pp.encode(self._dispatch(pp.decode_frame(*frame)))
+                except Refused as e:
+                    out += pp.encode(pp.ErrorReply(req_id, pp.MsgType(mtype), e.code, str(e)))
         except pp.RemoteProtocolError as e:
             self._abort(str(e), out)
             return
@@ -282,19 +322,8 @@ class _Conn(asyncio.BufferedProtocol):
         self.transport.close()
 
     def _dispatch(self, msg: pp.Message) -> pp.Reply:
+        """The requests off the hot path (and hot ones arriving before HELLO)."""
         ns, store = self.ns, self.store
-        if ns is not None:
-            t = type(msg)
-            if t is pp.Store:
-                return store.store(ns, msg)
-            if t is pp.Load:
-                return store.load(ns, msg)
-            if t is pp.Free:
-                return store.free(ns, msg)
-            if t is pp.Reserve:
-                return store.reserve(ns, msg)
-            if t is pp.Release:
-                return store.release(ns, msg)
         if isinstance(msg, pp.Status):
             body = json.dumps(store.status(), separators=(",", ":")).encode()
             return pp.StatusReply(msg.req_id, body)
@@ -302,7 +331,14 @@ class _Conn(asyncio.BufferedProtocol):
             if ns is not None:
                 raise pp.RemoteProtocolError("second HELLO on one connection")
             return self._hello(msg)
-        raise pp.RemoteProtocolError(f"{type(msg).__name__} before HELLO")
+        if ns is None:
+            raise pp.RemoteProtocolError(f"{type(msg).__name__} before HELLO")
+        if isinstance(msg, pp.Reserve):
+            stored = store.reserve(ns, msg.pages)
+            return pp.ReserveReply(msg.req_id, msg.pages, stored)
+        if isinstance(msg, pp.Release):
+            return pp.ReleaseReply(msg.req_id, store.release(ns))
+        raise AssertionError(f"unhandled request {msg!r}")
 
     def _hello(self, msg: pp.Hello) -> pp.Reply:
         lo, hi = SUPPORTED_VERSIONS

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import errno
 import struct
-import sys
-from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -49,8 +47,6 @@ MAX_STATUS: Final = 1 << 20  # bytes of JSON in a STATUS reply
 _BATCH_HEAD = struct.Struct("<II")  # count, reserved (0)
 # The largest frame either side ever needs: a STORE of MAX_BATCH pages.
 MAX_FRAME: Final = HEADER_SIZE + _BATCH_HEAD.size + MAX_BATCH * (8 + PAGE_SIZE)
-
-_LITTLE: Final = sys.byteorder == "little"
 
 
 class MsgType(IntEnum):
@@ -111,13 +107,30 @@ class _NeedData:
 NEED_DATA: Final = _NeedData()
 
 
-def keys_array(keys: Iterable[int]) -> array:
-    if isinstance(keys, array) and keys.typecode == "Q":
-        return keys
-    try:
-        return array("Q", keys)
-    except (OverflowError, TypeError) as e:
-        raise LocalProtocolError(f"page keys must be integers in [0, 2**64): {e}") from None
+def keys_tuple(keys: Iterable[int]) -> tuple[int, ...]:
+    """Page keys as a tuple of ints in [0, 2**64); LocalProtocolError otherwise."""
+    t = keys if type(keys) is tuple else tuple(keys)
+    if t and not all(type(k) is int and 0 <= k < 1 << 64 for k in t):  # bool is no key
+        raise LocalProtocolError("page keys must be integers in [0, 2**64)")
+    return t
+
+
+_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _batch_struct(n: int) -> struct.Struct:
+    """Header, count, reserved and n keys in one Struct (cached per n; n <= MAX_BATCH)."""
+    st = _STRUCTS.get(n)
+    if st is None:
+        st = _STRUCTS[n] = struct.Struct(f"<IHHQIIII{n}Q")
+    return st
+
+
+def _keys_struct(n: int) -> struct.Struct:
+    st = _STRUCTS.get(-n)
+    if st is None:
+        st = _STRUCTS[-n] = struct.Struct(f"<{n}Q")
+    return st
 
 
 def _check_count(n: int, what: str, error: type[ProtocolError]) -> None:
@@ -198,7 +211,7 @@ class Store:
     """Store `len(keys)` pages; `data` holds them back to back, PAGE_SIZE bytes each."""
 
     req_id: int
-    keys: array
+    keys: tuple[int, ...]
     data: memoryview = field(repr=False)
 
     def __post_init__(self) -> None:
@@ -218,7 +231,7 @@ class StoreReply:
 @dataclass(frozen=True, slots=True)
 class Load:
     req_id: int
-    keys: array
+    keys: tuple[int, ...]
 
     def __post_init__(self) -> None:
         _check_count(len(self.keys), "LOAD", LocalProtocolError)
@@ -235,7 +248,7 @@ class LoadReply:
 @dataclass(frozen=True, slots=True)
 class Free:
     req_id: int
-    keys: array
+    keys: tuple[int, ...]
 
     def __post_init__(self) -> None:
         _check_count(len(self.keys), "FREE", LocalProtocolError)
@@ -281,19 +294,19 @@ Message = Request | Reply
 
 
 def make_store(req_id: int, keys: Iterable[int], data: bytes | bytearray | memoryview) -> Store:
-    """Build a STORE, converting keys to array('Q') and data to a byte memoryview."""
+    """Build a STORE, converting keys to a tuple and data to a byte memoryview."""
     mv = memoryview(data)
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
-    return Store(req_id, keys_array(keys), mv)
+    return Store(req_id, keys_tuple(keys), mv)
 
 
 def make_load(req_id: int, keys: Iterable[int]) -> Load:
-    return Load(req_id, keys_array(keys))
+    return Load(req_id, keys_tuple(keys))
 
 
 def make_free(req_id: int, keys: Iterable[int]) -> Free:
-    return Free(req_id, keys_array(keys))
+    return Free(req_id, keys_tuple(keys))
 
 
 # --- encoding -------------------------------------------------------------------------------
@@ -307,67 +320,65 @@ _FREE_REPLY = struct.Struct("<II")
 RESUMED: Final = 1
 
 
-def _header(mtype: int, req_id: int, length: int, status: int = 0) -> bytes:
+def frame_header(mtype: int, req_id: int, length: int, status: int = 0) -> bytes:
+    """A frame header (hot paths build replies with this, without message objects)."""
     return HEADER.pack(MAGIC, mtype, 0, req_id, status, length)
 
 
-def _keys_wire(keys: array) -> bytes:
-    if _LITTLE:
-        return keys.tobytes()
-    swapped = array("Q", keys)
-    swapped.byteswap()
-    return swapped.tobytes()
+def batch_prefix(mtype: int, req_id: int, keys: tuple[int, ...]) -> bytes:
+    """Header, count and keys of a STORE, LOAD or FREE (a STORE's page data follows).
+    Callers guarantee 1 <= len(keys) <= MAX_BATCH and keys in range (see keys_tuple)."""
+    n = len(keys)
+    length = 8 + n * (8 + PAGE_SIZE) if mtype == MsgType.STORE else 8 + n * 8
+    try:
+        return _batch_struct(n).pack(MAGIC, mtype, 0, req_id, 0, length, n, 0, *keys)
+    except struct.error as e:
+        raise LocalProtocolError(f"bad page keys: {e}") from None
 
 
 def encode(msg: Message) -> list[bytes | memoryview]:
     """Frame `msg` as a list of buffers to write in order (page data is not copied)."""
     match msg:
         case Store(req_id, keys, data):
-            n = len(keys)
-            return [
-                _header(MsgType.STORE, req_id, 8 + n * (8 + PAGE_SIZE))
-                + _BATCH_HEAD.pack(n, 0)
-                + _keys_wire(keys),
-                data,
-            ]
-        case Load(req_id, keys) | Free(req_id, keys):
-            n = len(keys)
-            mtype = MsgType.LOAD if isinstance(msg, Load) else MsgType.FREE
-            return [_header(mtype, req_id, 8 + n * 8) + _BATCH_HEAD.pack(n, 0) + _keys_wire(keys)]
+            return [batch_prefix(MsgType.STORE, req_id, keys), data]
+        case Load(req_id, keys):
+            return [batch_prefix(MsgType.LOAD, req_id, keys)]
+        case Free(req_id, keys):
+            return [batch_prefix(MsgType.FREE, req_id, keys)]
         case LoadReply(req_id, data):
-            return [_header(MsgType.LOAD | REPLY_BIT, req_id, data.nbytes), data]
+            return [frame_header(MsgType.LOAD | REPLY_BIT, req_id, data.nbytes), data]
         case StoreReply(req_id):
-            return [_header(MsgType.STORE | REPLY_BIT, req_id, 0)]
+            return [frame_header(MsgType.STORE | REPLY_BIT, req_id, 0)]
         case FreeReply(req_id, freed):
-            return [_header(MsgType.FREE | REPLY_BIT, req_id, 8) + _FREE_REPLY.pack(freed, 0)]
+            return [frame_header(MsgType.FREE | REPLY_BIT, req_id, 8) + _FREE_REPLY.pack(freed, 0)]
         case Hello(req_id, client_id, lo, hi):
             raw = client_id.encode("utf-8")
             body = _HELLO.pack(lo, hi, len(raw), 0) + raw
-            return [_header(MsgType.HELLO, req_id, len(body)) + body]
+            return [frame_header(MsgType.HELLO, req_id, len(body)) + body]
         case HelloReply():
             body = _HELLO_REPLY.pack(
                 msg.version, RESUMED if msg.resumed else 0, msg.lease_ms, msg.max_frame,
                 msg.max_batch, msg.capacity_pages, msg.reserved_pages, msg.stored_pages,
             )  # fmt: skip
-            return [_header(MsgType.HELLO | REPLY_BIT, msg.req_id, len(body)) + body]
+            return [frame_header(MsgType.HELLO | REPLY_BIT, msg.req_id, len(body)) + body]
         case Reserve(req_id, pages):
-            return [_header(MsgType.RESERVE, req_id, 8) + _U64.pack(pages)]
+            return [frame_header(MsgType.RESERVE, req_id, 8) + _U64.pack(pages)]
         case ReserveReply(req_id, reserved, stored):
             body = _U64X2.pack(reserved, stored)
-            return [_header(MsgType.RESERVE | REPLY_BIT, req_id, 16) + body]
+            return [frame_header(MsgType.RESERVE | REPLY_BIT, req_id, 16) + body]
         case Release(req_id):
-            return [_header(MsgType.RELEASE, req_id, 0)]
+            return [frame_header(MsgType.RELEASE, req_id, 0)]
         case ReleaseReply(req_id, freed):
-            return [_header(MsgType.RELEASE | REPLY_BIT, req_id, 8) + _U64.pack(freed)]
+            return [frame_header(MsgType.RELEASE | REPLY_BIT, req_id, 8) + _U64.pack(freed)]
         case Status(req_id):
-            return [_header(MsgType.STATUS, req_id, 0)]
+            return [frame_header(MsgType.STATUS, req_id, 0)]
         case StatusReply(req_id, body):
             if len(body) > MAX_STATUS:
                 raise LocalProtocolError(f"STATUS reply over {MAX_STATUS} bytes")
-            return [_header(MsgType.STATUS | REPLY_BIT, req_id, len(body)) + body]
+            return [frame_header(MsgType.STATUS | REPLY_BIT, req_id, len(body)) + body]
         case ErrorReply(req_id, mtype, code, message):
             raw = message.encode("utf-8", "replace")[:MAX_ERROR_MESSAGE]
-            return [_header(mtype | REPLY_BIT, req_id, len(raw), code) + raw]
+            return [frame_header(mtype | REPLY_BIT, req_id, len(raw), code) + raw]
     raise LocalProtocolError(f"not a page protocol message: {msg!r}")
 
 
@@ -419,6 +430,7 @@ class Decoder:
         # One whole frame always fits after compaction; the slack lets reads run ahead.
         self._buf = bytearray(max_frame + (256 << 10))
         self._mv = memoryview(self._buf)
+        self._whole = self._mv[:]
         self._start = 0  # first unconsumed byte
         self._end = 0  # one past the last received byte
         self._need = HEADER_SIZE  # bytes the frame at _start needs in total (when known)
@@ -433,13 +445,19 @@ class Decoder:
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Free space to receive into (BufferedProtocol.get_buffer). Invalidates borrowed data."""
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif len(self._buf) - self._end < max(65536, self._need - self.buffered):
-            n = self._end - self._start
-            self._mv[:n] = self._mv[self._start : self._end]
-            self._start, self._end = 0, n
-        return self._mv[self._end :]
+        start, end = self._start, self._end
+        if start == end:
+            if start:
+                self._start = self._end = 0
+            return self._whole
+        buffered, tail = end - start, len(self._buf) - end
+        # Compact when the frame in progress would not fit otherwise, or when the tail is
+        # short and moving the few buffered bytes is cheap; never move a big frame needlessly.
+        if tail < self._need - buffered or (tail < 65536 and buffered <= 65536):
+            self._mv[:buffered] = self._mv[start:end]
+            self._start, self._end = 0, buffered
+            end = buffered
+        return self._mv[end:]
 
     def buffer_updated(self, nbytes: int) -> None:
         if not 0 <= nbytes <= len(self._buf) - self._end:
@@ -465,9 +483,11 @@ class Decoder:
 
     # --- output ---
 
-    def next_event(self) -> Message | _NeedData:
-        """The next complete message, or NEED_DATA. Raises RemoteProtocolError on a bad frame,
-        including a frame cut short by end of stream."""
+    def next_frame(self) -> tuple[int, int, int, memoryview] | _NeedData:
+        """The next complete frame as (type as on the wire, request id, status, payload), or
+        NEED_DATA. The header is fully validated (magic, type for this role, flags, status,
+        payload length within the limit of its type); the payload is borrowed. Raises
+        RemoteProtocolError on a bad header or a frame cut short by end of stream."""
         avail = self._end - self._start
         if avail < HEADER_SIZE:
             return self._need_data(avail)
@@ -498,11 +518,14 @@ class Decoder:
             return self._need_data(avail)
         self._need = HEADER_SIZE
         self._start = start + total
-        body = self._mv[start + HEADER_SIZE : start + total]
-        if status:
-            return ErrorReply(req_id, MsgType(mtype & ~REPLY_BIT), ErrorCode(status),
-                              bytes(body).decode("utf-8", "replace"))  # fmt: skip
-        return _DECODERS[mtype](req_id, body)
+        return mtype, req_id, status, self._mv[start + HEADER_SIZE : start + total]
+
+    def next_event(self) -> Message | _NeedData:
+        """The next complete message, or NEED_DATA (see next_frame for errors)."""
+        frame = self.next_frame()
+        if frame is NEED_DATA:
+            return NEED_DATA
+        return decode_frame(*frame)  # type: ignore[misc]
 
     def _need_data(self, avail: int) -> _NeedData:
         if self._eof and avail:
@@ -515,7 +538,17 @@ def _expect(body: memoryview, size: int, name: str) -> None:
         raise RemoteProtocolError(f"{name} payload is {body.nbytes} bytes, expected {size}")
 
 
-def _batch_keys(body: memoryview, name: str, with_data: bool) -> tuple[array, int]:
+def decode_frame(mtype: int, req_id: int, status: int, body: memoryview) -> Message:
+    """A frame from `Decoder.next_frame` as a message (payload fields validated)."""
+    if status:
+        return ErrorReply(req_id, MsgType(mtype & ~REPLY_BIT), ErrorCode(status),
+                          bytes(body).decode("utf-8", "replace"))  # fmt: skip
+    return _DECODERS[mtype](req_id, body)
+
+
+def parse_batch(mtype: int, body: memoryview) -> tuple[tuple[int, ...], memoryview | None]:
+    """Keys (and, for STORE, the borrowed page data) of a STORE, LOAD or FREE payload."""
+    name = _NAMES[mtype]
     if body.nbytes < _BATCH_HEAD.size:
         raise RemoteProtocolError(f"{name} payload too short for its count")
     n, reserved = _BATCH_HEAD.unpack_from(body)
@@ -523,12 +556,11 @@ def _batch_keys(body: memoryview, name: str, with_data: bool) -> tuple[array, in
     if reserved:
         raise RemoteProtocolError(f"{name} reserved field is {reserved}, expected 0")
     end = 8 + 8 * n
-    _expect(body, end + (n * PAGE_SIZE if with_data else 0), name)
-    keys = array("Q")
-    keys.frombytes(body[8:end])
-    if not _LITTLE:
-        keys.byteswap()
-    return keys, end
+    if mtype == MsgType.STORE:
+        _expect(body, end + n * PAGE_SIZE, name)
+        return _keys_struct(n).unpack_from(body, 8), body[end:]
+    _expect(body, end, name)
+    return _keys_struct(n).unpack_from(body, 8), None
 
 
 def _d_hello(req_id: int, body: memoryview) -> Hello:
@@ -564,16 +596,16 @@ def _d_status(req_id: int, body: memoryview) -> Status:
 
 
 def _d_store(req_id: int, body: memoryview) -> Store:
-    keys, end = _batch_keys(body, "STORE", True)
-    return Store(req_id, keys, body[end:])
+    keys, data = parse_batch(MsgType.STORE, body)
+    return Store(req_id, keys, data)  # type: ignore[arg-type]
 
 
 def _d_load(req_id: int, body: memoryview) -> Load:
-    return Load(req_id, _batch_keys(body, "LOAD", False)[0])
+    return Load(req_id, parse_batch(MsgType.LOAD, body)[0])
 
 
 def _d_free(req_id: int, body: memoryview) -> Free:
-    return Free(req_id, _batch_keys(body, "FREE", False)[0])
+    return Free(req_id, parse_batch(MsgType.FREE, body)[0])
 
 
 def _d_hello_reply(req_id: int, body: memoryview) -> HelloReply:
@@ -616,6 +648,7 @@ def _d_status_reply(req_id: int, body: memoryview) -> StatusReply:
 
 
 _CODES = frozenset(int(c) for c in ErrorCode if c)
+_NAMES = {int(t): t.name for t in MsgType}
 _DECODERS = {
     MsgType.HELLO: _d_hello,
     MsgType.RESERVE: _d_reserve,

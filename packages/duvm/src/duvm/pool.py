@@ -24,12 +24,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-from array import array
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 from duvm.memclient import MemClient, MemserverUnreachable, PageServerError
-from duvm.pageproto import PAGE_SIZE, ErrorCode, keys_array
+from duvm.pageproto import PAGE_SIZE, ErrorCode, keys_tuple
 
 GROUP_PAGES = 256
 
@@ -108,7 +107,7 @@ class Pool:
     def _client(self, key: int) -> MemClient:
         return self.clients[(key // GROUP_PAGES) % len(self.clients)]
 
-    def _split(self, keys: array) -> dict[int, list[int]]:
+    def _split(self, keys: tuple[int, ...]) -> dict[int, list[int]]:
         """Client index -> positions in `keys` that it holds."""
         n = len(self.clients)
         parts: dict[int, list[int]] = {}
@@ -123,7 +122,7 @@ class Pool:
     async def store_many(self, keys: Iterable[int], data: bytes | bytearray | memoryview
                          ) -> None:  # fmt: skip
         """Store len(keys) pages from `data` (back to back). All or nothing per memserver."""
-        keys = keys_array(keys)
+        keys = keys_tuple(keys)
         mv = memoryview(data).cast("B")
         if mv.nbytes != len(keys) * PAGE_SIZE:
             raise ValueError(f"{len(keys)} pages need {len(keys) * PAGE_SIZE} bytes, "
@@ -150,7 +149,7 @@ class Pool:
     async def load_many(self, keys: Iterable[int], out: bytearray | memoryview | None = None
                         ) -> bytearray | None:  # fmt: skip
         """Load pages into `out` (or a new bytearray, returned). PoolKeyError if any is absent."""
-        keys = keys_array(keys)
+        keys = keys_tuple(keys)
         ret = None
         if out is None:
             ret = out = bytearray(len(keys) * PAGE_SIZE)
@@ -177,7 +176,7 @@ class Pool:
 
     async def free(self, keys: Iterable[int]) -> int:
         """Forget pages; returns how many were stored. Absent keys are ignored."""
-        keys = keys_array(keys)
+        keys = keys_tuple(keys)
         parts = self._split(keys)
         counts = await self._gather(
             [self.clients[ci].free([keys[p] for p in pos]) for ci, pos in parts.items()], "free"

@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from array import array
 from collections.abc import Iterator
 
 from duvm.memclient import MemClient, MemserverUnreachable, PageServerError
@@ -259,11 +258,14 @@ class RemoteStore(BlockStore):
     async def _load(self, slab: int, first: int, count: int, out: memoryview) -> None:
         self.stats["loads"] += 1
         self.stats["pages_loaded"] += count
-        keys = array("Q", range(first, first + count))
+        keys = (first,) if count == 1 else tuple(range(first, first + count))
         err: Exception | None = None
         for client in self._slab_clients[slab]:
             try:
-                await client.load(keys, out)
+                if count <= client.max_batch:
+                    await client.load_batch(keys, out)
+                else:
+                    await client.load(keys, out)
                 return
             except (PageServerError, MemserverUnreachable) as e:
                 err = e
@@ -291,11 +293,11 @@ class RemoteStore(BlockStore):
     async def _store(self, slab: int, first: int, count: int, data: memoryview) -> None:
         self.stats["stores"] += 1
         self.stats["pages_stored"] += count
-        keys = array("Q", range(first, first + count))
+        keys = (first,) if count == 1 else tuple(range(first, first + count))
         clients = self._slab_clients[slab]
         try:
-            if len(clients) == 1:
-                await clients[0].store(keys, data)
+            if len(clients) == 1 and count <= clients[0].max_batch:
+                await clients[0].store_batch(keys, data)
             else:
                 await self._all([c.store(keys, data) for c in clients])
         except (PageServerError, MemserverUnreachable) as e:
@@ -309,7 +311,7 @@ class RemoteStore(BlockStore):
         self._check(offset, length)
         first, count = offset // PAGE_SIZE, length // PAGE_SIZE
         w, end = self._written, first + count
-        by_client: dict[MemClient, array] = {}  # one batched FREE per memserver
+        by_client: dict[MemClient, list[int]] = {}  # one batched FREE per memserver
         freed = 0
         p = w.find(1, first, end)
         while p >= 0:
@@ -317,7 +319,7 @@ class RemoteStore(BlockStore):
             q = end if q < 0 else q
             for slab, s, n in self._runs(p, q - p):
                 for c in self._slab_clients[slab]:
-                    by_client.setdefault(c, array("Q")).extend(range(s, s + n))
+                    by_client.setdefault(c, []).extend(range(s, s + n))
                 freed += n
             p = w.find(1, q, end) if q < end else -1
         if not by_client:
