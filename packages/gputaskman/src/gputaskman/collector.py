@@ -4,9 +4,11 @@ Theory of operation
 -------------------
 `Collector.sample_with_system()` does, in order:
 
-1. **GPU backend** (`nvml.NvmlBackend`, chosen once at construction; `BACKEND` names it):
+1. **GPU backend** (chosen once at construction; on Linux `drm.NvmlWithDrm`: NVML for
+   NVIDIA plus DRM sysfs/fdinfo for amdgpu, i915 and xe, merged by PCI address):
    adapters, device metrics and the processes the driver lists per adapter. A missing
    driver or library yields a snapshot with `backend_problem` set, never an exception.
+   `Collector.backend` is ``nvml``, or ``drm`` when the selected GPU is an AMD/Intel card.
 2. **Host** (`host.HostSampler`): system RAM, swap, CPU and every process's RSS/CPU%,
    from one read of ``/proc/PID/stat`` each. It is returned *beside* the snapshot (the
    JSON ``system`` key) and never enters GPU totals. The same pass supplies each process's
@@ -36,22 +38,39 @@ from typing import Any, Protocol
 
 from gputaskman import host as host_mod
 from gputaskman.model import (
+    Problem,
     ProcDetail,
     ProcGpu,
     Reading,
     Reason,
     Snapshot,
 )
-from gputaskman.nvml import NvmlBackend, NvmlProcess
+from gputaskman.nvml import NvmlBackend, NvmlProcess, NvmlSample
 
 SCAN_BUDGET = 0.150  # seconds of /proc/PID/maps scanning per refresh (TUI, record)
 
-if sys.platform.startswith("linux"):
-    BACKEND = "nvml"
-else:  # other platforms are not built yet; NVML is still the only backend we have
-    BACKEND = "nvml"
+# The default backend name; `Collector.backend` becomes "drm" when the selected GPU is an
+# amdgpu or Intel card (see drm.collector_backend). Windows/macOS backends are not built.
+BACKEND = "nvml"
 
 ScanKey = tuple[int, float | None]
+
+
+class GpuSource(Protocol):
+    """What the collector needs from a GPU backend (`NvmlBackend`, `drm.NvmlWithDrm`)."""
+
+    def sample(self) -> NvmlSample: ...
+
+    def close(self) -> None: ...
+
+
+def default_gpu_source() -> GpuSource:
+    """NVML, plus DRM (amdgpu, i915, xe) on Linux, merged by PCI address."""
+    if not sys.platform.startswith("linux"):
+        return NvmlBackend()
+    from gputaskman.drm import DrmBackend, NvmlWithDrm
+
+    return NvmlWithDrm(NvmlBackend(), DrmBackend())
 
 
 class ProcScanner(Protocol):
@@ -149,13 +168,13 @@ class Collector:
         gpu: int | None = None,
         scan_budget: float | None = SCAN_BUDGET,
         *,
-        nvml: NvmlBackend | None = None,
+        nvml: GpuSource | None = None,
         host: host_mod.HostSampler | None = None,
         scanner: ProcScanner | None = None,
     ) -> None:
         self.gpu = gpu
         self.scan_budget = scan_budget
-        self._nvml = nvml if nvml is not None else NvmlBackend()
+        self._nvml = nvml if nvml is not None else default_gpu_source()
         self._host = host if host is not None else host_mod.HostSampler()
         self._scanner = scanner if scanner is not None else default_scanner()
         self.backend = BACKEND
@@ -192,7 +211,9 @@ class Collector:
             system = self._host.sample()
         except Exception as exc:  # the host panel degrades; the GPU part still shows
             system = None
-            host_problem = f"host sample failed: {exc}"
+            host_problem: Problem | None = Problem(
+                "host", Reason.QUERY_FAILED, f"{type(exc).__name__}: {exc}"
+            )
         else:
             host_problem = None
         t2 = time.perf_counter()
@@ -228,11 +249,15 @@ class Collector:
             not_listed = _not_listed(gpu.backend_problem is None)
             rows.append(ProcGpu(pid, ct, name, None, (), not_listed, detail=d))
 
-        notes: list[str] = []
-        if host_problem:
-            notes.append(host_problem)
+        drm = getattr(self._nvml, "last_drm", None)
+        notes: list[str] = list(getattr(drm, "notes", ()))
+        if drm is not None and not drm.adapters:
+            notes.append("DRM: no amdgpu, i915 or xe card in /sys/class/drm")
         if gpu.backend_problem is None and not gpu.adapters:
             notes.append("NVML answered but lists no GPU")
+        pick_backend = getattr(self._nvml, "backend", None)
+        if callable(pick_backend):
+            self.backend = pick_backend(self.gpu, BACKEND)
         self.last_timing = {
             "gpu_s": t1 - t0,
             "host_s": t2 - t1,
@@ -245,7 +270,7 @@ class Collector:
             adapters=gpu.adapters,
             metrics=gpu.metrics,
             processes=tuple(rows),
-            problems=gpu.problems,
+            problems=gpu.problems + ((host_problem,) if host_problem else ()),
             notes=tuple(notes),
             driver_version=gpu.driver_version,
             backend_problem=gpu.backend_problem,

@@ -336,7 +336,7 @@ def fmt_reading(
 # What a backend-wide failure means for a user, beside NVML's own words.
 BACKEND_HINTS: dict[Reason, str] = {
     Reason.NO_LIBRARY: "libnvidia-ml.so.1 was not found: no NVIDIA driver is installed here "
-    "(or it is not on the library path), so there is no GPU to show",
+    "(or it is not on the library path), so NVIDIA GPUs cannot be shown",
     Reason.NO_DRIVER: "the NVIDIA library is installed but the kernel driver is not loaded",
     Reason.DENIED: "NVML refused access (permissions on /dev/nvidia*)",
     Reason.GPU_LOST: "the GPU stopped answering",
