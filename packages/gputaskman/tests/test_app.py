@@ -122,6 +122,8 @@ async def test_switching_gpus_changes_header_and_rows():
         assert "GPU 1 of 2" in text_of(app.query_one(GpuHeader))
         pids = [p.pid for p in app.query_one(ProcessTable).rows_shown.values()]
         assert pids == [9001, 3131]
+        # this GPU's failed graphics list is said, not hidden behind an empty table
+        assert "processes.graphics query failed: Unknown Error" in text_of(app.query_one(GpuHeader))
         await pilot.press("G")
         await pilot.pause()
         assert app.adapter.index == 0

@@ -69,6 +69,10 @@ def gpu_text(snapshot: Snapshot | None, adapter: Adapter | None) -> Text:
         f"\nattributed to processes (measured only) {report.fmt_bytes(att)}"
         + ("" if complete else "  · lower bound: some memory hidden or a list failed")
     )
+    for pr in snapshot.problems:
+        if pr.adapter == adapter.pci_bus_id:
+            detail = f": {pr.detail}" if pr.detail else ""
+            out.append(f"\n{pr.where} {pr.reason}{detail}", style="yellow")
     return out
 
 
