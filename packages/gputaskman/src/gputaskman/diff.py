@@ -410,6 +410,18 @@ def pair_processes(
 
 # ---------------------------------------------------------------------------- diff
 
+LOWER_BOUND = "lower bound (memory hidden or a process list failed); not compared"
+
+
+def _lower_bound(f: FieldChange, b: Mapping[str, Any], a: Mapping[str, Any]) -> FieldChange:
+    """A measured sum that is only a lower bound on either side is shown, not subtracted:
+    its change could be a process whose memory became hidden, not memory freed."""
+    if f.field != "attributed_bytes" or f.delta is None:
+        return f
+    if b.get("attributed_complete") is True and a.get("attributed_complete") is True:
+        return f
+    return FieldChange(f.field, f.section, f.before, f.after, LOWER_BOUND, None)
+
 
 def diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
     """The ``--json`` diff object; raises `Refused` for conflicting adapters."""
@@ -425,13 +437,14 @@ def diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
         )
     adapters = []
     for b, a, how in pairing.pairs:
+        fields = compare_fields(adapter_fields(b), adapter_fields(a))
         adapters.append(
             {
                 "before": _ident(b),
                 "after": _ident(a),
                 "paired_by": how,
                 "status": "paired",
-                "fields": [f.json() for f in compare_fields(adapter_fields(b), adapter_fields(a))],
+                "fields": [_lower_bound(f, b, a).json() for f in fields],
             }
         )
     for b in pairing.only_before:
@@ -622,10 +635,11 @@ def run(args: argparse.Namespace) -> int:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         print(f"gputaskman diff: malformed snapshot ({type(exc).__name__}: {exc})", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.diff_json:
-        sys.stdout.write(json.dumps(d, indent=2) + "\n")
-    else:
-        sys.stdout.write(render_text(d, args.before, args.after))
+    sys.stdout.write(
+        json.dumps(d, indent=2) + "\n"
+        if args.diff_json
+        else render_text(d, args.before, args.after)
+    )
     for w in d["warnings"]:
         if args.diff_json:
             print(f"gputaskman diff: warning {w['code']}: {w['message']}", file=sys.stderr)

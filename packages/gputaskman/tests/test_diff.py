@@ -1,0 +1,350 @@
+"""`gputaskman diff`: every pairing and comparison rule, on snapshots of mocked NVML data
+(built with the real model and `report.to_json_dict`) and on real `--json` output of this
+GPU-less machine."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gputaskman import diff
+from gputaskman.model import Reason
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+_spec = importlib.util.spec_from_file_location(
+    "mocked_snapshots", Path(__file__).with_name("mocked_snapshots.py")
+)
+ms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ms)
+GIB = ms.GIB
+
+
+def gtm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gputaskman.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def snap(t=0.0, *, used=4 * GIB, procs=(), adapters=None, metrics_by_bus=None, **kw):
+    ads = adapters if adapters is not None else [ms.adapter()]
+    if metrics_by_bus is None:
+        metrics_by_bus = {a.pci_bus_id: ms.metrics(used=used) for a in ads}
+    return ms.doc(
+        ms.snapshot(ms.T0 + t, adapters=ads, metrics_by_bus=metrics_by_bus, procs=procs, **kw)
+    )
+
+
+def field(entry: dict, name: str) -> dict:
+    return next(f for f in entry["fields"] if f["field"] == name)
+
+
+def procs_by_pid(d: dict, pid: int) -> list[dict]:
+    return [p for p in d["processes"] if p["pid"] == pid]
+
+
+def adapter_entry(d: dict, bus: str) -> dict:
+    return next(e for e in d["adapters"] if (e["after"] or e["before"])["pci_bus_id"] == bus)
+
+
+def test_measured_fields_are_compared_directly() -> None:
+    b = snap(used=4 * GIB, procs=[ms.proc(10, 3 * GIB)])
+    a = snap(60, used=6 * GIB, procs=[ms.proc(10, 5 * GIB)])
+    d = diff.diff(b, a)
+    gpu = d["adapters"][0]
+    assert gpu["paired_by"] == "uuid" and d["warnings"] == [] and d["elapsed_s"] == 60
+    used = field(gpu, "memory_used_bytes")
+    assert (used["section"], used["change"], used["delta"]) == ("measured", "changed", 2 * GIB)
+    assert field(gpu, "memory_total_bytes")["change"] == "unchanged"
+    assert field(gpu, "attributed_bytes")["delta"] == 2 * GIB
+    (p,) = procs_by_pid(d, 10)
+    assert p["status"] == "paired" and field(p, "vram_bytes")["delta"] == 2 * GIB
+    text = diff.render_text(d, "b.json", "a.json")
+    assert "memory used" in text and "+2.0 GiB" in text
+
+
+def test_an_absent_row_is_not_listed_not_zero() -> None:
+    b = snap(procs=[ms.proc(10, 3 * GIB), ms.proc(11, 1 * GIB, name="whisper")])
+    a = snap(1, procs=[ms.proc(11, 1 * GIB, name="whisper"), ms.proc(12, 2 * GIB, name="new")])
+    d = diff.diff(b, a)
+    (gone,) = procs_by_pid(d, 10)
+    (new,) = procs_by_pid(d, 12)
+    assert gone["status"] == "not listed after" and new["status"] == "not listed before"
+    assert field(gone, "vram_bytes")["delta"] is None and field(gone, "vram_bytes")["after"] is None
+    assert field(new, "vram_bytes")["delta"] is None and field(new, "vram_bytes")["before"] is None
+    text = diff.render_text(d, "b", "a")
+    assert "3.0 GiB -> not listed" in text and "not listed -> 2.0 GiB" in text
+    assert "-3.0 GiB" not in text and "+2.0 GiB" not in text
+
+
+@pytest.mark.parametrize(
+    ("before_ad", "after_ad"),
+    [
+        (ms.adapter(vendor="nvidia", uuid=""), ms.adapter(vendor="amd", uuid="")),  # same bus
+        (ms.adapter(uuid="GPU-a"), ms.adapter(uuid="GPU-b")),  # another card in the slot
+        (ms.adapter(bus=ms.BUS0, uuid=""), ms.adapter(bus=ms.BUS1, uuid="")),  # nothing shared
+    ],
+)
+def test_conflicting_adapters_are_refused(tmp_path: Path, before_ad, after_ad) -> None:
+    b, a = snap(adapters=[before_ad]), snap(1, adapters=[after_ad])
+    with pytest.raises(diff.Refused, match="conflicting adapters"):
+        diff.diff(b, a)
+    res = gtm("diff", str(ms.save(tmp_path / "b.json", b)), str(ms.save(tmp_path / "a.json", a)))
+    assert res.returncode == diff.EXIT_REFUSED and "refused" in res.stderr and res.stdout == ""
+
+
+def test_a_gpu_missing_on_one_side_is_not_a_conflict() -> None:
+    b = snap(procs=[ms.proc(10, 3 * GIB)])
+    a = ms.doc(ms.snapshot(ms.T0 + 1, unavailable=Reason.GPU_LOST))
+    d = diff.diff(b, a)
+    assert d["adapters"][0]["status"] == "not listed after"
+    assert field(d["adapters"][0], "memory_used_bytes")["delta"] is None
+
+
+def test_a_moved_card_pairs_by_uuid() -> None:
+    b = snap(adapters=[ms.adapter(bus=ms.BUS0, uuid="GPU-x")])
+    a = snap(1, adapters=[ms.adapter(bus=ms.BUS1, uuid="GPU-x")])
+    assert diff.diff(b, a)["adapters"][0]["paired_by"] == "uuid (PCI address changed)"
+
+
+def _strip_address(d: dict) -> dict:
+    d = copy.deepcopy(d)
+    for ad in d["adapters"]:
+        ad["pci_bus_id"] = None
+        ad["uuid"] = None
+    for p in d["processes"]:
+        p["gpu"] = None if p["gpu"] is None else "?"
+    return d
+
+
+def test_name_only_pairing_warns() -> None:
+    b = snap(used=4 * GIB)
+    a = _strip_address(snap(1, used=5 * GIB))  # e.g. a snapshot from a backend with no address
+    d = diff.diff(b, a)
+    assert d["adapters"][0]["paired_by"] == "name-only"
+    assert [w["code"] for w in d["warnings"]] == ["name-only"]
+    assert field(d["adapters"][0], "memory_used_bytes")["delta"] == 1 * GIB
+    assert "WARNING name-only" in diff.render_text(d, "b", "a")
+
+
+def test_adapters_sharing_a_name_pair_by_address_never_by_name() -> None:
+    twin0 = ms.adapter(0, ms.BUS0, "NVIDIA RTX 4090", uuid="")
+    twin1 = ms.adapter(1, ms.BUS1, "NVIDIA RTX 4090", uuid="")
+    b = snap(
+        adapters=[twin0, twin1],
+        metrics_by_bus={ms.BUS0: ms.metrics(used=1 * GIB), ms.BUS1: ms.metrics(used=9 * GIB)},
+    )
+    # after: listed in the other order, and GPU 0's memory went up
+    a = snap(
+        1,
+        adapters=[twin1, twin0],
+        metrics_by_bus={ms.BUS0: ms.metrics(used=3 * GIB), ms.BUS1: ms.metrics(used=9 * GIB)},
+    )
+    d = diff.diff(b, a)
+    assert {e["paired_by"] for e in d["adapters"]} == {"pci_bus_id"} and d["warnings"] == []
+    assert field(adapter_entry(d, ms.BUS0), "memory_used_bytes")["delta"] == 2 * GIB
+    assert field(adapter_entry(d, ms.BUS1), "memory_used_bytes")["delta"] == 0
+    # one twin gone: it is not listed, never matched to the other twin by name
+    a2 = snap(1, adapters=[twin1], metrics_by_bus={ms.BUS1: ms.metrics(used=9 * GIB)})
+    d2 = diff.diff(b, a2)
+    assert adapter_entry(d2, ms.BUS0)["status"] == "not listed after"
+    assert adapter_entry(d2, ms.BUS1)["paired_by"] == "pci_bus_id"
+
+
+def test_same_name_at_different_addresses_is_never_paired_by_name() -> None:
+    bus2 = "00000000:81:00.0"
+    other = ms.adapter(2, bus2, "NVIDIA A100", uuid="")
+    b_twin = ms.adapter(0, ms.BUS0, "NVIDIA RTX 4090", uuid="")
+    a_twin = ms.adapter(0, ms.BUS1, "NVIDIA RTX 4090", uuid="")  # a different card, same model
+    d = diff.diff(snap(adapters=[other, b_twin]), snap(1, adapters=[other, a_twin]))
+    assert adapter_entry(d, bus2)["paired_by"] == "pci_bus_id"
+    assert adapter_entry(d, ms.BUS0)["status"] == "not listed after"
+    assert adapter_entry(d, ms.BUS1)["status"] == "not listed before"
+    assert d["warnings"] == []
+
+
+def test_twins_without_addresses_are_not_compared() -> None:
+    twins = [ms.adapter(0, ms.BUS0, "NVIDIA RTX 4090"), ms.adapter(1, ms.BUS1, "NVIDIA RTX 4090")]
+    b = _strip_address(snap(adapters=twins))
+    a = _strip_address(snap(1, adapters=twins))
+    d = diff.diff(b, a)
+    assert all(e["paired_by"] is None for e in d["adapters"])
+    assert any("cannot be told apart" in w["message"] for w in d["warnings"])
+
+
+@pytest.mark.parametrize(
+    ("after_start", "paired"),
+    [
+        (ms.T0 + 50, False),  # started 150 s later: the PID was reused
+        (ms.T0 - 100 + diff.SAME_PROCESS_SECS + 1, False),
+        (ms.T0 - 100 + diff.SAME_PROCESS_SECS / 2, True),  # float noise: same process
+        (None, True),  # unknown start time never conflicts
+        ("yesterday", True),  # malformed start time never conflicts
+        (-5, True),
+    ],
+)
+def test_reused_pids_are_never_paired(after_start, paired: bool) -> None:
+    b = snap(procs=[ms.proc(10, 3 * GIB, start=ms.T0 - 100)])
+    a = snap(1, procs=[ms.proc(10, 3 * GIB, start=ms.T0 - 100)])
+    a["processes"][0]["started_at"] = after_start
+    d = diff.diff(b, a)
+    rows = procs_by_pid(d, 10)
+    if paired:
+        assert [r["status"] for r in rows] == ["paired"]
+        assert field(rows[0], "vram_bytes")["change"] == "unchanged"
+    else:
+        assert sorted(r["status"] for r in rows) == ["not listed after", "not listed before"]
+        assert all(r["pid_reused"] for r in rows)
+        assert all(field(r, "vram_bytes")["delta"] is None for r in rows)
+        assert "PID reused" in diff.render_text(d, "b", "a")
+
+
+def test_memory_that_became_known_or_unknown() -> None:
+    b = snap(used=None, procs=[ms.proc(10, None), ms.proc(11, 2 * GIB, name="x")])
+    a = snap(1, used=5 * GIB, procs=[ms.proc(10, 3 * GIB), ms.proc(11, None, name="x")])
+    d = diff.diff(b, a)
+    assert field(d["adapters"][0], "memory_used_bytes")["change"] == "became known"
+    known = field(procs_by_pid(d, 10)[0], "vram_bytes")
+    unknown = field(procs_by_pid(d, 11)[0], "vram_bytes")
+    assert known["change"] == "became known" and known["delta"] is None
+    assert (
+        unknown["change"] == "became unknown" and unknown["after"]["reason"] == "hidden by driver"
+    )
+    # the measured sum lost a process: it is not compared as if the memory were freed
+    att = field(d["adapters"][0], "attributed_bytes")
+    assert att["before"]["value"] == 2 * GIB and att["after"]["value"] == 3 * GIB
+    assert att["delta"] is None and att["change"] == diff.LOWER_BOUND
+    text = diff.render_text(d, "b", "a")
+    assert "n/a (hidden by driver) -> 3.0 GiB  became known" in text
+    assert "2.0 GiB -> n/a (hidden by driver)  became unknown" in text
+
+
+def _reading(v, kind):
+    return {"value": v, "kind": kind, "source": "mock", "reason": None, "detail": None}
+
+
+def test_runtime_estimated_and_inferred_values_have_their_own_sections() -> None:
+    b = snap(procs=[ms.proc(10, 3 * GIB, inferred=3 * GIB)])
+    a = snap(1, procs=[ms.proc(10, 3 * GIB, inferred=4 * GIB)])
+    for d, w, kv in ((b, 2, 1), (a, 2, 2)):
+        d["processes"][0]["breakdown"] = {
+            "weights_bytes": _reading(w * GIB, "estimated"),
+            "kv_cache_bytes": _reading(kv * GIB, "runtime"),
+        }
+        d["processes"][0]["ram_bytes"] = _reading(w * 7 * GIB, "measured")  # host RAM
+        # a measured byte count not in MEASURED is not compared until someone adds it
+        d["processes"][0]["breakdown"]["gtt_bytes"] = _reading(w * GIB, "measured")
+    d = diff.diff(b, a)
+    (p,) = procs_by_pid(d, 10)
+    sections = {f["field"]: f["section"] for f in p["fields"]}
+    assert sections == {
+        "vram_bytes": "measured",
+        "vram_inferred_bytes": "inferred",
+        "breakdown.weights_bytes": "estimated",
+        "breakdown.kv_cache_bytes": "runtime",
+    }  # host RAM and shown_vram are not compared
+    assert field(p, "breakdown.kv_cache_bytes")["delta"] == 1 * GIB
+    text = diff.render_text(d, "b", "a")
+    measured = text.split("MEASURED")[1].split("INFERRED")[0]
+    assert "kv_cache" not in measured and "weights" not in measured
+    runtime = text.split("RUNTIME-REPORTED")[1].split("ESTIMATED")[0]
+    assert "breakdown.kv_cache_bytes" in runtime and "+1.0 GiB" in runtime
+    assert "~4.0 GiB" in text.split("INFERRED")[1]
+
+
+def test_a_field_whose_kind_changed_is_not_subtracted() -> None:
+    b = snap(procs=[ms.proc(10, 3 * GIB)])
+    a = snap(1, procs=[ms.proc(10, 3 * GIB)])
+    a["processes"][0]["vram_bytes"]["kind"] = "inferred"
+    f = field(procs_by_pid(diff.diff(b, a), 10)[0], "vram_bytes")
+    assert f["delta"] is None and f["change"].startswith("kind changed")
+
+
+def test_diff_json_and_text_from_the_command_line(tmp_path: Path) -> None:
+    b = ms.save(tmp_path / "b.json", snap(procs=[ms.proc(10, 3 * GIB)]))
+    a = ms.save(tmp_path / "a.json", _strip_address(snap(1, procs=[ms.proc(10, 4 * GIB)])))
+    res = gtm("diff", str(b), str(a), "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["schema"] == "gputaskman.diff" and out["schema_version"] == 1
+    assert out["warnings"][0]["code"] == "name-only" and "name-only" in res.stderr
+    text = gtm("diff", str(b), str(a))
+    assert text.returncode == 0 and text.stdout.startswith("gputaskman diff")
+
+
+def test_diff_of_two_real_snapshots_of_this_machine(tmp_path: Path) -> None:
+    paths = []
+    for name in ("b.json", "a.json"):
+        res = gtm("--json")
+        assert res.returncode == 0
+        paths.append(tmp_path / name)
+        paths[-1].write_text(res.stdout)
+    res = gtm("diff", *map(str, paths))
+    assert res.returncode == 0, res.stderr
+    assert "no GPU listed in either snapshot" in res.stdout
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not json", "not JSON"),
+        ('{"schema": "other"}', "not a gputaskman.snapshot"),
+        (None, "record file with 2 snapshots"),
+        ("schema2", "schema_version 2 is not supported"),
+    ],
+)
+def test_bad_input_is_refused_with_a_reason(tmp_path: Path, content, message) -> None:
+    good = ms.save(tmp_path / "good.json", snap())
+    bad = tmp_path / "bad.json"
+    if content is None:
+        ms.write_record(bad, [snap(), snap(1)])
+    elif content == "schema2":
+        ms.save(bad, {**snap(), "schema_version": 2})
+    else:
+        bad.write_text(content)
+    res = gtm("diff", str(good), str(bad))
+    assert res.returncode == diff.EXIT_BAD_INPUT and message in res.stderr
+
+
+def _mutations() -> st.SearchStrategy:
+    values = st.one_of(st.none(), st.integers(), st.text(max_size=5), st.floats(), st.booleans())
+    return st.lists(st.tuples(st.integers(0, 10_000), values), max_size=6)
+
+
+def _mutate(doc: dict, muts) -> dict:
+    doc = copy.deepcopy(doc)
+    nodes: list[tuple[object, object]] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                nodes.append((node, k))
+                walk(v)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                nodes.append((node, i))
+                walk(v)
+
+    walk(doc)
+    for idx, value in muts:
+        parent, key = nodes[idx % len(nodes)]
+        parent[key] = value  # type: ignore[index]
+    return doc
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(_mutations(), _mutations())
+def test_diff_fuzz_mangled_snapshots_never_crash_unexpectedly(mb, ma) -> None:
+    base = snap(procs=[ms.proc(10, 3 * GIB), ms.proc(11, None, name="y")])
+    b, a = _mutate(base, mb), _mutate(snap(1, procs=[ms.proc(10, 4 * GIB)]), ma)
+    try:
+        d = diff.diff(b, a)
+    except (diff.Refused, KeyError, TypeError, ValueError, AttributeError):
+        return  # the CLI turns these into a refusal or a bad-input message
+    diff.render_text(d, "b", "a")
+    json.dumps(d)
