@@ -212,7 +212,7 @@ def test_nbdcopy_256mib_random_round_trip(serve, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("delayed", [False, True], ids=["inline", "async-store"])
-def test_fio_64_in_flight_over_4_connections_verifies(serve, delayed):
+def test_fio_64_in_flight_over_4_connections_verifies(serve, delayed, tmp_path):
     need("fio")
     base = MemoryStore(64 * MiB)
     # With a store that really suspends, requests overlap inside the server too.
@@ -220,8 +220,8 @@ def test_fio_64_in_flight_over_4_connections_verifies(serve, delayed):
     srv = serve(store)
     p = run(["fio", "--name=verify", "--ioengine=nbd", f"--uri={srv.uri}", "--rw=randwrite",
              "--bs=4k", "--iodepth=16", "--numjobs=4", "--size=8m", "--offset_increment=16m",
-             "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--group_reporting",
-             "--output-format=json"], timeout=300)
+             "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0",
+             "--group_reporting", "--output-format=json"], timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr
     job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
     assert job["error"] == 0

@@ -329,15 +329,16 @@ class Request:
 
     __slots__ = ("buffer", "cmd", "cookie", "error", "flags", "length", "offset", "payload")
 
-    def __init__(self, cmd: int, flags: int, cookie: int, offset: int, length: int, error: int):
+    def __init__(self, cmd: int, flags: int, cookie: int, offset: int, length: int, error: int,
+                 payload: memoryview | None = None, buffer: memoryview | None = None) -> None:
         self.cmd = cmd
         self.flags = flags
         self.cookie = cookie
         self.offset = offset
         self.length = length
         self.error = error
-        self.payload: memoryview | None = None
-        self.buffer: bytearray | None = None
+        self.payload = payload
+        self.buffer = buffer
 
     def __repr__(self) -> str:
         name = C.CMD_NAMES.get(self.cmd, str(self.cmd))
@@ -348,35 +349,42 @@ class Request:
 
 
 class BufferPool:
-    """Reusable bytearrays in power-of-two size classes, so the hot path does not allocate.
+    """Reusable buffers in power-of-two size classes, so the hot path does not allocate.
 
-    Each class keeps at most `keep_bytes` worth of free buffers (and at least 4).
+    `acquire(n)` returns a memoryview of a whole class-size bytearray (at least `n` bytes);
+    `release` takes that same view back. Each class keeps at most `keep_bytes` worth of free
+    buffers (and at least 4).
     """
 
     def __init__(self, keep_bytes: int = 16 << 20, min_size: int = PAGE_SIZE) -> None:
         self._keep_bytes = keep_bytes
         self._min = min_size
-        self._free: dict[int, list[bytearray]] = {}
+        self._free: dict[int, list[memoryview]] = {}
+        self._small: list[memoryview] = self._free.setdefault(min_size, [])
 
-    def _class(self, n: int) -> int:
-        return self._min if n <= self._min else 1 << (n - 1).bit_length()
-
-    def acquire(self, n: int) -> bytearray:
+    def acquire(self, n: int) -> memoryview:
         """A buffer of at least `n` bytes (contents undefined)."""
-        size = self._class(n)
+        if n <= self._min:
+            small = self._small
+            return small.pop() if small else memoryview(bytearray(self._min))
+        size = 1 << (n - 1).bit_length()
         free = self._free.get(size)
         if free:
             return free.pop()
-        return bytearray(size)
+        return memoryview(bytearray(size))
 
-    def release(self, buf: bytearray) -> None:
+    def release(self, buf: memoryview) -> None:
         size = len(buf)
-        free = self._free.setdefault(size, [])
-        if len(free) < max(4, self._keep_bytes // size):
+        free = self._small if size == self._min else self._free.setdefault(size, [])
+        if len(free) < (self._keep_bytes // size or 1) + 4:
             free.append(buf)
 
 
 _WRITE_CMDS = (C.CMD_WRITE, C.CMD_TRIM, C.CMD_WRITE_ZEROES)
+_REQ_SIZE = C.REQUEST_SIZE
+_REQ_MAGIC = C.REQUEST_MAGIC
+_CMD_READ = C.CMD_READ
+_unpack_request = C.REQUEST.unpack_from
 _RANGE_CMDS = (C.CMD_READ, *_WRITE_CMDS)
 
 
@@ -433,6 +441,10 @@ class TransmissionDecoder:
         self.export = export
         self.pool = pool if pool is not None else BufferPool()
         self._allowed = _allowed_flags(export.flags)
+        self._align = export.min_block - 1
+        self._max_payload = export.max_payload
+        # READ (0) always; WRITE (1) only on a writable export
+        self._max_rw_cmd = C.CMD_READ if export.flags & C.FLAG_READ_ONLY else C.CMD_WRITE
         self._buf = bytearray(buffer_size)
         self._mv = memoryview(self._buf)
         self._start = 0
@@ -494,17 +506,17 @@ class TransmissionDecoder:
         Raises ProtocolError on a frame that puts the stream out of step (bad magic).
         """
         while True:
-            avail = self._end - self._start
+            start = self._start
+            avail = self._end - start
             pending = self._pending
             if pending is not None:
                 want = pending.length - self._got
                 if avail and want:
                     n = want if want < avail else avail
-                    self._pay[self._got : self._got + n] = self._mv[  # type: ignore[index]
-                        self._start : self._start + n
-                    ]
-                    self._got += n
-                    self._start += n
+                    got = self._got
+                    self._pay[got : got + n] = self._mv[start : start + n]  # type: ignore[index]
+                    self._got = got + n
+                    self._start = start + n
                     want -= n
                 if want:
                     return None
@@ -518,28 +530,41 @@ class TransmissionDecoder:
                     return None
                 skipped, self._skipped = self._skipped, None
                 return skipped
-            if avail < C.REQUEST_SIZE:
+            if avail < _REQ_SIZE:
                 return None
-            magic, flags, cmd, cookie, offset, length = C.REQUEST.unpack_from(
-                self._buf, self._start
-            )
-            self._start += C.REQUEST_SIZE
-            if magic != C.REQUEST_MAGIC:
+            magic, flags, cmd, cookie, offset, length = _unpack_request(self._buf, start)
+            start += _REQ_SIZE
+            self._start = start
+            if magic != _REQ_MAGIC:
                 raise ProtocolError(f"bad request magic 0x{magic:08x}")
+            # Fast path: a plain aligned in-range READ or WRITE needs no further checks.
+            if (cmd <= self._max_rw_cmd and not flags and not (offset | length) & self._align
+                    and offset + length <= self.export.size and length <= self._max_payload):
+                if cmd == _CMD_READ or not length:
+                    return Request(cmd, flags, cookie, offset, length, 0)
+                buf = self.pool.acquire(length)
+                pay = buf if len(buf) == length else buf[:length]
+                if avail - _REQ_SIZE >= length:  # whole payload already here: one copy
+                    pay[:] = self._mv[start : start + length]
+                    self._start = start + length
+                    return Request(cmd, flags, cookie, offset, length, 0, pay, buf)
+                self._pay = pay
+                self._got = 0
+                self._pending = Request(cmd, flags, cookie, offset, length, 0, pay, buf)
+                continue
             err = validate(self.export, self._allowed, cmd, flags, offset, length)
-            req = Request(cmd, flags, cookie, offset, length, err)
             if cmd != C.CMD_WRITE or not length:
-                return req
+                return Request(cmd, flags, cookie, offset, length, err)
             if err:
                 # The payload follows anyway: skip it so the next request is read in step.
                 self._skip = length
-                self._skipped = req
+                self._skipped = Request(cmd, flags, cookie, offset, length, err)
                 continue
             buf = self.pool.acquire(length)
-            req.buffer = buf
-            req.payload = self._pay = memoryview(buf)[:length]
+            pay = buf if len(buf) == length else buf[:length]
+            self._pay = pay
             self._got = 0
-            self._pending = req
+            self._pending = Request(cmd, flags, cookie, offset, length, 0, pay, buf)
 
     @property
     def buffered(self) -> int:

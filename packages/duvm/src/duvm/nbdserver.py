@@ -13,11 +13,11 @@ coroutine is first run inline (`coro.send(None)`): the in-RAM store finishes the
 no task at all, and a remote store gets its network request out in the same loop iteration as
 the NBD request came in. Only a coroutine that really suspends is handed to an asyncio Task.
 
-Replies are batched: completions append to one output buffer (small read payloads are copied
-in; large ones are passed by reference and their buffers kept until the transport has sent
-them) and the batch is written with one `writelines` at the end of the loop iteration that
-produced it. Flow control keeps memory bounded: reading pauses while too many requests or
-bytes are in flight or while the transport's write buffer is above its high-water mark.
+Replies are batched: completions append their header and (for reads) the pooled buffer the
+store filled to a list, written with one `writelines` (one writev) at the end of the loop
+iteration that produced it; the buffers go back to the pool once the transport has sent them.
+Flow control keeps memory bounded: reading pauses while too many requests or bytes are in
+flight or while the transport's write buffer is above its high-water mark.
 
 NBD_CMD_DISC and server shutdown both let in-flight requests finish and their replies go out
 before the socket closes.
@@ -51,10 +51,11 @@ from duvm.storage import BlockStore, StorageError
 log = logging.getLogger("duvm.nbd")
 
 _SOCK_BUF = 4 << 20  # whole large replies fit, so one send per batch
-_COPY_MAX = 16 << 10  # read payloads up to this size are copied into the batch buffer
 _PACK_REPLY = C.SIMPLE_REPLY.pack
 _REPLY_MAGIC = C.SIMPLE_REPLY_MAGIC
 _FUA_CMDS = frozenset((C.CMD_WRITE, C.CMD_TRIM, C.CMD_WRITE_ZEROES))
+_CMD_READ = C.CMD_READ
+_CMD_WRITE = C.CMD_WRITE
 
 
 class _Resume:
@@ -83,8 +84,7 @@ class _Resume:
 class ServerStats:
     """Counters for tests and the status socket."""
 
-    __slots__ = ("bytes_read", "bytes_written", "connections", "errors", "peak_in_flight",
-                 "protocol_errors", "requests")
+    __slots__ = ("connections", "errors", "peak_in_flight", "protocol_errors", "requests")
 
     def __init__(self) -> None:
         self.peak_in_flight = 0  # most requests of one connection inside the store at once
@@ -92,8 +92,6 @@ class ServerStats:
         self.requests = 0
         self.errors = 0
         self.protocol_errors = 0
-        self.bytes_read = 0
-        self.bytes_written = 0
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -191,10 +189,9 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._dec: TransmissionDecoder | None = None
         self._loop = asyncio.get_event_loop()
         # reply batching
-        self._out = bytearray()
-        self._segments: list[Any] = []
-        self._held: list[bytearray] = []  # buffers the transport may still be sending from
-        self._sent_held: list[bytearray] = []
+        self._segments: list[bytes | memoryview] = []
+        self._held: list[memoryview] = []  # buffers the transport may still be sending from
+        self._sent_held: list[memoryview] = []
         self._flush_scheduled = False
         # flow control
         self._in_flight = 0
@@ -288,13 +285,15 @@ class NBDConnection(asyncio.BufferedProtocol):
     def _process(self) -> None:
         dec = self._dec
         assert dec is not None
+        next_request = dec.next_request
         dispatch = self._dispatch
+        max_reqs = self.server.max_in_flight
+        max_bytes = self.server.max_in_flight_bytes
         try:
             while not self._disconnecting:
-                if (self._in_flight >= self.server.max_in_flight
-                        or self._in_flight_bytes >= self.server.max_in_flight_bytes):
+                if self._in_flight >= max_reqs or self._in_flight_bytes >= max_bytes:
                     break  # resumed from _done once replies drain the backlog
-                req = dec.next_request()
+                req = next_request()
                 if req is None:
                     break
                 dispatch(req)
@@ -307,25 +306,26 @@ class NBDConnection(asyncio.BufferedProtocol):
 
     def _dispatch(self, req: Request) -> None:
         self.stats.requests += 1
-        cmd = req.cmd
         if req.error:
             self._reply_error(req, req.error)
             return
+        cmd = req.cmd
         store = self.store
-        buf = None
-        view = None
-        if cmd == C.CMD_READ:
-            if req.length == 0:
-                self._queue(_PACK_REPLY(_REPLY_MAGIC, 0, req.cookie))
+        if cmd == _CMD_READ:
+            n = req.length
+            if not n:
+                self._segments.append(_PACK_REPLY(_REPLY_MAGIC, 0, req.cookie))
                 return
-            buf = self.pool.acquire(req.length)
-            view = memoryview(buf)[: req.length]
+            buf = req.buffer = self.pool.acquire(n)
+            view = req.payload = buf if len(buf) == n else buf[:n]
             coro = store.read(req.offset, view)
-        elif cmd == C.CMD_WRITE:
-            if req.length == 0:
-                self._queue(_PACK_REPLY(_REPLY_MAGIC, 0, req.cookie))
+            self._in_flight_bytes += n
+        elif cmd == _CMD_WRITE:
+            if not req.length:
+                self._segments.append(_PACK_REPLY(_REPLY_MAGIC, 0, req.cookie))
                 return
             coro = store.write(req.offset, req.payload)  # type: ignore[arg-type]
+            self._in_flight_bytes += req.length
         elif cmd == C.CMD_TRIM:
             coro = store.trim(req.offset, req.length)
         elif cmd == C.CMD_WRITE_ZEROES:
@@ -339,22 +339,21 @@ class NBDConnection(asyncio.BufferedProtocol):
         if req.flags & C.CMD_FLAG_FUA and cmd in _FUA_CMDS:
             coro = self._then_flush(coro)
         self._in_flight += 1
-        self._in_flight_bytes += req.length if cmd <= C.CMD_WRITE else 0
         try:
             first = coro.send(None)
         except StopIteration:
-            self._done(req, 0, buf, view)
+            self._done(req, 0)
             return
         except StorageError as e:
-            self._done(req, e.errno, buf, view)
+            self._done(req, e.errno)
             return
         except Exception:
             log.exception("%s: store failed on %r", self.peer, req)
-            self._done(req, errno.EIO, buf, view)
+            self._done(req, errno.EIO)
             return
         if self._in_flight > self.stats.peak_in_flight:
             self.stats.peak_in_flight = self._in_flight
-        task = self._loop.create_task(self._finish(req, coro, first, buf, view))
+        task = self._loop.create_task(self._finish(req, coro, first))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -362,8 +361,7 @@ class NBDConnection(asyncio.BufferedProtocol):
         await coro
         await self.store.flush()
 
-    async def _finish(self, req: Request, coro: Coroutine[Any, Any, None], first: Any,
-                      buf: bytearray | None, view: memoryview | None) -> None:
+    async def _finish(self, req: Request, coro: Coroutine[Any, Any, None], first: Any) -> None:
         err = 0
         try:
             await _Resume(coro, first)
@@ -374,43 +372,32 @@ class NBDConnection(asyncio.BufferedProtocol):
         except Exception:
             log.exception("%s: store failed on %r", self.peer, req)
             err = errno.EIO
-        self._done(req, err, buf, view)
+        self._done(req, err)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
-    def _done(self, req: Request, err: int, buf: bytearray | None,
-              view: memoryview | None) -> None:
+    def _done(self, req: Request, err: int) -> None:
         """A request finished: queue its reply, give buffers back, update flow control."""
         self._in_flight -= 1
         cmd = req.cmd
-        if cmd <= C.CMD_WRITE:
+        buf = req.buffer
+        if cmd <= _CMD_WRITE:
             self._in_flight_bytes -= req.length
-        if req.buffer is not None:
-            self.pool.release(req.buffer)
-            req.buffer = req.payload = None
         if err:
             if buf is not None:
                 self.pool.release(buf)
             self._reply_error(req, err)
-        elif cmd == C.CMD_READ:
-            assert buf is not None and view is not None
-            self.stats.bytes_read += req.length
-            hdr = _PACK_REPLY(_REPLY_MAGIC, 0, req.cookie)
-            if req.length <= _COPY_MAX:
-                self._out += hdr
-                self._out += view
-                self.pool.release(buf)
-            else:
-                self._out += hdr
-                self._segments.append(self._out)
-                self._segments.append(view)
-                self._out = bytearray()
-                self._held.append(buf)
+        elif cmd == _CMD_READ:
+            # Header and payload go out by reference (writev); the buffer comes back to the
+            # pool once the transport has sent it.
+            self._segments += (_PACK_REPLY(_REPLY_MAGIC, 0, req.cookie), req.payload)
+            self._held.append(buf)  # type: ignore[arg-type]
         else:
-            if cmd == C.CMD_WRITE:
-                self.stats.bytes_written += req.length
-            self._out += _PACK_REPLY(_REPLY_MAGIC, 0, req.cookie)
+            if buf is not None:
+                self.pool.release(buf)
+            self._segments.append(_PACK_REPLY(_REPLY_MAGIC, 0, req.cookie))
+        req.buffer = req.payload = None
         if self._read_paused:
             self._update_reading()
         if self._disconnecting:
@@ -420,34 +407,27 @@ class NBDConnection(asyncio.BufferedProtocol):
         self.stats.errors += 1
         if err not in (errno.EINVAL, errno.ENOSPC, errno.EPERM):
             log.warning("%s: %r failed: %s", self.peer, req, os.strerror(err))
-        self._queue(_PACK_REPLY(_REPLY_MAGIC, wire_error(err, req.flags), req.cookie))
-
-    def _queue(self, data: bytes) -> None:
-        self._out += data
+        self._segments.append(_PACK_REPLY(_REPLY_MAGIC, wire_error(err, req.flags), req.cookie))
 
     def _flush(self) -> None:
-        """Write the batch of replies collected since the last flush."""
+        """Write the batch of replies collected since the last flush, in one writelines."""
         self._flush_scheduled = False
         t = self.transport
         if t is None:
             return
-        # Buffers handed to the transport at the previous flush are free once it has
-        # nothing left to send (uvloop sends at the end of the loop iteration).
-        if self._sent_held and t.get_write_buffer_size() == 0:
+        # Buffers handed to the transport at earlier flushes are free once it has nothing
+        # left to send (uvloop sends at the end of the loop iteration, so not at once).
+        if self._sent_held and not t.get_write_buffer_size():
+            release = self.pool.release
             for b in self._sent_held:
-                self.pool.release(b)
+                release(b)
             self._sent_held.clear()
         if self._segments:
-            if self._out:
-                self._segments.append(self._out)
-                self._out = bytearray()
             t.writelines(self._segments)
             self._segments = []
-            self._sent_held += self._held
-            self._held.clear()
-        elif self._out:
-            out, self._out = self._out, bytearray()
-            t.write(out)
+            if self._held:
+                self._sent_held += self._held
+                self._held.clear()
         if self._disconnecting:
             self._maybe_close()
 
@@ -477,7 +457,7 @@ class NBDConnection(asyncio.BufferedProtocol):
     def _maybe_close(self) -> None:
         if self._in_flight or self.transport is None:
             return
-        if self._out or self._segments:
+        if self._segments:
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon(self._flush)

@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""Benchmark duvm's NBD data path against `nbdkit memory`, the C reference NBD server.
+
+One run, servers interleaved, median of N repetitions (default 3):
+
+* 4 KiB random read and write at queue depth 1 and 16, fio's `nbd` engine, one connection;
+* 256 KiB sequential read and write with nbdcopy (file in /dev/shm -> export, export -> null:).
+
+Targets, all on one Unix socket each:
+
+* `duvm`        duvm daemon + one memserver on loopback (two hops: the product's path);
+* `nbdkit`      `nbdkit memory` (reference);
+* `duvm-local`  duvm daemon over its in-RAM store (one hop: shows where the time goes).
+
+For each run it reports IOPS or MiB/s, the ratio to nbdkit, the mean latency (fio), and the
+CPU time each process spent per request (utime+stime deltas from /proc/PID/stat for servers,
+wait4 rusage for the client). The client is pinned to one CPU and every server to the other
+(taskset), since placement changes QD1 results several-fold on a 2-core VM.
+
+Usage: uv run python benchmarks/bench_nbd.py [--reps 3] [--runtime 4] [--size 512M]
+                                             [--json out.json] [--markdown out.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+MiB = 1 << 20
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime+stime of a process and its threads, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+@dataclass
+class Target:
+    name: str
+    uri: str
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+
+def wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float = 30) -> re.Match:
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+            continue
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise TimeoutError(f"no line matching {pattern!r}")
+
+
+def wait_for_socket(path: str, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.05)
+
+
+def start_targets(tmp: str, size: int, server_cpu: str, want: list[str]) -> list[Target]:
+    py = [sys.executable, "-m", "duvm.cli"]
+    pin = ["taskset", "-c", server_cpu]
+    targets = []
+    for name in want:
+        sock = os.path.join(tmp, f"{name}.sock")
+        t = Target(name, f"nbd+unix:///?socket={sock}")
+        if name == "nbdkit":
+            t.procs["nbdkit"] = subprocess.Popen(
+                [*pin, "nbdkit", "-f", "-U", sock, "memory", str(size)])
+            wait_for_socket(sock, t.procs["nbdkit"])
+        elif name == "duvm-local":
+            t.procs["daemon"] = subprocess.Popen(
+                [*pin, *py, "daemon", "--memory", "--size", str(size), "--socket", sock],
+                stdout=subprocess.PIPE, text=True)
+            wait_for_line(t.procs["daemon"], "serving")
+        elif name == "duvm":
+            ms = subprocess.Popen(
+                [*pin, *py, "memserver", "--listen", "127.0.0.1:0", "--capacity",
+                 str(size + 64 * MiB)], stdout=subprocess.PIPE, text=True)
+            t.procs["memserver"] = ms
+            port = wait_for_line(ms, r"listening on [\d.]+:(\d+)").group(1)
+            t.procs["daemon"] = subprocess.Popen(
+                [*pin, *py, "daemon", "--peers", f"127.0.0.1:{port}", "--size", str(size),
+                 "--socket", sock], stdout=subprocess.PIPE, text=True)
+            wait_for_line(t.procs["daemon"], "serving")
+        targets.append(t)
+    return targets
+
+
+def stop_targets(targets: list[Target]) -> None:
+    for t in targets:
+        for p in reversed(list(t.procs.values())):
+            if p.poll() is None:
+                p.terminate()
+        for p in t.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def run_client(cmd: list[str], target: Target) -> tuple[str, float, dict[str, float], float]:
+    """Run a client to completion -> (stdout, wall s, server CPU s by process, client CPU s)."""
+    before = {k: cpu_seconds(p.pid) for k, p in target.procs.items()}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate()
+    wall = time.monotonic() - t0
+    if proc.returncode:
+        raise RuntimeError(f"{cmd[3]} failed on {target.name}: {err.strip()[-500:]}")
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    client_cpu = ru.ru_utime + ru.ru_stime  # cumulative; caller takes deltas
+    after = {k: cpu_seconds(p.pid) for k, p in target.procs.items()}
+    return out, wall, {k: after[k] - before[k] for k in before}, client_cpu
+
+
+def fio_test(target: Target, rw: str, qd: int, args: argparse.Namespace) -> dict:
+    cmd = ["taskset", "-c", args.client_cpu, "fio", "--name=b", "--ioengine=nbd",
+           f"--uri={target.uri}", f"--rw={rw}", "--bs=4k", f"--iodepth={qd}",
+           f"--size={args.size}", "--time_based", f"--runtime={args.runtime}",
+           "--norandommap", "--randrepeat=0", "--output-format=json"]
+    c0 = client_cpu_total()
+    out, _, cpu, _ = run_client(cmd, target)
+    client = client_cpu_total() - c0
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    side = job["read" if "read" in rw else "write"]
+    n = side["total_ios"]
+    return {"iops": side["iops"], "lat_us": side["lat_ns"]["mean"] / 1000, "requests": n,
+            "cpu_us": {k: v / n * 1e6 for k, v in cpu.items()} | {"client": client / n * 1e6}}
+
+
+def copy_test(target: Target, direction: str, src: str, args: argparse.Namespace) -> dict:
+    common = ["taskset", "-c", args.client_cpu, "nbdcopy", "--request-size=262144"]
+    if direction == "write":
+        cmd = [*common, src, target.uri]
+    else:
+        cmd = [*common, "--no-extents", target.uri, "null:"]
+    c0 = client_cpu_total()
+    _, wall, cpu, _ = run_client(cmd, target)
+    client = client_cpu_total() - c0
+    n = args.size // 262144
+    return {"mib_s": args.size / MiB / wall, "requests": n,
+            "cpu_us": {k: v / n * 1e6 for k, v in cpu.items()} | {"client": client / n * 1e6}}
+
+
+def client_cpu_total() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def machine() -> dict:
+    def cmd(*a: str) -> str:
+        try:
+            return subprocess.run(a, capture_output=True, text=True, timeout=10).stdout.strip()
+        except OSError:
+            return "n/a"
+
+    model = next((ln.split(":", 1)[1].strip() for ln in cmd("lscpu").splitlines()
+                  if ln.startswith("Model name")), "n/a")
+    try:
+        import uvloop
+        uv = uvloop.__version__
+    except ImportError:
+        uv = "not installed"
+    return {"cpu": model, "cpus": os.cpu_count(), "kernel": platform.release(),
+            "python": platform.python_version(), "uvloop": uv,
+            "nbdkit": cmd("nbdkit", "--version"), "fio": cmd("fio", "--version"),
+            "nbdcopy": cmd("nbdcopy", "--version").splitlines()[0] if shutil.which("nbdcopy")
+            else "n/a", "loadavg_start": loadavg()}
+
+
+def loadavg() -> list[str]:
+    with open("/proc/loadavg") as f:
+        return f.read().split()[:3]
+
+
+TESTS = [("randread", 1), ("randread", 16), ("randwrite", 1), ("randwrite", 16),
+         ("seqread", 0), ("seqwrite", 0)]
+
+
+def label(test: str, qd: int) -> str:
+    return {"seqread": "256 KiB seq read", "seqwrite": "256 KiB seq write"}.get(
+        test, f"4 KiB {test} QD{qd}")
+
+
+def markdown(results: dict, info: dict, args: argparse.Namespace) -> str:
+    names = [n for n in ("duvm", "nbdkit", "duvm-local") if n in results["targets"]]
+    lines = [
+        f"Machine: {info['cpu']}, {info['cpus']} CPUs, kernel {info['kernel']}, "
+        f"Python {info['python']}, uvloop {info['uvloop']}, {info['nbdkit']}, {info['fio']}, "
+        f"{info['nbdcopy']}. Load average at start {' '.join(info['loadavg_start'])}, at end "
+        f"{' '.join(info['loadavg_end'])}.",
+        f"Placement: client on CPU {args.client_cpu}, every server process on CPU "
+        f"{args.server_cpu} (taskset). Export {args.size // MiB} MiB, prefilled; fio "
+        f"{args.runtime}s per run, one connection; nbdcopy 256 KiB requests, its default "
+        "connections and requests in flight. Median of "
+        f"{args.reps} interleaved runs.",
+        "",
+        "| test | target | result | vs nbdkit | mean latency | CPU µs/request (per process) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for test, qd in TESTS:
+        key = f"{test}{qd or ''}"
+        base = results["median"].get(key, {}).get("nbdkit")
+        for n in names:
+            r = results["median"].get(key, {}).get(n)
+            if r is None:
+                continue
+            metric = "iops" if "iops" in r else "mib_s"
+            val = f"{r[metric]:,.0f} IOPS" if metric == "iops" else f"{r[metric]:,.0f} MiB/s"
+            ratio = f"{r[metric] / base[metric]:.2f}x" if base else "n/a"
+            lat = f"{r['lat_us']:.1f} µs" if "lat_us" in r else "n/a"
+            cpu = ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_us"].items())
+            lines.append(f"| {label(test, qd)} | {n} | {val} | {ratio} | {lat} | {cpu} |")
+    return "\n".join(lines)
+
+
+def median_result(runs: list[dict]) -> dict:
+    out: dict = {}
+    for k in runs[0]:
+        if isinstance(runs[0][k], dict):
+            out[k] = {kk: statistics.median(r[k][kk] for r in runs) for kk in runs[0][k]}
+        else:
+            out[k] = statistics.median(r[k] for r in runs)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--runtime", type=int, default=4, help="seconds per fio run")
+    ap.add_argument("--size", default="512M", help="export size (default 512M)")
+    ap.add_argument("--client-cpu", default="0")
+    ap.add_argument("--server-cpu", default="1")
+    ap.add_argument("--targets", default="duvm,nbdkit,duvm-local")
+    ap.add_argument("--tests", default=",".join(f"{t}{q or ''}" for t, q in TESTS))
+    ap.add_argument("--json", help="write raw and median results here")
+    ap.add_argument("--markdown", help="write the table here")
+    args = ap.parse_args()
+    from duvm.units import parse_size
+
+    args.size = parse_size(args.size)
+    for tool in ("fio", "nbdcopy", "nbdkit", "taskset"):
+        if shutil.which(tool) is None:
+            print(f"bench_nbd: {tool} is not installed", file=sys.stderr)
+            return 2
+    want = [t for t in args.targets.split(",") if t]
+    if "duvm" in want:
+        try:
+            import duvm.remote_store  # noqa: F401
+        except ImportError:
+            print("bench_nbd: duvm.remote_store is missing; skipping the two-hop target",
+                  file=sys.stderr)
+            want.remove("duvm")
+    tests = [(t, q) for t, q in TESTS if f"{t}{q or ''}" in args.tests.split(",")]
+    info = machine()
+    tmp = tempfile.mkdtemp(prefix="bench-nbd-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                           else None)
+    src = os.path.join(tmp, "src.bin")
+    with open(src, "wb") as f:
+        for _ in range(args.size // (16 * MiB)):
+            f.write(os.urandom(16 * MiB))
+    targets = []
+    raw: dict = {}
+    try:
+        targets = start_targets(tmp, args.size, args.server_cpu, want)
+        for t in targets:  # prefill: reads must not hit never-written (zero) blocks
+            copy_test(t, "write", src, args)
+        for rep in range(args.reps):
+            for test, qd in tests:
+                key = f"{test}{qd or ''}"
+                for t in targets:
+                    if test.startswith("seq"):
+                        r = copy_test(t, test[3:], src, args)
+                    else:
+                        r = fio_test(t, test, qd, args)
+                    raw.setdefault(key, {}).setdefault(t.name, []).append(r)
+                    shown = f"{r['iops']:.0f} IOPS" if "iops" in r else f"{r['mib_s']:.0f} MiB/s"
+                    print(f"rep {rep + 1} {label(test, qd):22} {t.name:10} {shown}",
+                          flush=True)
+    finally:
+        stop_targets(targets)
+        shutil.rmtree(tmp, ignore_errors=True)
+    info["loadavg_end"] = loadavg()
+    results = {"machine": info, "targets": [t.name for t in targets], "raw": raw,
+               "median": {k: {n: median_result(v) for n, v in d.items()}
+                          for k, d in raw.items()}}
+    table = markdown(results, info, args)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""`duvm daemon`: the NBD server for the local kernel; its blocks live on memservers.
+
+Theory of operation: the daemon reserves the whole export's capacity on the memservers first
+(`RemoteStore`), and only then listens, so the kernel can never be offered a block that has
+nowhere to go. It serves the store with `NBDServer` on a Unix socket (and optionally TCP on
+loopback). It locks itself in RAM and lowers its OOM score where permitted, since it sits on
+the swap path: if it were swapped out or killed, the pages it holds for the kernel would be
+out of reach. SIGTERM/SIGINT stop it cleanly: stop accepting, let in-flight requests finish
+and reply, then release the reservations on every memserver.
+
+`--memory` serves a local in-RAM store instead of memservers: the single-hop baseline of the
+benchmarks and a way to try NBD clients without a pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import socket
+import sys
+
+from duvm.storage import StorageError
+from duvm.units import parse_hostport, parse_size
+
+log = logging.getLogger("duvm.daemon")
+
+PAGE_SIZE = 4096
+_MCL_CURRENT, _MCL_FUTURE, _MCL_ONFAULT = 1, 2, 4
+OOM_SCORE_ADJ = -900  # far down the OOM killer's list, yet not immune (-1000)
+
+
+class DaemonError(Exception):
+    """A reason to exit non-zero with a one-line message (peer unreachable, pool full, ...)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peers", metavar="HOST:PORT,...",
+                        help="memservers holding the pages (comma-separated)")
+    parser.add_argument("--size", required=True, metavar="SIZE",
+                        help="export size, reserved on the memservers before serving (e.g. 4G)")
+    parser.add_argument("--socket", required=True, metavar="PATH",
+                        help="Unix socket to serve NBD on")
+    parser.add_argument("--tcp", metavar="HOST:PORT",
+                        help="also serve NBD on TCP (loopback only; port 0 picks one)")
+    parser.add_argument("--export-name", default="", metavar="NAME",
+                        help="NBD export name (default: the default export, '')")
+    parser.add_argument("--replicas", type=int, default=1, metavar="N",
+                        help="memservers holding each page (default 1)")
+    parser.add_argument("--client-id", metavar="ID",
+                        help="namespace on the memservers (default: hostname:socket path)")
+    parser.add_argument("--memory", action="store_true",
+                        help="serve a local in-RAM store instead of memservers (testing, "
+                        "benchmark baseline)")
+    parser.add_argument("--no-mlock", action="store_true", help="do not lock the daemon in RAM")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log connections and errors")
+
+
+def _fail(msg: str, code: int = 1) -> int:
+    print(f"duvm daemon: {msg}", file=sys.stderr)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="duvm daemon: %(levelname)s %(message)s")
+    try:
+        size = parse_size(args.size)
+        if size <= 0 or size % PAGE_SIZE:
+            raise ValueError(f"--size must be a positive multiple of {PAGE_SIZE} bytes")
+        peers = [parse_hostport(p) for p in (args.peers or "").split(",") if p.strip()]
+        if not peers and not args.memory:
+            raise ValueError("--peers is required (or --memory for a local in-RAM store)")
+        tcp = parse_hostport(args.tcp) if args.tcp else None
+        if tcp is not None and not _is_loopback(tcp[0]):
+            raise ValueError(f"--tcp must be a loopback address, not {tcp[0]}")
+        if args.replicas < 1:
+            raise ValueError("--replicas must be at least 1")
+    except ValueError as e:
+        return _fail(str(e), 2)
+    if not args.no_mlock and not args.memory:
+        lock_in_memory()
+    lower_oom_score()
+    client_id = args.client_id or f"{socket.gethostname()}:{os.path.abspath(args.socket)}"
+    try:
+        return _run_loop(_serve(args, size, peers, tcp, client_id))
+    except DaemonError as e:
+        return _fail(str(e))
+    except OSError as e:
+        return _fail(f"cannot serve on {args.socket}: {e.strerror or e}")
+
+
+def _run_loop(coro) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+async def open_store(args: argparse.Namespace, size: int, peers: list[tuple[str, int]],
+                     client_id: str):
+    """The store to serve: reserved on the memservers, or local RAM with --memory."""
+    if args.memory:
+        from duvm.memory_store import MemoryStore
+
+        return MemoryStore(size)
+    from duvm.remote_store import RemoteStore
+
+    try:
+        return await RemoteStore.open(peers, size, client_id, replicas=args.replicas)
+    except (StorageError, ValueError) as e:  # unreachable peer, pool full: one clear line
+        raise DaemonError(getattr(e, "reason", None) or str(e)) from None
+
+
+async def _serve(args: argparse.Namespace, size: int, peers: list[tuple[str, int]],
+                 tcp: tuple[str, int] | None, client_id: str) -> int:
+    from duvm.nbdserver import NBDServer
+
+    store = await open_store(args, size, peers, client_id)
+    server = NBDServer(store, args.export_name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start_unix(args.socket)
+        where = f"unix:{args.socket}"
+        if tcp is not None:
+            host, port = await server.start_tcp(*tcp)
+            where += f" tcp:{host}:{port}"
+        backend = "local RAM" if args.memory else f"{len(peers)} memserver(s)"
+        print(f"duvm daemon serving export {args.export_name!r} ({size} bytes, {backend}) on "
+              f"{where}", flush=True)
+        await stop.wait()
+        log.info("stopping: finishing in-flight requests")
+    finally:
+        await server.close()
+        await store.close()  # a RemoteStore RELEASEs its reservations on every memserver
+    return 0
+
+
+def lock_in_memory() -> bool:
+    """mlockall so the daemon on the swap path is never swapped out itself. Warns when denied."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    for flags in (_MCL_CURRENT | _MCL_FUTURE | _MCL_ONFAULT, _MCL_CURRENT | _MCL_FUTURE):
+        if libc.mlockall(flags) == 0:
+            return True
+    err = ctypes.get_errno()
+    log.warning("cannot lock the daemon in RAM (mlockall: %s); it may be swapped out under "
+                "pressure. Run as root or raise RLIMIT_MEMLOCK.", os.strerror(err))
+    return False
+
+
+def lower_oom_score() -> bool:
+    """Ask the OOM killer to pick others first; silently skipped where not permitted."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(OOM_SCORE_ADJ))
+        return True
+    except OSError:
+        return False
