@@ -1,0 +1,278 @@
+"""`duvm daemon` end to end: real memservers on loopback, the daemon as a process, real NBD
+clients (qemu-io, nbdinfo, nbdcopy, fio), and the memservers' STATUS as the witness of where
+the pages went."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+from duvm.memclient import MemClient, query_status
+
+MiB = 1 << 20
+PY = [sys.executable, "-m", "duvm.cli"]
+
+
+def need(tool: str) -> None:
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed (CI installs it: see .ci/run)")
+
+
+def wait_line(proc: subprocess.Popen, text: str, timeout: float = 30) -> str:
+    """Read stdout until a line containing `text`; fail with stderr if the process exits."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    os.set_blocking(proc.stdout.fileno(), False)
+    buf = ""
+    while time.monotonic() < deadline:
+        chunk = proc.stdout.readline()
+        if chunk:
+            buf += chunk
+            if text in chunk:
+                return chunk
+            continue
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args} exited {proc.returncode}: "
+                                 f"{buf}{proc.stderr.read() if proc.stderr else ''}")
+        time.sleep(0.02)
+    raise AssertionError(f"{proc.args}: no {text!r} within {timeout}s (got {buf!r})")
+
+
+class Procs:
+    """Processes started by a test; all stopped (SIGTERM, then SIGKILL) at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.dir = tempfile.mkdtemp(prefix="duvm-d-")
+
+    def start(self, args: list[str]) -> subprocess.Popen:
+        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs.append(p)
+        return p
+
+    def memserver(self, capacity: str, port: int = 0) -> tuple[subprocess.Popen, int]:
+        p = self.start([*PY, "memserver", "--listen", f"127.0.0.1:{port}", "--capacity",
+                        capacity, "--no-mlock"])
+        line = wait_line(p, "listening on")
+        return p, int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+
+    def daemon(self, ports: list[int], size: str, client_id: str, name: str = "d"
+               ) -> tuple[subprocess.Popen, str]:
+        sock = os.path.join(self.dir, f"{name}.sock")
+        p = self.start([*PY, "daemon", "--peers", ",".join(f"127.0.0.1:{x}" for x in ports),
+                        "--size", size, "--socket", sock, "--client-id", client_id])
+        wait_line(p, "serving")
+        return p, sock
+
+    def stop(self, p: subprocess.Popen, timeout: float = 20) -> int:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            for f in (p.stdout, p.stderr):
+                if f:
+                    f.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def status(port: int) -> dict:
+    return asyncio.run(query_status("127.0.0.1", port))
+
+
+def namespace(port: int, client_id: str) -> dict | None:
+    return next((n for n in status(port)["namespaces"] if n["client_id"] == client_id), None)
+
+
+def qemu_io(sock: str, *cmds: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    args = ["qemu-io", "-f", "raw", f"nbd+unix:///?socket={sock}"]
+    for c in cmds:
+        args += ["-c", c]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+
+
+def test_pages_live_on_the_memserver_and_trim_frees_them(procs):
+    need("qemu-io")
+    _ms, port = procs.memserver("64M")
+    d, sock = procs.daemon([port], "32M", "test-trim")
+    ns = namespace(port, "test-trim")
+    assert ns is not None and ns["reserved_pages"] == 32 * MiB // 4096 and ns["stored_pages"] == 0
+
+    p = qemu_io(sock, "write -P 0xab 0 4096", "write -P 0x5a 1048576 65536",
+                "write -P 0x11 8388608 8192")
+    assert p.returncode == 0 and p.stdout.count("wrote") == 3, p.stdout + p.stderr
+    assert namespace(port, "test-trim")["stored_pages"] == 1 + 16 + 2
+    assert status(port)["used_pages"] == 19
+
+    p = qemu_io(sock, "read -P 0xab 0 4096", "read -P 0x5a 1048576 65536",
+                "read -P 0x11 8388608 8192", "read -P 0 4096 4096")
+    assert p.returncode == 0 and "verification failed" not in p.stdout, p.stdout
+
+    p = qemu_io(sock, "discard 1048576 65536", "read -P 0 1048576 65536")
+    assert p.returncode == 0 and "verification failed" not in p.stdout, p.stdout
+    assert namespace(port, "test-trim")["stored_pages"] == 3  # the 16 pages were FREEd
+
+    p = qemu_io(sock, "write -z 8388608 8192", "read -P 0 8388608 8192", "read -P 0xab 0 4096")
+    assert p.returncode == 0 and "verification failed" not in p.stdout, p.stdout
+    assert namespace(port, "test-trim")["stored_pages"] == 1
+
+    # SIGTERM: clean exit, and the reservation and pages are released on the memserver.
+    assert procs.stop(d) == 0
+    assert not os.path.exists(sock)
+    ns = namespace(port, "test-trim")
+    assert ns is None or (ns["reserved_pages"], ns["stored_pages"]) == (0, 0)
+    assert status(port)["used_pages"] == 0 and status(port)["reserved_pages"] == 0
+
+
+def test_nbdinfo_sees_the_daemon_export(procs):
+    need("nbdinfo")
+    _, port = procs.memserver("16M")
+    _, sock = procs.daemon([port], "8M", "test-info")
+    p = subprocess.run(["nbdinfo", "--json", f"nbd+unix:///?socket={sock}"],
+                       capture_output=True, text=True, timeout=30)
+    (e,) = json.loads(p.stdout)["exports"]
+    assert e["export-size"] == 8 * MiB and e["can_trim"] and e["can_multi_conn"]
+    assert e["block_size_minimum"] == 4096
+
+
+def test_unreachable_peer_is_a_clear_error(procs):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = procs.start([*PY, "daemon", "--peers", f"127.0.0.1:{port}", "--size", "8M",
+                     "--socket", os.path.join(procs.dir, "x.sock")])
+    assert p.wait(30) == 1
+    err = p.stderr.read()
+    assert f"127.0.0.1:{port}" in err and "unreachable" in err and "Traceback" not in err
+    assert not os.path.exists(os.path.join(procs.dir, "x.sock"))
+
+
+def test_pool_too_small_for_the_export_is_refused_and_reserves_nothing(procs):
+    _, port = procs.memserver("16M")
+    p = procs.start([*PY, "daemon", "--peers", f"127.0.0.1:{port}", "--size", "64M",
+                     "--socket", os.path.join(procs.dir, "x.sock"), "--client-id", "greedy"])
+    assert p.wait(30) == 1
+    err = p.stderr.read()
+    assert "cannot hold" in err and "Traceback" not in err, err
+    assert status(port)["reserved_pages"] == 0  # all or nothing
+    assert not os.path.exists(os.path.join(procs.dir, "x.sock"))
+
+
+def test_bad_arguments_exit_2():
+    p = subprocess.run([*PY, "daemon", "--size", "1000", "--socket", "/tmp/never.sock",
+                        "--memory"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "multiple of 4096" in p.stderr
+    p = subprocess.run([*PY, "daemon", "--size", "8M", "--socket", "/tmp/never.sock"],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "--peers is required" in p.stderr
+
+
+def test_full_memserver_refuses_and_the_client_gets_an_error_not_a_hang(procs):
+    """The memserver restarts on the same port with its room taken by another namespace:
+    the daemon's reconnect cannot restore its reservation, the memserver refuses, and the NBD
+    write fails promptly with an error; the daemon keeps serving."""
+    need("qemu-io")
+    ms, port = procs.memserver("16M")
+    d, sock = procs.daemon([port], "8M", "test-full")
+    p = qemu_io(sock, "write -P 0x77 0 4096")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert procs.stop(ms) == 0
+
+    _, port2 = procs.memserver("4M", port=port)
+    assert port2 == port
+
+    async def hog() -> None:  # another node takes all the room (kept for its lease)
+        c = MemClient("127.0.0.1", port, "hog")
+        await c.connect()
+        await c.reserve(4 * MiB // 4096)
+        await c.close()
+
+    asyncio.run(hog())
+    t0 = time.monotonic()
+    p = qemu_io(sock, "write -P 0x78 40960 4096", timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert "write failed" in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "No space left on device" in p.stdout + p.stderr or "Input/output" in (
+        p.stdout + p.stderr)
+    assert d.poll() is None  # still serving
+    p = subprocess.run(["nbdinfo", "--size", f"nbd+unix:///?socket={sock}"],
+                       capture_output=True, text=True, timeout=30)
+    assert p.stdout.strip() == str(8 * MiB)
+    assert namespace(port, "hog")["reserved_pages"] == 1024
+
+
+@pytest.mark.slow
+def test_nbdcopy_256mib_round_trip_through_two_memservers(procs, tmp_path):
+    need("nbdcopy")
+    _, p1 = procs.memserver("160M")
+    _, p2 = procs.memserver("160M")
+    _, sock = procs.daemon([p1, p2], "256M", "test-copy")
+    uri = f"nbd+unix:///?socket={sock}"
+    src = tmp_path / "src.bin"
+    h = hashlib.sha256()
+    with open(src, "wb") as f:
+        for _ in range(16):
+            chunk = os.urandom(16 * MiB)
+            h.update(chunk)
+            f.write(chunk)
+    r = subprocess.run(["nbdcopy", str(src), uri], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    src.unlink()
+    # The pages are spread over both memservers (slabs placed round-robin).
+    stored = [namespace(p, "test-copy")["stored_pages"] for p in (p1, p2)]
+    assert sum(stored) == 256 * MiB // 4096 and min(stored) > 0
+    dst = tmp_path / "dst.bin"
+    r = subprocess.run(["nbdcopy", "--no-extents", uri, str(dst)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    h2 = hashlib.sha256()
+    with open(dst, "rb") as f:
+        while chunk := f.read(16 * MiB):
+            h2.update(chunk)
+    assert h2.hexdigest() == h.hexdigest()
+
+
+@pytest.mark.slow
+def test_fio_verify_64_in_flight_over_4_connections_through_the_daemon(procs, tmp_path):
+    need("fio")
+    _, port = procs.memserver("80M")
+    _, sock = procs.daemon([port], "64M", "test-fio")
+    r = subprocess.run(["fio", "--name=verify", "--ioengine=nbd",
+                        f"--uri=nbd+unix:///?socket={sock}", "--rw=randwrite", "--bs=4k",
+                        "--iodepth=16", "--numjobs=4", "--size=8m", "--offset_increment=16m",
+                        "--verify=crc32c", "--do_verify=1", "--verify_fatal=1",
+                        "--verify_state_save=0", "--group_reporting", "--output-format=json"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    job = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
+    assert job["error"] == 0 and job["read"]["io_bytes"] == 32 * MiB
+    assert namespace(port, "test-fio")["stored_pages"] == 32 * MiB // 4096
