@@ -101,6 +101,40 @@ async def test_many_requests_in_flight_on_one_connection(server: MemServer) -> N
     await c.close()
 
 
+async def test_concurrent_requests_merge_into_few_frames(server: MemServer) -> None:
+    c = MemClient(*server.addr, "n/merge")
+    await c.connect()
+    await c.reserve(64)
+    pages = [os.urandom(PS) for _ in range(32)]
+    await asyncio.gather(*(c.store([k], pages[k]) for k in range(32)))
+    outs = [bytearray(PS) for _ in range(32)]
+    await asyncio.gather(*(c.load([k], outs[k]) for k in reversed(range(32))))
+    assert outs == pages  # each caller got its own page back out of the merged reply
+    n = (await c.status())["counters"]
+    assert (n["pages_stored"], n["pages_loaded"]) == (32, 32)
+    assert n["store_requests"] < 32 and n["load_requests"] < 32  # merged on the wire
+    await c.close()
+
+
+async def test_a_refused_merged_batch_fails_only_the_requests_it_must(server: MemServer) -> None:
+    c = MemClient(*server.addr, "n/merge-err")
+    await c.connect()
+    await c.reserve(3)
+    await c.store([0], b"0" * PS)
+    res = await asyncio.gather(*(c.load([k], bytearray(PS)) for k in (0, 9, 0)),
+                               return_exceptions=True)  # fmt: skip
+    assert res[0] is None and res[2] is None
+    assert isinstance(res[1], PageServerError) and res[1].code == pp.ErrorCode.NOT_FOUND
+    res = await asyncio.gather(*(c.store([k], bytes([k]) * PS) for k in (1, 2, 3)),
+                               return_exceptions=True)  # fmt: skip
+    assert res[:2] == [None, None]  # two new pages fit the 3-page reservation, the third not
+    assert isinstance(res[2], PageServerError) and res[2].code == pp.ErrorCode.NO_SPACE
+    assert await c.load([1, 2]) == b"\1" * PS + b"\2" * PS
+    # each merged frame was refused once, then the one bad request again on its own
+    assert (await c.status())["counters"]["refused"] == 4
+    await c.close()
+
+
 async def test_namespaces_are_separate(server: MemServer) -> None:
     a, b = MemClient(*server.addr, "node-a/1"), MemClient(*server.addr, "node-b/1")
     await a.connect()

@@ -40,6 +40,7 @@ USER_TIMEOUT_MS = 15000  # unacknowledged data this long -> the connection is de
 
 _STORE, _LOAD, _FREE = int(pp.MsgType.STORE), int(pp.MsgType.LOAD), int(pp.MsgType.FREE)
 _STORE_REPLY, _LOAD_REPLY = _STORE | pp.REPLY_BIT, _LOAD | pp.REPLY_BIT
+_PER_KEY_ERRORS = (pp.ErrorCode.NOT_FOUND, pp.ErrorCode.NO_SPACE)
 
 
 class PageServerError(Exception):
@@ -74,6 +75,24 @@ def tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(level, opt, value)
 
 
+class _Batch:
+    """STOREs (or LOADs) queued back to back in one loop iteration, sent as one frame.
+
+    The memserver then handles one request for many pages instead of many requests, which is
+    where its time goes at high queue depth. STORE data is not copied: the frame's parts are
+    the callers' buffers. A LOAD reply is scattered straight into the callers' buffers."""
+
+    __slots__ = ("keys", "mtype", "parts", "waiters")
+
+    def __init__(self, mtype: int) -> None:
+        self.mtype = mtype
+        self.keys: list[int] = []
+        self.parts: list[memoryview] = []
+        # (future, keys, data, out) per request
+        self.waiters: list[tuple[asyncio.Future, tuple[int, ...], memoryview | None,
+                                 memoryview | None]] = []  # fmt: skip
+
+
 class _ClientProto(asyncio.BufferedProtocol):
     def __init__(self, client: MemClient) -> None:
         self.client = client
@@ -98,28 +117,55 @@ class _ClientProto(asyncio.BufferedProtocol):
                 frame = dec.next_frame()
                 if frame is pp.NEED_DATA:
                     return
-                mtype, req_id, status, body = frame
+                mtype, req_id, status, _ = frame
                 entry = pending.pop(req_id, None)
                 if entry is None:
                     raise pp.RemoteProtocolError(f"reply to unknown request id {req_id}")
-                fut, out = entry
+                if type(entry) is _Batch:
+                    self._batch_reply(entry, mtype, frame)
+                    continue
+                fut = entry
                 if fut.done():  # the caller was cancelled; drop the reply
                     continue
                 if status:
                     msg = pp.decode_frame(*frame)
                     fut.set_exception(PageServerError(msg.code, msg.message, self.client.peer))
-                elif mtype == _LOAD_REPLY:
-                    if out is None or body.nbytes != out.nbytes:
-                        raise pp.RemoteProtocolError("LOAD reply does not match its request")
-                    out[:] = body  # the one copy: receive buffer -> caller's buffer
-                    fut.set_result(None)
-                elif mtype == _STORE_REPLY:  # its payload is empty (the decoder checked)
-                    fut.set_result(None)
                 else:
                     fut.set_result(pp.decode_frame(*frame))
         except pp.RemoteProtocolError as e:
             log.warning("memserver %s broke the protocol: %s; closing", self.client.peer, e)
             self.transport.abort()
+
+    def _batch_reply(self, batch: _Batch, mtype: int, frame: tuple) -> None:
+        waiters = batch.waiters
+        if frame[2]:  # refused
+            msg = pp.decode_frame(*frame)
+            if len(waiters) > 1 and msg.code in _PER_KEY_ERRORS:
+                # Merged requests share the refusal; ask again one by one so that only the
+                # requests that are really refused fail.
+                self.client._resend_each(batch)
+                return
+            err = PageServerError(msg.code, msg.message, self.client.peer)
+            for fut, _, _, _ in waiters:
+                if not fut.done():
+                    fut.set_exception(err)
+        elif mtype == _LOAD_REPLY:
+            body = frame[3]
+            if body.nbytes != len(batch.keys) * PAGE_SIZE:
+                raise pp.RemoteProtocolError("LOAD reply does not match its request")
+            off = 0
+            for fut, _, _, out in waiters:
+                n = out.nbytes
+                if not fut.done():
+                    out[:] = body[off : off + n]  # the one copy: receive buffer -> caller
+                    fut.set_result(None)
+                off += n
+        elif mtype == _STORE_REPLY:  # its payload is empty (the decoder checked)
+            for fut, _, _, _ in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+        else:
+            raise pp.RemoteProtocolError(f"reply type 0x{mtype:04x} to a STORE/LOAD")
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.lost.done():
@@ -145,9 +191,11 @@ class MemClient:
         self.hello: pp.HelloReply | None = None
         self.namespace_losses = 0  # reconnects that found the namespace gone
         self._proto: _ClientProto | None = None
-        self._pending: dict[int, tuple[asyncio.Future, memoryview | None]] = {}
+        # request id -> its future, or the merged _Batch it answers
+        self._pending: dict[int, asyncio.Future | _Batch] = {}
+        self._open: _Batch | None = None  # the batch at the tail of _outq, still growing
         self._next_id = 0
-        self._outq: list[bytes | memoryview] = []
+        self._outq: list[bytes | memoryview | _Batch] = []
         self._flush_handle: asyncio.Handle | None = None
         self._reserved: int | None = None  # last reservation we asked for
         self._reconnecting: asyncio.Task | None = None
@@ -207,13 +255,25 @@ class MemClient:
         if self._proto is proto:
             self._proto = None
             self.hello = None
-        self._outq.clear()
         err = MemserverUnreachable(f"connection to memserver {self.peer} lost"
                                    + (f": {exc}" if exc else ""))  # fmt: skip
-        pending, self._pending = self._pending, {}
-        for fut, _ in pending.values():
-            if not fut.done():
-                fut.set_exception(err)
+        self._fail([*self._pending.values(), *self._outq], err)
+        self._pending = {}
+        self._outq = []
+        self._open = None
+
+    @staticmethod
+    def _fail(entries: list, err: Exception) -> None:
+        for entry in entries:
+            if type(entry) is _Batch:
+                futs = [w[0] for w in entry.waiters]
+            elif isinstance(entry, asyncio.Future):
+                futs = [entry]
+            else:
+                continue  # encoded bytes: their futures are in _pending
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(err)
 
     async def _ensure_connected(self) -> None:
         if self._closed:
@@ -228,28 +288,69 @@ class MemClient:
 
     def _send(self, mtype: int, keys: tuple[int, ...] | None, data: memoryview | None,
               out: memoryview | None, msg: pp.Request | None = None) -> asyncio.Future:  # fmt: skip
-        """Queue one request (a batch, or `msg`); every request queued in this loop iteration
-        leaves in one writelines."""
-        self._next_id += 1
-        rid = self._next_id
+        """Queue one request; everything queued in this loop iteration leaves in one
+        writelines, and consecutive STOREs (or LOADs) merge into one frame."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._pending[rid] = (fut, out)
-        if msg is not None:
-            self._outq += pp.encode(dataclasses.replace(msg, req_id=rid))
-        else:
-            self._outq.append(pp.batch_prefix(mtype, rid, keys))
+        if mtype in (_STORE, _LOAD):
+            b = self._open
+            if b is None or b.mtype != mtype or len(b.keys) + len(keys) > self.max_batch:
+                b = self._open = _Batch(mtype)
+                self._outq.append(b)
+            b.keys += keys
             if data is not None:
-                self._outq.append(data)
+                b.parts.append(data)
+            b.waiters.append((fut, keys, data, out))
+        else:
+            self._next_id += 1
+            rid = self._next_id
+            self._pending[rid] = fut
+            if msg is not None:
+                self._outq += pp.encode(dataclasses.replace(msg, req_id=rid))
+            else:
+                self._outq.append(pp.batch_prefix(mtype, rid, keys))
+            self._open = None
         if self._flush_handle is None:
             self._flush_handle = loop.call_soon(self._flush)
         return fut
 
+    def _resend_each(self, batch: _Batch) -> None:
+        """Queue every still-waiting request of a refused merged batch on its own."""
+        for fut, keys, data, out in batch.waiters:
+            if fut.done():
+                continue
+            solo = _Batch(batch.mtype)
+            solo.keys += keys
+            if data is not None:
+                solo.parts.append(data)
+            solo.waiters.append((fut, keys, data, out))
+            self._outq.append(solo)
+        self._open = None
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+
     def _flush(self) -> None:
         self._flush_handle = None
+        self._open = None
         q, self._outq = self._outq, []
-        if q and self._proto is not None and self._proto.transport is not None:
-            self._proto.transport.writelines(q)
+        if not q:
+            return
+        proto = self._proto
+        if proto is None or proto.transport is None or proto.transport.is_closing():
+            self._fail(q, MemserverUnreachable(f"not connected to memserver {self.peer}"))
+            return
+        wire: list[bytes | memoryview] = []
+        pending, batch_prefix = self._pending, pp.batch_prefix
+        for item in q:
+            if type(item) is _Batch:
+                self._next_id += 1
+                pending[self._next_id] = item
+                wire.append(batch_prefix(item.mtype, self._next_id, tuple(item.keys)))
+                if item.parts:
+                    wire += item.parts
+            else:
+                wire.append(item)
+        proto.transport.writelines(wire)
 
     async def _request(self, msg: pp.Request) -> Any:
         """One request on the current connection, no retry (HELLO and setup)."""

@@ -86,6 +86,10 @@ class PageStore:
         self.reserved_total = 0
         self.connections = 0
         self.started = time.monotonic()
+        # requests and pages served, by kind (STATUS reports them)
+        self.counters = {"store_requests": 0, "load_requests": 0, "free_requests": 0,
+                         "pages_stored": 0, "pages_loaded": 0, "pages_freed": 0,
+                         "refused": 0}  # fmt: skip
 
     @property
     def capacity_pages(self) -> int:
@@ -135,7 +139,9 @@ class PageStore:
     # --- requests (hot ones first). Refusals raise Refused; nothing changes then. ---
 
     def store(self, ns: Namespace, keys: tuple[int, ...], data: memoryview) -> None:
-        pages, mem = ns.pages, self.arena.memory
+        pages, mem, c = ns.pages, self.arena.memory, self.counters
+        c["store_requests"] += 1
+        c["pages_stored"] += len(keys)
         if len(keys) == 1:  # the swap path's common case, kept short
             k = keys[0]
             slot = pages.get(k)
@@ -163,7 +169,9 @@ class PageStore:
     def load(self, ns: Namespace, keys: tuple[int, ...]) -> bytes:
         """The pages, copied: a view of the arena could change under a reply the transport
         still buffers (the slot freed and reused, even by another namespace)."""
-        pages, mem = ns.pages, self.arena.memory
+        pages, mem, c = ns.pages, self.arena.memory, self.counters
+        c["load_requests"] += 1
+        c["pages_loaded"] += len(keys)
         try:
             if len(keys) == 1:
                 off = pages[keys[0]] * PAGE_SIZE
@@ -182,6 +190,8 @@ class PageStore:
             if slot is not None:
                 free(slot)
                 n += 1
+        self.counters["free_requests"] += 1
+        self.counters["pages_freed"] += n
         return n
 
     def reserve(self, ns: Namespace, want: int) -> int:
@@ -216,6 +226,7 @@ class PageStore:
             "lease_seconds": self.lease_s,
             "connections": self.connections,
             "uptime_seconds": round(now - self.started, 3),
+            "counters": dict(self.counters),
             "namespaces": [
                 {
                     "client_id": ns.client_id,
@@ -295,6 +306,7 @@ class _Conn(asyncio.BufferedProtocol):
                     else:
                         out += pp.encode(self._dispatch(pp.decode_frame(*frame)))
                 except Refused as e:
+                    store.counters["refused"] += 1
                     out += pp.encode(pp.ErrorReply(req_id, pp.MsgType(mtype), e.code, str(e)))
         except pp.RemoteProtocolError as e:
             self._abort(str(e), out)
