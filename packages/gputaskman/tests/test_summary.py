@@ -180,7 +180,10 @@ def test_unparseable_lines_are_skipped_and_counted(tmp_path: Path) -> None:
     text = summary.render_text(s)
     assert "skipped 4 unparseable line(s): 2, 3, 5, 7" in text
     out = summary.to_json_dict(s)
+    reasons = out["unparseable"].pop("reasons")
     assert out["unparseable"] == {"count": 4, "lines": [2, 3, 5, 7], "incomplete_last_line": True}
+    assert reasons["2"].startswith("not JSON") and "schema" in reasons["3"]
+    assert "UTF-8" in reasons["5"] and reasons["7"].startswith("incomplete last line")
 
 
 def test_chart_draws_missing_as_dots_and_zero_as_empty() -> None:

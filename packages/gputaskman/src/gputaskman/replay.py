@@ -23,9 +23,11 @@ current frame is the last one at or before the position.
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import itertools
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -248,8 +250,6 @@ class RecordSource:
 
 
 def _speed(text: str) -> float:
-    import argparse
-
     try:
         v = float(text)
     except ValueError:
@@ -259,7 +259,7 @@ def _speed(text: str) -> float:
     return v
 
 
-def add_arguments(p: Any) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="record file written by gputaskman record")
     p.add_argument(
         "--speed", type=_speed, default=1.0, metavar="X", help="playback speed (default 1)"
@@ -267,9 +267,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--paused", action="store_true", help="start paused on the first snapshot")
 
 
-def run(args: Any) -> int:
-    import sys
-
+def run(args: argparse.Namespace) -> int:
     try:
         source = RecordSource.open(args.file)
     except OSError as exc:

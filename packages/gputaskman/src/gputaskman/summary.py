@@ -373,6 +373,8 @@ def to_json_dict(s: Summary) -> dict[str, Any]:
             "count": len(s.unparseable),
             "lines": s.unparseable,
             "incomplete_last_line": s.incomplete_last_line,
+            # why, for the first few (a file of garbage must not make a huge report)
+            "reasons": {str(n): s.unparseable_why[n] for n in s.unparseable[:20]},
         },
         "run_split": {
             "gap_factor": RUN_GAP_FACTOR,
@@ -417,9 +419,10 @@ def render_text(s: Summary, *, plot: bool = False, width: int | None = None) -> 
     out = [f"gputaskman summary {s.path}: {s.snapshots} snapshots in {len(s.runs)} run(s)"]
     if s.unparseable:
         why = "; last line incomplete (recording interrupted)" if s.incomplete_last_line else ""
+        first = s.unparseable[0]
         out.append(
             f"skipped {len(s.unparseable)} unparseable line(s): "
-            f"{describe_lines(s.unparseable)}{why}"
+            f"{describe_lines(s.unparseable)}{why} (line {first}: {s.unparseable_why[first]})"
         )
     out.append(
         "averages are means of the readings present; null readings are skipped, never "
