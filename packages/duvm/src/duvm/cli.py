@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "enable": ("duvm.enable", "start the daemon, attach its device and swap to the pool (root)"),
     "disable": ("duvm.disable", "swapoff, detach, stop the daemon; refuses if pages can't go home"),
     "status": ("duvm.status", "enabled or not, device, swap used, pages and health per peer"),
+    "doctor": ("duvm.doctor", "check this node's prerequisites and say how to fix each gap"),
     "demo": ("duvm.demo", "a whole pool on this machine: 3 memservers, a workload, verified"),
 }
 

@@ -1,0 +1,378 @@
+"""`duvm doctor`: check every prerequisite of this node, and say what to do about each gap.
+
+Theory of operation
+-------------------
+Each check is a small function that looks (never changes anything: no ``modprobe`` without
+``-n``, no sysctl write, no mount) and returns a `Check`: a name, a status, whether duvm
+cannot work without it (``required``), what was found, and, when something is wrong, the fix
+(the Debian package to install or the command to run). A required check that fails makes the
+command exit 1; warnings (a slower fallback path, a low ``vm.min_free_kbytes`` that enable
+raises anyway, no uvloop) keep exit 0. ``--json`` prints the same list as data.
+
+What is checked is what `duvm enable` will need, found the way enable finds it: system tools
+in the fixed sbin/bin directories `duvm.attach` uses (never $PATH, so a doctor verdict cannot
+differ from enable's), the kernel nbd device or the nbdfuse + FUSE + loop fallback for the
+configured method, the swap tools, a memory cgroup, the network reserve, each configured peer
+(a TCP connect with a timeout, then a page-protocol STATUS so a port that answers but is not a
+memserver is caught), and the cluster secret file's ownership and mode when one is configured.
+
+Where it looks is a `Probe` (tool directories, /dev, /sys/module, the cgroup root, the sysctl
+file), so tests point checks at directories that lack one piece and see the real check fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import stat
+import subprocess
+import sys
+import tomllib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from duvm import attach, cgroup, control
+from duvm.units import parse_hostport
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+PEER_TIMEOUT_S = 3.0
+SWAP_TOOLS = ("mkswap", "swapon", "swapoff", "blkdiscard")
+FUSE_TOOLS = ("nbdfuse", "fusermount3", "losetup")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # ok | warn | fail | skip
+    required: bool
+    detail: str
+    fix: str | None = None
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Where the checks look; the defaults are the places `duvm enable` uses."""
+
+    tool_dirs: tuple[str, ...] = attach._TOOL_DIRS
+    dev: Path = Path("/dev")
+    sys_module: Path = Path("/sys/module")
+    cgroup_root: Path = cgroup.CGROUP_ROOT
+    min_free: Path = attach.MIN_FREE_SYSCTL
+    meminfo: Path = Path("/proc/meminfo")
+
+    def tool(self, name: str) -> str | None:
+        for d in self.tool_dirs:
+            p = os.path.join(d, name)
+            if os.path.isfile(p) and os.access(p, os.X_OK):
+                return p
+        return None
+
+
+@dataclass
+class Options:
+    peers: list[str] = field(default_factory=list)
+    method: str = "auto"
+    secret_file: Path | None = None
+    config_error: str | None = None
+    config_path: Path | None = None
+    peer_timeout: float = PEER_TIMEOUT_S
+
+
+def _verdict(name: str, problem: bool, required: bool, detail: str,
+             fix: str | None = None) -> Check:
+    if not problem:
+        return Check(name, OK, required, detail)
+    return Check(name, FAIL if required else WARN, required, detail, fix)
+
+
+def _package(tool: str) -> str:
+    return attach.TOOL_PACKAGES.get(tool, "util-linux")
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+def check_root() -> Check:
+    euid = os.geteuid()
+    return _verdict("root", euid != 0, True,
+                    "running as root" if euid == 0 else f"running as uid {euid}, not root",
+                    "enable/disable attach devices and call swapon: run as root (sudo duvm ...)")
+
+
+def kernel_nbd(probe: Probe) -> tuple[bool, Check]:
+    """(usable, check): loaded, or a module `modprobe -n` finds (enable then loads it)."""
+    devices = sorted(p.name for p in probe.dev.glob("nbd*") if p.name[3:].isdigit())
+    if devices or (probe.sys_module / "nbd").exists():
+        return True, Check("kernel-nbd", OK, False,
+                           f"nbd loaded, {len(devices)} device(s) /dev/nbd*")
+    modprobe = probe.tool("modprobe")
+    if modprobe is not None:
+        res = subprocess.run([modprobe, "-n", "-q", "nbd"], capture_output=True, timeout=30,
+                             check=False)
+        if res.returncode == 0:
+            return True, Check("kernel-nbd", OK, False,
+                               "nbd module available, not loaded (enable runs modprobe nbd)")
+        why = "this kernel has no nbd module"
+        fix = "install the kernel's extra modules (e.g. linux-modules-extra-$(uname -r)) or use " \
+              "the nbdfuse+loop fallback (method = \"nbdfuse-loop\")"
+    else:
+        why = "nbd not loaded and modprobe is missing"
+        fix = f"apt-get install {_package('modprobe')}, then modprobe nbd"
+    return False, Check("kernel-nbd", WARN, False, why, fix)
+
+
+def fuse_loop(probe: Probe) -> tuple[bool, Check]:
+    """(usable, check) for the fallback: nbdfuse, fusermount3, losetup, /dev/fuse, loop."""
+    missing, fixes = [], []
+    for t in FUSE_TOOLS:
+        if probe.tool(t) is None:
+            missing.append(t)
+            fixes.append(f"apt-get install {_package(t)}")
+    for node, module in (("fuse", "fuse"), ("loop-control", "loop")):
+        if not (probe.dev / node).exists():
+            missing.append(f"/dev/{node}")
+            fixes.append(f"modprobe {module}")
+    if not missing:
+        return True, Check("fuse-loop", OK, False, "nbdfuse, fusermount3, losetup, /dev/fuse "
+                           "and /dev/loop-control present")
+    return False, Check("fuse-loop", WARN, False, "missing: " + ", ".join(missing),
+                        "; ".join(dict.fromkeys(fixes)))
+
+
+def check_block_device(method: str, nbd: tuple[bool, Check],
+                       fuse: tuple[bool, Check]) -> Check:
+    """Required: the path `method` will take exists."""
+    if method == attach.METHOD_KERNEL:
+        ok, via = nbd[0], "kernel nbd"
+    elif method == attach.METHOD_FUSE:
+        ok, via = fuse[0], "nbdfuse + loop"
+    else:
+        ok = nbd[0] or fuse[0]
+        via = "kernel nbd" if nbd[0] else "nbdfuse + loop (no kernel nbd; slower)"
+    if ok:
+        return Check("block-device", OK, True, f"method {method}: {via}")
+    fixes = [c.fix for usable, c in (nbd, fuse) if not usable and c.fix
+             and (method == "auto" or c.name == ("kernel-nbd" if method == attach.METHOD_KERNEL
+                                                 else "fuse-loop"))]
+    return Check("block-device", FAIL, True, f"method {method}: no way to attach a block device",
+                 " or ".join(fixes) or None)
+
+
+def check_swap_tools(probe: Probe) -> Check:
+    missing = [t for t in SWAP_TOOLS if probe.tool(t) is None]
+    pkgs = sorted({_package(t) for t in missing})
+    return _verdict("swap-tools", bool(missing), True,
+                    "missing: " + ", ".join(missing) if missing else ", ".join(SWAP_TOOLS),
+                    f"apt-get install {' '.join(pkgs)}")
+
+
+def check_cgroup(probe: Probe) -> Check:
+    try:
+        version = cgroup.detect_version(probe.cgroup_root)
+    except OSError as exc:
+        version, err = None, f" ({exc})"
+    else:
+        err = ""
+    return _verdict(
+        "cgroup-memory", version is None, False,
+        f"cgroup v{version} memory controller" if version else
+        f"no usable memory cgroup at {probe.cgroup_root}{err}",
+        "needed by duvm demo and disable's swapoff safety check: mount cgroup2 on "
+        "/sys/fs/cgroup with the memory controller enabled (or boot with cgroup_enable=memory)")
+
+
+def check_min_free(probe: Probe) -> Check:
+    try:
+        now = int(probe.min_free.read_text())
+        want = attach.safe_min_free_kbytes(attach.mem_total_kb(probe.meminfo.read_text()))
+    except (OSError, ValueError, attach.AttachError) as exc:
+        return Check("min-free-kbytes", WARN, False, f"cannot read {probe.min_free}: {exc}",
+                     "check that /proc is mounted")
+    return _verdict(
+        "min-free-kbytes", now < want, False,
+        f"vm.min_free_kbytes = {now} (swap over the network wants >= {want})",
+        f"enable raises it to {want} while attached; to keep it: "
+        f"echo 'vm.min_free_kbytes = {want}' > /etc/sysctl.d/90-duvm.conf && sysctl --system")
+
+
+def _tcp(host: str, port: int, timeout: float) -> str | None:
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def check_peers(peers: list[str], timeout: float) -> Check:
+    if not peers:
+        return Check("peers", SKIP, True, "no peers given (--peers or --config)")
+    problems, good, addrs = [], [], {}
+    for p in peers:
+        try:
+            addrs[p] = parse_hostport(p, control.MEMSERVER_PORT)
+        except ValueError as exc:
+            problems.append(f"{p}: {exc}")
+    # Connect to all peers at once, so N dead peers cost one timeout, not N.
+    with ThreadPoolExecutor(max_workers=min(16, len(addrs) or 1)) as pool:
+        errors = dict(zip(addrs, pool.map(lambda hp: _tcp(*hp, timeout), addrs.values()),
+                          strict=True))
+    problems += [f"{p}: {err}" for p, err in errors.items() if err]
+    reachable = [p for p, err in errors.items() if not err]
+    for st in control.peer_statuses(reachable, timeout=timeout):
+        if st["health"] != "ok":
+            problems.append(f"{st['peer']}: port open but no duvm memserver STATUS "
+                            f"({st['error']})")
+            continue
+        def mib(pages: int | None) -> str:
+            return "n/a" if pages is None else f"{pages * 4096 >> 20} MiB"
+
+        good.append(f"{st['peer']} (capacity {mib(st['capacity_pages'])}, reserved "
+                    f"{mib(st.get('reserved_pages'))})")
+    detail = "; ".join([*problems, f"ok: {', '.join(good)}"] if good else problems)
+    return _verdict("peers", bool(problems), True, detail,
+                    "on each failing peer run `duvm memserver --listen HOST:PORT --capacity "
+                    "SIZE` (or its systemd unit duvm-node.service) and open that TCP port")
+
+
+def check_secret(path: Path | None) -> Check:
+    if path is None:
+        return Check("secret-file", SKIP, True, "no cluster secret configured")
+    fix = f"chown root:root {path} && chmod 0600 {path}"
+    try:
+        st = path.lstat()
+    except OSError as exc:
+        return Check("secret-file", FAIL, True, f"{path}: {exc.strerror or exc}",
+                     f"create it (e.g. head -c 32 /dev/urandom > {path}), then {fix}")
+    problems = []
+    if not stat.S_ISREG(st.st_mode):
+        problems.append("not a regular file" + (" (a symlink)" if stat.S_ISLNK(st.st_mode)
+                                                else ""))
+    if st.st_uid != 0:
+        problems.append(f"owned by uid {st.st_uid}, not root")
+    if st.st_mode & 0o077:
+        problems.append(f"mode {stat.S_IMODE(st.st_mode):04o} lets others read or write it")
+    if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+        problems.append("empty")
+    return _verdict("secret-file", bool(problems), True,
+                    f"{path}: " + ("; ".join(problems) if problems else
+                                   f"root-owned, mode {stat.S_IMODE(st.st_mode):04o}"), fix)
+
+
+def check_uvloop() -> Check:
+    try:
+        import uvloop
+    except ImportError:
+        return Check("uvloop", WARN, False, "uvloop not importable: asyncio's default loop "
+                     "is used (slower fault path)", "reinstall duvm with its dependencies "
+                     "(e.g. uv tool install --reinstall duvm)")
+    return Check("uvloop", OK, False, f"uvloop {getattr(uvloop, '__version__', 'n/a')}")
+
+
+def check_config(opts: Options) -> Check:
+    if opts.config_path is None:
+        return Check("config", SKIP, True, "no --config given")
+    return _verdict("config", opts.config_error is not None, True,
+                    opts.config_error or f"{opts.config_path} is valid",
+                    f"fix {opts.config_path} (see duvm.example.toml in the duvm sources)")
+
+
+def run_checks(opts: Options, probe: Probe | None = None) -> list[Check]:
+    probe = probe or Probe()
+    nbd, fuse = kernel_nbd(probe), fuse_loop(probe)
+    steps: list[Callable[[], Check]] = [
+        lambda: check_config(opts),
+        check_root,
+        lambda: nbd[1],
+        lambda: fuse[1],
+        lambda: check_block_device(opts.method, nbd, fuse),
+        lambda: check_swap_tools(probe),
+        lambda: check_cgroup(probe),
+        lambda: check_min_free(probe),
+        lambda: check_peers(opts.peers, opts.peer_timeout),
+        lambda: check_secret(opts.secret_file),
+        check_uvloop,
+    ]
+    return [step() for step in steps]
+
+
+def passed(checks: list[Check]) -> bool:
+    return not any(c.status == FAIL and c.required for c in checks)
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, metavar="FILE",
+                        help="the config enable will use (peers, method, secret_file)")
+    parser.add_argument("--peers", metavar="HOST:PORT[,...]",
+                        help="memservers to check (instead of / besides the config's)")
+    parser.add_argument("--secret-file", type=Path, metavar="FILE",
+                        help="cluster secret file to check (else the config's secret_file)")
+    parser.add_argument("--method", choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
+                        help="attach method to check for (default: the config's, else auto)")
+    parser.add_argument("--timeout", type=float, default=PEER_TIMEOUT_S, metavar="S",
+                        help=f"per-peer connect timeout (default {PEER_TIMEOUT_S:g})")
+    parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    opts = Options(peer_timeout=args.timeout, config_path=args.config)
+    raw: dict[str, Any] = {}
+    if args.config is not None:
+        # Read the file raw too: secret_file is checked even before enable knows the key.
+        try:
+            raw = tomllib.loads(args.config.read_text())
+        except (OSError, tomllib.TOMLDecodeError):
+            raw = {}
+        try:
+            cfg = control.load_config(args.config)
+            opts.peers, opts.method = list(cfg.peers), cfg.method
+        except control.ControlError as exc:
+            opts.config_error = str(exc)
+            peers = raw.get("peers", [])
+            opts.peers = [p for p in peers if isinstance(p, str)] if isinstance(peers, list) \
+                else []
+    if args.peers:
+        extra = [p.strip() for p in args.peers.split(",") if p.strip()]
+        opts.peers = list(dict.fromkeys([*opts.peers, *extra]))
+    if args.method:
+        opts.method = args.method
+    secret = args.secret_file or raw.get("secret_file")
+    opts.secret_file = Path(secret) if isinstance(secret, (str, Path)) and secret else None
+    return opts
+
+
+def render(checks: list[Check]) -> str:
+    counts = {s: sum(c.status == s for c in checks) for s in (OK, WARN, FAIL, SKIP)}
+    verdict = "ready" if passed(checks) else "NOT ready"
+    lines = [f"duvm doctor: {verdict} ({counts[OK]} ok, {counts[WARN]} warning(s), "
+             f"{counts[FAIL]} failed, {counts[SKIP]} skipped)"]
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        lines.append(f"  {c.status.upper():<4}  {c.name:<{width}}  {c.detail}")
+        if c.fix and c.status in (WARN, FAIL):
+            lines.append(f"  {'':<4}  {'':<{width}}  fix: {c.fix}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        print("duvm doctor: --timeout must be positive", file=sys.stderr)
+        return 2
+    checks = run_checks(options_from_args(args))
+    ok = passed(checks)
+    if args.json:
+        doc = {"ok": ok, "checks": [asdict(c) for c in checks]}
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        sys.stdout.write(render(checks))
+    return 0 if ok else 1
