@@ -424,3 +424,42 @@ def test_server_close_finishes_in_flight_request_then_disconnects(serve):
     assert closed_by_server(s)
     fut.result(10)
     assert srv.server.connections == 0
+
+
+@pytest.mark.parametrize(("delay", "fail", "expect"), [
+    (0.0, None, 0),  # bare yield (asyncio.sleep(0)) inside the store
+    (0.01, None, 0),  # awaits a timer future
+    (0.01, errno.EIO, 5),  # fails after resuming: NBD_EIO
+    (0.0, errno.ENOSPC, 28),  # fails after a bare yield: NBD_ENOSPC
+])
+def test_suspending_store_coroutines_are_resumed_and_their_errors_mapped(serve, delay, fail,
+                                                                          expect):
+    base = MemoryStore(MiB)
+    srv = serve(FaultStore(base, delay={"write": delay, "read": delay},
+                           fail={"write": fail} if fail else {}))
+    s = raw_connect(srv.path)
+    for cookie in range(1, 9):  # several in flight at once
+        send_req(s, 1, cookie=cookie, offset=cookie * 4096, length=4096,
+                 payload=bytes([cookie]) * 4096)
+    replies = sorted(recv_reply(s) for _ in range(8))
+    assert replies == [(c, expect, b"") for c in range(1, 9)]
+    send_req(s, 0, cookie=99, offset=3 * 4096, length=4096)
+    assert recv_reply(s, 4096) == (99, 0, bytes([3]) * 4096 if not fail else bytes(4096))
+    s.close()
+
+
+def test_abort_with_requests_in_flight_closes_their_coroutines(serve, caplog):
+    base = MemoryStore(MiB)
+    srv = serve(FaultStore(base, delay={"write": 0.3}))
+    s = raw_connect(srv.path)
+    send_req(s, 1, cookie=1, offset=0, length=4096, payload=b"a" * 4096)
+    time.sleep(0.05)
+    s.sendall(os.urandom(28))  # bad magic: the server drops the connection at once
+    assert closed_by_server(s)
+    time.sleep(0.4)  # past the delay: the closed coroutine must not be resumed
+    out = bytearray(4096)
+    srv.call(base.read(0, memoryview(out)))
+    assert out == bytes(4096)  # the write never reached the store
+    assert "store failed" not in caplog.text
+    assert srv.server.connections == 0
+    s.close()

@@ -9,9 +9,12 @@ the store then receives). Requests arrive validated; invalid ones are answered a
 their error and never reach the store.
 
 Many requests are in flight per connection and replies go out in completion order. A store
-coroutine is first run inline (`coro.send(None)`): the in-RAM store finishes there and costs
-no task at all, and a remote store gets its network request out in the same loop iteration as
-the NBD request came in. Only a coroutine that really suspends is handed to an asyncio Task.
+coroutine is driven by hand, not by an asyncio Task (a Task per request cost more than the
+rest of the request): it runs inline until it first awaits (`coro.send(None)`), so the in-RAM
+store finishes at once and a remote store gets its network request out in the same loop
+iteration as the NBD request came in; when it awaits a future, that future's done-callback
+resumes it. Store coroutines therefore run without a current Task: a store that needs one
+(`asyncio.timeout`) must create its own.
 
 Replies are batched: completions append their header and (for reads) the pooled buffer the
 store filled to a list, written with one `writelines` (one writev) at the end of the loop
@@ -31,7 +34,8 @@ import errno
 import logging
 import os
 import socket
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine
+from functools import partial
 from typing import Any
 
 from duvm import nbdconst as C
@@ -56,29 +60,6 @@ _REPLY_MAGIC = C.SIMPLE_REPLY_MAGIC
 _FUA_CMDS = frozenset((C.CMD_WRITE, C.CMD_TRIM, C.CMD_WRITE_ZEROES))
 _CMD_READ = C.CMD_READ
 _CMD_WRITE = C.CMD_WRITE
-
-
-class _Resume:
-    """Awaitable that continues a coroutine already started by hand.
-
-    The coroutine stopped at an await and yielded `first` (a future, or None for a bare
-    yield); yielding it on to the enclosing Task makes the Task wait for it exactly as if the
-    coroutine had been the Task's from the start.
-    """
-
-    __slots__ = ("coro", "first")
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
-        self.coro = coro
-        self.first = first
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        try:
-            yield self.first
-        except BaseException:
-            self.coro.close()
-            raise
-        return (yield from self.coro.__await__())
 
 
 class ServerStats:
@@ -200,7 +181,11 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._write_paused = False
         self._disconnecting = False  # DISC received or server shutting down
         self._closed = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        # store coroutines suspended inside the store, by request
+        self._waiting: dict[Request, Coroutine[Any, Any, None]] = {}
+        # uvloop already gathers all writes of one loop iteration into one writev, so replies
+        # can be handed over as they complete; plain asyncio sends at once, so batch them.
+        self._direct_flush = type(self._loop).__module__.startswith("uvloop")
 
     # ---------------------------------------------------------------- connection events
 
@@ -353,27 +338,46 @@ class NBDConnection(asyncio.BufferedProtocol):
             return
         if self._in_flight > self.stats.peak_in_flight:
             self.stats.peak_in_flight = self._in_flight
-        task = self._loop.create_task(self._finish(req, coro, first))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._suspend(req, coro, first)
 
     async def _then_flush(self, coro: Coroutine[Any, Any, None]) -> None:
         await coro
         await self.store.flush()
 
-    async def _finish(self, req: Request, coro: Coroutine[Any, Any, None], first: Any) -> None:
-        err = 0
+    def _suspend(self, req: Request, coro: Coroutine[Any, Any, None], fut: Any) -> None:
+        """The store coroutine awaits `fut`: resume it when that is done (a Task's job,
+        without the Task's cost)."""
+        self._waiting[req] = coro
+        if fut is None:  # a bare yield (asyncio.sleep(0)): run again on the next iteration
+            self._loop.call_soon(self._resume, req, coro, None)
+        elif getattr(fut, "_asyncio_future_blocking", None):
+            fut._asyncio_future_blocking = False
+            fut.add_done_callback(partial(self._resume, req, coro))
+        else:
+            self._loop.call_soon(self._resume, req, coro, None,
+                                 RuntimeError(f"store awaited {fut!r}, not an asyncio future"))
+
+    def _resume(self, req: Request, coro: Coroutine[Any, Any, None], fut: Any,
+                exc: BaseException | None = None) -> None:
+        if self._waiting.pop(req, None) is None:
+            return  # the connection was aborted and the coroutine closed
         try:
-            await _Resume(coro, first)
+            # Sending None resumes Future.__await__, which returns or raises its result.
+            nxt = coro.send(None) if exc is None else coro.throw(exc)
+        except StopIteration:
+            err = 0
         except StorageError as e:
             err = e.errno
-        except asyncio.CancelledError:
-            err = errno.ESHUTDOWN
         except Exception:
             log.exception("%s: store failed on %r", self.peer, req)
             err = errno.EIO
+        else:
+            self._suspend(req, coro, nxt)
+            return
         self._done(req, err)
-        if not self._flush_scheduled:
+        if self._direct_flush:
+            self._flush()
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
@@ -478,8 +482,10 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._disconnecting = True
         if self.transport is not None:
             self.transport.abort()
-        for task in list(self._tasks):
-            task.cancel()
+        waiting, self._waiting = self._waiting, {}
+        for coro in waiting.values():
+            with contextlib.suppress(BaseException):
+                coro.close()
 
 
 def _tune_socket(sock: socket.socket) -> None:
