@@ -1,0 +1,333 @@
+"""`duvm doctor` on this machine, passing and failing, with real parts.
+
+Passing: root, the nbdfuse+loop fallback (this kernel has no nbd), the swap tools, a real
+memserver on loopback as the peer, a 0600 root-owned secret file: exit 0. Failing: a peer port
+nobody listens on, a listener that is not a memserver, a world-readable or non-root secret,
+tool directories without nbdfuse (doctor finds tools where `duvm enable` does, in fixed sbin/bin
+directories, never via $PATH, so the gap is planted as a tool directory), /dev without
+fuse/loop, a config that does not parse, and a real drop to `nobody` in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from duvm import attach, doctor
+
+NOBODY = 65534
+PY = sys.executable
+
+
+def duvm(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-m", "duvm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def by_name(checks: list[doctor.Check] | list[dict]) -> dict:
+    return {(c["name"] if isinstance(c, dict) else c.name): c for c in checks}
+
+
+def fuse_path_here() -> bool:
+    return not attach.fuse_path_problems()
+
+
+@pytest.fixture
+def memserver():
+    p = subprocess.Popen([PY, "-m", "duvm.cli", "memserver", "--listen", "127.0.0.1:0",
+                          "--capacity", "8M", "--no-mlock"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert "listening on" in line, (line, p.stderr.read() if p.poll() is not None else "")
+        yield line.split("listening on ")[1].split()[0]
+    finally:
+        p.terminate()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def dead_port() -> int:
+    """A loopback port that was just free: connecting to it is refused."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture
+def not_a_memserver():
+    """A TCP listener that answers with HTTP, like a web server on the wrong port."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield f"127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        stop.set()
+        srv.close()
+        t.join(5)
+
+
+@pytest.fixture
+def secret(tmp_path: Path) -> Path:
+    f = tmp_path / "cluster.key"
+    f.write_bytes(os.urandom(32))
+    f.chmod(0o600)
+    return f
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (doctor's root check, "
+                                "chown of the secret file)")
+
+
+# --- the passing form ---------------------------------------------------------------------------
+
+
+@needs_root
+def test_doctor_passes_on_this_machine_with_a_live_memserver(memserver: str, secret: Path,
+                                                             tmp_path: Path) -> None:
+    if not fuse_path_here() and not attach.kernel_nbd_available():
+        pytest.skip("neither kernel nbd nor nbdfuse+loop on this machine")
+    cfg = tmp_path / "duvm.toml"
+    cfg.write_text(f'peers = ["{memserver}"]\nsize = "16M"\n')
+    res = duvm("doctor", "--config", str(cfg), "--secret-file", str(secret), "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is True
+    checks = by_name(doc["checks"])
+    for name in ("config", "root", "block-device", "swap-tools", "peers", "secret-file"):
+        assert checks[name]["status"] == "ok", checks[name]
+    # the peer answered the page protocol: its capacity is the 8 MiB it was started with
+    assert f"{memserver} (capacity 8 MiB" in checks["peers"]["detail"]
+    assert "mode 0600" in checks["secret-file"]["detail"]
+    # nothing required failed; every non-ok check still says what to do
+    for c in doc["checks"]:
+        assert c["status"] in ("ok", "warn", "skip")
+        assert c["status"] != "warn" or c["fix"]
+
+
+def test_text_output_lists_every_check_with_fixes(dead_port: int) -> None:
+    res = duvm("doctor", "--peers", f"127.0.0.1:{dead_port}", "--timeout", "2")
+    assert res.returncode == 1
+    first, *rest = res.stdout.splitlines()
+    assert first.startswith("duvm doctor: NOT ready")
+    assert any(line.split()[:2] == ["FAIL", "peers"] for line in rest)
+    assert any("fix: on each failing peer run `duvm memserver" in line for line in rest)
+    assert "Traceback" not in res.stderr
+
+
+# --- failing forms ------------------------------------------------------------------------------
+
+
+def test_peer_not_listening_fails_with_the_reason(dead_port: int) -> None:
+    c = doctor.check_peers([f"127.0.0.1:{dead_port}"], timeout=2)
+    assert (c.status, c.required) == (doctor.FAIL, True)
+    assert f"127.0.0.1:{dead_port}: Connection refused" in c.detail
+    assert "duvm memserver --listen" in (c.fix or "")
+
+
+def test_listener_that_is_not_a_memserver_fails(not_a_memserver: str) -> None:
+    c = doctor.check_peers([not_a_memserver], timeout=2)
+    assert c.status == doctor.FAIL
+    assert "port open but no duvm memserver STATUS" in c.detail
+
+
+def test_one_dead_peer_among_good_ones_fails_and_names_it(memserver: str, dead_port: int) -> None:
+    c = doctor.check_peers([memserver, f"127.0.0.1:{dead_port}", "bad:port:x"], timeout=2)
+    assert c.status == doctor.FAIL
+    assert f"127.0.0.1:{dead_port}: Connection refused" in c.detail
+    assert "bad:port:x:" in c.detail  # an unparseable address is a problem, not a crash
+    assert f"ok: {memserver}" in c.detail
+
+
+@needs_root
+def test_world_readable_secret_fails(secret: Path) -> None:
+    secret.chmod(0o644)
+    c = doctor.check_secret(secret)
+    assert c.status == doctor.FAIL
+    assert "mode 0644 lets others read or write it" in c.detail
+    assert c.fix == f"chown root:root {secret} && chmod 0600 {secret}"
+    secret.chmod(0o400)
+    assert doctor.check_secret(secret).status == doctor.OK
+
+
+@needs_root
+def test_secret_not_owned_by_root_fails(secret: Path) -> None:
+    os.chown(secret, NOBODY, NOBODY)
+    c = doctor.check_secret(secret)
+    assert c.status == doctor.FAIL and f"owned by uid {NOBODY}, not root" in c.detail
+
+
+def test_missing_empty_and_symlinked_secrets_fail(tmp_path: Path, secret: Path) -> None:
+    missing = doctor.check_secret(tmp_path / "nope.key")
+    assert missing.status == doctor.FAIL and "No such file" in missing.detail
+    assert "head -c 32 /dev/urandom" in (missing.fix or "")
+    empty = tmp_path / "empty.key"
+    empty.touch(mode=0o600)
+    assert "empty" in doctor.check_secret(empty).detail
+    link = tmp_path / "link.key"
+    link.symlink_to(secret)
+    assert "a symlink" in doctor.check_secret(link).detail
+
+
+def test_secret_file_from_config_is_checked(tmp_path: Path, secret: Path, dead_port: int) -> None:
+    secret.chmod(0o640)
+    cfg = tmp_path / "duvm.toml"
+    cfg.write_text(f'peers = ["127.0.0.1:{dead_port}"]\nsize = "16M"\n'
+                   f'secret_file = "{secret}"\n')
+    res = duvm("doctor", "--config", str(cfg), "--json", "--timeout", "2")
+    checks = by_name(json.loads(res.stdout)["checks"])
+    assert res.returncode == 1
+    assert checks["secret-file"]["status"] == "fail"
+    assert "mode 0640" in checks["secret-file"]["detail"]
+    # enable does not know secret_file yet, so the config check says so instead of passing
+    assert checks["config"]["status"] == "fail" and "secret_file" in checks["config"]["detail"]
+    assert checks["peers"]["status"] == "fail"  # the peers were still read from the file
+
+
+def test_unreadable_config_fails_without_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("peers = [\n")
+    res = duvm("doctor", "--config", str(bad), "--json")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    c = by_name(json.loads(res.stdout)["checks"])["config"]
+    assert c["status"] == "fail" and "not valid TOML" in c["detail"]
+
+
+def tool_dir_without(tmp_path: Path, *absent: str) -> Path:
+    """A tool directory holding links to the real tools, minus `absent`."""
+    d = tmp_path / "sbin"
+    d.mkdir()
+    wanted = {*doctor.SWAP_TOOLS, *doctor.FUSE_TOOLS, "modprobe"} - set(absent)
+    for name in wanted:
+        real = attach.find_tool(name)
+        if real:
+            (d / name).symlink_to(real)
+    return d
+
+
+def test_tools_without_nbdfuse_fail_the_fallback_and_name_the_package(tmp_path: Path) -> None:
+    if attach.find_tool("nbdfuse") is None:
+        pytest.skip("nbdfuse not installed here, nothing to take away")
+    probe = doctor.Probe(tool_dirs=(str(tool_dir_without(tmp_path, "nbdfuse")),))
+    usable, c = doctor.fuse_loop(probe)
+    assert not usable and c.status == doctor.WARN
+    assert c.detail == "missing: nbdfuse"
+    assert c.fix == f"apt-get install {attach.TOOL_PACKAGES['nbdfuse']}"
+    nbd = doctor.kernel_nbd(probe)
+    block = doctor.check_block_device("nbdfuse-loop", nbd, (usable, c))
+    assert (block.status, block.required) == (doctor.FAIL, True)
+    assert attach.TOOL_PACKAGES["nbdfuse"] in (block.fix or "")
+    if not nbd[0]:  # this VM: no kernel nbd either, so auto has no way left
+        auto = doctor.check_block_device("auto", nbd, (usable, c))
+        assert auto.status == doctor.FAIL
+    checks = by_name(doctor.run_checks(doctor.Options(method="nbdfuse-loop"), probe))
+    assert checks["block-device"].status == doctor.FAIL
+    assert not doctor.passed(list(checks.values()))
+
+
+def test_missing_swap_tools_fail(tmp_path: Path) -> None:
+    probe = doctor.Probe(tool_dirs=(str(tool_dir_without(tmp_path, "mkswap", "swapon")),))
+    c = doctor.check_swap_tools(probe)
+    assert c.status == doctor.FAIL and c.detail == "missing: mkswap, swapon"
+    assert c.fix == "apt-get install util-linux"
+
+
+def test_dev_without_fuse_and_loop(tmp_path: Path) -> None:
+    probe = doctor.Probe(dev=tmp_path)
+    usable, c = doctor.fuse_loop(probe)
+    assert not usable
+    assert "/dev/fuse" in c.detail and "/dev/loop-control" in c.detail
+    assert "modprobe fuse" in (c.fix or "") and "modprobe loop" in (c.fix or "")
+
+
+def test_kernel_nbd_seen_from_dev_nodes(tmp_path: Path) -> None:
+    (tmp_path / "nbd0").touch()
+    (tmp_path / "nbd1").touch()
+    usable, c = doctor.kernel_nbd(doctor.Probe(dev=tmp_path, sys_module=tmp_path))
+    assert usable and c.detail == "nbd loaded, 2 device(s) /dev/nbd*"
+
+
+def test_no_cgroup_and_low_min_free_are_warnings_not_failures(tmp_path: Path) -> None:
+    sysctl = tmp_path / "min_free_kbytes"
+    sysctl.write_text("1024\n")
+    probe = doctor.Probe(cgroup_root=tmp_path, min_free=sysctl)
+    cg, mf = doctor.check_cgroup(probe), doctor.check_min_free(probe)
+    assert (cg.status, cg.required) == (doctor.WARN, False)
+    assert (mf.status, mf.required) == (doctor.WARN, False)
+    want = attach.safe_min_free_kbytes(attach.mem_total_kb())
+    assert f"vm.min_free_kbytes = 1024 (swap over the network wants >= {want})" == mf.detail
+    assert f"vm.min_free_kbytes = {want}" in (mf.fix or "")
+    sysctl.write_text(f"{want}\n")
+    assert doctor.check_min_free(probe).status == doctor.OK
+    sysctl.write_text("garbage\n")
+    assert doctor.check_min_free(probe).status == doctor.WARN  # unreadable, not a crash
+    assert doctor.passed([cg, mf])
+
+
+def test_uvloop_absent_is_a_warning() -> None:
+    # sys.modules[name] = None makes `import name` raise ImportError: uvloop as if uninstalled
+    code = ("import sys; sys.modules['uvloop'] = None\n"
+            "from duvm import doctor\n"
+            "c = doctor.check_uvloop(); print(c.status, c.required, c.fix)")
+    res = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("warn False reinstall duvm")
+
+
+@needs_root
+def test_not_root_fails_after_a_real_drop_to_nobody(tmp_path: Path) -> None:
+    # The interpreter and every module are loaded as root (nobody may not read root's home,
+    # where this venv's Python lives; building the parser imports the subcommands and what
+    # argparse loads lazily), then the process really drops to nobody and runs the doctor.
+    code = (
+        "import os, shutil, sys, uvloop\n"
+        "from duvm import cli, doctor, memclient\n"
+        "cli.build_parser().format_help()\n"
+        f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
+        "sys.exit(cli.main(['doctor', '--json']))\n"
+    )
+    res = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, check=False)
+    assert res.returncode == 1, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    root = by_name(doc["checks"])["root"]
+    assert root == {"name": "root", "status": "fail", "required": True,
+                    "detail": f"running as uid {NOBODY}, not root",
+                    "fix": "enable/disable attach devices and call swapon: run as root "
+                           "(sudo duvm ...)"}
+    assert doc["ok"] is False
+
+
+def test_bad_timeout_is_a_usage_error() -> None:
+    for bad in ("0", "-1", "nan", "inf"):
+        res = duvm("doctor", "--timeout", bad)
+        assert res.returncode == 2 and "--timeout must be positive" in res.stderr
