@@ -195,6 +195,7 @@ class MemClient:
         self._pending: dict[int, asyncio.Future | _Batch] = {}
         self._open: _Batch | None = None  # the batch at the tail of _outq, still growing
         self._next_id = 0
+        self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment] - set by connect
         self._outq: list[bytes | memoryview | _Batch] = []
         self._flush_handle: asyncio.Handle | None = None
         self._reserved: int | None = None  # last reservation we asked for
@@ -214,7 +215,7 @@ class MemClient:
     async def connect(self) -> pp.HelloReply:
         """Connect and say HELLO. Raises MemserverUnreachable or PageServerError (VERSION)."""
         self._closed = False
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         try:
             _, proto = await asyncio.wait_for(
                 loop.create_connection(lambda: _ClientProto(self), self.host, self.port),
@@ -290,7 +291,8 @@ class MemClient:
               out: memoryview | None, msg: pp.Request | None = None) -> asyncio.Future:  # fmt: skip
         """Queue one request; everything queued in this loop iteration leaves in one
         writelines, and consecutive STOREs (or LOADs) merge into one frame."""
-        loop = asyncio.get_running_loop()
+        # The loop is cached: get_running_loop() costs a getpid() syscall on Python 3.11.
+        loop = self._loop
         fut = loop.create_future()
         if mtype in (_STORE, _LOAD):
             b = self._open
@@ -327,7 +329,7 @@ class MemClient:
             self._outq.append(solo)
         self._open = None
         if self._flush_handle is None:
-            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+            self._flush_handle = self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_handle = None
@@ -345,7 +347,7 @@ class MemClient:
             if type(item) is _Batch:
                 self._next_id += 1
                 pending[self._next_id] = item
-                wire.append(batch_prefix(item.mtype, self._next_id, tuple(item.keys)))
+                wire.append(batch_prefix(item.mtype, self._next_id, item.keys))
                 if item.parts:
                     wire += item.parts
             else:
@@ -391,13 +393,18 @@ class MemClient:
         return reply.freed_pages
 
     # The trusted fast path for RemoteStore: `keys` a tuple of valid keys, 1..max_batch of
-    # them; `data`/`out` byte memoryviews of exactly len(keys) pages. Nothing is checked.
+    # them; `data`/`out` byte memoryviews of exactly len(keys) pages. Nothing is checked, and
+    # a lost connection is not retried here: callers fall back to store()/load() for that.
 
     def store_batch(self, keys: tuple[int, ...], data: memoryview) -> Awaitable[Any]:
-        return self._call(_STORE, keys, data)
+        if self.hello is None:
+            return self._call(_STORE, keys, data)
+        return self._send(_STORE, keys, data, None)
 
     def load_batch(self, keys: tuple[int, ...], out: memoryview) -> Awaitable[Any]:
-        return self._call(_LOAD, keys, None, out)
+        if self.hello is None:
+            return self._call(_LOAD, keys, None, out)
+        return self._send(_LOAD, keys, None, out)
 
     async def store(self, keys: Iterable[int], data: bytes | bytearray | memoryview) -> None:
         """Store pages `keys` from `data` (len(keys) * PAGE_SIZE bytes), all or nothing per

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import errno
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Final
@@ -325,7 +325,7 @@ def frame_header(mtype: int, req_id: int, length: int, status: int = 0) -> bytes
     return HEADER.pack(MAGIC, mtype, 0, req_id, status, length)
 
 
-def batch_prefix(mtype: int, req_id: int, keys: tuple[int, ...]) -> bytes:
+def batch_prefix(mtype: int, req_id: int, keys: Sequence[int]) -> bytes:
     """Header, count and keys of a STORE, LOAD or FREE (a STORE's page data follows).
     Callers guarantee 1 <= len(keys) <= MAX_BATCH and keys in range (see keys_tuple)."""
     n = len(keys)

@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SLAB_PAGES = 256  # 1 MiB slabs: fine-grained placement, big enough for batched I/O
 _MASK = PAGE_SIZE - 1
 _ZEROS = bytes(256 * PAGE_SIZE)
+_ZERO_PAGE = _ZEROS[:PAGE_SIZE]
+assert PAGE_SIZE == 1 << 12  # the hot paths shift by 12
 
 
 def _storage_error(e: Exception, what: str) -> StorageError:
@@ -196,6 +198,7 @@ class RemoteStore(BlockStore):
     # --- block I/O ---
 
     def _check(self, offset: int, length: int) -> None:
+        """Raise for a request the hot paths' quick test flagged."""
         if (offset | length) & _MASK:
             raise StorageError(errno.EINVAL, f"unaligned request ({offset}, {length}): "
                                f"offsets and lengths must be multiples of {PAGE_SIZE}")  # fmt: skip
@@ -222,13 +225,23 @@ class RemoteStore(BlockStore):
                 raise r
 
     async def read(self, offset: int, out: memoryview) -> None:
-        self._check(offset, len(out))
-        first, count, w = offset // PAGE_SIZE, len(out) // PAGE_SIZE, self._written
-        if count == 1:
+        n = len(out)
+        if (offset | n) & _MASK or not self._open:
+            self._check(offset, n)
+        first, count, w = offset >> 12, n >> 12, self._written
+        if count == 1:  # the swap path's common case, kept short
             if not w[first]:
-                out[:] = _ZEROS[:PAGE_SIZE]
+                out[:] = _ZERO_PAGE
                 self.stats["zero_reads"] += 1
                 return
+            clients = self._slab_clients[first // self.slab_pages]
+            if len(clients) == 1:
+                self.stats["loads"] += 1
+                try:
+                    await clients[0].load_batch((first,), out)
+                    return
+                except (PageServerError, MemserverUnreachable):
+                    pass  # the general path retries (reconnecting) and reports
             await self._load(first // self.slab_pages, first, 1, out)
             return
         parts, p, end = [], first, first + count
@@ -262,10 +275,7 @@ class RemoteStore(BlockStore):
         err: Exception | None = None
         for client in self._slab_clients[slab]:
             try:
-                if count <= client.max_batch:
-                    await client.load_batch(keys, out)
-                else:
-                    await client.load(keys, out)
+                await client.load(keys, out)  # reconnects and retries once if need be
                 return
             except (PageServerError, MemserverUnreachable) as e:
                 err = e
@@ -278,8 +288,10 @@ class RemoteStore(BlockStore):
         raise _storage_error(err, f"reading pages {first}..{first + count - 1}")
 
     async def write(self, offset: int, data: memoryview) -> None:
-        self._check(offset, len(data))
-        first, count = offset // PAGE_SIZE, len(data) // PAGE_SIZE
+        n = len(data)
+        if (offset | n) & _MASK or not self._open:
+            self._check(offset, n)
+        first, count = offset >> 12, n >> 12
         slab = first // self.slab_pages
         if (first + count - 1) // self.slab_pages == slab:  # within one slab: no splitting
             await self._store(slab, first, count, data)
@@ -297,7 +309,10 @@ class RemoteStore(BlockStore):
         clients = self._slab_clients[slab]
         try:
             if len(clients) == 1 and count <= clients[0].max_batch:
-                await clients[0].store_batch(keys, data)
+                try:
+                    await clients[0].store_batch(keys, data)
+                except MemserverUnreachable:
+                    await clients[0].store(keys, data)  # reconnects and retries once
             else:
                 await self._all([c.store(keys, data) for c in clients])
         except (PageServerError, MemserverUnreachable) as e:
