@@ -80,7 +80,8 @@ def wait_for_socket(path: str, proc: subprocess.Popen, timeout: float = 30) -> N
         time.sleep(0.05)
 
 
-def start_targets(tmp: str, size: int, server_cpu: str, want: list[str]) -> list[Target]:
+def start_targets(tmp: str, size: int, server_cpu: str, memserver_cpu: str,
+                  want: list[str]) -> list[Target]:
     py = [sys.executable, "-m", "duvm.cli"]
     pin = ["taskset", "-c", server_cpu]
     targets = []
@@ -98,8 +99,8 @@ def start_targets(tmp: str, size: int, server_cpu: str, want: list[str]) -> list
             wait_for_line(t.procs["daemon"], "serving")
         elif name == "duvm":
             ms = subprocess.Popen(
-                [*pin, *py, "memserver", "--listen", "127.0.0.1:0", "--capacity",
-                 str(size + 64 * MiB)], stdout=subprocess.PIPE, text=True)
+                ["taskset", "-c", memserver_cpu, *py, "memserver", "--listen", "127.0.0.1:0",
+                 "--capacity", str(size + 64 * MiB)], stdout=subprocess.PIPE, text=True)
             t.procs["memserver"] = ms
             port = wait_for_line(ms, r"listening on [\d.]+:(\d+)").group(1)
             t.procs["daemon"] = subprocess.Popen(
@@ -214,8 +215,9 @@ def markdown(results: dict, info: dict, args: argparse.Namespace) -> str:
         f"Python {info['python']}, uvloop {info['uvloop']}, {info['nbdkit']}, {info['fio']}, "
         f"{info['nbdcopy']}. Load average at start {' '.join(info['loadavg_start'])}, at end "
         f"{' '.join(info['loadavg_end'])}.",
-        f"Placement: client on CPU {args.client_cpu}, every server process on CPU "
-        f"{args.server_cpu} (taskset). Export {args.size // MiB} MiB, prefilled; fio "
+        f"Placement (taskset): client on CPU {args.client_cpu}, nbdkit and the daemon on CPU "
+        f"{args.server_cpu}, the memserver on CPU {args.memserver_cpu or args.server_cpu}. "
+        f"Export {args.size // MiB} MiB, prefilled; fio "
         f"{args.runtime}s per run, one connection; nbdcopy 256 KiB requests, its default "
         "connections and requests in flight. Median of "
         f"{args.reps} interleaved runs.",
@@ -256,6 +258,8 @@ def main() -> int:
     ap.add_argument("--size", default="512M", help="export size (default 512M)")
     ap.add_argument("--client-cpu", default="0")
     ap.add_argument("--server-cpu", default="1")
+    ap.add_argument("--memserver-cpu", help="CPU of the memserver (default: --server-cpu; "
+                    "the client's CPU stands in for a memserver on another node)")
     ap.add_argument("--targets", default="duvm,nbdkit,duvm-local")
     ap.add_argument("--tests", default=",".join(f"{t}{q or ''}" for t, q in TESTS))
     ap.add_argument("--json", help="write raw and median results here")
@@ -287,7 +291,8 @@ def main() -> int:
     targets = []
     raw: dict = {}
     try:
-        targets = start_targets(tmp, args.size, args.server_cpu, want)
+        targets = start_targets(tmp, args.size, args.server_cpu,
+                                args.memserver_cpu or args.server_cpu, want)
         for t in targets:  # prefill: reads must not hit never-written (zero) blocks
             copy_test(t, "write", src, args)
         for rep in range(args.reps):
