@@ -8,6 +8,9 @@ Theory of operation:
   (corking), so a burst of NBD requests costs one syscall. Replies may arrive in any order;
   each completes its own future. LOAD replies are copied straight from the receive buffer into
   the caller's buffer (`load(keys, out)`): one copy from socket to destination.
+- Consecutive STOREs (or LOADs) queued in one iteration merge into one frame (`_Batch`): the
+  memserver then handles one request for many pages. If a merged request is refused, its parts
+  are sent again one by one, so only the parts that are really refused fail.
 - Batches larger than the server's `max_batch` are split and sent concurrently.
 - Every request is idempotent (STORE of the same bytes, LOAD, FREE, absolute RESERVE, RELEASE),
   so when the connection drops the client reconnects with the same client id and retries once.
