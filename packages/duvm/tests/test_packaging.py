@@ -1,0 +1,155 @@
+"""Release checks for the duvm distribution: what a user installs, installed for real.
+
+`uv build` makes the sdist and, from that sdist, the wheel (so a file missing from the sdist
+breaks the wheel build). The wheel goes into a fresh `uv venv` in a temporary directory
+(dependencies resolved from the package index, so these tests skip when it is unreachable),
+and the console scripts are run from that venv with the working directory outside the
+checkout, so nothing can come from the workspace's sources. The workspace-wide
+`uv lock --check` lives in gputaskman's test_packaging.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tomllib
+import urllib.parse
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+PKG = ROOT / "packages" / "duvm"
+NAME = "duvm"
+VERSION = tomllib.loads((PKG / "pyproject.toml").read_text())["project"]["version"]
+
+UV = shutil.which("uv")
+pytestmark = pytest.mark.skipif(UV is None, reason="uv is not on PATH")
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without anything that points Python at the workspace."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "UV_PROJECT_ENVIRONMENT")}
+    env["NO_COLOR"] = "1"
+    return env
+
+
+def index_reachable(timeout: float = 5.0) -> str | None:
+    """None when the package index answers a TCP connect, else why not."""
+    url = (os.environ.get("UV_DEFAULT_INDEX") or os.environ.get("UV_INDEX_URL")
+           or "https://pypi.org/simple")
+    u = urllib.parse.urlsplit(url)
+    host, port = u.hostname or "pypi.org", u.port or (443 if u.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        return f"package index {host}:{port} unreachable ({exc})"
+    return None
+
+
+def uv(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    assert UV is not None
+    return subprocess.run([UV, *args], cwd=cwd, env=clean_env(), capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("dist")
+    res = uv("build", "--package", NAME, "--out-dir", str(out))
+    assert res.returncode == 0, res.stderr
+    wheels = list(out.glob(f"{NAME}-{VERSION}-*.whl"))
+    sdists = list(out.glob(f"{NAME}-{VERSION}.tar.gz"))
+    assert len(wheels) == 1 and len(sdists) == 1, sorted(p.name for p in out.iterdir())
+    return {"wheel": wheels[0], "sdist": sdists[0]}
+
+
+@pytest.fixture(scope="module")
+def venv(dist: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    why = index_reachable()
+    if why:
+        pytest.skip(why)
+    where = tmp_path_factory.mktemp("venv")
+    res = uv("venv", "--python", sys.executable, str(where / "v"), cwd=where)
+    assert res.returncode == 0, res.stderr
+    py = where / "v" / "bin" / "python"
+    res = uv("pip", "install", "--python", str(py), str(dist["wheel"]), cwd=where, timeout=600)
+    assert res.returncode == 0, res.stderr
+    return where / "v"
+
+
+def run_tool(venv: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(venv / "bin" / args[0]), *args[1:]], cwd=venv.parent,
+                          env=clean_env(), capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+@pytest.mark.slow
+def test_sdist_has_readme_license_units_and_sources(dist: dict[str, Path]) -> None:
+    with tarfile.open(dist["sdist"]) as tf:
+        names = set(tf.getnames())
+        top = f"{NAME}-{VERSION}"
+        pkg_info = tf.extractfile(f"{top}/PKG-INFO")
+        assert pkg_info is not None
+        meta = pkg_info.read().decode()
+    wanted = ["README.md", "pyproject.toml", "duvm.example.toml", f"src/{NAME}/cli.py",
+              "systemd/duvm-node.service", "systemd/duvm-enable.service"]
+    missing = [f for f in wanted if f"{top}/{f}" not in names]
+    assert not missing, f"not in the sdist: {missing}"
+    assert "License-Expression: MIT" in meta
+    assert f"Version: {VERSION}" in meta
+    assert "Description-Content-Type: text/markdown" in meta
+    assert (PKG / "README.md").read_text().splitlines()[0] in meta
+
+
+@pytest.mark.slow
+def test_wheel_metadata_and_entry_points(dist: dict[str, Path]) -> None:
+    with zipfile.ZipFile(dist["wheel"]) as zf:
+        info = f"{NAME}-{VERSION}.dist-info"
+        meta = zf.read(f"{info}/METADATA").decode()
+        eps = zf.read(f"{info}/entry_points.txt").decode()
+        names = zf.namelist()
+    assert "License-Expression: MIT" in meta
+    assert "duvm = duvm.cli:main" in eps
+    assert f"{NAME}/doctor.py" in names
+    assert all(n.startswith((f"{NAME}/", info)) for n in names), names
+
+
+@pytest.mark.slow
+def test_installed_wheel_runs_version_help_doctor(venv: Path) -> None:
+    where = run_tool(venv, "python", "-c", "import duvm; print(duvm.__file__)")
+    assert where.returncode == 0, where.stderr
+    assert str(venv) in where.stdout and str(ROOT) not in where.stdout  # the wheel, not src/
+    # uvloop is a declared Linux dependency: the fresh venv must have it
+    assert run_tool(venv, "python", "-c", "import uvloop").returncode == 0
+
+    res = run_tool(venv, "duvm", "--version")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"duvm {VERSION}"
+
+    res = run_tool(venv, "duvm", "--help")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("usage: duvm")
+    for sub in ("memserver", "enable", "disable", "status", "doctor"):
+        assert sub in res.stdout
+
+    # doctor from the wheel: a JSON verdict whatever this machine lacks (exit 0 or 1, never a
+    # traceback)
+    res = run_tool(venv, "duvm", "doctor", "--json")
+    assert res.returncode in (0, 1), res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is (res.returncode == 0)
+    assert {c["name"] for c in doc["checks"]} >= {"root", "block-device", "swap-tools"}
+
+
+def test_version_matches_package() -> None:
+    from duvm import __version__
+
+    assert __version__ == VERSION, "bump [project].version and __init__.__version__ together"

@@ -1,0 +1,136 @@
+"""The shipped systemd units: they parse, every command they run is a real duvm command line
+that duvm's own parser accepts, the config and environment files they name have shipped
+examples that load, and `systemd-analyze verify` finds nothing to say about them.
+
+This machine's PID 1 is not systemd, so the units are verified, not started.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from duvm import cli, control
+
+PKG = Path(__file__).resolve().parents[1]
+UNITS = PKG / "systemd"
+INSTALLED_DUVM = "/usr/local/bin/duvm"
+
+
+def unit(name: str) -> configparser.RawConfigParser:
+    # systemd allows repeated keys; none of ours repeats one, so strict parsing also proves that
+    cp = configparser.RawConfigParser(strict=True, delimiters=("=",), comment_prefixes=("#",))
+    cp.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive
+    cp.read_string((UNITS / name).read_text(), source=name)
+    return cp
+
+
+def env_file() -> dict[str, str]:
+    out = {}
+    for line in (UNITS / "duvm-node.env").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            k, _, v = line.partition("=")
+            out[k.strip()] = v.strip()
+    return out
+
+
+def expand(cmd: str, env: dict[str, str]) -> list[str]:
+    """systemd's rules: ${VAR} is one word, $VAR splits on whitespace (empty: no word)."""
+    words = []
+    for w in shlex.split(cmd):
+        if w.startswith("${") and w.endswith("}"):
+            words.append(env[w[2:-1]])
+        elif w.startswith("$"):
+            words.extend(env[w[1:]].split())
+        else:
+            words.append(w)
+    return words
+
+
+def parse_duvm(argv: list[str]) -> object:
+    assert argv[0] == INSTALLED_DUVM, argv
+    return cli.build_parser().parse_args(argv[1:])  # SystemExit(2) on a bad command line
+
+
+def test_enable_unit_is_a_oneshot_that_disables_on_stop() -> None:
+    u = unit("duvm-enable.service")
+    s = u["Service"]
+    assert s["Type"] == "oneshot" and s["RemainAfterExit"] == "yes"
+    assert s["KillMode"] == "process"  # systemd must not kill the daemon disable refused to stop
+    start = parse_duvm(shlex.split(s["ExecStart"]))
+    stop = parse_duvm(shlex.split(s["ExecStop"]))
+    pre = parse_duvm(shlex.split(s["ExecStartPre"]))
+    assert start.command == "enable" and start.config == Path("/etc/duvm/duvm.toml")
+    assert pre.command == "doctor" and pre.config == start.config
+    assert stop.command == "disable" and stop.state_dir == control.DEFAULT_STATE_DIR
+    assert u["Unit"]["ConditionPathExists"] == str(start.config)
+    assert "network-online.target" in u["Unit"]["After"].split()
+    assert u["Install"]["WantedBy"] == "multi-user.target"
+
+
+def test_example_config_is_what_the_enable_unit_reads() -> None:
+    example = PKG / "duvm.example.toml"
+    cfg = control.load_config(example)  # the shipped example is a valid config
+    assert cfg.state_dir == control.DEFAULT_STATE_DIR  # so ExecStop's default state dir fits
+    assert "/etc/duvm/duvm.toml" in example.read_text().splitlines()[0]
+
+
+def test_node_unit_runs_memserver_with_the_example_env() -> None:
+    u = unit("duvm-node.service")
+    s = u["Service"]
+    env = env_file()
+    assert s["EnvironmentFile"] == "/etc/duvm/node.env"
+    assert u["Unit"]["ConditionPathExists"] == s["EnvironmentFile"]
+    args = parse_duvm(expand(s["ExecStart"], env))
+    assert args.command == "memserver"
+    assert args.listen == env["DUVM_LISTEN"] and args.capacity == env["DUVM_CAPACITY"]
+    # extra flags go through too
+    args = parse_duvm(expand(s["ExecStart"], {**env, "DUVM_MEMSERVER_ARGS": "--lease 600 -v"}))
+    assert args.lease == 600 and args.verbose
+    assert s["LimitMEMLOCK"] == "infinity" and s["DynamicUser"] == "yes"
+
+
+def test_units_name_only_existing_subcommands() -> None:
+    for name in ("duvm-node.service", "duvm-enable.service"):
+        for key, cmd in unit(name)["Service"].items():
+            if key.startswith("Exec"):
+                sub = shlex.split(cmd)[1]
+                assert sub in cli.SUBCOMMANDS, f"{name} {key} runs unknown subcommand {sub}"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze not installed (apt package systemd)")
+def test_systemd_analyze_verify_is_silent(tmp_path: Path) -> None:
+    # verify checks that ExecStart binaries exist: point the units at this venv's duvm
+    duvm = shutil.which("duvm", path=os.path.dirname(sys.executable)) or shutil.which("duvm")
+    if duvm is None:
+        pytest.skip("no duvm console script to stand in for /usr/local/bin/duvm")
+    paths = []
+    for name in ("duvm-node.service", "duvm-enable.service"):
+        p = tmp_path / name
+        p.write_text((UNITS / name).read_text().replace(INSTALLED_DUVM, duvm))
+        paths.append(str(p))
+    res = subprocess.run(["systemd-analyze", "verify", "--man=no", *paths], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ours = [line for line in (res.stdout + res.stderr).splitlines() if "duvm" in line]
+    assert not ours, ours
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing")
+def test_systemd_analyze_catches_a_broken_unit(tmp_path: Path) -> None:
+    """The verify test above can fail: a unit with a typo and a missing binary is reported."""
+    p = tmp_path / "duvm-enable.service"
+    text = (UNITS / "duvm-enable.service").read_text()
+    p.write_text(text.replace("KillMode=process", "KillMode=proces"))
+    res = subprocess.run(["systemd-analyze", "verify", "--man=no", str(p)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    out = res.stdout + res.stderr
+    assert "Failed to parse kill mode" in out
+    assert f"Command {INSTALLED_DUVM} is not executable" in out and res.returncode != 0
