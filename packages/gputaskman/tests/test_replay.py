@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from gputaskman import record, report
-from gputaskman.recordfile import iter_record
+from gputaskman.recordfile import SnapshotError, iter_record
 from gputaskman.replay import SPEEDS, Playback, RecordSource
 from gputaskman.replay_app import create_replay_app
 from gputaskman.widgets.gpu_header import GpuHeader
@@ -145,10 +145,15 @@ def test_malformed_lines_are_skipped_and_reported(tmp_path: Path) -> None:
     docs = [frame(0, 1), "garbage\n", frame(1, 2), broken, nan_line, "\n", frame(2, 3)]
     path = ms.write_record(tmp_path / "r.jsonl", docs)
     src = RecordSource.open(path)
-    assert [f.lineno for f in src.frames] == [1, 3, 7]
-    assert [n for n, _ in src.report.malformed] == [2, 4, 5, 6]
-    assert "pid" in dict(src.report.malformed)[4]
-    assert src.report.lines()[0].startswith("skipped 4 malformed line(s): 2, 4, 5, 6")
+    # lines that are not snapshot JSON are reported up front ...
+    assert [f.lineno for f in src.frames] == [1, 3, 4, 7]
+    assert [n for n, _ in src.report.malformed] == [2, 5, 6]
+    assert src.report.lines()[0].startswith("skipped 3 malformed line(s): 2, 5, 6")
+    assert src.malformed_count == 3
+    # ... one whose content cannot be shown when it is first loaded
+    with pytest.raises(SnapshotError, match="pid"):
+        src.load(2)
+    assert src.malformed_count == 4 and "pid" in src.late_malformed[2]
     # frames come back as the snapshots that were recorded
     snap, system = src.load(1)
     assert report.to_json_dict(snap, system, None) == frame(1, 2)
@@ -245,6 +250,24 @@ async def test_replay_tui_plays_steps_seeks_and_changes_speed(tmp_path: Path) ->
         assert "3.0 GiB / 16.0 GiB used" in header_text(app)
         assert "paused" in status_text(app)
     assert app._collector is None  # replay never created a collector
+
+
+async def test_replay_tui_skips_a_frame_it_cannot_show(tmp_path: Path) -> None:
+    broken = frame(1, 9)
+    broken["adapters"][0]["metrics"]["memory_used_bytes"] = {"value": None}
+    path = ms.write_record(tmp_path / "r.jsonl", [frame(0, 1), broken, frame(2, 3)])
+    app = create_replay_app(RecordSource.open(path), playing=False)
+    async with app.run_test(size=(140, 40)) as pilot:
+        await pilot.pause()
+        await pilot.press("full_stop")
+        await pilot.pause()
+        # the previous frame stays; the status says which line was skipped and why
+        assert "1.0 GiB / 16.0 GiB used" in header_text(app)
+        assert "snapshot 2 (line 2) skipped" in status_text(app)
+        assert "1 malformed line(s) skipped" in status_text(app)
+        await pilot.press("full_stop")
+        await pilot.pause()
+        assert "3.0 GiB / 16.0 GiB used" in header_text(app)
 
 
 async def test_replay_tui_labels_time_that_was_not_recorded(tmp_path: Path) -> None:

@@ -2,14 +2,16 @@
 
 Theory of operation
 -------------------
-`RecordSource.open` scans the file once (`recordfile.iter_record`), converting every line
-to model objects (`recorded.snapshot_from_json`) so that a line that cannot be shown is
-found and reported up front, not halfway through playback. It keeps only each good line's
-byte offset and ``taken``; a frame is re-read and converted when shown (a small cache
-holds the last few), so an hours-long recording does not sit in memory. Malformed lines
-are skipped and reported (count and line numbers); a trailing incomplete line (what a
-killed recorder leaves) is skipped and mentioned, not counted as malformed. Nothing here
-samples the GPU.
+`RecordSource.open` scans the file once (`recordfile.iter_record`): every line is parsed
+and checked to be a snapshot object, so malformed lines are counted and reported up front
+(with line numbers); a trailing incomplete line (what a killed recorder leaves) is skipped
+and mentioned, not counted as malformed. Only each good line's byte offset and ``taken``
+are kept; a frame is re-read and converted to model objects when shown (a small cache
+holds the last few), so an hours-long recording does not sit in memory. Converting is
+the costly half of reading a line, so it is not done for every line up front: a line
+whose JSON is a snapshot but whose content cannot be shown (rare: hand-edited or
+damaged files) is found when first shown, skipped (the previous frame stays on screen)
+and reported then. Nothing here samples the GPU.
 
 `Playback` is the clock, and knows nothing about files or terminals, so it is tested
 without either. Its timeline is the recorded ``taken`` times when they strictly increase
@@ -27,9 +29,10 @@ import argparse
 import bisect
 import itertools
 import math
+import os
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,30 +203,38 @@ class RecordSource:
         self.path = Path(path)
         self.frames = frames
         self.report = report
+        # frames whose JSON was a snapshot but whose content could not be shown, found
+        # when first loaded: frame index -> why
+        self.late_malformed: dict[int, str] = {}
         self._cache: OrderedDict[int, tuple[Snapshot, RecordedSystem]] = OrderedDict()
 
     @classmethod
-    def open(cls, path: str | Path) -> RecordSource:
-        """Scan the file; raises OSError when it cannot be read."""
+    def open(
+        cls, path: str | Path, progress: Callable[[int, int], None] | None = None
+    ) -> RecordSource:
+        """Scan the file (raises OSError when it cannot be read). `progress(bytes_read,
+        file_size)` is called now and then, for a long file."""
         frames: list[FrameRef] = []
         malformed: list[tuple[int, str]] = []
         incomplete = None
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             for e in iter_record(f):
+                if progress is not None and e.lineno % 500 == 0:
+                    progress(e.offset, size)
                 if e.doc is None:
                     if e.incomplete:
                         incomplete = e.lineno
                     else:
                         malformed.append((e.lineno, e.error or "?"))
                     continue
-                try:
-                    snapshot_from_json(e.doc)
-                except SnapshotError as exc:
-                    malformed.append((e.lineno, str(exc)))
-                    continue
                 frames.append(FrameRef(e.lineno, e.offset, e.length, float(e.doc["taken"])))
         report = LoadReport(str(path), len(frames), tuple(malformed), incomplete)
         return cls(path, frames, report)
+
+    @property
+    def malformed_count(self) -> int:
+        return len(self.report.malformed) + len(self.late_malformed)
 
     def playback(self, speed: float = 1.0) -> Playback:
         return Playback([f.taken for f in self.frames], speed=speed)
@@ -233,13 +244,17 @@ class RecordSource:
         return read_entry(self.path, f.offset, f.length)
 
     def load(self, index: int) -> tuple[Snapshot, RecordedSystem]:
-        """The snapshot and system of frame `index` (raises SnapshotError if the file
-        changed under us since it was scanned)."""
+        """The snapshot and system of frame `index`. Raises SnapshotError (and remembers
+        it in `late_malformed`) when the line cannot be shown or the file changed."""
         hit = self._cache.get(index)
         if hit is not None:
             self._cache.move_to_end(index)
             return hit
-        got = snapshot_from_json(self.doc(index))
+        try:
+            got = snapshot_from_json(self.doc(index))
+        except SnapshotError as exc:
+            self.late_malformed[index] = str(exc)
+            raise
         self._cache[index] = got
         if len(self._cache) > self.CACHE:
             self._cache.popitem(last=False)
@@ -259,6 +274,25 @@ def _speed(text: str) -> float:
     return v
 
 
+class _ScanProgress:
+    """``reading: 42%`` on a terminal while a long file is scanned."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.out.isatty() and total:
+            self.out.write(f"\rreading: {done * 100 // total}%")
+            self.out.flush()
+            self.shown = True
+
+    def done(self) -> None:
+        if self.shown:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="record file written by gputaskman record")
     p.add_argument(
@@ -268,11 +302,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    progress = _ScanProgress(sys.stderr)
     try:
-        source = RecordSource.open(args.file)
+        source = RecordSource.open(args.file, progress=progress)
     except OSError as exc:
         print(f"gputaskman replay: cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    progress.done()
     for line in source.report.lines():
         print(f"gputaskman replay: {line}", file=sys.stderr)
     if not source.frames:

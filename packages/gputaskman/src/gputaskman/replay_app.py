@@ -87,14 +87,16 @@ class ReplayApp(GtmApp):
             for line in self.source.report.lines():
                 self.notify(line, severity="warning", timeout=8)
         i = self.playback.index
+        self.frame_index = i
         try:
             snapshot, system = self.source.load(i)
         except (OSError, SnapshotError) as exc:
-            self.frame_index = i
-            self.last_error = f"cannot show snapshot {i + 1}: {exc}"
+            # skipped: the previous frame stays on screen, and the status says why
+            line = self.source.frames[i].lineno
+            self.last_error = f"snapshot {i + 1} (line {line}) skipped: {exc}"
+            self.notify(self.last_error, severity="warning", timeout=8)
             self.render_status()
             return
-        self.frame_index = i
         self.on_sample_ready(SampleReady(snapshot, system, 0.0))
 
     # -- status
@@ -111,7 +113,7 @@ class ReplayApp(GtmApp):
         if self.snapshot is not None:
             taken = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.snapshot.taken))
             parts.append(f"taken {taken}")
-        skipped = len(self.source.report.malformed)
+        skipped = self.source.malformed_count
         if skipped:
             parts.append(f"{skipped} malformed line(s) skipped")
         if self.last_error:
