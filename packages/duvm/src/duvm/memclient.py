@@ -198,6 +198,7 @@ class MemClient:
         self._pending: dict[int, asyncio.Future | _Batch] = {}
         self._open: _Batch | None = None  # the batch at the tail of _outq, still growing
         self._next_id = 0
+        self._max_batch = pp.MAX_BATCH
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment] - set by connect
         self._outq: list[bytes | memoryview | _Batch] = []
         self._flush_handle: asyncio.Handle | None = None
@@ -213,7 +214,8 @@ class MemClient:
 
     @property
     def max_batch(self) -> int:
-        return self.hello.max_batch if self.hello else pp.MAX_BATCH
+        """Pages per request the memserver accepts (protocol maximum before HELLO)."""
+        return self._max_batch
 
     async def connect(self) -> pp.HelloReply:
         """Connect and say HELLO. Raises MemserverUnreachable or PageServerError (VERSION)."""
@@ -235,6 +237,9 @@ class MemClient:
             self._proto = None
             raise
         self.hello = reply
+        # pages per request: what the server accepts, and what fits its largest frame
+        fit = (reply.max_frame - pp.HEADER_SIZE - 8) // (8 + PAGE_SIZE)
+        self._max_batch = max(1, min(reply.max_batch, pp.MAX_BATCH, fit))
         if not reply.resumed and self._reserved:
             self.namespace_losses += 1
             log.error("memserver %s lost namespace %r (lease expired or restart): its pages are "
@@ -299,7 +304,7 @@ class MemClient:
         fut = loop.create_future()
         if mtype in (_STORE, _LOAD):
             b = self._open
-            if b is None or b.mtype != mtype or len(b.keys) + len(keys) > self.max_batch:
+            if b is None or b.mtype != mtype or len(b.keys) + len(keys) > self._max_batch:
                 b = self._open = _Batch(mtype)
                 self._outq.append(b)
             b.keys += keys

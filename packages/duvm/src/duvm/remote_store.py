@@ -292,6 +292,19 @@ class RemoteStore(BlockStore):
         if (offset | n) & _MASK or not self._open:
             self._check(offset, n)
         first, count = offset >> 12, n >> 12
+        if count == 1:  # the swap path's common case, kept short
+            clients = self._slab_clients[first // self.slab_pages]
+            if len(clients) == 1:
+                self.stats["stores"] += 1
+                try:
+                    await clients[0].store_batch((first,), data)
+                except MemserverUnreachable:
+                    pass  # the general path below reconnects, retries and reports
+                except PageServerError as e:
+                    raise _storage_error(e, f"writing page {first}") from None
+                else:
+                    self._written[first] = 1
+                    return
         slab = first // self.slab_pages
         if (first + count - 1) // self.slab_pages == slab:  # within one slab: no splitting
             await self._store(slab, first, count, data)
