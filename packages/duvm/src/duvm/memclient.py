@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 SOCKET_BUFFER = 4 << 20  # bytes; holds a whole max-size frame in flight
 USER_TIMEOUT_MS = 15000  # unacknowledged data this long -> the connection is dead
+# Requests merge into one frame up to this many pages: enough to spare the memserver its
+# per-request cost for small requests, small enough that a reply can be delivered (and the
+# next frame received) while others are still in flight.
+MERGE_PAGES = 64
 
 
 _STORE, _LOAD, _FREE = int(pp.MsgType.STORE), int(pp.MsgType.LOAD), int(pp.MsgType.FREE)
@@ -304,7 +308,8 @@ class MemClient:
         fut = loop.create_future()
         if mtype in (_STORE, _LOAD):
             b = self._open
-            if b is None or b.mtype != mtype or len(b.keys) + len(keys) > self._max_batch:
+            if (b is None or b.mtype != mtype
+                    or len(b.keys) + len(keys) > min(MERGE_PAGES, self._max_batch)):  # fmt: skip
                 b = self._open = _Batch(mtype)
                 self._outq.append(b)
             b.keys += keys

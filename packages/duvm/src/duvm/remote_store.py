@@ -275,7 +275,13 @@ class RemoteStore(BlockStore):
         err: Exception | None = None
         for client in self._slab_clients[slab]:
             try:
-                await client.load(keys, out)  # reconnects and retries once if need be
+                if client.connected and count <= client.max_batch:
+                    try:
+                        await client.load_batch(keys, out)
+                        return
+                    except MemserverUnreachable:
+                        pass  # load() below reconnects and retries once
+                await client.load(keys, out)
                 return
             except (PageServerError, MemserverUnreachable) as e:
                 err = e
