@@ -218,7 +218,9 @@ def _metrics(
         # re-enabled adapter), or a counter set failed as a whole.
         fail = view.failures.get(pdh_mod.ADAPTER_DEDICATED)
         why = fail or Reading.missing(
-            Reason.UNAVAILABLE, "pdh", "no counter instance for this adapter yet"
+            Reason.UNAVAILABLE,
+            "pdh",
+            "no counter instance for this adapter yet (new or re-enabled adapter)",
         )
         used = util = why
         enc = dec = why
