@@ -347,6 +347,7 @@ async def test_cli_serves_and_stops_cleanly_on_sigterm() -> None:
         (["--listen", "127.0.0.1:0", "--capacity", "100"], "less than one page"),
         (["--listen", "127.0.0.1:0", "--capacity", "8M", "--lease", "0"], "must be positive"),
         (["--listen", "192.0.2.1:0", "--capacity", "8M"], "cannot listen on 192.0.2.1:0"),
+        (["--listen", "127.0.0.1:0", "--capacity", "64T"], "exceeds this node's available"),
     ],
 )
 def test_cli_bad_arguments_exit_nonzero_with_a_reason(args: list[str], msg: str) -> None:

@@ -418,6 +418,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log every connection")
 
 
+def mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def parse_listen(text: str) -> tuple[str, int]:
     """HOST:PORT to listen on; unlike peer addresses, port 0 (pick a free one) is allowed."""
     if text.strip().endswith(":0"):
@@ -455,6 +467,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"duvm memserver: {e}", file=sys.stderr)
         return 2
+    available = mem_available()
+    if available is not None and capacity > available:
+        # Populating more than the free RAM would push this node into swap or the OOM killer.
+        print(f"duvm memserver: --capacity {args.capacity} ({capacity >> 20} MiB) exceeds this "
+              f"node's available memory ({available >> 20} MiB)", file=sys.stderr)  # fmt: skip
+        return 1
     try:
         server = MemServer(capacity, lease_s=args.lease, lock=not args.no_mlock)
     except MemoryError as e:

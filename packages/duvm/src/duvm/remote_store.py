@@ -144,6 +144,7 @@ class RemoteStore(BlockStore):
     def _place(self, room: list[int]) -> list[tuple[int, ...]]:
         """Round-robin slabs over peers with room; raises StorageError(ENOSPC) when short."""
         room = list(room)
+        unreserved = sum(room)
         npeers, placement, cursor = len(room), [], 0
         for slab in range(self.nslabs):
             n = min(self.slab_pages, self.pages - slab * self.slab_pages)
@@ -155,12 +156,10 @@ class RemoteStore(BlockStore):
                     if len(chosen) == self.replicas:
                         break
             if len(chosen) < self.replicas:
-                total = sum(room) + sum(min(self.slab_pages, self.pages - s * self.slab_pages)
-                                        for s in range(slab)) * self.replicas  # fmt: skip
                 raise StorageError(
                     errno.ENOSPC,
                     f"the pool cannot hold the export: {self.size >> 20} MiB x {self.replicas} "
-                    f"replica(s) needed, {total * PAGE_SIZE >> 20} MiB unreserved on "
+                    f"replica(s) needed, {unreserved * PAGE_SIZE >> 20} MiB unreserved on "
                     f"{npeers} memserver(s)",
                 )
             for i in chosen:
