@@ -370,6 +370,15 @@ def test_record_rejects_bad_options(tmp_path: Path, bad: list[str]) -> None:
     assert not out.exists()
 
 
+def test_record_keeps_the_selected_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "r.jsonl"
+    res = subprocess.run(
+        gtm("--gpu", "1", "record", str(out), "--count", "1"), capture_output=True, timeout=60
+    )
+    assert res.returncode == 0
+    assert json.loads(out.read_text())["selected_gpu"] == 1
+
+
 def test_record_cannot_open_says_why(tmp_path: Path) -> None:
     res = subprocess.run(
         gtm("record", str(tmp_path / "no" / "dir.jsonl"), "--count", "1"),

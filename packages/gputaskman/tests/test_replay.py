@@ -288,3 +288,46 @@ def test_offline_modules_import_no_ui_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _mangle(doc: dict, muts: list) -> dict:
+    doc = json.loads(json.dumps(doc))
+    slots: list = []
+
+    def walk(node) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in list(items):
+            slots.append((node, k))
+            if isinstance(v, (dict, list)):
+                walk(v)
+
+    walk(doc)
+    for idx, value in muts:
+        parent, key = slots[idx % len(slots)]
+        parent[key] = value
+    return doc
+
+
+_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.text(max_size=4),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.none(), max_size=2),
+)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(st.integers(0, 100_000), _values), min_size=1, max_size=5))
+def test_snapshot_loader_fuzz_only_ever_raises_snapshot_error(muts) -> None:
+    from gputaskman.recorded import snapshot_from_json
+
+    base = frame(0, 1, [ms.proc(4242, 3 * GIB), ms.proc(5, None, name=None, bus=None)])
+    try:
+        snap, system = snapshot_from_json(_mangle(base, muts))
+    except SnapshotError:
+        return
+    report.to_json_dict(snap, system)  # whatever loads can be shown again
+    system.render_lines()
