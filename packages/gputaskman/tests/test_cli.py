@@ -76,7 +76,7 @@ def test_json_without_driver_is_null_with_reason():
     assert doc["available"] is False
     assert doc["unavailable"]["reason"] == "library not found"
     assert doc["adapters"] == [] and doc["attributed_bytes"] is None
-    assert doc["system"]["memory"]["total_bytes"] > 0
+    assert doc["system"]["memory"]["total_bytes"]["value"] > 0
     assert report.null_rule_violations(doc) == []
 
 

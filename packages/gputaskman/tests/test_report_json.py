@@ -156,8 +156,10 @@ def test_json_of_a_live_sample_on_this_machine_keeps_null_rules():
     finally:
         c.close()
     doc = report.to_json_dict(snap, system)
-    check_null_rules(doc)
-    assert doc["system"]["memory"]["total_bytes"] > 0
+    check_null_rules(doc)  # the system object included
+    total = doc["system"]["memory"]["total_bytes"]
+    assert total["kind"] == "measured" and total["source"] == "/proc/meminfo"
+    assert total["value"] > 0
     if not snap.available:
         assert doc["unavailable"]["reason"] in {"library not found", "driver not loaded", "denied"}
         assert doc["attributed_bytes"] is None

@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
+from typing import Any
 
 from gputaskman import __version__
 
@@ -74,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="TUI refresh interval in seconds (default 1.0)",
     )
+    # Hidden: read /sys and /proc below DIR instead of the machine's (a fixture tree from
+    # `python -m gputaskman.drm_fixtures DIR`); NVML is not asked. For demos and tests.
+    parser.add_argument("--sysroot", metavar="DIR", help=argparse.SUPPRESS)
     if SUBCOMMANDS:
         sub = parser.add_subparsers(dest="command", metavar="COMMAND")
         for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -86,9 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _one_shot(args: argparse.Namespace) -> int:
     from gputaskman import report
-    from gputaskman.collector import Collector
 
-    collector = Collector(gpu=args.gpu, scan_budget=None)
+    collector = _collector(args, scan_budget=None)
     try:
         collector.prime()
         time.sleep(CPU_RATE_WINDOW_S)
@@ -102,6 +106,17 @@ def _one_shot(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(report.render_text(snap, system, selected_gpu=args.gpu))
     return rc
+
+
+def _collector(args: argparse.Namespace, scan_budget: float | None) -> Any:
+    """The real collector, or one reading the tree under ``--sysroot``."""
+    from gputaskman.collector import Collector, sysroot_collector
+
+    if getattr(args, "sysroot", None):
+        if not os.path.isdir(args.sysroot):
+            raise SystemExit(f"gputaskman: --sysroot {args.sysroot}: not a directory")
+        return sysroot_collector(args.sysroot, args.gpu, scan_budget)
+    return Collector(gpu=args.gpu, scan_budget=scan_budget)
 
 
 def _check_gpu_index(snap: object, gpu: int | None) -> int:
@@ -145,7 +160,14 @@ def _list_gpus(args: argparse.Namespace) -> int:
 def _tui(args: argparse.Namespace) -> int:
     from gputaskman.app import create_app
 
-    app = create_app(gpu=args.gpu, interval=args.interval)
+    factory = None
+    if args.sysroot:
+        from gputaskman.collector import SCAN_BUDGET
+
+        def factory() -> Any:
+            return _collector(args, SCAN_BUDGET)
+
+    app = create_app(gpu=args.gpu, interval=args.interval, collector_factory=factory)
     app.run()
     return int(app.return_code or 0)
 

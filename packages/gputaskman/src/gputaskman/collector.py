@@ -24,6 +24,16 @@ every other process whose scan found a GPU/AI runtime library or a mapped model 
 those rows have no adapter and VRAM ``n/a (not listed)``. A process the budget has not
 reached yet carries ``ProcDetail(scanned=False)`` until a later refresh gets to it.
 
+4. **Models** (`modelinfo.ModelResolver`): for every row with a procinfo scan, which model
+   it holds (`ProcGpu.model`), the weights / KV cache / compute view (`ProcGpu.breakdown`)
+   and an app adapter's selection (`ProcGpu.app_model`). The costly part (API probes, GGUF
+   headers, logs) runs inline for one-shot output and on a background pool otherwise, so it
+   never enters the scan budget; a row shows the cheap evidence-only model until then.
+
+`sysroot_collector(DIR)` reads /sys and /proc below DIR (a fixture tree written by
+``python -m gputaskman.drm_fixtures DIR``) and does not ask NVML, whose processes live in
+the real PID namespace.
+
 The collector is not thread-safe; the TUI runs `sample_with_system` in one worker thread
 at a time.
 """
@@ -34,10 +44,13 @@ import contextlib
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from gputaskman import host as host_mod
 from gputaskman.model import (
+    Adapter,
+    Kind,
     Problem,
     ProcDetail,
     ProcGpu,
@@ -54,6 +67,8 @@ SCAN_BUDGET = 0.150  # seconds of /proc/PID/maps scanning per refresh (TUI, reco
 BACKEND = "nvml"
 
 ScanKey = tuple[int, float | None]
+
+_DEFAULT_MODELS: Any = object()  # "build the default ModelResolver" (None means none)
 
 
 class GpuSource(Protocol):
@@ -91,11 +106,11 @@ class NullScanner:
 class ProcinfoScanner:
     """`procinfo.Scanner` (budgeted, cached per (pid, create_time)) seen as a `ProcScanner`."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: str | None = None) -> None:
         from gputaskman import procinfo
 
         self._procinfo = procinfo
-        self.scanner = procinfo.Scanner()
+        self.scanner = procinfo.Scanner() if root is None else procinfo.Scanner(root=root)
         self.last_result: Any = None
         # key -> (the ProcInfo object converted, its ProcDetail): a cached scan returns the
         # same object every refresh, so the conversion is done once per scan, not per refresh.
@@ -117,6 +132,11 @@ class ProcinfoScanner:
 
     def scan_one(self, pid: int, create_time: float | None) -> ProcDetail:
         return detail_from_procinfo(self.scanner.scan_one(pid, create_time))
+
+    def info(self, key: ScanKey) -> Any:
+        """The `procinfo.ProcInfo` behind the last scan's detail for `key`, or None."""
+        hit = self._details.get(key)
+        return None if hit is None else hit[0]
 
 
 def detail_from_procinfo(info: Any) -> ProcDetail:
@@ -171,17 +191,29 @@ class Collector:
         nvml: GpuSource | None = None,
         host: host_mod.HostSampler | None = None,
         scanner: ProcScanner | None = None,
+        models: Any = _DEFAULT_MODELS,
     ) -> None:
         self.gpu = gpu
         self.scan_budget = scan_budget
         self._nvml = nvml if nvml is not None else default_gpu_source()
         self._host = host if host is not None else host_mod.HostSampler()
         self._scanner = scanner if scanner is not None else default_scanner()
+        if models is _DEFAULT_MODELS:
+            # Model resolution needs procinfo's ProcInfo; a test's scanner seam has none.
+            models = None
+            if isinstance(self._scanner, ProcinfoScanner):
+                from gputaskman.modelinfo import ModelResolver
+
+                models = ModelResolver(background=scan_budget is not None)
+        self.models = models
+        self.extra_notes: tuple[str, ...] = ()  # shown in every snapshot (e.g. --sysroot)
         self.backend = BACKEND
         self.last_timing: dict[str, float] = {}
 
     def close(self) -> None:
         self._nvml.close()
+        if self.models is not None:
+            self.models.close()
 
     def rescan(self, pid: int, create_time: float | None) -> ProcDetail | None:
         """Scan one process now, ignoring budget and cache (the inspector's refresh key).
@@ -249,8 +281,12 @@ class Collector:
             not_listed = _not_listed(gpu.backend_problem is None)
             rows.append(ProcGpu(pid, ct, name, None, (), not_listed, detail=d))
 
+        t4 = time.perf_counter()
+        rows = self._add_models(rows, gpu.adapters)
+        t5 = time.perf_counter()
+
         drm = getattr(self._nvml, "last_drm", None)
-        notes: list[str] = list(getattr(drm, "notes", ()))
+        notes: list[str] = [*self.extra_notes, *getattr(drm, "notes", ())]
         if drm is not None and not drm.adapters:
             notes.append("DRM: no amdgpu, i915 or xe card in /sys/class/drm")
         if gpu.backend_problem is None and not gpu.adapters:
@@ -262,6 +298,7 @@ class Collector:
             "gpu_s": t1 - t0,
             "host_s": t2 - t1,
             "scan_s": t3 - t2,
+            "model_s": t5 - t4,
             "total_s": time.perf_counter() - t0,
         }
         snap = Snapshot(
@@ -274,8 +311,84 @@ class Collector:
             notes=tuple(notes),
             driver_version=gpu.driver_version,
             backend_problem=gpu.backend_problem,
+            extra_metrics=_extra_metrics(drm, gpu.adapters),
         )
         return snap, system
+
+
+    def _add_models(self, rows: list[ProcGpu], adapters: Sequence[Adapter]) -> list[ProcGpu]:
+        """Rows with `model`, `breakdown` and `app_model` filled (see `modelinfo`)."""
+        info_for = getattr(self._scanner, "info", None)
+        if self.models is None or not callable(info_for):
+            return rows
+        nvidia = [a for a in adapters if a.vendor == "nvidia"]
+        out = []
+        live = []
+        for r in rows:
+            info = info_for(r.key)
+            if info is None or getattr(info, "gone", False):
+                out.append(r)
+                continue
+            live.append(r.key)
+            d = r.dedicated
+            measured = int(d.value) if d.kind is Kind.MEASURED and d.value is not None else None
+            # llama.cpp names devices CUDA0, CUDA1... in CUDA's order, which equals NVML's
+            # only for a single NVIDIA GPU; elsewhere sum all devices and skip "other".
+            device = None
+            if r.adapter is not None and len(nvidia) == 1 and nvidia[0].pci_bus_id == r.adapter:
+                device = "CUDA0"
+            res = self.models.resolve(
+                info, measured_bytes=measured if device else None, device=device
+            )
+            out.append(replace(r, model=res.ref, breakdown=res.view, app_model=res.app))
+        self.models.forget(live)
+        return out
+
+
+class NoNvml:
+    """A GPU source that asks no driver (``--sysroot``: the fixture's PIDs are not NVML's)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def sample(self) -> NvmlSample:
+        return NvmlSample(backend_problem=Problem("backend.init", Reason.UNAVAILABLE, self.why))
+
+    def close(self) -> None:
+        pass
+
+
+def sysroot_collector(root: str, gpu: int | None = None,
+                      scan_budget: float | None = SCAN_BUDGET) -> Collector:
+    """A collector that reads ``root/sys`` and ``root/proc`` only (fixture trees)."""
+    import os
+
+    from gputaskman.drm import DrmBackend, NvmlWithDrm
+    from gputaskman.modelinfo import ModelResolver
+    from gputaskman.stores import StoreIndex, StoreRoots
+
+    proc = os.path.join(root, "proc")
+    nvml = NoNvml(f"NVML not asked: reading the tree under --sysroot {root}")
+    scanner = ProcinfoScanner(root=proc)
+    models = ModelResolver(background=scan_budget is not None, proc=proc,
+                           index=StoreIndex(StoreRoots()))
+    c = Collector(gpu, scan_budget, nvml=NvmlWithDrm(nvml, DrmBackend(root)),
+                  host=host_mod.HostSampler(proc_root=proc), scanner=scanner, models=models)
+    c.extra_notes = (
+        f"--sysroot {root}: GPUs and processes come from the tree under it; NVML is not "
+        "asked; RAM, swap and CPU totals are this machine's",
+    )
+    return c
+
+
+def _extra_metrics(drm: Any, adapters: Sequence[Adapter]) -> dict[str, dict[str, Reading]]:
+    """amdgpu GTT readings of the DRM adapters the snapshot lists (`DrmSample.extra`)."""
+    out: dict[str, dict[str, Reading]] = {}
+    listed = {a.pci_bus_id for a in adapters if a.backend == "drm"}
+    for bus, r in (getattr(drm, "extra", None) or {}).items():
+        if bus in listed and (r.gtt_used_bytes.known or r.gtt_total_bytes.known):
+            out[bus] = {"gtt_used_bytes": r.gtt_used_bytes, "gtt_total_bytes": r.gtt_total_bytes}
+    return out
 
 
 def _vram_desc(r: NvmlProcess) -> tuple[int, int]:

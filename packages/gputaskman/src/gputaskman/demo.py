@@ -165,7 +165,12 @@ class DemoSystem:
             "ram_total_bytes": _host(32 * GIB),
             "ram_available_bytes": _host(20 * GIB),
             "swap": [
-                {"device": "/dev/zram0", "size_bytes": 8 * GIB, "used_bytes": 0, "priority": 100}
+                {
+                    "device": "/dev/zram0",
+                    "size_bytes": _host(8 * GIB),
+                    "used_bytes": _host(0),
+                    "priority": _host(100),
+                }
             ],
             "cpu_percent": _host(37.5),
         }

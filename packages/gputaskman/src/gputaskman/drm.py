@@ -68,9 +68,9 @@ from gputaskman.model import (
 from gputaskman.nvml import NvmlProcess, NvmlSample
 
 BACKEND: Final = "drm"
-#: The model has no reason for "shared between processes"; until it does, this one is used
-#: and the detail names the processes.
-SHARED_REASON: Final = Reason.UNAVAILABLE
+#: Memory or engine time of a DRM client held by several processes: credited to nobody;
+#: the detail names the processes.
+SHARED_REASON: Final = Reason.SHARED
 FDINFO_SOURCE: Final = "drm-fdinfo"
 __all__ = [
     "BACKEND",

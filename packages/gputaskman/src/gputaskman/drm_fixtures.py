@@ -228,12 +228,22 @@ class FakeTree:
         fds: Mapping[int, tuple[str, str | None]],
         *,
         start_ticks: int = 1000,
+        argv: tuple[str, ...] | None = None,
+        rss_pages: int = 2560,
     ) -> None:
-        """A process whose descriptors are ``fd -> (link target, fdinfo text or None)``."""
+        """A process whose descriptors are ``fd -> (link target, fdinfo text or None)``.
+
+        ``cmdline`` (NUL-separated `argv`, default the comm), ``statm`` (`rss_pages`
+        resident) and an empty ``maps`` are written too, so host and procinfo readers see a
+        whole process."""
         d = self.root / "proc" / str(pid)
         (d / "fd").mkdir(parents=True, exist_ok=True)
         (d / "fdinfo").mkdir(exist_ok=True)
         (d / "comm").write_text(comm + "\n")
+        (d / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in (argv or (comm,))))
+        (d / "statm").write_text(f"{rss_pages * 4} {rss_pages} 0 1 0 {rss_pages} 0\n")
+        if not (d / "maps").exists():
+            (d / "maps").write_text("")  # no mapped files (a real process always has maps)
         rest = " ".join(["0"] * 30)
         fields = f"S 1 {pid} {pid} 0 -1 4194304 0 0 0 0 5 3 0 0 20 0 1 0 {start_ticks} 0 100"
         (d / "stat").write_text(f"{pid} ({comm}) {fields} {rest}\n")

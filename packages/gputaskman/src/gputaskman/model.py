@@ -58,6 +58,7 @@ class Reason(StrEnum):
     QUERY_FAILED = "query failed"  # any other error from the source; `detail` says which
     NOT_LISTED = "not listed"  # the driver's process list does not name this process
     NOT_SCANNED = "not scanned yet"  # budgeted scan has not reached this process yet
+    SHARED = "shared"  # held jointly with other processes (a DRM client): credited to nobody
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,16 +184,30 @@ class DeviceMetrics:
 
 @dataclass(frozen=True, slots=True)
 class ModelRef:
-    """Which model a process holds. Seam for the model-naming work; not filled yet.
+    """Which model a process holds (filled by `modelinfo`).
 
     `evidence` is one of ``api``, ``mapped``, ``cmdline``, ``path-arg``, ``installed``
     (strongest first); `confirmed` is true only when two of api/mapped/cmdline agree.
+    `sources` lists every kind of evidence found; `status` is ``confirmed``,
+    ``single source`` or ``informational`` (path-arg only). `store` names the model store
+    that supplied `name` (names only, never evidence). `pending` is true while the costly
+    look (API probe, header, logs) has not finished; `api_*` say what the local API probe
+    answered (errors are reasons, never secrets); `header_error` why the GGUF header could
+    not be read.
     """
 
     name: str
     evidence: str
     confirmed: bool = False
     path: str | None = None
+    store: str | None = None
+    status: str | None = None
+    sources: tuple[str, ...] = ()
+    pending: bool = False
+    api_runtime: str | None = None
+    api_endpoint: str | None = None
+    api_errors: tuple[str, ...] = ()
+    header_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,8 +254,11 @@ class ProcGpu:
     inferred: Reading | None = None
     engines: Mapping[str, Reading] = field(default_factory=dict)
     detail: ProcDetail = field(default_factory=ProcDetail)
-    model: ModelRef | None = None  # seam: model naming (stores/gguf/llm) fills this later
-    breakdown: object | None = None  # seam: weights / KV cache / compute view, later
+    model: ModelRef | None = None  # which model (modelinfo: evidence ladder + store names)
+    # the weights / KV cache / compute view (`llm.LlmView`, or its recorded JSON in replay);
+    # estimates in it are never added to any measured total
+    breakdown: object | None = None
+    app_model: object | None = None  # an app adapter's selected model (`apps.AppModel`)
 
     @property
     def started_at(self) -> float | None:
@@ -280,6 +298,9 @@ class Snapshot:
     notes: tuple[str, ...] = ()
     driver_version: str | None = None
     backend_problem: Problem | None = None  # set when the backend is unusable as a whole
+    # Backend-specific device readings beyond `DeviceMetrics`, keyed by pci_bus_id, e.g.
+    # amdgpu's GTT (system memory the GPU has mapped): {"gtt_used_bytes": Reading, ...}.
+    extra_metrics: Mapping[str, Mapping[str, Reading]] = field(default_factory=dict)
 
     @property
     def available(self) -> bool:

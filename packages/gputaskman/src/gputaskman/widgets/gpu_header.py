@@ -69,10 +69,29 @@ def gpu_text(snapshot: Snapshot | None, adapter: Adapter | None) -> Text:
         f"\nattributed to processes (measured only) {report.fmt_bytes(att)}"
         + ("" if complete else "  · lower bound: some memory hidden or a list failed")
     )
+    gtt = snapshot.extra_metrics.get(adapter.pci_bus_id)
+    if gtt:
+        out.append("\n" + report.gtt_text(gtt))
     for pr in snapshot.problems:
         if pr.adapter == adapter.pci_bus_id:
             detail = f": {pr.detail}" if pr.detail else ""
             out.append(f"\n{pr.where} {pr.reason}{detail}", style="yellow")
+    for note in notes_for(snapshot, adapter):
+        out.append(f"\nnote: {note}", style="italic")
+    return out
+
+
+def notes_for(snapshot: Snapshot, adapter: Adapter) -> list[str]:
+    """The snapshot's notes that concern `adapter`: those naming its PCI address, the
+    Intel memory note on an Intel GPU, and notes naming no GPU at all."""
+    buses = [a.pci_bus_id for a in snapshot.adapters]
+    out = []
+    for note in snapshot.notes:
+        if note.startswith("Intel memory:"):
+            if adapter.vendor == "intel":
+                out.append(note)
+        elif adapter.pci_bus_id in note or not any(b in note for b in buses):
+            out.append(note)
     return out
 
 

@@ -59,9 +59,9 @@ def inspect_text(p: ProcGpu | None, snapshot: Snapshot | None, system: object | 
             lines.append(f"model [{ev}] {path or 'unresolved'}")
         if d.reason:
             lines.append(f"partial: {d.reason} {d.reason_detail or ''}".rstrip())
-    if p.model is not None:
-        mark = "confirmed" if p.model.confirmed else "unconfirmed"
-        lines.append(f"model {p.model.name} ({p.model.evidence}, {mark})")
+    # the model and its weights / KV cache / compute / other split, each part with its
+    # provenance (ʳ runtime, ≈ estimated, ~ inferred), source and marker
+    lines += report.model_lines(p)
     if d.cmdline is not None:
         cmd = " ".join(d.cmdline)
         if len(cmd) > MAX_CMDLINE:

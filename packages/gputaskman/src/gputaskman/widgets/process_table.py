@@ -29,7 +29,15 @@ def clip(cells: tuple[str, ...]) -> tuple[str, ...]:
     out = []
     for label, cell in zip(COLUMNS, cells, strict=True):
         limit = CELL_LIMITS.get(label)
-        out.append(cell if limit is None or len(cell) <= limit else cell[: limit - 1] + "…")
+        if limit is None or len(cell) <= limit:
+            out.append(cell)
+        elif label == "MODEL" and " [" in cell:
+            # shorten the name, never the evidence marker ("[api✓]") after it
+            name, tag = cell.rsplit(" [", 1)
+            keep = max(1, limit - len(tag) - 3)
+            out.append(f"{name[: keep - 1]}… [{tag}")
+        else:
+            out.append(cell[: limit - 1] + "…")
     return tuple(out)
 
 
