@@ -78,6 +78,23 @@ async def test_store_load_free_round_trip_with_batches(server: MemServer) -> Non
     await c.close()
 
 
+async def test_batches_over_consecutive_and_scattered_slots(server: MemServer) -> None:
+    c = MemClient(*server.addr, "n/slots")
+    await c.connect()
+    await c.reserve(200)
+    scattered = [os.urandom(PS) for _ in range(8)]
+    for k in (7, 3, 5, 1, 6, 0, 2, 4):  # keys 0..7 land in slots out of key order
+        await c.store([k], scattered[k])
+    assert await c.load(range(8)) == b"".join(scattered)
+    run = os.urandom(64 * PS)
+    await c.store(range(100, 164), run)  # fresh slots, consecutive: copied as one run
+    assert await c.load(range(100, 164)) == run
+    assert await c.load([163, 100]) == run[63 * PS :] + run[:PS]
+    await c.store(range(100, 164), run[::-1])  # overwrite in place
+    assert await c.load(range(100, 164)) == run[::-1]
+    await c.close()
+
+
 async def test_overwrite_reuses_the_slot(server: MemServer) -> None:
     c = MemClient(*server.addr, "n/1")
     await c.connect()
@@ -179,8 +196,9 @@ async def test_store_beyond_reservation_is_refused_whole(server: MemServer) -> N
     assert ei.value.code == pp.ErrorCode.NO_SPACE and ei.value.errno == 28
     assert await c.load([2]) == bytes(PS)  # nothing of the refused batch was applied
     assert server.store.arena.used_slots == 2
-    await c.store([3, 3, 3], b"y" * 3 * PS)  # duplicates count once
+    await c.store([3, 3, 3], b"x" * PS + b"y" * PS + b"z" * PS)  # duplicates count once
     assert server.store.arena.used_slots == 3
+    assert await c.load([3]) == b"z" * PS  # the last copy wins
     with pytest.raises(PageServerError):
         await MemClient(*server.addr, "none").store([1], bytes(PS))  # never connected
     await c.close()

@@ -157,11 +157,21 @@ class PageStore:
             new = len(set(keys).difference(pages))  # exact count (duplicate keys in the batch)
             if len(pages) + new > ns.reserved:
                 raise _no_room(new, ns)
-        alloc, src = self.arena.alloc, 0
-        for k in keys:
-            slot = pages.get(k)
-            if slot is None:
-                slot = pages[k] = alloc()
+        slots = [pages.get(k) for k in keys]
+        if new:
+            alloc = self.arena.alloc
+            for i, k in enumerate(keys):
+                if slots[i] is None:
+                    slot = pages.get(k)  # a key repeated in the batch keeps its first slot
+                    if slot is None:
+                        slot = pages[k] = alloc()
+                    slots[i] = slot
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):  # consecutive slots: one copy
+            mem[first * PAGE_SIZE : (first + len(slots)) * PAGE_SIZE] = data
+            return
+        src = 0
+        for slot in slots:
             off = slot * PAGE_SIZE
             mem[off : off + PAGE_SIZE] = data[src : src + PAGE_SIZE]
             src += PAGE_SIZE
@@ -176,12 +186,15 @@ class PageStore:
             if len(keys) == 1:
                 off = pages[keys[0]] * PAGE_SIZE
                 return mem[off : off + PAGE_SIZE].tobytes()
-            offs = [pages[k] * PAGE_SIZE for k in keys]
+            slots = [pages[k] for k in keys]
         except KeyError as e:
             missing = sum(1 for k in keys if k not in pages)
             raise Refused(pp.ErrorCode.NOT_FOUND, f"{missing} of {len(keys)} pages not stored, "
                           f"first: {e.args[0]}") from None  # fmt: skip
-        return b"".join([mem[o : o + PAGE_SIZE] for o in offs])
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):  # consecutive slots: one copy
+            return mem[first * PAGE_SIZE : (first + len(slots)) * PAGE_SIZE].tobytes()
+        return b"".join([mem[o * PAGE_SIZE : (o + 1) * PAGE_SIZE] for o in slots])
 
     def free(self, ns: Namespace, keys: tuple[int, ...]) -> int:
         pages, free, n = ns.pages, self.arena.free, 0
