@@ -92,6 +92,13 @@ async def test_batches_over_consecutive_and_scattered_slots(server: MemServer) -
     assert await c.load([163, 100]) == run[63 * PS :] + run[:PS]
     await c.store(range(100, 164), run[::-1])  # overwrite in place
     assert await c.load(range(100, 164)) == run[::-1]
+    slots = [server.store.namespaces["n/slots"].pages[k] for k in range(100, 164)]
+    assert slots == list(range(slots[0], slots[0] + 64))
+    await c.free(range(100, 164))
+    await c.store(range(300, 364), run)  # freed slots come back in ascending order
+    slots = [server.store.namespaces["n/slots"].pages[k] for k in range(300, 364)]
+    assert slots == list(range(slots[0], slots[0] + 64))
+    assert await c.load(range(300, 364)) == run
     await c.close()
 
 

@@ -128,7 +128,7 @@ class PageStore:
 
     def _release(self, ns: Namespace) -> int:
         free = self.arena.free
-        for slot in ns.pages.values():
+        for slot in sorted(ns.pages.values(), reverse=True):  # reused in ascending order
             free(slot)
         n = len(ns.pages)
         ns.pages.clear()
@@ -197,12 +197,17 @@ class PageStore:
         return b"".join([mem[o * PAGE_SIZE : (o + 1) * PAGE_SIZE] for o in slots])
 
     def free(self, ns: Namespace, keys: tuple[int, ...]) -> int:
-        pages, free, n = ns.pages, self.arena.free, 0
+        pages, freed = ns.pages, []
         for k in keys:
             slot = pages.pop(k, None)
             if slot is not None:
-                free(slot)
-                n += 1
+                freed.append(slot)
+        # Pushed in reverse, so the next batch of new pages pops them in ascending order and
+        # a sequential batch again gets consecutive slots (one copy instead of one per page).
+        free = self.arena.free
+        for slot in reversed(freed):
+            free(slot)
+        n = len(freed)
         self.counters["free_requests"] += 1
         self.counters["pages_freed"] += n
         return n
