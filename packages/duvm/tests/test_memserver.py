@@ -13,7 +13,9 @@ import sys
 import pytest
 from duvm import pageproto as pp
 from duvm.memclient import MemClient, MemserverUnreachable, PageServerError, query_status
-from duvm.memserver import MemServer
+from duvm.memserver import MemServer, PageStore, Refused
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 PS = pp.PAGE_SIZE
 
@@ -380,3 +382,66 @@ def test_cli_bad_arguments_exit_nonzero_with_a_reason(args: list[str], msg: str)
                           capture_output=True, text=True, timeout=30)  # fmt: skip
     assert proc.returncode in (1, 2)
     assert msg in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --- the page store's invariants under random operations (no network) ---
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "free", "load", "reserve", "release"]),
+        st.sampled_from(["a", "b"]),
+        st.lists(st.integers(0, 40), min_size=1, max_size=12),
+        st.integers(0, 48),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_ops)
+def test_page_store_matches_a_model_and_never_shares_slots(ops: list) -> None:
+    ps = PageStore(64, lock=False)
+    try:
+        nss = {cid: ps.attach(cid)[0] for cid in ("a", "b")}
+        model: dict[str, dict[int, bytes]] = {"a": {}, "b": {}}
+        reserved = {"a": 0, "b": 0}
+        for i, (op, cid, keys, n) in enumerate(ops):
+            ns, m = nss[cid], model[cid]
+            if op == "store":
+                data = b"".join(bytes([i % 251, k % 251]) * (PS // 2) for k in keys)
+                new = len(set(keys) - m.keys())
+                try:
+                    ps.store(ns, tuple(keys), memoryview(data))
+                    assert len(m) + new <= reserved[cid]
+                    for j, k in enumerate(keys):
+                        m[k] = data[j * PS : (j + 1) * PS]
+                except Refused as e:
+                    assert e.code == pp.ErrorCode.NO_SPACE and len(m) + new > reserved[cid]
+            elif op == "free":
+                assert ps.free(ns, tuple(keys)) == len(set(keys) & m.keys())
+                for k in keys:
+                    m.pop(k, None)
+            elif op == "load":
+                if all(k in m for k in keys):
+                    assert ps.load(ns, tuple(keys)) == b"".join(m[k] for k in keys)
+                else:
+                    with pytest.raises(Refused):
+                        ps.load(ns, tuple(keys))
+            elif op == "reserve":
+                other = reserved["b" if cid == "a" else "a"]
+                try:
+                    ps.reserve(ns, n)
+                    reserved[cid] = n
+                except Refused:
+                    assert n < len(m) or n + other > 64
+            else:
+                assert ps.release(ns) == len(m)
+                m.clear()
+                reserved[cid] = 0
+            # invariants: accounting, reservation, and one slot per stored page
+            slots = [s for x in nss.values() for s in x.pages.values()]
+            assert len(slots) == len(set(slots)) == ps.arena.used_slots
+            assert ps.reserved_total == sum(reserved.values()) <= 64
+            assert all(len(nss[c].pages) <= reserved[c] for c in nss)
+    finally:
+        ps.close()
