@@ -112,11 +112,11 @@ def start_targets(tmp: str, size: int, server_cpu: str, memserver_cpu: str,
 
 
 def stop_targets(targets: list[Target]) -> None:
+    """SIGTERM each process and wait, the daemon before its memserver (so it can RELEASE)."""
     for t in targets:
         for p in reversed(list(t.procs.values())):
             if p.poll() is None:
                 p.terminate()
-        for p in t.procs.values():
             try:
                 p.wait(15)
             except subprocess.TimeoutExpired:

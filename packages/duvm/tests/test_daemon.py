@@ -276,3 +276,23 @@ def test_fio_verify_64_in_flight_over_4_connections_through_the_daemon(procs, tm
     job = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
     assert job["error"] == 0 and job["read"]["io_bytes"] == 32 * MiB
     assert namespace(port, "test-fio")["stored_pages"] == 32 * MiB // 4096
+
+
+def test_memory_backend_serves_on_unix_and_loopback_tcp(procs):
+    need("nbdinfo")
+    sock = os.path.join(procs.dir, "m.sock")
+    p = procs.start([*PY, "daemon", "--memory", "--size", "4M", "--socket", sock,
+                     "--tcp", "127.0.0.1:0", "--export-name", "swap0"])
+    line = wait_line(p, "serving")
+    port = int(line.rsplit("tcp:127.0.0.1:", 1)[1])
+    for uri in (f"nbd+unix:///swap0?socket={sock}", f"nbd://127.0.0.1:{port}/swap0"):
+        r = subprocess.run(["nbdinfo", "--size", uri], capture_output=True, text=True,
+                           timeout=30)
+        assert r.stdout.strip() == str(4 * MiB), r.stderr
+    assert procs.stop(p) == 0
+
+
+def test_tcp_must_be_loopback():
+    p = subprocess.run([*PY, "daemon", "--memory", "--size", "4M", "--socket", "/tmp/n.sock",
+                        "--tcp", "0.0.0.0:10809"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "loopback" in p.stderr
