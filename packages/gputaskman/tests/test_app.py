@@ -259,6 +259,42 @@ async def test_enter_rescans_the_highlighted_process_into_the_inspector():
         assert "fresh-runtime" in body and "category video" in body
 
 
+async def test_drm_fixture_tree_through_the_real_collector(tmp_path):
+    """Issue 8 in the TUI: the real `Collector` over a DRM fixture tree (kernel formats,
+    not measured on hardware) shows the AMD and the Intel adapter, their processes with
+    the right provenance, the GTT line and the Intel memory note."""
+    from gputaskman.collector import sysroot_collector
+    from gputaskman.drm_fixtures import write_demo_tree
+
+    write_demo_tree(tmp_path)
+    app = create_app(interval=60.0, collector_factory=lambda: sysroot_collector(str(tmp_path)))
+    async with app.run_test(size=(140, 45)) as pilot:
+        await settle(pilot, app)
+        header = text_of(app.query_one(GpuHeader))
+        assert "GPU 0 of 2" in header and "00000000:03:00.0" in header
+        assert "5.0 GiB / 16.0 GiB used" in header
+        assert "GTT (system memory mapped by the GPU) used 300.0 MiB / 12.0 GiB" in header
+        assert "Intel memory" not in header  # that note belongs to the Intel GPU
+        table = app.query_one(ProcessTable)
+        rows = {p.pid: p for p in table.rows_shown.values()}
+        assert set(rows) == {4100, 4200, 4300, 4301}
+        assert table.get_row("4100@00000000:03:00.0")[3] == "4.0 GiB"  # measured: no mark
+        assert rows[4300].dedicated.reason is not None
+        assert str(rows[4300].dedicated.reason) == "shared"
+        table.move_cursor(row=table.get_row_index("4300@00000000:03:00.0"))
+        await pilot.pause()
+        body = text_of(app.query_one("#inspector-body"))
+        assert "VRAM (driver): n/a (shared)" in body and "held by processes 4300, 4301" in body
+        await pilot.press("g")
+        await pilot.pause()
+        header = text_of(app.query_one(GpuHeader))
+        assert "GPU 1 of 2" in header and "00000000:00:02.0" in header
+        assert "note: Intel memory:" in header and "frequency throttled (pl1)" in header
+        assert "~150.0 MiB / ~256.0 MiB used" in header  # Intel: inferred, marked
+        assert {p.pid for p in table.rows_shown.values()} == {4400}
+        assert table.get_row("4400@00000000:00:02.0")[3] == "150.0 MiB"
+
+
 # ----------------------------------------------------------------- layout snapshots
 
 

@@ -181,3 +181,79 @@ def test_gpu_index_that_nvml_does_not_list_is_a_usage_error(capsys):
     assert cli._check_gpu_index(demo_snapshot(), 5) == 2
     assert "no GPU 5; NVML lists 2 GPU(s)" in capsys.readouterr().err
     assert cli._check_gpu_index(unavailable_snapshot(), 5) == 0
+
+
+# ------------------------------------------------------------ DRM fixture trees (issue 8)
+# The tree is `gputaskman.drm_fixtures.write_demo_tree`: kernel formats, NOT measured on
+# hardware. --sysroot reads /sys and /proc below it and does not ask NVML.
+
+
+@pytest.fixture
+def drm_tree(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    r = run("-c", "import sys; from gputaskman.drm_fixtures import main; "
+            f"sys.exit(main([{str(root)!r}]))", cmd=[sys.executable])
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+def test_json_sysroot_shows_amd_and_intel_with_provenance(drm_tree: Path):
+    r = run("--json", "--sysroot", str(drm_tree))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert report.null_rule_violations(doc) == []
+    assert doc["backend"] == "drm" and doc["available"] is True
+    amd, intel = doc["adapters"]
+    assert (amd["vendor"], amd["backend"], amd["pci_bus_id"]) == ("amd", "drm", "00000000:03:00.0")
+    assert (intel["vendor"], intel["backend"]) == ("intel", "drm")
+    used = amd["metrics"]["memory_used_bytes"]
+    assert used["kind"] == "measured" and used["value"] == 5 * 1024**3
+    assert used["source"].endswith("mem_info_vram_used")
+    gtt = amd["extra_metrics"]["gtt_used_bytes"]
+    assert gtt["value"] == 300 * 1024**2 and gtt["source"].endswith("mem_info_gtt_used")
+    assert intel["extra_metrics"] == {}
+    # Intel: used is a sum over visible clients, total a BAR size: inferred, with the note
+    iused = intel["metrics"]["memory_used_bytes"]
+    assert iused["kind"] == "inferred" and iused["value"] == 150 * 1024**2
+    assert any(n.startswith("Intel memory:") for n in doc["notes"])
+    assert any("--sysroot" in n and "NVML is not asked" in n for n in doc["notes"])
+    procs = {p["pid"]: p for p in doc["processes"]}
+    llama = procs[4100]
+    assert llama["name"] == "llama-server" and llama["gpu"] == amd["pci_bus_id"]
+    assert llama["vram_bytes"]["kind"] == "measured"
+    assert llama["vram_bytes"]["value"] == 4 * 1024**3  # fd 5 and its dup fd 9 count once
+    assert llama["vram_bytes"]["source"].startswith("drm-fdinfo")
+    assert procs[4400]["gpu"] == intel["pci_bus_id"]
+    assert procs[4400]["vram_bytes"]["value"] == 150 * 1024**2
+    for pid in (4300, 4301):  # one client inherited across fork: credited to nobody
+        v = procs[pid]["vram_bytes"]
+        assert v["value"] is None and v["reason"] == "shared"
+        assert "4300" in v["detail"] and "4301" in v["detail"]
+    assert procs[4200]["vram_bytes"]["value"] is None  # a primary-node client: not provable
+    # only the provably private clients are summed, and the sum says it is a lower bound
+    assert amd["attributed_bytes"] == 4 * 1024**3 and amd["attributed_complete"] is False
+    assert intel["attributed_bytes"] == 150 * 1024**2
+
+
+def test_once_sysroot_shows_both_adapters_and_their_processes(drm_tree: Path):
+    r = run("--once", "--sysroot", str(drm_tree))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "backend drm" in out.splitlines()[0]
+    assert "GPU 0  n/a  00000000:03:00.0" in out and "GPU 1  n/a  00000000:00:02.0" in out
+    assert "memory  used ~150.0 MiB / ~256.0 MiB" in out  # Intel: inferred, marked ~
+    assert "GTT (system memory mapped by the GPU) used 300.0 MiB / 12.0 GiB" in out
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  4")}
+    assert "llama-server" in rows["4100"] and "4.0 GiB" in rows["4100"]
+    assert "firefox" in rows["4400"] and "150.0 MiB" in rows["4400"]
+    assert "n/a" in rows["4300"].split()[3]
+    assert "Intel memory:" in out and "frequency throttled (pl1)" in out
+
+
+def test_gpu_selects_the_intel_adapter_under_sysroot(drm_tree: Path):
+    r = run("--json", "--gpu", "1", "--sysroot", str(drm_tree))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["selected_gpu"] == 1 and doc["backend"] == "drm"
+    missing = run("--once", "--sysroot", str(drm_tree / "nope"))
+    assert missing.returncode != 0 and "not a directory" in missing.stderr

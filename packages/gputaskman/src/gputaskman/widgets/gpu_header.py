@@ -1,7 +1,8 @@
 """The header for the selected GPU: identity, a measured memory bar and engine loads.
 
-The bar is drawn only from measured device counters (used / total from NVML); when either
-is unknown the header says n/a with the reason instead of drawing an empty bar. When the
+The bar is drawn from the device's used / total readings (NVML, amdgpu sysfs: measured;
+Intel: inferred, shown with the ``~`` mark); when either is unknown the header says n/a
+with the reason instead of drawing an empty bar. When the
 backend is unavailable the header explains why (and what that means) in place of a GPU.
 """
 
@@ -27,9 +28,10 @@ def memory_bar(used: Reading, total: Reading, width: int = BAR_WIDTH) -> Text:
     text = Text("memory ")
     text.append("█" * filled, style=style)
     text.append("░" * (width - filled), style="grey37")
+    # fmt_reading keeps the provenance mark: an Intel card's used/total are inferred (~)
     text.append(
-        f" {report.fmt_bytes(used.value)} / {report.fmt_bytes(total.value)} used"
-        f" ({frac * 100:.0f}%)"
+        f" {report.fmt_reading(used, as_bytes=True)} / {report.fmt_reading(total, as_bytes=True)}"
+        f" used ({frac * 100:.0f}%)"
     )
     return text
 
