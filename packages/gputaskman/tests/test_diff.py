@@ -228,33 +228,59 @@ def _reading(v, kind):
     return {"value": v, "kind": kind, "source": "mock", "reason": None, "detail": None}
 
 
+def _part(v, kind, alternatives=()):
+    return {
+        "reading": _reading(v, kind),
+        "marker": None,
+        "alternatives": [_reading(x, "estimated") for x in alternatives],
+    }
+
+
 def test_runtime_estimated_and_inferred_values_have_their_own_sections() -> None:
     b = snap(procs=[ms.proc(10, 3 * GIB, inferred=3 * GIB)])
     a = snap(1, procs=[ms.proc(10, 3 * GIB, inferred=4 * GIB)])
     for d, w, kv in ((b, 2, 1), (a, 2, 2)):
+        # the weights / KV view in report.py's BREAKDOWN shape
         d["processes"][0]["breakdown"] = {
-            "weights_bytes": _reading(w * GIB, "estimated"),
-            "kv_cache_bytes": _reading(kv * GIB, "runtime"),
+            "model": "m",
+            "parts": {
+                "weights": _part(w * GIB, "estimated", alternatives=[9 * GIB]),
+                "kv_cache": _part(kv * GIB, "runtime"),
+            },
+            "reported_total": _reading(kv * GIB, "runtime"),
+            "estimated_total": _reading(w * GIB, "estimated"),
+            "parameter_count": 7_000_000_000,
         }
         d["processes"][0]["ram_bytes"] = _reading(w * 7 * GIB, "measured")  # host RAM
         # a measured byte count not in MEASURED is not compared until someone adds it
-        d["processes"][0]["breakdown"]["gtt_bytes"] = _reading(w * GIB, "measured")
+        d["processes"][0]["gart_bytes"] = _reading(w * GIB, "measured")
     d = diff.diff(b, a)
     (p,) = procs_by_pid(d, 10)
     sections = {f["field"]: f["section"] for f in p["fields"]}
     assert sections == {
         "vram_bytes": "measured",
         "vram_inferred_bytes": "inferred",
-        "breakdown.weights_bytes": "estimated",
-        "breakdown.kv_cache_bytes": "runtime",
-    }  # host RAM and shown_vram are not compared
-    assert field(p, "breakdown.kv_cache_bytes")["delta"] == 1 * GIB
+        "breakdown.weights": "estimated",
+        "breakdown.kv_cache": "runtime",
+        "breakdown.reported_total": "runtime",
+        "breakdown.estimated_total": "estimated",
+    }  # host RAM, shown_vram, alternatives and counts are not compared
+    assert field(p, "breakdown.kv_cache")["delta"] == 1 * GIB
+    assert field(p, "breakdown.weights")["change"] == "unchanged"
     text = diff.render_text(d, "b", "a")
     measured = text.split("MEASURED")[1].split("INFERRED")[0]
     assert "kv_cache" not in measured and "weights" not in measured
     runtime = text.split("RUNTIME-REPORTED")[1].split("ESTIMATED")[0]
-    assert "breakdown.kv_cache_bytes" in runtime and "+1.0 GiB" in runtime
+    assert "breakdown.kv_cache" in runtime and "+1.0 GiB" in runtime
     assert "~4.0 GiB" in text.split("INFERRED")[1]
+
+
+def test_gtt_is_a_measured_adapter_field() -> None:
+    b, a = snap(), snap(1)
+    for d, used in ((b, 1), (a, 3)):
+        d["adapters"][0]["extra_metrics"] = {"gtt_used_bytes": _reading(used * GIB, "measured")}
+    f = field(diff.diff(b, a)["adapters"][0], "gtt_used_bytes")
+    assert f["section"] == "measured" and f["delta"] == 2 * GIB
 
 
 def test_a_field_whose_kind_changed_is_not_subtracted() -> None:

@@ -331,3 +331,36 @@ def test_snapshot_loader_fuzz_only_ever_raises_snapshot_error(muts) -> None:
         return
     report.to_json_dict(snap, system)  # whatever loads can be shown again
     system.render_lines()
+
+
+def test_models_breakdowns_and_app_models_replay_as_recorded() -> None:
+    import dataclasses
+
+    from gputaskman.apps import AppModel
+    from gputaskman.model import ModelRef
+    from gputaskman.recorded import snapshot_from_json
+
+    model = ModelRef(
+        "qwen",
+        "api",
+        True,
+        "/m/q.gguf",
+        "ollama",
+        "confirmed",
+        ("api", "mapped"),
+        False,
+        "llama.cpp",
+        "127.0.0.1:8080",
+        (),
+        None,
+    )
+    app = AppModel("Handy", "whisper-small", None, "loaded", "whisper-small", None, None)
+    recorded_view = {"model": "qwen", "parts": {}, "notes": ["recorded"]}
+    p = dataclasses.replace(ms.proc(7, 2 * GIB), model=model, app_model=app)
+    p2 = dataclasses.replace(ms.proc(8, 1 * GIB), breakdown=recorded_view)
+    doc = frame(0, 4, [p, p2])
+    snap, system = snapshot_from_json(doc)
+    assert report.to_json_dict(snap, system, None) == doc
+    assert snap.processes[0].model == model
+    assert snap.processes[0].app_model.selected == "whisper-small"
+    assert report.model_cell(snap.processes[0]).startswith("qwen [api✓]")

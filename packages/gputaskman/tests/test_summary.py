@@ -63,15 +63,49 @@ def test_summary_of_a_real_record_file(tmp_path: Path) -> None:
     (run,) = out["runs"]
     assert run["adapters"] == []  # no GPU here: nothing made up
     system = {e["metric"]: e for e in run["system"]}
-    cpu = [d["system"]["cpu"]["percent"] for d in docs]
+    cpu = [d["system"]["cpu"]["percent"]["value"] for d in docs]
     known = [v for v in cpu if v is not None]
     assert cpu[0] is None  # the first sample has no CPU rate: recorded as null
     assert system["cpu_percent"]["readings"] == len(known)
     assert system["cpu_percent"]["avg"] == pytest.approx(sum(known) / len(known))
-    ram = [d["system"]["memory"]["used_bytes"] for d in docs]
+    ram = [d["system"]["memory"]["used_bytes"]["value"] for d in docs]
     assert system["ram_used_bytes"]["peak"] == max(ram)
     text = gtm("summary", str(rec)).stdout
     assert "no GPU listed in this run" in text and "RAM used" in text
+
+
+def test_system_numbers_of_early_files_are_read_too(tmp_path: Path) -> None:
+    # files written before the system section used reading objects held plain numbers
+    docs = [gpu_doc(t) for t in range(3)]
+    for i, d in enumerate(docs):
+        d["system"] = {
+            "taken": d["taken"],
+            "kind": "measured",
+            "memory": {"used_bytes": (i + 1) * GIB, "reasons": {}},
+            "swap": {"used_bytes": None, "reasons": {"used_bytes": "unavailable"}},
+            "cpu": {"percent": 10.0 * i, "reasons": {}},
+        }
+    system = {e["metric"]: e for e in summary.run_json(summarize(tmp_path, docs).runs[0])["system"]}
+    assert system["ram_used_bytes"]["peak"] == 3 * GIB and system["cpu_percent"]["avg"] == 10
+    assert "swap_used_bytes" not in system
+
+
+def test_gtt_is_summarised_like_other_device_readings(tmp_path: Path) -> None:
+    docs = [gpu_doc(t) for t in range(2)]
+    for i, d in enumerate(docs):
+        d["adapters"][0]["extra_metrics"] = {
+            "gtt_used_bytes": {
+                "value": (i + 1) * GIB,
+                "kind": "measured",
+                "source": "sysfs",
+                "reason": None,
+                "detail": None,
+            }
+        }
+    assert (
+        metric(summary.run_json(summarize(tmp_path, docs).runs[0]), "gtt_used_bytes")["peak"]
+        == 2 * GIB
+    )
 
 
 def test_runs_split_at_gap_longer_than_the_minimum(tmp_path: Path) -> None:

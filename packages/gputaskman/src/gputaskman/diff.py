@@ -48,6 +48,8 @@ MEASURED = (
     "memory_used_bytes",
     "memory_total_bytes",
     "memory_reserved_bytes",
+    "gtt_used_bytes",  # amdgpu: system memory the GPU has mapped (extra_metrics)
+    "gtt_total_bytes",
     "attributed_bytes",
     "vram_bytes",
 )
@@ -59,7 +61,7 @@ SECTION_TITLES = {
     "estimated": "ESTIMATED (computed from a model, not observed)",
 }
 # Process keys that are not GPU memory (host readings) or only restate others.
-IGNORED_PROCESS_KEYS = frozenset({"ram_bytes", "cpu_percent", "shown_vram"})
+IGNORED_PROCESS_KEYS = frozenset({"ram_bytes", "cpu_percent", "shown_vram", "breakdown"})
 
 EXIT_REFUSED = 3
 EXIT_BAD_INPUT = 2
@@ -118,8 +120,10 @@ def _byte_readings(row: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[s
 
 def adapter_fields(a: Mapping[str, Any]) -> dict[str, Value]:
     out: dict[str, Value] = {}
-    metrics = a.get("metrics")
-    if isinstance(metrics, Mapping):
+    for group in ("metrics", "extra_metrics"):
+        metrics = a.get(group)
+        if not isinstance(metrics, Mapping):
+            continue
         for k, v in metrics.items():
             val = _value(v)
             if val is not None and str(k).endswith("_bytes"):
@@ -129,8 +133,27 @@ def adapter_fields(a: Mapping[str, Any]) -> dict[str, Value]:
     return out
 
 
+def _breakdown_readings(view: object) -> Iterator[tuple[str, Value]]:
+    """The weights / KV / compute parts (each part's chosen reading, not its alternatives)
+    and the runtime-reported and estimated totals of a recorded ``breakdown``."""
+    if not isinstance(view, Mapping):
+        return
+    parts = view.get("parts")
+    if isinstance(parts, Mapping):
+        for name, part in parts.items():
+            val = _value(part.get("reading")) if isinstance(part, Mapping) else None
+            if val is not None:
+                yield f"breakdown.{name}", val
+    for key in ("reported_total", "estimated_total"):
+        val = _value(view.get(key))
+        if val is not None:
+            yield f"breakdown.{key}", val
+
+
 def process_fields(row: Mapping[str, Any]) -> dict[str, Value]:
-    return dict(_byte_readings(row))
+    fields = dict(_byte_readings(row))
+    fields.update(_breakdown_readings(row.get("breakdown")))
+    return fields
 
 
 def _section(name: str, kind: str) -> str | None:

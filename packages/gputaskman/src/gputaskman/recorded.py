@@ -8,7 +8,9 @@ processes and problems come back as the frozen dataclasses of `model`. Derived f
 the JSON (``attributed_bytes``, ``shown_vram``, ``process_list``) are not read: the model
 derives them again from the same readings, so nothing recorded is re-summed differently.
 
-The ``system`` object is kept as recorded inside a `RecordedSystem`, which offers the
+The weights/KV view (``breakdown``) and an app's model (``app_model``) stay the recorded
+objects (the report passes a recorded mapping through unchanged). The ``system`` object
+is kept as recorded inside a `RecordedSystem`, which offers the
 duck-typed surface the report and the TUI use (`to_json_dict`, `process_readings`,
 `render_lines`): per-process RAM/CPU readings come from the recorded process rows, and the
 system panel is rendered by rebuilding host.py's `SystemInfo` from the recorded numbers.
@@ -127,12 +129,13 @@ def _process_from_json(row: object, i: int) -> tuple[ProcGpu, dict[str, Reading]
         model_evidence=tuple(evidence),
         reason_detail=row.get("scan_detail"),
     )
-    m = row.get("model")
-    model = None
-    if m is not None:
-        if not isinstance(m, Mapping) or not isinstance(m.get("name"), str):
-            raise SnapshotError(f"{where}.model: bad object")
-        model = ModelRef(m["name"], str(m.get("evidence")), bool(m.get("confirmed")), m.get("path"))
+    model = _model_from_json(row.get("model"), f"{where}.model")
+    breakdown = row.get("breakdown")
+    if breakdown is not None and not isinstance(breakdown, Mapping):
+        raise SnapshotError(f"{where}.breakdown: not an object")
+    app = row.get("app_model")
+    if app is not None and not isinstance(app, Mapping):
+        raise SnapshotError(f"{where}.app_model: not an object")
     proc = ProcGpu(
         pid=pid,
         create_time=create_time,
@@ -144,6 +147,9 @@ def _process_from_json(row: object, i: int) -> tuple[ProcGpu, dict[str, Reading]
         engines={k: reading_from_json(v, f"{where}.engines.{k}") for k, v in engines.items()},
         detail=detail,
         model=model,
+        # kept as recorded: report.breakdown_json passes a mapping through unchanged
+        breakdown=None if breakdown is None else dict(breakdown),
+        app_model=None if app is None else RecordedApp(app),
     )
     host_readings = {
         k: reading_from_json(row[k], f"{where}.{k}")
@@ -151,6 +157,45 @@ def _process_from_json(row: object, i: int) -> tuple[ProcGpu, dict[str, Reading]
         if row.get(k) is not None
     }
     return proc, host_readings
+
+
+def _model_from_json(m: object, where: str) -> ModelRef | None:
+    if m is None:
+        return None
+    if not isinstance(m, Mapping) or not isinstance(m.get("name"), str):
+        raise SnapshotError(f"{where}: bad object")
+    api = m.get("api") if isinstance(m.get("api"), Mapping) else {}
+    return ModelRef(
+        name=m["name"],
+        evidence=str(m.get("evidence")),
+        confirmed=bool(m.get("confirmed")),
+        path=m.get("path"),
+        store=m.get("store"),
+        status=m.get("status"),
+        sources=_str_tuple(m.get("sources", []), f"{where}.sources"),
+        pending=bool(m.get("pending", False)),
+        api_runtime=api.get("runtime"),
+        api_endpoint=api.get("endpoint"),
+        api_errors=_str_tuple(api.get("errors", []), f"{where}.api.errors"),
+        header_error=m.get("header_error"),
+    )
+
+
+class RecordedApp:
+    """An app adapter's recorded object (``app_model``): its keys as attributes, for the
+    TUI, and `to_json` giving the recorded object back."""
+
+    def __init__(self, doc: Mapping[str, Any]) -> None:
+        self._doc = dict(doc)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._doc[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self._doc)
 
 
 class RecordedSystem:
@@ -181,7 +226,11 @@ class RecordedSystem:
 
 
 def _host_reading(section: Mapping[str, Any], name: str) -> Reading:
+    """One system number: a reading object (current files) or a plain number with its
+    reason in ``reasons`` (files written before the system section used reading objects)."""
     v = section.get(name)
+    if isinstance(v, Mapping):
+        return reading_from_json(v, f"system.{name}")
     if is_number(v):
         return Reading.measured(v, RECORDED_SOURCE)
     why = (section.get("reasons") or {}).get(name)
@@ -190,6 +239,13 @@ def _host_reading(section: Mapping[str, Any], name: str) -> Reading:
         reason, extra = _reason(text)
         return Reading.missing(reason, RECORDED_SOURCE, detail or extra)
     return Reading.missing(Reason.UNAVAILABLE, RECORDED_SOURCE, "not recorded")
+
+
+def _plain(v: object) -> int | None:
+    """A swap device's number, recorded as a reading object or a plain number."""
+    if isinstance(v, Mapping):
+        v = v.get("value")
+    return int(v) if is_number(v) else None  # type: ignore[arg-type]
 
 
 def system_info_from_json(doc: Mapping[str, Any]) -> host.SystemInfo:
@@ -209,14 +265,14 @@ def system_info_from_json(doc: Mapping[str, Any]) -> host.SystemInfo:
                 host.SwapDevice(
                     str(d["filename"]),
                     str(d["type"]),
-                    d.get("size_bytes"),
-                    d.get("used_bytes"),
-                    d.get("priority"),
+                    _plain(d.get("size_bytes")),
+                    _plain(d.get("used_bytes")),
+                    _plain(d.get("priority")),
                     bool(d.get("deleted", False)),
                 )
                 for d in devices
             ),
-            devices_reason=(swap.get("reasons") or {}).get("devices"),
+            devices_reason=swap.get("devices_reason") or (swap.get("reasons") or {}).get("devices"),
         ),
         cpu=host.CpuInfo(*(_host_reading(cpu, n) for n in host.CpuInfo.__slots__)),
         processes=MappingProxyType({}),
@@ -236,6 +292,7 @@ def snapshot_from_json(doc: Mapping[str, Any]) -> tuple[Snapshot, RecordedSystem
 def _snapshot_from_json(doc: Mapping[str, Any]) -> tuple[Snapshot, RecordedSystem]:
     adapters: list[Adapter] = []
     metrics: dict[str, DeviceMetrics] = {}
+    extra: dict[str, dict[str, Reading]] = {}
     for i, a in enumerate(doc["adapters"]):
         where = f"adapters[{i}]"
         if not isinstance(a, Mapping) or not isinstance(a.get("pci_bus_id"), str):
@@ -249,6 +306,13 @@ def _snapshot_from_json(doc: Mapping[str, Any]) -> tuple[Snapshot, RecordedSyste
             backend=str(a.get("backend", doc["backend"])),
         )
         adapters.append(adapter)
+        em = a.get("extra_metrics") or {}
+        if not isinstance(em, Mapping):
+            raise SnapshotError(f"{where}.extra_metrics: not an object")
+        if em:
+            extra[adapter.pci_bus_id] = {
+                str(k): reading_from_json(v, f"{where}.extra_metrics.{k}") for k, v in em.items()
+            }
         m = a.get("metrics")
         if m is not None:
             metrics[adapter.pci_bus_id] = DeviceMetrics(
@@ -280,5 +344,6 @@ def _snapshot_from_json(doc: Mapping[str, Any]) -> tuple[Snapshot, RecordedSyste
         notes=notes,
         driver_version=doc.get("driver_version"),
         backend_problem=backend_problem,
+        extra_metrics=extra,
     )
     return snap, RecordedSystem(system_doc, per_process)

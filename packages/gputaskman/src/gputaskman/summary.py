@@ -57,7 +57,12 @@ SYSTEM_METRICS = (
     ("swap", "used_bytes", "swap_used_bytes"),
     ("cpu", "percent", "cpu_percent"),
 )
-ADAPTER_METRICS = (*DeviceMetrics.__slots__, "attributed_bytes")
+ADAPTER_METRICS = (
+    *DeviceMetrics.__slots__,
+    "gtt_used_bytes",
+    "gtt_total_bytes",
+    "attributed_bytes",
+)
 
 MetricKey = tuple[str, str, str]  # (scope: pci bus id or "system", metric, kind)
 
@@ -88,10 +93,10 @@ def sample_from_doc(doc: Mapping[str, Any], lineno: int) -> Sample:
         adapters.append(ident)
         scope = str(a.get("pci_bus_id"))
         metrics = a.get("metrics") if isinstance(a.get("metrics"), Mapping) else {}
-        for name in DeviceMetrics.__slots__:
-            r = metrics.get(name)
+        extra = a.get("extra_metrics") if isinstance(a.get("extra_metrics"), Mapping) else {}
+        for name, r in [*metrics.items(), *extra.items()]:
             if isinstance(r, Mapping) and is_number(r.get("value")):
-                values[(scope, name, str(r.get("kind")))] = r["value"]
+                values[(scope, str(name), str(r.get("kind")))] = r["value"]
         # a sum of measured readings, null when nothing was measured
         if is_number(a.get("attributed_bytes")):
             values[(scope, "attributed_bytes", "measured")] = a["attributed_bytes"]
@@ -99,8 +104,12 @@ def sample_from_doc(doc: Mapping[str, Any], lineno: int) -> Sample:
     if isinstance(system, Mapping):
         for section, key, metric in SYSTEM_METRICS:
             part = system.get(section)
-            if isinstance(part, Mapping) and is_number(part.get(key)):
-                values[("system", metric, "measured")] = part[key]
+            v = part.get(key) if isinstance(part, Mapping) else None
+            kind = "measured"  # OS counters; early files wrote plain numbers
+            if isinstance(v, Mapping):
+                v, kind = v.get("value"), str(v.get("kind"))
+            if is_number(v):
+                values[("system", metric, kind)] = v
     proc_vram: dict[tuple[str | None, str], int] = {}
     for row in doc["processes"]:
         if not isinstance(row, Mapping):
@@ -278,6 +287,8 @@ LABELS = {
     "clock_sm_mhz": "clock sm",
     "clock_memory_mhz": "clock memory",
     "attributed_bytes": "attributed to processes",
+    "gtt_used_bytes": "GTT used",
+    "gtt_total_bytes": "GTT total",
     "ram_used_bytes": "RAM used",
     "ram_total_bytes": "RAM total",
     "swap_used_bytes": "swap used",
