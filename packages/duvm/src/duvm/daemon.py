@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         peers = [parse_hostport(p) for p in (args.peers or "").split(",") if p.strip()]
         if not peers and not args.memory:
             raise ValueError("--peers is required (or --memory for a local in-RAM store)")
-        tcp = parse_hostport(args.tcp) if args.tcp else None
+        tcp = _parse_listen(args.tcp) if args.tcp else None
         if tcp is not None and not _is_loopback(tcp[0]):
             raise ValueError(f"--tcp must be a loopback address, not {tcp[0]}")
         if args.replicas < 1:
@@ -100,6 +100,13 @@ def _run_loop(coro) -> int:
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def _parse_listen(text: str) -> tuple[str, int]:
+    """HOST:PORT to listen on; unlike a peer address, port 0 (pick a free one) is allowed."""
+    if text.strip().endswith(":0"):
+        return parse_hostport(text.strip()[:-2], default_port=0)
+    return parse_hostport(text)
 
 
 def _is_loopback(host: str) -> bool:
