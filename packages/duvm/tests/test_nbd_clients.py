@@ -48,12 +48,12 @@ def need(tool: str) -> str:
 class ServerThread:
     """An NBDServer on a Unix socket, on its own event loop in a thread."""
 
-    def __init__(self, store: BlockStore, export_name: str = "") -> None:
+    def __init__(self, store: BlockStore, export_name: str = "", **kw) -> None:
         self.store = store
         self.dir = tempfile.mkdtemp(prefix="duvm-nbd-")  # short path: sun_path is 108 bytes
         self.path = os.path.join(self.dir, "nbd.sock")
         self.uri = f"nbd+unix:///{export_name}?socket={self.path}"
-        self.server = NBDServer(store, export_name)
+        self.server = NBDServer(store, export_name, **kw)
         self.loop = uvloop.new_event_loop() if uvloop else asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -84,8 +84,8 @@ class ServerThread:
 def serve() -> Iterator:
     started: list[ServerThread] = []
 
-    def start(store: BlockStore, export_name: str = "") -> ServerThread:
-        st = ServerThread(store, export_name)
+    def start(store: BlockStore, export_name: str = "", **kw) -> ServerThread:
+        st = ServerThread(store, export_name, **kw)
         started.append(st)
         return st
 
@@ -463,3 +463,16 @@ def test_abort_with_requests_in_flight_closes_their_coroutines(serve, caplog):
     assert "store failed" not in caplog.text
     assert srv.server.connections == 0
     s.close()
+
+
+def test_connections_beyond_the_limit_are_refused_others_keep_working(serve):
+    srv = serve(MemoryStore(MiB), max_connections=2)
+    a, b = raw_connect(srv.path), raw_connect(srv.path)
+    c = socket.socket(socket.AF_UNIX)
+    c.connect(srv.path)
+    assert closed_by_server(c)
+    c.close()
+    for s in (a, b):
+        send_req(s, 0, cookie=1, offset=0, length=4096)
+        assert recv_reply(s, 4096) == (1, 0, bytes(4096))
+        s.close()

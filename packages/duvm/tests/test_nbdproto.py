@@ -327,6 +327,20 @@ def test_refused_write_payload_is_skipped_and_stream_stays_in_step(export, offse
     assert out[1].cookie == 99
 
 
+def test_oversized_write_is_refused_and_its_payload_skipped():
+    small = ExportInfo("s", SIZE, FLAGS, max_payload=8192)
+    dec = TransmissionDecoder(small, buffer_size=4096)
+    dec.receive_data(request(C.CMD_WRITE, 0, 12288))
+    out = drain(dec)
+    for _ in range(3):  # the payload arrives in pieces and is thrown away, not buffered
+        dec.receive_data(b"p" * 4096)
+        out += drain(dec)
+        assert dec.buffered == 0
+    dec.receive_data(request(C.CMD_READ, 0, 8192, cookie=3))
+    out += drain(dec)
+    assert [(r.cmd, r.error) for r in out] == [(C.CMD_WRITE, errno.EINVAL), (C.CMD_READ, 0)]
+
+
 def test_bad_request_magic_is_a_protocol_error():
     dec = TransmissionDecoder(EXPORT)
     dec.receive_data(b"\x00" * 28)

@@ -89,6 +89,7 @@ class NBDServer:
         description: str = "duvm",
         max_in_flight: int = 512,
         max_in_flight_bytes: int = 64 << 20,
+        max_connections: int = 64,
     ) -> None:
         self.store = store
         self.export = ExportInfo(
@@ -99,6 +100,7 @@ class NBDServer:
         )
         self.max_in_flight = max_in_flight
         self.max_in_flight_bytes = max_in_flight_bytes
+        self.max_connections = max_connections  # each holds a 256 KiB receive buffer
         self.stats = ServerStats()
         self.pool = BufferPool()
         self._servers: list[asyncio.Server] = []
@@ -200,6 +202,10 @@ class NBDConnection(asyncio.BufferedProtocol):
             _tune_socket(sock)
         self.transport.set_write_buffer_limits(high=8 << 20, low=1 << 20)
         if self.server._closing:
+            self.transport.abort()
+            return
+        if len(self.server._connections) > self.server.max_connections:
+            log.warning("refusing connection: already %d connections", self.server.max_connections)
             self.transport.abort()
             return
         assert self._hs is not None
