@@ -358,6 +358,7 @@ _VM_FIELDS = [
 
 # <mach/task_info.h> task_vm_info_data_t, up to the graphics ledgers (revision 3 and later)
 class task_vm_info(ctypes.Structure):
+    _layout_ = "ms"  # Python 3.14+ wants an explicit layout with _pack_
     _pack_ = 4  # the SDK struct is 4-byte packed (natural_t units)
     _fields_ = tuple(
         (n, ctypes.c_int32 if n in ("region_count", "page_size") else ctypes.c_uint64)
