@@ -1,0 +1,136 @@
+"""Every platform module imports (and its backend constructs) on Linux without loading a
+Windows or macOS library; backend selection; the probe outcome type; the platform table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from gputaskman.collector import Collector, NullScanner
+from gputaskman.model import Problem, Reason
+from gputaskman.platforms import (
+    PLATFORM_TABLE,
+    ProbeResult,
+    detect_backend,
+    gpu_source,
+    is_wsl,
+)
+
+PLATFORM_MODULES = [
+    "gputaskman.platforms",
+    "gputaskman.win",
+    "gputaskman.win.dxgi",
+    "gputaskman.win.pdh",
+    "gputaskman.win.tcc",
+    "gputaskman.win.backend",
+    "gputaskman.wsl",
+    "gputaskman.wslhost",
+    "gputaskman.macos",
+    "gputaskman.ascend",
+]
+
+# Records every shared library ctypes is asked to load, then imports the modules and
+# builds the Windows and macOS backends (construction must not load anything either).
+PROBE = """
+import ctypes, importlib, json, sys
+loaded = []
+real_init = ctypes.CDLL.__init__
+def spy(self, name, *a, **k):
+    loaded.append(str(name))
+    return real_init(self, name, *a, **k)
+ctypes.CDLL.__init__ = spy
+for m in MODULES:
+    importlib.import_module(m)
+from gputaskman.platforms import gpu_source
+built = [type(gpu_source(b)).__name__ for b in ("wddm", "metal")]
+print(json.dumps({"loaded": loaded, "built": built,
+                  "modules": sorted(m for m in sys.modules if m.split(".")[0] in
+                                    ("pynvml", "textual", "rich", "winreg", "_winapi"))}))
+"""
+
+
+def test_platform_modules_import_and_construct_on_linux_without_loading_libraries():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("this checks the Linux import path")
+    code = PROBE.replace("MODULES", repr(PLATFORM_MODULES))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    doc = json.loads(out.stdout)
+    assert doc["built"] == ["WddmBackend", "MacCounters"]
+    assert doc["loaded"] == [], f"libraries loaded at import/construction: {doc['loaded']}"
+    assert doc["modules"] == []  # no NVML binding, no UI library, no Windows module
+
+
+def test_the_spy_sees_a_load():
+    code = PROBE.replace("MODULES", "[]") + "\nctypes.CDLL(None)\nprint(json.dumps(loaded))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == '["None"]'  # so an empty list above means it
+
+
+@pytest.mark.parametrize(
+    ("plat", "release", "env", "want"),
+    [
+        ("win32", "10", {}, "wddm"),
+        ("cygwin", "3.5", {}, "wddm"),
+        ("darwin", "24.0.0", {}, "metal"),
+        ("linux", "5.15.153.1-microsoft-standard-WSL2", {}, "wsl"),
+        ("linux", "4.4.0-19041-Microsoft", {}, "wsl"),
+        ("linux", "6.8.0", {"WSL_DISTRO_NAME": "Ubuntu"}, "wsl"),
+        ("linux", "6.18.0-amd64", {}, "nvml"),
+        ("freebsd14", "14.0", {}, "nvml"),
+    ],
+)
+def test_backend_is_chosen_from_platform_facts(plat, release, env, want):
+    assert detect_backend(plat, release, env) == want
+
+
+def test_is_wsl_needs_a_sign():
+    assert not is_wsl("6.1.0-18-amd64", {"WSL_DISTRO_NAME": ""})
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="unknown backend"):
+        gpu_source("cuda")
+    assert gpu_source("nvml") is None  # the collector keeps its own Linux default
+
+
+def test_probe_result_keeps_empty_and_failed_apart():
+    assert ProbeResult.of("x", (), None).status == "empty"
+    p = Problem("backend.init", Reason.NO_LIBRARY, "nvml.dll not found")
+    failed = ProbeResult.of("x", (), p)
+    assert failed.status == "failed" and failed.reason is Reason.NO_LIBRARY
+    assert failed.line() == "x: probe failed (library not found: nvml.dll not found)"
+    partial = ProbeResult.of("x", (), None, (Problem("processes.pdh", Reason.DENIED),))
+    assert (
+        partial.line()
+        == "x: probe succeeded, 0 GPUs (incomplete: some queries failed, see problems)"
+    )
+    with pytest.raises(ValueError):
+        ProbeResult("x", "failed")
+    with pytest.raises(ValueError):
+        ProbeResult("x", "ok", 0)
+    with pytest.raises(ValueError):
+        ProbeResult("x", "empty", 2)
+
+
+@pytest.mark.parametrize("backend", ["wddm", "metal"])
+def test_foreign_backend_on_linux_degrades_with_a_reason(backend):
+    source = gpu_source(backend)
+    if backend == "wddm":
+        from gputaskman.win.backend import WddmBackend
+
+        source = WddmBackend(tcc=False)
+    snap = Collector(nvml=source, scanner=NullScanner()).sample()
+    assert not snap.available and snap.backend_problem is not None
+    assert "only" in (snap.backend_problem.detail or "")  # "... only on Windows/macOS"
+
+
+def test_platform_table_is_honest():
+    backends = {row[1] for row in PLATFORM_TABLE}
+    assert {"wddm", "tcc", "wsl", "metal", "ascend"} <= backends
+    for platform, _backend, measures, validated in PLATFORM_TABLE:
+        assert platform and measures
+        assert validated.startswith("not validated"), platform
