@@ -134,3 +134,37 @@ def test_platform_table_is_honest():
     for platform, _backend, measures, validated in PLATFORM_TABLE:
         assert platform and measures
         assert validated.startswith("not validated"), platform
+
+
+def test_probes_list_the_main_probe_then_sub_probes():
+    from gputaskman.nvml import NvmlSample
+    from gputaskman.platforms import probes
+    from gputaskman.win.backend import WddmBackend
+    from gputaskman.win.pdh import COUNTERS, CounterRead
+    from gputaskman.win.tcc import TccCounters
+
+    class NoAdapters:
+        def enum_adapters(self):
+            return []
+
+    class EmptyPdh:
+        def read(self, paths):
+            return {p: CounterRead.ok({}) for p in COUNTERS}
+
+        def close(self):
+            pass
+
+    def no_nvml():
+        raise FileNotFoundError(r"nvml.dll not found at C:\Windows\System32\nvml.dll")
+
+    w = WddmBackend(dxgi=NoAdapters(), pdh=EmptyPdh(), tcc=TccCounters(loader=no_nvml))
+    import unittest.mock
+
+    with unittest.mock.patch("sys.platform", "win32"):
+        s = w.sample()
+    main, tcc = probes(w, s, "wddm")
+    assert main.line() == "wddm: probe succeeded, 0 GPUs"
+    assert tcc.status == "failed" and "nvml.dll not found" in tcc.line()
+    p = Problem("backend.init", Reason.NO_LIBRARY, "NVML Shared Library Not Found")
+    (only,) = probes(object(), NvmlSample(problems=(p,), backend_problem=p), "nvml")
+    assert only.line() == "nvml: probe failed (library not found: NVML Shared Library Not Found)"

@@ -141,6 +141,23 @@ class PlatformSample:
         return ProbeResult.of(self.backend, self.adapters, self.backend_problem, self.problems)
 
 
+def probes(source: Any, sample: Any, backend: str) -> list[ProbeResult]:
+    """What ``--list-gpus`` reports: the main probe, then each sub-probe a source ran
+    (``last_tcc`` on Windows, ``last_ascend`` beside NVML on Linux). Works for any sample
+    with adapters/backend_problem/problems (an `nvml.NvmlSample` too)."""
+    main = getattr(sample, "probe", None)
+    if not isinstance(main, ProbeResult):
+        main = ProbeResult.of(
+            backend, tuple(sample.adapters), sample.backend_problem, tuple(sample.problems)
+        )
+    out = [main]
+    for attr in ("last_tcc", "last_ascend"):
+        sub = getattr(source, attr, None)
+        if sub is not None and isinstance(getattr(sub, "probe", None), ProbeResult):
+            out.append(sub.probe)
+    return out
+
+
 def failed_sample(backend: str, where: str, reason: Reason, detail: str) -> PlatformSample:
     """A sample that says the backend as a whole could not answer, and why."""
     p = Problem(where, reason, detail)

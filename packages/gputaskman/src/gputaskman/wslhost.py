@@ -73,7 +73,12 @@ SOURCE: Final = "wsl:context tracking (vmwp.exe total)"
 
 POWERSHELL_SCRIPT: Final = r"""
 $ErrorActionPreference = 'Continue'
+[Console]::OutputEncoding = New-Object System.Text.UTF8Encoding $false
 $inv = [Globalization.CultureInfo]::InvariantCulture
+if (-not (Get-Counter -ListSet 'GPU Process Memory' -ErrorAction SilentlyContinue)) {
+  [Console]::Out.Write("gtm1`tX`t*`tno 'GPU Process Memory' counter set (Windows before 10 1709, or counter names localized)`n")
+  exit 2
+}
 $paths = @('\GPU Process Memory(*)\Local Usage', '\GPU Process Memory(*)\Non Local Usage',
            '\GPU Engine(*)\Utilization Percentage', '\GPU Adapter Memory(*)\Dedicated Usage',
            '\GPU Adapter Memory(*)\Shared Usage')
@@ -103,9 +108,10 @@ try {
       $lines.Add("gtm1`tC`t$c`t$(Clean $s.InstanceName)`t$v")
       if ($s.InstanceName -match '^pid_(\d+)_') { $pids[[int]$Matches[1]] = $true }
     }
-    foreach ($id in $pids.Keys) {
-      $p = Get-Process -Id $id -ErrorAction SilentlyContinue
-      if ($p) { $lines.Add("gtm1`tP`t$id`t$(Clean $p.ProcessName)") }
+    if ($pids.Count -gt 0) {
+      foreach ($p in (Get-Process -Id @($pids.Keys) -ErrorAction SilentlyContinue)) {
+        $lines.Add("gtm1`tP`t$($p.Id)`t$(Clean $p.ProcessName)")
+      }
     }
     $lines.Add("gtm1`tZ`t$seq")
     [Console]::Out.Write(($lines -join "`n") + "`n")
