@@ -128,8 +128,8 @@ def test_tcc_mocked_appended_after_dxgi_and_no_index_moves():
     assert [(x.index, x.pci_bus_id) for x in s2.adapters] == [
         (0, a.luid),
         (1, b.luid),
-        (3, c.luid),
         (2, TCC_BUS),
+        (3, c.luid),
     ]
     assert s2.metrics[TCC_BUS].memory_total_bytes.value == 16 * GIB
     assert any("NVML only" in n for n in s2.notes)

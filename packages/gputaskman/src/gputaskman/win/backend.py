@@ -127,7 +127,8 @@ class WddmBackend:
 
         adapters: list[Adapter] = []
         metrics: dict[str, DeviceMetrics] = {}
-        for key, k in sorted(self._known.items(), key=lambda kv: kv[1].index):
+        known = sorted(self._known.items(), key=lambda kv: kv[1].index)
+        for key, k in known:
             a = dxgi_mod.to_adapter(k.desc, k.index)
             adapters.append(a)
             if k.lost:
@@ -173,7 +174,7 @@ class WddmBackend:
             self.last_tcc = t
             if t.backend_problem is None:
                 extra, tcc_notes = tcc_mod.merge_tcc(
-                    adapters, [k.desc.pci_text for k in self._known.values()], t, self._index_for
+                    adapters, [k.desc.pci_text for _, k in known], t, self._index_for
                 )
                 notes.extend(tcc_notes)
                 keep = {a.pci_bus_id for a in extra}
@@ -186,6 +187,7 @@ class WddmBackend:
                     notes.append("TCC/MCDM GPUs: NVML only (Windows has no PDH counters for them)")
             elif t.backend_problem.reason is not Reason.NO_LIBRARY:
                 problems.append(t.backend_problem)  # NVML present but broken: say so
+        adapters.sort(key=lambda a: a.index)  # display order; indices never move
         return PlatformSample(
             backend=BACKEND,
             adapters=tuple(adapters),

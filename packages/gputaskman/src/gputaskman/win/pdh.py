@@ -182,6 +182,8 @@ def _values(read: CounterRead | None, view: PdhView) -> list[tuple[Instance, flo
     if read is None or read.values is None:
         return out
     for name, value in read.values.items():
+        if name.strip().lower() == "_total":
+            continue  # an aggregate instance some counter sets publish: not a GPU or process
         inst = parse_instance(name)
         if inst is None:
             view.unparsed += 1
