@@ -216,8 +216,8 @@ def to_sample(info: NpuSmiInfo, start_index: int = 0) -> PlatformSample:
     procs: list[PlatformProcess] = []
     src = "npu-smi:Process memory(MB)"
     for p in info.processes:
-        key = by_chip.get((p.npu, p.chip))
-        if key is None:
+        where = by_chip.get((p.npu, p.chip))
+        if where is None:
             problems.append(
                 Problem(
                     "processes.npu-smi",
@@ -230,7 +230,7 @@ def to_sample(info: NpuSmiInfo, start_index: int = 0) -> PlatformSample:
         procs.append(
             PlatformProcess(
                 pid=p.pid,
-                adapter=key,
+                adapter=where,
                 contexts=("npu",),
                 dedicated=Reading.measured(p.memory_mb * MIB, src),
                 name=p.name or None,

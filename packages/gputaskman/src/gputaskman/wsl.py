@@ -206,11 +206,11 @@ class WslBackend:
     ) -> None:
         view = pdh.aggregate(frame.reads())
         start = len(adapters)
-        for n, (luid, c) in enumerate(sorted(view.adapters.items())):
+        for n, (luid, ac) in enumerate(sorted(view.adapters.items())):
             adapters.append(
                 Adapter(start + n, "unknown", f"Windows host GPU {luid}", None, luid, "wsl-host")
             )
-            metrics[luid] = _host_metrics(c)
+            metrics[luid] = _host_metrics(ac)
         if view.adapters and start:
             notes.append(
                 "Windows host adapters (by LUID) are listed beside NVML's (by PCI address): "

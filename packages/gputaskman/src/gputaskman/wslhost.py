@@ -76,7 +76,8 @@ $ErrorActionPreference = 'Continue'
 [Console]::OutputEncoding = New-Object System.Text.UTF8Encoding $false
 $inv = [Globalization.CultureInfo]::InvariantCulture
 if (-not (Get-Counter -ListSet 'GPU Process Memory' -ErrorAction SilentlyContinue)) {
-  [Console]::Out.Write("gtm1`tX`t*`tno 'GPU Process Memory' counter set (Windows before 10 1709, or counter names localized)`n")
+  $why = "no 'GPU Process Memory' counter set (Windows before 10 1709, or localized names)"
+  [Console]::Out.Write("gtm1`tX`t*`t$why`n")
   exit 2
 }
 $paths = @('\GPU Process Memory(*)\Local Usage', '\GPU Process Memory(*)\Non Local Usage',
@@ -277,7 +278,9 @@ class HostStream:
     def _pump(self) -> None:
         proc = self._proc
         assert proc is not None and proc.stdout is not None
-        for chunk in iter(lambda: proc.stdout.read1(65536), b""):  # type: ignore[union-attr]
+        # read1: whatever has arrived (up to 64 KiB), so a frame is seen as soon as it ends
+        read = getattr(proc.stdout, "read1", proc.stdout.read)
+        for chunk in iter(lambda: read(65536), b""):
             frames = self.parser.feed(chunk)
             if frames:
                 with self._lock:

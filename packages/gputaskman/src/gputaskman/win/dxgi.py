@@ -226,6 +226,7 @@ class CtypesDxgi:
     def _ft(self) -> Callable[..., Any]:
         if self._functype is None:
             self._functype = getattr(ctypes, "WINFUNCTYPE", ctypes.CFUNCTYPE)
+        assert self._functype is not None
         return self._functype
 
     def _method(self, obj: int, index: int, *argtypes: Any) -> Callable[..., int]:

@@ -361,13 +361,13 @@ class CtypesPdh:
         status = dll.PdhCollectQueryData(self._query) & 0xFFFFFFFF
         out: dict[str, CounterRead] = {}
         for p in paths:
-            h = self._counters[p]
-            if isinstance(h, CounterRead):
-                out[p] = h
+            handle = self._counters[p]
+            if isinstance(handle, CounterRead):
+                out[p] = handle
             elif status != 0:
                 out[p] = CounterRead.failed(status, f"PdhCollectQueryData: 0x{status:08X}")
             else:
-                out[p] = self._array(dll, h, p == ENGINE)
+                out[p] = self._array(dll, handle, p == ENGINE)
         return out
 
     def _array(self, dll: Any, h: ctypes.c_void_p, percent: bool) -> CounterRead:

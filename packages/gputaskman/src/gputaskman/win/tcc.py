@@ -127,7 +127,7 @@ class TccCounters:
 
     def _driver_models(self) -> dict[str, int | None]:
         """bus id -> current driver model, asked once per device."""
-        lib = self._lib
+        lib: Any = self._lib
         try:
             count = int(lib.nvmlDeviceGetCount())
         except Exception:
