@@ -399,3 +399,38 @@ def test_wsl_replay_two_vm_workers_refuse_inference():
     assert any(
         p.where == "wsl.context" and "several vmwp.exe" in (p.detail or "") for p in s.problems
     )
+
+
+def test_wsl_dead_host_stream_is_restarted_rarely_with_a_real_process(tmp_path):
+    marker = tmp_path / "runs"
+    code = textwrap.dedent(
+        f"""
+        import sys, pathlib
+        m = pathlib.Path({str(marker)!r})
+        n = int(m.read_text()) + 1 if m.exists() else 1
+        m.write_text(str(n))
+        sys.stdout.write({frame(1, 300 * MIB)!r})
+        sys.stdout.flush()
+        sys.exit(1)
+        """
+    )
+    now = [0.0]
+    hs = HostStream([sys.executable, "-c", code])
+    b = WslBackend(nvml=NoNvml(), host=hs, interop=Interop(True, None, "ps"),
+                   holders=lambda: ({}, 0), clock=lambda: now[0])  # fmt: skip
+    try:
+        b.sample()
+        assert wait_for(lambda: hs.exited)
+        s = b.sample()  # exited: reported, and too soon to restart
+        assert any(
+            p.where == "wsl.host" and "exited with code 1" in (p.detail or "") for p in s.problems
+        )
+        assert marker.read_text() == "1"
+        now[0] = 31.0
+        b.sample()  # due: restarted once
+        assert wait_for(lambda: marker.read_text() == "2")
+        assert wait_for(lambda: hs.exited)
+        b.sample()
+        assert marker.read_text() == "2"  # not again before another 30 s
+    finally:
+        b.close()

@@ -20,16 +20,18 @@ Theory of operation
    have ``dedicated`` missing (the host counts their bytes under vmwp.exe) and
    ``parent_pid`` = that vmwp.exe, so the bytes are summed once, as vmwp.exe's.
 
-Interop off, powershell.exe missing, or the stream dying each reduce what is shown and
-say why (a problem ``wsl.interop`` / ``wsl.host``); none of them is an error of the
-Linux side. Not validated on WSL hardware.
+Interop off, powershell.exe missing, or the stream dying (it is restarted at most every
+`RESTART_EVERY_S` seconds) each reduce what is shown and say why (a problem
+``wsl.interop`` / ``wsl.host``); none of them is an error of the Linux side. Not
+validated on WSL hardware.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -43,6 +45,7 @@ BACKEND: Final = "wsl"
 DXG: Final = "/dev/dxg"
 INTEROP_FILES: Final = ("WSLInterop", "WSLInterop-late")
 POWERSHELL_FALLBACK: Final = "/mnt/c/Windows/System32/WindowsPowerShell/v1.0/powershell.exe"
+RESTART_EVERY_S: Final = 30.0  # a dead host stream is restarted at most this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,7 @@ class WslBackend:
         interop: Interop | None = None,
         holders: Any | None = None,
         interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if nvml is None:
             from gputaskman.nvml import NvmlBackend
@@ -153,6 +157,8 @@ class WslBackend:
         self._holders = holders if holders is not None else dxg_holders
         self._tracker = ContextTracker()
         self._max_age = max(5.0, 5 * interval)
+        self._clock = clock
+        self._restarted = clock()
 
     def close(self) -> None:
         self._nvml.close()
@@ -180,6 +186,10 @@ class WslBackend:
             frame, why = self._host.latest(self._max_age)
             if why is not None:
                 problems.append(Problem("wsl.host", Reason.UNAVAILABLE, why))
+                if self._host.exited and self._clock() - self._restarted >= RESTART_EVERY_S:
+                    # powershell.exe can die (Windows sleep, interop reset): try again, rarely
+                    self._restarted = self._clock()
+                    self._host.restart()
         if frame is not None and why is None:
             self._add_host(frame, adapters, metrics, procs, problems, notes)
         if nvml_problem is not None and len(adapters) > len(base.adapters):

@@ -316,6 +316,24 @@ class HostStream:
             return frame, f"last host sample is older than {max_age:.0f}s"
         return frame, None
 
+    @property
+    def exited(self) -> bool:
+        """True once the child has ended (or could not be started)."""
+        if self._start_error is not None:
+            return True
+        return self._proc is not None and self._proc.poll() is not None
+
+    def restart(self) -> None:
+        """End the child (if any) and start a fresh one with a fresh parser. The last frame
+        is dropped: a sample from before the gap must not pass for a current one."""
+        self.close()
+        self.parser = StreamParser()
+        self._proc, self._thread = None, None
+        with self._lock:
+            self._latest, self._received = None, None
+        self._start_error, self._stderr = None, b""
+        self.start()
+
     def close(self) -> None:
         proc = self._proc
         if proc is None:
