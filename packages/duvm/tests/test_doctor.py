@@ -248,6 +248,8 @@ def test_tools_without_nbdfuse_fail_the_fallback_and_name_the_package(tmp_path: 
     if not nbd[0]:  # this VM: no kernel nbd either, so auto has no way left
         auto = doctor.check_block_device("auto", nbd, (usable, c))
         assert auto.status == doctor.FAIL
+    bogus = doctor.check_block_device("ublk", nbd, (usable, c))
+    assert bogus.status == doctor.FAIL and "unknown method 'ublk'" in bogus.detail
     checks = by_name(doctor.run_checks(doctor.Options(method="nbdfuse-loop"), probe))
     assert checks["block-device"].status == doctor.FAIL
     assert not doctor.passed(list(checks.values()))
@@ -331,3 +333,19 @@ def test_bad_timeout_is_a_usage_error() -> None:
     for bad in ("0", "-1", "nan", "inf"):
         res = duvm("doctor", "--timeout", bad)
         assert res.returncode == 2 and "--timeout must be positive" in res.stderr
+
+
+def test_doctor_finds_tools_where_enable_does_not_on_path(tmp_path: Path) -> None:
+    """A PATH without nbdfuse changes nothing: enable calls tools by absolute path from the
+    sbin/bin directories, so doctor must judge those, not $PATH (which differs under sudo,
+    cron and systemd)."""
+    if not fuse_path_here():
+        pytest.skip("the nbdfuse+loop path is not complete on this machine")
+    env = {k: v for k, v in os.environ.items() if k != "PATH"}
+    env["PATH"] = str(tmp_path)  # empty: no nbdfuse, no losetup, nothing
+    res = subprocess.run([PY, "-m", "duvm.cli", "doctor", "--json", "--method", "nbdfuse-loop"],
+                         capture_output=True, text=True, timeout=60, env=env, check=False)
+    checks = by_name(json.loads(res.stdout)["checks"])
+    assert checks["fuse-loop"]["status"] == "ok"
+    assert checks["block-device"]["status"] == "ok"
+    assert checks["swap-tools"]["status"] == "ok"

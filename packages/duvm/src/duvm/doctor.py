@@ -147,21 +147,21 @@ def fuse_loop(probe: Probe) -> tuple[bool, Check]:
 
 def check_block_device(method: str, nbd: tuple[bool, Check],
                        fuse: tuple[bool, Check]) -> Check:
-    """Required: the path `method` will take exists."""
-    if method == attach.METHOD_KERNEL:
-        ok, via = nbd[0], "kernel nbd"
-    elif method == attach.METHOD_FUSE:
-        ok, via = fuse[0], "nbdfuse + loop"
-    else:
-        ok = nbd[0] or fuse[0]
-        via = "kernel nbd" if nbd[0] else "nbdfuse + loop (no kernel nbd; slower)"
-    if ok:
-        return Check("block-device", OK, True, f"method {method}: {via}")
-    fixes = [c.fix for usable, c in (nbd, fuse) if not usable and c.fix
-             and (method == "auto" or c.name == ("kernel-nbd" if method == attach.METHOD_KERNEL
-                                                 else "fuse-loop"))]
-    return Check("block-device", FAIL, True, f"method {method}: no way to attach a block device",
-                 " or ".join(fixes) or None)
+    """Required: a path `method` may take exists (auto: kernel nbd first, else the fallback)."""
+    paths = {attach.METHOD_KERNEL: [nbd], attach.METHOD_FUSE: [fuse], "auto": [nbd, fuse]}
+    if method not in paths:
+        return Check("block-device", FAIL, True, f"unknown method {method!r}",
+                     f"set method to one of {', '.join(sorted(paths))}")
+    candidates = paths[method]
+    for usable, c in candidates:
+        if usable:
+            via = "kernel nbd" if c.name == "kernel-nbd" else "nbdfuse + loop"
+            if method == "auto" and c.name == "fuse-loop":
+                via += " (no kernel nbd; slower)"
+            return Check("block-device", OK, True, f"method {method}: {via}")
+    fixes = [c.fix for _, c in candidates if c.fix]
+    return Check("block-device", FAIL, True, f"method {method}: no way to attach a block device "
+                 f"({'; '.join(c.detail for _, c in candidates)})", " or ".join(fixes) or None)
 
 
 def check_swap_tools(probe: Probe) -> Check:
