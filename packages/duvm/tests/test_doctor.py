@@ -219,6 +219,11 @@ def test_unreadable_config_fails_without_traceback(tmp_path: Path) -> None:
     assert res.returncode == 1 and "Traceback" not in res.stderr
     c = by_name(json.loads(res.stdout)["checks"])["config"]
     assert c["status"] == "fail" and "not valid TOML" in c["detail"]
+    bad.write_bytes(b"peers = [\"\xff\xfe\"]\n")  # not UTF-8
+    res = duvm("doctor", "--config", str(bad), "--json")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    c = by_name(json.loads(res.stdout)["checks"])["config"]
+    assert c["status"] == "fail" and "cannot be read as text" in c["detail"]
 
 
 def tool_dir_without(tmp_path: Path, *absent: str) -> Path:

@@ -31,7 +31,6 @@ import stat
 import subprocess
 import sys
 import tomllib
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -287,20 +286,19 @@ def check_config(opts: Options) -> Check:
 def run_checks(opts: Options, probe: Probe | None = None) -> list[Check]:
     probe = probe or Probe()
     nbd, fuse = kernel_nbd(probe), fuse_loop(probe)
-    steps: list[Callable[[], Check]] = [
-        lambda: check_config(opts),
-        check_root,
-        lambda: nbd[1],
-        lambda: fuse[1],
-        lambda: check_block_device(opts.method, nbd, fuse),
-        lambda: check_swap_tools(probe),
-        lambda: check_cgroup(probe),
-        lambda: check_min_free(probe),
-        lambda: check_peers(opts.peers, opts.peer_timeout),
-        lambda: check_secret(opts.secret_file),
-        check_uvloop,
+    return [
+        check_config(opts),
+        check_root(),
+        nbd[1],
+        fuse[1],
+        check_block_device(opts.method, nbd, fuse),
+        check_swap_tools(probe),
+        check_cgroup(probe),
+        check_min_free(probe),
+        check_peers(opts.peers, opts.peer_timeout),
+        check_secret(opts.secret_file),
+        check_uvloop(),
     ]
-    return [step() for step in steps]
 
 
 def passed(checks: list[Check]) -> bool:
@@ -331,13 +329,14 @@ def options_from_args(args: argparse.Namespace) -> Options:
         # Read the file raw too: secret_file is checked even before enable knows the key.
         try:
             raw = tomllib.loads(args.config.read_text())
-        except (OSError, tomllib.TOMLDecodeError):
+        except (OSError, ValueError):  # unreadable, not UTF-8, not TOML: load_config says
             raw = {}
         try:
             cfg = control.load_config(args.config)
             opts.peers, opts.method = list(cfg.peers), cfg.method
-        except control.ControlError as exc:
-            opts.config_error = str(exc)
+        except (control.ControlError, ValueError) as exc:  # ValueError: bytes that are not UTF-8
+            opts.config_error = str(exc) if isinstance(exc, control.ControlError) else \
+                f"config {args.config} cannot be read as text: {exc}"
             peers = raw.get("peers", [])
             opts.peers = [p for p in peers if isinstance(p, str)] if isinstance(peers, list) \
                 else []
