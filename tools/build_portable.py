@@ -24,6 +24,10 @@ independent check, the finished executable's archive table of contents is read b
 `--plant-forbidden FILE` (tests only) adds a file after that filter, the way a library the
 filter missed would arrive, to prove the check catches it.
 
+The executable carries the build machine's libpython, libssl, libffi and friends but uses
+the target's glibc, so it runs on distributions whose glibc is at least the build machine's
+(Debian 12: glibc 2.36): build on the oldest distribution to be supported.
+
 The CUDA runtime (libcudart) and the ROCm/oneAPI math libraries are not driver libraries:
 they are redistributable and are not forbidden here; gputaskman loads none of them anyway.
 
