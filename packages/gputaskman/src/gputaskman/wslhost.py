@@ -176,17 +176,19 @@ class StreamParser:
     def feed(self, data: bytes) -> list[HostFrame]:
         out: list[HostFrame] = []
         self._buf += data
+        pos = 0  # consumed prefix, dropped once at the end (not per line: that is quadratic)
         while True:
-            nl = self._buf.find(b"\n")
+            nl = self._buf.find(b"\n", pos)
             if nl < 0:
+                del self._buf[:pos]
                 if len(self._buf) > MAX_LINE:
                     self._buf.clear()
                     if not self._skipping:
                         self.stats.overlong += 1
                     self._skipping = True
                 return out
-            line = bytes(self._buf[:nl])
-            del self._buf[: nl + 1]
+            line = bytes(self._buf[pos:nl])
+            pos = nl + 1
             if self._skipping:
                 self._skipping = False
                 continue

@@ -30,6 +30,7 @@ names and values.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import re
 import sys
@@ -82,8 +83,11 @@ class Instance:
     engtype: str | None = None
 
 
+@functools.lru_cache(maxsize=65536)
 def parse_instance(name: str) -> Instance | None:
-    """Identity from a GPU counter instance name, or None when it is not one."""
+    """Identity from a GPU counter instance name, or None when it is not one.
+
+    Cached: the same instance names come back every refresh (the result is immutable)."""
     m = _INSTANCE.match(name.strip())
     if m is None:
         return None
@@ -100,6 +104,7 @@ def parse_instance(name: str) -> Instance | None:
     )
 
 
+@functools.lru_cache(maxsize=1024)
 def engine_name(engtype: str) -> str:
     """Engine type as a reading key: ``3D`` -> ``3d_percent``, ``VideoDecode`` ->
     ``videodecode_percent``, ``Compute_0`` -> ``compute_0_percent``."""
