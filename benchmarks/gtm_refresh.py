@@ -251,6 +251,22 @@ def refreshes(args: argparse.Namespace) -> None:
         col.sample_with_system()
         _print_timing("warm refresh (all cached)", col.last_timing,
                       getattr(col._scanner, "last_result", None))
+        models = getattr(col, "models", None)
+        if models is not None:
+            # model looks (API probe, GGUF header, logs) run on background threads; wait
+            # for them, then time a refresh that builds every row's view from the cache
+            t0 = time.perf_counter()
+            models.wait_idle(60)
+            print(f"  background model looks finished {1000 * (time.perf_counter() - t0):.0f}"
+                  " ms after the warm refresh")
+            col.sample_with_system()
+            _print_timing("warm refresh, models known", col.last_timing,
+                          getattr(col._scanner, "last_result", None))
+            costs = sorted(models.costs())
+            if costs:
+                print(f"  model look per process (background thread): median "
+                      f"{statistics.median(costs) * 1000:.1f} ms, max {costs[-1] * 1000:.1f} ms"
+                      f" over {len(costs)} processes with model evidence or an LLM runtime")
         one = Collector(scan_budget=None)
         one.sample_with_system()
         _print_timing("one-shot (budget None, cold)", one.last_timing,

@@ -209,7 +209,10 @@ class GtmApp(App[int]):
     def render_status(self) -> None:
         parts = []
         if self.snapshot is not None:
-            when = time.strftime("%H:%M:%S", time.localtime(self.snapshot.taken))
+            try:
+                when = time.strftime("%H:%M:%S", time.localtime(self.snapshot.taken))
+            except (ValueError, OverflowError, OSError):  # a replayed file may hold any time
+                when = "n/a"
             took = "" if self.last_elapsed_s is None else f" in {self.last_elapsed_s * 1000:.0f} ms"
             parts.append(f"sample {when}{took}")
         table = self.table

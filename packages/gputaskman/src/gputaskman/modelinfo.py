@@ -341,6 +341,11 @@ class ModelResolver:
         return build(info, self.inputs(info), argv=getattr(info, "cmdline", None),
                      measured_bytes=measured_bytes, device=device)
 
+    def costs(self) -> list[float]:
+        """Seconds each cached look took (benchmarks)."""
+        with self._lock:
+            return [inputs.cost_s for _, inputs in self._done.values()]
+
     def forget(self, live: Iterable[tuple[int, float | None]]) -> None:
         keep = set(live)
         with self._lock:

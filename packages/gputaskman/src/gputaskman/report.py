@@ -30,7 +30,7 @@ Top level::
       "schema": "gputaskman.snapshot", "schema_version": 1,
       "tool": {"name": "gputaskman", "version": "0.1.0"},
       "taken": 1796000000.25,                 # Unix seconds when sampling began
-      "taken_iso": "2026-11-29T18:30:00.250Z",
+      "taken_iso": "2026-11-29T18:30:00.250Z" | null,  # null: no calendar date for taken
       "backend": "nvml",
       "available": true | false,              # did the backend answer at all
       "unavailable": null | PROBLEM,          # why not, when available is false
@@ -130,15 +130,26 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from gputaskman import __version__, host
+from gputaskman.fmt import KIND_MARK, NA, fmt_bytes, fmt_reading, reading_json
 from gputaskman.model import (
     DeviceMetrics,
     Kind,
-    ModelRef,
     Problem,
     ProcGpu,
     Reading,
     Reason,
     Snapshot,
+)
+from gputaskman.report_models import (
+    BREAKDOWN_PARTS,
+    app_json,
+    breakdown_json,
+    gtt_text,
+    model_cell,
+    model_json,
+    model_lines,
+    model_mark,
+    system_json,
 )
 
 SCHEMA = "gputaskman.snapshot"
@@ -153,18 +164,6 @@ ProcHostLookup = Callable[[int, float | None], Mapping[str, Reading]]
 # ---------------------------------------------------------------------------- JSON
 
 
-def reading_json(r: Reading | None) -> dict[str, Any] | None:
-    if r is None:
-        return None
-    return {
-        "value": r.value,
-        "kind": str(r.kind),
-        "source": r.source,
-        "reason": None if r.reason is None else str(r.reason),
-        "detail": r.detail,
-    }
-
-
 def problem_json(p: Problem) -> dict[str, Any]:
     return {"where": p.where, "reason": str(p.reason), "detail": p.detail, "adapter": p.adapter}
 
@@ -173,49 +172,6 @@ def _metrics_json(m: DeviceMetrics | None) -> dict[str, Any] | None:
     if m is None:
         return None
     return {name: reading_json(getattr(m, name)) for name in DeviceMetrics.__slots__}
-
-
-def system_json(info: host.SystemInfo) -> dict[str, Any]:
-    """The ``system`` object: every number a reading object (OS-reported, kind measured)."""
-    m, s, c = info.memory, info.swap, info.cpu
-    devices = None
-    if s.devices is not None:
-        devices = []
-        src = "/proc/swaps"
-        for d in s.devices:
-            devices.append(
-                {
-                    "filename": d.filename,
-                    "type": d.type,
-                    "size_bytes": reading_json(_os_reading(d.size_bytes, src)),
-                    "used_bytes": reading_json(_os_reading(d.used_bytes, src)),
-                    "priority": reading_json(_os_reading(d.priority, src)),
-                    "deleted": d.deleted,
-                }
-            )
-    out: dict[str, Any] = {
-        "taken": info.taken,
-        "kind": Kind.MEASURED.value,
-        "memory": {n: reading_json(getattr(m, n)) for n in m.__slots__},
-        "swap": {
-            "total_bytes": reading_json(s.total_bytes),
-            "free_bytes": reading_json(s.free_bytes),
-            "used_bytes": reading_json(s.used_bytes),
-            "devices": devices,
-            "devices_reason": s.devices_reason,
-            "problems": list(s.problems),
-        },
-        "cpu": {n: reading_json(getattr(c, n)) for n in c.__slots__},
-    }
-    if info.processes_reason:
-        out["processes_reason"] = info.processes_reason
-    return out
-
-
-def _os_reading(v: int | float | None, source: str) -> Reading:
-    if v is None:
-        return Reading.missing(Reason.UNAVAILABLE, source, "not in the file")
-    return Reading.measured(v, source)
 
 
 def _system_json(system: object | None) -> Any:
@@ -269,6 +225,27 @@ def proc_host_lookup(system: object | None) -> ProcHostLookup:
     return _no_host_readings
 
 
+__all__ = [
+    "BREAKDOWN_PARTS",
+    "KIND_MARK",
+    "NA",
+    "app_json",
+    "breakdown_json",
+    "fmt_bytes",
+    "fmt_reading",
+    "gtt_text",
+    "model_cell",
+    "model_json",
+    "model_lines",
+    "model_mark",
+    "null_rule_violations",
+    "reading_json",
+    "render_text",
+    "system_json",
+    "to_json_dict",
+]
+
+
 def _no_host_readings(pid: int, create_time: float | None) -> Mapping[str, Reading]:
     return {}
 
@@ -312,88 +289,10 @@ def process_json(p: ProcGpu, lookup: ProcHostLookup, system: object | None) -> d
             "model_evidence": [{"evidence": e, "path": path} for e, path in d.model_evidence],
             "model": model_json(p.model),
             "breakdown": breakdown_json(p.breakdown),
-            "app_model": _to_json(p.app_model),
+            "app_model": app_json(p.app_model),
         }
     )
     return row
-
-
-def model_json(m: ModelRef | None) -> dict[str, Any] | None:
-    if m is None:
-        return None
-    api = None
-    if m.api_runtime is not None or m.api_endpoint is not None or m.api_errors:
-        api = {"runtime": m.api_runtime, "endpoint": m.api_endpoint, "errors": list(m.api_errors)}
-    return {
-        "name": m.name,
-        "evidence": m.evidence,
-        "confirmed": m.confirmed,
-        "status": m.status,
-        "sources": list(m.sources),
-        "path": m.path,
-        "store": m.store,
-        "pending": m.pending,
-        "api": api,
-        "header_error": m.header_error,
-    }
-
-
-def _to_json(obj: object | None) -> Any:
-    if obj is None:
-        return None
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    fn = getattr(obj, "to_json", None)
-    return fn() if callable(fn) else None
-
-
-BREAKDOWN_PARTS = ("weights", "kv_cache", "compute", "other")
-
-
-def breakdown_json(view: object | None) -> dict[str, Any] | None:
-    """An `llm.LlmView` as reading objects (a recorded mapping passes through as is)."""
-    if view is None:
-        return None
-    if isinstance(view, Mapping):
-        return dict(view)
-    parts = {}
-    for part in getattr(view, "parts", ()):
-        parts[part.name] = {
-            "reading": reading_json(part.reading),
-            "marker": part.marker or None,
-            "alternatives": [reading_json(a) for a in part.alternatives],
-        }
-    v: Any = view
-    return {
-        "model": v.model,
-        "path": v.path,
-        "evidence": v.evidence,
-        "status": v.status,
-        "owner_marker": v.owner_marker or None,
-        "runtime": v.runtime,
-        "architecture": v.architecture,
-        "file_type": v.file_type,
-        "parameter_count": v.parameter_count,
-        "n_ctx": v.n_ctx,
-        "n_ctx_source": v.n_ctx_source,
-        "parts": parts,
-        "reported_total": reading_json(
-            Reading.runtime(v.reported_total, "sum of runtime-reported parts")
-            if v.reported_total is not None
-            else Reading.missing(
-                Reason.UNAVAILABLE, "sum of runtime-reported parts", "no part runtime-reported",
-                Kind.RUNTIME,
-            )
-        ),
-        "estimated_total": reading_json(
-            Reading.estimated(v.estimated_total, "sum of estimated parts")
-            if v.estimated_total is not None
-            else Reading.missing(
-                Reason.UNAVAILABLE, "sum of estimated parts", "no part estimated", Kind.ESTIMATED
-            )
-        ),
-        "notes": list(v.notes),
-    }
 
 
 def _process_list_status(snapshot: Snapshot, pci: str) -> dict[str, Any]:
@@ -404,16 +303,26 @@ def _process_list_status(snapshot: Snapshot, pci: str) -> dict[str, Any]:
     return status
 
 
+def _utc(taken: float) -> _dt.datetime | None:
+    """`taken` as a UTC datetime; None for a time no calendar date holds (a replayed file
+    may carry any number, and bad input must never crash the report)."""
+    try:
+        return _dt.datetime.fromtimestamp(taken, tz=_dt.UTC)
+    except (ValueError, OverflowError, OSError):
+        return None
+
+
+def _iso(taken: float) -> str | None:
+    when = _utc(taken)
+    return None if when is None else when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def to_json_dict(
     snapshot: Snapshot, system: object | None = None, selected_gpu: int | None = None
 ) -> dict[str, Any]:
     """The ``--json`` object for one snapshot and the host sample taken beside it."""
     lookup = proc_host_lookup(system)
-    taken_iso = (
-        _dt.datetime.fromtimestamp(snapshot.taken, tz=_dt.UTC)
-        .isoformat(timespec="milliseconds")
-        .replace("+00:00", "Z")
-    )
+    taken_iso = _iso(snapshot.taken)
     adapters = []
     for a in snapshot.adapters:
         adapters.append(
@@ -458,46 +367,6 @@ def to_json_dict(
 
 
 # ---------------------------------------------------------------------------- text
-
-# One-character provenance markers used in text and the TUI. Measured has none.
-KIND_MARK: dict[Kind, str] = {
-    Kind.MEASURED: "",
-    Kind.INFERRED: "~",
-    Kind.ESTIMATED: "≈",
-    Kind.RUNTIME: "ʳ",
-}
-NA = "n/a"
-
-
-def fmt_bytes(n: int | float | None) -> str:
-    """Binary units, one decimal; None is n/a (never 0)."""
-    if n is None:
-        return NA
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def fmt_reading(
-    r: Reading | None, unit: str = "", *, as_bytes: bool = False, reason: bool = False
-) -> str:
-    """A reading for display: value with its provenance marker, or n/a (plus the reason)."""
-    if r is None or r.value is None:
-        if reason and r is not None and r.reason is not None:
-            return f"{NA} ({r.reason})"
-        return NA
-    mark = KIND_MARK[r.kind]
-    if as_bytes:
-        text = fmt_bytes(r.value)
-    elif isinstance(r.value, float):
-        text = f"{r.value:.1f}{unit}"
-    else:
-        text = f"{r.value}{unit}"
-    return f"{mark}{text}"
-
 
 # What a backend-wide failure means for a user, beside NVML's own words.
 BACKEND_HINTS: dict[Reason, str] = {
@@ -581,16 +450,6 @@ def _gpu_lines(snapshot: Snapshot, selected: str | None) -> list[str]:
     return lines
 
 
-def gtt_text(extra: Mapping[str, Reading]) -> str:
-    """amdgpu GTT (system memory the GPU has mapped) as one line."""
-    return (
-        "GTT (system memory mapped by the GPU) used "
-        + fmt_reading(extra.get("gtt_used_bytes"), as_bytes=True, reason=True)
-        + " / "
-        + fmt_reading(extra.get("gtt_total_bytes"), as_bytes=True, reason=True)
-    )
-
-
 PROCESS_COLUMNS = ("PID", "NAME", "GPU", "VRAM", "RAM", "CPU%", "RUNTIMES", "CATEGORY", "MODEL")
 
 
@@ -620,87 +479,6 @@ def process_cells(p: ProcGpu, lookup: ProcHostLookup, snapshot: Snapshot) -> tup
         p.detail.category or "",
         model,
     )
-
-
-def model_mark(m: ModelRef) -> str:
-    """``[api✓]`` confirmed, ``[mapped?]`` one corroborating source, ``[path-arg]``
-    informational; ``…`` while the API/header/log look is still running."""
-    if m.confirmed:
-        tag = f"[{m.evidence}✓]"
-    elif m.status == "informational" or m.evidence in ("path-arg", "installed"):
-        tag = f"[{m.evidence}]"
-    else:
-        tag = f"[{m.evidence}?]"
-    return tag + ("…" if m.pending else "")
-
-
-def model_cell(p: ProcGpu) -> str:
-    """The MODEL column: the model's name with its evidence marker, else an app's selected
-    model (a setting, not residency), else mapped model file names."""
-    if p.model is not None:
-        return f"{p.model.name} {model_mark(p.model)}"
-    selected = getattr(p.app_model, "selected", None)
-    if selected:
-        return f"{selected} [selected]"
-    return ",".join(f.rsplit("/", 1)[-1] for f in p.detail.model_files)
-
-
-def _count(n: int | None) -> str:
-    if n is None:
-        return NA
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.1f}{unit}"
-    return str(n)
-
-
-def model_lines(p: ProcGpu) -> list[str]:
-    """The model and its weights / KV / compute / other split, for --once and the inspector.
-    Each part shows its reading with provenance marker and source, then the alternatives."""
-    m, v = p.model, p.breakdown
-    lines: list[str] = []
-    if m is not None:
-        status = m.status or ("confirmed" if m.confirmed else "unconfirmed")
-        lines.append(f"model {m.name} {model_mark(m)}")
-        lines.append(f"  evidence {m.evidence} ({status}: {'+'.join(m.sources) or m.evidence})")
-        if m.store:
-            lines.append(f"  name from the {m.store} store (a name, not evidence)")
-        if m.path:
-            lines.append(f"  path {m.path}")
-        if m.api_endpoint:
-            lines.append(f"  {m.api_runtime} API on {m.api_endpoint} (GET only)")
-        elif m.api_errors:
-            lines.append(f"  API probe: {m.api_errors[0]}")
-        if m.header_error:
-            lines.append(f"  GGUF header: {m.header_error}")
-        if m.pending:
-            lines.append("  looking at API, header and logs…")
-        elif m.status == "informational":
-            lines.append("  path-arg only: informational, no breakdown")
-    app = p.app_model
-    if app is not None and getattr(app, "selected", None) is not None:
-        lines.append(f"{app.app}: selected model {app.selected} (a setting, not residency)")  # type: ignore[attr-defined]
-    if v is None or isinstance(v, Mapping):
-        return lines
-    vv: Any = v
-    lines.append(
-        f"  {vv.architecture or 'n/a'} {vv.file_type or ''}  params {_count(vv.parameter_count)}"
-        f"  n_ctx {NA if vv.n_ctx is None else vv.n_ctx}"
-        + (f" ({vv.n_ctx_source})" if vv.n_ctx_source else "")
-        + ("  owner ?" if vv.owner_marker else "")
-    )
-    for part in vv.parts:
-        r = part.reading
-        text = fmt_reading(r, as_bytes=True, reason=True) + (part.marker or "")
-        lines.append(f"  {part.name:<8} {text}  [{r.kind}, {r.source}]")
-        for a in part.alternatives:
-            lines.append(f"           or {fmt_reading(a, as_bytes=True)}  [{a.kind}, {a.source}]")
-    if vv.reported_total is not None:
-        lines.append(f"  runtime-reported total {fmt_bytes(vv.reported_total)}")
-    if vv.estimated_total is not None:
-        lines.append(f"  estimated total {fmt_bytes(vv.estimated_total)} (never added to measured)")
-    lines += [f"  note: {n}" for n in vv.notes]
-    return lines
 
 
 def sort_key_vram(p: ProcGpu) -> float:
@@ -761,7 +539,8 @@ def render_text(
     snapshot: Snapshot, system: object | None = None, selected_gpu: int | None = None
 ) -> str:
     """The ``--once`` report: GPUs, processes, problems, then the system panel."""
-    when = _dt.datetime.fromtimestamp(snapshot.taken, tz=_dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    utc = _utc(snapshot.taken)
+    when = NA if utc is None else utc.strftime("%Y-%m-%d %H:%M:%S")
     out = [f"gputaskman {__version__}  {when} UTC  backend {snapshot.backend}"]
     if snapshot.driver_version:
         out[0] += f"  driver {snapshot.driver_version}"

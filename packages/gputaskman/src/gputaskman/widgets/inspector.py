@@ -31,11 +31,13 @@ def inspect_text(p: ProcGpu | None, snapshot: Snapshot | None, system: object | 
     d = p.detail
     lookup = report.proc_host_lookup(system)
     host = lookup(p.pid, p.create_time) or {}
-    started = (
-        "n/a"
-        if p.create_time is None
-        else dt.datetime.fromtimestamp(p.create_time, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    )
+    started = "n/a"
+    if p.create_time is not None:
+        try:
+            when = dt.datetime.fromtimestamp(p.create_time, tz=dt.UTC)
+            started = when.strftime("%Y-%m-%d %H:%M:%S UTC")
+        except (ValueError, OverflowError, OSError):  # a replayed file may hold any number
+            started = f"n/a (unreadable start time {p.create_time!r})"
     lines = [
         f"PID {p.pid}  {p.name or 'n/a'}",
         f"started {started}",
