@@ -476,3 +476,20 @@ def test_connections_beyond_the_limit_are_refused_others_keep_working(serve):
         send_req(s, 0, cookie=1, offset=0, length=4096)
         assert recv_reply(s, 4096) == (1, 0, bytes(4096))
         s.close()
+
+
+def test_client_that_never_negotiates_is_dropped(serve, monkeypatch):
+    import duvm.nbdserver as nbdserver
+
+    monkeypatch.setattr(nbdserver, "HANDSHAKE_TIMEOUT", 0.3)
+    srv = serve(MemoryStore(MiB))
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(srv.path)
+    assert recv_exact(s, 18)[:8] == b"NBDMAGIC"
+    assert closed_by_server(s, timeout=5)  # said nothing: dropped after the timeout
+    s.close()
+    good = raw_connect(srv.path)  # a negotiating client is not affected
+    time.sleep(0.5)
+    send_req(good, 0, cookie=4, offset=0, length=4096)
+    assert recv_reply(good, 4096) == (4, 0, bytes(4096))
+    good.close()

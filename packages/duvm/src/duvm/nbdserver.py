@@ -34,6 +34,7 @@ import errno
 import logging
 import os
 import socket
+import stat
 from collections.abc import Coroutine
 from functools import partial
 from typing import Any
@@ -54,6 +55,7 @@ from duvm.storage import BlockStore, StorageError
 
 log = logging.getLogger("duvm.nbd")
 
+HANDSHAKE_TIMEOUT = 30.0  # seconds a client may take to negotiate
 _SOCK_BUF = 4 << 20  # whole large replies fit, so one send per batch
 _PACK_REPLY = C.SIMPLE_REPLY.pack
 _REPLY_MAGIC = C.SIMPLE_REPLY_MAGIC
@@ -152,8 +154,6 @@ class NBDServer:
 
 
 def _is_socket(path: str) -> bool:
-    import stat
-
     return stat.S_ISSOCK(os.lstat(path).st_mode)
 
 
@@ -170,7 +170,8 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._hs: Handshake | None = Handshake([server.export])
         self._hs_buf = bytearray(4096)
         self._dec: TransmissionDecoder | None = None
-        self._loop = asyncio.get_event_loop()
+        self._loop = asyncio.get_running_loop()
+        self._hs_timer: asyncio.TimerHandle | None = None
         # reply batching
         self._segments: list[bytes | memoryview] = []
         self._held: list[memoryview] = []  # buffers the transport may still be sending from
@@ -210,9 +211,18 @@ class NBDConnection(asyncio.BufferedProtocol):
             return
         assert self._hs is not None
         self.transport.write(self._hs.data_to_send())
+        # A client that never finishes negotiating must not hold a connection slot forever.
+        self._hs_timer = self._loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_timeout)
+
+    def _handshake_timeout(self) -> None:
+        if self._dec is None and self.transport is not None:
+            self.stats.protocol_errors += 1
+            self.abort(f"no NBD handshake within {HANDSHAKE_TIMEOUT:g} s")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        if self._hs_timer is not None:
+            self._hs_timer.cancel()
         self.server._connections.discard(self)
         self.transport = None
         self._segments.clear()
@@ -267,6 +277,8 @@ class NBDConnection(asyncio.BufferedProtocol):
             assert hs.export is not None
             self._dec = TransmissionDecoder(hs.export, self.pool)
             self._hs = None
+            if self._hs_timer is not None:
+                self._hs_timer.cancel()
             if hs.trailing:
                 self._dec.receive_data(hs.trailing)
                 self._process()
