@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import logging
 import os
 import re
@@ -57,7 +58,7 @@ async def raw_exchange(addr: tuple[str, int], wire: bytes, replies: int = 1
 async def test_store_load_free_round_trip_with_batches(server: MemServer) -> None:
     c = MemClient(*server.addr, "node-a/nbd0/1")
     hello = await c.connect()
-    assert (hello.version, hello.resumed, hello.capacity_pages) == (1, False, 1024)
+    assert (hello.version, hello.resumed, hello.capacity_pages) == (2, False, 1024)
     await c.reserve(100)
     data = os.urandom(64 * PS)
     await c.store(range(1000, 1064), data)
@@ -248,18 +249,20 @@ async def test_empty_namespace_is_dropped_at_disconnect(server: MemServer) -> No
 
 
 async def test_version_mismatch_is_refused_clearly(server: MemServer) -> None:
-    got, closed = await raw_exchange(server.addr, pp.encode_bytes(pp.Hello(1, "x", 2, 3)))
+    # a version-1 client (HELLO without nonce) is told why, then disconnected
+    v1 = pp.frame_header(pp.MsgType.HELLO, 1, 9) + struct.pack("<HHHH", 1, 1, 1, 0) + b"x"
+    got, closed = await raw_exchange(server.addr, v1)
     assert closed and len(got) == 1
     err = got[0]
     assert isinstance(err, pp.ErrorReply) and err.code == pp.ErrorCode.VERSION
-    assert "client speaks 2..3, server 1..1" in err.message
+    assert "client speaks 1..1, server 2..2" in err.message
 
 
 async def test_request_before_hello_closes(server: MemServer, caplog) -> None:
     caplog.set_level(logging.WARNING, "duvm.memserver")
     got, closed = await raw_exchange(server.addr, pp.encode_bytes(pp.make_load(1, [1])))
     assert closed and got == []
-    assert "Load before HELLO" in caplog.text
+    assert "Load before authentication" in caplog.text
 
 
 async def test_status_needs_no_hello(server: MemServer) -> None:
@@ -274,8 +277,8 @@ async def test_status_needs_no_hello(server: MemServer) -> None:
         (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
         (pp.HEADER.pack(pp.MAGIC, pp.MsgType.STORE, 0, 1, 0, 1 << 30), "exceeds the limit"),
         (pp.encode_bytes(pp.Hello(1, "g")) + pp.encode_bytes(pp.Hello(2, "g")), "second HELLO"),
-        (pp.encode_bytes(pp.Hello(1, "g")) + pp.encode_bytes(pp.make_store(2, [1], bytes(PS)))[:-7],
-         "closed inside a frame"),
+        (pp.encode_bytes(pp.Hello(1, "g")) + pp.encode_bytes(pp.Auth(2, bytes(32)))
+         + pp.encode_bytes(pp.make_store(3, [1], bytes(PS)))[:-7], "closed inside a frame"),
     ],
     ids=["garbage", "oversized", "second-hello", "truncated"],
 )
@@ -373,7 +376,9 @@ async def test_cli_serves_and_stops_cleanly_on_sigterm() -> None:
         (["--listen", "127.0.0.1:0", "--capacity", "lots"], "not a size"),
         (["--listen", "127.0.0.1:0", "--capacity", "100"], "less than one page"),
         (["--listen", "127.0.0.1:0", "--capacity", "8M", "--lease", "0"], "must be positive"),
-        (["--listen", "192.0.2.1:0", "--capacity", "8M"], "cannot listen on 192.0.2.1:0"),
+        (["--listen", "192.0.2.1:0", "--capacity", "8M", "--insecure"],
+         "cannot listen on 192.0.2.1:0"),
+        (["--listen", "192.0.2.1:0", "--capacity", "8M"], "without authentication"),
         (["--listen", "127.0.0.1:0", "--capacity", "64T"], "exceeds this node's available"),
     ],
 )

@@ -18,7 +18,16 @@ Theory of operation:
   reconnect finds the namespace gone (lease expired, server restarted) the client restores the
   reservation and counts the loss in `namespace_losses`; the pages themselves are gone, and a
   LOAD of them is refused (NOT_FOUND), never answered with other bytes.
-- Dead peers are detected by TCP keepalive and TCP_USER_TIMEOUT, not by per-request timers.
+- Dead peers are detected by TCP keepalive and TCP_USER_TIMEOUT, not by per-request timers;
+  a caller that wants a tighter bound (RemoteStore's watchdog) reads `stalled_for()` and calls
+  `abort()`, which fails the pending requests like a lost connection.
+- Circuit breaker: a failed connect (or an abort) opens the breaker for a backoff that doubles
+  with each consecutive failure (`BACKOFF_MIN`..`BACKOFF_MAX`, with jitter). While it is open,
+  requests fail at once with MemserverUnreachable instead of each waiting for a connect timeout,
+  so replicated callers fail over without stalling the kernel. The first request (or `probe()`)
+  after the backoff is the half-open trial; a successful HELLO closes the breaker.
+- `on_namespace_lost(client)` (optional) is called when a reconnect finds the namespace gone,
+  before the reservation is restored, so the owner can mark the pages it held as lost.
 """
 
 from __future__ import annotations
@@ -28,11 +37,15 @@ import contextlib
 import dataclasses
 import json
 import logging
+import random
+import secrets
 import socket
-from collections.abc import Awaitable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from duvm import pageproto as pp
+from duvm.auth import AuthError, PeerSecurity, answer_challenge, default_token, start_handshake
 from duvm.pageproto import PAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -43,11 +56,18 @@ USER_TIMEOUT_MS = 15000  # unacknowledged data this long -> the connection is de
 # per-request cost for small requests, small enough that a reply can be delivered (and the
 # next frame received) while others are still in flight.
 MERGE_PAGES = 64
+BACKOFF_MIN = 0.1  # seconds the breaker stays open after the first failure
+BACKOFF_MAX = 5.0  # ... and at most, however many failures follow
 
 
 _STORE, _LOAD, _FREE = int(pp.MsgType.STORE), int(pp.MsgType.LOAD), int(pp.MsgType.FREE)
 _STORE_REPLY, _LOAD_REPLY = _STORE | pp.REPLY_BIT, _LOAD | pp.REPLY_BIT
 _PER_KEY_ERRORS = (pp.ErrorCode.NOT_FOUND, pp.ErrorCode.NO_SPACE)
+
+
+# Security for MemClients built without `security=` (set once by the daemon from its flags,
+# so stores that build clients, such as RemoteStore, need no extra argument).
+default_security: PeerSecurity | None = None
 
 
 class PageServerError(Exception):
@@ -118,6 +138,7 @@ class _ClientProto(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         dec, pending = self.decoder, self.client._pending
+        self.client._last_rx = time.monotonic()  # progress: the stall watchdog reads it
         dec.buffer_updated(nbytes)
         try:
             while True:
@@ -189,9 +210,14 @@ class MemClient:
     """
 
     def __init__(self, host: str, port: int, client_id: str, *, connect_timeout: float = 5.0,
-                 retries: int = 1) -> None:  # fmt: skip
+                 retries: int = 1, security: PeerSecurity | None = None,
+                 token: bytes | None = None) -> None:  # fmt: skip
         pp.Hello(0, client_id)  # validates the id early
         self.host, self.port, self.client_id = host, port, client_id
+        # Authentication (duvm.auth): secret and/or TLS, and the token that owns our namespace
+        # on the memserver; kept for every reconnect, so a reconnect finds the namespace again.
+        self.security = security if security is not None else default_security
+        self.token = token if token is not None else default_token(client_id)
         self.peer = f"{host}:{port}"
         self.connect_timeout = connect_timeout
         self.retries = retries
@@ -209,12 +235,59 @@ class MemClient:
         self._reserved: int | None = None  # last reservation we asked for
         self._reconnecting: asyncio.Task | None = None
         self._closed = False
+        self.on_namespace_lost: Callable[[MemClient], None] | None = None
+        # circuit breaker and stall detection
+        self.failures = 0  # consecutive failed connects/aborts; 0 once a HELLO succeeds
+        self.breaker_trips = 0  # times the breaker opened (status)
+        self._breaker_until = 0.0  # monotonic time before which no connect is tried
+        self._busy_since = 0.0  # when requests were last sent with none pending
+        self._last_rx = 0.0  # when bytes last arrived
 
     # --- connection ---
 
     @property
     def connected(self) -> bool:
         return self._proto is not None and self.hello is not None
+
+    @property
+    def circuit_open(self) -> bool:
+        """True while the breaker refuses to try connecting (backoff after failures)."""
+        return not self.connected and time.monotonic() < self._breaker_until
+
+    def _trip(self) -> None:
+        """Count a failure and open the breaker for an exponential, jittered backoff."""
+        self.failures += 1
+        self.breaker_trips += 1
+        delay = min(BACKOFF_MAX, BACKOFF_MIN * 2 ** min(self.failures - 1, 16))
+        self._breaker_until = time.monotonic() + delay * random.uniform(0.75, 1.25)
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds requests have been outstanding with no byte received (0 when idle)."""
+        if not self._pending or self._proto is None:
+            return 0.0
+        return now - max(self._busy_since, self._last_rx)
+
+    def abort(self, reason: str) -> None:
+        """Drop the connection now (a stalled peer): pending requests fail as on a lost
+        connection, and the breaker opens so retries fail fast instead of waiting."""
+        proto = self._proto
+        if proto is None or proto.transport is None:
+            return
+        log.warning("memserver %s: %s; dropping the connection", self.peer, reason)
+        self._trip()
+        proto.transport.abort()
+
+    async def probe(self) -> bool:
+        """Try to (re)connect if the breaker allows; True when connected afterwards."""
+        if self.connected:
+            return True
+        if self._closed or self.circuit_open:
+            return False
+        try:
+            await self._ensure_connected()
+        except (MemserverUnreachable, PageServerError):
+            return False
+        return self.connected
 
     @property
     def max_batch(self) -> int:
@@ -226,16 +299,25 @@ class MemClient:
         self._closed = False
         loop = self._loop = asyncio.get_running_loop()
         try:
+            tls = self.security.tls if self.security is not None else None
             _, proto = await asyncio.wait_for(
-                loop.create_connection(lambda: _ClientProto(self), self.host, self.port),
+                loop.create_connection(lambda: _ClientProto(self), self.host, self.port,
+                                       ssl=tls, server_hostname=self.host if tls else None),
                 self.connect_timeout,
             )
-        except (TimeoutError, OSError) as e:
+        except (TimeoutError, OSError) as e:  # ssl.SSLError is an OSError
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else e.strerror or e
             raise MemserverUnreachable(f"cannot reach memserver {self.peer}: {reason}") from None
         self._proto = proto
         try:
-            reply = await self._request(pp.Hello(0, self.client_id))
+            hello, state = start_handshake(self.client_id, self.security, self.token)
+            challenge = await self._request(hello)
+            reply = await self._request(answer_challenge(challenge, state, self.security,
+                                                         self.peer))  # fmt: skip
+        except AuthError as e:
+            proto.transport.abort()
+            self._proto = None
+            raise PageServerError(pp.ErrorCode.AUTH, str(e)) from None
         except BaseException:
             proto.transport.abort()
             self._proto = None
@@ -248,7 +330,11 @@ class MemClient:
             self.namespace_losses += 1
             log.error("memserver %s lost namespace %r (lease expired or restart): its pages are "
                       "gone; restoring the reservation", self.peer, self.client_id)  # fmt: skip
+            if self.on_namespace_lost is not None:
+                self.on_namespace_lost(self)
             await self._request(pp.Reserve(0, self._reserved))
+        self.failures = 0
+        self._breaker_until = 0.0
         return reply
 
     async def close(self) -> None:
@@ -294,8 +380,19 @@ class MemClient:
         if self.connected:
             return
         if self._reconnecting is None or self._reconnecting.done():
-            self._reconnecting = asyncio.ensure_future(self.connect())
+            if time.monotonic() < self._breaker_until:
+                raise MemserverUnreachable(
+                    f"memserver {self.peer} is failing ({self.failures} consecutive failures); "
+                    f"next try in {self._breaker_until - time.monotonic():.1f} s")
+            self._reconnecting = asyncio.ensure_future(self._reconnect())
         await asyncio.shield(self._reconnecting)
+
+    async def _reconnect(self) -> None:
+        try:
+            await self.connect()
+        except MemserverUnreachable:
+            self._trip()
+            raise
 
     # --- requests ---
 
@@ -306,6 +403,8 @@ class MemClient:
         # The loop is cached: get_running_loop() costs a getpid() syscall on Python 3.11.
         loop = self._loop
         fut = loop.create_future()
+        if not self._pending:  # the stall watchdog measures from here
+            self._busy_since = time.monotonic()
         if mtype in (_STORE, _LOAD):
             b = self._open
             if (b is None or b.mtype != mtype
@@ -482,10 +581,25 @@ class MemClient:
         return res
 
 
-async def query_status(host: str, port: int, *, timeout: float = 5.0) -> dict:
+async def query_status(host: str, port: int, *, timeout: float = 5.0,
+                       security: PeerSecurity | None = None) -> dict:  # fmt: skip
     """One memserver's STATUS without joining any namespace (monitoring, `duvm status`).
-    Raises MemserverUnreachable when it cannot be reached within `timeout`."""
+    Raises MemserverUnreachable when it cannot be reached within `timeout`. With a secret or
+    TLS (`security`, else `default_security`) it authenticates first, under a throwaway
+    client id that holds nothing."""
     peer = f"{host}:{port}"
+    security = security if security is not None else default_security
+    if security is not None and (security.keyring is not None or security.tls is not None):
+        client = MemClient(host, port, f"status-{secrets.token_hex(8)}", connect_timeout=timeout,
+                           retries=0, security=security)  # fmt: skip
+        try:
+            async with asyncio.timeout(timeout):
+                await client.connect()
+                return await client.status()
+        except TimeoutError:
+            raise MemserverUnreachable(f"cannot reach memserver {peer}: timed out") from None
+        finally:
+            await client.close()
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)

@@ -12,6 +12,15 @@ Theory of operation:
   kernel copies received bytes straight into the decoder's preallocated buffer, STORE data is
   copied from there into arena slots, and every reply produced while handling one read is sent
   with a single `writelines` (one writev), so a pipelined burst costs one syscall each way.
+- Every connection authenticates before anything else (docs/protocol.md, duvm.auth): HELLO,
+  the server's CHALLENGE with its proof, the client's AUTH proof, then WELCOME. Until then the
+  connection decodes with a 512-byte buffer (not a 4 MiB frame buffer), must finish within
+  `handshake_timeout`, and is one of at most `max_handshakes`; when that many are pending the
+  oldest is dropped, so a flood of idle or slow connections delays a real client by at most
+  one handshake slot instead of locking it out. Authenticated connections are capped at
+  `max_connections`. A namespace belongs to the token of the client that created it: a HELLO
+  naming someone else's client id with another token is DENIED, so one client can never reach
+  another's pages, whatever ids it sends (keys only ever index the connection's namespace).
 - A namespace outlives its connections for a lease (default 60 s): a client that reconnects
   with the same client id within the lease finds its pages and reservation; when the lease runs
   out both are freed. A frame that breaks the protocol closes that one connection with a logged
@@ -22,16 +31,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import signal
+import ssl
 import struct
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from duvm import auth
 from duvm import pageproto as pp
 from duvm.arena import PAGE_SIZE, Arena
 from duvm.memclient import tune_socket
@@ -47,6 +60,9 @@ _FREE_REPLY = _FREE | pp.REPLY_BIT
 _FREE_BODY = struct.Struct("<II").pack
 
 DEFAULT_LEASE_S = 60.0
+DEFAULT_MAX_CONNECTIONS = 256  # authenticated; each holds a ~4.3 MiB receive buffer
+DEFAULT_MAX_HANDSHAKES = 64  # unauthenticated; each holds ~0.5 KiB
+DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
 SUPPORTED_VERSIONS = (pp.MIN_VERSION, pp.PROTOCOL_VERSION)
 
 
@@ -55,6 +71,7 @@ class Namespace:
     """One attached device of one node: its pages (key -> arena slot) and its reservation."""
 
     client_id: str
+    owner: bytes = b""  # digest of the creating client's namespace token
     reserved: int = 0
     pages: dict[int, int] = field(default_factory=dict)
     connections: int = 0
@@ -86,6 +103,7 @@ class PageStore:
         self.reserved_total = 0
         self.connections = 0
         self.started = time.monotonic()
+        self.extra_status: Any = None  # callable adding the server's fields to STATUS
         # requests and pages served, by kind (STATUS reports them)
         self.counters = {"store_requests": 0, "load_requests": 0, "free_requests": 0,
                          "pages_stored": 0, "pages_loaded": 0, "pages_freed": 0,
@@ -95,12 +113,16 @@ class PageStore:
     def capacity_pages(self) -> int:
         return self.arena.slots
 
-    def attach(self, client_id: str) -> tuple[Namespace, bool]:
-        """A connection said HELLO: find (resumed=True) or create its namespace."""
+    def attach(self, client_id: str, owner: bytes = b"") -> tuple[Namespace, bool]:
+        """An authenticated connection joins its namespace: found (resumed=True) or created.
+        Refused (DENIED) when it exists and belongs to another token."""
         ns = self.namespaces.get(client_id)
         resumed = ns is not None
+        if ns is not None and not auth.verify(ns.owner, owner):
+            raise Refused(pp.ErrorCode.DENIED, f"namespace {client_id!r} belongs to another "
+                          "client (namespace token differs)")  # fmt: skip
         if ns is None:
-            ns = self.namespaces[client_id] = Namespace(client_id)
+            ns = self.namespaces[client_id] = Namespace(client_id, owner)
         if ns.timer is not None:
             ns.timer.cancel()
             ns.timer = None
@@ -258,6 +280,7 @@ class PageStore:
                 for ns in list(self.namespaces.values())[:1000]
             ],
             "namespaces_total": len(self.namespaces),
+            **({"security": self.extra_status()} if self.extra_status else {}),
         }
 
     def close(self) -> None:
@@ -268,16 +291,24 @@ class PageStore:
 
 
 class _Conn(asyncio.BufferedProtocol):
-    """One client connection: decode requests, handle them, batch the replies."""
+    """One client connection: authenticate, then decode requests, handle them, batch replies."""
 
     def __init__(self, server: MemServer) -> None:
         self.server = server
         self.store = server.store
-        self.decoder = pp.Decoder("server")
+        # Small until authenticated: an unauthenticated peer costs HANDSHAKE_FRAME bytes.
+        self.decoder = pp.Decoder("server", pp.HANDSHAKE_FRAME, slack=0)
         self.transport: asyncio.Transport | None = None
         self.ns: Namespace | None = None
         self.peer = "?"
         self.closing = False
+        self.authed = False
+        self.tls_verified = False  # the peer presented a certificate our CA signed
+        self.last_active = 0.0
+        self._hello: pp.Hello | None = None
+        self._nonce_s = b""
+        self._secret: bytes | None = None
+        self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # uvloop: not a subclass
         self.transport = transport  # type: ignore[assignment]
@@ -285,15 +316,31 @@ class _Conn(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             tune_socket(sock)
+        self.tls_verified = transport.get_extra_info("peercert") is not None
         self.store.connections += 1
         self.server.conns.add(self)
+        self.last_active = time.monotonic()
+        self.server._pending_add(self)
+        self._deadline = asyncio.get_running_loop().call_later(
+            self.server.handshake_timeout, self._handshake_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.store.connections -= 1
         self.server.conns.discard(self)
+        self.server.pending.pop(self, None)
+        if self._deadline is not None:
+            self._deadline.cancel()
         if self.ns is not None:
             self.store.detach(self.ns, asyncio.get_running_loop())
             self.ns = None
+
+    def _handshake_expired(self) -> None:
+        if not self.authed and not self.closing:
+            log.warning("closing connection from %s: no authentication within %gs", self.peer,
+                        self.server.handshake_timeout)  # fmt: skip
+            self.server.counters["handshake_timeouts"] += 1
+            self.closing = True
+            self.transport.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.decoder.get_buffer(sizehint)
@@ -301,6 +348,8 @@ class _Conn(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         dec, out, store = self.decoder, [], self.store
         dec.buffer_updated(nbytes)
+        if self.server.idle_timeout is not None:
+            self.last_active = time.monotonic()
         try:
             while not self.closing:
                 frame = dec.next_frame()
@@ -323,6 +372,8 @@ class _Conn(asyncio.BufferedProtocol):
                         out.append(_header(_FREE_REPLY, req_id, 8) + _FREE_BODY(n, 0))
                     else:
                         out += pp.encode(self._dispatch(pp.decode_frame(*frame)))
+                        if self.authed and dec.max_frame == pp.HANDSHAKE_FRAME:
+                            dec = self._grow_decoder()
                 except Refused as e:
                     store.counters["refused"] += 1
                     out += pp.encode(pp.ErrorReply(req_id, pp.MsgType(mtype), e.code, str(e)))
@@ -338,6 +389,14 @@ class _Conn(asyncio.BufferedProtocol):
         if self.closing:
             self.transport.close()
 
+    def _grow_decoder(self) -> pp.Decoder:
+        """Authenticated: switch to a full-size decoder, keeping bytes already received."""
+        rest = self.decoder.take_pending()
+        self.decoder = pp.Decoder("server")
+        if rest:
+            self.decoder.receive_data(rest)
+        return self.decoder
+
     def eof_received(self) -> bool:
         if self.decoder.buffered:
             log.warning("closing connection from %s: closed inside a frame (%d bytes pending)",
@@ -352,17 +411,26 @@ class _Conn(asyncio.BufferedProtocol):
         self.transport.close()
 
     def _dispatch(self, msg: pp.Message) -> pp.Reply:
-        """The requests off the hot path (and hot ones arriving before HELLO)."""
+        """The requests off the hot path (and hot ones arriving before authentication)."""
         ns, store = self.ns, self.store
         if isinstance(msg, pp.Status):
+            if not self.authed and self.server.auth_required:
+                # STATUS names the namespaces and their sizes: only for authenticated peers.
+                return self._refuse(msg.req_id, pp.MsgType.STATUS, pp.ErrorCode.AUTH,
+                                    "authentication required before STATUS")  # fmt: skip
             body = json.dumps(store.status(), separators=(",", ":")).encode()
             return pp.StatusReply(msg.req_id, body)
         if isinstance(msg, pp.Hello):
-            if ns is not None:
+            if self._hello is not None:
                 raise pp.RemoteProtocolError("second HELLO on one connection")
-            return self._hello(msg)
+            return self._on_hello(msg)
+        if isinstance(msg, pp.Auth):
+            if self._hello is None or self.authed:
+                raise pp.RemoteProtocolError("AUTH without a pending HELLO")
+            return self._on_auth(msg)
         if ns is None:
-            raise pp.RemoteProtocolError(f"{type(msg).__name__} before HELLO")
+            self.server.counters["unauthenticated_requests"] += 1
+            raise pp.RemoteProtocolError(f"{type(msg).__name__} before authentication")
         if isinstance(msg, pp.Reserve):
             stored = store.reserve(ns, msg.pages)
             return pp.ReserveReply(msg.req_id, msg.pages, stored)
@@ -370,45 +438,154 @@ class _Conn(asyncio.BufferedProtocol):
             return pp.ReleaseReply(msg.req_id, store.release(ns))
         raise AssertionError(f"unhandled request {msg!r}")
 
-    def _hello(self, msg: pp.Hello) -> pp.Reply:
+    def _refuse(self, req_id: int, mtype: pp.MsgType, code: pp.ErrorCode, why: str,
+                detail: str = "") -> pp.ErrorReply:  # fmt: skip
+        """Reply, log (never a secret: only ids and reasons) and close after the reply."""
+        self.closing = True
+        log.warning("refusing %s: %s%s", self.peer, why, detail)
+        return pp.ErrorReply(req_id, mtype, code, why)
+
+    def _on_hello(self, msg: pp.Hello) -> pp.Reply:
         lo, hi = SUPPORTED_VERSIONS
         version = min(hi, msg.max_version)
-        if version < max(lo, msg.min_version):
-            self.closing = True  # the reply goes out, then the connection closes
-            log.warning("refusing %s: client speaks versions %d..%d, this server %d..%d",
-                        self.peer, msg.min_version, msg.max_version, lo, hi)  # fmt: skip
-            return pp.ErrorReply(msg.req_id, pp.MsgType.HELLO, pp.ErrorCode.VERSION,
-                                 "no common protocol version: client speaks "
-                                 f"{msg.min_version}..{msg.max_version}, "
-                                 f"server {lo}..{hi}")  # fmt: skip
-        ns, resumed = self.store.attach(msg.client_id)
-        self.ns = ns
+        if version < max(lo, msg.min_version) or not msg.nonce:
+            return self._refuse(msg.req_id, pp.MsgType.HELLO, pp.ErrorCode.VERSION,
+                                "no common protocol version: client speaks "
+                                f"{msg.min_version}..{msg.max_version}, server {lo}..{hi}")
+        self._hello = msg
+        self._nonce_s = auth.new_nonce()
+        kr = self.server.keyring
+        if kr is None:
+            return pp.Challenge(msg.req_id, version, False, self._nonce_s, auth.NO_KEY,
+                                bytes(pp.PROOF_SIZE))  # fmt: skip
+        secret = kr.lookup(msg.key_id)
+        if secret is None:
+            self.server.counters["auth_failures"] += 1
+            why = ("authentication required: no secret offered" if msg.key_id == auth.NO_KEY
+                   else "authentication failed: unknown key id")  # fmt: skip
+            return self._refuse(msg.req_id, pp.MsgType.HELLO, pp.ErrorCode.AUTH, why,
+                                f" (client id {msg.client_id!r}, key id {msg.key_id.hex()})")
+        self._secret = secret
+        proof = auth.proof(secret, "server", msg.nonce, self._nonce_s, msg.client_id, msg.token)
+        return pp.Challenge(msg.req_id, version, True, self._nonce_s, auth.key_id(secret), proof)
+
+    def _on_auth(self, msg: pp.Auth) -> pp.Reply:
+        hello, server = self._hello, self.server
+        assert hello is not None
+        if self._secret is not None:
+            want = auth.proof(self._secret, "client", hello.nonce, self._nonce_s,
+                              hello.client_id, hello.token)  # fmt: skip
+            if not auth.verify(want, msg.proof):
+                server.counters["auth_failures"] += 1
+                return self._refuse(msg.req_id, pp.MsgType.AUTH, pp.ErrorCode.AUTH,
+                                    "authentication failed: wrong proof",
+                                    f" (client id {hello.client_id!r})")  # fmt: skip
+        elif server.tls_client_auth and not self.tls_verified:
+            return self._refuse(msg.req_id, pp.MsgType.AUTH, pp.ErrorCode.AUTH,
+                                "authentication failed: no client certificate")
+        if sum(1 for c in server.conns if c.authed) >= server.max_connections:
+            return self._refuse(msg.req_id, pp.MsgType.AUTH, pp.ErrorCode.BUSY,
+                                f"too many connections (limit {server.max_connections})")
+        ns, resumed = self.store.attach(hello.client_id, auth.token_digest(hello.token))
+        self.ns, self.authed = ns, True
+        self._secret = None
+        server.pending.pop(self, None)
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         if resumed:
             log.info("%s resumed namespace %r (%d pages)", self.peer, ns.client_id, len(ns.pages))
+        version = min(SUPPORTED_VERSIONS[1], hello.max_version)
         return pp.HelloReply(msg.req_id, version, resumed, int(self.store.lease_s * 1000),
-                             self.decoder.max_frame, pp.MAX_BATCH, self.store.capacity_pages,
+                             pp.MAX_FRAME, pp.MAX_BATCH, self.store.capacity_pages,
                              ns.reserved, len(ns.pages))  # fmt: skip
 
 
 class MemServer:
-    """A memserver listening on TCP. `await start()` binds and returns (host, port)."""
+    """A memserver listening on TCP. `await start()` binds and returns (host, port).
+
+    `keyring`: cluster secrets; every connection must prove one (None: no secret check).
+    `tls`: a server SSL context (auth.server_tls_context); when it requires client
+    certificates, a verified certificate authenticates a client that has no secret.
+    """
 
     def __init__(self, capacity_bytes: int, *, lease_s: float = DEFAULT_LEASE_S,
-                 lock: bool = True) -> None:  # fmt: skip
+                 lock: bool = True, keyring: auth.Keyring | None = None,
+                 tls: ssl.SSLContext | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+                 idle_timeout: float | None = None) -> None:  # fmt: skip
         if capacity_bytes < PAGE_SIZE:
             raise ValueError(f"capacity must be at least one page ({PAGE_SIZE} bytes)")
+        if max_connections < 1 or max_handshakes < 1 or handshake_timeout <= 0:
+            raise ValueError("connection limits and the handshake timeout must be positive")
         self.store = PageStore(capacity_bytes // PAGE_SIZE, lease_s=lease_s, lock=lock)
+        self.keyring = keyring
+        self.tls = tls
+        self.tls_client_auth = tls is not None and tls.verify_mode == ssl.CERT_REQUIRED
+        self.max_connections = max_connections
+        self.max_handshakes = max_handshakes
+        self.handshake_timeout = handshake_timeout
+        self.idle_timeout = idle_timeout
         self.conns: set[_Conn] = set()
+        self.pending: OrderedDict[_Conn, None] = OrderedDict()  # unauthenticated, oldest first
+        self.counters = {"auth_failures": 0, "handshake_timeouts": 0, "handshakes_evicted": 0,
+                         "unauthenticated_requests": 0, "idle_closed": 0}  # fmt: skip
+        self.store.extra_status = self._security_status
         self._server: asyncio.base_events.Server | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    @property
+    def auth_required(self) -> bool:
+        return self.keyring is not None or self.tls_client_auth
+
+    def _security_status(self) -> dict:
+        return {"auth": "secret" if self.keyring else "tls" if self.tls_client_auth else "none",
+                "tls": self.tls is not None, "max_connections": self.max_connections,
+                "pending_handshakes": len(self.pending), **self.counters}  # fmt: skip
+
+    def set_keyring(self, keyring: auth.Keyring | None) -> None:
+        """Swap the accepted secrets (SIGHUP after a rotation step); live connections stay."""
+        self.keyring = keyring
+
+    def _pending_add(self, conn: _Conn) -> None:
+        """A new unauthenticated connection; when the slots are full, drop the oldest one."""
+        while len(self.pending) >= self.max_handshakes:
+            old, _ = self.pending.popitem(last=False)
+            self.counters["handshakes_evicted"] += 1
+            log.warning("dropping unauthenticated connection from %s: %d handshakes pending",
+                        old.peer, self.max_handshakes)  # fmt: skip
+            old.closing = True
+            if old.transport is not None:
+                old.transport.abort()
+        self.pending[conn] = None
+
+    def _sweep(self) -> None:
+        """Close authenticated connections idle longer than idle_timeout (when set)."""
+        assert self.idle_timeout is not None
+        cutoff = time.monotonic() - self.idle_timeout
+        for c in list(self.conns):
+            if c.authed and c.last_active < cutoff and c.transport is not None:
+                log.info("closing idle connection from %s", c.peer)
+                self.counters["idle_closed"] += 1
+                c.transport.close()
+        loop = asyncio.get_running_loop()
+        self._sweeper = loop.call_later(max(0.05, self.idle_timeout / 4), self._sweep)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Conn(self), host, port,
-                                                reuse_address=True, backlog=128)  # fmt: skip
+        self._server = await loop.create_server(
+            lambda: _Conn(self), host, port, reuse_address=True, backlog=128, ssl=self.tls,
+            ssl_handshake_timeout=self.handshake_timeout if self.tls else None)
+        if self.idle_timeout is not None:
+            self._sweeper = loop.call_later(max(0.05, self.idle_timeout / 4), self._sweep)
         addr = self._server.sockets[0].getsockname()
         return addr[0], addr[1]
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
             for conn in list(self.conns):
@@ -433,7 +610,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_LEASE_S:g})")  # fmt: skip
     parser.add_argument("--no-mlock", action="store_true",
                         help="do not lock the arena in RAM")  # fmt: skip
+    sec = parser.add_argument_group("security (see README: Security)")
+    sec.add_argument("--secret-file", metavar="PATH",
+                     help="cluster secret(s), one per line, mode 0600 (`duvm secret generate`); "
+                     "every client must prove one. SIGHUP re-reads it (rotation)")  # fmt: skip
+    sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate")
+    sec.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    sec.add_argument("--tls-ca", metavar="PEM",
+                     help="cluster CA: clients must present a certificate it signed (mutual "
+                     "TLS; authenticates clients without --secret-file)")  # fmt: skip
+    sec.add_argument("--insecure", action="store_true",
+                     help="allow serving a non-loopback address without any authentication")
+    sec.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                     help=f"authenticated connections (default {DEFAULT_MAX_CONNECTIONS})")
+    sec.add_argument("--max-handshakes", type=int, default=DEFAULT_MAX_HANDSHAKES, metavar="N",
+                     help="unauthenticated connections; the oldest is dropped beyond this "
+                     f"(default {DEFAULT_MAX_HANDSHAKES})")  # fmt: skip
+    sec.add_argument("--handshake-timeout", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT_S,
+                     metavar="SECONDS", help="time to authenticate "
+                     f"(default {DEFAULT_HANDSHAKE_TIMEOUT_S:g})")  # fmt: skip
+    sec.add_argument("--idle-timeout", type=float, metavar="SECONDS",
+                     help="close authenticated connections idle this long (default: never; a "
+                     "swap device may rightly be idle for hours)")  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="log every connection")
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (where only local processes can connect)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def security_from_args(args: argparse.Namespace, host: str) -> tuple[auth.Keyring | None,
+                                                                     ssl.SSLContext | None]:
+    """Keyring and TLS context from the flags; ValueError/SecretError/OSError with a reason.
+    Refuses to serve a network address with no authentication unless --insecure."""
+    keyring = auth.Keyring.from_file(args.secret_file) if args.secret_file else None
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        tls = auth.server_tls_context(args.tls_cert, args.tls_key, args.tls_ca)
+    elif args.tls_ca:
+        raise ValueError("--tls-ca needs --tls-cert and --tls-key")
+    if keyring is None and not args.tls_ca and not is_loopback(host) and not args.insecure:
+        raise ValueError(f"refusing to serve {host} without authentication: pass --secret-file "
+                         "(or --tls-cert/--tls-key/--tls-ca), or --insecure to accept any peer")
+    return keyring, tls
 
 
 def mem_available() -> int | None:
@@ -455,21 +682,35 @@ def parse_listen(text: str) -> tuple[str, int]:
     return parse_hostport(text)
 
 
-async def _serve(server: MemServer, host: str, port: int) -> None:
+async def _serve(server: MemServer, host: str, port: int, secret_file: str | None = None
+                 ) -> None:  # fmt: skip
     bound = await server.start(host, port)
     st = server.store
     print(f"duvm memserver listening on {bound[0]}:{bound[1]} "
           f"capacity {st.capacity_pages} pages ({st.capacity_pages * PAGE_SIZE >> 20} MiB) "
-          f"locked {'yes' if st.arena.locked else 'no'} lease {st.lease_s:g}s",
+          f"locked {'yes' if st.arena.locked else 'no'} lease {st.lease_s:g}s "
+          f"auth {server._security_status()['auth']} tls {'yes' if server.tls else 'no'}",
           flush=True)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if secret_file:
+        loop.add_signal_handler(signal.SIGHUP, _reload_secrets, server, secret_file)
     try:
         await stop.wait()
     finally:
         await server.close()
+
+
+def _reload_secrets(server: MemServer, path: str) -> None:
+    try:
+        keyring = auth.Keyring.from_file(path)
+    except auth.SecretError as e:
+        log.error("SIGHUP: keeping the old secrets: %s", e)
+        return
+    server.set_keyring(keyring)
+    log.warning("SIGHUP: re-read %s: %d secret(s) accepted", path, len(keyring.secrets))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -482,8 +723,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"capacity {args.capacity!r} is less than one page ({PAGE_SIZE} B)")
         if args.lease <= 0:
             raise ValueError("--lease must be positive")
-    except ValueError as e:
+        keyring, tls = security_from_args(args, host)
+    except (ValueError, auth.SecretError) as e:
         print(f"duvm memserver: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ssl.SSLError) as e:
+        print(f"duvm memserver: cannot load TLS files: {e}", file=sys.stderr)
         return 2
     available = mem_available()
     if available is not None and capacity > available:
@@ -492,12 +737,16 @@ def run(args: argparse.Namespace) -> int:
               f"node's available memory ({available >> 20} MiB)", file=sys.stderr)  # fmt: skip
         return 1
     try:
-        server = MemServer(capacity, lease_s=args.lease, lock=not args.no_mlock)
-    except MemoryError as e:
+        server = MemServer(capacity, lease_s=args.lease, lock=not args.no_mlock,
+                           keyring=keyring, tls=tls, max_connections=args.max_connections,
+                           max_handshakes=args.max_handshakes,
+                           handshake_timeout=args.handshake_timeout,
+                           idle_timeout=args.idle_timeout)  # fmt: skip
+    except (MemoryError, ValueError) as e:
         print(f"duvm memserver: {e}", file=sys.stderr)
         return 1
     try:
-        run_loop(_serve(server, host, port))
+        run_loop(_serve(server, host, port, args.secret_file))
     except OSError as e:
         print(f"duvm memserver: cannot listen on {args.listen}: {e.strerror or e}",
               file=sys.stderr)  # fmt: skip

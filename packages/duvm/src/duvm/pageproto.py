@@ -15,6 +15,10 @@ Theory of operation (the wire format itself is specified in docs/protocol.md):
   carry memoryviews into it ("borrowed" data): they stay valid until the next `get_buffer` or
   `receive_data` call, which is when the buffer may be compacted. Servers copy page data
   straight from there into arena slots, clients straight into the caller's buffer.
+- Version 2 opens every connection with a mutual challenge-response (HELLO, its CHALLENGE
+  reply, AUTH, its WELCOME reply carrying the namespace state; see duvm.auth). The codec only
+  frames the fields; the proofs are computed and checked by the endpoints. A version-1 HELLO
+  (no nonce) still decodes, so a server can answer an old client with a VERSION refusal.
 - Two error kinds, as in h11: `LocalProtocolError` means this side misused the API (building a
   message with bad fields, feeding more bytes than fit); `RemoteProtocolError` means the peer
   sent something the protocol forbids. The right reaction to the latter is to close that one
@@ -33,8 +37,12 @@ from typing import Final
 
 PAGE_SIZE: Final = 4096
 MAGIC: Final = 0x4D565544  # b"DUVM" as a little-endian u32
-PROTOCOL_VERSION: Final = 1
-MIN_VERSION: Final = 1  # oldest version this codec speaks
+PROTOCOL_VERSION: Final = 2
+MIN_VERSION: Final = 2  # oldest version this codec speaks (1 had no authentication)
+NONCE_SIZE: Final = 32
+KEY_ID_SIZE: Final = 8
+PROOF_SIZE: Final = 32
+TOKEN_SIZE: Final = 32
 
 HEADER = struct.Struct("<IHHQII")  # magic, type, flags, request id, status, payload length
 HEADER_SIZE: Final = HEADER.size  # 24
@@ -57,6 +65,7 @@ class MsgType(IntEnum):
     LOAD = 5
     FREE = 6
     STATUS = 7
+    AUTH = 8
 
 
 class ErrorCode(IntEnum):
@@ -69,6 +78,8 @@ class ErrorCode(IntEnum):
     VERSION = 4  # no protocol version both sides speak
     BUSY = 5  # RESERVE would shrink below the pages stored
     INTERNAL = 6  # the server failed; the request had no effect
+    AUTH = 7  # authentication failed or is required (the connection then closes)
+    DENIED = 8  # the namespace belongs to another client (its token differs)
 
     def to_errno(self) -> int:
         return _ERRNO[self]
@@ -82,6 +93,8 @@ _ERRNO = {
     ErrorCode.VERSION: errno.EPROTONOSUPPORT,
     ErrorCode.BUSY: errno.EBUSY,
     ErrorCode.INTERNAL: errno.EIO,
+    ErrorCode.AUTH: errno.EACCES,
+    ErrorCode.DENIED: errno.EPERM,
 }
 
 
@@ -141,16 +154,31 @@ def _check_count(n: int, what: str, error: type[ProtocolError]) -> None:
 # --- messages -------------------------------------------------------------------------------
 
 
+def _check_bytes(value: bytes, size: int, name: str) -> None:
+    if type(value) is not bytes or len(value) != size:
+        raise LocalProtocolError(f"{name} must be {size} bytes")
+
+
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """First request on a connection: which versions the client speaks and whose pages it means."""
+    """First request on a connection: which versions the client speaks, whose pages it means,
+    its challenge nonce, the key id of the secret it proves itself with (zeros: none) and the
+    namespace token that owns `client_id` on this server. `nonce` is b"" only in a decoded
+    version-1 HELLO (answered with a VERSION refusal)."""
 
     req_id: int
     client_id: str
     min_version: int = MIN_VERSION
     max_version: int = PROTOCOL_VERSION
+    nonce: bytes = field(default=bytes(NONCE_SIZE), repr=False)
+    key_id: bytes = bytes(KEY_ID_SIZE)
+    token: bytes = field(default=bytes(TOKEN_SIZE), repr=False)
 
     def __post_init__(self) -> None:
+        if self.nonce or self.max_version >= 2:
+            _check_bytes(self.nonce, NONCE_SIZE, "nonce")
+            _check_bytes(self.key_id, KEY_ID_SIZE, "key id")
+            _check_bytes(self.token, TOKEN_SIZE, "namespace token")
         try:
             raw = self.client_id.encode("utf-8")
         except UnicodeEncodeError:
@@ -162,7 +190,38 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True)
+class Challenge:
+    """The reply to HELLO: the chosen version, the server's nonce and its proof (all zeros and
+    `auth_required` False when the server has no secret)."""
+
+    req_id: int
+    version: int
+    auth_required: bool
+    nonce: bytes = field(repr=False)
+    key_id: bytes
+    proof: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        _check_bytes(self.nonce, NONCE_SIZE, "nonce")
+        _check_bytes(self.key_id, KEY_ID_SIZE, "key id")
+        _check_bytes(self.proof, PROOF_SIZE, "proof")
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """The client's proof, answering the CHALLENGE (zeros when neither side has a secret)."""
+
+    req_id: int
+    proof: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        _check_bytes(self.proof, PROOF_SIZE, "proof")
+
+
+@dataclass(frozen=True, slots=True)
 class HelloReply:
+    """The reply to AUTH ("welcome"): the connection is authenticated and joined its namespace."""
+
     req_id: int
     version: int
     resumed: bool  # the namespace existed (a reconnect within its lease)
@@ -285,10 +344,10 @@ class ErrorReply:
             raise LocalProtocolError("an error reply needs a non-zero code")
 
 
-Request = Hello | Reserve | Release | Store | Load | Free | Status
+Request = Hello | Auth | Reserve | Release | Store | Load | Free | Status
 Reply = (
-    HelloReply | ReserveReply | ReleaseReply | StoreReply | LoadReply | FreeReply | StatusReply
-    | ErrorReply
+    Challenge | HelloReply | ReserveReply | ReleaseReply | StoreReply | LoadReply | FreeReply
+    | StatusReply | ErrorReply
 )  # fmt: skip
 Message = Request | Reply
 
@@ -312,6 +371,10 @@ def make_free(req_id: int, keys: Iterable[int]) -> Free:
 # --- encoding -------------------------------------------------------------------------------
 
 _HELLO = struct.Struct("<HHHH")  # min version, max version, client id length, reserved
+_HELLO_V2_TAIL = NONCE_SIZE + KEY_ID_SIZE + TOKEN_SIZE  # after the client id
+_CHALLENGE = struct.Struct(f"<HHI{NONCE_SIZE}s{KEY_ID_SIZE}s{PROOF_SIZE}s")  # version, flags,
+# reserved, nonce, key id, proof
+AUTH_REQUIRED: Final = 1
 _HELLO_REPLY = struct.Struct("<HHIIIQQQ")  # version, flags, lease ms, max frame, max batch,
 # capacity pages, reserved pages, stored pages
 _U64 = struct.Struct("<Q")
@@ -351,16 +414,23 @@ def encode(msg: Message) -> list[bytes | memoryview]:
             return [frame_header(MsgType.STORE | REPLY_BIT, req_id, 0)]
         case FreeReply(req_id, freed):
             return [frame_header(MsgType.FREE | REPLY_BIT, req_id, 8) + _FREE_REPLY.pack(freed, 0)]
-        case Hello(req_id, client_id, lo, hi):
+        case Hello(req_id, client_id, lo, hi, nonce, kid, token):
             raw = client_id.encode("utf-8")
             body = _HELLO.pack(lo, hi, len(raw), 0) + raw
+            if nonce:
+                body += nonce + kid + token
             return [frame_header(MsgType.HELLO, req_id, len(body)) + body]
+        case Challenge(req_id, version, required, nonce, kid, proof):
+            body = _CHALLENGE.pack(version, AUTH_REQUIRED if required else 0, 0, nonce, kid, proof)
+            return [frame_header(MsgType.HELLO | REPLY_BIT, req_id, len(body)) + body]
+        case Auth(req_id, proof):
+            return [frame_header(MsgType.AUTH, req_id, len(proof)) + proof]
         case HelloReply():
             body = _HELLO_REPLY.pack(
                 msg.version, RESUMED if msg.resumed else 0, msg.lease_ms, msg.max_frame,
                 msg.max_batch, msg.capacity_pages, msg.reserved_pages, msg.stored_pages,
             )  # fmt: skip
-            return [frame_header(MsgType.HELLO | REPLY_BIT, msg.req_id, len(body)) + body]
+            return [frame_header(MsgType.AUTH | REPLY_BIT, msg.req_id, len(body)) + body]
         case Reserve(req_id, pages):
             return [frame_header(MsgType.RESERVE, req_id, 8) + _U64.pack(pages)]
         case ReserveReply(req_id, reserved, stored):
@@ -391,7 +461,8 @@ def encode_bytes(msg: Message) -> bytes:
 
 
 _REQUEST_LIMITS = {
-    MsgType.HELLO: _HELLO.size + MAX_CLIENT_ID,
+    MsgType.HELLO: _HELLO.size + MAX_CLIENT_ID + _HELLO_V2_TAIL,
+    MsgType.AUTH: PROOF_SIZE,
     MsgType.RESERVE: 8,
     MsgType.RELEASE: 0,
     MsgType.STORE: 8 + MAX_BATCH * (8 + PAGE_SIZE),
@@ -400,7 +471,8 @@ _REQUEST_LIMITS = {
     MsgType.STATUS: 0,
 }
 _REPLY_LIMITS = {
-    MsgType.HELLO: _HELLO_REPLY.size,
+    MsgType.HELLO: _CHALLENGE.size,
+    MsgType.AUTH: _HELLO_REPLY.size,
     MsgType.RESERVE: 16,
     MsgType.RELEASE: 8,
     MsgType.STORE: 0,
@@ -410,16 +482,24 @@ _REPLY_LIMITS = {
 }
 
 
+# The largest handshake request (HELLO): a server decodes with a buffer this small until the
+# peer has authenticated, so an unauthenticated connection costs ~1 KiB, not a frame's 4 MiB.
+HANDSHAKE_FRAME: Final = 512
+assert HEADER_SIZE + _REQUEST_LIMITS[MsgType.HELLO] <= HANDSHAKE_FRAME
+
+
 class Decoder:
     """Turns received bytes into messages. `role` is the side that owns this decoder:
-    a "server" decodes requests, a "client" decodes replies.
+    a "server" decodes requests, a "client" decodes replies. The buffer holds one frame of
+    `max_frame` bytes plus `slack` bytes that let reads run ahead of decoding.
     """
 
-    def __init__(self, role: str, max_frame: int = MAX_FRAME) -> None:
+    def __init__(self, role: str, max_frame: int = MAX_FRAME, slack: int = 256 << 10) -> None:
         if role not in ("server", "client"):
             raise LocalProtocolError(f"role must be 'server' or 'client', not {role!r}")
-        if not HEADER_SIZE + _HELLO_REPLY.size <= max_frame <= MAX_FRAME:
-            raise LocalProtocolError(f"max_frame must be in [{HEADER_SIZE + 64}, {MAX_FRAME}]")
+        if not HEADER_SIZE + _CHALLENGE.size <= max_frame <= MAX_FRAME:
+            raise LocalProtocolError(
+                f"max_frame must be in [{HEADER_SIZE + _CHALLENGE.size}, {MAX_FRAME}]")
         self._replies = role == "client"
         self.max_frame = max_frame
         room = max_frame - HEADER_SIZE
@@ -428,7 +508,7 @@ class Decoder:
         # frame type (as on the wire) -> largest payload accepted
         self._limits = {int(t) | bit: min(v, room) for t, v in table.items()}
         # One whole frame always fits after compaction; the slack lets reads run ahead.
-        self._buf = bytearray(max_frame + (256 << 10))
+        self._buf = bytearray(max_frame + max(0, slack))
         self._mv = memoryview(self._buf)
         self._whole = self._mv[:]
         self._start = 0  # first unconsumed byte
@@ -480,6 +560,13 @@ class Decoder:
 
     def receive_eof(self) -> None:
         self._eof = True
+
+    def take_pending(self) -> bytes:
+        """The received bytes not decoded yet, removed (to move them to a new decoder)."""
+        rest = bytes(self._mv[self._start : self._end])
+        self._start = self._end = 0
+        self._need = HEADER_SIZE
+        return rest
 
     # --- output ---
 
@@ -567,14 +654,36 @@ def _d_hello(req_id: int, body: memoryview) -> Hello:
     if body.nbytes < _HELLO.size:
         raise RemoteProtocolError("HELLO payload too short")
     lo, hi, idlen, reserved = _HELLO.unpack_from(body)
-    _expect(body, _HELLO.size + idlen, "HELLO")
+    end = _HELLO.size + idlen
+    if body.nbytes != end + _HELLO_V2_TAIL:  # else a version-1 HELLO: the id alone
+        _expect(body, end, "HELLO")
     if reserved:
         raise RemoteProtocolError("HELLO reserved field is not 0")
     try:
-        client_id = bytes(body[_HELLO.size :]).decode("utf-8")
-        return Hello(req_id, client_id, lo, hi)
+        client_id = bytes(body[_HELLO.size : end]).decode("utf-8")
+        if body.nbytes == end:
+            if hi >= 2:
+                raise LocalProtocolError("a version-2 HELLO needs a nonce, key id and token")
+            return Hello(req_id, client_id, lo, hi, b"", b"", b"")
+        tail = bytes(body[end:])
+        return Hello(req_id, client_id, lo, hi, tail[:NONCE_SIZE],
+                     tail[NONCE_SIZE : NONCE_SIZE + KEY_ID_SIZE],
+                     tail[NONCE_SIZE + KEY_ID_SIZE :])  # fmt: skip
     except (UnicodeDecodeError, LocalProtocolError) as e:
         raise RemoteProtocolError(f"bad HELLO: {e}") from None
+
+
+def _d_auth(req_id: int, body: memoryview) -> Auth:
+    _expect(body, PROOF_SIZE, "AUTH")
+    return Auth(req_id, bytes(body))
+
+
+def _d_challenge(req_id: int, body: memoryview) -> Challenge:
+    _expect(body, _CHALLENGE.size, "HELLO reply")
+    version, flags, reserved, nonce, kid, proof = _CHALLENGE.unpack(body)
+    if flags & ~AUTH_REQUIRED or reserved:
+        raise RemoteProtocolError(f"HELLO reply has unknown flags 0x{flags:x}")
+    return Challenge(req_id, version, bool(flags & AUTH_REQUIRED), nonce, kid, proof)
 
 
 def _d_reserve(req_id: int, body: memoryview) -> Reserve:
@@ -609,10 +718,10 @@ def _d_free(req_id: int, body: memoryview) -> Free:
 
 
 def _d_hello_reply(req_id: int, body: memoryview) -> HelloReply:
-    _expect(body, _HELLO_REPLY.size, "HELLO reply")
+    _expect(body, _HELLO_REPLY.size, "AUTH reply")
     version, flags, lease, max_frame, max_batch, cap, res, stored = _HELLO_REPLY.unpack(body)
     if flags & ~RESUMED:
-        raise RemoteProtocolError(f"HELLO reply has unknown flags 0x{flags:x}")
+        raise RemoteProtocolError(f"AUTH reply has unknown flags 0x{flags:x}")
     return HelloReply(req_id, version, bool(flags & RESUMED), lease, max_frame, max_batch, cap,
                       res, stored)  # fmt: skip
 
@@ -651,13 +760,15 @@ _CODES = frozenset(int(c) for c in ErrorCode if c)
 _NAMES = {int(t): t.name for t in MsgType}
 _DECODERS = {
     MsgType.HELLO: _d_hello,
+    MsgType.AUTH: _d_auth,
     MsgType.RESERVE: _d_reserve,
     MsgType.RELEASE: _d_release,
     MsgType.STORE: _d_store,
     MsgType.LOAD: _d_load,
     MsgType.FREE: _d_free,
     MsgType.STATUS: _d_status,
-    MsgType.HELLO | REPLY_BIT: _d_hello_reply,
+    MsgType.HELLO | REPLY_BIT: _d_challenge,
+    MsgType.AUTH | REPLY_BIT: _d_hello_reply,
     MsgType.RESERVE | REPLY_BIT: _d_reserve_reply,
     MsgType.RELEASE | REPLY_BIT: _d_release_reply,
     MsgType.STORE | REPLY_BIT: _d_store_reply,
