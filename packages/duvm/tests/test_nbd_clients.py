@@ -264,6 +264,8 @@ attempt("read_too_big", lambda: h.pread((32 << 20) + 4096, 0))
 attempt("read_fault", lambda: h.pread(4096, 1 << 20))
 attempt("write_fault", lambda: h.pwrite(b"y" * 4096, 1 << 20))
 attempt("good_read", lambda: h.pread(4096, 8192))
+attempt("write_fua", lambda: h.pwrite(b"f" * 4096, 8192, flags=nbd.CMD_FLAG_FUA))
+attempt("flush", lambda: h.flush())
 out["connected"] = not h.aio_is_closed()
 h.shutdown()
 print(json.dumps(out))
@@ -300,11 +302,14 @@ def test_libnbd_bad_requests_get_documented_errors_and_connection_survives(serve
         "read_fault": "EIO",
         "write_fault": "ENOSPC",
         "good_read": 0,
+        "write_fua": 0,
+        "flush": 0,
         "connected": True,
     }
     # Validation errors never reached the store; the two injected faults did.
     assert srv.server.stats.errors == 12
-    assert base.stats["read"] == 1 + 13  # good_read + the check after every attempt
+    assert base.stats["read"] == 1 + 15  # good_read + the check after every attempt
+    assert base.stats["flush"] == 2  # FUA is honoured by a flush after the write, then FLUSH
 
 
 # ----------------------------------------------------------------------------- raw protocol
