@@ -148,7 +148,8 @@ def test_once_subprocess_prints_the_model_section(llama_server):
     assert "evidence api (confirmed: api+cmdline+mapped)" in section
     assert f"llama.cpp API on 127.0.0.1:{srv.port}" in section
     weights = next(ln for ln in section.splitlines() if ln.strip().startswith("weights"))
-    assert f"ʳ{report.fmt_bytes(round(0.41 * MIB))}" in weights and "[runtime, llama.cpp log server.log" in weights
+    assert f"ʳ{report.fmt_bytes(round(0.41 * MIB))}" in weights
+    assert "[runtime, llama.cpp log server.log" in weights
     assert "[estimated, gguf tensor sizes]" in section
 
 
