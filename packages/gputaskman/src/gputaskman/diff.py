@@ -100,7 +100,7 @@ def _value(obj: object) -> Value | None:
 def _sum_value(v: object) -> Value:
     """A plain measured sum (``attributed_bytes``): null means nothing was measured."""
     if is_number(v):
-        return Value(v, "measured")  # type: ignore[arg-type]
+        return Value(v, "measured")
     return Value(None, "measured", "nothing measured")
 
 
@@ -330,7 +330,7 @@ def pair_adapters(before: list[Any], after: list[Any]) -> AdapterPairing:
 
 def valid_start(v: object) -> float | None:
     """A usable ``started_at``; anything else is unknown and never conflicts."""
-    return float(v) if is_number(v) and v > 0 else None  # type: ignore[operator]
+    return float(v) if is_number(v) and v > 0 else None
 
 
 def same_process(b: Mapping[str, Any], a: Mapping[str, Any]) -> bool:
@@ -458,7 +458,7 @@ def diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
                 "counters may come from different APIs",
             }
         )
-    adapters = []
+    adapters: list[dict[str, Any]] = []
     for b, a, how in pairing.pairs:
         fields = compare_fields(adapter_fields(b), adapter_fields(a))
         adapters.append(

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gputaskman import report
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 NO_READING = "·"
-_EMPTY = object()
 DEFAULT_HEIGHT = 8
 LABEL_WIDTH = 10
 
@@ -38,7 +37,7 @@ def chart(
     width: int,
     height: int = DEFAULT_HEIGHT,
     top: float | None = None,
-    fmt=report.fmt_bytes,  # type: ignore[no-untyped-def]
+    fmt: Callable[[float], str] = report.fmt_bytes,
 ) -> list[str]:
     """Lines of a bar chart of (time, value or None) points (see the module docstring)."""
     width = max(1, width)
@@ -48,18 +47,18 @@ def chart(
     scale = max([*known, top or 0.0])
     t0, t1 = points[0][0], points[-1][0]
     span = t1 - t0
-    # per column: the highest reading, None when its samples had no reading, and
-    # _EMPTY when no sample falls in it (between two samples: the earlier one holds)
-    cols: list[float | object | None] = [_EMPTY] * width
+    # per column: the highest reading, or None when its samples had no reading; a column
+    # no sample falls in (more columns than samples) repeats the one before it
+    cols: list[float | None] = [None] * width
+    seen = [False] * width
     for t, v in points:
         i = 0 if span <= 0 else min(width - 1, int((t - t0) / span * width))
         cur = cols[i]
-        if v is None:
-            cols[i] = None if cur is _EMPTY else cur
-        else:
-            cols[i] = v if cur is _EMPTY or cur is None else max(cur, v)  # type: ignore[call-overload]
+        if v is not None:
+            cols[i] = v if cur is None else max(cur, v)
+        seen[i] = True
     for i in range(1, width):
-        if cols[i] is _EMPTY:
+        if not seen[i]:
             cols[i] = cols[i - 1]
     eighths = [
         None if v is None else (round(v / scale * height * 8) if scale > 0 else 0) for v in cols

@@ -164,7 +164,8 @@ def _model_from_json(m: object, where: str) -> ModelRef | None:
         return None
     if not isinstance(m, Mapping) or not isinstance(m.get("name"), str):
         raise SnapshotError(f"{where}: bad object")
-    api = m.get("api") if isinstance(m.get("api"), Mapping) else {}
+    api_obj = m.get("api")
+    api: Mapping[str, Any] = api_obj if isinstance(api_obj, Mapping) else {}
     return ModelRef(
         name=m["name"],
         evidence=str(m.get("evidence")),
@@ -245,7 +246,7 @@ def _plain(v: object) -> int | None:
     """A swap device's number, recorded as a reading object or a plain number."""
     if isinstance(v, Mapping):
         v = v.get("value")
-    return int(v) if is_number(v) else None  # type: ignore[arg-type]
+    return int(v) if is_number(v) else None
 
 
 def system_info_from_json(doc: Mapping[str, Any]) -> host.SystemInfo:

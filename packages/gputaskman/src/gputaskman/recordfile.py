@@ -30,7 +30,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeGuard
 
 from gputaskman.report import SCHEMA, SCHEMA_VERSION
 
@@ -52,7 +52,7 @@ def parse_json(text: str | bytes) -> Any:
     return json.loads(text, parse_constant=_reject_constant)
 
 
-def is_number(v: object) -> bool:
+def is_number(v: object) -> TypeGuard[int | float]:
     """A real JSON number (bool is not one), finite."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 

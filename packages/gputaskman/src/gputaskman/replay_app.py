@@ -84,8 +84,8 @@ class ReplayApp(GtmApp):
     def show_frame(self) -> None:
         if not self._reported:
             self._reported = True
-            for line in self.source.report.lines():
-                self.notify(line, severity="warning", timeout=8)
+            for message in self.source.report.lines():
+                self.notify(message, severity="warning", timeout=8)
         i = self.playback.index
         self.frame_index = i
         try:

@@ -92,8 +92,9 @@ def sample_from_doc(doc: Mapping[str, Any], lineno: int) -> Sample:
         ident = _adapter_ident(a)
         adapters.append(ident)
         scope = str(a.get("pci_bus_id"))
-        metrics = a.get("metrics") if isinstance(a.get("metrics"), Mapping) else {}
-        extra = a.get("extra_metrics") if isinstance(a.get("extra_metrics"), Mapping) else {}
+        m, x = a.get("metrics"), a.get("extra_metrics")
+        metrics: Mapping[str, Any] = m if isinstance(m, Mapping) else {}
+        extra: Mapping[str, Any] = x if isinstance(x, Mapping) else {}
         for name, r in [*metrics.items(), *extra.items()]:
             if isinstance(r, Mapping) and is_number(r.get("value")):
                 values[(scope, str(name), str(r.get("kind")))] = r["value"]
@@ -104,7 +105,7 @@ def sample_from_doc(doc: Mapping[str, Any], lineno: int) -> Sample:
     if isinstance(system, Mapping):
         for section, key, metric in SYSTEM_METRICS:
             part = system.get(section)
-            v = part.get(key) if isinstance(part, Mapping) else None
+            v: Any = part.get(key) if isinstance(part, Mapping) else None
             kind = "measured"  # OS counters; early files wrote plain numbers
             if isinstance(v, Mapping):
                 v, kind = v.get("value"), str(v.get("kind"))
@@ -119,8 +120,9 @@ def sample_from_doc(doc: Mapping[str, Any], lineno: int) -> Sample:
             continue
         if not is_number(r.get("value")):
             continue
-        name = row.get("name") if isinstance(row.get("name"), str) else f"pid {row.get('pid')}"
-        host = row.get("host") if isinstance(row.get("host"), str) else None
+        name_obj, host_obj = row.get("name"), row.get("host")
+        name = name_obj if isinstance(name_obj, str) else f"pid {row.get('pid')}"
+        host = host_obj if isinstance(host_obj, str) else None
         proc_vram[(host, name)] = proc_vram.get((host, name), 0) + int(r["value"])
     identity = (
         doc["backend"],
