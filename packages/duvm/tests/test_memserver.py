@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import struct
 import logging
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 
