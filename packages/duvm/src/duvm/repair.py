@@ -1,0 +1,186 @@
+"""Background re-replication: bring degraded slabs back to R copies.
+
+Theory of operation: `Repairer.run` is one task per `RemoteStore`. It sleeps until a replica is
+dropped (`wake`) or a retry period passes, then walks the degraded slabs one at a time:
+
+1. Pick a target: a peer not already holding the slab, reachable (its breaker lets a probe
+   through and HELLO succeeds), with room: what we reserved there and have not assigned, plus
+   what the memserver has unreserved (STATUS), chosen by power of two choices. If our own
+   reservation there is short, RESERVE more first (absolute, so a retry is harmless); a refusal
+   excludes the peer for this round. No target: wait and retry later (a pool with no room
+   stays degraded and says so; it never over-commits a memserver).
+2. Register the copy in `store.repairs`: from now on writes and trims to the slab also go to
+   the target, under the slab's lock.
+3. FREE the slab's keys on the target (it may hold stale copies from before it was dropped),
+   then copy the slab in chunks: under the lock, LOAD the chunk's written pages from a good
+   replica (checksums verified, `load_verified`) and STORE them to the target. Holding the lock
+   per chunk means no write to the slab interleaves with a chunk copy, so the target never
+   ends up with older bytes than the replicas.
+4. If the target failed meanwhile (`aborted`), give up this attempt (the slab stays degraded,
+   the target is avoided for a while); otherwise add it to the slab's replica set.
+
+Copying is paced by the memservers' answers, one chunk at a time, and yields to the event loop
+between chunks, so repair traffic does not starve the kernel's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from duvm.memclient import MemserverUnreachable, PageServerError
+from duvm.placement import choose
+from duvm.storage import PAGE_SIZE, StorageError
+
+if TYPE_CHECKING:
+    from duvm.remote_store import RemoteStore
+
+log = logging.getLogger(__name__)
+
+CHUNK_PAGES = 64  # pages copied per lock hold: short enough that writes barely wait
+RETRY_S = 1.0  # how often degraded slabs without a target are looked at again
+AVOID_S = 5.0  # a target that failed a copy is not chosen again for this long
+
+
+class Repairer:
+    def __init__(self, store: RemoteStore) -> None:
+        self.store = store
+        self._wake = asyncio.Event()
+        self._avoid: dict[int, float] = {}  # peer -> monotonic time it may be chosen again
+        self.stats = {"repairs_done": 0, "repair_failures": 0, "repair_pages_copied": 0,
+                      "no_target": 0}  # fmt: skip
+        self.last_error: str | None = None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), RETRY_S)
+            self._wake.clear()
+            try:
+                await self.repair_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # never let the task die: log, count, try again later
+                self.stats["repair_failures"] += 1
+                self.last_error = str(e)
+                log.exception("repair pass failed")
+
+    async def repair_all(self) -> int:
+        """One pass over the degraded slabs; returns how many were repaired."""
+        s = self.store
+        done = 0
+        for slab in range(s.nslabs):
+            if len(s.sets[slab]) >= s.replicas or slab in s.repairs:
+                continue
+            target = await self._pick_target(slab)
+            if target is None:
+                self.stats["no_target"] += 1
+                return done
+            if await self.copy_slab(slab, target):
+                done += 1
+        return done
+
+    async def _pick_target(self, slab: int) -> int | None:
+        s = self.store
+        need = s.slab_size(slab)
+        now = time.monotonic()
+        exclude = set(s.sets[slab]) | {i for i, t in self._avoid.items() if t > now}
+        candidates = [i for i in range(len(s.clients)) if i not in exclude]
+        if not candidates:
+            return None
+        probes = await asyncio.gather(*(s.clients[i].probe() for i in candidates))
+        live = [i for i, ok in zip(candidates, probes, strict=True) if ok]
+        statuses = await asyncio.gather(*(s.clients[i].status() for i in live),
+                                        return_exceptions=True)  # fmt: skip
+        room = [-1] * len(s.clients)
+        for i, st in zip(live, statuses, strict=True):
+            if isinstance(st, dict):
+                room[i] = s.reserved[i] - s.assigned[i] + int(st.get("unreserved_pages", 0))
+        tried: set[int] = set(exclude)
+        while True:
+            i = choose(room, need, tried, s.rng)
+            if i is None:
+                return None
+            tried.add(i)
+            spare = s.reserved[i] - s.assigned[i]
+            if spare >= need:
+                return i
+            try:
+                await s.clients[i].reserve(s.reserved[i] + need - spare)
+            except (PageServerError, MemserverUnreachable) as e:
+                log.info("repair: %s cannot reserve %d more pages: %s", s.clients[i].peer,
+                         need - spare, e)  # fmt: skip
+                continue
+            s.reserved[i] += need - spare
+            return i
+
+    async def copy_slab(self, slab: int, target: int) -> bool:
+        """Copy the slab's written pages to `target` and make it a replica. True on success."""
+        from duvm.remote_store import DATA, _SlabRepair
+
+        s = self.store
+        n = s.slab_size(slab)
+        first = slab * s.slab_pages
+        state = s._state
+        rep = _SlabRepair(target, state.count(DATA, first, first + n))
+        s.repairs[slab] = rep
+        s.assigned[target] += n
+        client = s.clients[target]
+        buf = memoryview(bytearray(CHUNK_PAGES * PAGE_SIZE))
+        t0 = time.monotonic()
+        try:
+            # Writes that started before the copy was registered do not go to the target:
+            # let them finish before reading anything (new ones take the lock path).
+            while s.inflight[slab]:
+                await asyncio.sleep(0.001)
+            await client.free(range(first, first + n))  # stale copies from an earlier life
+            for c0 in range(first, first + n, CHUNK_PAGES):
+                c1 = min(c0 + CHUNK_PAGES, first + n)
+                async with rep.lock:
+                    if rep.aborted:
+                        break
+                    p = c0
+                    while p < c1:
+                        q = state.find(DATA, p, c1)
+                        if q < 0:
+                            break
+                        r = next((x for x in range(q, c1) if state[x] != DATA), c1)
+                        out = buf[: (r - q) * PAGE_SIZE]
+                        try:
+                            await s.load_verified(slab, q, r - q, out)
+                        except StorageError as e:
+                            if e.errno != errno.EIO or state.count(DATA, q, r):
+                                raise  # a good replica is out of reach: try again later
+                            p = r  # those pages were lost everywhere: nothing to copy
+                            continue
+                        await client.store(range(q, r), out)
+                        rep.copied += r - q
+                        self.stats["repair_pages_copied"] += r - q
+                        p = r
+                await asyncio.sleep(0)  # let the kernel's requests in between chunks
+            if rep.aborted:
+                raise StorageError(errno.EIO, rep.aborted)
+            if not s.sets[slab]:
+                raise StorageError(errno.EIO, "the slab has no replica left to copy from")
+            s.add_replica(slab, target)
+        except (StorageError, PageServerError, MemserverUnreachable) as e:
+            s.assigned[target] -= n
+            self._avoid[target] = time.monotonic() + AVOID_S
+            self.stats["repair_failures"] += 1
+            self.last_error = f"slab {slab} to {client.peer}: {e}"
+            log.warning("repair of slab %d to %s failed: %s", slab, client.peer, e)
+            return False
+        finally:
+            del s.repairs[slab]
+        self.stats["repairs_done"] += 1
+        log.info("slab %d repaired onto %s (%d pages in %.2f s); %d of %d replicas", slab,
+                 client.peer, rep.copied, time.monotonic() - t0, len(s.sets[slab]),
+                 s.replicas)  # fmt: skip
+        return True

@@ -1,0 +1,324 @@
+"""Replication, checksums, failover, repair and the circuit breaker, over real memservers on
+loopback (in this process, or as child processes where a peer must freeze or die)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from duvm.memclient import MemClient, MemserverUnreachable, query_status
+from duvm.memserver import MemServer
+from duvm.placement import choose, normalize_peers, place
+from duvm.remote_store import RemoteStore
+from duvm.storage import PAGE_SIZE as PS
+from duvm.storage import StorageError
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+async def servers():
+    srvs = [MemServer(4 * MiB, lease_s=60, lock=False) for _ in range(3)]
+    addrs = [await s.start() for s in srvs]
+    try:
+        yield srvs, addrs
+    finally:
+        for s in srvs:
+            await s.close()
+
+
+async def wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+def corrupt(srv: MemServer, client_id: str, key: int) -> None:
+    """Flip one byte of a stored page in the memserver's arena (a bit rot stand-in)."""
+    slot = srv.store.namespaces[client_id].pages[key]
+    view = srv.store.arena.view(slot)
+    view[100] ^= 0xFF
+
+
+async def stored_keys(srv: MemServer, client_id: str) -> set[int]:
+    ns = srv.store.namespaces.get(client_id)
+    return set(ns.pages) if ns else set()
+
+
+# --- placement ---------------------------------------------------------------------------
+
+
+def test_placement_never_puts_two_replicas_on_one_peer_and_balances() -> None:
+    rng = random.Random(1)
+    sizes = [256] * 60
+    pl = place(sizes, [10_000, 10_000, 10_000, 10_000], 2, rng)
+    assert all(len(set(p)) == 2 for p in pl)
+    counts = [sum(i in p for p in pl) for i in range(4)]
+    assert sum(counts) == 120 and max(counts) - min(counts) <= 12  # two choices balance
+
+
+def test_placement_refuses_when_replicas_cannot_be_on_distinct_peers() -> None:
+    # Room for two copies in total, but only on one peer: refusing beats doubling up.
+    with pytest.raises(StorageError) as ei:
+        place([256], [512, 0], 2, random.Random(0))
+    assert ei.value.errno == errno.ENOSPC and "at most one per memserver" in str(ei.value)
+
+
+def test_choose_prefers_more_room_and_respects_exclusion() -> None:
+    rng = random.Random(0)
+    assert choose([5, 100], 10, set(), rng) == 1  # peer 0 lacks room
+    assert choose([50, 100], 10, {1}, rng) == 0
+    assert choose([50, 100], 10, set(), rng) == 1  # of the two choices, the emptier
+    assert choose([5, 5], 10, set(), rng) is None
+
+
+def test_peers_are_deduplicated_by_address() -> None:
+    with pytest.raises(ValueError, match="listed twice"):
+        normalize_peers([("127.0.0.1", 7070), ("localhost", 7070)])
+    assert normalize_peers([("127.0.0.1", 1), ("127.0.0.1", 2)]) == [("127.0.0.1", 1),
+                                                                     ("127.0.0.1", 2)]
+
+
+# --- checksums ---------------------------------------------------------------------------
+
+
+async def test_corrupt_replica_is_detected_bypassed_and_repaired(servers) -> None:
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs, MiB, "t:crc:1", replicas=2, slab_pages=64, seed=3)
+    try:
+        data = os.urandom(MiB)
+        await store.write(0, memoryview(data))
+        first = store.sets[0][0]
+        corrupt(srvs[first], "t:crc:1", 5)
+        out = bytearray(MiB)
+        await store.read(0, memoryview(out))
+        assert out == data  # served by the other replica
+        assert store.stats["checksum_failures"] == 1
+        assert first not in store.sets[0]  # the bad copy is no longer trusted ...
+        await wait_for(lambda: len(store.sets[0]) == 2)  # ... and repair restored R=2
+        assert store.repairer.stats["repairs_done"] >= 1
+        new = store.sets[0][-1]
+        assert await stored_keys(srvs[new], "t:crc:1") >= set(range(64))
+        await store.read(0, memoryview(out))
+        assert out == data
+    finally:
+        await store.close()
+
+
+async def test_corruption_with_one_replica_is_eio_never_other_bytes(servers) -> None:
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs[:1], MiB, "t:crc1:1", replicas=1)
+    try:
+        await store.write(0, memoryview(b"q" * 2 * PS))
+        corrupt(srvs[0], "t:crc1:1", 1)
+        out = bytearray(2 * PS)
+        with pytest.raises(StorageError) as ei:
+            await store.read(0, memoryview(out))
+        assert ei.value.errno == errno.EIO and "lost by every replica" in str(ei.value)
+        await store.read(0, memoryview(out)[:PS])  # the intact page still reads
+        assert out[:PS] == b"q" * PS
+        with pytest.raises(StorageError):  # and the bad one stays an error ...
+            await store.read(PS, memoryview(out)[PS:])
+        await store.write(PS, memoryview(b"r" * PS))  # ... until it is written again
+        await store.read(PS, memoryview(out)[PS:])
+        assert out[PS:] == b"r" * PS
+    finally:
+        await store.close()
+
+
+# --- failover and repair -----------------------------------------------------------------
+
+
+async def test_memserver_death_during_io_loses_nothing_and_repair_restores_r(servers) -> None:
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs, 2 * MiB, "t:die:1", replicas=2, slab_pages=32,
+                                   seed=5)  # fmt: skip
+    model: dict[int, bytes] = {}
+    rng = random.Random(7)
+    try:
+        async def writer(n: int) -> None:
+            for _ in range(n):
+                p = rng.randrange(store.pages)
+                b = os.urandom(PS)
+                await store.write(p * PS, memoryview(b))
+                model[p] = b
+
+        await writer(200)
+        victim = store.sets[0][0]
+        task = asyncio.ensure_future(writer(400))
+        await asyncio.sleep(0)
+        await srvs[victim].close()  # dies with requests in flight
+        await task
+        assert all(victim not in s for s in store.sets)
+        assert store.stats["replicas_dropped"] > 0
+        await wait_for(lambda: store.health()["degraded_slabs"] == 0, 20)
+        assert all(len(set(s)) == 2 for s in store.sets)
+        out = bytearray(PS)
+        for p, b in model.items():
+            await store.read(p * PS, memoryview(out))
+            assert out == b, p
+        assert store.health()["pages_lost_now"] == 0
+    finally:
+        await store.close()
+
+
+async def test_degraded_without_spare_peer_keeps_serving_and_reports_it(servers) -> None:
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs[:2], MiB, "t:nospare:1", replicas=2, slab_pages=64)
+    try:
+        data = os.urandom(MiB)
+        await store.write(0, memoryview(data))
+        await srvs[1].close()
+        await store.write(0, memoryview(data[::-1]))  # writes continue on the survivor
+        h = store.health()
+        assert h["degraded_slabs"] == store.nslabs and h["replicas_dropped"] == store.nslabs
+        assert h["peers"][1]["connected"] is False
+        out = bytearray(MiB)
+        await store.read(0, memoryview(out))
+        assert out == data[::-1]
+        await asyncio.sleep(1.5)  # a repair pass finds no target and says so
+        assert store.health()["repair"]["no_target"] >= 1
+    finally:
+        await store.close()
+
+
+async def test_restarted_memserver_is_dropped_and_refilled_from_its_replica(servers) -> None:
+    srvs, addrs = servers
+    cid = "t:restart:1"
+    store = await RemoteStore.open(addrs[:2], MiB, cid, replicas=2, slab_pages=64)
+    try:
+        data = os.urandom(MiB)
+        await store.write(0, memoryview(data))
+        host, port = addrs[1]
+        await srvs[1].close()
+        srvs[1] = MemServer(4 * MiB, lease_s=60, lock=False)
+        await srvs[1].start(host, port)  # back, empty: our namespace is gone
+        await store.write(0, memoryview(data[:PS]))  # reconnect notices the loss
+        await wait_for(lambda: store.health()["degraded_slabs"] == 0, 20)
+        assert store.clients[1].namespace_losses == 1
+        assert await stored_keys(srvs[1], cid) == set(range(256))  # copied back
+        await srvs[0].close()  # now the other one dies: the refilled copy serves
+        out = bytearray(MiB)
+        await store.read(0, memoryview(out))
+        assert out == data
+    finally:
+        await store.close()
+
+
+async def test_r1_restart_is_an_io_error_and_the_slab_is_usable_again() -> None:
+    srv = MemServer(MiB, lease_s=60, lock=False)
+    host, port = await srv.start()
+    store = await RemoteStore.open([(host, port)], MiB, "t:r1:1")
+    try:
+        await store.write(0, memoryview(b"x" * PS))
+        await srv.close()
+        srv = MemServer(MiB, lease_s=60, lock=False)
+        await srv.start(host, port)
+        with pytest.raises(StorageError) as ei:
+            await store.read(0, memoryview(bytearray(PS)))
+        assert ei.value.errno == errno.EIO and "lost" in str(ei.value)
+        assert store.health()["pages_lost_now"] == 1
+        await store.write(PS, memoryview(b"y" * PS))
+        out = bytearray(PS)
+        await store.read(PS, memoryview(out))
+        assert out == b"y" * PS
+    finally:
+        await store.close()
+        await srv.close()
+
+
+async def test_trim_during_and_after_failover_frees_survivors(servers) -> None:
+    srvs, addrs = servers
+    cid = "t:trim:1"
+    store = await RemoteStore.open(addrs[:2], MiB, cid, replicas=2, slab_pages=64, repair=False)
+    try:
+        await store.write(0, memoryview(os.urandom(MiB)))
+        await srvs[0].close()
+        await store.trim(0, MiB // 2)
+        assert await stored_keys(srvs[1], cid) == set(range(128, 256))
+        out = bytearray(PS)
+        await store.read(0, memoryview(out))
+        assert out == bytes(PS)
+    finally:
+        await store.close()
+
+
+# --- circuit breaker and stalls ----------------------------------------------------------
+
+
+async def test_breaker_fails_fast_while_open_and_recovers() -> None:
+    srv = MemServer(MiB, lease_s=60, lock=False)
+    host, port = await srv.start()
+    c = MemClient(host, port, "t:breaker:1", connect_timeout=1.0)
+    await c.connect()
+    await c.reserve(4)
+    await srv.close()
+    with pytest.raises(MemserverUnreachable):
+        await c.store([0], b"a" * PS)
+    assert c.circuit_open and c.failures >= 1
+    t0 = time.monotonic()
+    with pytest.raises(MemserverUnreachable, match="next try"):
+        await c.store([0], b"a" * PS)
+    assert time.monotonic() - t0 < 0.05  # no connect attempted while open
+    srv = MemServer(MiB, lease_s=60, lock=False)
+    await srv.start(host, port)
+    await wait_for(lambda: not c.circuit_open, 5)
+    assert await c.probe() and c.failures == 0
+    await c.store([0], b"b" * PS)
+    await c.close()
+    await srv.close()
+
+
+def _spawn_memserver() -> tuple[subprocess.Popen, tuple[str, int]]:
+    code = ("import asyncio,sys\nfrom duvm.memserver import MemServer\n"
+            "async def m():\n s=MemServer(4<<20,lease_s=60,lock=False)\n h,p=await s.start()\n"
+            " print(p,flush=True)\n await asyncio.Event().wait()\nasyncio.run(m())\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    return proc, ("127.0.0.1", port)
+
+
+async def test_frozen_memserver_is_cut_off_and_writes_continue(servers) -> None:
+    _, addrs = servers
+    proc, addr = _spawn_memserver()
+    try:
+        store = await RemoteStore.open([addrs[0], addr], MiB, "t:frozen:1", replicas=2,
+                                       slab_pages=64, op_timeout=0.5, repair=False)  # fmt: skip
+        data = os.urandom(PS)
+        await store.write(0, memoryview(data))
+        os.kill(proc.pid, signal.SIGSTOP)  # alive to TCP, answers nothing
+        t0 = time.monotonic()
+        await asyncio.wait_for(store.write(0, memoryview(data[::-1])), 10)
+        assert time.monotonic() - t0 < 5  # the watchdog, not TCP_USER_TIMEOUT (15 s)
+        assert store.stats["stalls_aborted"] >= 1 and store.sets[0] == [0]
+        out = bytearray(PS)
+        await store.read(0, memoryview(out))
+        assert out == data[::-1]
+        os.kill(proc.pid, signal.SIGCONT)
+        await store.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_statuses_agree_with_health(servers) -> None:
+    _, addrs = servers
+    store = await RemoteStore.open(addrs, MiB, "t:status:1", replicas=3, slab_pages=64)
+    try:
+        await store.write(0, memoryview(os.urandom(MiB)))
+        used = [(await query_status(*a))["used_pages"] for a in addrs]
+        assert used == [256, 256, 256]
+        h = store.health()
+        assert h["replicas"] == 3 and h["degraded_slabs"] == 0 and h["pages_written"] == 256
+        assert [p["slabs"] for p in h["peers"]] == [4, 4, 4]
+    finally:
+        await store.close()
