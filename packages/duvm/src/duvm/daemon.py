@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 
+from duvm import auth, memclient
 from duvm.storage import StorageError
 from duvm.units import parse_hostport, parse_size
 
@@ -49,8 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also serve NBD on TCP (loopback only; port 0 picks one)")
     parser.add_argument("--export-name", default="", metavar="NAME",
                         help="NBD export name (default: the default export, '')")
-    parser.add_argument("--replicas", type=int, default=1, metavar="N",
-                        help="memservers holding each page (default 1)")
+    parser.add_argument("--replicas", type=int, default=None, metavar="N",
+                        help="memservers holding each page (default 2 when at least 2 peers, "
+                        "else 1)")
+    parser.add_argument("--control-socket", metavar="PATH",
+                        help="local status socket, owner-only (default: SOCKET.ctl)")
     parser.add_argument("--client-id", metavar="ID",
                         help="namespace on the memservers (default: hostname:socket path)")
     parser.add_argument("--memory", action="store_true",
@@ -58,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "benchmark baseline)")
     parser.add_argument("--no-mlock", action="store_true", help="do not lock the daemon in RAM")
     parser.add_argument("-v", "--verbose", action="store_true", help="log connections and errors")
+    auth.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
 
 
 def _fail(msg: str, code: int = 1) -> int:
@@ -78,10 +83,19 @@ def run(args: argparse.Namespace) -> int:
         tcp = _parse_listen(args.tcp) if args.tcp else None
         if tcp is not None and not _is_loopback(tcp[0]):
             raise ValueError(f"--tcp must be a loopback address, not {tcp[0]}")
+        if args.replicas is None:  # replicated whenever the pool allows it
+            args.replicas = 2 if len(peers) >= 2 else 1
         if args.replicas < 1:
             raise ValueError("--replicas must be at least 1")
-    except ValueError as e:
+        # Peers authenticate (secret and/or TLS) for every MemClient this process builds.
+        memclient.default_security = auth.client_security_from_args(args, peers)
+    except (ValueError, auth.SecretError) as e:
         return _fail(str(e), 2)
+    except OSError as e:  # ssl.SSLError included: unreadable or bad certificate files
+        return _fail(f"cannot load TLS files: {e}", 2)
+    if args.replicas == 1 and not args.memory:
+        log.warning("--replicas 1: a memserver that dies or restarts takes its pages with it "
+                    "(the programs that own them get I/O errors); use 2 or more peers")
     if not args.no_mlock and not args.memory:
         lock_in_memory()
     lower_oom_score()
@@ -123,9 +137,14 @@ async def open_store(args: argparse.Namespace, size: int, peers: list[tuple[str,
     from duvm.remote_store import RemoteStore
 
     try:
-        return await RemoteStore.open(peers, size, client_id, replicas=args.replicas)
+        store = await RemoteStore.open(peers, size, client_id, replicas=args.replicas)
     except (StorageError, ValueError) as e:  # unreachable peer, pool full: one clear line
         raise DaemonError(getattr(e, "reason", None) or str(e)) from None
+    if auth.encryption_wanted(args, peers):
+        from duvm.crypt_store import CryptStore
+
+        return CryptStore(store)  # pages leave this node sealed; the key never does
+    return store
 
 
 async def _serve(args: argparse.Namespace, size: int, peers: list[tuple[str, int]],
@@ -138,6 +157,10 @@ async def _serve(args: argparse.Namespace, size: int, peers: list[tuple[str, int
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if getattr(args, "secret_file", None):  # secret rotation: re-read on SIGHUP
+        clients = getattr(getattr(store, "inner", store), "clients", [])
+        loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(
+            "%s", auth.reload_client_keyring(clients, args.secret_file)))
     try:
         await server.start_unix(args.socket)
         where = f"unix:{args.socket}"
@@ -145,9 +168,17 @@ async def _serve(args: argparse.Namespace, size: int, peers: list[tuple[str, int
             host, port = await server.start_tcp(*tcp)
             where += f" tcp:{host}:{port}"
         backend = "local RAM" if args.memory else f"{len(peers)} memserver(s)"
+        if type(store).__name__ == "CryptStore":
+            backend += ", pages encrypted"
+        from duvm import control_socket
+
+        ctl_path = args.control_socket or control_socket.default_path(args.socket)
+        ctl = await control_socket.start(ctl_path, lambda: control_socket.daemon_status(
+            store, server, None if args.memory else args.replicas))
         print(f"duvm daemon serving export {args.export_name!r} ({size} bytes, {backend}) on "
               f"{where}", flush=True)
         await stop.wait()
+        ctl.close()
         log.info("stopping: finishing in-flight requests")
     finally:
         await server.close()
