@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("duvm.status", "enabled or not, device, swap used, pages and health per peer"),
     "doctor": ("duvm.doctor", "check this node's prerequisites and say how to fix each gap"),
     "demo": ("duvm.demo", "a whole pool on this machine: 3 memservers, a workload, verified"),
+    "secret": ("duvm.secret", "create, show and rotate the cluster secret file (0600)"),
 }
 
 
