@@ -67,11 +67,12 @@ class Procs:
         line = wait_line(p, "listening on")
         return p, int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
 
-    def daemon(self, ports: list[int], size: str, client_id: str, name: str = "d"
-               ) -> tuple[subprocess.Popen, str]:
+    def daemon(self, ports: list[int], size: str, client_id: str, name: str = "d",
+               replicas: int = 1) -> tuple[subprocess.Popen, str]:
         sock = os.path.join(self.dir, f"{name}.sock")
         p = self.start([*PY, "daemon", "--peers", ",".join(f"127.0.0.1:{x}" for x in ports),
-                        "--size", size, "--socket", sock, "--client-id", client_id])
+                        "--size", size, "--socket", sock, "--client-id", client_id,
+                        "--replicas", str(replicas)])
         wait_line(p, "serving")
         return p, sock
 

@@ -159,8 +159,8 @@ def daemon_command(cfg: Config) -> list[str]:
     cmd = [sys.executable, "-m", "duvm.cli", "daemon", "--socket", cfg.socket,
            "--peers", ",".join(cfg.peers), "--size", str(cfg.size),
            "--client-id", client_id(cfg)]
-    if cfg.replicas != 1:  # only asked for when wanted, so a daemon without replication says so
-        cmd += ["--replicas", str(cfg.replicas)]
+    # Always explicit: the daemon's own default (2 with 2+ peers) must not override the config.
+    cmd += ["--replicas", str(cfg.replicas)]
     return cmd + cfg.daemon_args
 
 
