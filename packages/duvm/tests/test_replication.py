@@ -322,3 +322,33 @@ async def test_statuses_agree_with_health(servers) -> None:
         assert [p["slabs"] for p in h["peers"]] == [4, 4, 4]
     finally:
         await store.close()
+
+
+# --- control socket ----------------------------------------------------------------------
+
+
+async def test_control_socket_answers_status_owner_only(tmp_path, servers) -> None:
+    from duvm import control_socket
+
+    _, addrs = servers
+    store = await RemoteStore.open(addrs[:2], MiB, "t:ctl:1", replicas=2, slab_pages=64)
+    path = str(tmp_path / "d.sock.ctl")
+    srv = await control_socket.start(path, lambda: control_socket.daemon_status(store, None, 2))
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        st = await asyncio.to_thread(control_socket.query, path)
+        assert st["replicas"] == 2 and st["store"]["degraded_slabs"] == 0 and st["nbd"] is None
+        assert [p["slabs"] for p in st["store"]["peers"]] == [4, 4]
+
+        def bad_request() -> bytes:
+            import socket
+
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+                s.sendall(b"not json\n")
+                return s.recv(4096)
+
+        assert b"unknown request" in await asyncio.to_thread(bad_request)
+    finally:
+        srv.close()
+        await store.close()

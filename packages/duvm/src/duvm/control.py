@@ -271,6 +271,18 @@ def peer_statuses(peers: list[str], timeout: float = 3.0,
     return asyncio.run(gather()) if peers else []
 
 
+def daemon_health(daemon: DaemonInfo | None) -> dict[str, Any] | None:
+    """Replication health from the daemon's control socket (None when it cannot answer)."""
+    if daemon is None or not daemon_alive(daemon):
+        return None
+    from duvm import control_socket
+
+    try:
+        return control_socket.query(control_socket.default_path(daemon.socket)).get("store")
+    except (OSError, ValueError):
+        return None
+
+
 def status(state_dir: Path = DEFAULT_STATE_DIR) -> dict[str, Any]:
     """Everything `duvm status` shows, as plain data (JSON-ready)."""
     att = attach.load_state(state_path(state_dir))
@@ -294,6 +306,7 @@ def status(state_dir: Path = DEFAULT_STATE_DIR) -> dict[str, Any]:
         "min_free_kbytes": {"before": att.min_free_before, "set": att.min_free_set}
         if att else None,
         "client_id": daemon.client_id if daemon else None,
+        "replication": daemon_health(daemon),
         "peers": peer_statuses(peers, client=daemon.client_id if daemon else None),
     }
 
@@ -315,6 +328,17 @@ def format_status(st: dict[str, Any]) -> str:
         d = st["daemon"]
         lines.append(f"daemon: pid {d['pid']} {'running' if d['running'] else 'NOT RUNNING'} "
                      f"(log {d['log']})")
+    r = st.get("replication")
+    if r:
+        rep = "; ".join(f"slab {x['slab']} to {x['target']} {x['copied_pages']}/"
+                        f"{x['total_pages']} pages" for x in r["repairing"]) or "none running"
+        done = r["repair"]["repairs_done"] if r["repair"] else "n/a"
+        lines.append(f"replication: R={r['replicas']}, {r['degraded_slabs']} of {r['slabs']} "
+                     f"slabs degraded, repairs done {done} "
+                     f"(now: {rep}), failovers {r['failovers']}, checksum failures "
+                     f"{r['checksum_failures']}, pages lost {r['pages_lost_now']}")
+    elif st["daemon"]:
+        lines.append("replication: n/a (the daemon's control socket does not answer)")
     for p in st["peers"]:
         def n(v: int | None) -> str:
             return "n/a" if v is None else str(v)
