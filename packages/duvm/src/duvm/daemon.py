@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve a local in-RAM store instead of memservers (testing, "
                         "benchmark baseline)")
     parser.add_argument("--no-mlock", action="store_true", help="do not lock the daemon in RAM")
+    parser.add_argument("--metrics", metavar="HOST:PORT",
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
+                        "one; see duvm.metrics)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log connections and errors")
     auth.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
 
@@ -87,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
             args.replicas = 2 if len(peers) >= 2 else 1
         if args.replicas < 1:
             raise ValueError("--replicas must be at least 1")
+        if args.metrics:
+            from duvm.metrics import parse_metrics_listen
+
+            parse_metrics_listen(args.metrics)  # a bad address fails before anything starts
         # Peers authenticate (secret and/or TLS) for every MemClient this process builds.
         memclient.default_security = auth.client_security_from_args(args, peers)
     except (ValueError, auth.SecretError) as e:
@@ -162,6 +169,16 @@ async def _serve(args: argparse.Namespace, size: int, peers: list[tuple[str, int
         loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(
             "%s", auth.reload_client_keyring(clients, args.secret_file)))
     try:
+        if args.metrics:  # Prometheus exposition; NBD latencies observed from here on
+            from duvm import metrics
+
+            try:
+                server.latency, bound = metrics.start_for_loop(
+                    metrics.DaemonCollector, server, metrics.NBD_KINDS, args.metrics)
+            except OSError as e:
+                raise DaemonError(f"cannot serve metrics on {args.metrics}: "
+                                  f"{e.strerror or e}") from None
+            print(f"duvm daemon metrics on http://{bound[0]}:{bound[1]}/metrics", flush=True)
         await server.start_unix(args.socket)
         where = f"unix:{args.socket}"
         if tcp is not None:

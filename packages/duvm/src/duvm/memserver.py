@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
+import os
 import signal
 import ssl
 import struct
@@ -42,6 +44,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from time import perf_counter_ns
 from typing import Any, TypeVar
 
 from duvm import auth
@@ -77,6 +80,10 @@ class Namespace:
     connections: int = 0
     expires_at: float | None = None  # monotonic time; set while no connection holds it
     timer: asyncio.TimerHandle | None = None
+
+
+class MetricsError(Exception):
+    """--metrics cannot be served (port taken, bad address); the message says which."""
 
 
 class Refused(Exception):
@@ -347,6 +354,7 @@ class _Conn(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         dec, out, store = self.decoder, [], self.store
+        lat = self.server.latency
         dec.buffer_updated(nbytes)
         if self.server.idle_timeout is not None:
             self.last_active = time.monotonic()
@@ -357,6 +365,7 @@ class _Conn(asyncio.BufferedProtocol):
                     break
                 mtype, req_id, _, body = frame
                 ns = self.ns
+                t0 = perf_counter_ns() if lat is not None else 0
                 try:
                     # The hot requests are served straight from the frame, no message objects.
                     if mtype == _STORE and ns is not None:
@@ -377,6 +386,8 @@ class _Conn(asyncio.BufferedProtocol):
                 except Refused as e:
                     store.counters["refused"] += 1
                     out += pp.encode(pp.ErrorReply(req_id, pp.MsgType(mtype), e.code, str(e)))
+                if lat is not None:
+                    lat.observe_ns(mtype, perf_counter_ns() - t0)
         except pp.RemoteProtocolError as e:
             self._abort(str(e), out)
             return
@@ -533,6 +544,8 @@ class MemServer:
         self.counters = {"auth_failures": 0, "handshake_timeouts": 0, "handshakes_evicted": 0,
                          "unauthenticated_requests": 0, "idle_closed": 0}  # fmt: skip
         self.store.extra_status = self._security_status
+        # duvm.metrics.LatencyByKind when serving --metrics, else None (no cost per frame)
+        self.latency: Any = None
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
@@ -632,6 +645,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sec.add_argument("--idle-timeout", type=float, metavar="SECONDS",
                      help="close authenticated connections idle this long (default: never; a "
                      "swap device may rightly be idle for hours)")  # fmt: skip
+    parser.add_argument("--metrics", metavar="HOST:PORT",
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
+                        "one; see duvm.metrics)")  # fmt: skip
+    parser.add_argument("--control-socket", metavar="PATH",
+                        help="local status socket, owner-only (JSON lines, `{\"cmd\": "
+                        "\"status\"}`): what this node lends and to whom, e.g. for gputaskman "
+                        "(e.g. /run/duvm/memserver.ctl)")  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="log every connection")
 
 
@@ -682,8 +702,23 @@ def parse_listen(text: str) -> tuple[str, int]:
     return parse_hostport(text)
 
 
-async def _serve(server: MemServer, host: str, port: int, secret_file: str | None = None
-                 ) -> None:  # fmt: skip
+async def _serve(server: MemServer, host: str, port: int, secret_file: str | None = None,
+                 metrics: str | None = None, control: str | None = None) -> None:  # fmt: skip
+    if metrics:  # Prometheus exposition; request latencies observed from here on
+        from duvm import metrics as m
+
+        try:
+            server.latency, mb = m.start_for_loop(m.MemserverCollector, server,
+                                                  m.MEMSERVER_KINDS, metrics)  # fmt: skip
+        except OSError as e:
+            raise MetricsError(f"cannot serve metrics on {metrics}: {e.strerror or e}") from None
+        print(f"duvm memserver metrics on http://{mb[0]}:{mb[1]}/metrics", flush=True)
+    ctl = None
+    if control:  # what this node lends, to whom: for local readers such as gputaskman
+        from duvm import control_socket
+
+        ctl = await control_socket.start(control, lambda: {"role": "memserver",
+                                                           **server.store.status()})
     bound = await server.start(host, port)
     st = server.store
     print(f"duvm memserver listening on {bound[0]}:{bound[1]} "
@@ -700,6 +735,10 @@ async def _serve(server: MemServer, host: str, port: int, secret_file: str | Non
     try:
         await stop.wait()
     finally:
+        if ctl is not None:
+            ctl.close()
+            with contextlib.suppress(OSError):
+                os.unlink(control)  # type: ignore[arg-type]
         await server.close()
 
 
@@ -746,7 +785,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"duvm memserver: {e}", file=sys.stderr)
         return 1
     try:
-        run_loop(_serve(server, host, port, args.secret_file))
+        run_loop(_serve(server, host, port, args.secret_file, metrics=args.metrics,
+                        control=args.control_socket))  # fmt: skip
+    except MetricsError as e:
+        print(f"duvm memserver: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"duvm memserver: cannot listen on {args.listen}: {e.strerror or e}",
               file=sys.stderr)  # fmt: skip

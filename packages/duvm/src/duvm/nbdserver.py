@@ -37,6 +37,7 @@ import socket
 import stat
 from collections.abc import Coroutine
 from functools import partial
+from time import perf_counter_ns
 from typing import Any
 
 from duvm import nbdconst as C
@@ -104,6 +105,8 @@ class NBDServer:
         self.max_in_flight_bytes = max_in_flight_bytes
         self.max_connections = max_connections  # each holds a 256 KiB receive buffer
         self.stats = ServerStats()
+        # duvm.metrics.LatencyByKind when the daemon runs with --metrics, else None (no cost)
+        self.latency: Any = None
         self.pool = BufferPool()
         self._servers: list[asyncio.Server] = []
         self._connections: set[NBDConnection] = set()
@@ -186,6 +189,8 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._closed = False
         # store coroutines suspended inside the store, by request
         self._waiting: dict[Request, Coroutine[Any, Any, None]] = {}
+        self._lat = server.latency  # request start times only when metrics are on
+        self._t0: dict[Request, int] = {}
         # uvloop already gathers all writes of one loop iteration into one writev, so replies
         # can be handed over as they complete; plain asyncio sends at once, so batch them.
         self._direct_flush = type(self._loop).__module__.startswith("uvloop")
@@ -341,6 +346,8 @@ class NBDConnection(asyncio.BufferedProtocol):
             return
         if req.flags & C.CMD_FLAG_FUA and cmd in _FUA_CMDS:
             coro = self._then_flush(coro)
+        if self._lat is not None:
+            self._t0[req] = perf_counter_ns()
         self._in_flight += 1
         try:
             first = coro.send(None)
@@ -404,6 +411,8 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._in_flight -= 1
         cmd = req.cmd
         buf = req.buffer
+        if self._lat is not None:
+            self._lat.observe_ns(cmd, perf_counter_ns() - self._t0.pop(req))
         if cmd <= _CMD_WRITE:
             self._in_flight_bytes -= req.length
         if err:
