@@ -39,22 +39,35 @@ def fuse_path_here() -> bool:
 
 
 @pytest.fixture
-def memserver():
-    p = subprocess.Popen([PY, "-m", "duvm.cli", "memserver", "--listen", "127.0.0.1:0",
-                          "--capacity", "8M", "--no-mlock"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
+def start_memserver():
+    """Start real memservers on loopback (extra flags allowed); returns HOST:PORT."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*extra: str) -> str:
+        p = subprocess.Popen([PY, "-m", "duvm.cli", "memserver", "--listen", "127.0.0.1:0",
+                              "--capacity", "8M", "--no-mlock", *extra],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(p)
         assert p.stdout is not None
         line = p.stdout.readline()
         assert "listening on" in line, (line, p.stderr.read() if p.poll() is not None else "")
-        yield line.split("listening on ")[1].split()[0]
+        return line.split("listening on ")[1].split()[0]
+
+    try:
+        yield start
     finally:
-        p.terminate()
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        for p in procs:
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def memserver(start_memserver) -> str:
+    return start_memserver()
 
 
 @pytest.fixture
@@ -97,9 +110,10 @@ def not_a_memserver():
 
 @pytest.fixture
 def secret(tmp_path: Path) -> Path:
+    """A cluster secret file as operators make one (`duvm secret generate`)."""
     f = tmp_path / "cluster.key"
-    f.write_bytes(os.urandom(32))
-    f.chmod(0o600)
+    res = duvm("secret", "generate", str(f))
+    assert res.returncode == 0, res.stderr
     return f
 
 
@@ -111,18 +125,21 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (doctor's 
 
 
 @needs_root
-def test_doctor_passes_on_this_machine_with_a_live_memserver(memserver: str, secret: Path,
+def test_doctor_passes_on_this_machine_with_a_live_memserver(start_memserver, secret: Path,
                                                              tmp_path: Path) -> None:
     if not fuse_path_here() and not attach.kernel_nbd_available():
         pytest.skip("neither kernel nbd nor nbdfuse+loop on this machine")
+    memserver = start_memserver("--secret-file", str(secret))
     cfg = tmp_path / "duvm.toml"
-    cfg.write_text(f'peers = ["{memserver}"]\nsize = "16M"\n')
-    res = duvm("doctor", "--config", str(cfg), "--secret-file", str(secret), "--json")
+    cfg.write_text(f'peers = ["{memserver}"]\nsize = "16M"\n'
+                   f'daemon_args = ["--secret-file", "{secret}"]\n')
+    res = duvm("doctor", "--config", str(cfg), "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     assert doc["ok"] is True
     checks = by_name(doc["checks"])
-    for name in ("config", "root", "block-device", "swap-tools", "peers", "secret-file"):
+    for name in ("config", "root", "block-device", "swap-tools", "peers", "secret-file",
+                 "peer-auth"):
         assert checks[name]["status"] == "ok", checks[name]
     # the peer answered the page protocol: its capacity is the 8 MiB it was started with
     assert f"{memserver} (capacity 8 MiB" in checks["peers"]["detail"]
@@ -151,6 +168,34 @@ def test_peer_not_listening_fails_with_the_reason(dead_port: int) -> None:
     assert (c.status, c.required) == (doctor.FAIL, True)
     assert f"127.0.0.1:{dead_port}: Connection refused" in c.detail
     assert "duvm memserver --listen" in (c.fix or "")
+
+
+def test_memserver_that_wants_a_secret_we_lack_fails_and_says_so(start_memserver,
+                                                                 secret: Path) -> None:
+    memserver = start_memserver("--secret-file", str(secret))
+    c = doctor.check_peers([memserver], timeout=3)
+    assert c.status == doctor.FAIL
+    assert "authentication required" in c.detail
+    assert (c.fix or "").startswith("the peers require authentication: duvm secret generate")
+
+
+def test_memserver_without_secret_is_refused_when_we_have_one(memserver: str,
+                                                              secret: Path) -> None:
+    opts = doctor.Options(peers=[memserver], secret_file=secret)
+    security, auth_check = doctor.check_peer_auth(opts)
+    assert auth_check.status == doctor.OK and security is not None
+    c = doctor.check_peers([memserver], timeout=3, security=security)
+    # the daemon would refuse it too: a memserver that cannot prove the secret
+    assert c.status == doctor.FAIL and "has no cluster secret" in c.detail
+
+
+def test_off_loopback_peers_need_a_secret_like_the_daemon_says() -> None:
+    security, c = doctor.check_peer_auth(doctor.Options(peers=["10.0.0.2:7070"]))
+    assert security is None and (c.status, c.required) == (doctor.FAIL, True)
+    assert "--secret-file or --tls-ca" in c.detail and "duvm secret generate" in (c.fix or "")
+    opts = doctor.Options(peers=["10.0.0.2:7070"], daemon_security_args=["--insecure"])
+    _, c = doctor.check_peer_auth(opts)
+    assert c.status == doctor.WARN and "unauthenticated" in c.detail
 
 
 def test_listener_that_is_not_a_memserver_fails(not_a_memserver: str) -> None:
@@ -185,31 +230,53 @@ def test_secret_not_owned_by_root_fails(secret: Path) -> None:
     assert c.status == doctor.FAIL and f"owned by uid {NOBODY}, not root" in c.detail
 
 
-def test_missing_empty_and_symlinked_secrets_fail(tmp_path: Path, secret: Path) -> None:
+def test_missing_empty_garbled_and_symlinked_secrets_fail(tmp_path: Path,
+                                                          secret: Path) -> None:
     missing = doctor.check_secret(tmp_path / "nope.key")
     assert missing.status == doctor.FAIL and "No such file" in missing.detail
-    assert "head -c 32 /dev/urandom" in (missing.fix or "")
+    assert missing.fix == f"duvm secret generate {tmp_path / 'nope.key'} (on one node; copy it " \
+        "to the others)"
     empty = tmp_path / "empty.key"
     empty.touch(mode=0o600)
-    assert "empty" in doctor.check_secret(empty).detail
+    assert "holds no secret" in doctor.check_secret(empty).detail
+    garbled = tmp_path / "garbled.key"
+    garbled.write_text("not hex at all\n")
+    garbled.chmod(0o600)
+    c = doctor.check_secret(garbled)
+    assert c.status == doctor.FAIL and "line 1: not hexadecimal" in c.detail
     link = tmp_path / "link.key"
     link.symlink_to(secret)
     assert "a symlink" in doctor.check_secret(link).detail
 
 
-def test_secret_file_from_config_is_checked(tmp_path: Path, secret: Path, dead_port: int) -> None:
+def test_secret_file_from_daemon_args_is_checked(tmp_path: Path, secret: Path,
+                                                 dead_port: int) -> None:
     secret.chmod(0o640)
     cfg = tmp_path / "duvm.toml"
     cfg.write_text(f'peers = ["127.0.0.1:{dead_port}"]\nsize = "16M"\n'
-                   f'secret_file = "{secret}"\n')
+                   f'daemon_args = ["--secret-file", "{secret}"]\n')
     res = duvm("doctor", "--config", str(cfg), "--json", "--timeout", "2")
     checks = by_name(json.loads(res.stdout)["checks"])
     assert res.returncode == 1
+    assert checks["config"]["status"] == "ok"
     assert checks["secret-file"]["status"] == "fail"
     assert "mode 0640" in checks["secret-file"]["detail"]
-    # enable does not know secret_file yet, so the config check says so instead of passing
-    assert checks["config"]["status"] == "fail" and "secret_file" in checks["config"]["detail"]
+    # the daemon would refuse that file too, and doctor says so by the daemon's own rule
+    assert checks["peer-auth"]["status"] == "fail" and "chmod 600" in checks["peer-auth"]["detail"]
     assert checks["peers"]["status"] == "fail"  # the peers were still read from the file
+
+
+def test_config_enable_refuses_still_has_peers_and_secret_checked(tmp_path: Path,
+                                                                   dead_port: int) -> None:
+    cfg = tmp_path / "duvm.toml"
+    cfg.write_text(f'peers = ["127.0.0.1:{dead_port}"]\nsize = "16M"\nbogus = 1\n'
+                   f'daemon_args = ["--secret-file", "{tmp_path / "none.key"}"]\n')
+    res = duvm("doctor", "--config", str(cfg), "--json", "--timeout", "2")
+    checks = by_name(json.loads(res.stdout)["checks"])
+    assert checks["config"]["status"] == "fail" and "bogus" in checks["config"]["detail"]
+    assert checks["secret-file"]["status"] == "fail"
+    assert "duvm secret generate" in checks["secret-file"]["fix"]
+    assert f"127.0.0.1:{dead_port}: Connection refused" in checks["peers"]["detail"]
 
 
 def test_unreadable_config_fails_without_traceback(tmp_path: Path) -> None:

@@ -12,9 +12,12 @@ raises anyway, no uvloop) keep exit 0. ``--json`` prints the same list as data.
 What is checked is what `duvm enable` will need, found the way enable finds it: system tools
 in the fixed sbin/bin directories `duvm.attach` uses (never $PATH, so a doctor verdict cannot
 differ from enable's), the kernel nbd device or the nbdfuse + FUSE + loop fallback for the
-configured method, the swap tools, a memory cgroup, the network reserve, each configured peer
-(a TCP connect with a timeout, then a page-protocol STATUS so a port that answers but is not a
-memserver is caught), and the cluster secret file's ownership and mode when one is configured.
+configured method, the swap tools, a memory cgroup, the network reserve, the cluster secret
+file (root-owned, no group/other access, lines that are secrets), how the daemon will
+authenticate to its peers (decided by the daemon's own rule, `auth.client_security_from_args`,
+over the security flags in the config's ``daemon_args``), and each peer: a TCP connect with a
+timeout, then a page-protocol STATUS under that same authentication, so a port that answers
+but is not a memserver, or a memserver that refuses our secret, is caught.
 
 Where it looks is a `Probe` (tool directories, /dev, /sys/module, the cgroup root, the sysctl
 file), so tests point checks at directories that lack one piece and see the real check fail.
@@ -23,6 +26,7 @@ file), so tests point checks at directories that lack one piece and see the real
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -36,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duvm import attach, cgroup, control
+from duvm import attach, auth, cgroup, control
 from duvm.units import parse_hostport
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -81,6 +85,8 @@ class Options:
     config_error: str | None = None
     config_path: Path | None = None
     peer_timeout: float = PEER_TIMEOUT_S
+    # the daemon's security flags (--secret-file, --tls-*, --insecure) from daemon_args
+    daemon_security_args: list[str] = field(default_factory=list)
 
 
 def _verdict(name: str, problem: bool, required: bool, detail: str,
@@ -210,7 +216,60 @@ def _tcp(host: str, port: int, timeout: float) -> str | None:
     return None
 
 
-def check_peers(peers: list[str], timeout: float) -> Check:
+def daemon_security(opts: Options) -> argparse.Namespace:
+    """The daemon's security flags as its own parser reads them (other flags ignored);
+    doctor's --secret-file, when given, stands in for the daemon's."""
+    parser = argparse.ArgumentParser(add_help=False)
+    auth.add_client_arguments(parser)
+    ns, _ = parser.parse_known_args(opts.daemon_security_args)
+    if opts.secret_file is not None:
+        ns.secret_file = str(opts.secret_file)
+    return ns
+
+
+def check_peer_auth(opts: Options) -> tuple[auth.PeerSecurity | None, Check]:
+    """How the daemon will authenticate to the peers, by the daemon's own rule (memservers
+    off loopback need a secret or TLS unless --insecure). Returns the security doctor then
+    uses for its STATUS requests, so an authenticating memserver answers it."""
+    if not opts.peers:
+        return None, Check("peer-auth", SKIP, True, "no peers given")
+    try:
+        addrs = [parse_hostport(p, control.MEMSERVER_PORT) for p in opts.peers]
+        ns = daemon_security(opts)
+        security = auth.client_security_from_args(ns, addrs)
+    except (ValueError, OSError, auth.SecretError) as exc:
+        return None, Check("peer-auth", FAIL, True, str(exc), _AUTH_FIX)
+    if security is None:
+        how = "--insecure: pages go to unauthenticated peers" if ns.insecure and not \
+            auth.all_loopback(addrs) else "all peers on loopback, no authentication needed"
+        return None, Check("peer-auth", WARN if ns.insecure else OK, False, how,
+                           _AUTH_FIX if ns.insecure else None)
+    how = [f"secret file {ns.secret_file}"] if security.keyring else []
+    how += ["TLS"] if security.tls else []
+    return security, Check("peer-auth", OK, True, " + ".join(how))
+
+
+_AUTH_FIX = ("duvm secret generate /etc/duvm/cluster.secret on one node, copy it (mode 0600, "
+             "root) to every node, give memservers --secret-file and add \"--secret-file\", "
+             "\"/etc/duvm/cluster.secret\" to daemon_args in duvm.toml")
+
+
+async def _statuses(addrs: dict[str, tuple[str, int]], timeout: float,
+                    security: auth.PeerSecurity | None) -> dict[str, dict[str, Any] | str]:
+    from duvm.memclient import query_status  # the page protocol is only needed here
+
+    async def one(host: str, port: int) -> dict[str, Any] | str:
+        try:
+            return await query_status(host, port, timeout=timeout, security=security)
+        except Exception as exc:  # unreachable, refused auth, or not a memserver at all
+            return str(exc)
+
+    got = await asyncio.gather(*(one(h, p) for h, p in addrs.values()))
+    return dict(zip(addrs, got, strict=True))
+
+
+def check_peers(peers: list[str], timeout: float,
+                security: auth.PeerSecurity | None = None) -> Check:
     if not peers:
         return Check("peers", SKIP, True, "no peers given (--peers or --config)")
     problems, good, addrs = [], [], {}
@@ -224,21 +283,23 @@ def check_peers(peers: list[str], timeout: float) -> Check:
         errors = dict(zip(addrs, pool.map(lambda hp: _tcp(*hp, timeout), addrs.values()),
                           strict=True))
     problems += [f"{p}: {err}" for p, err in errors.items() if err]
-    reachable = [p for p, err in errors.items() if not err]
-    for st in control.peer_statuses(reachable, timeout=timeout):
-        if st["health"] != "ok":
-            problems.append(f"{st['peer']}: port open but no duvm memserver STATUS "
-                            f"({st['error']})")
+    reachable = {p: addrs[p] for p, err in errors.items() if not err}
+    fix = ("on each failing peer run `duvm memserver --listen HOST:PORT --capacity SIZE` (or "
+           "its systemd unit duvm-node.service) and open that TCP port")
+    for peer, st in asyncio.run(_statuses(reachable, timeout, security)).items():
+        if isinstance(st, str):
+            problems.append(f"{peer}: port open but no duvm memserver STATUS ({st})")
+            if "authentication required" in st and security is None:
+                fix = "the peers require authentication: " + _AUTH_FIX
             continue
-        def mib(pages: int | None) -> str:
-            return "n/a" if pages is None else f"{pages * 4096 >> 20} MiB"
 
-        good.append(f"{st['peer']} (capacity {mib(st['capacity_pages'])}, reserved "
+        def mib(pages: object) -> str:
+            return f"{pages * 4096 >> 20} MiB" if isinstance(pages, int) else "n/a"
+
+        good.append(f"{peer} (capacity {mib(st.get('capacity_pages'))}, reserved "
                     f"{mib(st.get('reserved_pages'))})")
     detail = "; ".join([*problems, f"ok: {', '.join(good)}"] if good else problems)
-    return _verdict("peers", bool(problems), True, detail,
-                    "on each failing peer run `duvm memserver --listen HOST:PORT --capacity "
-                    "SIZE` (or its systemd unit duvm-node.service) and open that TCP port")
+    return _verdict("peers", bool(problems), True, detail, fix)
 
 
 def check_secret(path: Path | None) -> Check:
@@ -249,7 +310,7 @@ def check_secret(path: Path | None) -> Check:
         st = path.lstat()
     except OSError as exc:
         return Check("secret-file", FAIL, True, f"{path}: {exc.strerror or exc}",
-                     f"create it (e.g. head -c 32 /dev/urandom > {path}), then {fix}")
+                     f"duvm secret generate {path} (on one node; copy it to the others)")
     problems = []
     if not stat.S_ISREG(st.st_mode):
         problems.append("not a regular file" + (" (a symlink)" if stat.S_ISLNK(st.st_mode)
@@ -258,11 +319,16 @@ def check_secret(path: Path | None) -> Check:
         problems.append(f"owned by uid {st.st_uid}, not root")
     if st.st_mode & 0o077:
         problems.append(f"mode {stat.S_IMODE(st.st_mode):04o} lets others read or write it")
-    if stat.S_ISREG(st.st_mode) and st.st_size == 0:
-        problems.append("empty")
+    if not problems:  # safe to read: are the lines secrets (`duvm secret generate`)?
+        try:
+            n = len(auth.load_secrets(path))
+        except auth.SecretError as exc:
+            problems.append(str(exc))
+            fix = f"duvm secret generate {path} (or fix the line it names)"
     return _verdict("secret-file", bool(problems), True,
                     f"{path}: " + ("; ".join(problems) if problems else
-                                   f"root-owned, mode {stat.S_IMODE(st.st_mode):04o}"), fix)
+                                   f"{n} secret(s), root-owned, mode "
+                                   f"{stat.S_IMODE(st.st_mode):04o}"), fix)
 
 
 def check_uvloop() -> Check:
@@ -286,6 +352,7 @@ def check_config(opts: Options) -> Check:
 def run_checks(opts: Options, probe: Probe | None = None) -> list[Check]:
     probe = probe or Probe()
     nbd, fuse = kernel_nbd(probe), fuse_loop(probe)
+    peer_auth = check_peer_auth(opts)
     return [
         check_config(opts),
         check_root(),
@@ -295,10 +362,17 @@ def run_checks(opts: Options, probe: Probe | None = None) -> list[Check]:
         check_swap_tools(probe),
         check_cgroup(probe),
         check_min_free(probe),
-        check_peers(opts.peers, opts.peer_timeout),
-        check_secret(opts.secret_file),
+        check_secret(secret_path(opts)),
+        peer_auth[1],
+        check_peers(opts.peers, opts.peer_timeout, peer_auth[0]),
         check_uvloop(),
     ]
+
+
+def secret_path(opts: Options) -> Path | None:
+    """--secret-file, else the daemon's --secret-file from daemon_args."""
+    found = daemon_security(opts).secret_file
+    return Path(found) if found else None
 
 
 def passed(checks: list[Check]) -> bool:
@@ -310,13 +384,16 @@ def passed(checks: list[Check]) -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, metavar="FILE",
-                        help="the config enable will use (peers, method, secret_file)")
+                        help="the config enable will use (peers, method, daemon_args)")
     parser.add_argument("--peers", metavar="HOST:PORT[,...]",
                         help="memservers to check (instead of / besides the config's)")
     parser.add_argument("--secret-file", type=Path, metavar="FILE",
-                        help="cluster secret file to check (else the config's secret_file)")
+                        help="cluster secret file to check (else the --secret-file in the "
+                        "config's daemon_args)")
     parser.add_argument("--method", choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
                         help="attach method to check for (default: the config's, else auto)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="as the daemon's --insecure: peers off loopback without a secret")
     parser.add_argument("--timeout", type=float, default=PEER_TIMEOUT_S, metavar="S",
                         help=f"per-peer connect timeout (default {PEER_TIMEOUT_S:g})")
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
@@ -326,7 +403,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
     opts = Options(peer_timeout=args.timeout, config_path=args.config)
     raw: dict[str, Any] = {}
     if args.config is not None:
-        # Read the file raw too: secret_file is checked even before enable knows the key.
+        # Read the file raw too, so a config enable would refuse still has its peers and
+        # daemon flags checked.
         try:
             raw = tomllib.loads(args.config.read_text())
         except (OSError, ValueError):  # unreadable, not UTF-8, not TOML: load_config says
@@ -334,6 +412,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         try:
             cfg = control.load_config(args.config)
             opts.peers, opts.method = list(cfg.peers), cfg.method
+            opts.daemon_security_args = list(cfg.daemon_args)
         except (control.ControlError, ValueError) as exc:  # ValueError: bytes that are not UTF-8
             opts.config_error = str(exc) if isinstance(exc, control.ControlError) else \
                 f"config {args.config} cannot be read as text: {exc}"
@@ -345,8 +424,12 @@ def options_from_args(args: argparse.Namespace) -> Options:
         opts.peers = list(dict.fromkeys([*opts.peers, *extra]))
     if args.method:
         opts.method = args.method
-    secret = args.secret_file or raw.get("secret_file")
-    opts.secret_file = Path(secret) if isinstance(secret, (str, Path)) and secret else None
+    if opts.config_error is not None:  # still check what the file asks for
+        dargs = raw.get("daemon_args", [])
+        opts.daemon_security_args = [str(a) for a in dargs] if isinstance(dargs, list) else []
+    opts.secret_file = args.secret_file
+    if args.insecure:
+        opts.daemon_security_args.append("--insecure")
     return opts
 
 
