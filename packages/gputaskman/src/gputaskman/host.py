@@ -10,6 +10,8 @@ API
   ``/proc/swaps`` (`SwapDevice`: filename, type, size, used, priority).
 * `SystemInfo.cpu` (`CpuInfo`): logical CPUs, load averages, and overall busy percent
   between this sample and the previous one (``/proc/stat``).
+* `SystemInfo.duvm` (`duvmpool.PoolInfo` or None): this node's duvm daemon (where its pages
+  are, the pool's health) and memserver (what it lends, to whom), kind runtime.
 * `SystemInfo.processes`: a read-only mapping pid -> `ProcessUsage` (rss bytes, CPU percent
   of one core, create time) for every process, or only for `pids` when given.
 
@@ -141,6 +143,9 @@ class SystemInfo:
     cpu: CpuInfo
     processes: Mapping[int, ProcessUsage] = field(default_factory=lambda: MappingProxyType({}))
     processes_reason: str | None = None
+    # duvm pool as this node's duvm processes report it (`duvmpool.PoolInfo`, kind runtime);
+    # None when not looked for (fixture trees, replays)
+    duvm: Any = None
 
 
 # --------------------------------------------------------------------------- parsers
@@ -282,8 +287,10 @@ class HostSampler:
     may point it elsewhere for per-process reads).
     """
 
-    def __init__(self, *, proc_root: str = procfs.PROC) -> None:
+    def __init__(self, *, proc_root: str = procfs.PROC, duvm: bool | None = None) -> None:
         self._root = proc_root
+        # Ask duvm's local status sockets (duvmpool) only on the real machine by default.
+        self._duvm = proc_root == procfs.PROC if duvm is None else duvm
         self._btime = procfs.boot_time(proc_root)
         self._cpu_prev: tuple[int, int] | None = None
         # (pid, create_time) -> (cpu ticks, monotonic seconds) from the previous sample.
@@ -453,7 +460,12 @@ class HostSampler:
             preason = None
         except OSError as exc:
             procs, preason = {}, f"cannot list processes: {exc.strerror or exc}"
-        return SystemInfo(taken, memory, swap, cpu, MappingProxyType(procs), preason)
+        pool = None
+        if self._duvm:
+            from gputaskman import duvmpool
+
+            pool = duvmpool.sample()
+        return SystemInfo(taken, memory, swap, cpu, MappingProxyType(procs), preason, pool)
 
 
 # --------------------------------------------------------------------------- JSON

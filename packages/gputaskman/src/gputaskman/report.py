@@ -53,7 +53,24 @@ Top level::
                        "devices_reason": str | null, "problems": [str, ...]},
               "cpu": {"percent": R, "load_1": R, "load_5": R, "load_15": R,
                       "logical_cpus": R},
-              "processes_reason": str}           # only when the process list failed
+              "processes_reason": str,           # only when the process list failed
+              "duvm": DUVM}                      # only when duvm's sockets were looked for
+
+    DUVM = {"kind": "runtime", "looked": "/run/duvm/*.ctl" | "$GTM_DUVM_SOCKETS",
+            "daemons": [{"socket": str, "pid": int | null,
+                         "health": "ok" | "degraded" | "failing", "reasons": [str, ...],
+                         "size_bytes": R, "replicas": R, "pages_written": R,
+                         "degraded_slabs": R, "pages_lost": R,
+                         "peers": [{"peer": "host:port", "connected": bool | null,
+                                    "pages": R,        # this node's pages held there
+                                    "reserved_pages": R, "slabs": R}]}],
+            "lending": [{"socket": str, "capacity_bytes": R, "used_bytes": R,
+                         "reserved_bytes": R, "borrowers_listed_of": R,
+                         "borrowers": [{"client_id": str, "stored_bytes": R,
+                                        "reserved_bytes": R, "connections": R}]}],
+            "errors": {"<socket path>": "why it gave no status"}}
+    (DUVM readings are kind "runtime", source "duvm daemon:<socket>" or "duvm memserver:...";
+    see duvmpool.py. Nothing in it is GPU memory or part of any total.)
 
     PROBLEM = {"where": "backend.init" | "processes.compute" | ..., "reason": "<reason>",
                "detail": str | null, "adapter": "<pci bus id>" | null}
@@ -532,6 +549,10 @@ def system_lines(system: object | None) -> list[str]:
         + f"  load {fmt_reading(c.load_1)} {fmt_reading(c.load_5)} {fmt_reading(c.load_15)}"
         + f"  cpus {fmt_reading(c.logical_cpus)}"
     )
+    if system.duvm is not None:  # duvm pool (runtime-reported, from duvm's status sockets)
+        from gputaskman import duvmpool
+
+        lines += duvmpool.pool_lines(system.duvm)
     return lines
 
 

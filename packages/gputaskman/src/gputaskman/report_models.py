@@ -56,6 +56,10 @@ def system_json(info: host.SystemInfo) -> dict[str, Any]:
     }
     if info.processes_reason:
         out["processes_reason"] = info.processes_reason
+    if info.duvm is not None:  # duvm pool (duvmpool.PoolInfo): kind runtime, never summed
+        from gputaskman import duvmpool
+
+        out["duvm"] = duvmpool.pool_json(info.duvm)
     return out
 
 
