@@ -90,16 +90,19 @@ def test_node_unit_runs_memserver_with_the_example_env() -> None:
     args = parse_duvm(expand(s["ExecStart"], env))
     assert args.command == "memserver"
     assert args.listen == env["DUVM_LISTEN"] and args.capacity == env["DUVM_CAPACITY"]
+    assert args.secret_file == "/etc/duvm/cluster.secret"  # off loopback it must have one
     # extra flags go through too
     args = parse_duvm(expand(s["ExecStart"], {**env, "DUVM_MEMSERVER_ARGS": "--lease 600 -v"}))
     assert args.lease == 600 and args.verbose
-    assert s["LimitMEMLOCK"] == "infinity" and s["DynamicUser"] == "yes"
+    assert s["LimitMEMLOCK"] == "infinity"
+    assert s["CapabilityBoundingSet"] == "" and "DynamicUser" not in s
+    assert s["ExecReload"] == "/bin/kill -HUP $MAINPID"  # secret rotation keeps the pages
 
 
 def test_units_name_only_existing_subcommands() -> None:
     for name in ("duvm-node.service", "duvm-enable.service"):
         for key, cmd in unit(name)["Service"].items():
-            if key.startswith("Exec"):
+            if key.startswith("Exec") and key != "ExecReload":
                 sub = shlex.split(cmd)[1]
                 assert sub in cli.SUBCOMMANDS, f"{name} {key} runs unknown subcommand {sub}"
 
