@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "summary": ("gputaskman.summary", "averages and peaks per run of a record file"),
     "diff": ("gputaskman.diff", "compare two saved --json snapshots"),
     "replay": ("gputaskman.replay", "play a record file in the TUI (offline, never samples)"),
+    "serve": ("gputaskman.serve", "serve Prometheus metrics (sampled like the TUI)"),
 }
 
 # How long one-shot output waits between the priming host sample and the real one, so
