@@ -1,0 +1,262 @@
+"""`gputaskman serve` / exporter: scrapes parsed by prometheus_client's own text parser.
+
+The GPU numbers in the `test_nvml_mocked_*` tests are mocked (this machine has no GPU): the
+snapshots are built from the real model classes (tests/mocked_snapshots.py) and exported by
+the real collector. `test_serve_real_*` runs the real command on this GPU-less machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from gputaskman import serve
+from gputaskman.exporter import Cached, SnapshotCollector, metric_name
+from gputaskman.host import HostSampler
+from gputaskman.llm import LlmView, ViewPart
+from gputaskman.model import Kind, ModelRef, Reading, Reason
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+ms = __import__("mocked_snapshots")
+
+
+def scrape(cached: Cached | None) -> dict[str, list]:
+    """Name -> samples, through generate_latest and the real text parser."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(SnapshotCollector(lambda: cached))
+    text = generate_latest(reg).decode()
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def _mock_snapshot():
+    a0, a1 = ms.adapter(0, ms.BUS0), ms.adapter(1, ms.BUS1, uuid="GPU-second")
+    m1 = ms.metrics(used=0, util=None, power=None)  # a measured zero, two unknowns
+    llama = ms.proc(101, 3 * ms.GIB, name="llama-server")
+    llama = llama.__class__(**{**{f: getattr(llama, f) for f in llama.__slots__},
+                               "model": ModelRef("qwen2.5-7b", "mapped", confirmed=True),
+                               "breakdown": LlmView(
+                                   "qwen2.5-7b", None, "mapped", "confirmed", "",
+                                   parts=(ViewPart("weights", Reading.runtime(2 * ms.GIB, "log")),
+                                          ViewPart("kv_cache", Reading.estimated(ms.GIB, "gguf")),
+                                          ViewPart("compute", Reading.missing(
+                                              Reason.UNAVAILABLE, "x", kind=Kind.ESTIMATED))),
+                                   reported_total=2 * ms.GIB, estimated_total=ms.GIB)})
+    guess = ms.proc(102, 512 * ms.MIB, name="python3")
+    guess = guess.__class__(**{**{f: getattr(guess, f) for f in guess.__slots__},
+                               "model": ModelRef("maybe-model", "cmdline")})
+    hidden = ms.proc(103, None, name="hidden", bus=ms.BUS1, reason=Reason.HIDDEN,
+                     inferred=256 * ms.MIB)
+    snap = ms.snapshot(adapters=(a0, a1), metrics_by_bus={ms.BUS0: ms.metrics(), ms.BUS1: m1},
+                       procs=(llama, guess, hidden))
+    return snap
+
+
+def test_nvml_mocked_scrape_names_labels_and_provenance():
+    got = scrape(Cached(_mock_snapshot(), None, time.time(), 0.01))
+    assert got["gputaskman_backend_up"][0].value == 1
+    # device: labels identify the GPU; measured values carry provenance="measured"
+    total = got["gputaskman_gpu_memory_total_bytes"]
+    assert {(s.labels["gpu"], s.labels["pci_bus_id"], s.labels["uuid"]) for s in total} == {
+        ("0", ms.BUS0, f"GPU-mock-{ms.BUS0}"), ("1", ms.BUS1, "GPU-second")}
+    assert all(s.labels["provenance"] == "measured" and s.value == 16 * ms.GIB for s in total)
+    # a measured zero is exported as 0; unknowns are absent (not 0)
+    used = {s.labels["gpu"]: s.value for s in got["gputaskman_gpu_memory_used_bytes"]}
+    assert used == {"0": 4 * ms.GIB, "1": 0}
+    assert [s.labels["gpu"] for s in got["gputaskman_gpu_utilization_percent"]] == ["0"]
+    assert [s.labels["gpu"] for s in got["gputaskman_gpu_power_watts"]] == ["0"]
+    assert "gputaskman_gpu_encoder_utilization_percent" not in got  # not supported anywhere
+    assert got["gputaskman_gpu_clock_sm_hertz"][0].value == 1800e6
+    # processes: measured VRAM under the base name; model label only when confirmed
+    vram = {s.labels["pid"]: s for s in got["gputaskman_process_vram_bytes"]}
+    assert set(vram) == {"101", "102"}  # 103's memory is hidden: absent, not 0
+    assert vram["101"].labels["model"] == "qwen2.5-7b" and vram["101"].value == 3 * ms.GIB
+    assert vram["102"].labels["model"] == "" and vram["102"].labels["name"] == "python3"
+    assert vram["101"].labels["pci_bus_id"] == ms.BUS0
+    # inferred, estimated and runtime values live under their own names, never the base one
+    inf = got["gputaskman_process_vram_inferred_bytes"]
+    assert [(s.labels["pid"], s.labels["provenance"], s.value) for s in inf] == [
+        ("103", "inferred", 256 * ms.MIB)]
+    est = got["gputaskman_process_vram_estimated_bytes"]
+    assert [(s.labels["pid"], s.labels["provenance"], s.value) for s in est] == [
+        ("101", "estimated", ms.GIB)]
+    rt = got["gputaskman_process_vram_runtime_bytes"]
+    assert [(s.labels["pid"], s.value) for s in rt] == [("101", 2 * ms.GIB)]
+    parts = {(s.name, s.labels["part"]) for n in got for s in got[n] if "llm_part" in n}
+    assert parts == {("gputaskman_process_llm_part_runtime_bytes", "weights"),
+                     ("gputaskman_process_llm_part_estimated_bytes", "kv_cache")}  # compute n/a
+    info = {(s.labels["pid"], s.labels["model_name"], s.labels["confirmed"])
+            for s in got["gputaskman_process_model_info"]}
+    assert info == {("101", "qwen2.5-7b", "true"), ("102", "maybe-model", "false")}
+    # the measured sum counts measured bytes only (the inferred 256 MiB is not in it)
+    att = {s.labels["gpu"]: s.value for s in got["gputaskman_gpu_attributed_bytes"]}
+    assert att == {"0": 3 * ms.GIB + 512 * ms.MIB}
+    complete = {s.labels["gpu"]: s.value for s in got["gputaskman_gpu_attributed_complete"]}
+    assert complete == {"0": 1}
+
+
+def test_nvml_mocked_no_sample_yet_and_backend_down():
+    before = scrape(None)  # the sampler has not finished its first sample
+    assert list(before) == ["gputaskman_sample_ready"]
+    assert before["gputaskman_sample_ready"][0].value == 0
+    snap = ms.snapshot(unavailable=Reason.NO_LIBRARY)
+    got = scrape(Cached(snap, None, time.time(), 0.0))
+    assert got["gputaskman_backend_up"][0].value == 0
+    assert not [n for n in got if n.startswith(("gputaskman_gpu_", "gputaskman_process_"))]
+    probs = got["gputaskman_sample_problems"]
+    assert [(s.labels["where"], s.labels["reason"], s.value) for s in probs] == [
+        ("backend.init", "library not found", 1)]
+
+
+def test_real_host_sample_exports_system_and_no_unknowns():
+    """The system part from a real /proc sample of this machine."""
+    sysinfo = HostSampler(duvm=False).sample()
+    got = scrape(Cached(ms.snapshot(unavailable=Reason.NO_LIBRARY), sysinfo, time.time(), 0))
+    total = got["gputaskman_system_memory_total_bytes"][0]
+    assert total.value == sysinfo.memory.total_bytes.value
+    assert total.labels == {"provenance": "measured"}
+    # CPU% of a first sample is a rate without two points: unknown, so absent
+    assert sysinfo.cpu.percent.value is None
+    assert "gputaskman_system_cpu_percent" not in got
+
+
+def test_metric_name_keeps_kinds_apart():
+    assert metric_name("gputaskman_process_vram", "bytes", Kind.MEASURED) == \
+        "gputaskman_process_vram_bytes"
+    assert {metric_name("x", "bytes", k) for k in Kind} == {
+        "x_bytes", "x_inferred_bytes", "x_estimated_bytes", "x_runtime_bytes"}
+
+
+@given(st.text(max_size=40))
+def test_parse_listen_never_crashes(text):
+    try:
+        host, port = serve.parse_listen(text)
+    except Exception as e:
+        assert type(e).__name__ == "ArgumentTypeError"
+    else:
+        assert 0 <= port <= 65535 and isinstance(host, str)
+
+
+def test_parse_listen_forms():
+    assert serve.parse_listen("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert serve.parse_listen("[::1]:9835") == ("::1", 9835)
+    assert serve.parse_listen(":9835") == ("0.0.0.0", 9835)
+
+
+class _Counting:
+    """A real collector, counting the samples taken (to show scrapes never sample)."""
+
+    def __init__(self) -> None:
+        from gputaskman.collector import SCAN_BUDGET, Collector
+
+        self.inner = Collector(scan_budget=SCAN_BUDGET)
+        self.samples = 0
+
+    def prime(self) -> None:
+        self.inner.prime()
+
+    def sample_with_system(self):
+        self.samples += 1
+        return self.inner.sample_with_system()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_scrapes_read_the_cache_and_never_sample():
+    holder: list[_Counting] = []
+
+    def factory() -> _Counting:
+        holder.append(_Counting())
+        return holder[0]
+
+    sampler = serve.Sampler(factory, interval=3600)
+    sampler.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sampler.latest() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sampler.latest() is not None
+        for _ in range(20):
+            scrape(sampler.latest())
+        assert holder[0].samples == 1
+    finally:
+        sampler.stop()
+    assert not sampler._thread.is_alive()
+
+
+def _serve(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "gputaskman.cli", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    line = proc.stdout.readline()
+    if "serving http://" not in line:
+        proc.kill()
+        raise AssertionError(f"no serving line: {line!r} {proc.stderr.read()}")
+    return proc, line.split()[2]
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain")
+        return r.read().decode()
+
+
+def test_serve_real_gpu_less_machine_scrapes_cleanly():
+    proc, url = _serve(["serve", "--listen", "127.0.0.1:0", "--sample-interval", "0.2"],
+                       {"GTM_DUVM_SOCKETS": ""})
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            fams = {f.name: f for f in text_string_to_metric_families(_get(url))}
+            if fams["gputaskman_sample_ready"].samples[0].value == 1:
+                break
+            assert time.monotonic() < deadline, "no sample within 30 s"
+            time.sleep(0.1)
+        names = {s.name for f in fams.values() for s in f.samples}
+        assert "gputaskman_system_memory_total_bytes" in names
+        if not os.path.exists("/dev/nvidia0"):
+            assert fams["gputaskman_backend_up"].samples[0].value == 0
+            assert not [n for n in names if n.startswith("gputaskman_gpu_")]
+        assert not [n for n in names if n.startswith(("python_", "process_"))]  # own registry
+        for f in fams.values():
+            for s in f.samples:
+                assert s.value == s.value, f"NaN in {s.name}"  # unknowns are absent, not NaN
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+
+
+def test_serve_port_in_use_is_a_clear_error():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "gputaskman.cli", "serve", "--listen",
+                            f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_bad_listen_is_a_usage_error():
+    r = subprocess.run([sys.executable, "-m", "gputaskman.cli", "serve", "--listen", "nope"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not ADDR:PORT" in r.stderr
