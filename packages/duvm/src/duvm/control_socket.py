@@ -106,8 +106,8 @@ def daemon_status(store: object, server: object, replicas: int | None) -> dict[s
     while not hasattr(inner, "health") and hasattr(inner, "inner"):
         inner = inner.inner
     health = inner.health() if hasattr(inner, "health") else None
-    if health is not None:  # this node's written pages on each peer (duvm.metrics)
-        from duvm.metrics import add_pages_per_peer
+    if health is not None:  # this node's written pages on each peer (duvm.poolstats)
+        from duvm.poolstats import add_pages_per_peer
 
         add_pages_per_peer(inner, health)
     stats = getattr(server, "stats", None)

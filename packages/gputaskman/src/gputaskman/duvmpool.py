@@ -45,7 +45,7 @@ from gputaskman.model import Kind, Reading, Reason
 
 DEFAULT_GLOB = "/run/duvm/*.ctl"
 ENV = "GTM_DUVM_SOCKETS"
-TIMEOUT_S = 0.25
+TIMEOUT_S = 1.0  # the TUI samples on a worker thread: a hung daemon delays data, not keys
 MAX_REPLY = 4 << 20  # a memserver lists at most 1,000 namespaces: far below this
 PAGE_SIZE = 4096
 
