@@ -243,9 +243,10 @@ OLLAMA_SERVE = textwrap.dedent("""
     from http.server import BaseHTTPRequestHandler, HTTPServer
     blob, name = sys.argv[1], sys.argv[2]
     runner = subprocess.Popen([sys.executable, "-c",
-        "import mmap,sys,time; f=open(sys.argv[1],'rb'); "
-        "m=mmap.mmap(f.fileno(),0,access=mmap.ACCESS_READ); print('mapped',flush=True); "
-        "time.sleep(600)", blob], stdout=subprocess.PIPE, text=True)
+        "import mmap,socket,sys,time; f=open(sys.argv[1],'rb'); "
+        "m=mmap.mmap(f.fileno(),0,access=mmap.ACCESS_READ); "
+        "s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen(); "  # its own, silent port
+        "print('mapped',flush=True); time.sleep(600)", blob], stdout=subprocess.PIPE, text=True)
     runner.stdout.readline()
     class H(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -270,7 +271,8 @@ OLLAMA_SERVE = textwrap.dedent("""
 
 def test_ollama_runner_child_is_named_through_the_parent_api(tmp_path: Path):
     """IMITATION of ``ollama serve`` (answers ``/api/ps``) and its runner child (maps the
-    blob), both named ``ollama`` (a symlink to Python), over a real Ollama store layout."""
+    blob and listens on a port of its own that never answers), both named ``ollama`` (a
+    symlink to Python), over a real Ollama store layout."""
     models = tmp_path / "models"
     digest = "ab" * 32
     blob = models / "blobs" / f"sha256-{digest}"
@@ -300,6 +302,7 @@ def test_ollama_runner_child_is_named_through_the_parent_api(tmp_path: Path):
         assert res.ref.name == "tiny:latest" and res.ref.store == "ollama"
         assert res.ref.confirmed and res.ref.sources == ("api", "mapped")
         assert res.ref.api_runtime == "ollama"
+        assert res.ref.api_endpoint == f"127.0.0.1:{words[3]}"  # the parent's API port
         assert res.view is not None and res.view.architecture == "llama"
         resolver.close()
     finally:

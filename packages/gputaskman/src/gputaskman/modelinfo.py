@@ -176,17 +176,22 @@ def gather(info: Any, index: stores.StoreIndex, *, proc: str = procfs.PROC,
         raw = _raw_argv(pid, proc)
         socks = llm.listening_sockets(pid, proc=proc)
         probed = pid
-        if not socks and any(n.store == "ollama" for n in friendly.values()):
-            parent = _parent_ollama(pid, proc)
-            if parent is not None:
-                socks, probed, runtime = llm.listening_sockets(parent, proc=proc), parent, "ollama"
         if socks:
             result = llm.probe(socks, runtime, api_key=evidence.api_key_from_argv(raw),
                                timeout=probe_timeout, deadline_s=probe_deadline)
-            if result.ok:
-                runtime = result.runtime
-                api = _link_names(result.evidence(cwd), friendly)
-                claims = evidence.assess([*evs, *api])
+        if (result is None or not result.ok) and any(
+                n.store == "ollama" for n in friendly.values()):
+            # an Ollama runner's own port is not the documented API; `ollama serve` is
+            parent = _parent_ollama(pid, proc)
+            psocks = llm.listening_sockets(parent, proc=proc) if parent is not None else []
+            if psocks:
+                probed, runtime = parent, "ollama"
+                result = llm.probe(psocks, "ollama", timeout=probe_timeout,
+                                   deadline_s=probe_deadline)
+        if result is not None and result.ok:
+            runtime = result.runtime
+            api = _link_names(result.evidence(cwd), friendly)
+            claims = evidence.assess([*evs, *api])
     header = None
     header_error = None
     buffers = None
