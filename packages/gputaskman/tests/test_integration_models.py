@@ -311,3 +311,36 @@ def test_ollama_runner_child_is_named_through_the_parent_api(tmp_path: Path):
         serve.stdout.close()
     if os.path.exists(f"/proc/{runner_pid}"):
         os.kill(runner_pid, 9)
+
+
+def test_handy_process_gets_its_selected_model_from_the_app_adapter(tmp_path: Path,
+                                                                      monkeypatch):
+    """A real process named ``handy`` (a symlink to Python) and Handy's settings file laid
+    out under $XDG_DATA_HOME: the selection is a setting, shown as such, never as residency."""
+    data = tmp_path / "data"
+    settings = data / "com.pais.handy" / "settings_store.json"
+    settings.parent.mkdir(parents=True)
+    settings.write_text(json.dumps({"settings": {"selected_model": "parakeet-tdt-0.6b-v3"}}))
+    monkeypatch.setenv("XDG_DATA_HOME", str(data))
+    exe = tmp_path / "handy"
+    exe.symlink_to(sys.executable)
+    proc = subprocess.Popen([str(exe), "-c", "import time; print('up', flush=True); "
+                             "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("up")
+        info = scan_process(proc.pid)
+        resolver = ModelResolver(background=False, index=StoreIndex(StoreRoots()))
+        res = resolver.resolve(info)
+        resolver.close()
+        assert res.ref is None and res.view is None  # a setting is not evidence
+        assert res.app is not None and res.app.selected == "parakeet-tdt-0.6b-v3"
+        from gputaskman.model import ProcGpu, Reading, Reason
+        row = ProcGpu(proc.pid, info.create_time, "handy", None, (),
+                      Reading.missing(Reason.NOT_LISTED, "nvml"), app_model=res.app)
+        assert report.model_cell(row) == "parakeet-tdt-0.6b-v3 [selected]"
+        assert report.app_json(row.app_model)["evidence"] == "settings"
+        assert any("a setting, not residency" in ln for ln in report.model_lines(row))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()
