@@ -4,6 +4,7 @@ text parser."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import signal
@@ -20,6 +21,17 @@ from duvm import metrics, nbdconst, pageproto
 from prometheus_client.parser import text_string_to_metric_families
 
 PAGE = 4096
+ROOT = Path(__file__).parents[3]
+
+
+def _dashboard_checker():
+    pytest.importorskip("jsonschema")
+    spec = importlib.util.spec_from_file_location("check_dashboard",
+                                                  ROOT / "dashboards" / "check_dashboard.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _start(args: list[str], ready: str, log: Path) -> subprocess.Popen:
@@ -138,6 +150,13 @@ def test_memserver_and_daemon_endpoints_scrape_cleanly(tmp_path: Path, procs):
     for op in ("read", "write", "trim"):
         assert one(d, "duvm_daemon_nbd_request_seconds_count", op=op) >= 1
     assert one(d, "duvm_daemon_nbd_errors_total") == 0
+
+    # dashboards/duvm.json: Grafana's dashboard model, and only metrics these scrapes exported
+    check = _dashboard_checker()
+    dash = json.loads((ROOT / "dashboards" / "duvm.json").read_text())
+    assert check.problems(dash, set(ms) | set(d) | set(scrape(_url(logs[1])))) == []
+    assert {"duvm_daemon_degraded_slabs", "duvm_daemon_failovers_total",
+            "duvm_memserver_request_seconds_bucket"} <= check.metric_names(dash)
 
 
 def test_memory_daemon_exports_no_pool_metrics(tmp_path: Path, procs):
