@@ -352,3 +352,22 @@ async def test_control_socket_answers_status_owner_only(tmp_path, servers) -> No
     finally:
         srv.close()
         await store.close()
+
+
+async def test_dead_peer_degrades_its_slabs_without_any_write(servers) -> None:
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs, MiB, "t:idle:1", replicas=2, slab_pages=64,
+                                   op_timeout=0.4, seed=2)  # fmt: skip
+    try:
+        data = os.urandom(MiB)
+        await store.write(0, memoryview(data))
+        victim = store.sets[0][0]
+        await srvs[victim].close()  # nobody reads or writes: the watchdog must notice
+        await wait_for(lambda: all(victim not in s for s in store.sets)
+                       and store.health()["degraded_slabs"] == 0, 20)  # fmt: skip
+        assert store.repairer.stats["repairs_done"] >= 1
+        out = bytearray(MiB)
+        await store.read(0, memoryview(out))
+        assert out == data and store.stats["failovers"] == 0  # nothing read the dead peer
+    finally:
+        await store.close()

@@ -133,6 +133,7 @@ class RemoteStore(BlockStore):
         self.inflight = array("i", bytes(4 * self.nslabs))  # unlocked writes/trims per slab
         self._open = False
         self._tasks: list[asyncio.Task] = []
+        self._probes: set[asyncio.Task] = set()  # background reconnect attempts
         self._want_repair = repair
         self.repairer = None
         self.stats = {"loads": 0, "stores": 0, "frees": 0, "zero_reads": 0, "pages_loaded": 0,
@@ -217,9 +218,10 @@ class RemoteStore(BlockStore):
         if not self._open:
             return
         self._open = False
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._probes]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
         self._state = bytearray(self.pages)
         await self._abandon()
@@ -234,16 +236,30 @@ class RemoteStore(BlockStore):
         return [None if isinstance(r, BaseException) else r for r in res]
 
     async def _watchdog(self) -> None:
-        """Abort connections whose requests made no progress for op_timeout seconds."""
+        """Abort connections whose requests made no progress for op_timeout seconds; probe
+        peers whose connection dropped, and treat a peer that cannot be reconnected (its
+        breaker open) as failed: its slabs become degraded now, so repair starts even if no
+        write happens to notice it."""
         period = max(0.05, self.op_timeout / 4)
+        probes = self._probes
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            for c in self.clients:
+            for i, c in enumerate(self.clients):
                 stalled = c.stalled_for(now)
                 if stalled > self.op_timeout:
                     self.stats["stalls_aborted"] += 1
                     c.abort(f"no reply for {stalled:.1f} s")
+                if c.connected:
+                    continue
+                if c.circuit_open:
+                    for slab, members in enumerate(self.sets):
+                        if i in members:
+                            self.drop_replica(slab, i, "its memserver is unreachable")
+                elif not probes:  # one reconnect attempt at a time, off the I/O path
+                    t = asyncio.ensure_future(c.probe())
+                    probes.add(t)
+                    t.add_done_callback(probes.discard)
 
     # --- replica bookkeeping ---
 
