@@ -401,10 +401,13 @@ def test_not_root_fails_after_a_real_drop_to_nobody(tmp_path: Path) -> None:
     assert doc["ok"] is False
 
 
-def test_bad_timeout_is_a_usage_error() -> None:
+def test_bad_timeout_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from duvm import cli
+
     for bad in ("0", "-1", "nan", "inf"):
-        res = duvm("doctor", "--timeout", bad)
-        assert res.returncode == 2 and "--timeout must be positive" in res.stderr
+        assert cli.main(["doctor", "--timeout", bad]) == 2
+        out, err = capsys.readouterr()
+        assert "--timeout must be positive" in err and out == ""
 
 
 def test_doctor_finds_tools_where_enable_does_not_on_path(tmp_path: Path) -> None:
