@@ -99,11 +99,19 @@ async def test_corrupt_replica_is_detected_bypassed_and_repaired(servers) -> Non
         await store.write(0, memoryview(data))
         first = store.sets[0][0]
         corrupt(srvs[first], "t:crc:1", 5)
-        out = bytearray(MiB)
-        await store.read(0, memoryview(out))
-        assert out == data  # served by the other replica
+        for i in store.sets[0]:
+            corrupt(srvs[i], "t:crc:1", 9)  # page 9 rots on every replica
+        one = bytearray(PS)
+        await store.read(5 * PS, memoryview(one))  # the single-page path checks too
+        assert one == data[5 * PS : 6 * PS]  # served by the other replica
         assert store.stats["checksum_failures"] == 1
-        assert first not in store.sets[0]  # the bad copy is no longer trusted ...
+        out = bytearray(MiB)
+        with pytest.raises(StorageError, match="lost by every replica"):
+            await store.read(0, memoryview(out))  # no good copy left of page 9: EIO
+        await store.write(9 * PS, memoryview(data[9 * PS : 10 * PS]))
+        await store.read(0, memoryview(out))
+        assert out == data
+        assert store.stats["replicas_dropped"] >= 1  # the bad copy was no longer trusted ...
         await wait_for(lambda: len(store.sets[0]) == 2)  # ... and repair restored R=2
         assert store.repairer.stats["repairs_done"] >= 1
         new = store.sets[0][-1]
