@@ -379,3 +379,32 @@ async def test_dead_peer_degrades_its_slabs_without_any_write(servers) -> None:
         assert out == data and store.stats["failovers"] == 0  # nothing read the dead peer
     finally:
         await store.close()
+
+
+async def test_slab_whose_replicas_outlive_their_lease_is_lost_then_replaced() -> None:
+    a = MemServer(4 * MiB, lease_s=1, lock=False)  # a short lease: its pages go 1 s after
+    b = MemServer(4 * MiB, lease_s=60, lock=False)
+    addrs = [await a.start(), await b.start()]
+    store = await RemoteStore.open(addrs, MiB, "t:gone:1", replicas=1, slab_pages=64,
+                                   op_timeout=0.4, seed=1)  # fmt: skip
+    try:
+        data = os.urandom(MiB)
+        await store.write(0, memoryview(data))
+        on_a = [s for s, m in enumerate(store.sets) if m == [0]]
+        assert on_a  # placement used both peers
+        await a.close()  # for good
+        t0 = time.monotonic()
+        await wait_for(lambda: all(m == [1] for m in store.sets), 20)
+        assert time.monotonic() - t0 > 1.0  # not before the lease could have run out
+        assert store.repairer.stats["slabs_replaced"] == len(on_a)
+        page = on_a[0] * 64
+        with pytest.raises(StorageError, match="lost"):
+            await store.read(page * PS, memoryview(bytearray(PS)))  # EIO, not zeros
+        await store.write(page * PS, memoryview(b"n" * PS))  # writable again
+        out = bytearray(PS)
+        await store.read(page * PS, memoryview(out))
+        assert out == b"n" * PS
+        assert store.health()["pages_lost_now"] == len(on_a) * 64 - 1
+    finally:
+        await store.close()
+        await b.close()

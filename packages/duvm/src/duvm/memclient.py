@@ -238,6 +238,8 @@ class MemClient:
         self.on_namespace_lost: Callable[[MemClient], None] | None = None
         # circuit breaker and stall detection
         self.failures = 0  # consecutive failed connects/aborts; 0 once a HELLO succeeds
+        self.down_since: float | None = None  # monotonic time of the first of those failures
+        self.lease_s: float | None = None  # the memserver's namespace lease (from HELLO)
         self.breaker_trips = 0  # times the breaker opened (status)
         self._breaker_until = 0.0  # monotonic time before which no connect is tried
         self._busy_since = 0.0  # when requests were last sent with none pending
@@ -257,6 +259,8 @@ class MemClient:
     def _trip(self) -> None:
         """Count a failure and open the breaker for an exponential, jittered backoff."""
         self.failures += 1
+        if self.down_since is None:
+            self.down_since = time.monotonic()
         self.breaker_trips += 1
         delay = min(BACKOFF_MAX, BACKOFF_MIN * 2 ** min(self.failures - 1, 16))
         self._breaker_until = time.monotonic() + delay * random.uniform(0.75, 1.25)
@@ -335,6 +339,8 @@ class MemClient:
             await self._request(pp.Reserve(0, self._reserved))
         self.failures = 0
         self._breaker_until = 0.0
+        self.down_since = None
+        self.lease_s = reply.lease_ms / 1000
         return reply
 
     async def close(self) -> None:

@@ -284,6 +284,19 @@ class RemoteStore(BlockStore):
     def add_replica(self, slab: int, peer: int) -> None:
         self._set_replicas(slab, [*self.sets[slab], peer])
 
+    def replace_lost_slab(self, slab: int, target: int) -> None:
+        """Every replica of the slab is gone for good: its written pages are lost (reads fail
+        with EIO until rewritten) and `target` (already counted in `assigned`) holds it from
+        now on, so writes to it succeed again."""
+        first, n = slab * self.slab_pages, self.slab_size(slab)
+        self._mark_lost(first, n)
+        for i in self.sets[slab]:
+            self.assigned[i] -= n
+        log.error("slab %d: every replica is gone (%s); its written pages are lost, new "
+                  "writes go to %s", slab, ", ".join(c.peer for c in self._slab_clients[slab]),
+                  self.clients[target].peer)  # fmt: skip
+        self._set_replicas(slab, [target])
+
     def _mark_lost(self, first: int, count: int) -> None:
         st = self._state
         for p in range(first, first + count):

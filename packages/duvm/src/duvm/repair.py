@@ -19,6 +19,12 @@ dropped (`wake`) or a retry period passes, then walks the degraded slabs one at 
 4. If the target failed meanwhile (`aborted`), give up this attempt (the slab stays degraded,
    the target is avoided for a while); otherwise add it to the slab's replica set.
 
+A slab whose every replica has been unreachable for longer than the memservers' namespace lease
+has lost its pages for certain (the lease has freed them even if the peer returns): its written
+pages are marked lost (EIO until rewritten, never other bytes) and it is placed on a new peer,
+so the kernel's writes to those slots work again. Before the lease runs out, the slab waits:
+a peer that comes back in time still holds the pages.
+
 Copying is paced by the memservers' answers, one chunk at a time, and yields to the event loop
 between chunks, so repair traffic does not starve the kernel's requests.
 """
@@ -44,6 +50,7 @@ log = logging.getLogger(__name__)
 CHUNK_PAGES = 64  # pages copied per lock hold: short enough that writes barely wait
 RETRY_S = 1.0  # how often degraded slabs without a target are looked at again
 AVOID_S = 5.0  # a target that failed a copy is not chosen again for this long
+GRACE_S = 1.0  # beyond a memserver's lease before its pages are taken as gone
 
 
 class Repairer:
@@ -52,7 +59,7 @@ class Repairer:
         self._wake = asyncio.Event()
         self._avoid: dict[int, float] = {}  # peer -> monotonic time it may be chosen again
         self.stats = {"repairs_done": 0, "repair_failures": 0, "repair_pages_copied": 0,
-                      "no_target": 0}  # fmt: skip
+                      "no_target": 0, "slabs_replaced": 0}  # fmt: skip
         self.last_error: str | None = None
 
     def wake(self) -> None:
@@ -76,8 +83,20 @@ class Repairer:
         """One pass over the degraded slabs; returns how many were repaired."""
         s = self.store
         done = 0
+        now = time.monotonic()
         for slab in range(s.nslabs):
-            if len(s.sets[slab]) >= s.replicas or slab in s.repairs:
+            if slab in s.repairs:
+                continue
+            if self._gone(s.sets[slab], now):
+                target = await self._pick_target(slab)
+                if target is None:
+                    self.stats["no_target"] += 1
+                    return done
+                s.assigned[target] += s.slab_size(slab)
+                s.replace_lost_slab(slab, target)
+                self.stats["slabs_replaced"] += 1
+                continue
+            if len(s.sets[slab]) >= s.replicas:
                 continue
             target = await self._pick_target(slab)
             if target is None:
@@ -86,6 +105,17 @@ class Repairer:
             if await self.copy_slab(slab, target):
                 done += 1
         return done
+
+    def _gone(self, members: list[int], now: float) -> bool:
+        """Every replica has been unreachable for longer than its memserver's lease: even if
+        it comes back, it will have dropped our pages."""
+        for i in members:
+            c = self.store.clients[i]
+            if c.connected or c.down_since is None or c.lease_s is None:
+                return False
+            if now - c.down_since < c.lease_s + GRACE_S:
+                return False
+        return True
 
     async def _pick_target(self, slab: int) -> int | None:
         s = self.store
