@@ -1,0 +1,138 @@
+"""The kernel-nbd attach path for real: `duvm enable` on a Debian kernel's nbd driver in QEMU.
+
+This machine's kernel may have no nbd, so the test boots Debian 12's stock kernel (fetched with
+`apt-get download` into /var/cache/duvm-test-kernel, never installed) under QEMU/TCG with the
+host's / shared read-only over 9p; the guest runs this checkout's own `duvm` with the host's
+Python (see tools/qemu_guest/ and docs/KERNEL_NBD_QEMU.md). In the guest: a memserver,
+`duvm enable --method kernel-nbd` (daemon + NBD_SET_SOCK/NBD_DO_IT holder + swapon), a workload
+in a memory cgroup that holds several times its limit in random data and verifies every byte,
+`duvm status`, `duvm disable`. The guest reports facts over a serial port; this test judges.
+
+Needs root, qemu-system-x86_64 (qemu-system-x86), a static busybox (busybox-static) and either
+the cached kernel or apt; anything missing is a SKIP with the reason. QEMU is killed on any
+failure (hard deadline, PR_SET_PDEATHSIG, finally).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+TOOLS = REPO / "tools" / "qemu_guest"
+
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.timeout(480)]
+
+WORKLOAD_MIB = 64
+CGROUP_MIB = 24
+QEMU_DEADLINE_S = 360  # a run takes about 2-3 minutes on 2 loaded cores (TCG)
+
+
+def _load_boot() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("duvm_qemu_boot", TOOLS / "boot.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def guest_run() -> Any:
+    boot = _load_boot()
+    if why := boot.problems():
+        pytest.skip("cannot boot the kernel-nbd test guest: " + "; ".join(why))
+    try:
+        return boot.run_guest(workload_mib=WORKLOAD_MIB, cgroup_mib=CGROUP_MIB,
+                              swap_size="64M", capacity="64M", memservers=1, mem_mib=256,
+                              timeout_s=QEMU_DEADLINE_S)
+    except boot.GuestUnavailable as exc:
+        pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
+
+
+def _event(run: Any, name: str) -> dict[str, Any]:
+    ev = run.events.get(name)
+    assert ev is not None, (f"the guest never reported {name!r} (reported: "
+                            f"{sorted(run.events)}, markers {run.markers}); console tail:\n"
+                            f"{run.console_tail()}")
+    return ev
+
+
+def _swap_lines(proc_swaps: str) -> list[list[str]]:
+    return [line.split() for line in proc_swaps.splitlines()[1:] if line.split()]
+
+
+def test_guest_ran_to_the_end(guest_run: Any) -> None:
+    assert not guest_run.timed_out, f"QEMU ran past {QEMU_DEADLINE_S} s:\n" \
+        f"{guest_run.console_tail()}"
+    assert guest_run.rc == 0, f"QEMU exited {guest_run.rc}:\n{guest_run.console_tail()}"
+    assert "crash" not in guest_run.events, guest_run.events["crash"]
+    assert guest_run.guest_exit == 0, f"guest script exit {guest_run.guest_exit}; markers " \
+        f"{guest_run.markers}:\n{guest_run.console_tail()}"
+    start = _event(guest_run, "start")
+    assert start["kernel"].endswith("-amd64") and start["kernel"].startswith("6.")
+    assert start["has_dev_nbd0"], "the guest kernel's nbd module did not create /dev/nbd0"
+
+
+def test_enable_attached_dev_nbd0_through_the_kernel_driver(guest_run: Any) -> None:
+    enable = _event(guest_run, "enable")
+    assert enable["rc"] == 0, enable
+    assert "/dev/nbd0 via kernel-nbd" in enable["stdout"]
+    att = _event(guest_run, "attached")
+    swaps = _swap_lines(att["proc_swaps"])
+    assert [s[0] for s in swaps] == ["/dev/nbd0"], att["proc_swaps"]
+    assert swaps[0][1] == "partition" and int(swaps[0][4]) == 100  # duvm's priority
+    # /sys/block/nbd0/pid exists only while a process sits in NBD_DO_IT: duvm's holder
+    assert att["nbd_pid"] and att["nbd_pid"].isdigit(), att
+    assert "-m duvm.kernelnbd" in att["holder_cmdline"] and "/dev/nbd0" in att["holder_cmdline"]
+    assert att["holder_pids"] == [int(att["nbd_pid"])]
+    assert len(att["daemon_pids"]) == 1
+    assert att["nbd_size_bytes"] == 64 << 20
+    assert att["nbd_module_loaded"]
+    # enable raised the reserve that keeps swap over the network from freezing (FACTS.md)
+    assert att["min_free_kbytes"] >= 8192 > _event(guest_run, "start")["min_free_kbytes"]
+
+
+def test_workload_swapped_through_nbd0_and_every_byte_came_back(guest_run: Any) -> None:
+    work = _event(guest_run, "workload")
+    assert work["rc"] == 0, work
+    res = work["result"]
+    assert res["intact"] is True and res["bad_chunks"] == 0, res
+    assert res["mib"] == WORKLOAD_MIB
+    assert work["cgroup"]["limit_mib"] == CGROUP_MIB
+    before = _event(guest_run, "start")["vmstat"]
+    after = work["vmstat"]
+    # the cgroup held 24 MiB, the workload 64 MiB: at least the difference left RAM and came back
+    must = (WORKLOAD_MIB - CGROUP_MIB) << 8  # pages
+    assert after["pswpout"] - before["pswpout"] >= must, (before, after)
+    assert after["pswpin"] - before["pswpin"] >= must // 2, (before, after)
+
+
+def test_pages_were_on_the_memserver_while_held(guest_run: Any) -> None:
+    filled = _event(guest_run, "filled")
+    used = [e for e in _swap_lines(filled["proc_swaps"]) if e[0] == "/dev/nbd0"]
+    assert used and int(used[0][3]) >= (WORKLOAD_MIB - CGROUP_MIB) * 1024 // 2, filled
+    st = filled["status"]
+    assert st["enabled"] is True and st["method"] == "kernel-nbd" and st["device"] == "/dev/nbd0"
+    peers = st["peers"]
+    assert peers and all(p["health"] == "ok" for p in peers), peers
+    assert sum(p["our_pages"] for p in peers) > 0, peers
+
+
+def test_disable_swapped_off_detached_and_cleaned_up(guest_run: Any) -> None:
+    dis = _event(guest_run, "disable")
+    assert dis["rc"] == 0 and "duvm disabled" in dis["stdout"], dis
+    det = _event(guest_run, "detached")
+    assert _swap_lines(det["proc_swaps"]) == [], det["proc_swaps"]
+    assert det["nbd_pid"] is None and det["nbd_size_bytes"] == 0, det
+    assert det["holder_pids"] == [] and det["daemon_pids"] == [], det
+    assert det["min_free_kbytes"] == _event(guest_run, "start")["min_free_kbytes"]
+    assert "state.json" not in det["state_files"] and "daemon.json" not in det["state_files"]
+    assert "cleanup" not in guest_run.events  # the forced fallback disable never ran
+    pages = [m["used_pages"] for m in det["memservers"]]
+    assert pages and all(p == 0 for p in pages), det["memservers"]

@@ -1,0 +1,319 @@
+"""Boot the duvm test guest under QEMU and collect what it reports (host side).
+
+Theory of operation
+-------------------
+1. :func:`build_initramfs.ensure_kernel` provides Debian 12's kernel (which has nbd) from a
+   fixed cache directory, downloading it with apt the first time.
+2. Memservers (``duvm memserver``) start on the host, on 127.0.0.1 with a port the kernel
+   picks; QEMU's user-mode network (slirp) makes the host's loopback reachable from the guest as
+   10.0.2.2, so nothing listens beyond loopback and the guest needs no bridge or tap device.
+3. QEMU boots the kernel with a per-run initramfs (``init.sh`` + busybox + modules), TCG on
+   one vCPU (two ran 4.5x slower here; KVM is not assumed), the host's / shared read-only over
+   9p so the guest runs the host's Python and the working tree's ``duvm`` code. The guest runs
+   ``guest_check.py``, which reports on the second serial port (a file here); the console
+   (first serial port) is kept for diagnostics.
+4. Everything started here dies with us: QEMU and the memservers get PR_SET_PDEATHSIG, a hard
+   deadline kills QEMU's process group, and ``finally`` stops the memservers after asking them
+   (over the page protocol) how many pages they still hold.
+
+:func:`run_guest` returns a :class:`GuestRun`; the pytest test asserts on it, and ``python
+tools/qemu_guest/boot.py`` prints it with timings for a manual run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build_initramfs  # sibling module; tools/ is not a package
+
+HERE = Path(__file__).resolve().parent
+GUEST_SCRIPT = HERE / "guest_check.py"
+QEMU = "qemu-system-x86_64"
+RESULT_PREFIX = "DUVM-RESULT "
+HOST_FROM_GUEST = "10.0.2.2"  # slirp's alias for the host's loopback
+_PR_SET_PDEATHSIG = 1
+
+
+class GuestUnavailable(Exception):
+    """Something this host lacks to boot the guest (a SKIP reason for tests)."""
+
+
+@dataclass
+class GuestRun:
+    rc: int | None  # QEMU's exit status; None when we killed it
+    timed_out: bool
+    seconds: float  # QEMU start to exit
+    events: dict[str, dict[str, Any]]  # guest event name -> its report
+    markers: list[str]  # the init script's own lines on the result port
+    console: str
+    memservers_after: list[dict[str, Any] | None] = field(default_factory=list)
+
+    @property
+    def guest_exit(self) -> int | None:
+        """The guest script's exit code as init reported it (None: it never said)."""
+        for m in self.markers:
+            if m.startswith("DUVM-GUEST-END "):
+                with contextlib.suppress(ValueError):
+                    return int(m.split()[1])
+        return None
+
+    def console_tail(self, n: int = 4000) -> str:
+        return self.console[-n:]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel SIGKILLs the child if the test process dies first."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def problems() -> list[str]:
+    """Why the guest cannot boot here (empty: it can, apart from fetching the kernel)."""
+    out = []
+    if os.geteuid() != 0:
+        out.append("needs root (reading the kernel cache, the guest attaches as root over 9p)")
+    if shutil.which(QEMU) is None:
+        out.append(f"{QEMU} not found (Debian package qemu-system-x86)")
+    if not build_initramfs.BUSYBOX.exists():
+        out.append("busybox not found (Debian package busybox-static)")
+    elif not build_initramfs.is_static_elf(build_initramfs.BUSYBOX.read_bytes()):
+        out.append("busybox is dynamically linked (install busybox-static)")
+    return out
+
+
+# --- memservers -----------------------------------------------------------------------------
+
+
+@dataclass
+class Memserver:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+
+def start_memserver(python: str, capacity: str, workdir: Path, index: int,
+                    timeout: float = 60) -> Memserver:
+    log = workdir / f"memserver{index}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([python, "-m", "duvm.cli", "memserver", "--listen",
+                                 "127.0.0.1:0", "--capacity", capacity],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(r"listening on 127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
+        if m:
+            return Memserver(proc, int(m.group(1)), log)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    stop_memserver(Memserver(proc, 0, log))
+    raise RuntimeError(f"memserver did not start: {log.read_text(errors='replace')[-800:]}")
+
+
+def stop_memserver(ms: Memserver) -> None:
+    if ms.proc.poll() is None:
+        ms.proc.send_signal(signal.SIGTERM)
+        try:
+            ms.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            ms.proc.kill()
+            ms.proc.wait(15)
+
+
+def memserver_status(port: int) -> dict[str, Any] | None:
+    from duvm.memclient import query_status
+
+    try:
+        return asyncio.run(query_status("127.0.0.1", port, timeout=5))
+    except Exception:  # unknown is None, never a made-up 0
+        return None
+
+
+# --- QEMU -----------------------------------------------------------------------------------
+
+
+def qemu_command(kernel: build_initramfs.GuestKernel, initrd: Path, mem_mib: int,
+                 console: Path, results: Path) -> list[str]:
+    return [
+        QEMU, "-M", "pc", "-accel", "tcg", "-smp", "1", "-m", str(mem_mib),
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-kernel", str(kernel.vmlinuz), "-initrd", str(initrd),
+        "-append", "console=ttyS0 panic=-1 loglevel=4",
+        "-serial", f"file:{console}", "-serial", f"file:{results}",
+        # the host's / read-only: the guest runs this very checkout with the host's Python
+        "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
+        "multidevs=remap",
+        "-netdev", "user,id=n0", "-device", "virtio-net-pci,netdev=n0",
+    ]
+
+
+def parse_results(text: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The guest's result port -> (events by name, init's marker lines). Garbage is skipped."""
+    events: dict[str, dict[str, Any]] = {}
+    markers: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith(RESULT_PREFIX):
+            try:
+                ev = json.loads(line[len(RESULT_PREFIX):])
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and isinstance(ev.get("event"), str):
+                events[ev["event"]] = ev
+        elif line.startswith("DUVM-GUEST-"):
+            markers.append(line)
+    return events, markers
+
+
+def run_guest(*, python: str = sys.executable, workload_mib: int = 64,
+              cgroup_mib: int | None = 24, swap_size: str = "64M", mem_mib: int = 256,
+              memservers: int = 1, capacity: str = "64M", host_memservers: bool = False,
+              timeout_s: float = 300, workdir: Path | None = None,
+              cache: Path = build_initramfs.DEFAULT_CACHE) -> GuestRun:
+    """Boot the guest once; always cleans up what it started.
+
+    The guest starts `memservers` memservers of `capacity` each inside itself, on its loopback
+    (the default), or with `host_memservers` they run here and the guest reaches them through
+    QEMU's user network (known to stall, see docs/KERNEL_NBD_QEMU.md). The workload holds
+    `workload_mib` MiB, in a memory cgroup of `cgroup_mib` MiB (None: no cgroup, it outgrows
+    the guest's RAM). `python` must import duvm (the project's venv); the guest uses the same
+    path. Raises GuestUnavailable when this host cannot boot it.
+    """
+    if why := problems():
+        raise GuestUnavailable("; ".join(why))
+    try:
+        kernel = build_initramfs.ensure_kernel(cache)
+    except build_initramfs.KernelUnavailable as exc:
+        raise GuestUnavailable(str(exc)) from exc
+    own_tmp = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="duvm-qemu-")) if workdir is None else workdir
+    servers: list[Memserver] = []
+    qemu: subprocess.Popen[bytes] | None = None
+    try:
+        if host_memservers:
+            for i in range(memservers):
+                servers.append(start_memserver(python, capacity, work, i))
+        peers = ",".join(f"{HOST_FROM_GUEST}:{s.port}" for s in servers)
+        env = {"DUVM_PYTHON": python, "DUVM_SCRIPT": str(GUEST_SCRIPT), "DUVM_PEERS": peers,
+               "DUVM_SIZE": swap_size, "DUVM_MIB": str(workload_mib), "DUVM_HUNG_TASK_S": "30",
+               "DUVM_LOCAL_MEMSERVERS": str(memservers), "DUVM_CAPACITY": capacity,
+               "DUVM_CGROUP_MIB": "" if cgroup_mib is None else str(cgroup_mib)}
+        initrd = build_initramfs.build_initramfs(kernel, env, work / "initramfs.cpio")
+        console, results = work / "console.log", work / "results.log"
+        cmd = qemu_command(kernel, initrd, mem_mib, console, results)
+        t0 = time.monotonic()
+        with open(work / "qemu.log", "wb") as qlog:
+            qemu = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=qlog,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
+        timed_out = False
+        try:
+            rc: int | None = qemu.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out, rc = True, None
+        seconds = round(time.monotonic() - t0, 1)
+        _kill_group(qemu)
+        events, markers = parse_results(_read(results))
+        return GuestRun(rc, timed_out, seconds, events, markers,
+                        _read(console) + _read(work / "qemu.log"),
+                        [memserver_status(s.port) for s in servers])
+    finally:
+        if qemu is not None:
+            _kill_group(qemu)
+        for s in servers:
+            stop_memserver(s)
+        if own_tmp:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def summary(run: GuestRun) -> dict[str, Any]:
+    """Timings and counters of one run, for people (the test asserts on the raw events)."""
+    ev = run.events
+    work = ev.get("workload", {})
+    before = ev.get("start", {}).get("vmstat", {})
+    after = work.get("vmstat", {})
+    return {
+        "qemu_seconds": run.seconds, "timed_out": run.timed_out, "guest_exit": run.guest_exit,
+        "booted_at": next((float(m.split()[1]) for m in run.markers
+                           if m.startswith("DUVM-GUEST-BOOTED ")), None),
+        "script_started_at": ev.get("start", {}).get("uptime"),
+        "enable_seconds": ev.get("enable", {}).get("seconds"),
+        "workload_started_at": ev.get("attached", {}).get("uptime"),
+        "fill_seconds": work.get("result", {}).get("fill_s") if work.get("result") else None,
+        "verify_seconds": work.get("result", {}).get("verify_s") if work.get("result") else None,
+        "disable_seconds": ev.get("disable", {}).get("seconds"),
+        "pages_out": after.get("pswpout", 0) - before.get("pswpout", 0) if after else None,
+        "pages_in": after.get("pswpin", 0) - before.get("pswpin", 0) if after else None,
+        "bad_chunks": work.get("result", {}).get("bad_chunks") if work.get("result") else None,
+        "mem_total_kb": ev.get("start", {}).get("mem_total_kb"),
+        "memservers_used_pages_after": [None if s is None else s.get("used_pages")
+                                        for s in run.memservers_after]
+        or [m.get("used_pages") for m in ev.get("detached", {}).get("memservers", [])],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="boot the duvm kernel-nbd test guest once")
+    p.add_argument("--mib", type=int, default=64, help="workload size (MiB)")
+    p.add_argument("--mem", type=int, default=256, help="guest RAM (MiB)")
+    p.add_argument("--cgroup", type=int, default=24, help="memory cgroup limit of the "
+                   "workload in MiB; 0: no cgroup, the workload outgrows the guest's RAM")
+    p.add_argument("--swap-size", default="64M")
+    p.add_argument("--memservers", type=int, default=1)
+    p.add_argument("--capacity", default="64M", help="per memserver")
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--host-memservers", action="store_true",
+                   help="run the memservers on the host, reached through QEMU's user network")
+    p.add_argument("--keep", type=Path, help="keep logs in this folder")
+    a = p.parse_args(argv)
+    if a.keep:
+        a.keep.mkdir(parents=True, exist_ok=True)
+    try:
+        run = run_guest(workload_mib=a.mib, cgroup_mib=a.cgroup or None,
+                        swap_size=a.swap_size, mem_mib=a.mem, memservers=a.memservers,
+                        capacity=a.capacity, timeout_s=a.timeout,
+                        host_memservers=a.host_memservers,
+                        workdir=a.keep)
+    except GuestUnavailable as exc:
+        print(f"boot: cannot boot the guest here: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary(run), indent=2))
+    ok = run.guest_exit == 0 and not run.timed_out
+    if not ok:
+        print(run.console_tail(), file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""Runs inside the QEMU test guest: `duvm enable` on the kernel's nbd driver, a workload bigger
+than the guest's RAM, verified, then `duvm disable`. Reports facts, judges nothing.
+
+Theory of operation
+-------------------
+``init.sh`` starts this with the host's Python in ``chroot /host`` (the host's / over 9p), so
+it runs the project's own ``duvm`` commands exactly as a user would: ``duvm enable --method
+kernel-nbd`` starts the daemon (which reserves the swap device's capacity on the memservers,
+running on the host and reached through QEMU's user network at 10.0.2.2), attaches /dev/nbd0
+through the holder process (NBD_SET_SOCK / NBD_DO_IT), raises vm.min_free_kbytes and turns swap
+on. The workload (``python -m duvm.workload``) then fills more random data than the guest has
+RAM, so the kernel must swap most of it out to /dev/nbd0, and reads every byte back.
+
+Each step's observations (/proc/swaps, /sys/block/nbd0/pid and the holder's command line,
+/proc/vmstat counters, ``duvm status --json``, exit codes, timings) go out as one JSON object
+per line, prefixed ``DUVM-RESULT``, on the second serial port (/dev/ttyS1), which the host
+captures to a file. The host-side test decides what passed. Parameters come from the
+environment (``DUVM_PEERS``, ``DUVM_SIZE``, ``DUVM_MIB``), set by ``duvm.env`` in the initramfs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT_PORT = "/dev/ttyS1"
+STATE_DIR = "/run/duvm"
+T0 = time.monotonic()
+
+
+def emit(event: str, **data: Any) -> None:
+    data = {"event": event, "t": round(time.monotonic() - T0, 2), "uptime": _uptime(), **data}
+    line = "DUVM-RESULT " + json.dumps(data) + "\n"
+    with open(RESULT_PORT, "w") as port:
+        port.write(line)
+    print(f"duvm-guest: {event} at {data['uptime']} s", flush=True)
+
+
+def _uptime() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def vmstat() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("pswpin", "pswpout"):
+            out[key] = int(value)
+    return out
+
+
+def duvm(*args: str, timeout: float = 300) -> dict[str, Any]:
+    """Run `duvm ARGS` as a user would (python -m duvm.cli); rc, output and seconds."""
+    t = time.monotonic()
+    try:
+        res = subprocess.run([sys.executable, "-m", "duvm.cli", *args], capture_output=True,
+                             text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        return {"rc": None, "stdout": str(exc.stdout), "stderr": f"timed out after {timeout} s",
+                "seconds": round(time.monotonic() - t, 2)}
+    return {"rc": res.returncode, "stdout": res.stdout[-3000:], "stderr": res.stderr[-3000:],
+            "seconds": round(time.monotonic() - t, 2)}
+
+
+def status() -> dict[str, Any] | None:
+    res = duvm("status", "--json", "--state-dir", STATE_DIR, timeout=60)
+    try:
+        return json.loads(res["stdout"])
+    except (TypeError, ValueError):
+        return {"unparsed": res}
+
+
+def device_facts(nbd: str = "nbd0") -> dict[str, Any]:
+    pid_text = _read(f"/sys/block/{nbd}/pid")
+    holder_cmdline = None
+    if pid_text is not None and pid_text.strip().isdigit():
+        raw = _read(f"/proc/{pid_text.strip()}/cmdline")
+        holder_cmdline = raw.replace("\0", " ").strip() if raw else None
+    size = _read(f"/sys/block/{nbd}/size")
+    return {
+        "proc_swaps": _read("/proc/swaps"),
+        "nbd_pid": pid_text.strip() if pid_text else None,
+        "holder_cmdline": holder_cmdline,
+        "nbd_size_bytes": int(size) * 512 if size and size.strip().isdigit() else None,
+        "nbd_module_loaded": os.path.isdir("/sys/module/nbd"),
+        "min_free_kbytes": int(Path("/proc/sys/vm/min_free_kbytes").read_text()),
+        "state_files": sorted(os.listdir(STATE_DIR)) if os.path.isdir(STATE_DIR) else [],
+        "daemon_pids": _pids_with("duvm.cli\0daemon"),
+        "holder_pids": _pids_with("duvm.kernelnbd"),
+    }
+
+
+def logs() -> dict[str, str | None]:
+    """The tails of the daemon's and the holder's logs (why a connection ended)."""
+    return {name: (text[-2000:] if (text := _read(f"{STATE_DIR}/{name}")) is not None else None)
+            for name in ("daemon.log", "holder-nbd0.log")}
+
+
+def meminfo() -> dict[str, int]:
+    keep = ("MemTotal", "MemFree", "MemAvailable", "SwapTotal", "SwapFree", "Mlocked")
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in keep:
+            out[key] = int(rest.split()[0])
+    return out
+
+
+def _pids_with(needle: str) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if needle.encode() in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                continue
+    return found
+
+
+def _task(pid: int) -> str:
+    """'STATE wchan' of a process, and its kernel stack's top frames while it is blocked."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
+    except OSError:
+        return "gone"
+    out = f"{state} {wchan}"
+    if state == "D":
+        stack = _read(f"/proc/{pid}/stack") or ""
+        out += " [" + " < ".join(f.split()[-1].split("+")[0]
+                                 for f in stack.splitlines()[:6] if f.split()) + "]"
+    return out
+
+
+def _state_pids(name: str, key: str) -> list[int]:
+    try:
+        pid = json.loads(Path(STATE_DIR, name).read_text()).get(key)
+    except (OSError, ValueError):
+        return []
+    return [pid] if isinstance(pid, int) else []
+
+
+def monitor(stop: threading.Event, every: float = 10.0) -> None:
+    """One console line every few seconds: swap traffic, free RAM, what the daemon and the
+    holder are doing. When the guest stalls, this shows where."""
+    while not stop.wait(every):
+        try:
+            vm, mem = vmstat(), meminfo()
+            # pids from duvm's state files: scanning every /proc/PID/cmdline would block
+            # on the workload's swapped-out or locked memory
+            daemons, holders = _state_pids("daemon.json", "pid"), _state_pids("state.json",
+                                                                               "holder_pid")
+            tasks = " ".join([f"daemon {_task(p)}" for p in daemons]
+                             + [f"holder {_task(p)}" for p in holders])
+            print(f"duvm-guest: monitor {_uptime():.0f}s out {vm.get('pswpout')} in "
+                  f"{vm.get('pswpin')} free {mem.get('MemFree')}k mlocked "
+                  f"{mem.get('Mlocked')}k {tasks}", flush=True)
+        except Exception as exc:  # the monitor must never take the run down
+            print(f"duvm-guest: monitor error {exc}", flush=True)
+
+
+def lock_self() -> None:
+    """Keep this reporter in RAM so it can still report while everything else is swapped."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mlockall(1 | 2 | 4)  # MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT
+
+
+def run_workload(mib: int, cgroup_mib: int | None) -> dict[str, Any]:
+    """Fill `mib` MiB (swaps out), look at the swapped-out state, then verify (swaps in).
+
+    With `cgroup_mib` the workload runs in a memory cgroup limited to that many MiB, so only
+    it is under memory pressure; without, it is simply bigger than the guest's RAM."""
+    t = time.monotonic()
+    cmd = [sys.executable, "-m", "duvm.workload", "--mib", str(mib), "--hold", "--progress"]
+    pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE,
+                             "stderr": subprocess.PIPE, "text": True}
+    if cgroup_mib is None:
+        return _drive(subprocess.Popen(cmd, **pipes), t)
+    from duvm.cgroup import MemoryCgroup
+
+    with MemoryCgroup(cgroup_mib << 20, prefix="duvm-qemu") as group:
+        out = _drive(group.popen(cmd, **pipes), t)
+        out["cgroup"] = {"version": group.version, "limit_mib": cgroup_mib,
+                         "peak_bytes": group.peak_bytes()}
+        return out
+
+
+def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
+    assert proc.stdin and proc.stdout and proc.stderr
+    held: dict[str, Any] = {}
+    last_shown = -1
+    for line in proc.stderr:
+        parts = line.split()
+        if parts[:1] == ["progress"] and len(parts) == 4:
+            pct = int(parts[2]) * 100 // max(1, int(parts[3]))
+            if pct // 25 != last_shown:
+                last_shown = pct // 25
+                print(f"duvm-guest: workload {parts[1]} {pct}% at {_uptime()} s", flush=True)
+            continue
+        if line.strip() == "filled":
+            held = {"fill_seconds": round(time.monotonic() - t, 2), "vmstat": vmstat(),
+                    "meminfo": meminfo(),
+                    "proc_swaps": _read("/proc/swaps"), "status": status()}
+            emit("filled", **held)
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            last_shown = -1
+        else:
+            print(f"duvm-guest: workload says: {line.rstrip()}", flush=True)
+    out = proc.stdout.read()
+    rc = proc.wait()
+    lines = out.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        result = {"unparsed": out[-2000:]}
+    return {"rc": rc, "result": result, "seconds": round(time.monotonic() - t, 2),
+            "held": bool(held)}
+
+
+def memserver_pages(peers: str) -> list[dict[str, Any]]:
+    """What each memserver holds now (STATUS over the page protocol); None where unknown."""
+    import asyncio
+
+    from duvm.memclient import query_status
+
+    out = []
+    for peer in peers.split(","):
+        host, _, port = peer.rpartition(":")
+        try:
+            st = asyncio.run(query_status(host, int(port), timeout=10))
+            out.append({"peer": peer, "used_pages": st.get("used_pages"),
+                        "reserved_pages": st.get("reserved_pages")})
+        except Exception as exc:
+            out.append({"peer": peer, "used_pages": None, "error": str(exc)})
+    return out
+
+
+def start_local_memservers(n: int, capacity: str) -> str:
+    """Memservers inside the guest, on loopback (no QEMU network on the page path)."""
+    peers = []
+    for i in range(n):
+        log = Path(f"/run/memserver{i}.log")
+        with open(log, "wb") as out:
+            subprocess.Popen([sys.executable, "-m", "duvm.cli", "memserver", "--listen",
+                              "127.0.0.1:0", "--capacity", capacity], stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            text = log.read_text()
+            if "listening on " in text:
+                peers.append(text.split("listening on ", 1)[1].split()[0])
+                break
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"in-guest memserver {i} did not start: {log.read_text()}")
+    return ",".join(peers)
+
+
+def main() -> int:
+    os.chdir("/run")
+    lock_self()
+    stop = threading.Event()
+    threading.Thread(target=monitor, args=(stop,), daemon=True).start()
+    peers = os.environ.get("DUVM_PEERS") or start_local_memservers(
+        int(os.environ["DUVM_LOCAL_MEMSERVERS"]), os.environ["DUVM_CAPACITY"])
+    size = os.environ["DUVM_SIZE"]
+    mib = int(os.environ["DUVM_MIB"])
+    cgroup_mib = int(os.environ["DUVM_CGROUP_MIB"]) if os.environ.get("DUVM_CGROUP_MIB") else None
+    mem_total = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text()
+                     .splitlines() if line.startswith("MemTotal:"))
+    emit("start", kernel=os.uname().release, mem_total_kb=mem_total, vmstat=vmstat(),
+         meminfo=meminfo(),
+         min_free_kbytes=int(Path("/proc/sys/vm/min_free_kbytes").read_text()),
+         has_dev_nbd0=os.path.exists("/dev/nbd0"), workload_mib=mib, peers=peers, size=size)
+    # a config file as a user would write one; -v makes the daemon log why a connection ends
+    config = Path("/run/duvm-test.toml")
+    config.write_text(f'peers = {json.dumps(peers.split(","))}\nsize = "{size}"\n'
+                      f'method = "kernel-nbd"\nstate_dir = "{STATE_DIR}"\n'
+                      'daemon_args = ["-v"]\n')
+    enable = duvm("enable", "--config", str(config))
+    emit("enable", **enable)
+    if enable["rc"] != 0:
+        return 1
+    disabled = False
+    try:
+        emit("attached", **device_facts(), vmstat=vmstat(), meminfo=meminfo())
+        work = run_workload(mib, cgroup_mib)
+        emit("workload", **work, vmstat=vmstat(), proc_swaps=_read("/proc/swaps"), logs=logs(),
+             meminfo=meminfo())
+        emit("disable", **duvm("disable", "--state-dir", STATE_DIR))
+        disabled = True
+        emit("detached", **device_facts(), memservers=memserver_pages(peers))
+    finally:
+        if not disabled:  # a failure above: still leave the guest clean (and say so)
+            emit("cleanup", **duvm("disable", "--force", "--state-dir", STATE_DIR), logs=logs())
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception as exc:  # the host must see why, not just a silent power-off
+        emit("crash", error=f"{type(exc).__name__}: {exc}")
+        raise
