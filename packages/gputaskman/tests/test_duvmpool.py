@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -302,3 +303,104 @@ def test_parse_status_reads_fields_and_leaves_unknowns_unknown():
     assert d.pages_written.value is None
     with pytest.raises(ValueError, match="refused: permission denied"):
         duvmpool.parse_status({"error": "permission denied"}, "/s.ctl")
+
+
+# --------------------------------------------------------------------------- duvm enabled
+
+
+def _enable_skip_reason() -> str | None:
+    try:
+        from duvm import demo
+    except ImportError as e:
+        return f"duvm not importable: {e}"
+    problems = demo.preflight()
+    return "; ".join(problems) if problems else None
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path: Path):
+    """`duvm enable` (real kernel swap on the duvm device), a workload pushed into swap by its
+    cgroup limit, then `gputaskman --once`: the swap device and this node's pages per peer."""
+    why = _enable_skip_reason()
+    if why:
+        pytest.skip(why)
+    import tempfile
+
+    from duvm import attach, cgroup, control, demo
+
+    state = Path(tempfile.mkdtemp(prefix="gtm-duvm-", dir="/tmp"))  # short: socket paths
+    servers = demo.Memservers(2, 96 << 20)
+
+    def duvm(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "duvm.cli", *args, "--state-dir",
+                               str(state)], capture_output=True, text=True, timeout=300)
+
+    try:
+        res = duvm("enable", "--peers", ",".join(servers.addrs), "--size", "128M",
+                   "--replicas", "1")
+        assert res.returncode == 0, res.stderr
+        att = attach.load_state(control.state_path(state))
+        assert att is not None and att.device
+        ctl = str(state / "nbd.sock.ctl")
+        with cgroup.MemoryCgroup(48 << 20, prefix="gtm-duvm") as cg:
+            proc = cg.popen([sys.executable, "-m", "duvm.workload", "--mib", "112", "--hold"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+            try:
+                assert proc.stderr is not None
+                line = proc.stderr.readline().strip()
+                if line != "filled":
+                    proc.wait(60)
+                    raise AssertionError(f"workload did not fill (exit {proc.returncode}, "
+                                         f"{cg.name}): {line} {proc.stderr.read()[-1500:]}")
+                text = _gtm(["--once"], [ctl]).stdout
+                doc = json.loads(_gtm(["--json"], [ctl]).stdout)
+                out, err = proc.communicate("go\n", timeout=300)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            assert proc.returncode == 0, err[-2000:]
+            assert json.loads(out.splitlines()[-1])["intact"] is True
+        # the swap device the kernel uses is listed, and where its pages are
+        assert att.device in text
+        swap = next(d for d in doc["system"]["swap"]["devices"] if d["filename"] == att.device)
+        used_pages = swap["used_bytes"]["value"] // PAGE
+        assert used_pages > 0
+        (d,) = doc["system"]["duvm"]["daemons"]
+        assert d["health"] == "ok"
+        pages = {p["peer"]: p["pages"]["value"] for p in d["peers"]}
+        assert set(pages) == set(servers.addrs)
+        # every page the kernel swapped out is somewhere in the pool (one replica each);
+        # pages may have been written and not yet freed, never fewer than in use
+        assert sum(pages.values()) >= used_pages * 0.9, (pages, used_pages)
+        for addr in servers.addrs:  # --once ran a moment earlier: counts may differ a little
+            m = re.search(rf"peer {re.escape(addr)}  up  our pages (\d+) pages", text)
+            assert m is not None, text
+        assert sum(int(n) for n in re.findall(r"our pages (\d+) pages", text)) > 0
+        # Swap is machine-wide: another test's cgroup may have pages on our device for a
+        # while, and disable rightly refuses (exit 3) until they can come home. Wait for it.
+        deadline = time.monotonic() + 180
+        while (res := duvm("disable")).returncode == 3 and time.monotonic() < deadline:
+            time.sleep(2)
+        assert res.returncode == 0, res.stderr
+    finally:
+        # Never stop the daemon or its memservers while the device is still swap: pages of
+        # any process on this machine may be on it (swap is machine-wide), and they would be
+        # lost. Detach (swapoff first) until it succeeds; if it never does, leave everything
+        # running and say so.
+        deadline, why = time.monotonic() + 300, ""
+        while True:
+            try:
+                attach.detach(control.state_path(state))
+                break
+            except Exception as e:  # SwapoffFailed and friends: pages cannot come home yet
+                why = str(e)
+                if time.monotonic() > deadline:
+                    pytest.fail(f"cannot detach {state} ({why}); the daemon and memservers "
+                                f"{servers.pids} are left running so that no page is lost")
+                time.sleep(2)
+        control.stop_daemon(state)
+        servers.close()
+        shutil.rmtree(state, ignore_errors=True)
