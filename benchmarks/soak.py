@@ -37,6 +37,8 @@ from pathlib import Path
 
 from duvm import attach, cgroup, control_socket, netns_cluster
 
+PRIORITY = 32767
+
 
 def vmstat() -> dict[str, int]:
     return {k: int(v) for k, v in
@@ -119,7 +121,10 @@ def main() -> int:
             sock = c.daemon(1, [2, 3, 4], size, replicas=a.replicas)
             state = c.dir / "state.json"
             (c.dir / "run").mkdir()
-            att = attach.attach(sock, state, run_dir=c.dir / "run", method="auto")
+            # Highest priority: the kernel must not spread these pages over another swap
+            # device (a test elsewhere on the machine) whose faults we did not inject.
+            att = attach.attach(sock, state, run_dir=c.dir / "run", method="auto",
+                                priority=PRIORITY)
             result["device"] = att.device
             before = vmstat()
             stop = threading.Event()

@@ -62,7 +62,9 @@ def attach_swap(c: netns_cluster.Cluster, sock: str, name: str) -> attach.Attach
     c.states.append(state)  # type: ignore[attr-defined]
     run = c.dir / f"run-{name}"
     run.mkdir()
-    return attach.attach(sock, state, run_dir=run, method="auto")
+    # Highest priority: the workload's pages must go to this device, not to another swap
+    # device that something else on the machine attached.
+    return attach.attach(sock, state, run_dir=run, method="auto", priority=32767)
 
 
 def start_workload(cg: cgroup.MemoryCgroup, seed: int) -> subprocess.Popen:
