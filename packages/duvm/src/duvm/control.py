@@ -13,8 +13,11 @@ the kernel cannot bring the pages home, the device stays attached, the daemon ke
 the command explains. Only after a clean detach is the daemon stopped (SIGTERM), which ends its
 memserver sessions and so releases the reservations.
 
-``status`` reads the two state files, ``/proc/swaps`` and each peer's STATUS. What cannot be
-known (a peer that does not answer, a daemon without a status socket) is None, never 0.
+``status`` reads the two state files, ``/proc/swaps``, each peer's STATUS, the daemon's control
+socket and, when `duvm node` runs here, the node's control socket (what this node lends). What
+cannot be known (a peer that does not answer, a daemon without a status socket) is None, never 0.
+
+The config file (`duvm.config`) is shared by enable (top-level keys) and `duvm node` ([node]).
 """
 
 from __future__ import annotations
@@ -27,94 +30,24 @@ import signal
 import socket
 import sys
 import time
-import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from duvm import attach
-from duvm.units import parse_hostport, parse_size
 
-DEFAULT_STATE_DIR = Path("/run/duvm")
-MEMSERVER_PORT = 7070
-
-
-class ControlError(Exception):
-    """enable/disable cannot proceed; the message says why and what to do."""
-
-
-@dataclass
-class Config:
-    """What `duvm enable` needs: peers to reserve on and the device size."""
-
-    peers: list[str]
-    size: int
-    priority: int = attach.DEFAULT_PRIORITY
-    replicas: int = 1
-    method: str = "auto"
-    state_dir: Path = DEFAULT_STATE_DIR
-    daemon_args: list[str] = field(default_factory=list)
-
-    @property
-    def socket(self) -> str:
-        return str(self.state_dir / "nbd.sock")
-
-    def validate(self) -> Config:
-        if not self.peers:
-            raise ControlError("no peers: give --peers HOST:PORT[,...] or peers = [...] in "
-                               "the config file")
-        for p in self.peers:
-            try:
-                parse_hostport(p, MEMSERVER_PORT)
-            except ValueError as exc:
-                raise ControlError(f"bad peer address: {exc}") from exc
-        if self.size < 1 << 20 or self.size % 4096:
-            raise ControlError(f"size {self.size} must be at least 1 MiB and whole pages")
-        if not 1 <= self.replicas <= len(self.peers):
-            raise ControlError(f"replicas = {self.replicas} needs 1..{len(self.peers)} "
-                               "(at most one copy per peer)")
-        if not -1 <= self.priority <= 32767:
-            raise ControlError(f"swap priority {self.priority} is outside -1..32767")
-        return self
-
-
-_CONFIG_KEYS = {"peers", "size", "priority", "replicas", "method", "state_dir", "daemon_args"}
-
-
-def load_config(path: Path) -> Config:
-    """Read a TOML config (see docs/duvm.example.toml). Errors name the file and the key."""
-    try:
-        raw = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise ControlError(f"cannot read config {path}: {exc.strerror or exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ControlError(f"config {path} is not valid TOML: {exc}") from exc
-    unknown = set(raw) - _CONFIG_KEYS
-    if unknown:
-        raise ControlError(f"config {path}: unknown key(s) {sorted(unknown)}; known: "
-                           f"{sorted(_CONFIG_KEYS)}")
-    try:
-        peers = raw.get("peers", [])
-        if isinstance(peers, str):
-            peers = [p for p in peers.split(",") if p.strip()]
-        if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
-            raise ControlError(f"config {path}: peers must be a list of \"HOST:PORT\" strings")
-        size = raw.get("size")
-        if size is None:
-            raise ControlError(f"config {path}: size is missing (e.g. size = \"4G\")")
-        cfg = Config(
-            peers=[p.strip() for p in peers],
-            size=parse_size(str(size)),
-            priority=int(raw.get("priority", attach.DEFAULT_PRIORITY)),
-            replicas=int(raw.get("replicas", 1)),
-            method=str(raw.get("method", "auto")),
-            state_dir=Path(raw.get("state_dir", DEFAULT_STATE_DIR)),
-            daemon_args=[str(a) for a in raw.get("daemon_args", [])],
-        )
-    except (ValueError, TypeError) as exc:
-        raise ControlError(f"config {path}: {exc}") from exc
-    return cfg.validate()
-
+# The config file lives in duvm.config; its names are re-exported here for the commands.
+from duvm.config import (
+    DEFAULT_NODE_CONTROL_SOCKET,
+    DEFAULT_STATE_DIR,
+    MEMSERVER_PORT,
+    Config,
+    ControlError,
+)
+from duvm.config import NodeConfig as NodeConfig
+from duvm.config import load_config as load_config
+from duvm.config import load_node_config as load_node_config
+from duvm.units import parse_hostport
 
 # --- daemon process --------------------------------------------------------------------------
 
@@ -283,7 +216,28 @@ def daemon_health(daemon: DaemonInfo | None) -> dict[str, Any] | None:
         return None
 
 
-def status(state_dir: Path = DEFAULT_STATE_DIR) -> dict[str, Any]:
+def node_status(path: Path = DEFAULT_NODE_CONTROL_SOCKET) -> dict[str, Any] | None:
+    """What this node lends (`duvm node`'s control socket); None when no node runs here."""
+    if not path.exists():
+        return None
+    from duvm import control_socket
+
+    try:
+        st = control_socket.query(str(path))
+    except (OSError, ValueError) as exc:
+        return {"socket": str(path), "running": False, "error": str(exc)}
+    keep = ("capacity_pages", "used_pages", "reserved_pages", "connections", "lease_seconds",
+            "namespaces_total", "counters")
+    return {"socket": str(path), "running": True, "error": None,
+            **{k: st.get(k) for k in keep},
+            "auth": (st.get("security") or {}).get("auth"),
+            "namespaces": [{k: ns.get(k) for k in ("client_id", "stored_pages", "reserved_pages",
+                                                    "connections")}
+                           for ns in st.get("namespaces") or [] if isinstance(ns, dict)]}
+
+
+def status(state_dir: Path = DEFAULT_STATE_DIR,
+           node_socket: Path = DEFAULT_NODE_CONTROL_SOCKET) -> dict[str, Any]:
     """Everything `duvm status` shows, as plain data (JSON-ready)."""
     att = attach.load_state(state_path(state_dir))
     daemon = load_daemon(state_dir)
@@ -308,6 +262,7 @@ def status(state_dir: Path = DEFAULT_STATE_DIR) -> dict[str, Any]:
         "client_id": daemon.client_id if daemon else None,
         "replication": daemon_health(daemon),
         "peers": peer_statuses(peers, client=daemon.client_id if daemon else None),
+        "node": node_status(node_socket),
     }
 
 
@@ -347,4 +302,18 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"peer {p['peer']}: {p['health']}, ours {n(p['our_pages'])} pages "
                      f"({n(p['our_reserved_pages'])} reserved), all clients "
                      f"{n(p['pages'])} of {n(p['capacity_pages'])}{extra}")
+    node = st.get("node")
+    if node is not None and not node["running"]:
+        lines.append(f"node: control socket {node['socket']} does not answer ({node['error']})")
+    elif node is not None:
+        def pages(v: object) -> str:
+            return f"{v * 4096 >> 20} MiB" if isinstance(v, int) else "n/a"
+
+        lines.append(f"node: lends {pages(node['used_pages'])} in use, "
+                     f"{pages(node['reserved_pages'])} reserved of {pages(node['capacity_pages'])}"
+                     f" to {node['namespaces_total']} client(s), {node['connections']} "
+                     f"connection(s), auth {node['auth'] or 'n/a'}")
+        for ns in node["namespaces"]:
+            lines.append(f"  client {ns['client_id']}: {ns['stored_pages']} pages stored, "
+                         f"{ns['reserved_pages']} reserved")
     return "\n".join(lines)

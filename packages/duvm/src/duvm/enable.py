@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from duvm import attach, control
+from duvm.config import with_secret
 from duvm.units import parse_size
 
 
@@ -16,7 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", metavar="HOST:PORT[,...]",
                         help="memservers to reserve on (instead of --config)")
     parser.add_argument("--size", metavar="SIZE", help="swap device size, e.g. 4G")
-    parser.add_argument("--replicas", type=int, default=1, help="copies of each page")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="copies of each page, on distinct peers (default 1; 2 survives the "
+                        "loss of any one memserver)")
+    parser.add_argument("--secret-file", type=Path, metavar="PATH",
+                        help="cluster secret file (mode 0600); required for peers off loopback")
     parser.add_argument("--priority", type=int, default=attach.DEFAULT_PRIORITY,
                         help=f"swap priority (default {attach.DEFAULT_PRIORITY})")
     parser.add_argument("--method", choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
@@ -28,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> control.Config:
     if args.config is not None:
-        if args.peers or args.size:
-            raise control.ControlError("give either --config or --peers/--size, not both")
+        if args.peers or args.size or args.secret_file:
+            raise control.ControlError("give either --config or --peers/--size/--secret-file, "
+                                       "not both")
         return control.load_config(args.config)
     if not args.peers or not args.size:
         raise control.ControlError("give --config FILE, or both --peers and --size")
@@ -39,7 +45,9 @@ def config_from_args(args: argparse.Namespace) -> control.Config:
         raise control.ControlError(str(exc)) from exc
     return control.Config(peers=[p.strip() for p in args.peers.split(",") if p.strip()],
                           size=size, priority=args.priority, replicas=args.replicas,
-                          method=args.method, state_dir=args.state_dir).validate()
+                          method=args.method, state_dir=args.state_dir,
+                          daemon_args=with_secret([], args.secret_file),
+                          secret_file=args.secret_file).validate()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     except (control.ControlError, attach.AttachError) as exc:
         print(f"duvm enable: {exc}", file=sys.stderr)
         return 1
+    if cfg.skipped_self:
+        print(f"duvm enable: skipping this node's own memserver {', '.join(cfg.skipped_self)}")
     print(f"duvm enabled: {att.device} via {att.method}, {(att.size_bytes or 0) >> 20} MiB of "
-          f"swap at priority {att.priority} on {len(cfg.peers)} peer(s)")
+          f"swap at priority {att.priority} on {len(cfg.peers)} peer(s), "
+          f"{cfg.replicas} cop{'y' if cfg.replicas == 1 else 'ies'} of each page")
     return 0
