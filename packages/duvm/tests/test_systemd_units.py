@@ -1,6 +1,6 @@
 """The shipped systemd units: they parse, every command they run is a real duvm command line
-that duvm's own parser accepts, the config and environment files they name have shipped
-examples that load, and `systemd-analyze verify` finds nothing to say about them.
+that duvm's own parser accepts, the config file they name has a shipped example that loads for
+both units, and `systemd-analyze verify` finds nothing to say about them.
 
 This machine's PID 1 is not systemd, so the units are verified, not started.
 """
@@ -31,28 +31,6 @@ def unit(name: str) -> configparser.RawConfigParser:
     return cp
 
 
-def env_file() -> dict[str, str]:
-    out = {}
-    for line in (UNITS / "duvm-node.env").read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            k, _, v = line.partition("=")
-            out[k.strip()] = v.strip()
-    return out
-
-
-def expand(cmd: str, env: dict[str, str]) -> list[str]:
-    """systemd's rules: ${VAR} is one word, $VAR splits on whitespace (empty: no word)."""
-    words = []
-    for w in shlex.split(cmd):
-        if w.startswith("${") and w.endswith("}"):
-            words.append(env[w[2:-1]])
-        elif w.startswith("$"):
-            words.extend(env[w[1:]].split())
-        else:
-            words.append(w)
-    return words
-
-
 def parse_duvm(argv: list[str]) -> object:
     assert argv[0] == INSTALLED_DUVM, argv
     return cli.build_parser().parse_args(argv[1:])  # SystemExit(2) on a bad command line
@@ -81,21 +59,30 @@ def test_example_config_is_what_the_enable_unit_reads() -> None:
     assert "/etc/duvm/duvm.toml" in example.read_text().splitlines()[0]
 
 
-def test_node_unit_runs_memserver_with_the_example_env() -> None:
+def test_node_unit_runs_duvm_node_with_the_example_config() -> None:
+    from duvm import node
+
     u = unit("duvm-node.service")
     s = u["Service"]
-    env = env_file()
-    assert s["EnvironmentFile"] == "/etc/duvm/node.env"
-    assert u["Unit"]["ConditionPathExists"] == s["EnvironmentFile"]
-    args = parse_duvm(expand(s["ExecStart"], env))
-    assert args.command == "memserver"
-    assert args.listen == env["DUVM_LISTEN"] and args.capacity == env["DUVM_CAPACITY"]
-    assert args.secret_file == "/etc/duvm/cluster.secret"  # off loopback it must have one
-    # extra flags go through too
-    args = parse_duvm(expand(s["ExecStart"], {**env, "DUVM_MEMSERVER_ARGS": "--lease 600 -v"}))
-    assert args.lease == 600 and args.verbose
+    assert "EnvironmentFile" not in s  # one config file for both units
+    args = parse_duvm(shlex.split(s["ExecStart"]))
+    assert args.command == "node" and args.config == Path("/etc/duvm/duvm.toml")
+    assert u["Unit"]["ConditionPathExists"] == str(args.config)
+    # what that command would run with the shipped example as /etc/duvm/duvm.toml
+    args.config = PKG / "duvm.example.toml"
+    cfg = node.node_config(args)
+    ms = node.memserver_args(cfg)
+    assert ms.listen == "10.0.0.2:7070" and ms.capacity == str(4 << 30)
+    assert ms.secret_file == "/etc/duvm/cluster.secret"  # off loopback it must have one
+    # the control socket is where gputaskman looks and inside the unit's writable RuntimeDirectory
+    assert ms.control_socket == "/run/duvm/memserver.ctl"
+    assert Path(ms.control_socket).parent == Path("/run") / s["RuntimeDirectory"]
+    # the enable unit keeps its state there too: stopping the node must not delete it
+    assert s["RuntimeDirectoryPreserve"] == "yes"
+    assert control.load_config(args.config).state_dir == Path(ms.control_socket).parent
     assert s["LimitMEMLOCK"] == "infinity"
     assert s["CapabilityBoundingSet"] == "" and "DynamicUser" not in s
+    assert "AF_UNIX" in s["RestrictAddressFamilies"].split()  # the control socket
     assert s["ExecReload"] == "/bin/kill -HUP $MAINPID"  # secret rotation keeps the pages
 
 
