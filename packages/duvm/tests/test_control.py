@@ -3,15 +3,17 @@ node where nothing is enabled, and peers that do not answer (unknown, never 0)."
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from duvm import control
+from duvm import config, control
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -35,11 +37,52 @@ state_dir = "/run/duvm-test"
     assert cfg.socket == "/run/duvm-test/nbd.sock"
 
 
+EXAMPLE = Path(__file__).parents[1] / "duvm.example.toml"
+
+
 def test_example_config_in_docs_is_valid() -> None:
-    example = Path(__file__).parents[1] / "duvm.example.toml"
-    if not example.exists():
-        pytest.skip("packages/duvm/duvm.example.toml not written yet")
-    assert control.load_config(example).peers
+    cfg = control.load_config(EXAMPLE)
+    # the example's own memserver ([node] listen 10.0.0.2:7070) is skipped among its peers
+    assert cfg.peers == ["10.0.0.3:7070", "10.0.0.4:7070"]
+    assert cfg.skipped_self == ["10.0.0.2:7070"] and cfg.replicas == 2
+    # the cluster secret reaches the daemon's command line as the daemon's own flag
+    assert cfg.daemon_args[:2] == ["--secret-file", "/etc/duvm/cluster.secret"]
+    assert control.daemon_command(cfg)[-2:] == ["--secret-file", "/etc/duvm/cluster.secret"]
+    node = control.load_node_config(EXAMPLE)
+    assert node.listen == "10.0.0.2:7070" and node.capacity == 4 << 30
+    assert node.secret_file == Path("/etc/duvm/cluster.secret") and node.lease == 60
+
+
+def _example_with_secret(tmp_path: Path, secret: str | None) -> Path:
+    lines = EXAMPLE.read_text().splitlines()
+    out = [line for line in lines if not line.startswith("secret_file")]
+    assert len(out) == len(lines) - 1, "the example has exactly one secret_file line"
+    if secret is not None:
+        out.insert(0, f'secret_file = "{secret}"')
+    return write(tmp_path, "\n".join(out) + "\n")
+
+
+def test_example_config_passes_doctors_parse_and_peer_auth(tmp_path: Path) -> None:
+    """doctor reads the example as enable would, and its off-loopback peers are authenticated by
+    the secret_file line; without that line the daemon's rule refuses them."""
+    from duvm import doctor
+
+    secret = tmp_path / "cluster.secret"
+    res = run_cli("secret", "generate", str(secret))
+    assert res.returncode == 0, res.stderr
+    ns = argparse.Namespace(config=_example_with_secret(tmp_path, str(secret)), peers=None,
+                            secret_file=None, method=None, insecure=False, timeout=1.0)
+    opts = doctor.options_from_args(ns)
+    assert opts.config_error is None and doctor.check_config(opts).status == doctor.OK
+    assert opts.peers == ["10.0.0.3:7070", "10.0.0.4:7070"]
+    assert doctor.secret_path(opts) == secret
+    security, check = doctor.check_peer_auth(opts)
+    assert check.status == doctor.OK and str(secret) in check.detail, check
+    assert security is not None and security.keyring is not None
+
+    ns.config = _example_with_secret(tmp_path, None)
+    _, check = doctor.check_peer_auth(doctor.options_from_args(ns))
+    assert check.status == doctor.FAIL and "--secret-file" in check.detail
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -58,23 +101,174 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) ->
         control.load_config(write(tmp_path, text))
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ('priority = true', "priority must be a whole number, not True"),
+    ('priority = 1.5', "priority must be a whole number"),
+    ('priority = "50"', "priority must be a whole number"),
+    ('replicas = "2"', "replicas must be a whole number"),
+    ('daemon_args = "--verbose"', "daemon_args must be a list of strings"),
+    ('daemon_args = [1]', "daemon_args must be a list of strings"),
+    ('state_dir = 5', "state_dir must be a non-empty string"),
+    ('method = "floppy"', "method 'floppy' is not one of"),
+    ('size = true', "size must be a size"),
+    ('size = [1]', "size must be a size"),
+    ('secret_file = ""', "secret_file must be a non-empty string"),
+    ('secret_file = "/x"\ndaemon_args = ["--secret-file", "/y"]', "keep one"),
+    ('node = 5', "node must be a table"),
+    ('[node]\ncapacity = "1G"', "node.listen is missing"),
+    ('[node]\nlisten = "a:1"', "node.capacity is missing"),
+    ('[node]\nlisten = "a:1"\ncapacity = "1G"\ncolour = 1', "unknown [node] key(s) ['colour']"),
+    ('[node]\nlisten = "a:1"\ncapacity = "1G"\nlease = -1', "node.lease must be a positive"),
+    ('[node]\nlisten = "a:1"\ncapacity = "1G"\nlease = true', "node.lease must be a positive"),
+    ('[node]\nlisten = "a:70000"\ncapacity = "1G"', "node.listen: bad port"),
+    ('[node]\nlisten = "a:1"\ncapacity = "lots"', "node.capacity: not a size"),
+    ('[node]\nlisten = "a:1"\ncapacity = "1G"\nmemserver_args = "-v"', "list of strings"),
+])
+def test_wrong_types_are_a_clear_error_naming_the_key(tmp_path: Path, text: str,
+                                                      message: str) -> None:
+    body = text if text.startswith("size") else f'size = "1G"\n{text}'
+    if not text.startswith("[node]"):
+        body = f'peers = ["a:1"]\n{body}'
+    else:
+        body = f'peers = ["a:1"]\nsize = "1G"\n{text}'
+    path = write(tmp_path, body)
+    with pytest.raises(control.ControlError, match=re.escape(message)) as exc:
+        control.load_config(path)
+    assert str(path) in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_non_utf8_config_is_a_one_line_error_for_every_command(tmp_path: Path) -> None:
+    path = tmp_path / "duvm.toml"
+    path.write_bytes(b'peers = ["a:1"]\nsize = "1G"\n# caf\xe9 latin-1\n')
+    with pytest.raises(control.ControlError, match=r"not UTF-8 text \(byte \d+, line 3\)"):
+        control.load_config(path)
+    with pytest.raises(control.ControlError, match="not UTF-8"):
+        control.load_node_config(path)
+    for argv, code in ((["enable", "--config", str(path), "--state-dir", str(tmp_path)], 1),
+                       (["node", "--config", str(path)], 2),
+                       (["doctor", "--config", str(path), "--json"], 1)):
+        res = run_cli(*argv)
+        assert res.returncode == code, (argv, res.stdout, res.stderr)
+        assert "Traceback" not in res.stderr + res.stdout
+        if argv[0] == "doctor":  # doctor reports it as its failed config check
+            checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+            assert checks["config"]["status"] == "fail"
+            assert "not UTF-8" in checks["config"]["detail"]
+        else:
+            assert res.stderr.count("\n") == 1 and "not UTF-8" in res.stderr, res.stderr
+
+
+def test_malformed_configs_exit_non_zero_with_one_line(tmp_path: Path) -> None:
+    for i, text in enumerate(("peers = [", 'peers = ["a:1"]\nsize = "1G"\npriority = true',
+                              'peers = ["a:1"]\nsize = "1G"\nbogus = 1')):
+        path = tmp_path / f"c{i}.toml"
+        path.write_text(text)
+        res = run_cli("enable", "--config", str(path), "--state-dir", str(tmp_path))
+        assert res.returncode == 1 and res.stderr.startswith("duvm enable: config ")
+        assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
+
+
+def test_node_section_parsed_and_own_memserver_skipped(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+secret_file = "/etc/duvm/s"
+peers = ["127.0.0.1:7070", "127.0.0.1:7071", "10.9.9.9:7070"]
+size = "64M"
+[node]
+listen = "127.0.0.1:7070"
+capacity = 33554432
+memserver_args = ["--verbose"]
+""")
+    cfg = control.load_config(path)
+    assert cfg.peers == ["127.0.0.1:7071", "10.9.9.9:7070"]
+    assert cfg.skipped_self == ["127.0.0.1:7070"]
+    node = control.load_node_config(path)
+    assert node.capacity == 32 << 20 and node.lease is None
+    assert node.memserver_argv() == [
+        "--listen", "127.0.0.1:7070", "--capacity", str(32 << 20), "--control-socket",
+        "/run/duvm/memserver.ctl", "--secret-file", "/etc/duvm/s", "--verbose"]
+    # the only peer being this node itself leaves none: said so
+    only_self = write(tmp_path, 'peers = ["127.0.0.1:7070"]\nsize = "64M"\n[node]\n'
+                                'listen = "127.0.0.1:7070"\ncapacity = "32M"')
+    with pytest.raises(control.ControlError, match="skipping this node's own memserver"):
+        control.load_config(only_self)
+
+
+def test_node_config_without_node_table_says_what_to_add(tmp_path: Path) -> None:
+    with pytest.raises(control.ControlError, match=r"no \[node\] table"):
+        control.load_node_config(write(tmp_path, 'peers = ["a:1"]\nsize = "1G"'))
+    # a provider-only node needs no peers or size
+    node = control.load_node_config(write(tmp_path, '[node]\nlisten = "0.0.0.0:7070"\n'
+                                                    'capacity = "1G"'))
+    assert node.listen == "0.0.0.0:7070"
+
+
+@pytest.mark.parametrize(("peer", "listen", "own"), [
+    ("10.0.0.2:7070", "10.0.0.2:7070", True),
+    ("10.0.0.2", "10.0.0.2:7070", True),  # port-less peer: the default port
+    ("10.0.0.2:7071", "10.0.0.2:7070", False),
+    ("10.0.0.3:7070", "10.0.0.2:7070", False),
+    ("127.0.0.1:7070", "0.0.0.0:7070", True),  # wildcard listen serves loopback too
+    ("localhost:7070", "0.0.0.0:7070", True),
+    ("192.0.2.1:7070", "0.0.0.0:7070", False),  # TEST-NET: not an address of this machine
+    ("127.0.0.1:7070", "10.0.0.2:7070", False),  # a specific listen does not serve loopback
+    ("nonsense:port", "0.0.0.0:7070", False),
+])
+def test_is_own_memserver(peer: str, listen: str, own: bool) -> None:
+    from duvm.config import is_own_memserver
+
+    assert is_own_memserver(peer, listen) is own
+
+
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(control.ControlError, match="cannot read config"):
         control.load_config(tmp_path / "absent.toml")
 
 
-@given(st.text(max_size=300))
-def test_fuzz_config_never_crashes(text: str) -> None:
+_TOML_VALUES = st.one_of(st.booleans(), st.integers(-2**70, 2**70), st.floats(),
+                        st.text(max_size=20), st.lists(st.text(max_size=8), max_size=3),
+                        st.lists(st.integers(), max_size=3))
+_KEYS = st.sampled_from([*config.TOP_KEYS, "colour"])
+
+
+def _load_both(data: bytes) -> None:
     import tempfile
 
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(text)
+    with tempfile.NamedTemporaryFile("wb", suffix=".toml", delete=False) as f:
+        f.write(data)
     try:
-        control.load_config(Path(f.name))
-    except control.ControlError:
-        pass
+        for load in (control.load_config, control.load_node_config):
+            try:
+                load(Path(f.name))
+            except control.ControlError as exc:
+                assert "\n" not in str(exc) or "TOML" in str(exc)
     finally:
         os.unlink(f.name)
+
+
+@given(st.text(max_size=300))
+def test_fuzz_config_never_crashes(text: str) -> None:
+    _load_both(text.encode("utf-8", "surrogatepass"))
+
+
+@given(st.binary(max_size=300))
+def test_fuzz_config_bytes_never_crash(data: bytes) -> None:
+    _load_both(data)
+
+
+@given(st.dictionaries(_KEYS, _TOML_VALUES, max_size=6),
+       st.dictionaries(st.sampled_from([*config.NODE_KEYS, "x"]), _TOML_VALUES, max_size=5))
+def test_fuzz_config_values_of_every_type(top: dict, node: dict) -> None:
+    """Well-formed TOML with any value under any key: a Config/NodeConfig or a ControlError."""
+    def toml(v: object) -> str:  # JSON scalars and arrays are TOML, but for nan/inf
+        return json.dumps(v, allow_nan=False)
+
+    try:
+        lines = [f"{k} = {toml(v)}" for k, v in top.items() if k != "node"]
+        if node:
+            lines += ["[node]", *(f"{k} = {toml(v)}" for k, v in node.items())]
+    except ValueError:  # nan/inf: not expressible this way
+        return
+    _load_both("\n".join(lines).encode("utf-8", "surrogatepass"))
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

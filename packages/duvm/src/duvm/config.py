@@ -271,6 +271,10 @@ def load_config(path: Path) -> Config:
         except ValueError as exc:
             raise ControlError(f"config {path}: bad peer address: {exc}") from None
     own = [p for p in peers if node is not None and is_own_memserver(p, node.listen)]
+    try:
+        daemon_args = with_secret(r.strings("daemon_args"), secret)
+    except ControlError as exc:
+        raise ControlError(f"config {path}: {exc}") from None
     cfg = Config(
         peers=[p for p in peers if p not in own],
         size=r.size("size", "4G"),
@@ -278,7 +282,7 @@ def load_config(path: Path) -> Config:
         replicas=r.integer("replicas", 1),
         method=r.text("method", "auto") or "auto",
         state_dir=r.path("state_dir", DEFAULT_STATE_DIR) or DEFAULT_STATE_DIR,
-        daemon_args=with_secret(r.strings("daemon_args"), secret),
+        daemon_args=daemon_args,
         secret_file=secret, node=node, skipped_self=own)
     try:
         return cfg.validate()
