@@ -15,11 +15,12 @@ injector picks, every `--fault-every` seconds (jittered), one of:
 Faults are one at a time: after each, the injector waits until the daemon reports no degraded
 slab (repair done) before the next, because R=2 survives one failure at a time by design.
 
-Reported (text, or one JSON object with --json): minutes run, workload rounds, pages moved by
-the kernel (pswpout/pswpin deltas), faults injected by kind, the daemon's failovers, replicas
-dropped, stalls aborted, repairs and pages copied, checksum failures, repair times, and bytes
-lost: chunks that failed verification times chunk size plus pages the daemon marked lost (0
-expected with R=2). Also the load average, since the numbers depend on what else runs.
+Reported (text, or one JSON object with --json): minutes run, workload rounds, pages moved
+through the duvm device (the daemon's counts; pswpout/pswpin deltas too, machine-wide),
+faults injected by kind, the daemon's failovers, replicas dropped, stalls aborted, repairs and
+pages copied, checksum failures, repair times, and bytes lost: chunks that failed
+verification times chunk size plus pages the daemon marked lost (0 expected with R=2). Also
+the load average, since the numbers depend on what else runs.
 
 Usage: sudo uv run python benchmarks/soak.py [--minutes 10] [--seed 1] [--json out.json]
 """
@@ -153,6 +154,8 @@ def main() -> int:
             h = control_socket.query(control_socket.default_path(sock))["store"]
             result.update({
                 "rounds": rounds, "failed_rounds": failed_rounds, "bad_chunks": bad_chunks,
+                # the device's own counts (pswpout/pswpin are machine-wide: other devices too)
+                "device_pages_written": h["pages_stored"], "device_pages_read": h["pages_loaded"],
                 "pages_swapped_out": after["pswpout"] - before["pswpout"],
                 "pages_swapped_in": after["pswpin"] - before["pswpin"],
                 "faults": inj.faults, "faults_total": sum(inj.faults.values()),
