@@ -182,10 +182,10 @@ def parse_results(text: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
     return events, markers
 
 
-def run_guest(*, python: str = sys.executable, workload_mib: int = 64,
-              cgroup_mib: int | None = 24, swap_size: str = "64M", mem_mib: int = 256,
-              memservers: int = 1, capacity: str = "64M", host_memservers: bool = False,
-              timeout_s: float = 300, workdir: Path | None = None,
+def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
+              cgroup_mib: int | None = 24, swap_size: str = "128M", mem_mib: int = 384,
+              memservers: int = 1, capacity: str = "128M", host_memservers: bool = False,
+              timeout_s: float = 420, workdir: Path | None = None,
               cache: Path = build_initramfs.DEFAULT_CACHE) -> GuestRun:
     """Boot the guest once; always cleans up what it started.
 
@@ -285,14 +285,14 @@ def summary(run: GuestRun) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="boot the duvm kernel-nbd test guest once")
-    p.add_argument("--mib", type=int, default=64, help="workload size (MiB)")
-    p.add_argument("--mem", type=int, default=256, help="guest RAM (MiB)")
+    p.add_argument("--mib", type=int, default=48, help="workload size (MiB)")
+    p.add_argument("--mem", type=int, default=384, help="guest RAM (MiB)")
     p.add_argument("--cgroup", type=int, default=24, help="memory cgroup limit of the "
                    "workload in MiB; 0: no cgroup, the workload outgrows the guest's RAM")
-    p.add_argument("--swap-size", default="64M")
+    p.add_argument("--swap-size", default="128M")
     p.add_argument("--memservers", type=int, default=1)
-    p.add_argument("--capacity", default="64M", help="per memserver")
-    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--capacity", default="128M", help="per memserver")
+    p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--host-memservers", action="store_true",
                    help="run the memservers on the host, reached through QEMU's user network")
     p.add_argument("--keep", type=Path, help="keep logs in this folder")

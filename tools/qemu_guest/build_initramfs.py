@@ -198,7 +198,7 @@ def is_static_elf(data: bytes) -> bool:
     phnum = int.from_bytes(data[56:58], "little")
     for i in range(phnum):
         off = phoff + i * phentsize
-        if off + 4 > len(data):
+        if phentsize < 4 or off + phentsize > len(data):  # a cut-off table proves nothing
             return False
         if int.from_bytes(data[off:off + 4], "little") == 3:  # PT_INTERP
             return False

@@ -15,24 +15,35 @@ failure (hard deadline, PR_SET_PDEATHSIG, finally).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import struct
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parents[3]
 TOOLS = REPO / "tools" / "qemu_guest"
 
-pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.timeout(480)]
 
-WORKLOAD_MIB = 64
+def qemu(test: Any) -> Any:
+    """The marks of a test that boots the guest (the fixture does, once per module)."""
+    return pytest.mark.slow(pytest.mark.root(pytest.mark.timeout(600)(test)))
+
+
+WORKLOAD_MIB = 48
 CGROUP_MIB = 24
-QEMU_DEADLINE_S = 360  # a run takes about 2-3 minutes on 2 loaded cores (TCG)
+SWAP = "128M"  # under half full, so swapped-in pages keep their slot and are not rewritten
+# a run takes 3-5 minutes on 2 cores shared with other jobs (TCG); the deadline catches hangs
+QEMU_DEADLINE_S = 480
 
 
+@functools.cache
 def _load_boot() -> ModuleType:
     spec = importlib.util.spec_from_file_location("duvm_qemu_boot", TOOLS / "boot.py")
     assert spec is not None and spec.loader is not None
@@ -49,7 +60,7 @@ def guest_run() -> Any:
         pytest.skip("cannot boot the kernel-nbd test guest: " + "; ".join(why))
     try:
         return boot.run_guest(workload_mib=WORKLOAD_MIB, cgroup_mib=CGROUP_MIB,
-                              swap_size="64M", capacity="64M", memservers=1, mem_mib=256,
+                              swap_size=SWAP, capacity=SWAP, memservers=1, mem_mib=384,
                               timeout_s=QEMU_DEADLINE_S)
     except boot.GuestUnavailable as exc:
         pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
@@ -67,6 +78,7 @@ def _swap_lines(proc_swaps: str) -> list[list[str]]:
     return [line.split() for line in proc_swaps.splitlines()[1:] if line.split()]
 
 
+@qemu
 def test_guest_ran_to_the_end(guest_run: Any) -> None:
     assert not guest_run.timed_out, f"QEMU ran past {QEMU_DEADLINE_S} s:\n" \
         f"{guest_run.console_tail()}"
@@ -79,6 +91,7 @@ def test_guest_ran_to_the_end(guest_run: Any) -> None:
     assert start["has_dev_nbd0"], "the guest kernel's nbd module did not create /dev/nbd0"
 
 
+@qemu
 def test_enable_attached_dev_nbd0_through_the_kernel_driver(guest_run: Any) -> None:
     enable = _event(guest_run, "enable")
     assert enable["rc"] == 0, enable
@@ -92,12 +105,13 @@ def test_enable_attached_dev_nbd0_through_the_kernel_driver(guest_run: Any) -> N
     assert "-m duvm.kernelnbd" in att["holder_cmdline"] and "/dev/nbd0" in att["holder_cmdline"]
     assert att["holder_pids"] == [int(att["nbd_pid"])]
     assert len(att["daemon_pids"]) == 1
-    assert att["nbd_size_bytes"] == 64 << 20
+    assert att["nbd_size_bytes"] == 128 << 20
     assert att["nbd_module_loaded"]
     # enable raised the reserve that keeps swap over the network from freezing (FACTS.md)
     assert att["min_free_kbytes"] >= 8192 > _event(guest_run, "start")["min_free_kbytes"]
 
 
+@qemu
 def test_workload_swapped_through_nbd0_and_every_byte_came_back(guest_run: Any) -> None:
     work = _event(guest_run, "workload")
     assert work["rc"] == 0, work
@@ -113,6 +127,7 @@ def test_workload_swapped_through_nbd0_and_every_byte_came_back(guest_run: Any) 
     assert after["pswpin"] - before["pswpin"] >= must // 2, (before, after)
 
 
+@qemu
 def test_pages_were_on_the_memserver_while_held(guest_run: Any) -> None:
     filled = _event(guest_run, "filled")
     used = [e for e in _swap_lines(filled["proc_swaps"]) if e[0] == "/dev/nbd0"]
@@ -124,6 +139,7 @@ def test_pages_were_on_the_memserver_while_held(guest_run: Any) -> None:
     assert sum(p["our_pages"] for p in peers) > 0, peers
 
 
+@qemu
 def test_disable_swapped_off_detached_and_cleaned_up(guest_run: Any) -> None:
     dis = _event(guest_run, "disable")
     assert dis["rc"] == 0 and "duvm disabled" in dis["stdout"], dis
@@ -136,3 +152,69 @@ def test_disable_swapped_off_detached_and_cleaned_up(guest_run: Any) -> None:
     assert "cleanup" not in guest_run.events  # the forced fallback disable never ran
     pages = [m["used_pages"] for m in det["memservers"]]
     assert pages and all(p == 0 for p in pages), det["memservers"]
+
+
+# --- the host-side pieces, without booting anything ----------------------------------------
+
+
+def test_cpio_newc_layout() -> None:
+    """Every entry: 110-byte header, NUL-terminated name, both padded to 4 bytes; a trailer."""
+    cpio = _load_boot().build_initramfs.Cpio()
+    cpio.dir("bin")
+    cpio.file("bin/x", b"abcde", 0o755)
+    cpio.chardev("dev/console", 5, 1)
+    data = cpio.bytes()
+    entries, off = [], 0
+    while True:
+        head = data[off:off + 110]
+        assert head[:6] == b"070701"
+        fields = [int(head[6 + 8 * i:14 + 8 * i], 16) for i in range(13)]
+        mode, size, rmaj, rmin, namesize = fields[1], fields[6], fields[9], fields[10], fields[11]
+        name = data[off + 110:off + 110 + namesize]
+        assert name.endswith(b"\0")
+        off += 110 + namesize
+        off += -off % 4
+        body = data[off:off + size]
+        off += size + (-size % 4)
+        entries.append((name[:-1].decode(), mode, body, (rmaj, rmin)))
+        if name == b"TRAILER!!!\0":
+            break
+    assert off == len(data)
+    assert [e[0] for e in entries] == ["bin", "bin/x", "dev/console", "TRAILER!!!"]
+    assert entries[1][1] == 0o100755 and entries[1][2] == b"abcde"
+    assert entries[2][1] == 0o020600 and entries[2][3] == (5, 1)
+
+
+def _elf(interp: bool) -> bytes:
+    """A minimal 64-bit little-endian ELF header with one program header."""
+    head = bytearray(64)
+    head[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<QHH", head, 32, 64, 0, 0)  # e_phoff
+    struct.pack_into("<HH", head, 54, 56, 1)  # e_phentsize, e_phnum
+    phdr = bytearray(56)
+    struct.pack_into("<I", phdr, 0, 3 if interp else 1)  # PT_INTERP or PT_LOAD
+    return bytes(head + phdr)
+
+
+def test_static_elf_detection() -> None:
+    b = _load_boot().build_initramfs
+    assert b.is_static_elf(_elf(interp=False))
+    assert not b.is_static_elf(_elf(interp=True))
+    assert not b.is_static_elf(b"#!/bin/sh\n")
+    assert not b.is_static_elf(_elf(interp=False)[:70])  # program headers cut off
+
+
+@given(st.lists(st.one_of(st.text(), st.just("DUVM-RESULT {\"event\": \"x\", \"n\": 1}"),
+                          st.just("DUVM-RESULT [1, 2]"), st.just("DUVM-GUEST-END 0"))))
+def test_parse_results_never_crashes(lines: list[str]) -> None:
+    events, markers = _load_boot().parse_results("\n".join(lines))
+    assert all(isinstance(v, dict) and v["event"] == k for k, v in events.items())
+    assert all(m.startswith("DUVM-GUEST-") for m in markers)
+
+
+def test_parse_results_keeps_events_and_markers() -> None:
+    text = ("noise\nDUVM-GUEST-BOOTED 5.1\nDUVM-RESULT {\"event\": \"start\", \"t\": 0}\n"
+            "DUVM-RESULT {broken\nDUVM-GUEST-END 0\n")
+    events, markers = _load_boot().parse_results(text)
+    assert events == {"start": {"event": "start", "t": 0}}
+    assert markers == ["DUVM-GUEST-BOOTED 5.1", "DUVM-GUEST-END 0"]
