@@ -140,7 +140,8 @@ def test_wrong_types_are_a_clear_error_naming_the_key(tmp_path: Path, text: str,
 def test_non_utf8_config_is_a_one_line_error_for_every_command(tmp_path: Path) -> None:
     path = tmp_path / "duvm.toml"
     path.write_bytes(b'peers = ["a:1"]\nsize = "1G"\n# caf\xe9 latin-1\n')
-    with pytest.raises(control.ControlError, match=r"not UTF-8 text \(byte \d+, line 3\)"):
+    with pytest.raises(control.ControlError,
+                       match=r"cannot be read as text: not UTF-8 \(byte \d+, line 3\)"):
         control.load_config(path)
     with pytest.raises(control.ControlError, match="not UTF-8"):
         control.load_node_config(path)

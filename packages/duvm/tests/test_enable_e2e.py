@@ -100,6 +100,12 @@ def test_demo_moves_pages_through_memservers_and_cleans_up(state_dir: Path) -> N
     peaks = out["peak_pages"]
     assert len(peaks) == 3
     assert sum(peaks.values()) >= MIN_SWAP_PAGES, peaks  # the pages were in memserver RAM
+    # what moved where, from each memserver's own counters: out to every one, and back in
+    assert set(out["stored_pages"]) == set(peaks) and all(out["stored_pages"].values())
+    assert sum(out["stored_pages"].values()) >= MIN_SWAP_PAGES, out["stored_pages"]
+    assert sum(out["loaded_pages"].values()) > 0, out["loaded_pages"]
+    assert out["authenticated"] is True  # the demo's memservers required its temporary secret
+    assert not (state_dir / "demo.secret").exists()
     assert out["swapoff_ok"] is True
     assert set(out["pages_after_disable"].values()) == {0}, out["pages_after_disable"]
     assert set(out["reserved_after_disable"].values()) == {0}
@@ -108,23 +114,37 @@ def test_demo_moves_pages_through_memservers_and_cleans_up(state_dir: Path) -> N
 
 
 def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
-    servers = demo.Memservers(3, 96 << 20)
+    """Two copies of each page (--replicas 2) on memservers that require the cluster secret."""
+    secret = state_dir / "cluster.secret"
+    assert duvm("secret", "generate", str(secret)).returncode == 0
+    servers = demo.Memservers(3, 144 << 20, secret)
     cgroups: list[str] = []
     pids = list(servers.pids)
     try:
         peers = ",".join(servers.addrs)
         size = 192 << 20
-        res = duvm("enable", "--peers", peers, "--size", "192M", "--state-dir", str(state_dir))
+        # without the secret the daemon cannot reserve: enable fails cleanly and says why
+        res = duvm("enable", "--peers", peers, "--size", "192M", "--replicas", "2",
+                   "--state-dir", str(state_dir))
+        assert res.returncode == 1 and "Traceback" not in res.stderr
+        assert "secret" in res.stderr.lower(), res.stderr
+        assert not (state_dir / "daemon.json").exists()
+        enable = ("enable", "--peers", peers, "--size", "192M", "--replicas", "2",
+                  "--secret-file", str(secret), "--state-dir", str(state_dir))
+        res = duvm(*enable)
         assert res.returncode == 0, res.stderr
-        again = duvm("enable", "--peers", peers, "--size", "192M", "--state-dir", str(state_dir))
+        assert "2 copies of each page" in res.stdout
+        again = duvm(*enable)
         assert again.returncode == 1 and "already enabled" in again.stderr
 
         st = json.loads(duvm("status", "--json", "--state-dir", str(state_dir)).stdout)
         assert st["enabled"] is True and st["swap"]["size_bytes"] > 0
         assert st["device"] and st["method"] in (attach.METHOD_FUSE, attach.METHOD_KERNEL)
-        assert [p["health"] for p in st["peers"]] == ["ok"] * 3
-        # reserve before exposing: the device's pages are all reserved across the peers
-        assert sum(p["our_reserved_pages"] for p in st["peers"]) >= size // PAGE
+        # status authenticates to the peers as the daemon does (they refuse anyone else)
+        assert [p["health"] for p in st["peers"]] == ["ok"] * 3, st["peers"]
+        assert st["daemon"]["replicas"] == 2 and st["replication"]["replicas"] == 2
+        # reserve before exposing: every page of the device reserved twice across the peers
+        assert sum(p["our_reserved_pages"] for p in st["peers"]) >= 2 * size // PAGE
         pids += [st["daemon"]["pid"]]
         att = attach.load_state(control.state_path(state_dir))
         assert att is not None
@@ -139,7 +159,9 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
             assert proc.stderr is not None and proc.stderr.readline().strip() == "filled"
             held = json.loads(duvm("status", "--json", "--state-dir", str(state_dir)).stdout)
             ours = sum(p["our_pages"] for p in held["peers"])
-            assert ours >= ((160 - 2 * LIMIT_MIB) << 20) // PAGE, held["peers"]
+            # two copies of every swapped page
+            assert ours >= 2 * (((160 - 2 * LIMIT_MIB) << 20) // PAGE), held["peers"]
+            assert held["replication"]["degraded_slabs"] == 0
             assert held["swap"]["used_bytes"] > 0
 
             # disable now would need RAM the workload's cgroup does not have: refused, intact
@@ -160,7 +182,8 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         assert res.returncode == 0, res.stderr
         deadline = time.monotonic() + 15
         while True:
-            peers_after = control.peer_statuses(servers.addrs)
+            peers_after = control.peer_statuses(servers.addrs, security=control.peer_security(
+                ["--secret-file", str(secret)], servers.addrs))
             if all(p["pages"] == 0 and p["reserved_pages"] == 0 for p in peers_after) or \
                     time.monotonic() > deadline:
                 break

@@ -142,8 +142,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise ControlError(f"config {path} is not UTF-8 text (byte {exc.start}, line {line}): "
-                           "save it as UTF-8") from None
+        raise ControlError(f"config {path} cannot be read as text: not UTF-8 (byte "
+                           f"{exc.start}, line {line}); save it as UTF-8") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -30,11 +30,11 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duvm import attach
+from duvm import attach, auth
 
 # The config file lives in duvm.config; its names are re-exported here for the commands.
 from duvm.config import (
@@ -62,6 +62,8 @@ class DaemonInfo:
     log: str
     started: float
     client_id: str | None = None
+    # the daemon's extra flags: `duvm status` authenticates to the peers with its security flags
+    daemon_args: list[str] = field(default_factory=list)
 
 
 def state_path(state_dir: Path) -> Path:
@@ -115,7 +117,7 @@ def start_daemon(cfg: Config, timeout: float = 60.0) -> DaemonInfo:
     log.unlink(missing_ok=True)  # errors shown on failure must be this run's
     proc = attach.spawn_detached(daemon_command(cfg), log)
     info = DaemonInfo(proc.pid, cfg.socket, cfg.peers, cfg.size, cfg.replicas, str(log),
-                      time.time(), client_id(cfg))
+                      time.time(), client_id(cfg), list(cfg.daemon_args))
     daemon_path(cfg.state_dir).write_text(json.dumps(asdict(info)) + "\n")
     deadline = time.monotonic() + timeout
     while not os.path.exists(cfg.socket):
@@ -177,12 +179,24 @@ def disable(state_dir: Path = DEFAULT_STATE_DIR, *, force: bool = False) -> bool
 # --- status ----------------------------------------------------------------------------------
 
 
-async def _peer_status(peer: str, timeout: float, client: str | None) -> dict[str, Any]:
+def peer_security(daemon_args: list[str], peers: list[str]) -> Any:
+    """The `auth.PeerSecurity` the daemon uses with these flags (its own rule, duvm.auth), so
+    STATUS requests authenticate like it does. ValueError/OSError/SecretError with a reason."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    auth.add_client_arguments(parser)
+    ns, _ = parser.parse_known_args(daemon_args)
+    return auth.client_security_from_args(ns, [parse_hostport(p, MEMSERVER_PORT) for p in peers])
+
+
+async def _peer_status(peer: str, timeout: float, client: str | None,
+                       security: Any) -> dict[str, Any]:
     from duvm.memclient import query_status  # the page protocol is only needed here
 
     host, port = parse_hostport(peer, MEMSERVER_PORT)
     try:
-        st = await query_status(host, port, timeout=timeout)
+        st = await query_status(host, port, timeout=timeout, security=security)
     except Exception as exc:  # unreachable, refused, or a peer that speaks something else
         return {"peer": peer, "health": "unreachable", "error": str(exc), "pages": None,
                 "capacity_pages": None, "our_pages": None, "our_reserved_pages": None}
@@ -191,15 +205,18 @@ async def _peer_status(peer: str, timeout: float, client: str | None) -> dict[st
             "reserved_pages": st.get("reserved_pages"), "capacity_pages": st.get("capacity_pages"),
             "namespaces": st.get("namespaces_total"),
             "our_pages": ours.get("stored_pages") if ours else (0 if client else None),
-            "our_reserved_pages": ours.get("reserved_pages") if ours else (0 if client else None)}
+            "our_reserved_pages": ours.get("reserved_pages") if ours else (0 if client else None),
+            "counters": st.get("counters")}
 
 
-def peer_statuses(peers: list[str], timeout: float = 3.0,
-                  client: str | None = None) -> list[dict[str, Any]]:
-    """STATUS of each peer: totals, and the pages of namespace `client` when given."""
+def peer_statuses(peers: list[str], timeout: float = 3.0, client: str | None = None,
+                  security: Any = None) -> list[dict[str, Any]]:
+    """STATUS of each peer: totals, and the pages of namespace `client` when given.
+    `security` (an `auth.PeerSecurity`) authenticates to memservers that require it."""
 
     async def gather() -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(_peer_status(p, timeout, client) for p in peers)))
+        return list(await asyncio.gather(*(_peer_status(p, timeout, client, security)
+                                           for p in peers)))
 
     return asyncio.run(gather()) if peers else []
 
@@ -243,6 +260,17 @@ def status(state_dir: Path = DEFAULT_STATE_DIR,
     daemon = load_daemon(state_dir)
     entry = attach.swap_entry(att.device) if att and att.device else None
     peers = daemon.peers if daemon else []
+    security, security_error = None, None
+    if daemon is not None and peers:
+        try:
+            security = peer_security(daemon.daemon_args, peers)
+        except (ValueError, OSError, auth.SecretError) as exc:  # said with each peer
+            security_error = f"cannot authenticate as the daemon does: {exc}"
+    peer_list = peer_statuses(peers, client=daemon.client_id if daemon else None,
+                              security=security)
+    if security_error:
+        for p in peer_list:
+            p["error"] = f"{p['error']} ({security_error})" if p["error"] else security_error
     return {
         "enabled": att is not None and entry is not None,
         "state_dir": str(state_dir),
@@ -261,7 +289,7 @@ def status(state_dir: Path = DEFAULT_STATE_DIR,
         if att else None,
         "client_id": daemon.client_id if daemon else None,
         "replication": daemon_health(daemon),
-        "peers": peer_statuses(peers, client=daemon.client_id if daemon else None),
+        "peers": peer_list,
         "node": node_status(node_socket),
     }
 

@@ -4,13 +4,18 @@ Theory of operation
 -------------------
 1. Preflight: root, a way to attach (kernel nbd, or nbdfuse + loop), a memory cgroup and the
    swap tools; each missing piece is named with the package that provides it.
-2. Three memservers on 127.0.0.1 (ports picked by the kernel), our own children.
+2. Three memservers on 127.0.0.1 (ports picked by the kernel), our own children. They and the
+   daemon prove a temporary cluster secret (0600, in the state directory, removed at the end),
+   as a real cluster's nodes do; ``--no-secret`` runs them unauthenticated, which loopback
+   allows.
 3. ``duvm enable`` against them, with its own state directory so a real enablement on this
    machine is left alone.
 4. The workload (:mod:`duvm.workload`) in a memory cgroup limited to a quarter (or so) of what
    it holds: the kernel swaps most of it to the duvm device, i.e. into the memservers' RAM, and
    back while every byte is verified. A sampler thread polls each memserver's STATUS for the
-   progress line and the peak pages it held.
+   progress line: what moved where is each memserver's page counters (pages stored = out,
+   loaded = in) over the workload, and the peak pages it held. The kernel's pswpout/pswpin are
+   shown too, labelled machine-wide (other swapping on the machine counts there).
 5. ``duvm disable``; then every memserver is shown back at 0 pages (discard and the released
    reservation reached them).
 
@@ -34,7 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from duvm import attach, cgroup, control
+from duvm import attach, auth, cgroup, control
+from duvm.config import with_secret
 from duvm.units import parse_size
 
 PAGE = 4096
@@ -52,6 +58,11 @@ class DemoResult:
     pswpout: int | None = None
     pswpin: int | None = None
     peak_pages: dict[str, int] = field(default_factory=dict)
+    # per memserver, during the workload: pages it received (STORE), sent back (LOAD), freed
+    stored_pages: dict[str, int | None] = field(default_factory=dict)
+    loaded_pages: dict[str, int | None] = field(default_factory=dict)
+    freed_pages: dict[str, int | None] = field(default_factory=dict)
+    authenticated: bool | None = None  # memservers and daemon proved a (temporary) secret
     pages_after_disable: dict[str, int | None] = field(default_factory=dict)
     reserved_after_disable: dict[str, int | None] = field(default_factory=dict)
     swapoff_ok: bool | None = None
@@ -87,13 +98,14 @@ def preflight() -> list[str]:
 class Memservers:
     """N local memserver processes on loopback ports the kernel picks; close() stops them."""
 
-    def __init__(self, count: int, capacity: int) -> None:
+    def __init__(self, count: int, capacity: int, secret_file: Path | None = None) -> None:
         self.procs: list[subprocess.Popen[str]] = []
         self.addrs: list[str] = []
+        extra = ["--secret-file", str(secret_file)] if secret_file else []
         try:
             for _ in range(count):
                 p = subprocess.Popen([sys.executable, "-m", "duvm.cli", "memserver", "--listen",
-                                      "127.0.0.1:0", "--capacity", str(capacity)],
+                                      "127.0.0.1:0", "--capacity", str(capacity), *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      stdin=subprocess.DEVNULL)
                 self.procs.append(p)
@@ -128,21 +140,34 @@ class Memservers:
 
 
 class Sampler(threading.Thread):
-    """Polls memserver STATUS: latest and peak used pages per memserver."""
+    """Polls memserver STATUS: latest and peak used pages, and the page counters (stored,
+    loaded, freed since the memserver started) per memserver."""
 
-    def __init__(self, addrs: list[str], interval: float = 0.25) -> None:
+    def __init__(self, addrs: list[str], interval: float = 0.25, security: Any = None) -> None:
         super().__init__(daemon=True)
-        self.addrs, self.interval = addrs, interval
+        self.addrs, self.interval, self.security = addrs, interval, security
         self.latest: dict[str, int | None] = dict.fromkeys(addrs)
         self.peak: dict[str, int] = dict.fromkeys(addrs, 0)
+        self.counters: dict[str, dict[str, int] | None] = dict.fromkeys(addrs)
         self.stop = threading.Event()
         self.error: str | None = None
 
     def sample(self) -> None:
-        for st in control.peer_statuses(self.addrs, timeout=2.0):
+        for st in control.peer_statuses(self.addrs, timeout=2.0, security=self.security):
             self.latest[st["peer"]] = st["pages"]
             if st["pages"] is not None:
                 self.peak[st["peer"]] = max(self.peak[st["peer"]], st["pages"])
+            if isinstance(st.get("counters"), dict):
+                self.counters[st["peer"]] = st["counters"]
+
+    def moved(self, since: dict[str, dict[str, int] | None], key: str) -> dict[str, int | None]:
+        """Per memserver, how much counter `key` grew since `since` (None: unknown)."""
+        out: dict[str, int | None] = {}
+        for addr in self.addrs:
+            now, then = self.counters.get(addr), since.get(addr)
+            out[addr] = now[key] - then[key] if now and then and key in now and key in then \
+                else None
+        return out
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -161,13 +186,21 @@ def _vmstat() -> dict[str, int]:
     return out
 
 
-def _progress_line(phase: str, done: int, total: int, sampler: Sampler, device: str) -> str:
+def _mib(pages: int | None) -> str:
+    return "n/a" if pages is None else f"{pages * PAGE >> 20} MiB"
+
+
+def _progress_line(phase: str, done: int, total: int, sampler: Sampler, device: str,
+                   since: dict[str, dict[str, int] | None]) -> str:
     entry = attach.swap_entry(device)
     swap = "n/a" if entry is None else f"{entry.used_kb >> 10} MiB"
-    held = " ".join(f"{(v or 0) * PAGE >> 20:>4} MiB" if v is not None else " n/a"
-                    for v in sampler.latest.values())
+    held = " ".join(f"{_mib(v):>7}" for v in sampler.latest.values())
+    out, back = sampler.moved(since, "pages_stored"), sampler.moved(since, "pages_loaded")
+    total_out = None if None in out.values() else sum(v or 0 for v in out.values())
+    total_in = None if None in back.values() else sum(v or 0 for v in back.values())
     pct = 100 * done // max(total, 1)
-    return f"  {phase:<8} {pct:3d}%  swap used {swap:>8}  memservers {held}"
+    return (f"  {phase:<8} {pct:3d}%  swap used {swap:>8}  out {_mib(total_out):>8}  in "
+            f"{_mib(total_in):>8}  held per memserver {held}")
 
 
 def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
@@ -177,17 +210,25 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
     tty = out.isatty() and not args.json
     size = args.size or ((args.mib + args.mib // 2) << 20)
     capacity = max(size * args.replicas // 3 + (16 << 20), 32 << 20)
+    secret = args.state_dir / "demo.secret" if args.secret else None
     cfg = control.Config(peers=[], size=size, replicas=args.replicas, method=args.method,
-                         state_dir=args.state_dir)
+                         state_dir=args.state_dir, secret_file=secret,
+                         daemon_args=with_secret([], secret))
     servers: Memservers | None = None
     sampler: Sampler | None = None
     enabled = False
     try:
-        say(f"1/5 starting 3 memservers ({capacity >> 20} MiB of RAM each)")
-        servers = Memservers(3, capacity)
+        how = "authenticated with a temporary cluster secret" if secret else \
+            "on loopback, without a secret (--no-secret)"
+        say(f"1/5 starting 3 memservers ({capacity >> 20} MiB of RAM each, {how})")
+        if secret is not None:
+            write_temporary_secret(secret)
+        servers = Memservers(3, capacity, secret)
         res.pids += servers.pids
         cfg.peers = servers.addrs
         cfg.validate()
+        res.authenticated = secret is not None
+        security = control.peer_security(cfg.daemon_args, cfg.peers)
         say("    " + ", ".join(servers.addrs))
         say(f"2/5 duvm enable: {size >> 20} MiB swap device, {args.replicas} replica(s)")
         att = control.enable(cfg)
@@ -198,7 +239,9 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         say(f"    {att.device} via {att.method}")
         say(f"3/5 workload: {args.mib} MiB of random data in a cgroup limited to "
             f"{args.limit_mib} MiB")
-        sampler = Sampler(servers.addrs)
+        sampler = Sampler(servers.addrs, security=security)
+        sampler.sample()
+        since = dict(sampler.counters)
         sampler.start()
         before = _vmstat()
         with cgroup.MemoryCgroup(args.limit_mib << 20, prefix="duvm-demo") as cg:
@@ -215,7 +258,8 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
                     done, total = int(parts[2]), int(parts[3])
                     if now - last > (0.2 if tty else 2.0) or done == total:
                         last = now
-                        text = _progress_line(parts[1], done, total, sampler, att.device or "")
+                        text = _progress_line(parts[1], done, total, sampler, att.device or "",
+                                              since)
                         if tty:
                             out.write("\r" + text)
                             out.flush()
@@ -232,16 +276,21 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         res.pswpout = after["pswpout"] - before["pswpout"]
         res.pswpin = after["pswpin"] - before["pswpin"]
         res.peak_pages = dict(sampler.peak)
+        res.stored_pages = sampler.moved(since, "pages_stored")
+        res.loaded_pages = sampler.moved(since, "pages_loaded")
+        res.freed_pages = sampler.moved(since, "pages_freed")
         lines = stdout.strip().splitlines()
         res.workload = json.loads(lines[-1]) if lines else None
         res.intact = proc.returncode == 0 and bool(res.workload and res.workload["intact"])
         verdict = "every byte intact" if res.intact else f"FAILED (exit {proc.returncode})"
-        say(f"    verified: {verdict}; kernel swapped out {res.pswpout} pages "
-            f"({res.pswpout * PAGE >> 20} MiB) and in {res.pswpin} pages "
-            f"({res.pswpin * PAGE >> 20} MiB)")
-        say("    what moved where (peak pages held by each memserver during the run):")
-        for addr, pages in res.peak_pages.items():
-            say(f"      {addr:<22} {pages:>8} pages  {pages * PAGE >> 20:>5} MiB")
+        say(f"    verified: {verdict}")
+        say("    what moved where (pages out = stored on the memserver, in = loaded back):")
+        say(f"      {'memserver':<22} {'out':>14} {'in':>14} {'peak held':>14}")
+        for addr in servers.addrs:
+            say(f"      {addr:<22} {_mib(res.stored_pages[addr]):>14} "
+                f"{_mib(res.loaded_pages[addr]):>14} {_mib(res.peak_pages[addr]):>14}")
+        say(f"    the kernel (whole machine, /proc/vmstat): swapped out {_mib(res.pswpout)}, "
+            f"in {_mib(res.pswpin)}")
 
         say("4/5 duvm disable (swapoff first)")
         try:
@@ -254,7 +303,7 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         say("5/5 memservers after disable:")
         deadline = time.monotonic() + 15
         while True:
-            sts = control.peer_statuses(servers.addrs)
+            sts = control.peer_statuses(servers.addrs, security=security)
             if all(s["pages"] == 0 and s.get("reserved_pages") == 0 for s in sts) or \
                     time.monotonic() > deadline:
                 break
@@ -276,6 +325,8 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
                 res.error = (res.error or "") + f"; cleanup: {exc}"
         if servers is not None:
             servers.close()
+        if secret is not None:
+            secret.unlink(missing_ok=True)
         res.seconds = round(time.monotonic() - started, 2)
     return res
 
@@ -291,7 +342,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default="auto")
     parser.add_argument("--state-dir", type=Path, default=Path("/run/duvm-demo"),
                         help="state directory, apart from a real enablement's")
+    parser.add_argument("--no-secret", dest="secret", action="store_false",
+                        help="run the memservers without authentication (allowed on loopback); "
+                        "by default the demo makes a temporary cluster secret, as a real "
+                        "cluster uses one")
     parser.add_argument("--json", action="store_true", help="print the result as JSON only")
+
+
+def write_temporary_secret(path: Path) -> None:
+    """A fresh cluster secret, created 0600 (never readable by others, not even briefly)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # a leftover of an interrupted demo
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("# duvm demo: temporary cluster secret, removed when the demo ends\n")
+        f.write(auth.new_secret_line() + "\n")
 
 
 def _raise_on_signal(signum: int, frame: object) -> None:
