@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -109,8 +110,16 @@ def main() -> int:
         print(f"soak: {why}", file=sys.stderr)
         return 2
     rng = random.Random(a.seed)
-    capacity = f"{a.workload_mib + 64}M"
-    size = f"{a.workload_mib}M"
+    # The device holds twice the workload: the kernel keeps swap slots of pages it read back
+    # (swap cache) for a while, and a full device makes the workload's cgroup OOM. Each
+    # memserver can take the R copies of the whole export shared by the two that remain
+    # after one fails, plus room for repair.
+    size = f"{2 * a.workload_mib}M"
+    capacity = f"{2 * a.workload_mib * a.replicas // 2 + 64}M"
+    # Stop cleanly (swapoff, detach, namespaces) on SIGTERM too, and on SIGINT even when
+    # started in the background with SIGINT ignored.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     result: dict = {"minutes": a.minutes, "replicas": a.replicas, "seed": a.seed,
                     "workload_mib": a.workload_mib, "limit_mib": a.limit_mib,
                     "loadavg_start": os.getloadavg()}  # fmt: skip
