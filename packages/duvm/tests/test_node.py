@@ -152,6 +152,10 @@ def test_flags_override_the_config_and_sigint_stops(tmp_path: Path, nodes: list[
     nodes.append(node)
     st = control_socket.query(str(ctl))
     assert st["capacity_pages"] == 1024 and node.port != 1
+    # no secret file: a reload signal is ignored, not fatal
+    node.proc.send_signal(signal.SIGHUP)
+    time.sleep(0.5)
+    assert node.proc.poll() is None and control_socket.query(str(ctl))["capacity_pages"] == 1024
     assert node.stop(signal.SIGINT) == 0 and not ctl.exists()
 
 

@@ -44,6 +44,7 @@ from duvm.config import with_secret
 from duvm.units import parse_size
 
 PAGE = 4096
+MAX_PRIORITY = 32767
 _LISTEN_RE = re.compile(r"listening on (\S+):(\d+)")
 
 
@@ -93,6 +94,16 @@ def preflight() -> list[str]:
     if cgroup.detect_version() is None:
         problems.append("no cgroup memory controller (mount cgroup v2, or v1 with memory)")
     return problems
+
+
+def competing_swaps() -> list[str]:
+    """Active swap devices at the highest priority: the kernel would spread the workload's
+    pages over them and the demo's device, so part of what it shows would go elsewhere."""
+    try:
+        entries = attach.parse_proc_swaps(Path("/proc/swaps").read_text())
+    except OSError:
+        return []
+    return [e.filename for e in entries if e.priority >= MAX_PRIORITY]
 
 
 class Memservers:
@@ -211,8 +222,10 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
     size = args.size or ((args.mib + args.mib // 2) << 20)
     capacity = max(size * args.replicas // 3 + (16 << 20), 32 << 20)
     secret = args.state_dir / "demo.secret" if args.secret else None
+    # The highest swap priority: the demo's device is the first the kernel uses, in front of
+    # any local swap, so the pages it shows moving are the workload's.
     cfg = control.Config(peers=[], size=size, replicas=args.replicas, method=args.method,
-                         state_dir=args.state_dir, secret_file=secret,
+                         state_dir=args.state_dir, secret_file=secret, priority=MAX_PRIORITY,
                          daemon_args=with_secret([], secret))
     servers: Memservers | None = None
     sampler: Sampler | None = None
@@ -374,6 +387,11 @@ def run(args: argparse.Namespace) -> int:
         print("duvm demo: --mib must exceed --limit-mib (>= 16) so the workload swaps",
               file=sys.stderr)
         return 2
+    others = competing_swaps()
+    if others and not args.json:
+        print(f"duvm demo: note: swap {', '.join(others)} is active at the highest priority "
+              f"({MAX_PRIORITY}); the kernel shares the workload's pages between it and the "
+              "demo's device", file=sys.stderr)
     try:
         res = run_demo(args, sys.stdout)
     except KeyboardInterrupt:

@@ -25,13 +25,15 @@ parser, so `duvm node` and `duvm memserver` cannot drift apart. What the node ad
 
 Signals are the memserver's: SIGTERM and SIGINT stop it cleanly (connections closed, the
 control socket removed, exit 0); SIGHUP re-reads the secret file for a rotation, keeping every
-page it holds (systemd's ``ExecReload``).
+page it holds (systemd's ``ExecReload``); without a secret file SIGHUP is ignored, so a reload
+never kills a node and the pages it holds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -138,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
     except config.ControlError as exc:
         print(f"duvm node: {exc}", file=sys.stderr)
         return 2
+    if node.secret_file is None:
+        # The memserver handles SIGHUP only to re-read a secret file; without one, a reload
+        # (systemctl reload) must not kill it with every page it holds.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     print(f"duvm node: memserver on {node.listen}, {node.capacity >> 20} MiB, control socket "
           f"{node.control_socket}", flush=True)
     return memserver.run(ms_args)
