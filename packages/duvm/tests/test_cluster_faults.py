@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from duvm import control_socket, netns_cluster
+from duvm import control, control_socket, netns_cluster
 
 SYS_PY = "/usr/bin/python3"
 WORKLOAD = str(Path(__file__).parents[1] / "src" / "duvm" / "nbd_workload.py")
@@ -99,6 +99,13 @@ def test_kill9_memserver_during_io_r2_loses_nothing_and_repairs(cluster) -> None
     assert h["replicas_dropped"] > 0 and h["repair"]["repairs_done"] > 0
     assert h["peers"][0]["slabs"] == 0 and h["peers"][0]["connected"] is False
     assert h["pages_lost_now"] == 0
+    # `duvm status` reads the same through the control socket
+    info = control.DaemonInfo(cluster.procs["daemon"].pid, sock, [], 24 << 20, 2, "", 0.0)
+    shown = control.daemon_health(info)
+    assert shown is not None and shown["repair"]["repairs_done"] == h["repair"]["repairs_done"]
+    st = {"enabled": False, "device": None, "swap": None, "daemon": None, "peers": [],
+          "replication": shown}
+    assert "0 of 24 slabs degraded" in control.format_status(st)
 
 
 def test_link_down_and_up_r2(cluster) -> None:
