@@ -78,6 +78,10 @@ def state_dir() -> Iterator[Path]:
     if others:  # e.g. another test run's device: the workload's pages would be shared with it
         pytest.skip(f"swap {others} is active at priority {demo.MAX_PRIORITY}: pages would not "
                     "all go to this test's device")
+    blocking = cgroup.swap_headroom_problems()
+    if blocking:  # another workload here: disable's swapoff safety check would refuse for it
+        pytest.skip("another memory cgroup on this machine has more in swap than room under "
+                    f"its limit, so disable would rightly refuse: {blocking[0]}")
     path = Path(tempfile.mkdtemp(prefix="duvm-en-", dir="/tmp"))
     try:
         yield path

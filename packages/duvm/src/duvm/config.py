@@ -294,7 +294,8 @@ def load_node_config(path: Path) -> NodeConfig:
     """The provider side (`duvm node`): the [node] table and the cluster secret. The consumer
     keys are checked for type errors too, so a broken file is caught on every node."""
     _, r, _, node = _top(path)
-    r.strings("peers", comma=True), r.strings("daemon_args")  # type checks only
+    r.strings("peers", comma=True)  # type checks only: enable reads these
+    r.strings("daemon_args")
     if node is None:
         raise ControlError(f"config {path}: no [node] table: add [node] with listen = "
                            "\"HOST:PORT\" and capacity = \"SIZE\" (see duvm.example.toml)")

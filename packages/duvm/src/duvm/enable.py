@@ -13,7 +13,8 @@ from duvm.units import parse_size
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, metavar="FILE",
-                        help="TOML config (peers, size, priority, replicas, state_dir)")
+                        help="TOML config, e.g. /etc/duvm/duvm.toml (peers, size, replicas, "
+                        "priority, secret_file, state_dir, daemon_args; see duvm.example.toml)")
     parser.add_argument("--peers", metavar="HOST:PORT[,...]",
                         help="memservers to reserve on (instead of --config)")
     parser.add_argument("--size", metavar="SIZE", help="swap device size, e.g. 4G")
