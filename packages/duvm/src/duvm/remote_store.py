@@ -18,9 +18,10 @@ Theory of operation:
 - Page p of the export is key p in this client's namespace on each memserver of its slab.
 - Per page the store keeps a state byte (0 never written or trimmed: reads are zeros made here
   with no network trip; 1 holds data; 2 lost: reads fail with EIO until it is written again) and
-  the CRC-32 of the bytes last acknowledged (`zlib.crc32`: 6 us per 4 KiB on the loaded
-  development VM against 26-32 us for an 8-byte BLAKE2b; it detects corruption, it is no
-  defence against a malicious memserver, which encryption with authentication covers).
+  the CRC-32C of the bytes last acknowledged (the `crc32c` package, SSE4.2 where the CPU has it:
+  about 2.7k instructions per 4 KiB page against 17k for `zlib.crc32` and far more for
+  BLAKE2b; it detects corruption, it is no defence against a malicious memserver, which
+  encryption with authentication covers).
 - Writes go to every live replica of the slab at once and are acknowledged only when all of
   them stored the pages. A replica that fails (unreachable, stalled, refused) is dropped from the
   slab, which is then degraded, and the write is acknowledged by the survivors. If no replica
@@ -51,9 +52,10 @@ import errno
 import logging
 import random
 import time
-import zlib
 from array import array
 from collections.abc import Iterator
+
+from crc32c import crc32c as _crc32
 
 from duvm.memclient import MemClient, MemserverUnreachable, PageServerError
 from duvm.pageproto import ErrorCode
@@ -68,7 +70,6 @@ _MASK = PAGE_SIZE - 1
 _ZEROS = bytes(256 * PAGE_SIZE)
 _ZERO_PAGE = _ZEROS[:PAGE_SIZE]
 EMPTY, DATA, LOST = 0, 1, 2  # page states
-_crc32 = zlib.crc32
 _FAILURES = (PageServerError, MemserverUnreachable)
 assert PAGE_SIZE == 1 << 12  # the hot paths shift by 12
 
@@ -375,11 +376,31 @@ class RemoteStore(BlockStore):
         if (offset | n) & _MASK or not self._open:
             self._check(offset, n)
         first, count, st = offset >> 12, n >> 12, self._state
-        if count == 1:  # the swap path's common case, kept short
+        slab = first // self.slab_pages
+        if ((count == 1 and st[first] == DATA) or (
+                (first + count - 1) // self.slab_pages == slab
+                and st.count(DATA, first, first + count) == count)):  # fmt: skip
+            # The common case (written pages, one slab): one LOAD from the preferred replica,
+            # no extra coroutine frames. Anything unusual (a failure, a bad checksum) goes
+            # through load_verified, which loads again with failover and judges the replicas.
+            c = self._slab_clients[slab][0]
+            if c.hello is not None and count <= c.max_batch:
+                try:
+                    await c.load_batch((first,) if count == 1
+                                       else tuple(range(first, first + count)), out)  # fmt: skip
+                except _FAILURES:
+                    pass
+                else:
+                    if not self._bad_pages(first, count, out):
+                        stats = self.stats
+                        stats["loads"] += 1
+                        stats["pages_loaded"] += count
+                        return
+            await self.load_verified(slab, first, count, out)
+            return
+        if count == 1:
             s = st[first]
-            if s == DATA:
-                await self.load_verified(first // self.slab_pages, first, 1, out)
-            elif s == EMPTY:
+            if s == EMPTY:
                 out[:] = _ZERO_PAGE
                 self.stats["zero_reads"] += 1
             else:
@@ -488,6 +509,36 @@ class RemoteStore(BlockStore):
         first, count = offset >> 12, n >> 12
         slab = first // self.slab_pages
         if (first + count - 1) // self.slab_pages == slab:  # within one slab: no splitting
+            clients = self._slab_clients[slab]
+            c = clients[0]
+            if (len(clients) == 1 and c.hello is not None and count <= c.max_batch
+                    and slab not in self.repairs):  # fmt: skip
+                # The common case without replication: one STORE awaited right here. On any
+                # failure the general path below sends it again (STORE is idempotent) and
+                # decides what the failure means (ENOSPC, EIO, pages lost).
+                inflight = self.inflight
+                inflight[slab] += 1  # a repair starting now waits for this write to finish
+                try:
+                    await c.store_batch((first,) if count == 1
+                                        else tuple(range(first, first + count)), data)  # fmt: skip
+                    ok = True
+                except _FAILURES:
+                    ok = False
+                finally:
+                    inflight[slab] -= 1
+                if ok:
+                    stats = self.stats
+                    stats["stores"] += 1
+                    stats["pages_stored"] += count
+                    st, crc = self._state, self._crc
+                    if count == 1:
+                        crc[first] = _crc32(data)
+                        st[first] = DATA
+                    else:
+                        for k in range(count):
+                            crc[first + k] = _crc32(data[k << 12 : (k + 1) << 12])
+                        st[first : first + count] = bytes((DATA,)) * count
+                    return
             await self._store(slab, first, count, data)
             return
         parts = []
