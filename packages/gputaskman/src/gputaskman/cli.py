@@ -2,8 +2,12 @@
 
 Without a subcommand it runs the TUI (or, when stdout is not a terminal, prints the
 ``--once`` report). ``--once`` prints a text report, ``--json`` the JSON object of
-`report.to_json_dict`, ``--list-gpus`` the adapters NVML enumerates. One-shot output scans
-every process (``scan_budget=None``); the TUI spreads scans across refreshes.
+`report.to_json_dict`, ``--list-gpus`` the adapters this platform's backend enumerates
+(`collector.default_gpu_source`: NVML + DRM (+ Ascend) on Linux, DXGI/PDH (+ TCC) on
+Windows, NVML + host counters under WSL, IOKit on macOS), followed by one line per probe
+that found nothing, failed or answered only in part, so an empty successful probe never
+looks like a failed one. One-shot output scans every process (``scan_budget=None``); the
+TUI spreads scans across refreshes.
 
 Subcommands (record, replay, diff, summary, ...) plug in through `SUBCOMMANDS`: each
 module exports ``add_arguments(parser)`` and ``run(args) -> int``, so adding one never
@@ -132,30 +136,68 @@ def _check_gpu_index(snap: object, gpu: int | None) -> int:
     return 2
 
 
-def _list_gpus(args: argparse.Namespace) -> int:
-    from gputaskman import report
-    from gputaskman.nvml import NvmlBackend
+def _list_gpus(args: argparse.Namespace, source: Any = None) -> int:
+    """Print the adapters, then a line for every probe that is not a plain success.
 
-    backend = NvmlBackend()
+    `source` replaces `collector.default_gpu_source()` (tests pass a mocked backend).
+    """
+    from gputaskman import collector, platforms, report
+
+    if source is None and getattr(args, "sysroot", None):
+        if not os.path.isdir(args.sysroot):
+            raise SystemExit(f"gputaskman: --sysroot {args.sysroot}: not a directory")
+        source = collector.sysroot_gpu_source(args.sysroot)
+    src = source if source is not None else collector.default_gpu_source()
+    # NvmlWithDrm clears NVML's failure once DRM finds a card; keep NVML's own sample so
+    # its probe can still be reported on its own line.
+    linux = getattr(src, "primary", src)
+    nvml_part = None
+    if hasattr(linux, "nvml") and hasattr(linux, "drm"):
+        nvml_part = linux.nvml = _KeepLast(linux.nvml)
     try:
-        s = backend.sample()
+        s = src.sample()
     finally:
-        backend.close()
-    if s.backend_problem is not None:
-        p = s.backend_problem
-        # A failed probe is not an empty list: say it failed, and why.
-        print(f"no GPU listed: NVML probe failed ({p.reason}): {p.detail or ''}".rstrip(": "))
-        return 0
-    if not s.adapters:
-        print("NVML answered: 0 GPUs")
-        return 0
+        src.close()
+    backend = getattr(s, "backend", None) or collector.BACKEND
     for a in s.adapters:
         m = s.metrics.get(a.pci_bus_id)
         total = report.fmt_reading(m.memory_total_bytes, as_bytes=True, reason=True) if m else "n/a"
-        print(f"{a.index}  {a.name or 'n/a'}  {a.pci_bus_id}  {a.uuid or 'n/a'}  {total}")
+        print(
+            f"{a.index}  {a.name or 'n/a'}  {a.pci_bus_id}  {a.uuid or 'n/a'}  {total}"
+            f"  [{a.backend}]"
+        )
+    # A failed probe is not an empty list: each probe says which it was, and why.
+    found = platforms.probes(src, s, backend)
+    if nvml_part is not None and nvml_part.last is not None and s.adapters:
+        n = nvml_part.last
+        found.insert(1, platforms.ProbeResult.of("nvml", n.adapters, n.backend_problem))
+    for pr in found:
+        if pr.status != "ok" or pr.partial:
+            print(pr.line())
+    drm = getattr(src, "last_drm", None)
+    if drm is not None and not drm.adapters:
+        print("drm: no amdgpu, i915 or xe card in /sys/class/drm")
     for p in s.problems:
-        print("problem: " + report.describe_problem(p))
+        if p is not s.backend_problem:
+            print("problem: " + report.describe_problem(p))
+    for note in getattr(s, "notes", ()):
+        print("note: " + note)
     return 0
+
+
+class _KeepLast:
+    """A GPU source that remembers its last sample (for `_list_gpus`)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.last: Any = None
+
+    def sample(self) -> Any:
+        self.last = self.inner.sample()
+        return self.last
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def _tui(args: argparse.Namespace) -> int:

@@ -4,11 +4,21 @@ Theory of operation
 -------------------
 `Collector.sample_with_system()` does, in order:
 
-1. **GPU backend** (chosen once at construction; on Linux `drm.NvmlWithDrm`: NVML for
-   NVIDIA plus DRM sysfs/fdinfo for amdgpu, i915 and xe, merged by PCI address):
-   adapters, device metrics and the processes the driver lists per adapter. A missing
-   driver or library yields a snapshot with `backend_problem` set, never an exception.
-   `Collector.backend` is ``nvml``, or ``drm`` when the selected GPU is an AMD/Intel card.
+1. **GPU backend** (chosen once at construction by `default_gpu_source`). `BACKEND` is
+   `platforms.current_backend()`: ``wddm`` on Windows (DXGI + PDH, TCC/MCDM GPUs from
+   NVML), ``metal`` on macOS (IOKit), ``wsl`` under WSL (NVML + the Windows host's
+   counters), else ``nvml``: on Linux `drm.NvmlWithDrm` (NVML for NVIDIA plus DRM
+   sysfs/fdinfo for amdgpu, i915 and xe, merged by PCI address), with Huawei Ascend NPUs
+   appended (`ascend.AscendAlongside`) when ``npu-smi`` is installed. Each gives adapters,
+   device metrics and the processes the driver lists per adapter. A missing driver or
+   library yields a snapshot with `backend_problem` set, never an exception.
+   `Collector.backend` is `BACKEND`, or ``drm`` / ``ascend`` when the selected GPU is an
+   AMD/Intel card or an NPU. Non-Linux backends are not validated on hardware.
+
+   Rows a backend marks with ``host`` (Windows processes seen from WSL) carry PIDs of
+   another OS: they keep the backend's name, get no create time, and are never scanned
+   or joined with this machine's /proc. Their ``paged``, ``footprint``, ``inferred``,
+   ``parent_pid`` and ``unique`` fields pass through to `ProcGpu` unchanged.
 2. **Host** (`host.HostSampler`): system RAM, swap, CPU and every process's RSS/CPU%,
    from one read of ``/proc/PID/stat`` each. It is returned *beside* the snapshot (the
    JSON ``system`` key) and never enters GPU totals. The same pass supplies each process's
@@ -48,6 +58,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from gputaskman import host as host_mod
+from gputaskman import platforms
 from gputaskman.model import (
     Adapter,
     Kind,
@@ -62,9 +73,10 @@ from gputaskman.nvml import NvmlBackend, NvmlProcess, NvmlSample
 
 SCAN_BUDGET = 0.150  # seconds of /proc/PID/maps scanning per refresh (TUI, record)
 
-# The default backend name; `Collector.backend` becomes "drm" when the selected GPU is an
-# amdgpu or Intel card (see drm.collector_backend). Windows/macOS backends are not built.
-BACKEND = "nvml"
+# The backend for this machine, chosen once from platform facts (platforms.detect_backend);
+# `Collector.backend` becomes "drm" / "ascend" when the selected GPU is an amdgpu or Intel
+# card or an Ascend NPU (see drm.collector_backend).
+BACKEND = platforms.current_backend()
 
 ScanKey = tuple[int, float | None]
 
@@ -79,13 +91,22 @@ class GpuSource(Protocol):
     def close(self) -> None: ...
 
 
-def default_gpu_source() -> GpuSource:
-    """NVML, plus DRM (amdgpu, i915, xe) on Linux, merged by PCI address."""
+def default_gpu_source(backend: str | None = None) -> GpuSource:
+    """The source for `backend` (default `BACKEND`): the platform's own backend on
+    Windows, WSL and macOS (imported only then); on Linux NVML plus DRM (amdgpu, i915,
+    xe) merged by PCI address, with Ascend NPUs appended when npu-smi is installed."""
+    name = BACKEND if backend is None else backend
+    src = platforms.gpu_source(name)
+    if src is not None:
+        return src  # type: ignore[no-any-return]
     if not sys.platform.startswith("linux"):
         return NvmlBackend()
+    from gputaskman.ascend import AscendAlongside, AscendBackend
     from gputaskman.drm import DrmBackend, NvmlWithDrm
 
-    return NvmlWithDrm(NvmlBackend(), DrmBackend())
+    linux = NvmlWithDrm(NvmlBackend(), DrmBackend())
+    npu = AscendBackend()
+    return AscendAlongside(linux, npu) if npu.available() else linux
 
 
 class ProcScanner(Protocol):
@@ -260,7 +281,8 @@ class Collector:
         keys: list[ScanKey] = []
         seen: set[int] = set()
         for r in gpu_rows:
-            if r.pid not in seen:
+            # a row of another OS (Windows host seen from WSL) is not a process here
+            if getattr(r, "host", None) is None and r.pid not in seen:
                 seen.add(r.pid)
                 keys.append((r.pid, ident(r.pid)[1]))
         for pid, u in procs_by_pid.items():
@@ -271,6 +293,9 @@ class Collector:
 
         rows: list[ProcGpu] = []
         for r in gpu_rows:
+            if getattr(r, "host", None) is not None:
+                rows.append(_row(r, None, None, None))
+                continue
             name, ct = ident(r.pid)
             rows.append(_row(r, name, ct, details.get((r.pid, ct))))
         for key, d in details.items():
@@ -286,14 +311,19 @@ class Collector:
         t5 = time.perf_counter()
 
         drm = getattr(self._nvml, "last_drm", None)
+        npu = getattr(self._nvml, "last_ascend", None)
         notes: list[str] = [*self.extra_notes, *getattr(drm, "notes", ())]
+        notes.extend(getattr(gpu, "notes", ()))  # PlatformSample: wddm, wsl, metal
+        notes.extend(getattr(npu, "notes", ()))
         if drm is not None and not drm.adapters:
             notes.append("DRM: no amdgpu, i915 or xe card in /sys/class/drm")
-        if gpu.backend_problem is None and not gpu.adapters:
+        if gpu.backend_problem is None and not gpu.adapters and BACKEND == "nvml":
             notes.append("NVML answered but lists no GPU")
         pick_backend = getattr(self._nvml, "backend", None)
         if callable(pick_backend):
             self.backend = pick_backend(self.gpu, BACKEND)
+            if npu is not None:
+                self.backend = _ascend_backend(gpu.adapters, self.gpu, self.backend)
         self.last_timing = {
             "gpu_s": t1 - t0,
             "host_s": t2 - t1,
@@ -358,21 +388,27 @@ class NoNvml:
         pass
 
 
+def sysroot_gpu_source(root: str) -> GpuSource:
+    """DRM cards under ``root/sys`` and ``root/proc``; NVML is not asked (``--sysroot``)."""
+    from gputaskman.drm import DrmBackend, NvmlWithDrm
+
+    nvml = NoNvml(f"NVML not asked: reading the tree under --sysroot {root}")
+    return NvmlWithDrm(nvml, DrmBackend(root))
+
+
 def sysroot_collector(root: str, gpu: int | None = None,
                       scan_budget: float | None = SCAN_BUDGET) -> Collector:
     """A collector that reads ``root/sys`` and ``root/proc`` only (fixture trees)."""
     import os
 
-    from gputaskman.drm import DrmBackend, NvmlWithDrm
     from gputaskman.modelinfo import ModelResolver
     from gputaskman.stores import StoreIndex, StoreRoots
 
     proc = os.path.join(root, "proc")
-    nvml = NoNvml(f"NVML not asked: reading the tree under --sysroot {root}")
     scanner = ProcinfoScanner(root=proc)
     models = ModelResolver(background=scan_budget is not None, proc=proc,
                            index=StoreIndex(StoreRoots()))
-    c = Collector(gpu, scan_budget, nvml=NvmlWithDrm(nvml, DrmBackend(root)),
+    c = Collector(gpu, scan_budget, nvml=sysroot_gpu_source(root),
                   host=host_mod.HostSampler(proc_root=proc), scanner=scanner, models=models)
     c.extra_notes = (
         f"--sysroot {root}: GPUs and processes come from the tree under it; NVML is not "
@@ -391,6 +427,14 @@ def _extra_metrics(drm: Any, adapters: Sequence[Adapter]) -> dict[str, dict[str,
     return out
 
 
+def _ascend_backend(adapters: Sequence[Adapter], selected: int | None, default: str) -> str:
+    """``ascend`` when the selected adapter (else the first one) is an Ascend NPU."""
+    chosen = next((a for a in adapters if a.index == selected), None)
+    if chosen is None and selected is None and adapters:
+        chosen = adapters[0]
+    return "ascend" if chosen is not None and chosen.backend == "ascend" else default
+
+
 def _vram_desc(r: NvmlProcess) -> tuple[int, int]:
     v = r.dedicated.value
     return (0 if v is not None else 1, -int(v or 0))
@@ -405,7 +449,17 @@ def _not_listed(backend_ok: bool) -> Reading:
 
 
 def _row(r: NvmlProcess, name: str | None, ct: float | None, d: ProcDetail | None) -> ProcGpu:
-    if d is None and ct is None:
+    """A snapshot row for one backend row (`NvmlProcess` or `platforms.PlatformProcess`:
+    the platform fields are read with getattr so NVML rows need none of them)."""
+    host = getattr(r, "host", None)
+    if host is not None:
+        d = ProcDetail(
+            scanned=False,
+            reason=Reason.UNAVAILABLE,
+            reason_detail=f"a {host} process (its PID is not one of this machine's)",
+        )
+        name = getattr(r, "name", None)
+    elif d is None and ct is None:
         # NVML lists the PID but /proc here has no such process: it runs in another PID
         # namespace (we are in a container) or exited between the two reads.
         d = ProcDetail(
@@ -415,4 +469,21 @@ def _row(r: NvmlProcess, name: str | None, ct: float | None, d: ProcDetail | Non
         )
     elif d is None:
         d = ProcDetail(scanned=False, reason=Reason.NOT_SCANNED)
-    return ProcGpu(r.pid, ct, name, r.adapter, r.contexts, r.dedicated, engines=r.engines, detail=d)
+    if name is None:
+        name = getattr(r, "name", None)  # the backend's own name (PDH, IOKit) as fallback
+    return ProcGpu(
+        r.pid,
+        ct,
+        name,
+        r.adapter,
+        r.contexts,
+        r.dedicated,
+        inferred=getattr(r, "inferred", None),
+        engines=r.engines,
+        detail=d,
+        paged=getattr(r, "paged", None),
+        footprint=getattr(r, "footprint", None),
+        host=host,
+        parent_pid=getattr(r, "parent_pid", None),
+        unique=bool(getattr(r, "unique", False)),
+    )

@@ -240,9 +240,18 @@ class ProcGpu:
 
     `dedicated` is the driver-measured VRAM of the process on `adapter` (missing with a
     reason when hidden, not listed, or unknown); `inferred` is an optional derived value
-    (no Linux NVML path produces one yet). `engines` maps engine names (``gpu``, ``memory``,
-    ``encoder``, ``decoder``) to per-process utilisation readings; engine availability is
-    independent of memory availability.
+    (WSL context tracking; no Linux NVML path produces one). `engines` maps engine names
+    (``gpu``, ``memory``, ``encoder``, ``decoder``) to per-process utilisation readings;
+    engine availability is independent of memory availability.
+
+    Fields from the non-Linux backends (`platforms.PlatformProcess`), none of them ever
+    summed into `Snapshot.attributed`: `paged` is measured non-local memory (Windows PDH
+    ``Non Local Usage``, macOS compressed graphics memory, the "Paged" column); `footprint`
+    the macOS physical footprint (unified memory, not VRAM); `host` names the OS a row's
+    PID belongs to when it is not this machine's (``"windows"``: a Windows host process
+    seen from WSL, never matched with this machine's /proc); `parent_pid` the host row
+    whose measured total already counts this row's bytes (WSL: ``vmwp.exe``); `unique`
+    that the inference admits one explanation only (the ``*`` marker).
     """
 
     pid: int
@@ -259,6 +268,11 @@ class ProcGpu:
     # estimates in it are never added to any measured total
     breakdown: object | None = None
     app_model: object | None = None  # an app adapter's selected model (`apps.AppModel`)
+    paged: Reading | None = None
+    footprint: Reading | None = None
+    host: str | None = None
+    parent_pid: int | None = None
+    unique: bool = False
 
     @property
     def started_at(self) -> float | None:
@@ -331,7 +345,9 @@ class Snapshot:
 
     def attributed_complete_on(self, pci_bus_id: str | None = None) -> bool:
         """False when the sum can only be a lower bound: a listed process's memory was
-        hidden or unknown, or a process-list query failed (or the backend is down)."""
+        hidden or unknown, or a process-list query failed (or the backend is down). A row
+        with `parent_pid` set does not count: its bytes are inside its parent's measured
+        total (WSL processes under ``vmwp.exe``)."""
         if self.backend_problem is not None:
             return False
         for pr in self.problems:
@@ -340,7 +356,7 @@ class Snapshot:
         for p in self.processes:
             if p.adapter is None or (pci_bus_id is not None and p.adapter != pci_bus_id):
                 continue
-            if p.dedicated.value is None:
+            if p.dedicated.value is None and p.parent_pid is None:
                 return False
         return True
 

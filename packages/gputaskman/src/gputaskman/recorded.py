@@ -136,6 +136,13 @@ def _process_from_json(row: object, i: int) -> tuple[ProcGpu, dict[str, Reading]
     app = row.get("app_model")
     if app is not None and not isinstance(app, Mapping):
         raise SnapshotError(f"{where}.app_model: not an object")
+    # platform fields (Windows, WSL, macOS); absent in files written before them
+    host_os = row.get("host")
+    if host_os is not None and not isinstance(host_os, str):
+        raise SnapshotError(f"{where}.host: not a string")
+    parent = row.get("parent_pid")
+    if parent is not None and (not isinstance(parent, int) or isinstance(parent, bool)):
+        raise SnapshotError(f"{where}.parent_pid: {parent!r} is not an integer")
     proc = ProcGpu(
         pid=pid,
         create_time=create_time,
@@ -150,6 +157,11 @@ def _process_from_json(row: object, i: int) -> tuple[ProcGpu, dict[str, Reading]
         # kept as recorded: report.breakdown_json passes a mapping through unchanged
         breakdown=None if breakdown is None else dict(breakdown),
         app_model=None if app is None else RecordedApp(app),
+        paged=_opt_reading(row.get("paged_bytes"), f"{where}.paged_bytes"),
+        footprint=_opt_reading(row.get("footprint_bytes"), f"{where}.footprint_bytes"),
+        host=host_os,
+        parent_pid=parent,
+        unique=bool(row.get("inferred_unique", False)),
     )
     host_readings = {
         k: reading_from_json(row[k], f"{where}.{k}")

@@ -93,7 +93,14 @@ Top level::
                "contexts": ["compute", "graphics"],
                "vram_bytes": R,                       # driver-measured, the only summed one
                "vram_inferred_bytes": R | null,
+               "inferred_unique": bool,               # the inference admits one explanation
                "shown_vram": R | null,                # display/sort only, never summed
+               "paged_bytes": R | null,               # non-local / compressed memory (Windows
+                                                      # Non Local Usage, macOS); never summed
+               "footprint_bytes": R | null,           # macOS physical footprint (unified
+                                                      # memory, not VRAM); never summed
+               "host": "windows" | null,              # pid is that OS's (WSL: a host row)
+               "parent_pid": int | null,              # host row whose total counts this one
                "engines": {"gpu_percent": R, ...},    # {} when the backend has none
                "ram_bytes": R, "cpu_percent": R,      # from the host sample (OS-reported)
                "cmdline": [str, ...] | null,          # secrets redacted by procinfo
@@ -268,12 +275,16 @@ def _no_host_readings(pid: int, create_time: float | None) -> Mapping[str, Readi
 
 
 def _host_readings(lookup: ProcHostLookup, p: ProcGpu, system: object | None) -> dict[str, Any]:
-    got = lookup(p.pid, p.create_time) or {}
+    # a row of another OS (the Windows host seen from WSL) must not pick up the readings
+    # of whatever process has the same PID here
+    got = (lookup(p.pid, p.create_time) or {}) if p.host is None else {}
     out: dict[str, Any] = {}
     for key in ("ram_bytes", "cpu_percent"):
         r = got.get(key)
         if r is None:
             detail = "host not sampled" if system is None else "process not in host sample"
+            if p.host is not None:
+                detail = f"a {p.host} process: not in this machine's host sample"
             r = Reading.missing(Reason.UNAVAILABLE, HOST_SOURCE, detail)
         out[key] = reading_json(r)
     return out
@@ -289,7 +300,12 @@ def process_json(p: ProcGpu, lookup: ProcHostLookup, system: object | None) -> d
         "contexts": list(p.contexts),
         "vram_bytes": reading_json(p.dedicated),
         "vram_inferred_bytes": reading_json(p.inferred),
+        "inferred_unique": p.unique,
         "shown_vram": reading_json(p.shown_vram),
+        "paged_bytes": reading_json(p.paged),
+        "footprint_bytes": reading_json(p.footprint),
+        "host": p.host,
+        "parent_pid": p.parent_pid,
         "engines": {k: reading_json(v) for k, v in p.engines.items()},
     }
     row.update(_host_readings(lookup, p, system))
@@ -468,11 +484,31 @@ def _gpu_lines(snapshot: Snapshot, selected: str | None) -> list[str]:
 
 
 PROCESS_COLUMNS = ("PID", "NAME", "GPU", "VRAM", "RAM", "CPU%", "RUNTIMES", "CATEGORY", "MODEL")
+# With a backend that measures non-local / compressed memory (Windows, macOS), a PAGED
+# column follows VRAM; it is left out entirely when no row has such a reading.
+PAGED_COLUMNS = (*PROCESS_COLUMNS[:4], "PAGED", *PROCESS_COLUMNS[4:])
 
 
-def process_cells(p: ProcGpu, lookup: ProcHostLookup, snapshot: Snapshot) -> tuple[str, ...]:
-    """Display cells for one process row, in `PROCESS_COLUMNS` order (shared with the TUI)."""
-    host = lookup(p.pid, p.create_time) or {}
+def process_columns(snapshot: Snapshot) -> tuple[str, ...]:
+    """The columns for `snapshot`'s rows: `PAGED_COLUMNS` when any row carries a paged
+    reading (measured or not), else `PROCESS_COLUMNS`."""
+    if any(p.paged is not None for p in snapshot.processes):
+        return PAGED_COLUMNS
+    return PROCESS_COLUMNS
+
+
+def process_cells(
+    p: ProcGpu,
+    lookup: ProcHostLookup,
+    snapshot: Snapshot,
+    columns: tuple[str, ...] = PROCESS_COLUMNS,
+) -> tuple[str, ...]:
+    """Display cells for one process row, in `columns` order (`PROCESS_COLUMNS` or
+    `PAGED_COLUMNS`; shared with the TUI)."""
+    if p.host is not None:  # another OS's process (WSL: Windows host): no host readings here
+        host: Mapping[str, Reading] = {}
+    else:
+        host = lookup(p.pid, p.create_time) or {}
     gpu = NA
     if p.adapter is not None:
         a = snapshot.adapter(p.adapter)
@@ -480,13 +516,15 @@ def process_cells(p: ProcGpu, lookup: ProcHostLookup, snapshot: Snapshot) -> tup
     vram = p.shown_vram
     if vram is not None:
         vram_text = fmt_reading(vram, as_bytes=True)
+        if p.unique and vram.kind is Kind.INFERRED:
+            vram_text += "*"
     else:  # only a reason the user can act on earns table width; the rest is plain n/a
         loud = p.dedicated.reason in (Reason.HIDDEN, Reason.DENIED, Reason.GPU_LOST)
         vram_text = fmt_reading(p.dedicated, reason=loud)
     runtimes = ",".join(p.detail.runtimes) if p.detail.scanned else "…"
     model = model_cell(p)
-    return (
-        str(p.pid),
+    cells = (
+        str(p.pid) if p.host is None else f"{p.host}:{p.pid}",
         p.name or NA,
         gpu,
         vram_text,
@@ -496,6 +534,24 @@ def process_cells(p: ProcGpu, lookup: ProcHostLookup, snapshot: Snapshot) -> tup
         p.detail.category or "",
         model,
     )
+    if columns is PROCESS_COLUMNS or len(columns) == len(cells):
+        return cells
+    return (*cells[:4], fmt_reading(p.paged, as_bytes=True), *cells[4:])
+
+
+def _platform_legend(snapshot: Snapshot) -> list[str]:
+    """Legend lines for the markers only non-Linux backends produce (none on Linux)."""
+    out = []
+    if any(p.paged is not None for p in snapshot.processes):
+        out.append("PAGED: non-local / compressed graphics memory, measured; never in totals")
+    if any(p.parent_pid is not None for p in snapshot.processes):
+        out.append(
+            "~ rows with a parent: their bytes are inside the parent's measured total "
+            "(WSL: vmwp.exe) and are never added again; * only one explanation fits"
+        )
+    if any(p.host is not None for p in snapshot.processes):
+        out.append("windows:PID = a process of the Windows host, not of this machine")
+    return out
 
 
 def sort_key_vram(p: ProcGpu) -> float:
@@ -578,9 +634,11 @@ def render_text(
             "PROCESSES  (VRAM: measured by the driver unless marked ~ inferred, "
             "≈ estimated, ʳ runtime-reported; n/a = unknown)"
         )
+        out += ["  " + line for line in _platform_legend(snapshot)]
+        cols = process_columns(snapshot)
         out += [
             "  " + line
-            for line in _table((process_cells(p, lookup, snapshot) for p in procs), PROCESS_COLUMNS)
+            for line in _table((process_cells(p, lookup, snapshot, cols) for p in procs), cols)
         ]
     else:
         out.append("PROCESSES: none with a GPU context or a GPU runtime found")
@@ -624,6 +682,7 @@ PLAIN_NUMBER_KEYS = frozenset(
         "taken",
         "index",
         "pid",
+        "parent_pid",  # a PID, an identity
         "started_at",
         "attributed_bytes",
         "selected_gpu",

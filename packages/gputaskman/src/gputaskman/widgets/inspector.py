@@ -46,7 +46,16 @@ def inspect_text(p: ProcGpu | None, snapshot: Snapshot | None, system: object | 
         reading_line("VRAM (driver)", p.dedicated, as_bytes=True),
     ]
     if p.inferred is not None:
-        lines.append(reading_line("VRAM inferred", p.inferred, as_bytes=True))
+        star = " (* only one explanation fits)" if p.unique else ""
+        lines.append(reading_line("VRAM inferred", p.inferred, as_bytes=True) + star)
+    if p.parent_pid is not None:
+        lines.append(f"counted under PID {p.parent_pid}'s measured total; never added again")
+    if p.host is not None:
+        lines.append(f"a {p.host} process: its PID is not one of this machine's")
+    if p.paged is not None:
+        lines.append(reading_line("Paged (non-local)", p.paged, as_bytes=True))
+    if p.footprint is not None:
+        lines.append(reading_line("footprint (not VRAM)", p.footprint, as_bytes=True))
     for name, r in sorted(p.engines.items()):
         lines.append(reading_line(name, r, unit="%"))
     lines.append(reading_line("RAM", host.get("ram_bytes"), as_bytes=True))

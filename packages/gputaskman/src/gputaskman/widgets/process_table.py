@@ -4,6 +4,10 @@ Rows are `ProcGpu` entries of the selected adapter plus runtime candidates with 
 context. VRAM cells show `shown_vram` with its provenance marker (display and sorting
 only); unknown is n/a, sorted after every known value whichever the direction. Rows are
 keyed by ``pid@adapter`` so the cursor stays on the same process across refreshes.
+
+A PAGED column (Windows non-local / macOS compressed graphics memory) appears after VRAM
+only while some row has a paged reading (`report.process_columns`); the columns are
+rebuilt when that changes, never on an ordinary refresh.
 """
 
 from __future__ import annotations
@@ -18,16 +22,16 @@ from gputaskman.model import ProcGpu, Reading
 
 # column label, sort name (None: not a sort column)
 COLUMNS = report.PROCESS_COLUMNS
-SORTS = ("VRAM", "RAM", "CPU%", "PID", "NAME")
+SORTS = ("VRAM", "PAGED", "RAM", "CPU%", "PID", "NAME")
 
 
 # Widest a text cell may be in the table; the inspector shows the full value.
 CELL_LIMITS = {"RUNTIMES": 22, "MODEL": 24, "NAME": 18, "CATEGORY": 16}
 
 
-def clip(cells: tuple[str, ...]) -> tuple[str, ...]:
+def clip(cells: tuple[str, ...], columns: tuple[str, ...] = COLUMNS) -> tuple[str, ...]:
     out = []
-    for label, cell in zip(COLUMNS, cells, strict=True):
+    for label, cell in zip(columns, cells, strict=True):
         limit = CELL_LIMITS.get(label)
         if limit is None or len(cell) <= limit:
             out.append(cell)
@@ -53,6 +57,8 @@ def sort_value(p: ProcGpu, column: str, host: Mapping[str, Reading]) -> tuple[in
     """(unknown flag, value): unknown values carry flag 1 so they can be put last."""
     if column == "VRAM":
         v = _num(p.shown_vram)
+    elif column == "PAGED":
+        v = _num(p.paged)
     elif column == "RAM":
         v = _num(host.get("ram_bytes"))
     elif column == "CPU%":
@@ -88,10 +94,22 @@ class ProcessTable(DataTable):
         self.sort_column = "VRAM"
         self.descending = True
         self.rows_shown: dict[str, ProcGpu] = {}
+        self.columns_shown: tuple[str, ...] = COLUMNS
 
     def on_mount(self) -> None:
-        for label in COLUMNS:
+        for label in self.columns_shown:
             self.add_column(label, key=label)
+
+    def _set_columns(self, columns: tuple[str, ...]) -> None:
+        """Rebuild the columns (only when the PAGED column comes or goes)."""
+        if columns == self.columns_shown:
+            return
+        self.clear(columns=True)
+        self.columns_shown = columns
+        for label in columns:
+            self.add_column(label, key=label)
+        if self.sort_column not in columns:
+            self.sort_column, self.descending = "VRAM", True
 
     def header_label(self, label: str) -> str:
         if label != self.sort_column:
@@ -102,9 +120,11 @@ class ProcessTable(DataTable):
         """Replace the rows, keeping the cursor on the same process when it is still there."""
         lookup = report.proc_host_lookup(system)
         keep = self.current_key()
+        columns = report.process_columns(snapshot)
+        self._set_columns(columns)
         ordered = sorted_rows(rows, self.sort_column, self.descending, lookup)
         self.clear()
-        for key, col in zip(COLUMNS, self.columns.values(), strict=True):
+        for key, col in zip(columns, self.columns.values(), strict=True):
             col.label = self.header_label(key)  # type: ignore[assignment]
         self.rows_shown = {}
         for p in ordered:
@@ -112,7 +132,8 @@ class ProcessTable(DataTable):
             if k in self.rows_shown:
                 continue
             self.rows_shown[k] = p
-            self.add_row(*clip(report.process_cells(p, lookup, snapshot)), key=k)
+            cells = report.process_cells(p, lookup, snapshot, columns)
+            self.add_row(*clip(cells, columns), key=k)
         self._refresh_header()
         if keep is not None and keep in self.rows_shown:
             self.move_cursor(row=self.get_row_index(keep))
@@ -134,8 +155,9 @@ class ProcessTable(DataTable):
         return None if k is None else self.rows_shown.get(k)
 
     def next_sort(self) -> None:
-        i = SORTS.index(self.sort_column) if self.sort_column in SORTS else -1
-        self.sort_column = SORTS[(i + 1) % len(SORTS)]
+        sorts = [c for c in SORTS if c in self.columns_shown]
+        i = sorts.index(self.sort_column) if self.sort_column in sorts else -1
+        self.sort_column = sorts[(i + 1) % len(sorts)]
         self.descending = self.sort_column not in ("PID", "NAME")
 
     def reverse_sort(self) -> None:

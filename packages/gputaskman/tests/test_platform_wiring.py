@@ -1,0 +1,435 @@
+"""The non-Linux backends wired into the core: which source the collector picks per
+platform, WSL rows end to end, the Paged column and JSON fields, and ``--list-gpus``
+telling an empty probe from a failed one.
+
+There is no Windows, WSL, Mac or Ascend NPU here. Platform detection is mocked (a
+patched ``sys.platform`` or ``WSL_DISTRO_NAME`` in a real subprocess); Windows host
+counters are synthetic replays in the stream format (see test_wsl.py), IOKit answers are
+mocked, and ``npu-smi`` is a shell script printing a recorded-format table. Linux
+processes, /proc, the DRM fixture tree and the ``gputaskman`` command are real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes.util
+import json
+import os
+import platform
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from gputaskman import cli, collector, report
+from gputaskman.collector import Collector, NullScanner
+from gputaskman.demo import DemoSystem, demo_snapshot
+from gputaskman.macos import Accelerator, MacCounters
+from gputaskman.model import Problem, Reason
+from gputaskman.nvml import NvmlSample
+from gputaskman.recorded import snapshot_from_json
+from gputaskman.wsl import Interop, WslBackend, dxg_holders
+from gputaskman.wslhost import StreamParser
+
+GIB = 1024**3
+MIB = 1024**2
+BIN = Path(sys.executable).parent
+GTM = str(BIN / "gputaskman")
+NO_DRIVER = not ctypes.util.find_library("nvidia-ml")
+needs_no_driver = pytest.mark.skipif(not NO_DRIVER, reason="libnvidia-ml is installed here")
+ON_WSL = "microsoft" in platform.release().lower() or bool(os.environ.get("WSL_DISTRO_NAME"))
+NPU_FIXTURE = Path(__file__).with_name("npu_smi") / "single.txt"
+
+
+def run_gtm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full = dict(os.environ)
+    full.pop("WSL_DISTRO_NAME", None)
+    full.update(env or {})
+    return subprocess.run(
+        [GTM, *args], capture_output=True, text=True, timeout=60,
+        stdin=subprocess.DEVNULL, env=full,
+    )  # fmt: skip
+
+
+class NoNvml:
+    """NVML absent (this machine has no NVIDIA driver either; this keeps tests exact)."""
+
+    def sample(self):
+        p = Problem("backend.init", Reason.NO_LIBRARY, "NVML Shared Library Not Found")
+        return NvmlSample(problems=(p,), backend_problem=p)
+
+    def close(self):
+        pass
+
+
+# -- which source, per platform (platform detection mocked) ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("backend", "kind"),
+    [("wddm", "WddmBackend"), ("wsl", "WslBackend"), ("metal", "MacCounters")],
+)
+def test_mocked_platform_selects_its_backend_and_loads_nothing(backend, kind):
+    src = collector.default_gpu_source(backend)
+    try:
+        assert type(src).__name__ == kind
+    finally:
+        src.close()
+
+
+def test_mocked_linux_appends_ascend_only_when_npu_smi_is_installed(monkeypatch):
+    from gputaskman import ascend
+    from gputaskman.drm import NvmlWithDrm
+
+    monkeypatch.setattr(ascend, "find_npu_smi", lambda which=None: None)
+    plain = collector.default_gpu_source("nvml")
+    assert isinstance(plain, NvmlWithDrm)
+    monkeypatch.setattr(ascend, "find_npu_smi", lambda which=None: "/usr/local/bin/npu-smi")
+    both = collector.default_gpu_source("nvml")
+    assert isinstance(both, ascend.AscendAlongside) and isinstance(both.primary, NvmlWithDrm)
+    plain.close()
+    both.close()
+
+
+DETECT = "import sys; PATCH; from gputaskman import collector; print(collector.BACKEND)"
+
+
+@pytest.mark.parametrize(
+    ("patch", "env", "want"),
+    [
+        ("pass", {}, "nvml"),
+        ("pass", {"WSL_DISTRO_NAME": "Ubuntu"}, "wsl"),
+        ("sys.platform = 'win32'", {}, "wddm"),
+        ("sys.platform = 'darwin'", {}, "metal"),
+    ],
+)
+def test_mocked_platform_detection_sets_the_collector_backend(patch, env, want):
+    if ON_WSL and want == "nvml":
+        pytest.skip("this machine is WSL")
+    full = {k: v for k, v in os.environ.items() if k != "WSL_DISTRO_NAME"} | env
+    out = subprocess.run(
+        [sys.executable, "-c", DETECT.replace("PATCH", patch)],
+        capture_output=True, text=True, check=True, timeout=60, env=full,
+    )  # fmt: skip
+    assert out.stdout.strip() == want
+
+
+# -- WSL end to end: inferred rows never summed, host rows never joined with /proc --------
+
+LUID = "luid_0x00000000_0x0000d1a2"
+VMWP = 6140
+
+
+def host_frame(seq: int, vm_bytes: int, other_pid: int) -> str:
+    """One synthetic host sample (stream format of wslhost): vmwp.exe and a "dwm" whose
+    Windows PID equals a live Linux PID here, 50 MiB each otherwise made up."""
+    inst = "pid_{}_luid_0x00000000_0x0000D1A2_phys_0"
+    lines = [f"gtm1\tT\t{seq}\t{1796000000000 + seq * 1000}"]
+    for pid, b in ((VMWP, vm_bytes), (other_pid, 50 * MIB)):
+        lines += [f"gtm1\tC\tL\t{inst.format(pid)}\t{b}", f"gtm1\tC\tN\t{inst.format(pid)}\t{MIB}"]
+    lines.append(f"gtm1\tC\tD\tluid_0x00000000_0x0000D1A2_phys_0\t{vm_bytes + 150 * MIB}")
+    lines += [f"gtm1\tP\t{VMWP}\tvmwp", f"gtm1\tP\t{other_pid}\tdwm", f"gtm1\tZ\t{seq}"]
+    return "\n".join(lines) + "\n"
+
+
+class ReplayHost:
+    def __init__(self, text: str) -> None:
+        self.frames = StreamParser().feed(text.encode())
+
+    def start(self):
+        pass
+
+    def latest(self, max_age=None):
+        return (self.frames.pop(0) if len(self.frames) > 1 else self.frames[0]), None
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def dxg_child(tmp_path):
+    """A real Linux process holding a file open, standing in for /dev/dxg."""
+    dev = tmp_path / "dxg"
+    dev.write_bytes(b"")
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"import time; f = open({str(dev)!r}); time.sleep(60)"]
+    )
+    try:
+        for _ in range(200):
+            if dxg_holders(device=str(dev))[0]:
+                break
+            time.sleep(0.02)
+        yield child, str(dev)
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_wsl_replay_rows_end_to_end_through_collector_json_and_replay(dxg_child):
+    child, dev = dxg_child
+    calls = iter(range(100))
+    host = ReplayHost(
+        host_frame(1, 300 * MIB, child.pid) + host_frame(2, 4396 * MIB, child.pid)
+    )
+    b = WslBackend(
+        nvml=NoNvml(), host=host, interop=Interop(True, None, "/mnt/c/ps.exe"),
+        holders=lambda: ({}, 0) if next(calls) == 0 else dxg_holders(device=dev),
+    )  # fmt: skip
+    c = Collector(nvml=b, scanner=NullScanner())
+    try:
+        c.sample()  # baseline: the VM idle at 300 MiB, nobody holds the device
+        snap, system = c.sample_with_system()
+    finally:
+        c.close()
+    doc = report.to_json_dict(snap, system)
+    rows = {(p["pid"], p["host"]): p for p in doc["processes"]}
+    vm, dwm, wsl = rows[(VMWP, "windows")], rows[(child.pid, "windows")], rows[(child.pid, None)]
+    # measured host bytes are summed once; the WSL row's inferred 4 GiB never
+    assert doc["attributed_bytes"] == 4396 * MIB + 50 * MIB
+    assert doc["attributed_complete"] is True  # the WSL row's bytes are inside vmwp.exe's
+    assert wsl["vram_bytes"]["value"] is None and wsl["vram_bytes"]["reason"] == "not listed"
+    assert wsl["vram_inferred_bytes"] == {
+        **wsl["vram_inferred_bytes"], "value": 4096 * MIB, "kind": "inferred"
+    }
+    assert wsl["parent_pid"] == VMWP and wsl["inferred_unique"] is True
+    # the Linux process keeps its /proc identity; the Windows process with the same
+    # number keeps the host's name and gets nothing of the Linux process
+    assert wsl["name"] == Path(f"/proc/{child.pid}/comm").read_text().strip()
+    assert wsl["started_at"] is not None and wsl["ram_bytes"]["value"] is not None
+    assert dwm["name"] == "dwm" and dwm["started_at"] is None and dwm["scanned"] is False
+    assert dwm["ram_bytes"]["value"] is None and "windows process" in dwm["ram_bytes"]["detail"]
+    assert dwm["paged_bytes"]["value"] == MIB and vm["paged_bytes"]["value"] == MIB
+    assert report.null_rule_violations(doc) == []
+    # replay gives the same object back (recorded.py reads the new fields)
+    again = report.to_json_dict(*snapshot_from_json(doc))
+    assert again == doc
+    text = report.render_text(snap, system)
+    assert f"windows:{child.pid}" in text and "~4.0 GiB*" in text
+    assert "never added again" in text and "PAGED" in text
+
+
+# -- Paged column and JSON (macOS, IOKit mocked) -------------------------------------------
+
+OWN = 4242
+
+
+class FakeIOKit:
+    def __init__(self, result):
+        self.result = result
+
+    def accelerators(self):
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+class RootFootprint:
+    """Mocked system accounting, as root: graphics ledgers readable."""
+
+    def phys_footprint(self, pid: int) -> int:
+        return 5 * GIB
+
+    def graphics(self, pid: int) -> tuple[int, int]:
+        return 4 * GIB, 512 * MIB
+
+
+def mac_source(result) -> MacCounters:
+    return MacCounters(iokit=FakeIOKit(result), footprint=RootFootprint(), memsize=lambda: 16 * GIB)
+
+
+def agx() -> Accelerator:
+    props = {"model": "Apple M4", "PerformanceStatistics": {"In use system memory": 6 * GIB,
+                                                            "Device Utilization %": 37}}
+    return Accelerator(0x100000ABC, "AGXAcceleratorG16X", props,
+                       [{"IOUserClientCreator": f"pid {OWN}, llama-server"}])  # fmt: skip
+
+
+def mac_snapshot():
+    c = Collector(nvml=mac_source([agx()]), scanner=NullScanner())
+    try:
+        return c.sample_with_system()
+    finally:
+        c.close()
+
+
+def test_iokit_mocked_paged_and_footprint_are_json_readings_never_summed():
+    snap, system = mac_snapshot()
+    doc = report.to_json_dict(snap, system)
+    (row,) = [p for p in doc["processes"] if p["pid"] == OWN and p["gpu"] is not None]
+    assert row["vram_bytes"]["value"] == 4 * GIB
+    assert row["paged_bytes"]["value"] == 512 * MIB and row["paged_bytes"]["kind"] == "measured"
+    assert "compressed" in row["paged_bytes"]["source"]
+    assert row["footprint_bytes"]["value"] == 5 * GIB
+    assert doc["attributed_bytes"] == 4 * GIB  # neither paged nor footprint
+    assert row["host"] is None and row["parent_pid"] is None and row["inferred_unique"] is False
+    assert report.null_rule_violations(doc) == []
+    assert report.to_json_dict(*snapshot_from_json(doc)) == doc
+
+
+def test_paged_column_only_when_a_backend_measures_it():
+    snap, system = mac_snapshot()
+    assert report.process_columns(snap) == report.PAGED_COLUMNS
+    text = report.render_text(snap, system)
+    header = next(line for line in text.splitlines() if line.strip().startswith("PID"))
+    assert header.split()[:5] == ["PID", "NAME", "GPU", "VRAM", "PAGED"]
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith(str(OWN)))
+    assert "4.0 GiB" in line and "512.0 MiB" in line
+    linux = demo_snapshot()
+    assert report.process_columns(linux) == report.PROCESS_COLUMNS
+    assert "PAGED" not in report.render_text(linux, DemoSystem())
+
+
+def test_old_record_lines_without_platform_fields_still_read():
+    snap, system = mac_snapshot()
+    doc = report.to_json_dict(snap, system)
+    for p in doc["processes"]:
+        for k in ("paged_bytes", "footprint_bytes", "host", "parent_pid", "inferred_unique"):
+            del p[k]
+    back, _ = snapshot_from_json(doc)
+    assert all(p.paged is None and p.host is None and not p.unique for p in back.processes)
+    bad = report.to_json_dict(snap, system)
+    bad["processes"][0]["parent_pid"] = "6140"
+    from gputaskman.recordfile import SnapshotError
+
+    with pytest.raises(SnapshotError, match="parent_pid"):
+        snapshot_from_json(bad)
+
+
+class FixedCollector:
+    def __init__(self, *results):
+        self.results = list(results)
+
+    def sample_with_system(self):
+        return self.results.pop(0) if len(self.results) > 1 else self.results[0]
+
+    def close(self):
+        pass
+
+
+async def test_tui_iokit_mocked_shows_paged_column_and_drops_it_without_paged():
+    from gputaskman.app import create_app
+    from gputaskman.widgets.process_table import ProcessTable
+
+    mac = mac_snapshot()
+    fake = FixedCollector(mac, (demo_snapshot(), DemoSystem()))
+    app = create_app(collector_factory=lambda: fake, interval=60.0)
+    async with app.run_test(size=(140, 40)) as pilot:
+        for _ in range(200):
+            await pilot.pause(0.01)
+            if app.samples >= 1:
+                break
+        table = app.query_one(ProcessTable)
+        assert table.columns_shown == report.PAGED_COLUMNS
+        row = table.get_row(f"{OWN}@{mac[0].adapters[0].pci_bus_id}")
+        assert row[4] == "512.0 MiB"
+        table.sort_column = "PAGED"
+        table.show(list(demo_snapshot().processes), demo_snapshot(), DemoSystem())
+        assert table.columns_shown == report.PROCESS_COLUMNS
+        assert table.sort_column == "VRAM"  # the PAGED sort went with its column
+        assert len(table.columns) == len(report.PROCESS_COLUMNS)
+
+
+# -- --list-gpus: empty vs failed ------------------------------------------------------------
+
+
+def list_gpus(source, capsys) -> tuple[int, list[str]]:
+    rc = cli._list_gpus(argparse.Namespace(sysroot=None), source=source)
+    return rc, capsys.readouterr().out.splitlines()
+
+
+def test_list_gpus_iokit_mocked_empty_probe_is_not_a_failed_one(capsys):
+    rc, empty = list_gpus(mac_source([]), capsys)
+    assert rc == 0 and "metal: probe succeeded, 0 GPUs" in empty
+    rc, failed = list_gpus(mac_source(OSError("IOServiceGetMatchingServices returned 0xe00002c7")),
+                           capsys)  # fmt: skip
+    assert rc == 0
+    assert "metal: probe failed (query failed: IOKit: IOServiceGetMatchingServices returned " \
+           "0xe00002c7)" in failed  # fmt: skip
+    assert not any("probe succeeded" in line for line in failed)
+    rc, ok = list_gpus(mac_source([agx()]), capsys)
+    assert ok[0].startswith("0  Apple M4  ") and ok[0].endswith("[metal]")
+    assert not any("probe" in line for line in ok)  # a plain success needs no probe line
+
+
+def test_list_gpus_pdh_mocked_windows_empty_probe(capsys):
+    from gputaskman.win.backend import WddmBackend
+
+    class NoAdapters:
+        def enum_adapters(self):
+            return []
+
+    class NoCounters:
+        def read(self, paths):
+            return {}
+
+        def close(self):
+            pass
+
+    rc, out = list_gpus(WddmBackend(dxgi=NoAdapters(), pdh=NoCounters(), tcc=False), capsys)
+    assert rc == 0 and "wddm: probe succeeded, 0 GPUs" in out
+
+
+def write_tool(tmp_path: Path, body: str) -> Path:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    tool = bindir / "npu-smi"
+    tool.write_text("#!/bin/sh\n" + textwrap.dedent(body))
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    return bindir
+
+
+@needs_no_driver
+def test_list_gpus_subprocess_here_says_which_probes_failed_or_found_nothing():
+    r = run_gtm("--list-gpus")
+    assert r.returncode == 0 and r.stderr == ""
+    assert r.stdout.splitlines()[0].startswith("nvml: probe failed (library not found: ")
+
+
+@needs_no_driver
+def test_list_gpus_subprocess_mocked_wsl_says_interop_is_off():
+    if Path("/proc/sys/fs/binfmt_misc/WSLInterop").exists():
+        pytest.skip("WSL interop is on here")
+    r = run_gtm("--list-gpus", env={"WSL_DISTRO_NAME": "Ubuntu"})
+    assert r.returncode == 0 and r.stderr == ""
+    assert r.stdout.startswith("wsl: probe failed (library not found: ")
+    assert "problem: wsl.interop: unavailable: WSL interop is off" in r.stdout
+
+
+@needs_no_driver
+def test_list_gpus_subprocess_mocked_npu_smi_lists_npus_after_a_failed_nvml(tmp_path):
+    bindir = write_tool(tmp_path, f"cat {NPU_FIXTURE}\n")
+    env = {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = run_gtm("--list-gpus", env=env)
+    assert r.returncode == 0 and r.stderr == ""
+    lines = r.stdout.splitlines()
+    npus = [line for line in lines if line.endswith("[ascend]")]
+    assert [line.split()[0] for line in npus] == ["0", "1"]
+    assert any(line.startswith("nvml: probe failed (library not found") for line in lines)
+    once = run_gtm("--json", env=env)
+    doc = json.loads(once.stdout)
+    assert doc["backend"] == "ascend" and doc["available"] is True
+    assert report.null_rule_violations(doc) == []
+
+
+@needs_no_driver
+def test_list_gpus_subprocess_mocked_npu_smi_failing_is_a_failed_probe(tmp_path):
+    fail = 'echo "dcmi model initialized failed, ret is -8020" >&2\nexit 255\n'
+    bindir = write_tool(tmp_path, fail)
+    r = run_gtm("--list-gpus", env={"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"})
+    assert r.returncode == 0
+    assert "ascend: probe failed (query failed: npu-smi exited with 255: dcmi model " \
+           "initialized failed, ret is -8020)" in r.stdout  # fmt: skip
+
+
+def test_list_gpus_subprocess_sysroot_lists_fixture_cards_and_the_unasked_nvml(tmp_path):
+    root = tmp_path / "root"
+    subprocess.run([sys.executable, "-m", "gputaskman.drm_fixtures", str(root)],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    r = run_gtm("--sysroot", str(root), "--list-gpus")
+    assert r.returncode == 0 and r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert [line.split()[0] for line in lines if line.endswith("[drm]")] == ["0", "1"]
+    assert any(line.startswith("nvml: probe failed (unavailable: NVML not asked") for line in lines)
