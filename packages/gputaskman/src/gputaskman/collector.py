@@ -355,7 +355,8 @@ class Collector:
         out = []
         live = []
         for r in rows:
-            info = info_for(r.key)
+            # a host row's PID is another OS's: never look it up in this machine's scans
+            info = info_for(r.key) if r.host is None else None
             if info is None or getattr(info, "gone", False):
                 out.append(r)
                 continue
