@@ -65,7 +65,7 @@ async def test_round_trip_across_slabs_and_memservers(servers) -> None:
 
 async def test_never_written_pages_read_as_zeros_without_a_network_trip(servers) -> None:
     srvs, addrs = servers
-    store = await RemoteStore.open(addrs, 4 * MiB, "n:zero:1")
+    store = await RemoteStore.open(addrs, 4 * MiB, "n:zero:1", unreachable_wait=0.5)
     await store.write(PS, memoryview(b"w" * PS))
     for s in srvs:  # every memserver gone: only a local answer can succeed
         await s.close()

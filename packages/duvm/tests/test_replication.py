@@ -408,3 +408,26 @@ async def test_slab_whose_replicas_outlive_their_lease_is_lost_then_replaced() -
     finally:
         await store.close()
         await b.close()
+
+
+async def test_r1_read_waits_for_a_restarting_memserver_instead_of_failing() -> None:
+    srv = MemServer(MiB, lease_s=60, lock=False)
+    host, port = await srv.start()
+    store = await RemoteStore.open([(host, port)], MiB, "t:wait:1", unreachable_wait=20)
+    try:
+        await store.write(0, memoryview(b"w" * PS))
+        srv._server.close()  # stops listening for a while; the namespace stays (lease)
+        for conn in list(srv.conns):
+            conn.transport.abort()
+        await asyncio.sleep(0.05)
+        out = bytearray(PS)
+        read = asyncio.ensure_future(store.read(0, memoryview(out)))
+        await asyncio.sleep(1.0)
+        assert not read.done()  # waiting, not failing
+        await srv.start(host, port)  # listening again, same namespace
+        await asyncio.wait_for(read, 10)
+        assert out == b"w" * PS and store.stats["unreachable_waits"] > 0
+        assert store.stats["read_errors"] == 0
+    finally:
+        await store.close()
+        await srv.close()

@@ -31,7 +31,9 @@ Theory of operation:
 - Reads LOAD from the first replica that answers and verify every page's checksum. A replica
   that is unreachable is skipped (a failover); one that answers NOT_FOUND or bad bytes is
   dropped from the slab. If no replica has good bytes, the pages are lost (EIO from now on);
-  if replicas were merely unreachable, that read fails with EIO and a later one may succeed.
+  if replicas were merely unreachable, the read waits (`unreachable_wait`, 30 s) for one to
+  come back, then fails with EIO; a later read may still succeed. Writes that reach no
+  replica wait the same way; only then are their pages marked lost.
 - When a memserver comes back without our namespace (it restarted), `_namespace_lost` drops
   it from every slab that has another replica; slabs where it was the only one keep it (the
   reservation is restored) and their written pages are marked lost.
@@ -66,6 +68,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SLAB_PAGES = 256  # 1 MiB slabs: fine-grained placement, big enough for batched I/O
 DEFAULT_OP_TIMEOUT = 5.0  # seconds without progress before a memserver connection is dropped
+# When no replica of a slab can be reached, requests wait this long for one to come back
+# (a restart, a flapping link) before failing: for swap, a stall beats an I/O error.
+DEFAULT_UNREACHABLE_WAIT = 30.0
+RETRY_MIN_S, RETRY_MAX_S = 0.05, 1.0
 _MASK = PAGE_SIZE - 1
 _ZEROS = bytes(256 * PAGE_SIZE)
 _ZERO_PAGE = _ZEROS[:PAGE_SIZE]
@@ -101,7 +107,8 @@ class RemoteStore(BlockStore):
     def __init__(self, peers: list[tuple[str, int]], size: int, client_id: str, *,
                  slab_pages: int = DEFAULT_SLAB_PAGES, replicas: int = 1,
                  connect_timeout: float = 5.0, op_timeout: float = DEFAULT_OP_TIMEOUT,
-                 repair: bool = True, seed: int | None = None) -> None:  # fmt: skip
+                 unreachable_wait: float = DEFAULT_UNREACHABLE_WAIT, repair: bool = True,
+                 seed: int | None = None) -> None:  # fmt: skip
         if size <= 0 or size & _MASK:
             raise ValueError(f"size must be a positive multiple of {PAGE_SIZE}, not {size}")
         if not peers:
@@ -117,6 +124,7 @@ class RemoteStore(BlockStore):
         self.slab_pages = slab_pages
         self.replicas = replicas
         self.op_timeout = op_timeout
+        self.unreachable_wait = unreachable_wait
         self.clients = [MemClient(h, p, client_id, connect_timeout=connect_timeout)
                         for h, p in peers]  # fmt: skip
         for c in self.clients:
@@ -140,7 +148,8 @@ class RemoteStore(BlockStore):
         self.stats = {"loads": 0, "stores": 0, "frees": 0, "zero_reads": 0, "pages_loaded": 0,
                       "pages_stored": 0, "pages_freed": 0, "failovers": 0,
                       "replicas_dropped": 0, "checksum_failures": 0, "pages_lost": 0,
-                      "read_errors": 0, "write_errors": 0, "stalls_aborted": 0}  # fmt: skip
+                      "read_errors": 0, "write_errors": 0, "stalls_aborted": 0,
+                      "unreachable_waits": 0}  # fmt: skip
 
     @classmethod
     async def open(cls, peers: list[tuple[str, int]], size: int, client_id: str,
@@ -462,6 +471,36 @@ class RemoteStore(BlockStore):
         self.stats["loads"] += 1
         self.stats["pages_loaded"] += count
         keys = (first,) if count == 1 else tuple(range(first, first + count))
+        deadline: float | None = None
+        delay = RETRY_MIN_S
+        while True:
+            unreachable, bad, bad_everywhere = await self._load_round(slab, first, count, keys,
+                                                                      out)  # fmt: skip
+            if unreachable is None:
+                return
+            if unreachable and self._open:  # a replica may come back: wait, then try again
+                now = time.monotonic()
+                deadline = deadline or now + self.unreachable_wait
+                if now < deadline:
+                    self.stats["unreachable_waits"] += 1
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, RETRY_MAX_S)
+                    continue
+            break
+        self.stats["read_errors"] += 1
+        what = f"reading pages {first}..{first + count - 1}"
+        if not unreachable:  # every replica answered and none had good bytes: gone for good
+            for p in sorted(bad_everywhere):
+                self._mark_lost(p, 1)
+            raise StorageError(errno.EIO, f"{what}: pages were lost by every replica: "
+                               + "; ".join(bad))  # fmt: skip
+        raise StorageError(errno.EIO, f"{what}: no replica answered with good bytes within "
+                           f"{self.unreachable_wait:.0f} s: "
+                           + "; ".join(unreachable + bad))  # fmt: skip
+
+    async def _load_round(self, slab: int, first: int, count: int, keys: tuple[int, ...],
+                          out: memoryview) -> tuple:  # fmt: skip
+        """Try each replica once. Returns (None, ...) on success, else the reasons."""
         members = self.sets[slab]
         clients = self._slab_clients[slab]
         unreachable: list[str] = []
@@ -484,7 +523,7 @@ class RemoteStore(BlockStore):
                 continue
             bad_pages = self._bad_pages(first, count, out)
             if not bad_pages:
-                return
+                return None, None, None
             nbad = len(bad_pages)
             bad_everywhere.intersection_update(bad_pages)
             self.stats["checksum_failures"] += nbad
@@ -492,15 +531,7 @@ class RemoteStore(BlockStore):
             log.error("slab %d: %d page(s) from %s failed their checksum", slab, nbad,
                       client.peer)  # fmt: skip
             self.drop_replica(slab, idx, "bad checksum")
-        self.stats["read_errors"] += 1
-        what = f"reading pages {first}..{first + count - 1}"
-        if not unreachable:  # every replica answered and none had good bytes: gone for good
-            for p in sorted(bad_everywhere):
-                self._mark_lost(p, 1)
-            raise StorageError(errno.EIO, f"{what}: pages were lost by every replica: "
-                               + "; ".join(bad))  # fmt: skip
-        raise StorageError(errno.EIO, f"{what}: no replica answered with good bytes: "
-                           + "; ".join(unreachable + bad))  # fmt: skip
+        return unreachable, bad, bad_everywhere
 
     async def write(self, offset: int, data: memoryview) -> None:
         n = len(data)
@@ -574,6 +605,33 @@ class RemoteStore(BlockStore):
                               rep: _SlabRepair | None) -> None:  # fmt: skip
         self.stats["stores"] += 1
         self.stats["pages_stored"] += count
+        deadline: float | None = None
+        delay = RETRY_MIN_S
+        while True:
+            err = await self._store_round(slab, first, count, data, rep)
+            if err is None:
+                return
+            if isinstance(err, MemserverUnreachable) and self._open:  # may come back: wait
+                now = time.monotonic()
+                deadline = deadline or now + self.unreachable_wait
+                if now < deadline:
+                    self.stats["unreachable_waits"] += 1
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, RETRY_MAX_S)
+                    continue
+            break
+        self.stats["write_errors"] += 1
+        what = f"writing pages {first}..{first + count - 1}"
+        if isinstance(err, PageServerError) and err.code == ErrorCode.NO_SPACE:
+            raise _storage_error(err, what) from None  # refused everywhere: old bytes remain
+        self._mark_lost(first, count)  # replicas may disagree now: never serve either
+        raise _storage_error(err, what) from None
+
+    async def _store_round(self, slab: int, first: int, count: int, data: memoryview,
+                           rep: _SlabRepair | None) -> Exception | None:  # fmt: skip
+        """Store on every replica once. None when at least one stored it (the others are
+        dropped); else the failure to act on: NO_SPACE only if every replica refused for
+        space, MemserverUnreachable if any could not be reached."""
         keys = (first,) if count == 1 else tuple(range(first, first + count))
         members = list(self.sets[slab])
         clients = self._slab_clients[slab]
@@ -608,15 +666,14 @@ class RemoteStore(BlockStore):
             for k in range(count):
                 crc[first + k] = crcs[k]
                 st[first + k] = DATA
-            return
-        self.stats["write_errors"] += 1
-        what = f"writing pages {first}..{first + count - 1}"
-        err = failed[0][1]
-        if all(isinstance(r, PageServerError) and r.code == ErrorCode.NO_SPACE
-               for _, r in failed):  # fmt: skip
-            raise _storage_error(err, what) from None  # refused everywhere: old bytes remain
-        self._mark_lost(first, count)  # replicas may disagree now: never serve either
-        raise _storage_error(err, what) from None
+            return None
+        errs = [r for _, r in failed]
+        unreachable = [r for r in errs if isinstance(r, MemserverUnreachable)]
+        if unreachable:
+            return unreachable[0]
+        nospace = [r for r in errs if isinstance(r, PageServerError)
+                   and r.code == ErrorCode.NO_SPACE]  # fmt: skip
+        return errs[0] if len(nospace) < len(errs) else nospace[0]
 
     async def trim(self, offset: int, length: int) -> None:
         self._check(offset, length)
