@@ -9,7 +9,6 @@ swap, loop, FUSE, cgroups, processes and namespaces, also on failure. Root only.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -43,18 +42,28 @@ def cluster():
     c = netns_cluster.Cluster(4)
     states: list[Path] = []
     c.states = states  # type: ignore[attr-defined]
+    c.__enter__()
     try:
-        with c:
-            yield c
-            for st in states:  # swap off before the daemons go (they hold the pages)
-                attach.detach(st, force=True)
+        yield c
     finally:
+        # Swap off while the daemons and memservers still run (they hold the pages), also
+        # when the test failed: closing the cluster first would leave a dead swap device.
+        errors = []
         for st in states:
-            with contextlib.suppress(Exception):
+            try:
                 attach.detach(st, force=True)
+            except Exception as e:  # keep tearing down; report below
+                errors.append(f"{st}: {e}")
+        if not errors:
+            c.close()
+    # A swap device that could not be turned off keeps its daemon and memservers: killing
+    # them would turn the kernel's pages on it into I/O errors for whoever owns them.
+    assert not errors, f"swap still on; cluster {c.tag} left running: {errors}"
     assert c.namespaces_left() == []
     swaps = attach.parse_proc_swaps(Path("/proc/swaps").read_text())
     assert not [e for e in swaps if str(c.dir) in e.filename]
+    mounts = Path("/proc/mounts").read_text()
+    assert str(c.dir) not in mounts
 
 
 def attach_swap(c: netns_cluster.Cluster, sock: str, name: str) -> attach.Attachment:
