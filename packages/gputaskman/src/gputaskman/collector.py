@@ -462,12 +462,12 @@ def _row(r: NvmlProcess, name: str | None, ct: float | None, d: ProcDetail | Non
         name = getattr(r, "name", None)
     elif d is None and ct is None:
         # NVML lists the PID but /proc here has no such process: it runs in another PID
-        # namespace (we are in a container) or exited between the two reads.
-        d = ProcDetail(
-            scanned=False,
-            reason=Reason.UNAVAILABLE,
-            reason_detail="no /proc entry for this PID here (another PID namespace, or exited)",
-        )
+        # namespace (we are in a container) or exited between the two reads. Windows and
+        # macOS have no /proc: the host sampler and the scanner are Linux-only for now.
+        why = "no /proc entry for this PID here (another PID namespace, or exited)"
+        if BACKEND in ("wddm", "metal"):
+            why = "process details come from /proc, which this OS does not have"
+        d = ProcDetail(scanned=False, reason=Reason.UNAVAILABLE, reason_detail=why)
     elif d is None:
         d = ProcDetail(scanned=False, reason=Reason.NOT_SCANNED)
     if name is None:
