@@ -41,6 +41,7 @@ from time import perf_counter_ns
 from typing import Any
 
 from duvm import nbdconst as C
+from duvm.memclient import cork, uncork
 from duvm.nbdproto import (
     BufferPool,
     ExportInfo,
@@ -297,6 +298,9 @@ class NBDConnection(asyncio.BufferedProtocol):
         dispatch = self._dispatch
         max_reqs = self.server.max_in_flight
         max_bytes = self.server.max_in_flight_bytes
+        # Requests the store sends to memservers while dispatching this read merge and leave
+        # together when uncorked, in this loop iteration (see memclient.cork).
+        corked = cork()
         try:
             while not self._disconnecting:
                 if self._in_flight >= max_reqs or self._in_flight_bytes >= max_bytes:
@@ -309,6 +313,9 @@ class NBDConnection(asyncio.BufferedProtocol):
             self.stats.protocol_errors += 1
             self.abort(str(e))
             return
+        finally:
+            if corked:
+                uncork()
         self._update_reading()
         self._flush()
 
