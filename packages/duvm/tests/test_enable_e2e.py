@@ -96,10 +96,25 @@ def state_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _reap(state_dir: Path, pids: list[int]) -> None:
+    """After a failed demo that left its device attached (so as to lose no page): detach by
+    force, stop the daemon, then the memservers it left running."""
+    with contextlib.suppress(Exception):
+        attach.detach(control.state_path(state_dir), force=True)
+    with contextlib.suppress(Exception):
+        control.stop_daemon(state_dir)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if b"memserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_demo_moves_pages_through_memservers_and_cleans_up(state_dir: Path) -> None:
     res = duvm("demo", "--json", "--mib", str(WORKLOAD_MIB), "--limit-mib", str(LIMIT_MIB),
                "--state-dir", str(state_dir))
     out = json.loads(res.stdout.strip().splitlines()[-1])
+    if out["error"] is not None:
+        _reap(state_dir, out["pids"])
     assert out["error"] is None, out["error"]
     assert res.returncode == 0, res.stderr[-2000:]
     assert out["intact"] is True

@@ -20,8 +20,10 @@ Theory of operation
    reservation reached them).
 
 Everything is torn down in ``finally``: the cgroup (killing the workload if needed), the
-enablement (daemon, device, swap) and the memservers. ``--json`` prints the measured result as
-one object, which the end-to-end test asserts on.
+enablement (daemon, device, swap) and the memservers, except when swapoff fails: swap is
+shared by the whole machine, so the device may hold other programs' pages too, and the daemon
+and memservers then keep running (the message says how to finish) rather than lose them.
+``--json`` prints the measured result as one object, which the end-to-end test asserts on.
 """
 
 from __future__ import annotations
@@ -135,6 +137,13 @@ class Memservers:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+    def release(self) -> None:
+        """Leave the memservers running on their own (their output is no longer read)."""
+        for p in self.procs:
+            if p.stdout:
+                p.stdout.close()
+        self.procs = []
 
     def close(self) -> None:
         for p in self.procs:
@@ -334,11 +343,21 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         if enabled:
             try:
                 control.disable(cfg.state_dir, force=True)
+                enabled = False
             except (control.ControlError, attach.AttachError) as exc:
                 res.error = (res.error or "") + f"; cleanup: {exc}"
-        if servers is not None:
+        if servers is not None and enabled:
+            # swapoff failed: swapped pages (maybe other programs' too: swap is shared by the
+            # whole machine) still live in these memservers. Stopping them would lose those
+            # pages, so they keep running, and the message says how to finish by hand.
+            res.error = (res.error or "") + (
+                f"; left running so that no swapped page is lost: the swap device, its daemon "
+                f"and the memservers (pids {' '.join(map(str, servers.pids))}). Free memory, run "
+                f"`duvm disable --state-dir {cfg.state_dir}`, then stop those pids")
+            servers.release()
+        elif servers is not None:
             servers.close()
-        if secret is not None:
+        if secret is not None and not enabled:
             secret.unlink(missing_ok=True)
         res.seconds = round(time.monotonic() - started, 2)
     return res
