@@ -334,6 +334,15 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
 
     from duvm import attach, cgroup, control, demo
 
+    # Swap is machine-wide: with another device at the top priority, or another cgroup whose
+    # swapped pages could not come home, this test could neither place nor free its pages.
+    others = demo.competing_swaps()
+    if others:
+        pytest.skip(f"swap {others} is active at priority {demo.MAX_PRIORITY}: the workload's "
+                    "pages would be shared with it")
+    blocking = cgroup.swap_headroom_problems()
+    if blocking:
+        pytest.skip(f"another memory cgroup has more in swap than room: {blocking[0]}")
     state = Path(tempfile.mkdtemp(prefix="gtm-duvm-", dir="/tmp"))  # short: socket paths
     servers = demo.Memservers(2, 96 << 20)
 
@@ -343,7 +352,7 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
 
     try:
         res = duvm("enable", "--peers", ",".join(servers.addrs), "--size", "128M",
-                   "--replicas", "1")
+                   "--replicas", "1", "--priority", str(demo.MAX_PRIORITY))
         assert res.returncode == 0, res.stderr
         att = attach.load_state(control.state_path(state))
         assert att is not None and att.device
