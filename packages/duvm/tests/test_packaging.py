@@ -10,15 +10,9 @@ checkout, so nothing can come from the workspace's sources. The workspace-wide
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 import tarfile
-import tomllib
-import urllib.parse
 import zipfile
 from pathlib import Path
 
@@ -27,68 +21,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 PKG = ROOT / "packages" / "duvm"
 NAME = "duvm"
-VERSION = tomllib.loads((PKG / "pyproject.toml").read_text())["project"]["version"]
 
-UV = shutil.which("uv")
-pytestmark = pytest.mark.skipif(UV is None, reason="uv is not on PATH")
+_spec = importlib.util.spec_from_file_location("wheel_check", ROOT / "tools" / "wheel_check.py")
+assert _spec is not None and _spec.loader is not None
+wheel_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(wheel_check)
+VERSION = wheel_check.version_of(NAME)
+uv = wheel_check.uv
+run_tool = wheel_check.run_tool
 
-
-def clean_env() -> dict[str, str]:
-    """The environment without anything that points Python at the workspace."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "UV_PROJECT_ENVIRONMENT")}
-    env["NO_COLOR"] = "1"
-    return env
-
-
-def index_reachable(timeout: float = 5.0) -> str | None:
-    """None when the package index answers a TCP connect, else why not."""
-    url = (os.environ.get("UV_DEFAULT_INDEX") or os.environ.get("UV_INDEX_URL")
-           or "https://pypi.org/simple")
-    u = urllib.parse.urlsplit(url)
-    host, port = u.hostname or "pypi.org", u.port or (443 if u.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as exc:
-        return f"package index {host}:{port} unreachable ({exc})"
-    return None
-
-
-def uv(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    assert UV is not None
-    return subprocess.run([UV, *args], cwd=cwd, env=clean_env(), capture_output=True,
-                          text=True, timeout=timeout, check=False)
+pytestmark = pytest.mark.skipif(wheel_check.UV is None, reason="uv is not on PATH")
 
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("dist")
-    res = uv("build", "--package", NAME, "--out-dir", str(out))
-    assert res.returncode == 0, res.stderr
-    wheels = list(out.glob(f"{NAME}-{VERSION}-*.whl"))
-    sdists = list(out.glob(f"{NAME}-{VERSION}.tar.gz"))
-    assert len(wheels) == 1 and len(sdists) == 1, sorted(p.name for p in out.iterdir())
-    return {"wheel": wheels[0], "sdist": sdists[0]}
+    return wheel_check.build(NAME, tmp_path_factory.mktemp("dist"))
 
 
 @pytest.fixture(scope="module")
 def venv(dist: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    why = index_reachable()
+    why = wheel_check.index_reachable()
     if why:
         pytest.skip(why)
-    where = tmp_path_factory.mktemp("venv")
-    res = uv("venv", "--python", sys.executable, str(where / "v"), cwd=where)
-    assert res.returncode == 0, res.stderr
-    py = where / "v" / "bin" / "python"
-    res = uv("pip", "install", "--python", str(py), str(dist["wheel"]), cwd=where, timeout=600)
-    assert res.returncode == 0, res.stderr
-    return where / "v"
-
-
-def run_tool(venv: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(venv / "bin" / args[0]), *args[1:]], cwd=venv.parent,
-                          env=clean_env(), capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    return wheel_check.install_into_fresh_venv(dist["wheel"], tmp_path_factory.mktemp("venv"))
 
 
 @pytest.mark.slow
