@@ -99,6 +99,27 @@ class _SlabRepair:
         self.aborted: str | None = None
 
 
+class _UnreachableWait:
+    """Backoff while no replica answers: for swap a stall beats an error, up to a limit."""
+
+    def __init__(self, store: RemoteStore) -> None:
+        self._store = store
+        self._deadline: float | None = None
+        self._delay = RETRY_MIN_S
+
+    async def again(self) -> bool:
+        """Sleep and return True while `unreachable_wait` has not passed; else False."""
+        now = time.monotonic()
+        if self._deadline is None:
+            self._deadline = now + self._store.unreachable_wait
+        if now >= self._deadline:
+            return False
+        self._store.stats["unreachable_waits"] += 1
+        await asyncio.sleep(self._delay)
+        self._delay = min(2 * self._delay, RETRY_MAX_S)
+        return True
+
+
 class RemoteStore(BlockStore):
     """`size` bytes (a multiple of 4096) on the memservers `peers`, in namespace `client_id`."""
 
@@ -471,21 +492,15 @@ class RemoteStore(BlockStore):
         self.stats["loads"] += 1
         self.stats["pages_loaded"] += count
         keys = (first,) if count == 1 else tuple(range(first, first + count))
-        deadline: float | None = None
-        delay = RETRY_MIN_S
+        wait = _UnreachableWait(self)
         while True:
             unreachable, bad, bad_everywhere = await self._load_round(slab, first, count, keys,
                                                                       out)  # fmt: skip
             if unreachable is None:
                 return
-            if unreachable and self._open:  # a replica may come back: wait, then try again
-                now = time.monotonic()
-                deadline = deadline or now + self.unreachable_wait
-                if now < deadline:
-                    self.stats["unreachable_waits"] += 1
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, RETRY_MAX_S)
-                    continue
+            # a replica may come back: wait, then try again
+            if unreachable and self._open and await wait.again():
+                continue
             break
         self.stats["read_errors"] += 1
         what = f"reading pages {first}..{first + count - 1}"
@@ -605,20 +620,14 @@ class RemoteStore(BlockStore):
                               rep: _SlabRepair | None) -> None:  # fmt: skip
         self.stats["stores"] += 1
         self.stats["pages_stored"] += count
-        deadline: float | None = None
-        delay = RETRY_MIN_S
+        wait = _UnreachableWait(self)
         while True:
             err = await self._store_round(slab, first, count, data, rep)
             if err is None:
                 return
-            if isinstance(err, MemserverUnreachable) and self._open:  # may come back: wait
-                now = time.monotonic()
-                deadline = deadline or now + self.unreachable_wait
-                if now < deadline:
-                    self.stats["unreachable_waits"] += 1
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, RETRY_MAX_S)
-                    continue
+            # a replica may come back: wait, then try again
+            if isinstance(err, MemserverUnreachable) and self._open and await wait.again():
+                continue
             break
         self.stats["write_errors"] += 1
         what = f"writing pages {first}..{first + count - 1}"
