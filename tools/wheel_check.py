@@ -83,3 +83,21 @@ def run_tool(venv: Path, *args: str, timeout: float = 120) -> subprocess.Complet
     return subprocess.run([str(venv / "bin" / args[0]), *args[1:]], cwd=venv.parent,
                           env=clean_env(), capture_output=True, text=True, timeout=timeout,
                           check=False)
+
+
+def pytest_fixtures(name: str) -> tuple[object, object]:
+    """Module-scoped `dist` and `venv` fixtures for package NAME (pytest imported lazily)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+        return build(name, tmp_path_factory.mktemp("dist"))
+
+    @pytest.fixture(scope="module")
+    def venv(dist: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+        why = index_reachable()
+        if why:
+            pytest.skip(why)
+        return install_into_fresh_venv(dist["wheel"], tmp_path_factory.mktemp("venv"))
+
+    return dist, venv

@@ -33,17 +33,7 @@ run_tool = wheel_check.run_tool
 pytestmark = pytest.mark.skipif(wheel_check.UV is None, reason="uv is not on PATH")
 
 
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return wheel_check.build(NAME, tmp_path_factory.mktemp("dist"))
-
-
-@pytest.fixture(scope="module")
-def venv(dist: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    why = wheel_check.index_reachable()
-    if why:
-        pytest.skip(why)
-    return wheel_check.install_into_fresh_venv(dist["wheel"], tmp_path_factory.mktemp("venv"))
+dist, venv = wheel_check.pytest_fixtures(NAME)
 
 
 @pytest.mark.slow
