@@ -18,14 +18,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-async def servers():
-    srvs = [MemServer(8 * MiB, lease_s=60, lock=False) for _ in range(2)]
-    addrs = [await s.start() for s in srvs]
-    try:
-        yield srvs, addrs
-    finally:
-        for s in srvs:
-            await s.close()
+async def servers(memserver_pool):
+    return await memserver_pool(2, 8 * MiB)
 
 
 async def used(addrs: list[tuple[str, int]]) -> list[int]:

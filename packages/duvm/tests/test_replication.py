@@ -24,14 +24,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-async def servers():
-    srvs = [MemServer(4 * MiB, lease_s=60, lock=False) for _ in range(3)]
-    addrs = [await s.start() for s in srvs]
-    try:
-        yield srvs, addrs
-    finally:
-        for s in srvs:
-            await s.close()
+async def servers(memserver_pool):
+    return await memserver_pool(3, 4 * MiB)
 
 
 async def wait_for(cond, timeout: float = 10.0) -> None:
