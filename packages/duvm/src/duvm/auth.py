@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import os
 import secrets
 import ssl
@@ -34,6 +33,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from duvm.units import is_loopback
 
 SECRET_BYTES = 32
 NONCE_BYTES = 32
@@ -258,7 +259,7 @@ def answer_challenge(ch: Any, st: _ClientState, security: PeerSecurity | None,
 # process that names the same namespace gets it (a reconnect, a Pool reopened), and no other
 # process or node can, whatever client id it sends. A caller that must resume a namespace from
 # another process (a restarted program) passes its own persistent token.
-_PROCESS_TOKEN_KEY = secrets.token_bytes(32)
+_PROCESS_TOKEN_KEY = secrets.token_bytes(TOKEN_BYTES)
 
 
 def default_token(client_id: str) -> bytes:
@@ -284,17 +285,8 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
                      help="allow memservers off loopback with no secret and no TLS")
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def all_loopback(peers: list[tuple[str, int]]) -> bool:
-    return all(_is_loopback(h) for h, _ in peers)
+    return all(is_loopback(h) for h, _ in peers)
 
 
 def client_security_from_args(args: argparse.Namespace, peers: list[tuple[str, int]]

@@ -192,15 +192,6 @@ class MemoryCgroup:
         except (FileNotFoundError, ValueError):
             return None
 
-    def swapped_bytes(self) -> int | None:
-        """Bytes of this group's memory now in swap, when the kernel accounts swap."""
-        if self.version == 2:
-            try:
-                return int((self.path / "memory.swap.current").read_text())
-            except (FileNotFoundError, ValueError):
-                return None
-        return self.memory_stat().get("swap")
-
     @staticmethod
     def _write(path: Path, value: str) -> None:
         try:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from duvm import attach
-from duvm.units import parse_hostport, parse_size
+from duvm.units import parse_hostport, parse_listen, parse_size
 
 DEFAULT_STATE_DIR = Path("/run/duvm")
 MEMSERVER_PORT = 7070
@@ -303,14 +303,6 @@ def load_node_config(path: Path) -> NodeConfig:
 
 
 # --- addresses -------------------------------------------------------------------------------
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """HOST:PORT to listen on; port 0 (the kernel picks one) is allowed, unlike for peers."""
-    text = text.strip()
-    if text.endswith(":0"):
-        return parse_hostport(text[:-2] + ":1")[0], 0
-    return parse_hostport(text)
 
 
 def _is_local_ip(ip: str) -> bool:

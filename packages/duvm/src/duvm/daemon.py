@@ -26,7 +26,7 @@ import sys
 
 from duvm import auth, memclient
 from duvm.storage import StorageError
-from duvm.units import parse_hostport, parse_size
+from duvm.units import is_loopback, parse_hostport, parse_listen, parse_size
 
 log = logging.getLogger("duvm.daemon")
 
@@ -83,17 +83,15 @@ def run(args: argparse.Namespace) -> int:
         peers = [parse_hostport(p) for p in (args.peers or "").split(",") if p.strip()]
         if not peers and not args.memory:
             raise ValueError("--peers is required (or --memory for a local in-RAM store)")
-        tcp = _parse_listen(args.tcp) if args.tcp else None
-        if tcp is not None and not _is_loopback(tcp[0]):
+        tcp = parse_listen(args.tcp) if args.tcp else None
+        if tcp is not None and not is_loopback(tcp[0]):
             raise ValueError(f"--tcp must be a loopback address, not {tcp[0]}")
         if args.replicas is None:  # replicated whenever the pool allows it
             args.replicas = 2 if len(peers) >= 2 else 1
         if args.replicas < 1:
             raise ValueError("--replicas must be at least 1")
         if args.metrics:
-            from duvm.metrics import parse_metrics_listen
-
-            parse_metrics_listen(args.metrics)  # a bad address fails before anything starts
+            parse_listen(args.metrics)  # a bad address fails before anything starts
         # Peers authenticate (secret and/or TLS) for every MemClient this process builds.
         memclient.default_security = auth.client_security_from_args(args, peers)
     except (ValueError, auth.SecretError) as e:
@@ -123,15 +121,6 @@ def _run_loop(coro) -> int:
     return uvloop.run(coro)
 
 
-def _parse_listen(text: str) -> tuple[str, int]:
-    """HOST:PORT to listen on; unlike a peer address, port 0 (pick a free one) is allowed."""
-    if text.strip().endswith(":0"):
-        return parse_hostport(text.strip()[:-2], default_port=0)
-    return parse_hostport(text)
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 async def open_store(args: argparse.Namespace, size: int, peers: list[tuple[str, int]],

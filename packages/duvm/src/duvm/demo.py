@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from duvm import attach, auth, cgroup, control
+from duvm import attach, auth, cgroup, control, kernelnbd
 from duvm.config import with_secret
 from duvm.units import parse_size
 
@@ -84,8 +84,8 @@ def preflight() -> list[str]:
                         "run it with sudo")
     for tool in ("mkswap", "swapon", "swapoff", "blkdiscard"):
         if attach.find_tool(tool) is None:
-            problems.append(f"{tool} missing: install util-linux")
-    if not (Path("/dev/nbd0").exists() or Path("/sys/module/nbd").exists()):
+            problems.append(f"{tool} missing: install {attach.TOOL_PACKAGES[tool]}")
+    if not kernelnbd.kernel_has_nbd():
         fuse = attach.fuse_path_problems()
         if fuse and attach.find_tool("modprobe") is None:
             problems.append("no kernel nbd module (install kmod and a kernel with nbd) and the "

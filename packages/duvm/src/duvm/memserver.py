@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -51,7 +51,7 @@ from duvm import auth
 from duvm import pageproto as pp
 from duvm.arena import PAGE_SIZE, Arena
 from duvm.memclient import tune_socket
-from duvm.units import parse_hostport, parse_size
+from duvm.units import is_loopback, parse_listen, parse_size
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -196,7 +196,8 @@ class PageStore:
                         slot = pages[k] = alloc()
                     slots[i] = slot
         first = slots[0]
-        if slots == list(range(first, first + len(slots))):  # consecutive slots: one copy
+        if slots[-1] - first == len(slots) - 1 and all(  # consecutive slots: one copy
+                b - a == 1 for a, b in itertools.pairwise(slots)):
             mem[first * PAGE_SIZE : (first + len(slots)) * PAGE_SIZE] = data
             return
         src = 0
@@ -655,16 +656,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log every connection")
 
 
-def is_loopback(host: str) -> bool:
-    """True for localhost and loopback addresses (where only local processes can connect)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def security_from_args(args: argparse.Namespace, host: str) -> tuple[auth.Keyring | None,
                                                                      ssl.SSLContext | None]:
     """Keyring and TLS context from the flags; ValueError/SecretError/OSError with a reason.
@@ -693,13 +684,6 @@ def mem_available() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """HOST:PORT to listen on; unlike peer addresses, port 0 (pick a free one) is allowed."""
-    if text.strip().endswith(":0"):
-        return parse_hostport(text.strip()[:-2] + ":1")[0], 0
-    return parse_hostport(text)
 
 
 async def _serve(server: MemServer, host: str, port: int, secret_file: str | None = None,

@@ -53,7 +53,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from duvm import nbdconst as C
 from duvm import pageproto as pp
 from duvm.poolstats import daemon_snapshot
-from duvm.units import parse_hostport
+from duvm.units import parse_listen
 
 log = logging.getLogger(__name__)
 
@@ -347,18 +347,10 @@ class DaemonCollector(Collector):
 # --- the HTTP endpoint -----------------------------------------------------------------------
 
 
-def parse_metrics_listen(text: str) -> tuple[str, int]:
-    """`--metrics HOST:PORT` (port 0 picks a free one); ValueError with the reason."""
-    t = text.strip()
-    if t.endswith(":0"):
-        return parse_hostport(t[:-2] + ":1")[0], 0
-    return parse_hostport(t)
-
-
 def serve(collector: Collector, listen: str) -> tuple[str, int]:
     """Start the exposition server on `listen` in a daemon thread; the bound address.
     Only `collector` is exported (no process/GC metrics of the default registry)."""
-    host, port = parse_metrics_listen(listen)
+    host, port = parse_listen(listen)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     httpd, _thread = start_http_server(port, addr=host, registry=registry)

@@ -28,7 +28,6 @@ import sys
 import time
 
 PAGE = 4096
-UNKNOWN = -1
 LOST = -2
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -19,8 +20,12 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-def parse_hostport(text: str, default_port: int | None = None) -> tuple[str, int]:
-    """'host:port', '[::1]:port' or 'host' (with a default port) -> (host, port)."""
+def parse_hostport(text: str, default_port: int | None = None, *,
+                   allow_zero: bool = False) -> tuple[str, int]:
+    """'host:port', '[::1]:port' or 'host' (with a default port) -> (host, port).
+
+    Port 0 is refused unless `allow_zero` (an address to listen on, where 0 lets the kernel
+    pick a free port)."""
     text = text.strip()
     host, port_text = text, None
     if text.startswith("["):
@@ -38,8 +43,23 @@ def parse_hostport(text: str, default_port: int | None = None) -> tuple[str, int
         if default_port is None:
             raise ValueError(f"address {text!r} needs a port (HOST:PORT)")
         return host, default_port
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not port_text.isdigit() or not (0 if allow_zero else 1) <= int(port_text) < 65536:
         raise ValueError(f"bad port in {text!r}")
     if not host:
         raise ValueError(f"address {text!r} has no host")
     return host, int(port_text)
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """HOST:PORT to listen on; unlike a peer address, port 0 (pick a free one) is allowed."""
+    return parse_hostport(text, allow_zero=True)
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (only local processes can connect there)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
