@@ -46,7 +46,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gputaskman import procfs
-from gputaskman.model import Kind, Reading, Reason
+from gputaskman.model import Reading, Reason
 
 MEMINFO = "/proc/meminfo"
 SWAPS = "/proc/swaps"
@@ -466,76 +466,3 @@ class HostSampler:
 
             pool = duvmpool.sample()
         return SystemInfo(taken, memory, swap, cpu, MappingProxyType(procs), preason, pool)
-
-
-# --------------------------------------------------------------------------- JSON
-
-
-def _reading_json(r: Reading) -> Any:
-    if r.value is not None:
-        return r.value
-    return None
-
-
-def _reasons(obj: Any) -> dict[str, str]:
-    out = {}
-    for name in obj.__slots__:
-        r = getattr(obj, name)
-        if isinstance(r, Reading) and r.value is None:
-            out[name] = f"{r.reason}: {r.detail}" if r.detail else str(r.reason)
-    return out
-
-
-def to_json_dict(info: SystemInfo, *, include_processes: bool = False) -> dict[str, Any]:
-    """The JSON ``system`` object: numbers or null, and ``reasons`` for every null.
-
-    All values are OS-reported (kind ``measured``). Per-process rows are left out unless
-    asked for, because the report joins them into its own process rows.
-    """
-    m, s, c = info.memory, info.swap, info.cpu
-    out: dict[str, Any] = {
-        "taken": info.taken,
-        "kind": Kind.MEASURED.value,
-        "memory": {n: _reading_json(getattr(m, n)) for n in m.__slots__},
-        "swap": {
-            "total_bytes": _reading_json(s.total_bytes),
-            "free_bytes": _reading_json(s.free_bytes),
-            "used_bytes": _reading_json(s.used_bytes),
-            "devices": None
-            if s.devices is None
-            else [
-                {
-                    "filename": d.filename,
-                    "type": d.type,
-                    "size_bytes": d.size_bytes,
-                    "used_bytes": d.used_bytes,
-                    "priority": d.priority,
-                    "deleted": d.deleted,
-                }
-                for d in s.devices
-            ],
-            "problems": list(s.problems),
-        },
-        "cpu": {n: _reading_json(getattr(c, n)) for n in c.__slots__},
-    }
-    out["memory"]["reasons"] = _reasons(m)
-    sreasons = _reasons(s)
-    if s.devices_reason:
-        sreasons["devices"] = s.devices_reason
-    out["swap"]["reasons"] = sreasons
-    out["cpu"]["reasons"] = _reasons(c)
-    if include_processes:
-        out["processes"] = [
-            {
-                "pid": p.pid,
-                "create_time": p.create_time,
-                "name": p.name,
-                "rss_bytes": p.rss_bytes,
-                "cpu_percent": p.cpu_percent,
-                "cpu_reason": p.cpu_detail or (str(p.cpu_reason) if p.cpu_reason else None),
-            }
-            for p in info.processes.values()
-        ]
-    if info.processes_reason:
-        out["processes_reason"] = info.processes_reason
-    return out

@@ -324,9 +324,6 @@ class Snapshot:
     def adapter(self, pci_bus_id: str) -> Adapter | None:
         return next((a for a in self.adapters if a.pci_bus_id == pci_bus_id), None)
 
-    def processes_on(self, pci_bus_id: str | None) -> tuple[ProcGpu, ...]:
-        return tuple(p for p in self.processes if p.adapter == pci_bus_id)
-
     def attributed_on(self, pci_bus_id: str | None = None) -> int | None:
         """Sum of measured per-process VRAM bytes (all adapters when None); None when
         nothing was measured. Inferred and estimated values never enter this sum."""
