@@ -7,6 +7,7 @@ import os
 
 import duvm
 import pytest
+from duvm import auth
 from duvm.memclient import query_status
 from duvm.memserver import MemServer
 from duvm.pool import GROUP_PAGES, PoolError, PoolFull, PoolKeyError
@@ -90,3 +91,19 @@ async def test_open_fails_clearly(addrs) -> None:
         async with duvm.Pool(addrs, "app:v:1", pages=1) as pool:
             await pool.store(1, b"short")
     assert [(await query_status(*a))["reserved_pages"] for a in addrs] == [0, 0]
+
+
+async def test_pool_authenticates_to_a_memserver_that_requires_the_secret() -> None:
+    secret = os.urandom(32)
+    srv = MemServer(1 << 20, lease_s=60, lock=False, keyring=auth.Keyring((secret,)))
+    addr = await srv.start()
+    try:
+        with pytest.raises(PoolError):  # no secret: refused before any page moves
+            async with duvm.Pool([addr], "myapp:auth:0", pages=4):
+                pass
+        good = auth.PeerSecurity(auth.Keyring((secret,)))
+        async with duvm.Pool([addr], "myapp:auth:1", pages=4, security=good) as pool:
+            await pool.store(1, b"k" * PS)
+            assert await pool.load(1) == b"k" * PS
+    finally:
+        await srv.close()

@@ -27,6 +27,7 @@ import errno
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 
+from duvm.auth import PeerSecurity
 from duvm.memclient import MemClient, MemserverUnreachable, PageServerError
 from duvm.pageproto import PAGE_SIZE, ErrorCode, keys_tuple
 
@@ -66,15 +67,18 @@ class Pool:
     """Pages in other nodes' RAM under keys you choose. Use as `async with` or open/close."""
 
     def __init__(self, peers: Sequence[tuple[str, int]], client_id: str, *, pages: int,
-                 connect_timeout: float = 5.0) -> None:  # fmt: skip
+                 connect_timeout: float = 5.0, security: PeerSecurity | None = None) -> None:
+        """`security`: how to authenticate to memservers that require the cluster secret or
+        TLS (e.g. `PeerSecurity(Keyring.from_file(path))`); pages travel as given, so
+        encrypt them first if a memserver must not read them."""
         if not peers:
             raise ValueError("a Pool needs at least one memserver")
         if pages < 1:
             raise ValueError("pages must be positive")
         self.pages = pages
         self.client_id = client_id
-        self.clients = [MemClient(h, p, client_id, connect_timeout=connect_timeout)
-                        for h, p in peers]  # fmt: skip
+        self.clients = [MemClient(h, p, client_id, connect_timeout=connect_timeout,
+                                  security=security) for h, p in peers]  # fmt: skip
 
     async def __aenter__(self) -> Pool:
         await self.open()
