@@ -488,6 +488,14 @@ PROCESS_COLUMNS = ("PID", "NAME", "GPU", "VRAM", "RAM", "CPU%", "RUNTIMES", "CAT
 # column follows VRAM; it is left out entirely when no row has such a reading.
 PAGED_COLUMNS = (*PROCESS_COLUMNS[:4], "PAGED", *PROCESS_COLUMNS[4:])
 
+# Marks a table cell can carry beside the provenance marks of `KIND_MARK` (the TUI's help
+# screen explains each one; its test reads them from here).
+UNIQUE_MARK = "*"  # after an inferred VRAM value: only one explanation fits
+NOT_SCANNED_MARK = "…"  # RUNTIMES: the budgeted scan has not reached this process yet
+# Reasons an unknown VRAM cell spells out ("n/a (hidden by driver)"): the user can act on
+# these (run as root, check the GPU); any other unknown is a plain n/a.
+LOUD_REASONS = (Reason.HIDDEN, Reason.DENIED, Reason.GPU_LOST)
+
 
 def process_columns(snapshot: Snapshot) -> tuple[str, ...]:
     """The columns for `snapshot`'s rows: `PAGED_COLUMNS` when any row carries a paged
@@ -517,11 +525,10 @@ def process_cells(
     if vram is not None:
         vram_text = fmt_reading(vram, as_bytes=True)
         if p.unique and vram.kind is Kind.INFERRED:
-            vram_text += "*"
+            vram_text += UNIQUE_MARK
     else:  # only a reason the user can act on earns table width; the rest is plain n/a
-        loud = p.dedicated.reason in (Reason.HIDDEN, Reason.DENIED, Reason.GPU_LOST)
-        vram_text = fmt_reading(p.dedicated, reason=loud)
-    runtimes = ",".join(p.detail.runtimes) if p.detail.scanned else "…"
+        vram_text = fmt_reading(p.dedicated, reason=p.dedicated.reason in LOUD_REASONS)
+    runtimes = ",".join(p.detail.runtimes) if p.detail.scanned else NOT_SCANNED_MARK
     model = model_cell(p)
     cells = (
         str(p.pid) if p.host is None else f"{p.host}:{p.pid}",

@@ -160,16 +160,23 @@ def gtt_text(extra: Mapping[str, Reading]) -> str:
     )
 
 
+# The MODEL column's marks (the TUI's help screen explains each; its test reads them here).
+CONFIRMED_MARK = "✓"  # two of api/mapped/cmdline agree
+UNCONFIRMED_MARK = "?"  # one corroborating source only
+PENDING_MARK = "…"  # the API/header/log look is still running
+SELECTED_TAG = "[selected]"  # an app's selected model: a setting, not residency
+
+
 def model_mark(m: ModelRef) -> str:
     """``[api✓]`` confirmed, ``[mapped?]`` one corroborating source, ``[path-arg]``
     informational; ``…`` while the API/header/log look is still running."""
     if m.confirmed:
-        tag = f"[{m.evidence}✓]"
+        tag = f"[{m.evidence}{CONFIRMED_MARK}]"
     elif m.status == "informational" or m.evidence in ("path-arg", "installed"):
         tag = f"[{m.evidence}]"
     else:
-        tag = f"[{m.evidence}?]"
-    return tag + ("…" if m.pending else "")
+        tag = f"[{m.evidence}{UNCONFIRMED_MARK}]"
+    return tag + (PENDING_MARK if m.pending else "")
 
 
 def model_cell(p: ProcGpu) -> str:
@@ -179,7 +186,7 @@ def model_cell(p: ProcGpu) -> str:
         return f"{p.model.name} {model_mark(p.model)}"
     selected = getattr(p.app_model, "selected", None)
     if selected:
-        return f"{selected} [selected]"
+        return f"{selected} {SELECTED_TAG}"
     return ",".join(f.rsplit("/", 1)[-1] for f in p.detail.model_files)
 
 

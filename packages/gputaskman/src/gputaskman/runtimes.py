@@ -53,6 +53,9 @@ class RuntimeSpec:
     hint: str | None = None
 
 
+# Appended to a category that only process or file names support (the CATEGORY column).
+HEURISTIC_MARK = "?"
+
 LLM = "LLM inference"
 TRAINING = "training"
 VISION = "vision"
@@ -61,7 +64,8 @@ GRAPHICS = "graphics"
 VIDEO = "video"
 BROWSER = "browser"
 COMPOSITOR = "compositor"
-DECISION = "decision?"  # tabular / decision-tree ML, only ever from names: a heuristic
+# tabular / decision-tree ML, only ever from names: a heuristic
+DECISION = f"decision{HEURISTIC_MARK}"
 CATEGORIES = (LLM, TRAINING, VISION, SPEECH, GRAPHICS, VIDEO, BROWSER, COMPOSITOR, DECISION)
 
 RUNTIMES: tuple[RuntimeSpec, ...] = (
@@ -187,7 +191,8 @@ class Classification:
     @property
     def label(self) -> str:
         c = self.category
-        return c if (not self.heuristic or c.endswith("?")) else f"{c}?"
+        mark = HEURISTIC_MARK
+        return c if (not self.heuristic or c.endswith(mark)) else f"{c}{mark}"
 
 
 

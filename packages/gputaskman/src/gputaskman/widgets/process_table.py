@@ -23,6 +23,8 @@ from gputaskman.model import ProcGpu, Reading
 # column label, sort name (None: not a sort column)
 COLUMNS = report.PROCESS_COLUMNS
 SORTS = ("VRAM", "PAGED", "RAM", "CPU%", "PID", "NAME")
+# Shown after the sort column's label: (descending, ascending).
+SORT_MARKS = ("▼", "▲")
 
 
 # Widest a text cell may be in the table; the inspector shows the full value.
@@ -114,7 +116,7 @@ class ProcessTable(DataTable):
     def header_label(self, label: str) -> str:
         if label != self.sort_column:
             return label
-        return f"{label} {'▼' if self.descending else '▲'}"
+        return f"{label} {SORT_MARKS[0] if self.descending else SORT_MARKS[1]}"
 
     def show(self, rows: list[ProcGpu], snapshot: Any, system: object | None) -> None:
         """Replace the rows, keeping the cursor on the same process when it is still there."""

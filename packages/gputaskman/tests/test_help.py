@@ -1,0 +1,120 @@
+"""The TUI help screen explains every column and every mark the process table can render.
+
+Nothing is copied from the help text: the columns come from `report.PAGED_COLUMNS`, and the
+marks from rendering rows through `report.process_cells` (the function the table uses) with
+every variant the code has: each reading kind, an inferred value with one explanation, each
+reason a cell spells out, a row of another OS, an unscanned row, a heuristic category, and
+each model evidence tag. Any symbol those cells contain must appear in the help.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+from gputaskman import report, report_models, runtimes
+from gputaskman.app import GtmApp
+from gputaskman.evidence import Source
+from gputaskman.model import Kind, ModelRef, ProcDetail, Reading, Reason
+from gputaskman.screens import help as help_mod
+from gputaskman.widgets.process_table import ProcessTable
+
+sys.path.insert(0, str(Path(__file__).parent))
+ms = __import__("mocked_snapshots")
+
+# characters of plain content: numbers, units, names, separators
+PLAIN = set(" .,/()-_%:'") | {chr(c) for c in range(128) if chr(c).isalnum()}
+
+
+def _text() -> str:
+    return help_mod.help_text(list(GtmApp.BINDINGS))
+
+
+def _variants() -> list:
+    """One row per way the table can draw a cell (mocked GPU rows: no GPU here)."""
+    base = ms.proc(1, 100 * ms.MIB)
+    rows = [base]
+    for i, kind in enumerate(Kind):
+        inferred = Reading(50 * ms.MIB, kind, "mock:rule")
+        rows.append(dataclasses.replace(base, pid=10 + i, dedicated=ms.r(None), inferred=inferred,
+                                        unique=True))
+    for i, reason in enumerate(Reason):
+        rows.append(dataclasses.replace(base, pid=100 + i, dedicated=ms.r(None, reason)))
+    rows.append(dataclasses.replace(base, pid=200, host="windows"))
+    rows.append(dataclasses.replace(base, pid=201, detail=ProcDetail()))  # not scanned yet
+    heuristic = runtimes.Classification(runtimes.VISION, True, "names only").label
+    rows.append(dataclasses.replace(base, pid=202, detail=ProcDetail(category=heuristic,
+                                                                     scanned=True)))
+    for i, source in enumerate(Source):
+        for confirmed in (False, True):
+            for pending in (False, True):
+                m = ModelRef("m", source.value, confirmed=confirmed, pending=pending)
+                rows.append(dataclasses.replace(base, pid=300 + 4 * i + 2 * confirmed + pending,
+                                                model=m))
+    app = type("App", (), {"selected": "chosen-model"})()
+    rows.append(dataclasses.replace(base, pid=400, app_model=app))
+    rows.append(dataclasses.replace(base, pid=401, paged=Reading.measured(ms.MIB, "mock:pdh")))
+    return rows
+
+
+def _cells() -> list[tuple[str, ...]]:
+    rows = _variants()
+    snap = ms.snapshot(procs=tuple(rows))
+    assert report.process_columns(snap) == report.PAGED_COLUMNS
+    lookup = report.proc_host_lookup(None)
+    return [report.process_cells(p, lookup, snap, report.PAGED_COLUMNS) for p in rows]
+
+
+def test_help_explains_every_column_the_table_can_show() -> None:
+    text = _text()
+    assert set(report.PROCESS_COLUMNS) < set(report.PAGED_COLUMNS)
+    for label in report.PAGED_COLUMNS:
+        assert f"\n  {label} " in text, label
+
+
+def test_help_names_every_mark_the_table_renders() -> None:
+    text = _text()
+    symbols: set[str] = set()
+    for cells in _cells():
+        for cell in cells:
+            symbols |= set(cell) - PLAIN
+            if "(" in cell:  # an unknown that spells out its reason
+                assert cell in text, cell
+    # the rows really exercised every mark the renderers use
+    expected = {m for m in report.KIND_MARK.values() if m} | {
+        report.UNIQUE_MARK, report.NOT_SCANNED_MARK, runtimes.HEURISTIC_MARK,
+        report_models.CONFIRMED_MARK, report_models.UNCONFIRMED_MARK,
+        report_models.PENDING_MARK, "[", "]",
+    }  # fmt: skip
+    assert expected <= symbols
+    for s in symbols:
+        assert s in text, f"the table can show {s!r} but the help does not explain it"
+    for reason in report.LOUD_REASONS:
+        assert f"{report.NA} ({reason})" in text
+    assert report_models.SELECTED_TAG in text
+    pid_cells = {cells[0] for cells in _cells()}
+    assert "windows:200" in pid_cells and "windows:PID" in text
+
+
+def test_help_names_the_sort_marks() -> None:
+    table = ProcessTable()
+    text = _text()
+    for descending in (True, False):
+        table.descending = descending
+        mark = table.header_label("VRAM").split()[-1]
+        assert mark in text
+
+
+@pytest.mark.parametrize(
+    ("attr", "value"),
+    [
+        ("PAGED_COLUMNS", (*report.PAGED_COLUMNS, "NEWCOL")),
+        ("LOUD_REASONS", (*report.LOUD_REASONS, Reason.SHARED)),
+    ],
+)
+def test_an_unexplained_column_or_reason_fails_loudly(monkeypatch, attr, value) -> None:
+    monkeypatch.setattr(report, attr, value)
+    with pytest.raises(KeyError):
+        _text()
