@@ -55,7 +55,8 @@ import logging
 import random
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from crc32c import crc32c as _crc32
 
@@ -129,7 +130,8 @@ class RemoteStore(BlockStore):
                  slab_pages: int = DEFAULT_SLAB_PAGES, replicas: int = 1,
                  connect_timeout: float = 5.0, op_timeout: float = DEFAULT_OP_TIMEOUT,
                  unreachable_wait: float = DEFAULT_UNREACHABLE_WAIT, repair: bool = True,
-                 seed: int | None = None) -> None:  # fmt: skip
+                 seed: int | None = None, tables: tuple[Any, Any] | None = None
+                 ) -> None:  # fmt: skip
         if size <= 0 or size & _MASK:
             raise ValueError(f"size must be a positive multiple of {PAGE_SIZE}, not {size}")
         if not peers:
@@ -160,6 +162,12 @@ class RemoteStore(BlockStore):
         self.assigned = [0] * len(self.clients)  # pages of slabs placed (or copying) there
         self._state = bytearray(self.pages)  # EMPTY / DATA / LOST per page
         self._crc = array("I", bytes(4 * self.pages))
+        if tables is not None:  # persisted tables (daemon_state.PageTables: mmap on tmpfs)
+            if len(tables[0]) != self.pages or len(tables[1]) != self.pages:
+                raise ValueError(f"page tables must have {self.pages} entries")
+            self._state, self._crc = tables
+        # called after any change of a slab's replica set (the daemon persists the map)
+        self.on_placement_change: Callable[[], None] | None = None
         self.inflight = array("i", bytes(4 * self.nslabs))  # unlocked writes/trims per slab
         self._open = False
         self._tasks: list[asyncio.Task] = []
@@ -221,6 +229,42 @@ class RemoteStore(BlockStore):
         except BaseException:
             await self._abandon()
             raise
+        self._begin(placement, want)
+
+    async def reattach(self, placement: list[list[int]]) -> None:
+        """Take over the namespaces a crashed predecessor left (same client id and token, and
+        this store built on its persisted page tables) with its slab map `placement`. Nothing
+        is released: the memservers keep the pages for their lease. A memserver that lost the
+        namespace meanwhile is handled as on a reconnect (`_namespace_lost`)."""
+        if len(placement) != self.nslabs or any(
+                not p or len(set(p)) != len(p) or not all(0 <= i < len(self.clients) for i in p)
+                for p in placement):  # fmt: skip
+            raise ValueError(f"placement must name 1+ distinct peers for each of {self.nslabs} "
+                             "slabs")
+        results = await asyncio.gather(*(c.connect() for c in self.clients),
+                                       return_exceptions=True)  # fmt: skip
+        failed = [f"{c.peer} ({r})" for c, r in zip(self.clients, results, strict=True)
+                  if isinstance(r, BaseException)]  # fmt: skip
+        if failed:
+            for c in self.clients:
+                await c.close()  # never RELEASE here: the pages belong to a live device
+            raise StorageError(errno.EHOSTUNREACH, "memserver unreachable: " + "; ".join(failed))
+        want = [0] * len(self.clients)
+        for slab, peers in enumerate(placement):
+            for i in peers:
+                want[i] += self.slab_size(slab)
+        self._begin(placement, want)
+        for c in self.clients:
+            if not c.hello.resumed:
+                self._namespace_lost(c)
+        res = await asyncio.gather(*(c.reserve(n) for c, n in zip(self.clients, want,
+                                                                  strict=True) if n),
+                                   return_exceptions=True)  # fmt: skip
+        for r in res:
+            if isinstance(r, BaseException):
+                log.error("reserving on resume failed: %s", r)
+
+    def _begin(self, placement: list[list[int]], want: list[int]) -> None:
         self.reserved = list(want)
         self.assigned = list(want)
         self.sets = [list(p) for p in placement]
@@ -297,6 +341,8 @@ class RemoteStore(BlockStore):
     def _set_replicas(self, slab: int, members: list[int]) -> None:
         self.sets[slab] = members
         self._slab_clients[slab] = tuple(self.clients[i] for i in members)
+        if self.on_placement_change is not None:
+            self.on_placement_change()
 
     def drop_replica(self, slab: int, peer: int, why: str) -> bool:
         """Remove `peer` from the slab's replicas unless it is the last one. True if removed."""
