@@ -7,6 +7,7 @@ the real collector. `test_serve_real_*` runs the real command on this GPU-less m
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -107,6 +108,50 @@ def test_nvml_mocked_scrape_names_labels_and_provenance():
     assert att == {"0": 3 * ms.GIB + 512 * ms.MIB}
     complete = {s.labels["gpu"]: s.value for s in got["gputaskman_gpu_attributed_complete"]}
     assert complete == {"0": 1}
+
+
+def _platform_rows_snapshot():
+    """Rows as the Windows/macOS/WSL backends build them (mocked: no such OS here)."""
+    base = ms.proc(201, 2 * ms.GIB, name="game.exe")
+    paged = dataclasses.replace(base, paged=Reading.measured(300 * ms.MIB, "pdh:Non Local Usage"))
+    paged_unknown = dataclasses.replace(
+        base, pid=202, paged=Reading.missing(Reason.UNAVAILABLE, "pdh:Non Local Usage", "x"))
+    mac = dataclasses.replace(
+        base, pid=203, name="Safari", paged=Reading.measured(0, "task_vm_info:compressed"),
+        footprint=Reading.measured(5 * ms.GIB, "proc_pid_rusage:ri_phys_footprint"))
+    mac_denied = dataclasses.replace(
+        base, pid=204, footprint=Reading.missing(Reason.DENIED, "proc_pid_rusage", "EPERM"))
+    linux = ms.proc(205, ms.GIB)  # NVML measures neither
+    # a Windows host row whose PID is this test process's own PID here
+    host_row = dataclasses.replace(base, pid=os.getpid(), create_time=None, host="windows",
+                                   name="vmwp.exe")
+    return ms.snapshot(procs=(paged, paged_unknown, mac, mac_denied, linux, host_row))
+
+
+def test_platform_mocked_paged_and_footprint_match_json_and_unknown_is_absent():
+    snap = _platform_rows_snapshot()
+    sysinfo = HostSampler(duvm=False).sample(pids=[os.getpid()])
+    got = scrape(Cached(snap, sysinfo, time.time(), 0.01))
+    doc = ms.doc(snap, sysinfo)
+    for metric, key in (("gputaskman_process_paged_bytes", "paged_bytes"),
+                        ("gputaskman_process_footprint_bytes", "footprint_bytes")):
+        series = {s.labels["pid"]: s for s in got[metric]}
+        known = {("windows:" if p["host"] else "") + str(p["pid"]): p[key]["value"]
+                 for p in doc["processes"] if p[key] is not None and p[key]["value"] is not None}
+        # exactly the values --json has; unknown (202, 204) and unmeasured (NVML 205): absent
+        assert {pid: s.value for pid, s in series.items()} == known
+        assert all(s.labels["provenance"] == "measured" for s in series.values())
+    assert set(known) == {"203"}
+    paged = {s.labels["pid"]: s.value for s in got["gputaskman_process_paged_bytes"]}
+    assert paged == {"201": 300 * ms.MIB, "203": 0}  # a measured zero stays 0
+    # never mixed into VRAM or the measured sum
+    vram = {s.labels["pid"]: s.value for s in got["gputaskman_process_vram_bytes"]}
+    assert vram["203"] == 2 * ms.GIB and vram[f"windows:{os.getpid()}"] == 2 * ms.GIB
+    assert got["gputaskman_gpu_attributed_bytes"][0].value == doc["attributed_bytes"]
+    # the host row: its own pid label, and no RAM/CPU borrowed from the local process
+    ram = {s.labels["pid"] for s in got.get("gputaskman_process_ram_bytes", [])}
+    assert sysinfo.processes[os.getpid()].rss_bytes is not None
+    assert f"windows:{os.getpid()}" not in ram and str(os.getpid()) not in ram
 
 
 def test_nvml_mocked_no_sample_yet_and_backend_down():

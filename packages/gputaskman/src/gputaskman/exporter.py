@@ -15,9 +15,19 @@ runtime-reported value under a name carrying its kind
 Unknown values (a `Reading` with a reason) are not exported at all: absent, never 0.
 
 Labels: GPUs by ``gpu`` (index), ``pci_bus_id``, ``uuid`` and ``name``; processes by ``pid``
-and ``name`` (the process name, not its command line) plus the GPU labels; ``model`` is the
+and ``name`` (the process name, not its command line) plus the GPU labels. A process of
+another OS (the Windows host seen from WSL) has ``pid="windows:1234"``, as in the table, so it
+never shares a series with a local process of the same number, and it gets no RAM/CPU series
+(this machine's host sample knows nothing of it). ``model`` is the
 model's name only when two kinds of evidence confirm it (see `model.ModelRef.confirmed`), else
 empty; `gputaskman_process_model_info` lists every identified model with its evidence.
+
+Per-process memory beside VRAM, as ``--json`` has it (``paged_bytes``, ``footprint_bytes``):
+``gputaskman_process_paged_bytes`` is non-local / compressed graphics memory (Windows PDH
+``Non Local Usage``, macOS compressed graphics ledger) and ``gputaskman_process_footprint_bytes``
+the macOS physical footprint (CPU and GPU memory together: unified memory, not VRAM). Neither
+is part of ``gputaskman_process_vram_bytes`` or of any attributed sum, and a backend that does
+not measure them (NVML, DRM) exports no series at all, never 0.
 """
 
 from __future__ import annotations
@@ -103,7 +113,8 @@ def _gpu_values(a: Adapter | None) -> tuple[str, ...]:
 
 def _proc_values(p: ProcGpu, a: Adapter | None) -> tuple[str, ...]:
     model = p.model.name if p.model is not None and p.model.confirmed else ""
-    return (str(p.pid), p.name or "", model, *_gpu_values(a))
+    pid = str(p.pid) if p.host is None else f"{p.host}:{p.pid}"  # another OS's PID
+    return (pid, p.name or "", model, *_gpu_values(a))
 
 
 def _breakdown_parts(view: object) -> Mapping[str, Any]:
@@ -182,10 +193,18 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
                   p.dedicated)
         f.reading("gputaskman_process_vram", "bytes", "Process GPU memory", PROC_LABELS, pv,
                   p.inferred)
+        f.reading("gputaskman_process_paged", "bytes", "Process non-local / compressed "
+                  "graphics memory (Windows Non Local Usage, macOS); not VRAM, never summed",
+                  PROC_LABELS, pv, p.paged)  # fmt: skip
+        f.reading("gputaskman_process_footprint", "bytes", "Process physical footprint "
+                  "(macOS unified memory, CPU and GPU); not VRAM, never summed", PROC_LABELS,
+                  pv, p.footprint)  # fmt: skip
         for engine, r in sorted(p.engines.items()):
             f.reading(f"gputaskman_process_{engine}_utilization", "percent",
                       f"Process share of the {engine} engine", PROC_LABELS, pv, r)
-        host = lookup(p.pid, p.create_time)
+        # a row of another OS must not pick up the readings of a local process that
+        # happens to have the same PID
+        host = lookup(p.pid, p.create_time) if p.host is None else {}
         f.reading("gputaskman_process_ram", "bytes", "Process resident RAM (OS)", PROC_LABELS,
                   pv, host.get("ram_bytes"))
         f.reading("gputaskman_process_cpu", "percent", "Process CPU, percent of one core "
