@@ -421,8 +421,11 @@ def leftovers(state: Path, run: Run) -> list[str]:
 
 
 def run_target(name: str, rep: int, args: argparse.Namespace, workdir: Path,
-               say: Callable[[str], None]) -> Run:
+               runs: list[Run]) -> None:
+    """Set up target `name`, run the workload on it, tear it down; the run goes into `runs`
+    first, so an interrupted one is recorded too (with what it left behind)."""
     run = Run(name, rep)
+    runs.append(run)
     state = workdir / f"{name}-{rep}"
     state.mkdir()
     limit = mem_total_bytes() if name == "no-swap" else args.limit_mib * MiB
@@ -443,6 +446,9 @@ def run_target(name: str, rep: int, args: argparse.Namespace, workdir: Path,
     except (BenchError, attach.AttachError, control.ControlError, cgroup.CgroupError,
             OSError, subprocess.SubprocessError, ValueError) as exc:
         run.error = f"{run.error + '; ' if run.error else ''}{type(exc).__name__}: {exc}"
+    except KeyboardInterrupt:
+        run.error = "interrupted"
+        raise
     finally:
         run.leftovers = leftovers(state, run)
         if not run.leftovers and not any(True for _ in mounts_below(state)):
@@ -452,7 +458,6 @@ def run_target(name: str, rep: int, args: argparse.Namespace, workdir: Path,
         f"{'intact' if run.intact else 'NOT intact' if run.intact is False else 'not run'}"
         + (f"  ERROR: {run.error}" if run.error else "")
         + (f"  LEFT BEHIND: {', '.join(run.leftovers)}" if run.leftovers else ""))
-    return run
 
 
 def mounts_below(path: Path) -> Iterator[str]:
@@ -547,10 +552,14 @@ def summarize(runs: list[Run], targets: list[str]) -> dict[str, dict[str, Any]]:
                                              "teardown_s", "pswpout", "pswpin", "fill_pswpout",
                                              "peak_device_kib")}}
     base = out.get("nbdkit", {})
+    floor = out.get("no-swap", {}).get("wall_s")
     for s in out.values():
         for k in ("wall_s", "fill_s", "verify_s"):
             s[f"{k}_vs_nbdkit"] = round(s[k] / base[k], 3) if s.get(k) is not None and \
                 base.get(k) else None
+        # what swapping added to the workload's own CPU time (no-swap's wall)
+        s["over_floor_s"] = round(s["wall_s"] - floor, 3) if s["wall_s"] is not None and \
+            floor is not None else None
     return out
 
 
@@ -564,18 +573,20 @@ def markdown(summary: dict[str, dict[str, Any]], info: dict[str, Any],
         f"Workload: {args.mib} MiB of random data in a cgroup limited to {args.limit_mib} MiB, "
         f"every byte verified; swap devices {args.size // MiB} MiB at priority {PRIORITY}. "
         f"Median of {args.reps} interleaved runs per target; fill is mostly swap-out, verify "
-        "mostly swap-in (the workload's own timings); pswpout/pswpin from /proc/vmstat.",
+        "mostly swap-in (the workload's own timings); over no-swap = wall minus the no-swap "
+        "wall (what swapping added); out/in = pswpout/pswpin from /proc/vmstat (machine-wide; "
+        "pages can move more than once).",
         "",
-        "| target | frontend | wall s | vs nbdkit | fill s | verify s | out MiB | in MiB "
-        "| peak on device MiB | ok runs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| target | frontend | wall s | vs nbdkit | over no-swap s | fill s | verify s "
+        "| out MiB | in MiB | peak on device MiB | ok runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t, s in summary.items():
         ratio = "n/a" if s["wall_s_vs_nbdkit"] is None else f"{s['wall_s_vs_nbdkit']:.2f}x"
         peak = "n/a" if s["peak_device_kib"] is None else f"{s['peak_device_kib'] / 1024:.0f}"
         lines.append(f"| {t} | {s['frontend'] or 'n/a'} | {fmt(s['wall_s'])} | {ratio} | "
-                     f"{fmt(s['fill_s'])} | {fmt(s['verify_s'])} | {mib(s['pswpout'])} | "
-                     f"{mib(s['pswpin'])} | {peak} | {s['ok']}/{s['runs']} |")
+                     f"{fmt(s['over_floor_s'])} | {fmt(s['fill_s'])} | {fmt(s['verify_s'])} | "
+                     f"{mib(s['pswpout'])} | {mib(s['pswpin'])} | {peak} | {s['ok']}/{s['runs']} |")
     return "\n".join(lines)
 
 
@@ -654,10 +665,12 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             k = rep % len(args.targets)
             for name in args.targets[k:] + args.targets[:k]:  # rotate: no target always first
-                runs.append(run_target(name, rep, args, workdir, say))
+                run_target(name, rep, args, workdir, runs)
     except KeyboardInterrupt:
         interrupted = True
-        say("interrupted; the target in progress was torn down")
+        left = runs[-1].leftovers if runs else []
+        say("interrupted; " + (f"LEFT BEHIND: {', '.join(left)}" if left else
+                               "the target in progress was torn down"))
     finally:
         if not any(True for _ in mounts_below(workdir)):
             shutil.rmtree(workdir, ignore_errors=True)
