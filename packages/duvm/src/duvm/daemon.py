@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from duvm import auth, memclient
 from duvm.storage import StorageError
@@ -64,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics", metavar="HOST:PORT",
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
                         "one; see duvm.metrics)")
+    parser.add_argument("--state-dir", metavar="DIR",
+                        help="keep the state a restarted daemon needs (namespace token, slab "
+                        "map, page checksums, key) in DIR (0700; a tmpfs such as /run/duvm)")
+    parser.add_argument("--resume", action="store_true",
+                        help="take over from a daemon that died, from --state-dir: same "
+                        "namespaces on the memservers, same pages (kernel nbd then "
+                        "reconnects its live device; see `duvm enable --resume`)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log connections and errors")
     auth.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
 
@@ -92,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--replicas must be at least 1")
         if args.metrics:
             parse_listen(args.metrics)  # a bad address fails before anything starts
+        if args.resume and not args.state_dir:
+            raise ValueError("--resume needs --state-dir (where the dead daemon kept its state)")
+        if args.state_dir and args.memory:
+            raise ValueError("--state-dir keeps memserver state; --memory has none to keep")
         # Peers authenticate (secret and/or TLS) for every MemClient this process builds.
         memclient.default_security = auth.client_security_from_args(args, peers)
     except (ValueError, auth.SecretError) as e:
@@ -132,6 +144,19 @@ async def open_store(args: argparse.Namespace, size: int, peers: list[tuple[str,
         return MemoryStore(size)
     from duvm.remote_store import RemoteStore
 
+    if args.state_dir:  # state on files: a restarted daemon (--resume) serves the same pages
+        from duvm import daemon_state
+
+        try:
+            store, args.persisted = await daemon_state.open_store(
+                Path(args.state_dir), peers, size, client_id, args.replicas,
+                encrypt=auth.encryption_wanted(args, peers), resume=args.resume,
+                export_name=args.export_name)
+        except (StorageError, ValueError, daemon_state.StateError) as e:
+            raise DaemonError(getattr(e, "reason", None) or str(e)) from None
+        except OSError as e:
+            raise DaemonError(f"cannot keep state in {args.state_dir}: {e}") from None
+        return store
     try:
         store = await RemoteStore.open(peers, size, client_id, replicas=args.replicas)
     except (StorageError, ValueError) as e:  # unreachable peer, pool full: one clear line
@@ -189,6 +214,8 @@ async def _serve(args: argparse.Namespace, size: int, peers: list[tuple[str, int
     finally:
         await server.close()
         await store.close()  # a RemoteStore RELEASEs its reservations on every memserver
+        if getattr(args, "persisted", None) is not None:
+            args.persisted.discard()  # released: nothing is left to resume
     return 0
 
 
