@@ -23,6 +23,8 @@ Theory of operation
    from one read of ``/proc/PID/stat`` each. It is returned *beside* the snapshot (the
    JSON ``system`` key) and never enters GPU totals. The same pass supplies each process's
    name and create time, so ``(pid, create_time)`` identifies a process everywhere.
+   On Windows and macOS (no /proc) `hostplat.default_sampler` gives a
+   `hostplat.PlatformHostSampler` instead: what PDH / sysctl can read, the rest unknown.
 3. **Process scan** (`procinfo`): runtime libraries and mapped model files from
    ``/proc/PID/maps``, the redacted command line and a category. Scans are cached per
    ``(pid, create_time)`` inside the scanner and bounded by `scan_budget` seconds per
@@ -58,7 +60,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from gputaskman import host as host_mod
-from gputaskman import platforms
+from gputaskman import hostplat, platforms
 from gputaskman.model import (
     Adapter,
     Kind,
@@ -210,14 +212,14 @@ class Collector:
         scan_budget: float | None = SCAN_BUDGET,
         *,
         nvml: GpuSource | None = None,
-        host: host_mod.HostSampler | None = None,
+        host: host_mod.HostSampler | hostplat.PlatformHostSampler | None = None,
         scanner: ProcScanner | None = None,
         models: Any = _DEFAULT_MODELS,
     ) -> None:
         self.gpu = gpu
         self.scan_budget = scan_budget
         self._nvml = nvml if nvml is not None else default_gpu_source()
-        self._host = host if host is not None else host_mod.HostSampler()
+        self._host = host if host is not None else hostplat.default_sampler()
         self._scanner = scanner if scanner is not None else default_scanner()
         if models is _DEFAULT_MODELS:
             # Model resolution needs procinfo's ProcInfo; a test's scanner seam has none.

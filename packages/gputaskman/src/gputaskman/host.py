@@ -273,7 +273,7 @@ def _field(values: dict[str, int] | None, key: str, source: str, why: str | None
     return Reading.missing(Reason.UNAVAILABLE, source, detail)
 
 
-def _difference(a: Reading, b: Reading, source: str) -> Reading:
+def difference(a: Reading, b: Reading, source: str) -> Reading:
     """a - b when both are known (both measured by the OS), else missing with a reason."""
     if a.value is not None and b.value is not None:
         return Reading.measured(int(a.value) - int(b.value), source)
@@ -307,7 +307,7 @@ class HostSampler:
         memory = MemoryInfo(
             total_bytes=total,
             available_bytes=avail,
-            used_bytes=_difference(total, avail, f"{src} (MemTotal - MemAvailable)"),
+            used_bytes=difference(total, avail, f"{src} (MemTotal - MemAvailable)"),
             free_bytes=_field(mi, "MemFree", src, why),
             cached_bytes=_field(mi, "Cached", src, why),
             buffers_bytes=_field(mi, "Buffers", src, why),
@@ -323,7 +323,7 @@ class HostSampler:
         swap = SwapInfo(
             total_bytes=stotal,
             free_bytes=sfree,
-            used_bytes=_difference(stotal, sfree, f"{src} (SwapTotal - SwapFree)"),
+            used_bytes=difference(stotal, sfree, f"{src} (SwapTotal - SwapFree)"),
             devices=devices,
             devices_reason=swhy,
             problems=problems,

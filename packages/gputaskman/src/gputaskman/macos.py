@@ -135,7 +135,7 @@ class MacCounters:
     ) -> None:
         self._iokit = iokit if iokit is not None else CtypesIOKit()
         self._fp = footprint if footprint is not None else CtypesFootprint()
-        self._memsize = memsize if memsize is not None else _sysctl_memsize
+        self._memsize = memsize if memsize is not None else sysctl_memsize
         self._clock = clock
         self._times: dict[tuple[str, int, str | None], tuple[float, int]] = {}
         self._indices: dict[str, int] = {}
@@ -420,7 +420,7 @@ def _oserror(err: int, what: str) -> OSError:
     return OSError(err, f"{what}: {os.strerror(err) if err else 'failed'}")
 
 
-def _sysctl_memsize() -> int | None:
+def sysctl_memsize() -> int | None:
     if sys.platform != "darwin":
         return None
     try:

@@ -22,7 +22,9 @@ sums of measured readings (``attributed_bytes``, null when nothing was measured)
 facts about a model file or its settings (``parameter_count``, ``n_ctx``) that are not
 byte counts. The ``system`` object follows the same rule: its numbers are reading objects
 of kind ``measured`` whose ``source`` names the OS file (``/proc/meminfo``, ``/proc/stat``,
-``/proc/swaps``, ``os.getloadavg``): the OS's own counters for exactly that quantity.
+``/proc/swaps``, ``os.getloadavg``): the OS's own counters for exactly that quantity. On
+Windows and macOS (no /proc) the sources are PDH counters and ``sysctl:hw.memsize``, and
+what those systems do not report is null with reason ``not supported`` (see hostplat.py).
 
 Top level::
 

@@ -46,6 +46,12 @@ ENGINE: Final = r"\GPU Engine(*)\Utilization Percentage"
 ADAPTER_DEDICATED: Final = r"\GPU Adapter Memory(*)\Dedicated Usage"
 ADAPTER_SHARED: Final = r"\GPU Adapter Memory(*)\Shared Usage"
 COUNTERS: Final = (LOCAL, NON_LOCAL, ENGINE, ADAPTER_DEDICATED, ADAPTER_SHARED)
+# Machine-wide counters for the host panel (hostplat.py), one instance each.
+MEMORY_AVAILABLE: Final = r"\Memory\Available Bytes"
+PROCESSOR_TIME: Final = r"\Processor(_Total)\% Processor Time"
+HOST_COUNTERS: Final = (MEMORY_AVAILABLE, PROCESSOR_TIME)
+# Rates: formatted as doubles, and their first collection has no value yet.
+RATES: Final = (ENGINE, PROCESSOR_TIME)
 #: Never queried: see the module docstring. Kept so tests can assert it is never asked for.
 FORBIDDEN: Final = (r"\GPU Process Memory(*)\Dedicated Usage",)
 
@@ -176,10 +182,24 @@ def _missing_for(read: CounterRead | None, path: str) -> Reading | None:
         return Reading.missing(Reason.UNAVAILABLE, _src(path), "counter not read")
     if read.values is None:
         detail = read.detail or f"PDH status 0x{read.status & 0xFFFFFFFF:08X}"
-        if path == ENGINE and (read.status & 0xFFFFFFFF) in (PDH_INVALID_DATA, PDH_NO_DATA):
+        if path in RATES and (read.status & 0xFFFFFFFF) in (PDH_INVALID_DATA, PDH_NO_DATA):
             detail = "a rate: needs two samples"
         return Reading.missing(reason_for_status(read.status), _src(path), detail)
     return None
+
+
+def machine_reading(read: CounterRead | None, path: str) -> Reading:
+    """A machine-wide counter (one instance, such as `MEMORY_AVAILABLE`) as a reading:
+    measured, or missing with the reason PDH gave."""
+    missing = _missing_for(read, path)
+    if missing is not None:
+        return missing
+    assert read is not None and read.values is not None
+    values = [v for v in read.values.values() if math.isfinite(v) and v >= 0]
+    if len(values) != 1:
+        return Reading.missing(Reason.QUERY_FAILED, _src(path),
+                               f"{len(read.values)} instances, expected one valid value")
+    return Reading.measured(values[0], _src(path))
 
 
 def _values(read: CounterRead | None, view: PdhView) -> list[tuple[Instance, float]]:
@@ -372,7 +392,7 @@ class CtypesPdh:
             elif status != 0:
                 out[p] = CounterRead.failed(status, f"PdhCollectQueryData: 0x{status:08X}")
             else:
-                out[p] = self._array(dll, handle, p == ENGINE)
+                out[p] = self._array(dll, handle, p in RATES)
         return out
 
     def _array(self, dll: Any, h: ctypes.c_void_p, percent: bool) -> CounterRead:
