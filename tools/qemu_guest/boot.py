@@ -186,6 +186,7 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
               cgroup_mib: int | None = 24, swap_size: str = "128M", mem_mib: int = 384,
               memservers: int = 1, capacity: str = "128M", host_memservers: bool = False,
               timeout_s: float = 420, workdir: Path | None = None,
+              kill_at_pct: int | None = None,
               cache: Path = build_initramfs.DEFAULT_CACHE) -> GuestRun:
     """Boot the guest once; always cleans up what it started.
 
@@ -193,7 +194,9 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
     (the default), or with `host_memservers` they run here and the guest reaches them through
     QEMU's user network (known to stall, see docs/KERNEL_NBD_QEMU.md). The workload holds
     `workload_mib` MiB, in a memory cgroup of `cgroup_mib` MiB (None: no cgroup, it outgrows
-    the guest's RAM). `python` must import duvm (the project's venv); the guest uses the same
+    the guest's RAM). With `kill_at_pct` the guest SIGKILLs the daemon when the workload's
+    fill reaches that percentage and runs `duvm enable --resume`. `python` must import duvm
+    (the project's venv); the guest uses the same
     path. Raises GuestUnavailable when this host cannot boot it.
     """
     if why := problems():
@@ -214,7 +217,8 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
         env = {"DUVM_PYTHON": python, "DUVM_SCRIPT": str(GUEST_SCRIPT), "DUVM_PEERS": peers,
                "DUVM_SIZE": swap_size, "DUVM_MIB": str(workload_mib), "DUVM_HUNG_TASK_S": "30",
                "DUVM_LOCAL_MEMSERVERS": str(memservers), "DUVM_CAPACITY": capacity,
-               "DUVM_CGROUP_MIB": "" if cgroup_mib is None else str(cgroup_mib)}
+               "DUVM_CGROUP_MIB": "" if cgroup_mib is None else str(cgroup_mib),
+               "DUVM_KILL_AT_PCT": "" if kill_at_pct is None else str(kill_at_pct)}
         initrd = build_initramfs.build_initramfs(kernel, env, work / "initramfs.cpio")
         console, results = work / "console.log", work / "results.log"
         cmd = qemu_command(kernel, initrd, mem_mib, console, results)
@@ -295,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--host-memservers", action="store_true",
                    help="run the memservers on the host, reached through QEMU's user network")
+    p.add_argument("--kill-at", type=int, metavar="PCT",
+                   help="SIGKILL the daemon at PCT %% of the fill, then `duvm enable --resume`")
     p.add_argument("--keep", type=Path, help="keep logs in this folder")
     a = p.parse_args(argv)
     if a.keep:
@@ -303,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         run = run_guest(workload_mib=a.mib, cgroup_mib=a.cgroup or None,
                         swap_size=a.swap_size, mem_mib=a.mem, memservers=a.memservers,
                         capacity=a.capacity, timeout_s=a.timeout,
-                        host_memservers=a.host_memservers,
+                        host_memservers=a.host_memservers, kill_at_pct=a.kill_at,
                         workdir=a.keep)
     except GuestUnavailable as exc:
         print(f"boot: cannot boot the guest here: {exc}", file=sys.stderr)

@@ -203,14 +203,42 @@ def run_workload(mib: int, cgroup_mib: int | None) -> dict[str, Any]:
         return out
 
 
+def kill_and_resume() -> None:
+    """SIGKILL the daemon in the middle of the workload, then `duvm enable --resume`: the
+    restarted daemon must take the live /dev/nbd0 back and serve every page it had."""
+    info = json.loads(Path(STATE_DIR, "daemon.json").read_text())
+    old_pid = info["pid"]
+    before = vmstat()
+    os.kill(old_pid, 9)
+    t = time.monotonic()
+    while Path(f"/proc/{old_pid}").exists() and time.monotonic() - t < 30:
+        time.sleep(0.05)
+    emit("killed", pid=old_pid, vmstat=before, nbd_pid=(_read("/sys/block/nbd0/pid") or "")
+         .strip() or None, state_files=sorted(os.listdir(STATE_DIR + "/daemon-state")))
+    res = duvm("enable", "--resume", "--state-dir", STATE_DIR, timeout=240)
+    # pids from the state files: scanning every /proc/PID/cmdline could block on swap
+    new = _state_pids("daemon.json", "pid")
+    emit("resumed", **res, vmstat=vmstat(), proc_swaps=_read("/proc/swaps"),
+         nbd_pid=(_read("/sys/block/nbd0/pid") or "").strip() or None, new_daemon_pids=new,
+         new_daemon_cmdline=[(_read(f"/proc/{p}/cmdline") or "").replace("\0", " ")
+                             for p in new],
+         state=json.loads(Path(STATE_DIR, "state.json").read_text()))
+
+
 def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
     assert proc.stdin and proc.stdout and proc.stderr
     held: dict[str, Any] = {}
     last_shown = -1
+    kill_at = int(os.environ.get("DUVM_KILL_AT_PCT") or -1)  # of the fill phase
+    killer: threading.Thread | None = None
     for line in proc.stderr:
         parts = line.split()
         if parts[:1] == ["progress"] and len(parts) == 4:
             pct = int(parts[2]) * 100 // max(1, int(parts[3]))
+            if killer is None and parts[1] == "fill" and 0 <= kill_at <= pct:
+                # a thread: this loop must keep draining the workload's progress pipe
+                killer = threading.Thread(target=_guarded(kill_and_resume), daemon=True)
+                killer.start()
             if pct // 25 != last_shown:
                 last_shown = pct // 25
                 print(f"duvm-guest: workload {parts[1]} {pct}% at {_uptime()} s", flush=True)
@@ -227,6 +255,8 @@ def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
             print(f"duvm-guest: workload says: {line.rstrip()}", flush=True)
     out = proc.stdout.read()
     rc = proc.wait()
+    if killer is not None:
+        killer.join(300)
     lines = out.strip().splitlines()
     try:
         result = json.loads(lines[-1]) if lines else None
@@ -234,6 +264,15 @@ def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
         result = {"unparsed": out[-2000:]}
     return {"rc": rc, "result": result, "seconds": round(time.monotonic() - t, 2),
             "held": bool(held)}
+
+
+def _guarded(fn: Any) -> Any:
+    def run() -> None:
+        try:
+            fn()
+        except Exception as exc:  # reported, never silent: the host test judges
+            emit("crash", error=f"{fn.__name__}: {type(exc).__name__}: {exc}")
+    return run
 
 
 def memserver_pages(peers: str) -> list[dict[str, Any]]:

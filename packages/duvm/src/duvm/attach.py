@@ -4,8 +4,11 @@ Theory of operation
 -------------------
 The daemon is an NBD server on a Unix socket. The kernel needs a block device:
 
-* **kernel nbd** (production): ``/dev/nbdN`` connected by a holder process
-  (:mod:`duvm.kernelnbd`); tried first, after ``modprobe nbd`` when the module is not loaded.
+* **kernel nbd** (production): ``/dev/nbdN``, tried first, after ``modprobe nbd`` when the
+  module is not loaded. Connected over generic netlink (:mod:`duvm.nbdnetlink`:
+  ``NBD_CMD_CONNECT`` with a dead-connection timeout, so a restarted daemon can take the live
+  device back with ``NBD_CMD_RECONFIGURE``, see :func:`reattach_kernel`); on a kernel whose
+  nbd has no netlink family, by the ioctl holder process of :mod:`duvm.kernelnbd` instead.
 * **nbdfuse + loop** (fallback where the kernel has no nbd): ``nbdfuse`` (libnbd) shows the
   export as one file on a FUSE mount; ``losetup --direct-io=on`` puts a loop device on that file,
   so swap I/O goes straight to nbdfuse without a second copy in the page cache.
@@ -36,6 +39,7 @@ import contextlib
 import json
 import math
 import os
+import socket
 import subprocess
 import time
 import uuid
@@ -43,11 +47,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from duvm import cgroup, kernelnbd
+from duvm import cgroup, kernelnbd, nbdnetlink
 
 DEFAULT_RUN_DIR = Path("/run/duvm")
 DEFAULT_PRIORITY = 100  # above distribution swap (negative priorities): the pool is tried first
 DEFAULT_NBD_TIMEOUT_S = 60
+# How long the kernel holds requests for a restarted daemon after the connection died. The
+# memservers keep a dead daemon's namespace for their lease (60 s by default); after that the
+# pages are gone anyway, so waiting longer would only stall the swapping programs longer.
+DEFAULT_DEAD_CONN_TIMEOUT_S = 60
 MIN_FREE_SYSCTL = Path("/proc/sys/vm/min_free_kbytes")
 
 _TOOL_DIRS = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
@@ -256,6 +264,8 @@ class Attachment:
     swap_active: bool = False
     nbd_device: str | None = None
     holder_pid: int | None = None
+    nbd_netlink: bool = False  # connected over netlink (no holder; can be reconfigured)
+    dead_conn_timeout_s: int | None = None
     mountdir: str | None = None
     fuse_file: str | None = None
     nbdfuse_pid: int | None = None
@@ -316,6 +326,9 @@ def _attach_kernel(att: Attachment, run_dir: Path, timeout_s: int, save: Saver) 
     if device is None:
         raise AttachError("every /dev/nbdN is in use (load nbd with a higher nbds_max)")
     att.nbd_device = device
+    if nbdnetlink.available():
+        _attach_netlink(att, device, timeout_s, save)
+        return
     logpath = run_dir / f"holder-{Path(device).name}.log"
     proc = spawn_detached(kernelnbd.holder_command(device, att.socket, timeout_s), logpath)
     att.holder_pid = proc.pid
@@ -328,6 +341,61 @@ def _attach_kernel(att: Attachment, run_dir: Path, timeout_s: int, save: Saver) 
         time.sleep(0.05)
     att.device = device
     att.size_bytes = int(Path("/sys/block", Path(device).name, "size").read_text()) * 512
+
+
+def _handshake(socket_path: str) -> tuple[socket.socket, kernelnbd.ExportInfo]:
+    try:
+        return kernelnbd.connect_unix(socket_path)
+    except (OSError, kernelnbd.NbdHandshakeError) as exc:
+        raise AttachError(f"NBD handshake with the daemon at {socket_path} failed: {exc}") \
+            from exc
+
+
+def _attach_netlink(att: Attachment, device: str, timeout_s: int, save: Saver) -> None:
+    """NBD_CMD_CONNECT: the kernel takes its own reference on the socket, so nothing of
+    ours has to stay running; the dead-connection timeout lets a new daemon take over."""
+    sock, info = _handshake(att.socket)
+    att.nbd_netlink = True
+    att.dead_conn_timeout_s = DEFAULT_DEAD_CONN_TIMEOUT_S
+    save()  # from here a failure must disconnect the device
+    try:
+        nbdnetlink.connect(device, [sock.fileno()], info.size,
+                           server_flags=info.transmission_flags, timeout_s=timeout_s,
+                           dead_conn_timeout_s=DEFAULT_DEAD_CONN_TIMEOUT_S)
+    except OSError as exc:
+        raise AttachError(f"kernel nbd attach of {device} over netlink failed: {exc}") from exc
+    finally:
+        sock.close()
+    deadline = time.monotonic() + 30
+    while not kernelnbd.device_started(device):
+        if time.monotonic() > deadline:
+            raise AttachError(f"{device} did not start after NBD_CMD_CONNECT")
+        time.sleep(0.05)
+    att.device = device
+    att.size_bytes = int(Path("/sys/block", Path(device).name, "size").read_text()) * 512
+
+
+def reattach_kernel(att: Attachment) -> None:
+    """Hand the (restarted) daemon's socket to the live device whose connection died:
+    NBD_CMD_RECONFIGURE. The kernel then resends every request the dead daemon left
+    unanswered, and swap continues where it stopped."""
+    require_root()
+    if att.method != METHOD_KERNEL or not att.nbd_netlink or not att.nbd_device:
+        raise AttachError("only a kernel nbd device attached over netlink can be handed to a "
+                          "restarted daemon (this one is "
+                          f"{att.method}{'' if att.nbd_netlink else ' via ioctls'})")
+    if not kernelnbd.device_started(att.nbd_device):
+        raise AttachError(f"{att.nbd_device} is no longer connected (the dead-connection "
+                          f"timeout of {att.dead_conn_timeout_s} s passed?); its swapped pages "
+                          "are gone: `duvm disable --force`, then enable again")
+    sock, _info = _handshake(att.socket)
+    try:
+        nbdnetlink.reconfigure(att.nbd_device, [sock.fileno()])
+    except OSError as exc:
+        raise AttachError(f"handing the daemon's new connection to {att.nbd_device} failed: "
+                          f"{exc}") from exc
+    finally:
+        sock.close()
 
 
 def _attach_fuse(att: Attachment, run_dir: Path, save: Saver) -> None:
@@ -510,6 +578,20 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
 
 
 def _detach_kernel(att: Attachment, errors: list[str]) -> None:
+    if att.nbd_netlink:
+        if att.nbd_device and kernelnbd.device_started(att.nbd_device):
+            try:
+                nbdnetlink.disconnect(att.nbd_device)
+            except OSError as exc:
+                errors.append(f"NBD_CMD_DISCONNECT on {att.nbd_device}: {exc}")
+                return
+            deadline = time.monotonic() + 30
+            while kernelnbd.device_started(att.nbd_device):
+                if time.monotonic() > deadline:
+                    errors.append(f"{att.nbd_device} still connected 30 s after disconnect")
+                    return
+                time.sleep(0.05)
+        return
     if att.nbd_device and kernelnbd.device_started(att.nbd_device):
         try:
             kernelnbd.disconnect(att.nbd_device)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from duvm import attach, control
+from duvm import attach, control, resume
 from duvm.config import with_secret
 from duvm.units import parse_size
 
@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", type=Path, default=control.DEFAULT_STATE_DIR,
                         help=f"where state, sockets and logs live (default "
                         f"{control.DEFAULT_STATE_DIR})")
+    parser.add_argument("--resume", action="store_true",
+                        help="the daemon died: restart it from its saved state and hand it the "
+                        "live kernel nbd device again (pages kept; no other option is needed)")
 
 
 def config_from_args(args: argparse.Namespace) -> control.Config:
@@ -52,8 +55,18 @@ def config_from_args(args: argparse.Namespace) -> control.Config:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.resume:
+        try:
+            info, att = resume.resume(args.state_dir)
+        except (control.ControlError, attach.AttachError) as exc:
+            print(f"duvm enable --resume: {exc}", file=sys.stderr)
+            return 1
+        print(f"duvm resumed: daemon pid {info.pid} serves {att.device} again")
+        return 0
     try:
         cfg = config_from_args(args)
+        # the daemon keeps its state on files so `--resume` can restart it (duvm.resume)
+        cfg.daemon_args = resume.with_state_dir(cfg.daemon_args, cfg.state_dir)
         att = control.enable(cfg)
     except (control.ControlError, attach.AttachError) as exc:
         print(f"duvm enable: {exc}", file=sys.stderr)
