@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,15 @@ from gputaskman.evidence import (
     assess,
     from_procinfo,
     mapped_store_files,
-    model_args,
-    redact_argv,
 )
-from gputaskman.procinfo import ModelEvidence
+from gputaskman.procargs import REDACTED, redact_argv, resolve
+from gputaskman.procinfo import ModelEvidence, scan_process
 from gputaskman.stores import StoreIndex, StoreRoots
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_procinfo import children, start_mapper  # the real child process and its cleanup
+
+__all__ = ["children"]  # a fixture used by name
 
 
 def test_ladder_order() -> None:
@@ -51,33 +57,42 @@ def test_only_api_mapped_cmdline_corroborate(sources: tuple[str, ...], status: s
     assert json.loads(json.dumps(c.to_json()))["status"] == status
 
 
-def test_model_args_resolves_against_cwd_and_redacts(tmp_path: Path) -> None:
+def test_real_process_cmdline_evidence_resolves_and_never_holds_a_secret(
+    tmp_path: Path, children: list[subprocess.Popen[str]]
+) -> None:
+    """The one pipeline: procinfo (procargs redaction + discovery) -> from_procinfo."""
     (tmp_path / "models").mkdir()
     model = tmp_path / "models" / "tiny.gguf"
     model.write_bytes(b"GGUF")
     link = tmp_path / "link.gguf"
     link.symlink_to(model)
-    argv = ["llama-server", "-m", "models/../models/tiny.gguf", "--api-key", "secret.gguf",
+    args = ["-m", "models/../models/tiny.gguf", "--api-key", "secret.gguf",
             "--hf-token=tok.gguf", "--port", "8080", "extra/link.gguf", str(link)]
-    ev = model_args(argv, cwd=str(tmp_path))
+    proc = start_mapper(args, tmp_path)
+    children.append(proc)
+    info = scan_process(proc.pid)
+    ev = from_procinfo(info.models)
     got = [(e.source.value, e.path) for e in ev]
     assert ("cmdline", str(model)) in got
     assert ("path-arg", str(model)) in got  # the symlink resolves to the same file
+    assert ("path-arg", str(tmp_path / "extra" / "link.gguf")) in got  # relative to cwd
     assert all("secret" not in (e.path or "") and "tok" not in (e.path or "") for e in ev)
-    red = redact_argv(argv)
-    assert "secret.gguf" not in red and "--hf-token=tok.gguf" not in red
-    assert red[red.index("--api-key") + 1] == "<redacted>"
+    assert info.cmdline is not None
+    assert "secret.gguf" not in info.cmdline and "--hf-token=tok.gguf" not in info.cmdline
+    assert info.cmdline[info.cmdline.index("--api-key") + 1] == REDACTED
 
 
 def test_relative_path_without_cwd_is_dropped() -> None:
-    assert model_args(["llama-server", "-m", "rel.gguf"], cwd=None) == []
+    # procinfo leaves the path None when the process's cwd could not be read
+    row = ModelEvidence("cmdline", resolve("rel.gguf", None), raw="rel.gguf", flag="-m")
+    assert row.path is None and from_procinfo([row]) == []
 
 
 def test_api_key_only_from_the_raw_argv() -> None:
     assert api_key_from_argv(["llama-server", "--api-key", "k1"]) == "k1"
     assert api_key_from_argv(["llama-server", "--api-key=k2"]) == "k2"
     assert api_key_from_argv(["llama-server", "-m", "x"]) is None
-    assert api_key_from_argv(redact_argv(["llama-server", "--api-key", "k1"])) == "<redacted>"
+    assert api_key_from_argv(redact_argv(["llama-server", "--api-key", "k1"]).argv) == REDACTED
 
 
 def test_api_name_joins_the_one_matching_path_claim() -> None:

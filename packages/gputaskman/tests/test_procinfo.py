@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 from gputaskman import procfs
 from gputaskman.model import Reason
-from gputaskman.procargs import REDACTED, model_args, redact_argv, resolve, split_cmdline
+from gputaskman.procargs import (
+    REDACTED,
+    flag_value,
+    model_args,
+    redact_argv,
+    resolve,
+    split_cmdline,
+)
 from gputaskman.procinfo import (
     LLM,
     RUNTIMES,
@@ -454,6 +461,25 @@ def test_fuzz_redactor_never_leaks_and_never_offers_secret_as_model(
     assert red.redacted
     for arg in model_args(red):
         assert secret not in arg.raw
+
+
+def test_flag_value_both_forms_last_wins() -> None:
+    assert flag_value(["llama-server", "-c", "4096"], ("-c", "--ctx-size")) == "4096"
+    assert flag_value(["x", "--ctx-size=8192"], ("-c", "--ctx-size")) == "8192"
+    assert flag_value(["x", "-c", "1", "--ctx-size=2"], ("-c", "--ctx-size")) == "2"
+    assert flag_value(["x", "--log-file=a=b"], ("--log-file",)) == "a=b"  # first = splits
+    assert flag_value(["x", "-c"], ("-c",)) is None  # no value
+    assert flag_value(["x", "-cc", "3", "--c=4"], ("-c",)) is None  # other flags
+    assert flag_value([], ("-c",)) is None
+
+
+@given(st.lists(st.text(max_size=12), max_size=10),
+       st.sampled_from(["-c", "--api-key", "--log-file"]), st.text(max_size=12))
+@settings(max_examples=300)
+def test_fuzz_flag_value_total_and_finds_an_appended_flag(argv, flag, value) -> None:
+    flag_value(argv, (flag,))  # never raises
+    assert flag_value([*argv, flag, value], (flag,)) == value
+    assert flag_value([*argv, f"{flag}={value}"], (flag,)) == value
 
 
 @given(st.lists(st.text(max_size=30), max_size=12))

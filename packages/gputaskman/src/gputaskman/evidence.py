@@ -20,8 +20,9 @@ Evidence that a process holds a model file comes from five places, ranked:
 process classification, no API probing, no full GGUF header read and no estimates for it.
 
 Secrets: redaction and model-argument discovery are ``gputaskman.procargs`` (one list of
-secret flags for the whole tool); :func:`model_args` turns its candidates into evidence, so a
-secret value can never become a model path.
+secret flags for the whole tool), run by ``procinfo`` on every scanned process; its rows
+(redacted argv, resolved paths) become evidence through :func:`from_procinfo`, so a secret
+value can never become a model path.
 The API key itself, needed to probe a llama-server that was started with one, is taken from
 the raw argv by :func:`api_key_from_argv` and handed only to the prober, never shown.
 """
@@ -45,8 +46,6 @@ __all__ = [
     "assess",
     "from_procinfo",
     "mapped_store_files",
-    "model_args",
-    "redact_argv",
 ]
 
 class Source(StrEnum):
@@ -65,37 +64,9 @@ class Source(StrEnum):
 _RANK = {s: i for i, s in enumerate(Source)}
 CORROBORATING = frozenset({Source.API, Source.MAPPED, Source.CMDLINE})
 
-def redact_argv(argv: Sequence[str]) -> list[str]:
-    """``argv`` with secret values replaced by ``<redacted>`` (``procargs.redact_argv``)."""
-    return list(procargs.redact_argv(tuple(argv)).argv)
-
-
 def api_key_from_argv(argv: Sequence[str]) -> str | None:
     """The ``--api-key`` a llama-server was started with (for the prober only), or None."""
-    for i, arg in enumerate(argv):
-        if arg == "--api-key" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--api-key="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def model_args(argv: Sequence[str], cwd: str | None = None) -> list[Evidence]:
-    """``cmdline`` and ``path-arg`` evidence from a raw command line.
-
-    Discovery is ``procargs.model_args`` on the redacted argv (a secret value is never a
-    path). Relative paths are joined to ``cwd``; symlinks and ``..`` are resolved. A
-    relative path with no known ``cwd`` is dropped (we cannot know what it names).
-    """
-    out: list[Evidence] = []
-    for arg in procargs.model_args(procargs.redact_argv(tuple(argv))):
-        path = procargs.resolve(arg.raw, cwd)
-        if path is None:
-            continue
-        src = Source.CMDLINE if arg.evidence == "cmdline" else Source.PATH_ARG
-        where = arg.flag or f"argument {arg.index}"
-        out.append(Evidence(src, path=os.path.realpath(path), detail=where))
-    return out
+    return procargs.flag_value(argv, ("--api-key",))
 
 
 def from_procinfo(models: Iterable[Any]) -> list[Evidence]:

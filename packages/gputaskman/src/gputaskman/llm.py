@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from gputaskman.evidence import ModelClaim
 from gputaskman.gguf import KV_CACHE_TYPES, GGUFHeader, kv_cache_estimate
 from gputaskman.model import Kind, Reading, Reason
+from gputaskman.procargs import flag_value
 from gputaskman.serverprobe import (
     ListenSocket,
     ProbeResult,
@@ -173,29 +174,17 @@ def log_files(pid: int, argv: Sequence[str] = (), cwd: str | None = None,
         if target.startswith("/") and not target.startswith("/dev/") and \
                 os.path.isfile(target) and target not in out:
             out.append(target)
-    for i, a in enumerate(argv):
-        val = argv[i + 1] if a == "--log-file" and i + 1 < len(argv) else (
-            a.split("=", 1)[1] if a.startswith("--log-file=") else None)
-        if val:
-            p = os.path.realpath(os.path.join(cwd or "", val))
-            if p not in out:
-                out.append(p)
+    val = flag_value(argv, ("--log-file",))
+    if val:
+        p = os.path.realpath(os.path.join(cwd or "", val))
+        if p not in out:
+            out.append(p)
     return out
-
-
-def _flag_value(argv: Sequence[str], flags: Sequence[str]) -> str | None:
-    val = None
-    for i, a in enumerate(argv):
-        if a in flags and i + 1 < len(argv):
-            val = argv[i + 1]
-        elif "=" in a and a.split("=", 1)[0] in flags:
-            val = a.split("=", 1)[1]
-    return val
 
 
 def context_from_argv(argv: Sequence[str]) -> int | None:
     """llama.cpp's ``-c``/``--ctx-size`` (0 means "from the model"), else None."""
-    v = _flag_value(argv, ("-c", "--ctx-size"))
+    v = flag_value(argv, ("-c", "--ctx-size"))
     try:
         n = int(v) if v is not None else None
     except ValueError:
@@ -205,8 +194,8 @@ def context_from_argv(argv: Sequence[str]) -> int | None:
 
 def cache_types_from_argv(argv: Sequence[str]) -> tuple[str | None, str | None]:
     """llama.cpp's ``-ctk``/``--cache-type-k`` and ``-ctv``/``--cache-type-v``, else None."""
-    k = _flag_value(argv, ("-ctk", "--cache-type-k"))
-    v = _flag_value(argv, ("-ctv", "--cache-type-v"))
+    k = flag_value(argv, ("-ctk", "--cache-type-k"))
+    v = flag_value(argv, ("-ctv", "--cache-type-v"))
     return (k.lower() if k else None, v.lower() if v else None)
 
 

@@ -6,6 +6,9 @@ API
 records which argument indexes it touched. ``model_args(redacted) -> tuple[ModelArg, ...]``
 finds model candidates in a *redacted* command line and never returns a redacted value.
 ``resolve(raw, cwd)`` turns a relative argument into the absolute path the process meant.
+``flag_value(argv, flags)`` is the one reader of a flag's value (``-c 8192``,
+``--ctx-size=8192``) for the rest of the tool: llm.py's context, cache types and log file,
+evidence.py's API key.
 
 What is redacted (documented list; keep README and tests in step)
 ------------------------------------------------------------------
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 REDACTED = "<redacted>"
@@ -258,6 +262,22 @@ def model_args(args: RedactedArgs) -> tuple[ModelArg, ...]:
             add(arg, "path-arg", None, i)
         i += 1
     return tuple(found.values())
+
+
+def flag_value(argv: Sequence[str], flags: Collection[str]) -> str | None:
+    """The value of the last of `flags` in `argv`, as ``FLAG VALUE`` or ``FLAG=VALUE``
+    (the last one wins, as in llama.cpp's parser); None when absent or without a value.
+    Never raises. Works on the raw argv: on a redacted one a secret reads ``<redacted>``."""
+    val = None
+    for i, a in enumerate(argv):
+        if a in flags:
+            if i + 1 < len(argv):
+                val = argv[i + 1]
+        else:
+            name, eq, value = a.partition("=")
+            if eq and name in flags:
+                val = value
+    return val
 
 
 def resolve(raw: str, cwd: str | None) -> str | None:
