@@ -342,7 +342,6 @@ def test_scan_ignores_other_fds_and_non_drm_fdinfo_and_keeps_unkeyed(tmp_path: P
     assert scan.clients == ()
     assert [(r.pid, r.fd) for r in scan.unkeyed] == [(70, 2)]
     assert attribute(scan.clients) == ()
-    assert scan.names == {70: "mixed"}
 
 
 def test_missing_pdev_falls_back_to_the_node_sysfs_link(tmp_path: Path) -> None:
@@ -662,22 +661,35 @@ def test_backend_for_selected_adapter() -> None:
     assert backend_for(None, "nvml") == "nvml"
 
 
+def _drm_collector(root: Path, clock_ns=None):
+    """The real collector over a fixture tree: DRM backend, host sample and names from the
+    tree's /proc (as ``--sysroot`` builds it), with a clock seam for engine rates."""
+    from gputaskman.collector import Collector, NoNvml, NullScanner
+    from gputaskman.host import HostSampler
+
+    source = NvmlWithDrm(NoNvml("not asked"), DrmBackend(str(root), clock_ns=clock_ns))
+    return Collector(scan_budget=None, nvml=source, scanner=NullScanner(), models=None,
+                     host=HostSampler(proc_root=str(root / "proc"), duvm=False))
+
+
 def test_demo_tree_end_to_end_json_and_text(tmp_path: Path) -> None:
     write_demo_tree(tmp_path)
     clock = iter([0, 10**9])
-    backend = DrmBackend(str(tmp_path), clock_ns=lambda: next(clock))
-    first = backend.snapshot(taken=1796000000.0)
+    collector = _drm_collector(tmp_path, lambda: next(clock))
+    first, _ = collector.sample_with_system()
     procs = {p.pid: p for p in first.processes}
     assert procs[4100].engines["gfx_percent"].value is None  # first sample: no rate
     write_demo_tree(tmp_path, step=1)
-    snap = backend.snapshot(taken=1796000001.0)
-    doc = report.to_json_dict(snap)
+    snap, system = collector.sample_with_system()
+    doc = report.to_json_dict(snap, system)
     by_pid = {p["pid"]: p for p in doc["processes"]}
     llama = by_pid[4100]
     assert llama["vram_bytes"]["value"] == 4 * GIB and llama["vram_bytes"]["kind"] == "measured"
     assert llama["engines"]["gfx_percent"]["value"] == 40.0
     assert llama["engines"]["compute_percent"]["value"] == 80.0
+    # the name and start time come from the host sample, as for every backend
     assert llama["gpu"] == "00000000:03:00.0" and llama["name"] == "llama-server"
+    assert llama["started_at"] == system.processes[4100].create_time is not None
     for pid in (4300, 4301):
         assert by_pid[pid]["vram_bytes"]["value"] is None
         assert (
@@ -685,14 +697,57 @@ def test_demo_tree_end_to_end_json_and_text(tmp_path: Path) -> None:
         )
     assert by_pid[4200]["vram_bytes"]["value"] is None  # Xorg: primary node
     assert by_pid[4400]["vram_bytes"]["value"] == 150 * MIB  # Intel iGPU: system regions
-    amd, intel = doc["adapters"]
+    amd, intel = (a for a in doc["adapters"] if a["backend"] == BACKEND)
     assert amd["attributed_bytes"] == 4 * GIB and amd["attributed_complete"] is False
     assert intel["metrics"]["memory_used_bytes"]["kind"] == "inferred"
     assert intel["metrics"]["memory_total_bytes"]["value"] == 256 * MIB
     assert doc["backend"] == "drm"
     assert any("00000000:00:02.0: frequency throttled (pl1)" in n for n in doc["notes"])
-    text = report.render_text(snap)
+    text = report.render_text(snap, system)
     assert "llama-server" in text and "00000000:00:02.0" in text
+
+
+def test_drm_sample_reads_no_comm_or_stat_and_one_sysfs_link_per_node(
+    tmp_path: Path, monkeypatch
+) -> None:
+    write_demo_tree(tmp_path)
+    tree = FakeTree(tmp_path)
+    no_pdev = (
+        "drm-driver:\tamdgpu\ndrm-client-id:\t{}\ndrm-resident-vram:\t2 MiB\n"
+        "drm-shared-vram:\t0\n"
+    )
+    # many descriptors on one node whose fdinfo names no device: the sysfs fallback
+    tree.process(90, "many", {fd: ("/dev/dri/renderD128", no_pdev.format(100 + fd))
+                              for fd in range(3, 23)})
+    opened: list[str] = []
+    links: list[str] = []
+    real_os_open, real_open, real_readlink = os.open, open, os.readlink
+
+    def os_open(path, *a, **kw):
+        opened.append(str(path))
+        return real_os_open(path, *a, **kw)
+
+    def py_open(path, *a, **kw):
+        opened.append(str(path))
+        return real_open(path, *a, **kw)
+
+    def readlink(path, *a, **kw):
+        links.append(str(path))
+        return real_readlink(path, *a, **kw)
+
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr("builtins.open", py_open)
+    monkeypatch.setattr(os, "readlink", readlink)
+    s = DrmBackend(str(tmp_path)).sample()
+    monkeypatch.undo()
+    proc = str(tmp_path / "proc")
+    assert not [p for p in opened if p.startswith(proc) and p.endswith(("/comm", "/stat"))]
+    sysfs = [p for p in links if "sys/class/drm" in p]
+    assert len(sysfs) == len(set(sysfs)), sysfs  # once per node, not per descriptor
+    assert any(p.endswith("renderD128/device") for p in sysfs)
+    rows = {p.pid: p for p in s.processes}
+    assert rows[90].dedicated.value == 20 * 2 * MIB  # 20 private clients of 2 MiB each
+    assert all(p.name is None and p.create_time is None for p in s.processes)
 
 
 def test_combine_with_nvml_sample_data_and_collector_backend(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ Theory of operation
    hwmon gives only an energy counter, is a rate between two samples too.
 4. `drm_clients.attribute` decides what each process may be credited with; here that becomes
    `ProcGpu.dedicated` (measured only for provably private clients, else missing with the
-   reason) and `ProcGpu.engines`.
+   reason) and `ProcGpu.engines`. Rows carry no name or start time: the collector joins
+   them with its host sample (``(pid, create_time)``), which already read both.
 
 `merge_adapters` pairs these adapters with NVML's by PCI address so a machine with an NVIDIA
 GPU and an AMD or Intel one lists each GPU once; `backend_for` says which backend serves a
@@ -28,13 +29,11 @@ Not validated on real hardware.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from gputaskman import procfs
 from gputaskman.drm_clients import (
     Client,
     EngineRates,
@@ -63,7 +62,6 @@ from gputaskman.model import (
     ProcGpu,
     Reading,
     Reason,
-    Snapshot,
 )
 from gputaskman.nvml import NvmlProcess, NvmlSample
 
@@ -231,7 +229,6 @@ class DrmBackend:
         self._clock = clock_ns or time.monotonic_ns
         self._rates = EngineRates()
         self._energy: dict[str, tuple[int, int]] = {}  # pdev -> (t_ns, µJ)
-        self._btime = procfs.boot_time(os.path.join(root, "proc"))
 
     def cards(self) -> tuple[DrmCard, ...]:
         return tuple(c for c in enumerate_cards(self.root) if c.supported)
@@ -261,7 +258,7 @@ class DrmBackend:
             metrics[bus_id(card.pdev)] = readings.metrics
             extra[bus_id(card.pdev)] = readings
         usages = attribute(clients, rates)
-        processes = tuple(self._proc(u, scan, clients, integrated[u.pdev]) for u in usages)
+        processes = tuple(self._proc(u, clients, integrated[u.pdev]) for u in usages)
         return DrmSample(
             adapters=adapters,
             metrics=metrics,
@@ -270,24 +267,6 @@ class DrmBackend:
             notes=_notes(scan, cards) + _throttle_notes(extra),
             extra=extra,
             throttle_reasons={k: v.throttle_reasons for k, v in extra.items()},
-        )
-
-    def snapshot(self, taken: float | None = None) -> Snapshot:
-        """One sample as a whole `Snapshot` (backend ``"drm"``), for standalone use."""
-        taken = time.time() if taken is None else taken
-        s = self.sample()
-        problem = None
-        if not s.adapters:
-            problem = Problem("backend.init", Reason.NO_GPU, "no amdgpu, i915 or xe card in sysfs")
-        return Snapshot(
-            taken=taken,
-            backend=BACKEND,
-            adapters=s.adapters,
-            metrics=s.metrics,
-            processes=s.processes,
-            problems=s.problems,
-            notes=s.notes,
-            backend_problem=problem,
         )
 
     def _intel_power(self, pdev: str, r: CardReadings, now: int) -> CardReadings:
@@ -306,20 +285,14 @@ class DrmBackend:
             power = Reading.measured((uj - prev[1]) / 1e6 / ((now - prev[0]) / 1e9), source)
         return dataclasses.replace(r, metrics=dataclasses.replace(r.metrics, power_w=power))
 
-    def _proc(
-        self, u: ProcUsage, scan: ScanResult, clients: Sequence[Client], integrated: bool
-    ) -> ProcGpu:
-        create_time = None
-        if self._btime is not None:
-            try:
-                st = procfs.read_stat(u.pid, root=os.path.join(self.root, "proc"))
-                create_time = procfs.create_time(st.start_ticks, self._btime)
-            except procfs.ProcError:
-                create_time = None
+    @staticmethod
+    def _proc(u: ProcUsage, clients: Sequence[Client], integrated: bool) -> ProcGpu:
+        # No name or start time: the collector joins each row with its host sample, which
+        # has both for every process, so reading comm and stat here again would be wasted.
         return ProcGpu(
             pid=u.pid,
-            create_time=create_time,
-            name=scan.names.get(u.pid) or None,
+            create_time=None,
+            name=None,
             adapter=bus_id(u.pdev),
             contexts=("drm",),
             dedicated=_dedicated(u, integrated),

@@ -5,7 +5,10 @@ Theory of operation
 `scan_clients` walks ``/proc/PID/fd``; a descriptor whose link points into ``/dev/dri/`` is a
 DRM file, and its ``/proc/PID/fdinfo/N`` is parsed by `drm_fdinfo.parse_fdinfo`. Only those
 links are followed, so the cost is one ``readlink`` per descriptor plus one small read per
-DRM descriptor (never ``psutil.open_files()``).
+DRM descriptor (never ``psutil.open_files()``). A process's name and start time are not read
+here: the collector takes them from the host sample it already has. When fdinfo prints no
+``drm-pdev``, the node's sysfs ``device`` link is read once per node per scan, not once per
+descriptor.
 
 A *client* is one ``struct drm_file``. The kernel prints the same ``drm-client-id`` (unique
 per ``drm-pdev``) in every descriptor that refers to it: ``dup()``, ``fork()`` and
@@ -36,7 +39,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
 
@@ -117,7 +120,6 @@ class ScanResult:
 
     clients: tuple[Client, ...] = ()
     unkeyed: tuple[FdRecord, ...] = ()  # no client id or device: cannot be deduplicated
-    names: Mapping[int, str] = field(default_factory=dict)  # pid -> comm
     denied: tuple[int, ...] = ()  # processes whose descriptors we may not read
     errors: tuple[str, ...] = ()  # unreadable fdinfo lines, with pid/fd
 
@@ -144,7 +146,6 @@ def scan_clients(root: str = "/") -> ScanResult:
     except OSError as exc:
         return ScanResult(errors=(f"cannot list {proc}: {exc.strerror or exc}",))
     records: list[FdRecord] = []
-    names: dict[int, str] = {}
     denied: list[int] = []
     errors: list[str] = []
     for pid in pids:
@@ -156,7 +157,6 @@ def scan_clients(root: str = "/") -> ScanResult:
             continue
         except OSError:
             continue  # the process exited
-        found = False
         for name in fds:
             if not name.isdigit():
                 continue
@@ -178,24 +178,20 @@ def scan_clients(root: str = "/") -> ScanResult:
                 continue  # an old kernel or a driver without usage stats
             errors.extend(f"pid {pid} fd {name}: {e}" for e in info.errors)
             records.append(FdRecord(pid, int(name), os.path.basename(target), info))
-            found = True
-        if found:
-            names[pid] = _comm(proc, pid)
-    clients, unkeyed = group_clients(records, lambda node: _node_pdev(root, node))
+    pdev_of: dict[str, str | None] = {}  # node -> pdev, one sysfs readlink per node per scan
+
+    def node_pdev(node: str) -> str | None:
+        if node not in pdev_of:
+            pdev_of[node] = _node_pdev(root, node)
+        return pdev_of[node]
+
+    clients, unkeyed = group_clients(records, node_pdev)
     return ScanResult(
         clients=clients,
         unkeyed=unkeyed,
-        names=MappingProxyType(names),
         denied=tuple(sorted(set(denied))),
         errors=tuple(errors),
     )
-
-
-def _comm(proc: str, pid: int) -> str:
-    try:
-        return procfs.read_proc(pid, "comm", root=proc).decode("utf-8", "replace").rstrip("\n")
-    except procfs.ProcError:
-        return ""
 
 
 def group_clients(
