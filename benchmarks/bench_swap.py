@@ -407,11 +407,9 @@ def leftovers(state: Path, run: Run) -> list[str]:
     left = []
     for bf in Path("/sys/block").glob("loop*/loop/backing_file"):
         with contextlib.suppress(OSError):
-            if bf.read_text().startswith(str(state)):
+            if bf.read_text().startswith(f"{state}/"):
                 left.append(f"loop device /dev/{bf.parent.parent.name}")
-    for line in Path("/proc/mounts").read_text().splitlines():
-        if line.split()[1].startswith(str(state)):
-            left.append(f"mount {line.split()[1]}")
+    left += [f"mount {m}" for m in mounts_below(state)]
     if run.device and attach.swap_entry(run.device) is not None:
         left.append(f"swap {run.device}")
     if run.cgroup and Path(run.cgroup).exists():
@@ -429,8 +427,7 @@ def run_target(name: str, rep: int, args: argparse.Namespace, workdir: Path,
     state = workdir / f"{name}-{rep}"
     state.mkdir()
     limit = mem_total_bytes() if name == "no-swap" else args.limit_mib * MiB
-    t0 = time.monotonic()
-    teardown_from = None
+    t0 = teardown_from = time.monotonic()
     try:
         with TARGET_OPEN[name](args, state) as active:
             run.frontend, run.device, run.pids = active.frontend, active.device, active.pids
@@ -451,7 +448,7 @@ def run_target(name: str, rep: int, args: argparse.Namespace, workdir: Path,
         raise
     finally:
         run.leftovers = leftovers(state, run)
-        if not run.leftovers and not any(True for _ in mounts_below(state)):
+        if not run.leftovers:  # never rmtree into a mount that is still there
             shutil.rmtree(state, ignore_errors=True)
     say(f"  {name:<9} rep {rep + 1}: wall {fmt(run.wall_s)} s (fill {fmt(run.fill_s)}, verify "
         f"{fmt(run.verify_s)}), out {mib(run.pswpout)} MiB, in {mib(run.pswpin)} MiB, "
@@ -460,10 +457,9 @@ def run_target(name: str, rep: int, args: argparse.Namespace, workdir: Path,
         + (f"  LEFT BEHIND: {', '.join(run.leftovers)}" if run.leftovers else ""))
 
 
-def mounts_below(path: Path) -> Iterator[str]:
-    for line in Path("/proc/mounts").read_text().splitlines():
-        if line.split()[1].startswith(str(path)):
-            yield line.split()[1]
+def mounts_below(path: Path) -> list[str]:
+    return [m for m in (line.split()[1] for line in Path("/proc/mounts").read_text().splitlines())
+            if m.startswith(f"{path}/")]
 
 
 def mem_total_bytes() -> int:
@@ -672,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         say("interrupted; " + (f"LEFT BEHIND: {', '.join(left)}" if left else
                                "the target in progress was torn down"))
     finally:
-        if not any(True for _ in mounts_below(workdir)):
+        if not mounts_below(workdir):
             shutil.rmtree(workdir, ignore_errors=True)
     info["loadavg_end"] = os.getloadavg()
     summary = summarize(runs, args.targets)
