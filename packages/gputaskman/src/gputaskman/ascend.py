@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gputaskman.drm_fdinfo import pci_bus_id
 from gputaskman.model import Adapter, DeviceMetrics, Problem, Reading, Reason
 from gputaskman.platforms import PlatformProcess, PlatformSample, failed_sample
 
@@ -189,10 +190,8 @@ def _process(cells: list[str]) -> NpuProcess | None:
 
 def chip_key(c: Chip) -> str:
     """The pairing key: NVML-style PCI address, or a stable name when npu-smi says NA."""
-    if c.bus_id is not None:
-        dom, rest = c.bus_id.lower().split(":", 1)
-        return f"{int(dom, 16):08x}:{rest}"
-    return f"ascend:npu{c.npu}-chip{c.chip}"
+    key = pci_bus_id(c.bus_id)
+    return key if key is not None else f"ascend:npu{c.npu}-chip{c.chip}"
 
 
 def to_sample(info: NpuSmiInfo, start_index: int = 0) -> PlatformSample:

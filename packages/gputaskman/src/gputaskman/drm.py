@@ -44,7 +44,7 @@ from gputaskman.drm_clients import (
     is_system_region,
     scan_clients,
 )
-from gputaskman.drm_fdinfo import normalize_pci
+from gputaskman.drm_fdinfo import normalize_pci, pci_bus_id
 from gputaskman.drm_sysfs import (
     INTEL_DRIVERS,
     INTEL_MEMORY_NOTE,
@@ -86,9 +86,11 @@ __all__ = [
 
 
 def bus_id(pdev: str) -> str:
-    """NVML-style bus id (8-digit domain, lower case) of a normalized PCI address."""
-    domain, rest = pdev.split(":", 1)
-    return f"{int(domain, 16):08x}:{rest}"
+    """NVML-style bus id (8-digit domain, lower case) of a PCI address (`pci_bus_id`)."""
+    got = pci_bus_id(pdev)
+    if got is None:
+        raise ValueError(f"not a PCI address: {pdev!r}")
+    return got
 
 
 def pci_key(address: str) -> str | None:

@@ -80,6 +80,16 @@ def normalize_pci(address: str | None) -> str | None:
     return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(slot, 16):02x}.{function}"
 
 
+def pci_bus_id(address: str | None) -> str | None:
+    """NVML's spelling (8-digit domain, lower case: ``00000000:03:00.0``) of any PCI address
+    spelling, or None if it is not one. The one key adapters of every backend pair by."""
+    canonical = normalize_pci(address)
+    if canonical is None:
+        return None
+    domain, rest = canonical.split(":", 1)
+    return f"{int(domain, 16):08x}:{rest}"
+
+
 @dataclass(frozen=True, slots=True)
 class RegionMemory:
     """One memory region of one client, in bytes; None where the driver printed nothing."""
