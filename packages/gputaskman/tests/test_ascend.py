@@ -120,10 +120,30 @@ def test_parse_fuzz_never_raises(text):
 
 @given(st.lists(st.integers(0, 40), max_size=10), st.sampled_from([SINGLE, DUAL_DIE, NO_HBM]))
 def test_parse_fuzz_lines_dropped_never_raise_or_invent_memory(drop, text):
+    full = {p.pid: p.memory_mb * MIB for p in parse_npu_smi(text).processes}
     lines = [ln for i, ln in enumerate(text.splitlines()) if i not in set(drop)]
-    s = to_sample(parse_npu_smi("\n".join(lines)))
-    for p in s.processes:
-        assert p.dedicated.value is not None and p.dedicated.value >= 0
+    info = parse_npu_smi("\n".join(lines))
+    s = to_sample(info)
+    got = {p.pid: p.dedicated.value for p in s.processes}
+    # nothing invented: every row is one of the full output's, with its measured bytes
+    assert all(full.get(pid) == value for pid, value in got.items()), (got, full)
+    # nothing lost silently: a process row that survived is in the sample, or a problem
+    # names it, or it is counted as not understood, or the whole sample failed with a reason
+    for pid in full:
+        if any(f" {pid} " in ln for ln in lines):
+            named = any(f"process {pid} " in (pr.detail or "") for pr in s.problems)
+            failed = s.backend_problem is not None
+            assert pid in got or named or info.unparsed > 0 or failed, pid
+    if not set(drop) & set(range(len(text.splitlines()))):  # nothing dropped
+        assert got == full
+
+
+def test_fixtures_hold_process_rows_or_say_there_is_no_table():
+    """The fuzz test above needs fixtures with processes, and one without a table."""
+    assert parse_npu_smi(SINGLE).processes and parse_npu_smi(DUAL_DIE).processes
+    no_table = to_sample(parse_npu_smi(NO_HBM))
+    assert no_table.processes == ()
+    assert [pr.detail for pr in no_table.problems] == ["npu-smi printed no process table"]
 
 
 def fake_tool(tmp_path, body: str) -> str:
