@@ -4,9 +4,12 @@ This machine's kernel may have no nbd, so the test boots Debian 12's stock kerne
 `apt-get download` into /var/cache/duvm-test-kernel, never installed) under QEMU/TCG with the
 host's / shared read-only over 9p; the guest runs this checkout's own `duvm` with the host's
 Python (see tools/qemu_guest/ and docs/KERNEL_NBD_QEMU.md). In the guest: a memserver,
-`duvm enable --method kernel-nbd` (daemon + NBD_SET_SOCK/NBD_DO_IT holder + swapon), a workload
-in a memory cgroup that holds several times its limit in random data and verifies every byte,
-`duvm status`, `duvm disable`. The guest reports facts over a serial port; this test judges.
+`duvm enable --method kernel-nbd` (daemon + NBD_CMD_CONNECT over generic netlink with a
+dead-connection timeout + swapon), a workload in a memory cgroup that holds several times its
+limit in random data; half-way through its fill the daemon is SIGKILLed and `duvm enable
+--resume` restarts it from its saved state and hands it the live /dev/nbd0
+(NBD_CMD_RECONFIGURE); the workload then verifies every byte; `duvm status`, `duvm disable`.
+The guest reports facts over a serial port; this test judges.
 
 Needs root, qemu-system-x86_64 (qemu-system-x86), a static busybox (busybox-static) and either
 the cached kernel or apt; anything missing is a SKIP with the reason. QEMU is killed on any
@@ -39,7 +42,10 @@ def qemu(test: Any) -> Any:
 WORKLOAD_MIB = 48
 CGROUP_MIB = 24
 SWAP = "128M"  # under half full, so swapped-in pages keep their slot and are not rewritten
-# a run takes 3-5 minutes on 2 cores shared with other jobs (TCG); the deadline catches hangs
+KILL_AT_PCT = 50  # of the workload's fill: pages are out on the device, more are being written
+# a run takes 2.5-5 minutes on 2 cores shared with other jobs (TCG), about 60 s of it the stall
+# between the kill and the kernel resending the dead daemon's requests (its request timeout);
+# the deadline catches hangs
 QEMU_DEADLINE_S = 480
 
 
@@ -61,7 +67,7 @@ def guest_run() -> Any:
     try:
         return boot.run_guest(workload_mib=WORKLOAD_MIB, cgroup_mib=CGROUP_MIB,
                               swap_size=SWAP, capacity=SWAP, memservers=1, mem_mib=384,
-                              timeout_s=QEMU_DEADLINE_S)
+                              timeout_s=QEMU_DEADLINE_S, kill_at_pct=KILL_AT_PCT)
     except boot.GuestUnavailable as exc:
         pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
 
@@ -100,15 +106,36 @@ def test_enable_attached_dev_nbd0_through_the_kernel_driver(guest_run: Any) -> N
     swaps = _swap_lines(att["proc_swaps"])
     assert [s[0] for s in swaps] == ["/dev/nbd0"], att["proc_swaps"]
     assert swaps[0][1] == "partition" and int(swaps[0][4]) == 100  # duvm's priority
-    # /sys/block/nbd0/pid exists only while a process sits in NBD_DO_IT: duvm's holder
+    # /sys/block/nbd0/pid: the device started, configured by `duvm enable` over netlink,
+    # which has exited: no process has to hold the device (the ioctl path's holder is unused)
     assert att["nbd_pid"] and att["nbd_pid"].isdigit(), att
-    assert "-m duvm.kernelnbd" in att["holder_cmdline"] and "/dev/nbd0" in att["holder_cmdline"]
-    assert att["holder_pids"] == [int(att["nbd_pid"])]
+    assert att["holder_cmdline"] is None and att["holder_pids"] == [], att
     assert len(att["daemon_pids"]) == 1
     assert att["nbd_size_bytes"] == 128 << 20
     assert att["nbd_module_loaded"]
     # enable raised the reserve that keeps swap over the network from freezing (FACTS.md)
     assert att["min_free_kbytes"] >= 8192 > _event(guest_run, "start")["min_free_kbytes"]
+
+
+@qemu
+def test_sigkilled_daemon_was_resumed_onto_the_live_device(guest_run: Any) -> None:
+    att = _event(guest_run, "attached")
+    killed = _event(guest_run, "killed")
+    assert killed["pid"] == att["daemon_pids"][0]
+    # killed mid-swap: pages were already on the device, and the device stayed configured
+    assert killed["vmstat"]["pswpout"] - _event(guest_run, "start")["vmstat"]["pswpout"] > 0
+    assert killed["nbd_pid"] == att["nbd_pid"], killed
+    assert {"daemon-state.json", "daemon-pages.bin"} <= set(killed["state_files"]), killed
+    res = _event(guest_run, "resumed")
+    assert res["rc"] == 0 and "duvm resumed" in res["stdout"], res
+    [new] = res["new_daemon_pids"]
+    assert new != killed["pid"] and "--resume" in res["new_daemon_cmdline"][0], res
+    assert [s[0] for s in _swap_lines(res["proc_swaps"])] == ["/dev/nbd0"], res
+    assert res["nbd_pid"] == att["nbd_pid"]  # the same live device, never re-created
+    assert res["state"]["extra"]["resumed"] == 1 and res["state"]["nbd_netlink"] is True
+    # the resumed daemon carried the swapping on: more pages went out after it came back
+    assert _event(guest_run, "workload")["vmstat"]["pswpout"] > res["vmstat"]["pswpout"]
+    assert "crash" not in guest_run.events
 
 
 @qemu
