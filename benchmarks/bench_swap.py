@@ -546,7 +546,10 @@ def summarize(runs: list[Run], targets: list[str]) -> dict[str, dict[str, Any]]:
                   "frontend": next((r.frontend for r in ok), None),
                   **{k: med(ok, k) for k in ("wall_s", "fill_s", "verify_s", "setup_s",
                                              "teardown_s", "pswpout", "pswpin", "fill_pswpout",
-                                             "peak_device_kib")}}
+                                             "peak_device_kib")},
+                  # the spread says how much to trust the median on a busy machine
+                  "wall_s_min": min((r.wall_s for r in ok if r.wall_s is not None), default=None),
+                  "wall_s_max": max((r.wall_s for r in ok if r.wall_s is not None), default=None)}
     base = out.get("nbdkit", {})
     floor = out.get("no-swap", {}).get("wall_s")
     for s in out.values():
@@ -573,14 +576,15 @@ def markdown(summary: dict[str, dict[str, Any]], info: dict[str, Any],
         "wall (what swapping added); out/in = pswpout/pswpin from /proc/vmstat (machine-wide; "
         "pages can move more than once).",
         "",
-        "| target | frontend | wall s | vs nbdkit | over no-swap s | fill s | verify s "
-        "| out MiB | in MiB | peak on device MiB | ok runs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| target | frontend | wall s | wall min-max | vs nbdkit | over no-swap s | fill s "
+        "| verify s | out MiB | in MiB | peak on device MiB | ok runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t, s in summary.items():
         ratio = "n/a" if s["wall_s_vs_nbdkit"] is None else f"{s['wall_s_vs_nbdkit']:.2f}x"
         peak = "n/a" if s["peak_device_kib"] is None else f"{s['peak_device_kib'] / 1024:.0f}"
-        lines.append(f"| {t} | {s['frontend'] or 'n/a'} | {fmt(s['wall_s'])} | {ratio} | "
+        lines.append(f"| {t} | {s['frontend'] or 'n/a'} | {fmt(s['wall_s'])} | "
+                     f"{fmt(s['wall_s_min'])}-{fmt(s['wall_s_max'])} | {ratio} | "
                      f"{fmt(s['over_floor_s'])} | {fmt(s['fill_s'])} | {fmt(s['verify_s'])} | "
                      f"{mib(s['pswpout'])} | {mib(s['pswpin'])} | {peak} | {s['ok']}/{s['runs']} |")
     return "\n".join(lines)

@@ -95,6 +95,7 @@ def test_tiny_run_output_shape_and_clean_teardown(tmp_path: Path) -> None:
     assert floor["device"] is None and floor["peak_device_kib"] is None
     med = doc["median"]
     assert med["nbdkit"]["wall_s_vs_nbdkit"] == 1.0 and med["nbdkit"]["ok"] == 1
+    assert med["nbdkit"]["wall_s_min"] == med["nbdkit"]["wall_s_max"] == nbdkit["wall_s"]
     assert med["no-swap"]["wall_s"] == floor["wall_s"]
     assert med["nbdkit"]["over_floor_s"] == pytest.approx(nbdkit["wall_s"] - floor["wall_s"])
     table = out_md.read_text()
