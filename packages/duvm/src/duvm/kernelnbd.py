@@ -4,8 +4,13 @@ Theory of operation
 -------------------
 The kernel NBD driver does not speak the handshake; a user-space client must open the
 connection, negotiate the export (fixed newstyle, ``NBD_OPT_GO``), and then hand the connected
-socket to the kernel with ioctls. From then on the kernel sends transmission-phase requests on
-that socket by itself.
+socket to the kernel. From then on the kernel sends transmission-phase requests on that socket
+by itself. The handshake below serves both ways of handing it over:
+
+* generic netlink (:mod:`duvm.nbdnetlink`, Linux 4.12+), which :mod:`duvm.attach` uses
+  whenever the kernel's nbd family answers: no process has to stay, and a restarted daemon
+  can be given the live device back (``NBD_CMD_RECONFIGURE``);
+* the ioctls, below, kept only as the fallback for an nbd driver without the netlink family.
 
 The ioctl interface needs one process to sit inside ``NBD_DO_IT`` for as long as the device is
 connected (the ioctl returns only on disconnect). ``duvm enable`` exits, so attaching spawns a
@@ -17,10 +22,9 @@ OOM killer, and blocks in ``NBD_DO_IT``. The parent waits until ``/sys/block/nbd
 Detach: ``NBD_DISCONNECT`` then ``NBD_CLEAR_SOCK`` on the device; ``NBD_DO_IT`` returns in the
 holder, which exits.
 
-The dead-connection timeout is ``NBD_SET_TIMEOUT``: a request the daemon has not answered in
-that many seconds fails with EIO instead of hanging the swapping processes forever. The ioctl
-interface cannot reconnect a restarted daemon to a live device (that needs the netlink
-interface's ``NBD_CMD_RECONFIGURE``); this module does not do that yet.
+``NBD_SET_TIMEOUT`` is the request timeout: a request the daemon has not answered in that
+many seconds fails with EIO instead of hanging the swapping processes forever. The ioctl
+interface cannot reconnect a restarted daemon to a live device; that needs the netlink path.
 
 The handshake functions are sans-io (bytes in, values out) so they are tested against a real
 server and fuzzed; the ioctl part runs only where the kernel has nbd (tested under QEMU).
