@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from gputaskman import diff
 from gputaskman.model import Reason
+from gputaskman.recordfile import SnapshotError, check_snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -337,8 +338,25 @@ def test_bad_input_is_refused_with_a_reason(tmp_path: Path, content, message) ->
     assert res.returncode == diff.EXIT_BAD_INPUT and message in res.stderr
 
 
+def test_malformed_gpu_values_deep_inside_are_unpaired_not_a_crash(tmp_path: Path) -> None:
+    """Past the top-level check, a row whose ``gpu`` is a list (unhashable) once crashed
+    the pairing; now it is a row that pairs with nothing, and the CLI exits 0."""
+    b = snap(procs=[ms.proc(10, 3 * GIB)])
+    b["processes"][0]["gpu"] = ["not", "an", "address"]
+    b["adapters"][0]["pci_bus_id"] = {"bad": 1}
+    a = snap(1, procs=[ms.proc(10, 4 * GIB)])
+    res = gtm("diff", "--json", str(ms.save(tmp_path / "b.json", b)),
+              str(ms.save(tmp_path / "a.json", a)))
+    assert res.returncode == 0, res.stderr
+    procs = json.loads(res.stdout)["processes"]
+    assert sorted(p["status"] for p in procs) == ["not listed after", "not listed before"]
+
+
 def _mutations() -> st.SearchStrategy:
-    values = st.one_of(st.none(), st.integers(), st.text(max_size=5), st.floats(), st.booleans())
+    scalars = st.one_of(st.none(), st.integers(), st.text(max_size=5), st.floats(), st.booleans())
+    values = st.one_of(scalars, st.lists(scalars, max_size=3),
+                       st.dictionaries(st.sampled_from(["value", "kind", "reason", "pid", "gpu"]),
+                                       scalars, max_size=3))
     return st.lists(st.tuples(st.integers(0, 10_000), values), max_size=6)
 
 
@@ -366,11 +384,18 @@ def _mutate(doc: dict, muts) -> dict:
 @settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 @given(_mutations(), _mutations())
 def test_diff_fuzz_mangled_snapshots_never_crash_unexpectedly(mb, ma) -> None:
+    """What `diff.run` does with any two documents: the top-level check (bad input, exit
+    2), then `diff` raises nothing but `Refused` (exit 3), and its result renders."""
     base = snap(procs=[ms.proc(10, 3 * GIB), ms.proc(11, None, name="y")])
     b, a = _mutate(base, mb), _mutate(snap(1, procs=[ms.proc(10, 4 * GIB)]), ma)
     try:
+        b, a = check_snapshot(b), check_snapshot(a)
+    except SnapshotError:
+        return  # the CLI's bad-input message
+    try:
         d = diff.diff(b, a)
-    except (diff.Refused, KeyError, TypeError, ValueError, AttributeError):
-        return  # the CLI turns these into a refusal or a bad-input message
+    except diff.Refused as exc:
+        assert "conflicting adapters" in str(exc)
+        return
     diff.render_text(d, "b", "a")
-    json.dumps(d)
+    json.dumps(d, allow_nan=True)
