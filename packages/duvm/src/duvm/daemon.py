@@ -199,7 +199,7 @@ async def _serve(args: argparse.Namespace, size: int, peers: list[tuple[str, int
             host, port = await server.start_tcp(*tcp)
             where += f" tcp:{host}:{port}"
         backend = "local RAM" if args.memory else f"{len(peers)} memserver(s)"
-        if type(store).__name__ == "CryptStore":
+        if type(store).__name__.endswith("CryptStore"):  # PersistentCryptStore too
             backend += ", pages encrypted"
         from duvm import control_socket
 
