@@ -465,7 +465,8 @@ def _row(r: NvmlProcess, name: str | None, ct: float | None, d: ProcDetail | Non
     elif d is None and ct is None:
         # NVML lists the PID but /proc here has no such process: it runs in another PID
         # namespace (we are in a container) or exited between the two reads. Windows and
-        # macOS have no /proc: the host sampler and the scanner are Linux-only for now.
+        # macOS have no /proc: the process scanner is Linux-only, and their host sampler
+        # (hostplat) lists no processes yet.
         why = "no /proc entry for this PID here (another PID namespace, or exited)"
         if BACKEND in ("wddm", "metal"):
             why = "process details come from /proc, which this OS does not have"
