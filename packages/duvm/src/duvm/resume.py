@@ -68,6 +68,12 @@ def resume(state_dir: Path, timeout: float = 120.0) -> tuple[control.DaemonInfo,
     if att is None:
         raise control.ControlError(f"duvm is not enabled with state in {state_dir}; nothing "
                                    "to resume (use `duvm enable`)")
+    if att.method != attach.METHOD_KERNEL or not att.nbd_netlink:
+        raise control.ControlError(
+            f"{att.device or att.method} is attached via "
+            f"{att.method if att.method != attach.METHOD_KERNEL else 'nbd ioctls'}, which "
+            "cannot take a restarted daemon (that needs kernel nbd over netlink): "
+            "`duvm disable --force`, then enable again")
     old = control.load_daemon(state_dir)
     if old is None:
         raise control.ControlError(f"no daemon record in {state_dir}; cannot resume")
