@@ -43,7 +43,8 @@ def _dead_pid() -> int:
 
 
 @needs_root
-def test_refusals_before_anything_is_started(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_refusals_before_anything_is_started(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["enable", "--resume", "--state-dir", str(tmp_path)]) == 1
     assert "not enabled" in capsys.readouterr().err
     att = attach.Attachment(socket=str(tmp_path / "nbd.sock"), method=attach.METHOD_FUSE,
