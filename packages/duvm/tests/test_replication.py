@@ -1,5 +1,6 @@
 """Replication, checksums, failover, repair and the circuit breaker, over real memservers on
-loopback (in this process, or as child processes where a peer must freeze or die)."""
+loopback (in this process, or as child processes where a peer must freeze or die), through
+both the coroutine path and the callback fast path the NBD server takes."""
 
 from __future__ import annotations
 
@@ -425,3 +426,128 @@ async def test_r1_read_waits_for_a_restarting_memserver_instead_of_failing() -> 
     finally:
         await store.close()
         await srv.close()
+
+
+# --- the callback fast path (start_read/start_write, what nbdserver calls) ----------------
+
+
+async def fast(start, offset: int, buf: memoryview) -> str:
+    """Drive one request the way nbdserver does: hand it to `start`; `done(tag, None)`
+    finishes, `done(tag, coroutine)` continues there, `done(tag, exc)` fails. Returns which
+    way it finished ("fast" or "continued")."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    how = []
+
+    def done(tag: object, cont: object) -> None:
+        assert tag == "tag"
+        if cont is None:
+            how.append("fast")
+            fut.set_result(None)
+        elif isinstance(cont, BaseException):
+            how.append("failed")
+            fut.set_exception(cont)
+        else:
+            how.append("continued")
+            task = asyncio.ensure_future(cont)
+            task.add_done_callback(lambda t: fut.set_exception(t.exception())
+                                   if t.exception() else fut.set_result(None))  # fmt: skip
+
+    assert start(offset, buf, done, "tag"), "the fast path declined"
+    await fut
+    assert len(how) == 1, how  # done is called exactly once
+    return how[0]
+
+
+async def test_fast_round_trip_completes_without_the_coroutine_path(servers) -> None:
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs[:1], MiB, "t:fast:1", replicas=1, slab_pages=64)
+    try:
+        data = os.urandom(8 * PS)
+        assert await fast(store.start_write, 3 * PS, memoryview(data)) == "fast"
+        assert await fast(store.start_write, 100 * PS, memoryview(data[:PS])) == "fast"
+        ns = srvs[0].store.namespaces["t:fast:1"]
+        assert set(ns.pages) == {*range(3, 11), 100}  # stored where the keys say
+        out = bytearray(8 * PS)
+        assert await fast(store.start_read, 3 * PS, memoryview(out)) == "fast"
+        assert out == data
+        one = bytearray(PS)
+        assert await fast(store.start_read, 100 * PS, memoryview(one)) == "fast"
+        assert one == data[:PS]
+        assert store.stats["stores"] == 2 and store.stats["pages_stored"] == 9
+        assert store.stats["loads"] == 2 and store.stats["pages_loaded"] == 9
+        assert list(store.inflight) == [0] * store.nslabs  # every write accounted for
+        # ... and the general path reads what the fast path wrote (same checksums)
+        await store.read(3 * PS, memoryview(out))
+        assert out == data
+    finally:
+        await store.close()
+
+
+async def test_fast_path_declines_what_it_does_not_handle(servers) -> None:
+    _, addrs = servers
+    store = await RemoteStore.open(addrs, MiB, "t:fast:2", replicas=2, slab_pages=64)
+    try:
+        buf = memoryview(bytearray(2 * PS))
+
+        def never(tag: object, cont: object) -> None:
+            raise AssertionError("declined requests must not complete")
+
+        assert not store.start_read(0, buf, never, None)  # never written: zeros, no trip
+        assert not store.start_write(0, buf, never, None)  # two replicas: general path
+        await store.write(0, buf)
+        await store.write(64 * PS, buf)
+        assert not store.start_read(63 * PS, buf, never, None)  # crosses a slab boundary
+        assert not store.start_read(1, buf[:PS], never, None)  # unaligned: refused there
+        await store.close()
+        assert not store.start_read(0, buf, never, None)  # closed
+    finally:
+        await store.close()
+
+
+async def test_fast_read_of_a_corrupt_replica_fails_over_to_the_good_one(servers) -> None:
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs, MiB, "t:fast:3", replicas=2, slab_pages=64, seed=1)
+    try:
+        data = os.urandom(4 * PS)
+        await store.write(0, memoryview(data))
+        corrupt(srvs[store.sets[0][0]], "t:fast:3", 2)  # the preferred replica rots
+        out = bytearray(4 * PS)
+        assert await fast(store.start_read, 0, memoryview(out)) == "continued"
+        assert out == data  # never the rotten bytes
+        assert store.stats["checksum_failures"] == 1
+        assert store.stats["replicas_dropped"] == 1
+    finally:
+        await store.close()
+
+
+async def test_fast_read_with_no_good_copy_is_eio(servers) -> None:
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs[:1], MiB, "t:fast:4", replicas=1)
+    try:
+        await store.write(0, memoryview(b"q" * PS))
+        corrupt(srvs[0], "t:fast:4", 0)
+        out = bytearray(PS)
+        with pytest.raises(StorageError) as ei:
+            await fast(store.start_read, 0, memoryview(out))
+        assert ei.value.errno == errno.EIO and "lost by every replica" in str(ei.value)
+    finally:
+        await store.close()
+
+
+async def test_fast_write_to_a_dead_memserver_is_eio_and_the_pages_are_lost(servers) -> None:
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs[:1], MiB, "t:fast:5", replicas=1,
+                                   unreachable_wait=0.3)  # fmt: skip
+    try:
+        await store.write(0, memoryview(b"a" * PS))
+        await srvs[0].close()
+        with pytest.raises(StorageError) as ei:
+            await fast(store.start_write, 0, memoryview(b"b" * PS))
+        assert ei.value.errno == errno.EIO
+        assert list(store.inflight) == [0] * store.nslabs
+        # Neither the old nor the new bytes may be served now: the read is an error too.
+        with pytest.raises(StorageError):
+            await store.read(0, memoryview(bytearray(PS)))
+    finally:
+        await store.close()

@@ -104,6 +104,19 @@ def uncork() -> None:
             c._flush()
 
 
+_after_replies: list[Callable[[], None]] | None = None  # set while replies are delivered
+
+
+def after_replies(fn: Callable[[], None]) -> bool:
+    """Call `fn` once the replies being delivered right now are all delivered (so a caller
+    completing many requests from `load_cb`/`store_cb` callbacks can answer them in one write).
+    False when no delivery is in progress: the caller must arrange the call itself."""
+    if _after_replies is None:
+        return False
+    _after_replies.append(fn)
+    return True
+
+
 # Security for MemClients built without `security=` (set once by the daemon from its flags,
 # so stores that build clients, such as RemoteStore, need no extra argument).
 default_security: PeerSecurity | None = None
@@ -141,6 +154,34 @@ def tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(level, opt, value)
 
 
+class _Callback:
+    """Stands in for a Future on the callback fast path (`load_cb`/`store_cb`): completing it
+    calls `cb(None)` or `cb(exception)` at once, from the receive path, without a Task, a
+    Future or a loop iteration in between."""
+
+    __slots__ = ("cb", "finished")
+
+    def __init__(self, cb: Callable[[BaseException | None], None]) -> None:
+        self.cb = cb
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def set_result(self, _: object) -> None:
+        self._call(None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._call(exc)
+
+    def _call(self, exc: BaseException | None) -> None:
+        self.finished = True
+        try:
+            self.cb(exc)
+        except Exception:  # a caller's bug must not break this connection's other replies
+            log.exception("memserver request callback failed")
+
+
 class _Batch:
     """STOREs (or LOADs) queued back to back in one loop iteration, sent as one frame.
 
@@ -176,9 +217,19 @@ class _ClientProto(asyncio.BufferedProtocol):
         return self.decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        global _after_replies
         dec, pending = self.decoder, self.client._pending
         self.client._last_rx = time.monotonic()  # progress: the stall watchdog reads it
         dec.buffer_updated(nbytes)
+        _after_replies = after = []
+        try:
+            self._deliver(dec, pending)
+        finally:
+            _after_replies = None
+            for fn in after:
+                fn()
+
+    def _deliver(self, dec: pp.Decoder, pending: dict) -> None:
         try:
             while True:
                 frame = dec.next_frame()
@@ -442,12 +493,15 @@ class MemClient:
     # --- requests ---
 
     def _send(self, mtype: int, keys: tuple[int, ...] | None, data: memoryview | None,
-              out: memoryview | None, msg: pp.Request | None = None) -> asyncio.Future:  # fmt: skip
+              out: memoryview | None, msg: pp.Request | None = None,
+              fut: Any = None) -> asyncio.Future:  # fmt: skip
         """Queue one request; everything queued in this loop iteration leaves in one
-        writelines, and consecutive STOREs (or LOADs) merge into one frame."""
+        writelines, and consecutive STOREs (or LOADs) merge into one frame. `fut` (a
+        `_Callback`) replaces the Future the caller would otherwise await."""
         # The loop is cached: get_running_loop() costs a getpid() syscall on Python 3.11.
         loop = self._loop
-        fut = loop.create_future()
+        if fut is None:
+            fut = loop.create_future()
         if not self._pending:  # the stall watchdog measures from here
             self._busy_since = time.monotonic()
         if mtype in (_STORE, _LOAD):
@@ -567,6 +621,25 @@ class MemClient:
         if self.hello is None:
             return self._call(_LOAD, keys, None, out)
         return self._send(_LOAD, keys, None, out)
+
+    # The callback fast path (the NBD daemon's hot path): as store_batch/load_batch, but the
+    # completion calls `cb(None)` on success or `cb(exc)` on failure (PageServerError,
+    # MemserverUnreachable) straight from the receive path. Returns False, queuing nothing,
+    # when not connected: the caller then takes its awaitable path, which reconnects.
+
+    def store_cb(self, keys: tuple[int, ...], data: memoryview,
+                 cb: Callable[[BaseException | None], None]) -> bool:  # fmt: skip
+        if self.hello is None:
+            return False
+        self._send(_STORE, keys, data, None, None, _Callback(cb))
+        return True
+
+    def load_cb(self, keys: tuple[int, ...], out: memoryview,
+                cb: Callable[[BaseException | None], None]) -> bool:  # fmt: skip
+        if self.hello is None:
+            return False
+        self._send(_LOAD, keys, None, out, None, _Callback(cb))
+        return True
 
     async def store(self, keys: Iterable[int], data: bytes | bytearray | memoryview) -> None:
         """Store pages `keys` from `data` (len(keys) * PAGE_SIZE bytes), all or nothing per

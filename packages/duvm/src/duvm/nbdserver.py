@@ -41,7 +41,7 @@ from time import perf_counter_ns
 from typing import Any
 
 from duvm import nbdconst as C
-from duvm.memclient import cork, uncork
+from duvm.memclient import after_replies, cork, uncork
 from duvm.nbdproto import (
     BufferPool,
     ExportInfo,
@@ -190,6 +190,13 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._closed = False
         # store coroutines suspended inside the store, by request
         self._waiting: dict[Request, Coroutine[Any, Any, None]] = {}
+        self._aborted = False
+        # the store's callback fast path, when it has one (BlockStore.start_read)
+        st = type(self.store)
+        self._start_read = (self.store.start_read
+                            if st.start_read is not BlockStore.start_read else None)  # fmt: skip
+        self._start_write = (self.store.start_write
+                             if st.start_write is not BlockStore.start_write else None)  # fmt: skip
         self._lat = server.latency  # request start times only when metrics are on
         self._t0: dict[Request, int] = {}
         # uvloop already gathers all writes of one loop iteration into one writev, so replies
@@ -333,14 +340,19 @@ class NBDConnection(asyncio.BufferedProtocol):
                 return
             buf = req.buffer = self.pool.acquire(n)
             view = req.payload = buf if len(buf) == n else buf[:n]
-            coro = store.read(req.offset, view)
             self._in_flight_bytes += n
+            if self._start_read is not None and self._started(self._start_read, req, view):
+                return
+            coro = store.read(req.offset, view)
         elif cmd == _CMD_WRITE:
             if not req.length:
                 self._segments.append(_PACK_REPLY(_REPLY_MAGIC, 0, req.cookie))
                 return
-            coro = store.write(req.offset, req.payload)  # type: ignore[arg-type]
             self._in_flight_bytes += req.length
+            if (self._start_write is not None and not req.flags
+                    and self._started(self._start_write, req, req.payload)):  # fmt: skip
+                return
+            coro = store.write(req.offset, req.payload)  # type: ignore[arg-type]
         elif cmd == C.CMD_TRIM:
             coro = store.trim(req.offset, req.length)
         elif cmd == C.CMD_WRITE_ZEROES:
@@ -356,6 +368,46 @@ class NBDConnection(asyncio.BufferedProtocol):
         if self._lat is not None:
             self._t0[req] = perf_counter_ns()
         self._in_flight += 1
+        self._run(req, coro)
+
+    def _started(self, start: Any, req: Request, view: memoryview | None) -> bool:
+        """Hand a READ or WRITE to the store's callback fast path; False if it declined."""
+        if self._lat is not None:
+            self._t0[req] = perf_counter_ns()
+        self._in_flight += 1
+        if start(req.offset, view, self._fast_done, req):
+            if self._in_flight > self.stats.peak_in_flight:
+                self.stats.peak_in_flight = self._in_flight
+            return True
+        self._in_flight -= 1
+        self._t0.pop(req, None)
+        return False
+
+    def _fast_done(self, req: Any, cont: Any) -> None:
+        """Completion of a fast-path request (see BlockStore.start_read): None finished,
+        a coroutine continues the request, an exception failed it."""
+        if self._aborted:
+            if cont is not None and not isinstance(cont, BaseException):
+                cont.close()
+            return
+        if cont is None:
+            self._done(req, 0)
+        elif isinstance(cont, BaseException):
+            if isinstance(cont, StorageError):
+                self._done(req, cont.errno)
+            else:
+                log.error("%s: store failed on %r: %r", self.peer, req, cont)
+                self._done(req, errno.EIO)
+        else:
+            self._run(req, cont)  # the general path takes over (a failover, a retry)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            # Many replies arrive in one read from a memserver: answer them in one write.
+            if not after_replies(self._flush):
+                self._loop.call_soon(self._flush)
+
+    def _run(self, req: Request, coro: Coroutine[Any, Any, None]) -> None:
+        """Step a store coroutine until it first awaits (then `_suspend`) or finishes."""
         try:
             first = coro.send(None)
         except StopIteration:
@@ -514,6 +566,7 @@ class NBDConnection(asyncio.BufferedProtocol):
     def abort(self, reason: str) -> None:
         log.warning("%s: closing connection: %s", self.peer, reason)
         self._disconnecting = True
+        self._aborted = True  # fast-path completions still to come are dropped
         if self.transport is not None:
             self.transport.abort()
         waiting, self._waiting = self._waiting, {}

@@ -63,7 +63,7 @@ from crc32c import crc32c as _crc32
 from duvm.memclient import MemClient, MemserverUnreachable, PageServerError
 from duvm.pageproto import ErrorCode
 from duvm.placement import normalize_peers, place
-from duvm.storage import PAGE_SIZE, BlockStore, Capabilities, StorageError
+from duvm.storage import PAGE_SIZE, BlockStore, Capabilities, Done, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -447,6 +447,89 @@ class RemoteStore(BlockStore):
             if isinstance(r, BaseException):
                 raise r
 
+    # --- the callback fast path (see storage.BlockStore.start_read) ---
+
+    def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
+        """The common read (written pages of one slab, preferred replica connected): one LOAD
+        whose reply is checked and answered from the receive path, with no coroutine. Anything
+        else, or any failure, continues in `load_verified` (failover, judging replicas)."""
+        n = len(out)
+        if (offset | n) & _MASK or not self._open:
+            return False
+        first, count, st = offset >> 12, n >> 12, self._state
+        slab = first // self.slab_pages
+        if count == 1:
+            if st[first] != DATA:
+                return False
+        elif ((first + count - 1) // self.slab_pages != slab
+              or st.count(DATA, first, first + count) != count):  # fmt: skip
+            return False
+        c = self._slab_clients[slab][0]
+        if count > c.max_batch:
+            return False
+
+        def loaded(exc: BaseException | None) -> None:
+            if exc is None and not self._bad_pages(first, count, out):
+                stats = self.stats
+                stats["loads"] += 1
+                stats["pages_loaded"] += count
+                done(tag, None)
+            elif exc is None or isinstance(exc, _FAILURES):
+                done(tag, self.load_verified(slab, first, count, out))
+            else:
+                done(tag, exc)
+
+        keys = (first,) if count == 1 else tuple(range(first, first + count))
+        return c.load_cb(keys, out, loaded)
+
+    def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
+        """The common write (one slab, one replica, no repair copying it): one STORE whose
+        acknowledgement marks the pages from the receive path. Any failure continues in
+        `_store`, which sends it again (STORE is idempotent) and decides what it means."""
+        n = len(data)
+        if (offset | n) & _MASK or not self._open:
+            return False
+        first, count = offset >> 12, n >> 12
+        slab = first // self.slab_pages
+        if (first + count - 1) // self.slab_pages != slab or slab in self.repairs:
+            return False
+        clients = self._slab_clients[slab]
+        c = clients[0]
+        if len(clients) != 1 or count > c.max_batch:
+            return False
+        inflight = self.inflight
+
+        def stored(exc: BaseException | None) -> None:
+            inflight[slab] -= 1
+            if exc is None:
+                self._mark_stored(first, count, data)
+                done(tag, None)
+            elif isinstance(exc, _FAILURES):
+                done(tag, self._store(slab, first, count, data))
+            else:
+                done(tag, exc)
+
+        keys = (first,) if count == 1 else tuple(range(first, first + count))
+        inflight[slab] += 1  # a repair starting now waits for this write to finish
+        if c.store_cb(keys, data, stored):
+            return True
+        inflight[slab] -= 1
+        return False
+
+    def _mark_stored(self, first: int, count: int, data: memoryview) -> None:
+        """Every live replica acknowledged these pages: they hold `data` from now on."""
+        stats = self.stats
+        stats["stores"] += 1
+        stats["pages_stored"] += count
+        st, crc = self._state, self._crc
+        if count == 1:
+            crc[first] = _crc32(data)
+            st[first] = DATA
+        else:
+            for k in range(count):
+                crc[first + k] = _crc32(data[k << 12 : (k + 1) << 12])
+            st[first : first + count] = bytes((DATA,)) * count
+
     async def read(self, offset: int, out: memoryview) -> None:
         n = len(out)
         if (offset | n) & _MASK or not self._open:
@@ -619,17 +702,7 @@ class RemoteStore(BlockStore):
                 finally:
                     inflight[slab] -= 1
                 if ok:
-                    stats = self.stats
-                    stats["stores"] += 1
-                    stats["pages_stored"] += count
-                    st, crc = self._state, self._crc
-                    if count == 1:
-                        crc[first] = _crc32(data)
-                        st[first] = DATA
-                    else:
-                        for k in range(count):
-                            crc[first + k] = _crc32(data[k << 12 : (k + 1) << 12])
-                        st[first : first + count] = bytes((DATA,)) * count
+                    self._mark_stored(first, count, data)
                     return
             await self._store(slab, first, count, data)
             return

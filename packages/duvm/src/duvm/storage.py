@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import errno
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 PAGE_SIZE = 4096
 
@@ -37,11 +39,27 @@ class Capabilities:
     can_multi_conn: bool = True
 
 
+# A fast-path completion: `done(tag, None)` finished; `done(tag, coroutine)` continue with that
+# coroutine (it completes the request, or raises StorageError); `done(tag, exception)` failed.
+Done = Callable[[object, "Coroutine[Any, Any, None] | BaseException | None"], None]
+
+
 class BlockStore(ABC):
     """A byte-addressed device of `size` bytes. Offsets and lengths arrive already validated."""
 
     size: int
     capabilities: Capabilities = Capabilities()
+
+    # Optional callback fast path. A store may take a read or write without a coroutine:
+    # it returns True and later calls `done(tag, ...)` exactly once, from the event loop;
+    # False means it did nothing and the caller awaits `read`/`write` instead. The buffer
+    # stays the caller's until `done`.
+
+    def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
+        return False
+
+    def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
+        return False
 
     @abstractmethod
     async def read(self, offset: int, out: memoryview) -> None:
