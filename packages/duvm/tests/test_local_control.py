@@ -18,9 +18,6 @@ from duvm import control_socket
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "duvm"
 _SUBPROCESS = {"run", "Popen", "call", "check_call", "check_output"}
-# Known and reported, owned elsewhere: the network-namespace test cluster runs `ip`/`tc` through
-# PATH (as root). Remove the entry once it resolves them with attach.find_tool.
-_KNOWN_PATH_LOOKUPS = {"netns_cluster.py"}
 
 
 def _calls(tree: ast.AST):
@@ -49,8 +46,7 @@ def test_no_shell_and_no_bare_tool_names_in_subprocess_calls() -> None:
                 first = node.args[0] if node.args else None
                 if isinstance(first, (ast.List, ast.Tuple)) and first.elts:
                     head = first.elts[0]
-                    if (isinstance(head, ast.Constant) and not str(head.value).startswith("/")
-                            and path.name not in _KNOWN_PATH_LOOKUPS):  # fmt: skip
+                    if isinstance(head, ast.Constant) and not str(head.value).startswith("/"):
                         problems.append(f"{where}: {head.value!r} is found through PATH")
                 if isinstance(first, ast.Constant):
                     problems.append(f"{where}: a command string")

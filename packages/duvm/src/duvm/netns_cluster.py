@@ -28,21 +28,32 @@ import tempfile
 import time
 from pathlib import Path
 
+from duvm.attach import find_tool
+
 SUBNET = "10.77.0"
 PORT = 7070
 
 
+def tool(name: str) -> str:
+    """Absolute path of `ip` or `tc` (root runs these: never through PATH)."""
+    path = find_tool(name)
+    if path is None:
+        raise FileNotFoundError(f"{name} not found (apt: iproute2)")
+    return path
+
+
 def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=30)
+    return subprocess.run([tool(cmd[0]), *cmd[1:]], capture_output=True, text=True,
+                          check=check, timeout=30)  # fmt: skip
 
 
 def skip_reason() -> str | None:
     """Why a cluster cannot be built here, or None."""
     if os.geteuid() != 0:
         return "needs root (network namespaces, veth, tc)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"{tool} missing (apt: iproute2)"
+    for name in ("ip", "tc"):
+        if find_tool(name) is None:
+            return f"{name} missing (apt: iproute2)"
     probe = f"duvmt-probe-{secrets.token_hex(3)}"
     r = run("ip", "netns", "add", probe, check=False)
     if r.returncode:
@@ -132,7 +143,7 @@ class Cluster:
     def start(self, name: str, node: int, argv: list[str]) -> subprocess.Popen:
         """Start `argv` in `node`'s namespace, output to DIR/name.log."""
         log = open(self.dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
-        p = subprocess.Popen(["ip", "netns", "exec", self.ns(node), *argv], stdout=log,
+        p = subprocess.Popen([tool("ip"), "netns", "exec", self.ns(node), *argv], stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         log.close()
         self.procs[name] = p
