@@ -108,16 +108,18 @@ class Memserver:
 
 
 def start_memserver(python: str, capacity: str, workdir: Path, index: int,
-                    timeout: float = 60) -> Memserver:
+                    timeout: float = 60, net: TapNet | None = None) -> Memserver:
     log = workdir / f"memserver{index}.log"
+    host = net.host_ip if net is not None else "127.0.0.1"
+    prefix = net.exec_prefix() if net is not None else []
     with open(log, "wb") as out:
-        proc = subprocess.Popen([python, "-m", "duvm.cli", "memserver", "--listen",
-                                 "127.0.0.1:0", "--capacity", capacity],
+        proc = subprocess.Popen([*prefix, python, "-m", "duvm.cli", "memserver", "--listen",
+                                 f"{host}:0", "--capacity", capacity, "--insecure"],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        m = re.search(r"listening on 127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
+        m = re.search(rf"listening on {re.escape(host)}:(\d+)", log.read_text(errors="replace"))
         if m:
             return Memserver(proc, int(m.group(1)), log)
         if proc.poll() is not None:
@@ -137,7 +139,19 @@ def stop_memserver(ms: Memserver) -> None:
             ms.proc.wait(15)
 
 
-def memserver_status(port: int) -> dict[str, Any] | None:
+def memserver_status(port: int, net: TapNet | None = None,
+                     python: str = sys.executable) -> dict[str, Any] | None:
+    """A memserver's STATUS; through the namespace's own stack when it lives in one."""
+    if net is not None:
+        code = ("import asyncio, json, sys\nfrom duvm.memclient import query_status\n"
+                f"print(json.dumps(asyncio.run(query_status({net.host_ip!r}, {port}, "
+                "timeout=5))))")
+        try:
+            res = subprocess.run([*net.exec_prefix(), python, "-c", code], capture_output=True,
+                                 text=True, timeout=60, check=False)
+            return json.loads(res.stdout) if res.returncode == 0 else None
+        except (subprocess.TimeoutExpired, ValueError):
+            return None
     from duvm.memclient import query_status
 
     try:
@@ -146,12 +160,55 @@ def memserver_status(port: int) -> dict[str, Any] | None:
         return None
 
 
+# --- tap networking in a private network namespace ------------------------------------------
+
+
+@dataclass
+class TapNet:
+    """A network namespace of our own holding a tap device: QEMU and the host-side memservers
+    run inside it, the guest's NIC is the tap, so the page path is the kernel's TCP stack on
+    both ends instead of QEMU's user-mode network (slirp). Nothing outside the namespace is
+    touched; `close` deletes it with everything in it."""
+
+    name: str
+    host_ip: str = "10.0.3.1"
+    guest_ip: str = "10.0.3.2"
+    tap: str = "duvmtap0"
+
+    @classmethod
+    def create(cls) -> TapNet:
+        ip = shutil.which("ip") or "/usr/sbin/ip"
+        net = cls(f"duvm-qemu-{os.getpid()}-{os.urandom(3).hex()}")
+        steps = [[ip, "netns", "add", net.name],
+                 [ip, "-n", net.name, "link", "set", "lo", "up"],
+                 [ip, "-n", net.name, "tuntap", "add", "dev", net.tap, "mode", "tap"],
+                 [ip, "-n", net.name, "addr", "add", f"{net.host_ip}/24", "dev", net.tap],
+                 [ip, "-n", net.name, "link", "set", net.tap, "up"]]
+        for cmd in steps:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+            if res.returncode != 0:
+                net.close()
+                raise GuestUnavailable(f"cannot set up tap networking ({' '.join(cmd)}): "
+                                       f"{res.stderr.strip()}")
+        return net
+
+    def exec_prefix(self) -> list[str]:
+        return [shutil.which("ip") or "/usr/sbin/ip", "netns", "exec", self.name]
+
+    def close(self) -> None:
+        subprocess.run([shutil.which("ip") or "/usr/sbin/ip", "netns", "del", self.name],
+                       capture_output=True, timeout=30, check=False)
+
+
 # --- QEMU -----------------------------------------------------------------------------------
 
 
 def qemu_command(kernel: build_initramfs.GuestKernel, initrd: Path, mem_mib: int,
-                 console: Path, results: Path) -> list[str]:
-    return [
+                 console: Path, results: Path, net: TapNet | None = None,
+                 monitor: Path | None = None) -> list[str]:
+    netdev = (f"tap,id=n0,ifname={net.tap},script=no,downscript=no" if net is not None
+              else "user,id=n0")
+    return [*(net.exec_prefix() if net is not None else []),
         QEMU, "-M", "pc", "-accel", "tcg", "-smp", "1", "-m", str(mem_mib),
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-kernel", str(kernel.vmlinuz), "-initrd", str(initrd),
@@ -160,7 +217,8 @@ def qemu_command(kernel: build_initramfs.GuestKernel, initrd: Path, mem_mib: int
         # the host's / read-only: the guest runs this very checkout with the host's Python
         "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
         "multidevs=remap",
-        "-netdev", "user,id=n0", "-device", "virtio-net-pci,netdev=n0",
+        "-netdev", netdev, "-device", "virtio-net-pci,netdev=n0",
+        *(["-monitor", f"unix:{monitor},server=on,wait=off"] if monitor is not None else []),
     ]
 
 
@@ -186,7 +244,8 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
               cgroup_mib: int | None = 24, swap_size: str = "128M", mem_mib: int = 384,
               memservers: int = 1, capacity: str = "128M", host_memservers: bool = False,
               timeout_s: float = 420, workdir: Path | None = None,
-              kill_at_pct: int | None = None,
+              kill_at_pct: int | None = None, network: str = "user",
+              sysrq_at: list[float] | None = None,
               cache: Path = build_initramfs.DEFAULT_CACHE) -> GuestRun:
     """Boot the guest once; always cleans up what it started.
 
@@ -209,19 +268,29 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
     work = Path(tempfile.mkdtemp(prefix="duvm-qemu-")) if workdir is None else workdir
     servers: list[Memserver] = []
     qemu: subprocess.Popen[bytes] | None = None
+    net: TapNet | None = None
     try:
+        if network == "tap":
+            net = TapNet.create()
+        elif network != "user":
+            raise ValueError(f"network must be 'user' or 'tap', not {network!r}")
         if host_memservers:
             for i in range(memservers):
-                servers.append(start_memserver(python, capacity, work, i))
-        peers = ",".join(f"{HOST_FROM_GUEST}:{s.port}" for s in servers)
+                servers.append(start_memserver(python, capacity, work, i, net=net))
+        host = net.host_ip if net is not None else HOST_FROM_GUEST
+        peers = ",".join(f"{host}:{s.port}" for s in servers)
         env = {"DUVM_PYTHON": python, "DUVM_SCRIPT": str(GUEST_SCRIPT), "DUVM_PEERS": peers,
                "DUVM_SIZE": swap_size, "DUVM_MIB": str(workload_mib), "DUVM_HUNG_TASK_S": "30",
                "DUVM_LOCAL_MEMSERVERS": str(memservers), "DUVM_CAPACITY": capacity,
                "DUVM_CGROUP_MIB": "" if cgroup_mib is None else str(cgroup_mib),
-               "DUVM_KILL_AT_PCT": "" if kill_at_pct is None else str(kill_at_pct)}
+               "DUVM_KILL_AT_PCT": "" if kill_at_pct is None else str(kill_at_pct),
+               "DUVM_CONSOLE_LOGLEVEL": "7" if sysrq_at else "",
+               "DUVM_GUEST_IP": net.guest_ip if net is not None else "10.0.2.15",
+               "DUVM_GATEWAY": net.host_ip if net is not None else HOST_FROM_GUEST}
         initrd = build_initramfs.build_initramfs(kernel, env, work / "initramfs.cpio")
         console, results = work / "console.log", work / "results.log"
-        cmd = qemu_command(kernel, initrd, mem_mib, console, results)
+        monitor = work / "monitor.sock" if sysrq_at else None
+        cmd = qemu_command(kernel, initrd, mem_mib, console, results, net, monitor)
         t0 = time.monotonic()
         with open(work / "qemu.log", "wb") as qlog:
             qemu = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=qlog,
@@ -229,7 +298,13 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
                                     preexec_fn=_die_with_parent)
         timed_out = False
         try:
-            rc: int | None = qemu.wait(timeout_s)
+            for at in sorted(sysrq_at or []):  # diagnostics of a stalled guest, see --sysrq-at
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    qemu.wait(max(0.0, t0 + at - time.monotonic()))
+                    break  # QEMU already ended
+                assert monitor is not None
+                sysrq(monitor, "wm")
+            rc: int | None = qemu.wait(max(1.0, t0 + timeout_s - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out, rc = True, None
         seconds = round(time.monotonic() - t0, 1)
@@ -237,14 +312,30 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
         events, markers = parse_results(_read(results))
         return GuestRun(rc, timed_out, seconds, events, markers,
                         _read(console) + _read(work / "qemu.log"),
-                        [memserver_status(s.port) for s in servers])
+                        [memserver_status(s.port, net, python) for s in servers])
     finally:
         if qemu is not None:
             _kill_group(qemu)
         for s in servers:
             stop_memserver(s)
+        if net is not None:
+            net.close()
         if own_tmp:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def sysrq(monitor: Path, keys: str) -> None:
+    """Press Alt-SysRq-KEY in the guest for each key, through QEMU's monitor socket (the
+    guest's PS/2 keyboard): w = blocked tasks with their stacks, m = memory state; the kernel
+    prints them on the console even when no process in the guest can run any more."""
+    import socket
+
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(str(monitor))
+        for key in keys:
+            s.sendall(f"sendkey alt-sysrq-{key}\n".encode())
+            time.sleep(2)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -299,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--host-memservers", action="store_true",
                    help="run the memservers on the host, reached through QEMU's user network")
+    p.add_argument("--network", choices=("user", "tap"), default="user",
+                   help="guest network: QEMU user mode (slirp), or a tap device in a private "
+                   "network namespace (with --host-memservers: they run in it)")
+    p.add_argument("--sysrq-at", type=float, action="append", metavar="S",
+                   help="S seconds after QEMU starts, print the guest's blocked tasks and "
+                   "memory state on its console (SysRq w and m; repeatable)")
     p.add_argument("--kill-at", type=int, metavar="PCT",
                    help="SIGKILL the daemon at PCT %% of the fill, then `duvm enable --resume`")
     p.add_argument("--keep", type=Path, help="keep logs in this folder")
@@ -310,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                         swap_size=a.swap_size, mem_mib=a.mem, memservers=a.memservers,
                         capacity=a.capacity, timeout_s=a.timeout,
                         host_memservers=a.host_memservers, kill_at_pct=a.kill_at,
+                        network=a.network, sysrq_at=a.sysrq_at,
                         workdir=a.keep)
     except GuestUnavailable as exc:
         print(f"boot: cannot boot the guest here: {exc}", file=sys.stderr)

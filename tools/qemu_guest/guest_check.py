@@ -158,21 +158,51 @@ def _state_pids(name: str, key: str) -> list[int]:
     return [pid] if isinstance(pid, int) else []
 
 
-def monitor(stop: threading.Event, every: float = 10.0) -> None:
-    """One console line every few seconds: swap traffic, free RAM, what the daemon and the
-    holder are doing. When the guest stalls, this shows where."""
+# The daemon's pid for the monitor, refreshed by whoever (re)starts it: the monitor itself must
+# not read duvm's state files, which sit on a tmpfs whose pages can be swapped out to the very
+# device that is stalled.
+WATCHED: dict[str, list[int]] = {"daemon": []}
+
+
+def watch_daemon() -> None:
+    WATCHED["daemon"] = _state_pids("daemon.json", "pid")
+
+
+def tcp_queues(ports: set[int]) -> str:
+    """send/receive queue bytes of the TCP connections to the memservers (/proc/net/tcp)."""
+    out = []
+    for line in (_read("/proc/net/tcp") or "").splitlines()[1:]:
+        f = line.split()
+        if len(f) > 4 and int(f[2].split(":")[1], 16) in ports:
+            tx, rx = (int(x, 16) for x in f[4].split(":"))
+            out.append(f"{tx}/{rx}")
+    snmp = (_read("/proc/net/snmp") or "").splitlines()
+    tcp = [x.split() for x in snmp if x.startswith("Tcp:")]
+    retrans = dict(zip(tcp[0], tcp[1], strict=False)).get("RetransSegs") if len(tcp) == 2 \
+        else None
+    return f"tcp tx/rx {','.join(out) or '-'} retrans {retrans}"
+
+
+def _threads(pid: int) -> str:
+    """Each thread of `pid` not sleeping interruptibly, with its state and wait channel."""
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return "gone"
+    busy = [f"{t}:{_task(t)}" for t in tids if not _task(t).startswith("S ")]
+    return f"{len(tids)} threads" + (f" [{'; '.join(busy)}]" if busy else " all S")
+
+
+def monitor(stop: threading.Event, ports: set[int], every: float = 10.0) -> None:
+    """One console line every few seconds: swap traffic, free RAM, what the daemon is doing,
+    its memserver connections' queues. When the guest stalls, this shows where."""
     while not stop.wait(every):
         try:
             vm, mem = vmstat(), meminfo()
-            # pids from duvm's state files: scanning every /proc/PID/cmdline would block
-            # on the workload's swapped-out or locked memory
-            daemons, holders = _state_pids("daemon.json", "pid"), _state_pids("state.json",
-                                                                               "holder_pid")
-            tasks = " ".join([f"daemon {_task(p)}" for p in daemons]
-                             + [f"holder {_task(p)}" for p in holders])
+            tasks = " ".join(f"daemon {_threads(p)}" for p in WATCHED["daemon"])
             print(f"duvm-guest: monitor {_uptime():.0f}s out {vm.get('pswpout')} in "
                   f"{vm.get('pswpin')} free {mem.get('MemFree')}k mlocked "
-                  f"{mem.get('Mlocked')}k {tasks}", flush=True)
+                  f"{mem.get('Mlocked')}k {tasks} {tcp_queues(ports)}", flush=True)
         except Exception as exc:  # the monitor must never take the run down
             print(f"duvm-guest: monitor error {exc}", flush=True)
 
@@ -217,7 +247,8 @@ def kill_and_resume() -> None:
          .strip() or None, state_files=sorted(os.listdir(STATE_DIR + "/daemon-state")))
     res = duvm("enable", "--resume", "--state-dir", STATE_DIR, timeout=240)
     # pids from the state files: scanning every /proc/PID/cmdline could block on swap
-    new = _state_pids("daemon.json", "pid")
+    watch_daemon()
+    new = WATCHED["daemon"]
     emit("resumed", **res, vmstat=vmstat(), proc_swaps=_read("/proc/swaps"),
          nbd_pid=(_read("/sys/block/nbd0/pid") or "").strip() or None, new_daemon_pids=new,
          new_daemon_cmdline=[(_read(f"/proc/{p}/cmdline") or "").replace("\0", " ")
@@ -320,9 +351,10 @@ def main() -> int:
     os.chdir("/run")
     lock_self()
     stop = threading.Event()
-    threading.Thread(target=monitor, args=(stop,), daemon=True).start()
     peers = os.environ.get("DUVM_PEERS") or start_local_memservers(
         int(os.environ["DUVM_LOCAL_MEMSERVERS"]), os.environ["DUVM_CAPACITY"])
+    ports = {int(p.rpartition(":")[2]) for p in peers.split(",")}
+    threading.Thread(target=monitor, args=(stop, ports), daemon=True).start()
     size = os.environ["DUVM_SIZE"]
     mib = int(os.environ["DUVM_MIB"])
     cgroup_mib = int(os.environ["DUVM_CGROUP_MIB"]) if os.environ.get("DUVM_CGROUP_MIB") else None
@@ -334,11 +366,16 @@ def main() -> int:
          has_dev_nbd0=os.path.exists("/dev/nbd0"), workload_mib=mib, peers=peers, size=size)
     # a config file as a user would write one; -v makes the daemon log why a connection ends
     config = Path("/run/duvm-test.toml")
+    # memservers on the host are off the guest's loopback: a test network, no secret, and
+    # no page encryption (AES without AES-NI under TCG would dominate the run)
+    daemon_args = ["-v"] + (["--insecure", "--no-encrypt"] if os.environ.get("DUVM_PEERS")
+                            else [])
     config.write_text(f'peers = {json.dumps(peers.split(","))}\nsize = "{size}"\n'
                       f'method = "kernel-nbd"\nstate_dir = "{STATE_DIR}"\n'
-                      'daemon_args = ["-v"]\n')
+                      f'daemon_args = {json.dumps(daemon_args)}\n')
     enable = duvm("enable", "--config", str(config))
     emit("enable", **enable)
+    watch_daemon()
     if enable["rc"] != 0:
         return 1
     disabled = False

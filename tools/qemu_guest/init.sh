@@ -40,11 +40,16 @@ mkdir -p /host/run/tmp
 
 # a stalled swap path shows up as tasks blocked in D state: have the kernel print their stacks
 [ -n "$DUVM_HUNG_TASK_S" ] && echo "$DUVM_HUNG_TASK_S" > /proc/sys/kernel/hung_task_timeout_secs
+# every SysRq function: boot.py --sysrq-at sends Alt-SysRq-w/m from QEMU's monitor to show
+# the blocked tasks' stacks and the memory state when the guest itself can no longer report
+echo 1 > /proc/sys/kernel/sysrq
+# their task stacks and memory counters are KERN_INFO: show them when asked for (--sysrq-at)
+[ -n "$DUVM_CONSOLE_LOGLEVEL" ] && echo "$DUVM_CONSOLE_LOGLEVEL" > /proc/sys/kernel/printk
 
 ip link set lo up
 ip link set eth0 up || fail "no eth0 (virtio_net)"
-ip addr add 10.0.2.15/24 dev eth0
-ip route add default via 10.0.2.2
+ip addr add "${DUVM_GUEST_IP:-10.0.2.15}/24" dev eth0
+ip route add default via "${DUVM_GATEWAY:-10.0.2.2}"
 
 say "booted in $(cut -d' ' -f1 /proc/uptime) s; running $DUVM_SCRIPT"
 echo "DUVM-GUEST-BOOTED $(cut -d' ' -f1 /proc/uptime)" > /dev/ttyS1

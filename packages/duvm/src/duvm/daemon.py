@@ -62,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve a local in-RAM store instead of memservers (testing, "
                         "benchmark baseline)")
     parser.add_argument("--no-mlock", action="store_true", help="do not lock the daemon in RAM")
+    parser.add_argument("--heap-reserve", type=int, default=0, metavar="MIB",
+                        help="with the daemon locked in RAM: MiB of heap faulted in and kept at "
+                        "start, so request buffers need no page fault under memory pressure "
+                        "(default 0; see docs/KERNEL_NBD_QEMU.md for what it does and does not "
+                        "fix)")
     parser.add_argument("--metrics", metavar="HOST:PORT",
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
                         "one; see duvm.metrics)")
@@ -113,8 +118,10 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas == 1 and not args.memory:
         log.warning("--replicas 1: a memserver that dies or restarts takes its pages with it "
                     "(the programs that own them get I/O errors); use 2 or more peers")
-    if not args.no_mlock and not args.memory:
-        lock_in_memory()
+    if not args.no_mlock and not args.memory and lock_in_memory():
+        if args.heap_reserve > 0:
+            reserve_heap(args.heap_reserve << 20)
+        become_io_flusher()
     lower_oom_score()
     client_id = args.client_id or f"{socket.gethostname()}:{os.path.abspath(args.socket)}"
     try:
@@ -229,6 +236,43 @@ def lock_in_memory() -> bool:
     log.warning("cannot lock the daemon in RAM (mlockall: %s); it may be swapped out under "
                 "pressure. Run as root or raise RLIMIT_MEMLOCK.", os.strerror(err))
     return False
+
+
+def reserve_heap(nbytes: int) -> None:
+    """Fault in `nbytes` of malloc heap now and keep it, so request buffers later come from
+    resident, locked pages instead of page faults.
+
+    Why: under global memory pressure a page fault enters direct reclaim, which writes swap
+    and waits for the very requests the daemon would answer: the guest under QEMU froze with
+    the daemon in exactly that stack (do_user_addr_fault -> try_to_free_pages ->
+    __swap_writepage -> mempool_alloc). glibc is told to keep freed memory in its one heap
+    (no per-thread arenas, no mmap for large blocks below 32 MiB, no trimming)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8
+    for opt, value in ((m_arena_max, 1), (m_mmap_threshold, 32 << 20),
+                       (m_trim_threshold, 2**31 - 1), (m_top_pad, 1 << 20)):
+        if not libc.mallopt(opt, value):
+            log.warning("mallopt(%d) refused; heap reserve skipped", opt)
+            return
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    chunk, blocks = 4 << 20, []
+    for _ in range(nbytes // chunk):
+        p = libc.malloc(chunk)
+        if not p:
+            break
+        ctypes.memset(p, 1, chunk)  # touch: resident now, and locked (mlockall)
+        blocks.append(p)
+    for p in blocks:
+        libc.free(p)  # back to the heap, which keeps it
+
+
+def become_io_flusher() -> bool:
+    """PR_SET_IO_FLUSHER: the kernel treats this process as part of the I/O path, so its own
+    allocations never wait on swap writes (reclaim skips I/O for it)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    pr_set_io_flusher = 57
+    return libc.prctl(pr_set_io_flusher, 1, 0, 0, 0) == 0
 
 
 def lower_oom_score() -> bool:
