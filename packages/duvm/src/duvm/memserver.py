@@ -206,6 +206,30 @@ class PageStore:
             mem[off : off + PAGE_SIZE] = data[src : src + PAGE_SIZE]
             src += PAGE_SIZE
 
+    def load_views(self, ns: Namespace, keys: tuple[int, ...]) -> list[memoryview]:
+        """The pages as views of the arena (one per run of consecutive slots), not copied:
+        only for a reply written out before anything else runs (see `_Conn._send`)."""
+        pages, mem, c = ns.pages, self.arena.memory, self.counters
+        c["load_requests"] += 1
+        c["pages_loaded"] += len(keys)
+        try:
+            if len(keys) == 1:
+                off = pages[keys[0]] * PAGE_SIZE
+                return [mem[off : off + PAGE_SIZE]]
+            slots = [pages[k] for k in keys]
+        except KeyError as e:
+            missing = sum(1 for k in keys if k not in pages)
+            raise Refused(pp.ErrorCode.NOT_FOUND, f"{missing} of {len(keys)} pages not stored, "
+                          f"first: {e.args[0]}") from None  # fmt: skip
+        views, start, prev = [], slots[0], slots[0]
+        for slot in itertools.islice(slots, 1, None):
+            if slot != prev + 1:
+                views.append(mem[start * PAGE_SIZE : (prev + 1) * PAGE_SIZE])
+                start = slot
+            prev = slot
+        views.append(mem[start * PAGE_SIZE : (prev + 1) * PAGE_SIZE])
+        return views
+
     def load(self, ns: Namespace, keys: tuple[int, ...]) -> bytes:
         """The pages, copied: a view of the arena could change under a reply the transport
         still buffers (the slot freed and reused, even by another namespace)."""
@@ -298,6 +322,24 @@ class PageStore:
         self.arena.close()
 
 
+_IOV_MAX = 1024  # buffers per writev (Linux UIO_MAXIOV)
+
+
+def _skip(bufs: list, n: int) -> list:
+    """`bufs` without its first `n` bytes."""
+    for i, b in enumerate(bufs):
+        size = len(b)
+        if n < size:
+            return [b[n:], *bufs[i + 1 :]] if n else bufs[i:]
+        n -= size
+    return []
+
+
+def _own(bufs: list) -> list:
+    """Copies of the arena views in `bufs` (a queued reply must not see a slot reused)."""
+    return [b.tobytes() if type(b) is memoryview else b for b in bufs]
+
+
 class _Conn(asyncio.BufferedProtocol):
     """One client connection: authenticate, then decode requests, handle them, batch replies."""
 
@@ -307,6 +349,7 @@ class _Conn(asyncio.BufferedProtocol):
         # Small until authenticated: an unauthenticated peer costs HANDSHAKE_FRAME bytes.
         self.decoder = pp.Decoder("server", pp.HANDSHAKE_FRAME, slack=0)
         self.transport: asyncio.Transport | None = None
+        self.fd: int | None = None  # the plain socket's fd (None under TLS)
         self.ns: Namespace | None = None
         self.peer = "?"
         self.closing = False
@@ -324,6 +367,9 @@ class _Conn(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             tune_socket(sock)
+            if (transport.get_extra_info("sslcontext") is None
+                    and transport.get_extra_info("ssl_object") is None):  # fmt: skip
+                self.fd = sock.fileno()  # plain socket: replies may go out by writev
         self.tls_verified = transport.get_extra_info("peercert") is not None
         self.store.connections += 1
         self.server.conns.add(self)
@@ -355,6 +401,7 @@ class _Conn(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         dec, out, store = self.decoder, [], self.store
+        arena_views = False
         lat = self.server.latency
         dec.buffer_updated(nbytes)
         if self.server.idle_timeout is not None:
@@ -369,14 +416,26 @@ class _Conn(asyncio.BufferedProtocol):
                 t0 = perf_counter_ns() if lat is not None else 0
                 try:
                     # The hot requests are served straight from the frame, no message objects.
+                    if arena_views and mtype != _LOAD:
+                        # a LOAD answered above must carry the bytes as they were when it
+                        # was handled, not what a later request puts in (or frees from) a slot
+                        out = _own(out)
+                        arena_views = False
                     if mtype == _STORE and ns is not None:
                         keys, data = pp.parse_batch(mtype, body)
                         store.store(ns, keys, data)
                         out.append(_header(_STORE_REPLY, req_id, 0))
                     elif mtype == _LOAD and ns is not None:
-                        data = store.load(ns, pp.parse_batch(mtype, body)[0])
-                        out.append(_header(_LOAD_REPLY, req_id, len(data)))
-                        out.append(data)
+                        keys = pp.parse_batch(mtype, body)[0]
+                        if self.fd is None:
+                            data = store.load(ns, keys)
+                            out.append(_header(_LOAD_REPLY, req_id, len(data)))
+                            out.append(data)
+                        else:  # arena views, written before this call returns (_send)
+                            views = store.load_views(ns, keys)
+                            out.append(_header(_LOAD_REPLY, req_id, len(keys) * PAGE_SIZE))
+                            out += views
+                            arena_views = True
                     elif mtype == _FREE and ns is not None:
                         n = store.free(ns, pp.parse_batch(mtype, body)[0])
                         out.append(_header(_FREE_REPLY, req_id, 8) + _FREE_BODY(n, 0))
@@ -390,17 +449,43 @@ class _Conn(asyncio.BufferedProtocol):
                 if lat is not None:
                     lat.observe_ns(mtype, perf_counter_ns() - t0)
         except pp.RemoteProtocolError as e:
-            self._abort(str(e), out)
+            self._abort(str(e), _own(out) if arena_views else out)
             return
         except Exception:
             log.exception("closing connection from %s: internal error", self.peer)
-            self._abort("internal error", out)
+            self._abort("internal error", _own(out) if arena_views else out)
             return
         if out:
-            self.transport.writelines(out)
+            if arena_views:
+                self._send(out)
+            else:
+                self.transport.writelines(out)
         if self.closing:
             self.transport.close()
 
+    def _send(self, out: list) -> None:
+        """Write replies that hold arena views: straight to the socket (one writev, no copy
+        of the pages), since nothing can change the arena before it returns; whatever the
+        socket does not take, or everything when the transport still has data queued (order),
+        goes to the transport as copies, because slots may be reused before it is sent."""
+        t = self.transport
+        sent = 0
+        if not t.get_write_buffer_size():
+            try:
+                for i in range(0, len(out), _IOV_MAX):
+                    chunk = out[i : i + _IOV_MAX]
+                    n = os.writev(self.fd, chunk)  # type: ignore[arg-type]
+                    sent += n
+                    if n < sum(len(b) for b in chunk):
+                        break
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                pass  # a broken connection: the transport sees it and reports it
+        if sent:
+            out = _skip(out, sent)
+        if out:
+            t.writelines(_own(out))
     def _grow_decoder(self) -> pp.Decoder:
         """Authenticated: switch to a full-size decoder, keeping bytes already received."""
         rest = self.decoder.take_pending()
