@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -32,3 +33,41 @@ async def memserver_pool() -> AsyncIterator[StartPool]:
         for srvs in pools:
             for s in srvs:
                 await s.close()
+
+
+FastPath = Callable[..., Awaitable[str]]
+
+
+async def _fast(start: Callable[..., bool], offset: int, buf: memoryview) -> str:
+    """Drive one request through a store's callback fast path the way nbdserver does: hand
+    it to `start` (`store.start_read`/`start_write`); `done(tag, None)` finishes,
+    `done(tag, coroutine)` continues there, `done(tag, exc)` fails. Returns how it finished:
+    "fast" (from the callback, or at once) or "continued" (through the general path)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    how: list[str] = []
+
+    def done(tag: object, cont: object) -> None:
+        assert tag == "tag"
+        if cont is None:
+            how.append("fast")
+            fut.set_result(None)
+        elif isinstance(cont, BaseException):
+            how.append("failed")
+            fut.set_exception(cont)
+        else:
+            how.append("continued")
+            task = asyncio.ensure_future(cont)  # type: ignore[arg-type]
+            task.add_done_callback(lambda t: fut.set_exception(t.exception())
+                                   if t.exception() else fut.set_result(None))  # fmt: skip
+
+    assert start(offset, buf, done, "tag"), "the fast path declined"
+    await fut
+    assert len(how) == 1, how  # done is called exactly once
+    return how[0]
+
+
+@pytest.fixture
+def fast() -> FastPath:
+    """`await fast(store.start_read, offset, buf)`: see `_fast`."""
+    return _fast

@@ -431,35 +431,7 @@ async def test_r1_read_waits_for_a_restarting_memserver_instead_of_failing() -> 
 # --- the callback fast path (start_read/start_write, what nbdserver calls) ----------------
 
 
-async def fast(start, offset: int, buf: memoryview) -> str:
-    """Drive one request the way nbdserver does: hand it to `start`; `done(tag, None)`
-    finishes, `done(tag, coroutine)` continues there, `done(tag, exc)` fails. Returns which
-    way it finished ("fast" or "continued")."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    how = []
-
-    def done(tag: object, cont: object) -> None:
-        assert tag == "tag"
-        if cont is None:
-            how.append("fast")
-            fut.set_result(None)
-        elif isinstance(cont, BaseException):
-            how.append("failed")
-            fut.set_exception(cont)
-        else:
-            how.append("continued")
-            task = asyncio.ensure_future(cont)
-            task.add_done_callback(lambda t: fut.set_exception(t.exception())
-                                   if t.exception() else fut.set_result(None))  # fmt: skip
-
-    assert start(offset, buf, done, "tag"), "the fast path declined"
-    await fut
-    assert len(how) == 1, how  # done is called exactly once
-    return how[0]
-
-
-async def test_fast_round_trip_completes_without_the_coroutine_path(servers) -> None:
+async def test_fast_round_trip_completes_without_the_coroutine_path(servers, fast) -> None:
     srvs, addrs = servers
     store = await RemoteStore.open(addrs[:1], MiB, "t:fast:1", replicas=1, slab_pages=64)
     try:
@@ -505,7 +477,7 @@ async def test_fast_path_declines_what_it_does_not_handle(servers) -> None:
         await store.close()
 
 
-async def test_fast_read_of_a_corrupt_replica_fails_over_to_the_good_one(servers) -> None:
+async def test_fast_read_of_a_corrupt_replica_fails_over_to_the_good_one(servers, fast) -> None:
     srvs, addrs = servers
     store = await RemoteStore.open(addrs, MiB, "t:fast:3", replicas=2, slab_pages=64, seed=1)
     try:
@@ -521,7 +493,7 @@ async def test_fast_read_of_a_corrupt_replica_fails_over_to_the_good_one(servers
         await store.close()
 
 
-async def test_fast_read_with_no_good_copy_is_eio(servers) -> None:
+async def test_fast_read_with_no_good_copy_is_eio(servers, fast) -> None:
     srvs, addrs = servers
     store = await RemoteStore.open(addrs[:1], MiB, "t:fast:4", replicas=1)
     try:
@@ -535,7 +507,7 @@ async def test_fast_read_with_no_good_copy_is_eio(servers) -> None:
         await store.close()
 
 
-async def test_fast_write_to_a_dead_memserver_is_eio_and_the_pages_are_lost(servers) -> None:
+async def test_fast_write_to_a_dead_memserver_is_eio_and_the_pages_are_lost(servers, fast) -> None:
     srvs, addrs = servers
     store = await RemoteStore.open(addrs[:1], MiB, "t:fast:5", replicas=1,
                                    unreachable_wait=0.3)  # fmt: skip

@@ -63,6 +63,7 @@ from crc32c import crc32c as _crc32
 from duvm.memclient import MemClient, MemserverUnreachable, PageServerError
 from duvm.pageproto import ErrorCode
 from duvm.placement import normalize_peers, place
+from duvm.readahead import Readahead
 from duvm.storage import PAGE_SIZE, BlockStore, Capabilities, Done, StorageError
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,9 @@ class RemoteStore(BlockStore):
                       "pages_stored": 0, "pages_freed": 0, "failovers": 0,
                       "replicas_dropped": 0, "checksum_failures": 0, "pages_lost": 0,
                       "read_errors": 0, "write_errors": 0, "stalls_aborted": 0,
-                      "unreachable_waits": 0}  # fmt: skip
+                      "unreachable_waits": 0, "ra_loads": 0, "ra_hits": 0,
+                      "ra_dropped": 0}  # fmt: skip
+        self.readahead = Readahead(self)
 
     @classmethod
     async def open(cls, peers: list[tuple[str, int]], size: int, client_id: str,
@@ -299,6 +302,7 @@ class RemoteStore(BlockStore):
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
         self._state = bytearray(self.pages)
+        self.readahead.clear()
         await self._abandon()
 
     async def close(self) -> None:
@@ -375,6 +379,7 @@ class RemoteStore(BlockStore):
         self._set_replicas(slab, [target])
 
     def _mark_lost(self, first: int, count: int) -> None:
+        self.readahead.invalidate(first, count)
         st = self._state
         for p in range(first, first + count):
             if st[p] == DATA:
@@ -467,6 +472,9 @@ class RemoteStore(BlockStore):
         c = self._slab_clients[slab][0]
         if count > c.max_batch:
             return False
+        ra = self.readahead
+        if ra.windows and ra.hit(first, count, out, done, tag):
+            return True
 
         def loaded(exc: BaseException | None) -> None:
             if exc is None and not self._bad_pages(first, count, out):
@@ -480,7 +488,10 @@ class RemoteStore(BlockStore):
                 done(tag, exc)
 
         keys = (first,) if count == 1 else tuple(range(first, first + count))
-        return c.load_cb(keys, out, loaded)
+        if not c.load_cb(keys, out, loaded):
+            return False
+        ra.missed(first, count)
+        return True
 
     def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
         """The common write (one slab, one replica, no repair copying it): one STORE whose
@@ -516,8 +527,16 @@ class RemoteStore(BlockStore):
         inflight[slab] -= 1
         return False
 
+    def pages_match(self, first: int, count: int, buf: memoryview) -> bool:
+        """True when every page holds data whose checksum `buf`'s bytes match."""
+        st, crc = self._state, self._crc
+        if st.count(DATA, first, first + count) != count:
+            return False
+        return all(_crc32(buf[k << 12 : (k + 1) << 12]) == crc[first + k] for k in range(count))
+
     def _mark_stored(self, first: int, count: int, data: memoryview) -> None:
         """Every live replica acknowledged these pages: they hold `data` from now on."""
+        self.readahead.invalidate(first, count)
         stats = self.stats
         stats["stores"] += 1
         stats["pages_stored"] += count
@@ -790,6 +809,7 @@ class RemoteStore(BlockStore):
         if len(failed) < len(members):  # stored by at least one replica: those are the truth
             for i, r in failed:
                 self.drop_replica(slab, i, f"write failed: {r}")
+            self.readahead.invalidate(first, count)
             st, crc = self._state, self._crc
             for k in range(count):
                 crc[first + k] = crcs[k]
@@ -819,12 +839,14 @@ class RemoteStore(BlockStore):
             q2 = [st.find(DATA, q, end), st.find(LOST, q, end)]
             q2 = [x for x in q2 if x >= 0]
             p = min(q2) if q2 else end
+        self.readahead.invalidate(first, count)
         st[first:end] = bytes(count)  # reads during the FREE see zeros, as they will after
         if not slabs:
             return
         await asyncio.gather(*(self._free_slab(slab, keys) for slab, keys in slabs.items()))
         # A STORE sent before this FREE on the same connection was acknowledged before it;
         # clear again so such a write's mark does not outlive the page it refers to.
+        self.readahead.invalidate(first, count)
         st[first:end] = bytes(count)
         self.stats["pages_freed"] += sum(len(k) for k in slabs.values())
 

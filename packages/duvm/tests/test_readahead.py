@@ -1,0 +1,188 @@
+"""RemoteStore's sequential readahead over real memservers on loopback: sequential reads are
+answered from windows loaded ahead, and no read ever returns bytes other than the last ones
+written (writes, trims and bad copies drop the windows that hold them)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import random
+
+import pytest
+from duvm.readahead import WINDOW_PAGES
+from duvm.remote_store import RemoteStore
+from duvm.storage import PAGE_SIZE as PS
+from duvm.storage import StorageError
+
+MiB = 1 << 20
+READ = 8 * PS  # the kernel's swap-in cluster (32 KiB)
+
+
+def loads(srv) -> int:
+    return srv.store.counters["load_requests"]
+
+
+async def test_sequential_reads_are_served_from_windows_loaded_ahead(memserver_pool,
+                                                                     fast) -> None:  # fmt: skip
+    srvs, addrs = await memserver_pool(1, 8 * MiB)
+    store = await RemoteStore.open(addrs, 4 * MiB, "t:ra:1", replicas=1)
+    try:
+        data = os.urandom(4 * MiB)
+        await store.write(0, memoryview(data))
+        before = loads(srvs[0])
+        out = bytearray(READ)
+        n = (4 * MiB) // READ
+        for i in range(n):
+            assert await fast(store.start_read, i * READ, memoryview(out)) == "fast"
+            assert out == data[i * READ : (i + 1) * READ], i
+        st = store.stats
+        # two reads go to the memserver themselves; from then on windows are ahead of them
+        assert st["ra_hits"] >= n - 3
+        assert st["ra_loads"] >= (4 * MiB) // (WINDOW_PAGES * PS) - 2
+        assert loads(srvs[0]) - before <= st["ra_loads"] + 3  # far fewer LOADs than reads
+        assert st["ra_dropped"] == 0
+    finally:
+        await store.close()
+
+
+async def test_random_reads_fetch_nothing_ahead(memserver_pool, fast) -> None:
+    _srvs, addrs = await memserver_pool(1, 8 * MiB)
+    store = await RemoteStore.open(addrs, 4 * MiB, "t:ra:2", replicas=1)
+    try:
+        data = os.urandom(4 * MiB)
+        await store.write(0, memoryview(data))
+        rng = random.Random(3)
+        out = bytearray(PS)
+        for _ in range(200):
+            p = rng.randrange(1024 // 2) * 2  # never two in a row
+            await fast(store.start_read, p * PS, memoryview(out))
+            assert out == data[p * PS : (p + 1) * PS]
+        assert store.stats["ra_loads"] <= 3 and store.stats["ra_hits"] <= 3
+    finally:
+        await store.close()
+
+
+async def test_writes_and_trims_never_leave_stale_bytes_in_a_window(memserver_pool,
+                                                                    fast) -> None:  # fmt: skip
+    """A model of every page, checked on every read, while a sequential reader keeps windows
+    loaded and writes (fast path and general path) and trims land inside and ahead of them."""
+    _srvs, addrs = await memserver_pool(1, 8 * MiB)
+    pages = 1024
+    store = await RemoteStore.open(addrs, pages * PS, "t:ra:3", replicas=1)
+    rng = random.Random(11)
+    model = bytearray(os.urandom(pages * PS))
+    try:
+        await store.write(0, memoryview(bytes(model)))
+        out = bytearray(READ)
+        pos = 0
+        for step in range(600):
+            op = rng.random()
+            if op < 0.6:  # the sequential reader
+                if store._state.count(1, pos, pos + 8) == 8:
+                    await fast(store.start_read, pos * PS, memoryview(out))
+                else:  # trimmed pages: the fast path leaves them to the general path
+                    await store.read(pos * PS, memoryview(out))
+                assert out == model[pos * PS : pos * PS + READ], (step, pos)
+                pos = (pos + 8) % pages
+            else:  # a change just ahead of the reader, where the windows are
+                p = (pos + rng.randrange(0, 2 * WINDOW_PAGES)) % pages
+                n = min(rng.choice((1, 2, 8)), pages - p)
+                new = os.urandom(n * PS)
+                if op < 0.75:
+                    await fast(store.start_write, p * PS, memoryview(new))
+                elif op < 0.9:
+                    await store.write(p * PS, memoryview(new))
+                else:
+                    await store.trim(p * PS, n * PS)
+                    new = bytes(n * PS)
+                    if rng.random() < 0.5:  # written again right away
+                        new = os.urandom(n * PS)
+                        await store.write(p * PS, memoryview(new))
+                model[p * PS : (p + n) * PS] = new
+        assert store.stats["ra_hits"] > 50 and store.stats["ra_dropped"] > 0
+        whole = bytearray(pages * PS)
+        await store.read(0, memoryview(whole))
+        assert whole == model
+    finally:
+        await store.close()
+
+
+def hold(srv) -> None:
+    """Stop the memserver reading its connections: requests queue up in the sockets."""
+    for conn in srv.conns:
+        conn.transport.pause_reading()
+
+
+def release(srv) -> None:
+    for conn in srv.conns:
+        conn.transport.resume_reading()
+
+
+@pytest.mark.parametrize("store_first", [False, True], ids=["load-then-store",
+                                                            "store-then-load"])  # fmt: skip
+async def test_a_write_racing_a_window_in_flight_is_never_hidden(memserver_pool, fast,
+                                                                 store_first) -> None:  # fmt: skip
+    """A window whose LOAD is on the wire while a STORE to one of its pages goes out, in
+    either order on the connection: reads after the write's acknowledgement see the new
+    bytes, and the reads that waited for the window get bytes that were current."""
+    srvs, addrs = await memserver_pool(1, 8 * MiB)
+    store = await RemoteStore.open(addrs, 2 * MiB, "t:ra:4", replicas=1)
+    try:
+        data = bytearray(os.urandom(2 * MiB))
+        await store.write(0, memoryview(bytes(data)))
+        target = 2 * 8 + 3  # a page of the window fetched after reads at pages 0 and 8
+        new = os.urandom(PS)
+        bufs = [bytearray(READ) for _ in range(3)]
+        hold(srvs[0])
+        ops = []
+        if store_first:
+            ops.append(asyncio.ensure_future(fast(store.start_write, target * PS,
+                                                  memoryview(new))))  # fmt: skip
+            await asyncio.sleep(0)
+        ops += [asyncio.ensure_future(fast(store.start_read, i * READ, memoryview(bufs[i])))
+                for i in range(3)]  # 0 and 1 load themselves; 2 waits for the window
+        await asyncio.sleep(0)
+        ra = store.readahead
+        assert [w.ready for w in ra.windows] == [False]  # its LOAD is queued, not answered
+        assert ra.windows[0].first <= target < ra.windows[0].first + ra.windows[0].count
+        if not store_first:
+            ops.append(asyncio.ensure_future(fast(store.start_write, target * PS,
+                                                  memoryview(new))))  # fmt: skip
+        await asyncio.sleep(0.05)
+        assert not any(op.done() for op in ops)  # the memserver has not answered yet
+        release(srvs[0])
+        await asyncio.gather(*ops)
+        old = bytes(data)
+        data[target * PS : (target + 1) * PS] = new
+        assert bufs[0] == old[:READ] and bufs[1] == old[READ : 2 * READ]
+        # the waiting read ran concurrently with the write: old or new bytes, never a mix
+        assert bufs[2] in (old[2 * READ : 3 * READ], bytes(data[2 * READ : 3 * READ]))
+        got = bytearray(READ)
+        await fast(store.start_read, 2 * READ, memoryview(got))  # after the acknowledgement
+        assert got == data[2 * READ : 3 * READ]
+        assert store.stats["ra_dropped"] >= 1
+    finally:
+        await store.close()
+
+
+async def test_a_corrupt_page_ahead_drops_the_window_and_reads_eio(memserver_pool,
+                                                                   fast) -> None:  # fmt: skip
+    srvs, addrs = await memserver_pool(1, 8 * MiB)
+    store = await RemoteStore.open(addrs, 2 * MiB, "t:ra:5", replicas=1)
+    try:
+        data = os.urandom(2 * MiB)
+        await store.write(0, memoryview(data))
+        bad = 40  # inside the first window fetched ahead
+        ns = srvs[0].store.namespaces["t:ra:5"]
+        srvs[0].store.arena.view(ns.pages[bad])[7] ^= 0xFF
+        out = bytearray(READ)
+        for i in range(bad // 8):
+            await fast(store.start_read, i * READ, memoryview(out))
+            assert out == data[i * READ : (i + 1) * READ]
+        assert store.stats["ra_dropped"] >= 1  # the window with the bad page was not used
+        with pytest.raises(StorageError) as ei:
+            await fast(store.start_read, (bad // 8) * READ, memoryview(out))
+        assert ei.value.errno == errno.EIO  # never the corrupt bytes
+    finally:
+        await store.close()
