@@ -66,16 +66,18 @@ class Readahead:
         `missed`)."""
         for w in self.windows:
             if w.first <= first and first + count <= w.first + w.count:
+                sequential = first == self.next_page
                 self.next_page = first + count
                 if w.ready:
                     a = (first - w.first) << 12
                     out[:] = w.buf[a : a + (count << 12)]
                     self.stats["ra_hits"] += 1
-                    self._ahead(first + count)
-                    done(tag, None)
                 else:
                     w.waiters.append((first, count, out, done, tag))
+                if sequential:  # a random read that happens to hit fetches nothing more
                     self._ahead(first + count)
+                if w.ready:
+                    done(tag, None)
                 return True
         return False
 
@@ -88,19 +90,21 @@ class Readahead:
             self._ahead(first + count)
 
     def _ahead(self, end: int) -> None:
-        """The reader has reached page `end`: fetch the next window when it is needed."""
-        ws = self.windows
-        while ws and ws[0].first + ws[0].count <= end - self.window_pages:
-            ws.pop(0)  # read past, and not needed for re-reads near the reader
+        """The reader has reached page `end`: fetch the next window when it is needed.
+        Windows far from the reader (it jumped elsewhere) are forgotten."""
+        wp = self.window_pages
+        ws = [w for w in self.windows if end - wp < w.first + w.count and w.first <= end + wp]
         if ws:
-            last = ws[-1]
+            last = max(ws, key=lambda w: w.first)
             if end < last.first + last.count // 2:
+                self.windows = ws
                 return  # not yet past the middle of the newest window
-            start = last.first + last.count
+            start = max(end, last.first + last.count)
+            if len(ws) >= 2:
+                ws.remove(min(ws, key=lambda w: w.first))
         else:
             start = end
-        if len(ws) >= 2:
-            ws.pop(0)
+        self.windows = ws
         self._fetch(start)
 
     def _fetch(self, first: int) -> None:
