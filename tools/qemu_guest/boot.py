@@ -245,7 +245,7 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
               memservers: int = 1, capacity: str = "128M", host_memservers: bool = False,
               timeout_s: float = 420, workdir: Path | None = None,
               kill_at_pct: int | None = None, network: str = "user",
-              sysrq_at: list[float] | None = None,
+              sysrq_at: list[float] | None = None, daemon_args: str = "",
               cache: Path = build_initramfs.DEFAULT_CACHE) -> GuestRun:
     """Boot the guest once; always cleans up what it started.
 
@@ -285,6 +285,7 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
                "DUVM_CGROUP_MIB": "" if cgroup_mib is None else str(cgroup_mib),
                "DUVM_KILL_AT_PCT": "" if kill_at_pct is None else str(kill_at_pct),
                "DUVM_CONSOLE_LOGLEVEL": "7" if sysrq_at else "",
+               "DUVM_DAEMON_ARGS": daemon_args,
                "DUVM_GUEST_IP": net.guest_ip if net is not None else "10.0.2.15",
                "DUVM_GATEWAY": net.host_ip if net is not None else HOST_FROM_GUEST}
         initrd = build_initramfs.build_initramfs(kernel, env, work / "initramfs.cpio")
@@ -396,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sysrq-at", type=float, action="append", metavar="S",
                    help="S seconds after QEMU starts, print the guest's blocked tasks and "
                    "memory state on its console (SysRq w and m; repeatable)")
+    p.add_argument("--daemon-args", default="", metavar="ARGS",
+                   help="extra `duvm daemon` flags in the guest (space-separated)")
     p.add_argument("--kill-at", type=int, metavar="PCT",
                    help="SIGKILL the daemon at PCT %% of the fill, then `duvm enable --resume`")
     p.add_argument("--keep", type=Path, help="keep logs in this folder")
@@ -407,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                         swap_size=a.swap_size, mem_mib=a.mem, memservers=a.memservers,
                         capacity=a.capacity, timeout_s=a.timeout,
                         host_memservers=a.host_memservers, kill_at_pct=a.kill_at,
-                        network=a.network, sysrq_at=a.sysrq_at,
+                        network=a.network, sysrq_at=a.sysrq_at, daemon_args=a.daemon_args,
                         workdir=a.keep)
     except GuestUnavailable as exc:
         print(f"boot: cannot boot the guest here: {exc}", file=sys.stderr)

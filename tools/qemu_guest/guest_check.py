@@ -369,7 +369,7 @@ def main() -> int:
     # memservers on the host are off the guest's loopback: a test network, no secret, and
     # no page encryption (AES without AES-NI under TCG would dominate the run)
     daemon_args = ["-v"] + (["--insecure", "--no-encrypt"] if os.environ.get("DUVM_PEERS")
-                            else [])
+                            else []) + os.environ.get("DUVM_DAEMON_ARGS", "").split()
     config.write_text(f'peers = {json.dumps(peers.split(","))}\nsize = "{size}"\n'
                       f'method = "kernel-nbd"\nstate_dir = "{STATE_DIR}"\n'
                       f'daemon_args = {json.dumps(daemon_args)}\n')

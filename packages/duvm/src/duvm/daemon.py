@@ -77,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="take over from a daemon that died, from --state-dir: same "
                         "namespaces on the memservers, same pages (kernel nbd then "
                         "reconnects its live device; see `duvm enable --resume`)")
+    parser.add_argument("--realtime", action="store_true",
+                        help="run at SCHED_RR priority 1: the kernel then lets the daemon's "
+                        "allocations dip a quarter below the min watermark (experimental; see "
+                        "docs/KERNEL_NBD_QEMU.md)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log connections and errors")
     auth.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
 
@@ -122,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
         if args.heap_reserve > 0:
             reserve_heap(args.heap_reserve << 20)
         become_io_flusher()
+    if args.realtime:
+        try:
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
+        except OSError as e:
+            log.warning("cannot run at SCHED_RR: %s", e.strerror or e)
     lower_oom_score()
     client_id = args.client_id or f"{socket.gethostname()}:{os.path.abspath(args.socket)}"
     try:
