@@ -9,7 +9,9 @@ dead-connection timeout + swapon), a workload in a memory cgroup that holds seve
 limit in random data; half-way through its fill the daemon is SIGKILLed and `duvm enable
 --resume` restarts it from its saved state and hands it the live /dev/nbd0
 (NBD_CMD_RECONFIGURE); the workload then verifies every byte; `duvm status`, `duvm disable`.
-The guest reports facts over a serial port; this test judges.
+A second guest swaps a workload bigger than its RAM (no cgroup) to a memserver on the host,
+reached over a tap device in a private network namespace, with the daemon at SCHED_RR
+(`--realtime`). Each guest reports facts over a serial port; this test judges.
 
 Needs root, qemu-system-x86_64 (qemu-system-x86), a static busybox (busybox-static) and either
 the cached kernel or apt; anything missing is a SKIP with the reason. QEMU is killed on any
