@@ -233,22 +233,8 @@ class PageStore:
     def load(self, ns: Namespace, keys: tuple[int, ...]) -> bytes:
         """The pages, copied: a view of the arena could change under a reply the transport
         still buffers (the slot freed and reused, even by another namespace)."""
-        pages, mem, c = ns.pages, self.arena.memory, self.counters
-        c["load_requests"] += 1
-        c["pages_loaded"] += len(keys)
-        try:
-            if len(keys) == 1:
-                off = pages[keys[0]] * PAGE_SIZE
-                return mem[off : off + PAGE_SIZE].tobytes()
-            slots = [pages[k] for k in keys]
-        except KeyError as e:
-            missing = sum(1 for k in keys if k not in pages)
-            raise Refused(pp.ErrorCode.NOT_FOUND, f"{missing} of {len(keys)} pages not stored, "
-                          f"first: {e.args[0]}") from None  # fmt: skip
-        first = slots[0]
-        if slots == list(range(first, first + len(slots))):  # consecutive slots: one copy
-            return mem[first * PAGE_SIZE : (first + len(slots)) * PAGE_SIZE].tobytes()
-        return b"".join([mem[o * PAGE_SIZE : (o + 1) * PAGE_SIZE] for o in slots])
+        views = self.load_views(ns, keys)
+        return views[0].tobytes() if len(views) == 1 else b"".join(views)
 
     def free(self, ns: Namespace, keys: tuple[int, ...]) -> int:
         pages, freed = ns.pages, []
