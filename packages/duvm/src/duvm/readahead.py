@@ -9,6 +9,8 @@ reads that fall inside that window are answered from it without a network trip.
 
 Theory of operation:
 
+- Only small reads (at most a quarter of a window, 64 KiB) start fetching ahead: a reader
+  asking for large blocks with many in flight (nbdcopy) already covers what comes next.
 - At most two windows: the one being read and the next. A read that ends past the middle of
   the newest window fetches the one after it, so a steady sequential reader always finds its
   pages ready. A window never crosses a slab (one LOAD from one memserver) and only covers pages
@@ -84,6 +86,9 @@ class Readahead:
     def missed(self, first: int, count: int) -> None:
         """A read the caller sent to a memserver itself: if it continues the previous one,
         the reader is sequential, so fetch ahead (after its own LOAD, which goes first)."""
+        if count > self.window_pages // 4:
+            return  # a large reader already asks for enough at once: fetching ahead of it
+            # only races its own requests in flight (measured: 256 KiB reads lost 25%)
         sequential = first == self.next_page
         self.next_page = first + count
         if sequential:
