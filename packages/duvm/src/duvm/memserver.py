@@ -459,15 +459,17 @@ class _Conn(asyncio.BufferedProtocol):
         if not t.get_write_buffer_size():
             try:
                 for i in range(0, len(out), _IOV_MAX):
-                    chunk = out[i : i + _IOV_MAX]
+                    chunk = out[i : i + _IOV_MAX] if len(out) > _IOV_MAX else out
                     n = os.writev(self.fd, chunk)  # type: ignore[arg-type]
                     sent += n
-                    if n < sum(len(b) for b in chunk):
+                    if n < sum(map(len, chunk)):
                         break
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError:
                 pass  # a broken connection: the transport sees it and reports it
+            if sent == sum(map(len, out)):
+                return
         if sent:
             out = _skip(out, sent)
         if out:
