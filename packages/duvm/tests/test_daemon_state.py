@@ -3,6 +3,7 @@ SIGKILLed and resumed from them against a real memserver, read through a real NB
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -310,3 +311,29 @@ def test_encrypted_pages_are_readable_after_sigkill_and_resume(procs: _Procs,
     t = ds.PageTables.open(state / ds.PAGES_FILE, 2048, encrypted=True)
     assert t.nonce_counter == 9  # continued after the saved counter, never reused
     t.close()
+
+
+async def test_slab_map_changes_are_saved_coalesced(memserver_pool, tmp_path: Path) -> None:
+    """A dropped replica reaches daemon-state.json in the same loop iteration, once for a
+    burst; a clean close forgets everything."""
+    _, addrs = await memserver_pool(2, 8 << 20)
+    # no repair task: it would put the dropped replicas back meanwhile
+    store, state = await ds.open_store(tmp_path / "st", addrs, 4 << 20, "coalesce", 2,
+                                       encrypt=False, resume=False, repair=False)
+    sd = ds.StateDir(tmp_path / "st")
+    saves = []
+    real_save = sd.save
+    state.dir.save = lambda s: (saves.append(1), real_save(s))  # type: ignore[method-assign]
+    try:
+        assert all(len(s) == 2 for s in sd.load().sets)
+        for slab in range(store.nslabs):
+            assert store.drop_replica(slab, store.sets[slab][0], "test")
+        assert saves == []  # not yet: once, at the end of this iteration
+        await asyncio.sleep(0)
+        assert saves == [1]
+        assert sd.load().sets == [list(s) for s in store.sets]
+        assert all(len(s) == 1 for s in sd.load().sets)
+    finally:
+        await store.close()
+        state.discard()
+    assert not sd.exists() and not sd.pages_file.exists()

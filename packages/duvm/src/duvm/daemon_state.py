@@ -42,12 +42,14 @@ so a restarted daemon never reuses a nonce under the same key.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import mmap
 import os
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,6 +303,26 @@ class Persisted:
         self.saved.sets = [list(s) for s in sets]
         self.dir.save(self.saved)
 
+    def placement_saver(self, store: Any) -> Callable[[], None]:
+        """A RemoteStore.on_placement_change hook that saves once per event-loop iteration: a
+        failing memserver drops a replica of every slab it holds, thousands of calls in a row.
+        A crash before the save leaves a map that still names a dropped replica, which is safe:
+        its stale bytes fail their checksum and the next replica is read."""
+        pending = False
+
+        def save() -> None:
+            nonlocal pending
+            pending = False
+            self.save_placement(store.sets)
+
+        def changed() -> None:
+            nonlocal pending
+            if not pending:
+                pending = True
+                asyncio.get_running_loop().call_soon(save)
+
+        return changed
+
     def discard(self) -> None:
         """Clean shutdown (the namespaces were released): nothing left to resume."""
         self.tables.close()
@@ -309,7 +331,8 @@ class Persisted:
 
 async def open_store(state_dir: Path, peers: list[tuple[str, int]], size: int, client_id: str,
                      replicas: int, *, encrypt: bool, resume: bool,
-                     export_name: str = "") -> tuple[BlockStore, Persisted]:
+                     export_name: str = "", repair: bool = True
+                     ) -> tuple[BlockStore, Persisted]:
     """The daemon's store on persisted state in `state_dir`.
 
     Fresh (`resume` False): new page tables; the namespace token of a predecessor with the same
@@ -346,7 +369,7 @@ async def open_store(state_dir: Path, peers: list[tuple[str, int]], size: int, c
     try:
         slab_pages = old.slab_pages if resume and old is not None else 256
         store = RemoteStore(peers, size, client_id, replicas=replicas, slab_pages=slab_pages,
-                            tables=tables.tables)
+                            tables=tables.tables, repair=repair)
         for c in store.clients:
             c.token = token  # the same owner across restarts (memserver namespace isolation)
         saved = SavedDaemon(size=size, slab_pages=slab_pages, replicas=replicas,
@@ -355,12 +378,12 @@ async def open_store(state_dir: Path, peers: list[tuple[str, int]], size: int, c
         state = Persisted(sd, tables, saved)
         if resume and old is not None:
             saved.sets = old.sets
-            store.on_placement_change = lambda: state.save_placement(store.sets)
+            store.on_placement_change = state.placement_saver(store)
             await store.reattach(old.sets)
         else:
             await store.connect()
         state.save_placement(store.sets)
-        store.on_placement_change = lambda: state.save_placement(store.sets)
+        store.on_placement_change = state.placement_saver(store)
     except BaseException:
         tables.close()
         raise
