@@ -137,8 +137,11 @@ class Readahead:
 
     def _arrived(self, w: _Window, exc: BaseException | None) -> None:
         store = self.store
-        good = (exc is None and w in self.windows
-                and store.pages_match(w.first, w.count, memoryview(w.buf)))  # fmt: skip
+        try:
+            good = (exc is None and w in self.windows
+                    and store.pages_match(w.first, w.count, memoryview(w.buf)))  # fmt: skip
+        except Exception:  # the waiting reads must still be answered: by the general path
+            good = False
         if good:
             w.ready = True
         else:

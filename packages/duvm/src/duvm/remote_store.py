@@ -477,7 +477,11 @@ class RemoteStore(BlockStore):
             return True
 
         def loaded(exc: BaseException | None) -> None:
-            if exc is None and not self._bad_pages(first, count, out):
+            try:
+                ok = exc is None and not self._bad_pages(first, count, out)
+            except Exception as e:  # never leave the request unanswered
+                ok, exc = False, e
+            if ok:
                 stats = self.stats
                 stats["loads"] += 1
                 stats["pages_loaded"] += count
@@ -513,7 +517,11 @@ class RemoteStore(BlockStore):
         def stored(exc: BaseException | None) -> None:
             inflight[slab] -= 1
             if exc is None:
-                self._mark_stored(first, count, data)
+                try:
+                    self._mark_stored(first, count, data)
+                except Exception as e:  # never leave the request unanswered
+                    done(tag, e)
+                    return
                 done(tag, None)
             elif isinstance(exc, _FAILURES):
                 done(tag, self._store(slab, first, count, data))
