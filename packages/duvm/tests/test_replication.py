@@ -523,3 +523,34 @@ async def test_fast_write_to_a_dead_memserver_is_eio_and_the_pages_are_lost(serv
             await store.read(0, memoryview(bytearray(PS)))
     finally:
         await store.close()
+
+
+async def test_a_read_racing_a_replicated_write_is_neither_eio_nor_a_dropped_replica(
+        servers) -> None:  # fmt: skip
+    """R=2: the preferred replica has stored a write while the other has not answered yet; a
+    read of that page gets the new bytes from the first. Those bytes are the write's, not
+    corruption: no EIO, no replica dropped, nothing marked lost."""
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs, MiB, "t:race:1", replicas=2, slab_pages=64, seed=2)
+    try:
+        old, new = os.urandom(PS), os.urandom(PS)
+        await store.write(0, memoryview(old))
+        first, second = store.sets[0]
+        for conn in srvs[second].conns:  # the second replica is slow to answer
+            conn.transport.pause_reading()
+        write = asyncio.ensure_future(store.write(0, memoryview(new)))
+        ns = srvs[first].store.namespaces["t:race:1"]
+        await wait_for(lambda: bytes(srvs[first].store.arena.view(ns.pages[0])) == new)
+        out = bytearray(PS)
+        await store.read(0, memoryview(out))  # served by the first replica, mid-write
+        assert bytes(out) == new
+        for conn in srvs[second].conns:
+            conn.transport.resume_reading()
+        await write
+        assert store.stats["checksum_failures"] == 0
+        assert store.stats["replicas_dropped"] == 0 and store.stats["pages_lost"] == 0
+        assert store.sets[0] == [first, second]
+        await store.read(0, memoryview(out))
+        assert bytes(out) == new
+    finally:
+        await store.close()

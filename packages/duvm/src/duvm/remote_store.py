@@ -182,6 +182,7 @@ class RemoteStore(BlockStore):
                       "unreachable_waits": 0, "ra_loads": 0, "ra_hits": 0,
                       "ra_dropped": 0}  # fmt: skip
         self.readahead = Readahead(self)
+        self._pending_crcs: dict[int, list[int]] = {}  # page -> CRCs of replicated writes in flight
 
     @classmethod
     async def open(cls, peers: list[tuple[str, int]], size: int, client_id: str,
@@ -635,12 +636,19 @@ class RemoteStore(BlockStore):
 
     def _bad_pages(self, first: int, count: int, out: memoryview) -> list[int]:
         """The loaded pages that fail their checksum (pages not holding DATA any more,
-        trimmed while the LOAD was in flight, are not judged)."""
+        trimmed while the LOAD was in flight, are not judged; bytes of a replicated write
+        still in flight, which a racing read may see on one replica, are not bad)."""
         crc, st = self._crc, self._state
         if count == 1:
-            return [first] if st[first] == DATA and _crc32(out) != crc[first] else []
-        return [first + k for k in range(count) if st[first + k] == DATA
-                and _crc32(out[k << 12 : (k + 1) << 12]) != crc[first + k]]  # fmt: skip
+            bad = [first] if st[first] == DATA and _crc32(out) != crc[first] else []
+        else:
+            bad = [first + k for k in range(count) if st[first + k] == DATA
+                   and _crc32(out[k << 12 : (k + 1) << 12]) != crc[first + k]]  # fmt: skip
+        pending = self._pending_crcs
+        if bad and pending:
+            bad = [p for p in bad if _crc32(out[(p - first) << 12 : (p - first + 1) << 12])
+                   not in pending.get(p, ())]  # fmt: skip
+        return bad
 
     async def load_verified(self, slab: int, first: int, count: int, out: memoryview) -> None:
         """LOAD pages from the slab's replicas until one returns bytes matching every page's
@@ -804,7 +812,19 @@ class RemoteStore(BlockStore):
             coros = [self._store_one(c, keys, data) for c in clients]
             if rep is not None and not rep.aborted:
                 coros.append(self._store_one(self.clients[rep.target], keys, data))
-            results = await asyncio.gather(*coros, return_exceptions=True)
+            # Until every replica answers, a read that races this write may already get the
+            # new bytes from one of them: they are not corruption (see _bad_pages).
+            pending = self._pending_crcs
+            for k in range(count):
+                pending.setdefault(first + k, []).append(crcs[k])
+            try:
+                results = await asyncio.gather(*coros, return_exceptions=True)
+            finally:
+                for k in range(count):
+                    lst = pending[first + k]
+                    lst.remove(crcs[k])
+                    if not lst:
+                        del pending[first + k]
             if len(results) > len(members):
                 r = results.pop()
                 if isinstance(r, BaseException):
