@@ -554,3 +554,18 @@ async def test_a_read_racing_a_replicated_write_is_neither_eio_nor_a_dropped_rep
         assert bytes(out) == new
     finally:
         await store.close()
+
+
+async def test_close_right_after_a_replica_is_dropped_does_not_hang(servers) -> None:
+    """Dropping a replica wakes the repairer; a close() at that moment must still stop it
+    (asyncio.wait_for on Python 3.11 could swallow that cancel and loop forever)."""
+    _, addrs = servers
+    store = await RemoteStore.open(addrs[:2], MiB, "t:close:1", replicas=2, slab_pages=64)
+    for slab in range(store.nslabs):
+        store.drop_replica(slab, store.sets[slab][0], "test")
+    tasks = list(store._tasks)  # the watchdog and the repairer
+    assert len(tasks) == 2
+    await asyncio.sleep(0)
+    async with asyncio.timeout(10):
+        await store.close()
+    assert all(t.cancelled() for t in tasks)

@@ -67,8 +67,11 @@ class Repairer:
 
     async def run(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
+            # arrives as the event is set, and close() then waited for this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), RETRY_S)
+                async with asyncio.timeout(RETRY_S):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self.repair_all()
