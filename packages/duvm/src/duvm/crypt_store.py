@@ -3,11 +3,14 @@
 Theory of operation:
 
 - Every 4 KiB page is sealed with AES-256-GCM under a key generated when the layer is built
-  (daemon start) and held only in this process's memory: it is never written, logged, sent or
-  derived from anything on disk. The store below (RemoteStore, i.e. the memservers) sees
-  ciphertext of exactly 4096 bytes per page, so nothing else changes: the 12-byte nonce and the
-  16-byte tag stay here, in a preallocated metadata table of 28 bytes per page (28 MiB for a
-  4 GiB device), which the daemon keeps locked in RAM with the rest of itself.
+  (daemon start) and held in this process's memory: it is never logged, sent or derived from
+  anything on disk. With `duvm daemon --state-dir` (so a restarted daemon can read its pages
+  back) the key is also kept in a root-only 0600 file on the /run tmpfs (RAM, never a disk;
+  `daemon_state`); without it the key exists nowhere else. The store below (RemoteStore,
+  i.e. the memservers) sees ciphertext of exactly 4096 bytes per page, so nothing else
+  changes: the 12-byte nonce and the 16-byte tag stay here, in a preallocated metadata table
+  of 28 bytes per page (28 MiB for a 4 GiB device), which the daemon keeps locked in RAM with
+  the rest of itself.
 - Nonces come from one 96-bit write counter per key, so a nonce is never reused under a key.
   The page number and the nonce (which is the page's write generation) are the associated data,
   so a memserver that returns another page's ciphertext, or an older version of this page,
