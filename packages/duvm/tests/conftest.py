@@ -49,7 +49,9 @@ async def _fast(start: Callable[..., bool], offset: int, buf: memoryview) -> str
 
     def done(tag: object, cont: object) -> None:
         assert tag == "tag"
-        if cont is None:
+        if cont is None or type(cont) is memoryview:
+            if cont is not None:  # answered from the store's own buffer (readahead)
+                buf[:] = cont
             how.append("fast")
             fut.set_result(None)
         elif isinstance(cont, BaseException):

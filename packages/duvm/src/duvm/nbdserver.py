@@ -392,6 +392,12 @@ class NBDConnection(asyncio.BufferedProtocol):
             return
         if cont is None:
             self._done(req, 0)
+        elif type(cont) is memoryview:  # answered from the store's own buffer: no copy
+            if req.buffer is not None:
+                self.pool.release(req.buffer)
+                req.buffer = None
+            req.payload = cont
+            self._done(req, 0)
         elif isinstance(cont, BaseException):
             if isinstance(cont, StorageError):
                 self._done(req, cont.errno)
@@ -482,7 +488,8 @@ class NBDConnection(asyncio.BufferedProtocol):
             # Header and payload go out by reference (writev); the buffer comes back to the
             # pool once the transport has sent it.
             self._segments += (_PACK_REPLY(_REPLY_MAGIC, 0, req.cookie), req.payload)
-            self._held.append(buf)  # type: ignore[arg-type]
+            if buf is not None:  # None: the payload is the store's (a readahead window)
+                self._held.append(buf)
         else:
             if buf is not None:
                 self.pool.release(buf)

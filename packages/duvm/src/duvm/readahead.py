@@ -16,6 +16,9 @@ Theory of operation:
   pages ready. A window never crosses a slab (one LOAD from one memserver) and only covers pages
   that hold data (never-written pages are zeros without a trip anyway).
 - A read that falls in a window still in flight waits for it (no second LOAD).
+- A hit is answered with a view of the window (`done(tag, memoryview)`), sent to the NBD
+  client without a copy: a window's bytes never change once it is ready (a change to its pages
+  drops the whole window, whose buffer is never reused).
 - Correctness: a window is exactly the bytes of the last acknowledged writes, or it is dropped.
   Arrived pages are checked against the store's per-page CRC-32C and state, as any load is; a
   mismatch or failure drops the window quietly (the read path then loads the page itself and
@@ -71,15 +74,14 @@ class Readahead:
                 sequential = first == self.next_page
                 self.next_page = first + count
                 if w.ready:
-                    a = (first - w.first) << 12
-                    out[:] = w.buf[a : a + (count << 12)]
                     self.stats["ra_hits"] += 1
                 else:
                     w.waiters.append((first, count, out, done, tag))
                 if sequential:  # a random read that happens to hit fetches nothing more
                     self._ahead(first + count)
                 if w.ready:
-                    done(tag, None)
+                    a = (first - w.first) << 12
+                    done(tag, memoryview(w.buf)[a : a + (count << 12)])
                 return True
         return False
 
@@ -152,9 +154,8 @@ class Readahead:
         for first, count, out, done, tag in waiters:
             if good:
                 a = (first - w.first) << 12
-                out[:] = w.buf[a : a + (count << 12)]
                 self.stats["ra_hits"] += 1
-                done(tag, None)
+                done(tag, memoryview(w.buf)[a : a + (count << 12)])
             else:  # the general path loads it, with failover and judging the replicas
                 done(tag, store.read(first << 12, out))
 

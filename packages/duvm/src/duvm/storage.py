@@ -40,7 +40,9 @@ class Capabilities:
 
 
 # A fast-path completion: `done(tag, None)` finished; `done(tag, coroutine)` continue with that
-# coroutine (it completes the request, or raises StorageError); `done(tag, exception)` failed.
+# coroutine (it completes the request, or raises StorageError); `done(tag, exception)` failed;
+# for a read, `done(tag, memoryview)` finished with the data in that view instead of `out`
+# (bytes the store never changes again, so the reply can be sent from them without a copy).
 Done = Callable[[object, "Coroutine[Any, Any, None] | BaseException | None"], None]
 
 
