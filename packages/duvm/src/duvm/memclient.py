@@ -227,7 +227,10 @@ class _ClientProto(asyncio.BufferedProtocol):
         finally:
             _after_replies = None
             for fn in after:
-                fn()
+                try:
+                    fn()
+                except Exception:  # one caller's failure must not keep the others' replies
+                    log.exception("after-replies callback failed")
 
     def _deliver(self, dec: pp.Decoder, pending: dict) -> None:
         try:
