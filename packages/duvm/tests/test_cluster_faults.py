@@ -52,8 +52,21 @@ def workload(sock: str, seconds: float, **kw) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def result(p: subprocess.Popen, timeout: float = 240) -> dict:
-    out, err = p.communicate(timeout=timeout)
+def result(p: subprocess.Popen, timeout: float = 240,
+           c: netns_cluster.Cluster | None = None) -> dict:  # fmt: skip
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hang: say what the daemon saw, for the next reader
+        p.kill()
+        p.communicate()
+        why = f"workload still running after {timeout} s"
+        if c is not None:
+            try:
+                why += f"; daemon health: {health(str(c.dir / 'daemon.sock'))}"
+            except Exception as e:  # diagnostics only: never hide the hang itself
+                why += f"; daemon health unavailable: {e}"
+            why += f"; daemon log tail: {c.log('daemon')[-4000:]}"
+        raise AssertionError(why) from None
     assert p.returncode == 0, err[-3000:]
     res = json.loads(out.strip().splitlines()[-1])
     res["stderr"] = err[-2000:]
@@ -93,7 +106,7 @@ def test_kill9_memserver_during_io_r2_loses_nothing_and_repairs(cluster) -> None
     w = workload(sock, 12)
     time.sleep(3)
     cluster.kill9(2)
-    res = result(w)
+    res = result(w, c=cluster)
     assert_intact(res)
     h = wait_health(sock, lambda h: h["degraded_slabs"] == 0)
     assert h["replicas_dropped"] > 0 and h["repair"]["repairs_done"] > 0
@@ -115,7 +128,7 @@ def test_link_down_and_up_r2(cluster) -> None:
     cluster.link(3, up=False)
     time.sleep(8)  # longer than the daemon's stall timeout (5 s)
     cluster.link(3, up=True)
-    res = result(w)
+    res = result(w, c=cluster)
     assert_intact(res)
     h = wait_health(sock, lambda h: h["degraded_slabs"] == 0)
     assert h["stalls_aborted"] + h["failovers"] > 0 and h["replicas_dropped"] > 0
@@ -129,7 +142,7 @@ def test_slow_link_r2_still_intact(cluster) -> None:
     cluster.slow(4)
     time.sleep(6)
     cluster.unslow(4)
-    res = result(w)
+    res = result(w, c=cluster)
     assert_intact(res)
     wait_health(sock, lambda h: h["degraded_slabs"] == 0)
 
@@ -141,7 +154,7 @@ def test_memserver_restart_r2_is_repaired_from_the_replica(cluster) -> None:
     cluster.kill9(3)
     time.sleep(1)
     cluster.memserver(3, "40M")  # back, empty
-    res = result(w)
+    res = result(w, c=cluster)
     assert_intact(res)
     h = wait_health(sock, lambda h: h["degraded_slabs"] == 0)
     assert h["replicas_dropped"] > 0 and h["repair"]["repairs_done"] > 0
@@ -154,7 +167,7 @@ def test_r1_loss_is_an_io_error_never_other_bytes(cluster) -> None:
     cluster.kill9(2)
     time.sleep(0.5)
     cluster.memserver(2, "40M")  # restarted empty: its pages are gone
-    res = result(w)
+    res = result(w, c=cluster)
     assert res["mismatches"] == 0, res
     assert res["read_eio"] > 0 and res["lost_pages"] > 0, res  # the loss is visible
     h = health(sock)
