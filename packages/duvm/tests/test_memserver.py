@@ -216,6 +216,29 @@ async def wait_until(cond, timeout: float = 5.0) -> None:
             await asyncio.sleep(0.01)
 
 
+async def test_a_reply_that_breaks_the_protocol_fails_its_request_not_hangs(
+        server: MemServer, monkeypatch) -> None:  # fmt: skip
+    """A memserver answering a LOAD with fewer pages than asked is cut off; the request that
+    reply belonged to fails like on a lost connection instead of waiting forever."""
+    c = MemClient(*server.addr, "n/short")
+    await c.connect()
+    await c.reserve(8)
+    await c.store([1, 2], os.urandom(2 * PS))
+    real = pp.parse_batch
+
+    def short(mtype: int, body: memoryview):  # the server "forgets" the last key of a LOAD
+        keys, data = real(mtype, body)
+        return (keys[:-1], data) if mtype == pp.MsgType.LOAD and len(keys) > 1 else (keys, data)
+
+    monkeypatch.setattr(pp, "parse_batch", short)
+    with pytest.raises(MemserverUnreachable, match=r"broke the protocol|lost"):
+        async with asyncio.timeout(10):
+            await c.load([1, 2])
+    monkeypatch.setattr(pp, "parse_batch", real)
+    assert bytes(await c.load([1])) != b""  # reconnected and serving again
+    await c.close()
+
+
 async def test_a_refused_merged_batch_fails_only_the_requests_it_must(server: MemServer) -> None:
     c = MemClient(*server.addr, "n/merge-err")
     await c.connect()

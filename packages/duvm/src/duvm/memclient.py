@@ -233,8 +233,10 @@ class _ClientProto(asyncio.BufferedProtocol):
                     log.exception("after-replies callback failed")
 
     def _deliver(self, dec: pp.Decoder, pending: dict) -> None:
+        entry = None
         try:
             while True:
+                entry = None
                 frame = dec.next_frame()
                 if frame is pp.NEED_DATA:
                     return
@@ -255,6 +257,9 @@ class _ClientProto(asyncio.BufferedProtocol):
                     fut.set_result(pp.decode_frame(*frame))
         except pp.RemoteProtocolError as e:
             log.warning("memserver %s broke the protocol: %s; closing", self.client.peer, e)
+            if entry is not None:  # popped already, so the lost connection would not fail it
+                MemClient._fail([entry], MemserverUnreachable(
+                    f"memserver {self.client.peer} broke the protocol: {e}"))
             self.transport.abort()
 
     def _batch_reply(self, batch: _Batch, mtype: int, frame: tuple) -> None:
