@@ -375,7 +375,13 @@ class NBDConnection(asyncio.BufferedProtocol):
         if self._lat is not None:
             self._t0[req] = perf_counter_ns()
         self._in_flight += 1
-        if start(req.offset, view, self._fast_done, req):
+        try:
+            taken = start(req.offset, view, self._fast_done, req)
+        except Exception:  # a store bug: answer EIO rather than leave the request hanging
+            log.exception("%s: store failed on %r", self.peer, req)
+            self._done(req, errno.EIO)
+            return True
+        if taken:
             if self._in_flight > self.stats.peak_in_flight:
                 self.stats.peak_in_flight = self._in_flight
             return True

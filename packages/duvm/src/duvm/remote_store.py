@@ -495,7 +495,10 @@ class RemoteStore(BlockStore):
         keys = (first,) if count == 1 else tuple(range(first, first + count))
         if not c.load_cb(keys, out, loaded):
             return False
-        ra.missed(first, count)
+        try:  # the request is on its way: fetching ahead must not fail it
+            ra.missed(first, count)
+        except Exception:
+            log.exception("readahead failed; reading on without it")
         return True
 
     def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
