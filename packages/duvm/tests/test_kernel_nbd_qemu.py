@@ -150,7 +150,9 @@ def test_sigkilled_daemon_was_resumed_onto_the_live_device(guest_run: Any) -> No
     assert killed["nbd_pid"] == att["nbd_pid"], killed
     assert {"daemon-state.json", "daemon-pages.bin"} <= set(killed["state_files"]), killed
     res = _event(guest_run, "resumed")
-    assert res["rc"] == 0 and "duvm resumed" in res["stdout"], res
+    assert res["rc"] == 0 and "duvm resumed" in res["stdout"], (
+        f"duvm enable --resume exited {res['rc']}: stdout {res.get('stdout')!r}, "
+        f"stderr {res.get('stderr')!r}")
     [new] = res["new_daemon_pids"]
     assert new != killed["pid"] and "--resume" in res["new_daemon_cmdline"][0], res
     assert [s[0] for s in _swap_lines(res["proc_swaps"])] == ["/dev/nbd0"], res
