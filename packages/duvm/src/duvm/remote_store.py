@@ -540,11 +540,10 @@ class RemoteStore(BlockStore):
         return False
 
     def pages_match(self, first: int, count: int, buf: memoryview) -> bool:
-        """True when every page holds data whose checksum `buf`'s bytes match."""
-        st, crc = self._state, self._crc
-        if st.count(DATA, first, first + count) != count:
+        """True when every page holds data and `buf` passes the checks of any load."""
+        if self._state.count(DATA, first, first + count) != count:
             return False
-        return all(_crc32(buf[k << 12 : (k + 1) << 12]) == crc[first + k] for k in range(count))
+        return not self._bad_pages(first, count, buf)
 
     def _mark_stored(self, first: int, count: int, data: memoryview) -> None:
         """Every live replica acknowledged these pages: they hold `data` from now on."""
