@@ -21,48 +21,56 @@ MiB = 1 << 20
 READ = 8 * PS  # the kernel's swap-in cluster (32 KiB)
 
 
+@pytest.fixture
+async def written(memserver_pool):
+    """`srv, store, data = await written(size)`: one memserver, a one-replica store of `size`
+    bytes filled with random `data`; the stores are closed at teardown."""
+    stores: list[RemoteStore] = []
+
+    async def make(size: int) -> tuple:
+        srvs, addrs = await memserver_pool(1, 2 * size)
+        store = await RemoteStore.open(addrs, size, f"t:ra:{len(stores)}", replicas=1)
+        stores.append(store)
+        data = os.urandom(size)
+        await store.write(0, memoryview(data))
+        return srvs[0], store, data
+
+    try:
+        yield make
+    finally:
+        for store in stores:
+            await store.close()
+
+
 def loads(srv) -> int:
     return srv.store.counters["load_requests"]
 
 
-async def test_sequential_reads_are_served_from_windows_loaded_ahead(memserver_pool,
-                                                                     fast) -> None:  # fmt: skip
-    srvs, addrs = await memserver_pool(1, 8 * MiB)
-    store = await RemoteStore.open(addrs, 4 * MiB, "t:ra:1", replicas=1)
-    try:
-        data = os.urandom(4 * MiB)
-        await store.write(0, memoryview(data))
-        before = loads(srvs[0])
-        out = bytearray(READ)
-        n = (4 * MiB) // READ
-        for i in range(n):
-            assert await fast(store.start_read, i * READ, memoryview(out)) == "fast"
-            assert out == data[i * READ : (i + 1) * READ], i
-        st = store.stats
-        # two reads go to the memserver themselves; from then on windows are ahead of them
-        assert st["ra_hits"] >= n - 3
-        assert st["ra_loads"] >= (4 * MiB) // (WINDOW_PAGES * PS) - 2
-        assert loads(srvs[0]) - before <= st["ra_loads"] + 3  # far fewer LOADs than reads
-        assert st["ra_dropped"] == 0
-    finally:
-        await store.close()
+async def test_sequential_reads_are_served_from_windows_loaded_ahead(written, fast) -> None:
+    srv, store, data = await written(4 * MiB)
+    before = loads(srv)
+    out = bytearray(READ)
+    n = (4 * MiB) // READ
+    for i in range(n):
+        assert await fast(store.start_read, i * READ, memoryview(out)) == "fast"
+        assert out == data[i * READ : (i + 1) * READ], i
+    st = store.stats
+    # two reads go to the memserver themselves; from then on windows are ahead of them
+    assert st["ra_hits"] >= n - 3
+    assert st["ra_loads"] >= (4 * MiB) // (WINDOW_PAGES * PS) - 2
+    assert loads(srv) - before <= st["ra_loads"] + 3  # far fewer LOADs than reads
+    assert st["ra_dropped"] == 0
 
 
-async def test_random_reads_fetch_nothing_ahead(memserver_pool, fast) -> None:
-    _srvs, addrs = await memserver_pool(1, 8 * MiB)
-    store = await RemoteStore.open(addrs, 4 * MiB, "t:ra:2", replicas=1)
-    try:
-        data = os.urandom(4 * MiB)
-        await store.write(0, memoryview(data))
-        rng = random.Random(3)
-        out = bytearray(PS)
-        for _ in range(200):
-            p = rng.randrange(1024 // 2) * 2  # never two in a row
-            await fast(store.start_read, p * PS, memoryview(out))
-            assert out == data[p * PS : (p + 1) * PS]
-        assert store.stats["ra_loads"] <= 3 and store.stats["ra_hits"] <= 3
-    finally:
-        await store.close()
+async def test_random_reads_fetch_nothing_ahead(written, fast) -> None:
+    _, store, data = await written(4 * MiB)
+    rng = random.Random(3)
+    out = bytearray(PS)
+    for _ in range(200):
+        p = rng.randrange(1024 // 2) * 2  # never two in a row
+        await fast(store.start_read, p * PS, memoryview(out))
+        assert out == data[p * PS : (p + 1) * PS]
+    assert store.stats["ra_loads"] <= 3 and store.stats["ra_hits"] <= 3
 
 
 async def test_writes_and_trims_never_leave_stale_bytes_in_a_window(memserver_pool,
@@ -168,26 +176,19 @@ async def test_a_write_racing_a_window_in_flight_is_never_hidden(memserver_pool,
         await store.close()
 
 
-async def test_a_corrupt_page_ahead_drops_the_window_and_reads_eio(memserver_pool,
-                                                                   fast) -> None:  # fmt: skip
-    srvs, addrs = await memserver_pool(1, 8 * MiB)
-    store = await RemoteStore.open(addrs, 2 * MiB, "t:ra:5", replicas=1)
-    try:
-        data = os.urandom(2 * MiB)
-        await store.write(0, memoryview(data))
-        bad = 40  # inside the first window fetched ahead
-        ns = srvs[0].store.namespaces["t:ra:5"]
-        srvs[0].store.arena.view(ns.pages[bad])[7] ^= 0xFF
-        out = bytearray(READ)
-        for i in range(bad // 8):
-            await fast(store.start_read, i * READ, memoryview(out))
-            assert out == data[i * READ : (i + 1) * READ]
-        assert store.stats["ra_dropped"] >= 1  # the window with the bad page was not used
-        with pytest.raises(StorageError) as ei:
-            await fast(store.start_read, (bad // 8) * READ, memoryview(out))
-        assert ei.value.errno == errno.EIO  # never the corrupt bytes
-    finally:
-        await store.close()
+async def test_a_corrupt_page_ahead_drops_the_window_and_reads_eio(written, fast) -> None:
+    srv, store, data = await written(2 * MiB)
+    bad = 40  # inside the first window fetched ahead
+    ns = srv.store.namespaces[store.client_id]
+    srv.store.arena.view(ns.pages[bad])[7] ^= 0xFF
+    out = bytearray(READ)
+    for i in range(bad // 8):
+        await fast(store.start_read, i * READ, memoryview(out))
+        assert out == data[i * READ : (i + 1) * READ]
+    assert store.stats["ra_dropped"] >= 1  # the window with the bad page was not used
+    with pytest.raises(StorageError) as ei:
+        await fast(store.start_read, (bad // 8) * READ, memoryview(out))
+    assert ei.value.errno == errno.EIO  # never the corrupt bytes
 
 
 async def test_a_real_nbd_client_reading_sequentially_gets_every_byte(
