@@ -34,13 +34,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from duvm.storage import Done
+from duvm.storage import DATA, EMPTY, LOST, Done
 
 if TYPE_CHECKING:
     from duvm.remote_store import RemoteStore
 
 WINDOW_PAGES = 64  # 256 KiB per LOAD: 8 of the kernel's 32 KiB swap-in reads
-DATA = 1  # RemoteStore's page state "holds data"
 
 
 class _Window:
@@ -73,15 +72,12 @@ class Readahead:
             if w.first <= first and first + count <= w.first + w.count:
                 sequential = first == self.next_page
                 self.next_page = first + count
-                if w.ready:
-                    self.stats["ra_hits"] += 1
-                else:
+                if not w.ready:
                     w.waiters.append((first, count, out, done, tag))
                 if sequential:  # a random read that happens to hit fetches nothing more
                     self._ahead(first + count)
-                if w.ready:
-                    a = (first - w.first) << 12
-                    done(tag, memoryview(w.buf)[a : a + (count << 12)])
+                if w.ready:  # answered last: the caller may reply at once
+                    self._serve(w, first, count, done, tag)
                 return True
         return False
 
@@ -124,10 +120,11 @@ class Readahead:
         st = store._state
         if st[first] != DATA:
             return
-        stop = first + 1
-        while stop < end and st[stop] == DATA:
-            stop += 1
-        count = stop - first
+        count = end - first  # up to the first page that holds no data
+        for other in (EMPTY, LOST):
+            q = st.find(other, first, end)
+            if q >= 0:
+                count = min(count, q - first)
         c = store._slab_clients[slab][0]
         if count > c.max_batch:
             count = c.max_batch
@@ -146,18 +143,21 @@ class Readahead:
             good = False
         if good:
             w.ready = True
-        else:
-            if w in self.windows:
-                self.windows.remove(w)
+        elif w in self.windows:  # (a window invalidate() dropped is counted there)
+            self.windows.remove(w)
             self.stats["ra_dropped"] += 1
         waiters, w.waiters = w.waiters, []
         for first, count, out, done, tag in waiters:
             if good:
-                a = (first - w.first) << 12
-                self.stats["ra_hits"] += 1
-                done(tag, memoryview(w.buf)[a : a + (count << 12)])
+                self._serve(w, first, count, done, tag)
             else:  # the general path loads it, with failover and judging the replicas
                 done(tag, store.read(first << 12, out))
+
+    def _serve(self, w: _Window, first: int, count: int, done: Done, tag: object) -> None:
+        """Answer a read from a ready window with a view of it (no copy)."""
+        self.stats["ra_hits"] += 1
+        a = (first - w.first) << 12
+        done(tag, memoryview(w.buf)[a : a + (count << 12)])
 
     def invalidate(self, first: int, count: int) -> None:
         """Pages [first, first+count) change: drop every window that holds any of them."""

@@ -64,7 +64,16 @@ from duvm.memclient import MemClient, MemserverUnreachable, PageServerError
 from duvm.pageproto import ErrorCode
 from duvm.placement import normalize_peers, place
 from duvm.readahead import Readahead
-from duvm.storage import PAGE_SIZE, BlockStore, Capabilities, Done, StorageError
+from duvm.storage import (
+    DATA,
+    EMPTY,
+    LOST,
+    PAGE_SIZE,
+    BlockStore,
+    Capabilities,
+    Done,
+    StorageError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +86,6 @@ RETRY_MIN_S, RETRY_MAX_S = 0.05, 1.0
 _MASK = PAGE_SIZE - 1
 _ZEROS = bytes(256 * PAGE_SIZE)
 _ZERO_PAGE = _ZEROS[:PAGE_SIZE]
-EMPTY, DATA, LOST = 0, 1, 2  # page states
 _FAILURES = (PageServerError, MemserverUnreachable)
 assert PAGE_SIZE == 1 << 12  # the hot paths shift by 12
 

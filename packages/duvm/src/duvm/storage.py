@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 PAGE_SIZE = 4096
+EMPTY, DATA, LOST = 0, 1, 2  # per-page state a store keeps: never written or trimmed / holds
+# data / lost (reads fail with EIO until the page is written again)
 
 
 class StorageError(Exception):
