@@ -518,11 +518,8 @@ class RemoteStore(BlockStore):
             return False
         first, count = offset >> 12, n >> 12
         slab = first // self.slab_pages
-        if (first + count - 1) // self.slab_pages != slab or slab in self.repairs:
-            return False
-        clients = self._slab_clients[slab]
-        c = clients[0]
-        if len(clients) != 1 or count > c.max_batch:
+        c = self._lone_replica(slab, count)
+        if c is None or (first + count - 1) // self.slab_pages != slab:
             return False
         inflight = self.inflight
 
@@ -552,6 +549,14 @@ class RemoteStore(BlockStore):
         if self._state.count(DATA, first, first + count) != count:
             return False
         return not self._bad_pages(first, count, buf)
+
+    def _lone_replica(self, slab: int, count: int) -> MemClient | None:
+        """The slab's only replica when one STORE of `count` pages can go straight to it (no
+        replication, no repair copying the slab), else None: the general path decides."""
+        clients = self._slab_clients[slab]
+        if len(clients) != 1 or slab in self.repairs or count > clients[0].max_batch:
+            return None
+        return clients[0]
 
     def _mark_stored(self, first: int, count: int, data: memoryview) -> None:
         """Every live replica acknowledged these pages: they hold `data` from now on."""
@@ -729,10 +734,8 @@ class RemoteStore(BlockStore):
         first, count = offset >> 12, n >> 12
         slab = first // self.slab_pages
         if (first + count - 1) // self.slab_pages == slab:  # within one slab: no splitting
-            clients = self._slab_clients[slab]
-            c = clients[0]
-            if (len(clients) == 1 and c.hello is not None and count <= c.max_batch
-                    and slab not in self.repairs):  # fmt: skip
+            c = self._lone_replica(slab, count)
+            if c is not None and c.hello is not None:
                 # The common case without replication: one STORE awaited right here. On any
                 # failure the general path below sends it again (STORE is idempotent) and
                 # decides what the failure means (ENOSPC, EIO, pages lost).
