@@ -358,3 +358,37 @@ def test_demo_without_root_says_why() -> None:
         problems = json.loads(f.read())
     os.waitpid(pid, 0)
     assert problems and problems[0].startswith("needs root") and "sudo" in problems[0]
+
+
+@pytest.mark.parametrize(("peers", "setting", "expected"), [
+    (["a:1", "b:1", "c:1"], None, 2),  # replicated whenever the pool allows it
+    (["a:1", "b:1"], None, 2),
+    (["a:1"], None, 1),
+    (["a:1", "b:1", "c:1"], 1, 1),  # an explicit choice is kept
+    (["a:1", "b:1", "c:1"], 3, 3),
+])
+def test_replicas_default_to_two_when_the_peers_allow(tmp_path: Path, peers: list[str],
+                                                      setting: int | None, expected: int) -> None:
+    text = f"peers = {json.dumps(peers)}\nsize = \"1G\"\n"
+    if setting is not None:
+        text += f"replicas = {setting}\n"
+    cfg = control.load_config(write(tmp_path, text))
+    assert cfg.replicas == expected
+    cmd = control.daemon_command(cfg)
+    assert cmd[cmd.index("--replicas") + 1] == str(expected)
+    # the command line's own defaults agree with the config file's
+    from duvm import enable
+
+    parser = argparse.ArgumentParser()
+    enable.add_arguments(parser)
+    argv = ["--peers", ",".join(peers), "--size", "1G"]
+    if setting is not None:
+        argv += ["--replicas", str(setting)]
+    from_args = enable.config_from_args(parser.parse_args(argv))
+    assert from_args.replicas == expected
+    warning = enable.replica_warning(from_args)
+    if expected == 1:
+        assert warning and "I/O errors" in warning
+        assert ("second peer" in warning) == (len(peers) == 1)
+    else:
+        assert warning is None

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from duvm import attach
+from duvm.placement import default_replicas
 from duvm.units import parse_hostport, parse_listen, parse_size
 
 DEFAULT_STATE_DIR = Path("/run/duvm")
@@ -84,7 +85,7 @@ class Config:
     peers: list[str]
     size: int
     priority: int = attach.DEFAULT_PRIORITY
-    replicas: int = 1
+    replicas: int | None = None  # None: 2 when there are at least 2 peers, else 1
     method: str = "auto"
     state_dir: Path = DEFAULT_STATE_DIR
     daemon_args: list[str] = field(default_factory=list)
@@ -109,6 +110,8 @@ class Config:
                 raise ControlError(f"bad peer address: {exc}") from exc
         if self.size < 1 << 20 or self.size % 4096:
             raise ControlError(f"size {self.size} must be at least 1 MiB and whole pages")
+        if self.replicas is None:
+            self.replicas = default_replicas(len(self.peers))
         if not 1 <= self.replicas <= len(self.peers):
             raise ControlError(f"replicas = {self.replicas} needs 1..{len(self.peers)} "
                                "(at most one copy per peer)")
@@ -279,7 +282,7 @@ def load_config(path: Path) -> Config:
         peers=[p for p in peers if p not in own],
         size=r.size("size", "4G"),
         priority=r.integer("priority", attach.DEFAULT_PRIORITY),
-        replicas=r.integer("replicas", 1),
+        replicas=r.integer("replicas", 0) if "replicas" in r.table else None,
         method=r.text("method", "auto") or "auto",
         state_dir=r.path("state_dir", DEFAULT_STATE_DIR) or DEFAULT_STATE_DIR,
         daemon_args=daemon_args,

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from duvm import auth, memclient
+from duvm.placement import default_replicas
 from duvm.storage import StorageError
 from duvm.units import is_loopback, parse_hostport, parse_listen, parse_size
 
@@ -103,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
         tcp = parse_listen(args.tcp) if args.tcp else None
         if tcp is not None and not is_loopback(tcp[0]):
             raise ValueError(f"--tcp must be a loopback address, not {tcp[0]}")
-        if args.replicas is None:  # replicated whenever the pool allows it
-            args.replicas = 2 if len(peers) >= 2 else 1
+        if args.replicas is None:
+            args.replicas = default_replicas(len(peers))
         if args.replicas < 1:
             raise ValueError("--replicas must be at least 1")
         if args.metrics:

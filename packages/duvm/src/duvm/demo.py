@@ -54,6 +54,7 @@ _LISTEN_RE = re.compile(r"listening on (\S+):(\d+)")
 class DemoResult:
     workload_mib: int
     limit_mib: int
+    replicas: int | None = None  # copies of each page the daemon keeps
     method: str | None = None
     device: str | None = None
     intact: bool | None = None
@@ -249,6 +250,7 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         res.pids += servers.pids
         cfg.peers = servers.addrs
         cfg.validate()
+        res.replicas = cfg.replicas
         res.authenticated = secret is not None
         security = control.peer_security(cfg.daemon_args, cfg.peers)
         say("    " + ", ".join(servers.addrs))
@@ -369,7 +371,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="RAM limit of the workload's cgroup in MiB")
     parser.add_argument("--size", type=parse_size, default=None,
                         help="swap device size (default 1.5x the workload)")
-    parser.add_argument("--replicas", type=int, default=1, help="copies of each page (1-3)")
+    parser.add_argument("--replicas", type=int, default=2,
+                        help="copies of each page on the 3 memservers (1-3; default 2, as "
+                        "`duvm enable` with 2 or more peers)")
     parser.add_argument("--method", choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
                         default="auto")
     parser.add_argument("--state-dir", type=Path, default=Path("/run/duvm-demo"),

@@ -18,9 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", metavar="HOST:PORT[,...]",
                         help="memservers to reserve on (instead of --config)")
     parser.add_argument("--size", metavar="SIZE", help="swap device size, e.g. 4G")
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="copies of each page, on distinct peers (default 1; 2 survives the "
-                        "loss of any one memserver)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="copies of each page, on distinct peers (default 2 with 2 or more "
+                        "peers, which survives the loss of any one memserver; else 1)")
     parser.add_argument("--secret-file", type=Path, metavar="PATH",
                         help="cluster secret file (mode 0600); required for peers off loopback")
     parser.add_argument("--priority", type=int, default=attach.DEFAULT_PRIORITY,
@@ -76,4 +76,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"duvm enabled: {att.device} via {att.method}, {(att.size_bytes or 0) >> 20} MiB of "
           f"swap at priority {att.priority} on {len(cfg.peers)} peer(s), "
           f"{cfg.replicas} cop{'y' if cfg.replicas == 1 else 'ies'} of each page")
+    warning = replica_warning(cfg)
+    if warning:
+        print(f"duvm enable: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def replica_warning(cfg: control.Config) -> str | None:
+    """What a single copy of each page risks, and the fix; None when pages are replicated."""
+    if cfg.replicas != 1:
+        return None
+    fix = "add a second peer" if len(cfg.peers) < 2 else "use --replicas 2 (replicas = 2)"
+    return ("one copy of each page: a memserver that dies or restarts takes its pages with it "
+            f"and the programs that own them get I/O errors; {fix}")

@@ -21,6 +21,12 @@ import socket
 from duvm.storage import PAGE_SIZE, StorageError
 
 
+def default_replicas(peers: int) -> int:
+    """Copies of each page when none is configured: 2 whenever the pool allows it (a memserver
+    that dies then costs nothing), else 1 (with a warning)."""
+    return 2 if peers >= 2 else 1
+
+
 def normalize_peers(peers: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """The peers as given, checked to name distinct memservers. A name that resolves to the same
     address and port as an earlier one raises ValueError ("listed twice")."""
