@@ -563,7 +563,15 @@ class MemClient:
             return
         proto = self._proto
         if proto is None or proto.transport is None or proto.transport.is_closing():
-            self._fail(q, MemserverUnreachable(f"not connected to memserver {self.peer}"))
+            err = MemserverUnreachable(f"not connected to memserver {self.peer}")
+            if proto is None and self._pending:
+                # Requests (not merged page requests: those are in q) queued after the lost
+                # connection had already failed its table: a caller that resumed after its
+                # reconnect, when that new connection was gone again. No connection is left
+                # to answer or fail them, so fail them here.
+                q = [*q, *self._pending.values()]
+                self._pending = {}
+            self._fail(q, err)
             return
         wire: list[bytes | memoryview] = []
         pending, batch_prefix = self._pending, pp.batch_prefix
