@@ -245,3 +245,47 @@ def test_failure_midway_leaves_nothing_behind() -> None:
         raise RuntimeError("simulated failure")
     proc.wait(10)
     assert not stack.leftovers()
+
+
+def test_detach_leaves_alone_a_device_number_someone_else_reused() -> None:
+    """Loop numbers are reused as soon as they are free: if someone detached duvm's device by
+    hand and the number now backs their own swap, disable must not swapoff or discard it."""
+    other = Path(tempfile.mkdtemp(prefix="duvm-other-", dir="/tmp"))
+    image = other / "their-swap.img"
+    reused: str | None = None
+    try:
+        with swap_stack() as stack:
+            att = stack.attach()
+            dev = att.device or ""
+            subprocess.run(["swapoff", dev], check=True, timeout=60)
+            subprocess.run(["losetup", "-d", dev], check=True, timeout=30)
+            image.write_bytes(os.urandom(16 << 20))
+            for _ in range(100):  # the loop driver lets go of the old file asynchronously
+                if subprocess.run(["losetup", dev, str(image)], capture_output=True,
+                                  timeout=30).returncode == 0:
+                    reused = dev
+                    break
+                time.sleep(0.05)
+            assert reused == dev, f"could not bind {dev} again"
+            subprocess.run(["mkswap", dev], check=True, capture_output=True, timeout=30)
+            # lowest priority and plenty of free RAM: nothing is paged to it meanwhile
+            subprocess.run(["swapon", "-p", "-2", dev], check=True, timeout=30)
+            header = image.read_bytes()[:8192]
+
+            removed = attach.detach(stack.state)
+            assert removed is not None
+            assert "not by duvm's" in str(removed.extra.get("device_problem")), removed.extra
+            # their swap is still on, their bytes untouched (no blkdiscard), the loop kept
+            assert attach.swap_entry(dev) is not None
+            assert image.read_bytes()[:8192] == header
+            backing = Path("/sys/block", Path(dev).name, "loop", "backing_file")
+            assert backing.read_text().strip() == str(image)
+            # and what was duvm's is gone: mount, nbdfuse, state file (the swap on `dev` that
+            # leftovers() reports is theirs now)
+            assert not stack.state.exists()
+            assert stack.leftovers() == [f"swap {dev}", f"process {stack.server.pid}"]
+    finally:
+        if reused is not None:
+            subprocess.run(["swapoff", reused], capture_output=True, timeout=60)
+            subprocess.run(["losetup", "-d", reused], capture_output=True, timeout=30)
+        shutil.rmtree(other, ignore_errors=True)

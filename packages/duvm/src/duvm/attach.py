@@ -534,6 +534,12 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
     if att is None:
         return None
     entry = swap_entry(att.device) if att.device else None
+    problem = device_problem(att)
+    if problem is not None:
+        # Someone detached it behind our back and the number was reused: swapoff or discard
+        # would hit their device. Leave it alone; what is still ours is cleaned up below.
+        entry = None
+        att.extra["device_problem"] = problem
     if entry is not None:
         problems = [] if force else swapoff_problems(entry)
         if problems:
@@ -575,6 +581,22 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
         raise AttachError("detach incomplete: " + "; ".join(errors))
     state_path.unlink(missing_ok=True)
     return att
+
+
+def device_problem(att: Attachment) -> str | None:
+    """Why `att.device` is no longer the device this attachment made, or None. Loop device
+    numbers are reused as soon as they are free, so the FUSE path checks the backing file; a
+    kernel nbd device is only ever connected by whoever holds it, so it is trusted."""
+    if att.method != METHOD_FUSE or not att.device or att.device != att.loop_device:
+        return None
+    backing = Path("/sys/block", Path(att.device).name, "loop", "backing_file")
+    try:
+        found = backing.read_text().strip()
+    except OSError:
+        return f"{att.device} is no longer a loop device"
+    if found != att.fuse_file:
+        return f"{att.device} is now backed by {found}, not by duvm's {att.fuse_file}"
+    return None
 
 
 def _detach_kernel(att: Attachment, errors: list[str]) -> None:

@@ -167,10 +167,15 @@ def enable(cfg: Config) -> attach.Attachment:
         raise
 
 
-def disable(state_dir: Path = DEFAULT_STATE_DIR, *, force: bool = False) -> bool:
-    """Swap off, detach, stop the daemon. False when nothing was enabled."""
+def disable(state_dir: Path = DEFAULT_STATE_DIR, *, force: bool = False,
+            notes: list[str] | None = None) -> bool:
+    """Swap off, detach, stop the daemon. False when nothing was enabled. What the user should
+    know about a device left alone goes to `notes`."""
     attach.require_root()
     att = attach.detach(state_path(state_dir), force=force)  # SwapoffFailed: nothing else done
+    if att is not None and notes is not None and att.extra.get("device_problem"):
+        notes.append(f"left {att.device} alone (not swapped off, not discarded): "
+                     f"{att.extra['device_problem']}")
     had_daemon = load_daemon(state_dir) is not None
     stop_daemon(state_dir)
     return att is not None or had_daemon

@@ -19,13 +19,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    notes: list[str] = []
     try:
-        was = control.disable(args.state_dir, force=args.force)
+        was = control.disable(args.state_dir, force=args.force, notes=notes)
     except attach.SwapoffFailed as exc:
         print(f"duvm disable: {exc}", file=sys.stderr)
         return 3
     except (control.ControlError, attach.AttachError) as exc:
         print(f"duvm disable: {exc}", file=sys.stderr)
         return 1
+    for note in notes:
+        print(f"duvm disable: {note}", file=sys.stderr)
     print("duvm disabled" if was else "duvm was not enabled")
     return 0
