@@ -4,7 +4,7 @@
 Usage (root; it creates swap devices, loop devices, FUSE mounts and cgroups):
 
     sudo uv run python benchmarks/bench_swap.py [--reps 3] [--mib 256] [--limit-mib 64]
-        [--targets duvm-1,duvm-3,nbdkit,disk-file,zram,no-swap] [--json F] [--markdown F]
+        [--targets duvm-1,duvm-3,duvm-3r2,nbdkit,disk-file,zram,no-swap] [--json F] [--markdown F]
 
 Theory of operation
 -------------------
@@ -20,7 +20,9 @@ Targets, one swap device each at the highest swap priority (32767), so the workl
 to the device under test and nowhere else:
 
 * ``duvm-1``, ``duvm-3``: ``duvm enable`` (daemon + 1 or 3 memservers on loopback, one copy of
-  each page), as the demo runs it, through duvm's own attach (:mod:`duvm.attach`);
+  each page), through duvm's own attach (:mod:`duvm.attach`);
+* ``duvm-3r2``: the same with 3 memservers and two copies of each page, the default of
+  ``duvm enable`` and ``duvm demo`` with 3 peers (every swapped-out page is sent twice);
 * ``nbdkit``: ``nbdkit memory`` (the C reference NBD server) on a Unix socket, attached by the
   SAME :func:`duvm.attach.attach` call, so it goes through the same frontend as duvm: kernel
   nbd where the kernel has it, else nbdfuse + a loop device with direct I/O (this project's VM:
@@ -76,7 +78,7 @@ from duvm.units import parse_size
 PRIORITY = demo.MAX_PRIORITY  # the highest: the kernel uses the device under test first
 MiB = 1 << 20
 PAGE = 4096
-TARGETS = ("duvm-1", "duvm-3", "nbdkit", "disk-file", "zram", "no-swap")
+TARGETS = ("duvm-1", "duvm-3", "duvm-3r2", "nbdkit", "disk-file", "zram", "no-swap")
 SWAP_FILE_FS = ("ext2", "ext3", "ext4", "xfs")  # take a plain swap file without extra flags
 CGROUP_PREFIX = "duvm-bench"
 TARGET_RATIO = 1.15
@@ -180,12 +182,14 @@ def detach_or_explain(state_file: Path, keep: Callable[[], None]) -> None:
 
 
 @contextlib.contextmanager
-def duvm_target(memservers: int, args: argparse.Namespace, state: Path) -> Iterator[Active]:
-    capacity = args.size // memservers + (16 << 20)  # + room for rounding to slabs (as demo)
+def duvm_target(memservers: int, args: argparse.Namespace, state: Path,
+                replicas: int = 1) -> Iterator[Active]:
+    # + room for rounding to slabs (as demo)
+    capacity = args.size * replicas // memservers + (16 << 20)
     servers = demo.Memservers(memservers, capacity)
     stop = True
     try:
-        cfg = control.Config(peers=servers.addrs, size=args.size, replicas=1,
+        cfg = control.Config(peers=servers.addrs, size=args.size, replicas=replicas,
                              method=args.method, state_dir=state, priority=PRIORITY).validate()
         att = control.enable(cfg)
         daemon = att.extra.get("daemon_pid")
@@ -311,6 +315,7 @@ TARGET_OPEN: dict[str, Callable[[argparse.Namespace, Path], contextlib.AbstractC
     Active]]] = {
     "duvm-1": lambda a, s: duvm_target(1, a, s),
     "duvm-3": lambda a, s: duvm_target(3, a, s),
+    "duvm-3r2": lambda a, s: duvm_target(3, a, s, replicas=2),
     "nbdkit": nbdkit_target,
     "disk-file": disk_file_target,
     "zram": zram_target,
