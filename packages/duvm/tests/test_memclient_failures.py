@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -134,6 +138,84 @@ def test_pages_request_after_a_reconnect_that_drops_at_once_fails_not_hangs(loop
                 assert relay.connections == 2 and relay.cut == 2
                 assert client._pending == {}
             finally:
+                await client.close()
+
+    run(loop, main)
+
+
+class ResetAtAccept:
+    """A listener that accepts each TCP connection and resets it at once (SO_LINGER 0), from
+    its own thread: a memserver killed between the TCP handshake and the HELLO."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.sock.getsockname()[:2]
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    def __enter__(self) -> ResetAtAccept:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_connection_reset_before_connect_returns_fails_not_hangs(loop: str) -> None:
+    """The peer resets the connection right after the TCP handshake, so the connection is
+    lost before `create_connection` has even returned the transport to `connect()`. The
+    HELLO must not be sent into that dead transport and wait forever (it did: the reconnect
+    then hung, and every request to that memserver waited on it). Where the reset lands
+    among the loop's steps depends on the loop and on how busy it is, so both an idle loop
+    and one with other work in each iteration are tried."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        busy: list[asyncio.Handle] = []
+
+        pause = [0.0]
+
+        def other_work() -> None:  # each loop iteration takes a while, as in a busy daemon
+            time.sleep(pause[0])
+            busy[:] = [loop.call_soon(other_work)]
+
+        with ResetAtAccept() as srv:
+            host, port = srv.address
+            client = MemClient(host, port, "reset-at-accept", connect_timeout=2.0)
+            try:
+                other_work()
+                for attempt in range(30):
+                    pause[0] = (0.0, 0.0005, 0.002)[attempt % 3]
+                    async with asyncio.timeout(10):
+                        with pytest.raises(MemserverUnreachable):
+                            await client.connect()
+                    assert client._proto is None and client._pending == {}
+                async with asyncio.timeout(10):  # through a request, which reconnects
+                    with pytest.raises(MemserverUnreachable):
+                        await client.status()
+                assert srv.accepted >= 31  # the connections were made, then reset
+                assert client._pending == {} and not client.connected
+            finally:
+                if busy:
+                    busy[0].cancel()
                 await client.close()
 
     run(loop, main)

@@ -410,6 +410,13 @@ class MemClient:
         except (TimeoutError, OSError) as e:  # ssl.SSLError is an OSError
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else e.strerror or e
             raise MemserverUnreachable(f"cannot reach memserver {self.peer}: {reason}") from None
+        if proto.lost.done():
+            # Lost before create_connection even returned it (reset right after the TCP
+            # handshake: a memserver dying as it accepted us). Its connection_lost has run,
+            # so nothing would ever fail a request sent on it: the HELLO would wait forever,
+            # and every caller waiting for this reconnect with it.
+            raise MemserverUnreachable(f"cannot reach memserver {self.peer}: the connection "
+                                       "was closed as it opened")
         self._proto = proto
         try:
             hello, state = start_handshake(self.client_id, self.security, self.token)
