@@ -104,13 +104,14 @@ def device_facts(nbd: str = "nbd0") -> dict[str, Any]:
         "state_files": sorted(os.listdir(STATE_DIR)) if os.path.isdir(STATE_DIR) else [],
         "daemon_pids": _pids_with("duvm.cli\0daemon"),
         "holder_pids": _pids_with("duvm.kernelnbd"),
+        "supervisor_pids": _pids_with("duvm.cli\0supervise"),
     }
 
 
 def logs() -> dict[str, str | None]:
     """The tails of the daemon's and the holder's logs (why a connection ended)."""
     return {name: (text[-2000:] if (text := _read(f"{STATE_DIR}/{name}")) is not None else None)
-            for name in ("daemon.log", "holder-nbd0.log")}
+            for name in ("daemon.log", "holder-nbd0.log", "supervisor.log")}
 
 
 def meminfo() -> dict[str, int]:
@@ -234,8 +235,9 @@ def run_workload(mib: int, cgroup_mib: int | None) -> dict[str, Any]:
 
 
 def kill_and_resume() -> None:
-    """SIGKILL the daemon in the middle of the workload, then `duvm enable --resume`: the
-    restarted daemon must take the live /dev/nbd0 back and serve every page it had."""
+    """SIGKILL the daemon in the middle of the workload: the supervisor `duvm enable` started
+    must restart it (`duvm.resume`), the new daemon take the live /dev/nbd0 back and serve every
+    page it had; a `duvm enable --resume` by hand afterwards must find nothing to do."""
     info = json.loads(Path(STATE_DIR, "daemon.json").read_text())
     old_pid = info["pid"]
     before = vmstat()
@@ -245,11 +247,29 @@ def kill_and_resume() -> None:
         time.sleep(0.05)
     emit("killed", pid=old_pid, vmstat=before, nbd_pid=(_read("/sys/block/nbd0/pid") or "")
          .strip() or None, state_files=sorted(os.listdir(STATE_DIR + "/daemon-state")))
-    res = duvm("enable", "--resume", "--state-dir", STATE_DIR, timeout=240)
-    # pids from the state files: scanning every /proc/PID/cmdline could block on swap
+    # the supervisor resumes it: wait for a new live daemon in the state file (its pid from
+    # there: scanning every /proc/PID/cmdline could block on swap)
+    new_pid = None
+    while time.monotonic() - t < 240:
+        try:
+            pid = json.loads(Path(STATE_DIR, "daemon.json").read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            pid = None
+        if pid and pid != old_pid and b"--resume" in (Path(f"/proc/{pid}/cmdline").read_bytes()
+                                                      if Path(f"/proc/{pid}").exists() else b""):
+            state = json.loads(Path(STATE_DIR, "state.json").read_text())
+            if state.get("extra", {}).get("resumed"):
+                new_pid = pid
+                break
+        time.sleep(0.1)
+    resumed_after = round(time.monotonic() - t, 2)
+    by_hand = duvm("enable", "--resume", "--state-dir", STATE_DIR, timeout=240)
     watch_daemon()
     new = WATCHED["daemon"]
-    emit("resumed", **res, vmstat=vmstat(), proc_swaps=_read("/proc/swaps"),
+    emit("resumed", new_pid=new_pid, seconds=resumed_after, by_hand=by_hand,
+         supervisor_log=(_read(STATE_DIR + "/supervisor.log") or "")[-3000:],
+         supervisor=json.loads(_read(STATE_DIR + "/supervisor.json") or "null"),
+         vmstat=vmstat(), proc_swaps=_read("/proc/swaps"),
          nbd_pid=(_read("/sys/block/nbd0/pid") or "").strip() or None, new_daemon_pids=new,
          new_daemon_cmdline=[(_read(f"/proc/{p}/cmdline") or "").replace("\0", " ")
                              for p in new],
@@ -386,7 +406,8 @@ def main() -> int:
              meminfo=meminfo())
         emit("disable", **duvm("disable", "--state-dir", STATE_DIR))
         disabled = True
-        emit("detached", **device_facts(), memservers=memserver_pages(peers))
+        emit("detached", **device_facts(), memservers=memserver_pages(peers),
+             supervisor_left=os.path.exists(f"{STATE_DIR}/supervisor.json"))
     finally:
         if not disabled:  # a failure above: still leave the guest clean (and say so)
             emit("cleanup", **duvm("disable", "--force", "--state-dir", STATE_DIR), logs=logs())

@@ -150,11 +150,16 @@ def test_sigkilled_daemon_was_resumed_onto_the_live_device(guest_run: Any) -> No
     assert killed["nbd_pid"] == att["nbd_pid"], killed
     assert {"daemon-state.json", "daemon-pages.bin"} <= set(killed["state_files"]), killed
     res = _event(guest_run, "resumed")
-    assert res["rc"] == 0 and "duvm resumed" in res["stdout"], (
-        f"duvm enable --resume exited {res['rc']}: stdout {res.get('stdout')!r}, "
-        f"stderr {res.get('stderr')!r}")
+    # nobody ran `duvm enable --resume`: the supervisor that enable started did it
+    assert res["new_pid"] is not None, f"not resumed: supervisor log {res['supervisor_log']}"
+    assert f"daemon pid {killed['pid']} ended: resuming" in res["supervisor_log"], res
+    assert f"resumed: daemon pid {res['new_pid']} serves /dev/nbd0" in res["supervisor_log"]
+    assert att["supervisor_pids"] == [res["supervisor"]["pid"]], att
+    # a resume by hand afterwards finds the daemon running and changes nothing
+    hand = res["by_hand"]
+    assert hand["rc"] == 1 and "still runs" in hand["stderr"], hand
     [new] = res["new_daemon_pids"]
-    assert new != killed["pid"] and "--resume" in res["new_daemon_cmdline"][0], res
+    assert new == res["new_pid"] != killed["pid"] and "--resume" in res["new_daemon_cmdline"][0]
     assert [s[0] for s in _swap_lines(res["proc_swaps"])] == ["/dev/nbd0"], res
     assert res["nbd_pid"] == att["nbd_pid"]  # the same live device, never re-created
     assert res["state"]["extra"]["resumed"] == 1 and res["state"]["nbd_netlink"] is True
@@ -199,6 +204,7 @@ def test_disable_swapped_off_detached_and_cleaned_up(guest_run: Any) -> None:
     assert _swap_lines(det["proc_swaps"]) == [], det["proc_swaps"]
     assert det["nbd_pid"] is None and det["nbd_size_bytes"] == 0, det
     assert det["holder_pids"] == [] and det["daemon_pids"] == [], det
+    assert det["supervisor_pids"] == [] and det["supervisor_left"] is False, det
     assert det["min_free_kbytes"] == _event(guest_run, "start")["min_free_kbytes"]
     assert "state.json" not in det["state_files"] and "daemon.json" not in det["state_files"]
     assert "cleanup" not in guest_run.events  # the forced fallback disable never ran

@@ -89,6 +89,7 @@ class Config:
     method: str = "auto"
     state_dir: Path = DEFAULT_STATE_DIR
     daemon_args: list[str] = field(default_factory=list)
+    supervise: bool = True  # restart a crashed daemon (kernel nbd over netlink only)
     secret_file: Path | None = None  # already folded into daemon_args (see with_secret)
     node: NodeConfig | None = None
     skipped_self: list[str] = field(default_factory=list)  # own memserver, dropped from peers

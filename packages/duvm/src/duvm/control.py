@@ -159,20 +159,36 @@ def enable(cfg: Config) -> attach.Attachment:
                            "`duvm disable` turns it off")
     daemon = start_daemon(cfg)
     try:
-        return attach.attach(daemon.socket, state_path(cfg.state_dir), run_dir=cfg.state_dir,
-                             method=cfg.method, priority=cfg.priority,
-                             extra={"daemon_pid": daemon.pid})
+        att = attach.attach(daemon.socket, state_path(cfg.state_dir), run_dir=cfg.state_dir,
+                            method=cfg.method, priority=cfg.priority,
+                            extra={"daemon_pid": daemon.pid})
     except BaseException:
         stop_daemon(cfg.state_dir)
         raise
+    from duvm import supervise
+
+    if cfg.supervise and supervise.wanted(att, cfg.daemon_args):
+        att.extra["supervisor_pid"] = supervise.start(cfg.state_dir)
+        attach.save_state(state_path(cfg.state_dir), att)
+    return att
 
 
 def disable(state_dir: Path = DEFAULT_STATE_DIR, *, force: bool = False,
             notes: list[str] | None = None) -> bool:
     """Swap off, detach, stop the daemon. False when nothing was enabled. What the user should
     know about a device left alone goes to `notes`."""
+    from duvm import supervise
+
     attach.require_root()
-    att = attach.detach(state_path(state_dir), force=force)  # SwapoffFailed: nothing else done
+    # the supervisor first, or it would take the daemon's stop below for a crash
+    supervised = supervise.alive(supervise.load(state_dir))
+    supervise.stop(state_dir)
+    try:
+        att = attach.detach(state_path(state_dir), force=force)  # SwapoffFailed: nothing done
+    except attach.SwapoffFailed:
+        if supervised:  # still attached and served: keep it supervised
+            supervise.start(state_dir)
+        raise
     if att is not None and notes is not None and att.extra.get("device_problem"):
         notes.append(f"left {att.device} alone (not swapped off, not discarded): "
                      f"{att.extra['device_problem']}")
@@ -258,6 +274,14 @@ def node_status(path: Path = DEFAULT_NODE_CONTROL_SOCKET) -> dict[str, Any] | No
                            for ns in st.get("namespaces") or [] if isinstance(ns, dict)]}
 
 
+def _supervisor_status(state_dir: Path) -> dict[str, Any] | None:
+    from duvm import supervise
+
+    info = supervise.load(state_dir)
+    return None if info is None else {"pid": info["pid"], "running": supervise.alive(info),
+                                      "log": info.get("log")}
+
+
 def status(state_dir: Path = DEFAULT_STATE_DIR,
            node_socket: Path = DEFAULT_NODE_CONTROL_SOCKET) -> dict[str, Any]:
     """Everything `duvm status` shows, as plain data (JSON-ready)."""
@@ -290,6 +314,7 @@ def status(state_dir: Path = DEFAULT_STATE_DIR,
         "daemon": None if daemon is None else {
             "pid": daemon.pid, "running": daemon_alive(daemon), "log": daemon.log,
             "replicas": daemon.replicas},
+        "supervisor": _supervisor_status(state_dir),
         "min_free_kbytes": {"before": att.min_free_before, "set": att.min_free_set}
         if att else None,
         "client_id": daemon.client_id if daemon else None,
@@ -316,6 +341,10 @@ def format_status(st: dict[str, Any]) -> str:
         d = st["daemon"]
         lines.append(f"daemon: pid {d['pid']} {'running' if d['running'] else 'NOT RUNNING'} "
                      f"(log {d['log']})")
+    sup = st.get("supervisor")
+    if sup:
+        lines.append(f"supervisor: pid {sup['pid']} "
+                     f"{'running' if sup['running'] else 'NOT RUNNING'} (log {sup['log']})")
     r = st.get("replication")
     if r:
         rep = "; ".join(f"slab {x['slab']} to {x['target']} {x['copied_pages']}/"

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", type=Path, default=control.DEFAULT_STATE_DIR,
                         help=f"where state, sockets and logs live (default "
                         f"{control.DEFAULT_STATE_DIR})")
+    parser.add_argument("--no-supervise", dest="supervise", action="store_false",
+                        help="do not start `duvm supervise`, which restarts a crashed daemon "
+                        "onto the live device (kernel nbd over netlink only)")
     parser.add_argument("--resume", action="store_true",
                         help="the daemon died: restart it from its saved state and hand it the "
                         "live kernel nbd device again (pages kept; no other option is needed)")
@@ -40,7 +43,9 @@ def config_from_args(args: argparse.Namespace) -> control.Config:
         if args.peers or args.size or args.secret_file:
             raise control.ControlError("give either --config or --peers/--size/--secret-file, "
                                        "not both")
-        return control.load_config(args.config)
+        cfg = control.load_config(args.config)
+        cfg.supervise = args.supervise
+        return cfg
     if not args.peers or not args.size:
         raise control.ControlError("give --config FILE, or both --peers and --size")
     try:
@@ -51,7 +56,7 @@ def config_from_args(args: argparse.Namespace) -> control.Config:
                           size=size, priority=args.priority, replicas=args.replicas,
                           method=args.method, state_dir=args.state_dir,
                           daemon_args=with_secret([], args.secret_file),
-                          secret_file=args.secret_file).validate()
+                          secret_file=args.secret_file, supervise=args.supervise).validate()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"duvm enabled: {att.device} via {att.method}, {(att.size_bytes or 0) >> 20} MiB of "
           f"swap at priority {att.priority} on {len(cfg.peers)} peer(s), "
           f"{cfg.replicas} cop{'y' if cfg.replicas == 1 else 'ies'} of each page")
+    if att.extra.get("supervisor_pid"):
+        print(f"duvm enable: supervisor pid {att.extra['supervisor_pid']} restarts the daemon "
+              "onto the live device if it crashes")
     warning = replica_warning(cfg)
     if warning:
         print(f"duvm enable: warning: {warning}", file=sys.stderr)

@@ -23,6 +23,7 @@ on the memservers for the rest of their lease and a second try may still succeed
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import sys
@@ -33,6 +34,7 @@ from pathlib import Path
 from duvm import attach, control
 
 DAEMON_STATE_SUBDIR = "daemon-state"
+RESUME_LOCK = ".resume.lock"
 
 
 def daemon_state_dir(state_dir: Path) -> Path:
@@ -62,8 +64,19 @@ def resume_command(info: control.DaemonInfo) -> list[str]:
 
 def resume(state_dir: Path, timeout: float = 120.0) -> tuple[control.DaemonInfo,
                                                               attach.Attachment]:
-    """Restart the dead daemon of `state_dir` and reattach its live device (see above)."""
+    """Restart the dead daemon of `state_dir` and reattach its live device (see above).
+    One at a time: the supervisor and a manual `--resume` wait for each other here, and the
+    second then finds the daemon running."""
     attach.require_root()
+    if not state_dir.is_dir():
+        raise control.ControlError(f"duvm is not enabled with state in {state_dir}; nothing "
+                                   "to resume (use `duvm enable`)")
+    with open(state_dir / RESUME_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _resume(state_dir, timeout)
+
+
+def _resume(state_dir: Path, timeout: float) -> tuple[control.DaemonInfo, attach.Attachment]:
     att = attach.load_state(control.state_path(state_dir))
     if att is None:
         raise control.ControlError(f"duvm is not enabled with state in {state_dir}; nothing "

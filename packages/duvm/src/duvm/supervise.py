@@ -1,0 +1,231 @@
+"""`duvm supervise`: bring a crashed daemon back onto its live kernel nbd device by itself.
+
+Theory of operation
+-------------------
+`duvm enable` on kernel nbd over netlink starts this small watcher beside the daemon (state in
+``STATE_DIR/supervisor.json``, log in ``STATE_DIR/supervisor.log``). It waits for the daemon
+process to end, event-driven (a pidfd; a 1 s check where the kernel has none), and then does
+exactly what ``duvm enable --resume`` does (:func:`duvm.resume.resume`): a new daemon from the
+saved state, handed the live device with ``NBD_CMD_RECONFIGURE``. The kernel holds the swap
+device's requests for the dead-connection timeout (60 s), so a resume that succeeds within it
+loses nothing; failed tries are repeated with backoff inside that time.
+
+- It runs locked in RAM (mlockall), as an I/O flusher and last in the OOM killer's list,
+  like the daemon: a supervisor whose pages were swapped out to the device it watches could
+  not run once that device's server is dead.
+- Only a crash is resumed. `duvm disable` stops the supervisor first (SIGTERM), then the
+  daemon. SIGTERM is only noted: a resume under way finishes first, so the device is never
+  left without a server because the supervisor was told to stop half-way through.
+- A daemon that keeps dying is not restarted forever: after ``MAX_RESTARTS`` within
+  ``RESTART_WINDOW`` seconds the supervisor gives up and says so in its log (and `duvm status`
+  shows the daemon not running).
+- Manual ``duvm enable --resume`` and the supervisor never both resume: `resume` takes a lock
+  on the state directory, and the second finds the daemon already running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from duvm import attach, control
+
+SUPERVISOR_FILE = "supervisor.json"
+MAX_RESTARTS = 5
+RESTART_WINDOW = 600.0  # seconds
+RETRY_DELAYS = (0.5, 1, 2, 4, 8, 15, 30)  # between failed resume attempts (~60 s in all)
+
+
+def supervisor_path(state_dir: Path) -> Path:
+    return state_dir / SUPERVISOR_FILE
+
+
+def wanted(att: attach.Attachment, daemon_args: list[str]) -> bool:
+    """A restarted daemon can take this device back only on kernel nbd over netlink, and only
+    if the daemon keeps its state (`--state-dir`, which `duvm enable` always gives)."""
+    keeps_state = any(a == "--state-dir" or a.startswith("--state-dir=") for a in daemon_args)
+    return att.method == attach.METHOD_KERNEL and att.nbd_netlink and keeps_state
+
+
+def start(state_dir: Path) -> int:
+    """Start the supervisor of `state_dir` in its own session; returns its pid."""
+    log = state_dir / "supervisor.log"
+    proc = attach.spawn_detached([sys.executable, "-m", "duvm.cli", "supervise",
+                                  "--state-dir", str(state_dir)], log)
+    supervisor_path(state_dir).write_text(json.dumps({"pid": proc.pid, "log": str(log),
+                                                      "started": time.time()}) + "\n")
+    return proc.pid
+
+
+def load(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        info = json.loads(supervisor_path(state_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
+
+
+def alive(info: dict[str, Any] | None) -> bool:
+    if info is None or not attach.pid_alive(info["pid"]):
+        return False
+    try:
+        cmd = Path(f"/proc/{info['pid']}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"duvm.cli" in cmd and b"supervise" in cmd  # not a recycled PID
+
+
+def stop(state_dir: Path, timeout: float = 180.0) -> None:
+    """SIGTERM the supervisor and wait for it (a resume under way finishes first: up to the
+    resume timeout), then forget it."""
+    info = load(state_dir)
+    if alive(info):
+        assert info is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(info["pid"], signal.SIGTERM)
+        if not attach.wait_pid_exit(info["pid"], timeout):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(info["pid"], signal.SIGKILL)
+            attach.wait_pid_exit(info["pid"], 10)
+    supervisor_path(state_dir).unlink(missing_ok=True)
+
+
+class _Stop:
+    """SIGTERM/SIGINT noted (not acted on at once), and a fd that wakes a waiting poll."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._old_fd = signal.set_wakeup_fd(self._w)
+        self._old = {sig: signal.signal(sig, self._note) for sig in (signal.SIGTERM,
+                                                                    signal.SIGINT)}
+
+    def close(self) -> None:
+        """Give the process its previous signal handling back."""
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self._r)
+        os.close(self._w)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def wait(self, pid: int | None, timeout: float | None) -> None:
+        """Until `pid` ends (None: only the timeout), a stop is requested or `timeout` s."""
+        poller = select.poll()
+        poller.register(self._r, select.POLLIN)
+        pidfd = -1
+        if pid is not None:
+            try:
+                pidfd = os.pidfd_open(pid)
+                poller.register(pidfd, select.POLLIN)
+            except ProcessLookupError:
+                return
+            except (OSError, AttributeError):  # no pidfd here: look once a second
+                pidfd = -1
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self.requested:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                if pid is not None and pidfd < 0:
+                    left = 1.0 if left is None else min(left, 1.0)
+                events = poller.poll(None if left is None else max(1, int(left * 1000)))
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._r, 512)
+                if pidfd >= 0 and any(fd == pidfd for fd, _ in events):
+                    return
+                if pid is not None and pidfd < 0 and not attach.pid_alive(pid):
+                    return
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+
+
+def watch(state_dir: Path, *, resume_fn: Callable[[Path], Any] | None = None,
+          say: Callable[[str], None] | None = None) -> int:
+    """The supervisor's loop (see the module docstring). Returns the exit code: 0 when told to
+    stop or when duvm is no longer enabled, 1 when it gave up."""
+    from duvm import resume
+
+    resume_fn = resume_fn or resume.resume
+    say = say or (lambda m: print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {m}", flush=True))
+    stopper = _Stop()
+    try:
+        return _watch(state_dir, resume_fn, say, stopper)
+    finally:
+        stopper.close()
+
+
+def _watch(state_dir: Path, resume_fn: Callable[[Path], Any], say: Callable[[str], None],
+           stopper: _Stop) -> int:
+    restarts: list[float] = []
+    while not stopper.requested:
+        att = attach.load_state(control.state_path(state_dir))
+        daemon = control.load_daemon(state_dir)
+        if att is None or daemon is None:
+            say("duvm is not enabled here any more: supervisor exits")
+            return 0
+        if not wanted(att, daemon.daemon_args):
+            say(f"{att.device} via {att.method} cannot take a restarted daemon: nothing to do")
+            return 0
+        say(f"watching daemon pid {daemon.pid} serving {att.device}")
+        stopper.wait(daemon.pid, None)
+        if stopper.requested:
+            break
+        if control.daemon_alive(daemon):
+            continue  # woken, but it still runs
+        now = time.monotonic()
+        restarts = [t for t in restarts if now - t < RESTART_WINDOW] + [now]
+        if len(restarts) > MAX_RESTARTS:
+            say(f"the daemon died {len(restarts)} times within {RESTART_WINDOW:.0f} s: giving "
+                "up (see the daemon log); `duvm enable --resume` tries again by hand")
+            return 1
+        say(f"daemon pid {daemon.pid} ended: resuming it onto {att.device}")
+        for delay in (*RETRY_DELAYS, None):
+            current = control.load_daemon(state_dir)
+            if current is not None and current.pid != daemon.pid and control.daemon_alive(current):
+                say(f"daemon pid {current.pid} already serves it (resumed by hand)")
+                break
+            try:
+                resume_fn(state_dir)
+            except Exception as exc:  # ControlError, AttachError, OSError: say it, try again
+                say(f"resume failed: {exc}")
+                if delay is None or stopper.requested:
+                    say("could not resume the daemon: giving up")
+                    return 1
+                stopper.wait(None, delay)
+                continue
+            new = control.load_daemon(state_dir)
+            say(f"resumed: daemon pid {new.pid if new else '?'} serves {att.device} again")
+            break
+    say("stopped")
+    return 0
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("--state-dir", type=Path, default=control.DEFAULT_STATE_DIR,
+                        help=f"as given to enable (default {control.DEFAULT_STATE_DIR})")
+
+
+def run(args: Any) -> int:
+    """`duvm supervise` (started by `duvm enable`; rarely run by hand)."""
+    from duvm import daemon
+
+    attach.require_root()
+    # Like the daemon: a supervisor whose own pages were swapped to the device it watches
+    # could not run once that device's server is dead.
+    daemon.lock_in_memory()
+    daemon.become_io_flusher()
+    daemon.lower_oom_score()
+    return watch(args.state_dir)
