@@ -88,10 +88,11 @@ class SwapoffFailed(AttachError):
 # --- small helpers ---------------------------------------------------------------------------
 
 
-def find_tool(name: str) -> str | None:
-    for d in _TOOL_DIRS:
+def find_tool(name: str, dirs: tuple[str, ...] | None = None) -> str | None:
+    """The executable `name` in the system directories (never $PATH: this runs as root)."""
+    for d in _TOOL_DIRS if dirs is None else dirs:
         p = os.path.join(d, name)
-        if os.access(p, os.X_OK):
+        if os.path.isfile(p) and os.access(p, os.X_OK):
             return p
     return None
 

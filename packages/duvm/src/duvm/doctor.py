@@ -70,11 +70,7 @@ class Probe:
     meminfo: Path = Path("/proc/meminfo")
 
     def tool(self, name: str) -> str | None:
-        for d in self.tool_dirs:
-            p = os.path.join(d, name)
-            if os.path.isfile(p) and os.access(p, os.X_OK):
-                return p
-        return None
+        return attach.find_tool(name, self.tool_dirs)
 
 
 @dataclass
