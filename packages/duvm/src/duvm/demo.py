@@ -220,8 +220,8 @@ def _progress_line(phase: str, done: int, total: int, sampler: Sampler, device: 
     total_out = None if None in out.values() else sum(v or 0 for v in out.values())
     total_in = None if None in back.values() else sum(v or 0 for v in back.values())
     pct = 100 * done // max(total, 1)
-    return (f"  {phase:<8} {pct:3d}%  swap used {swap:>8}  out {_mib(total_out):>8}  in "
-            f"{_mib(total_in):>8}  held per memserver {held}")
+    return (f"  {phase:<8} {pct:3d}%  swap used {swap:>8}  stored {_mib(total_out):>8}  "
+            f"loaded {_mib(total_in):>8}  held per memserver {held}")
 
 
 def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
@@ -308,7 +308,8 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         res.intact = proc.returncode == 0 and bool(res.workload and res.workload["intact"])
         verdict = "every byte intact" if res.intact else f"FAILED (exit {proc.returncode})"
         say(f"    verified: {verdict}")
-        say("    what moved where (pages out = stored on the memserver, in = loaded back):")
+        copies = f"; each page on {cfg.replicas} memservers" if (cfg.replicas or 1) > 1 else ""
+        say(f"    what moved where (out = stored on the memserver, in = loaded back{copies}):")
         say(f"      {'memserver':<22} {'out':>14} {'in':>14} {'peak held':>14}")
         for addr in servers.addrs:
             say(f"      {addr:<22} {_mib(res.stored_pages[addr]):>14} "
