@@ -379,3 +379,15 @@ def test_neither_path_available_says_what_to_install(monkeypatch: pytest.MonkeyP
     assert "nbdfuse missing (Debian package libnbd-bin" in msg and "losetup missing" in msg
     assert "(Debian package mount)" in msg
     assert not state.exists()
+
+
+@pytest.mark.parametrize(("said", "expected", "not_expected"), [
+    ("swapoff: /dev/loop0: swapoff failed: Cannot allocate memory", "not enough free memory",
+     "I/O errors"),
+    ("swapoff: /dev/nbd0: swapoff failed: Input/output error", "I/O errors", "free memory"),
+])
+def test_swapoff_failure_names_the_cause_it_saw(said: str, expected: str,
+                                                not_expected: str) -> None:
+    msg = attach.swapoff_failure("/dev/x", said)
+    assert msg.startswith("swapoff of /dev/x failed, so it stays attached")
+    assert expected in msg and not_expected not in msg and said in msg

@@ -553,11 +553,7 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
         try:
             _run("swapoff", att.device, timeout=3600)
         except AttachError as exc:
-            raise SwapoffFailed(
-                f"swapoff of {att.device} failed, so it stays attached. The kernel must bring "
-                f"every swapped page back into RAM first; this usually means there is not enough "
-                f"free memory (and a memory-limited cgroup that could not take its pages back "
-                f"may have been OOM-killed). Free memory and run disable again. ({exc})") from exc
+            raise SwapoffFailed(swapoff_failure(att.device, str(exc))) from exc
     att.swap_active = False
     save_state(state_path, att)
     errors: list[str] = []
@@ -582,6 +578,20 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
         raise AttachError("detach incomplete: " + "; ".join(errors))
     state_path.unlink(missing_ok=True)
     return att
+
+
+def swapoff_failure(device: str, error: str) -> str:
+    """What a failed swapoff means, from what it said: RAM too short, or pages unreadable."""
+    if "Input/output error" in error or "EIO" in error:
+        why = ("the kernel could not read some swapped pages back from it (I/O errors: is the "
+               "daemon running and are its memservers reachable? `duvm status` shows both). "
+               "Pages it did read are back in RAM; fix the cause and run disable again")
+    else:
+        why = ("the kernel must bring every swapped page back into RAM first; this usually "
+               "means there is not enough free memory (and a memory-limited cgroup that could "
+               "not take its pages back may have been OOM-killed). Free memory and run disable "
+               "again")
+    return f"swapoff of {device} failed, so it stays attached: {why}. ({error})"
 
 
 def device_problem(att: Attachment) -> str | None:
