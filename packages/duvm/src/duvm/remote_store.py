@@ -169,6 +169,8 @@ class RemoteStore(BlockStore):
         self.repairs: dict[int, _SlabRepair] = {}  # slab -> copy in progress
         self.reserved = [0] * len(self.clients)  # pages we reserved on each peer
         self.assigned = [0] * len(self.clients)  # pages of slabs placed (or copying) there
+        # (peer, slab): a dropped copy that may still hold pages there (counted in assigned)
+        self.stale: set[tuple[int, int]] = set()
         self._state = bytearray(self.pages)  # EMPTY / DATA / LOST per page
         self._crc = array("I", bytes(4 * self.pages))
         if tables is not None:  # persisted tables (daemon_state.PageTables: mmap on tmpfs)
@@ -363,7 +365,10 @@ class RemoteStore(BlockStore):
         if peer not in members or len(members) == 1:
             return False
         self._set_replicas(slab, [i for i in members if i != peer])
-        self.assigned[peer] -= self.slab_size(slab)
+        # Its copy still fills our reservation there until it is freed (the repairer does
+        # that), so the room stays counted as assigned: a repair that took it for spare room
+        # would be refused (NO_SPACE) by a memserver still holding the dropped pages.
+        self.stale.add((peer, slab))
         self.stats["replicas_dropped"] += 1
         log.warning("slab %d: dropped replica on %s (%s); %d of %d replicas left", slab,
                     self.clients[peer].peer, why, len(members) - 1, self.replicas)  # fmt: skip
@@ -404,6 +409,9 @@ class RemoteStore(BlockStore):
             if not self.drop_replica(slab, peer, "its memserver lost our pages"):
                 first = slab * self.slab_pages
                 self._mark_lost(first, self.slab_size(slab))
+        for p, slab in [x for x in self.stale if x[0] == peer]:  # those pages are gone too
+            self.stale.discard((p, slab))
+            self.assigned[p] -= self.slab_size(slab)
         for rep in self.repairs.values():
             if rep.target == peer:
                 rep.aborted = "the new replica's memserver lost our pages"

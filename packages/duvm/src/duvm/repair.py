@@ -19,11 +19,17 @@ dropped (`wake`) or a retry period passes, then walks the degraded slabs one at 
 4. If the target failed meanwhile (`aborted`), give up this attempt (the slab stays degraded,
    the target is avoided for a while); otherwise add it to the slab's replica set.
 
+A replica dropped from a slab while its memserver lives on (a failed write, an aborted stall)
+keeps its pages there, inside our reservation, so its room stays counted as assigned
+(`store.stale`) until each pass first FREEs such copies on the peers it can reach; only then is
+that room spare for a copy. A copy that fails leaves its partial pages stale the same way.
+
 A slab whose every replica has been unreachable for longer than the memservers' namespace lease
 has lost its pages for certain (the lease has freed them even if the peer returns): its written
 pages are marked lost (EIO until rewritten, never other bytes) and it is placed on a new peer,
 so the kernel's writes to those slots work again. Before the lease runs out, the slab waits:
-a peer that comes back in time still holds the pages.
+a peer that comes back in time still holds the pages. Such slabs are handled first in each
+pass, so a degraded slab that finds no target cannot keep them failing.
 
 Copying is paced by the memservers' answers, one chunk at a time, and yields to the event loop
 between chunks, so repair traffic does not starve the kernel's requests.
@@ -59,7 +65,7 @@ class Repairer:
         self._wake = asyncio.Event()
         self._avoid: dict[int, float] = {}  # peer -> monotonic time it may be chosen again
         self.stats = {"repairs_done": 0, "repair_failures": 0, "repair_pages_copied": 0,
-                      "no_target": 0, "slabs_replaced": 0}  # fmt: skip
+                      "no_target": 0, "slabs_replaced": 0, "stale_freed": 0}  # fmt: skip
         self.last_error: str | None = None
 
     def wake(self) -> None:
@@ -86,18 +92,22 @@ class Repairer:
         """One pass over the degraded slabs; returns how many were repaired."""
         s = self.store
         done = 0
+        await self.free_stale()
         now = time.monotonic()
+        # Slabs whose every replica is gone first: they fail every request until replaced,
+        # and a degraded slab with no target below must not keep them waiting.
         for slab in range(s.nslabs):
-            if slab in s.repairs:
+            if slab in s.repairs or not self._gone(s.sets[slab], now):
                 continue
-            if self._gone(s.sets[slab], now):
-                target = await self._pick_target(slab)
-                if target is None:
-                    self.stats["no_target"] += 1
-                    return done
-                s.assigned[target] += s.slab_size(slab)
-                s.replace_lost_slab(slab, target)
-                self.stats["slabs_replaced"] += 1
+            target = await self._pick_target(slab)
+            if target is None:
+                self.stats["no_target"] += 1
+                break
+            self._charge(target, slab)
+            s.replace_lost_slab(slab, target)
+            self.stats["slabs_replaced"] += 1
+        for slab in range(s.nslabs):
+            if slab in s.repairs or self._gone(s.sets[slab], now):
                 continue
             if len(s.sets[slab]) >= s.replicas:
                 continue
@@ -108,6 +118,34 @@ class Repairer:
             if await self.copy_slab(slab, target):
                 done += 1
         return done
+
+    def _charge(self, target: int, slab: int) -> None:
+        """Count the slab's room on `target` as assigned (a stale copy there already is)."""
+        s = self.store
+        if (target, slab) in s.stale:
+            s.stale.discard((target, slab))
+        else:
+            s.assigned[target] += s.slab_size(slab)
+
+    async def free_stale(self) -> None:
+        """FREE the pages of dropped copies on reachable peers, so their reservation is
+        spare room again (until then it stays counted in `assigned`)."""
+        s = self.store
+        for peer, slab in sorted(s.stale):
+            c = s.clients[peer]
+            if not c.connected or slab in s.repairs or peer in s.sets[slab]:
+                continue
+            first = slab * s.slab_pages
+            try:
+                await c.free(range(first, first + s.slab_size(slab)))
+            except (PageServerError, MemserverUnreachable) as e:
+                log.info("repair: cannot free slab %d's dropped copy on %s yet: %s", slab,
+                         c.peer, e)  # fmt: skip
+                continue
+            if (peer, slab) in s.stale and peer not in s.sets[slab]:  # (still) stale: room
+                s.stale.discard((peer, slab))
+                s.assigned[peer] -= s.slab_size(slab)
+                self.stats["stale_freed"] += 1
 
     def _gone(self, members: list[int], now: float) -> bool:
         """Every replica has been unreachable for longer than its memserver's lease: even if
@@ -164,7 +202,7 @@ class Repairer:
         state = s._state
         rep = _SlabRepair(target, state.count(DATA, first, first + n))
         s.repairs[slab] = rep
-        s.assigned[target] += n
+        self._charge(target, slab)
         client = s.clients[target]
         buf = memoryview(bytearray(CHUNK_PAGES * PAGE_SIZE))
         t0 = time.monotonic()
@@ -204,7 +242,7 @@ class Repairer:
                 raise StorageError(errno.EIO, "the slab has no replica left to copy from")
             s.add_replica(slab, target)
         except (StorageError, PageServerError, MemserverUnreachable) as e:
-            s.assigned[target] -= n
+            s.stale.add((target, slab))  # what was copied fills room there until freed
             self._avoid[target] = time.monotonic() + AVOID_S
             self.stats["repair_failures"] += 1
             self.last_error = f"slab {slab} to {client.peer}: {e}"
