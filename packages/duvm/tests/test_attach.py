@@ -391,3 +391,16 @@ def test_swapoff_failure_names_the_cause_it_saw(said: str, expected: str,
     msg = attach.swapoff_failure("/dev/x", said)
     assert msg.startswith("swapoff of /dev/x failed, so it stays attached")
     assert expected in msg and not_expected not in msg and said in msg
+
+
+def test_device_problem_kernel_nbd_mocked_sysfs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No kernel nbd here: /sys/block/nbdN/pid is stood in for (the QEMU guest test runs the
+    real one through enable, resume and disable)."""
+    att = attach.Attachment(socket="s", method=attach.METHOD_KERNEL, device="/dev/nbd3",
+                            nbd_device="/dev/nbd3", nbd_netlink=True, extra={"nbd_pid": "812"})
+    for now, problem in (("812", None), (None, None), ("977", "connected by someone else")):
+        monkeypatch.setattr(attach, "_nbd_pid", lambda device, now=now: now)
+        found = attach.device_problem(att)
+        assert (found is None) if problem is None else (problem in (found or "")), (now, found)
+    att.extra.pop("nbd_pid")  # a state file from before the pid was recorded: trusted
+    assert attach.device_problem(att) is None

@@ -289,3 +289,27 @@ def test_detach_leaves_alone_a_device_number_someone_else_reused() -> None:
             subprocess.run(["swapoff", reused], capture_output=True, timeout=60)
             subprocess.run(["losetup", "-d", reused], capture_output=True, timeout=30)
         shutil.rmtree(other, ignore_errors=True)
+
+
+def test_a_state_dir_reached_through_a_symlink_is_still_recognised() -> None:
+    """The kernel names a loop device's backing file by its resolved path; the state file
+    may name it through a symlink (an older state file, or /var/run -> /run): disable must
+    still see its own device and swap it off."""
+    with swap_stack() as stack:
+        link = stack.base / "via-link"
+        (stack.base / "real").mkdir()
+        link.symlink_to(stack.base / "real")
+        att = attach.attach(stack.sock, stack.state, run_dir=link, method=attach.METHOD_FUSE)
+        stack.pids += [p for p in (att.nbdfuse_pid,) if p]
+        stack.devices += [d for d in (att.device,) if d]
+        assert att.fuse_file is not None and att.fuse_file.startswith(str(stack.base / "real"))
+        # as an older duvm wrote it: through the link
+        saved = json.loads(stack.state.read_text())
+        saved["fuse_file"] = saved["fuse_file"].replace(str(stack.base / "real"), str(link))
+        saved["mountdir"] = saved["mountdir"].replace(str(stack.base / "real"), str(link))
+        stack.state.write_text(json.dumps(saved))
+        assert attach.device_problem(attach.load_state(stack.state)) is None
+        removed = attach.detach(stack.state)
+        assert removed is not None and "device_problem" not in removed.extra
+        assert attach.swap_entry(att.device or "") is None
+        assert stack.leftovers() == [f"process {stack.server.pid}"]

@@ -342,6 +342,16 @@ def _attach_kernel(att: Attachment, run_dir: Path, timeout_s: int, save: Saver) 
         time.sleep(0.05)
     att.device = device
     att.size_bytes = int(Path("/sys/block", Path(device).name, "size").read_text()) * 512
+    att.extra["nbd_pid"] = _nbd_pid(device)
+
+
+def _nbd_pid(device: str) -> str | None:
+    """/sys/block/nbdN/pid: set when the device is connected, kept across a reconfigure, so
+    it tells our connection from someone else's on the same device number."""
+    try:
+        return Path("/sys/block", Path(device).name, "pid").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _handshake(socket_path: str) -> tuple[socket.socket, kernelnbd.ExportInfo]:
@@ -374,6 +384,7 @@ def _attach_netlink(att: Attachment, device: str, timeout_s: int, save: Saver) -
         time.sleep(0.05)
     att.device = device
     att.size_bytes = int(Path("/sys/block", Path(device).name, "size").read_text()) * 512
+    att.extra["nbd_pid"] = _nbd_pid(device)
 
 
 def reattach_kernel(att: Attachment) -> None:
@@ -402,7 +413,7 @@ def reattach_kernel(att: Attachment) -> None:
 def _attach_fuse(att: Attachment, run_dir: Path, save: Saver) -> None:
     nbdfuse = require_tool("nbdfuse")
     require_tool("fusermount3")
-    mountdir = run_dir / f"fuse-{uuid.uuid4().hex[:8]}"
+    mountdir = run_dir.resolve() / f"fuse-{uuid.uuid4().hex[:8]}"  # as the kernel names it
     mountdir.mkdir(parents=True)
     att.mountdir = str(mountdir)
     att.fuse_file = str(mountdir / "swap")
@@ -595,19 +606,38 @@ def swapoff_failure(device: str, error: str) -> str:
 
 
 def device_problem(att: Attachment) -> str | None:
-    """Why `att.device` is no longer the device this attachment made, or None. Loop device
-    numbers are reused as soon as they are free, so the FUSE path checks the backing file; a
-    kernel nbd device is only ever connected by whoever holds it, so it is trusted."""
-    if att.method != METHOD_FUSE or not att.device or att.device != att.loop_device:
+    """Why `att.device` is no longer the device this attachment made, or None. Device numbers
+    are reused as soon as they are free: a loop device must still be backed by our FUSE file,
+    and a connected nbd device must still carry the connection pid seen at attach."""
+    if not att.device:
         return None
-    backing = Path("/sys/block", Path(att.device).name, "loop", "backing_file")
-    try:
-        found = backing.read_text().strip()
-    except OSError:
+    if att.method == METHOD_KERNEL:
+        recorded, now = att.extra.get("nbd_pid"), _nbd_pid(att.device)
+        if recorded and now and now != recorded:  # (not connected at all: still ours to clean)
+            return (f"{att.device} is connected by someone else now (pid {now}, duvm's "
+                    f"connection was pid {recorded})")
+        return None
+    if att.device != att.loop_device:
+        return None
+    found = _loop_backing(att.device)
+    if found is None:
         return f"{att.device} is no longer a loop device"
-    if found != att.fuse_file:
+    if not _same_path(found, att.fuse_file):
         return f"{att.device} is now backed by {found}, not by duvm's {att.fuse_file}"
     return None
+
+
+def _loop_backing(device: str) -> str | None:
+    try:
+        return Path("/sys/block", Path(device).name, "loop", "backing_file").read_text().strip()
+    except OSError:
+        return None
+
+
+def _same_path(kernel_path: str, ours: str | None) -> bool:
+    """The kernel reports a loop device's backing file resolved; ours may name it through a
+    symlink or a relative state directory."""
+    return ours is not None and os.path.realpath(kernel_path) == os.path.realpath(ours)
 
 
 def _detach_kernel(att: Attachment, errors: list[str]) -> None:
@@ -639,8 +669,8 @@ def _detach_kernel(att: Attachment, errors: list[str]) -> None:
 
 def _detach_fuse(att: Attachment, errors: list[str]) -> None:
     if att.loop_device:
-        backing = Path("/sys/block", Path(att.loop_device).name, "loop", "backing_file")
-        if backing.exists() and backing.read_text().strip() == att.fuse_file:
+        found = _loop_backing(att.loop_device)
+        if found is not None and _same_path(found, att.fuse_file):
             try:
                 _run("losetup", "-d", att.loop_device)
             except AttachError as exc:

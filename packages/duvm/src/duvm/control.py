@@ -168,8 +168,12 @@ def enable(cfg: Config) -> attach.Attachment:
     from duvm import supervise
 
     if cfg.supervise and supervise.wanted(att, cfg.daemon_args):
-        att.extra["supervisor_pid"] = supervise.start(cfg.state_dir)
+        att.extra["supervise"] = True  # `enable --resume` starts it again after a give-up
         attach.save_state(state_path(cfg.state_dir), att)
+        pid, problem = supervise.start(cfg.state_dir)
+        att.extra["supervisor_pid"] = pid
+        if problem:
+            att.extra["supervisor_problem"] = problem
     return att
 
 
@@ -180,15 +184,22 @@ def disable(state_dir: Path = DEFAULT_STATE_DIR, *, force: bool = False,
     from duvm import supervise
 
     attach.require_root()
-    # the supervisor first, or it would take the daemon's stop below for a crash
-    supervised = supervise.alive(supervise.load(state_dir))
+    current = attach.load_state(state_path(state_dir))
+    daemon = load_daemon(state_dir)
+    if (current is not None and daemon is not None and not force and not daemon_alive(daemon)
+            and supervise.wanted(current, daemon.daemon_args)):
+        # swapoff would have to read the pages from a dead daemon: they would be lost
+        sup = supervise.alive(supervise.load(state_dir))
+        raise ControlError(
+            f"the daemon (pid {daemon.pid}) is not running, so swapoff could not bring the "
+            f"pages on {current.device} home: " + (
+                "the supervisor is restarting it; run disable again in a few seconds" if sup
+                else "run `duvm enable --resume` first (--force detaches anyway, and the "
+                "programs whose pages are still out get I/O errors)"))
+    # The supervisor stays on during the swapoff (a daemon crash then is resumed too) and is
+    # stopped before the daemon, whose stop it must not take for a crash.
+    att = attach.detach(state_path(state_dir), force=force)  # SwapoffFailed: nothing done
     supervise.stop(state_dir)
-    try:
-        att = attach.detach(state_path(state_dir), force=force)  # SwapoffFailed: nothing done
-    except attach.SwapoffFailed:
-        if supervised:  # still attached and served: keep it supervised
-            supervise.start(state_dir)
-        raise
     if att is not None and notes is not None and att.extra.get("device_problem"):
         notes.append(f"left {att.device} alone (not swapped off, not discarded): "
                      f"{att.extra['device_problem']}")

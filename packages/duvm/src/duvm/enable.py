@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from duvm import attach, control, resume
+from duvm import attach, control, resume, supervise
 from duvm.config import with_secret
 from duvm.units import parse_size
 
@@ -67,6 +67,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"duvm enable --resume: {exc}", file=sys.stderr)
             return 1
         print(f"duvm resumed: daemon pid {info.pid} serves {att.device} again")
+        if (att.extra.get("supervise") and supervise.wanted(att, info.daemon_args)
+                and not supervise.alive(supervise.load(args.state_dir))):
+            pid, problem = supervise.start(args.state_dir)  # it had given up, or was killed
+            print(f"duvm enable: warning: {problem}" if problem else
+                  f"duvm enable: supervisor pid {pid} watches the daemon again",
+                  file=sys.stderr if problem else sys.stdout)
         return 0
     try:
         cfg = config_from_args(args)
@@ -81,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"duvm enabled: {att.device} via {att.method}, {(att.size_bytes or 0) >> 20} MiB of "
           f"swap at priority {att.priority} on {len(cfg.peers)} peer(s), "
           f"{cfg.replicas} cop{'y' if cfg.replicas == 1 else 'ies'} of each page")
-    if att.extra.get("supervisor_pid"):
+    if att.extra.get("supervisor_problem"):
+        print(f"duvm enable: warning: {att.extra['supervisor_problem']}; nothing will restart "
+              "a crashed daemon (`duvm enable --resume` does it by hand)", file=sys.stderr)
+    elif att.extra.get("supervisor_pid"):
         print(f"duvm enable: supervisor pid {att.extra['supervisor_pid']} restarts the daemon "
               "onto the live device if it crashes")
     warning = replica_warning(cfg)

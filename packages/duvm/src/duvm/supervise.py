@@ -13,12 +13,17 @@ loses nothing; failed tries are repeated with backoff inside that time.
 - It runs locked in RAM (mlockall), as an I/O flusher and last in the OOM killer's list,
   like the daemon: a supervisor whose pages were swapped out to the device it watches could
   not run once that device's server is dead.
-- Only a crash is resumed. `duvm disable` stops the supervisor first (SIGTERM), then the
+- Only a crash is resumed: `duvm disable` stops the supervisor (SIGTERM) before it stops the
   daemon. SIGTERM is only noted: a resume under way finishes first, so the device is never
   left without a server because the supervisor was told to stop half-way through.
-- A daemon that keeps dying is not restarted forever: after ``MAX_RESTARTS`` within
-  ``RESTART_WINDOW`` seconds the supervisor gives up and says so in its log (and `duvm status`
-  shows the daemon not running).
+- A daemon that keeps dying is not restarted forever: when it dies again after
+  ``MAX_RESTARTS`` restarts within ``RESTART_WINDOW`` seconds, the supervisor gives up and says
+  so in its log (and `duvm status` shows the daemon not running). Tries of one resume stop at
+  the kernel's dead-connection timeout: after it the held I/O has failed and the memservers'
+  lease on the namespaces has run out, so a later try would find nothing to serve.
+- `duvm disable` stops it only after swapoff brought every page home and the device is gone
+  (a daemon crash during that long swapoff is resumed like any other); a daemon that is dead
+  when disable starts makes disable refuse (without --force) rather than fail the swapoff.
 - Manual ``duvm enable --resume`` and the supervisor never both resume: `resume` takes a lock
   on the state directory, and the second finds the daemon already running.
 """
@@ -55,14 +60,27 @@ def wanted(att: attach.Attachment, daemon_args: list[str]) -> bool:
     return att.method == attach.METHOD_KERNEL and att.nbd_netlink and keeps_state
 
 
-def start(state_dir: Path) -> int:
-    """Start the supervisor of `state_dir` in its own session; returns its pid."""
+def start(state_dir: Path, ready_timeout: float = 30.0) -> tuple[int, str | None]:
+    """Start the supervisor of `state_dir` in its own session and wait until it watches the
+    daemon. Returns its pid and, when it is not watching, why (a warning for the user)."""
     log = state_dir / "supervisor.log"
+    size = log.stat().st_size if log.exists() else 0
     proc = attach.spawn_detached([sys.executable, "-m", "duvm.cli", "supervise",
                                   "--state-dir", str(state_dir)], log)
     supervisor_path(state_dir).write_text(json.dumps({"pid": proc.pid, "log": str(log),
                                                       "started": time.time()}) + "\n")
-    return proc.pid
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        with open(log, "rb") as f:
+            f.seek(size)
+            said = f.read().decode(errors="replace")
+        if "watching daemon pid" in said:
+            return proc.pid, None
+        if proc.poll() is not None:
+            return proc.pid, (f"the supervisor exited ({proc.returncode}): "
+                              f"{said.strip()[-500:] or 'no output'}")
+        time.sleep(0.05)
+    return proc.pid, f"the supervisor is not watching the daemon after {ready_timeout:.0f} s"
 
 
 def load(state_dir: Path) -> dict[str, Any] | None:
@@ -127,11 +145,12 @@ class _Stop:
         if pid is not None:
             try:
                 pidfd = os.pidfd_open(pid)
-                poller.register(pidfd, select.POLLIN)
             except ProcessLookupError:
                 return
             except (OSError, AttributeError):  # no pidfd here: look once a second
                 pidfd = -1
+            else:
+                poller.register(pidfd, select.POLLIN)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not self.requested:
@@ -152,7 +171,7 @@ class _Stop:
                 os.close(pidfd)
 
 
-def watch(state_dir: Path, *, resume_fn: Callable[[Path], Any] | None = None,
+def watch(state_dir: Path, *, resume_fn: Callable[..., Any] | None = None,
           say: Callable[[str], None] | None = None) -> int:
     """The supervisor's loop (see the module docstring). Returns the exit code: 0 when told to
     stop or when duvm is no longer enabled, 1 when it gave up."""
@@ -167,7 +186,7 @@ def watch(state_dir: Path, *, resume_fn: Callable[[Path], Any] | None = None,
         stopper.close()
 
 
-def _watch(state_dir: Path, resume_fn: Callable[[Path], Any], say: Callable[[str], None],
+def _watch(state_dir: Path, resume_fn: Callable[..., Any], say: Callable[[str], None],
            stopper: _Stop) -> int:
     restarts: list[float] = []
     while not stopper.requested:
@@ -179,32 +198,49 @@ def _watch(state_dir: Path, resume_fn: Callable[[Path], Any], say: Callable[[str
         if not wanted(att, daemon.daemon_args):
             say(f"{att.device} via {att.method} cannot take a restarted daemon: nothing to do")
             return 0
-        say(f"watching daemon pid {daemon.pid} serving {att.device}")
-        stopper.wait(daemon.pid, None)
-        if stopper.requested:
-            break
-        if control.daemon_alive(daemon):
-            continue  # woken, but it still runs
-        now = time.monotonic()
-        restarts = [t for t in restarts if now - t < RESTART_WINDOW] + [now]
+        if control.daemon_alive(daemon):  # (a recorded pid that is no daemon any more: dead)
+            say(f"watching daemon pid {daemon.pid} serving {att.device}")
+            stopper.wait(daemon.pid, None)
+            if stopper.requested:
+                break
+            if control.daemon_alive(daemon):
+                continue  # woken, but it still runs
+        if attach.load_state(control.state_path(state_dir)) is None:
+            say("duvm was disabled: supervisor exits")
+            return 0
+        died = time.monotonic()
+        restarts = [t for t in restarts if died - t < RESTART_WINDOW] + [died]
         if len(restarts) > MAX_RESTARTS:
-            say(f"the daemon died {len(restarts)} times within {RESTART_WINDOW:.0f} s: giving "
-                "up (see the daemon log); `duvm enable --resume` tries again by hand")
+            say(f"the daemon died again after {MAX_RESTARTS} restarts within "
+                f"{RESTART_WINDOW:.0f} s: giving up (see the daemon log); `duvm enable "
+                "--resume` tries again by hand")
             return 1
-        say(f"daemon pid {daemon.pid} ended: resuming it onto {att.device}")
+        # The kernel holds the device's I/O (and the memservers the namespaces) this long.
+        hold = att.dead_conn_timeout_s or attach.DEFAULT_DEAD_CONN_TIMEOUT_S
+        deadline = died + hold
+        say(f"daemon pid {daemon.pid} ended: resuming it onto {att.device} (the kernel holds "
+            f"its I/O for {hold} s)")
         for delay in (*RETRY_DELAYS, None):
+            if stopper.requested:
+                say("stopped")
+                return 0
             current = control.load_daemon(state_dir)
             if current is not None and current.pid != daemon.pid and control.daemon_alive(current):
                 say(f"daemon pid {current.pid} already serves it (resumed by hand)")
                 break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                say(f"could not resume the daemon within the kernel's {hold} s: its held I/O "
+                    "has failed; giving up (`duvm enable --resume` tries again by hand)")
+                return 1
             try:
-                resume_fn(state_dir)
+                resume_fn(state_dir, timeout=max(left, 5.0))
             except Exception as exc:  # ControlError, AttachError, OSError: say it, try again
                 say(f"resume failed: {exc}")
-                if delay is None or stopper.requested:
+                if delay is None:
                     say("could not resume the daemon: giving up")
                     return 1
-                stopper.wait(None, delay)
+                stopper.wait(None, min(delay, max(0.0, deadline - time.monotonic())))
                 continue
             new = control.load_daemon(state_dir)
             say(f"resumed: daemon pid {new.pid if new else '?'} serves {att.device} again")
