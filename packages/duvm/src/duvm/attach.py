@@ -172,6 +172,17 @@ def _pid_runs(pid: int | None, name: str) -> bool:
         return False
 
 
+def duvm_runs(pid: int, subcommand: str) -> bool:
+    """`pid` is alive and is `duvm SUBCOMMAND` (python -m duvm.cli), not a recycled PID."""
+    if not pid_alive(pid):
+        return False
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"duvm.cli" in cmd and subcommand.encode() in cmd
+
+
 # --- vm.min_free_kbytes ----------------------------------------------------------------------
 
 

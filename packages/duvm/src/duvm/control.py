@@ -100,13 +100,7 @@ def daemon_command(cfg: Config) -> list[str]:
 
 
 def daemon_alive(info: DaemonInfo | None) -> bool:
-    if info is None or not attach.pid_alive(info.pid):
-        return False
-    try:
-        cmd = Path(f"/proc/{info.pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"duvm.cli" in cmd and b"daemon" in cmd  # not a recycled PID
+    return info is not None and attach.duvm_runs(info.pid, "daemon")
 
 
 def start_daemon(cfg: Config, timeout: float = 60.0) -> DaemonInfo:

@@ -92,13 +92,7 @@ def load(state_dir: Path) -> dict[str, Any] | None:
 
 
 def alive(info: dict[str, Any] | None) -> bool:
-    if info is None or not attach.pid_alive(info["pid"]):
-        return False
-    try:
-        cmd = Path(f"/proc/{info['pid']}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"duvm.cli" in cmd and b"supervise" in cmd  # not a recycled PID
+    return info is not None and attach.duvm_runs(info["pid"], "supervise")
 
 
 def stop(state_dir: Path, timeout: float = 180.0) -> None:
