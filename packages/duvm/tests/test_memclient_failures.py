@@ -219,3 +219,38 @@ def test_connection_reset_before_connect_returns_fails_not_hangs(loop: str) -> N
                 await client.close()
 
     run(loop, main)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_late_loss_report_of_a_replaced_connection_leaves_the_new_ones_requests(
+        loop: str) -> None:
+    """A connection's loss can be reported after a newer connection took over (the old
+    transport closed late). That report is the old connection's alone: requests waiting on
+    the new connection must still get their answers."""
+
+    async def main() -> None:
+        srv = MemServer(1 << 20, lock=False)
+        host, port = await srv.start()
+        client = MemClient(host, port, "late-loss", connect_timeout=2.0)
+        try:
+            await client.connect()
+            old = client._proto
+            assert old is not None and old.transport is not None
+            old.transport.abort()  # the first connection goes; the next request reconnects
+            await asyncio.sleep(0.05)
+            await client.status()
+            new = client._proto
+            assert new is not None and new is not old
+            # a request in flight on the new connection when the old loss is reported again
+            pending = asyncio.ensure_future(client.status())
+            await asyncio.sleep(0)
+            client._connection_lost(old, ConnectionResetError("late report"))
+            async with asyncio.timeout(10):
+                reply = await pending
+            assert reply["capacity_pages"] > 0  # answered, not failed by the old loss
+            assert client._proto is new and client.connected
+        finally:
+            await client.close()
+            await srv.close()
+
+    run(loop, main)

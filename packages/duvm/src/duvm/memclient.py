@@ -462,15 +462,19 @@ class MemClient:
                 await asyncio.wait_for(asyncio.shield(proto.lost), 2.0)
 
     def _connection_lost(self, proto: _ClientProto, exc: Exception | None) -> None:
-        if self._proto is proto:
-            self._proto = None
-            self.hello = None
+        if self._proto is not None and self._proto is not proto:
+            return  # an old connection, already failed when it was replaced: not ours to fail
+        self._proto = None
+        self.hello = None
         err = MemserverUnreachable(f"connection to memserver {self.peer} lost"
                                    + (f": {exc}" if exc else ""))  # fmt: skip
-        self._fail([*self._pending.values(), *self._outq], err)
+        # The tables are emptied before anyone hears of the failure: a waiter that reacts by
+        # sending again must find its new request kept, not wiped with the failed ones.
+        failed = [*self._pending.values(), *self._outq]
         self._pending = {}
         self._outq = []
         self._open = None
+        self._fail(failed, err)
 
     @staticmethod
     def _fail(entries: list, err: Exception) -> None:
