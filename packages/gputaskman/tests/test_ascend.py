@@ -118,6 +118,16 @@ def test_parse_fuzz_never_raises(text):
     to_sample(parse_npu_smi(text))
 
 
+def test_a_process_row_after_a_lone_chip_row_is_not_taken_for_the_chips_second_row():
+    """Found by the fuzz test below: without a chip's second row and the process table's
+    header, the process row came right after the chip's first row and was read as its
+    second (a chip without a bus id, the process lost without a word)."""
+    lines = [ln for i, ln in enumerate(SINGLE.splitlines()) if i not in (10, 13)]
+    info = parse_npu_smi("\n".join(lines))
+    assert [c.npu for c in info.chips] == [0] and info.unparsed == 1
+    assert info.processes == []  # not understood, and counted as such
+
+
 @given(st.lists(st.integers(0, 40), max_size=10), st.sampled_from([SINGLE, DUAL_DIE, NO_HBM]))
 def test_parse_fuzz_lines_dropped_never_raise_or_invent_memory(drop, text):
     full = {p.pid: p.memory_mb * MIB for p in parse_npu_smi(text).processes}

@@ -156,10 +156,14 @@ def _chip(a: list[str], b: list[str]) -> Chip | None:
     ids = b[0].split()
     if len(head) != 2 or not head[0].isdigit() or not ids or not all(i.isdigit() for i in ids):
         return None
+    pairs = [(int(x), int(y)) for x, y in _PAIR.findall(b[2])]
+    # A chip's second row has a Bus-Id and its memory "used / total"; a process row (a PID,
+    # a name) that follows a lone first row when lines are missing must not pass for one.
+    if b[1].strip().isdigit() or not pairs:
+        return None
     tokens = a[2].split()
     power = _float(tokens[0]) if tokens else None
     temp = _float(tokens[1]) if len(tokens) > 1 else None
-    pairs = [(int(x), int(y)) for x, y in _PAIR.findall(b[2])]
     aicore_tok = b[2].split()[0] if b[2].split() else ""
     bus = b[1] if _BUS.match(b[1]) else None
     return Chip(
