@@ -42,9 +42,14 @@ def daemon_state_dir(state_dir: Path) -> Path:
     return state_dir / DAEMON_STATE_SUBDIR
 
 
+def keeps_state(daemon_args: list[str]) -> bool:
+    """The daemon runs with `--state-dir`, so a restarted one can serve its pages again."""
+    return any(a == "--state-dir" or a.startswith("--state-dir=") for a in daemon_args)
+
+
 def with_state_dir(daemon_args: list[str], state_dir: Path) -> list[str]:
     """`daemon_args` plus `--state-dir`, unless the user already chose one."""
-    if any(a == "--state-dir" or a.startswith("--state-dir=") for a in daemon_args):
+    if keeps_state(daemon_args):
         return list(daemon_args)
     return [*daemon_args, "--state-dir", str(daemon_state_dir(state_dir.resolve()))]
 
@@ -52,7 +57,7 @@ def with_state_dir(daemon_args: list[str], state_dir: Path) -> list[str]:
 def resume_command(info: control.DaemonInfo) -> list[str]:
     if info.client_id is None:
         raise control.ControlError("the daemon record has no client id; cannot resume")
-    if not any(a == "--state-dir" or a.startswith("--state-dir=") for a in info.daemon_args):
+    if not keeps_state(info.daemon_args):
         raise control.ControlError("the daemon was started without --state-dir, so its pages "
                                    "cannot be served again: `duvm disable --force`, then "
                                    "enable again")

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from duvm import attach, control
+from duvm import attach, control, resume
 
 SUPERVISOR_FILE = "supervisor.json"
 MAX_RESTARTS = 5
@@ -56,8 +56,8 @@ def supervisor_path(state_dir: Path) -> Path:
 def wanted(att: attach.Attachment, daemon_args: list[str]) -> bool:
     """A restarted daemon can take this device back only on kernel nbd over netlink, and only
     if the daemon keeps its state (`--state-dir`, which `duvm enable` always gives)."""
-    keeps_state = any(a == "--state-dir" or a.startswith("--state-dir=") for a in daemon_args)
-    return att.method == attach.METHOD_KERNEL and att.nbd_netlink and keeps_state
+    return (att.method == attach.METHOD_KERNEL and att.nbd_netlink
+            and resume.keeps_state(daemon_args))
 
 
 def start(state_dir: Path, ready_timeout: float = 30.0) -> tuple[int, str | None]:
@@ -169,8 +169,6 @@ def watch(state_dir: Path, *, resume_fn: Callable[..., Any] | None = None,
           say: Callable[[str], None] | None = None) -> int:
     """The supervisor's loop (see the module docstring). Returns the exit code: 0 when told to
     stop or when duvm is no longer enabled, 1 when it gave up."""
-    from duvm import resume
-
     resume_fn = resume_fn or resume.resume
     say = say or (lambda m: print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {m}", flush=True))
     stopper = _Stop()
