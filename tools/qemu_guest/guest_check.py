@@ -255,9 +255,9 @@ def kill_and_resume() -> None:
             pid = json.loads(Path(STATE_DIR, "daemon.json").read_text())["pid"]
         except (OSError, ValueError, KeyError):
             pid = None
-        if pid and pid != old_pid and b"--resume" in (Path(f"/proc/{pid}/cmdline").read_bytes()
-                                                      if Path(f"/proc/{pid}").exists() else b""):
-            state = json.loads(Path(STATE_DIR, "state.json").read_text())
+        # (_read: a failed try's daemon may vanish between looking and reading)
+        if pid and pid != old_pid and "--resume" in (_read(f"/proc/{pid}/cmdline") or ""):
+            state = json.loads(_read(f"{STATE_DIR}/state.json") or "{}")
             if state.get("extra", {}).get("resumed"):
                 new_pid = pid
                 break
