@@ -191,7 +191,15 @@ def machine() -> dict:
             "python": platform.python_version(), "uvloop": uv,
             "nbdkit": cmd("nbdkit", "--version"), "fio": cmd("fio", "--version"),
             "nbdcopy": cmd("nbdcopy", "--version").splitlines()[0] if shutil.which("nbdcopy")
-            else "n/a", "loadavg_start": loadavg()}
+            else "n/a", "loadavg_start": loadavg(), "cpu_times_start": cpu_times()}
+
+
+def cpu_times() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs from /proc/stat (steal: time the hypervisor gave
+    other guests, which slows every target alike and makes ratios noisy)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return fields[7], sum(fields[:8])
 
 
 def loadavg() -> list[str]:
@@ -210,11 +218,12 @@ def label(test: str, qd: int) -> str:
 
 def markdown(results: dict, info: dict, args: argparse.Namespace) -> str:
     names = [n for n in ("duvm", "nbdkit", "duvm-local") if n in results["targets"]]
+    steal = "n/a" if info.get("steal_pct") is None else f"{info['steal_pct']}%"
     lines = [
         f"Machine: {info['cpu']}, {info['cpus']} CPUs, kernel {info['kernel']}, "
         f"Python {info['python']}, uvloop {info['uvloop']}, {info['nbdkit']}, {info['fio']}, "
         f"{info['nbdcopy']}. Load average at start {' '.join(info['loadavg_start'])}, at end "
-        f"{' '.join(info['loadavg_end'])}.",
+        f"{' '.join(info['loadavg_end'])}; CPU steal over the whole run {steal}.",
         f"Placement (taskset): client on CPU {args.client_cpu}, nbdkit and the daemon on CPU "
         f"{args.server_cpu}, the memserver on CPU {args.memserver_cpu or args.server_cpu}. "
         f"Export {args.size // MiB} MiB, prefilled; fio "
@@ -311,6 +320,8 @@ def main() -> int:
         stop_targets(targets)
         shutil.rmtree(tmp, ignore_errors=True)
     info["loadavg_end"] = loadavg()
+    (s0, t0), (s1, t1) = info.pop("cpu_times_start"), cpu_times()
+    info["steal_pct"] = round(100 * (s1 - s0) / (t1 - t0), 1) if t1 > t0 else None
     results = {"machine": info, "targets": [t.name for t in targets], "raw": raw,
                "median": {k: {n: median_result(v) for n, v in d.items()}
                           for k, d in raw.items()}}

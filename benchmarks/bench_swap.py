@@ -4,7 +4,8 @@
 Usage (root; it creates swap devices, loop devices, FUSE mounts and cgroups):
 
     sudo uv run python benchmarks/bench_swap.py [--reps 3] [--mib 256] [--limit-mib 64]
-        [--targets duvm-1,duvm-3,duvm-3r2,nbdkit,disk-file,zram,no-swap] [--json F] [--markdown F]
+        [--targets duvm-1,duvm-3,duvm-3r2,nbdkit,duvm-local,disk-file,zram,no-swap]
+        [--json F] [--markdown F]
 
 Theory of operation
 -------------------
@@ -27,6 +28,9 @@ to the device under test and nowhere else:
   SAME :func:`duvm.attach.attach` call, so it goes through the same frontend as duvm: kernel
   nbd where the kernel has it, else nbdfuse + a loop device with direct I/O (this project's VM:
   no nbd module). ``duvm-3 / nbdkit`` is the issue's target ratio (<= 1.15x);
+* ``duvm-local``: ``duvm daemon --memory``, the same NBD server over its in-RAM store (one hop,
+  no memserver), attached the same way: it separates what the Python NBD layer costs from
+  what the second hop to the memservers costs;
 * ``disk-file``: a swap file on local disk (``--disk-dir``), swapon'd directly. Its frontend
   differs ON PURPOSE: the kernel's own swap-file path (bios straight to the file's blocks, no
   page cache) is how anyone uses a swap file; a loop device over it would add a layer nobody
@@ -49,7 +53,9 @@ or when another swap device is already active at priority 32767 (the kernel woul
 workload's pages with it). Swap devices at lower priorities are reported but do not matter: the
 device under test is never full (``--size``, default 1.5x the workload).
 
-Numbers depend on what else runs: the load average at start and end is printed and recorded.
+Numbers depend on what else runs: the load average at start and end is printed and recorded,
+and so is the CPU steal of each run (/proc/stat: time the hypervisor gave other guests; on this
+project's VM it reached 20-45% for minutes at a time and doubled every target's wall time).
 """
 
 from __future__ import annotations
@@ -78,10 +84,12 @@ from duvm.units import parse_size
 PRIORITY = demo.MAX_PRIORITY  # the highest: the kernel uses the device under test first
 MiB = 1 << 20
 PAGE = 4096
-TARGETS = ("duvm-1", "duvm-3", "duvm-3r2", "nbdkit", "disk-file", "zram", "no-swap")
+TARGETS = ("duvm-1", "duvm-3", "duvm-3r2", "nbdkit", "duvm-local", "disk-file", "zram",
+           "no-swap")
 SWAP_FILE_FS = ("ext2", "ext3", "ext4", "xfs")  # take a plain swap file without extra flags
 CGROUP_PREFIX = "duvm-bench"
 TARGET_RATIO = 1.15
+STEAL_WARN_PCT = 5.0  # median CPU steal of a target above which its timings are not trusted
 
 
 class BenchError(Exception):
@@ -114,6 +122,7 @@ class Run:
     fill_pswpin: int | None = None
     peak_device_kib: int | None = None  # peak swap use of the device under test
     other_swap_kib: int | None = None  # peak swap use of any other device meanwhile
+    steal_pct: float | None = None  # CPU the hypervisor gave to other guests during the run
     intact: bool | None = None
     exit_code: int | None = None
     error: str | None = None
@@ -144,6 +153,19 @@ def vmstat() -> dict[str, int]:
         if key in ("pswpout", "pswpin"):
             out[key] = int(value)
     return out
+
+
+def cpu_times() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    # user nice system idle iowait irq softirq steal guest guest_nice (guest time is already
+    # counted in user and nice)
+    return fields[7], sum(fields[:8])
+
+
+def steal_percent(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    total = after[1] - before[1]
+    return round(100 * (after[0] - before[0]) / total, 1) if total > 0 else None
 
 
 def swaps() -> list[attach.SwapEntry]:
@@ -210,25 +232,25 @@ def duvm_target(memservers: int, args: argparse.Namespace, state: Path,
 
 
 @contextlib.contextmanager
-def nbdkit_target(args: argparse.Namespace, state: Path) -> Iterator[Active]:
-    nbdkit = attach.find_tool("nbdkit")
-    assert nbdkit is not None  # preflight
-    sock, pidfile, log = state / "nbdkit.sock", state / "nbdkit.pid", state / "nbdkit.log"
+def socket_server_target(argv: list[str], ready: Path, state: Path, what: str,
+                         args: argparse.Namespace) -> Iterator[Active]:
+    """An NBD server on a Unix socket (argv), attached by the same `attach.attach` call as
+    duvm itself, so it goes through the same frontend. `ready` appears once it listens."""
+    log = state / "server.log"
     with open(log, "wb") as out:
         # own session: Ctrl-C must not stop the server while the kernel may still need it
-        proc = subprocess.Popen([nbdkit, "-f", "-U", str(sock), "-P", str(pidfile), "memory",
-                                 f"size={args.size}"], stdin=subprocess.DEVNULL, stdout=out,
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     stop = True
     try:
         deadline = time.monotonic() + 30
-        while not pidfile.exists():  # nbdkit writes it once it listens
+        while not ready.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise BenchError(f"nbdkit did not start: {log.read_text()[-800:].strip()}")
+                raise BenchError(f"{what} did not start: {log.read_text()[-800:].strip()}")
             time.sleep(0.02)
         state_file = state / "state.json"
-        att = attach.attach(str(sock), state_file, run_dir=state, method=args.method,
-                            priority=PRIORITY)
+        att = attach.attach(str(state / "server.sock"), state_file, run_dir=state,
+                            method=args.method, priority=PRIORITY)
         try:
             yield Active(att.device, fuse_frontend(att),
                          [proc.pid, *[p for p in (att.nbdfuse_pid, att.holder_pid) if p]])
@@ -240,6 +262,24 @@ def nbdkit_target(args: argparse.Namespace, state: Path) -> Iterator[Active]:
     finally:
         if stop:
             stop_process(proc)
+
+
+def nbdkit_target(args: argparse.Namespace, state: Path) -> contextlib.AbstractContextManager[
+        Active]:
+    nbdkit = attach.find_tool("nbdkit")
+    assert nbdkit is not None  # preflight
+    pidfile = state / "nbdkit.pid"  # nbdkit writes it once it listens
+    return socket_server_target(
+        [nbdkit, "-f", "-U", str(state / "server.sock"), "-P", str(pidfile), "memory",
+         f"size={args.size}"], pidfile, state, "nbdkit", args)
+
+
+def duvm_local_target(args: argparse.Namespace, state: Path) -> contextlib.AbstractContextManager[
+        Active]:
+    sock = state / "server.sock"  # bound and listening once it exists
+    return socket_server_target(
+        [sys.executable, "-m", "duvm.cli", "daemon", "--memory", "--size", str(args.size),
+         "--socket", str(sock)], sock, state, "duvm daemon --memory", args)
 
 
 @contextlib.contextmanager
@@ -317,6 +357,7 @@ TARGET_OPEN: dict[str, Callable[[argparse.Namespace, Path], contextlib.AbstractC
     "duvm-3": lambda a, s: duvm_target(3, a, s),
     "duvm-3r2": lambda a, s: duvm_target(3, a, s, replicas=2),
     "nbdkit": nbdkit_target,
+    "duvm-local": duvm_local_target,
     "disk-file": disk_file_target,
     "zram": zram_target,
     "no-swap": no_swap_target,
@@ -358,6 +399,7 @@ def run_workload(run: Run, args: argparse.Namespace, limit_bytes: int, device: s
     peak.sample()
     peak.start()
     before, mid = vmstat(), None
+    cpu_before = cpu_times()
     tail: list[str] = []
     try:
         with cgroup.MemoryCgroup(limit_bytes, prefix=CGROUP_PREFIX) as cg:
@@ -389,6 +431,7 @@ def run_workload(run: Run, args: argparse.Namespace, limit_bytes: int, device: s
         peak.stop.set()
         peak.join(5)
     after = vmstat()
+    run.steal_pct = steal_percent(cpu_before, cpu_times())
     peak.sample()
     run.peak_device_kib, run.other_swap_kib = peak.device_kib, peak.other_kib
     run.pswpout = after["pswpout"] - before["pswpout"]
@@ -457,6 +500,7 @@ def run_target(name: str, rep: int, args: argparse.Namespace, workdir: Path,
             shutil.rmtree(state, ignore_errors=True)
     say(f"  {name:<9} rep {rep + 1}: wall {fmt(run.wall_s)} s (fill {fmt(run.fill_s)}, verify "
         f"{fmt(run.verify_s)}), out {mib(run.pswpout)} MiB, in {mib(run.pswpin)} MiB, "
+        f"steal {fmt(run.steal_pct, 1)}%, "
         f"{'intact' if run.intact else 'NOT intact' if run.intact is False else 'not run'}"
         + (f"  ERROR: {run.error}" if run.error else "")
         + (f"  LEFT BEHIND: {', '.join(run.leftovers)}" if run.leftovers else ""))
@@ -551,7 +595,7 @@ def summarize(runs: list[Run], targets: list[str]) -> dict[str, dict[str, Any]]:
                   "frontend": next((r.frontend for r in ok), None),
                   **{k: med(ok, k) for k in ("wall_s", "fill_s", "verify_s", "setup_s",
                                              "teardown_s", "pswpout", "pswpin", "fill_pswpout",
-                                             "peak_device_kib")},
+                                             "peak_device_kib", "steal_pct")},
                   # the spread says how much to trust the median on a busy machine
                   "wall_s_min": min((r.wall_s for r in ok if r.wall_s is not None), default=None),
                   "wall_s_max": max((r.wall_s for r in ok if r.wall_s is not None), default=None)}
@@ -582,8 +626,8 @@ def markdown(summary: dict[str, dict[str, Any]], info: dict[str, Any],
         "pages can move more than once).",
         "",
         "| target | frontend | wall s | wall min-max | vs nbdkit | over no-swap s | fill s "
-        "| verify s | out MiB | in MiB | peak on device MiB | ok runs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| verify s | out MiB | in MiB | peak on device MiB | CPU steal % | ok runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t, s in summary.items():
         ratio = "n/a" if s["wall_s_vs_nbdkit"] is None else f"{s['wall_s_vs_nbdkit']:.2f}x"
@@ -591,7 +635,8 @@ def markdown(summary: dict[str, dict[str, Any]], info: dict[str, Any],
         lines.append(f"| {t} | {s['frontend'] or 'n/a'} | {fmt(s['wall_s'])} | "
                      f"{fmt(s['wall_s_min'])}-{fmt(s['wall_s_max'])} | {ratio} | "
                      f"{fmt(s['over_floor_s'])} | {fmt(s['fill_s'])} | {fmt(s['verify_s'])} | "
-                     f"{mib(s['pswpout'])} | {mib(s['pswpin'])} | {peak} | {s['ok']}/{s['runs']} |")
+                     f"{mib(s['pswpout'])} | {mib(s['pswpin'])} | {peak} | "
+                     f"{fmt(s['steal_pct'], 1)} | {s['ok']}/{s['runs']} |")
     return "\n".join(lines)
 
 
@@ -600,7 +645,13 @@ def verdict(summary: dict[str, dict[str, Any]]) -> str | None:
     if r is None:
         return None
     met = "met" if r <= TARGET_RATIO else "NOT met"
-    return f"target duvm-3 within {TARGET_RATIO}x of nbdkit: {met} ({r:.2f}x)"
+    line = f"target duvm-3 within {TARGET_RATIO}x of nbdkit: {met} ({r:.2f}x)"
+    steal = max((s["steal_pct"] for s in summary.values() if s.get("steal_pct") is not None),
+                default=None)
+    if steal is not None and steal >= STEAL_WARN_PCT:
+        line += (f"; but the hypervisor took up to {steal:.0f}% of the CPUs (steal) during "
+                 "the runs, so the timings measure the host's load too: run again when quiet")
+    return line
 
 
 # --- main ------------------------------------------------------------------------------------

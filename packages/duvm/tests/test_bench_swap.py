@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from duvm import attach, demo
@@ -75,23 +76,28 @@ def _assert_nothing_left(before: dict[str, set[str]], runs: list[dict]) -> None:
 def test_tiny_run_output_shape_and_clean_teardown(tmp_path: Path) -> None:
     before = _ours()
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--targets", "nbdkit,no-swap", *TINY,
+    res = subprocess.run([sys.executable, str(SCRIPT), "--targets", "nbdkit,duvm-local,no-swap",
+                          *TINY,
                           "--json", str(out_json), "--markdown", str(out_md)],
-                         capture_output=True, text=True, timeout=120, check=False)
+                         capture_output=True, text=True, timeout=180, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(out_json.read_text())
     assert {"cpu", "kernel", "loadavg_start", "loadavg_end"} <= doc["machine"].keys()
-    assert [r["target"] for r in doc["runs"]] == ["nbdkit", "no-swap"]
-    nbdkit, floor = doc["runs"]
+    assert [r["target"] for r in doc["runs"]] == ["nbdkit", "duvm-local", "no-swap"]
+    nbdkit, local, floor = doc["runs"]
     for r in doc["runs"]:
         assert r["intact"] is True and r["error"] is None and r["exit_code"] == 0
         assert r["wall_s"] > 0 and r["fill_s"] is not None and r["verify_s"] is not None
         assert r["setup_s"] is not None and r["teardown_s"] is not None
+        assert 0 <= r["steal_pct"] <= 100  # recorded, so a run on a busy host can be told
     # the workload's pages went to the device under test, through duvm's attach frontend
     assert nbdkit["device"].startswith("/dev/") and nbdkit["peak_device_kib"] > 0
     assert nbdkit["frontend"].startswith(("nbdfuse + loop", "kernel nbd"))
     assert nbdkit["pswpout"] > 0 and nbdkit["pswpin"] > 0
     assert nbdkit["fill_pswpout"] is not None and nbdkit["fill_pswpout"] <= nbdkit["pswpout"]
+    # the one-hop duvm daemon went through the very same frontend
+    assert local["frontend"] == nbdkit["frontend"] and local["device"].startswith("/dev/")
+    assert local["peak_device_kib"] > 0 and local["pswpout"] > 0 and local["pswpin"] > 0
     assert floor["device"] is None and floor["peak_device_kib"] is None
     med = doc["median"]
     assert med["nbdkit"]["wall_s_vs_nbdkit"] == 1.0 and med["nbdkit"]["ok"] == 1
@@ -101,6 +107,7 @@ def test_tiny_run_output_shape_and_clean_teardown(tmp_path: Path) -> None:
     table = out_md.read_text()
     assert "| nbdkit | nbdfuse + loop" in table or "| nbdkit | kernel nbd" in table
     assert "| no-swap | none" in table and "Load average at start" in table
+    assert "| duvm-local | " in table and "CPU steal %" in table
     _assert_nothing_left(before, doc["runs"])
 
 
@@ -162,3 +169,32 @@ def test_interrupt_mid_workload_tears_down(tmp_path: Path) -> None:
     doc = json.loads(out_json.read_text())
     assert doc["interrupted"] is True and doc["runs"][0]["error"] == "interrupted"
     _assert_nothing_left(before, doc["runs"])
+
+
+def _load_script() -> ModuleType:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_swap", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[spec.name]
+    return mod
+
+
+def test_verdict_warns_when_the_hypervisor_stole_cpu() -> None:
+    bs = _load_script()
+    assert bs.steal_percent((10, 1000), (60, 2000)) == 5.0
+    assert bs.steal_percent((10, 1000), (10, 1000)) is None  # no time passed: unknown, not 0
+    quiet = {"duvm-3": {"wall_s_vs_nbdkit": 1.1, "steal_pct": 0.4},
+             "nbdkit": {"wall_s_vs_nbdkit": 1.0, "steal_pct": 0.0}}
+    assert bs.verdict(quiet) == "target duvm-3 within 1.15x of nbdkit: met (1.10x)"
+    busy = {"duvm-3": {"wall_s_vs_nbdkit": 1.6, "steal_pct": 31.0},
+            "nbdkit": {"wall_s_vs_nbdkit": 1.0, "steal_pct": 2.0}}
+    v = bs.verdict(busy)
+    assert v.startswith("target duvm-3 within 1.15x of nbdkit: NOT met (1.60x)")
+    assert "31% of the CPUs (steal)" in v and "run again when quiet" in v
+    assert 0 <= bs.cpu_times()[0] <= bs.cpu_times()[1]
