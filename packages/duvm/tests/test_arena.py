@@ -85,3 +85,24 @@ def test_unprivileged_lock_failure_warns_clearly() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().startswith("False mlock failed:")
     assert "NOT locked in RAM" in proc.stderr and "CAP_IPC_LOCK" in proc.stderr
+
+
+def test_alloc_many_takes_what_as_many_allocs_would() -> None:
+    one, many = Arena(16, lock=False), Arena(16, lock=False)
+    try:
+        for arena in (one, many):  # scramble the free lists the same way
+            taken = [arena.alloc() for _ in range(10)]
+            for s in (taken[7], taken[2], taken[5]):
+                arena.free(s)
+        expect = [one.alloc() for _ in range(5)]
+        assert many.alloc_many(5) == expect
+        assert expect[:3] == [5, 2, 7]  # freed slots first, last freed first, then fresh ones
+        assert many.free_slots == one.free_slots == 4
+        with pytest.raises(ArenaFull):
+            many.alloc_many(5)
+        assert many.free_slots == 4  # a refused request takes nothing
+        assert many.alloc_many(4) == [one.alloc() for _ in range(4)]
+        assert many.alloc_many(0) == [] and many.used_slots == 16
+    finally:
+        one.close()
+        many.close()

@@ -228,3 +228,16 @@ def test_constructor_checks_its_arguments() -> None:
         RemoteStore([("h", 1)], PS, "x", replicas=2)
     with pytest.raises(ValueError, match="twice"):
         RemoteStore([("h", 1), ("h", 1)], PS, "x")
+
+
+def test_page_crcs_are_each_pages_crc32c() -> None:
+    from crc32c import crc32c
+    from duvm.pageproto import MAX_BATCH
+    from duvm.remote_store import page_crcs
+
+    for count in (1, 2, 64, MAX_BATCH, MAX_BATCH + 3):  # the last one past the slice table
+        buf = memoryview(os.urandom(count * PS))
+        got = page_crcs(buf, count)
+        assert list(got) == [crc32c(buf[k * PS : (k + 1) * PS]) for k in range(count)]
+    buf = memoryview(bytearray(8 * PS))
+    assert list(page_crcs(buf, 3)) == [crc32c(bytes(PS))] * 3  # only the first pages
