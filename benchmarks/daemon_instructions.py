@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("--bs", default="4k", help="request size (default 4k)")
     ap.add_argument("--qd", type=int, default=16, help="requests in flight (default 16)")
     ap.add_argument("--requests", type=int, default=4000, help="requests measured (default 4000)")
+    ap.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                    help="copy the callgrind files here (read them with callgrind_annotate)")
     ap.add_argument("--local", action="store_true",
                     help="duvm daemon --memory: the NBD layer alone")
     args = ap.parse_args()
@@ -106,6 +108,10 @@ def main() -> int:
                 if files:
                     n = instructions(files) // args.requests
                     print(f"  {name:9} {n:>8,} instructions per request")
+                    if args.keep:  # for callgrind_annotate: where the instructions went
+                        args.keep.mkdir(parents=True, exist_ok=True)
+                        for f in files:
+                            shutil.copy(f, args.keep / f.name)
         finally:
             for p in reversed(procs):
                 if p.poll() is None:
