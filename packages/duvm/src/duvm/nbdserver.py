@@ -41,7 +41,7 @@ from time import perf_counter_ns
 from typing import Any
 
 from duvm import nbdconst as C
-from duvm.memclient import after_replies, cork, uncork
+from duvm.memclient import after_replies, cork, set_buffers, uncork
 from duvm.nbdproto import (
     BufferPool,
     ExportInfo,
@@ -590,16 +590,7 @@ class NBDConnection(asyncio.BufferedProtocol):
 
 def _tune_socket(sock: socket.socket) -> None:
     """Big socket buffers (one send per reply batch) and no Nagle delay on TCP."""
-    for force, plain in ((getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF),
-                         (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF)):
-        for opt in (force, plain):
-            if opt is None:
-                continue
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
-                break
-            except OSError:
-                continue
+    set_buffers(sock, _SOCK_BUF)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,0 +1,50 @@
+"""The socket options duvm's servers and clients set: buffers that hold a whole frame (past
+net.core.[rw]mem_max when running as root), no Nagle delay and dead-peer detection on TCP."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+from duvm.memclient import SOCKET_BUFFER, set_buffers, tune_socket
+from duvm.nbdserver import _tune_socket
+
+
+def _cap(name: str) -> int:
+    return int(Path(f"/proc/sys/net/core/{name}").read_text())
+
+
+def test_buffers_go_past_the_sysctl_cap_as_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("SO_SNDBUFFORCE/SO_RCVBUFFORCE need root (CAP_NET_ADMIN)")
+    want = 4 * max(_cap("wmem_max"), _cap("rmem_max"))  # plain options stop at 2x the cap
+    with socket.socket() as s:
+        set_buffers(s, want)
+        # the kernel doubles the value for its bookkeeping; capped it would be 2 * *mem_max
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= want
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= want
+
+
+def test_tcp_sockets_get_every_option_and_unix_ones_what_applies() -> None:
+    with socket.socket() as tcp:
+        tune_socket(tcp)
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        assert tcp.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) > 0
+        assert tcp.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(
+            SOCKET_BUFFER, _cap("wmem_max"))
+    a, b = socket.socketpair()  # Unix: no TCP options, and no error for them
+    with a, b:
+        tune_socket(a)
+        _tune_socket(b)
+        assert b.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(
+            SOCKET_BUFFER, _cap("wmem_max"))
+
+
+def test_a_socket_that_takes_nothing_is_left_as_is() -> None:
+    s = socket.socket()
+    s.close()
+    set_buffers(s, 1 << 20)  # every setsockopt fails (closed): skipped, no exception
+    tune_socket(s)
