@@ -319,3 +319,15 @@ def test_disable_keeps_the_supervisor_through_swapoff_and_refuses_with_a_dead_da
         assert "resuming" not in (node.state_dir / "supervisor.log").read_text()
     finally:
         supervise.stop(node.state_dir)
+
+
+def test_enable_tells_how_starting_the_supervisor_went(capsys: pytest.CaptureFixture[str]) -> None:
+    from duvm.enable import say_supervisor
+
+    say_supervisor(4321, None, "watches the daemon again")
+    say_supervisor(None, "no pidfd support", "unused")
+    say_supervisor(None, None, "unused")  # not wanted (no kernel nbd): nothing to say
+    out, err = capsys.readouterr()
+    assert out == "duvm enable: supervisor pid 4321 watches the daemon again\n"
+    assert err == ("duvm enable: warning: no pidfd support; nothing will restart a crashed "
+                   "daemon (`duvm enable --resume` does it by hand)\n")

@@ -59,6 +59,15 @@ def config_from_args(args: argparse.Namespace) -> control.Config:
                           secret_file=args.secret_file, supervise=args.supervise).validate()
 
 
+def say_supervisor(pid: int | None, problem: str | None, doing: str) -> None:
+    """Tell the user how starting the supervisor went (after enable, or enable --resume)."""
+    if problem:
+        print(f"duvm enable: warning: {problem}; nothing will restart a crashed daemon "
+              "(`duvm enable --resume` does it by hand)", file=sys.stderr)
+    elif pid:
+        print(f"duvm enable: supervisor pid {pid} {doing}")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.resume:
         try:
@@ -70,9 +79,7 @@ def run(args: argparse.Namespace) -> int:
         if (att.extra.get("supervise") and supervise.wanted(att, info.daemon_args)
                 and not supervise.alive(supervise.load(args.state_dir))):
             pid, problem = supervise.start(args.state_dir)  # it had given up, or was killed
-            print(f"duvm enable: warning: {problem}" if problem else
-                  f"duvm enable: supervisor pid {pid} watches the daemon again",
-                  file=sys.stderr if problem else sys.stdout)
+            say_supervisor(pid, problem, "watches the daemon again")
         return 0
     try:
         cfg = config_from_args(args)
@@ -87,12 +94,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"duvm enabled: {att.device} via {att.method}, {(att.size_bytes or 0) >> 20} MiB of "
           f"swap at priority {att.priority} on {len(cfg.peers)} peer(s), "
           f"{cfg.replicas} cop{'y' if cfg.replicas == 1 else 'ies'} of each page")
-    if att.extra.get("supervisor_problem"):
-        print(f"duvm enable: warning: {att.extra['supervisor_problem']}; nothing will restart "
-              "a crashed daemon (`duvm enable --resume` does it by hand)", file=sys.stderr)
-    elif att.extra.get("supervisor_pid"):
-        print(f"duvm enable: supervisor pid {att.extra['supervisor_pid']} restarts the daemon "
-              "onto the live device if it crashes")
+    say_supervisor(att.extra.get("supervisor_pid"), att.extra.get("supervisor_problem"),
+                   "restarts the daemon onto the live device if it crashes")
     warning = replica_warning(cfg)
     if warning:
         print(f"duvm enable: warning: {warning}", file=sys.stderr)
