@@ -241,3 +241,36 @@ def test_page_crcs_are_each_pages_crc32c() -> None:
         assert list(got) == [crc32c(buf[k * PS : (k + 1) * PS]) for k in range(count)]
     buf = memoryview(bytearray(8 * PS))
     assert list(page_crcs(buf, 3)) == [crc32c(bytes(PS))] * 3  # only the first pages
+
+
+async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
+        servers, fast) -> None:  # fmt: skip
+    from crc32c import crc32c
+    from duvm import remote_store
+
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs[:1], MiB, "t:crc-overlap", replicas=1)
+    seen: list[tuple[int, int]] = []  # (STOREs the memserver had handled, pages) at each call
+    real = remote_store.page_crcs
+
+    def spy(buf: memoryview, count: int) -> object:
+        seen.append((srvs[0].store.counters["store_requests"], count))
+        return real(buf, count)
+
+    remote_store.page_crcs = spy
+    try:
+        data = os.urandom(64 * PS)
+        before = srvs[0].store.counters["store_requests"]
+        assert await fast(store.start_write, 8 * PS, memoryview(data)) == "fast"
+        # computed once, before the memserver had even handled the STORE (in flight), and
+        # not again at the acknowledgement
+        assert seen == [(before, 64)]
+        assert srvs[0].store.counters["store_requests"] == before + 1
+        assert list(store._crc[8:72]) == [crc32c(data[k * PS : (k + 1) * PS])
+                                          for k in range(64)]
+        out = bytearray(64 * PS)
+        await store.read(8 * PS, memoryview(out))  # the checksums vouch for the bytes
+        assert out == data and store.stats["checksum_failures"] == 0
+    finally:
+        remote_store.page_crcs = real
+        await store.close()

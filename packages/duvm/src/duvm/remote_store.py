@@ -541,12 +541,13 @@ class RemoteStore(BlockStore):
         if c is None or (first + count - 1) // self.slab_pages != slab:
             return False
         inflight = self.inflight
+        crcs: list[array] = []  # the pages' checksums, once computed (see below)
 
         def stored(exc: BaseException | None) -> None:
             inflight[slab] -= 1
             if exc is None:
                 try:
-                    self._mark_stored(first, count, data)
+                    self._mark_stored(first, count, data, crcs[0] if crcs else None)
                 except Exception as e:  # never leave the request unanswered
                     done(tag, e)
                     return
@@ -559,6 +560,13 @@ class RemoteStore(BlockStore):
         keys = (first,) if count == 1 else tuple(range(first, first + count))
         inflight[slab] += 1  # a repair starting now waits for this write to finish
         if c.store_cb(keys, data, stored):
+            if count > 1:
+                # Needed only at the acknowledgement, so computed right after the STORE has
+                # left (this callback runs after the send queued before it), while the
+                # memserver copies the pages, instead of after it answered: for 512 KiB that
+                # is about 40% of the daemon's work per write taken off the write's latency.
+                asyncio.get_running_loop().call_soon(
+                    lambda: crcs.append(page_crcs(data, count)))  # fmt: skip
             return True
         inflight[slab] -= 1
         return False
@@ -577,8 +585,10 @@ class RemoteStore(BlockStore):
             return None
         return clients[0]
 
-    def _mark_stored(self, first: int, count: int, data: memoryview) -> None:
-        """Every live replica acknowledged these pages: they hold `data` from now on."""
+    def _mark_stored(self, first: int, count: int, data: memoryview,
+                     crcs: array | None = None) -> None:
+        """Every live replica acknowledged these pages: they hold `data` (whose page
+        checksums are `crcs`, when already computed) from now on."""
         self.readahead.invalidate(first, count)
         stats = self.stats
         stats["stores"] += 1
@@ -588,7 +598,7 @@ class RemoteStore(BlockStore):
             crc[first] = _crc32(data)
             st[first] = DATA
         else:
-            crc[first : first + count] = page_crcs(data, count)
+            crc[first : first + count] = page_crcs(data, count) if crcs is None else crcs
             st[first : first + count] = bytes((DATA,)) * count
 
     async def read(self, offset: int, out: memoryview) -> None:
