@@ -274,3 +274,35 @@ async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
     finally:
         remote_store.page_crcs = real
         await store.close()
+
+
+async def test_a_replicated_write_checksums_its_pages_after_its_stores_left(servers) -> None:
+    from duvm import remote_store
+
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs, MiB, "t:crc-overlap-2", replicas=2, slab_pages=64)
+    # when the checksums were taken: STOREs each memserver had handled, and whether every
+    # client had sent what it had queued
+    seen: list[tuple[list[int], bool]] = []
+    real = remote_store.page_crcs
+
+    def spy(buf: memoryview, count: int) -> object:
+        sent = all(c._flush_handle is None and not c._outq for c in store.clients)
+        seen.append(([s.store.counters["store_requests"] for s in srvs], sent))
+        return real(buf, count)
+
+    remote_store.page_crcs = spy
+    try:
+        data = os.urandom(32 * PS)
+        before = [s.store.counters["store_requests"] for s in srvs]
+        await store.write(0, memoryview(data))  # two replicas: the general (coroutine) path
+        assert seen == [(before, True)]  # once, with both STOREs sent and not yet handled
+        after = [s.store.counters["store_requests"] for s in srvs]
+        assert sorted(a - b for a, b in zip(after, before, strict=True))[-2:] == [1, 1]
+        assert store._pending_crcs == {}  # nothing left registered for racing reads
+        out = bytearray(32 * PS)
+        await store.read(0, memoryview(out))
+        assert out == data and store.stats["checksum_failures"] == 0
+    finally:
+        remote_store.page_crcs = real
+        await store.close()

@@ -55,7 +55,7 @@ import logging
 import random
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from crc32c import crc32c as _crc32
@@ -792,10 +792,22 @@ class RemoteStore(BlockStore):
         await self._all(parts)
 
     @staticmethod
-    async def _store_one(client: MemClient, keys: tuple[int, ...], data: memoryview) -> None:
+    def _start_store(client: MemClient, keys: tuple[int, ...],
+                     data: memoryview) -> Awaitable[Any] | None:  # fmt: skip
+        """Queue the STORE at once when the client is connected (it leaves with this loop
+        iteration's sends); None when `_store_one` has to connect first."""
         if client.hello is not None and len(keys) <= client.max_batch:
+            return client.store_batch(keys, data)
+        return None
+
+    @staticmethod
+    async def _store_one(client: MemClient, keys: tuple[int, ...], data: memoryview,
+                         started: Awaitable[Any] | None = None) -> None:  # fmt: skip
+        if started is None:
+            started = RemoteStore._start_store(client, keys, data)
+        if started is not None:
             try:
-                await client.store_batch(keys, data)
+                await started
                 return
             except MemserverUnreachable:
                 pass  # store() below reconnects (if the breaker allows) and retries
@@ -842,17 +854,27 @@ class RemoteStore(BlockStore):
         keys = (first,) if count == 1 else tuple(range(first, first + count))
         members = list(self.sets[slab])
         clients = self._slab_clients[slab]
-        crcs = (_crc32(data),) if count == 1 else page_crcs(data, count)
         if len(clients) == 1 and rep is None:
+            crcs = (_crc32(data),) if count == 1 else page_crcs(data, count)
             try:
                 await self._store_one(clients[0], keys, data)
                 results: list = [None]
             except _FAILURES as e:
                 results = [e]
         else:
-            coros = [self._store_one(c, keys, data) for c in clients]
+            targets = list(clients)
             if rep is not None and not rep.aborted:
-                coros.append(self._store_one(self.clients[rep.target], keys, data))
+                targets.append(self.clients[rep.target])
+            started = [self._start_store(c, keys, data) for c in targets]
+            if count > 1 and any(s is not None for s in started):
+                # Let the STOREs leave first and checksum the pages while the memservers copy
+                # them. No reply can be handled before this coroutine resumes (it resumes in
+                # the loop iteration that sends them), so a racing read still finds the
+                # write's checksums registered below before it sees any of its bytes.
+                await asyncio.sleep(0)
+            crcs = (_crc32(data),) if count == 1 else page_crcs(data, count)
+            coros = [self._store_one(c, keys, data, s)
+                     for c, s in zip(targets, started, strict=True)]  # fmt: skip
             # Until every replica answers, a read that races this write may already get the
             # new bytes from one of them: they are not corruption (see _bad_pages).
             pending = self._pending_crcs
