@@ -203,7 +203,8 @@ class RemoteStore(BlockStore):
                       "unreachable_waits": 0, "ra_loads": 0, "ra_hits": 0,
                       "ra_dropped": 0}  # fmt: skip
         self.readahead = Readahead(self)
-        self._pending_crcs: dict[int, list[int]] = {}  # page -> CRCs of replicated writes in flight
+        # page -> its bytes in each replicated write in flight (a racing read may see them)
+        self._pending_writes: dict[int, list[memoryview]] = {}
 
     @classmethod
     async def open(cls, peers: list[tuple[str, int]], size: int, client_id: str,
@@ -690,10 +691,10 @@ class RemoteStore(BlockStore):
                 return []
             bad = [first + k for k in range(count)
                    if st[first + k] == DATA and got[k] != crc[first + k]]
-        pending = self._pending_crcs
+        pending = self._pending_writes
         if bad and pending:
-            bad = [p for p in bad if _crc32(out[(p - first) << 12 : (p - first + 1) << 12])
-                   not in pending.get(p, ())]  # fmt: skip
+            bad = [p for p in bad if not any(
+                out[(p - first) << 12 : (p - first + 1) << 12] == v for v in pending.get(p, ()))]
         return bad
 
     async def load_verified(self, slab: int, first: int, count: int, out: memoryview) -> None:
@@ -865,27 +866,36 @@ class RemoteStore(BlockStore):
             targets = list(clients)
             if rep is not None and not rep.aborted:
                 targets.append(self.clients[rep.target])
-            started = [self._start_store(c, keys, data) for c in targets]
-            if count > 1 and any(s is not None for s in started):
-                # Let the STOREs leave first and checksum the pages while the memservers copy
-                # them. No reply can be handled before this coroutine resumes (it resumes in
-                # the loop iteration that sends them), so a racing read still finds the
-                # write's checksums registered below before it sees any of its bytes.
-                await asyncio.sleep(0)
-            crcs = (_crc32(data),) if count == 1 else page_crcs(data, count)
-            coros = [self._store_one(c, keys, data, s)
-                     for c, s in zip(targets, started, strict=True)]  # fmt: skip
             # Until every replica answers, a read that races this write may already get the
-            # new bytes from one of them: they are not corruption (see _bad_pages).
-            pending = self._pending_crcs
+            # new bytes from one of them: they are not corruption (see _bad_pages). The pages
+            # are registered before any STORE can leave.
+            pending = self._pending_writes
+            views = [data] if count == 1 else [data[k << 12 : (k + 1) << 12]
+                                               for k in range(count)]  # fmt: skip
             for k in range(count):
-                pending.setdefault(first + k, []).append(crcs[k])
+                pending.setdefault(first + k, []).append(views[k])
+            started: list[Awaitable[Any] | None] = []
             try:
-                results = await asyncio.gather(*coros, return_exceptions=True)
+                started = [self._start_store(c, keys, data) for c in targets]
+                if count > 1 and any(s is not None for s in started):
+                    await asyncio.sleep(0)  # the STOREs leave: checksum while they are copied
+                crcs = (_crc32(data),) if count == 1 else page_crcs(data, count)
+                results = await asyncio.gather(
+                    *[self._store_one(c, keys, data, s)
+                      for c, s in zip(targets, started, strict=True)],
+                    return_exceptions=True)  # fmt: skip
+            except BaseException:  # closed or cancelled: the started STOREs have no waiter
+                for f in started:
+                    if isinstance(f, asyncio.Future):
+                        if not f.done():
+                            f.cancel()
+                        elif not f.cancelled():
+                            f.exception()  # retrieved: no "never retrieved" warning
+                raise
             finally:
                 for k in range(count):
                     lst = pending[first + k]
-                    lst.remove(crcs[k])
+                    del lst[next(i for i, v in enumerate(lst) if v is views[k])]
                     if not lst:
                         del pending[first + k]
             if len(results) > len(members):
