@@ -263,13 +263,16 @@ def kill_and_resume() -> None:
                 break
         time.sleep(0.1)
     resumed_after = round(time.monotonic() - t, 2)
+    # taken before the resume by hand below, which can take longer than the rest of the
+    # workload's swapping out (Python starting under TCG)
+    at_resume = vmstat()
     by_hand = duvm("enable", "--resume", "--state-dir", STATE_DIR, timeout=240)
     watch_daemon()
     new = WATCHED["daemon"]
     emit("resumed", new_pid=new_pid, seconds=resumed_after, by_hand=by_hand,
          supervisor_log=(_read(STATE_DIR + "/supervisor.log") or "")[-3000:],
          supervisor=json.loads(_read(STATE_DIR + "/supervisor.json") or "null"),
-         vmstat=vmstat(), proc_swaps=_read("/proc/swaps"),
+         vmstat=vmstat(), vmstat_at_resume=at_resume, proc_swaps=_read("/proc/swaps"),
          nbd_pid=(_read("/sys/block/nbd0/pid") or "").strip() or None, new_daemon_pids=new,
          new_daemon_cmdline=[(_read(f"/proc/{p}/cmdline") or "").replace("\0", " ")
                              for p in new],
