@@ -203,8 +203,8 @@ class RemoteStore(BlockStore):
                       "unreachable_waits": 0, "ra_loads": 0, "ra_hits": 0,
                       "ra_dropped": 0}  # fmt: skip
         self.readahead = Readahead(self)
-        # page -> its bytes in each replicated write in flight (a racing read may see them)
-        self._pending_writes: dict[int, list[memoryview]] = {}
+        # replicated writes in flight, (first page, pages, bytes): a racing read may see them
+        self._pending_writes: list[tuple[int, int, memoryview]] = []
 
     @classmethod
     async def open(cls, peers: list[tuple[str, int]], size: int, client_id: str,
@@ -691,11 +691,15 @@ class RemoteStore(BlockStore):
                 return []
             bad = [first + k for k in range(count)
                    if st[first + k] == DATA and got[k] != crc[first + k]]
-        pending = self._pending_writes
-        if bad and pending:
-            bad = [p for p in bad if not any(
-                out[(p - first) << 12 : (p - first + 1) << 12] == v for v in pending.get(p, ()))]
+        if bad and self._pending_writes:
+            bad = [p for p in bad if not self._in_flight_bytes(p, out[(p - first) << 12 :
+                                                                     (p - first + 1) << 12])]
         return bad
+
+    def _in_flight_bytes(self, page: int, got: memoryview) -> bool:
+        """`got` is page `page` as a replicated write still in flight writes it."""
+        return any(f <= page < f + n and got == d[(page - f) << 12 : (page - f + 1) << 12]
+                   for f, n, d in self._pending_writes)
 
     async def load_verified(self, slab: int, first: int, count: int, out: memoryview) -> None:
         """LOAD pages from the slab's replicas until one returns bytes matching every page's
@@ -870,10 +874,8 @@ class RemoteStore(BlockStore):
             # new bytes from one of them: they are not corruption (see _bad_pages). The pages
             # are registered before any STORE can leave.
             pending = self._pending_writes
-            views = [data] if count == 1 else [data[k << 12 : (k + 1) << 12]
-                                               for k in range(count)]  # fmt: skip
-            for k in range(count):
-                pending.setdefault(first + k, []).append(views[k])
+            entry = (first, count, data)
+            pending.append(entry)
             started: list[Awaitable[Any] | None] = []
             try:
                 started = [self._start_store(c, keys, data) for c in targets]
@@ -892,12 +894,8 @@ class RemoteStore(BlockStore):
                         elif not f.cancelled():
                             f.exception()  # retrieved: no "never retrieved" warning
                 raise
-            finally:
-                for k in range(count):
-                    lst = pending[first + k]
-                    del lst[next(i for i, v in enumerate(lst) if v is views[k])]
-                    if not lst:
-                        del pending[first + k]
+            finally:  # by identity: another write may carry equal bytes
+                del pending[next(i for i, e in enumerate(pending) if e is entry)]
             if len(results) > len(members):
                 r = results.pop()
                 if isinstance(r, BaseException):
