@@ -72,12 +72,9 @@ class Readahead:
         `missed`)."""
         for w in self.windows:
             if w.first <= first and first + count <= w.first + w.count:
-                sequential = first == self.next_page
-                self.next_page = first + count
                 if not w.ready:
                     w.waiters.append((first, count, out, done, tag))
-                if sequential:  # a random read that happens to hit fetches nothing more
-                    self._ahead(first + count)
+                self._advance(first, first + count)
                 if w.ready:  # answered last: the caller may reply at once
                     self._serve(w, first, count, done, tag)
                 return True
@@ -95,16 +92,21 @@ class Readahead:
         b = next((w for w in self.windows if w.first == mid and end <= w.first + w.count), None)
         if b is None or not b.ready:
             return False
-        sequential = first == self.next_page
-        self.next_page = end
-        if sequential:
-            self._ahead(end)
+        self._advance(first, end)
         n = (mid - first) << 12
         out[:n] = memoryview(a.buf)[(first - a.first) << 12 :]
         out[n:] = memoryview(b.buf)[: (end - mid) << 12]
         self.stats["ra_hits"] += 1
         done(tag, None)  # answered last, as in hit()
         return True
+
+    def _advance(self, first: int, end: int) -> None:
+        """A read of [first, end) was served from the windows: a sequential one keeps fetching
+        ahead (a random read that happens to hit fetches nothing more)."""
+        sequential = first == self.next_page
+        self.next_page = end
+        if sequential:
+            self._ahead(end)
 
     def missed(self, first: int, count: int) -> None:
         """A read the caller sent to a memserver itself: if it continues the previous one,
