@@ -37,6 +37,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from cpusteal import cpu_times, steal_percent  # benchmarks/, next to this script
+
 MiB = 1 << 20
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -194,14 +196,6 @@ def machine() -> dict:
             else "n/a", "loadavg_start": loadavg(), "cpu_times_start": cpu_times()}
 
 
-def cpu_times() -> tuple[int, int]:
-    """(steal, total) jiffies of all CPUs from /proc/stat (steal: time the hypervisor gave
-    other guests, which slows every target alike and makes ratios noisy)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    return fields[7], sum(fields[:8])
-
-
 def loadavg() -> list[str]:
     with open("/proc/loadavg") as f:
         return f.read().split()[:3]
@@ -270,7 +264,9 @@ def main() -> int:
     ap.add_argument("--memserver-cpu", help="CPU of the memserver (default: --server-cpu; "
                     "the client's CPU stands in for a memserver on another node)")
     ap.add_argument("--targets", default="duvm,nbdkit,duvm-local")
-    ap.add_argument("--tests", default=",".join(f"{t}{q or ''}" for t, q in TESTS))
+    names = [f"{t}{q or ''}" for t, q in TESTS]
+    ap.add_argument("--tests", default=",".join(names),
+                    help=f"comma-separated, from {','.join(names)} (default: all)")
     ap.add_argument("--json", help="write raw and median results here")
     ap.add_argument("--markdown", help="write the table here")
     args = ap.parse_args()
@@ -289,7 +285,13 @@ def main() -> int:
             print("bench_nbd: duvm.remote_store is missing; skipping the two-hop target",
                   file=sys.stderr)
             want.remove("duvm")
-    tests = [(t, q) for t, q in TESTS if f"{t}{q or ''}" in args.tests.split(",")]
+    asked = [t for t in args.tests.split(",") if t]
+    unknown = [t for t in asked if t not in names] + \
+        [t for t in want if t not in ("duvm", "nbdkit", "duvm-local")]
+    if unknown or not asked or not want:
+        ap.error(f"unknown test(s) or target(s): {','.join(unknown)}" if unknown
+                 else "--tests and --targets must name at least one each")
+    tests = [(t, q) for t, q in TESTS if f"{t}{q or ''}" in asked]
     info = machine()
     tmp = tempfile.mkdtemp(prefix="bench-nbd-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                            else None)
@@ -320,8 +322,7 @@ def main() -> int:
         stop_targets(targets)
         shutil.rmtree(tmp, ignore_errors=True)
     info["loadavg_end"] = loadavg()
-    (s0, t0), (s1, t1) = info.pop("cpu_times_start"), cpu_times()
-    info["steal_pct"] = round(100 * (s1 - s0) / (t1 - t0), 1) if t1 > t0 else None
+    info["steal_pct"] = steal_percent(info.pop("cpu_times_start"), cpu_times())
     results = {"machine": info, "targets": [t.name for t in targets], "raw": raw,
                "median": {k: {n: median_result(v) for n, v in d.items()}
                           for k, d in raw.items()}}

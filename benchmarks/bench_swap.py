@@ -78,6 +78,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cpusteal import cpu_times, steal_percent  # benchmarks/, next to this script
 from duvm import attach, cgroup, control, demo
 from duvm.units import parse_size
 
@@ -153,19 +154,6 @@ def vmstat() -> dict[str, int]:
         if key in ("pswpout", "pswpin"):
             out[key] = int(value)
     return out
-
-
-def cpu_times() -> tuple[int, int]:
-    """(steal, total) jiffies of all CPUs from /proc/stat."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    # user nice system idle iowait irq softirq steal guest guest_nice (guest time is already
-    # counted in user and nice)
-    return fields[7], sum(fields[:8])
-
-
-def steal_percent(before: tuple[int, int], after: tuple[int, int]) -> float | None:
-    total = after[1] - before[1]
-    return round(100 * (after[0] - before[0]) / total, 1) if total > 0 else None
 
 
 def swaps() -> list[attach.SwapEntry]:

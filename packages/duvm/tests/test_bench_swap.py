@@ -178,10 +178,12 @@ def _load_script() -> ModuleType:
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    sys.path.insert(0, str(SCRIPT.parent))  # as when run: its helpers sit next to it
     try:
         spec.loader.exec_module(mod)
     finally:
         del sys.modules[spec.name]
+        sys.path.remove(str(SCRIPT.parent))
     return mod
 
 
