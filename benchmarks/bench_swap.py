@@ -200,7 +200,8 @@ def duvm_target(memservers: int, args: argparse.Namespace, state: Path,
     stop = True
     try:
         cfg = control.Config(peers=servers.addrs, size=args.size, replicas=replicas,
-                             method=args.method, state_dir=state, priority=PRIORITY).validate()
+                             method=args.method, state_dir=state, priority=PRIORITY,
+                             daemon_args=trace_args(args, state)).validate()
         att = control.enable(cfg)
         daemon = att.extra.get("daemon_pid")
         pids = [*servers.pids, *[p for p in (daemon, att.nbdfuse_pid, att.holder_pid)
@@ -267,7 +268,13 @@ def duvm_local_target(args: argparse.Namespace, state: Path) -> contextlib.Abstr
     sock = state / "server.sock"  # bound and listening once it exists
     return socket_server_target(
         [sys.executable, "-m", "duvm.cli", "daemon", "--memory", "--size", str(args.size),
-         "--socket", str(sock)], sock, state, "duvm daemon --memory", args)
+         "--socket", str(sock), *trace_args(args, state)], sock, state, "duvm daemon --memory",
+        args)
+
+
+def trace_args(args: argparse.Namespace, state: Path) -> list[str]:
+    """`--trace` for a duvm daemon when --trace DIR was given: DIR/<target>-<rep>.trace."""
+    return ["--trace", str(args.trace / f"{state.name}.trace")] if args.trace else []
 
 
 @contextlib.contextmanager
@@ -532,6 +539,8 @@ def preflight(args: argparse.Namespace) -> list[str]:
         problems.append("--size must hold the whole workload")
     if args.reps < 1:
         problems.append("--reps must be at least 1")
+    if args.trace and not args.trace.is_dir():
+        problems.append(f"--trace {args.trace}: not a directory (create it first)")
     return problems
 
 
@@ -666,6 +675,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600,
                     help="seconds before a workload run is killed (default 600)")
     ap.add_argument("--json", type=Path, metavar="FILE", help="write every run and the medians")
+    ap.add_argument("--trace", type=Path, metavar="DIR",
+                    help="duvm daemons write a request trace per run to DIR/TARGET-REP.trace "
+                    "(summarise with benchmarks/nbd_trace.py; costs about 1 us per request)")
     ap.add_argument("--markdown", type=Path, metavar="FILE", help="write the table")
     args = ap.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]

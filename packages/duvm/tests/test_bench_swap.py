@@ -77,7 +77,7 @@ def test_tiny_run_output_shape_and_clean_teardown(tmp_path: Path) -> None:
     before = _ours()
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
     res = subprocess.run([sys.executable, str(SCRIPT), "--targets", "nbdkit,duvm-local,no-swap",
-                          *TINY,
+                          *TINY, "--trace", str(tmp_path),
                           "--json", str(out_json), "--markdown", str(out_md)],
                          capture_output=True, text=True, timeout=180, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -99,6 +99,12 @@ def test_tiny_run_output_shape_and_clean_teardown(tmp_path: Path) -> None:
     assert local["frontend"] == nbdkit["frontend"] and local["device"].startswith("/dev/")
     assert local["peak_device_kib"] > 0 and local["pswpout"] > 0 and local["pswpin"] > 0
     assert floor["device"] is None and floor["peak_device_kib"] is None
+    # --trace: the duvm daemon traced every request; every page on the device was written
+    traced = _load_script("nbd_trace").load(tmp_path / "duvm-local-0.trace")
+    written = sum(n for _, _, cmd, _, n, err in traced if cmd == "write" and not err)
+    assert written >= local["peak_device_kib"] * 1024
+    assert any(cmd == "read" for _, _, cmd, *_ in traced)
+    assert sorted(p.name for p in tmp_path.glob("*.trace")) == ["duvm-local-0.trace"]
     med = doc["median"]
     assert med["nbdkit"]["wall_s_vs_nbdkit"] == 1.0 and med["nbdkit"]["ok"] == 1
     assert med["nbdkit"]["wall_s_min"] == med["nbdkit"]["wall_s_max"] == nbdkit["wall_s"]
@@ -171,10 +177,11 @@ def test_interrupt_mid_workload_tears_down(tmp_path: Path) -> None:
     _assert_nothing_left(before, doc["runs"])
 
 
-def _load_script() -> ModuleType:
+def _load_script(name: str = "bench_swap") -> ModuleType:
+    """A script of benchmarks/ (bench_swap by default) as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_swap", SCRIPT)
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up there

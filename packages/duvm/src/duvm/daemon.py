@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from duvm import auth, memclient
+from duvm.nbdtrace import RequestTrace
 from duvm.placement import default_replicas
 from duvm.storage import StorageError
 from duvm.units import is_loopback, parse_hostport, parse_listen, parse_size
@@ -82,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run at SCHED_RR priority 1: the kernel then lets the daemon's "
                         "allocations dip a quarter below the min watermark (experimental; see "
                         "docs/KERNEL_NBD_QEMU.md)")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="write one line per NBD request (arrival and reply times, "
+                        "command, offset, length, errno) to FILE, for finding where time goes "
+                        "(benchmarks/nbd_trace.py summarises it; about 1 µs per request)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log connections and errors")
     auth.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
 
@@ -187,10 +192,28 @@ async def open_store(args: argparse.Namespace, size: int, peers: list[tuple[str,
 
 async def _serve(args: argparse.Namespace, size: int, peers: list[tuple[str, int]],
                  tcp: tuple[str, int] | None, client_id: str) -> int:
+    trace = None
+    if getattr(args, "trace", None):  # opened first: a bad path fails before reserving
+        try:
+            trace = RequestTrace(args.trace)
+        except OSError as e:
+            raise DaemonError(f"cannot write the trace to {args.trace}: "
+                              f"{e.strerror or e}") from None
+    try:
+        return await _serve_store(args, size, peers, tcp, client_id, trace)
+    finally:
+        if trace is not None:
+            trace.close()
+
+
+async def _serve_store(args: argparse.Namespace, size: int, peers: list[tuple[str, int]],
+                       tcp: tuple[str, int] | None, client_id: str,
+                       trace: RequestTrace | None) -> int:
     from duvm.nbdserver import NBDServer
 
     store = await open_store(args, size, peers, client_id)
     server = NBDServer(store, args.export_name)
+    server.trace = trace
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

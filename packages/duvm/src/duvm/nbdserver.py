@@ -108,6 +108,8 @@ class NBDServer:
         self.stats = ServerStats()
         # duvm.metrics.LatencyByKind when the daemon runs with --metrics, else None (no cost)
         self.latency: Any = None
+        # duvm.nbdtrace.RequestTrace when the daemon runs with --trace, else None
+        self.trace: Any = None
         self.pool = BufferPool()
         self._servers: list[asyncio.Server] = []
         self._connections: set[NBDConnection] = set()
@@ -198,6 +200,8 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._start_write = (self.store.start_write
                              if st.start_write is not BlockStore.start_write else None)  # fmt: skip
         self._lat = server.latency  # request start times only when metrics are on
+        self._trace = server.trace  # or a trace is written
+        self._timed = self._lat is not None or self._trace is not None
         self._t0: dict[Request, int] = {}
         # uvloop already gathers all writes of one loop iteration into one writev, so replies
         # can be handed over as they complete; plain asyncio sends at once, so batch them.
@@ -365,14 +369,14 @@ class NBDConnection(asyncio.BufferedProtocol):
             return
         if req.flags & C.CMD_FLAG_FUA and cmd in _FUA_CMDS:
             coro = self._then_flush(coro)
-        if self._lat is not None:
+        if self._timed:
             self._t0[req] = perf_counter_ns()
         self._in_flight += 1
         self._run(req, coro)
 
     def _started(self, start: Any, req: Request, view: memoryview | None) -> bool:
         """Hand a READ or WRITE to the store's callback fast path; False if it declined."""
-        if self._lat is not None:
+        if self._timed:
             self._t0[req] = perf_counter_ns()
         self._in_flight += 1
         try:
@@ -482,8 +486,12 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._in_flight -= 1
         cmd = req.cmd
         buf = req.buffer
-        if self._lat is not None:
-            self._lat.observe_ns(cmd, perf_counter_ns() - self._t0.pop(req))
+        if self._timed:
+            t0, t1 = self._t0.pop(req), perf_counter_ns()
+            if self._lat is not None:
+                self._lat.observe_ns(cmd, t1 - t0)
+            if self._trace is not None:
+                self._trace.record(cmd, req.offset, req.length, t0, t1, err)
         if cmd <= _CMD_WRITE:
             self._in_flight_bytes -= req.length
         if err:
