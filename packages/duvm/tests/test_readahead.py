@@ -62,6 +62,39 @@ async def test_sequential_reads_are_served_from_windows_loaded_ahead(written, fa
     assert st["ra_dropped"] == 0
 
 
+async def test_the_next_window_is_fetched_after_the_reply_that_called_for_it(written) -> None:
+    """Sending a LOAD wakes the memserver, which on a shared core then ran before the reply to
+    the read that called for it: a read served from a window is answered first, and the fetch
+    of the next window follows in the next loop iteration."""
+    _, store, data = await written(1 * MiB)
+    loop = asyncio.get_running_loop()
+    out = bytearray(READ)
+    hits = deferred = 0
+    for i in range(MiB // READ):
+        fut = loop.create_future()
+        at_done: list[int] = []
+
+        def done(tag: object, cont: object, fut=fut, at_done=at_done) -> None:
+            at_done.append(store.stats["ra_loads"])
+            if type(cont) is memoryview:
+                out[:] = cont
+            fut.set_result(cont)
+
+        before = store.stats["ra_loads"]
+        assert store.start_read(i * READ, memoryview(out), done, None)
+        cont = await fut
+        assert cont is None or type(cont) is memoryview, cont
+        assert out == data[i * READ : (i + 1) * READ], i
+        if type(cont) is memoryview:  # a window answered it at once
+            hits += 1
+            assert at_done == [before], i  # nothing was fetched before the reply
+            await asyncio.sleep(0)
+            deferred += store.stats["ra_loads"] - before
+        else:
+            await asyncio.sleep(0)
+    assert hits >= MiB // READ - 3 and deferred >= 2  # windows 3 and 4 came after replies
+
+
 async def test_random_reads_fetch_nothing_ahead(written, fast) -> None:
     _, store, data = await written(4 * MiB)
     rng = random.Random(3)
