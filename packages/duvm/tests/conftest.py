@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 from duvm.memserver import MemServer
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 StartPool = Callable[..., Awaitable[tuple[list[MemServer], list[tuple[str, int]]]]]
 
@@ -76,3 +82,25 @@ async def _fast(start: Callable[..., bool], offset: int, buf: memoryview) -> str
 def fast() -> FastPath:
     """`await fast(store.start_read, offset, buf)`: see `_fast`."""
     return _fast
+
+
+def _load_benchmark(name: str) -> ModuleType:
+    """benchmarks/NAME.py as a module, loaded as when run (its folder on sys.path, so it can
+    import its neighbours; itself in sys.modules while it loads, for its dataclasses)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[name]
+        sys.path.remove(str(BENCHMARKS))
+    return mod
+
+
+@pytest.fixture
+def benchmark() -> Callable[[str], ModuleType]:
+    """`benchmark("nbd_trace")`: a script of benchmarks/ as a module, to call its functions."""
+    return _load_benchmark

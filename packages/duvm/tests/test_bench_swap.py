@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from duvm import attach, demo
@@ -73,7 +72,7 @@ def _assert_nothing_left(before: dict[str, set[str]], runs: list[dict]) -> None:
 @pytest.mark.root
 @pytest.mark.slow
 @root_only
-def test_tiny_run_output_shape_and_clean_teardown(tmp_path: Path) -> None:
+def test_tiny_run_output_shape_and_clean_teardown(tmp_path: Path, benchmark) -> None:
     before = _ours()
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
     res = subprocess.run([sys.executable, str(SCRIPT), "--targets", "nbdkit,duvm-local,no-swap",
@@ -100,7 +99,7 @@ def test_tiny_run_output_shape_and_clean_teardown(tmp_path: Path) -> None:
     assert local["peak_device_kib"] > 0 and local["pswpout"] > 0 and local["pswpin"] > 0
     assert floor["device"] is None and floor["peak_device_kib"] is None
     # --trace: the duvm daemon traced every request; every page on the device was written
-    traced = _load_script("nbd_trace").load(tmp_path / "duvm-local-0.trace")
+    traced = benchmark("nbd_trace").load(tmp_path / "duvm-local-0.trace")
     written = sum(n for _, _, cmd, _, n, err in traced if cmd == "write" and not err)
     assert written >= local["peak_device_kib"] * 1024
     assert any(cmd == "read" for _, _, cmd, *_ in traced)
@@ -177,25 +176,8 @@ def test_interrupt_mid_workload_tears_down(tmp_path: Path) -> None:
     _assert_nothing_left(before, doc["runs"])
 
 
-def _load_script(name: str = "bench_swap") -> ModuleType:
-    """A script of benchmarks/ (bench_swap by default) as a module."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    sys.path.insert(0, str(SCRIPT.parent))  # as when run: its helpers sit next to it
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        del sys.modules[spec.name]
-        sys.path.remove(str(SCRIPT.parent))
-    return mod
-
-
-def test_verdict_warns_when_the_hypervisor_stole_cpu() -> None:
-    bs = _load_script()
+def test_verdict_warns_when_the_hypervisor_stole_cpu(benchmark) -> None:
+    bs = benchmark("bench_swap")
     assert bs.steal_percent((10, 1000), (60, 2000)) == 5.0
     assert bs.steal_percent((10, 1000), (10, 1000)) is None  # no time passed: unknown, not 0
     quiet = {"duvm-3": {"wall_s_vs_nbdkit": 1.1, "steal_pct": 0.4},

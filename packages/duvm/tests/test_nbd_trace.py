@@ -4,7 +4,6 @@ refuses files that are not traces)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -12,20 +11,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 PY = [sys.executable, "-m", "duvm.cli"]
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "nbd_trace.py"
-
-
-def _summariser() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("nbd_trace", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _daemon(sock: str, *extra: str) -> subprocess.Popen:
@@ -37,7 +27,7 @@ def _daemon(sock: str, *extra: str) -> subprocess.Popen:
     return p
 
 
-def test_trace_has_each_request_as_the_client_sent_it(tmp_path: Path) -> None:
+def test_trace_has_each_request_as_the_client_sent_it(tmp_path: Path, benchmark) -> None:
     if shutil.which("qemu-io") is None:
         pytest.skip("qemu-io is not installed (CI installs qemu-utils: see .ci/run)")
     trace = tmp_path / "d.trace"
@@ -59,7 +49,7 @@ def test_trace_has_each_request_as_the_client_sent_it(tmp_path: Path) -> None:
             for f in (p.stdout, p.stderr):
                 if f:
                     f.close()
-    nt = _summariser()
+    nt = benchmark("nbd_trace")
     rows = nt.load(trace)
     got = [(cmd, off, n, err) for _, _, cmd, off, n, err in rows]
     want = [("write", 65536, 65536, 0), ("read", 65536, 32768, 0), ("read", 98304, 32768, 0),
@@ -88,8 +78,8 @@ def test_an_unwritable_trace_path_stops_the_daemon_before_it_serves(tmp_path: Pa
 
 
 def test_summariser_refuses_what_is_not_a_trace_and_skips_a_cut_last_line(
-        tmp_path: Path) -> None:
-    nt = _summariser()
+        tmp_path: Path, benchmark) -> None:
+    nt = benchmark("nbd_trace")
     other = tmp_path / "other.txt"
     other.write_text("hello\n")
     with pytest.raises(nt.TraceError, match="not a duvm NBD trace"):
