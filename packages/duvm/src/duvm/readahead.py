@@ -38,12 +38,15 @@ Theory of operation:
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from duvm.storage import DATA, EMPTY, LOST, Done
 
 if TYPE_CHECKING:
     from duvm.remote_store import RemoteStore
+
+log = logging.getLogger(__name__)
 
 WINDOW_PAGES = 64  # 256 KiB per LOAD: 8 of the kernel's 32 KiB swap-in reads
 
@@ -157,8 +160,11 @@ class Readahead:
         if self._scheduled != first:
             return  # cleared meanwhile
         self._scheduled = None
-        if not any(w.first == first for w in self.windows):
-            self._fetch(first)
+        try:  # the read that called for it is answered: only the fetch is lost
+            if not any(w.first == first for w in self.windows):
+                self._fetch(first)
+        except Exception:
+            log.exception("fetching ahead failed; reading on without it")
 
     def _fetch(self, first: int) -> None:
         store = self.store
