@@ -375,6 +375,12 @@ class MemClient:
         return self._proto is not None and self.hello is not None
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop of its connection (set by `connect`); cached because
+        `asyncio.get_running_loop()` costs a getpid() system call on Python 3.11."""
+        return self._loop
+
+    @property
     def circuit_open(self) -> bool:
         """True while the breaker refuses to try connecting (backoff after failures)."""
         return not self.connected and time.monotonic() < self._breaker_until

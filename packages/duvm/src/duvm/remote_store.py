@@ -567,8 +567,7 @@ class RemoteStore(BlockStore):
                 # copies the pages, instead of after it answered: for 512 KiB that is about
                 # 40% of the daemon's work per write taken off the write's latency. Should the
                 # acknowledgement come first, `stored` computes them itself (D29).
-                asyncio.get_running_loop().call_soon(
-                    lambda: crcs.append(page_crcs(data, count)))  # fmt: skip
+                c.loop.call_soon(lambda: crcs.append(page_crcs(data, count)))
             return True
         inflight[slab] -= 1
         return False
