@@ -677,7 +677,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, metavar="FILE", help="write every run and the medians")
     ap.add_argument("--trace", type=Path, metavar="DIR",
                     help="duvm daemons write a request trace per run to DIR/TARGET-REP.trace "
-                    "(summarise with benchmarks/nbd_trace.py; costs about 1 us per request)")
+                    "(summarise with benchmarks/nbd_trace.py; costs about 1.5 us per request)")
     ap.add_argument("--markdown", type=Path, metavar="FILE", help="write the table")
     args = ap.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]

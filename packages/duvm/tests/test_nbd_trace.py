@@ -23,7 +23,7 @@ def _daemon(sock: str, *extra: str) -> subprocess.Popen:
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout is not None
     line = p.stdout.readline()
-    assert "serving" in line, line + p.stderr.read() if p.stderr else ""
+    assert "serving" in line, line + (p.stderr.read() if p.stderr else "")
     return p
 
 

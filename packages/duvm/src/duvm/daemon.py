@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", metavar="FILE",
                         help="write one line per NBD request (arrival and reply times, "
                         "command, offset, length, errno) to FILE, for finding where time goes "
-                        "(benchmarks/nbd_trace.py summarises it; about 1 µs per request)")
+                        "(benchmarks/nbd_trace.py summarises it; about 1.5 µs per request)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log connections and errors")
     auth.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
 

@@ -12,7 +12,7 @@ ARRIVAL_NS is when the daemon decoded the request, DONE_NS when its reply was qu
 from `time.perf_counter_ns` (CLOCK_MONOTONIC); COMMAND is read, write, flush, trim or
 write_zeroes; ERRNO is 0 for success. Lines go through a 1 MiB buffer, written out when it
 fills and when the daemon stops: a daemon killed by SIGKILL loses the last buffer. Writing a
-line costs about a microsecond of the daemon's CPU per request.
+line costs about 1.5 µs of the daemon's CPU per request (timeit, development VM).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ class RequestTrace:
     """An open trace file (see the module docstring)."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
         self._f: IO[str] = open(path, "w", buffering=1 << 20)  # noqa: SIM115 (closed by close())
         self._f.write(f"# {FORMAT}: arrival_ns done_ns command offset length errno\n")
 

@@ -72,7 +72,7 @@ class Readahead:
         self.windows: list[_Window] = []
         self.next_page = -1  # where a sequential reader's next read starts
         self._scheduled: int | None = None  # first page of a fetch due after this reply
-        self._loop: asyncio.AbstractEventLoop | None = None  # cached: a getpid() on 3.11
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = store.stats  # ra_loads, ra_hits, ra_dropped are counted there
 
     def hit(self, first: int, count: int, out: memoryview, done: Done, tag: object) -> bool:
@@ -134,7 +134,6 @@ class Readahead:
         elsewhere) are forgotten."""
         if self._scheduled is not None:
             return  # a fetch is already due
-
         wp = self.window_pages
         ws = [w for w in self.windows if end - wp < w.first + w.count and w.first <= end + wp]
         if ws:
@@ -151,7 +150,7 @@ class Readahead:
         if not later:
             self._fetch(start)
             return
-        if self._loop is None:
+        if self._loop is None:  # cached: get_running_loop() is a getpid() on Python 3.11
             self._loop = asyncio.get_running_loop()
         self._scheduled = start
         self._loop.call_soon(self._fetch_due, start)
