@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-FORMAT = "duvm-nbd-trace 1"
+from duvm.nbdtrace import FORMAT
 
 
 class TraceError(Exception):

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from typing import IO
 
-FORMAT = "duvm-nbd-trace 1"
-COMMANDS = {0: "read", 1: "write", 3: "flush", 4: "trim", 6: "write_zeroes"}
+from duvm.nbdconst import CMD_NAMES
+
+FORMAT = "duvm-nbd-trace 1"  # the first line of a trace starts with "# " and this
+COMMANDS = {cmd: name.lower() for cmd, name in CMD_NAMES.items()}
 
 
 class RequestTrace:
