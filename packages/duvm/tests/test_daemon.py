@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from duvm.memclient import MemClient, query_status
@@ -68,11 +69,11 @@ class Procs:
         return p, int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
 
     def daemon(self, ports: list[int], size: str, client_id: str, name: str = "d",
-               replicas: int = 1) -> tuple[subprocess.Popen, str]:
+               replicas: int = 1, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
         sock = os.path.join(self.dir, f"{name}.sock")
         p = self.start([*PY, "daemon", "--peers", ",".join(f"127.0.0.1:{x}" for x in ports),
                         "--size", size, "--socket", sock, "--client-id", client_id,
-                        "--replicas", str(replicas)])
+                        "--replicas", str(replicas), *extra])
         wait_line(p, "serving")
         return p, sock
 
@@ -152,6 +153,60 @@ def test_pages_live_on_the_memserver_and_trim_frees_them(procs):
     ns = namespace(port, "test-trim")
     assert ns is None or (ns["reserved_pages"], ns["stored_pages"]) == (0, 0)
     assert status(port)["used_pages"] == 0 and status(port)["reserved_pages"] == 0
+
+
+PF_MEMALLOC_NOIO = 0x00080000  # include/linux/sched.h: what PR_SET_IO_FLUSHER sets
+
+
+def _task_facts(pid: int) -> list[tuple[int, int]]:
+    """(scheduling policy, task flags) of each thread of `pid`."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        out.append((int(stat[41 - 3]), int(stat[9 - 3])))  # fields 41 (policy) and 9 (flags)
+    return out
+
+
+def test_the_daemon_protects_itself_against_memory_pressure_by_default(procs):
+    """Catches a daemon that runs at the normal scheduling class, unlocked or without the I/O
+    flusher flag by default: under real memory pressure such a daemon faulted in reclaim that
+    waited on its own swap writes, and the QEMU guest hung or panicked."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (SCHED_RR, mlockall, PR_SET_IO_FLUSHER)")
+    # what this machine permits even root (a sandbox may deny CAP_SYS_RESOURCE): those the
+    # daemon cannot take it must name in a warning
+    probe = subprocess.run([sys.executable, "-c", "import json; from duvm import pressure; "
+                            "print(json.dumps(pressure.probe()))"], capture_output=True,
+                           text=True, check=True)
+    allowed = {k: v is None for k, v in json.loads(probe.stdout).items()}
+    if not allowed["realtime"] or not allowed["mlock"]:
+        pytest.skip(f"this machine refuses SCHED_RR or mlockall even to root: {probe.stdout}")
+    _, port = procs.memserver("16M")
+    d, sock = procs.daemon([port], "8M", "test-protect")
+    threads = _task_facts(d.pid)
+    assert len(threads) >= 2  # the event loop and the log writer (duvm.quietlog)
+    assert all(policy == os.SCHED_RR for policy, _ in threads), threads
+    assert all(bool(flags & PF_MEMALLOC_NOIO) == allowed["io-flusher"]
+               for _, flags in threads), threads
+    assert os.sched_getparam(d.pid).sched_priority == 1
+    status = Path(f"/proc/{d.pid}/status").read_text()
+    locked_kb = int(next(ln for ln in status.splitlines() if ln.startswith("VmLck:")).split()[1])
+    assert locked_kb > 1024
+    adj = Path(f"/proc/{d.pid}/oom_score_adj").read_text().strip()
+    assert adj == ("-900" if allowed["oom-score"] else "0")
+    p = qemu_io(sock, "write -P 0x3c 0 65536", "read -P 0x3c 0 65536")
+    assert p.returncode == 0 and "verification failed" not in p.stdout, p.stdout
+    assert procs.stop(d) == 0
+    err = d.stderr.read()
+    assert ("PR_SET_IO_FLUSHER" in err) != allowed["io-flusher"], err
+    assert ("oom_score_adj" in err) != allowed["oom-score"], err
+    assert "SCHED_RR" not in err, err
+
+    # the documented opt-out: the normal class, every other protection kept
+    d, _ = procs.daemon([port], "8M", "test-protect-2", name="d2", extra=("--no-realtime",))
+    threads = _task_facts(d.pid)
+    assert all(policy == os.SCHED_OTHER for policy, _ in threads), threads
+    assert procs.stop(d) == 0
 
 
 def test_nbdinfo_sees_the_daemon_export(procs):

@@ -5,8 +5,10 @@ Theory of operation: the daemon reserves the whole export's capacity on the mems
 nowhere to go. It serves the store with `NBDServer` on a Unix socket (and optionally TCP on
 loopback). It locks itself in RAM and lowers its OOM score where permitted, since it sits on
 the swap path: if it were swapped out or killed, the pages it holds for the kernel would be
-out of reach. SIGTERM/SIGINT stop it cleanly: stop accepting, let in-flight requests finish
-and reply, then release the reservations on every memserver.
+out of reach. It also runs realtime and as an I/O flusher, and logs from a writer thread, so
+memory pressure cannot stall it (`duvm.pressure`, `duvm.quietlog`). SIGTERM/SIGINT stop it
+cleanly: stop accepting, let in-flight requests finish and reply, then release the
+reservations on every memserver.
 
 `--memory` serves a local in-RAM store instead of memservers: the single-hop baseline of the
 benchmarks and a way to try NBD clients without a pool.
@@ -16,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -25,7 +25,7 @@ import socket
 import sys
 from pathlib import Path
 
-from duvm import auth, memclient
+from duvm import auth, memclient, pressure, quietlog
 from duvm.nbdtrace import RequestTrace
 from duvm.placement import default_replicas
 from duvm.storage import StorageError
@@ -34,8 +34,6 @@ from duvm.units import is_loopback, parse_hostport, parse_listen, parse_size
 log = logging.getLogger("duvm.daemon")
 
 PAGE_SIZE = 4096
-_MCL_CURRENT, _MCL_FUTURE, _MCL_ONFAULT = 1, 2, 4
-OOM_SCORE_ADJ = -900  # far down the OOM killer's list, yet not immune (-1000)
 
 
 class DaemonError(Exception):
@@ -79,10 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="take over from a daemon that died, from --state-dir: same "
                         "namespaces on the memservers, same pages (kernel nbd then "
                         "reconnects its live device; see `duvm enable --resume`)")
-    parser.add_argument("--realtime", action="store_true",
-                        help="run at SCHED_RR priority 1: the kernel then lets the daemon's "
-                        "allocations dip a quarter below the min watermark (experimental; see "
-                        "docs/KERNEL_NBD_QEMU.md)")
+    parser.add_argument("--no-realtime", dest="realtime", action="store_false",
+                        help="run at the normal scheduling class instead of SCHED_RR priority "
+                        "1 (the default, which lets the daemon's allocations dip below the min "
+                        "watermark so memory pressure cannot stall the swap path; see "
+                        "docs/ARCHITECTURE.md)")
+    parser.add_argument("--realtime", dest="realtime", action="store_true",
+                        help=argparse.SUPPRESS)  # the default since 0.x; kept for old configs
     parser.add_argument("--trace", metavar="FILE",
                         help="write one line per NBD request (arrival and reply times, "
                         "command, offset, length, errno) to FILE, for finding where time goes "
@@ -97,8 +98,23 @@ def _fail(msg: str, code: int = 1) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="duvm daemon: %(levelname)s %(message)s")
+    # Protections first, so the threads started below (the log writer) inherit the scheduling
+    # class and every page touched from here on is locked.
+    if not args.memory:
+        pressure.protect("duvm daemon", realtime=args.realtime, mlock=not args.no_mlock)
+        if args.heap_reserve > 0 and not args.no_mlock:
+            pressure.reserve_heap(args.heap_reserve << 20)
+    else:
+        pressure.lower_oom_score()
+    logger = quietlog.start_background(logging.INFO if args.verbose else logging.WARNING,
+                                       "duvm daemon: %(levelname)s %(message)s")
+    try:
+        return _run(args)
+    finally:
+        logger.stop()
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         size = parse_size(args.size)
         if size <= 0 or size % PAGE_SIZE:
@@ -128,16 +144,6 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas == 1 and not args.memory:
         log.warning("--replicas 1: a memserver that dies or restarts takes its pages with it "
                     "(the programs that own them get I/O errors); use 2 or more peers")
-    if not args.no_mlock and not args.memory and lock_in_memory():
-        if args.heap_reserve > 0:
-            reserve_heap(args.heap_reserve << 20)
-        become_io_flusher()
-    if args.realtime:
-        try:
-            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
-        except OSError as e:
-            log.warning("cannot run at SCHED_RR: %s", e.strerror or e)
-    lower_oom_score()
     client_id = args.client_id or f"{socket.gethostname()}:{os.path.abspath(args.socket)}"
     try:
         return _run_loop(_serve(args, size, peers, tcp, client_id))
@@ -257,62 +263,3 @@ async def _serve_store(args: argparse.Namespace, size: int, peers: list[tuple[st
         if getattr(args, "persisted", None) is not None:
             args.persisted.discard()  # released: nothing is left to resume
     return 0
-
-
-def lock_in_memory() -> bool:
-    """mlockall so the daemon on the swap path is never swapped out itself. Warns when denied."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    for flags in (_MCL_CURRENT | _MCL_FUTURE | _MCL_ONFAULT, _MCL_CURRENT | _MCL_FUTURE):
-        if libc.mlockall(flags) == 0:
-            return True
-    err = ctypes.get_errno()
-    log.warning("cannot lock the daemon in RAM (mlockall: %s); it may be swapped out under "
-                "pressure. Run as root or raise RLIMIT_MEMLOCK.", os.strerror(err))
-    return False
-
-
-def reserve_heap(nbytes: int) -> None:
-    """Fault in `nbytes` of malloc heap now and keep it, so request buffers later come from
-    resident, locked pages instead of page faults.
-
-    Why: under global memory pressure a page fault enters direct reclaim, which writes swap
-    and waits for the very requests the daemon would answer: the guest under QEMU froze with
-    the daemon in exactly that stack (do_user_addr_fault -> try_to_free_pages ->
-    __swap_writepage -> mempool_alloc). glibc is told to keep freed memory in its one heap
-    (no per-thread arenas, no mmap for large blocks below 32 MiB, no trimming)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8
-    for opt, value in ((m_arena_max, 1), (m_mmap_threshold, 32 << 20),
-                       (m_trim_threshold, 2**31 - 1), (m_top_pad, 1 << 20)):
-        if not libc.mallopt(opt, value):
-            log.warning("mallopt(%d) refused; heap reserve skipped", opt)
-            return
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    chunk, blocks = 4 << 20, []
-    for _ in range(nbytes // chunk):
-        p = libc.malloc(chunk)
-        if not p:
-            break
-        ctypes.memset(p, 1, chunk)  # touch: resident now, and locked (mlockall)
-        blocks.append(p)
-    for p in blocks:
-        libc.free(p)  # back to the heap, which keeps it
-
-
-def become_io_flusher() -> bool:
-    """PR_SET_IO_FLUSHER: the kernel treats this process as part of the I/O path, so its own
-    allocations never wait on swap writes (reclaim skips I/O for it)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    pr_set_io_flusher = 57
-    return libc.prctl(pr_set_io_flusher, 1, 0, 0, 0) == 0
-
-
-def lower_oom_score() -> bool:
-    """Ask the OOM killer to pick others first; silently skipped where not permitted."""
-    try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write(str(OOM_SCORE_ADJ))
-        return True
-    except OSError:
-        return False

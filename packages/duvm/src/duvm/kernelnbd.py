@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import fcntl
 import os
 import socket
@@ -272,18 +271,11 @@ def disconnect(device: str) -> None:
 
 
 def _protect_self() -> None:
-    """Stay in RAM and out of the OOM killer's way: our death would fail every swap read."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/oom_score_adj").write_text("-1000")
-    libc = ctypes.CDLL(None, use_errno=True)
-    # MCL_ONFAULT locks pages as they are touched instead of every mapped page of the
-    # interpreter (about 20 MiB), which in a small guest pushed the OOM killer onto a memserver.
-    mcl_current, mcl_future, mcl_onfault = 1, 2, 4
-    for flags in (mcl_current | mcl_future | mcl_onfault, mcl_current | mcl_future):
-        if libc.mlockall(flags) == 0:
-            return
-    print(f"duvm nbd holder: mlockall failed: {os.strerror(ctypes.get_errno())}",
-          file=sys.stderr)
+    """Stay in RAM, realtime and out of the OOM killer's way: our death would fail every swap
+    read (`duvm.pressure`)."""
+    from duvm import pressure
+
+    pressure.protect("duvm nbd holder", oom_adj=-1000)
 
 
 def hold(device: str, socket_path: str, timeout_s: int, export_name: str = "") -> int:

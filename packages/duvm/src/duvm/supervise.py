@@ -10,9 +10,9 @@ saved state, handed the live device with ``NBD_CMD_RECONFIGURE``. The kernel hol
 device's requests for the dead-connection timeout (60 s), so a resume that succeeds within it
 loses nothing; failed tries are repeated with backoff inside that time.
 
-- It runs locked in RAM (mlockall), as an I/O flusher and last in the OOM killer's list,
-  like the daemon: a supervisor whose pages were swapped out to the device it watches could
-  not run once that device's server is dead.
+- It runs locked in RAM (mlockall), realtime, as an I/O flusher and last in the OOM killer's
+  list, like the daemon (`duvm.pressure`): a supervisor whose pages were swapped out to the
+  device it watches could not run once that device's server is dead.
 - Only a crash is resumed: `duvm disable` stops the supervisor (SIGTERM) before it stops the
   daemon. SIGTERM is only noted: a resume under way finishes first, so the device is never
   left without a server because the supervisor was told to stop half-way through.
@@ -248,12 +248,12 @@ def add_arguments(parser: Any) -> None:
 
 def run(args: Any) -> int:
     """`duvm supervise` (started by `duvm enable`; rarely run by hand)."""
-    from duvm import daemon
+    from duvm import pressure
 
     attach.require_root()
     # Like the daemon: a supervisor whose own pages were swapped to the device it watches
-    # could not run once that device's server is dead.
-    daemon.lock_in_memory()
-    daemon.become_io_flusher()
-    daemon.lower_oom_score()
+    # could not run once that device's server is dead. The daemon it starts inherits the
+    # realtime class and the I/O flusher flag from its first instruction on, so even its
+    # start-up is served under memory pressure.
+    pressure.protect("duvm supervise")
     return watch(args.state_dir)
