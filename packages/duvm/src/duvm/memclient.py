@@ -361,6 +361,7 @@ class MemClient:
         self.on_namespace_lost: Callable[[MemClient], None] | None = None
         # circuit breaker and stall detection
         self.failures = 0  # consecutive failed connects/aborts; 0 once a HELLO succeeds
+        self._retry_logged = False  # "retrying" said since the last successful HELLO
         self.down_since: float | None = None  # monotonic time of the first of those failures
         self.lease_s: float | None = None  # the memserver's namespace lease (from HELLO)
         self.breaker_trips = 0  # times the breaker opened (status)
@@ -474,6 +475,7 @@ class MemClient:
                 self.on_namespace_lost(self)
             await self._request(pp.Reserve(0, self._reserved))
         self.failures = 0
+        self._retry_logged = False
         self._breaker_until = 0.0
         self.down_since = None
         self.lease_s = reply.lease_ms / 1000
@@ -644,7 +646,10 @@ class MemClient:
             except MemserverUnreachable:
                 if not self.retries:
                     raise
-                log.warning("retrying request to memserver %s after reconnecting", self.peer)
+                if not self._retry_logged:  # once per lost connection, not per request
+                    self._retry_logged = True
+                    log.warning("memserver %s: connection lost; reconnecting and retrying its "
+                                "requests", self.peer)
         for attempt in range(self.retries + 1):
             await self._ensure_connected()
             try:

@@ -63,6 +63,7 @@ from crc32c import crc32c as _crc32
 from duvm.memclient import MemClient, MemserverUnreachable, PageServerError
 from duvm.pageproto import MAX_BATCH, ErrorCode
 from duvm.placement import normalize_peers, place
+from duvm.quietlog import QuietLog
 from duvm.readahead import Readahead
 from duvm.storage import (
     DATA,
@@ -78,6 +79,7 @@ from duvm.storage import (
 log = logging.getLogger(__name__)
 
 DEFAULT_SLAB_PAGES = 256  # 1 MiB slabs: fine-grained placement, big enough for batched I/O
+DEFAULT_SUMMARY_EVERY = 30.0  # seconds between failover summaries in the log
 DEFAULT_OP_TIMEOUT = 5.0  # seconds without progress before a memserver connection is dropped
 # When no replica of a slab can be reached, requests wait this long for one to come back
 # (a restart, a flapping link) before failing: for swap, a stall beats an I/O error.
@@ -203,6 +205,9 @@ class RemoteStore(BlockStore):
                       "unreachable_waits": 0, "ra_loads": 0, "ra_hits": 0,
                       "ra_dropped": 0}  # fmt: skip
         self.readahead = Readahead(self)
+        self.events = QuietLog(log)  # failover messages: one line per kind, then counts
+        self.summary_every = DEFAULT_SUMMARY_EVERY
+        self._was_degraded = False
         # replicated writes in flight, (first page, pages, bytes): a racing read may see them
         self._pending_writes: list[tuple[int, int, memoryview]] = []
 
@@ -344,9 +349,13 @@ class RemoteStore(BlockStore):
         write happens to notice it."""
         period = max(0.05, self.op_timeout / 4)
         probes = self._probes
+        next_summary = time.monotonic() + self.summary_every
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            if now >= next_summary:
+                next_summary = now + self.summary_every
+                self.log_summary()
             for i, c in enumerate(self.clients):
                 stalled = c.stalled_for(now)
                 if stalled > self.op_timeout:
@@ -362,6 +371,20 @@ class RemoteStore(BlockStore):
                     t = asyncio.ensure_future(c.probe())
                     probes.add(t)
                     t.add_done_callback(probes.discard)
+
+    def log_summary(self) -> None:
+        """The counted repeats since the last summary, and one line while degraded or lost."""
+        self.events.flush()
+        degraded = sum(1 for m in self.sets if len(m) < self.replicas)
+        lost = self._state.count(LOST)
+        if degraded or lost:
+            self._was_degraded = True
+            log.warning("degraded: %d of %d slabs below %d replicas, %d repairing, %d pages "
+                        "lost (reads of them fail with EIO)", degraded, self.nslabs,
+                        self.replicas, len(self.repairs), lost)  # fmt: skip
+        elif self._was_degraded:
+            self._was_degraded = False
+            log.warning("every slab has %d replicas again", self.replicas)
 
     # --- replica bookkeeping ---
 
@@ -382,8 +405,12 @@ class RemoteStore(BlockStore):
         # would be refused (NO_SPACE) by a memserver still holding the dropped pages.
         self.stale.add((peer, slab))
         self.stats["replicas_dropped"] += 1
-        log.warning("slab %d: dropped replica on %s (%s); %d of %d replicas left", slab,
-                    self.clients[peer].peer, why, len(members) - 1, self.replicas)  # fmt: skip
+        # one line per memserver; repeats are counted (a lost memserver drops a copy of every
+        # slab it held, each with its own wording of the failure) and summed up by the
+        # watchdog's flush
+        self.events.event(("dropped", peer), logging.WARNING,
+                          "dropping copies on %s (%s): slab %d now has %d of %d replicas",
+                          self.clients[peer].peer, why, slab, len(members) - 1, self.replicas)
         if self.repairer is not None:
             self.repairer.wake()
         return True
@@ -399,9 +426,11 @@ class RemoteStore(BlockStore):
         self._mark_lost(first, n)
         for i in self.sets[slab]:
             self.assigned[i] -= n
-        log.error("slab %d: every replica is gone (%s); its written pages are lost, new "
-                  "writes go to %s", slab, ", ".join(c.peer for c in self._slab_clients[slab]),
-                  self.clients[target].peer)  # fmt: skip
+        gone = ", ".join(c.peer for c in self._slab_clients[slab])
+        self.events.event(("lost", gone), logging.ERROR,
+                          "slab %d: every replica is gone (%s); its written pages are lost "
+                          "(reads fail with EIO), new writes go to %s", slab, gone,
+                          self.clients[target].peer)  # fmt: skip
         self._set_replicas(slab, [target])
 
     def _mark_lost(self, first: int, count: int) -> None:

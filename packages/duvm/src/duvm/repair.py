@@ -246,7 +246,8 @@ class Repairer:
             self._avoid[target] = time.monotonic() + AVOID_S
             self.stats["repair_failures"] += 1
             self.last_error = f"slab {slab} to {client.peer}: {e}"
-            log.warning("repair of slab %d to %s failed: %s", slab, client.peer, e)
+            s.events.event(("repair failed", target), logging.WARNING,
+                           "repair of slab %d to %s failed: %s", slab, client.peer, e)
             return False
         finally:
             del s.repairs[slab]
