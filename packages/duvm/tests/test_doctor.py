@@ -193,7 +193,7 @@ def test_off_loopback_peers_need_a_secret_like_the_daemon_says() -> None:
     security, c = doctor.check_peer_auth(doctor.Options(peers=["10.0.0.2:7070"]))
     assert security is None and (c.status, c.required) == (doctor.FAIL, True)
     assert "--secret-file or --tls-ca" in c.detail and "duvm secret generate" in (c.fix or "")
-    opts = doctor.Options(peers=["10.0.0.2:7070"], daemon_security_args=["--insecure"])
+    opts = doctor.Options(peers=["10.0.0.2:7070"], daemon_args=["--insecure"])
     _, c = doctor.check_peer_auth(opts)
     assert c.status == doctor.WARN and "unauthenticated" in c.detail
 
@@ -424,3 +424,40 @@ def test_doctor_finds_tools_where_enable_does_not_on_path(tmp_path: Path) -> Non
     assert checks["fuse-loop"]["status"] == "ok"
     assert checks["block-device"]["status"] == "ok"
     assert checks["swap-tools"]["status"] == "ok"
+
+
+def test_rt_throttling_off_is_a_warning_and_the_kernel_default_is_ok(tmp_path: Path) -> None:
+    runtime, period = tmp_path / "sched_rt_runtime_us", tmp_path / "sched_rt_period_us"
+    period.write_text("1000000\n")
+    runtime.write_text("950000\n")
+    probe = doctor.Probe(rt_runtime=runtime, rt_period=period)
+    c = doctor.check_rt_throttle(probe)
+    assert c.status == doctor.OK and "at most 95 % of each CPU" in c.detail
+    runtime.write_text("-1\n")
+    c = doctor.check_rt_throttle(probe)
+    assert (c.status, c.required) == (doctor.WARN, False)
+    assert "sched_rt_runtime_us=950000" in (c.fix or "")
+    runtime.unlink()
+    assert doctor.check_rt_throttle(probe).status == doctor.SKIP  # unreadable, not a crash
+
+
+@needs_root
+def test_swap_path_protection_reports_what_the_daemon_would_be_refused() -> None:
+    """Catches a doctor that says ready while the daemon would run without its memory-pressure
+    protections (the node can then hang on its own swap device)."""
+    probe = subprocess.run([PY, "-c", "import json; from duvm import pressure; "
+                            "print(json.dumps(pressure.probe()))"], capture_output=True,
+                           text=True, check=True, timeout=60)
+    refused = {k for k, v in json.loads(probe.stdout).items() if v}
+    c = doctor.check_swap_path([])
+    assert c.required is False
+    if not refused:
+        assert c.status == doctor.OK and "run realtime (SCHED_RR)" in c.detail
+    else:  # a sandbox may refuse even root some of them: each is named, with a fix
+        assert c.status == doctor.WARN and c.fix
+        for name, word in (("io-flusher", "PR_SET_IO_FLUSHER"), ("oom-score", "oom_score_adj"),
+                           ("realtime", "SCHED_RR"), ("mlock", "mlockall")):
+            assert (word in c.detail) == (name in refused), (name, c.detail)
+    off = doctor.check_swap_path(["--verbose", "--no-realtime"])
+    assert off.status == doctor.WARN and "--no-realtime" in off.detail
+    assert "remove --no-realtime from daemon_args" in (off.fix or "")

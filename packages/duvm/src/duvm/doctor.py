@@ -12,7 +12,9 @@ raises anyway, no uvloop) keep exit 0. ``--json`` prints the same list as data.
 What is checked is what `duvm enable` will need, found the way enable finds it: system tools
 in the fixed sbin/bin directories `duvm.attach` uses (never $PATH, so a doctor verdict cannot
 differ from enable's), the kernel nbd device or the nbdfuse + FUSE + loop fallback for the
-configured method, the swap tools, a memory cgroup, the network reserve, the cluster secret
+configured method, the swap tools, a memory cgroup, the network reserve, the protections the
+daemon takes against memory pressure (tried in a throwaway child) and the RT throttling that
+bounds its realtime class, the cluster secret
 file (root-owned, no group/other access, lines that are secrets), how the daemon will
 authenticate to its peers (decided by the daemon's own rule, `auth.client_security_from_args`,
 over the security flags in the config's ``daemon_args``), and each peer: a TCP connect with a
@@ -40,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duvm import attach, auth, cgroup, control
+from duvm import attach, auth, cgroup, control, pressure
 from duvm.units import parse_hostport
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -68,6 +70,8 @@ class Probe:
     cgroup_root: Path = cgroup.CGROUP_ROOT
     min_free: Path = attach.MIN_FREE_SYSCTL
     meminfo: Path = Path("/proc/meminfo")
+    rt_runtime: Path = pressure.RT_RUNTIME
+    rt_period: Path = pressure.RT_PERIOD
 
     def tool(self, name: str) -> str | None:
         return attach.find_tool(name, self.tool_dirs)
@@ -81,8 +85,8 @@ class Options:
     config_error: str | None = None
     config_path: Path | None = None
     peer_timeout: float = PEER_TIMEOUT_S
-    # the daemon's security flags (--secret-file, --tls-*, --insecure) from daemon_args
-    daemon_security_args: list[str] = field(default_factory=list)
+    # the config's daemon_args: security flags (--secret-file, --tls-*, --insecure), --no-realtime
+    daemon_args: list[str] = field(default_factory=list)
 
 
 def _verdict(name: str, problem: bool, required: bool, detail: str,
@@ -202,6 +206,58 @@ def check_min_free(probe: Probe) -> Check:
         f"echo 'vm.min_free_kbytes = {want}' > /etc/sysctl.d/90-duvm.conf && sysctl --system")
 
 
+_PROTECTION_FIX = {
+    "mlock": "run duvm enable as root (CAP_IPC_LOCK), or raise the locked-memory limit "
+             "(systemd: LimitMEMLOCK=infinity)",
+    "io-flusher": "run duvm enable as root (CAP_SYS_RESOURCE; PR_SET_IO_FLUSHER needs Linux 5.6)",
+    "realtime": "run duvm enable as root (CAP_SYS_NICE); under a cgroup v1 cpu controller with "
+                "RT group scheduling, give duvm's group cpu.rt_runtime_us; systemd units must "
+                "not set RestrictRealtime=yes",
+    "oom-score": "run duvm enable as root (CAP_SYS_RESOURCE)",
+}
+
+
+def check_swap_path(daemon_args: list[str], python: str = sys.executable) -> Check:
+    """Can the daemon take every protection against memory pressure (`duvm.pressure`)? Tried
+    in a throwaway child process, so this process changes nothing."""
+    code = "import json; from duvm import pressure; print(json.dumps(pressure.probe()))"
+    try:
+        res = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30,
+                             check=False)
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
+        return Check("swap-path-protection", WARN, False, f"could not try them: {exc}")
+    if "--no-realtime" in daemon_args:
+        got["realtime"] = "turned off by --no-realtime in daemon_args"
+    bad = {k: v for k, v in got.items() if v}
+    if not bad:
+        return Check("swap-path-protection", OK, False,
+                     "the daemon can lock itself in RAM, run realtime (SCHED_RR), be an I/O "
+                     "flusher and lower its OOM score")
+    fixes = sorted({"remove --no-realtime from daemon_args" if "--no-realtime" in str(v)
+                    else _PROTECTION_FIX[k] for k, v in bad.items()})
+    return Check("swap-path-protection", WARN, False,
+                 "; ".join(f"{v}" for v in bad.values())
+                 + ": under memory pressure the node can hang on its own swap device",
+                 "; ".join(fixes))
+
+
+def check_rt_throttle(probe: Probe) -> Check:
+    """RT throttling bounds what a realtime daemon can take from the other tasks on a CPU."""
+    got = pressure.rt_throttle(probe.rt_runtime, probe.rt_period)
+    if got is None:
+        return Check("rt-throttling", SKIP, False, "cannot read /proc/sys/kernel/sched_rt_*")
+    runtime, period = got
+    if runtime < 0:
+        return Check("rt-throttling", WARN, False,
+                     "kernel.sched_rt_runtime_us = -1: realtime tasks (the duvm daemon "
+                     "included) may take a whole CPU with nothing left for the others",
+                     "sysctl kernel.sched_rt_runtime_us=950000 (the kernel's default: 95 %)")
+    return Check("rt-throttling", OK, False,
+                 f"realtime tasks get at most {100 * runtime / max(period, 1):.0f} % of each "
+                 f"CPU ({runtime} of {period} µs)")
+
+
 def _tcp(host: str, port: int, timeout: float) -> str | None:
     try:
         socket.create_connection((host, port), timeout=timeout).close()
@@ -217,7 +273,7 @@ def daemon_security(opts: Options) -> argparse.Namespace:
     doctor's --secret-file, when given, stands in for the daemon's."""
     parser = argparse.ArgumentParser(add_help=False)
     auth.add_client_arguments(parser)
-    ns, _ = parser.parse_known_args(opts.daemon_security_args)
+    ns, _ = parser.parse_known_args(opts.daemon_args)
     if opts.secret_file is not None:
         ns.secret_file = str(opts.secret_file)
     return ns
@@ -358,6 +414,8 @@ def run_checks(opts: Options, probe: Probe | None = None) -> list[Check]:
         check_swap_tools(probe),
         check_cgroup(probe),
         check_min_free(probe),
+        check_swap_path(opts.daemon_args),
+        check_rt_throttle(probe),
         check_secret(secret_path(opts)),
         peer_auth[1],
         check_peers(opts.peers, opts.peer_timeout, peer_auth[0]),
@@ -408,7 +466,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         try:
             cfg = control.load_config(args.config)
             opts.peers, opts.method = list(cfg.peers), cfg.method
-            opts.daemon_security_args = list(cfg.daemon_args)
+            opts.daemon_args = list(cfg.daemon_args)
         except (control.ControlError, ValueError) as exc:  # ValueError: bytes that are not UTF-8
             opts.config_error = str(exc) if isinstance(exc, control.ControlError) else \
                 f"config {args.config} cannot be read as text: {exc}"
@@ -422,10 +480,10 @@ def options_from_args(args: argparse.Namespace) -> Options:
         opts.method = args.method
     if opts.config_error is not None:  # still check what the file asks for
         dargs = raw.get("daemon_args", [])
-        opts.daemon_security_args = [str(a) for a in dargs] if isinstance(dargs, list) else []
+        opts.daemon_args = [str(a) for a in dargs] if isinstance(dargs, list) else []
     opts.secret_file = args.secret_file
     if args.insecure:
-        opts.daemon_security_args.append("--insecure")
+        opts.daemon_args.append("--insecure")
     return opts
 
 
