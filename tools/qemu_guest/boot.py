@@ -63,6 +63,8 @@ class GuestRun:
     markers: list[str]  # the init script's own lines on the result port
     console: str
     memservers_after: list[dict[str, Any] | None] = field(default_factory=list)
+    hung: bool = False  # the watchdog saw no page move and no guest progress for stall_s
+    memserver_killed_at: float | None = None  # seconds after QEMU started (kill_memserver_at)
 
     @property
     def guest_exit(self) -> int | None:
@@ -246,6 +248,8 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
               timeout_s: float = 420, workdir: Path | None = None,
               kill_at_pct: int | None = None, network: str = "user",
               sysrq_at: list[float] | None = None, daemon_args: str = "",
+              order: str = "sequential", chunk_kib: int = 1024, passes: int = 1,
+              stall_s: float | None = None, kill_memserver_at: int | None = None,
               cache: Path = build_initramfs.DEFAULT_CACHE) -> GuestRun:
     """Boot the guest once; always cleans up what it started.
 
@@ -254,9 +258,13 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
     QEMU's user network (known to stall, see docs/KERNEL_NBD_QEMU.md). The workload holds
     `workload_mib` MiB, in a memory cgroup of `cgroup_mib` MiB (None: no cgroup, it outgrows
     the guest's RAM). With `kill_at_pct` the guest SIGKILLs the daemon when the workload's
-    fill reaches that percentage and runs `duvm enable --resume`. `python` must import duvm
-    (the project's venv); the guest uses the same
-    path. Raises GuestUnavailable when this host cannot boot it.
+    fill reaches that percentage and runs `duvm enable --resume`. The workload touches its
+    chunks of `chunk_kib` in `order` and verifies `passes` times. With `stall_s` a watchdog
+    ends the run as hung (after SysRq w and m for the console) once the workload has started
+    and neither the guest's swap counters nor its progress lines moved for that long. With
+    `kill_memserver_at` (25, 50 or 75) the last host memserver is SIGKILLed when the
+    workload's fill reaches that percentage. `python` must import duvm (the project's venv);
+    the guest uses the same path. Raises GuestUnavailable when this host cannot boot it.
     """
     if why := problems():
         raise GuestUnavailable("; ".join(why))
@@ -285,35 +293,47 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
                "DUVM_CGROUP_MIB": "" if cgroup_mib is None else str(cgroup_mib),
                "DUVM_KILL_AT_PCT": "" if kill_at_pct is None else str(kill_at_pct),
                "DUVM_CONSOLE_LOGLEVEL": "7" if sysrq_at else "",
-               "DUVM_DAEMON_ARGS": daemon_args,
+               "DUVM_DAEMON_ARGS": daemon_args, "DUVM_ORDER": order,
+               "DUVM_CHUNK_KIB": str(chunk_kib), "DUVM_PASSES": str(passes),
                "DUVM_GUEST_IP": net.guest_ip if net is not None else "10.0.2.15",
                "DUVM_GATEWAY": net.host_ip if net is not None else HOST_FROM_GUEST}
         initrd = build_initramfs.build_initramfs(kernel, env, work / "initramfs.cpio")
         console, results = work / "console.log", work / "results.log"
-        monitor = work / "monitor.sock" if sysrq_at else None
+        monitor = work / "monitor.sock" if sysrq_at or stall_s else None
         cmd = qemu_command(kernel, initrd, mem_mib, console, results, net, monitor)
         t0 = time.monotonic()
         with open(work / "qemu.log", "wb") as qlog:
             qemu = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=qlog,
                                     stderr=subprocess.STDOUT, start_new_session=True,
                                     preexec_fn=_die_with_parent)
-        timed_out = False
-        try:
-            for at in sorted(sysrq_at or []):  # diagnostics of a stalled guest, see --sysrq-at
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    qemu.wait(max(0.0, t0 + at - time.monotonic()))
-                    break  # QEMU already ended
+        watch = Watchdog(console, stall_s, kill_memserver_at)
+        sysrq_due = sorted(sysrq_at or [])
+        killed_at: float | None = None
+        while qemu.poll() is None and time.monotonic() < t0 + timeout_s:
+            time.sleep(1.0)
+            now = time.monotonic()
+            if sysrq_due and now >= t0 + sysrq_due[0]:  # diagnostics, see --sysrq-at
+                sysrq_due.pop(0)
                 assert monitor is not None
                 sysrq(monitor, "wm")
-            rc: int | None = qemu.wait(max(1.0, t0 + timeout_s - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out, rc = True, None
+            watch.poll(now)
+            if watch.kill_due and killed_at is None and servers:
+                servers[-1].proc.kill()  # a memserver lost mid-run: its pages with it
+                killed_at = round(now - t0, 1)
+            if watch.hung:
+                assert monitor is not None
+                sysrq(monitor, "wm")  # the blocked tasks' stacks on the console, then stop
+                time.sleep(3)
+                break
+        rc = qemu.poll()
+        timed_out = rc is None and not watch.hung
         seconds = round(time.monotonic() - t0, 1)
         _kill_group(qemu)
         events, markers = parse_results(_read(results))
         return GuestRun(rc, timed_out, seconds, events, markers,
                         _read(console) + _read(work / "qemu.log"),
-                        [memserver_status(s.port, net, python) for s in servers])
+                        [memserver_status(s.port, net, python) for s in servers],
+                        hung=watch.hung, memserver_killed_at=killed_at)
     finally:
         if qemu is not None:
             _kill_group(qemu)
@@ -323,6 +343,42 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
             net.close()
         if own_tmp:
             shutil.rmtree(work, ignore_errors=True)
+
+
+class Watchdog:
+    """Reads the guest's console as it grows: progress is a change of the monitor thread's swap
+    counters (``out N in M``) or a new line of the guest script; armed once the workload
+    starts. Says when a memserver kill is due (the fill reached `kill_at_pct`)."""
+
+    MONITOR = re.compile(r"duvm-guest: monitor \S+ out (\d+) in (\d+)")
+
+    def __init__(self, console: Path, stall_s: float | None, kill_at_pct: int | None) -> None:
+        self.console = console
+        self.stall_s = stall_s
+        self.kill_mark = (f"duvm-guest: workload fill {kill_at_pct}%"
+                          if kill_at_pct is not None else None)
+        self.armed = False
+        self.hung = False
+        self.kill_due = False
+        self._key: tuple[object, ...] | None = None
+        self._since = 0.0
+
+    def poll(self, now: float) -> None:
+        text = _read(self.console)
+        if self.kill_mark is not None and self.kill_mark in text:
+            self.kill_due = True
+        if not self.armed:
+            self.armed = "duvm-guest: workload fill" in text
+            self._since = now
+            return
+        counters = self.MONITOR.findall(text)
+        lines = sum(1 for ln in text.splitlines()
+                    if ln.startswith("duvm-guest:") and "monitor" not in ln)
+        key = (counters[-1] if counters else None, lines)
+        if key != self._key:
+            self._key, self._since = key, now
+        elif self.stall_s is not None and now - self._since > self.stall_s:
+            self.hung = True
 
 
 def sysrq(monitor: Path, keys: str) -> None:
@@ -401,6 +457,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra `duvm daemon` flags in the guest (space-separated)")
     p.add_argument("--kill-at", type=int, metavar="PCT",
                    help="SIGKILL the daemon at PCT %% of the fill, then `duvm enable --resume`")
+    p.add_argument("--order", choices=("sequential", "random"), default="sequential",
+                   help="the workload's touch order")
+    p.add_argument("--chunk-kib", type=int, default=1024, help="the workload's chunk (KiB)")
+    p.add_argument("--passes", type=int, default=1, help="verification passes")
+    p.add_argument("--stall", type=float, metavar="S",
+                   help="end the run as hung when no page moves for S seconds")
+    p.add_argument("--kill-memserver-at", type=int, choices=(25, 50, 75), metavar="PCT",
+                   help="SIGKILL the last host memserver at PCT %% of the fill (25, 50, 75)")
     p.add_argument("--keep", type=Path, help="keep logs in this folder")
     a = p.parse_args(argv)
     if a.keep:
@@ -411,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
                         capacity=a.capacity, timeout_s=a.timeout,
                         host_memservers=a.host_memservers, kill_at_pct=a.kill_at,
                         network=a.network, sysrq_at=a.sysrq_at, daemon_args=a.daemon_args,
+                        order=a.order, chunk_kib=a.chunk_kib, passes=a.passes,
+                        stall_s=a.stall, kill_memserver_at=a.kill_memserver_at,
                         workdir=a.keep)
     except GuestUnavailable as exc:
         print(f"boot: cannot boot the guest here: {exc}", file=sys.stderr)

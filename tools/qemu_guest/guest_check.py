@@ -220,7 +220,10 @@ def run_workload(mib: int, cgroup_mib: int | None) -> dict[str, Any]:
     With `cgroup_mib` the workload runs in a memory cgroup limited to that many MiB, so only
     it is under memory pressure; without, it is simply bigger than the guest's RAM."""
     t = time.monotonic()
-    cmd = [sys.executable, "-m", "duvm.workload", "--mib", str(mib), "--hold", "--progress"]
+    cmd = [sys.executable, "-m", "duvm.workload", "--mib", str(mib), "--hold", "--progress",
+           "--order", os.environ.get("DUVM_ORDER") or "sequential",
+           "--chunk-kib", os.environ.get("DUVM_CHUNK_KIB") or "1024",
+           "--passes", os.environ.get("DUVM_PASSES") or "1"]
     pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE,
                              "stderr": subprocess.PIPE, "text": True}
     if cgroup_mib is None:

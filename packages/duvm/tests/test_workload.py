@@ -43,6 +43,28 @@ def test_swapped_chunks_are_caught() -> None:
     assert [b["chunk"] for b in workload.verify(view, digests, 3, CHUNK)] == [0, 1]
 
 
+def test_random_order_touches_every_chunk_scattered_and_catches_corruption() -> None:
+    """Catches a random order that skips or repeats chunks (an unverified chunk could hide a
+    bad page) or that is not random at all (the harness would test sequential swap-ins only)."""
+    fill_order = workload.touch_order(64, "random", 5, "fill")
+    verify_order = workload.touch_order(64, "random", 5, "verify1")
+    assert sorted(fill_order) == sorted(verify_order) == list(range(64))
+    assert fill_order != list(range(64)) and fill_order != verify_order
+    assert fill_order == workload.touch_order(64, "random", 5, "fill")  # reproducible
+    assert workload.touch_order(5, "sequential", 5, "fill") == [0, 1, 2, 3, 4]
+    buf = bytearray(16 * CHUNK)
+    view = memoryview(buf)
+    digests = workload.fill(view, 9, CHUNK, order="random")
+    assert digests == workload.fill(memoryview(bytearray(16 * CHUNK)), 9, CHUNK)  # same bytes
+    assert workload.verify(view, digests, 9, CHUNK, order="random") == []
+    buf[5 * CHUNK + 3] ^= 1
+    buf[2 * CHUNK] ^= 1
+    assert workload.verify(view, digests, 9, CHUNK, order="random") == [
+        {"chunk": 2, "offset": 2 * CHUNK}, {"chunk": 5, "offset": 5 * CHUNK + 3}]
+    with pytest.raises(ValueError):
+        workload.touch_order(4, "backwards", 1, "fill")
+
+
 def test_cli_prints_json_and_exits_zero() -> None:
     res = subprocess.run([sys.executable, "-m", "duvm.workload", "--mib", "4", "--chunk-kib",
                           "256", "--passes", "2", "--progress"],

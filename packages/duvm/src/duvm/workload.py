@@ -41,6 +41,7 @@ class Result:
     chunks: int
     seed: int
     passes: int
+    order: str = "sequential"
     bad_chunks: int = 0
     first_bad: list[dict[str, int]] = field(default_factory=list)
     fill_s: float | None = None
@@ -68,50 +69,64 @@ def _progress(enabled: bool, phase: str, done: int, total: int) -> None:
         print(f"progress {phase} {done} {total}", file=sys.stderr, flush=True)
 
 
-def fill(view: memoryview, seed: int, chunk: int, progress: bool = False) -> list[bytes]:
-    """Write every chunk of `view`; return each chunk's digest."""
+def touch_order(chunks: int, order: str, seed: int, phase: str) -> list[int]:
+    """Chunk indices in the order to touch them: ascending, or a permutation drawn from
+    (seed, phase), so fill and each verify pass scatter differently and reproducibly."""
+    idx = list(range(chunks))
+    if order == "random":
+        random.Random(f"duvm-workload-order:{seed}:{phase}").shuffle(idx)
+    elif order != "sequential":
+        raise ValueError(f"order must be 'sequential' or 'random', not {order!r}")
+    return idx
+
+
+def fill(view: memoryview, seed: int, chunk: int, progress: bool = False,
+         order: str = "sequential") -> list[bytes]:
+    """Write every chunk of `view` (in `order`); return each chunk's digest, by index."""
     chunks = len(view) // chunk
     step = max(1, chunks // 100)
-    digests = []
-    for i in range(chunks):
+    digests = [b""] * chunks
+    for n, i in enumerate(touch_order(chunks, order, seed, "fill")):
         data = chunk_bytes(seed, i, chunk)
         view[i * chunk:(i + 1) * chunk] = data
-        digests.append(_digest(data))
-        if i % step == 0:
-            _progress(progress, "fill", i, chunks)
+        digests[i] = _digest(data)
+        if n % step == 0:
+            _progress(progress, "fill", n, chunks)
     _progress(progress, "fill", chunks, chunks)
     return digests
 
 
 def verify(view: memoryview, digests: list[bytes], seed: int, chunk: int,
-           phase: str = "verify", progress: bool = False) -> list[dict[str, int]]:
+           phase: str = "verify", progress: bool = False,
+           order: str = "sequential") -> list[dict[str, int]]:
     """Read every byte back; one {"chunk", "offset"} per chunk that differs (first bad byte)."""
     bad = []
     chunks = len(digests)
     step = max(1, chunks // 100)
-    for i, want in enumerate(digests):
+    for n, i in enumerate(touch_order(chunks, order, seed, phase)):
+        want = digests[i]
         with view[i * chunk:(i + 1) * chunk] as part:
             if _digest(part) != want:
                 expected = chunk_bytes(seed, i, chunk)
                 off = next((k for k in range(chunk) if part[k] != expected[k]), 0)
                 bad.append({"chunk": i, "offset": i * chunk + off})
-        if i % step == 0:
-            _progress(progress, phase, i, chunks)
+        if n % step == 0:
+            _progress(progress, phase, n, chunks)
     _progress(progress, phase, chunks, chunks)
-    return bad
+    return sorted(bad, key=lambda b: b["chunk"])
 
 
 def run(mib: int, chunk_kib: int = 1024, seed: int = 1, passes: int = 1,
-        progress: bool = False, hold: bool = False) -> Result:
+        progress: bool = False, hold: bool = False, order: str = "sequential") -> Result:
     """Fill `mib` MiB, optionally wait for a line on stdin (`hold`), verify `passes` times."""
     size = mib << 20
     chunk = chunk_kib << 10
-    res = Result(mib, chunk, size // chunk, seed, passes)
+    res = Result(mib, chunk, size // chunk, seed, passes, order)
     mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         with memoryview(mem) as view:
             t0 = time.perf_counter()
-            digests = fill(view, seed, chunk, progress)
+            digests = fill(view, seed, chunk, progress, order)
             res.fill_s = round(time.perf_counter() - t0, 3)
             if hold:
                 # a test or the demo looks at the swapped-out state, then lets us go on
@@ -120,7 +135,7 @@ def run(mib: int, chunk_kib: int = 1024, seed: int = 1, passes: int = 1,
             t0 = time.perf_counter()
             bad: dict[int, dict[str, int]] = {}
             for p in range(passes):
-                for b in verify(view, digests, seed, chunk, f"verify{p + 1}", progress):
+                for b in verify(view, digests, seed, chunk, f"verify{p + 1}", progress, order):
                     bad.setdefault(b["chunk"], b)
             res.bad_chunks = len(bad)
             res.first_bad = [bad[k] for k in sorted(bad)][:MAX_REPORTED]
@@ -136,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-kib", type=int, default=1024, help="bytes per digest (KiB)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--passes", type=int, default=1, help="verification passes over all data")
+    p.add_argument("--order", choices=("sequential", "random"), default="sequential",
+                   help="touch chunks in ascending order, or in a shuffled order per pass "
+                   "(scattered swap-ins; pair with a small --chunk-kib)")
     p.add_argument("--progress", action="store_true", help="progress lines on stderr")
     p.add_argument("--hold", action="store_true",
                    help="after filling, print 'filled' on stderr and wait for a line on stdin")
@@ -151,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print("workload: --mib must be a whole number of chunks", file=sys.stderr)
         return EXIT_USAGE
     try:
-        res = run(a.mib, a.chunk_kib, a.seed, a.passes, a.progress, a.hold)
+        res = run(a.mib, a.chunk_kib, a.seed, a.passes, a.progress, a.hold, a.order)
     except (MemoryError, OSError) as exc:
         print(f"workload: cannot hold {a.mib} MiB: {exc}", file=sys.stderr)
         return EXIT_NOMEM

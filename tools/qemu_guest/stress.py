@@ -1,0 +1,193 @@
+"""Memory-pressure stress runs of duvm in QEMU guests: does the node ever hang or panic?
+
+Each run boots the Debian guest (`boot.py`) with memservers on the host, lets the guest run the
+default `duvm enable --config` (no extra daemon flags unless `--daemon-args`), and starts a
+workload that is NOT in a memory cgroup, sized at a percentage of the guest's RAM, touching its
+chunks sequentially or in random order and verifying every byte. With ``kill`` in a run's
+set-up there are two memservers (two copies of each page) and the last one is SIGKILLed when
+the fill reaches half-way. A watchdog ends a run as hung when no page moved (and the guest
+script said nothing) for `--stall` seconds.
+
+Every run ends as one of:
+
+``verified``      the workload finished and every byte was intact, `duvm disable` succeeded
+``oom-killed``    the kernel's OOM killer ended the workload (acceptable past 100 % of RAM);
+                  the guest went on and `duvm disable` succeeded
+``hung``          the watchdog fired (or the run's deadline passed)
+``panicked``      the guest kernel panicked
+``bad-pages``     the workload read back bytes that differ, or swap I/O failed
+``failed``        anything else (enable failed, the workload died otherwise); the reason says
+
+Usage (root; a few minutes per run on a 2-core VM)::
+
+    uv run python tools/qemu_guest/stress.py --out /tmp/stress            # the default matrix
+    uv run python tools/qemu_guest/stress.py --only 384:110:random        # one set-up
+    uv run python tools/qemu_guest/stress.py --daemon-args=--no-realtime  # the old defaults
+
+Results: one JSON line per run in OUT/results.jsonl (with the kernel's messages of interest),
+each run's logs in OUT/RUN/, and a table on stdout. docs/BENCHMARKS.md records the last
+matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import boot  # sibling module; tools/ is not a package
+
+OUTCOMES = ("verified", "oom-killed", "hung", "panicked", "bad-pages", "failed")
+# kernel messages worth keeping with a run's result
+_KERNEL = re.compile(r"(Kernel panic.*|block nbd\d+: .*|Out of memory: Killed process \d+ "
+                     r"\(\S+\)|(?:Read|Write)-error on swap-device.*|I/O error, dev nbd.*)")
+
+
+@dataclass(frozen=True)
+class Setup:
+    mem_mib: int  # guest RAM (QEMU -m)
+    pct: int  # workload size, % of the guest's RAM
+    order: str  # sequential | random
+    kill: bool = False  # two memservers, the last SIGKILLed half-way through the fill
+
+    @property
+    def name(self) -> str:
+        return f"{self.mem_mib}:{self.pct}:{self.order}" + (":kill" if self.kill else "")
+
+    @property
+    def workload_mib(self) -> int:
+        return self.mem_mib * self.pct // 100
+
+    @classmethod
+    def parse(cls, text: str) -> Setup:
+        parts = text.split(":")
+        if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "kill"):
+            raise ValueError(f"a set-up is MEM:PCT:ORDER[:kill], not {text!r}")
+        order = parts[2]
+        if order not in ("sequential", "random"):
+            raise ValueError(f"order must be sequential or random, not {order!r}")
+        return cls(int(parts[0]), int(parts[1]), order, len(parts) == 4)
+
+
+def default_matrix() -> list[Setup]:
+    """22 runs: 256 and 384 MiB guests at 80/95/110 % in both orders, a 1 GiB guest at 95 and
+    110 %, and two memservers with one killed (384 MiB at 80/95 %, 256 MiB at 95 %)."""
+    runs = [Setup(m, p, o) for m in (256, 384) for p in (80, 95, 110)
+            for o in ("sequential", "random")]
+    runs += [Setup(1024, 95, "sequential"), Setup(1024, 110, "random")]
+    runs += [Setup(384, p, o, kill=True) for p in (80, 95) for o in ("sequential", "random")]
+    runs += [Setup(256, 95, o, kill=True) for o in ("sequential", "random")]
+    return runs
+
+
+def classify(run: boot.GuestRun) -> tuple[str, str]:
+    """(outcome, reason) of one guest run; see the module docstring."""
+    console = run.console
+    if "Kernel panic" in console:
+        return "panicked", _first(console, r"Kernel panic[^\n]*")
+    if run.hung:
+        return "hung", "no page moved and the guest said nothing for the watchdog's period"
+    if run.timed_out:
+        return "hung", "the run's deadline passed"
+    work = run.events.get("workload")
+    result = (work or {}).get("result") or {}
+    if result.get("bad_chunks"):
+        return "bad-pages", f"{result['bad_chunks']} chunk(s) differ"
+    if re.search(r"(Read|Write)-error on swap-device|I/O error, dev nbd", console):
+        return "bad-pages", _first(console, r"(?:Read|Write)-error on swap-device[^\n]*"
+                                   r"|I/O error, dev nbd[^\n]*")
+    disabled = run.events.get("disable", {}).get("rc") == 0
+    if work is None:
+        enable = run.events.get("enable", {})
+        if enable.get("rc") not in (0, None):
+            return "failed", f"enable failed: {str(enable.get('stderr', ''))[-300:]}"
+        crash = run.events.get("crash", {}).get("error")
+        return "failed", crash or "the guest ended before the workload did"
+    if work.get("rc") == 0 and result.get("intact"):
+        return ("verified", "") if disabled else ("failed", "verified, but disable failed: "
+                                                  + str(run.events.get("disable"))[-300:])
+    if work.get("rc") == -9 and re.search(r"Out of memory: Killed process \d+ \(python", console):
+        return ("oom-killed", "") if disabled else ("failed", "OOM-killed, then disable failed")
+    return "failed", f"workload exit {work.get('rc')}: {str(result)[-300:]}"
+
+
+def _first(text: str, pattern: str) -> str:
+    m = re.search(pattern, text)
+    return m.group(0)[:300] if m else ""
+
+
+def run_one(setup: Setup, out: Path, *, daemon_args: str, stall_s: float,
+            timeout_s: float) -> dict[str, Any]:
+    """Boot one guest for `setup`; its logs in OUT/NAME-TIME; one result record."""
+    work = out / f"{setup.name.replace(':', '-')}-{time.strftime('%H%M%S')}"
+    work.mkdir(parents=True)
+    swap_mib = max(256, 2 * setup.mem_mib)  # the device holds the whole overflow, twice over
+    started = time.time()
+    run = boot.run_guest(
+        workload_mib=setup.workload_mib, cgroup_mib=None, mem_mib=setup.mem_mib,
+        swap_size=f"{swap_mib}M", capacity=f"{swap_mib}M", host_memservers=True,
+        memservers=2 if setup.kill else 1, kill_memserver_at=50 if setup.kill else None,
+        order=setup.order, chunk_kib=1024 if setup.order == "sequential" else 64,
+        daemon_args=daemon_args, stall_s=stall_s, timeout_s=timeout_s, workdir=work)
+    outcome, reason = classify(run)
+    facts = boot.summary(run)
+    return {"setup": asdict(setup), "name": setup.name, "outcome": outcome, "reason": reason,
+            "daemon_args": daemon_args, "started": time.strftime("%Y-%m-%d %H:%M:%S",
+                                                                 time.gmtime(started)),
+            "seconds": run.seconds, "pages_out": facts["pages_out"],
+            "pages_in": facts["pages_in"], "memserver_killed_at": run.memserver_killed_at,
+            "kernel": sorted(set(_KERNEL.findall(run.console)))[:20], "logs": str(work)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="folder for results and logs")
+    p.add_argument("--only", action="append", metavar="MEM:PCT:ORDER[:kill]",
+                   help="run only these set-ups (repeatable), e.g. 384:110:random:kill")
+    p.add_argument("--repeat", type=int, default=1, help="run the whole list N times")
+    p.add_argument("--daemon-args", default="", metavar="ARGS",
+                   help="extra `duvm daemon` flags in the guest (default: none, the defaults)")
+    p.add_argument("--stall", type=float, default=60, metavar="S",
+                   help="hung when no page moves for S seconds (default 60)")
+    p.add_argument("--timeout", type=float, default=900, metavar="S", help="per run")
+    p.add_argument("--stop-on-bad", action="store_true",
+                   help="stop after the first run that hung, panicked or lost pages")
+    a = p.parse_args(argv)
+    try:
+        setups = [Setup.parse(s) for s in a.only] if a.only else default_matrix()
+    except ValueError as exc:
+        p.error(str(exc))
+    if why := boot.problems():
+        print(f"stress: cannot boot the guest here: {'; '.join(why)}", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    records = []
+    todo = [s for _ in range(a.repeat) for s in setups]
+    for n, setup in enumerate(todo, 1):
+        print(f"[{n}/{len(todo)}] {setup.name} ...", end=" ", flush=True)
+        try:
+            rec = run_one(setup, a.out, daemon_args=a.daemon_args, stall_s=a.stall,
+                          timeout_s=a.timeout)
+        except boot.GuestUnavailable as exc:
+            print(f"\nstress: cannot boot the guest here: {exc}", file=sys.stderr)
+            return 2
+        records.append(rec)
+        with open(a.out / "results.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"{rec['outcome']} in {rec['seconds']} s {rec['reason']}".rstrip(), flush=True)
+        if a.stop_on_bad and rec["outcome"] in ("hung", "panicked", "bad-pages"):
+            break
+    counts = {o: sum(r["outcome"] == o for r in records) for o in OUTCOMES}
+    print(" ".join(f"{o} {c}" for o, c in counts.items()))
+    return 0 if not (counts["hung"] or counts["panicked"] or counts["bad-pages"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
