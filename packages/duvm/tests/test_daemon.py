@@ -352,3 +352,18 @@ def test_tcp_must_be_loopback():
     p = subprocess.run([*PY, "daemon", "--memory", "--size", "4M", "--socket", "/tmp/n.sock",
                         "--tcp", "0.0.0.0:10809"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "loopback" in p.stderr
+
+
+def test_a_locked_memserver_locks_the_whole_process_not_only_its_arena(procs):
+    """Catches a memserver that locks only its arena: on a node that swaps into the pool too,
+    its interpreter's pages could go out to this node's duvm device, and serving its peers
+    would then wait on other nodes' memservers."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (mlock of the arena and mlockall)")
+    p = procs.start([*PY, "memserver", "--listen", "127.0.0.1:0", "--capacity", "4M"])
+    line = wait_line(p, "listening on")
+    assert "locked yes" in line, line
+    status = Path(f"/proc/{p.pid}/status").read_text()
+    locked_kb = int(next(ln for ln in status.splitlines() if ln.startswith("VmLck:")).split()[1])
+    assert locked_kb > 4096 + 1024, status  # the arena (4 MiB) and the process's own mappings
+    assert procs.stop(p) == 0

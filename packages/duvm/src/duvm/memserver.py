@@ -846,6 +846,17 @@ def run(args: argparse.Namespace) -> int:
     except (MemoryError, ValueError) as e:
         print(f"duvm memserver: {e}", file=sys.stderr)
         return 1
+    if not args.no_mlock and server.store.arena.locked:
+        # Every node of a symmetric cluster swaps too: a memserver whose own pages went out to
+        # this node's duvm device would wait on other nodes' memservers to serve its peers,
+        # which may be waiting on it. Locked (and an I/O flusher), it never waits on swap.
+        # Not realtime: it is not on this node's swap path, and a busy memserver would then
+        # take CPU from the node's own programs (duvm.pressure).
+        from duvm import pressure
+
+        if why := pressure.lock_in_memory():
+            log.warning("cannot lock the memserver in RAM (%s): it may be swapped out", why)
+        pressure.become_io_flusher()
     try:
         run_loop(_serve(server, host, port, args.secret_file, metrics=args.metrics,
                         control=args.control_socket))  # fmt: skip
