@@ -110,13 +110,15 @@ class Memserver:
 
 
 def start_memserver(python: str, capacity: str, workdir: Path, index: int,
-                    timeout: float = 60, net: TapNet | None = None) -> Memserver:
+                    timeout: float = 60, net: TapNet | None = None,
+                    secret_file: Path | None = None) -> Memserver:
     log = workdir / f"memserver{index}.log"
     host = net.host_ip if net is not None else "127.0.0.1"
     prefix = net.exec_prefix() if net is not None else []
+    auth = ["--secret-file", str(secret_file)] if secret_file is not None else ["--insecure"]
     with open(log, "wb") as out:
         proc = subprocess.Popen([*prefix, python, "-m", "duvm.cli", "memserver", "--listen",
-                                 f"{host}:0", "--capacity", capacity, "--insecure"],
+                                 f"{host}:0", "--capacity", capacity, *auth],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent)
     deadline = time.monotonic() + timeout
@@ -250,6 +252,7 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
               sysrq_at: list[float] | None = None, daemon_args: str = "",
               order: str = "sequential", chunk_kib: int = 1024, passes: int = 1,
               stall_s: float | None = None, kill_memserver_at: int | None = None,
+              reproduction: bool = False, sysctl: str = "",
               cache: Path = build_initramfs.DEFAULT_CACHE) -> GuestRun:
     """Boot the guest once; always cleans up what it started.
 
@@ -263,7 +266,11 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
     ends the run as hung (after SysRq w and m for the console) once the workload has started
     and neither the guest's swap counters nor its progress lines moved for that long. With
     `kill_memserver_at` (25, 50 or 75) the last host memserver is SIGKILLed when the
-    workload's fill reaches that percentage. `python` must import duvm (the project's venv);
+    workload's fill reaches that percentage. With `reproduction` (host memservers) the guest
+    types exactly `duvm enable --peers ... --size ... --secret-file F` with a cluster secret
+    made here, and the workload is a plain `python3 -c` holding os.urandom blocks, verified
+    twice by SHA-256. `sysctl` ("kernel.sched_rt_runtime_us=-1 ...") is set in the guest at
+    boot. `python` must import duvm (the project's venv);
     the guest uses the same path. Raises GuestUnavailable when this host cannot boot it.
     """
     if why := problems():
@@ -282,9 +289,15 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
             net = TapNet.create()
         elif network != "user":
             raise ValueError(f"network must be 'user' or 'tap', not {network!r}")
+        secret: Path | None = None
+        if reproduction:
+            secret = work / "cluster.secret"  # the guest sees it at the same path (9p)
+            subprocess.run([python, "-m", "duvm.cli", "secret", "generate", str(secret)],
+                           check=True, capture_output=True, timeout=60)
         if host_memservers:
             for i in range(memservers):
-                servers.append(start_memserver(python, capacity, work, i, net=net))
+                servers.append(start_memserver(python, capacity, work, i, net=net,
+                                               secret_file=secret))
         host = net.host_ip if net is not None else HOST_FROM_GUEST
         peers = ",".join(f"{host}:{s.port}" for s in servers)
         env = {"DUVM_PYTHON": python, "DUVM_SCRIPT": str(GUEST_SCRIPT), "DUVM_PEERS": peers,
@@ -294,6 +307,9 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
                "DUVM_KILL_AT_PCT": "" if kill_at_pct is None else str(kill_at_pct),
                "DUVM_CONSOLE_LOGLEVEL": "7" if sysrq_at else "",
                "DUVM_DAEMON_ARGS": daemon_args, "DUVM_ORDER": order,
+               "DUVM_SECRET_FILE": str(secret) if secret else "",
+               "DUVM_URANDOM_WORKLOAD": "1" if reproduction else "",
+               "DUVM_SYSCTL": sysctl,
                "DUVM_CHUNK_KIB": str(chunk_kib), "DUVM_PASSES": str(passes),
                "DUVM_GUEST_IP": net.guest_ip if net is not None else "10.0.2.15",
                "DUVM_GATEWAY": net.host_ip if net is not None else HOST_FROM_GUEST}
@@ -465,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="end the run as hung when no page moves for S seconds")
     p.add_argument("--kill-memserver-at", type=int, choices=(25, 50, 75), metavar="PCT",
                    help="SIGKILL the last host memserver at PCT %% of the fill (25, 50, 75)")
+    p.add_argument("--reproduction", action="store_true",
+                   help="with --host-memservers: plain `duvm enable --peers --size "
+                   "--secret-file` in the guest and an os.urandom workload (issue 18's steps)")
+    p.add_argument("--sysctl", default="", metavar="'NAME=VALUE ...'",
+                   help="kernel settings for the guest at boot, e.g. "
+                   "'kernel.sched_rt_runtime_us=-1'")
     p.add_argument("--keep", type=Path, help="keep logs in this folder")
     a = p.parse_args(argv)
     if a.keep:
@@ -477,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                         network=a.network, sysrq_at=a.sysrq_at, daemon_args=a.daemon_args,
                         order=a.order, chunk_kib=a.chunk_kib, passes=a.passes,
                         stall_s=a.stall, kill_memserver_at=a.kill_memserver_at,
+                        reproduction=a.reproduction, sysctl=a.sysctl,
                         workdir=a.keep)
     except GuestUnavailable as exc:
         print(f"boot: cannot boot the guest here: {exc}", file=sys.stderr)

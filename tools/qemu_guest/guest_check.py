@@ -105,7 +105,16 @@ def device_facts(nbd: str = "nbd0") -> dict[str, Any]:
         "daemon_pids": _pids_with("duvm.cli\0daemon"),
         "holder_pids": _pids_with("duvm.kernelnbd"),
         "supervisor_pids": _pids_with("duvm.cli\0supervise"),
+        "daemon_policies": [_policy(p) for p in _pids_with("duvm.cli\0daemon")],
     }
+
+
+def _policy(pid: int) -> int | None:
+    """A process's scheduling policy (0 normal, 2 SCHED_RR), /proc/PID/stat field 41."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[41 - 3])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def logs() -> dict[str, str | None]:
@@ -235,6 +244,35 @@ def run_workload(mib: int, cgroup_mib: int | None) -> dict[str, Any]:
         out["cgroup"] = {"version": group.version, "limit_mib": cgroup_mib,
                          "peak_bytes": group.peak_bytes()}
         return out
+
+
+# A user's own program, not duvm's: MiB blocks of os.urandom held in a list, each checked by
+# SHA-256 twice. No cgroup: it competes with everything else in the guest for RAM.
+URANDOM_WORKLOAD = """
+import hashlib, json, os, sys, time
+n = int(sys.argv[1]); t = time.monotonic()
+blocks = [os.urandom(1 << 20) for _ in range(n)]
+sums = [hashlib.sha256(b).digest() for b in blocks]
+print("progress fill", n, n, file=sys.stderr, flush=True)
+fill = time.monotonic() - t
+bad = sum(hashlib.sha256(b).digest() != s for _ in range(2) for b, s in zip(blocks, sums))
+print(json.dumps({"mib": n, "bad_chunks": bad, "intact": bad == 0, "fill_s": round(fill, 2),
+                  "verify_s": round(time.monotonic() - t - fill, 2)}))
+"""
+
+
+def run_urandom_workload(mib: int) -> dict[str, Any]:
+    """The issue's reproduction: `python3 -c` holding `mib` MiB of os.urandom, verified twice."""
+    t = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", URANDOM_WORKLOAD, str(mib)], capture_output=True,
+                         text=True, check=False)
+    lines = res.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        result = {"unparsed": res.stdout[-2000:]}
+    return {"rc": res.returncode, "result": result, "seconds": round(time.monotonic() - t, 2),
+            "held": False, "stderr": res.stderr[-2000:]}
 
 
 def kill_and_resume() -> None:
@@ -399,7 +437,11 @@ def main() -> int:
     config.write_text(f'peers = {json.dumps(peers.split(","))}\nsize = "{size}"\n'
                       f'method = "kernel-nbd"\nstate_dir = "{STATE_DIR}"\n'
                       f'daemon_args = {json.dumps(daemon_args)}\n')
-    enable = duvm("enable", "--config", str(config))
+    secret = os.environ.get("DUVM_SECRET_FILE")
+    if secret:  # exactly what a user types: the defaults, the cluster secret, nothing else
+        enable = duvm("enable", "--peers", peers, "--size", size, "--secret-file", secret)
+    else:
+        enable = duvm("enable", "--config", str(config))
     emit("enable", **enable)
     watch_daemon()
     if enable["rc"] != 0:
@@ -407,7 +449,8 @@ def main() -> int:
     disabled = False
     try:
         emit("attached", **device_facts(), vmstat=vmstat(), meminfo=meminfo())
-        work = run_workload(mib, cgroup_mib)
+        work = (run_urandom_workload(mib) if os.environ.get("DUVM_URANDOM_WORKLOAD")
+                else run_workload(mib, cgroup_mib))
         emit("workload", **work, vmstat=vmstat(), proc_swaps=_read("/proc/swaps"), logs=logs(),
              meminfo=meminfo())
         emit("disable", **duvm("disable", "--state-dir", STATE_DIR))

@@ -43,6 +43,11 @@ mkdir -p /host/run/tmp
 # every SysRq function: boot.py --sysrq-at sends Alt-SysRq-w/m from QEMU's monitor to show
 # the blocked tasks' stacks and the memory state when the guest itself can no longer report
 echo 1 > /proc/sys/kernel/sysrq
+# settings a stress run varies (boot.py --sysctl), "name=value" words: kernel.x.y=1 -> /proc/sys
+for kv in $DUVM_SYSCTL; do
+    key=${kv%%=*}
+    echo "${kv#*=}" > "/proc/sys/$(echo "$key" | tr . /)" || fail "sysctl $kv"
+done
 # their task stacks and memory counters are KERN_INFO: show them when asked for (--sysrq-at)
 [ -n "$DUVM_CONSOLE_LOGLEVEL" ] && echo "$DUVM_CONSOLE_LOGLEVEL" > /proc/sys/kernel/printk
 

@@ -76,7 +76,7 @@ class Setup:
 
 
 def default_matrix() -> list[Setup]:
-    """22 runs: 256 and 384 MiB guests at 80/95/110 % in both orders, a 1 GiB guest at 95 and
+    """20 runs: 256 and 384 MiB guests at 80/95/110 % in both orders, a 1 GiB guest at 95 and
     110 %, and two memservers with one killed (384 MiB at 80/95 %, 256 MiB at 95 %)."""
     runs = [Setup(m, p, o) for m in (256, 384) for p in (80, 95, 110)
             for o in ("sequential", "random")]
@@ -123,7 +123,7 @@ def _first(text: str, pattern: str) -> str:
 
 
 def run_one(setup: Setup, out: Path, *, daemon_args: str, stall_s: float,
-            timeout_s: float) -> dict[str, Any]:
+            timeout_s: float, sysctl: str = "") -> dict[str, Any]:
     """Boot one guest for `setup`; its logs in OUT/NAME-TIME; one result record."""
     work = out / f"{setup.name.replace(':', '-')}-{time.strftime('%H%M%S')}"
     work.mkdir(parents=True)
@@ -134,12 +134,13 @@ def run_one(setup: Setup, out: Path, *, daemon_args: str, stall_s: float,
         swap_size=f"{swap_mib}M", capacity=f"{swap_mib}M", host_memservers=True,
         memservers=2 if setup.kill else 1, kill_memserver_at=50 if setup.kill else None,
         order=setup.order, chunk_kib=1024 if setup.order == "sequential" else 64,
-        daemon_args=daemon_args, stall_s=stall_s, timeout_s=timeout_s, workdir=work)
+        daemon_args=daemon_args, stall_s=stall_s, timeout_s=timeout_s, workdir=work,
+        sysctl=sysctl)
     outcome, reason = classify(run)
     facts = boot.summary(run)
     return {"setup": asdict(setup), "name": setup.name, "outcome": outcome, "reason": reason,
-            "daemon_args": daemon_args, "started": time.strftime("%Y-%m-%d %H:%M:%S",
-                                                                 time.gmtime(started)),
+            "daemon_args": daemon_args, "sysctl": sysctl,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
             "seconds": run.seconds, "pages_out": facts["pages_out"],
             "pages_in": facts["pages_in"], "memserver_killed_at": run.memserver_killed_at,
             "kernel": sorted(set(_KERNEL.findall(run.console)))[:20], "logs": str(work)}
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="run the whole list N times")
     p.add_argument("--daemon-args", default="", metavar="ARGS",
                    help="extra `duvm daemon` flags in the guest (default: none, the defaults)")
+    p.add_argument("--sysctl", default="", metavar="'NAME=VALUE ...'",
+                   help="guest kernel settings, e.g. 'kernel.sched_rt_runtime_us=-1'")
     p.add_argument("--stall", type=float, default=60, metavar="S",
                    help="hung when no page moves for S seconds (default 60)")
     p.add_argument("--timeout", type=float, default=900, metavar="S", help="per run")
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{n}/{len(todo)}] {setup.name} ...", end=" ", flush=True)
         try:
             rec = run_one(setup, a.out, daemon_args=a.daemon_args, stall_s=a.stall,
-                          timeout_s=a.timeout)
+                          timeout_s=a.timeout, sysctl=a.sysctl)
         except boot.GuestUnavailable as exc:
             print(f"\nstress: cannot boot the guest here: {exc}", file=sys.stderr)
             return 2
