@@ -202,10 +202,14 @@ def test_the_daemon_protects_itself_against_memory_pressure_by_default(procs):
     assert ("oom_score_adj" in err) != allowed["oom-score"], err
     assert "SCHED_RR" not in err, err
 
-    # the documented opt-out: the normal class, every other protection kept
-    d, _ = procs.daemon([port], "8M", "test-protect-2", name="d2", extra=("--no-realtime",))
+    # the documented opt-outs: the normal class, no I/O flusher flag, another OOM score
+    d, _ = procs.daemon([port], "8M", "test-protect-2", name="d2",
+                        extra=("--no-realtime", "--no-io-flusher", "--oom-score-adj", "-500"))
     threads = _task_facts(d.pid)
-    assert all(policy == os.SCHED_OTHER for policy, _ in threads), threads
+    assert all(policy == os.SCHED_OTHER and not flags & PF_MEMALLOC_NOIO
+               for policy, flags in threads), threads
+    adj = Path(f"/proc/{d.pid}/oom_score_adj").read_text().strip()
+    assert adj == ("-500" if allowed["oom-score"] else "0")
     assert procs.stop(d) == 0
 
 

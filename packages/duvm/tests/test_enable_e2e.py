@@ -175,6 +175,11 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         att = attach.load_state(control.state_path(state_dir))
         assert att is not None
         pids += [p for p in (att.nbdfuse_pid, att.holder_pid) if p]
+        # what serves the swap device runs realtime by default (duvm.pressure): the daemon,
+        # and nbdfuse on the fallback path, from its first instruction
+        for pid in (st["daemon"]["pid"], att.nbdfuse_pid):
+            if pid:
+                assert os.sched_getscheduler(pid) == os.SCHED_RR, pid
 
         before = vmstat()
         with cgroup.MemoryCgroup(LIMIT_MIB << 20, prefix="duvm-test") as cg:

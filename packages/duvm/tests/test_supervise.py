@@ -223,6 +223,9 @@ def test_the_supervisor_process_starts_reports_and_stops(node: Node) -> None:
         info = supervise.load(node.state_dir)
         assert info is not None and info["pid"] == pid and supervise.alive(info)
         assert f"watching daemon pid {daemon}" in Path(info["log"]).read_text()
+        # on the swap path like the daemon: realtime by default, so the daemon it restarts
+        # inherits the class from its first instruction (duvm.pressure)
+        assert os.sched_getscheduler(pid) == os.SCHED_RR
         st = control.status(node.state_dir)
         assert st["supervisor"] == {"pid": pid, "running": True, "log": info["log"]}
         assert f"supervisor: pid {pid} running" in control.format_status(st)
@@ -331,3 +334,17 @@ def test_enable_tells_how_starting_the_supervisor_went(capsys: pytest.CaptureFix
     assert out == "duvm enable: supervisor pid 4321 watches the daemon again\n"
     assert err == ("duvm enable: warning: no pidfd support; nothing will restart a crashed "
                    "daemon (`duvm enable --resume` does it by hand)\n")
+
+
+@root_only
+def test_the_supervisor_follows_the_daemons_no_realtime_opt_out(node: Node) -> None:
+    node.start()
+    info = json.loads(control.daemon_path(node.state_dir).read_text())
+    info["daemon_args"].append("--no-realtime")
+    control.daemon_path(node.state_dir).write_text(json.dumps(info))
+    pid, problem = supervise.start(node.state_dir)
+    try:
+        assert problem is None
+        assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+    finally:
+        supervise.stop(node.state_dir)

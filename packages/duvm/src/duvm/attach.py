@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from duvm import cgroup, kernelnbd, nbdnetlink
+from duvm import cgroup, kernelnbd, nbdnetlink, pressure
 
 DEFAULT_RUN_DIR = Path("/run/duvm")
 DEFAULT_PRIORITY = 100  # above distribution swap (negative priorities): the pool is tried first
@@ -125,11 +125,13 @@ def _run(tool: str, *args: str, timeout: float = 120) -> str:
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
-def spawn_detached(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """Start a long-lived helper in its own session, so it outlives `duvm enable`."""
+def spawn_detached(cmd: list[str], log: Path,
+                   preexec: Callable[[], object] | None = None) -> subprocess.Popen[bytes]:
+    """Start a long-lived helper in its own session, so it outlives `duvm enable`; `preexec`
+    runs in the child before the program starts."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=preexec)
     _CHILDREN[proc.pid] = proc
     return proc
 
@@ -421,7 +423,7 @@ def reattach_kernel(att: Attachment) -> None:
         sock.close()
 
 
-def _attach_fuse(att: Attachment, run_dir: Path, save: Saver) -> None:
+def _attach_fuse(att: Attachment, run_dir: Path, save: Saver, realtime: bool = True) -> None:
     nbdfuse = require_tool("nbdfuse")
     require_tool("fusermount3")
     mountdir = run_dir.resolve() / f"fuse-{uuid.uuid4().hex[:8]}"  # as the kernel names it
@@ -431,8 +433,11 @@ def _attach_fuse(att: Attachment, run_dir: Path, save: Saver) -> None:
     save()
     pidfile = run_dir / f"{mountdir.name}.pid"
     logpath = run_dir / f"{mountdir.name}.log"
+    # nbdfuse is on the swap path like the daemon: realtime and an I/O flusher from its first
+    # instruction (both survive exec; mlockall does not, so it cannot be locked from here)
     proc = spawn_detached([nbdfuse, "-P", str(pidfile), att.fuse_file, "--unix", att.socket],
-                          logpath)
+                          logpath, preexec=pressure.inherited_protections if realtime
+                          else pressure.become_io_flusher)
     att.nbdfuse_pid = proc.pid
     save()
     # nbdfuse sits on the swap path: if the OOM killer picked it, every swapped page would be
@@ -461,11 +466,12 @@ def _attach_fuse(att: Attachment, run_dir: Path, save: Saver) -> None:
 def attach(socket_path: str, state_path: Path, *, run_dir: Path = DEFAULT_RUN_DIR,
            method: str = "auto", priority: int = DEFAULT_PRIORITY,
            nbd_timeout_s: int = DEFAULT_NBD_TIMEOUT_S,
-           extra: dict[str, object] | None = None) -> Attachment:
+           extra: dict[str, object] | None = None, realtime: bool = True) -> Attachment:
     """Attach the NBD export at `socket_path` and activate it as swap. Root only.
 
     `method` is "auto" (kernel nbd when present, else nbdfuse+loop), METHOD_KERNEL or
-    METHOD_FUSE. On failure everything done so far is undone and AttachError raised.
+    METHOD_FUSE. `realtime` runs nbdfuse at SCHED_RR like the daemon (duvm.pressure). On
+    failure everything done so far is undone and AttachError raised.
     """
     require_root()
     for tool in ("mkswap", "swapon", "swapoff", "blkdiscard"):
@@ -505,7 +511,7 @@ def attach(socket_path: str, state_path: Path, *, run_dir: Path = DEFAULT_RUN_DI
         if method == METHOD_KERNEL:
             _attach_kernel(att, run_dir, nbd_timeout_s, save)
         else:
-            _attach_fuse(att, run_dir, save)
+            _attach_fuse(att, run_dir, save, realtime)
         save()
         assert att.device is not None
         _run("mkswap", att.device)

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duvm import attach, auth
+from duvm import attach, auth, pressure
 
 # The config file lives in duvm.config; its names are re-exported here for the commands.
 from duvm.config import (
@@ -155,7 +155,8 @@ def enable(cfg: Config) -> attach.Attachment:
     try:
         att = attach.attach(daemon.socket, state_path(cfg.state_dir), run_dir=cfg.state_dir,
                             method=cfg.method, priority=cfg.priority,
-                            extra={"daemon_pid": daemon.pid})
+                            extra={"daemon_pid": daemon.pid},
+                            realtime=pressure.realtime_wanted(cfg.daemon_args))
     except BaseException:
         stop_daemon(cfg.state_dir)
         raise

@@ -83,7 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "watermark so memory pressure cannot stall the swap path; see "
                         "docs/ARCHITECTURE.md)")
     parser.add_argument("--realtime", dest="realtime", action="store_true",
-                        help=argparse.SUPPRESS)  # the default since 0.x; kept for old configs
+                        help=argparse.SUPPRESS)  # the default now; kept for old configs
+    parser.add_argument("--no-io-flusher", dest="io_flusher", action="store_false",
+                        help="do not mark the daemon as an I/O flusher (PR_SET_IO_FLUSHER, "
+                        "the default: its reclaim never waits on swap writes it must serve)")
+    parser.add_argument("--oom-score-adj", type=int, default=pressure.OOM_SCORE_ADJ,
+                        metavar="N", help="the daemon's OOM score adjustment (default "
+                        f"{pressure.OOM_SCORE_ADJ}: killed after almost everything else; "
+                        "-1000 never)")
     parser.add_argument("--trace", metavar="FILE",
                         help="write one line per NBD request (arrival and reply times, "
                         "command, offset, length, errno) to FILE, for finding where time goes "
@@ -101,11 +108,12 @@ def run(args: argparse.Namespace) -> int:
     # Protections first, so the threads started below (the log writer) inherit the scheduling
     # class and every page touched from here on is locked.
     if not args.memory:
-        pressure.protect("duvm daemon", realtime=args.realtime, mlock=not args.no_mlock)
+        pressure.protect("duvm daemon", realtime=args.realtime, mlock=not args.no_mlock,
+                         io_flusher=args.io_flusher, oom_adj=args.oom_score_adj)
         if args.heap_reserve > 0 and not args.no_mlock:
             pressure.reserve_heap(args.heap_reserve << 20)
     else:
-        pressure.lower_oom_score()
+        pressure.lower_oom_score(args.oom_score_adj)
     logger = quietlog.start_background(logging.INFO if args.verbose else logging.WARNING,
                                        "duvm daemon: %(levelname)s %(message)s")
     try:

@@ -88,6 +88,19 @@ def lower_oom_score(adj: int = OOM_SCORE_ADJ) -> str | None:
     return None
 
 
+def realtime_wanted(daemon_args: list[str]) -> bool:
+    """Whether the processes beside the daemon (supervisor, nbdfuse) run realtime too: unless
+    the daemon's own flags opt out with --no-realtime."""
+    return "--no-realtime" not in daemon_args
+
+
+def inherited_protections() -> None:
+    """The protections a program keeps across exec (realtime, I/O flusher), for a helper on the
+    swap path that duvm starts but cannot change (nbdfuse). Failures are left to doctor."""
+    become_realtime()
+    become_io_flusher()
+
+
 def rt_throttle(runtime: Path = RT_RUNTIME, period: Path = RT_PERIOD) -> tuple[int, int] | None:
     """(runtime, period) in µs of the kernel's RT throttling; runtime -1: throttling off.
     None where the files cannot be read."""
@@ -97,7 +110,7 @@ def rt_throttle(runtime: Path = RT_RUNTIME, period: Path = RT_PERIOD) -> tuple[i
         return None
 
 
-def protect(who: str, *, realtime: bool = True, mlock: bool = True,
+def protect(who: str, *, realtime: bool = True, mlock: bool = True, io_flusher: bool = True,
             oom_adj: int = OOM_SCORE_ADJ) -> list[str]:
     """Every protection for a process on the swap path; one warning per protection that could
     not be applied (what it risks), returned too for callers that report them elsewhere."""
@@ -107,7 +120,8 @@ def protect(who: str, *, realtime: bool = True, mlock: bool = True,
         "realtime": "under memory pressure it may wait for free memory like every other task",
         "oom": "the OOM killer may pick it",
     }
-    steps = [("lock", lock_in_memory if mlock else None), ("flusher", become_io_flusher),
+    steps = [("lock", lock_in_memory if mlock else None),
+             ("flusher", become_io_flusher if io_flusher else None),
              ("realtime", become_realtime if realtime else None),
              ("oom", lambda: lower_oom_score(oom_adj))]
     problems = []

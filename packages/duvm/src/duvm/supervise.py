@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from duvm import attach, control, resume
+from duvm import attach, control, pressure, resume
 
 SUPERVISOR_FILE = "supervisor.json"
 MAX_RESTARTS = 5
@@ -248,12 +248,12 @@ def add_arguments(parser: Any) -> None:
 
 def run(args: Any) -> int:
     """`duvm supervise` (started by `duvm enable`; rarely run by hand)."""
-    from duvm import pressure
-
     attach.require_root()
     # Like the daemon: a supervisor whose own pages were swapped to the device it watches
     # could not run once that device's server is dead. The daemon it starts inherits the
     # realtime class and the I/O flusher flag from its first instruction on, so even its
     # start-up is served under memory pressure.
-    pressure.protect("duvm supervise")
+    daemon = control.load_daemon(args.state_dir)
+    pressure.protect("duvm supervise", realtime=pressure.realtime_wanted(
+        daemon.daemon_args if daemon is not None else []))
     return watch(args.state_dir)
