@@ -67,6 +67,9 @@ class Repairer:
         self.stats = {"repairs_done": 0, "repair_failures": 0, "repair_pages_copied": 0,
                       "no_target": 0, "slabs_replaced": 0, "stale_freed": 0}  # fmt: skip
         self.last_error: str | None = None
+        # one copy buffer for the repairer's lifetime (slabs are copied one at a time): a
+        # repair under memory pressure allocates nothing per slab
+        self._buf = memoryview(bytearray(CHUNK_PAGES * PAGE_SIZE))
 
     def wake(self) -> None:
         self._wake.set()
@@ -204,7 +207,7 @@ class Repairer:
         s.repairs[slab] = rep
         self._charge(target, slab)
         client = s.clients[target]
-        buf = memoryview(bytearray(CHUNK_PAGES * PAGE_SIZE))
+        buf = self._buf  # copy_slab runs one at a time (repair_all awaits each)
         t0 = time.monotonic()
         try:
             # Writes that started before the copy was registered do not go to the target:
