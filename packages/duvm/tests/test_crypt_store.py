@@ -51,6 +51,24 @@ async def test_multi_page_requests_and_unwritten_pages_read_zero() -> None:
     assert bytes(out) == bytes(2 * PS) + data + bytes(2 * PS)
 
 
+async def test_every_page_of_a_multi_page_write_gets_its_own_nonce() -> None:
+    """Catches one nonce shared by all the pages of a request: under AES-GCM equal pages then
+    encrypt to equal ciphertext (the keystream repeats), which shows the memserver which pages
+    match and, with a known page, lets it read the others."""
+    inner = MemoryStore(16 * PS)
+    cs = CryptStore(inner)
+    same = _page(b"all four pages alike;")
+    await cs.write(4 * PS, memoryview(same * 4))
+    raws = [await _raw(inner, p) for p in range(4, 8)]
+    assert len(set(raws)) == 4, "two pages of one write were sealed with one nonce"
+    xor = bytes(a ^ b for a, b in zip(raws[0], raws[1], strict=True))
+    assert xor != bytes(PS)  # (the keystreams differ, not only the tags)
+    out = bytearray(4 * PS)
+    await cs.read(4 * PS, memoryview(out))
+    assert bytes(out) == same * 4
+    assert cs.stats["pages_sealed"] == 4
+
+
 async def test_swapped_pages_fail_authentication_with_eio() -> None:
     inner = MemoryStore(8 * PS)
     cs = CryptStore(inner)

@@ -364,6 +364,65 @@ def closed_by_server(s: socket.socket, timeout: float = 5) -> bool:
         return False
 
 
+class SeeingStore(MemoryStore):
+    """A MemoryStore that offers the callback fast path (declining it, so the coroutine path
+    then runs) and records every range either path was asked for."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.seen: list[tuple[str, int, int]] = []
+
+    def start_read(self, offset, out, done, tag) -> bool:
+        self.seen.append(("start_read", offset, len(out)))
+        return False
+
+    def start_write(self, offset, data, done, tag) -> bool:
+        self.seen.append(("start_write", offset, len(data)))
+        return False
+
+    async def read(self, offset, out) -> None:
+        self.seen.append(("read", offset, len(out)))
+        await super().read(offset, out)
+
+    async def write(self, offset, data) -> None:
+        self.seen.append(("write", offset, len(data)))
+        await super().write(offset, data)
+
+    async def trim(self, offset, length) -> None:
+        self.seen.append(("trim", offset, length))
+        await super().trim(offset, length)
+
+    async def write_zeroes(self, offset, length, *args, **kw) -> None:
+        self.seen.append(("zero", offset, length))
+        await super().write_zeroes(offset, length, *args, **kw)
+
+
+def test_requests_that_run_past_the_end_are_refused_before_any_store_path(serve):
+    """Catches a bounds check of the start alone (`offset < size`): a request that starts
+    inside the export and runs past its end would reach the store, the fast path included.
+    Every earlier past-the-end test started exactly at the size."""
+    size = MiB
+    store = SeeingStore(size)
+    srv = serve(store)
+    s = raw_connect(srv.path)
+    inside = size - 4096  # starts on the last page, runs one page past the end
+    send_req(s, 0, cookie=1, offset=inside, length=8192)  # READ
+    send_req(s, 1, cookie=2, offset=inside, length=8192, payload=b"x" * 8192)  # WRITE
+    send_req(s, 4, cookie=3, offset=inside, length=8192)  # TRIM
+    send_req(s, 6, cookie=4, offset=inside, length=8192)  # WRITE_ZEROES
+    got = {c: e for c, e, _ in (recv_reply(s) for _ in range(4))}
+    assert got == {1: errno.EINVAL, 2: errno.ENOSPC, 3: errno.EINVAL, 4: errno.ENOSPC}
+    assert store.seen == []  # refused before the store saw any of them
+    # the connection is intact, and an in-range request takes the fast path first
+    send_req(s, 1, cookie=5, offset=inside, length=4096, payload=b"y" * 4096)
+    send_req(s, 0, cookie=6, offset=inside, length=4096)
+    assert recv_reply(s) == (5, 0, b"")
+    assert recv_reply(s, 4096) == (6, 0, b"y" * 4096)
+    assert store.seen == [("start_write", inside, 4096), ("write", inside, 4096),
+                          ("start_read", inside, 4096), ("read", inside, 4096)]
+    s.close()
+
+
 def test_replies_come_out_of_order_as_requests_complete(serve):
     base = MemoryStore(MiB)
     srv = serve(FaultStore(base, delay={"read": 0.3}, only=range(0, 4096)))

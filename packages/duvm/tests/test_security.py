@@ -226,6 +226,24 @@ async def test_a_replayed_proof_fails_on_a_new_connection(secured: MemServer) ->
     w.close()
 
 
+async def test_a_recorded_server_proof_is_refused_by_a_client_with_a_fresh_nonce(
+        secured: MemServer) -> None:
+    """Catches a server proof that does not bind the client's nonce: an impostor that recorded
+    one real CHALLENGE could then replay it to every later client and pass as the memserver."""
+    ask, w = await raw_conn(secured.addr)
+    hello, st = auth.start_handshake("n1", _sec(S1), b"t" * 32)
+    recorded = await ask(hello)
+    assert isinstance(recorded, pp.Challenge) and recorded.auth_required
+    w.close()
+    # the client that asked accepts it (the proof is genuine)...
+    assert isinstance(auth.answer_challenge(recorded, st, _sec(S1), "real"), pp.Auth)
+    # ...a new client, same id, token and secret but its own fresh nonce, refuses the replay
+    _, fresh = auth.start_handshake("n1", _sec(S1), b"t" * 32)
+    assert fresh.nonce != st.nonce
+    with pytest.raises(auth.AuthError, match="failed to prove the cluster secret"):
+        auth.answer_challenge(recorded, fresh, _sec(S1), "impostor")
+
+
 async def test_rotation_old_and_new_secret_both_accepted_until_retired() -> None:
     srv = MemServer(1 << 20, lease_s=60, lock=False, keyring=_keyring(S1, S2))
     addr = await srv.start()
