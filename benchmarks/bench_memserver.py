@@ -39,8 +39,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-async def timed(label: str, op, qd: int, seconds: float, server_pid: int,
-                pages_per_op: int = 1) -> dict:  # fmt: skip
+async def timed(
+    label: str, op, qd: int, seconds: float, server_pid: int, pages_per_op: int = 1
+) -> dict:
     """Run op(worker, i) from `qd` workers for about `seconds`; return rates and CPU costs."""
     deadline = time.perf_counter() + seconds
     lat: list[float] = []
@@ -138,8 +139,16 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per case, median reported")
     ap.add_argument("--pin", action="store_true", help="server on CPU 1, client on CPU 0")
     args = ap.parse_args()
-    cmd = [sys.executable, "-m", "duvm.cli", "memserver", "--listen", "127.0.0.1:0",
-           "--capacity", "128M"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "duvm.cli",
+        "memserver",
+        "--listen",
+        "127.0.0.1:0",
+        "--capacity",
+        "128M",
+    ]
     if args.pin:
         cmd = ["taskset", "-c", "1", *cmd]
         os.sched_setaffinity(0, {0})
@@ -162,17 +171,23 @@ def main() -> int:
         proc.terminate()
         proc.wait(10)
     cpus = os.cpu_count()
-    print(f"# bench_memserver: {cpus} CPUs, load {os.getloadavg()[0]:.2f}, "
-          f"pinned={'server cpu1, client cpu0' if args.pin else 'no'}, "
-          f"median of {args.repeat} x {args.seconds:g}s")  # fmt: skip
-    print(f"{'case':30} {'ops/s':>9} {'MiB/s':>8} {'p50 us':>7} {'p99 us':>7} "
-          f"{'cli us/op':>9} {'srv us/op':>9}")  # fmt: skip
+    print(
+        f"# bench_memserver: {cpus} CPUs, load {os.getloadavg()[0]:.2f}, "
+        f"pinned={'server cpu1, client cpu0' if args.pin else 'no'}, "
+        f"median of {args.repeat} x {args.seconds:g}s"
+    )
+    print(
+        f"{'case':30} {'ops/s':>9} {'MiB/s':>8} {'p50 us':>7} {'p99 us':>7} "
+        f"{'cli us/op':>9} {'srv us/op':>9}"
+    )
     for i, first in enumerate(runs[0]):
         col = {k: statistics.median(r[i][k] for r in runs) for k in first if k != "case"}
         p50 = f"{col['p50_us']:7.0f}" if "p50_us" in col else f"{'':7}"
         p99 = f"{col['p99_us']:7.0f}" if "p99_us" in col else f"{'':7}"
-        print(f"{first['case']:30} {col['ops_s']:9.0f} {col['mib_s']:8.1f} {p50} {p99} "
-              f"{col['client_us_op']:9.1f} {col['server_us_op']:9.1f}")  # fmt: skip
+        print(
+            f"{first['case']:30} {col['ops_s']:9.0f} {col['mib_s']:8.1f} {p50} {p99} "
+            f"{col['client_us_op']:9.1f} {col['server_us_op']:9.1f}"
+        )
     return 0
 
 

@@ -82,8 +82,9 @@ def wait_for_socket(path: str, proc: subprocess.Popen, timeout: float = 30) -> N
         time.sleep(0.05)
 
 
-def start_targets(tmp: str, size: int, server_cpu: str, memserver_cpu: str,
-                  want: list[str]) -> list[Target]:
+def start_targets(
+    tmp: str, size: int, server_cpu: str, memserver_cpu: str, want: list[str]
+) -> list[Target]:
     py = [sys.executable, "-m", "duvm.cli"]
     pin = ["taskset", "-c", server_cpu]
     targets = []
@@ -92,22 +93,49 @@ def start_targets(tmp: str, size: int, server_cpu: str, memserver_cpu: str,
         t = Target(name, f"nbd+unix:///?socket={sock}")
         if name == "nbdkit":
             t.procs["nbdkit"] = subprocess.Popen(
-                [*pin, "nbdkit", "-f", "-U", sock, "memory", str(size)])
+                [*pin, "nbdkit", "-f", "-U", sock, "memory", str(size)]
+            )
             wait_for_socket(sock, t.procs["nbdkit"])
         elif name == "duvm-local":
             t.procs["daemon"] = subprocess.Popen(
                 [*pin, *py, "daemon", "--memory", "--size", str(size), "--socket", sock],
-                stdout=subprocess.PIPE, text=True)
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             wait_for_line(t.procs["daemon"], "serving")
         elif name == "duvm":
             ms = subprocess.Popen(
-                ["taskset", "-c", memserver_cpu, *py, "memserver", "--listen", "127.0.0.1:0",
-                 "--capacity", str(size + 64 * MiB)], stdout=subprocess.PIPE, text=True)
+                [
+                    "taskset",
+                    "-c",
+                    memserver_cpu,
+                    *py,
+                    "memserver",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--capacity",
+                    str(size + 64 * MiB),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             t.procs["memserver"] = ms
             port = wait_for_line(ms, r"listening on [\d.]+:(\d+)").group(1)
             t.procs["daemon"] = subprocess.Popen(
-                [*pin, *py, "daemon", "--peers", f"127.0.0.1:{port}", "--size", str(size),
-                 "--socket", sock], stdout=subprocess.PIPE, text=True)
+                [
+                    *pin,
+                    *py,
+                    "daemon",
+                    "--peers",
+                    f"127.0.0.1:{port}",
+                    "--size",
+                    str(size),
+                    "--socket",
+                    sock,
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             wait_for_line(t.procs["daemon"], "serving")
         targets.append(t)
     return targets
@@ -142,18 +170,36 @@ def run_client(cmd: list[str], target: Target) -> tuple[str, float, dict[str, fl
 
 
 def fio_test(target: Target, rw: str, qd: int, args: argparse.Namespace) -> dict:
-    cmd = ["taskset", "-c", args.client_cpu, "fio", "--name=b", "--ioengine=nbd",
-           f"--uri={target.uri}", f"--rw={rw}", "--bs=4k", f"--iodepth={qd}",
-           f"--size={args.size}", "--time_based", f"--runtime={args.runtime}",
-           "--norandommap", "--randrepeat=0", "--output-format=json"]
+    cmd = [
+        "taskset",
+        "-c",
+        args.client_cpu,
+        "fio",
+        "--name=b",
+        "--ioengine=nbd",
+        f"--uri={target.uri}",
+        f"--rw={rw}",
+        "--bs=4k",
+        f"--iodepth={qd}",
+        f"--size={args.size}",
+        "--time_based",
+        f"--runtime={args.runtime}",
+        "--norandommap",
+        "--randrepeat=0",
+        "--output-format=json",
+    ]
     c0 = client_cpu_total()
     out, _, cpu, _ = run_client(cmd, target)
     client = client_cpu_total() - c0
-    job = json.loads(out[out.index("{"):])["jobs"][0]
+    job = json.loads(out[out.index("{") :])["jobs"][0]
     side = job["read" if "read" in rw else "write"]
     n = side["total_ios"]
-    return {"iops": side["iops"], "lat_us": side["lat_ns"]["mean"] / 1000, "requests": n,
-            "cpu_us": {k: v / n * 1e6 for k, v in cpu.items()} | {"client": client / n * 1e6}}
+    return {
+        "iops": side["iops"],
+        "lat_us": side["lat_ns"]["mean"] / 1000,
+        "requests": n,
+        "cpu_us": {k: v / n * 1e6 for k, v in cpu.items()} | {"client": client / n * 1e6},
+    }
 
 
 def copy_test(target: Target, direction: str, src: str, args: argparse.Namespace) -> dict:
@@ -166,8 +212,11 @@ def copy_test(target: Target, direction: str, src: str, args: argparse.Namespace
     _, wall, cpu, _ = run_client(cmd, target)
     client = client_cpu_total() - c0
     n = args.size // 262144
-    return {"mib_s": args.size / MiB / wall, "requests": n,
-            "cpu_us": {k: v / n * 1e6 for k, v in cpu.items()} | {"client": client / n * 1e6}}
+    return {
+        "mib_s": args.size / MiB / wall,
+        "requests": n,
+        "cpu_us": {k: v / n * 1e6 for k, v in cpu.items()} | {"client": client / n * 1e6},
+    }
 
 
 def client_cpu_total() -> float:
@@ -182,18 +231,34 @@ def machine() -> dict:
         except OSError:
             return "n/a"
 
-    model = next((ln.split(":", 1)[1].strip() for ln in cmd("lscpu").splitlines()
-                  if ln.startswith("Model name")), "n/a")
+    model = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in cmd("lscpu").splitlines()
+            if ln.startswith("Model name")
+        ),
+        "n/a",
+    )
     try:
         import uvloop
+
         uv = uvloop.__version__
     except ImportError:
         uv = "not installed"
-    return {"cpu": model, "cpus": os.cpu_count(), "kernel": platform.release(),
-            "python": platform.python_version(), "uvloop": uv,
-            "nbdkit": cmd("nbdkit", "--version"), "fio": cmd("fio", "--version"),
-            "nbdcopy": cmd("nbdcopy", "--version").splitlines()[0] if shutil.which("nbdcopy")
-            else "n/a", "loadavg_start": loadavg(), "cpu_times_start": cpu_times()}
+    return {
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "uvloop": uv,
+        "nbdkit": cmd("nbdkit", "--version"),
+        "fio": cmd("fio", "--version"),
+        "nbdcopy": cmd("nbdcopy", "--version").splitlines()[0]
+        if shutil.which("nbdcopy")
+        else "n/a",
+        "loadavg_start": loadavg(),
+        "cpu_times_start": cpu_times(),
+    }
 
 
 def loadavg() -> list[str]:
@@ -201,13 +266,20 @@ def loadavg() -> list[str]:
         return f.read().split()[:3]
 
 
-TESTS = [("randread", 1), ("randread", 16), ("randwrite", 1), ("randwrite", 16),
-         ("seqread", 0), ("seqwrite", 0)]
+TESTS = [
+    ("randread", 1),
+    ("randread", 16),
+    ("randwrite", 1),
+    ("randwrite", 16),
+    ("seqread", 0),
+    ("seqwrite", 0),
+]
 
 
 def label(test: str, qd: int) -> str:
     return {"seqread": "256 KiB seq read", "seqwrite": "256 KiB seq write"}.get(
-        test, f"4 KiB {test} QD{qd}")
+        test, f"4 KiB {test} QD{qd}"
+    )
 
 
 def markdown(results: dict, info: dict, args: argparse.Namespace) -> str:
@@ -261,12 +333,18 @@ def main() -> int:
     ap.add_argument("--size", default="512M", help="export size (default 512M)")
     ap.add_argument("--client-cpu", default="0")
     ap.add_argument("--server-cpu", default="1")
-    ap.add_argument("--memserver-cpu", help="CPU of the memserver (default: --server-cpu; "
-                    "the client's CPU stands in for a memserver on another node)")
+    ap.add_argument(
+        "--memserver-cpu",
+        help="CPU of the memserver (default: --server-cpu; "
+        "the client's CPU stands in for a memserver on another node)",
+    )
     ap.add_argument("--targets", default="duvm,nbdkit,duvm-local")
     names = [f"{t}{q or ''}" for t, q in TESTS]
-    ap.add_argument("--tests", default=",".join(names),
-                    help=f"comma-separated, from {','.join(names)} (default: all)")
+    ap.add_argument(
+        "--tests",
+        default=",".join(names),
+        help=f"comma-separated, from {','.join(names)} (default: all)",
+    )
     ap.add_argument("--json", help="write raw and median results here")
     ap.add_argument("--markdown", help="write the table here")
     args = ap.parse_args()
@@ -282,19 +360,26 @@ def main() -> int:
         try:
             import duvm.remote_store  # noqa: F401
         except ImportError:
-            print("bench_nbd: duvm.remote_store is missing; skipping the two-hop target",
-                  file=sys.stderr)
+            print(
+                "bench_nbd: duvm.remote_store is missing; skipping the two-hop target",
+                file=sys.stderr,
+            )
             want.remove("duvm")
     asked = [t for t in args.tests.split(",") if t]
-    unknown = [t for t in asked if t not in names] + \
-        [t for t in want if t not in ("duvm", "nbdkit", "duvm-local")]
+    unknown = [t for t in asked if t not in names] + [
+        t for t in want if t not in ("duvm", "nbdkit", "duvm-local")
+    ]
     if unknown or not asked or not want:
-        ap.error(f"unknown test(s) or target(s): {','.join(unknown)}" if unknown
-                 else "--tests and --targets must name at least one each")
+        ap.error(
+            f"unknown test(s) or target(s): {','.join(unknown)}"
+            if unknown
+            else "--tests and --targets must name at least one each"
+        )
     tests = [(t, q) for t, q in TESTS if f"{t}{q or ''}" in asked]
     info = machine()
-    tmp = tempfile.mkdtemp(prefix="bench-nbd-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                           else None)
+    tmp = tempfile.mkdtemp(
+        prefix="bench-nbd-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    )
     src = os.path.join(tmp, "src.bin")
     with open(src, "wb") as f:
         for _ in range(args.size // (16 * MiB)):
@@ -302,8 +387,9 @@ def main() -> int:
     targets = []
     raw: dict = {}
     try:
-        targets = start_targets(tmp, args.size, args.server_cpu,
-                                args.memserver_cpu or args.server_cpu, want)
+        targets = start_targets(
+            tmp, args.size, args.server_cpu, args.memserver_cpu or args.server_cpu, want
+        )
         for t in targets:  # prefill: reads must not hit never-written (zero) blocks
             copy_test(t, "write", src, args)
         for rep in range(args.reps):
@@ -316,16 +402,18 @@ def main() -> int:
                         r = fio_test(t, test, qd, args)
                     raw.setdefault(key, {}).setdefault(t.name, []).append(r)
                     shown = f"{r['iops']:.0f} IOPS" if "iops" in r else f"{r['mib_s']:.0f} MiB/s"
-                    print(f"rep {rep + 1} {label(test, qd):22} {t.name:10} {shown}",
-                          flush=True)
+                    print(f"rep {rep + 1} {label(test, qd):22} {t.name:10} {shown}", flush=True)
     finally:
         stop_targets(targets)
         shutil.rmtree(tmp, ignore_errors=True)
     info["loadavg_end"] = loadavg()
     info["steal_pct"] = steal_percent(info.pop("cpu_times_start"), cpu_times())
-    results = {"machine": info, "targets": [t.name for t in targets], "raw": raw,
-               "median": {k: {n: median_result(v) for n, v in d.items()}
-                          for k, d in raw.items()}}
+    results = {
+        "machine": info,
+        "targets": [t.name for t in targets],
+        "raw": raw,
+        "median": {k: {n: median_result(v) for n, v in d.items()} for k, d in raw.items()},
+    }
     table = markdown(results, info, args)
     print(table)
     if args.json:

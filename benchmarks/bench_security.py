@@ -45,8 +45,17 @@ PS = 4096
 
 
 def start_memserver(extra: list[str], pin: bool) -> tuple[subprocess.Popen, tuple[str, int]]:
-    cmd = [sys.executable, "-m", "duvm.cli", "memserver", "--listen", "127.0.0.1:0",
-           "--capacity", "96M", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "duvm.cli",
+        "memserver",
+        "--listen",
+        "127.0.0.1:0",
+        "--capacity",
+        "96M",
+        *extra,
+    ]
     if pin:
         cmd = ["taskset", "-c", "1", *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -58,8 +67,9 @@ def start_memserver(extra: list[str], pin: bool) -> tuple[subprocess.Popen, tupl
     return proc, (m.group(1), int(m.group(2)))
 
 
-async def protocol_cases(addr, pid: int, sec: auth.PeerSecurity | None, seconds: float,
-                         connects: int) -> list[dict]:  # fmt: skip
+async def protocol_cases(
+    addr, pid: int, sec: auth.PeerSecurity | None, seconds: float, connects: int
+) -> list[dict]:
     t = []
     for i in range(connects):
         c = MemClient(*addr, f"conn/{i}", security=sec)
@@ -67,9 +77,16 @@ async def protocol_cases(addr, pid: int, sec: auth.PeerSecurity | None, seconds:
         await c.connect()
         t.append(time.perf_counter() - t0)
         await c.close()
-    res = [{"case": "connect+auth", "ops_s": 1 / statistics.median(t), "mib_s": 0.0,
-            "p50_us": statistics.median(t) * 1e6, "client_us_op": float("nan"),
-            "server_us_op": float("nan")}]  # fmt: skip
+    res = [
+        {
+            "case": "connect+auth",
+            "ops_s": 1 / statistics.median(t),
+            "mib_s": 0.0,
+            "p50_us": statistics.median(t) * 1e6,
+            "client_us_op": float("nan"),
+            "server_us_op": float("nan"),
+        }
+    ]
     c = MemClient(*addr, "bench/sec", security=sec)
     await c.connect()
     await c.reserve(4096)
@@ -97,16 +114,25 @@ async def crypt_cases(addr, pid: int, seconds: float) -> list[dict]:
     mem = CryptStore(MemoryStore(1024 * PS))
     page = memoryview(os.urandom(PS))
     out = memoryview(bytearray(PS))
-    for label, fn in (("seal 4K (in process)", lambda i: mem.write((i % 1024) * PS, page)),
-                      ("open 4K (in process)", lambda i: mem.read((i % 1024) * PS, out))):
+    for label, fn in (
+        ("seal 4K (in process)", lambda i: mem.write((i % 1024) * PS, page)),
+        ("open 4K (in process)", lambda i: mem.read((i % 1024) * PS, out)),
+    ):
         n, t0, c0 = 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < seconds:
             for i in range(1000):
                 await fn(n + i)
             n += 1000
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        res.append({"case": label, "ops_s": n / dt, "mib_s": n * PS / dt / (1 << 20),
-                    "client_us_op": cpu / n * 1e6, "server_us_op": 0.0})  # fmt: skip
+        res.append(
+            {
+                "case": label,
+                "ops_s": n / dt,
+                "mib_s": n * PS / dt / (1 << 20),
+                "client_us_op": cpu / n * 1e6,
+                "server_us_op": 0.0,
+            }
+        )
     plain_mem = MemoryStore(1024 * PS)
     n, t0, c0 = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < seconds:
@@ -114,9 +140,15 @@ async def crypt_cases(addr, pid: int, seconds: float) -> list[dict]:
             await plain_mem.write(((n + i) % 1024) * PS, page)
         n += 1000
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    res.append({"case": "MemoryStore write 4K (baseline)", "ops_s": n / dt,
-                "mib_s": n * PS / dt / (1 << 20), "client_us_op": cpu / n * 1e6,
-                "server_us_op": 0.0})  # fmt: skip
+    res.append(
+        {
+            "case": "MemoryStore write 4K (baseline)",
+            "ops_s": n / dt,
+            "mib_s": n * PS / dt / (1 << 20),
+            "client_us_op": cpu / n * 1e6,
+            "server_us_op": 0.0,
+        }
+    )
     remote = await RemoteStore.open([addr], 16 << 20, "bench/crypt")
     for name, store in (("RemoteStore", remote), ("CryptStore(RemoteStore)", CryptStore(remote))):
         await store.write(0, memoryview(os.urandom(16 << 20)))
@@ -137,14 +169,15 @@ async def crypt_cases(addr, pid: int, seconds: float) -> list[dict]:
 
 def print_table(title: str, runs: list[list[dict]]) -> None:
     print(f"\n## {title}")
-    print(f"{'case':34} {'ops/s':>9} {'p50 us':>7} {'p99 us':>7} {'cli us/op':>9} "
-          f"{'srv us/op':>9}")  # fmt: skip
+    print(f"{'case':34} {'ops/s':>9} {'p50 us':>7} {'p99 us':>7} {'cli us/op':>9} {'srv us/op':>9}")
     for i, first in enumerate(runs[0]):
         col = {k: statistics.median(r[i][k] for r in runs) for k in first if k != "case"}
         p50 = f"{col['p50_us']:7.0f}" if "p50_us" in col else f"{'':7}"
         p99 = f"{col['p99_us']:7.0f}" if "p99_us" in col else f"{'':7}"
-        print(f"{first['case']:34} {col['ops_s']:9.0f} {p50} {p99} "
-              f"{col['client_us_op']:9.1f} {col['server_us_op']:9.1f}")  # fmt: skip
+        print(
+            f"{first['case']:34} {col['ops_s']:9.0f} {p50} {p99} "
+            f"{col['client_us_op']:9.1f} {col['server_us_op']:9.1f}"
+        )
 
 
 def main() -> int:
@@ -162,35 +195,54 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="duvm-bench-sec-"))
     pki = _make_pki(tmp)
     secret = tmp / "secret"
-    subprocess.run([sys.executable, "-m", "duvm.cli", "secret", "generate", str(secret)],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "duvm.cli", "secret", "generate", str(secret)],
+        check=True,
+        capture_output=True,
+    )
     kr = auth.Keyring.from_file(secret)
     modes = {
         "plain": ([], None),
         "secret": (["--secret-file", str(secret)], auth.PeerSecurity(kr)),
-        "tls": (["--secret-file", str(secret), "--tls-cert", pki["server"], "--tls-key",
-                 pki["server_key"]], auth.PeerSecurity(kr, auth.client_tls_context(pki["ca"]))),
-        "mtls": (["--tls-cert", pki["server"], "--tls-key", pki["server_key"], "--tls-ca",
-                  pki["ca"]], auth.PeerSecurity(None, auth.client_tls_context(
-                      pki["ca"], pki["client"], pki["client_key"]))),
-    }  # fmt: skip
+        "tls": (
+            [
+                "--secret-file",
+                str(secret),
+                "--tls-cert",
+                pki["server"],
+                "--tls-key",
+                pki["server_key"],
+            ],
+            auth.PeerSecurity(kr, auth.client_tls_context(pki["ca"])),
+        ),
+        "mtls": (
+            ["--tls-cert", pki["server"], "--tls-key", pki["server_key"], "--tls-ca", pki["ca"]],
+            auth.PeerSecurity(
+                None, auth.client_tls_context(pki["ca"], pki["client"], pki["client_key"])
+            ),
+        ),
+    }
     try:
         import uvloop
 
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    print(f"# bench_security: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
-          f"pinned={'server cpu1, client cpu0' if args.pin else 'no'}, "
-          f"median of {args.repeat} x {args.seconds:g}s")  # fmt: skip
+    print(
+        f"# bench_security: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
+        f"pinned={'server cpu1, client cpu0' if args.pin else 'no'}, "
+        f"median of {args.repeat} x {args.seconds:g}s"
+    )
     wanted = args.modes.split(",")
     for mode, (flags, sec) in modes.items():
         if mode not in wanted:
             continue
         proc, addr = start_memserver(flags, args.pin)
         try:
-            runs = [runner(protocol_cases(addr, proc.pid, sec, args.seconds, args.connects))
-                    for _ in range(args.repeat)]  # fmt: skip
+            runs = [
+                runner(protocol_cases(addr, proc.pid, sec, args.seconds, args.connects))
+                for _ in range(args.repeat)
+            ]
         finally:
             proc.terminate()
             proc.wait(10)
@@ -198,8 +250,7 @@ def main() -> int:
     if "crypt" in wanted:
         proc, addr = start_memserver([], args.pin)
         try:
-            runs = [runner(crypt_cases(addr, proc.pid, args.seconds))
-                    for _ in range(args.repeat)]  # fmt: skip
+            runs = [runner(crypt_cases(addr, proc.pid, args.seconds)) for _ in range(args.repeat)]
         finally:
             proc.terminate()
             proc.wait(10)

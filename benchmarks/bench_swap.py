@@ -85,8 +85,7 @@ from duvm.units import parse_size
 PRIORITY = demo.MAX_PRIORITY  # the highest: the kernel uses the device under test first
 MiB = 1 << 20
 PAGE = 4096
-TARGETS = ("duvm-1", "duvm-3", "duvm-3r2", "nbdkit", "duvm-local", "disk-file", "zram",
-           "no-swap")
+TARGETS = ("duvm-1", "duvm-3", "duvm-3r2", "nbdkit", "duvm-local", "disk-file", "zram", "no-swap")
 SWAP_FILE_FS = ("ext2", "ext3", "ext4", "xfs")  # take a plain swap file without extra flags
 CGROUP_PREFIX = "duvm-bench"
 TARGET_RATIO = 1.15
@@ -140,8 +139,9 @@ def run_tool(tool: str, *args: str, timeout: float = 300) -> str:
     path = attach.find_tool(tool)
     if path is None:
         raise BenchError(f"{tool} not found; install {attach.TOOL_PACKAGES.get(tool, tool)}")
-    res = subprocess.run([path, *args], capture_output=True, text=True, timeout=timeout,
-                         check=False)
+    res = subprocess.run(
+        [path, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
     if res.returncode != 0:
         raise BenchError(f"{tool} {' '.join(args)} failed: {(res.stderr or res.stdout).strip()}")
     return res.stdout
@@ -186,26 +186,36 @@ def detach_or_explain(state_file: Path, keep: Callable[[], None]) -> None:
         attach.detach(state_file, force=True)
     except attach.SwapoffFailed as exc:
         keep()
-        raise BenchError(f"{exc} The server behind it was left running; detach with "
-                         f"`duvm disable --state-dir {state_file.parent}` once RAM is free."
-                         ) from exc
+        raise BenchError(
+            f"{exc} The server behind it was left running; detach with "
+            f"`duvm disable --state-dir {state_file.parent}` once RAM is free."
+        ) from exc
 
 
 @contextlib.contextmanager
-def duvm_target(memservers: int, args: argparse.Namespace, state: Path,
-                replicas: int = 1) -> Iterator[Active]:
+def duvm_target(
+    memservers: int, args: argparse.Namespace, state: Path, replicas: int = 1
+) -> Iterator[Active]:
     # + room for rounding to slabs (as demo)
     capacity = args.size * replicas // memservers + (16 << 20)
     servers = demo.Memservers(memservers, capacity)
     stop = True
     try:
-        cfg = control.Config(peers=servers.addrs, size=args.size, replicas=replicas,
-                             method=args.method, state_dir=state, priority=PRIORITY,
-                             daemon_args=trace_args(args, state)).validate()
+        cfg = control.Config(
+            peers=servers.addrs,
+            size=args.size,
+            replicas=replicas,
+            method=args.method,
+            state_dir=state,
+            priority=PRIORITY,
+            daemon_args=trace_args(args, state),
+        ).validate()
         att = control.enable(cfg)
         daemon = att.extra.get("daemon_pid")
-        pids = [*servers.pids, *[p for p in (daemon, att.nbdfuse_pid, att.holder_pid)
-                                 if isinstance(p, int)]]
+        pids = [
+            *servers.pids,
+            *[p for p in (daemon, att.nbdfuse_pid, att.holder_pid) if isinstance(p, int)],
+        ]
         try:
             yield Active(att.device, fuse_frontend(att), pids)
         finally:
@@ -221,15 +231,21 @@ def duvm_target(memservers: int, args: argparse.Namespace, state: Path,
 
 
 @contextlib.contextmanager
-def socket_server_target(argv: list[str], ready: Path, state: Path, what: str,
-                         args: argparse.Namespace) -> Iterator[Active]:
+def socket_server_target(
+    argv: list[str], ready: Path, state: Path, what: str, args: argparse.Namespace
+) -> Iterator[Active]:
     """An NBD server on a Unix socket (argv), attached by the same `attach.attach` call as
     duvm itself, so it goes through the same frontend. `ready` appears once it listens."""
     log = state / "server.log"
     with open(log, "wb") as out:
         # own session: Ctrl-C must not stop the server while the kernel may still need it
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     stop = True
     try:
         deadline = time.monotonic() + 30
@@ -238,38 +254,77 @@ def socket_server_target(argv: list[str], ready: Path, state: Path, what: str,
                 raise BenchError(f"{what} did not start: {log.read_text()[-800:].strip()}")
             time.sleep(0.02)
         state_file = state / "state.json"
-        att = attach.attach(str(state / "server.sock"), state_file, run_dir=state,
-                            method=args.method, priority=PRIORITY)
+        att = attach.attach(
+            str(state / "server.sock"),
+            state_file,
+            run_dir=state,
+            method=args.method,
+            priority=PRIORITY,
+        )
         try:
-            yield Active(att.device, fuse_frontend(att),
-                         [proc.pid, *[p for p in (att.nbdfuse_pid, att.holder_pid) if p]])
+            yield Active(
+                att.device,
+                fuse_frontend(att),
+                [proc.pid, *[p for p in (att.nbdfuse_pid, att.holder_pid) if p]],
+            )
         finally:
+
             def keep() -> None:
                 nonlocal stop
                 stop = False
+
             detach_or_explain(state_file, keep)
     finally:
         if stop:
             stop_process(proc)
 
 
-def nbdkit_target(args: argparse.Namespace, state: Path) -> contextlib.AbstractContextManager[
-        Active]:
+def nbdkit_target(
+    args: argparse.Namespace, state: Path
+) -> contextlib.AbstractContextManager[Active]:
     nbdkit = attach.find_tool("nbdkit")
     assert nbdkit is not None  # preflight
     pidfile = state / "nbdkit.pid"  # nbdkit writes it once it listens
     return socket_server_target(
-        [nbdkit, "-f", "-U", str(state / "server.sock"), "-P", str(pidfile), "memory",
-         f"size={args.size}"], pidfile, state, "nbdkit", args)
+        [
+            nbdkit,
+            "-f",
+            "-U",
+            str(state / "server.sock"),
+            "-P",
+            str(pidfile),
+            "memory",
+            f"size={args.size}",
+        ],
+        pidfile,
+        state,
+        "nbdkit",
+        args,
+    )
 
 
-def duvm_local_target(args: argparse.Namespace, state: Path) -> contextlib.AbstractContextManager[
-        Active]:
+def duvm_local_target(
+    args: argparse.Namespace, state: Path
+) -> contextlib.AbstractContextManager[Active]:
     sock = state / "server.sock"  # bound and listening once it exists
     return socket_server_target(
-        [sys.executable, "-m", "duvm.cli", "daemon", "--memory", "--size", str(args.size),
-         "--socket", str(sock), *trace_args(args, state)], sock, state, "duvm daemon --memory",
-        args)
+        [
+            sys.executable,
+            "-m",
+            "duvm.cli",
+            "daemon",
+            "--memory",
+            "--size",
+            str(args.size),
+            "--socket",
+            str(sock),
+            *trace_args(args, state),
+        ],
+        sock,
+        state,
+        "duvm daemon --memory",
+        args,
+    )
 
 
 def trace_args(args: argparse.Namespace, state: Path) -> list[str]:
@@ -346,8 +401,9 @@ def no_swap_target(args: argparse.Namespace, state: Path) -> Iterator[Active]:
     yield Active(None, "none (cgroup limited only by RAM)")
 
 
-TARGET_OPEN: dict[str, Callable[[argparse.Namespace, Path], contextlib.AbstractContextManager[
-    Active]]] = {
+TARGET_OPEN: dict[
+    str, Callable[[argparse.Namespace, Path], contextlib.AbstractContextManager[Active]]
+] = {
     "duvm-1": lambda a, s: duvm_target(1, a, s),
     "duvm-3": lambda a, s: duvm_target(3, a, s),
     "duvm-3r2": lambda a, s: duvm_target(3, a, s, replicas=2),
@@ -400,17 +456,25 @@ def run_workload(run: Run, args: argparse.Namespace, limit_bytes: int, device: s
         with cgroup.MemoryCgroup(limit_bytes, prefix=CGROUP_PREFIX) as cg:
             run.cgroup = str(cg.path)
             t0 = time.monotonic()
-            proc = cg.popen([sys.executable, "-m", "duvm.workload", "--mib", str(args.mib),
-                             "--progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True)
+            proc = cg.popen(
+                [sys.executable, "-m", "duvm.workload", "--mib", str(args.mib), "--progress"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+            )
             killer = threading.Timer(args.timeout, proc.kill)
             killer.start()
             try:
                 assert proc.stderr is not None and proc.stdout is not None
                 for line in proc.stderr:
                     parts = line.split()
-                    if parts[:2] == ["progress", "fill"] and len(parts) == 4 \
-                            and parts[2] == parts[3] and mid is None:
+                    if (
+                        parts[:2] == ["progress", "fill"]
+                        and len(parts) == 4
+                        and parts[2] == parts[3]
+                        and mid is None
+                    ):
                         mid = vmstat()  # the fill phase just ended
                     elif parts[:1] != ["progress"]:
                         tail = [*tail[-5:], line.rstrip()]
@@ -440,8 +504,11 @@ def run_workload(run: Run, args: argparse.Namespace, limit_bytes: int, device: s
         run.fill_s, run.verify_s = result.get("fill_s"), result.get("verify_s")
     run.intact = run.exit_code == 0 and bool(result and result.get("intact"))
     if not run.intact:
-        why = "killed after --timeout" if run.exit_code == -signal.SIGKILL else \
-            f"exit {run.exit_code}"
+        why = (
+            "killed after --timeout"
+            if run.exit_code == -signal.SIGKILL
+            else f"exit {run.exit_code}"
+        )
         run.error = f"workload failed ({why}): {' | '.join(tail) or 'no message'}"
 
 
@@ -461,8 +528,9 @@ def leftovers(state: Path, run: Run) -> list[str]:
     return left
 
 
-def run_target(name: str, rep: int, args: argparse.Namespace, workdir: Path,
-               runs: list[Run]) -> None:
+def run_target(
+    name: str, rep: int, args: argparse.Namespace, workdir: Path, runs: list[Run]
+) -> None:
     """Set up target `name`, run the workload on it, tear it down; the run goes into `runs`
     first, so an interrupted one is recorded too (with what it left behind)."""
     run = Run(name, rep)
@@ -475,16 +543,29 @@ def run_target(name: str, rep: int, args: argparse.Namespace, workdir: Path,
         with TARGET_OPEN[name](args, state) as active:
             run.frontend, run.device, run.pids = active.frontend, active.device, active.pids
             run.setup_s = round(time.monotonic() - t0, 3)
-            rivals = [e.filename for e in swaps() if e.priority >= PRIORITY
-                      and e.filename != (active.device and os.path.realpath(active.device))]
+            rivals = [
+                e.filename
+                for e in swaps()
+                if e.priority >= PRIORITY
+                and e.filename != (active.device and os.path.realpath(active.device))
+            ]
             if rivals:
-                raise BenchError(f"swap {', '.join(rivals)} appeared at priority {PRIORITY}: "
-                                 "the workload's pages would be shared with it")
+                raise BenchError(
+                    f"swap {', '.join(rivals)} appeared at priority {PRIORITY}: "
+                    "the workload's pages would be shared with it"
+                )
             run_workload(run, args, limit, active.device)
             teardown_from = time.monotonic()
         run.teardown_s = round(time.monotonic() - teardown_from, 3)
-    except (BenchError, attach.AttachError, control.ControlError, cgroup.CgroupError,
-            OSError, subprocess.SubprocessError, ValueError) as exc:
+    except (
+        BenchError,
+        attach.AttachError,
+        control.ControlError,
+        cgroup.CgroupError,
+        OSError,
+        subprocess.SubprocessError,
+        ValueError,
+    ) as exc:
         run.error = f"{run.error + '; ' if run.error else ''}{type(exc).__name__}: {exc}"
     except KeyboardInterrupt:
         run.error = "interrupted"
@@ -493,17 +574,22 @@ def run_target(name: str, rep: int, args: argparse.Namespace, workdir: Path,
         run.leftovers = leftovers(state, run)
         if not run.leftovers:  # never rmtree into a mount that is still there
             shutil.rmtree(state, ignore_errors=True)
-    say(f"  {name:<9} rep {rep + 1}: wall {fmt(run.wall_s)} s (fill {fmt(run.fill_s)}, verify "
+    say(
+        f"  {name:<9} rep {rep + 1}: wall {fmt(run.wall_s)} s (fill {fmt(run.fill_s)}, verify "
         f"{fmt(run.verify_s)}), out {mib(run.pswpout)} MiB, in {mib(run.pswpin)} MiB, "
         f"steal {fmt(run.steal_pct, 1)}%, "
         f"{'intact' if run.intact else 'NOT intact' if run.intact is False else 'not run'}"
         + (f"  ERROR: {run.error}" if run.error else "")
-        + (f"  LEFT BEHIND: {', '.join(run.leftovers)}" if run.leftovers else ""))
+        + (f"  LEFT BEHIND: {', '.join(run.leftovers)}" if run.leftovers else "")
+    )
 
 
 def mounts_below(path: Path) -> list[str]:
-    return [m for m in (line.split()[1] for line in Path("/proc/mounts").read_text().splitlines())
-            if m.startswith(f"{path}/")]
+    return [
+        m
+        for m in (line.split()[1] for line in Path("/proc/mounts").read_text().splitlines())
+        if m.startswith(f"{path}/")
+    ]
 
 
 def mem_total_bytes() -> int:
@@ -518,21 +604,32 @@ def preflight(args: argparse.Namespace) -> list[str]:
     problems = demo.preflight()  # root, swap tools, a way to attach, a memory cgroup
     if "nbdkit" in args.targets and attach.find_tool("nbdkit") is None:
         problems.append("nbdkit missing: install nbdkit (or leave out --targets nbdkit)")
-    if "zram" in args.targets and not Path("/sys/block/zram0").exists() \
-            and not (ZRAM_CONTROL / "hot_add").exists():
+    if (
+        "zram" in args.targets
+        and not Path("/sys/block/zram0").exists()
+        and not (ZRAM_CONTROL / "hot_add").exists()
+    ):
         problems.append("no zram device (modprobe zram, or leave out --targets zram)")
     if "disk-file" in args.targets:
-        res = subprocess.run(["findmnt", "-no", "FSTYPE", "-T", str(args.disk_dir)],
-                             capture_output=True, text=True, check=False)
+        res = subprocess.run(
+            ["findmnt", "-no", "FSTYPE", "-T", str(args.disk_dir)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         fs = res.stdout.strip()
         if fs not in SWAP_FILE_FS:
-            problems.append(f"--disk-dir {args.disk_dir} is on {fs or 'an unknown filesystem'}; "
-                            f"a plain swap file needs one of {', '.join(SWAP_FILE_FS)}")
+            problems.append(
+                f"--disk-dir {args.disk_dir} is on {fs or 'an unknown filesystem'}; "
+                f"a plain swap file needs one of {', '.join(SWAP_FILE_FS)}"
+            )
     rivals = demo.competing_swaps()
     if rivals:
-        problems.append(f"swap {', '.join(rivals)} is already active at priority {PRIORITY}: "
-                        "the workload's pages would be shared between it and each target; "
-                        "swapoff it first")
+        problems.append(
+            f"swap {', '.join(rivals)} is already active at priority {PRIORITY}: "
+            "the workload's pages would be shared between it and each target; "
+            "swapoff it first"
+        )
     if args.mib <= args.limit_mib or args.limit_mib < 16:
         problems.append("--mib must exceed --limit-mib (>= 16) so the workload swaps")
     if args.size < args.mib * MiB:
@@ -553,14 +650,24 @@ def machine(args: argparse.Namespace) -> dict[str, Any]:
         return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "n/a"
 
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines()
-                  if ln.startswith("Model name")), "n/a")
-    return {"cpu": model, "cpus": os.cpu_count(), "mem_mib": mem_total_bytes() // MiB,
-            "kernel": platform.release(), "python": platform.python_version(),
-            "nbdkit": cmd("nbdkit", "--version"), "nbdfuse": cmd("nbdfuse", "--version"),
-            "attach_method": args.method, "cgroup": f"v{cgroup.detect_version()}",
-            "swappiness": Path("/proc/sys/vm/swappiness").read_text().strip(),
-            "other_swaps": [asdict(e) for e in swaps()], "loadavg_start": os.getloadavg()}
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")),
+        "n/a",
+    )
+    return {
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "mem_mib": mem_total_bytes() // MiB,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "nbdkit": cmd("nbdkit", "--version"),
+        "nbdfuse": cmd("nbdfuse", "--version"),
+        "attach_method": args.method,
+        "cgroup": f"v{cgroup.detect_version()}",
+        "swappiness": Path("/proc/sys/vm/swappiness").read_text().strip(),
+        "other_swaps": [asdict(e) for e in swaps()],
+        "loadavg_start": os.getloadavg(),
+    }
 
 
 def fmt(v: float | None, digits: int = 2) -> str:
@@ -588,28 +695,46 @@ def summarize(runs: list[Run], targets: list[str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for t in targets:
         ok = [r for r in runs if r.target == t and r.intact and not r.error]
-        out[t] = {"runs": len([r for r in runs if r.target == t]), "ok": len(ok),
-                  "frontend": next((r.frontend for r in ok), None),
-                  **{k: med(ok, k) for k in ("wall_s", "fill_s", "verify_s", "setup_s",
-                                             "teardown_s", "pswpout", "pswpin", "fill_pswpout",
-                                             "peak_device_kib", "steal_pct")},
-                  # the spread says how much to trust the median on a busy machine
-                  "wall_s_min": min((r.wall_s for r in ok if r.wall_s is not None), default=None),
-                  "wall_s_max": max((r.wall_s for r in ok if r.wall_s is not None), default=None)}
+        out[t] = {
+            "runs": len([r for r in runs if r.target == t]),
+            "ok": len(ok),
+            "frontend": next((r.frontend for r in ok), None),
+            **{
+                k: med(ok, k)
+                for k in (
+                    "wall_s",
+                    "fill_s",
+                    "verify_s",
+                    "setup_s",
+                    "teardown_s",
+                    "pswpout",
+                    "pswpin",
+                    "fill_pswpout",
+                    "peak_device_kib",
+                    "steal_pct",
+                )
+            },
+            # the spread says how much to trust the median on a busy machine
+            "wall_s_min": min((r.wall_s for r in ok if r.wall_s is not None), default=None),
+            "wall_s_max": max((r.wall_s for r in ok if r.wall_s is not None), default=None),
+        }
     base = out.get("nbdkit", {})
     floor = out.get("no-swap", {}).get("wall_s")
     for s in out.values():
         for k in ("wall_s", "fill_s", "verify_s"):
-            s[f"{k}_vs_nbdkit"] = round(s[k] / base[k], 3) if s.get(k) is not None and \
-                base.get(k) else None
+            s[f"{k}_vs_nbdkit"] = (
+                round(s[k] / base[k], 3) if s.get(k) is not None and base.get(k) else None
+            )
         # what swapping added to the workload's own CPU time (no-swap's wall)
-        s["over_floor_s"] = round(s["wall_s"] - floor, 3) if s["wall_s"] is not None and \
-            floor is not None else None
+        s["over_floor_s"] = (
+            round(s["wall_s"] - floor, 3) if s["wall_s"] is not None and floor is not None else None
+        )
     return out
 
 
-def markdown(summary: dict[str, dict[str, Any]], info: dict[str, Any],
-             args: argparse.Namespace) -> str:
+def markdown(
+    summary: dict[str, dict[str, Any]], info: dict[str, Any], args: argparse.Namespace
+) -> str:
     lines = [
         f"Machine: {info['cpu']}, {info['cpus']} CPUs, {info['mem_mib']} MiB RAM, kernel "
         f"{info['kernel']}, Python {info['python']}, {info['nbdkit']}, {info['nbdfuse']}, "
@@ -629,11 +754,13 @@ def markdown(summary: dict[str, dict[str, Any]], info: dict[str, Any],
     for t, s in summary.items():
         ratio = "n/a" if s["wall_s_vs_nbdkit"] is None else f"{s['wall_s_vs_nbdkit']:.2f}x"
         peak = "n/a" if s["peak_device_kib"] is None else f"{s['peak_device_kib'] / 1024:.0f}"
-        lines.append(f"| {t} | {s['frontend'] or 'n/a'} | {fmt(s['wall_s'])} | "
-                     f"{fmt(s['wall_s_min'])}-{fmt(s['wall_s_max'])} | {ratio} | "
-                     f"{fmt(s['over_floor_s'])} | {fmt(s['fill_s'])} | {fmt(s['verify_s'])} | "
-                     f"{mib(s['pswpout'])} | {mib(s['pswpin'])} | {peak} | "
-                     f"{fmt(s['steal_pct'], 1)} | {s['ok']}/{s['runs']} |")
+        lines.append(
+            f"| {t} | {s['frontend'] or 'n/a'} | {fmt(s['wall_s'])} | "
+            f"{fmt(s['wall_s_min'])}-{fmt(s['wall_s_max'])} | {ratio} | "
+            f"{fmt(s['over_floor_s'])} | {fmt(s['fill_s'])} | {fmt(s['verify_s'])} | "
+            f"{mib(s['pswpout'])} | {mib(s['pswpin'])} | {peak} | "
+            f"{fmt(s['steal_pct'], 1)} | {s['ok']}/{s['runs']} |"
+        )
     return "\n".join(lines)
 
 
@@ -643,11 +770,14 @@ def verdict(summary: dict[str, dict[str, Any]]) -> str | None:
         return None
     met = "met" if r <= TARGET_RATIO else "NOT met"
     line = f"target duvm-3 within {TARGET_RATIO}x of nbdkit: {met} ({r:.2f}x)"
-    steal = max((s["steal_pct"] for s in summary.values() if s.get("steal_pct") is not None),
-                default=None)
+    steal = max(
+        (s["steal_pct"] for s in summary.values() if s.get("steal_pct") is not None), default=None
+    )
     if steal is not None and steal >= STEAL_WARN_PCT:
-        line += (f"; but the hypervisor took up to {steal:.0f}% of the CPUs (steal) during "
-                 "the runs, so the timings measure the host's load too: run again when quiet")
+        line += (
+            f"; but the hypervisor took up to {steal:.0f}% of the CPUs (steal) during "
+            "the runs, so the timings measure the host's load too: run again when quiet"
+        )
     return line
 
 
@@ -656,35 +786,66 @@ def verdict(summary: dict[str, dict[str, Any]]) -> str | None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="bench_swap.py", description=__doc__.split("\n")[0],
+        prog="bench_swap.py",
+        description=__doc__.split("\n")[0],
         epilog=__doc__.split("Theory of operation")[1].split("\n", 2)[2],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--targets", default=",".join(TARGETS),
-                    help=f"comma-separated, in this order per round (default: {','.join(TARGETS)})")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help=f"comma-separated, in this order per round (default: {','.join(TARGETS)})",
+    )
     ap.add_argument("--reps", type=int, default=3, help="runs per target, median (default 3)")
     ap.add_argument("--mib", type=int, default=256, help="workload size in MiB (default 256)")
-    ap.add_argument("--limit-mib", type=int, default=64,
-                    help="RAM limit of the workload's cgroup in MiB (default 64)")
-    ap.add_argument("--size", type=parse_size, default=None,
-                    help="size of each swap device (default 1.5x the workload)")
-    ap.add_argument("--method", choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
-                    default="auto", help="frontend for duvm and nbdkit alike (auto: kernel nbd "
-                    "when the kernel has it, else nbdfuse + loop)")
-    ap.add_argument("--disk-dir", type=Path, default=Path("/var/tmp"),
-                    help="where the disk-file target's swap file goes (default /var/tmp)")
-    ap.add_argument("--timeout", type=float, default=600,
-                    help="seconds before a workload run is killed (default 600)")
+    ap.add_argument(
+        "--limit-mib",
+        type=int,
+        default=64,
+        help="RAM limit of the workload's cgroup in MiB (default 64)",
+    )
+    ap.add_argument(
+        "--size",
+        type=parse_size,
+        default=None,
+        help="size of each swap device (default 1.5x the workload)",
+    )
+    ap.add_argument(
+        "--method",
+        choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
+        default="auto",
+        help="frontend for duvm and nbdkit alike (auto: kernel nbd "
+        "when the kernel has it, else nbdfuse + loop)",
+    )
+    ap.add_argument(
+        "--disk-dir",
+        type=Path,
+        default=Path("/var/tmp"),
+        help="where the disk-file target's swap file goes (default /var/tmp)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=600,
+        help="seconds before a workload run is killed (default 600)",
+    )
     ap.add_argument("--json", type=Path, metavar="FILE", help="write every run and the medians")
-    ap.add_argument("--trace", type=Path, metavar="DIR",
-                    help="duvm daemons write a request trace per run to DIR/TARGET-REP.trace "
-                    "(summarise with benchmarks/nbd_trace.py; costs about 1.5 us per request)")
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        metavar="DIR",
+        help="duvm daemons write a request trace per run to DIR/TARGET-REP.trace "
+        "(summarise with benchmarks/nbd_trace.py; costs about 1.5 us per request)",
+    )
     ap.add_argument("--markdown", type=Path, metavar="FILE", help="write the table")
     args = ap.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown or not args.targets:
-        ap.error(f"unknown target(s) {', '.join(unknown) or '(none given)'}; "
-                 f"choose from {', '.join(TARGETS)}")
+        ap.error(
+            f"unknown target(s) {', '.join(unknown) or '(none given)'}; "
+            f"choose from {', '.join(TARGETS)}"
+        )
     args.size = args.size or (args.mib + args.mib // 2) * MiB
     args.size -= args.size % MiB
     return args
@@ -702,18 +863,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     signal.signal(signal.SIGTERM, _raise_on_signal)  # `timeout`, kill: clean up like Ctrl-C
     if args.method == "auto":
-        args.method = attach.METHOD_KERNEL if attach.kernel_nbd_available() else \
-            attach.METHOD_FUSE
+        args.method = attach.METHOD_KERNEL if attach.kernel_nbd_available() else attach.METHOD_FUSE
     info = machine(args)
-    say(f"bench_swap: {info['cpu']}, {info['cpus']} CPUs, {info['mem_mib']} MiB, kernel "
+    say(
+        f"bench_swap: {info['cpu']}, {info['cpus']} CPUs, {info['mem_mib']} MiB, kernel "
         f"{info['kernel']}, load average {loads(info['loadavg_start'])}; frontend for duvm and "
-        f"nbdkit: {args.method}")
+        f"nbdkit: {args.method}"
+    )
     others = [f"{e['filename']} (priority {e['priority']})" for e in info["other_swaps"]]
     if others:
-        say(f"  other swap devices (lower priority, unused while a target has room): "
-            f"{', '.join(others)}")
-    say(f"  workload {args.mib} MiB in a {args.limit_mib} MiB cgroup, devices "
-        f"{args.size // MiB} MiB, {args.reps} interleaved rep(s) of {', '.join(args.targets)}")
+        say(
+            f"  other swap devices (lower priority, unused while a target has room): "
+            f"{', '.join(others)}"
+        )
+    say(
+        f"  workload {args.mib} MiB in a {args.limit_mib} MiB cgroup, devices "
+        f"{args.size // MiB} MiB, {args.reps} interleaved rep(s) of {', '.join(args.targets)}"
+    )
     workdir = Path(tempfile.mkdtemp(prefix="duvm-bench-", dir="/run"))
     runs: list[Run] = []
     interrupted = False
@@ -725,8 +891,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupted = True
         left = runs[-1].leftovers if runs else []
-        say("interrupted; " + (f"LEFT BEHIND: {', '.join(left)}" if left else
-                               "the target in progress was torn down"))
+        say(
+            "interrupted; "
+            + (
+                f"LEFT BEHIND: {', '.join(left)}"
+                if left
+                else "the target in progress was torn down"
+            )
+        )
     finally:
         if not mounts_below(workdir):
             shutil.rmtree(workdir, ignore_errors=True)
@@ -737,11 +909,25 @@ def main(argv: list[str] | None = None) -> int:
     if v := verdict(summary):
         say(v)
     if args.json:
-        args.json.write_text(json.dumps({
-            "machine": info, "targets": args.targets, "reps": args.reps, "mib": args.mib,
-            "limit_mib": args.limit_mib, "size_bytes": args.size, "priority": PRIORITY,
-            "interrupted": interrupted, "runs": [asdict(r) for r in runs],
-            "median": summary, "verdict": verdict(summary)}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": info,
+                    "targets": args.targets,
+                    "reps": args.reps,
+                    "mib": args.mib,
+                    "limit_mib": args.limit_mib,
+                    "size_bytes": args.size,
+                    "priority": PRIORITY,
+                    "interrupted": interrupted,
+                    "runs": [asdict(r) for r in runs],
+                    "median": summary,
+                    "verdict": verdict(summary),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     if args.markdown:
         args.markdown.write_text(table + "\n")
     if interrupted:

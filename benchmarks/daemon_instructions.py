@@ -40,8 +40,19 @@ def wait_for(path: Path, pattern: str, proc: subprocess.Popen, timeout: float = 
 
 
 def fio(uri: str, *extra: str) -> None:
-    subprocess.run(["fio", "--name=b", "--ioengine=nbd", f"--uri={uri}", "--size=32M",
-                    "--output-format=terse", *extra], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "fio",
+            "--name=b",
+            "--ioengine=nbd",
+            f"--uri={uri}",
+            "--size=32M",
+            "--output-format=terse",
+            *extra,
+        ],
+        check=True,
+        capture_output=True,
+    )
 
 
 def instructions(out_glob: list[Path]) -> int:
@@ -59,10 +70,16 @@ def main() -> int:
     ap.add_argument("--bs", default="4k", help="request size (default 4k)")
     ap.add_argument("--qd", type=int, default=16, help="requests in flight (default 16)")
     ap.add_argument("--requests", type=int, default=4000, help="requests measured (default 4000)")
-    ap.add_argument("--keep", type=Path, default=None, metavar="DIR",
-                    help="copy the callgrind files here (read them with callgrind_annotate)")
-    ap.add_argument("--local", action="store_true",
-                    help="duvm daemon --memory: the NBD layer alone")
+    ap.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="copy the callgrind files here (read them with callgrind_annotate)",
+    )
+    ap.add_argument(
+        "--local", action="store_true", help="duvm daemon --memory: the NBD layer alone"
+    )
     args = ap.parse_args()
     for tool in ("valgrind", "callgrind_control", "fio"):
         if shutil.which(tool) is None:
@@ -73,8 +90,12 @@ def main() -> int:
         d = Path(tmp)
 
         def start(name: str, cmd: list[str]) -> subprocess.Popen:
-            vg = ["valgrind", "--tool=callgrind", "--dump-instr=no",
-                  f"--callgrind-out-file={d}/{name}.%p.cg"]  # fmt: skip
+            vg = [
+                "valgrind",
+                "--tool=callgrind",
+                "--dump-instr=no",
+                f"--callgrind-out-file={d}/{name}.%p.cg",
+            ]
             with open(d / f"{name}.log", "wb") as log:
                 p = subprocess.Popen([*vg, *cmd], stdout=log, stderr=subprocess.STDOUT)
             procs.append(p)
@@ -83,26 +104,48 @@ def main() -> int:
         try:
             peers = ["--memory"]
             if not args.local:
-                ms = start("memserver", [*py, "memserver", "--listen", "127.0.0.1:0",
-                                         "--capacity", "64M", "--no-mlock"])  # fmt: skip
+                ms = start(
+                    "memserver",
+                    [
+                        *py,
+                        "memserver",
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--capacity",
+                        "64M",
+                        "--no-mlock",
+                    ],
+                )
                 port = wait_for(d / "memserver.log", r"listening on [\d.]+:(\d+)", ms)
                 peers = ["--peers", f"127.0.0.1:{port}"]
-            daemon = start("daemon", [*py, "daemon", *peers, "--size", "32M",
-                                      "--socket", str(d / "nbd.sock")])  # fmt: skip
+            daemon = start(
+                "daemon", [*py, "daemon", *peers, "--size", "32M", "--socket", str(d / "nbd.sock")]
+            )
             wait_for(d / "daemon.log", r"(serving)", daemon)
             uri = f"nbd+unix:///?socket={d}/nbd.sock"
             fio(uri, "--rw=write", "--bs=256k", "--iodepth=4")  # every block written once
             for p in procs:
-                subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True,
-                               capture_output=True)  # fmt: skip
-            fio(uri, f"--rw={args.rw}", f"--bs={args.bs}", f"--iodepth={args.qd}",
-                f"--number_ios={args.requests}", "--norandommap", "--randrepeat=0")
+                subprocess.run(
+                    ["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True
+                )
+            fio(
+                uri,
+                f"--rw={args.rw}",
+                f"--bs={args.bs}",
+                f"--iodepth={args.qd}",
+                f"--number_ios={args.requests}",
+                "--norandommap",
+                "--randrepeat=0",
+            )
             for p in procs:
-                subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True,
-                               capture_output=True)  # fmt: skip
+                subprocess.run(
+                    ["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True
+                )
             time.sleep(1)
-            print(f"{args.rw} {args.bs} QD{args.qd}, {args.requests} requests"
-                  f"{' (daemon --memory)' if args.local else ''}:")
+            print(
+                f"{args.rw} {args.bs} QD{args.qd}, {args.requests} requests"
+                f"{' (daemon --memory)' if args.local else ''}:"
+            )
             for name in ("daemon", "memserver"):
                 files = list(d.glob(f"{name}.*.cg*"))
                 if files:

@@ -40,19 +40,23 @@ def micro(n: int = 1_000_000) -> dict[str, float]:
     """Nanoseconds per call of each variant (best of 5 runs of n)."""
     lat = metrics.LatencyByKind(metrics.MEMSERVER_KINDS)
     kind = next(iter(metrics.MEMSERVER_KINDS))
-    hist = Histogram("x_seconds", "x", ["op"], registry=CollectorRegistry(),
-                     buckets=metrics.LATENCY_BOUNDS_S)
+    hist = Histogram(
+        "x_seconds", "x", ["op"], registry=CollectorRegistry(), buckets=metrics.LATENCY_BOUNDS_S
+    )
     env = {"lat": lat, "kind": kind, "hist": hist, "d": {}, "k": object()}
     setup = "from time import perf_counter_ns, perf_counter"
     cases = {
         "empty loop body": "pass",
         "2x perf_counter_ns alone": "t0 = perf_counter_ns(); x = perf_counter_ns() - t0",
-        "memserver hook: 2x perf_counter_ns + LatencyByKind.observe_ns":
-            "t0 = perf_counter_ns(); lat.observe_ns(kind, perf_counter_ns() - t0)",
-        "daemon hook: + request start time kept in a dict (set and pop)":
-            "d[k] = perf_counter_ns(); lat.observe_ns(kind, perf_counter_ns() - d.pop(k))",
-        "prometheus_client Histogram.labels(op).observe (not used)":
-            "t0 = perf_counter(); hist.labels('store').observe(perf_counter() - t0)",
+        "memserver hook: 2x perf_counter_ns + LatencyByKind.observe_ns": (
+            "t0 = perf_counter_ns(); lat.observe_ns(kind, perf_counter_ns() - t0)"
+        ),
+        "daemon hook: + request start time kept in a dict (set and pop)": (
+            "d[k] = perf_counter_ns(); lat.observe_ns(kind, perf_counter_ns() - d.pop(k))"
+        ),
+        "prometheus_client Histogram.labels(op).observe (not used)": (
+            "t0 = perf_counter(); hist.labels('store').observe(perf_counter() - t0)"
+        ),
         "the check when --metrics is off (lat is None)": "if None is not None: pass",
     }
     out = {}
@@ -63,8 +67,12 @@ def micro(n: int = 1_000_000) -> dict[str, float]:
 
 
 def _start(args: list[str], ready: str) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-m", "duvm.cli", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "duvm.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert p.stdout is not None
     seen = ""
     deadline = time.monotonic() + 30
@@ -87,13 +95,24 @@ def _stop(p: subprocess.Popen) -> None:
 
 
 def fio(sock: str, rw: str, qd: int, runtime: int, size: str) -> dict[str, float]:
-    cmd = ["fio", "--name=m", "--ioengine=nbd", f"--uri=nbd+unix:///?socket={sock}",
-           f"--rw={rw}", "--bs=4k", f"--iodepth={qd}", f"--size={size}", "--time_based",
-           f"--runtime={runtime}", "--output-format=json", "--random_generator=lfsr"]
+    cmd = [
+        "fio",
+        "--name=m",
+        "--ioengine=nbd",
+        f"--uri=nbd+unix:///?socket={sock}",
+        f"--rw={rw}",
+        "--bs=4k",
+        f"--iodepth={qd}",
+        f"--size={size}",
+        "--time_based",
+        f"--runtime={runtime}",
+        "--output-format=json",
+        "--random_generator=lfsr",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=runtime + 120)
     if r.returncode != 0:
         raise SystemExit(f"fio failed: {r.stderr[-1000:]}")
-    job = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
+    job = json.loads(r.stdout[r.stdout.index("{") :])["jobs"][0]
     side = job["read"] if rw.endswith("read") else job["write"]
     return {"iops": side["iops"], "lat_us": side["lat_ns"]["mean"] / 1000}
 
@@ -104,12 +123,27 @@ def end_to_end(reps: int, runtime: int, size: str) -> dict[str, dict[str, float]
         for rep in range(reps):
             for on in (False, True) if rep % 2 == 0 else (True, False):
                 extra = ["--metrics", "127.0.0.1:0"] if on else []
-                ms, out = _start(["memserver", "--listen", "127.0.0.1:0", "--capacity", "1G",
-                                  *extra], "listening on")
+                ms, out = _start(
+                    ["memserver", "--listen", "127.0.0.1:0", "--capacity", "1G", *extra],
+                    "listening on",
+                )
                 port = re.search(r"listening on 127\.0\.0\.1:(\d+)", out).group(1)  # type: ignore[union-attr]
                 sock = os.path.join(tmp, f"nbd{rep}{int(on)}.sock")
-                d, _ = _start(["daemon", "--peers", f"127.0.0.1:{port}", "--size", size,
-                               "--socket", sock, "--replicas", "1", *extra], "serving export")
+                d, _ = _start(
+                    [
+                        "daemon",
+                        "--peers",
+                        f"127.0.0.1:{port}",
+                        "--size",
+                        size,
+                        "--socket",
+                        sock,
+                        "--replicas",
+                        "1",
+                        *extra,
+                    ],
+                    "serving export",
+                )
                 try:
                     for rw in ("randwrite", "randread"):
                         for qd in (1, 16):
@@ -118,9 +152,14 @@ def end_to_end(reps: int, runtime: int, size: str) -> dict[str, dict[str, float]
                 finally:
                     _stop(d)
                     _stop(ms)
-    return {k: {"iops": statistics.median(r["iops"] for r in v),
-                "lat_us": statistics.median(r["lat_us"] for r in v), "runs": len(v)}
-            for k, v in results.items()}
+    return {
+        k: {
+            "iops": statistics.median(r["iops"] for r in v),
+            "lat_us": statistics.median(r["lat_us"] for r in v),
+            "runs": len(v),
+        }
+        for k, v in results.items()
+    }
 
 
 def main() -> int:

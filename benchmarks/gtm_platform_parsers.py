@@ -55,8 +55,16 @@ def pdh_reads(n: int) -> dict[str, pdh.CounterRead]:
 
 
 def stream_bytes(reads: dict[str, pdh.CounterRead]) -> bytes:
-    codes = {v: k for k, v in {"L": pdh.LOCAL, "N": pdh.NON_LOCAL, "E": pdh.ENGINE,
-                               "D": pdh.ADAPTER_DEDICATED, "S": pdh.ADAPTER_SHARED}.items()}  # fmt: skip
+    codes = {
+        v: k
+        for k, v in {
+            "L": pdh.LOCAL,
+            "N": pdh.NON_LOCAL,
+            "E": pdh.ENGINE,
+            "D": pdh.ADAPTER_DEDICATED,
+            "S": pdh.ADAPTER_SHARED,
+        }.items()
+    }
     lines = ["gtm1\tT\t1\t1796000000000"]
     for path, r in reads.items():
         for inst, v in (r.values or {}).items():
@@ -111,8 +119,10 @@ def main() -> None:
     print(f"pdh.aggregate, {a.n} processes x (2 memory + 3 engine instances): {t * 1e3:.2f} ms")
     data = stream_bytes(reads)
     t = median_s(lambda: StreamParser().feed(data), a.repeat)
-    print(f"StreamParser.feed, {len(data) / 1024:.0f} KiB sample: {t * 1e3:.2f} ms "
-          f"({len(data) / t / 2**20:.0f} MiB/s)")  # fmt: skip
+    print(
+        f"StreamParser.feed, {len(data) / 1024:.0f} KiB sample: {t * 1e3:.2f} ms "
+        f"({len(data) / t / 2**20:.0f} MiB/s)"
+    )
     text = npu_smi_text(a.n)
     t = median_s(lambda: to_sample(parse_npu_smi(text)), a.repeat)
     print(f"parse_npu_smi + to_sample, 16 chips, {a.n} process rows: {t * 1e3:.2f} ms")

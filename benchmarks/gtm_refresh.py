@@ -78,8 +78,11 @@ def spawn(n: int, mappers: int, workdir: Path) -> list[subprocess.Popen[bytes]]:
     sleep = shutil.which("sleep") or "/bin/sleep"
     try:
         for _ in range(mappers):
-            p = subprocess.Popen([sys.executable, "-c", MAPPER, "-m", str(model)],
-                                 stdout=subprocess.PIPE, cwd=workdir)
+            p = subprocess.Popen(
+                [sys.executable, "-c", MAPPER, "-m", str(model)],
+                stdout=subprocess.PIPE,
+                cwd=workdir,
+            )
             procs.append(p)
         for p in procs:
             assert p.stdout is not None
@@ -136,8 +139,9 @@ def cmdline_probe(pid: int) -> None:
 
 def psutil_pass() -> int:
     """psutil's cheapest way to the same fields (its per-process objects are cached)."""
-    return sum(1 for _ in psutil.process_iter(
-        ["pid", "name", "create_time", "memory_info", "cpu_times"]))
+    return sum(
+        1 for _ in psutil.process_iter(["pid", "name", "create_time", "memory_info", "cpu_times"])
+    )
 
 
 def row(name: str, value: float, unit: str, how: str) -> None:
@@ -157,10 +161,12 @@ def main() -> int:
     try:
         t = time.perf_counter()
         procs = spawn(args.n, min(args.mappers, args.n), workdir)
-        print(f"spawned {len(procs)} processes in {time.perf_counter() - t:.2f} s "
-              f"({min(args.mappers, args.n)} map a GGUF); total processes on the machine: "
-              f"{len(procfs.list_pids())}; {os.cpu_count()} CPUs; load "
-              f"{os.getloadavg()[0]:.2f}")
+        print(
+            f"spawned {len(procs)} processes in {time.perf_counter() - t:.2f} s "
+            f"({min(args.mappers, args.n)} map a GGUF); total processes on the machine: "
+            f"{len(procfs.list_pids())}; {os.cpu_count()} CPUs; load "
+            f"{os.getloadavg()[0]:.2f}"
+        )
         time.sleep(0.5)  # let the children settle into their sleep
         gc.disable()
         run(procs, args)
@@ -179,32 +185,74 @@ def run(procs: list[subprocess.Popen[bytes]], args: argparse.Namespace) -> None:
 
     print("\nper-process probes (median over the spawned processes, microseconds)")
     row("read+parse /proc/PID/stat", per_process(pids, procfs.read_stat), "us/proc", "procfs")
-    row("read /proc/PID/statm", per_process(pids, lambda p: procfs.read_proc(p, "statm")),
-        "us/proc", "procfs")
-    row("read /proc/PID/maps (sleep)", per_process(pids[args.mappers:], read_maps_text),
-        "us/proc", "procfs")
-    row("read /proc/PID/maps (python+gguf)", per_process(mapper_pids, read_maps_text),
-        "us/proc", "procfs")
+    row(
+        "read /proc/PID/statm",
+        per_process(pids, lambda p: procfs.read_proc(p, "statm")),
+        "us/proc",
+        "procfs",
+    )
+    row(
+        "read /proc/PID/maps (sleep)",
+        per_process(pids[args.mappers :], read_maps_text),
+        "us/proc",
+        "procfs",
+    )
+    row(
+        "read /proc/PID/maps (python+gguf)",
+        per_process(mapper_pids, read_maps_text),
+        "us/proc",
+        "procfs",
+    )
     texts = {p: read_maps_text(p) for p in mapper_pids}
-    row("parse maps -> paths+runtimes+models (python)",
-        per_process(mapper_pids, lambda p: (
-            procinfo.detect_runtimes(ps := procinfo.mapped_paths(texts[p])),
-            procinfo.mapped_models(ps))), "us/proc", "sans-io")
-    row("read cmdline + redact + model args", per_process(pids, cmdline_probe), "us/proc",
-        "procargs")
-    row("readlink cwd + exe", per_process(
-        pids, lambda p: (procfs.readlink_proc(p, "cwd"), procfs.readlink_proc(p, "exe"))),
-        "us/proc", "procfs")
-    row("scan_process (sleep)", per_process(
-        pids[args.mappers:], lambda p: procinfo.scan_process(p, btime=btime)), "us/proc",
-        "procinfo")
-    row("scan_process (python+gguf)", per_process(
-        mapper_pids, lambda p: procinfo.scan_process(p, btime=btime)), "us/proc", "procinfo")
-    row("psutil.Process(pid).open_files() (NOT used)", per_process(
-        mapper_pids[:3], lambda p: psutil.Process(p).open_files()), "us/proc", "reference")
+    row(
+        "parse maps -> paths+runtimes+models (python)",
+        per_process(
+            mapper_pids,
+            lambda p: (
+                procinfo.detect_runtimes(ps := procinfo.mapped_paths(texts[p])),
+                procinfo.mapped_models(ps),
+            ),
+        ),
+        "us/proc",
+        "sans-io",
+    )
+    row(
+        "read cmdline + redact + model args",
+        per_process(pids, cmdline_probe),
+        "us/proc",
+        "procargs",
+    )
+    row(
+        "readlink cwd + exe",
+        per_process(
+            pids, lambda p: (procfs.readlink_proc(p, "cwd"), procfs.readlink_proc(p, "exe"))
+        ),
+        "us/proc",
+        "procfs",
+    )
+    row(
+        "scan_process (sleep)",
+        per_process(pids[args.mappers :], lambda p: procinfo.scan_process(p, btime=btime)),
+        "us/proc",
+        "procinfo",
+    )
+    row(
+        "scan_process (python+gguf)",
+        per_process(mapper_pids, lambda p: procinfo.scan_process(p, btime=btime)),
+        "us/proc",
+        "procinfo",
+    )
+    row(
+        "psutil.Process(pid).open_files() (NOT used)",
+        per_process(mapper_pids[:3], lambda p: psutil.Process(p).open_files()),
+        "us/proc",
+        "reference",
+    )
 
-    print(f"\nwhole per-process passes over all {total} processes (median of "
-          f"{args.repeat}, microseconds per process)")
+    print(
+        f"\nwhole per-process passes over all {total} processes (median of "
+        f"{args.repeat}, microseconds per process)"
+    )
     sampler = host.HostSampler()
     sampler.processes()
     t_host = repeated(args.repeat, sampler.processes) / total
@@ -214,15 +262,31 @@ def run(procs: list[subprocess.Popen[bytes]], args: argparse.Namespace) -> None:
     row("list /proc", repeated(20, procfs.list_pids), "us/ref", "fixed")
 
     print("\nmachine-wide probes (median of 20, microseconds per refresh)")
-    row("meminfo read + parse", repeated(20, lambda: host.parse_meminfo(
-        Path(host.MEMINFO).read_text())), "us/ref", "fixed")
-    row("/proc/swaps read + parse", repeated(20, lambda: host.parse_swaps(
-        Path(host.SWAPS).read_text())), "us/ref", "fixed")
-    row("/proc/stat cpu line", repeated(20, lambda: host.parse_cpu_line(
-        Path(host.STAT).read_text())), "us/ref", "fixed")
+    row(
+        "meminfo read + parse",
+        repeated(20, lambda: host.parse_meminfo(Path(host.MEMINFO).read_text())),
+        "us/ref",
+        "fixed",
+    )
+    row(
+        "/proc/swaps read + parse",
+        repeated(20, lambda: host.parse_swaps(Path(host.SWAPS).read_text())),
+        "us/ref",
+        "fixed",
+    )
+    row(
+        "/proc/stat cpu line",
+        repeated(20, lambda: host.parse_cpu_line(Path(host.STAT).read_text())),
+        "us/ref",
+        "fixed",
+    )
     row("loadavg", repeated(20, os.getloadavg), "us/ref", "fixed")
-    row("HostSampler.sample() (machine + all procs)", repeated(args.repeat, sampler.sample),
-        "us/ref", "fixed+per-proc")
+    row(
+        "HostSampler.sample() (machine + all procs)",
+        repeated(args.repeat, sampler.sample),
+        "us/ref",
+        "fixed+per-proc",
+    )
 
     refreshes(args)
 
@@ -249,28 +313,39 @@ def refreshes(args: argparse.Namespace) -> None:
         _print_timing("cold refresh (empty cache)", cold, cold_res)
         print(f"  refreshes until every process was scanned: {len(results)}")
         col.sample_with_system()
-        _print_timing("warm refresh (all cached)", col.last_timing,
-                      getattr(col._scanner, "last_result", None))
+        _print_timing(
+            "warm refresh (all cached)", col.last_timing, getattr(col._scanner, "last_result", None)
+        )
         models = getattr(col, "models", None)
         if models is not None:
             # model looks (API probe, GGUF header, logs) run on background threads; wait
             # for them, then time a refresh that builds every row's view from the cache
             t0 = time.perf_counter()
             models.wait_idle(60)
-            print(f"  background model looks finished {1000 * (time.perf_counter() - t0):.0f}"
-                  " ms after the warm refresh")
+            print(
+                f"  background model looks finished {1000 * (time.perf_counter() - t0):.0f}"
+                " ms after the warm refresh"
+            )
             col.sample_with_system()
-            _print_timing("warm refresh, models known", col.last_timing,
-                          getattr(col._scanner, "last_result", None))
+            _print_timing(
+                "warm refresh, models known",
+                col.last_timing,
+                getattr(col._scanner, "last_result", None),
+            )
             costs = sorted(models.costs())
             if costs:
-                print(f"  model look per process (background thread): median "
-                      f"{statistics.median(costs) * 1000:.1f} ms, max {costs[-1] * 1000:.1f} ms"
-                      f" over {len(costs)} processes with model evidence or an LLM runtime")
+                print(
+                    f"  model look per process (background thread): median "
+                    f"{statistics.median(costs) * 1000:.1f} ms, max {costs[-1] * 1000:.1f} ms"
+                    f" over {len(costs)} processes with model evidence or an LLM runtime"
+                )
         one = Collector(scan_budget=None)
         one.sample_with_system()
-        _print_timing("one-shot (budget None, cold)", one.last_timing,
-                      getattr(one._scanner, "last_result", None))
+        _print_timing(
+            "one-shot (budget None, cold)",
+            one.last_timing,
+            getattr(one._scanner, "last_result", None),
+        )
         col.close()
         one.close()
         return
@@ -285,8 +360,11 @@ def refreshes(args: argparse.Namespace) -> None:
         t2 = time.perf_counter()
         n += 1
         if n == 1:
-            _print_timing("cold refresh (empty cache)",
-                          {"host_s": t1 - t0, "scan_s": t2 - t1, "total_s": t2 - t0}, res)
+            _print_timing(
+                "cold refresh (empty cache)",
+                {"host_s": t1 - t0, "scan_s": t2 - t1, "total_s": t2 - t0},
+                res,
+            )
         if not res.pending:
             break
     print(f"  refreshes until every process was scanned: {n}")
@@ -296,8 +374,10 @@ def _print_timing(label: str, tm: dict[str, float], res: Any) -> None:
     parts = "  ".join(f"{k[:-2]} {v * 1000:7.1f}" for k, v in tm.items())
     extra = ""
     if res is not None:
-        extra = (f"  [scanned {res.scanned}, pending {len(res.pending)}, "
-                 f"scan elapsed {res.elapsed_s * 1000:.1f}, cache {res.cache_size}]")
+        extra = (
+            f"  [scanned {res.scanned}, pending {len(res.pending)}, "
+            f"scan elapsed {res.elapsed_s * 1000:.1f}, cache {res.cache_size}]"
+        )
     print(f"  {label:<30} {parts}{extra}")
 
 

@@ -72,9 +72,11 @@ def run(kind: str, client_cpu: int, server_cpu: int, count: int, size: int) -> s
     os.waitpid(pid, 0)
     a.close()
     server = cpu(resource.getrusage(resource.RUSAGE_CHILDREN)) - children0
-    return (f"{kind:4}  server on CPU {server_cpu}: round trip {elapsed / count * 1e6:6.1f} µs, "
-            f"CPU per round trip: client {(cpu(r1) - cpu(r0)) / count * 1e6:5.1f} µs, "
-            f"server {server / count * 1e6:5.1f} µs")
+    return (
+        f"{kind:4}  server on CPU {server_cpu}: round trip {elapsed / count * 1e6:6.1f} µs, "
+        f"CPU per round trip: client {(cpu(r1) - cpu(r0)) / count * 1e6:5.1f} µs, "
+        f"server {server / count * 1e6:5.1f} µs"
+    )
 
 
 def main() -> int:

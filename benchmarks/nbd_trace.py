@@ -54,9 +54,12 @@ def _times(us: list[float]) -> dict:
     if not us:
         return {"n": 0, "median_us": None, "p90_us": None, "sum_s": 0.0}
     us = sorted(us)
-    return {"n": len(us), "median_us": round(statistics.median(us), 1),
-            "p90_us": round(us[math.ceil(0.9 * len(us)) - 1], 1),  # nearest rank
-            "sum_s": round(sum(us) / 1e6, 3)}
+    return {
+        "n": len(us),
+        "median_us": round(statistics.median(us), 1),
+        "p90_us": round(us[math.ceil(0.9 * len(us)) - 1], 1),  # nearest rank
+        "sum_s": round(sum(us) / 1e6, 3),
+    }
 
 
 def _busy_ns(rows: list) -> int:

@@ -38,8 +38,9 @@ async def drive(port: int, mode: str, n: int, pages: int) -> None:
     from duvm.memclient import cork, uncork
     from duvm.remote_store import RemoteStore
 
-    store = await RemoteStore.open([("127.0.0.1", port)], EXPORT_PAGES * 4096,
-                                   f"instr:{os.getpid()}", repair=False)  # fmt: skip
+    store = await RemoteStore.open(
+        [("127.0.0.1", port)], EXPORT_PAGES * 4096, f"instr:{os.getpid()}", repair=False
+    )
     big = memoryview(bytearray(os.urandom(4096 * 64)))
     for p in range(0, EXPORT_PAGES, 64):
         await store.write(p * 4096, big)
@@ -93,8 +94,18 @@ async def drive(port: int, mode: str, n: int, pages: int) -> None:
 
 
 def instructions(port: int, mode: str, n: int, pages: int) -> int:
-    cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
-           __file__, "--drive", str(port), mode, str(n), str(pages)]  # fmt: skip
+    cmd = [
+        "valgrind",
+        "--tool=callgrind",
+        "--callgrind-out-file=/dev/null",
+        sys.executable,
+        __file__,
+        "--drive",
+        str(port),
+        mode,
+        str(n),
+        str(pages),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     m = re.search(r"Collected : (\d+)", out.stderr)
     if out.returncode or not m:
@@ -111,8 +122,12 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", type=int, default=1, help="pages per request (1..64)")
-    ap.add_argument("--requests", type=int, default=None,
-                    help="requests measured (default 4000 for 1 page, 500 otherwise)")  # fmt: skip
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests measured (default 4000 for 1 page, 500 otherwise)",
+    )
     args = ap.parse_args()
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt install valgrind)", file=sys.stderr)
@@ -121,8 +136,17 @@ def main() -> int:
         print("--pages must be 1..64", file=sys.stderr)
         return 2
     n = args.requests or (4000 if args.pages == 1 else 500)
-    cmd = [sys.executable, "-m", "duvm.cli", "memserver", "--listen", "127.0.0.1:0",
-           "--capacity", "64M", "--no-mlock"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "duvm.cli",
+        "memserver",
+        "--listen",
+        "127.0.0.1:0",
+        "--capacity",
+        "64M",
+        "--no-mlock",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -134,8 +158,10 @@ def main() -> int:
         for mode in ("write", "read"):
             base = instructions(port, mode, 0, args.pages)
             total = instructions(port, mode, n, args.pages)
-            print(f"{mode} {args.pages * 4} KiB: {(total - base) / n / 1000:.1f}k instructions "
-                  f"per request ({n} requests, QD{QD})")  # fmt: skip
+            print(
+                f"{mode} {args.pages * 4} KiB: {(total - base) / n / 1000:.1f}k instructions "
+                f"per request ({n} requests, QD{QD})"
+            )
     finally:
         proc.terminate()
         proc.wait(10)

@@ -43,13 +43,22 @@ PRIORITY = 32767
 
 
 def vmstat() -> dict[str, int]:
-    return {k: int(v) for k, v in
-            (line.split() for line in Path("/proc/vmstat").read_text().splitlines())}
+    return {
+        k: int(v)
+        for k, v in (line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+    }
 
 
 class Injector(threading.Thread):
-    def __init__(self, c: netns_cluster.Cluster, sock: str, every: float, rng: random.Random,
-                 stop: threading.Event, capacity: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        c: netns_cluster.Cluster,
+        sock: str,
+        every: float,
+        rng: random.Random,
+        stop: threading.Event,
+        capacity: str,
+    ) -> None:
         super().__init__(daemon=True)
         self.c, self.sock, self.every, self.rng, self.stop = c, sock, every, rng, stop
         self.capacity = capacity
@@ -120,9 +129,14 @@ def main() -> int:
     # started in the background with SIGINT ignored.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    result: dict = {"minutes": a.minutes, "replicas": a.replicas, "seed": a.seed,
-                    "workload_mib": a.workload_mib, "limit_mib": a.limit_mib,
-                    "loadavg_start": os.getloadavg()}  # fmt: skip
+    result: dict = {
+        "minutes": a.minutes,
+        "replicas": a.replicas,
+        "seed": a.seed,
+        "workload_mib": a.workload_mib,
+        "limit_mib": a.limit_mib,
+        "loadavg_start": os.getloadavg(),
+    }
     state = None
     with netns_cluster.Cluster(4) as c:
         try:
@@ -133,8 +147,9 @@ def main() -> int:
             (c.dir / "run").mkdir()
             # Highest priority: the kernel must not spread these pages over another swap
             # device (a test elsewhere on the machine) whose faults we did not inject.
-            att = attach.attach(sock, state, run_dir=c.dir / "run", method="auto",
-                                priority=PRIORITY)
+            att = attach.attach(
+                sock, state, run_dir=c.dir / "run", method="auto", priority=PRIORITY
+            )
             result["device"] = att.device
             before = vmstat()
             stop = threading.Event()
@@ -145,9 +160,22 @@ def main() -> int:
             t_end = time.monotonic() + a.minutes * 60
             with cgroup.MemoryCgroup(a.limit_mib << 20, prefix="duvm-soak") as cg:
                 while time.monotonic() < t_end:
-                    r = cg.run([sys.executable, "-m", "duvm.workload", "--mib",
-                                str(a.workload_mib), "--seed", str(rounds + 1), "--passes", "2"],
-                               timeout=1800, capture_output=True, text=True)  # fmt: skip
+                    r = cg.run(
+                        [
+                            sys.executable,
+                            "-m",
+                            "duvm.workload",
+                            "--mib",
+                            str(a.workload_mib),
+                            "--seed",
+                            str(rounds + 1),
+                            "--passes",
+                            "2",
+                        ],
+                        timeout=1800,
+                        capture_output=True,
+                        text=True,
+                    )
                     rounds += 1
                     try:
                         out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -155,29 +183,44 @@ def main() -> int:
                         chunk = out.get("chunk_bytes", chunk)
                     except (ValueError, IndexError, KeyError):
                         failed_rounds += 1  # killed (SIGBUS on a lost page) or no output
-                    print(f"soak: round {rounds} exit {r.returncode}, faults {inj.faults}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"soak: round {rounds} exit {r.returncode}, faults {inj.faults}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             stop.set()
             inj.join(120)
             after = vmstat()
             h = control_socket.query(control_socket.default_path(sock))["store"]
-            result.update({
-                "rounds": rounds, "failed_rounds": failed_rounds, "bad_chunks": bad_chunks,
-                # the device's own counts (pswpout/pswpin are machine-wide: other devices too)
-                "device_pages_written": h["pages_stored"], "device_pages_read": h["pages_loaded"],
-                "pages_swapped_out": after["pswpout"] - before["pswpout"],
-                "pages_swapped_in": after["pswpin"] - before["pswpin"],
-                "faults": inj.faults, "faults_total": sum(inj.faults.values()),
-                "injector_errors": inj.errors, "repair_seconds": inj.repair_s,
-                "failovers": h["failovers"], "replicas_dropped": h["replicas_dropped"],
-                "stalls_aborted": h["stalls_aborted"],
-                "repairs": h["repair"]["repairs_done"] if h["repair"] else None,
-                "repair_pages_copied": h["repair"]["repair_pages_copied"] if h["repair"] else None,
-                "checksum_failures": h["checksum_failures"], "read_errors": h["read_errors"],
-                "write_errors": h["write_errors"], "pages_lost": h["pages_lost"],
-                "bytes_lost": bad_chunks * chunk + h["pages_lost"] * 4096,
-                "loadavg_end": os.getloadavg(),
-            })  # fmt: skip
+            result.update(
+                {
+                    "rounds": rounds,
+                    "failed_rounds": failed_rounds,
+                    "bad_chunks": bad_chunks,
+                    # the device's own counts (pswpout/pswpin are machine-wide: other devices too)
+                    "device_pages_written": h["pages_stored"],
+                    "device_pages_read": h["pages_loaded"],
+                    "pages_swapped_out": after["pswpout"] - before["pswpout"],
+                    "pages_swapped_in": after["pswpin"] - before["pswpin"],
+                    "faults": inj.faults,
+                    "faults_total": sum(inj.faults.values()),
+                    "injector_errors": inj.errors,
+                    "repair_seconds": inj.repair_s,
+                    "failovers": h["failovers"],
+                    "replicas_dropped": h["replicas_dropped"],
+                    "stalls_aborted": h["stalls_aborted"],
+                    "repairs": h["repair"]["repairs_done"] if h["repair"] else None,
+                    "repair_pages_copied": h["repair"]["repair_pages_copied"]
+                    if h["repair"]
+                    else None,
+                    "checksum_failures": h["checksum_failures"],
+                    "read_errors": h["read_errors"],
+                    "write_errors": h["write_errors"],
+                    "pages_lost": h["pages_lost"],
+                    "bytes_lost": bad_chunks * chunk + h["pages_lost"] * 4096,
+                    "loadavg_end": os.getloadavg(),
+                }
+            )
         finally:
             if state is not None:
                 try:

@@ -41,8 +41,10 @@ def metric_names(dashboard: dict[str, Any]) -> set[str]:
 def problems(dashboard: dict[str, Any], exported: Iterable[str] | None = None) -> list[str]:
     """Everything wrong with `dashboard` (empty when it is fine)."""
     validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
-    out = [f"schema: {'/'.join(map(str, e.absolute_path))}: {e.message}"
-           for e in validator.iter_errors(dashboard)]
+    out = [
+        f"schema: {'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator.iter_errors(dashboard)
+    ]
     if out:
         return out
     panels = dashboard["panels"]

@@ -126,8 +126,9 @@ def bundled_names(exe: Path) -> list[str]:
 
 
 def forbidden_entries(names: list[str]) -> list[str]:
-    return sorted(n for n in names
-                  if any(fnmatch.fnmatchcase(os.path.basename(n), p) for p in FORBIDDEN))
+    return sorted(
+        n for n in names if any(fnmatch.fnmatchcase(os.path.basename(n), p) for p in FORBIDDEN)
+    )
 
 
 def sha256_file(path: Path) -> str:
@@ -143,8 +144,13 @@ def no_python_env(tmpdir: Path) -> dict[str, str]:
     empty = tmpdir / "bin"
     empty.mkdir(exist_ok=True)
     (tmpdir / "tmp").mkdir(exist_ok=True)
-    env = {"PATH": str(empty), "HOME": str(tmpdir), "TMPDIR": str(tmpdir / "tmp"),
-           "LANG": "C.UTF-8", "NO_COLOR": "1"}
+    env = {
+        "PATH": str(empty),
+        "HOME": str(tmpdir),
+        "TMPDIR": str(tmpdir / "tmp"),
+        "LANG": "C.UTF-8",
+        "NO_COLOR": "1",
+    }
     assert shutil.which("python3", path=env["PATH"]) is None
     assert shutil.which("python", path=env["PATH"]) is None
     return env
@@ -163,8 +169,15 @@ def tui_smoke(exe: Path, env: dict[str, str], cwd: Path, timeout: float = 30.0) 
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    p = subprocess.Popen([str(exe)], stdin=slave, stdout=slave, stderr=slave, cwd=cwd,
-                         env={**env, "TERM": "xterm-256color"}, start_new_session=True)
+    p = subprocess.Popen(
+        [str(exe)],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        cwd=cwd,
+        env={**env, "TERM": "xterm-256color"},
+        start_new_session=True,
+    )
     os.close(slave)
     out, drew, deadline = b"", False, time.monotonic() + timeout
     try:
@@ -197,13 +210,24 @@ def smoke_test(exe: Path, version: str, log: list[str]) -> None:
 
         def run(*args: str) -> str:
             t0 = time.monotonic()
-            res = subprocess.run([str(exe), *args], env=env, cwd=tmp, capture_output=True,
-                                 text=True, timeout=120, check=False)
-            log.append(f"smoke: gputaskman {' '.join(args)} -> exit {res.returncode} in "
-                       f"{time.monotonic() - t0:.2f} s")
+            res = subprocess.run(
+                [str(exe), *args],
+                env=env,
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            log.append(
+                f"smoke: gputaskman {' '.join(args)} -> exit {res.returncode} in "
+                f"{time.monotonic() - t0:.2f} s"
+            )
             if res.returncode != 0:
-                raise BuildError(f"smoke test: {' '.join(args)} exited {res.returncode}: "
-                                 f"{(res.stderr or res.stdout).strip()[-2000:]}")
+                raise BuildError(
+                    f"smoke test: {' '.join(args)} exited {res.returncode}: "
+                    f"{(res.stderr or res.stdout).strip()[-2000:]}"
+                )
             leftovers = list((tmp / "tmp").iterdir())
             if leftovers:
                 raise BuildError(f"smoke test: {' '.join(args)} left {leftovers} behind")
@@ -219,22 +243,30 @@ def smoke_test(exe: Path, version: str, log: list[str]) -> None:
             doc = json.loads(run("--json"))
         except json.JSONDecodeError as exc:
             raise BuildError(f"smoke test: --json is not JSON: {exc}") from exc
-        if doc.get("schema") != "gputaskman.snapshot" or doc.get("tool", {}).get(
-                "version") != version:
-            raise BuildError(f"smoke test: --json is not this version's snapshot: "
-                             f"{str(doc)[:300]}")
+        if (
+            doc.get("schema") != "gputaskman.snapshot"
+            or doc.get("tool", {}).get("version") != version
+        ):
+            raise BuildError(f"smoke test: --json is not this version's snapshot: {str(doc)[:300]}")
         t0 = time.monotonic()
         why = tui_smoke(exe, env, tmp)
-        log.append(f"smoke: gputaskman (TUI on a pty, q) -> {why or 'ok'} in "
-                   f"{time.monotonic() - t0:.2f} s")
+        log.append(
+            f"smoke: gputaskman (TUI on a pty, q) -> {why or 'ok'} in {time.monotonic() - t0:.2f} s"
+        )
         if why:
             raise BuildError(f"smoke test: {why}")
         if list((tmp / "tmp").iterdir()):
             raise BuildError("smoke test: the TUI left its unpack directory behind")
 
 
-def build(out: Path, work: Path, *, plant: Path | None = None, smoke: bool = True,
-          log: list[str] | None = None) -> Path:
+def build(
+    out: Path,
+    work: Path,
+    *,
+    plant: Path | None = None,
+    smoke: bool = True,
+    log: list[str] | None = None,
+) -> Path:
     """Build, check and smoke-test; copy to `out` with its checksum. Returns the artifact."""
     from gputaskman import __version__ as version
 
@@ -244,13 +276,30 @@ def build(out: Path, work: Path, *, plant: Path | None = None, smoke: bool = Tru
     entry = work / "gputaskman_entry.py"
     entry.write_text(ENTRY)
     spec = work / f"{name}.spec"
-    spec.write_text(SPEC.format(forbidden=FORBIDDEN, plant=str(plant) if plant else None,
-                                entry=str(entry), name=name))
+    spec.write_text(
+        SPEC.format(
+            forbidden=FORBIDDEN, plant=str(plant) if plant else None, entry=str(entry), name=name
+        )
+    )
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "PyInstaller", "--noconfirm",
-                          "--log-level", "WARN", "--distpath", str(work / "dist"),
-                          "--workpath", str(work / "build"), str(spec)],
-                         capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "PyInstaller",
+            "--noconfirm",
+            "--log-level",
+            "WARN",
+            "--distpath",
+            str(work / "dist"),
+            "--workpath",
+            str(work / "build"),
+            str(spec),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     log.append(f"pyinstaller: exit {res.returncode} in {time.monotonic() - t0:.1f} s")
     log += [line for line in res.stdout.splitlines() if line.startswith("build_portable:")]
     exe = work / "dist" / name
@@ -260,8 +309,10 @@ def build(out: Path, work: Path, *, plant: Path | None = None, smoke: bool = Tru
     bad = forbidden_entries(bundled_names(exe))
     if bad:
         exe.unlink()
-        raise BuildError("driver libraries inside the bundle (they must come from the "
-                         f"installed driver): {', '.join(bad)}")
+        raise BuildError(
+            "driver libraries inside the bundle (they must come from the "
+            f"installed driver): {', '.join(bad)}"
+        )
     log.append(f"forbidden-library check: none of {len(FORBIDDEN)} patterns in the bundle")
     if smoke:
         smoke_test(exe, version, log)
@@ -277,16 +328,26 @@ def build(out: Path, work: Path, *, plant: Path | None = None, smoke: bool = Tru
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=ROOT / "dist" / "portable",
-                   help="where the executable and its .sha256 go (default dist/portable)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "dist" / "portable",
+        help="where the executable and its .sha256 go (default dist/portable)",
+    )
     p.add_argument("--work", type=Path, help="PyInstaller work directory (default: a temp dir)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
-    p.add_argument("--plant-forbidden", type=Path, metavar="FILE",
-                   help="tests only: bundle FILE after the driver-library filter")
+    p.add_argument(
+        "--plant-forbidden",
+        type=Path,
+        metavar="FILE",
+        help="tests only: bundle FILE after the driver-library filter",
+    )
     args = p.parse_args(argv)
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        print(f"build_portable: builds Linux x86-64 only, not {sys.platform} "
-              f"{platform.machine()}", file=sys.stderr)
+        print(
+            f"build_portable: builds Linux x86-64 only, not {sys.platform} {platform.machine()}",
+            file=sys.stderr,
+        )
         return 2
     if args.plant_forbidden is not None and not args.plant_forbidden.is_file():
         print(f"build_portable: {args.plant_forbidden} is not a file", file=sys.stderr)
@@ -295,8 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         with tempfile.TemporaryDirectory(prefix="gtm-portable-") as tmp:
-            build(args.out, args.work or Path(tmp), plant=args.plant_forbidden,
-                  smoke=not args.no_smoke, log=log)
+            build(
+                args.out,
+                args.work or Path(tmp),
+                plant=args.plant_forbidden,
+                smoke=not args.no_smoke,
+                log=log,
+            )
     except BuildError as exc:
         print("\n".join(log), file=sys.stderr)
         print(f"build_portable: FAILED: {exc}", file=sys.stderr)

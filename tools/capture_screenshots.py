@@ -119,16 +119,25 @@ def demo_system(snapshot: Any) -> Any:
     for p in snapshot.processes:
         got = demo.process_readings(p.pid, p.create_time)
         if got:
-            procs[p.pid] = host.ProcessUsage(p.pid, p.create_time, p.name,
-                                             int(got["ram_bytes"].value),
-                                             float(got["cpu_percent"].value))
+            procs[p.pid] = host.ProcessUsage(
+                p.pid,
+                p.create_time,
+                p.name,
+                int(got["ram_bytes"].value),
+                float(got["cpu_percent"].value),
+            )
     total, avail = 32 * GIB, 20 * GIB
     return host.SystemInfo(
         taken=snapshot.taken,
-        memory=host.MemoryInfo(r(total), r(avail), r(total - avail), r(8 * GIB), r(10 * GIB),
-                               r(GIB // 2), r(GIB)),
-        swap=host.SwapInfo(r(8 * GIB), r(8 * GIB), r(0),
-                           (host.SwapDevice("/dev/zram0", "partition", 8 * GIB, 0, 100),)),
+        memory=host.MemoryInfo(
+            r(total), r(avail), r(total - avail), r(8 * GIB), r(10 * GIB), r(GIB // 2), r(GIB)
+        ),
+        swap=host.SwapInfo(
+            r(8 * GIB),
+            r(8 * GIB),
+            r(0),
+            (host.SwapDevice("/dev/zram0", "partition", 8 * GIB, 0, 100),),
+        ),
         cpu=host.CpuInfo(r(16), r(5.2), r(4.8), r(4.1), r(37.5)),
         processes=MappingProxyType(procs),
     )
@@ -151,8 +160,9 @@ def write_demo_record(path: Path, frames: int = 3) -> None:
             f.write(encode_line(doc))
 
 
-async def _render(record: Path, out_dir: Path, frames: Iterable[int], label: str,
-                  size: tuple[int, int], stem: str) -> list[Path]:
+async def _render(
+    record: Path, out_dir: Path, frames: Iterable[int], label: str, size: tuple[int, int], stem: str
+) -> list[Path]:
     from gputaskman.replay import RecordSource
     from gputaskman.replay_app import create_replay_app
 
@@ -174,14 +184,20 @@ async def _render(record: Path, out_dir: Path, frames: Iterable[int], label: str
             await pilot.pause()
             await pilot.pause(0.2)  # let the table and panels lay out
             path = out_dir / (f"{stem}.svg" if len(wanted) == 1 else f"{stem}-{i}.svg")
-            path.write_text(app.export_screenshot(title=f"gputaskman · {label}"),
-                            encoding="utf-8")
+            path.write_text(app.export_screenshot(title=f"gputaskman · {label}"), encoding="utf-8")
             written.append(path)
     return written
 
 
-def capture(record: Path | None, out_dir: Path, frames: list[int], *, demo: bool = False,
-            size: tuple[int, int] = SIZE, stem: str = "gputaskman") -> list[Path]:
+def capture(
+    record: Path | None,
+    out_dir: Path,
+    frames: list[int],
+    *,
+    demo: bool = False,
+    size: tuple[int, int] = SIZE,
+    stem: str = "gputaskman",
+) -> list[Path]:
     """Redact `record` (or record the demo), render `frames` to SVG files in `out_dir`."""
     os.environ["TZ"] = "UTC"  # the status line shows the snapshot's time
     time.tzset()
@@ -212,8 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("record", nargs="?", type=Path, help="record file (gputaskman record)")
     src.add_argument("--demo", action="store_true", help="render gputaskman.demo's data")
-    p.add_argument("--frame", type=int, action="append", metavar="N",
-                   help="snapshot index to render (negative: from the end; default -1)")
+    p.add_argument(
+        "--frame",
+        type=int,
+        action="append",
+        metavar="N",
+        help="snapshot index to render (negative: from the end; default -1)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     p.add_argument("--size", type=_size, default=SIZE, metavar="COLSxROWS")
     p.add_argument("--name", default=None, help="file name stem (default gputaskman[-demo])")
@@ -222,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"capture_screenshots: {args.record} is not a file", file=sys.stderr)
         return 2
     stem = args.name or ("gputaskman-demo" if args.demo else "gputaskman")
-    for path in capture(args.record, args.out, args.frame or [-1], demo=args.demo,
-                        size=args.size, stem=stem):
+    for path in capture(
+        args.record, args.out, args.frame or [-1], demo=args.demo, size=args.size, stem=stem
+    ):
         print(path)
     return 0
 

@@ -38,11 +38,13 @@ def _load_harness():
 def run_hypothesis(h, seconds_each: float, round_size: int) -> dict[str, tuple[int, int]]:
     """Each test runs `round_size` examples per call (DUVM_FUZZ_EXAMPLES, read at import),
     with fresh random inputs every call, until its time is spent."""
-    tests = {"page_decoder_server": lambda: h.test_fuzz_page_decoder("server"),
-             "page_decoder_client": lambda: h.test_fuzz_page_decoder("client"),
-             "memserver_conn": h.test_fuzz_memserver_connection,
-             "nbd_handshake": h.test_fuzz_nbd_handshake,
-             "nbd_transmission": h.test_fuzz_nbd_transmission}  # fmt: skip
+    tests = {
+        "page_decoder_server": lambda: h.test_fuzz_page_decoder("server"),
+        "page_decoder_client": lambda: h.test_fuzz_page_decoder("client"),
+        "memserver_conn": h.test_fuzz_memserver_connection,
+        "nbd_handshake": h.test_fuzz_nbd_handshake,
+        "nbd_transmission": h.test_fuzz_nbd_transmission,
+    }
     results: dict[str, tuple[int, int]] = {}
     for name, test in tests.items():
         examples = failures = 0
@@ -65,12 +67,25 @@ def _seeds(h, name: str) -> list[bytes]:
         return [struct.pack(">I", 1) + struct.pack(">QII", 0x49484156454F5054, 7, 4) + bytes(4)]
     if name.startswith("nbd"):
         return [h._nbd_request(c, 0, 4096) for c in (0, 2, 3, 4)]
-    msgs = [pp.make_store(1, [1, 2], bytes(8192)), pp.make_load(2, [1]), pp.make_free(3, [2]),
-            pp.Reserve(4, 8), pp.Release(5), pp.Status(6), pp.Hello(7, "x"), pp.Auth(8, bytes(32))]
+    msgs = [
+        pp.make_store(1, [1, 2], bytes(8192)),
+        pp.make_load(2, [1]),
+        pp.make_free(3, [2]),
+        pp.Reserve(4, 8),
+        pp.Release(5),
+        pp.Status(6),
+        pp.Hello(7, "x"),
+        pp.Auth(8, bytes(32)),
+    ]
     if name == "page_decoder_client":
-        msgs = [pp.StoreReply(1), pp.LoadReply(2, memoryview(bytes(4096))), pp.FreeReply(3, 1),
-                pp.ReserveReply(4, 8, 0), pp.StatusReply(5, b"{}"),
-                pp.ErrorReply(6, pp.MsgType.LOAD, pp.ErrorCode.NOT_FOUND, "x")]
+        msgs = [
+            pp.StoreReply(1),
+            pp.LoadReply(2, memoryview(bytes(4096))),
+            pp.FreeReply(3, 1),
+            pp.ReserveReply(4, 8, 0),
+            pp.StatusReply(5, b"{}"),
+            pp.ErrorReply(6, pp.MsgType.LOAD, pp.ErrorCode.NOT_FOUND, "x"),
+        ]
     return [pp.encode_bytes(m) for m in msgs]
 
 
@@ -92,8 +107,16 @@ def run_atheris(h, seconds_each: float) -> dict[str, tuple[int, int]]:
             Path(corpus, f"seed{i}").write_bytes(b"\x10\x00" + seed)  # 2 bytes: the chunk size
         pid = os.fork()  # libFuzzer ends the process; one child per target
         if pid == 0:
-            atheris.Setup([sys.argv[0], f"-max_total_time={int(seconds_each)}",
-                           "-max_len=20000", "-print_final_stats=1", corpus], one)
+            atheris.Setup(
+                [
+                    sys.argv[0],
+                    f"-max_total_time={int(seconds_each)}",
+                    "-max_len=20000",
+                    "-print_final_stats=1",
+                    corpus,
+                ],
+                one,
+            )
             atheris.Fuzz()
             os._exit(0)
         _, status = os.waitpid(pid, 0)
@@ -124,8 +147,10 @@ def main() -> int:
     took = time.monotonic() - start
     total = sum(e for e, _ in res.values() if e > 0)
     bad = sum(f for _, f in res.values())
-    print(f"total: {total if total else 'see libFuzzer stats'} examples in {took:.0f}s, "
-          f"{bad} target(s) with failures")
+    print(
+        f"total: {total if total else 'see libFuzzer stats'} examples in {took:.0f}s, "
+        f"{bad} target(s) with failures"
+    )
     return 1 if bad else 0
 
 

@@ -38,8 +38,11 @@ def clean_env() -> dict[str, str]:
 
 def index_reachable(timeout: float = 5.0) -> str | None:
     """None when the package index answers a TCP connect, else why not."""
-    url = (os.environ.get("UV_DEFAULT_INDEX") or os.environ.get("UV_INDEX_URL")
-           or "https://pypi.org/simple")
+    url = (
+        os.environ.get("UV_DEFAULT_INDEX")
+        or os.environ.get("UV_INDEX_URL")
+        or "https://pypi.org/simple"
+    )
     u = urllib.parse.urlsplit(url)
     host, port = u.hostname or "pypi.org", u.port or (443 if u.scheme == "https" else 80)
     try:
@@ -53,8 +56,15 @@ def uv(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.Complet
     """Run uv with the clean environment; never raises on a non-zero exit."""
     if UV is None:
         raise RuntimeError("uv is not on PATH")
-    return subprocess.run([UV, *args], cwd=cwd, env=clean_env(), capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [UV, *args],
+        cwd=cwd,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def build(name: str, out: Path) -> dict[str, Path]:
@@ -80,9 +90,15 @@ def install_into_fresh_venv(wheel: Path, where: Path) -> Path:
 
 def run_tool(venv: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run a console script (or python) of VENV from outside the checkout."""
-    return subprocess.run([str(venv / "bin" / args[0]), *args[1:]], cwd=venv.parent,
-                          env=clean_env(), capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    return subprocess.run(
+        [str(venv / "bin" / args[0]), *args[1:]],
+        cwd=venv.parent,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def pytest_fixtures(name: str) -> tuple[object, object]:

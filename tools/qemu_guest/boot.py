@@ -109,18 +109,38 @@ class Memserver:
     log: Path
 
 
-def start_memserver(python: str, capacity: str, workdir: Path, index: int,
-                    timeout: float = 60, net: TapNet | None = None,
-                    secret_file: Path | None = None) -> Memserver:
+def start_memserver(
+    python: str,
+    capacity: str,
+    workdir: Path,
+    index: int,
+    timeout: float = 60,
+    net: TapNet | None = None,
+    secret_file: Path | None = None,
+) -> Memserver:
     log = workdir / f"memserver{index}.log"
     host = net.host_ip if net is not None else "127.0.0.1"
     prefix = net.exec_prefix() if net is not None else []
     auth = ["--secret-file", str(secret_file)] if secret_file is not None else ["--insecure"]
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*prefix, python, "-m", "duvm.cli", "memserver", "--listen",
-                                 f"{host}:0", "--capacity", capacity, *auth],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            [
+                *prefix,
+                python,
+                "-m",
+                "duvm.cli",
+                "memserver",
+                "--listen",
+                f"{host}:0",
+                "--capacity",
+                capacity,
+                *auth,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = re.search(rf"listening on {re.escape(host)}:(\d+)", log.read_text(errors="replace"))
@@ -143,16 +163,24 @@ def stop_memserver(ms: Memserver) -> None:
             ms.proc.wait(15)
 
 
-def memserver_status(port: int, net: TapNet | None = None,
-                     python: str = sys.executable) -> dict[str, Any] | None:
+def memserver_status(
+    port: int, net: TapNet | None = None, python: str = sys.executable
+) -> dict[str, Any] | None:
     """A memserver's STATUS; through the namespace's own stack when it lives in one."""
     if net is not None:
-        code = ("import asyncio, json, sys\nfrom duvm.memclient import query_status\n"
-                f"print(json.dumps(asyncio.run(query_status({net.host_ip!r}, {port}, "
-                "timeout=5))))")
+        code = (
+            "import asyncio, json, sys\nfrom duvm.memclient import query_status\n"
+            f"print(json.dumps(asyncio.run(query_status({net.host_ip!r}, {port}, "
+            "timeout=5))))"
+        )
         try:
-            res = subprocess.run([*net.exec_prefix(), python, "-c", code], capture_output=True,
-                                 text=True, timeout=60, check=False)
+            res = subprocess.run(
+                [*net.exec_prefix(), python, "-c", code],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
             return json.loads(res.stdout) if res.returncode == 0 else None
         except (subprocess.TimeoutExpired, ValueError):
             return None
@@ -183,45 +211,82 @@ class TapNet:
     def create(cls) -> TapNet:
         ip = shutil.which("ip") or "/usr/sbin/ip"
         net = cls(f"duvm-qemu-{os.getpid()}-{os.urandom(3).hex()}")
-        steps = [[ip, "netns", "add", net.name],
-                 [ip, "-n", net.name, "link", "set", "lo", "up"],
-                 [ip, "-n", net.name, "tuntap", "add", "dev", net.tap, "mode", "tap"],
-                 [ip, "-n", net.name, "addr", "add", f"{net.host_ip}/24", "dev", net.tap],
-                 [ip, "-n", net.name, "link", "set", net.tap, "up"]]
+        steps = [
+            [ip, "netns", "add", net.name],
+            [ip, "-n", net.name, "link", "set", "lo", "up"],
+            [ip, "-n", net.name, "tuntap", "add", "dev", net.tap, "mode", "tap"],
+            [ip, "-n", net.name, "addr", "add", f"{net.host_ip}/24", "dev", net.tap],
+            [ip, "-n", net.name, "link", "set", net.tap, "up"],
+        ]
         for cmd in steps:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
             if res.returncode != 0:
                 net.close()
-                raise GuestUnavailable(f"cannot set up tap networking ({' '.join(cmd)}): "
-                                       f"{res.stderr.strip()}")
+                raise GuestUnavailable(
+                    f"cannot set up tap networking ({' '.join(cmd)}): {res.stderr.strip()}"
+                )
         return net
 
     def exec_prefix(self) -> list[str]:
         return [shutil.which("ip") or "/usr/sbin/ip", "netns", "exec", self.name]
 
     def close(self) -> None:
-        subprocess.run([shutil.which("ip") or "/usr/sbin/ip", "netns", "del", self.name],
-                       capture_output=True, timeout=30, check=False)
+        subprocess.run(
+            [shutil.which("ip") or "/usr/sbin/ip", "netns", "del", self.name],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
 
 
 # --- QEMU -----------------------------------------------------------------------------------
 
 
-def qemu_command(kernel: build_initramfs.GuestKernel, initrd: Path, mem_mib: int,
-                 console: Path, results: Path, net: TapNet | None = None,
-                 monitor: Path | None = None) -> list[str]:
-    netdev = (f"tap,id=n0,ifname={net.tap},script=no,downscript=no" if net is not None
-              else "user,id=n0")
-    return [*(net.exec_prefix() if net is not None else []),
-        QEMU, "-M", "pc", "-accel", "tcg", "-smp", "1", "-m", str(mem_mib),
-        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-        "-kernel", str(kernel.vmlinuz), "-initrd", str(initrd),
-        "-append", "console=ttyS0 panic=-1 loglevel=4",
-        "-serial", f"file:{console}", "-serial", f"file:{results}",
+def qemu_command(
+    kernel: build_initramfs.GuestKernel,
+    initrd: Path,
+    mem_mib: int,
+    console: Path,
+    results: Path,
+    net: TapNet | None = None,
+    monitor: Path | None = None,
+) -> list[str]:
+    netdev = (
+        f"tap,id=n0,ifname={net.tap},script=no,downscript=no" if net is not None else "user,id=n0"
+    )
+    return [
+        *(net.exec_prefix() if net is not None else []),
+        QEMU,
+        "-M",
+        "pc",
+        "-accel",
+        "tcg",
+        "-smp",
+        "1",
+        "-m",
+        str(mem_mib),
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+        "-kernel",
+        str(kernel.vmlinuz),
+        "-initrd",
+        str(initrd),
+        "-append",
+        "console=ttyS0 panic=-1 loglevel=4",
+        "-serial",
+        f"file:{console}",
+        "-serial",
+        f"file:{results}",
         # the host's / read-only: the guest runs this very checkout with the host's Python
-        "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
-        "multidevs=remap",
-        "-netdev", netdev, "-device", "virtio-net-pci,netdev=n0",
+        "-virtfs",
+        "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
+        "-netdev",
+        netdev,
+        "-device",
+        "virtio-net-pci,netdev=n0",
         *(["-monitor", f"unix:{monitor},server=on,wait=off"] if monitor is not None else []),
     ]
 
@@ -234,7 +299,7 @@ def parse_results(text: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
         line = line.strip()
         if line.startswith(RESULT_PREFIX):
             try:
-                ev = json.loads(line[len(RESULT_PREFIX):])
+                ev = json.loads(line[len(RESULT_PREFIX) :])
             except ValueError:
                 continue
             if isinstance(ev, dict) and isinstance(ev.get("event"), str):
@@ -244,16 +309,31 @@ def parse_results(text: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
     return events, markers
 
 
-def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
-              cgroup_mib: int | None = 24, swap_size: str = "128M", mem_mib: int = 384,
-              memservers: int = 1, capacity: str = "128M", host_memservers: bool = False,
-              timeout_s: float = 420, workdir: Path | None = None,
-              kill_at_pct: int | None = None, network: str = "user",
-              sysrq_at: list[float] | None = None, daemon_args: str = "",
-              order: str = "sequential", chunk_kib: int = 1024, passes: int = 1,
-              stall_s: float | None = None, kill_memserver_at: int | None = None,
-              reproduction: bool = False, sysctl: str = "",
-              cache: Path = build_initramfs.DEFAULT_CACHE) -> GuestRun:
+def run_guest(
+    *,
+    python: str = sys.executable,
+    workload_mib: int = 48,
+    cgroup_mib: int | None = 24,
+    swap_size: str = "128M",
+    mem_mib: int = 384,
+    memservers: int = 1,
+    capacity: str = "128M",
+    host_memservers: bool = False,
+    timeout_s: float = 420,
+    workdir: Path | None = None,
+    kill_at_pct: int | None = None,
+    network: str = "user",
+    sysrq_at: list[float] | None = None,
+    daemon_args: str = "",
+    order: str = "sequential",
+    chunk_kib: int = 1024,
+    passes: int = 1,
+    stall_s: float | None = None,
+    kill_memserver_at: int | None = None,
+    reproduction: bool = False,
+    sysctl: str = "",
+    cache: Path = build_initramfs.DEFAULT_CACHE,
+) -> GuestRun:
     """Boot the guest once; always cleans up what it started.
 
     The guest starts `memservers` memservers of `capacity` each inside itself, on its loopback
@@ -292,36 +372,55 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
         secret: Path | None = None
         if reproduction:
             secret = work / "cluster.secret"  # the guest sees it at the same path (9p)
-            subprocess.run([python, "-m", "duvm.cli", "secret", "generate", str(secret)],
-                           check=True, capture_output=True, timeout=60)
+            subprocess.run(
+                [python, "-m", "duvm.cli", "secret", "generate", str(secret)],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
         if host_memservers:
             for i in range(memservers):
-                servers.append(start_memserver(python, capacity, work, i, net=net,
-                                               secret_file=secret))
+                servers.append(
+                    start_memserver(python, capacity, work, i, net=net, secret_file=secret)
+                )
         host = net.host_ip if net is not None else HOST_FROM_GUEST
         peers = ",".join(f"{host}:{s.port}" for s in servers)
-        env = {"DUVM_PYTHON": python, "DUVM_SCRIPT": str(GUEST_SCRIPT), "DUVM_PEERS": peers,
-               "DUVM_SIZE": swap_size, "DUVM_MIB": str(workload_mib), "DUVM_HUNG_TASK_S": "30",
-               "DUVM_LOCAL_MEMSERVERS": str(memservers), "DUVM_CAPACITY": capacity,
-               "DUVM_CGROUP_MIB": "" if cgroup_mib is None else str(cgroup_mib),
-               "DUVM_KILL_AT_PCT": "" if kill_at_pct is None else str(kill_at_pct),
-               "DUVM_CONSOLE_LOGLEVEL": "7" if sysrq_at else "",
-               "DUVM_DAEMON_ARGS": daemon_args, "DUVM_ORDER": order,
-               "DUVM_SECRET_FILE": str(secret) if secret else "",
-               "DUVM_URANDOM_WORKLOAD": "1" if reproduction else "",
-               "DUVM_SYSCTL": sysctl,
-               "DUVM_CHUNK_KIB": str(chunk_kib), "DUVM_PASSES": str(passes),
-               "DUVM_GUEST_IP": net.guest_ip if net is not None else "10.0.2.15",
-               "DUVM_GATEWAY": net.host_ip if net is not None else HOST_FROM_GUEST}
+        env = {
+            "DUVM_PYTHON": python,
+            "DUVM_SCRIPT": str(GUEST_SCRIPT),
+            "DUVM_PEERS": peers,
+            "DUVM_SIZE": swap_size,
+            "DUVM_MIB": str(workload_mib),
+            "DUVM_HUNG_TASK_S": "30",
+            "DUVM_LOCAL_MEMSERVERS": str(memservers),
+            "DUVM_CAPACITY": capacity,
+            "DUVM_CGROUP_MIB": "" if cgroup_mib is None else str(cgroup_mib),
+            "DUVM_KILL_AT_PCT": "" if kill_at_pct is None else str(kill_at_pct),
+            "DUVM_CONSOLE_LOGLEVEL": "7" if sysrq_at else "",
+            "DUVM_DAEMON_ARGS": daemon_args,
+            "DUVM_ORDER": order,
+            "DUVM_SECRET_FILE": str(secret) if secret else "",
+            "DUVM_URANDOM_WORKLOAD": "1" if reproduction else "",
+            "DUVM_SYSCTL": sysctl,
+            "DUVM_CHUNK_KIB": str(chunk_kib),
+            "DUVM_PASSES": str(passes),
+            "DUVM_GUEST_IP": net.guest_ip if net is not None else "10.0.2.15",
+            "DUVM_GATEWAY": net.host_ip if net is not None else HOST_FROM_GUEST,
+        }
         initrd = build_initramfs.build_initramfs(kernel, env, work / "initramfs.cpio")
         console, results = work / "console.log", work / "results.log"
         monitor = work / "monitor.sock" if sysrq_at or stall_s else None
         cmd = qemu_command(kernel, initrd, mem_mib, console, results, net, monitor)
         t0 = time.monotonic()
         with open(work / "qemu.log", "wb") as qlog:
-            qemu = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=qlog,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=_die_with_parent)
+            qemu = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=qlog,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         watch = Watchdog(console, stall_s, kill_memserver_at)
         sysrq_due = sorted(sysrq_at or [])
         killed_at: float | None = None
@@ -346,10 +445,17 @@ def run_guest(*, python: str = sys.executable, workload_mib: int = 48,
         seconds = round(time.monotonic() - t0, 1)
         _kill_group(qemu)
         events, markers = parse_results(_read(results))
-        return GuestRun(rc, timed_out, seconds, events, markers,
-                        _read(console) + _read(work / "qemu.log"),
-                        [memserver_status(s.port, net, python) for s in servers],
-                        hung=watch.hung, memserver_killed_at=killed_at)
+        return GuestRun(
+            rc,
+            timed_out,
+            seconds,
+            events,
+            markers,
+            _read(console) + _read(work / "qemu.log"),
+            [memserver_status(s.port, net, python) for s in servers],
+            hung=watch.hung,
+            memserver_killed_at=killed_at,
+        )
     finally:
         if qemu is not None:
             _kill_group(qemu)
@@ -371,8 +477,9 @@ class Watchdog:
     def __init__(self, console: Path, stall_s: float | None, kill_at_pct: int | None) -> None:
         self.console = console
         self.stall_s = stall_s
-        self.kill_mark = (f"duvm-guest: workload fill {kill_at_pct}%"
-                          if kill_at_pct is not None else None)
+        self.kill_mark = (
+            f"duvm-guest: workload fill {kill_at_pct}%" if kill_at_pct is not None else None
+        )
         self.armed = False
         self.hung = False
         self.kill_due = False
@@ -388,8 +495,9 @@ class Watchdog:
             self._since = now
             return
         counters = self.MONITOR.findall(text)
-        lines = sum(1 for ln in text.splitlines()
-                    if ln.startswith("duvm-guest:") and "monitor" not in ln)
+        lines = sum(
+            1 for ln in text.splitlines() if ln.startswith("duvm-guest:") and "monitor" not in ln
+        )
         key = (counters[-1] if counters else None, lines)
         if key != self._key:
             self._key, self._since = key, now
@@ -432,9 +540,12 @@ def summary(run: GuestRun) -> dict[str, Any]:
     before = ev.get("start", {}).get("vmstat", {})
     after = work.get("vmstat", {})
     return {
-        "qemu_seconds": run.seconds, "timed_out": run.timed_out, "guest_exit": run.guest_exit,
-        "booted_at": next((float(m.split()[1]) for m in run.markers
-                           if m.startswith("DUVM-GUEST-BOOTED ")), None),
+        "qemu_seconds": run.seconds,
+        "timed_out": run.timed_out,
+        "guest_exit": run.guest_exit,
+        "booted_at": next(
+            (float(m.split()[1]) for m in run.markers if m.startswith("DUVM-GUEST-BOOTED ")), None
+        ),
         "script_started_at": ev.get("start", {}).get("uptime"),
         "enable_seconds": ev.get("enable", {}).get("seconds"),
         "workload_started_at": ev.get("attached", {}).get("uptime"),
@@ -445,8 +556,9 @@ def summary(run: GuestRun) -> dict[str, Any]:
         "pages_in": after.get("pswpin", 0) - before.get("pswpin", 0) if after else None,
         "bad_chunks": work.get("result", {}).get("bad_chunks") if work.get("result") else None,
         "mem_total_kb": ev.get("start", {}).get("mem_total_kb"),
-        "memservers_used_pages_after": [None if s is None else s.get("used_pages")
-                                        for s in run.memservers_after]
+        "memservers_used_pages_after": [
+            None if s is None else s.get("used_pages") for s in run.memservers_after
+        ]
         or [m.get("used_pages") for m in ev.get("detached", {}).get("memservers", [])],
     }
 
@@ -455,52 +567,109 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="boot the duvm kernel-nbd test guest once")
     p.add_argument("--mib", type=int, default=48, help="workload size (MiB)")
     p.add_argument("--mem", type=int, default=384, help="guest RAM (MiB)")
-    p.add_argument("--cgroup", type=int, default=24, help="memory cgroup limit of the "
-                   "workload in MiB; 0: no cgroup, the workload outgrows the guest's RAM")
+    p.add_argument(
+        "--cgroup",
+        type=int,
+        default=24,
+        help="memory cgroup limit of the "
+        "workload in MiB; 0: no cgroup, the workload outgrows the guest's RAM",
+    )
     p.add_argument("--swap-size", default="128M")
     p.add_argument("--memservers", type=int, default=1)
     p.add_argument("--capacity", default="128M", help="per memserver")
     p.add_argument("--timeout", type=float, default=420)
-    p.add_argument("--host-memservers", action="store_true",
-                   help="run the memservers on the host, reached through QEMU's user network")
-    p.add_argument("--network", choices=("user", "tap"), default="user",
-                   help="guest network: QEMU user mode (slirp), or a tap device in a private "
-                   "network namespace (with --host-memservers: they run in it)")
-    p.add_argument("--sysrq-at", type=float, action="append", metavar="S",
-                   help="S seconds after QEMU starts, print the guest's blocked tasks and "
-                   "memory state on its console (SysRq w and m; repeatable)")
-    p.add_argument("--daemon-args", default="", metavar="ARGS",
-                   help="extra `duvm daemon` flags in the guest (space-separated)")
-    p.add_argument("--kill-at", type=int, metavar="PCT",
-                   help="SIGKILL the daemon at PCT %% of the fill, then `duvm enable --resume`")
-    p.add_argument("--order", choices=("sequential", "random"), default="sequential",
-                   help="the workload's touch order")
+    p.add_argument(
+        "--host-memservers",
+        action="store_true",
+        help="run the memservers on the host, reached through QEMU's user network",
+    )
+    p.add_argument(
+        "--network",
+        choices=("user", "tap"),
+        default="user",
+        help="guest network: QEMU user mode (slirp), or a tap device in a private "
+        "network namespace (with --host-memservers: they run in it)",
+    )
+    p.add_argument(
+        "--sysrq-at",
+        type=float,
+        action="append",
+        metavar="S",
+        help="S seconds after QEMU starts, print the guest's blocked tasks and "
+        "memory state on its console (SysRq w and m; repeatable)",
+    )
+    p.add_argument(
+        "--daemon-args",
+        default="",
+        metavar="ARGS",
+        help="extra `duvm daemon` flags in the guest (space-separated)",
+    )
+    p.add_argument(
+        "--kill-at",
+        type=int,
+        metavar="PCT",
+        help="SIGKILL the daemon at PCT %% of the fill, then `duvm enable --resume`",
+    )
+    p.add_argument(
+        "--order",
+        choices=("sequential", "random"),
+        default="sequential",
+        help="the workload's touch order",
+    )
     p.add_argument("--chunk-kib", type=int, default=1024, help="the workload's chunk (KiB)")
     p.add_argument("--passes", type=int, default=1, help="verification passes")
-    p.add_argument("--stall", type=float, metavar="S",
-                   help="end the run as hung when no page moves for S seconds")
-    p.add_argument("--kill-memserver-at", type=int, choices=(25, 50, 75), metavar="PCT",
-                   help="SIGKILL the last host memserver at PCT %% of the fill (25, 50, 75)")
-    p.add_argument("--reproduction", action="store_true",
-                   help="with --host-memservers: plain `duvm enable --peers --size "
-                   "--secret-file` in the guest and an os.urandom workload (issue 18's steps)")
-    p.add_argument("--sysctl", default="", metavar="'NAME=VALUE ...'",
-                   help="kernel settings for the guest at boot, e.g. "
-                   "'kernel.sched_rt_runtime_us=-1'")
+    p.add_argument(
+        "--stall",
+        type=float,
+        metavar="S",
+        help="end the run as hung when no page moves for S seconds",
+    )
+    p.add_argument(
+        "--kill-memserver-at",
+        type=int,
+        choices=(25, 50, 75),
+        metavar="PCT",
+        help="SIGKILL the last host memserver at PCT %% of the fill (25, 50, 75)",
+    )
+    p.add_argument(
+        "--reproduction",
+        action="store_true",
+        help="with --host-memservers: plain `duvm enable --peers --size "
+        "--secret-file` in the guest and an os.urandom workload (issue 18's steps)",
+    )
+    p.add_argument(
+        "--sysctl",
+        default="",
+        metavar="'NAME=VALUE ...'",
+        help="kernel settings for the guest at boot, e.g. 'kernel.sched_rt_runtime_us=-1'",
+    )
     p.add_argument("--keep", type=Path, help="keep logs in this folder")
     a = p.parse_args(argv)
     if a.keep:
         a.keep.mkdir(parents=True, exist_ok=True)
     try:
-        run = run_guest(workload_mib=a.mib, cgroup_mib=a.cgroup or None,
-                        swap_size=a.swap_size, mem_mib=a.mem, memservers=a.memservers,
-                        capacity=a.capacity, timeout_s=a.timeout,
-                        host_memservers=a.host_memservers, kill_at_pct=a.kill_at,
-                        network=a.network, sysrq_at=a.sysrq_at, daemon_args=a.daemon_args,
-                        order=a.order, chunk_kib=a.chunk_kib, passes=a.passes,
-                        stall_s=a.stall, kill_memserver_at=a.kill_memserver_at,
-                        reproduction=a.reproduction, sysctl=a.sysctl,
-                        workdir=a.keep)
+        run = run_guest(
+            workload_mib=a.mib,
+            cgroup_mib=a.cgroup or None,
+            swap_size=a.swap_size,
+            mem_mib=a.mem,
+            memservers=a.memservers,
+            capacity=a.capacity,
+            timeout_s=a.timeout,
+            host_memservers=a.host_memservers,
+            kill_at_pct=a.kill_at,
+            network=a.network,
+            sysrq_at=a.sysrq_at,
+            daemon_args=a.daemon_args,
+            order=a.order,
+            chunk_kib=a.chunk_kib,
+            passes=a.passes,
+            stall_s=a.stall,
+            kill_memserver_at=a.kill_memserver_at,
+            reproduction=a.reproduction,
+            sysctl=a.sysctl,
+            workdir=a.keep,
+        )
     except GuestUnavailable as exc:
         print(f"boot: cannot boot the guest here: {exc}", file=sys.stderr)
         return 2

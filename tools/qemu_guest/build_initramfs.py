@@ -42,9 +42,19 @@ BUSYBOX = Path("/bin/busybox")
 
 # insmod order (each module after everything it needs)
 MODULES = (
-    "netfs", "fscache", "9pnet", "virtio_ring", "virtio", "virtio_pci_legacy_dev",
-    "virtio_pci_modern_dev", "virtio_pci", "9pnet_virtio", "9p",
-    "failover", "net_failover", "virtio_net",
+    "netfs",
+    "fscache",
+    "9pnet",
+    "virtio_ring",
+    "virtio",
+    "virtio_pci_legacy_dev",
+    "virtio_pci_modern_dev",
+    "virtio_pci",
+    "9pnet_virtio",
+    "9p",
+    "failover",
+    "net_failover",
+    "virtio_net",
     "nbd",
 )
 
@@ -76,24 +86,33 @@ def find_cached(cache: Path = DEFAULT_CACHE) -> GuestKernel | None:
     """The newest complete extracted kernel in `cache`, or None."""
     if not cache.is_dir():
         return None
-    found = [k for d in sorted(cache.glob("linux-image-*"), reverse=True)
-             if d.is_dir() and (k := _cached(d)) is not None]
+    found = [
+        k
+        for d in sorted(cache.glob("linux-image-*"), reverse=True)
+        if d.is_dir() and (k := _cached(d)) is not None
+    ]
     return found[0] if found else None
 
 
 def _apt_package_name() -> str:
     """linux-image-amd64 is a metapackage; the real one is its linux-image-* dependency."""
     try:
-        out = subprocess.run(["apt-cache", "depends", META_PACKAGE], capture_output=True,
-                             text=True, timeout=60, check=True).stdout
+        out = subprocess.run(
+            ["apt-cache", "depends", META_PACKAGE],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"apt-cache depends {META_PACKAGE} failed: {exc}") from exc
     for line in out.splitlines():
         parts = line.split()
         if len(parts) == 2 and parts[0] == "Depends:" and parts[1].startswith("linux-image-"):
             return parts[1]
-    raise KernelUnavailable(f"apt knows no kernel package behind {META_PACKAGE} "
-                            "(not a Debian/amd64 apt source?)")
+    raise KernelUnavailable(
+        f"apt knows no kernel package behind {META_PACKAGE} (not a Debian/amd64 apt source?)"
+    )
 
 
 def _extract(deb: Path, dest: Path) -> None:
@@ -133,12 +152,19 @@ def ensure_kernel(cache: Path = DEFAULT_CACHE) -> GuestKernel:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         # apt's sandbox user cannot write into root's temp folder; it falls back and warns
-        res = subprocess.run(["apt-get", "download", "-q", package], cwd=tmp,
-                             capture_output=True, text=True, timeout=600, check=False)
+        res = subprocess.run(
+            ["apt-get", "download", "-q", package],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         debs = list(Path(tmp).glob(f"{package}_*.deb"))
         if res.returncode != 0 or len(debs) != 1:
-            raise KernelUnavailable(f"apt-get download {package} failed: "
-                                    f"{(res.stderr or res.stdout).strip()[-500:]}")
+            raise KernelUnavailable(
+                f"apt-get download {package} failed: {(res.stderr or res.stdout).strip()[-500:]}"
+            )
         staging = Path(tmp) / package
         _extract(debs[0], staging)
         if _cached(staging) is None:
@@ -163,11 +189,16 @@ class Cpio:
         self._parts: list[bytes] = []
         self._ino = 1
 
-    def _entry(self, name: str, mode: int, data: bytes = b"", rdev: tuple[int, int] = (0, 0),
-               nlink: int = 1) -> None:
+    def _entry(
+        self,
+        name: str,
+        mode: int,
+        data: bytes = b"",
+        rdev: tuple[int, int] = (0, 0),
+        nlink: int = 1,
+    ) -> None:
         raw = name.encode() + b"\0"
-        fields = (self._ino, mode, 0, 0, nlink, 0, len(data), 0, 0, rdev[0], rdev[1],
-                  len(raw), 0)
+        fields = (self._ino, mode, 0, 0, nlink, 0, len(data), 0, 0, rdev[0], rdev[1], len(raw), 0)
         self._ino += 1
         head = b"070701" + b"".join(f"{f:08x}".encode() for f in fields) + raw
         self._parts += [head, b"\0" * (-len(head) % 4), data, b"\0" * (-len(data) % 4)]
@@ -200,13 +231,14 @@ def is_static_elf(data: bytes) -> bool:
         off = phoff + i * phentsize
         if phentsize < 4 or off + phentsize > len(data):  # a cut-off table proves nothing
             return False
-        if int.from_bytes(data[off:off + 4], "little") == 3:  # PT_INTERP
+        if int.from_bytes(data[off : off + 4], "little") == 3:  # PT_INTERP
             return False
     return True
 
 
-def build_initramfs(kernel: GuestKernel, env: dict[str, str], out: Path,
-                    busybox: Path = BUSYBOX) -> Path:
+def build_initramfs(
+    kernel: GuestKernel, env: dict[str, str], out: Path, busybox: Path = BUSYBOX
+) -> Path:
     """Write the initramfs for one run to `out`; `env` becomes /duvm.env in the guest."""
     bb = busybox.read_bytes()
     if not is_static_elf(bb):

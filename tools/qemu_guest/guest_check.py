@@ -67,13 +67,26 @@ def duvm(*args: str, timeout: float = 300) -> dict[str, Any]:
     """Run `duvm ARGS` as a user would (python -m duvm.cli); rc, output and seconds."""
     t = time.monotonic()
     try:
-        res = subprocess.run([sys.executable, "-m", "duvm.cli", *args], capture_output=True,
-                             text=True, timeout=timeout, check=False)
+        res = subprocess.run(
+            [sys.executable, "-m", "duvm.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     except subprocess.TimeoutExpired as exc:
-        return {"rc": None, "stdout": str(exc.stdout), "stderr": f"timed out after {timeout} s",
-                "seconds": round(time.monotonic() - t, 2)}
-    return {"rc": res.returncode, "stdout": res.stdout[-3000:], "stderr": res.stderr[-3000:],
-            "seconds": round(time.monotonic() - t, 2)}
+        return {
+            "rc": None,
+            "stdout": str(exc.stdout),
+            "stderr": f"timed out after {timeout} s",
+            "seconds": round(time.monotonic() - t, 2),
+        }
+    return {
+        "rc": res.returncode,
+        "stdout": res.stdout[-3000:],
+        "stderr": res.stderr[-3000:],
+        "seconds": round(time.monotonic() - t, 2),
+    }
 
 
 def status() -> dict[str, Any] | None:
@@ -119,8 +132,10 @@ def _policy(pid: int) -> int | None:
 
 def logs() -> dict[str, str | None]:
     """The tails of the daemon's and the holder's logs (why a connection ended)."""
-    return {name: (text[-2000:] if (text := _read(f"{STATE_DIR}/{name}")) is not None else None)
-            for name in ("daemon.log", "holder-nbd0.log", "supervisor.log")}
+    return {
+        name: (text[-2000:] if (text := _read(f"{STATE_DIR}/{name}")) is not None else None)
+        for name in ("daemon.log", "holder-nbd0.log", "supervisor.log")
+    }
 
 
 def meminfo() -> dict[str, int]:
@@ -155,8 +170,11 @@ def _task(pid: int) -> str:
     out = f"{state} {wchan}"
     if state == "D":
         stack = _read(f"/proc/{pid}/stack") or ""
-        out += " [" + " < ".join(f.split()[-1].split("+")[0]
-                                 for f in stack.splitlines()[:6] if f.split()) + "]"
+        out += (
+            " ["
+            + " < ".join(f.split()[-1].split("+")[0] for f in stack.splitlines()[:6] if f.split())
+            + "]"
+        )
     return out
 
 
@@ -188,8 +206,7 @@ def tcp_queues(ports: set[int]) -> str:
             out.append(f"{tx}/{rx}")
     snmp = (_read("/proc/net/snmp") or "").splitlines()
     tcp = [x.split() for x in snmp if x.startswith("Tcp:")]
-    retrans = dict(zip(tcp[0], tcp[1], strict=False)).get("RetransSegs") if len(tcp) == 2 \
-        else None
+    retrans = dict(zip(tcp[0], tcp[1], strict=False)).get("RetransSegs") if len(tcp) == 2 else None
     return f"tcp tx/rx {','.join(out) or '-'} retrans {retrans}"
 
 
@@ -210,9 +227,12 @@ def monitor(stop: threading.Event, ports: set[int], every: float = 10.0) -> None
         try:
             vm, mem = vmstat(), meminfo()
             tasks = " ".join(f"daemon {_threads(p)}" for p in WATCHED["daemon"])
-            print(f"duvm-guest: monitor {_uptime():.0f}s out {vm.get('pswpout')} in "
-                  f"{vm.get('pswpin')} free {mem.get('MemFree')}k mlocked "
-                  f"{mem.get('Mlocked')}k {tasks} {tcp_queues(ports)}", flush=True)
+            print(
+                f"duvm-guest: monitor {_uptime():.0f}s out {vm.get('pswpout')} in "
+                f"{vm.get('pswpin')} free {mem.get('MemFree')}k mlocked "
+                f"{mem.get('Mlocked')}k {tasks} {tcp_queues(ports)}",
+                flush=True,
+            )
         except Exception as exc:  # the monitor must never take the run down
             print(f"duvm-guest: monitor error {exc}", flush=True)
 
@@ -229,20 +249,38 @@ def run_workload(mib: int, cgroup_mib: int | None) -> dict[str, Any]:
     With `cgroup_mib` the workload runs in a memory cgroup limited to that many MiB, so only
     it is under memory pressure; without, it is simply bigger than the guest's RAM."""
     t = time.monotonic()
-    cmd = [sys.executable, "-m", "duvm.workload", "--mib", str(mib), "--hold", "--progress",
-           "--order", os.environ.get("DUVM_ORDER") or "sequential",
-           "--chunk-kib", os.environ.get("DUVM_CHUNK_KIB") or "1024",
-           "--passes", os.environ.get("DUVM_PASSES") or "1"]
-    pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE,
-                             "stderr": subprocess.PIPE, "text": True}
+    cmd = [
+        sys.executable,
+        "-m",
+        "duvm.workload",
+        "--mib",
+        str(mib),
+        "--hold",
+        "--progress",
+        "--order",
+        os.environ.get("DUVM_ORDER") or "sequential",
+        "--chunk-kib",
+        os.environ.get("DUVM_CHUNK_KIB") or "1024",
+        "--passes",
+        os.environ.get("DUVM_PASSES") or "1",
+    ]
+    pipes: dict[str, Any] = {
+        "stdin": subprocess.PIPE,
+        "stdout": subprocess.PIPE,
+        "stderr": subprocess.PIPE,
+        "text": True,
+    }
     if cgroup_mib is None:
         return _drive(subprocess.Popen(cmd, **pipes), t)
     from duvm.cgroup import MemoryCgroup
 
     with MemoryCgroup(cgroup_mib << 20, prefix="duvm-qemu") as group:
         out = _drive(group.popen(cmd, **pipes), t)
-        out["cgroup"] = {"version": group.version, "limit_mib": cgroup_mib,
-                         "peak_bytes": group.peak_bytes()}
+        out["cgroup"] = {
+            "version": group.version,
+            "limit_mib": cgroup_mib,
+            "peak_bytes": group.peak_bytes(),
+        }
         return out
 
 
@@ -264,15 +302,24 @@ print(json.dumps({"mib": n, "bad_chunks": bad, "intact": bad == 0, "fill_s": rou
 def run_urandom_workload(mib: int) -> dict[str, Any]:
     """The issue's reproduction: `python3 -c` holding `mib` MiB of os.urandom, verified twice."""
     t = time.monotonic()
-    res = subprocess.run([sys.executable, "-c", URANDOM_WORKLOAD, str(mib)], capture_output=True,
-                         text=True, check=False)
+    res = subprocess.run(
+        [sys.executable, "-c", URANDOM_WORKLOAD, str(mib)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     lines = res.stdout.strip().splitlines()
     try:
         result = json.loads(lines[-1]) if lines else None
     except ValueError:
         result = {"unparsed": res.stdout[-2000:]}
-    return {"rc": res.returncode, "result": result, "seconds": round(time.monotonic() - t, 2),
-            "held": False, "stderr": res.stderr[-2000:]}
+    return {
+        "rc": res.returncode,
+        "result": result,
+        "seconds": round(time.monotonic() - t, 2),
+        "held": False,
+        "stderr": res.stderr[-2000:],
+    }
 
 
 def kill_and_resume() -> None:
@@ -286,8 +333,13 @@ def kill_and_resume() -> None:
     t = time.monotonic()
     while Path(f"/proc/{old_pid}").exists() and time.monotonic() - t < 30:
         time.sleep(0.05)
-    emit("killed", pid=old_pid, vmstat=before, nbd_pid=(_read("/sys/block/nbd0/pid") or "")
-         .strip() or None, state_files=sorted(os.listdir(STATE_DIR + "/daemon-state")))
+    emit(
+        "killed",
+        pid=old_pid,
+        vmstat=before,
+        nbd_pid=(_read("/sys/block/nbd0/pid") or "").strip() or None,
+        state_files=sorted(os.listdir(STATE_DIR + "/daemon-state")),
+    )
     # the supervisor resumes it: wait for a new live daemon in the state file (its pid from
     # there: scanning every /proc/PID/cmdline could block on swap)
     new_pid = None
@@ -310,14 +362,21 @@ def kill_and_resume() -> None:
     by_hand = duvm("enable", "--resume", "--state-dir", STATE_DIR, timeout=240)
     watch_daemon()
     new = WATCHED["daemon"]
-    emit("resumed", new_pid=new_pid, seconds=resumed_after, by_hand=by_hand,
-         supervisor_log=(_read(STATE_DIR + "/supervisor.log") or "")[-3000:],
-         supervisor=json.loads(_read(STATE_DIR + "/supervisor.json") or "null"),
-         vmstat=vmstat(), vmstat_at_resume=at_resume, proc_swaps=_read("/proc/swaps"),
-         nbd_pid=(_read("/sys/block/nbd0/pid") or "").strip() or None, new_daemon_pids=new,
-         new_daemon_cmdline=[(_read(f"/proc/{p}/cmdline") or "").replace("\0", " ")
-                             for p in new],
-         state=json.loads(Path(STATE_DIR, "state.json").read_text()))
+    emit(
+        "resumed",
+        new_pid=new_pid,
+        seconds=resumed_after,
+        by_hand=by_hand,
+        supervisor_log=(_read(STATE_DIR + "/supervisor.log") or "")[-3000:],
+        supervisor=json.loads(_read(STATE_DIR + "/supervisor.json") or "null"),
+        vmstat=vmstat(),
+        vmstat_at_resume=at_resume,
+        proc_swaps=_read("/proc/swaps"),
+        nbd_pid=(_read("/sys/block/nbd0/pid") or "").strip() or None,
+        new_daemon_pids=new,
+        new_daemon_cmdline=[(_read(f"/proc/{p}/cmdline") or "").replace("\0", " ") for p in new],
+        state=json.loads(Path(STATE_DIR, "state.json").read_text()),
+    )
 
 
 def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
@@ -339,9 +398,13 @@ def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
                 print(f"duvm-guest: workload {parts[1]} {pct}% at {_uptime()} s", flush=True)
             continue
         if line.strip() == "filled":
-            held = {"fill_seconds": round(time.monotonic() - t, 2), "vmstat": vmstat(),
-                    "meminfo": meminfo(),
-                    "proc_swaps": _read("/proc/swaps"), "status": status()}
+            held = {
+                "fill_seconds": round(time.monotonic() - t, 2),
+                "vmstat": vmstat(),
+                "meminfo": meminfo(),
+                "proc_swaps": _read("/proc/swaps"),
+                "status": status(),
+            }
             emit("filled", **held)
             proc.stdin.write("\n")
             proc.stdin.flush()
@@ -357,8 +420,12 @@ def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
         result = json.loads(lines[-1]) if lines else None
     except ValueError:
         result = {"unparsed": out[-2000:]}
-    return {"rc": rc, "result": result, "seconds": round(time.monotonic() - t, 2),
-            "held": bool(held)}
+    return {
+        "rc": rc,
+        "result": result,
+        "seconds": round(time.monotonic() - t, 2),
+        "held": bool(held),
+    }
 
 
 def _guarded(fn: Any) -> Any:
@@ -367,6 +434,7 @@ def _guarded(fn: Any) -> Any:
             fn()
         except Exception as exc:  # reported, never silent: the host test judges
             emit("crash", error=f"{fn.__name__}: {type(exc).__name__}: {exc}")
+
     return run
 
 
@@ -381,8 +449,13 @@ def memserver_pages(peers: str) -> list[dict[str, Any]]:
         host, _, port = peer.rpartition(":")
         try:
             st = asyncio.run(query_status(host, int(port), timeout=10))
-            out.append({"peer": peer, "used_pages": st.get("used_pages"),
-                        "reserved_pages": st.get("reserved_pages")})
+            out.append(
+                {
+                    "peer": peer,
+                    "used_pages": st.get("used_pages"),
+                    "reserved_pages": st.get("reserved_pages"),
+                }
+            )
         except Exception as exc:
             out.append({"peer": peer, "used_pages": None, "error": str(exc)})
     return out
@@ -394,9 +467,21 @@ def start_local_memservers(n: int, capacity: str) -> str:
     for i in range(n):
         log = Path(f"/run/memserver{i}.log")
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "duvm.cli", "memserver", "--listen",
-                                     "127.0.0.1:0", "--capacity", capacity], stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "duvm.cli",
+                    "memserver",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--capacity",
+                    capacity,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         # it stands in for another machine's RAM: the guest's OOM killer must not pick it
         Path(f"/proc/{proc.pid}/oom_score_adj").write_text("-1000")
         deadline = time.monotonic() + 120
@@ -416,27 +501,44 @@ def main() -> int:
     lock_self()
     stop = threading.Event()
     peers = os.environ.get("DUVM_PEERS") or start_local_memservers(
-        int(os.environ["DUVM_LOCAL_MEMSERVERS"]), os.environ["DUVM_CAPACITY"])
+        int(os.environ["DUVM_LOCAL_MEMSERVERS"]), os.environ["DUVM_CAPACITY"]
+    )
     ports = {int(p.rpartition(":")[2]) for p in peers.split(",")}
     threading.Thread(target=monitor, args=(stop, ports), daemon=True).start()
     size = os.environ["DUVM_SIZE"]
     mib = int(os.environ["DUVM_MIB"])
     cgroup_mib = int(os.environ["DUVM_CGROUP_MIB"]) if os.environ.get("DUVM_CGROUP_MIB") else None
-    mem_total = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text()
-                     .splitlines() if line.startswith("MemTotal:"))
-    emit("start", kernel=os.uname().release, mem_total_kb=mem_total, vmstat=vmstat(),
-         meminfo=meminfo(),
-         min_free_kbytes=int(Path("/proc/sys/vm/min_free_kbytes").read_text()),
-         has_dev_nbd0=os.path.exists("/dev/nbd0"), workload_mib=mib, peers=peers, size=size)
+    mem_total = next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal:")
+    )
+    emit(
+        "start",
+        kernel=os.uname().release,
+        mem_total_kb=mem_total,
+        vmstat=vmstat(),
+        meminfo=meminfo(),
+        min_free_kbytes=int(Path("/proc/sys/vm/min_free_kbytes").read_text()),
+        has_dev_nbd0=os.path.exists("/dev/nbd0"),
+        workload_mib=mib,
+        peers=peers,
+        size=size,
+    )
     # a config file as a user would write one; -v makes the daemon log why a connection ends
     config = Path("/run/duvm-test.toml")
     # memservers on the host are off the guest's loopback: a test network, no secret, and
     # no page encryption (AES without AES-NI under TCG would dominate the run)
-    daemon_args = ["-v"] + (["--insecure", "--no-encrypt"] if os.environ.get("DUVM_PEERS")
-                            else []) + os.environ.get("DUVM_DAEMON_ARGS", "").split()
-    config.write_text(f'peers = {json.dumps(peers.split(","))}\nsize = "{size}"\n'
-                      f'method = "kernel-nbd"\nstate_dir = "{STATE_DIR}"\n'
-                      f'daemon_args = {json.dumps(daemon_args)}\n')
+    daemon_args = (
+        ["-v"]
+        + (["--insecure", "--no-encrypt"] if os.environ.get("DUVM_PEERS") else [])
+        + os.environ.get("DUVM_DAEMON_ARGS", "").split()
+    )
+    config.write_text(
+        f'peers = {json.dumps(peers.split(","))}\nsize = "{size}"\n'
+        f'method = "kernel-nbd"\nstate_dir = "{STATE_DIR}"\n'
+        f"daemon_args = {json.dumps(daemon_args)}\n"
+    )
     secret = os.environ.get("DUVM_SECRET_FILE")
     if secret:  # exactly what a user types: the defaults, the cluster secret, nothing else
         enable = duvm("enable", "--peers", peers, "--size", size, "--secret-file", secret)
@@ -449,14 +551,27 @@ def main() -> int:
     disabled = False
     try:
         emit("attached", **device_facts(), vmstat=vmstat(), meminfo=meminfo())
-        work = (run_urandom_workload(mib) if os.environ.get("DUVM_URANDOM_WORKLOAD")
-                else run_workload(mib, cgroup_mib))
-        emit("workload", **work, vmstat=vmstat(), proc_swaps=_read("/proc/swaps"), logs=logs(),
-             meminfo=meminfo())
+        work = (
+            run_urandom_workload(mib)
+            if os.environ.get("DUVM_URANDOM_WORKLOAD")
+            else run_workload(mib, cgroup_mib)
+        )
+        emit(
+            "workload",
+            **work,
+            vmstat=vmstat(),
+            proc_swaps=_read("/proc/swaps"),
+            logs=logs(),
+            meminfo=meminfo(),
+        )
         emit("disable", **duvm("disable", "--state-dir", STATE_DIR))
         disabled = True
-        emit("detached", **device_facts(), memservers=memserver_pages(peers),
-             supervisor_left=os.path.exists(f"{STATE_DIR}/supervisor.json"))
+        emit(
+            "detached",
+            **device_facts(),
+            memservers=memserver_pages(peers),
+            supervisor_left=os.path.exists(f"{STATE_DIR}/supervisor.json"),
+        )
     finally:
         if not disabled:  # a failure above: still leave the guest clean (and say so)
             emit("cleanup", **duvm("disable", "--force", "--state-dir", STATE_DIR), logs=logs())

@@ -45,8 +45,10 @@ import boot  # sibling module; tools/ is not a package
 
 OUTCOMES = ("verified", "oom-killed", "hung", "panicked", "bad-pages", "failed")
 # kernel messages worth keeping with a run's result
-_KERNEL = re.compile(r"(Kernel panic.*|block nbd\d+: .*|Out of memory: Killed process \d+ "
-                     r"\(\S+\)|(?:Read|Write)-error on swap-device.*|I/O error, dev nbd.*)")
+_KERNEL = re.compile(
+    r"(Kernel panic.*|block nbd\d+: .*|Out of memory: Killed process \d+ "
+    r"\(\S+\)|(?:Read|Write)-error on swap-device.*|I/O error, dev nbd.*)"
+)
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,9 @@ class Setup:
 def default_matrix() -> list[Setup]:
     """20 runs: 256 and 384 MiB guests at 80/95/110 % in both orders, a 1 GiB guest at 95 and
     110 %, and two memservers with one killed (384 MiB at 80/95 %, 256 MiB at 95 %)."""
-    runs = [Setup(m, p, o) for m in (256, 384) for p in (80, 95, 110)
-            for o in ("sequential", "random")]
+    runs = [
+        Setup(m, p, o) for m in (256, 384) for p in (80, 95, 110) for o in ("sequential", "random")
+    ]
     runs += [Setup(1024, 95, "sequential"), Setup(1024, 110, "random")]
     runs += [Setup(384, p, o, kill=True) for p in (80, 95) for o in ("sequential", "random")]
     runs += [Setup(256, 95, o, kill=True) for o in ("sequential", "random")]
@@ -100,8 +103,11 @@ def classify(run: boot.GuestRun) -> tuple[str, str]:
     if result.get("bad_chunks"):
         return "bad-pages", f"{result['bad_chunks']} chunk(s) differ"
     if re.search(r"(Read|Write)-error on swap-device|I/O error, dev nbd", console):
-        return "bad-pages", _first(console, r"(?:Read|Write)-error on swap-device[^\n]*"
-                                   r"|I/O error, dev nbd[^\n]*")
+        return "bad-pages", _first(
+            console,
+            r"(?:Read|Write)-error on swap-device[^\n]*"
+            r"|I/O error, dev nbd[^\n]*",
+        )
     disabled = run.events.get("disable", {}).get("rc") == 0
     if work is None:
         enable = run.events.get("enable", {})
@@ -110,8 +116,14 @@ def classify(run: boot.GuestRun) -> tuple[str, str]:
         crash = run.events.get("crash", {}).get("error")
         return "failed", crash or "the guest ended before the workload did"
     if work.get("rc") == 0 and result.get("intact"):
-        return ("verified", "") if disabled else ("failed", "verified, but disable failed: "
-                                                  + str(run.events.get("disable"))[-300:])
+        return (
+            ("verified", "")
+            if disabled
+            else (
+                "failed",
+                "verified, but disable failed: " + str(run.events.get("disable"))[-300:],
+            )
+        )
     if work.get("rc") == -9 and re.search(r"Out of memory: Killed process \d+ \(python", console):
         return ("oom-killed", "") if disabled else ("failed", "OOM-killed, then disable failed")
     return "failed", f"workload exit {work.get('rc')}: {str(result)[-300:]}"
@@ -122,46 +134,87 @@ def _first(text: str, pattern: str) -> str:
     return m.group(0)[:300] if m else ""
 
 
-def run_one(setup: Setup, out: Path, *, daemon_args: str, stall_s: float,
-            timeout_s: float, sysctl: str = "") -> dict[str, Any]:
+def run_one(
+    setup: Setup, out: Path, *, daemon_args: str, stall_s: float, timeout_s: float, sysctl: str = ""
+) -> dict[str, Any]:
     """Boot one guest for `setup`; its logs in OUT/NAME-TIME; one result record."""
     work = out / f"{setup.name.replace(':', '-')}-{time.strftime('%H%M%S')}"
     work.mkdir(parents=True)
     swap_mib = max(256, 2 * setup.mem_mib)  # the device holds the whole overflow, twice over
     started = time.time()
     run = boot.run_guest(
-        workload_mib=setup.workload_mib, cgroup_mib=None, mem_mib=setup.mem_mib,
-        swap_size=f"{swap_mib}M", capacity=f"{swap_mib}M", host_memservers=True,
-        memservers=2 if setup.kill else 1, kill_memserver_at=50 if setup.kill else None,
-        order=setup.order, chunk_kib=1024 if setup.order == "sequential" else 64,
-        daemon_args=daemon_args, stall_s=stall_s, timeout_s=timeout_s, workdir=work,
-        sysctl=sysctl)
+        workload_mib=setup.workload_mib,
+        cgroup_mib=None,
+        mem_mib=setup.mem_mib,
+        swap_size=f"{swap_mib}M",
+        capacity=f"{swap_mib}M",
+        host_memservers=True,
+        memservers=2 if setup.kill else 1,
+        kill_memserver_at=50 if setup.kill else None,
+        order=setup.order,
+        chunk_kib=1024 if setup.order == "sequential" else 64,
+        daemon_args=daemon_args,
+        stall_s=stall_s,
+        timeout_s=timeout_s,
+        workdir=work,
+        sysctl=sysctl,
+    )
     outcome, reason = classify(run)
     facts = boot.summary(run)
-    return {"setup": asdict(setup), "name": setup.name, "outcome": outcome, "reason": reason,
-            "daemon_args": daemon_args, "sysctl": sysctl,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
-            "seconds": run.seconds, "pages_out": facts["pages_out"],
-            "pages_in": facts["pages_in"], "memserver_killed_at": run.memserver_killed_at,
-            "kernel": sorted(set(_KERNEL.findall(run.console)))[:20], "logs": str(work)}
+    return {
+        "setup": asdict(setup),
+        "name": setup.name,
+        "outcome": outcome,
+        "reason": reason,
+        "daemon_args": daemon_args,
+        "sysctl": sysctl,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
+        "seconds": run.seconds,
+        "pages_out": facts["pages_out"],
+        "pages_in": facts["pages_in"],
+        "memserver_killed_at": run.memserver_killed_at,
+        "kernel": sorted(set(_KERNEL.findall(run.console)))[:20],
+        "logs": str(work),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, required=True, help="folder for results and logs")
-    p.add_argument("--only", action="append", metavar="MEM:PCT:ORDER[:kill]",
-                   help="run only these set-ups (repeatable), e.g. 384:110:random:kill")
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="MEM:PCT:ORDER[:kill]",
+        help="run only these set-ups (repeatable), e.g. 384:110:random:kill",
+    )
     p.add_argument("--repeat", type=int, default=1, help="run the whole list N times")
-    p.add_argument("--daemon-args", default="", metavar="ARGS",
-                   help="extra `duvm daemon` flags in the guest (default: none, the defaults)")
-    p.add_argument("--sysctl", default="", metavar="'NAME=VALUE ...'",
-                   help="guest kernel settings, e.g. 'kernel.sched_rt_runtime_us=-1'")
-    p.add_argument("--stall", type=float, default=60, metavar="S",
-                   help="hung when no page moves for S seconds (default 60)")
+    p.add_argument(
+        "--daemon-args",
+        default="",
+        metavar="ARGS",
+        help="extra `duvm daemon` flags in the guest (default: none, the defaults)",
+    )
+    p.add_argument(
+        "--sysctl",
+        default="",
+        metavar="'NAME=VALUE ...'",
+        help="guest kernel settings, e.g. 'kernel.sched_rt_runtime_us=-1'",
+    )
+    p.add_argument(
+        "--stall",
+        type=float,
+        default=60,
+        metavar="S",
+        help="hung when no page moves for S seconds (default 60)",
+    )
     p.add_argument("--timeout", type=float, default=900, metavar="S", help="per run")
-    p.add_argument("--stop-on-bad", action="store_true",
-                   help="stop after the first run that hung, panicked or lost pages")
+    p.add_argument(
+        "--stop-on-bad",
+        action="store_true",
+        help="stop after the first run that hung, panicked or lost pages",
+    )
     a = p.parse_args(argv)
     try:
         setups = [Setup.parse(s) for s in a.only] if a.only else default_matrix()
@@ -176,8 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     for n, setup in enumerate(todo, 1):
         print(f"[{n}/{len(todo)}] {setup.name} ...", end=" ", flush=True)
         try:
-            rec = run_one(setup, a.out, daemon_args=a.daemon_args, stall_s=a.stall,
-                          timeout_s=a.timeout, sysctl=a.sysctl)
+            rec = run_one(
+                setup,
+                a.out,
+                daemon_args=a.daemon_args,
+                stall_s=a.stall,
+                timeout_s=a.timeout,
+                sysctl=a.sysctl,
+            )
         except boot.GuestUnavailable as exc:
             print(f"\nstress: cannot boot the guest here: {exc}", file=sys.stderr)
             return 2

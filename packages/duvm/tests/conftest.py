@@ -26,8 +26,9 @@ async def memserver_pool() -> AsyncIterator[StartPool]:
     """
     pools: list[list[MemServer]] = []
 
-    async def start(n: int, capacity: int, lease_s: float = 60) -> tuple[
-            list[MemServer], list[tuple[str, int]]]:
+    async def start(
+        n: int, capacity: int, lease_s: float = 60
+    ) -> tuple[list[MemServer], list[tuple[str, int]]]:
         srvs = [MemServer(capacity, lease_s=lease_s, lock=False) for _ in range(n)]
         pools.append(srvs)
         addrs = [await s.start() for s in srvs]
@@ -66,8 +67,11 @@ async def _fast(start: Callable[..., bool], offset: int, buf: memoryview) -> str
         else:
             how.append("continued")
             task = asyncio.ensure_future(cont)  # type: ignore[arg-type]
-            task.add_done_callback(lambda t: fut.set_exception(t.exception())
-                                   if t.exception() else fut.set_result(None))  # fmt: skip
+            task.add_done_callback(
+                lambda t: (
+                    fut.set_exception(t.exception()) if t.exception() else fut.set_result(None)
+                )
+            )
 
     assert start(offset, buf, done, "tag"), "the fast path declined"
     await fut

@@ -76,10 +76,23 @@ def test_unprivileged_lock_failure_warns_clearly() -> None:
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run(
-        ["prlimit", "--memlock=0", "setpriv", "--reuid=65534", "--regid=65534",
-         "--clear-groups", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=60, env=env, cwd="/",
-    )  # fmt: skip
+        [
+            "prlimit",
+            "--memlock=0",
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd="/",
+    )
     if proc.returncode != 0 and "Permission denied" in proc.stderr:
         pytest.skip(f"nobody cannot run this interpreter: {proc.stderr.strip()[-200:]}")
     assert proc.returncode == 0, proc.stderr

@@ -32,8 +32,11 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 def start_nbdkit(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
     sock = str(tmp_path / f"nbdkit-{time.monotonic_ns()}.sock")
-    proc = subprocess.Popen([NBDKIT or "nbdkit", "-f", "-U", sock, *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [NBDKIT or "nbdkit", "-f", "-U", sock, *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 10
     while not os.path.exists(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -66,8 +69,16 @@ def test_ioctl_numbers_match_kernel_uapi_header() -> None:
     for name, nr in found.items():
         if hasattr(kernelnbd, name):
             assert getattr(kernelnbd, name) == 0xAB00 | int(nr), name
-    for name in ("NBD_SET_SOCK", "NBD_SET_BLKSIZE", "NBD_SET_SIZE_BLOCKS", "NBD_SET_FLAGS",
-                 "NBD_SET_TIMEOUT", "NBD_DO_IT", "NBD_CLEAR_SOCK", "NBD_DISCONNECT"):
+    for name in (
+        "NBD_SET_SOCK",
+        "NBD_SET_BLKSIZE",
+        "NBD_SET_SIZE_BLOCKS",
+        "NBD_SET_FLAGS",
+        "NBD_SET_TIMEOUT",
+        "NBD_DO_IT",
+        "NBD_CLEAR_SOCK",
+        "NBD_DISCONNECT",
+    ):
         assert name in found, name
 
 
@@ -94,16 +105,33 @@ def test_handshake_with_nbdkit_reaches_transmission_phase(nbdkit_memory: str) ->
     if QEMU_IO is None:
         return
     # another real client sees the bytes written through our handshake's socket
-    res = subprocess.run([QEMU_IO, "-f", "raw", "-c", "read -P 0xab 8192 4096",
-                          f"nbd+unix:///?socket={nbdkit_memory}"],
-                         capture_output=True, text=True, timeout=30, check=False)
+    res = subprocess.run(
+        [
+            QEMU_IO,
+            "-f",
+            "raw",
+            "-c",
+            "read -P 0xab 8192 4096",
+            f"nbd+unix:///?socket={nbdkit_memory}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert res.returncode == 0 and "Pattern verification failed" not in res.stdout, res.stdout
 
 
 @needs_nbdkit
 def test_handshake_named_export_and_refusal(tmp_path: Path) -> None:
-    proc, sock_path = start_nbdkit(tmp_path, "--filter=exportname", "memory", "16M",
-                                   "exportname-strict=true", "exportname=swap")
+    proc, sock_path = start_nbdkit(
+        tmp_path,
+        "--filter=exportname",
+        "memory",
+        "16M",
+        "exportname-strict=true",
+        "exportname=swap",
+    )
     try:
         sock, info = kernelnbd.connect_unix(sock_path, export_name="swap")
         sock.close()
@@ -145,8 +173,12 @@ def test_handshake_rejects_non_nbd_peer() -> None:
 def test_handshake_caps_reply_length() -> None:
     greeting = kernelnbd.NBDMAGIC.to_bytes(8, "big") + kernelnbd.IHAVEOPT.to_bytes(8, "big")
     greeting += (3).to_bytes(2, "big")
-    huge = (kernelnbd.REPLY_MAGIC.to_bytes(8, "big") + (7).to_bytes(4, "big")
-            + (3).to_bytes(4, "big") + (1 << 30).to_bytes(4, "big"))
+    huge = (
+        kernelnbd.REPLY_MAGIC.to_bytes(8, "big")
+        + (7).to_bytes(4, "big")
+        + (3).to_bytes(4, "big")
+        + (1 << 30).to_bytes(4, "big")
+    )
     client, t = _serve_bytes(greeting + huge)
     with client, pytest.raises(NbdHandshakeError, match="cap"):
         kernelnbd.handshake(client)
@@ -219,13 +251,17 @@ def test_min_free_raised_restored_and_never_lowered(tmp_path: Path) -> None:
 
 
 def test_parse_proc_swaps_sample_and_live() -> None:
-    text = ("Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
-            "/dev/loop0                              partition\t524284\t\t209188\t\t100\n"
-            "/swap\\040file                           file\t\t1048572\t\t0\t\t-2\n"
-            "garbage line\n")
+    text = (
+        "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
+        "/dev/loop0                              partition\t524284\t\t209188\t\t100\n"
+        "/swap\\040file                           file\t\t1048572\t\t0\t\t-2\n"
+        "garbage line\n"
+    )
     entries = attach.parse_proc_swaps(text)
-    assert entries == [attach.SwapEntry("/dev/loop0", "partition", 524284, 209188, 100),
-                       attach.SwapEntry("/swap file", "file", 1048572, 0, -2)]
+    assert entries == [
+        attach.SwapEntry("/dev/loop0", "partition", 524284, 209188, 100),
+        attach.SwapEntry("/swap file", "file", 1048572, 0, -2),
+    ]
     live = attach.parse_proc_swaps(Path("/proc/swaps").read_text())
     assert all(e.size_kb >= e.used_kb >= 0 for e in live)
 
@@ -242,8 +278,14 @@ def test_fuzz_parse_proc_swaps(text: str) -> None:
 def test_state_roundtrip_and_corruption(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "state.json"
     assert attach.load_state(path) is None
-    att = attach.Attachment(socket="/run/x.sock", method=attach.METHOD_FUSE, device="/dev/loop7",
-                            loop_device="/dev/loop7", min_free_before=1447, extra={"pid": 5})
+    att = attach.Attachment(
+        socket="/run/x.sock",
+        method=attach.METHOD_FUSE,
+        device="/dev/loop7",
+        loop_device="/dev/loop7",
+        min_free_before=1447,
+        extra={"pid": 5},
+    )
     attach.save_state(path, att)
     assert attach.load_state(path) == att
     assert not list(path.parent.glob("*.tmp*")), "atomic write leaves no temp file"
@@ -264,8 +306,7 @@ def test_state_roundtrip_and_corruption(tmp_path: Path) -> None:
 # --- refusals --------------------------------------------------------------------------------
 
 
-def test_missing_tool_names_debian_package(monkeypatch: pytest.MonkeyPatch,
-                                           tmp_path: Path) -> None:
+def test_missing_tool_names_debian_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(attach, "_TOOL_DIRS", (str(tmp_path),))
     with pytest.raises(attach.AttachError, match="install the Debian package util-linux"):
         attach.require_tool("mkswap")
@@ -303,8 +344,12 @@ def test_attach_without_server_leaves_nothing(tmp_path: Path) -> None:
     before = Path("/proc/sys/vm/min_free_kbytes").read_text()
     state = tmp_path / "state.json"
     with pytest.raises(attach.AttachError):
-        attach.attach(str(tmp_path / "absent.sock"), state, run_dir=tmp_path / "run",
-                      method=attach.METHOD_FUSE)
+        attach.attach(
+            str(tmp_path / "absent.sock"),
+            state,
+            run_dir=tmp_path / "run",
+            method=attach.METHOD_FUSE,
+        )
     assert not state.exists()
     assert Path("/proc/sys/vm/min_free_kbytes").read_text() == before
 
@@ -324,8 +369,13 @@ def test_free_device_skips_connected_and_sized(tmp_path: Path) -> None:
     nbd10 free; numeric order, not string order, decides."""
     sysfs, dev = tmp_path / "sys", tmp_path / "dev"
     dev.mkdir()
-    for name, size, pid in (("nbd0", "0", "123"), ("nbd1", "2048", None), ("nbd10", "0", None),
-                            ("nbd2", "0", None), ("loop0", "0", None)):
+    for name, size, pid in (
+        ("nbd0", "0", "123"),
+        ("nbd1", "2048", None),
+        ("nbd10", "0", None),
+        ("nbd2", "0", None),
+        ("loop0", "0", None),
+    ):
         (sysfs / name).mkdir(parents=True)
         (sysfs / name / "size").write_text(size + "\n")
         if pid:
@@ -339,27 +389,39 @@ def test_free_device_skips_connected_and_sized(tmp_path: Path) -> None:
 
 
 @needs_nbdkit
-def test_holder_handshakes_then_reports_a_missing_device(nbdkit_memory: str,
-                                                         tmp_path: Path) -> None:
+def test_holder_handshakes_then_reports_a_missing_device(
+    nbdkit_memory: str, tmp_path: Path
+) -> None:
     """The real holder process: negotiates with nbdkit, then fails cleanly without /dev/nbdN."""
     missing = str(tmp_path / "nbd99")
-    res = subprocess.run(kernelnbd.holder_command(missing, nbdkit_memory, 30),
-                         capture_output=True, text=True, timeout=60, check=False)
+    res = subprocess.run(
+        kernelnbd.holder_command(missing, nbdkit_memory, 30),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert res.returncode == 1
     assert f"duvm nbd holder: {missing}:" in res.stderr and "No such file" in res.stderr
     assert "Traceback" not in res.stderr
 
 
 def test_holder_reports_a_dead_server(tmp_path: Path) -> None:
-    res = subprocess.run(kernelnbd.holder_command("/dev/nbd0", str(tmp_path / "none.sock"), 30),
-                         capture_output=True, text=True, timeout=60, check=False)
+    res = subprocess.run(
+        kernelnbd.holder_command("/dev/nbd0", str(tmp_path / "none.sock"), 30),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert res.returncode == 1 and "No such file" in res.stderr
     assert "Traceback" not in res.stderr
 
 
 @needs_root
-def test_neither_path_available_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
-                                                     tmp_path: Path) -> None:
+def test_neither_path_available_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Swap tools present, but no nbd module, no modprobe and no nbdfuse/losetup."""
     if kernelnbd.kernel_has_nbd():
         pytest.skip("this kernel has nbd; the fallback message is not reached")
@@ -381,13 +443,20 @@ def test_neither_path_available_says_what_to_install(monkeypatch: pytest.MonkeyP
     assert not state.exists()
 
 
-@pytest.mark.parametrize(("said", "expected", "not_expected"), [
-    ("swapoff: /dev/loop0: swapoff failed: Cannot allocate memory", "not enough free memory",
-     "I/O errors"),
-    ("swapoff: /dev/nbd0: swapoff failed: Input/output error", "I/O errors", "free memory"),
-])
-def test_swapoff_failure_names_the_cause_it_saw(said: str, expected: str,
-                                                not_expected: str) -> None:
+@pytest.mark.parametrize(
+    ("said", "expected", "not_expected"),
+    [
+        (
+            "swapoff: /dev/loop0: swapoff failed: Cannot allocate memory",
+            "not enough free memory",
+            "I/O errors",
+        ),
+        ("swapoff: /dev/nbd0: swapoff failed: Input/output error", "I/O errors", "free memory"),
+    ],
+)
+def test_swapoff_failure_names_the_cause_it_saw(
+    said: str, expected: str, not_expected: str
+) -> None:
     msg = attach.swapoff_failure("/dev/x", said)
     assert msg.startswith("swapoff of /dev/x failed, so it stays attached")
     assert expected in msg and not_expected not in msg and said in msg
@@ -396,8 +465,14 @@ def test_swapoff_failure_names_the_cause_it_saw(said: str, expected: str,
 def test_device_problem_kernel_nbd_mocked_sysfs(monkeypatch: pytest.MonkeyPatch) -> None:
     """No kernel nbd here: /sys/block/nbdN/pid is stood in for (the QEMU guest test runs the
     real one through enable, resume and disable)."""
-    att = attach.Attachment(socket="s", method=attach.METHOD_KERNEL, device="/dev/nbd3",
-                            nbd_device="/dev/nbd3", nbd_netlink=True, extra={"nbd_pid": "812"})
+    att = attach.Attachment(
+        socket="s",
+        method=attach.METHOD_KERNEL,
+        device="/dev/nbd3",
+        nbd_device="/dev/nbd3",
+        nbd_netlink=True,
+        extra={"nbd_pid": "812"},
+    )
     for now, problem in (("812", None), (None, None), ("977", "connected by someone else")):
         monkeypatch.setattr(attach, "_nbd_pid", lambda device, now=now: now)
         found = attach.device_problem(att)

@@ -30,8 +30,10 @@ def _skip_reason() -> str | None:
     if attach.find_tool("nbdkit") is None:
         problems.append("nbdkit missing (install nbdkit)")
     if demo.competing_swaps():
-        problems.append(f"swap {demo.competing_swaps()} is active at priority "
-                        f"{demo.MAX_PRIORITY} (another swap test is running?)")
+        problems.append(
+            f"swap {demo.competing_swaps()} is active at priority "
+            f"{demo.MAX_PRIORITY} (another swap test is running?)"
+        )
     return "; ".join(problems) if problems else None
 
 
@@ -39,23 +41,39 @@ root_only = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason()
 
 
 def test_help_explains_targets_without_root() -> None:
-    res = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True,
-                         text=True, timeout=60, check=False)
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert res.returncode == 0
     for word in ("duvm-3", "nbdkit", "zram", "no-swap", "disk-file", "frontend", "--json"):
         assert word in res.stdout
-    bad = subprocess.run([sys.executable, str(SCRIPT), "--targets", "nbdkit,floppy"],
-                         capture_output=True, text=True, timeout=60, check=False)
+    bad = subprocess.run(
+        [sys.executable, str(SCRIPT), "--targets", "nbdkit,floppy"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert bad.returncode == 2 and "unknown target(s) floppy" in bad.stderr
 
 
 def _ours() -> dict[str, set[str]]:
     """Everything of the benchmark's kind on the machine now (to compare before/after)."""
     run_dirs = {str(p) for p in Path("/run").glob("duvm-bench-*")}
-    loops = {bf.parent.parent.name for bf in Path("/sys/block").glob("loop*/loop/backing_file")
-             if bf.read_text().startswith("/run/duvm-bench-")}
-    mounts = {ln.split()[1] for ln in Path("/proc/mounts").read_text().splitlines()
-              if ln.split()[1].startswith("/run/duvm-bench-")}
+    loops = {
+        bf.parent.parent.name
+        for bf in Path("/sys/block").glob("loop*/loop/backing_file")
+        if bf.read_text().startswith("/run/duvm-bench-")
+    }
+    mounts = {
+        ln.split()[1]
+        for ln in Path("/proc/mounts").read_text().splitlines()
+        if ln.split()[1].startswith("/run/duvm-bench-")
+    }
     swaps = {e.filename for e in attach.parse_proc_swaps(Path("/proc/swaps").read_text())}
     return {"run_dirs": run_dirs, "loops": loops, "mounts": mounts, "swaps": swaps}
 
@@ -75,10 +93,25 @@ def _assert_nothing_left(before: dict[str, set[str]], runs: list[dict]) -> None:
 def test_tiny_run_output_shape_and_clean_teardown(tmp_path: Path, benchmark) -> None:
     before = _ours()
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--targets", "nbdkit,duvm-local,no-swap",
-                          *TINY, "--trace", str(tmp_path),
-                          "--json", str(out_json), "--markdown", str(out_md)],
-                         capture_output=True, text=True, timeout=180, check=False)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--targets",
+            "nbdkit,duvm-local,no-swap",
+            *TINY,
+            "--trace",
+            str(tmp_path),
+            "--json",
+            str(out_json),
+            "--markdown",
+            str(out_md),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(out_json.read_text())
     assert {"cpu", "kernel", "loadavg_start", "loadavg_end"} <= doc["machine"].keys()
@@ -123,13 +156,15 @@ def _rival_swap(tmp_path: Path) -> Iterator[Path]:
     path.write_bytes(bytes(16 << 20))
     path.chmod(0o600)
     subprocess.run([attach.require_tool("mkswap"), str(path)], check=True, capture_output=True)
-    subprocess.run([attach.require_tool("swapon"), "-p", str(demo.MAX_PRIORITY), str(path)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [attach.require_tool("swapon"), "-p", str(demo.MAX_PRIORITY), str(path)],
+        check=True,
+        capture_output=True,
+    )
     try:
         yield path
     finally:
-        subprocess.run([attach.require_tool("swapoff"), str(path)], check=True,
-                       capture_output=True)
+        subprocess.run([attach.require_tool("swapoff"), str(path)], check=True, capture_output=True)
 
 
 @pytest.mark.root
@@ -138,8 +173,13 @@ def _rival_swap(tmp_path: Path) -> Iterator[Path]:
 def test_refuses_a_rival_swap_at_its_priority(tmp_path: Path) -> None:
     with _rival_swap(tmp_path) as rival:
         before = _ours()
-        res = subprocess.run([sys.executable, str(SCRIPT), "--targets", "no-swap", *TINY],
-                             capture_output=True, text=True, timeout=60, check=False)
+        res = subprocess.run(
+            [sys.executable, str(SCRIPT), "--targets", "no-swap", *TINY],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert res.returncode == 1
         assert f"swap {rival} is already active at priority {demo.MAX_PRIORITY}" in res.stderr
         assert _ours() == before
@@ -151,14 +191,33 @@ def test_refuses_a_rival_swap_at_its_priority(tmp_path: Path) -> None:
 def test_interrupt_mid_workload_tears_down(tmp_path: Path) -> None:
     before = _ours()
     out_json = tmp_path / "r.json"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--targets", "nbdkit", "--reps", "1",
-                             "--mib", "512", "--limit-mib", "24", "--json", str(out_json)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--targets",
+            "nbdkit",
+            "--reps",
+            "1",
+            "--mib",
+            "512",
+            "--limit-mib",
+            "24",
+            "--json",
+            str(out_json),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # wait until the workload is swapping to nbdkit
-            used = [e for e in attach.parse_proc_swaps(Path("/proc/swaps").read_text())
-                    if e.priority == demo.MAX_PRIORITY and e.used_kb > 0]
+            used = [
+                e
+                for e in attach.parse_proc_swaps(Path("/proc/swaps").read_text())
+                if e.priority == demo.MAX_PRIORITY and e.used_kb > 0
+            ]
             if used or proc.poll() is not None:
                 break
             time.sleep(0.05)
@@ -180,11 +239,15 @@ def test_verdict_warns_when_the_hypervisor_stole_cpu(benchmark) -> None:
     bs = benchmark("bench_swap")
     assert bs.steal_percent((10, 1000), (60, 2000)) == 5.0
     assert bs.steal_percent((10, 1000), (10, 1000)) is None  # no time passed: unknown, not 0
-    quiet = {"duvm-3": {"wall_s_vs_nbdkit": 1.1, "steal_pct": 0.4},
-             "nbdkit": {"wall_s_vs_nbdkit": 1.0, "steal_pct": 0.0}}
+    quiet = {
+        "duvm-3": {"wall_s_vs_nbdkit": 1.1, "steal_pct": 0.4},
+        "nbdkit": {"wall_s_vs_nbdkit": 1.0, "steal_pct": 0.0},
+    }
     assert bs.verdict(quiet) == "target duvm-3 within 1.15x of nbdkit: met (1.10x)"
-    busy = {"duvm-3": {"wall_s_vs_nbdkit": 1.6, "steal_pct": 31.0},
-            "nbdkit": {"wall_s_vs_nbdkit": 1.0, "steal_pct": 2.0}}
+    busy = {
+        "duvm-3": {"wall_s_vs_nbdkit": 1.6, "steal_pct": 31.0},
+        "nbdkit": {"wall_s_vs_nbdkit": 1.0, "steal_pct": 2.0},
+    }
     v = bs.verdict(busy)
     assert v.startswith("target duvm-3 within 1.15x of nbdkit: NOT met (1.60x)")
     assert "31% of the CPUs (steal)" in v and "run again when quiet" in v

@@ -23,7 +23,8 @@ def test_detects_the_layout_this_machine_has() -> None:
     root = Path("/sys/fs/cgroup")
     v = cgroup.detect_version()
     if (root / "cgroup.controllers").exists() and "memory" in (
-            root / "cgroup.controllers").read_text().split():
+        root / "cgroup.controllers"
+    ).read_text().split():
         assert v == 2
     else:
         assert v == 1 and (root / "memory" / "memory.limit_in_bytes").exists()
@@ -49,8 +50,12 @@ def test_child_runs_inside_with_limit_and_group_is_removed() -> None:
         limit_file = "memory.max" if cg.version == 2 else "memory.limit_in_bytes"
         assert int((path / limit_file).read_text()) == limit
         # the child reads its own membership: it was inside before its first instruction
-        res = cg.run([sys.executable, "-c", "print(open('/proc/self/cgroup').read())"],
-                     capture_output=True, text=True, timeout=30)
+        res = cg.run(
+            [sys.executable, "-c", "print(open('/proc/self/cgroup').read())"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert res.returncode == 0
         assert cg.name in res.stdout
     assert not path.exists()
@@ -101,7 +106,11 @@ def test_headroom_check_is_quiet_without_swap_pressure() -> None:
 
 def test_workload_in_cgroup_reports_intact(tmp_path: Path) -> None:
     with cgroup.MemoryCgroup(256 << 20) as cg:
-        res = cg.run([sys.executable, "-m", "duvm.workload", "--mib", "16"],
-                     capture_output=True, text=True, timeout=60)
+        res = cg.run(
+            [sys.executable, "-m", "duvm.workload", "--mib", "16"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert res.returncode == 0, res.stderr
     assert '"intact": true' in res.stdout.splitlines()[-1]

@@ -32,8 +32,11 @@ def _skip_reason() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.root, pytest.mark.slow,
-              pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")]
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.slow,
+    pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or ""),
+]
 
 
 @pytest.fixture
@@ -52,8 +55,9 @@ def workload(sock: str, seconds: float, **kw) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def result(p: subprocess.Popen, timeout: float = 240,
-           c: netns_cluster.Cluster | None = None) -> dict:  # fmt: skip
+def result(
+    p: subprocess.Popen, timeout: float = 240, c: netns_cluster.Cluster | None = None
+) -> dict:
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # a hang: say what the daemon saw, for the next reader
@@ -88,8 +92,9 @@ def wait_health(sock: str, cond, timeout: float = 60) -> dict:
         time.sleep(0.2)
 
 
-def start(c: netns_cluster.Cluster, replicas: int = 2, size: str = "24M",
-          capacity: str = "40M") -> str:  # fmt: skip
+def start(
+    c: netns_cluster.Cluster, replicas: int = 2, size: str = "24M", capacity: str = "40M"
+) -> str:
     for node in (2, 3, 4):
         c.memserver(node, capacity)
     return c.daemon(1, [2, 3, 4], size, replicas=replicas)
@@ -116,8 +121,14 @@ def test_kill9_memserver_during_io_r2_loses_nothing_and_repairs(cluster) -> None
     info = control.DaemonInfo(cluster.procs["daemon"].pid, sock, [], 24 << 20, 2, "", 0.0)
     shown = control.daemon_health(info)
     assert shown is not None and shown["repair"]["repairs_done"] == h["repair"]["repairs_done"]
-    st = {"enabled": False, "device": None, "swap": None, "daemon": None, "peers": [],
-          "replication": shown}
+    st = {
+        "enabled": False,
+        "device": None,
+        "swap": None,
+        "daemon": None,
+        "peers": [],
+        "replication": shown,
+    }
     assert "0 of 24 slabs degraded" in control.format_status(st)
 
 

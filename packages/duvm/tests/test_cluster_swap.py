@@ -28,13 +28,18 @@ def _skip_reason() -> str | None:
     return "; ".join(problems) if problems else None
 
 
-pytestmark = [pytest.mark.root, pytest.mark.slow,
-              pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")]
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.slow,
+    pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or ""),
+]
 
 
 def vmstat() -> dict[str, int]:
-    return {k: int(v) for k, v in
-            (line.split() for line in Path("/proc/vmstat").read_text().splitlines())}
+    return {
+        k: int(v)
+        for k, v in (line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+    }
 
 
 @pytest.fixture
@@ -77,9 +82,22 @@ def attach_swap(c: netns_cluster.Cluster, sock: str, name: str) -> attach.Attach
 
 
 def start_workload(cg: cgroup.MemoryCgroup, seed: int) -> subprocess.Popen:
-    return cg.popen([sys.executable, "-m", "duvm.workload", "--mib", str(WORKLOAD_MIB),
-                     "--seed", str(seed), "--hold"], stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE, stdin=subprocess.PIPE, text=True)  # fmt: skip
+    return cg.popen(
+        [
+            sys.executable,
+            "-m",
+            "duvm.workload",
+            "--mib",
+            str(WORKLOAD_MIB),
+            "--seed",
+            str(seed),
+            "--hold",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_filled(p: subprocess.Popen, timeout: float = 240) -> None:
@@ -138,8 +156,10 @@ def test_two_nodes_swapping_to_each_other_do_not_deadlock(cluster) -> None:
     attach_swap(c, sock_a, "a")
     attach_swap(c, sock_b, "b")
     t0 = time.monotonic()
-    with (cgroup.MemoryCgroup(LIMIT_MIB << 20, prefix="duvmt-x1") as cg1,
-          cgroup.MemoryCgroup(LIMIT_MIB << 20, prefix="duvmt-x2") as cg2):
+    with (
+        cgroup.MemoryCgroup(LIMIT_MIB << 20, prefix="duvmt-x1") as cg1,
+        cgroup.MemoryCgroup(LIMIT_MIB << 20, prefix="duvmt-x2") as cg2,
+    ):
         p1, p2 = start_workload(cg1, 21), start_workload(cg2, 22)
         try:
             wait_filled(p1)

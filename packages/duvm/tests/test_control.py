@@ -25,13 +25,18 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_config_file_parsed(tmp_path: Path) -> None:
-    cfg = control.load_config(write(tmp_path, """
+    cfg = control.load_config(
+        write(
+            tmp_path,
+            """
 peers = ["10.0.0.2:7070", "[::1]:7071", "node3"]
 size = "2G"
 replicas = 2
 priority = 50
 state_dir = "/run/duvm-test"
-"""))
+""",
+        )
+    )
     assert cfg.peers == ["10.0.0.2:7070", "[::1]:7071", "node3"]
     assert cfg.size == 2 << 30 and cfg.replicas == 2 and cfg.priority == 50
     assert cfg.socket == "/run/duvm-test/nbd.sock"
@@ -70,8 +75,14 @@ def test_example_config_passes_doctors_parse_and_peer_auth(tmp_path: Path) -> No
     secret = tmp_path / "cluster.secret"
     res = run_cli("secret", "generate", str(secret))
     assert res.returncode == 0, res.stderr
-    ns = argparse.Namespace(config=_example_with_secret(tmp_path, str(secret)), peers=None,
-                            secret_file=None, method=None, insecure=False, timeout=1.0)
+    ns = argparse.Namespace(
+        config=_example_with_secret(tmp_path, str(secret)),
+        peers=None,
+        secret_file=None,
+        method=None,
+        insecure=False,
+        timeout=1.0,
+    )
     opts = doctor.options_from_args(ns)
     assert opts.config_error is None and doctor.check_config(opts).status == doctor.OK
     assert opts.peers == ["10.0.0.3:7070", "10.0.0.4:7070"]
@@ -85,47 +96,54 @@ def test_example_config_passes_doctors_parse_and_peer_auth(tmp_path: Path) -> No
     assert check.status == doctor.FAIL and "--secret-file" in check.detail
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ('size = "1G"', "no peers"),
-    ('peers = ["a:1"]', "size is missing"),
-    ('peers = ["a:1"]\nsize = "lots"', "not a size"),
-    ('peers = ["a:1"]\nsize = "1G"\nreplicas = 2', "replicas = 2 needs 1..1"),
-    ('peers = ["a:99999"]\nsize = "1G"', "bad peer address"),
-    ('peers = [1, 2]\nsize = "1G"', "list of"),
-    ('peers = ["a:1"]\nsize = "1G"\ncolour = "blue"', "unknown key"),
-    ('peers = ["a:1"]\nsize = "1000"', "at least 1 MiB"),
-    ("peers = [", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('size = "1G"', "no peers"),
+        ('peers = ["a:1"]', "size is missing"),
+        ('peers = ["a:1"]\nsize = "lots"', "not a size"),
+        ('peers = ["a:1"]\nsize = "1G"\nreplicas = 2', "replicas = 2 needs 1..1"),
+        ('peers = ["a:99999"]\nsize = "1G"', "bad peer address"),
+        ('peers = [1, 2]\nsize = "1G"', "list of"),
+        ('peers = ["a:1"]\nsize = "1G"\ncolour = "blue"', "unknown key"),
+        ('peers = ["a:1"]\nsize = "1000"', "at least 1 MiB"),
+        ("peers = [", "not valid TOML"),
+    ],
+)
 def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(control.ControlError, match=message):
         control.load_config(write(tmp_path, text))
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ('priority = true', "priority must be a whole number, not True"),
-    ('priority = 1.5', "priority must be a whole number"),
-    ('priority = "50"', "priority must be a whole number"),
-    ('replicas = "2"', "replicas must be a whole number"),
-    ('daemon_args = "--verbose"', "daemon_args must be a list of strings"),
-    ('daemon_args = [1]', "daemon_args must be a list of strings"),
-    ('state_dir = 5', "state_dir must be a non-empty string"),
-    ('method = "floppy"', "method 'floppy' is not one of"),
-    ('size = true', "size must be a size"),
-    ('size = [1]', "size must be a size"),
-    ('secret_file = ""', "secret_file must be a non-empty string"),
-    ('secret_file = "/x"\ndaemon_args = ["--secret-file", "/y"]', "keep one"),
-    ('node = 5', "node must be a table"),
-    ('[node]\ncapacity = "1G"', "node.listen is missing"),
-    ('[node]\nlisten = "a:1"', "node.capacity is missing"),
-    ('[node]\nlisten = "a:1"\ncapacity = "1G"\ncolour = 1', "unknown [node] key(s) ['colour']"),
-    ('[node]\nlisten = "a:1"\ncapacity = "1G"\nlease = -1', "node.lease must be a positive"),
-    ('[node]\nlisten = "a:1"\ncapacity = "1G"\nlease = true', "node.lease must be a positive"),
-    ('[node]\nlisten = "a:70000"\ncapacity = "1G"', "node.listen: bad port"),
-    ('[node]\nlisten = "a:1"\ncapacity = "lots"', "node.capacity: not a size"),
-    ('[node]\nlisten = "a:1"\ncapacity = "1G"\nmemserver_args = "-v"', "list of strings"),
-])
-def test_wrong_types_are_a_clear_error_naming_the_key(tmp_path: Path, text: str,
-                                                      message: str) -> None:
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("priority = true", "priority must be a whole number, not True"),
+        ("priority = 1.5", "priority must be a whole number"),
+        ('priority = "50"', "priority must be a whole number"),
+        ('replicas = "2"', "replicas must be a whole number"),
+        ('daemon_args = "--verbose"', "daemon_args must be a list of strings"),
+        ("daemon_args = [1]", "daemon_args must be a list of strings"),
+        ("state_dir = 5", "state_dir must be a non-empty string"),
+        ('method = "floppy"', "method 'floppy' is not one of"),
+        ("size = true", "size must be a size"),
+        ("size = [1]", "size must be a size"),
+        ('secret_file = ""', "secret_file must be a non-empty string"),
+        ('secret_file = "/x"\ndaemon_args = ["--secret-file", "/y"]', "keep one"),
+        ("node = 5", "node must be a table"),
+        ('[node]\ncapacity = "1G"', "node.listen is missing"),
+        ('[node]\nlisten = "a:1"', "node.capacity is missing"),
+        ('[node]\nlisten = "a:1"\ncapacity = "1G"\ncolour = 1', "unknown [node] key(s) ['colour']"),
+        ('[node]\nlisten = "a:1"\ncapacity = "1G"\nlease = -1', "node.lease must be a positive"),
+        ('[node]\nlisten = "a:1"\ncapacity = "1G"\nlease = true', "node.lease must be a positive"),
+        ('[node]\nlisten = "a:70000"\ncapacity = "1G"', "node.listen: bad port"),
+        ('[node]\nlisten = "a:1"\ncapacity = "lots"', "node.capacity: not a size"),
+        ('[node]\nlisten = "a:1"\ncapacity = "1G"\nmemserver_args = "-v"', "list of strings"),
+    ],
+)
+def test_wrong_types_are_a_clear_error_naming_the_key(
+    tmp_path: Path, text: str, message: str
+) -> None:
     body = text if text.startswith("size") else f'size = "1G"\n{text}'
     if not text.startswith("[node]"):
         body = f'peers = ["a:1"]\n{body}'
@@ -140,14 +158,17 @@ def test_wrong_types_are_a_clear_error_naming_the_key(tmp_path: Path, text: str,
 def test_non_utf8_config_is_a_one_line_error_for_every_command(tmp_path: Path) -> None:
     path = tmp_path / "duvm.toml"
     path.write_bytes(b'peers = ["a:1"]\nsize = "1G"\n# caf\xe9 latin-1\n')
-    with pytest.raises(control.ControlError,
-                       match=r"cannot be read as text: not UTF-8 \(byte \d+, line 3\)"):
+    with pytest.raises(
+        control.ControlError, match=r"cannot be read as text: not UTF-8 \(byte \d+, line 3\)"
+    ):
         control.load_config(path)
     with pytest.raises(control.ControlError, match="not UTF-8"):
         control.load_node_config(path)
-    for argv, code in ((["enable", "--config", str(path), "--state-dir", str(tmp_path)], 1),
-                       (["node", "--config", str(path)], 2),
-                       (["doctor", "--config", str(path), "--json"], 1)):
+    for argv, code in (
+        (["enable", "--config", str(path), "--state-dir", str(tmp_path)], 1),
+        (["node", "--config", str(path)], 2),
+        (["doctor", "--config", str(path), "--json"], 1),
+    ):
         res = run_cli(*argv)
         assert res.returncode == code, (argv, res.stdout, res.stderr)
         assert "Traceback" not in res.stderr + res.stdout
@@ -160,8 +181,13 @@ def test_non_utf8_config_is_a_one_line_error_for_every_command(tmp_path: Path) -
 
 
 def test_malformed_configs_exit_non_zero_with_one_line(tmp_path: Path) -> None:
-    for i, text in enumerate(("peers = [", 'peers = ["a:1"]\nsize = "1G"\npriority = true',
-                              'peers = ["a:1"]\nsize = "1G"\nbogus = 1')):
+    for i, text in enumerate(
+        (
+            "peers = [",
+            'peers = ["a:1"]\nsize = "1G"\npriority = true',
+            'peers = ["a:1"]\nsize = "1G"\nbogus = 1',
+        )
+    ):
         path = tmp_path / f"c{i}.toml"
         path.write_text(text)
         res = run_cli("enable", "--config", str(path), "--state-dir", str(tmp_path))
@@ -170,7 +196,9 @@ def test_malformed_configs_exit_non_zero_with_one_line(tmp_path: Path) -> None:
 
 
 def test_node_section_parsed_and_own_memserver_skipped(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 secret_file = "/etc/duvm/s"
 peers = ["127.0.0.1:7070", "127.0.0.1:7071", "10.9.9.9:7070"]
 size = "64M"
@@ -178,18 +206,30 @@ size = "64M"
 listen = "127.0.0.1:7070"
 capacity = 33554432
 memserver_args = ["--verbose"]
-""")
+""",
+    )
     cfg = control.load_config(path)
     assert cfg.peers == ["127.0.0.1:7071", "10.9.9.9:7070"]
     assert cfg.skipped_self == ["127.0.0.1:7070"]
     node = control.load_node_config(path)
     assert node.capacity == 32 << 20 and node.lease is None
     assert node.memserver_argv() == [
-        "--listen", "127.0.0.1:7070", "--capacity", str(32 << 20), "--control-socket",
-        "/run/duvm/memserver.ctl", "--secret-file", "/etc/duvm/s", "--verbose"]
+        "--listen",
+        "127.0.0.1:7070",
+        "--capacity",
+        str(32 << 20),
+        "--control-socket",
+        "/run/duvm/memserver.ctl",
+        "--secret-file",
+        "/etc/duvm/s",
+        "--verbose",
+    ]
     # the only peer being this node itself leaves none: said so
-    only_self = write(tmp_path, 'peers = ["127.0.0.1:7070"]\nsize = "64M"\n[node]\n'
-                                'listen = "127.0.0.1:7070"\ncapacity = "32M"')
+    only_self = write(
+        tmp_path,
+        'peers = ["127.0.0.1:7070"]\nsize = "64M"\n[node]\n'
+        'listen = "127.0.0.1:7070"\ncapacity = "32M"',
+    )
     with pytest.raises(control.ControlError, match="skipping this node's own memserver"):
         control.load_config(only_self)
 
@@ -198,22 +238,26 @@ def test_node_config_without_node_table_says_what_to_add(tmp_path: Path) -> None
     with pytest.raises(control.ControlError, match=r"no \[node\] table"):
         control.load_node_config(write(tmp_path, 'peers = ["a:1"]\nsize = "1G"'))
     # a provider-only node needs no peers or size
-    node = control.load_node_config(write(tmp_path, '[node]\nlisten = "0.0.0.0:7070"\n'
-                                                    'capacity = "1G"'))
+    node = control.load_node_config(
+        write(tmp_path, '[node]\nlisten = "0.0.0.0:7070"\ncapacity = "1G"')
+    )
     assert node.listen == "0.0.0.0:7070"
 
 
-@pytest.mark.parametrize(("peer", "listen", "own"), [
-    ("10.0.0.2:7070", "10.0.0.2:7070", True),
-    ("10.0.0.2", "10.0.0.2:7070", True),  # port-less peer: the default port
-    ("10.0.0.2:7071", "10.0.0.2:7070", False),
-    ("10.0.0.3:7070", "10.0.0.2:7070", False),
-    ("127.0.0.1:7070", "0.0.0.0:7070", True),  # wildcard listen serves loopback too
-    ("localhost:7070", "0.0.0.0:7070", True),
-    ("192.0.2.1:7070", "0.0.0.0:7070", False),  # TEST-NET: not an address of this machine
-    ("127.0.0.1:7070", "10.0.0.2:7070", False),  # a specific listen does not serve loopback
-    ("nonsense:port", "0.0.0.0:7070", False),
-])
+@pytest.mark.parametrize(
+    ("peer", "listen", "own"),
+    [
+        ("10.0.0.2:7070", "10.0.0.2:7070", True),
+        ("10.0.0.2", "10.0.0.2:7070", True),  # port-less peer: the default port
+        ("10.0.0.2:7071", "10.0.0.2:7070", False),
+        ("10.0.0.3:7070", "10.0.0.2:7070", False),
+        ("127.0.0.1:7070", "0.0.0.0:7070", True),  # wildcard listen serves loopback too
+        ("localhost:7070", "0.0.0.0:7070", True),
+        ("192.0.2.1:7070", "0.0.0.0:7070", False),  # TEST-NET: not an address of this machine
+        ("127.0.0.1:7070", "10.0.0.2:7070", False),  # a specific listen does not serve loopback
+        ("nonsense:port", "0.0.0.0:7070", False),
+    ],
+)
 def test_is_own_memserver(peer: str, listen: str, own: bool) -> None:
     from duvm.config import is_own_memserver
 
@@ -225,9 +269,14 @@ def test_missing_config_file(tmp_path: Path) -> None:
         control.load_config(tmp_path / "absent.toml")
 
 
-_TOML_VALUES = st.one_of(st.booleans(), st.integers(-2**70, 2**70), st.floats(),
-                        st.text(max_size=20), st.lists(st.text(max_size=8), max_size=3),
-                        st.lists(st.integers(), max_size=3))
+_TOML_VALUES = st.one_of(
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
+    st.text(max_size=20),
+    st.lists(st.text(max_size=8), max_size=3),
+    st.lists(st.integers(), max_size=3),
+)
 _KEYS = st.sampled_from([*config.TOP_KEYS, "colour"])
 
 
@@ -256,10 +305,13 @@ def test_fuzz_config_bytes_never_crash(data: bytes) -> None:
     _load_both(data)
 
 
-@given(st.dictionaries(_KEYS, _TOML_VALUES, max_size=6),
-       st.dictionaries(st.sampled_from([*config.NODE_KEYS, "x"]), _TOML_VALUES, max_size=5))
+@given(
+    st.dictionaries(_KEYS, _TOML_VALUES, max_size=6),
+    st.dictionaries(st.sampled_from([*config.NODE_KEYS, "x"]), _TOML_VALUES, max_size=5),
+)
 def test_fuzz_config_values_of_every_type(top: dict, node: dict) -> None:
     """Well-formed TOML with any value under any key: a Config/NodeConfig or a ControlError."""
+
     def toml(v: object) -> str:  # JSON scalars and arrays are TOML, but for nan/inf
         return json.dumps(v, allow_nan=False)
 
@@ -273,8 +325,13 @@ def test_fuzz_config_values_of_every_type(top: dict, node: dict) -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "duvm.cli", *args], capture_output=True,
-                          text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "duvm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_status_when_nothing_is_enabled(tmp_path: Path) -> None:
@@ -360,16 +417,20 @@ def test_demo_without_root_says_why() -> None:
     assert problems and problems[0].startswith("needs root") and "sudo" in problems[0]
 
 
-@pytest.mark.parametrize(("peers", "setting", "expected"), [
-    (["a:1", "b:1", "c:1"], None, 2),  # replicated whenever the pool allows it
-    (["a:1", "b:1"], None, 2),
-    (["a:1"], None, 1),
-    (["a:1", "b:1", "c:1"], 1, 1),  # an explicit choice is kept
-    (["a:1", "b:1", "c:1"], 3, 3),
-])
-def test_replicas_default_to_two_when_the_peers_allow(tmp_path: Path, peers: list[str],
-                                                      setting: int | None, expected: int) -> None:
-    text = f"peers = {json.dumps(peers)}\nsize = \"1G\"\n"
+@pytest.mark.parametrize(
+    ("peers", "setting", "expected"),
+    [
+        (["a:1", "b:1", "c:1"], None, 2),  # replicated whenever the pool allows it
+        (["a:1", "b:1"], None, 2),
+        (["a:1"], None, 1),
+        (["a:1", "b:1", "c:1"], 1, 1),  # an explicit choice is kept
+        (["a:1", "b:1", "c:1"], 3, 3),
+    ],
+)
+def test_replicas_default_to_two_when_the_peers_allow(
+    tmp_path: Path, peers: list[str], setting: int | None, expected: int
+) -> None:
+    text = f'peers = {json.dumps(peers)}\nsize = "1G"\n'
     if setting is not None:
         text += f"replicas = {setting}\n"
     cfg = control.load_config(write(tmp_path, text))

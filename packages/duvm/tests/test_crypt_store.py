@@ -182,9 +182,17 @@ async def test_stacked_over_remote_store_the_memserver_holds_no_plaintext() -> N
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["w", "r", "t"]), st.integers(0, 7),
-                          st.integers(1, 3), st.binary(min_size=1, max_size=8)),
-                max_size=25))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["w", "r", "t"]),
+            st.integers(0, 7),
+            st.integers(1, 3),
+            st.binary(min_size=1, max_size=8),
+        ),
+        max_size=25,
+    )
+)
 def test_model_random_operations_match_a_plain_store(ops) -> None:
     import asyncio
 
@@ -206,4 +214,3 @@ def test_model_random_operations_match_a_plain_store(ops) -> None:
                 assert out == plain[a:b]
 
     asyncio.run(run())
-

@@ -44,8 +44,10 @@ def wait_line(proc: subprocess.Popen, text: str, timeout: float = 30) -> str:
                 return chunk
             continue
         if proc.poll() is not None:
-            raise AssertionError(f"{proc.args} exited {proc.returncode}: "
-                                 f"{buf}{proc.stderr.read() if proc.stderr else ''}")
+            raise AssertionError(
+                f"{proc.args} exited {proc.returncode}: "
+                f"{buf}{proc.stderr.read() if proc.stderr else ''}"
+            )
         time.sleep(0.02)
     raise AssertionError(f"{proc.args}: no {text!r} within {timeout}s (got {buf!r})")
 
@@ -63,17 +65,47 @@ class Procs:
         return p
 
     def memserver(self, capacity: str, port: int = 0) -> tuple[subprocess.Popen, int]:
-        p = self.start([*PY, "memserver", "--listen", f"127.0.0.1:{port}", "--capacity",
-                        capacity, "--no-mlock"])
+        p = self.start(
+            [
+                *PY,
+                "memserver",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--capacity",
+                capacity,
+                "--no-mlock",
+            ]
+        )
         line = wait_line(p, "listening on")
         return p, int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
 
-    def daemon(self, ports: list[int], size: str, client_id: str, name: str = "d",
-               replicas: int = 1, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    def daemon(
+        self,
+        ports: list[int],
+        size: str,
+        client_id: str,
+        name: str = "d",
+        replicas: int = 1,
+        extra: tuple[str, ...] = (),
+    ) -> tuple[subprocess.Popen, str]:
         sock = os.path.join(self.dir, f"{name}.sock")
-        p = self.start([*PY, "daemon", "--peers", ",".join(f"127.0.0.1:{x}" for x in ports),
-                        "--size", size, "--socket", sock, "--client-id", client_id,
-                        "--replicas", str(replicas), *extra])
+        p = self.start(
+            [
+                *PY,
+                "daemon",
+                "--peers",
+                ",".join(f"127.0.0.1:{x}" for x in ports),
+                "--size",
+                size,
+                "--socket",
+                sock,
+                "--client-id",
+                client_id,
+                "--replicas",
+                str(replicas),
+                *extra,
+            ]
+        )
         wait_line(p, "serving")
         return p, sock
 
@@ -129,14 +161,20 @@ def test_pages_live_on_the_memserver_and_trim_frees_them(procs):
     ns = namespace(port, "test-trim")
     assert ns is not None and ns["reserved_pages"] == 32 * MiB // 4096 and ns["stored_pages"] == 0
 
-    p = qemu_io(sock, "write -P 0xab 0 4096", "write -P 0x5a 1048576 65536",
-                "write -P 0x11 8388608 8192")
+    p = qemu_io(
+        sock, "write -P 0xab 0 4096", "write -P 0x5a 1048576 65536", "write -P 0x11 8388608 8192"
+    )
     assert p.returncode == 0 and p.stdout.count("wrote") == 3, p.stdout + p.stderr
     assert namespace(port, "test-trim")["stored_pages"] == 1 + 16 + 2
     assert status(port)["used_pages"] == 19
 
-    p = qemu_io(sock, "read -P 0xab 0 4096", "read -P 0x5a 1048576 65536",
-                "read -P 0x11 8388608 8192", "read -P 0 4096 4096")
+    p = qemu_io(
+        sock,
+        "read -P 0xab 0 4096",
+        "read -P 0x5a 1048576 65536",
+        "read -P 0x11 8388608 8192",
+        "read -P 0 4096 4096",
+    )
     assert p.returncode == 0 and "verification failed" not in p.stdout, p.stdout
 
     p = qemu_io(sock, "discard 1048576 65536", "read -P 0 1048576 65536")
@@ -175,9 +213,16 @@ def test_the_daemon_protects_itself_against_memory_pressure_by_default(procs):
         pytest.skip("needs root (SCHED_RR, mlockall, PR_SET_IO_FLUSHER)")
     # what this machine permits even root (a sandbox may deny CAP_SYS_RESOURCE): those the
     # daemon cannot take it must name in a warning
-    probe = subprocess.run([sys.executable, "-c", "import json; from duvm import pressure; "
-                            "print(json.dumps(pressure.probe()))"], capture_output=True,
-                           text=True, check=True)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from duvm import pressure; print(json.dumps(pressure.probe()))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     allowed = {k: v is None for k, v in json.loads(probe.stdout).items()}
     if not allowed["realtime"] or not allowed["mlock"]:
         pytest.skip(f"this machine refuses SCHED_RR or mlockall even to root: {probe.stdout}")
@@ -186,8 +231,9 @@ def test_the_daemon_protects_itself_against_memory_pressure_by_default(procs):
     threads = _task_facts(d.pid)
     assert len(threads) >= 2  # the event loop and the log writer (duvm.quietlog)
     assert all(policy == os.SCHED_RR for policy, _ in threads), threads
-    assert all(bool(flags & PF_MEMALLOC_NOIO) == allowed["io-flusher"]
-               for _, flags in threads), threads
+    assert all(bool(flags & PF_MEMALLOC_NOIO) == allowed["io-flusher"] for _, flags in threads), (
+        threads
+    )
     assert os.sched_getparam(d.pid).sched_priority == 1
     status = Path(f"/proc/{d.pid}/status").read_text()
     locked_kb = int(next(ln for ln in status.splitlines() if ln.startswith("VmLck:")).split()[1])
@@ -203,11 +249,17 @@ def test_the_daemon_protects_itself_against_memory_pressure_by_default(procs):
     assert "SCHED_RR" not in err, err
 
     # the documented opt-outs: the normal class, no I/O flusher flag, another OOM score
-    d, _ = procs.daemon([port], "8M", "test-protect-2", name="d2",
-                        extra=("--no-realtime", "--no-io-flusher", "--oom-score-adj", "-500"))
+    d, _ = procs.daemon(
+        [port],
+        "8M",
+        "test-protect-2",
+        name="d2",
+        extra=("--no-realtime", "--no-io-flusher", "--oom-score-adj", "-500"),
+    )
     threads = _task_facts(d.pid)
-    assert all(policy == os.SCHED_OTHER and not flags & PF_MEMALLOC_NOIO
-               for policy, flags in threads), threads
+    assert all(
+        policy == os.SCHED_OTHER and not flags & PF_MEMALLOC_NOIO for policy, flags in threads
+    ), threads
     adj = Path(f"/proc/{d.pid}/oom_score_adj").read_text().strip()
     assert adj == ("-500" if allowed["oom-score"] else "0")
     assert procs.stop(d) == 0
@@ -217,8 +269,12 @@ def test_nbdinfo_sees_the_daemon_export(procs):
     need("nbdinfo")
     _, port = procs.memserver("16M")
     _, sock = procs.daemon([port], "8M", "test-info")
-    p = subprocess.run(["nbdinfo", "--json", f"nbd+unix:///?socket={sock}"],
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        ["nbdinfo", "--json", f"nbd+unix:///?socket={sock}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     (e,) = json.loads(p.stdout)["exports"]
     assert e["export-size"] == 8 * MiB and e["can_trim"] and e["can_multi_conn"]
     assert e["block_size_minimum"] == 4096
@@ -228,8 +284,18 @@ def test_unreachable_peer_is_a_clear_error(procs):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p = procs.start([*PY, "daemon", "--peers", f"127.0.0.1:{port}", "--size", "8M",
-                     "--socket", os.path.join(procs.dir, "x.sock")])
+    p = procs.start(
+        [
+            *PY,
+            "daemon",
+            "--peers",
+            f"127.0.0.1:{port}",
+            "--size",
+            "8M",
+            "--socket",
+            os.path.join(procs.dir, "x.sock"),
+        ]
+    )
     assert p.wait(30) == 1
     err = p.stderr.read()
     assert f"127.0.0.1:{port}" in err and "unreachable" in err and "Traceback" not in err
@@ -238,8 +304,20 @@ def test_unreachable_peer_is_a_clear_error(procs):
 
 def test_pool_too_small_for_the_export_is_refused_and_reserves_nothing(procs):
     _, port = procs.memserver("16M")
-    p = procs.start([*PY, "daemon", "--peers", f"127.0.0.1:{port}", "--size", "64M",
-                     "--socket", os.path.join(procs.dir, "x.sock"), "--client-id", "greedy"])
+    p = procs.start(
+        [
+            *PY,
+            "daemon",
+            "--peers",
+            f"127.0.0.1:{port}",
+            "--size",
+            "64M",
+            "--socket",
+            os.path.join(procs.dir, "x.sock"),
+            "--client-id",
+            "greedy",
+        ]
+    )
     assert p.wait(30) == 1
     err = p.stderr.read()
     assert "cannot hold" in err and "Traceback" not in err, err
@@ -248,11 +326,19 @@ def test_pool_too_small_for_the_export_is_refused_and_reserves_nothing(procs):
 
 
 def test_bad_arguments_exit_2():
-    p = subprocess.run([*PY, "daemon", "--size", "1000", "--socket", "/tmp/never.sock",
-                        "--memory"], capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [*PY, "daemon", "--size", "1000", "--socket", "/tmp/never.sock", "--memory"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 2 and "multiple of 4096" in p.stderr
-    p = subprocess.run([*PY, "daemon", "--size", "8M", "--socket", "/tmp/never.sock"],
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [*PY, "daemon", "--size", "8M", "--socket", "/tmp/never.sock"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 2 and "--peers is required" in p.stderr
 
 
@@ -282,10 +368,15 @@ def test_full_memserver_refuses_and_the_client_gets_an_error_not_a_hang(procs):
     assert time.monotonic() - t0 < 30
     assert "write failed" in p.stdout + p.stderr, p.stdout + p.stderr
     assert "No space left on device" in p.stdout + p.stderr or "Input/output" in (
-        p.stdout + p.stderr)
+        p.stdout + p.stderr
+    )
     assert d.poll() is None  # still serving
-    p = subprocess.run(["nbdinfo", "--size", f"nbd+unix:///?socket={sock}"],
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        ["nbdinfo", "--size", f"nbd+unix:///?socket={sock}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.stdout.strip() == str(8 * MiB)
     assert namespace(port, "hog")["reserved_pages"] == 1024
 
@@ -311,8 +402,9 @@ def test_nbdcopy_256mib_round_trip_through_two_memservers(procs, tmp_path):
     stored = [namespace(p, "test-copy")["stored_pages"] for p in (p1, p2)]
     assert sum(stored) == 256 * MiB // 4096 and min(stored) > 0
     dst = tmp_path / "dst.bin"
-    r = subprocess.run(["nbdcopy", "--no-extents", uri, str(dst)], capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        ["nbdcopy", "--no-extents", uri, str(dst)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     h2 = hashlib.sha256()
     with open(dst, "rb") as f:
@@ -326,14 +418,32 @@ def test_fio_verify_64_in_flight_over_4_connections_through_the_daemon(procs, tm
     need("fio")
     _, port = procs.memserver("80M")
     _, sock = procs.daemon([port], "64M", "test-fio")
-    r = subprocess.run(["fio", "--name=verify", "--ioengine=nbd",
-                        f"--uri=nbd+unix:///?socket={sock}", "--rw=randwrite", "--bs=4k",
-                        "--iodepth=16", "--numjobs=4", "--size=8m", "--offset_increment=16m",
-                        "--verify=crc32c", "--do_verify=1", "--verify_fatal=1",
-                        "--verify_state_save=0", "--group_reporting", "--output-format=json"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            "fio",
+            "--name=verify",
+            "--ioengine=nbd",
+            f"--uri=nbd+unix:///?socket={sock}",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--numjobs=4",
+            "--size=8m",
+            "--offset_increment=16m",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--group_reporting",
+            "--output-format=json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
-    job = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
+    job = json.loads(r.stdout[r.stdout.index("{") :])["jobs"][0]
     assert job["error"] == 0 and job["read"]["io_bytes"] == 32 * MiB
     assert namespace(port, "test-fio")["stored_pages"] == 32 * MiB // 4096
 
@@ -341,20 +451,46 @@ def test_fio_verify_64_in_flight_over_4_connections_through_the_daemon(procs, tm
 def test_memory_backend_serves_on_unix_and_loopback_tcp(procs):
     need("nbdinfo")
     sock = os.path.join(procs.dir, "m.sock")
-    p = procs.start([*PY, "daemon", "--memory", "--size", "4M", "--socket", sock,
-                     "--tcp", "127.0.0.1:0", "--export-name", "swap0"])
+    p = procs.start(
+        [
+            *PY,
+            "daemon",
+            "--memory",
+            "--size",
+            "4M",
+            "--socket",
+            sock,
+            "--tcp",
+            "127.0.0.1:0",
+            "--export-name",
+            "swap0",
+        ]
+    )
     line = wait_line(p, "serving")
     port = int(line.rsplit("tcp:127.0.0.1:", 1)[1])
     for uri in (f"nbd+unix:///swap0?socket={sock}", f"nbd://127.0.0.1:{port}/swap0"):
-        r = subprocess.run(["nbdinfo", "--size", uri], capture_output=True, text=True,
-                           timeout=30)
+        r = subprocess.run(["nbdinfo", "--size", uri], capture_output=True, text=True, timeout=30)
         assert r.stdout.strip() == str(4 * MiB), r.stderr
     assert procs.stop(p) == 0
 
 
 def test_tcp_must_be_loopback():
-    p = subprocess.run([*PY, "daemon", "--memory", "--size", "4M", "--socket", "/tmp/n.sock",
-                        "--tcp", "0.0.0.0:10809"], capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [
+            *PY,
+            "daemon",
+            "--memory",
+            "--size",
+            "4M",
+            "--socket",
+            "/tmp/n.sock",
+            "--tcp",
+            "0.0.0.0:10809",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 2 and "loopback" in p.stderr
 
 

@@ -21,9 +21,16 @@ PY = [sys.executable, "-m", "duvm.cli"]
 
 
 def _saved(**kw: object) -> ds.SavedDaemon:
-    base = {"size": 8 << 20, "slab_pages": 256, "replicas": 1, "client_id": "n1:/run/duvm",
-            "peers": ["127.0.0.1:7070"], "token": bytes(range(32)), "sets": [[0]] * 8,
-            "key": None}
+    base = {
+        "size": 8 << 20,
+        "slab_pages": 256,
+        "replicas": 1,
+        "client_id": "n1:/run/duvm",
+        "peers": ["127.0.0.1:7070"],
+        "token": bytes(range(32)),
+        "sets": [[0]] * 8,
+        "key": None,
+    }
     base.update(kw)
     return ds.SavedDaemon(**base)  # type: ignore[arg-type]
 
@@ -50,13 +57,17 @@ def test_readable_by_others_is_refused(tmp_path: Path) -> None:
         sd.load()
 
 
-@pytest.mark.parametrize("text, why", [
-    ("", "corrupt"), ("{", "corrupt"), ("[]", "corrupt"),
-    ('{"version": 99}', "format version"),
-    ('{"version": 1, "size": 1}', "KeyError"),
-])
-def test_corrupt_state_is_refused_with_the_file_named(tmp_path: Path, text: str,
-                                                       why: str) -> None:
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("", "corrupt"),
+        ("{", "corrupt"),
+        ("[]", "corrupt"),
+        ('{"version": 99}', "format version"),
+        ('{"version": 1, "size": 1}', "KeyError"),
+    ],
+)
+def test_corrupt_state_is_refused_with_the_file_named(tmp_path: Path, text: str, why: str) -> None:
     sd = ds.StateDir(tmp_path / "st")
     sd.save(_saved())
     sd.state_file.write_text(text)
@@ -112,10 +123,12 @@ def test_page_tables_round_trip_and_refuse_truncated_or_foreign_files(tmp_path: 
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.binary(min_size=1, max_size=300), st.integers(0, 2), st.integers(0, 320),
-       st.integers(0, 320))
-def test_byte_table_find_and_count_match_bytearray(tmp_path_factory: pytest.TempPathFactory,
-                                                   data: bytes, x: int, a: int, b: int) -> None:
+@given(
+    st.binary(min_size=1, max_size=300), st.integers(0, 2), st.integers(0, 320), st.integers(0, 320)
+)
+def test_byte_table_find_and_count_match_bytearray(
+    tmp_path_factory: pytest.TempPathFactory, data: bytes, x: int, a: int, b: int
+) -> None:
     data = bytes(v % 3 for v in data)
     path = tmp_path_factory.mktemp("bt") / "p.bin"
     t = ds.PageTables.create(path, len(data), encrypted=False)
@@ -133,10 +146,12 @@ def test_tables_written_just_before_sigkill_are_in_the_file(tmp_path: Path) -> N
     """The point of the shared mapping: a store into it is in the page cache at once, so a
     process killed right after loses nothing, without any write() or msync()."""
     path = tmp_path / "pages.bin"
-    code = ("import os, signal, sys\nfrom pathlib import Path\n"
-            "from duvm import daemon_state as ds\n"
-            f"t = ds.PageTables.create(Path({str(path)!r}), 64, encrypted=False)\n"
-            "t.crc[63] = 0xCAFEF00D\nt.state[63] = 1\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    code = (
+        "import os, signal, sys\nfrom pathlib import Path\n"
+        "from duvm import daemon_state as ds\n"
+        f"t = ds.PageTables.create(Path({str(path)!r}), 64, encrypted=False)\n"
+        "t.crc[63] = 0xCAFEF00D\nt.state[63] = 1\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert res.returncode == -signal.SIGKILL, res.stderr
     t = ds.PageTables.open(path, 64, encrypted=False)
@@ -189,18 +204,36 @@ def procs(tmp_path: Path):
 
 
 def _memserver(procs: _Procs) -> int:
-    procs.start([*PY, "memserver", "--listen", "127.0.0.1:0", "--capacity", "64M",
-                 "--no-mlock"], "ms.log")
+    procs.start(
+        [*PY, "memserver", "--listen", "127.0.0.1:0", "--capacity", "64M", "--no-mlock"], "ms.log"
+    )
     _wait_for(lambda: "listening on" in procs.log("ms.log"), 30, "memserver")
     return int(procs.log("ms.log").split("listening on ")[1].split()[0].rsplit(":", 1)[1])
 
 
-def _daemon(procs: _Procs, port: int, sock: Path, state: Path, *extra: str
-            ) -> subprocess.Popen[bytes]:
+def _daemon(
+    procs: _Procs, port: int, sock: Path, state: Path, *extra: str
+) -> subprocess.Popen[bytes]:
     sock.unlink(missing_ok=True)
-    p = procs.start([*PY, "daemon", "--peers", f"127.0.0.1:{port}", "--size", "8M",
-                     "--socket", str(sock), "--client-id", "test-resume", "--state-dir",
-                     str(state), "--no-mlock", *extra], "daemon.log")
+    p = procs.start(
+        [
+            *PY,
+            "daemon",
+            "--peers",
+            f"127.0.0.1:{port}",
+            "--size",
+            "8M",
+            "--socket",
+            str(sock),
+            "--client-id",
+            "test-resume",
+            "--state-dir",
+            str(state),
+            "--no-mlock",
+            *extra,
+        ],
+        "daemon.log",
+    )
     _wait_for(lambda: sock.exists() or p.poll() is not None, 60, "daemon socket")
     return p
 
@@ -224,7 +257,8 @@ def _namespace(port: int) -> dict | None:
 
 @pytest.mark.timeout(180)
 def test_sigkilled_daemon_resumes_with_its_pages_and_never_serves_a_bad_one(
-        procs: _Procs, tmp_path: Path) -> None:
+    procs: _Procs, tmp_path: Path
+) -> None:
     if subprocess.run(["which", "qemu-io"], capture_output=True).returncode:
         pytest.skip("qemu-io is not installed (Debian package qemu-utils)")
     port = _memserver(procs)
@@ -272,17 +306,34 @@ def test_resume_for_another_device_is_refused(procs: _Procs, tmp_path: Path) -> 
     d.send_signal(signal.SIGKILL)
     d.wait(30)
     sock.unlink()
-    p = procs.start([*PY, "daemon", "--peers", f"127.0.0.1:{port}", "--size", "16M",
-                     "--socket", str(sock), "--client-id", "test-resume", "--state-dir",
-                     str(state), "--resume", "--no-mlock"], "bad.log")
+    p = procs.start(
+        [
+            *PY,
+            "daemon",
+            "--peers",
+            f"127.0.0.1:{port}",
+            "--size",
+            "16M",
+            "--socket",
+            str(sock),
+            "--client-id",
+            "test-resume",
+            "--state-dir",
+            str(state),
+            "--resume",
+            "--no-mlock",
+        ],
+        "bad.log",
+    )
     assert p.wait(60) == 1
     assert "saved for another device: size 16777216 (saved 8388608)" in procs.log("bad.log")
     assert (state / ds.PAGES_FILE).exists()  # a refused resume destroys nothing
 
 
 @pytest.mark.timeout(180)
-def test_encrypted_pages_are_readable_after_sigkill_and_resume(procs: _Procs,
-                                                               tmp_path: Path) -> None:
+def test_encrypted_pages_are_readable_after_sigkill_and_resume(
+    procs: _Procs, tmp_path: Path
+) -> None:
     """The key, the nonce/tag table and the nonce counter survive too; the memserver only ever
     held ciphertext, and the resumed daemon seals new writes with fresh nonces."""
     if subprocess.run(["which", "qemu-io"], capture_output=True).returncode:
@@ -318,8 +369,9 @@ async def test_slab_map_changes_are_saved_coalesced(memserver_pool, tmp_path: Pa
     burst; a clean close forgets everything."""
     _, addrs = await memserver_pool(2, 8 << 20)
     # no repair task: it would put the dropped replicas back meanwhile
-    store, state = await ds.open_store(tmp_path / "st", addrs, 4 << 20, "coalesce", 2,
-                                       encrypt=False, resume=False, repair=False)
+    store, state = await ds.open_store(
+        tmp_path / "st", addrs, 4 << 20, "coalesce", 2, encrypt=False, resume=False, repair=False
+    )
     sd = ds.StateDir(tmp_path / "st")
     saves = []
     real_save = sd.save

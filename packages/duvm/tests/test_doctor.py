@@ -26,8 +26,9 @@ PY = sys.executable
 
 
 def duvm(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "duvm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [PY, "-m", "duvm.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def by_name(checks: list[doctor.Check] | list[dict]) -> dict:
@@ -44,9 +45,23 @@ def start_memserver():
     procs: list[subprocess.Popen[str]] = []
 
     def start(*extra: str) -> str:
-        p = subprocess.Popen([PY, "-m", "duvm.cli", "memserver", "--listen", "127.0.0.1:0",
-                              "--capacity", "8M", "--no-mlock", *extra],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [
+                PY,
+                "-m",
+                "duvm.cli",
+                "memserver",
+                "--listen",
+                "127.0.0.1:0",
+                "--capacity",
+                "8M",
+                "--no-mlock",
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         procs.append(p)
         assert p.stdout is not None
         line = p.stdout.readline()
@@ -117,29 +132,39 @@ def secret(tmp_path: Path) -> Path:
     return f
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (doctor's root check, "
-                                "chown of the secret file)")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root (doctor's root check, chown of the secret file)"
+)
 
 
 # --- the passing form ---------------------------------------------------------------------------
 
 
 @needs_root
-def test_doctor_passes_on_this_machine_with_a_live_memserver(start_memserver, secret: Path,
-                                                             tmp_path: Path) -> None:
+def test_doctor_passes_on_this_machine_with_a_live_memserver(
+    start_memserver, secret: Path, tmp_path: Path
+) -> None:
     if not fuse_path_here() and not attach.kernel_nbd_available():
         pytest.skip("neither kernel nbd nor nbdfuse+loop on this machine")
     memserver = start_memserver("--secret-file", str(secret))
     cfg = tmp_path / "duvm.toml"
-    cfg.write_text(f'peers = ["{memserver}"]\nsize = "16M"\n'
-                   f'daemon_args = ["--secret-file", "{secret}"]\n')
+    cfg.write_text(
+        f'peers = ["{memserver}"]\nsize = "16M"\ndaemon_args = ["--secret-file", "{secret}"]\n'
+    )
     res = duvm("doctor", "--config", str(cfg), "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     assert doc["ok"] is True
     checks = by_name(doc["checks"])
-    for name in ("config", "root", "block-device", "swap-tools", "peers", "secret-file",
-                 "peer-auth"):
+    for name in (
+        "config",
+        "root",
+        "block-device",
+        "swap-tools",
+        "peers",
+        "secret-file",
+        "peer-auth",
+    ):
         assert checks[name]["status"] == "ok", checks[name]
     # the peer answered the page protocol: its capacity is the 8 MiB it was started with
     assert f"{memserver} (capacity 8 MiB" in checks["peers"]["detail"]
@@ -170,8 +195,9 @@ def test_peer_not_listening_fails_with_the_reason(dead_port: int) -> None:
     assert "duvm memserver --listen" in (c.fix or "")
 
 
-def test_memserver_that_wants_a_secret_we_lack_fails_and_says_so(start_memserver,
-                                                                 secret: Path) -> None:
+def test_memserver_that_wants_a_secret_we_lack_fails_and_says_so(
+    start_memserver, secret: Path
+) -> None:
     memserver = start_memserver("--secret-file", str(secret))
     c = doctor.check_peers([memserver], timeout=3)
     assert c.status == doctor.FAIL
@@ -179,8 +205,7 @@ def test_memserver_that_wants_a_secret_we_lack_fails_and_says_so(start_memserver
     assert (c.fix or "").startswith("the peers require authentication: duvm secret generate")
 
 
-def test_memserver_without_secret_is_refused_when_we_have_one(memserver: str,
-                                                              secret: Path) -> None:
+def test_memserver_without_secret_is_refused_when_we_have_one(memserver: str, secret: Path) -> None:
     opts = doctor.Options(peers=[memserver], secret_file=secret)
     security, auth_check = doctor.check_peer_auth(opts)
     assert auth_check.status == doctor.OK and security is not None
@@ -230,12 +255,13 @@ def test_secret_not_owned_by_root_fails(secret: Path) -> None:
     assert c.status == doctor.FAIL and f"owned by uid {NOBODY}, not root" in c.detail
 
 
-def test_missing_empty_garbled_and_symlinked_secrets_fail(tmp_path: Path,
-                                                          secret: Path) -> None:
+def test_missing_empty_garbled_and_symlinked_secrets_fail(tmp_path: Path, secret: Path) -> None:
     missing = doctor.check_secret(tmp_path / "nope.key")
     assert missing.status == doctor.FAIL and "No such file" in missing.detail
-    assert missing.fix == f"duvm secret generate {tmp_path / 'nope.key'} (on one node; copy it " \
+    assert (
+        missing.fix == f"duvm secret generate {tmp_path / 'nope.key'} (on one node; copy it "
         "to the others)"
+    )
     empty = tmp_path / "empty.key"
     empty.touch(mode=0o600)
     assert "holds no secret" in doctor.check_secret(empty).detail
@@ -249,12 +275,15 @@ def test_missing_empty_garbled_and_symlinked_secrets_fail(tmp_path: Path,
     assert "a symlink" in doctor.check_secret(link).detail
 
 
-def test_secret_file_from_daemon_args_is_checked(tmp_path: Path, secret: Path,
-                                                 dead_port: int) -> None:
+def test_secret_file_from_daemon_args_is_checked(
+    tmp_path: Path, secret: Path, dead_port: int
+) -> None:
     secret.chmod(0o640)
     cfg = tmp_path / "duvm.toml"
-    cfg.write_text(f'peers = ["127.0.0.1:{dead_port}"]\nsize = "16M"\n'
-                   f'daemon_args = ["--secret-file", "{secret}"]\n')
+    cfg.write_text(
+        f'peers = ["127.0.0.1:{dead_port}"]\nsize = "16M"\n'
+        f'daemon_args = ["--secret-file", "{secret}"]\n'
+    )
     res = duvm("doctor", "--config", str(cfg), "--json", "--timeout", "2")
     checks = by_name(json.loads(res.stdout)["checks"])
     assert res.returncode == 1
@@ -266,11 +295,14 @@ def test_secret_file_from_daemon_args_is_checked(tmp_path: Path, secret: Path,
     assert checks["peers"]["status"] == "fail"  # the peers were still read from the file
 
 
-def test_config_enable_refuses_still_has_peers_and_secret_checked(tmp_path: Path,
-                                                                   dead_port: int) -> None:
+def test_config_enable_refuses_still_has_peers_and_secret_checked(
+    tmp_path: Path, dead_port: int
+) -> None:
     cfg = tmp_path / "duvm.toml"
-    cfg.write_text(f'peers = ["127.0.0.1:{dead_port}"]\nsize = "16M"\nbogus = 1\n'
-                   f'daemon_args = ["--secret-file", "{tmp_path / "none.key"}"]\n')
+    cfg.write_text(
+        f'peers = ["127.0.0.1:{dead_port}"]\nsize = "16M"\nbogus = 1\n'
+        f'daemon_args = ["--secret-file", "{tmp_path / "none.key"}"]\n'
+    )
     res = duvm("doctor", "--config", str(cfg), "--json", "--timeout", "2")
     checks = by_name(json.loads(res.stdout)["checks"])
     assert checks["config"]["status"] == "fail" and "bogus" in checks["config"]["detail"]
@@ -286,7 +318,7 @@ def test_unreadable_config_fails_without_traceback(tmp_path: Path) -> None:
     assert res.returncode == 1 and "Traceback" not in res.stderr
     c = by_name(json.loads(res.stdout)["checks"])["config"]
     assert c["status"] == "fail" and "not valid TOML" in c["detail"]
-    bad.write_bytes(b"peers = [\"\xff\xfe\"]\n")  # not UTF-8
+    bad.write_bytes(b'peers = ["\xff\xfe"]\n')  # not UTF-8
     res = duvm("doctor", "--config", str(bad), "--json")
     assert res.returncode == 1 and "Traceback" not in res.stderr
     c = by_name(json.loads(res.stdout)["checks"])["config"]
@@ -368,11 +400,12 @@ def test_no_cgroup_and_low_min_free_are_warnings_not_failures(tmp_path: Path) ->
 
 def test_uvloop_absent_is_a_warning() -> None:
     # sys.modules[name] = None makes `import name` raise ImportError: uvloop as if uninstalled
-    code = ("import sys; sys.modules['uvloop'] = None\n"
-            "from duvm import doctor\n"
-            "c = doctor.check_uvloop(); print(c.status, c.required, c.fix)")
-    res = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60,
-                         check=False)
+    code = (
+        "import sys; sys.modules['uvloop'] = None\n"
+        "from duvm import doctor\n"
+        "c = doctor.check_uvloop(); print(c.status, c.required, c.fix)"
+    )
+    res = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("warn False reinstall duvm")
 
@@ -389,15 +422,19 @@ def test_not_root_fails_after_a_real_drop_to_nobody(tmp_path: Path) -> None:
         f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
         "sys.exit(cli.main(['doctor', '--json']))\n"
     )
-    res = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=tmp_path, check=False)
+    res = subprocess.run(
+        [PY, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False
+    )
     assert res.returncode == 1, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     root = by_name(doc["checks"])["root"]
-    assert root == {"name": "root", "status": "fail", "required": True,
-                    "detail": f"running as uid {NOBODY}, not root",
-                    "fix": "enable/disable attach devices and call swapon: run as root "
-                           "(sudo duvm ...)"}
+    assert root == {
+        "name": "root",
+        "status": "fail",
+        "required": True,
+        "detail": f"running as uid {NOBODY}, not root",
+        "fix": "enable/disable attach devices and call swapon: run as root (sudo duvm ...)",
+    }
     assert doc["ok"] is False
 
 
@@ -418,8 +455,14 @@ def test_doctor_finds_tools_where_enable_does_not_on_path(tmp_path: Path) -> Non
         pytest.skip("the nbdfuse+loop path is not complete on this machine")
     env = {k: v for k, v in os.environ.items() if k != "PATH"}
     env["PATH"] = str(tmp_path)  # empty: no nbdfuse, no losetup, nothing
-    res = subprocess.run([PY, "-m", "duvm.cli", "doctor", "--json", "--method", "nbdfuse-loop"],
-                         capture_output=True, text=True, timeout=60, env=env, check=False)
+    res = subprocess.run(
+        [PY, "-m", "duvm.cli", "doctor", "--json", "--method", "nbdfuse-loop"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
     checks = by_name(json.loads(res.stdout)["checks"])
     assert checks["fuse-loop"]["status"] == "ok"
     assert checks["block-device"]["status"] == "ok"
@@ -445,9 +488,13 @@ def test_rt_throttling_off_is_a_warning_and_the_kernel_default_is_ok(tmp_path: P
 def test_swap_path_protection_reports_what_the_daemon_would_be_refused() -> None:
     """Catches a doctor that says ready while the daemon would run without its memory-pressure
     protections (the node can then hang on its own swap device)."""
-    probe = subprocess.run([PY, "-c", "import json; from duvm import pressure; "
-                            "print(json.dumps(pressure.probe()))"], capture_output=True,
-                           text=True, check=True, timeout=60)
+    probe = subprocess.run(
+        [PY, "-c", "import json; from duvm import pressure; print(json.dumps(pressure.probe()))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     refused = {k for k, v in json.loads(probe.stdout).items() if v}
     c = doctor.check_swap_path([])
     assert c.required is False
@@ -455,8 +502,12 @@ def test_swap_path_protection_reports_what_the_daemon_would_be_refused() -> None
         assert c.status == doctor.OK and "run realtime (SCHED_RR)" in c.detail
     else:  # a sandbox may refuse even root some of them: each is named, with a fix
         assert c.status == doctor.WARN and c.fix
-        for name, word in (("io-flusher", "PR_SET_IO_FLUSHER"), ("oom-score", "oom_score_adj"),
-                           ("realtime", "SCHED_RR"), ("mlock", "mlockall")):
+        for name, word in (
+            ("io-flusher", "PR_SET_IO_FLUSHER"),
+            ("oom-score", "oom_score_adj"),
+            ("realtime", "SCHED_RR"),
+            ("mlock", "mlockall"),
+        ):
             assert (word in c.detail) == (name in refused), (name, c.detail)
     off = doctor.check_swap_path(["--verbose", "--no-realtime"])
     assert off.status == doctor.WARN and "--no-realtime" in off.detail

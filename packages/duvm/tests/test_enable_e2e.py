@@ -38,18 +38,28 @@ def _skip_reason() -> str | None:
     return "; ".join(problems) if problems else None
 
 
-pytestmark = [pytest.mark.root, pytest.mark.slow,
-              pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")]
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.slow,
+    pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or ""),
+]
 
 
 def duvm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "duvm.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "duvm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def vmstat() -> dict[str, int]:
-    return {k: int(v) for k, v in
-            (line.split() for line in Path("/proc/vmstat").read_text().splitlines())}
+    return {
+        k: int(v)
+        for k, v in (line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+    }
 
 
 def leftovers(state_dir: Path, pids: list[int], cgroups: list[str]) -> list[str]:
@@ -66,8 +76,11 @@ def leftovers(state_dir: Path, pids: list[int], cgroups: list[str]) -> list[str]
             left.append(f"swap {e.filename}")
     left += [f"cgroup {c}" for c in cgroups if Path(c).exists()]
     left += [f"process {p}" for p in pids if attach.pid_alive(p)]
-    left += [f"state {p.name}" for p in (state_dir / "state.json", state_dir / "daemon.json")
-             if p.exists()]
+    left += [
+        f"state {p.name}"
+        for p in (state_dir / "state.json", state_dir / "daemon.json")
+        if p.exists()
+    ]
     return left
 
 
@@ -76,12 +89,16 @@ def state_dir() -> Iterator[Path]:
     """A short private state dir; whatever a failed test left enabled is disabled by force."""
     others = demo.competing_swaps()
     if others:  # e.g. another test run's device: the workload's pages would be shared with it
-        pytest.skip(f"swap {others} is active at priority {demo.MAX_PRIORITY}: pages would not "
-                    "all go to this test's device")
+        pytest.skip(
+            f"swap {others} is active at priority {demo.MAX_PRIORITY}: pages would not "
+            "all go to this test's device"
+        )
     blocking = cgroup.swap_headroom_problems()
     if blocking:  # another workload here: disable's swapoff safety check would refuse for it
-        pytest.skip("another memory cgroup on this machine has more in swap than room under "
-                    f"its limit, so disable would rightly refuse: {blocking[0]}")
+        pytest.skip(
+            "another memory cgroup on this machine has more in swap than room under "
+            f"its limit, so disable would rightly refuse: {blocking[0]}"
+        )
     path = Path(tempfile.mkdtemp(prefix="duvm-en-", dir="/tmp"))
     try:
         yield path
@@ -110,8 +127,16 @@ def _reap(state_dir: Path, pids: list[int]) -> None:
 
 
 def test_demo_moves_pages_through_memservers_and_cleans_up(state_dir: Path) -> None:
-    res = duvm("demo", "--json", "--mib", str(WORKLOAD_MIB), "--limit-mib", str(LIMIT_MIB),
-               "--state-dir", str(state_dir))
+    res = duvm(
+        "demo",
+        "--json",
+        "--mib",
+        str(WORKLOAD_MIB),
+        "--limit-mib",
+        str(LIMIT_MIB),
+        "--state-dir",
+        str(state_dir),
+    )
     out = json.loads(res.stdout.strip().splitlines()[-1])
     if out["error"] is not None:
         _reap(state_dir, out["pids"])
@@ -154,9 +179,19 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         assert res.returncode == 1 and "Traceback" not in res.stderr
         assert "secret" in res.stderr.lower(), res.stderr
         assert not (state_dir / "daemon.json").exists()
-        enable = ("enable", "--peers", peers, "--size", "192M", "--secret-file", str(secret),
-                  "--state-dir", str(state_dir),
-                  "--priority", str(demo.MAX_PRIORITY))  # ahead of any other swap here
+        enable = (
+            "enable",
+            "--peers",
+            peers,
+            "--size",
+            "192M",
+            "--secret-file",
+            str(secret),
+            "--state-dir",
+            str(state_dir),
+            "--priority",
+            str(demo.MAX_PRIORITY),
+        )  # ahead of any other swap here
         res = duvm(*enable)
         assert res.returncode == 0, res.stderr
         assert "2 copies of each page" in res.stdout and "warning" not in res.stderr
@@ -184,9 +219,13 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         before = vmstat()
         with cgroup.MemoryCgroup(LIMIT_MIB << 20, prefix="duvm-test") as cg:
             cgroups.append(str(cg.path))
-            proc = cg.popen([sys.executable, "-m", "duvm.workload", "--mib", "160", "--hold"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+            proc = cg.popen(
+                [sys.executable, "-m", "duvm.workload", "--mib", "160", "--hold"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             assert proc.stderr is not None and proc.stderr.readline().strip() == "filled"
             held = json.loads(duvm("status", "--json", "--state-dir", str(state_dir)).stdout)
             ours = sum(p["our_pages"] for p in held["peers"])
@@ -199,8 +238,12 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
             refused = duvm("disable", "--state-dir", str(state_dir))
             assert refused.returncode == 3, refused.stderr
             assert "stays attached" in refused.stderr and cg.name in refused.stderr
-            assert json.loads(duvm("status", "--json", "--state-dir",
-                                   str(state_dir)).stdout)["enabled"] is True
+            assert (
+                json.loads(duvm("status", "--json", "--state-dir", str(state_dir)).stdout)[
+                    "enabled"
+                ]
+                is True
+            )
 
             out, err = proc.communicate("go\n", timeout=300)
             assert proc.returncode == 0, err[-2000:]
@@ -213,10 +256,14 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         assert res.returncode == 0, res.stderr
         deadline = time.monotonic() + 15
         while True:
-            peers_after = control.peer_statuses(servers.addrs, security=control.peer_security(
-                ["--secret-file", str(secret)], servers.addrs))
-            if all(p["pages"] == 0 and p["reserved_pages"] == 0 for p in peers_after) or \
-                    time.monotonic() > deadline:
+            peers_after = control.peer_statuses(
+                servers.addrs,
+                security=control.peer_security(["--secret-file", str(secret)], servers.addrs),
+            )
+            if (
+                all(p["pages"] == 0 and p["reserved_pages"] == 0 for p in peers_after)
+                or time.monotonic() > deadline
+            ):
                 break
             time.sleep(0.2)
         assert [(p["pages"], p["reserved_pages"]) for p in peers_after] == [(0, 0)] * 3
@@ -236,8 +283,15 @@ def test_enable_fails_cleanly_when_a_peer_is_unreachable(state_dir: Path) -> Non
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
         s.close()
-        res = duvm("enable", "--peers", f"{servers.addrs[0]},{dead}", "--size", "16M",
-                   "--state-dir", str(state_dir))
+        res = duvm(
+            "enable",
+            "--peers",
+            f"{servers.addrs[0]},{dead}",
+            "--size",
+            "16M",
+            "--state-dir",
+            str(state_dir),
+        )
         assert res.returncode == 1
         assert "daemon" in res.stderr and res.stderr.count("\n") <= 20, res.stderr
         assert "Traceback" not in res.stderr
@@ -259,10 +313,23 @@ def _cmdlines() -> list[str]:
 
 def test_demo_interrupted_midway_leaves_nothing_behind(state_dir: Path) -> None:
     """SIGTERM while the workload holds swapped pages: the demo still tears everything down."""
-    proc = subprocess.Popen([sys.executable, "-m", "duvm.cli", "demo", "--mib",
-                             str(WORKLOAD_MIB), "--limit-mib", str(LIMIT_MIB), "--state-dir",
-                             str(state_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "duvm.cli",
+            "demo",
+            "--mib",
+            str(WORKLOAD_MIB),
+            "--limit-mib",
+            str(LIMIT_MIB),
+            "--state-dir",
+            str(state_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     ports: list[str] = []
     try:
@@ -284,6 +351,9 @@ def test_demo_interrupted_midway_leaves_nothing_behind(state_dir: Path) -> None:
     demo_groups = [str(p) for p in parent.glob(f"duvm-demo-{proc.pid}-*")]
     assert demo_groups == []
     assert leftovers(state_dir, [], []) == []
-    running = [c for c in _cmdlines() if str(state_dir) in c
-               or ("memserver" in c and any(p in c for p in ports))]
+    running = [
+        c
+        for c in _cmdlines()
+        if str(state_dir) in c or ("memserver" in c and any(p in c for p in ports))
+    ]
     assert running == []

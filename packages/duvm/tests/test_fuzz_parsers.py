@@ -24,18 +24,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 EXAMPLES = int(os.environ.get("DUVM_FUZZ_EXAMPLES", "300"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
-                suppress_health_check=list(HealthCheck))  # fmt: skip
+FUZZ = settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=False, suppress_health_check=list(HealthCheck)
+)
 
 
 # --- target 1: the page protocol decoder -----------------------------------------------------
 
 
 def _same(a: pp.Message, b: pp.Message) -> bool:
-    fa = {k: bytes(v) if isinstance(v, memoryview) else v
-          for k, v in ((s, getattr(a, s)) for s in type(a).__slots__)}  # fmt: skip
-    fb = {k: bytes(v) if isinstance(v, memoryview) else v
-          for k, v in ((s, getattr(b, s)) for s in type(b).__slots__)}  # fmt: skip
+    fa = {
+        k: bytes(v) if isinstance(v, memoryview) else v
+        for k, v in ((s, getattr(a, s)) for s in type(a).__slots__)
+    }
+    fb = {
+        k: bytes(v) if isinstance(v, memoryview) else v
+        for k, v in ((s, getattr(b, s)) for s in type(b).__slots__)
+    }
     return type(a) is type(b) and fa == fb
 
 
@@ -99,8 +104,11 @@ _LOOP: asyncio.AbstractEventLoop | None = None
 _SERVER: MemServer | None = None
 _ERRORS = _Errors()
 logging.getLogger("duvm.memserver").addHandler(_ERRORS)
-_LOGIN = (pp.encode_bytes(pp.Hello(1, "fuzz")) + pp.encode_bytes(pp.Auth(2, bytes(32)))
-          + pp.encode_bytes(pp.Reserve(3, 8)))  # fmt: skip
+_LOGIN = (
+    pp.encode_bytes(pp.Hello(1, "fuzz"))
+    + pp.encode_bytes(pp.Auth(2, bytes(32)))
+    + pp.encode_bytes(pp.Reserve(3, 8))
+)
 
 
 def _server() -> tuple[asyncio.AbstractEventLoop, MemServer]:
@@ -169,24 +177,30 @@ def fuzz_nbd_transmission(data: bytes, chunk: int = 4096) -> None:
         return
 
 
-TARGETS = {"page_decoder_server": lambda d, c: fuzz_page_decoder(d, "server", c),
-           "page_decoder_client": lambda d, c: fuzz_page_decoder(d, "client", c),
-           "memserver_conn": fuzz_memserver_conn,
-           "memserver_conn_unauthenticated": lambda d, c: fuzz_memserver_conn(d, c, False),
-           "nbd_handshake": fuzz_nbd_handshake,
-           "nbd_transmission": fuzz_nbd_transmission}  # fmt: skip
+TARGETS = {
+    "page_decoder_server": lambda d, c: fuzz_page_decoder(d, "server", c),
+    "page_decoder_client": lambda d, c: fuzz_page_decoder(d, "client", c),
+    "memserver_conn": fuzz_memserver_conn,
+    "memserver_conn_unauthenticated": lambda d, c: fuzz_memserver_conn(d, c, False),
+    "nbd_handshake": fuzz_nbd_handshake,
+    "nbd_transmission": fuzz_nbd_transmission,
+}
 
 
 # --- inputs: raw bytes, and valid frames spliced and mutated (to get past the headers) ------
 
 _keys = st.lists(st.integers(0, 20), min_size=1, max_size=6)
 _page_frames = st.one_of(
-    st.builds(lambda r, k: pp.encode_bytes(pp.make_store(r, k, bytes(len(k) * pp.PAGE_SIZE))),
-              st.integers(0, 2**64 - 1), _keys),
+    st.builds(
+        lambda r, k: pp.encode_bytes(pp.make_store(r, k, bytes(len(k) * pp.PAGE_SIZE))),
+        st.integers(0, 2**64 - 1),
+        _keys,
+    ),
     st.builds(lambda r, k: pp.encode_bytes(pp.make_load(r, k)), st.integers(0, 9), _keys),
     st.builds(lambda r, k: pp.encode_bytes(pp.make_free(r, k)), st.integers(0, 9), _keys),
-    st.builds(lambda r, n: pp.encode_bytes(pp.Reserve(r, n)), st.integers(0, 9),
-              st.integers(0, 40)),
+    st.builds(
+        lambda r, n: pp.encode_bytes(pp.Reserve(r, n)), st.integers(0, 9), st.integers(0, 40)
+    ),
     st.builds(lambda r: pp.encode_bytes(pp.Release(r)), st.integers(0, 9)),
     st.builds(lambda r: pp.encode_bytes(pp.Status(r)), st.integers(0, 9)),
     st.builds(lambda i: pp.encode_bytes(pp.Hello(1, i)), st.text(min_size=1, max_size=8)),
@@ -210,8 +224,13 @@ def _nbd_request(cmd: int, offset: int, length: int, flags: int = 0) -> bytes:
 
 
 _nbd_frames = st.one_of(
-    st.builds(lambda c, o, n, f: _nbd_request(c, o, n, f), st.integers(0, 9),
-              st.integers(0, 2**20 + 8192), st.integers(0, 3 * 4096), st.integers(0, 3)),
+    st.builds(
+        lambda c, o, n, f: _nbd_request(c, o, n, f),
+        st.integers(0, 9),
+        st.integers(0, 2**20 + 8192),
+        st.integers(0, 3 * 4096),
+        st.integers(0, 3),
+    ),
     st.binary(max_size=64),
 )
 
@@ -232,8 +251,9 @@ def test_fuzz_memserver_connection(data: bytes, chunk: int, login: bool) -> None
 @FUZZ
 @given(data=st.binary(max_size=600), chunk=st.integers(1, 200), prefix=st.booleans())
 def test_fuzz_nbd_handshake(data: bytes, chunk: int, prefix: bool) -> None:
-    fuzz_nbd_handshake((struct.pack(">I", C.FLAG_C_FIXED_NEWSTYLE) if prefix else b"") + data,
-                       chunk)  # fmt: skip
+    fuzz_nbd_handshake(
+        (struct.pack(">I", C.FLAG_C_FIXED_NEWSTYLE) if prefix else b"") + data, chunk
+    )
 
 
 @FUZZ

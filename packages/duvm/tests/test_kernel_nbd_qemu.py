@@ -67,9 +67,16 @@ def guest_run() -> Any:
     if why := boot.problems():
         pytest.skip("cannot boot the kernel-nbd test guest: " + "; ".join(why))
     try:
-        return boot.run_guest(workload_mib=WORKLOAD_MIB, cgroup_mib=CGROUP_MIB,
-                              swap_size=SWAP, capacity=SWAP, memservers=1, mem_mib=384,
-                              timeout_s=QEMU_DEADLINE_S, kill_at_pct=KILL_AT_PCT)
+        return boot.run_guest(
+            workload_mib=WORKLOAD_MIB,
+            cgroup_mib=CGROUP_MIB,
+            swap_size=SWAP,
+            capacity=SWAP,
+            memservers=1,
+            mem_mib=384,
+            timeout_s=QEMU_DEADLINE_S,
+            kill_at_pct=KILL_AT_PCT,
+        )
     except boot.GuestUnavailable as exc:
         pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
 
@@ -88,19 +95,29 @@ def big_guest_run() -> Any:
     if why := boot.problems():
         pytest.skip("cannot boot the kernel-nbd test guest: " + "; ".join(why))
     try:
-        return boot.run_guest(workload_mib=BIG_MIB, cgroup_mib=None, swap_size=BIG_SWAP,
-                              capacity=BIG_SWAP, memservers=1, mem_mib=BIG_MEM_MIB,
-                              host_memservers=True, reproduction=True, stall_s=60,
-                              timeout_s=QEMU_DEADLINE_S)
+        return boot.run_guest(
+            workload_mib=BIG_MIB,
+            cgroup_mib=None,
+            swap_size=BIG_SWAP,
+            capacity=BIG_SWAP,
+            memservers=1,
+            mem_mib=BIG_MEM_MIB,
+            host_memservers=True,
+            reproduction=True,
+            stall_s=60,
+            timeout_s=QEMU_DEADLINE_S,
+        )
     except boot.GuestUnavailable as exc:
         pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
 
 
 def _event(run: Any, name: str) -> dict[str, Any]:
     ev = run.events.get(name)
-    assert ev is not None, (f"the guest never reported {name!r} (reported: "
-                            f"{sorted(run.events)}, markers {run.markers}); console tail:\n"
-                            f"{run.console_tail()}")
+    assert ev is not None, (
+        f"the guest never reported {name!r} (reported: "
+        f"{sorted(run.events)}, markers {run.markers}); console tail:\n"
+        f"{run.console_tail()}"
+    )
     return ev
 
 
@@ -110,12 +127,15 @@ def _swap_lines(proc_swaps: str) -> list[list[str]]:
 
 @qemu
 def test_guest_ran_to_the_end(guest_run: Any) -> None:
-    assert not guest_run.timed_out, f"QEMU ran past {QEMU_DEADLINE_S} s:\n" \
-        f"{guest_run.console_tail()}"
+    assert not guest_run.timed_out, (
+        f"QEMU ran past {QEMU_DEADLINE_S} s:\n{guest_run.console_tail()}"
+    )
     assert guest_run.rc == 0, f"QEMU exited {guest_run.rc}:\n{guest_run.console_tail()}"
     assert "crash" not in guest_run.events, guest_run.events["crash"]
-    assert guest_run.guest_exit == 0, f"guest script exit {guest_run.guest_exit}; markers " \
+    assert guest_run.guest_exit == 0, (
+        f"guest script exit {guest_run.guest_exit}; markers "
         f"{guest_run.markers}:\n{guest_run.console_tail()}"
+    )
     start = _event(guest_run, "start")
     assert start["kernel"].endswith("-amd64") and start["kernel"].startswith("6.")
     assert start["has_dev_nbd0"], "the guest kernel's nbd module did not create /dev/nbd0"
@@ -167,8 +187,9 @@ def test_sigkilled_daemon_was_resumed_onto_the_live_device(guest_run: Any) -> No
     # the resumed daemon carried the swapping on: more pages went out after it came back
     # (counted from when it was back, not from after the resume by hand, which can outlast
     # the workload's swapping out)
-    assert _event(guest_run, "workload")["vmstat"]["pswpout"] > \
-        res["vmstat_at_resume"]["pswpout"], (res["vmstat_at_resume"], res["seconds"])
+    assert (
+        _event(guest_run, "workload")["vmstat"]["pswpout"] > res["vmstat_at_resume"]["pswpout"]
+    ), (res["vmstat_at_resume"], res["seconds"])
     assert "crash" not in guest_run.events
 
 
@@ -218,7 +239,8 @@ def test_disable_swapped_off_detached_and_cleaned_up(guest_run: Any) -> None:
 
 @qemu
 def test_the_default_enable_survives_a_workload_bigger_than_the_guest_ram(
-        big_guest_run: Any) -> None:
+    big_guest_run: Any,
+) -> None:
     """Catches defaults that let memory pressure stall the swap path: with the daemon at the
     normal scheduling class this very run hung after about 20 s of swapping (`block nbd0: Send
     data failed`, then I/O errors, the OOM killer and a kernel panic in longer runs)."""
@@ -259,15 +281,15 @@ def test_cpio_newc_layout() -> None:
     data = cpio.bytes()
     entries, off = [], 0
     while True:
-        head = data[off:off + 110]
+        head = data[off : off + 110]
         assert head[:6] == b"070701"
-        fields = [int(head[6 + 8 * i:14 + 8 * i], 16) for i in range(13)]
+        fields = [int(head[6 + 8 * i : 14 + 8 * i], 16) for i in range(13)]
         mode, size, rmaj, rmin, namesize = fields[1], fields[6], fields[9], fields[10], fields[11]
-        name = data[off + 110:off + 110 + namesize]
+        name = data[off + 110 : off + 110 + namesize]
         assert name.endswith(b"\0")
         off += 110 + namesize
         off += -off % 4
-        body = data[off:off + size]
+        body = data[off : off + size]
         off += size + (-size % 4)
         entries.append((name[:-1].decode(), mode, body, (rmaj, rmin)))
         if name == b"TRAILER!!!\0":
@@ -297,8 +319,16 @@ def test_static_elf_detection() -> None:
     assert not b.is_static_elf(_elf(interp=False)[:70])  # program headers cut off
 
 
-@given(st.lists(st.one_of(st.text(), st.just("DUVM-RESULT {\"event\": \"x\", \"n\": 1}"),
-                          st.just("DUVM-RESULT [1, 2]"), st.just("DUVM-GUEST-END 0"))))
+@given(
+    st.lists(
+        st.one_of(
+            st.text(),
+            st.just('DUVM-RESULT {"event": "x", "n": 1}'),
+            st.just("DUVM-RESULT [1, 2]"),
+            st.just("DUVM-GUEST-END 0"),
+        )
+    )
+)
 def test_parse_results_never_crashes(lines: list[str]) -> None:
     events, markers = _load_boot().parse_results("\n".join(lines))
     assert all(isinstance(v, dict) and v["event"] == k for k, v in events.items())
@@ -306,8 +336,10 @@ def test_parse_results_never_crashes(lines: list[str]) -> None:
 
 
 def test_parse_results_keeps_events_and_markers() -> None:
-    text = ("noise\nDUVM-GUEST-BOOTED 5.1\nDUVM-RESULT {\"event\": \"start\", \"t\": 0}\n"
-            "DUVM-RESULT {broken\nDUVM-GUEST-END 0\n")
+    text = (
+        'noise\nDUVM-GUEST-BOOTED 5.1\nDUVM-RESULT {"event": "start", "t": 0}\n'
+        "DUVM-RESULT {broken\nDUVM-GUEST-END 0\n"
+    )
     events, markers = _load_boot().parse_results(text)
     assert events == {"start": {"event": "start", "t": 0}}
     assert markers == ["DUVM-GUEST-BOOTED 5.1", "DUVM-GUEST-END 0"]
@@ -330,8 +362,14 @@ def _load_stress() -> ModuleType:
 
 def _run(console: str = "", events: dict[str, Any] | None = None, **kw: Any) -> Any:
     boot = _load_boot()
-    base = {"rc": 0, "timed_out": False, "seconds": 1.0, "events": events or {},
-            "markers": [], "console": console}
+    base = {
+        "rc": 0,
+        "timed_out": False,
+        "seconds": 1.0,
+        "events": events or {},
+        "markers": [],
+        "console": console,
+    }
     return boot.GuestRun(**{**base, **kw})
 
 
@@ -346,8 +384,12 @@ def test_stress_outcomes_are_told_apart() -> None:
     good = {"intact": True, "bad_chunks": 0}
     assert classify(_run(events=_done(0, good)))[0] == "verified"
     assert classify(_run(events=_done(0, good, disable_rc=1)))[0] == "failed"
-    assert classify(_run("[ 9.1] Kernel panic - not syncing: Attempted to kill init!",
-                         _done(0, good)))[0] == "panicked"
+    assert (
+        classify(
+            _run("[ 9.1] Kernel panic - not syncing: Attempted to kill init!", _done(0, good))
+        )[0]
+        == "panicked"
+    )
     assert classify(_run(events=_done(0, good), hung=True))[0] == "hung"
     assert classify(_run(timed_out=True, rc=None))[0] == "hung"
     bad = classify(_run(events=_done(1, {"intact": False, "bad_chunks": 3})))
@@ -373,7 +415,9 @@ def test_stress_setups_parse_and_the_default_matrix_is_the_issues() -> None:
     assert len(matrix) >= 20
     assert {m.mem_mib for m in matrix} == {256, 384, 1024}
     assert {m.pct for m in matrix} == {80, 95, 110} and {m.order for m in matrix} == {
-        "sequential", "random"}
+        "sequential",
+        "random",
+    }
     assert any(m.kill for m in matrix)
 
 

@@ -25,8 +25,9 @@ def _calls(tree: ast.AST):
         if isinstance(node, ast.Call):
             f = node.func
             name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
-            owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(
-                f.value, ast.Name) else ""  # fmt: skip
+            owner = (
+                f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else ""
+            )
             yield owner, name, node
 
 
@@ -40,8 +41,9 @@ def test_no_shell_and_no_bare_tool_names_in_subprocess_calls() -> None:
                 problems.append(f"{where}: os.{name} runs a shell")
             if owner == "subprocess" and name in _SUBPROCESS:
                 for kw in node.keywords:
-                    if kw.arg == "shell" and not (isinstance(kw.value, ast.Constant)
-                                                  and kw.value.value is False):  # fmt: skip
+                    if kw.arg == "shell" and not (
+                        isinstance(kw.value, ast.Constant) and kw.value.value is False
+                    ):
                         problems.append(f"{where}: shell=")
                 first = node.args[0] if node.args else None
                 if isinstance(first, (ast.List, ast.Tuple)) and first.elts:
@@ -75,15 +77,33 @@ async def test_daemon_with_a_secret_keeps_it_out_of_logs_status_and_sockets(tmp_
     if shutil.which("qemu-io") is None:
         pytest.skip("qemu-io not installed")
     secret = tmp_path / "secret"
-    rc = await (await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "duvm.cli", "secret", "generate", str(secret))).wait()
+    rc = await (
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "duvm.cli", "secret", "generate", str(secret)
+        )
+    ).wait()
     assert rc == 0 and stat.S_IMODE(secret.stat().st_mode) == 0o600
-    hexes = [ln.strip() for ln in secret.read_text().splitlines()
-             if ln.strip() and not ln.startswith("#")]  # fmt: skip
+    hexes = [
+        ln.strip()
+        for ln in secret.read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     ms = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "duvm.cli", "memserver", "--listen", "127.0.0.1:0", "--capacity",
-        "8M", "--no-mlock", "--secret-file", str(secret), "-v",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "duvm.cli",
+        "memserver",
+        "--listen",
+        "127.0.0.1:0",
+        "--capacity",
+        "8M",
+        "--no-mlock",
+        "--secret-file",
+        str(secret),
+        "-v",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     nbd, ctl = str(tmp_path / "nbd.sock"), str(tmp_path / "ctl.sock")
     dm = None
     logs = ""
@@ -91,19 +111,45 @@ async def test_daemon_with_a_secret_keeps_it_out_of_logs_status_and_sockets(tmp_
         first = await _line(ms.stdout, "listening on")
         port = re.search(r"listening on 127\.0\.0\.1:(\d+)", first).group(1)
         dm = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "duvm.cli", "daemon", "--peers", f"127.0.0.1:{port}",
-            "--size", "4M", "--socket", nbd, "--control-socket", ctl, "--secret-file",
-            str(secret), "--encrypt", "--no-mlock", "--replicas", "1", "-v",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            sys.executable,
+            "-m",
+            "duvm.cli",
+            "daemon",
+            "--peers",
+            f"127.0.0.1:{port}",
+            "--size",
+            "4M",
+            "--socket",
+            nbd,
+            "--control-socket",
+            ctl,
+            "--secret-file",
+            str(secret),
+            "--encrypt",
+            "--no-mlock",
+            "--replicas",
+            "1",
+            "-v",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         logs += await _line(dm.stdout, "serving export")
         assert "pages encrypted" in logs
         for path in (nbd, ctl):
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
             assert os.stat(path).st_uid == os.geteuid()
         q = await asyncio.create_subprocess_exec(
-            "qemu-io", "-f", "raw", "-c", "write -P 0x42 0 65536", "-c", "read -P 0x42 0 65536",
-            f"nbd+unix:///?socket={nbd}", stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT)
+            "qemu-io",
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x42 0 65536",
+            "-c",
+            "read -P 0x42 0 65536",
+            f"nbd+unix:///?socket={nbd}",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         out, _ = await asyncio.wait_for(q.communicate(), 60)
         assert q.returncode == 0, out.decode()
         status = await asyncio.to_thread(control_socket.query, ctl)

@@ -223,7 +223,8 @@ def test_connection_reset_before_connect_returns_fails_not_hangs(loop: str) -> N
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_late_loss_report_of_a_replaced_connection_leaves_the_new_ones_requests(
-        loop: str) -> None:
+    loop: str,
+) -> None:
     """A connection's loss can be reported after a newer connection took over (the old
     transport closed late). That report is the old connection's alone: requests waiting on
     the new connection must still get their answers."""

@@ -32,8 +32,9 @@ async def server():
         await srv.close()
 
 
-async def raw_exchange(addr: tuple[str, int], wire: bytes, replies: int = 1
-                       ) -> tuple[list[pp.Message], bool]:  # fmt: skip
+async def raw_exchange(
+    addr: tuple[str, int], wire: bytes, replies: int = 1
+) -> tuple[list[pp.Message], bool]:
     """Send raw bytes; collect up to `replies` replies; report whether the server closed."""
     reader, writer = await asyncio.open_connection(*addr)
     writer.write(wire)
@@ -72,9 +73,15 @@ async def test_store_load_free_round_trip_with_batches(server: MemServer) -> Non
     assert ei.value.code == pp.ErrorCode.NOT_FOUND and "1000" in str(ei.value)
     st = await c.status()
     assert (st["used_pages"], st["reserved_pages"], st["connections"]) == (62, 100, 1)
-    assert st["namespaces"] == [{"client_id": "node-a/nbd0/1", "reserved_pages": 100,
-                                 "stored_pages": 62, "connections": 1,
-                                 "lease_expires_in": None}]  # fmt: skip
+    assert st["namespaces"] == [
+        {
+            "client_id": "node-a/nbd0/1",
+            "reserved_pages": 100,
+            "stored_pages": 62,
+            "connections": 1,
+            "lease_expires_in": None,
+        }
+    ]
     assert await c.release() == 62
     st = await c.status()
     assert (st["used_pages"], st["reserved_pages"]) == (0, 0)
@@ -157,8 +164,10 @@ async def test_a_load_answers_with_the_bytes_of_its_turn(server: MemServer) -> N
     assert [conn.fd is not None for conn in conns] == [True]  # the writev path is on
     for conn in conns:  # hold: everything below arrives in one read
         conn.transport.pause_reading()
-    ops = [asyncio.ensure_future(op) for op in (
-        c.load([1]), c.store([1], new), c.load([1, 2]), c.free([2]), c.store([3], x))]
+    ops = [
+        asyncio.ensure_future(op)
+        for op in (c.load([1]), c.store([1], new), c.load([1, 2]), c.free([2]), c.store([3], x))
+    ]
     await asyncio.sleep(0.05)
     assert not any(op.done() for op in ops)
     for conn in conns:
@@ -217,7 +226,8 @@ async def wait_until(cond, timeout: float = 5.0) -> None:
 
 
 async def test_a_reply_that_breaks_the_protocol_fails_its_request_not_hangs(
-        server: MemServer, monkeypatch) -> None:  # fmt: skip
+    server: MemServer, monkeypatch
+) -> None:
     """A memserver answering a LOAD with fewer pages than asked is cut off; the request that
     reply belonged to fails like on a lost connection instead of waiting forever."""
     c = MemClient(*server.addr, "n/short")
@@ -244,12 +254,14 @@ async def test_a_refused_merged_batch_fails_only_the_requests_it_must(server: Me
     await c.connect()
     await c.reserve(3)
     await c.store([0], b"0" * PS)
-    res = await asyncio.gather(*(c.load([k], bytearray(PS)) for k in (0, 9, 0)),
-                               return_exceptions=True)  # fmt: skip
+    res = await asyncio.gather(
+        *(c.load([k], bytearray(PS)) for k in (0, 9, 0)), return_exceptions=True
+    )
     assert res[0] is None and res[2] is None
     assert isinstance(res[1], PageServerError) and res[1].code == pp.ErrorCode.NOT_FOUND
-    res = await asyncio.gather(*(c.store([k], bytes([k]) * PS) for k in (1, 2, 3)),
-                               return_exceptions=True)  # fmt: skip
+    res = await asyncio.gather(
+        *(c.store([k], bytes([k]) * PS) for k in (1, 2, 3)), return_exceptions=True
+    )
     assert res[:2] == [None, None]  # two new pages fit the 3-page reservation, the third not
     assert isinstance(res[2], PageServerError) and res[2].code == pp.ErrorCode.NO_SPACE
     assert await c.load([1, 2]) == b"\1" * PS + b"\2" * PS
@@ -373,8 +385,12 @@ async def test_status_needs_no_hello(server: MemServer) -> None:
         (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
         (pp.HEADER.pack(pp.MAGIC, pp.MsgType.STORE, 0, 1, 0, 1 << 30), "exceeds the limit"),
         (pp.encode_bytes(pp.Hello(1, "g")) + pp.encode_bytes(pp.Hello(2, "g")), "second HELLO"),
-        (pp.encode_bytes(pp.Hello(1, "g")) + pp.encode_bytes(pp.Auth(2, bytes(32)))
-         + pp.encode_bytes(pp.make_store(3, [1], bytes(PS)))[:-7], "closed inside a frame"),
+        (
+            pp.encode_bytes(pp.Hello(1, "g"))
+            + pp.encode_bytes(pp.Auth(2, bytes(32)))
+            + pp.encode_bytes(pp.make_store(3, [1], bytes(PS)))[:-7],
+            "closed inside a frame",
+        ),
     ],
     ids=["garbage", "oversized", "second-hello", "truncated"],
 )
@@ -438,8 +454,12 @@ async def test_unreachable_memserver_is_a_clear_error() -> None:
 
 
 def start_cli(*args: str) -> tuple[subprocess.Popen, tuple[str, int]]:
-    proc = subprocess.Popen([sys.executable, "-m", "duvm.cli", "memserver", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "duvm.cli", "memserver", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     m = re.search(r"listening on ([\d.]+):(\d+) capacity (\d+) pages", line)
     if not m:
@@ -473,16 +493,22 @@ async def test_cli_serves_and_stops_cleanly_on_sigterm() -> None:
         (["--listen", "127.0.0.1:0", "--capacity", "lots"], 2, "not a size"),
         (["--listen", "127.0.0.1:0", "--capacity", "100"], 2, "less than one page"),
         (["--listen", "127.0.0.1:0", "--capacity", "8M", "--lease", "0"], 2, "must be positive"),
-        (["--listen", "192.0.2.1:0", "--capacity", "8M", "--insecure"], 1,
-         "cannot listen on 192.0.2.1:0"),
+        (
+            ["--listen", "192.0.2.1:0", "--capacity", "8M", "--insecure"],
+            1,
+            "cannot listen on 192.0.2.1:0",
+        ),
         (["--listen", "192.0.2.1:0", "--capacity", "8M"], 2, "without authentication"),
         (["--listen", "127.0.0.1:0", "--capacity", "64T"], 1, "exceeds this node's available"),
     ],
 )
-def test_cli_bad_arguments_exit_nonzero_with_a_reason(args: list[str], code: int,
-                                                      msg: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "duvm.cli", "memserver", *args],
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+def test_cli_bad_arguments_exit_nonzero_with_a_reason(args: list[str], code: int, msg: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "duvm.cli", "memserver", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == code, proc.stderr
     assert msg in proc.stderr and "Traceback" not in proc.stderr
 

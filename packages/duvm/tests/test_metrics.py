@@ -26,8 +26,9 @@ ROOT = Path(__file__).parents[3]
 
 def _dashboard_checker():
     pytest.importorskip("jsonschema")
-    spec = importlib.util.spec_from_file_location("check_dashboard",
-                                                  ROOT / "dashboards" / "check_dashboard.py")
+    spec = importlib.util.spec_from_file_location(
+        "check_dashboard", ROOT / "dashboards" / "check_dashboard.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -36,8 +37,12 @@ def _dashboard_checker():
 
 def _start(args: list[str], ready: str, log: Path) -> subprocess.Popen:
     f = open(log, "w")  # noqa: SIM115 (closed in _stop)
-    proc = subprocess.Popen([sys.executable, "-m", "duvm.cli", *args], stdout=f,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "duvm.cli", *args],
+        stdout=f,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     proc._log = f  # type: ignore[attr-defined]
     deadline = time.monotonic() + 30
     while ready not in log.read_text():
@@ -97,18 +102,64 @@ def test_memserver_and_daemon_endpoints_scrape_cleanly(tmp_path: Path, procs):
     logs = [tmp_path / "ms0.log", tmp_path / "ms1.log"]
     ports = []
     for log in logs:
-        procs.append(_start(["memserver", "--listen", "127.0.0.1:0", "--capacity", "16M",
-                             "--no-mlock", "--metrics", "127.0.0.1:0"], "listening on", log))
+        procs.append(
+            _start(
+                [
+                    "memserver",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--capacity",
+                    "16M",
+                    "--no-mlock",
+                    "--metrics",
+                    "127.0.0.1:0",
+                ],
+                "listening on",
+                log,
+            )
+        )
         ports.append(int(log.read_text().split("listening on 127.0.0.1:")[1].split()[0]))
     nbd = str(tmp_path / "nbd.sock")
     dlog = tmp_path / "daemon.log"
-    procs.append(_start(["daemon", "--peers", ",".join(f"127.0.0.1:{p}" for p in ports),
-                         "--size", "4M", "--replicas", "2", "--socket", nbd, "--no-mlock",
-                         "--client-id", "node-a", "--metrics", "127.0.0.1:0"],
-                        "serving export", dlog))
-    r = subprocess.run(["qemu-io", "-f", "raw", "-c", "write -P 5 0 512k", "-c",
-                        "read -P 5 0 512k", "-c", "discard 0 64k", f"nbd+unix:///?socket={nbd}"],
-                       capture_output=True, text=True, timeout=60)
+    procs.append(
+        _start(
+            [
+                "daemon",
+                "--peers",
+                ",".join(f"127.0.0.1:{p}" for p in ports),
+                "--size",
+                "4M",
+                "--replicas",
+                "2",
+                "--socket",
+                nbd,
+                "--no-mlock",
+                "--client-id",
+                "node-a",
+                "--metrics",
+                "127.0.0.1:0",
+            ],
+            "serving export",
+            dlog,
+        )
+    )
+    r = subprocess.run(
+        [
+            "qemu-io",
+            "-f",
+            "raw",
+            "-c",
+            "write -P 5 0 512k",
+            "-c",
+            "read -P 5 0 512k",
+            "-c",
+            "discard 0 64k",
+            f"nbd+unix:///?socket={nbd}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
 
     ms = scrape(_url(logs[0]))
@@ -126,12 +177,14 @@ def test_memserver_and_daemon_endpoints_scrape_cleanly(tmp_path: Path, procs):
         assert count >= 1
         assert one(ms, "duvm_memserver_request_seconds_bucket", op=op, le="+Inf") == count
         assert one(ms, "duvm_memserver_request_seconds_sum", op=op) > 0
-        buckets = [s.value for s in ms["duvm_memserver_request_seconds_bucket"]
-                   if s.labels["op"] == op]
+        buckets = [
+            s.value for s in ms["duvm_memserver_request_seconds_bucket"] if s.labels["op"] == op
+        ]
         assert buckets == sorted(buckets)
     # reads went to the first replica only, so LOAD counts are per memserver: they add up
     loads = one(ms, "duvm_memserver_request_seconds_count", op="load") + one(
-        scrape(_url(logs[1])), "duvm_memserver_request_seconds_count", op="load")
+        scrape(_url(logs[1])), "duvm_memserver_request_seconds_count", op="load"
+    )
     assert loads >= 1
 
     d = scrape(_url(dlog))
@@ -155,28 +208,67 @@ def test_memserver_and_daemon_endpoints_scrape_cleanly(tmp_path: Path, procs):
     check = _dashboard_checker()
     dash = json.loads((ROOT / "dashboards" / "duvm.json").read_text())
     assert check.problems(dash, set(ms) | set(d) | set(scrape(_url(logs[1])))) == []
-    assert {"duvm_daemon_degraded_slabs", "duvm_daemon_failovers_total",
-            "duvm_memserver_request_seconds_bucket"} <= check.metric_names(dash)
+    assert {
+        "duvm_daemon_degraded_slabs",
+        "duvm_daemon_failovers_total",
+        "duvm_memserver_request_seconds_bucket",
+    } <= check.metric_names(dash)
 
 
 def test_memory_daemon_exports_no_pool_metrics(tmp_path: Path, procs):
     """--memory has no pool: replication figures are unknown, so absent (never 0)."""
     dlog = tmp_path / "daemon.log"
-    procs.append(_start(["daemon", "--memory", "--size", "1M", "--socket",
-                         str(tmp_path / "nbd.sock"), "--metrics", "127.0.0.1:0"],
-                        "serving export", dlog))
+    procs.append(
+        _start(
+            [
+                "daemon",
+                "--memory",
+                "--size",
+                "1M",
+                "--socket",
+                str(tmp_path / "nbd.sock"),
+                "--metrics",
+                "127.0.0.1:0",
+            ],
+            "serving export",
+            dlog,
+        )
+    )
     d = scrape(_url(dlog))
     assert one(d, "duvm_daemon_export_bytes") == 1 << 20
-    assert not [n for n in d if n.startswith(("duvm_daemon_peer_", "duvm_daemon_degraded",
-                                              "duvm_daemon_failovers", "duvm_daemon_repairs"))]
+    assert not [
+        n
+        for n in d
+        if n.startswith(
+            (
+                "duvm_daemon_peer_",
+                "duvm_daemon_degraded",
+                "duvm_daemon_failovers",
+                "duvm_daemon_repairs",
+            )
+        )
+    ]
     assert not [n for n in d if n.startswith(("python_", "process_"))]  # own registry only
 
 
 def test_memserver_control_socket_reports_what_it_lends(tmp_path: Path, procs):
     ctl = tmp_path / "ms.ctl"
-    procs.append(_start(["memserver", "--listen", "127.0.0.1:0", "--capacity", "8M",
-                         "--no-mlock", "--control-socket", str(ctl)], "listening on",
-                        tmp_path / "ms.log"))
+    procs.append(
+        _start(
+            [
+                "memserver",
+                "--listen",
+                "127.0.0.1:0",
+                "--capacity",
+                "8M",
+                "--no-mlock",
+                "--control-socket",
+                str(ctl),
+            ],
+            "listening on",
+            tmp_path / "ms.log",
+        )
+    )
     assert ctl.stat().st_mode & 0o777 == 0o600  # owner-only, like the daemon's
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(10)
@@ -193,22 +285,67 @@ def test_memserver_control_socket_reports_what_it_lends(tmp_path: Path, procs):
 
 
 def test_bad_or_taken_metrics_address_is_a_clear_error(tmp_path: Path):
-    r = subprocess.run([sys.executable, "-m", "duvm.cli", "daemon", "--memory", "--size", "1M",
-                        "--socket", str(tmp_path / "s"), "--metrics", "nope"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "duvm.cli",
+            "daemon",
+            "--memory",
+            "--size",
+            "1M",
+            "--socket",
+            str(tmp_path / "s"),
+            "--metrics",
+            "nope",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "duvm.cli", "memserver", "--listen",
-                            "127.0.0.1:0", "--capacity", "1M", "--no-mlock", "--metrics",
-                            f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "duvm.cli",
+                "memserver",
+                "--listen",
+                "127.0.0.1:0",
+                "--capacity",
+                "1M",
+                "--no-mlock",
+                "--metrics",
+                f"127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 1
         assert f"cannot serve metrics on 127.0.0.1:{port}" in r.stderr
-        r = subprocess.run([sys.executable, "-m", "duvm.cli", "daemon", "--memory", "--size",
-                            "1M", "--socket", str(tmp_path / "s"), "--metrics",
-                            f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "duvm.cli",
+                "daemon",
+                "--memory",
+                "--size",
+                "1M",
+                "--socket",
+                str(tmp_path / "s"),
+                "--metrics",
+                f"127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 1
         assert f"cannot serve metrics on 127.0.0.1:{port}" in r.stderr
     assert not (tmp_path / "s").exists()
@@ -224,9 +361,11 @@ def test_latency_histogram_buckets_are_cumulative_with_le_semantics():
 
 
 def test_request_kinds_match_the_protocols():
-    assert metrics.MEMSERVER_KINDS == {pageproto.MsgType.STORE: "store",
-                                       pageproto.MsgType.LOAD: "load",
-                                       pageproto.MsgType.FREE: "free"}
+    assert metrics.MEMSERVER_KINDS == {
+        pageproto.MsgType.STORE: "store",
+        pageproto.MsgType.LOAD: "load",
+        pageproto.MsgType.FREE: "free",
+    }
     assert metrics.NBD_KINDS[nbdconst.CMD_READ] == "read"
     assert metrics.NBD_KINDS[nbdconst.CMD_WRITE] == "write"
     lat = metrics.LatencyByKind(metrics.NBD_KINDS)

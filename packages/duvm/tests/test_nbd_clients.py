@@ -111,10 +111,18 @@ def test_nbdinfo_reports_size_flags_and_block_sizes(serve):
     assert e["export-name"] == "swap0"
     assert e["export-size"] == 64 * MiB
     assert (e["can_flush"], e["can_fua"], e["can_trim"], e["can_zero"], e["can_multi_conn"]) == (
-        True, True, True, True, True)
+        True,
+        True,
+        True,
+        True,
+        True,
+    )
     assert e["is_read_only"] is False and e["can_cache"] is False and e["can_fast_zero"] is False
     assert (e["block_size_minimum"], e["block_size_preferred"], e["block_size_maximum"]) == (
-        4096, 4096, 32 * MiB)
+        4096,
+        4096,
+        32 * MiB,
+    )
     assert json.loads(p.stdout)["protocol"] == "newstyle-fixed"
 
 
@@ -128,8 +136,13 @@ def test_nbdinfo_list_uses_opt_list(serve):
 
 # ----------------------------------------------------------------------------- qemu-io
 
-SCATTERED = [(0, 4096, 0xAB), (4096 * 7, 8192, 0x11), (5 * MiB, 65536, 0x5A),
-             (32 * MiB - 4096, 4096, 0xFE), (12 * MiB + 4096 * 3, 4096 * 5, 0x01)]
+SCATTERED = [
+    (0, 4096, 0xAB),
+    (4096 * 7, 8192, 0x11),
+    (5 * MiB, 65536, 0x5A),
+    (32 * MiB - 4096, 4096, 0xFE),
+    (12 * MiB + 4096 * 3, 4096 * 5, 0x01),
+]
 
 
 def qemu_io(uri: str, *cmds: str) -> subprocess.CompletedProcess[str]:
@@ -147,8 +160,11 @@ def test_qemu_io_scattered_patterns_read_back_and_discard_reads_zeros(serve):
     assert p.returncode == 0 and p.stdout.count("wrote") == len(SCATTERED), p.stdout + p.stderr
     # A second connection reads every pattern back, and the bytes just around them as zeros.
     checks = [f"read -P {pat:#x} {off} {n}" for off, n, pat in SCATTERED]
-    checks += ["read -P 0 4096 4096", f"read -P 0 {5 * MiB - 4096} 4096",
-               f"read -P 0 {5 * MiB + 65536} 4096"]
+    checks += [
+        "read -P 0 4096 4096",
+        f"read -P 0 {5 * MiB - 4096} 4096",
+        f"read -P 0 {5 * MiB + 65536} 4096",
+    ]
     p = qemu_io(srv.uri, *checks)
     assert "Pattern verification failed" not in p.stdout, p.stdout
     assert p.returncode == 0 and p.stdout.count("read ") == len(checks), p.stdout + p.stderr
@@ -156,8 +172,12 @@ def test_qemu_io_scattered_patterns_read_back_and_discard_reads_zeros(serve):
 
     off, n, _ = SCATTERED[2]
     freed_before = store.stats["bytes_freed"]
-    p = qemu_io(srv.uri, f"discard {off} {n}", f"read -P 0 {off} {n}",
-                f"read -P {SCATTERED[3][2]:#x} {SCATTERED[3][0]} 4096")
+    p = qemu_io(
+        srv.uri,
+        f"discard {off} {n}",
+        f"read -P 0 {off} {n}",
+        f"read -P {SCATTERED[3][2]:#x} {SCATTERED[3][0]} 4096",
+    )
     assert p.returncode == 0 and "Pattern verification failed" not in p.stdout, p.stdout
     assert store.stats["trim"] == 1 and store.stats["bytes_freed"] - freed_before == n
 
@@ -218,12 +238,30 @@ def test_fio_64_in_flight_over_4_connections_verifies(serve, delayed, tmp_path):
     # With a store that really suspends, requests overlap inside the server too.
     store = FaultStore(base, delay={"read": 0.0002, "write": 0.0002}) if delayed else base
     srv = serve(store)
-    p = run(["fio", "--name=verify", "--ioengine=nbd", f"--uri={srv.uri}", "--rw=randwrite",
-             "--bs=4k", "--iodepth=16", "--numjobs=4", "--size=8m", "--offset_increment=16m",
-             "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0",
-             "--group_reporting", "--output-format=json"], timeout=300, cwd=tmp_path)
+    p = run(
+        [
+            "fio",
+            "--name=verify",
+            "--ioengine=nbd",
+            f"--uri={srv.uri}",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--numjobs=4",
+            "--size=8m",
+            "--offset_increment=16m",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--group_reporting",
+            "--output-format=json",
+        ],
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr
-    job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
+    job = json.loads(p.stdout[p.stdout.index("{") :])["jobs"][0]
     assert job["error"] == 0
     assert job["write"]["io_bytes"] == 4 * 8 * MiB
     assert job["read"]["io_bytes"] == 4 * 8 * MiB  # the verify pass read everything back
@@ -341,8 +379,9 @@ def raw_connect(path: str) -> socket.socket:
         assert rtype == 3, hex(rtype)
 
 
-def send_req(s: socket.socket, cmd: int, cookie: int, offset: int = 0, length: int = 0,
-             payload: bytes = b"") -> None:
+def send_req(
+    s: socket.socket, cmd: int, cookie: int, offset: int = 0, length: int = 0, payload: bytes = b""
+) -> None:
     s.sendall(struct.pack(">IHHQQI", 0x25609513, 0, cmd, cookie, offset, length) + payload)
 
 
@@ -418,8 +457,12 @@ def test_requests_that_run_past_the_end_are_refused_before_any_store_path(serve)
     send_req(s, 0, cookie=6, offset=inside, length=4096)
     assert recv_reply(s) == (5, 0, b"")
     assert recv_reply(s, 4096) == (6, 0, b"y" * 4096)
-    assert store.seen == [("start_write", inside, 4096), ("write", inside, 4096),
-                          ("start_read", inside, 4096), ("read", inside, 4096)]
+    assert store.seen == [
+        ("start_write", inside, 4096),
+        ("write", inside, 4096),
+        ("start_read", inside, 4096),
+        ("read", inside, 4096),
+    ]
     s.close()
 
 
@@ -490,21 +533,29 @@ def test_server_close_finishes_in_flight_request_then_disconnects(serve):
     assert srv.server.connections == 0
 
 
-@pytest.mark.parametrize(("delay", "fail", "expect"), [
-    (0.0, None, 0),  # bare yield (asyncio.sleep(0)) inside the store
-    (0.01, None, 0),  # awaits a timer future
-    (0.01, errno.EIO, 5),  # fails after resuming: NBD_EIO
-    (0.0, errno.ENOSPC, 28),  # fails after a bare yield: NBD_ENOSPC
-])
-def test_suspending_store_coroutines_are_resumed_and_their_errors_mapped(serve, delay, fail,
-                                                                          expect):
+@pytest.mark.parametrize(
+    ("delay", "fail", "expect"),
+    [
+        (0.0, None, 0),  # bare yield (asyncio.sleep(0)) inside the store
+        (0.01, None, 0),  # awaits a timer future
+        (0.01, errno.EIO, 5),  # fails after resuming: NBD_EIO
+        (0.0, errno.ENOSPC, 28),  # fails after a bare yield: NBD_ENOSPC
+    ],
+)
+def test_suspending_store_coroutines_are_resumed_and_their_errors_mapped(
+    serve, delay, fail, expect
+):
     base = MemoryStore(MiB)
-    srv = serve(FaultStore(base, delay={"write": delay, "read": delay},
-                           fail={"write": fail} if fail else {}))
+    srv = serve(
+        FaultStore(
+            base, delay={"write": delay, "read": delay}, fail={"write": fail} if fail else {}
+        )
+    )
     s = raw_connect(srv.path)
     for cookie in range(1, 9):  # several in flight at once
-        send_req(s, 1, cookie=cookie, offset=cookie * 4096, length=4096,
-                 payload=bytes([cookie]) * 4096)
+        send_req(
+            s, 1, cookie=cookie, offset=cookie * 4096, length=4096, payload=bytes([cookie]) * 4096
+        )
     replies = sorted(recv_reply(s) for _ in range(8))
     assert replies == [(c, expect, b"") for c in range(1, 9)]
     send_req(s, 0, cookie=99, offset=3 * 4096, length=4096)

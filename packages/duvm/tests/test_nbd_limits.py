@@ -19,8 +19,11 @@ async def _qemu_io(sock: str, *cmds: str) -> tuple[int, str]:
     for c in cmds:
         args += ["-c", c]
     proc = await asyncio.create_subprocess_exec(
-        *args, f"nbd+unix:///?socket={sock}", stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT)  # fmt: skip
+        *args,
+        f"nbd+unix:///?socket={sock}",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     return proc.returncode, out.decode()
 

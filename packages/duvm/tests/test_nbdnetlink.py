@@ -19,8 +19,9 @@ def _u64(b: bytes) -> int:
 
 
 def test_connect_request_decodes_to_what_was_asked() -> None:
-    attrs = nl.connect_attrs(3, [7, 9], 128 << 20, server_flags=0x2D, timeout_s=60,
-                             dead_conn_timeout_s=90)
+    attrs = nl.connect_attrs(
+        3, [7, 9], 128 << 20, server_flags=0x2D, timeout_s=60, dead_conn_timeout_s=90
+    )
     msg = nl.genl_message(0x1234, nl.NBD_CMD_CONNECT, attrs, seq=42)
     [m] = list(nl.parse_messages(msg))
     assert (m.type, m.seq, m.flags) == (0x1234, 42, nl.NLM_F_REQUEST | nl.NLM_F_ACK)

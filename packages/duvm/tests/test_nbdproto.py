@@ -63,8 +63,14 @@ def negotiated(cflags: int = C.FLAG_C_FIXED_NEWSTYLE | C.FLAG_C_NO_ZEROES) -> Ha
     return hs
 
 
-def request(cmd: int, offset: int = 0, length: int = 0, flags: int = 0, cookie: int = 7,
-            payload: bytes = b"") -> bytes:
+def request(
+    cmd: int,
+    offset: int = 0,
+    length: int = 0,
+    flags: int = 0,
+    cookie: int = 7,
+    payload: bytes = b"",
+) -> bytes:
     return C.REQUEST.pack(C.REQUEST_MAGIC, flags, cmd, cookie, offset, length) + payload
 
 
@@ -123,9 +129,10 @@ def test_info_does_not_end_negotiation_and_empty_name_is_default_export():
     assert hs.state is HandshakeState.TRANSMISSION and not hs.block_size_requested
 
 
-@pytest.mark.parametrize(("cflags", "reply_len"), [(C.FLAG_C_FIXED_NEWSTYLE, 134),
-                                                   (C.FLAG_C_FIXED_NEWSTYLE | C.FLAG_C_NO_ZEROES,
-                                                    10)])
+@pytest.mark.parametrize(
+    ("cflags", "reply_len"),
+    [(C.FLAG_C_FIXED_NEWSTYLE, 134), (C.FLAG_C_FIXED_NEWSTYLE | C.FLAG_C_NO_ZEROES, 10)],
+)
 def test_export_name_reply_honours_no_zeroes(cflags, reply_len):
     hs = negotiated(cflags)
     hs.receive_data(option(C.OPT_EXPORT_NAME, b"disk"))
@@ -203,9 +210,13 @@ def test_bad_option_magic_is_a_protocol_error():
 @settings(max_examples=200, deadline=None)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=12))
 def test_handshake_result_does_not_depend_on_how_bytes_are_split(cuts):
-    stream = (struct.pack(">I", C.FLAG_C_FIXED_NEWSTYLE) + option(C.OPT_LIST)
-              + option(C.OPT_INFO, go_data("disk", (C.INFO_BLOCK_SIZE,)))
-              + option(C.OPT_GO, go_data("disk")) + request(C.CMD_READ, 0, 4096))
+    stream = (
+        struct.pack(">I", C.FLAG_C_FIXED_NEWSTYLE)
+        + option(C.OPT_LIST)
+        + option(C.OPT_INFO, go_data("disk", (C.INFO_BLOCK_SIZE,)))
+        + option(C.OPT_GO, go_data("disk"))
+        + request(C.CMD_READ, 0, 4096)
+    )
     whole = Handshake([EXPORT])
     whole.receive_data(stream)
     pieces = Handshake([EXPORT])
@@ -242,7 +253,12 @@ def test_read_request_decodes():
     dec.receive_data(request(C.CMD_READ, 8192, 4096, cookie=0xDEADBEEFCAFEF00D))
     (r,) = drain(dec)
     assert (r.cmd, r.offset, r.length, r.cookie, r.error) == (
-        C.CMD_READ, 8192, 4096, 0xDEADBEEFCAFEF00D, 0)
+        C.CMD_READ,
+        8192,
+        4096,
+        0xDEADBEEFCAFEF00D,
+        0,
+    )
     assert r.payload is None and not dec.mid_request
 
 
@@ -304,26 +320,32 @@ NOTRIM = ExportInfo("nt", SIZE, transmission_flags(Capabilities(can_trim=False))
         (NOTRIM, C.CMD_TRIM, 0, 4096, 0, errno.EINVAL),
     ],
 )
-def test_requests_are_validated_once_with_the_documented_errors(export, cmd, offset, length,
-                                                                 flags, expect):
+def test_requests_are_validated_once_with_the_documented_errors(
+    export, cmd, offset, length, flags, expect
+):
     dec = TransmissionDecoder(export)
     dec.receive_data(request(cmd, offset, length, flags))
     (r,) = drain(dec)
     assert r.error == expect
 
 
-@pytest.mark.parametrize(("export", "offset", "expect"),
-                         [(E, SIZE, errno.ENOSPC), (E, 100, errno.EINVAL), (RO, 0, errno.EPERM)])
+@pytest.mark.parametrize(
+    ("export", "offset", "expect"),
+    [(E, SIZE, errno.ENOSPC), (E, 100, errno.EINVAL), (RO, 0, errno.EPERM)],
+)
 def test_refused_write_payload_is_skipped_and_stream_stays_in_step(export, offset, expect):
     dec = TransmissionDecoder(export, buffer_size=1024)
     stream = request(C.CMD_WRITE, offset, 8192, payload=b"\xaa" * 8192) + request(
-        C.CMD_READ, 0, 4096, cookie=99)
+        C.CMD_READ, 0, 4096, cookie=99
+    )
     out = []
     for i in range(0, len(stream), 700):
         dec.receive_data(stream[i : i + 700])
         out += drain(dec)
-    assert [(r.cmd, r.error, r.payload) for r in out] == [(C.CMD_WRITE, expect, None),
-                                                          (C.CMD_READ, 0, None)]
+    assert [(r.cmd, r.error, r.payload) for r in out] == [
+        (C.CMD_WRITE, expect, None),
+        (C.CMD_READ, 0, None),
+    ]
     assert out[1].cookie == 99
 
 
@@ -356,8 +378,14 @@ def test_receive_data_refuses_to_overflow_the_buffer():
 
 # Independent oracle of proto.md's rules for the generated-request test below.
 def oracle(cmd: int, flags: int, offset: int, length: int) -> int:
-    known = {C.CMD_READ: 1, C.CMD_WRITE: 1, C.CMD_FLUSH: 1, C.CMD_TRIM: 1,
-             C.CMD_WRITE_ZEROES: 3, C.CMD_DISC: 1}
+    known = {
+        C.CMD_READ: 1,
+        C.CMD_WRITE: 1,
+        C.CMD_FLUSH: 1,
+        C.CMD_TRIM: 1,
+        C.CMD_WRITE_ZEROES: 3,
+        C.CMD_DISC: 1,
+    }
     if cmd not in known or flags & ~known[cmd]:
         return errno.EINVAL
     if cmd in (C.CMD_FLUSH, C.CMD_DISC):
@@ -379,8 +407,11 @@ req_strategy = st.tuples(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=st.lists(req_strategy, max_size=12), chunk=st.integers(1, 5000),
-       bufsize=st.sampled_from([64, 1000, 65536]))
+@given(
+    reqs=st.lists(req_strategy, max_size=12),
+    chunk=st.integers(1, 5000),
+    bufsize=st.sampled_from([64, 1000, 65536]),
+)
 def test_generated_request_streams_decode_exactly(reqs, chunk, bufsize):
     stream = b""
     expected = []
@@ -389,8 +420,17 @@ def test_generated_request_streams_decode_exactly(reqs, chunk, bufsize):
         stream += request(cmd, offset, length, flags, cookie, payload)
         err = oracle(cmd, flags, offset, length)
         # A valid non-empty write carries its payload; a refused one had it skipped.
-        expected.append((cmd, flags, offset, length, cookie, err,
-                         payload if cmd == C.CMD_WRITE and length and not err else None))
+        expected.append(
+            (
+                cmd,
+                flags,
+                offset,
+                length,
+                cookie,
+                err,
+                payload if cmd == C.CMD_WRITE and length and not err else None,
+            )
+        )
     dec = TransmissionDecoder(EXPORT, buffer_size=bufsize)
     got = []
     view = memoryview(stream)
@@ -400,8 +440,18 @@ def test_generated_request_streams_decode_exactly(reqs, chunk, bufsize):
         dst[:n] = view[:n]
         dec.buffer_updated(n)
         view = view[n:]
-        got += [(r.cmd, r.flags, r.offset, r.length, r.cookie, r.error,
-                 bytes(r.payload) if r.payload is not None else None) for r in drain(dec)]
+        got += [
+            (
+                r.cmd,
+                r.flags,
+                r.offset,
+                r.length,
+                r.cookie,
+                r.error,
+                bytes(r.payload) if r.payload is not None else None,
+            )
+            for r in drain(dec)
+        ]
     assert got == expected
     assert not dec.mid_request
 
@@ -463,16 +513,29 @@ def test_simple_reply_encoding():
 
 def test_transmission_flags_follow_capabilities():
     assert transmission_flags(Capabilities()) == (
-        C.FLAG_HAS_FLAGS | C.FLAG_SEND_FLUSH | C.FLAG_SEND_FUA | C.FLAG_SEND_TRIM
-        | C.FLAG_SEND_WRITE_ZEROES | C.FLAG_CAN_MULTI_CONN)
+        C.FLAG_HAS_FLAGS
+        | C.FLAG_SEND_FLUSH
+        | C.FLAG_SEND_FUA
+        | C.FLAG_SEND_TRIM
+        | C.FLAG_SEND_WRITE_ZEROES
+        | C.FLAG_CAN_MULTI_CONN
+    )
     ro = transmission_flags(Capabilities(can_write=False, can_flush=False, can_multi_conn=False))
     assert ro == C.FLAG_HAS_FLAGS | C.FLAG_READ_ONLY
 
 
-@pytest.mark.parametrize("kwargs", [dict(size=1000), dict(min_block=3000),
-                                    dict(min_block=1 << 17, preferred_block=1 << 17, size=1 << 17),
-                                    dict(preferred_block=256, min_block=256),
-                                    dict(max_payload=1024), dict(flags=0), dict(name="x" * 5000)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(size=1000),
+        dict(min_block=3000),
+        dict(min_block=1 << 17, preferred_block=1 << 17, size=1 << 17),
+        dict(preferred_block=256, min_block=256),
+        dict(max_payload=1024),
+        dict(flags=0),
+        dict(name="x" * 5000),
+    ],
+)
 def test_export_info_rejects_what_the_document_forbids(kwargs):
     base = dict(name="d", size=SIZE, flags=FLAGS)
     with pytest.raises(ValueError):

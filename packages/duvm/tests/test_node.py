@@ -28,16 +28,25 @@ from duvm.memclient import MemClient, PageServerError, query_status
 
 
 def duvm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "duvm.cli", *args], capture_output=True,
-                          text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "duvm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 class Node:
     """A `duvm node` child process; `.addr` once it listens. stop() ends it by its PID."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "duvm.cli", "node", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "duvm.cli", "node", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         assert self.proc.stdout is not None
         deadline = time.monotonic() + 30
@@ -89,13 +98,16 @@ def config(tmp_path: Path, node: str, top: str = "") -> Path:
 
 def test_node_serves_and_answers_its_control_socket(tmp_path: Path, nodes: list[Node]) -> None:
     ctl = tmp_path / "run" / "memserver.ctl"  # the directory does not exist yet: node makes it
-    cfg = config(tmp_path, f'listen = "127.0.0.1:0"\ncapacity = "8M"\nlease = 7\n'
-                           f'control_socket = "{ctl}"',
-                 top='peers = ["127.0.0.1:7070"]\nsize = "4M"')
+    cfg = config(
+        tmp_path,
+        f'listen = "127.0.0.1:0"\ncapacity = "8M"\nlease = 7\ncontrol_socket = "{ctl}"',
+        top='peers = ["127.0.0.1:7070"]\nsize = "4M"',
+    )
     node = Node("--config", str(cfg))
     nodes.append(node)
-    assert node.lines[0].startswith(f"duvm node: memserver on 127.0.0.1:0, 8 MiB, control "
-                                    f"socket {ctl}")
+    assert node.lines[0].startswith(
+        f"duvm node: memserver on 127.0.0.1:0, 8 MiB, control socket {ctl}"
+    )
     assert stat.S_ISSOCK(ctl.stat().st_mode) and stat.S_IMODE(ctl.stat().st_mode) == 0o600
 
     async def use() -> tuple[dict, dict]:
@@ -121,8 +133,11 @@ def test_node_serves_and_answers_its_control_socket(tmp_path: Path, nodes: list[
     assert ours["counters"]["pages_stored"] == 10
 
     # duvm status shows what this node lends (the client's lease keeps its pages)
-    st = json.loads(duvm("status", "--json", "--state-dir", str(tmp_path / "state"),
-                         "--node-socket", str(ctl)).stdout)
+    st = json.loads(
+        duvm(
+            "status", "--json", "--state-dir", str(tmp_path / "state"), "--node-socket", str(ctl)
+        ).stdout
+    )
     assert st["node"]["running"] is True and st["node"]["used_pages"] == 10
     assert st["node"]["namespaces"][0]["stored_pages"] == 10
     text = duvm("status", "--state-dir", str(tmp_path / "state"), "--node-socket", str(ctl))
@@ -140,15 +155,34 @@ def test_node_serves_and_answers_its_control_socket(tmp_path: Path, nodes: list[
     with pytest.raises(OSError):
         asyncio.run(query_status(node.host, node.port, timeout=2))
     # no node answering: status says there is none
-    assert json.loads(duvm("status", "--json", "--state-dir", str(tmp_path / "state"),
-                           "--node-socket", str(ctl)).stdout)["node"] is None
+    assert (
+        json.loads(
+            duvm(
+                "status",
+                "--json",
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--node-socket",
+                str(ctl),
+            ).stdout
+        )["node"]
+        is None
+    )
 
 
 def test_flags_override_the_config_and_sigint_stops(tmp_path: Path, nodes: list[Node]) -> None:
     ctl = tmp_path / "n.ctl"
     cfg = config(tmp_path, 'listen = "127.0.0.1:1"\ncapacity = "64M"')
-    node = Node("--config", str(cfg), "--listen", "127.0.0.1:0", "--capacity", "4M",
-                "--control-socket", str(ctl))
+    node = Node(
+        "--config",
+        str(cfg),
+        "--listen",
+        "127.0.0.1:0",
+        "--capacity",
+        "4M",
+        "--control-socket",
+        str(ctl),
+    )
     nodes.append(node)
     st = control_socket.query(str(ctl))
     assert st["capacity_pages"] == 1024 and node.port != 1
@@ -167,8 +201,11 @@ def test_sighup_rereads_the_secret(tmp_path: Path, nodes: list[Node]) -> None:
     live.write_bytes(old.read_bytes())
     live.chmod(0o600)
     ctl = tmp_path / "n.ctl"
-    cfg = config(tmp_path, f'listen = "127.0.0.1:0"\ncapacity = "4M"\ncontrol_socket = "{ctl}"',
-                 top=f'secret_file = "{live}"')
+    cfg = config(
+        tmp_path,
+        f'listen = "127.0.0.1:0"\ncapacity = "4M"\ncontrol_socket = "{ctl}"',
+        top=f'secret_file = "{live}"',
+    )
     node = Node("--config", str(cfg))
     nodes.append(node)
 
@@ -204,14 +241,17 @@ def test_sighup_rereads_the_secret(tmp_path: Path, nodes: list[Node]) -> None:
     assert node.stop() == 0
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    ((), "give --config FILE"),
-    (("--listen", "127.0.0.1:0"), "give --config FILE"),
-    (("--listen", "127.0.0.1:99999", "--capacity", "4M"), "--listen: bad port"),
-    (("--listen", "127.0.0.1:0", "--capacity", "lots"), "--capacity: not a size"),
-    (("--listen", "127.0.0.1:0", "--capacity", "100"), "at least one page"),
-    (("--listen", "127.0.0.1:0", "--capacity", "4M", "--lease", "-1"), "--lease must be"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "give --config FILE"),
+        (("--listen", "127.0.0.1:0"), "give --config FILE"),
+        (("--listen", "127.0.0.1:99999", "--capacity", "4M"), "--listen: bad port"),
+        (("--listen", "127.0.0.1:0", "--capacity", "lots"), "--capacity: not a size"),
+        (("--listen", "127.0.0.1:0", "--capacity", "100"), "at least one page"),
+        (("--listen", "127.0.0.1:0", "--capacity", "4M", "--lease", "-1"), "--lease must be"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(args: tuple[str, ...], message: str) -> None:
     res = duvm("node", *args)
     assert res.returncode == 2 and message in res.stderr, res.stderr
@@ -221,10 +261,16 @@ def test_bad_flags_exit_2_with_one_line(args: tuple[str, ...], message: str) -> 
 def test_bad_config_settings_exit_non_zero(tmp_path: Path) -> None:
     ctl = f'control_socket = "{tmp_path}/x.ctl"'
     cases = [
-        (f'listen = "127.0.0.1:0"\ncapacity = "4M"\n{ctl}\nmemserver_args = ["--bogus"]',
-         "not memserver flags: ['--bogus']", 2),
-        (f'listen = "127.0.0.1:0"\ncapacity = "4M"\n{ctl}\nmemserver_args = ["--lease", "x"]',
-         "memserver_args", 2),
+        (
+            f'listen = "127.0.0.1:0"\ncapacity = "4M"\n{ctl}\nmemserver_args = ["--bogus"]',
+            "not memserver flags: ['--bogus']",
+            2,
+        ),
+        (
+            f'listen = "127.0.0.1:0"\ncapacity = "4M"\n{ctl}\nmemserver_args = ["--lease", "x"]',
+            "memserver_args",
+            2,
+        ),
         # off loopback without a secret the memserver refuses, as `duvm memserver` does
         (f'listen = "0.0.0.0:0"\ncapacity = "4M"\n{ctl}', "without authentication", 2),
     ]
@@ -236,18 +282,21 @@ def test_bad_config_settings_exit_non_zero(tmp_path: Path) -> None:
     assert res.returncode == 2 and "cannot read config" in res.stderr
 
 
-def test_example_config_runs_as_a_node_after_editing_listen(tmp_path: Path,
-                                                            nodes: list[Node]) -> None:
+def test_example_config_runs_as_a_node_after_editing_listen(
+    tmp_path: Path, nodes: list[Node]
+) -> None:
     """The shipped example, with only the listen address, secret and socket paths changed for
     this machine, starts a node that authenticates with the secret."""
     example = (Path(__file__).parents[1] / "duvm.example.toml").read_text()
     secret = tmp_path / "cluster.secret"
     assert duvm("secret", "generate", str(secret)).returncode == 0
     ctl = tmp_path / "memserver.ctl"
-    text = (example.replace('listen = "10.0.0.2:7070"', 'listen = "127.0.0.1:0"')
-            .replace('capacity = "4G"', 'capacity = "4M"')
-            .replace('"/etc/duvm/cluster.secret"', f'"{secret}"')
-            .replace('"/run/duvm/memserver.ctl"', f'"{ctl}"'))
+    text = (
+        example.replace('listen = "10.0.0.2:7070"', 'listen = "127.0.0.1:0"')
+        .replace('capacity = "4G"', 'capacity = "4M"')
+        .replace('"/etc/duvm/cluster.secret"', f'"{secret}"')
+        .replace('"/run/duvm/memserver.ctl"', f'"{ctl}"')
+    )
     assert text.count(str(tmp_path)) == 2
     cfg = tmp_path / "duvm.toml"
     cfg.write_text(text)

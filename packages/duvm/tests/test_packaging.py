@@ -44,8 +44,14 @@ def test_sdist_has_readme_license_units_and_sources(dist: dict[str, Path]) -> No
         pkg_info = tf.extractfile(f"{top}/PKG-INFO")
         assert pkg_info is not None
         meta = pkg_info.read().decode()
-    wanted = ["README.md", "pyproject.toml", "duvm.example.toml", f"src/{NAME}/cli.py",
-              "systemd/duvm-node.service", "systemd/duvm-enable.service"]
+    wanted = [
+        "README.md",
+        "pyproject.toml",
+        "duvm.example.toml",
+        f"src/{NAME}/cli.py",
+        "systemd/duvm-node.service",
+        "systemd/duvm-enable.service",
+    ]
     missing = [f for f in wanted if f"{top}/{f}" not in names]
     assert not missing, f"not in the sdist: {missing}"
     assert "License-Expression: MIT" in meta

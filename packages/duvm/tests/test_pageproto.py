@@ -81,8 +81,13 @@ def test_round_trip_at_any_split(role: str, msgs: list, chunk: int | None) -> No
 def test_header_layout_is_little_endian_and_documented() -> None:
     wire = pp.encode_bytes(pp.Reserve(0x0102030405060708, 5))
     assert wire[:4] == b"DUVM"
-    assert struct.unpack_from("<HHQII", wire, 4) == (pp.MsgType.RESERVE, 0, 0x0102030405060708,
-                                                     0, 8)  # fmt: skip
+    assert struct.unpack_from("<HHQII", wire, 4) == (
+        pp.MsgType.RESERVE,
+        0,
+        0x0102030405060708,
+        0,
+        8,
+    )
     assert wire[24:] == struct.pack("<Q", 5)
     assert pp.HEADER_SIZE == 24
 
@@ -118,8 +123,9 @@ def test_truncated_frame_at_eof_is_a_remote_error(role: str) -> None:
             dec.next_event()
 
 
-def _frame(mtype: int, length: int, *, magic: int = pp.MAGIC, flags: int = 0,
-           status: int = 0) -> bytes:  # fmt: skip
+def _frame(
+    mtype: int, length: int, *, magic: int = pp.MAGIC, flags: int = 0, status: int = 0
+) -> bytes:
     return pp.HEADER.pack(magic, mtype, flags, 1, status, length)
 
 
@@ -142,19 +148,34 @@ def _frame(mtype: int, length: int, *, magic: int = pp.MAGIC, flags: int = 0,
         ("server", _frame(pp.MsgType.LOAD, 16) + struct.pack("<IIQ", 2, 0, 0), "expected 24"),
         ("server", _frame(pp.MsgType.STORE, 16) + struct.pack("<IIQ", 1, 0, 0), "expected 4112"),
         ("server", _frame(pp.MsgType.RESERVE, 4) + b"\0" * 4, "expected 8"),
-        ("server", _frame(pp.MsgType.HELLO, 9) + struct.pack("<HHHH", 1, 1, 0, 0) + b"x",
-         "expected 8"),
-        ("server", _frame(pp.MsgType.HELLO, 9) + struct.pack("<HHHH", 1, 1, 1, 0) + b"\xff",
-         "bad HELLO"),
+        (
+            "server",
+            _frame(pp.MsgType.HELLO, 9) + struct.pack("<HHHH", 1, 1, 0, 0) + b"x",
+            "expected 8",
+        ),
+        (
+            "server",
+            _frame(pp.MsgType.HELLO, 9) + struct.pack("<HHHH", 1, 1, 1, 0) + b"\xff",
+            "bad HELLO",
+        ),
         ("server", _frame(pp.MsgType.HELLO, 8) + struct.pack("<HHHH", 1, 1, 0, 0), "bad HELLO"),
         ("client", _frame(pp.MsgType.LOAD | pp.REPLY_BIT, 5) + b"12345", "not whole pages"),
-        ("client", _frame(pp.MsgType.AUTH | pp.REPLY_BIT, 40) + b"\1\0\4\0" + b"\0" * 36,
-         "unknown flags"),
-        ("client", _frame(pp.MsgType.HELLO | pp.REPLY_BIT, 80) + b"\2\0\4\0" + b"\0" * 76,
-         "unknown flags"),
+        (
+            "client",
+            _frame(pp.MsgType.AUTH | pp.REPLY_BIT, 40) + b"\1\0\4\0" + b"\0" * 36,
+            "unknown flags",
+        ),
+        (
+            "client",
+            _frame(pp.MsgType.HELLO | pp.REPLY_BIT, 80) + b"\2\0\4\0" + b"\0" * 76,
+            "unknown flags",
+        ),
         ("server", _frame(pp.MsgType.AUTH, 31) + b"\0" * 31, "expected 32"),
-        ("server", _frame(pp.MsgType.HELLO, 9) + struct.pack("<HHHH", 1, 2, 1, 0) + b"x",
-         "needs a nonce"),
+        (
+            "server",
+            _frame(pp.MsgType.HELLO, 9) + struct.pack("<HHHH", 1, 2, 1, 0) + b"x",
+            "needs a nonce",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) and len(v) < 40 else "",
 )
@@ -277,7 +298,8 @@ def test_fuzz_mutated_valid_frames_never_crash(data: st.DataObject) -> None:
     dec.receive_eof()
     try:
         while (m := dec.next_event()) is not pp.NEED_DATA:
-            assert type(m).__name__ in {t.__name__ for t in (*pp.Request.__args__,
-                                                             *pp.Reply.__args__)}  # fmt: skip
+            assert type(m).__name__ in {
+                t.__name__ for t in (*pp.Request.__args__, *pp.Reply.__args__)
+            }
     except pp.RemoteProtocolError:
         pass

@@ -105,17 +105,23 @@ def test_quietlog_logs_the_first_of_a_kind_then_one_count(caplog) -> None:
         assert q.flush() == 0
         assert q.event(("drop", 1), logging.WARNING, "dropped on %s", "peer-a")  # anew
     msgs = [r.getMessage() for r in caplog.records]
-    assert msgs == ["dropped on peer-a", "dropped on peer-b",
-                    "dropped on peer-a (and 340 more like it in 30 s)", "dropped on peer-a"]
+    assert msgs == [
+        "dropped on peer-a",
+        "dropped on peer-b",
+        "dropped on peer-a (and 340 more like it in 30 s)",
+        "dropped on peer-a",
+    ]
 
 
 async def test_a_lost_memserver_logs_one_line_and_a_summary_not_one_per_slab(
-        memserver_pool, caplog) -> None:
+    memserver_pool, caplog
+) -> None:
     """Catches the per-slab failover log: one memserver loss on a 512 MiB device wrote 341
     near-identical lines to a tmpfs log while the node was short of memory."""
     srvs, addrs = await memserver_pool(2, 8 * MiB)
-    store = await RemoteStore.open(addrs, 4 * MiB, "t:quiet:1", replicas=2, slab_pages=16,
-                                   op_timeout=0.4, repair=False, seed=1)
+    store = await RemoteStore.open(
+        addrs, 4 * MiB, "t:quiet:1", replicas=2, slab_pages=16, op_timeout=0.4, repair=False, seed=1
+    )
     store.summary_every = 3600  # the test calls the summary itself
     try:
         await store.write(0, memoryview(os.urandom(4 * MiB)))

@@ -106,8 +106,7 @@ async def test_random_reads_fetch_nothing_ahead(written, fast) -> None:
     assert store.stats["ra_loads"] <= 3 and store.stats["ra_hits"] <= 3
 
 
-async def test_writes_and_trims_never_leave_stale_bytes_in_a_window(memserver_pool,
-                                                                    fast) -> None:  # fmt: skip
+async def test_writes_and_trims_never_leave_stale_bytes_in_a_window(memserver_pool, fast) -> None:
     """A model of every page, checked on every read, while a sequential reader keeps windows
     loaded and writes (fast path and general path) and trims land inside and ahead of them."""
     _srvs, addrs = await memserver_pool(1, 8 * MiB)
@@ -165,10 +164,10 @@ def release(srv) -> None:
         conn.transport.resume_reading()
 
 
-@pytest.mark.parametrize("store_first", [False, True], ids=["load-then-store",
-                                                            "store-then-load"])  # fmt: skip
-async def test_a_write_racing_a_window_in_flight_is_never_hidden(memserver_pool, fast,
-                                                                 store_first) -> None:  # fmt: skip
+@pytest.mark.parametrize("store_first", [False, True], ids=["load-then-store", "store-then-load"])
+async def test_a_write_racing_a_window_in_flight_is_never_hidden(
+    memserver_pool, fast, store_first
+) -> None:
     """A window whose LOAD is on the wire while a STORE to one of its pages goes out, in
     either order on the connection: reads after the write's acknowledgement see the new
     bytes, and the reads that waited for the window get bytes that were current."""
@@ -183,18 +182,18 @@ async def test_a_write_racing_a_window_in_flight_is_never_hidden(memserver_pool,
         hold(srvs[0])
         ops = []
         if store_first:
-            ops.append(asyncio.ensure_future(fast(store.start_write, target * PS,
-                                                  memoryview(new))))  # fmt: skip
+            ops.append(asyncio.ensure_future(fast(store.start_write, target * PS, memoryview(new))))
             await asyncio.sleep(0)
-        ops += [asyncio.ensure_future(fast(store.start_read, i * READ, memoryview(bufs[i])))
-                for i in range(3)]  # 0 and 1 load themselves; 2 waits for the window
+        ops += [
+            asyncio.ensure_future(fast(store.start_read, i * READ, memoryview(bufs[i])))
+            for i in range(3)
+        ]  # 0 and 1 load themselves; 2 waits for the window
         await asyncio.sleep(0)
         ra = store.readahead
         assert [w.ready for w in ra.windows] == [False]  # its LOAD is queued, not answered
         assert ra.windows[0].first <= target < ra.windows[0].first + ra.windows[0].count
         if not store_first:
-            ops.append(asyncio.ensure_future(fast(store.start_write, target * PS,
-                                                  memoryview(new))))  # fmt: skip
+            ops.append(asyncio.ensure_future(fast(store.start_write, target * PS, memoryview(new))))
         await asyncio.sleep(0.05)
         assert not any(op.done() for op in ops)  # the memserver has not answered yet
         release(srvs[0])
@@ -228,7 +227,8 @@ async def test_a_corrupt_page_ahead_drops_the_window_and_reads_eio(written, fast
 
 
 async def test_a_real_nbd_client_reading_sequentially_gets_every_byte(
-        memserver_pool, tmp_path) -> None:  # fmt: skip
+    memserver_pool, tmp_path
+) -> None:
     """nbdcopy reading the export in 32 KiB requests, one at a time (as the kernel swaps in):
     the NBD server answers most of them from readahead windows, sent without a copy, and the
     copy matches what was written."""
@@ -246,8 +246,15 @@ async def test_a_real_nbd_client_reading_sequentially_gets_every_byte(
         await store.write(0, memoryview(data))
         dst = tmp_path / "copy.bin"
         proc = await asyncio.create_subprocess_exec(
-            nbdcopy, "--connections=1", "--requests=1", "--request-size=32768", "--no-extents",
-            f"nbd+unix:///?socket={sock}", str(dst), stderr=asyncio.subprocess.PIPE)
+            nbdcopy,
+            "--connections=1",
+            "--requests=1",
+            "--request-size=32768",
+            "--no-extents",
+            f"nbd+unix:///?socket={sock}",
+            str(dst),
+            stderr=asyncio.subprocess.PIPE,
+        )
         _, err = await asyncio.wait_for(proc.communicate(), 120)
         assert proc.returncode == 0, err
         assert dst.read_bytes() == data

@@ -110,9 +110,12 @@ async def test_concurrent_pipelined_requests_keep_data_intact(servers) -> None:
 
     await asyncio.gather(*(disjoint_writer(i) for i in range(16)))
     out = bytearray(4 * MiB)
-    await asyncio.gather(*(store.read(i * 256 * PS, memoryview(out)[i * 256 * PS :
-                                                                      (i + 1) * 256 * PS])
-                           for i in range(4)))  # fmt: skip
+    await asyncio.gather(
+        *(
+            store.read(i * 256 * PS, memoryview(out)[i * 256 * PS : (i + 1) * 256 * PS])
+            for i in range(4)
+        )
+    )
     assert out == model
     await store.close()
 
@@ -211,8 +214,11 @@ async def test_two_replicas_hold_every_page_and_reads_fail_over(servers) -> None
 async def test_unaligned_requests_are_einval(servers) -> None:
     _, addrs = servers
     store = await RemoteStore.open(addrs, MiB, "n:align:1")
-    for coro in (store.read(1, memoryview(bytearray(PS))), store.write(0, memoryview(b"x" * 512)),
-                 store.trim(PS, 100)):  # fmt: skip
+    for coro in (
+        store.read(1, memoryview(bytearray(PS))),
+        store.write(0, memoryview(b"x" * 512)),
+        store.trim(PS, 100),
+    ):
         with pytest.raises(StorageError) as ei:
             await coro
         assert ei.value.errno == errno.EINVAL
@@ -244,7 +250,8 @@ def test_page_crcs_are_each_pages_crc32c() -> None:
 
 
 async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
-        servers, fast) -> None:  # fmt: skip
+    servers, fast
+) -> None:
     from crc32c import crc32c
     from duvm import remote_store
 
@@ -266,8 +273,7 @@ async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
         # not again at the acknowledgement
         assert seen == [(before, 64)]
         assert srvs[0].store.counters["store_requests"] == before + 1
-        assert list(store._crc[8:72]) == [crc32c(data[k * PS : (k + 1) * PS])
-                                          for k in range(64)]
+        assert list(store._crc[8:72]) == [crc32c(data[k * PS : (k + 1) * PS]) for k in range(64)]
         out = bytearray(64 * PS)
         await store.read(8 * PS, memoryview(out))  # the checksums vouch for the bytes
         assert out == data and store.stats["checksum_failures"] == 0

@@ -26,17 +26,26 @@ async def _namespace_pages(store: RemoteStore, peer: int) -> int:
 
 
 async def test_repair_onto_a_peer_holding_a_dropped_copy_frees_that_copy_first(
-        memserver_pool) -> None:  # fmt: skip
+    memserver_pool,
+) -> None:
     servers, addrs = await memserver_pool(3, 4 << 20)
-    store = await RemoteStore.open(addrs, SLABS * SLAB * PAGE_SIZE, "repair-accounting",
-                                   slab_pages=SLAB, replicas=2, repair=False, seed=3)  # fmt: skip
+    store = await RemoteStore.open(
+        addrs,
+        SLABS * SLAB * PAGE_SIZE,
+        "repair-accounting",
+        slab_pages=SLAB,
+        replicas=2,
+        repair=False,
+        seed=3,
+    )
     try:
         data = os.urandom(SLABS * SLAB * PAGE_SIZE)
         await store.write(0, memoryview(data))
         # s2 on {a, c}; s1, after s2 (repairs go in slab order), holds b, the third peer
         pl = store.placement
-        s2 = next(x for x in range(SLABS)
-                  if any(set(pl[y]) - set(pl[x]) for y in range(x + 1, SLABS)))  # fmt: skip
+        s2 = next(
+            x for x in range(SLABS) if any(set(pl[y]) - set(pl[x]) for y in range(x + 1, SLABS))
+        )
         a, c = pl[s2]
         b = ({0, 1, 2} - {a, c}).pop()
         s1 = next(y for y in range(s2 + 1, SLABS) if b in pl[y])

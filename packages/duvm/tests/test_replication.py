@@ -79,8 +79,10 @@ def test_choose_prefers_more_room_and_respects_exclusion() -> None:
 def test_peers_are_deduplicated_by_address() -> None:
     with pytest.raises(ValueError, match="listed twice"):
         normalize_peers([("127.0.0.1", 7070), ("localhost", 7070)])
-    assert normalize_peers([("127.0.0.1", 1), ("127.0.0.1", 2)]) == [("127.0.0.1", 1),
-                                                                     ("127.0.0.1", 2)]
+    assert normalize_peers([("127.0.0.1", 1), ("127.0.0.1", 2)]) == [
+        ("127.0.0.1", 1),
+        ("127.0.0.1", 2),
+    ]
 
 
 # --- checksums ---------------------------------------------------------------------------
@@ -143,11 +145,11 @@ async def test_corruption_with_one_replica_is_eio_never_other_bytes(servers) -> 
 
 async def test_memserver_death_during_io_loses_nothing_and_repair_restores_r(servers) -> None:
     srvs, addrs = servers
-    store = await RemoteStore.open(addrs, 2 * MiB, "t:die:1", replicas=2, slab_pages=32,
-                                   seed=5)  # fmt: skip
+    store = await RemoteStore.open(addrs, 2 * MiB, "t:die:1", replicas=2, slab_pages=32, seed=5)
     model: dict[int, bytes] = {}
     rng = random.Random(7)
     try:
+
         async def writer(n: int) -> None:
             for _ in range(n):
                 p = rng.randrange(store.pages)
@@ -282,9 +284,11 @@ async def test_breaker_fails_fast_while_open_and_recovers() -> None:
 
 
 def _spawn_memserver() -> tuple[subprocess.Popen, tuple[str, int]]:
-    code = ("import asyncio,sys\nfrom duvm.memserver import MemServer\n"
-            "async def m():\n s=MemServer(4<<20,lease_s=60,lock=False)\n h,p=await s.start()\n"
-            " print(p,flush=True)\n await asyncio.Event().wait()\nasyncio.run(m())\n")
+    code = (
+        "import asyncio,sys\nfrom duvm.memserver import MemServer\n"
+        "async def m():\n s=MemServer(4<<20,lease_s=60,lock=False)\n h,p=await s.start()\n"
+        " print(p,flush=True)\n await asyncio.Event().wait()\nasyncio.run(m())\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     port = int(proc.stdout.readline())
     return proc, ("127.0.0.1", port)
@@ -294,8 +298,15 @@ async def test_frozen_memserver_is_cut_off_and_writes_continue(servers) -> None:
     _, addrs = servers
     proc, addr = _spawn_memserver()
     try:
-        store = await RemoteStore.open([addrs[0], addr], MiB, "t:frozen:1", replicas=2,
-                                       slab_pages=64, op_timeout=0.5, repair=False)  # fmt: skip
+        store = await RemoteStore.open(
+            [addrs[0], addr],
+            MiB,
+            "t:frozen:1",
+            replicas=2,
+            slab_pages=64,
+            op_timeout=0.5,
+            repair=False,
+        )
         data = os.urandom(PS)
         await store.write(0, memoryview(data))
         os.kill(proc.pid, signal.SIGSTOP)  # alive to TCP, answers nothing
@@ -359,15 +370,20 @@ async def test_control_socket_answers_status_owner_only(tmp_path, servers) -> No
 
 async def test_dead_peer_degrades_its_slabs_without_any_write(servers) -> None:
     srvs, addrs = servers
-    store = await RemoteStore.open(addrs, MiB, "t:idle:1", replicas=2, slab_pages=64,
-                                   op_timeout=0.4, seed=2)  # fmt: skip
+    store = await RemoteStore.open(
+        addrs, MiB, "t:idle:1", replicas=2, slab_pages=64, op_timeout=0.4, seed=2
+    )
     try:
         data = os.urandom(MiB)
         await store.write(0, memoryview(data))
         victim = store.sets[0][0]
         await srvs[victim].close()  # nobody reads or writes: the watchdog must notice
-        await wait_for(lambda: all(victim not in s for s in store.sets)
-                       and store.health()["degraded_slabs"] == 0, 20)  # fmt: skip
+        await wait_for(
+            lambda: (
+                all(victim not in s for s in store.sets) and store.health()["degraded_slabs"] == 0
+            ),
+            20,
+        )
         assert store.repairer.stats["repairs_done"] >= 1
         out = bytearray(MiB)
         await store.read(0, memoryview(out))
@@ -380,8 +396,9 @@ async def test_slab_whose_replicas_outlive_their_lease_is_lost_then_replaced() -
     a = MemServer(4 * MiB, lease_s=1, lock=False)  # a short lease: its pages go 1 s after
     b = MemServer(4 * MiB, lease_s=60, lock=False)
     addrs = [await a.start(), await b.start()]
-    store = await RemoteStore.open(addrs, MiB, "t:gone:1", replicas=1, slab_pages=64,
-                                   op_timeout=0.4, seed=1)  # fmt: skip
+    store = await RemoteStore.open(
+        addrs, MiB, "t:gone:1", replicas=1, slab_pages=64, op_timeout=0.4, seed=1
+    )
     try:
         data = os.urandom(MiB)
         await store.write(0, memoryview(data))
@@ -509,8 +526,7 @@ async def test_fast_read_with_no_good_copy_is_eio(servers, fast) -> None:
 
 async def test_fast_write_to_a_dead_memserver_is_eio_and_the_pages_are_lost(servers, fast) -> None:
     srvs, addrs = servers
-    store = await RemoteStore.open(addrs[:1], MiB, "t:fast:5", replicas=1,
-                                   unreachable_wait=0.3)  # fmt: skip
+    store = await RemoteStore.open(addrs[:1], MiB, "t:fast:5", replicas=1, unreachable_wait=0.3)
     try:
         await store.write(0, memoryview(b"a" * PS))
         await srvs[0].close()
@@ -526,7 +542,8 @@ async def test_fast_write_to_a_dead_memserver_is_eio_and_the_pages_are_lost(serv
 
 
 async def test_a_read_racing_a_replicated_write_is_neither_eio_nor_a_dropped_replica(
-        servers) -> None:  # fmt: skip
+    servers,
+) -> None:
     """R=2: the preferred replica has stored a write while the other has not answered yet; a
     read of that page gets the new bytes from the first. Those bytes are the write's, not
     corruption: no EIO, no replica dropped, nothing marked lost."""
@@ -622,12 +639,14 @@ async def test_a_replicated_write_waits_for_the_slowest_replica(memserver_pool) 
     srvs, addrs = await memserver_pool(2, 4 * MiB)
     gate = ReplyGate(addrs[1])
     slow = await gate.start()
-    store = await RemoteStore.open([addrs[0], slow], MiB, "t:slowest:1", replicas=2,
-                                   slab_pages=64, op_timeout=30, seed=1)
+    store = await RemoteStore.open(
+        [addrs[0], slow], MiB, "t:slowest:1", replicas=2, slab_pages=64, op_timeout=30, seed=1
+    )
     try:
         data = os.urandom(2 * PS)
         gate.open.clear()  # the second memserver stores, but its acknowledgement is held
         write = asyncio.ensure_future(store.write(0, memoryview(data)))
+
         def held(srv: MemServer) -> bool:
             ns = srv.store.namespaces.get("t:slowest:1")
             return ns is not None and {0, 1} <= ns.pages.keys()

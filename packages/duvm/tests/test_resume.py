@@ -20,13 +20,25 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="resume needs root")
 
 def test_state_dir_is_added_once_and_a_users_choice_stands(tmp_path: Path) -> None:
     assert resume.with_state_dir(["-v"], tmp_path) == [
-        "-v", "--state-dir", str(tmp_path.resolve() / "daemon-state")]
+        "-v",
+        "--state-dir",
+        str(tmp_path.resolve() / "daemon-state"),
+    ]
     assert resume.with_state_dir(["--state-dir=/x"], tmp_path) == ["--state-dir=/x"]
 
 
 def _daemon_info(tmp_path: Path, pid: int, args: list[str]) -> control.DaemonInfo:
-    return control.DaemonInfo(pid, str(tmp_path / "nbd.sock"), ["127.0.0.1:7070"], 1 << 20,
-                              1, str(tmp_path / "daemon.log"), 0.0, "h:/run/duvm", args)
+    return control.DaemonInfo(
+        pid,
+        str(tmp_path / "nbd.sock"),
+        ["127.0.0.1:7070"],
+        1 << 20,
+        1,
+        str(tmp_path / "daemon.log"),
+        0.0,
+        "h:/run/duvm",
+        args,
+    )
 
 
 def test_resume_command_needs_a_daemon_that_kept_state(tmp_path: Path) -> None:
@@ -43,12 +55,14 @@ def _dead_pid() -> int:
 
 
 @needs_root
-def test_refusals_before_anything_is_started(tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_refusals_before_anything_is_started(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["enable", "--resume", "--state-dir", str(tmp_path)]) == 1
     assert "not enabled" in capsys.readouterr().err
-    att = attach.Attachment(socket=str(tmp_path / "nbd.sock"), method=attach.METHOD_FUSE,
-                            device="/dev/loop7")
+    att = attach.Attachment(
+        socket=str(tmp_path / "nbd.sock"), method=attach.METHOD_FUSE, device="/dev/loop7"
+    )
     attach.save_state(control.state_path(tmp_path), att)
     with pytest.raises(control.ControlError, match="cannot take a restarted daemon"):
         resume.resume(tmp_path)
@@ -57,8 +71,9 @@ def test_refusals_before_anything_is_started(tmp_path: Path,
     with pytest.raises(control.ControlError, match="no daemon record"):
         resume.resume(tmp_path)
     # a daemon that still runs (a stand-in whose command line reads like one's)
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "duvm.cli",
-                              "daemon"])
+    alive = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "duvm.cli", "daemon"]
+    )
     try:
         info = _daemon_info(tmp_path, alive.pid, ["--state-dir", "/s"])
         control.daemon_path(tmp_path).write_text(json.dumps(asdict(info)))

@@ -60,10 +60,16 @@ def test_secret_file_must_be_private(tmp_path: Path) -> None:
     assert auth.Keyring.from_file(p).current == S1
 
 
-@pytest.mark.parametrize(("text", "msg"), [
-    ("", "holds no secret"), ("# only a comment\n", "holds no secret"), ("zz" * 32, "not hex"),
-    ("ab" * 16, "64 hex digits"), (f"{'ab' * 32}\n{'ab' * 32}\n", "twice"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "msg"),
+    [
+        ("", "holds no secret"),
+        ("# only a comment\n", "holds no secret"),
+        ("zz" * 32, "not hex"),
+        ("ab" * 16, "64 hex digits"),
+        (f"{'ab' * 32}\n{'ab' * 32}\n", "twice"),
+    ],
+)
 def test_bad_secret_files_are_refused_with_a_reason(tmp_path: Path, text: str, msg: str) -> None:
     p = tmp_path / "secret"
     p.write_text(text)
@@ -79,16 +85,20 @@ def test_keyring_repr_never_shows_a_secret() -> None:
 
 
 def test_memserver_refuses_a_readable_secret_file_and_open_network_without_auth(
-        tmp_path: Path) -> None:  # fmt: skip
+    tmp_path: Path,
+) -> None:
     p = tmp_path / "secret"
     p.write_text(S1.hex() + "\n")
     p.chmod(0o644)
     cmd = [sys.executable, "-m", "duvm.cli", "memserver", "--capacity", "1M", "--no-mlock"]
-    r = subprocess.run([*cmd, "--listen", "127.0.0.1:0", "--secret-file", str(p)],
-                       capture_output=True, text=True, timeout=30)  # fmt: skip
+    r = subprocess.run(
+        [*cmd, "--listen", "127.0.0.1:0", "--secret-file", str(p)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "chmod 600" in r.stderr and S1.hex() not in r.stderr
-    r = subprocess.run([*cmd, "--listen", "0.0.0.0:0"], capture_output=True, text=True,
-                       timeout=30)  # fmt: skip
+    r = subprocess.run([*cmd, "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "without authentication" in r.stderr
 
 
@@ -110,8 +120,9 @@ async def test_authenticated_client_works_and_status_needs_auth(secured: MemServ
     await c.close()
 
 
-async def test_wrong_secret_and_no_secret_are_refused_and_logged(secured: MemServer,
-                                                                 caplog) -> None:  # fmt: skip
+async def test_wrong_secret_and_no_secret_are_refused_and_logged(
+    secured: MemServer, caplog
+) -> None:
     caplog.set_level(logging.INFO, "duvm")
     for sec, msg in ((_sec(S2), "unknown key id"), (None, "no secret offered")):
         c = MemClient(*secured.addr, "intruder", security=sec, retries=0)
@@ -147,8 +158,11 @@ async def test_client_refuses_an_impostor_with_a_forged_proof() -> None:
         dec = pp.Decoder("server")
         dec.receive_data(await reader.read(4096))
         hello = dec.next_event()  # knows the key id (public) but not the secret
-        writer.write(pp.encode_bytes(pp.Challenge(hello.req_id, 2, True, os.urandom(32),
-                                                  hello.key_id, os.urandom(32))))
+        writer.write(
+            pp.encode_bytes(
+                pp.Challenge(hello.req_id, 2, True, os.urandom(32), hello.key_id, os.urandom(32))
+            )
+        )
         got = await reader.read(4096)
         writer.got = got
         writer.close()
@@ -190,15 +204,24 @@ async def _raw_login(addr, client_id: str, secret: bytes | None, token: bytes):
     hello = pp.Hello(1, client_id, nonce=os.urandom(32), key_id=kid, token=token)
     ch = await ask(hello)
     assert isinstance(ch, pp.Challenge)
-    proof = auth.proof(secret, "client", hello.nonce, ch.nonce, client_id, token) if secret \
-        else bytes(32)  # fmt: skip
+    proof = (
+        auth.proof(secret, "client", hello.nonce, ch.nonce, client_id, token)
+        if secret
+        else bytes(32)
+    )
     return ask, w, await ask(pp.Auth(2, proof)), (hello, ch)
 
 
 async def test_raw_frames_before_auth_are_refused(secured: MemServer, caplog) -> None:
     caplog.set_level(logging.WARNING, "duvm.memserver")
-    for early in (pp.make_store(1, [0], bytes(PS)), pp.make_load(1, [0]), pp.make_free(1, [0]),
-                  pp.Reserve(1, 5), pp.Release(1), pp.Auth(1, bytes(32))):  # fmt: skip
+    for early in (
+        pp.make_store(1, [0], bytes(PS)),
+        pp.make_load(1, [0]),
+        pp.make_free(1, [0]),
+        pp.Reserve(1, 5),
+        pp.Release(1),
+        pp.Auth(1, bytes(32)),
+    ):
         ask, w = await raw_conn(secured.addr)
         assert await ask(early) is None  # closed without an answer
         w.close()
@@ -227,7 +250,8 @@ async def test_a_replayed_proof_fails_on_a_new_connection(secured: MemServer) ->
 
 
 async def test_a_recorded_server_proof_is_refused_by_a_client_with_a_fresh_nonce(
-        secured: MemServer) -> None:
+    secured: MemServer,
+) -> None:
     """Catches a server proof that does not bind the client's nonce: an impostor that recorded
     one real CHALLENGE could then replay it to every later client and pass as the memserver."""
     ask, w = await raw_conn(secured.addr)
@@ -264,7 +288,8 @@ async def test_rotation_old_and_new_secret_both_accepted_until_retired() -> None
 
 
 async def test_a_client_cannot_reach_another_clients_pages_whatever_ids_it_sends(
-        secured: MemServer) -> None:  # fmt: skip
+    secured: MemServer,
+) -> None:
     victim = MemClient(*secured.addr, "victim/nbd0", security=_sec(S1))
     await victim.connect()
     await victim.reserve(8)
@@ -329,23 +354,35 @@ def _make_pki(d: Path) -> dict[str, str]:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
     def cert(cn: str, key, issuer, issuer_key, ca: bool) -> x509.Certificate:
-        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(issuer)
-             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(name(cn))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if not ca:
-            b = b.add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
-                critical=False)
+            b = b.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+                ),
+                critical=False,
+            )
         return b.sign(issuer_key, hashes.SHA256())
 
     out: dict[str, str] = {}
 
     def save(label: str, key, crt) -> None:
-        (d / f"{label}.key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption()))
+        (d / f"{label}.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
         (d / f"{label}.key").chmod(0o600)
         (d / f"{label}.pem").write_bytes(crt.public_bytes(serialization.Encoding.PEM))
         out[label], out[label + "_key"] = str(d / f"{label}.pem"), str(d / f"{label}.key")
@@ -355,8 +392,11 @@ def _make_pki(d: Path) -> dict[str, str]:
         save(ca_label, k, cert(ca_label, k, name(ca_label), k, True))
     ca_key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), None)
     rogue_key = serialization.load_pem_private_key((d / "rogue_ca.key").read_bytes(), None)
-    for label, issuer, ik in (("server", "ca", ca_key), ("client", "ca", ca_key),
-                              ("rogue", "rogue_ca", rogue_key)):  # fmt: skip
+    for label, issuer, ik in (
+        ("server", "ca", ca_key),
+        ("client", "ca", ca_key),
+        ("rogue", "rogue_ca", rogue_key),
+    ):
         k = ec.generate_private_key(ec.SECP256R1())
         save(label, k, cert(label, k, name(issuer), ik, False))
     return out
@@ -368,12 +408,17 @@ def pki(tmp_path_factory) -> dict[str, str]:
 
 
 async def test_mutual_tls_authenticates_without_a_secret(pki) -> None:
-    srv = MemServer(1 << 20, lease_s=60, lock=False,
-                    tls=auth.server_tls_context(pki["server"], pki["server_key"], pki["ca"]))
+    srv = MemServer(
+        1 << 20,
+        lease_s=60,
+        lock=False,
+        tls=auth.server_tls_context(pki["server"], pki["server_key"], pki["ca"]),
+    )
     addr = await srv.start()
     try:
-        good = auth.PeerSecurity(None, auth.client_tls_context(pki["ca"], pki["client"],
-                                                                pki["client_key"]))
+        good = auth.PeerSecurity(
+            None, auth.client_tls_context(pki["ca"], pki["client"], pki["client_key"])
+        )
         c = MemClient(*addr, "tls-node", security=good)
         await c.connect()
         await c.reserve(2)
@@ -384,10 +429,12 @@ async def test_mutual_tls_authenticates_without_a_secret(pki) -> None:
         await c.close()
         bad = [
             auth.PeerSecurity(None, auth.client_tls_context(pki["ca"])),  # no client cert
-            auth.PeerSecurity(None, auth.client_tls_context(pki["ca"], pki["rogue"],
-                                                            pki["rogue_key"])),
-            auth.PeerSecurity(None, auth.client_tls_context(pki["rogue_ca"], pki["client"],
-                                                            pki["client_key"])),
+            auth.PeerSecurity(
+                None, auth.client_tls_context(pki["ca"], pki["rogue"], pki["rogue_key"])
+            ),
+            auth.PeerSecurity(
+                None, auth.client_tls_context(pki["rogue_ca"], pki["client"], pki["client_key"])
+            ),
         ]
         for sec in bad:
             c = MemClient(*addr, "tls-bad", security=sec, retries=0)
@@ -404,8 +451,13 @@ async def test_mutual_tls_authenticates_without_a_secret(pki) -> None:
 
 
 async def test_tls_and_secret_together(pki) -> None:
-    srv = MemServer(1 << 20, lease_s=60, lock=False, keyring=_keyring(S1),
-                    tls=auth.server_tls_context(pki["server"], pki["server_key"], None))
+    srv = MemServer(
+        1 << 20,
+        lease_s=60,
+        lock=False,
+        keyring=_keyring(S1),
+        tls=auth.server_tls_context(pki["server"], pki["server_key"], None),
+    )
     addr = await srv.start()
     try:
         tls = auth.client_tls_context(pki["ca"])
@@ -415,8 +467,7 @@ async def test_tls_and_secret_together(pki) -> None:
         await c.store([3], b"b" * PS)
         assert await c.load([3]) == b"b" * PS
         await c.close()
-        wrong = MemClient(*addr, "wrong", security=auth.PeerSecurity(_keyring(S2), tls),
-                          retries=0)  # fmt: skip
+        wrong = MemClient(*addr, "wrong", security=auth.PeerSecurity(_keyring(S2), tls), retries=0)
         with pytest.raises(PageServerError, match="AUTH"):
             await wrong.connect()
     finally:
@@ -428,8 +479,14 @@ async def test_tls_and_secret_together(pki) -> None:
 
 async def test_flood_and_slowloris_do_not_stop_service(caplog) -> None:
     caplog.set_level(logging.WARNING, "duvm.memserver")
-    srv = MemServer(1 << 20, lease_s=60, lock=False, keyring=_keyring(S1), max_handshakes=8,
-                    handshake_timeout=1.0)  # fmt: skip
+    srv = MemServer(
+        1 << 20,
+        lease_s=60,
+        lock=False,
+        keyring=_keyring(S1),
+        max_handshakes=8,
+        handshake_timeout=1.0,
+    )
     addr = await srv.start()
     writers = []
     try:
@@ -440,8 +497,9 @@ async def test_flood_and_slowloris_do_not_stop_service(caplog) -> None:
         async def slowloris() -> None:
             _, w = await asyncio.open_connection(*addr)
             writers.append(w)
-            wire = pp.encode_bytes(pp.Hello(1, "slow", nonce=os.urandom(32),
-                                            key_id=auth.key_id(S1), token=bytes(32)))
+            wire = pp.encode_bytes(
+                pp.Hello(1, "slow", nonce=os.urandom(32), key_id=auth.key_id(S1), token=bytes(32))
+            )
             for b in wire:  # one byte every 50 ms: never finishes within the timeout
                 if w.is_closing():
                     return
@@ -506,9 +564,21 @@ async def test_no_secret_in_memserver_logs_or_status(tmp_path: Path) -> None:
     p.write_text(S1.hex() + "\n" + S2.hex() + "\n")
     p.chmod(0o600)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "duvm.cli", "memserver", "--listen", "127.0.0.1:0", "--capacity",
-        "1M", "--no-mlock", "--secret-file", str(p), "-v",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "duvm.cli",
+        "memserver",
+        "--listen",
+        "127.0.0.1:0",
+        "--capacity",
+        "1M",
+        "--no-mlock",
+        "--secret-file",
+        str(p),
+        "-v",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
         host, port = line.split(" listening on ")[1].split()[0].rsplit(":", 1)
@@ -527,7 +597,7 @@ async def test_no_secret_in_memserver_logs_or_status(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = await asyncio.wait_for(proc.communicate(), 20)
-    logs = (line + out.decode() + err.decode())
+    logs = line + out.decode() + err.decode()
     assert "authentication failed" in logs and "re-read" in logs
     for s in (S1, S2):
         for text in (logs, status):

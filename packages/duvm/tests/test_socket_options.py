@@ -34,13 +34,15 @@ def test_tcp_sockets_get_every_option_and_unix_ones_what_applies() -> None:
         assert tcp.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) > 0
         assert tcp.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(
-            SOCKET_BUFFER, _cap("wmem_max"))
+            SOCKET_BUFFER, _cap("wmem_max")
+        )
     a, b = socket.socketpair()  # Unix: no TCP options, and no error for them
     with a, b:
         tune_socket(a)
         _tune_socket(b)
         assert b.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(
-            SOCKET_BUFFER, _cap("wmem_max"))
+            SOCKET_BUFFER, _cap("wmem_max")
+        )
 
 
 def test_a_socket_that_takes_nothing_is_left_as_is() -> None:

@@ -36,17 +36,30 @@ class Node:
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
         self.procs: list[subprocess.Popen[bytes]] = []
-        att = attach.Attachment(socket=str(state_dir / "nbd.sock"), method=attach.METHOD_KERNEL,
-                                device="/dev/nbd7", nbd_device="/dev/nbd7", nbd_netlink=True,
-                                dead_conn_timeout_s=60)
+        att = attach.Attachment(
+            socket=str(state_dir / "nbd.sock"),
+            method=attach.METHOD_KERNEL,
+            device="/dev/nbd7",
+            nbd_device="/dev/nbd7",
+            nbd_netlink=True,
+            dead_conn_timeout_s=60,
+        )
         attach.save_state(control.state_path(state_dir), att)
 
     def start(self) -> int:
         p = subprocess.Popen([sys.executable, "-c", STAND_IN, "duvm.cli", "daemon"])
         self.procs.append(p)
-        info = control.DaemonInfo(p.pid, str(self.state_dir / "nbd.sock"), ["127.0.0.1:1"],
-                                  1 << 20, 1, str(self.state_dir / "daemon.log"), time.time(),
-                                  "client", ["--state-dir", str(self.state_dir / "ds")])
+        info = control.DaemonInfo(
+            p.pid,
+            str(self.state_dir / "nbd.sock"),
+            ["127.0.0.1:1"],
+            1 << 20,
+            1,
+            str(self.state_dir / "daemon.log"),
+            time.time(),
+            "client",
+            ["--state-dir", str(self.state_dir / "ds")],
+        )
         control.daemon_path(self.state_dir).write_text(json.dumps(asdict(info)))
         return p.pid
 
@@ -99,15 +112,17 @@ def test_a_killed_daemon_is_resumed_and_the_new_one_watched(node: Node) -> None:
     assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=log.append) == 0
     assert len(resumed) == 2
     assert [m for m in log if m.startswith("watching daemon pid")] == [
-        f"watching daemon pid {p} serving /dev/nbd7" for p in (first, *resumed)]
+        f"watching daemon pid {p} serving /dev/nbd7" for p in (first, *resumed)
+    ]
     # each resume may take at most what is left of the kernel's 60 s hold
     assert all(55 < t <= 60 for t in timeouts), timeouts
     assert log[-1] == "duvm was disabled: supervisor exits"
     assert signal.getsignal(signal.SIGTERM) is before  # the process's handling is back
 
 
-def test_a_failing_resume_is_retried_then_given_up(node: Node,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_resume_is_retried_then_given_up(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(supervise, "RETRY_DELAYS", (0.01, 0.02))
     node.kill(node.start())
     calls: list[float] = []
@@ -124,7 +139,8 @@ def test_a_failing_resume_is_retried_then_given_up(node: Node,
 
 
 def test_tries_stop_at_the_kernels_dead_connection_timeout(
-        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
     att = attach.load_state(control.state_path(node.state_dir))
     assert att is not None
     att.dead_conn_timeout_s = 1
@@ -145,7 +161,8 @@ def test_tries_stop_at_the_kernels_dead_connection_timeout(
 
 
 def test_a_daemon_that_keeps_dying_is_not_restarted_forever(
-        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(supervise, "MAX_RESTARTS", 2)
     node.kill(node.start())
 
@@ -159,7 +176,8 @@ def test_a_daemon_that_keeps_dying_is_not_restarted_forever(
 
 
 def test_a_resume_done_by_hand_meanwhile_is_taken_as_done(
-        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(supervise, "RETRY_DELAYS", (0.05,))
     first = node.start()
     by_hand: list[int] = []
@@ -175,8 +193,7 @@ def test_a_resume_done_by_hand_meanwhile_is_taken_as_done(
     assert f"daemon pid {by_hand[0]} already serves it (resumed by hand)" in log
 
 
-def test_no_pidfd_here_still_notices_the_death(node: Node,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_pidfd_here_still_notices_the_death(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_pidfd(pid: int) -> int:
         raise OSError(38, "Function not implemented")
 
@@ -295,7 +312,8 @@ def _catch(fn, *args) -> BaseException | None:
 
 @root_only
 def test_disable_keeps_the_supervisor_through_swapoff_and_refuses_with_a_dead_daemon(
-        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
     daemon = node.start()
     pid, _ = supervise.start(node.state_dir)
     try:
@@ -332,8 +350,10 @@ def test_enable_tells_how_starting_the_supervisor_went(capsys: pytest.CaptureFix
     say_supervisor(None, None, "unused")  # not wanted (no kernel nbd): nothing to say
     out, err = capsys.readouterr()
     assert out == "duvm enable: supervisor pid 4321 watches the daemon again\n"
-    assert err == ("duvm enable: warning: no pidfd support; nothing will restart a crashed "
-                   "daemon (`duvm enable --resume` does it by hand)\n")
+    assert err == (
+        "duvm enable: warning: no pidfd support; nothing will restart a crashed "
+        "daemon (`duvm enable --resume` does it by hand)\n"
+    )
 
 
 @root_only

@@ -46,8 +46,11 @@ def _skip_reason() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.root, pytest.mark.slow,
-              pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")]
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.slow,
+    pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or ""),
+]
 
 
 def vmstat() -> dict[str, int]:
@@ -75,13 +78,19 @@ class Stack:
 
     def server_data_bytes(self) -> int:
         """Bytes the NBD server holds as data (not holes), as reported by nbdinfo."""
-        res = subprocess.run([NBDINFO or "nbdinfo", "--map", "--totals", "--json", self.uri],
-                             capture_output=True, text=True, timeout=30, check=True)
+        res = subprocess.run(
+            [NBDINFO or "nbdinfo", "--map", "--totals", "--json", self.uri],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         return sum(e["size"] for e in json.loads(res.stdout) if e["type"] & 1 == 0)
 
     def attach(self) -> attach.Attachment:
-        att = attach.attach(self.sock, self.state, run_dir=self.base / "run",
-                            method=attach.METHOD_FUSE)
+        att = attach.attach(
+            self.sock, self.state, run_dir=self.base / "run", method=attach.METHOD_FUSE
+        )
         self.pids += [p for p in (att.nbdfuse_pid,) if p]
         self.devices += [d for d in (att.device,) if d]
         return att
@@ -116,10 +125,19 @@ def swap_stack() -> Iterator[Stack]:
     """nbdkit memory on a short Unix socket path; tears down whatever the test built."""
     base = Path(tempfile.mkdtemp(prefix="duvm-e2e-", dir="/tmp"))  # sun_path is 108 bytes
     sock = str(base / "nbd.sock")
-    server = subprocess.Popen([NBDKIT or "nbdkit", "-f", "-U", sock, "memory", f"{SERVER_MIB}M"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    stack = Stack(base, sock, base / "state.json", server,
-                  Path("/proc/sys/vm/min_free_kbytes").read_text(), pids=[server.pid])
+    server = subprocess.Popen(
+        [NBDKIT or "nbdkit", "-f", "-U", sock, "memory", f"{SERVER_MIB}M"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    stack = Stack(
+        base,
+        sock,
+        base / "state.json",
+        server,
+        Path("/proc/sys/vm/min_free_kbytes").read_text(),
+        pids=[server.pid],
+    )
     try:
         deadline = time.monotonic() + 10
         while not os.path.exists(sock):
@@ -147,9 +165,13 @@ def swap_stack() -> Iterator[Stack]:
 
 
 def _workload(cg: cgroup.MemoryCgroup, *extra: str) -> subprocess.Popen[str]:
-    return cg.popen([sys.executable, "-m", "duvm.workload", "--mib", str(WORKLOAD_MIB), *extra],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    text=True)
+    return cg.popen(
+        [sys.executable, "-m", "duvm.workload", "--mib", str(WORKLOAD_MIB), *extra],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_workload_swaps_through_nbd_and_every_byte_comes_back() -> None:
@@ -261,8 +283,12 @@ def test_detach_leaves_alone_a_device_number_someone_else_reused() -> None:
             subprocess.run(["losetup", "-d", dev], check=True, timeout=30)
             image.write_bytes(os.urandom(16 << 20))
             for _ in range(100):  # the loop driver lets go of the old file asynchronously
-                if subprocess.run(["losetup", dev, str(image)], capture_output=True,
-                                  timeout=30).returncode == 0:
+                if (
+                    subprocess.run(
+                        ["losetup", dev, str(image)], capture_output=True, timeout=30
+                    ).returncode
+                    == 0
+                ):
                     reused = dev
                     break
                 time.sleep(0.05)

@@ -94,8 +94,10 @@ def test_units_name_only_existing_subcommands() -> None:
                 assert sub in cli.SUBCOMMANDS, f"{name} {key} runs unknown subcommand {sub}"
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze not installed (apt package systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze not installed (apt package systemd)",
+)
 def test_systemd_analyze_verify_is_silent(tmp_path: Path) -> None:
     # verify checks that ExecStart binaries exist: point the units at this venv's duvm
     duvm = shutil.which("duvm", path=os.path.dirname(sys.executable)) or shutil.which("duvm")
@@ -106,8 +108,13 @@ def test_systemd_analyze_verify_is_silent(tmp_path: Path) -> None:
         p = tmp_path / name
         p.write_text((UNITS / name).read_text().replace(INSTALLED_DUVM, duvm))
         paths.append(str(p))
-    res = subprocess.run(["systemd-analyze", "verify", "--man=no", *paths], capture_output=True,
-                         text=True, timeout=60, check=False)
+    res = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", *paths],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     ours = [line for line in (res.stdout + res.stderr).splitlines() if "duvm" in line]
     assert not ours, ours
@@ -119,8 +126,13 @@ def test_systemd_analyze_catches_a_broken_unit(tmp_path: Path) -> None:
     p = tmp_path / "duvm-enable.service"
     text = (UNITS / "duvm-enable.service").read_text()
     p.write_text(text.replace("KillMode=process", "KillMode=proces"))
-    res = subprocess.run(["systemd-analyze", "verify", "--man=no", str(p)], capture_output=True,
-                         text=True, timeout=60, check=False)
+    res = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(p)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     out = res.stdout + res.stderr
     assert "Failed to parse kill mode" in out
     assert f"Command {INSTALLED_DUVM} is not executable" in out and res.returncode != 0

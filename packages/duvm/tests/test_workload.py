@@ -30,7 +30,8 @@ def test_any_flipped_byte_is_found_at_its_offset(offset: int, xor: int) -> None:
     assert workload.verify(view, digests, 7, CHUNK) == []
     buf[offset] ^= xor
     assert workload.verify(view, digests, 7, CHUNK) == [
-        {"chunk": offset // CHUNK, "offset": offset}]
+        {"chunk": offset // CHUNK, "offset": offset}
+    ]
 
 
 def test_swapped_chunks_are_caught() -> None:
@@ -38,8 +39,8 @@ def test_swapped_chunks_are_caught() -> None:
     buf = bytearray(4 * CHUNK)
     view = memoryview(buf)
     digests = workload.fill(view, 3, CHUNK)
-    first, second = bytes(buf[:CHUNK]), bytes(buf[CHUNK:2 * CHUNK])
-    buf[:CHUNK], buf[CHUNK:2 * CHUNK] = second, first
+    first, second = bytes(buf[:CHUNK]), bytes(buf[CHUNK : 2 * CHUNK])
+    buf[:CHUNK], buf[CHUNK : 2 * CHUNK] = second, first
     assert [b["chunk"] for b in workload.verify(view, digests, 3, CHUNK)] == [0, 1]
 
 
@@ -60,15 +61,32 @@ def test_random_order_touches_every_chunk_scattered_and_catches_corruption() -> 
     buf[5 * CHUNK + 3] ^= 1
     buf[2 * CHUNK] ^= 1
     assert workload.verify(view, digests, 9, CHUNK, order="random") == [
-        {"chunk": 2, "offset": 2 * CHUNK}, {"chunk": 5, "offset": 5 * CHUNK + 3}]
+        {"chunk": 2, "offset": 2 * CHUNK},
+        {"chunk": 5, "offset": 5 * CHUNK + 3},
+    ]
     with pytest.raises(ValueError):
         workload.touch_order(4, "backwards", 1, "fill")
 
 
 def test_cli_prints_json_and_exits_zero() -> None:
-    res = subprocess.run([sys.executable, "-m", "duvm.workload", "--mib", "4", "--chunk-kib",
-                          "256", "--passes", "2", "--progress"],
-                         capture_output=True, text=True, timeout=60, check=False)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "duvm.workload",
+            "--mib",
+            "4",
+            "--chunk-kib",
+            "256",
+            "--passes",
+            "2",
+            "--progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert res.returncode == 0
     out = json.loads(res.stdout.splitlines()[-1])
     assert out["intact"] is True and out["bad_chunks"] == 0 and out["chunks"] == 16
@@ -76,9 +94,13 @@ def test_cli_prints_json_and_exits_zero() -> None:
 
 
 def test_hold_waits_for_stdin() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "duvm.workload", "--mib", "2", "--hold"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "duvm.workload", "--mib", "2", "--hold"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stderr is not None
     assert proc.stderr.readline().strip() == "filled"
     assert proc.poll() is None
@@ -86,7 +108,15 @@ def test_hold_waits_for_stdin() -> None:
     assert proc.returncode == 0 and json.loads(out)["intact"] is True
 
 
-@pytest.mark.parametrize("args", [[], ["--mib", "0"], ["--mib", "3", "--chunk-kib", "2048"],
-                                  ["--mib", "x"], ["--mib", "1", "--chunk-kib", "6"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--mib", "0"],
+        ["--mib", "3", "--chunk-kib", "2048"],
+        ["--mib", "x"],
+        ["--mib", "1", "--chunk-kib", "6"],
+    ],
+)
 def test_bad_arguments_exit_2(args: list[str]) -> None:
     assert workload.main(args) == workload.EXIT_USAGE

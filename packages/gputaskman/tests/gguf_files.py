@@ -10,11 +10,22 @@ import numpy as np
 Q = ggufpkg.GGMLQuantizationType
 
 
-def write_model(path: Path, arch: str, *, n_layer: int, n_embd: int, n_head: int,
-                n_head_kv: int | list[int] | None, ctx: int, key_length: int | None = None,
-                sliding_window: int | None = None, name: str = "Test Model",
-                file_type: int = 7, vocab: int = 32,
-                endianess: ggufpkg.GGUFEndian = ggufpkg.GGUFEndian.LITTLE) -> dict[str, int]:
+def write_model(
+    path: Path,
+    arch: str,
+    *,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    n_head_kv: int | list[int] | None,
+    ctx: int,
+    key_length: int | None = None,
+    sliding_window: int | None = None,
+    name: str = "Test Model",
+    file_type: int = 7,
+    vocab: int = 32,
+    endianess: ggufpkg.GGUFEndian = ggufpkg.GGUFEndian.LITTLE,
+) -> dict[str, int]:
     """Write a small real model; return the parameter count and data bytes it wrote."""
     w = ggufpkg.GGUFWriter(str(path), arch, endianess=endianess)
     w.add_name(name)

@@ -67,12 +67,29 @@ def main() -> None:
             if args.api_key and self.headers.get("Authorization") != f"Bearer {args.api_key}":
                 return self._send(401, {"error": {"code": 401, "message": "Invalid API Key"}})
             if self.path == "/props":
-                return self._send(200, {"model_path": args.model, "total_slots": 1,
-                                        "default_generation_settings": {"n_ctx": n_ctx}})
+                return self._send(
+                    200,
+                    {
+                        "model_path": args.model,
+                        "total_slots": 1,
+                        "default_generation_settings": {"n_ctx": n_ctx},
+                    },
+                )
             if self.path == "/v1/models":
-                return self._send(200, {"object": "list", "data": [
-                    {"id": args.model, "object": "model", "owned_by": "llamacpp",
-                     "meta": {"size": os.path.getsize(args.model)}}]})
+                return self._send(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [
+                            {
+                                "id": args.model,
+                                "object": "model",
+                                "owned_by": "llamacpp",
+                                "meta": {"size": os.path.getsize(args.model)},
+                            }
+                        ],
+                    },
+                )
             if self.path == "/slots":
                 return self._send(200, [{"id": 0, "n_ctx": n_ctx, "is_processing": False}])
             return self._send(404, {"error": {"code": 404, "message": "File Not Found"}})

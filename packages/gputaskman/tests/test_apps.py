@@ -35,22 +35,33 @@ def _line(msg: str, level: str = "DEBUG", t: str = "10:00:00") -> str:
     return f"[2026-11-29][{t}][handy_app_lib::managers::transcription][{level}] {msg}"
 
 
-SETTINGS = {"settings": {"selected_model": "parakeet-tdt-0.6b-v3",
-                         "post_process_api_keys": {"openai": SECRET}}}
+SETTINGS = {
+    "settings": {
+        "selected_model": "parakeet-tdt-0.6b-v3",
+        "post_process_api_keys": {"openai": SECRET},
+    }
+}
 
 
 def test_handy_selected_model_and_last_event(tmp_path: Path) -> None:
-    home = _handy_home(tmp_path, SETTINGS, [
-        _line("Starting to load model: small"),
-        _line("Successfully loaded transcription model: small (took 812ms)", t="10:00:01"),
-        _line(f"Transcription result: {TRANSCRIPT}", level="INFO", t="10:00:02"),
-        _line("Model switched to parakeet-tdt-0.6b-v3 via tray.", level="INFO", t="10:00:03"),
-        _line(f"Transcription result: {TRANSCRIPT}", level="INFO", t="10:00:04"),
-    ])
+    home = _handy_home(
+        tmp_path,
+        SETTINGS,
+        [
+            _line("Starting to load model: small"),
+            _line("Successfully loaded transcription model: small (took 812ms)", t="10:00:01"),
+            _line(f"Transcription result: {TRANSCRIPT}", level="INFO", t="10:00:02"),
+            _line("Model switched to parakeet-tdt-0.6b-v3 via tray.", level="INFO", t="10:00:03"),
+            _line(f"Transcription result: {TRANSCRIPT}", level="INFO", t="10:00:04"),
+        ],
+    )
     m = read_app_model(HANDY, env={"HOME": str(home)}, platform="linux")
     assert m.selected == "parakeet-tdt-0.6b-v3"
     assert (m.last_event, m.last_event_model, m.last_event_time) == (
-        "loaded", "parakeet-tdt-0.6b-v3", "2026-11-29 10:00:03")
+        "loaded",
+        "parakeet-tdt-0.6b-v3",
+        "2026-11-29 10:00:03",
+    )
     assert m.reasons == ()
     doc = json.dumps(m.to_json())
     assert SECRET not in doc and "milk" not in doc and "evil" not in doc
@@ -58,10 +69,14 @@ def test_handy_selected_model_and_last_event(tmp_path: Path) -> None:
 
 
 def test_unload_is_the_last_event(tmp_path: Path) -> None:
-    home = _handy_home(tmp_path, SETTINGS, [
-        _line("Successfully loaded transcription model: small (took 1ms)"),
-        _line("Model unloaded due to inactivity (took 3ms)", level="INFO"),
-    ])
+    home = _handy_home(
+        tmp_path,
+        SETTINGS,
+        [
+            _line("Successfully loaded transcription model: small (took 1ms)"),
+            _line("Model unloaded due to inactivity (took 3ms)", level="INFO"),
+        ],
+    )
     m = read_app_model(HANDY, env={"HOME": str(home)}, platform="linux")
     assert (m.last_event, m.last_event_model) == ("unloaded", None)
 
@@ -72,13 +87,16 @@ def test_transcript_text_never_matches(tmp_path: Path) -> None:
     assert m.last_event is None and "no model event in the log tail" in m.reasons
 
 
-@pytest.mark.parametrize("settings,reason", [
-    ("{broken", "settings file is not JSON"),
-    ({"settings": {"selected_model": ""}}, "no model selected in settings"),
-    ({"settings": None}, "no model selected in settings"),
-    ([1, 2], "no model selected in settings"),
-    (" " * (apps.MAX_SETTINGS + 1), "settings file larger than the cap"),
-])
+@pytest.mark.parametrize(
+    "settings,reason",
+    [
+        ("{broken", "settings file is not JSON"),
+        ({"settings": {"selected_model": ""}}, "no model selected in settings"),
+        ({"settings": None}, "no model selected in settings"),
+        ([1, 2], "no model selected in settings"),
+        (" " * (apps.MAX_SETTINGS + 1), "settings file larger than the cap"),
+    ],
+)
 def test_odd_settings_give_a_reason(tmp_path: Path, settings: object, reason: str) -> None:
     home = _handy_home(tmp_path, settings, None)
     m = read_app_model(HANDY, env={"HOME": str(home)}, platform="linux")
@@ -108,15 +126,20 @@ def test_log_tail_is_bounded_and_cached(tmp_path: Path) -> None:
 def test_platform_paths() -> None:
     env = {"HOME": "/h", "APPDATA": "C:/U/AppData/Roaming", "LOCALAPPDATA": "C:/U/AppData/Local"}
     assert expand_paths(HANDY.settings_paths, env, platform="linux") == [
-        "/h/.local/share/com.pais.handy/settings_store.json"]
-    assert expand_paths(HANDY.log_paths, {"HOME": "/h", "XDG_DATA_HOME": "/x"},
-                        platform="linux") == ["/x/com.pais.handy/logs/handy.log"]
+        "/h/.local/share/com.pais.handy/settings_store.json"
+    ]
+    assert expand_paths(
+        HANDY.log_paths, {"HOME": "/h", "XDG_DATA_HOME": "/x"}, platform="linux"
+    ) == ["/x/com.pais.handy/logs/handy.log"]
     assert expand_paths(HANDY.settings_paths, env, platform="darwin") == [
-        "/h/Library/Application Support/com.pais.handy/settings_store.json"]
+        "/h/Library/Application Support/com.pais.handy/settings_store.json"
+    ]
     assert expand_paths(HANDY.log_paths, env, platform="darwin") == [
-        "/h/Library/Logs/com.pais.handy/handy.log"]
+        "/h/Library/Logs/com.pais.handy/handy.log"
+    ]
     assert expand_paths(HANDY.log_paths, env, platform="win32") == [
-        "C:/U/AppData/Local/com.pais.handy/logs/handy.log"]
+        "C:/U/AppData/Local/com.pais.handy/logs/handy.log"
+    ]
 
 
 def test_process_names_pick_the_spec() -> None:
@@ -126,16 +149,26 @@ def test_process_names_pick_the_spec() -> None:
 
 def test_a_second_app_is_a_table_entry(tmp_path: Path) -> None:
     spec = AppSpec(
-        name="Other", process_names=("other",),
-        settings_paths=("{data}/org.other/config.json",), settings_key=("model",),
+        name="Other",
+        process_names=("other",),
+        settings_paths=("{data}/org.other/config.json",),
+        settings_key=("model",),
         log_paths=("{logs}/org.other/other.log",),
-        log_events=((re.compile(r"^loaded (?P<model>[\w.-]+)$"), "loaded"),))
+        log_events=((re.compile(r"^loaded (?P<model>[\w.-]+)$"), "loaded"),),
+    )
     base = tmp_path / "share" / "org.other"
     (base / "logs").mkdir(parents=True)
     (base / "config.json").write_text(json.dumps({"model": "tiny.en"}))
     (base / "logs" / "other.log").write_text("loaded tiny.en\n")
-    m = read_app_model(spec, env={"HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "share")},
-                       platform="linux")
+    m = read_app_model(
+        spec,
+        env={"HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "share")},
+        platform="linux",
+    )
     assert (m.app, m.selected, m.last_event, m.last_event_model) == (
-        "Other", "tiny.en", "loaded", "tiny.en")
+        "Other",
+        "tiny.en",
+        "loaded",
+        "tiny.en",
+    )
     assert spec_for_process("other", [*APPS, spec]) is spec

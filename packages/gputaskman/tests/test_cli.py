@@ -192,8 +192,11 @@ def test_gpu_index_that_nvml_does_not_list_is_a_usage_error(capsys):
 @pytest.fixture
 def drm_tree(tmp_path: Path) -> Path:
     root = tmp_path / "root"
-    r = run("-c", "import sys; from gputaskman.drm_fixtures import main; "
-            f"sys.exit(main([{str(root)!r}]))", cmd=[sys.executable])
+    r = run(
+        "-c",
+        f"import sys; from gputaskman.drm_fixtures import main; sys.exit(main([{str(root)!r}]))",
+        cmd=[sys.executable],
+    )
     assert r.returncode == 0, r.stderr
     return root
 

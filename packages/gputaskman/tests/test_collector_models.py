@@ -65,11 +65,18 @@ def server(tmp_path: Path) -> Iterator[subprocess.Popen]:
     write_model(model, "llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, ctx=256)
     log = tmp_path / "server.log"
     log.write_text(CUDA_LOG)
-    argv = [sys.executable, str(HERE / "imitation_llama_server.py"), "-m", "tiny.gguf",
-            "--port", "0", "-c", "128"]
+    argv = [
+        sys.executable,
+        str(HERE / "imitation_llama_server.py"),
+        "-m",
+        "tiny.gguf",
+        "--port",
+        "0",
+        "-c",
+        "128",
+    ]
     with open(log, "a") as err:
-        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err,
-                                text=True)
+        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         assert proc.stdout.readline().startswith("listening")
         yield proc
@@ -87,8 +94,9 @@ class MockNvml:
 
     def sample(self) -> NvmlSample:
         a = Adapter(0, "nvidia", "NVIDIA Mock GPU", "GPU-mock", BUS, "nvml")
-        p = NvmlProcess(self.pid, BUS, ("compute",),
-                        Reading.measured(self.vram, "nvml:mock running processes"))
+        p = NvmlProcess(
+            self.pid, BUS, ("compute",), Reading.measured(self.vram, "nvml:mock running processes")
+        )
         return NvmlSample(adapters=(a,), processes=(p,), driver_version="mock")
 
     def close(self) -> None:
@@ -128,10 +136,21 @@ def test_breakdown_of_estimates_only_keeps_null_rules_and_never_enters_totals(tm
     claim = assess([Evidence(Source.MAPPED, path=path), Evidence(Source.CMDLINE, path=path)])[0]
     header = gguf.read_header(model)
     view = llm.build_view(claim, header=header, runtime="llama.cpp", argv=("-c", "64"))
-    row = ProcGpu(42, 1.0, "llama-server", BUS, ("compute",),
-                  Reading.measured(3 * MIB, "nvml:mock"), breakdown=view)
-    snap = Snapshot(taken=1.0, backend="nvml",
-                    adapters=(Adapter(0, "nvidia", None, None, BUS, "nvml"),), processes=(row,))
+    row = ProcGpu(
+        42,
+        1.0,
+        "llama-server",
+        BUS,
+        ("compute",),
+        Reading.measured(3 * MIB, "nvml:mock"),
+        breakdown=view,
+    )
+    snap = Snapshot(
+        taken=1.0,
+        backend="nvml",
+        adapters=(Adapter(0, "nvidia", None, None, BUS, "nvml"),),
+        processes=(row,),
+    )
     doc = json.loads(json.dumps(report.to_json_dict(snap, None)))
     assert report.null_rule_violations(doc) == []
     bd = doc["processes"][0]["breakdown"]

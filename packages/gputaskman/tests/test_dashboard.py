@@ -25,8 +25,9 @@ pytest.importorskip("jsonschema")
 
 
 def _checker():
-    spec = importlib.util.spec_from_file_location("check_dashboard",
-                                                  ROOT / "dashboards" / "check_dashboard.py")
+    spec = importlib.util.spec_from_file_location(
+        "check_dashboard", ROOT / "dashboards" / "check_dashboard.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -37,12 +38,25 @@ def _exported_names() -> set[str]:
     """Sample names of a scrape with every feature present: GPUs, processes with models and
     a weights/KV view (mocked NVML numbers), a real host sample, a duvm pool (parsed from a
     daemon status document)."""
-    pool = duvmpool.PoolInfo(daemons=(duvmpool.parse_status(
-        {"pid": 1, "size_bytes": 1 << 20, "store": {"replicas": 1, "peers": [
-            {"peer": "10.0.0.2:7070", "connected": True, "pages": 3}]}}, "/run/duvm/x.ctl"),))
+    pool = duvmpool.PoolInfo(
+        daemons=(
+            duvmpool.parse_status(
+                {
+                    "pid": 1,
+                    "size_bytes": 1 << 20,
+                    "store": {
+                        "replicas": 1,
+                        "peers": [{"peer": "10.0.0.2:7070", "connected": True, "pages": 3}],
+                    },
+                },
+                "/run/duvm/x.ctl",
+            ),
+        )
+    )
     system = dataclasses.replace(HostSampler(duvm=False).sample(), duvm=pool)
-    system = dataclasses.replace(system, cpu=dataclasses.replace(
-        system.cpu, percent=system.cpu.load_1))  # a known CPU% so that family appears too
+    system = dataclasses.replace(
+        system, cpu=dataclasses.replace(system.cpu, percent=system.cpu.load_1)
+    )  # a known CPU% so that family appears too
     got = scrape(Cached(_mock_snapshot(), system, time.time(), 0.01))
     return set(got)
 
@@ -72,11 +86,13 @@ def test_the_check_catches_what_grafana_would_reject():
     broken = copy.deepcopy(dash)
     broken["panels"][0]["targets"][0]["expr"] = "gputaskman_gpu_vram_made_up_bytes"
     assert check.problems(broken, names) == [
-        "expr names gputaskman_gpu_vram_made_up_bytes, which the exporter does not export"]
+        "expr names gputaskman_gpu_vram_made_up_bytes, which the exporter does not export"
+    ]
     broken = copy.deepcopy(dash)
     broken["panels"][1]["gridPos"] = dict(broken["panels"][0]["gridPos"])
     assert any("overlaps" in p for p in check.problems(broken, names))
     broken = copy.deepcopy(dash)
     broken["panels"][0]["datasource"]["uid"] = "${nowhere}"
     assert check.problems(broken, names) == [
-        "variable $nowhere is used but not defined in templating"]
+        "variable $nowhere is used but not defined in templating"
+    ]

@@ -345,8 +345,9 @@ def test_malformed_gpu_values_deep_inside_are_unpaired_not_a_crash(tmp_path: Pat
     b["processes"][0]["gpu"] = ["not", "an", "address"]
     b["adapters"][0]["pci_bus_id"] = {"bad": 1}
     a = snap(1, procs=[ms.proc(10, 4 * GIB)])
-    res = gtm("diff", "--json", str(ms.save(tmp_path / "b.json", b)),
-              str(ms.save(tmp_path / "a.json", a)))
+    res = gtm(
+        "diff", "--json", str(ms.save(tmp_path / "b.json", b)), str(ms.save(tmp_path / "a.json", a))
+    )
     assert res.returncode == 0, res.stderr
     procs = json.loads(res.stdout)["processes"]
     assert sorted(p["status"] for p in procs) == ["not listed after", "not listed before"]
@@ -354,9 +355,13 @@ def test_malformed_gpu_values_deep_inside_are_unpaired_not_a_crash(tmp_path: Pat
 
 def _mutations() -> st.SearchStrategy:
     scalars = st.one_of(st.none(), st.integers(), st.text(max_size=5), st.floats(), st.booleans())
-    values = st.one_of(scalars, st.lists(scalars, max_size=3),
-                       st.dictionaries(st.sampled_from(["value", "kind", "reason", "pid", "gpu"]),
-                                       scalars, max_size=3))
+    values = st.one_of(
+        scalars,
+        st.lists(scalars, max_size=3),
+        st.dictionaries(
+            st.sampled_from(["value", "kind", "reason", "pid", "gpu"]), scalars, max_size=3
+        ),
+    )
     return st.lists(st.tuples(st.integers(0, 10_000), values), max_size=6)
 
 

@@ -668,8 +668,13 @@ def _drm_collector(root: Path, clock_ns=None):
     from gputaskman.host import HostSampler
 
     source = NvmlWithDrm(NoNvml("not asked"), DrmBackend(str(root), clock_ns=clock_ns))
-    return Collector(scan_budget=None, nvml=source, scanner=NullScanner(), models=None,
-                     host=HostSampler(proc_root=str(root / "proc"), duvm=False))
+    return Collector(
+        scan_budget=None,
+        nvml=source,
+        scanner=NullScanner(),
+        models=None,
+        host=HostSampler(proc_root=str(root / "proc"), duvm=False),
+    )
 
 
 def test_demo_tree_end_to_end_json_and_text(tmp_path: Path) -> None:
@@ -713,12 +718,12 @@ def test_drm_sample_reads_no_comm_or_stat_and_one_sysfs_link_per_node(
     write_demo_tree(tmp_path)
     tree = FakeTree(tmp_path)
     no_pdev = (
-        "drm-driver:\tamdgpu\ndrm-client-id:\t{}\ndrm-resident-vram:\t2 MiB\n"
-        "drm-shared-vram:\t0\n"
+        "drm-driver:\tamdgpu\ndrm-client-id:\t{}\ndrm-resident-vram:\t2 MiB\ndrm-shared-vram:\t0\n"
     )
     # many descriptors on one node whose fdinfo names no device: the sysfs fallback
-    tree.process(90, "many", {fd: ("/dev/dri/renderD128", no_pdev.format(100 + fd))
-                              for fd in range(3, 23)})
+    tree.process(
+        90, "many", {fd: ("/dev/dri/renderD128", no_pdev.format(100 + fd)) for fd in range(3, 23)}
+    )
     opened: list[str] = []
     links: list[str] = []
     real_os_open, real_open, real_readlink = os.open, open, os.readlink

@@ -26,15 +26,20 @@ from gputaskman.report import null_rule_violations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("duvm") is None,
-                                reason="duvm is not installed in this environment")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("duvm") is None, reason="duvm is not installed in this environment"
+)
 PAGE = 4096
 
 
 def _start(args: list[str], ready: str, log: Path) -> subprocess.Popen:
     f = open(log, "w")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen([sys.executable, "-m", "duvm.cli", *args], stdout=f,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "duvm.cli", *args],
+        stdout=f,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     proc._log = f  # type: ignore[attr-defined]
     deadline = time.monotonic() + 30
     while ready not in log.read_text():
@@ -70,22 +75,59 @@ class Pool:
         i = len(self.memservers)
         log = self.tmp / f"ms{i}.log"
         ctl = str(self.tmp / f"ms{i}.ctl")
-        p = _start(["memserver", "--listen", "127.0.0.1:0", "--capacity", "32M", "--no-mlock",
-                    "--control-socket", ctl], "listening on", log)
+        p = _start(
+            [
+                "memserver",
+                "--listen",
+                "127.0.0.1:0",
+                "--capacity",
+                "32M",
+                "--no-mlock",
+                "--control-socket",
+                ctl,
+            ],
+            "listening on",
+            log,
+        )
         self.memservers.append(p)
         self.ports.append(int(log.read_text().split("listening on 127.0.0.1:")[1].split()[0]))
         self.ms_ctl.append(ctl)
 
     def start_daemon(self, replicas: int) -> None:
         peers = ",".join(f"127.0.0.1:{p}" for p in self.ports)
-        self.daemon = _start(["daemon", "--peers", peers, "--size", "8M", "--socket", self.nbd,
-                              "--replicas", str(replicas), "--no-mlock", "--client-id",
-                              "node-a"], "serving export", self.tmp / "daemon.log")
+        self.daemon = _start(
+            [
+                "daemon",
+                "--peers",
+                peers,
+                "--size",
+                "8M",
+                "--socket",
+                self.nbd,
+                "--replicas",
+                str(replicas),
+                "--no-mlock",
+                "--client-id",
+                "node-a",
+            ],
+            "serving export",
+            self.tmp / "daemon.log",
+        )
 
     def write(self, offset: int, length: int, pattern: int = 7) -> None:
-        r = subprocess.run(["qemu-io", "-f", "raw", "-c", f"write -P {pattern} {offset} "
-                            f"{length}", f"nbd+unix:///?socket={self.nbd}"],
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [
+                "qemu-io",
+                "-f",
+                "raw",
+                "-c",
+                f"write -P {pattern} {offset} {length}",
+                f"nbd+unix:///?socket={self.nbd}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stderr + r.stdout
 
     def close(self) -> None:
@@ -111,8 +153,13 @@ def pool(tmp_path: Path) -> Iterator[Pool]:
 
 def _gtm(args: list[str], sockets: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, duvmpool.ENV: ":".join(sockets)}
-    r = subprocess.run([sys.executable, "-m", "gputaskman.cli", *args], capture_output=True,
-                       text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "gputaskman.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     return r
 
@@ -231,9 +278,11 @@ def test_missing_stale_and_garbage_sockets_are_reasons_not_numbers(tmp_path: Pat
         t.join(5)
         srv.close()
     assert info.daemons == () and info.lending == ()
-    assert info.errors == {str(tmp_path / "missing.ctl"): "socket gone",
-                           stale: "nothing listening (stale socket)",
-                           garbage: info.errors[garbage]}
+    assert info.errors == {
+        str(tmp_path / "missing.ctl"): "socket gone",
+        stale: "nothing listening (stale socket)",
+        garbage: info.errors[garbage],
+    }
     assert "Expecting value" in info.errors[garbage]
     lines = duvmpool.pool_lines(info)
     assert lines[0].endswith("missing.ctl: n/a (socket gone)") and len(lines) == 3
@@ -256,11 +305,23 @@ def test_owner_only_socket_read_by_another_user_is_permission_denied(tmp_path: P
     srv.listen()
     os.chmod(tmp_path, 0o755)
     try:
-        code = ("from gputaskman import duvmpool; "
-                f"print(duvmpool.sample([{path!r}]).errors[{path!r}])")
-        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                            sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=60)
+        code = (
+            f"from gputaskman import duvmpool; print(duvmpool.sample([{path!r}]).errors[{path!r}])"
+        )
+        r = subprocess.run(
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                sys.executable,
+                "-c",
+                code,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         srv.close()
     assert r.returncode == 0, r.stderr
@@ -271,12 +332,35 @@ def test_owner_only_socket_read_by_another_user_is_permission_denied(tmp_path: P
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
-        st.sampled_from(["store", "peers", "peer", "pages", "role", "capacity_pages",
-                         "namespaces", "client_id", "stored_pages", "nbd", "error",
-                         "connected", "pid", "degraded_slabs", "pages_lost_now"]) | st.text(
-            max_size=6), kids, max_size=6),
-    max_leaves=30)
+    lambda kids: (
+        st.lists(kids, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "store",
+                    "peers",
+                    "peer",
+                    "pages",
+                    "role",
+                    "capacity_pages",
+                    "namespaces",
+                    "client_id",
+                    "stored_pages",
+                    "nbd",
+                    "error",
+                    "connected",
+                    "pid",
+                    "degraded_slabs",
+                    "pages_lost_now",
+                ]
+            )
+            | st.text(max_size=6),
+            kids,
+            max_size=6,
+        )
+    ),
+    max_leaves=30,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -286,22 +370,41 @@ def test_parse_status_fuzz_never_crashes_and_never_invents_zeros(obj):
         got = duvmpool.parse_status(obj, "/x.ctl")
     except ValueError:
         return
-    doc = {"system": {"duvm": duvmpool.pool_json(duvmpool.PoolInfo(
-        (got,) if isinstance(got, duvmpool.DaemonPool) else (),
-        (got,) if isinstance(got, duvmpool.Lending) else ()))}}
+    doc = {
+        "system": {
+            "duvm": duvmpool.pool_json(
+                duvmpool.PoolInfo(
+                    (got,) if isinstance(got, duvmpool.DaemonPool) else (),
+                    (got,) if isinstance(got, duvmpool.Lending) else (),
+                )
+            )
+        }
+    }
     assert null_rule_violations(json.loads(json.dumps(doc))) == []
-    duvmpool.pool_lines(duvmpool.PoolInfo((got,) if isinstance(got, duvmpool.DaemonPool)
-                                          else ()))
+    duvmpool.pool_lines(duvmpool.PoolInfo((got,) if isinstance(got, duvmpool.DaemonPool) else ()))
 
 
 def test_parse_status_reads_fields_and_leaves_unknowns_unknown():
-    d = duvmpool.parse_status({"pid": 5, "size_bytes": 8 << 20, "store": {
-        "replicas": 2, "degraded_slabs": 1, "peers": [
-            {"peer": "a:1", "connected": True, "pages": 10},
-            {"peer": "b:1", "connected": False}]}}, "/s.ctl")
+    d = duvmpool.parse_status(
+        {
+            "pid": 5,
+            "size_bytes": 8 << 20,
+            "store": {
+                "replicas": 2,
+                "degraded_slabs": 1,
+                "peers": [
+                    {"peer": "a:1", "connected": True, "pages": 10},
+                    {"peer": "b:1", "connected": False},
+                ],
+            },
+        },
+        "/s.ctl",
+    )
     assert isinstance(d, duvmpool.DaemonPool)
-    assert d.health == "degraded" and d.reasons == ("not connected: b:1",
-                                                    "1 slab(s) below 2 replicas")
+    assert d.health == "degraded" and d.reasons == (
+        "not connected: b:1",
+        "1 slab(s) below 2 replicas",
+    )
     a, b = d.peers
     assert a.pages.value == 10 and a.pages.kind.value == "runtime"
     assert b.pages.value is None and b.pages.reason is not None  # unknown, not 0
@@ -338,8 +441,10 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
     # swapped pages could not come home, this test could neither place nor free its pages.
     others = demo.competing_swaps()
     if others:
-        pytest.skip(f"swap {others} is active at priority {demo.MAX_PRIORITY}: the workload's "
-                    "pages would be shared with it")
+        pytest.skip(
+            f"swap {others} is active at priority {demo.MAX_PRIORITY}: the workload's "
+            "pages would be shared with it"
+        )
     blocking = cgroup.swap_headroom_problems()
     if blocking:
         pytest.skip(f"another memory cgroup has more in swap than room: {blocking[0]}")
@@ -347,27 +452,46 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
     servers = demo.Memservers(2, 96 << 20)
 
     def duvm(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "duvm.cli", *args, "--state-dir",
-                               str(state)], capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "duvm.cli", *args, "--state-dir", str(state)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     try:
-        res = duvm("enable", "--peers", ",".join(servers.addrs), "--size", "128M",
-                   "--replicas", "1", "--priority", str(demo.MAX_PRIORITY))
+        res = duvm(
+            "enable",
+            "--peers",
+            ",".join(servers.addrs),
+            "--size",
+            "128M",
+            "--replicas",
+            "1",
+            "--priority",
+            str(demo.MAX_PRIORITY),
+        )
         assert res.returncode == 0, res.stderr
         att = attach.load_state(control.state_path(state))
         assert att is not None and att.device
         ctl = str(state / "nbd.sock.ctl")
         with cgroup.MemoryCgroup(48 << 20, prefix="gtm-duvm") as cg:
-            proc = cg.popen([sys.executable, "-m", "duvm.workload", "--mib", "112", "--hold"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+            proc = cg.popen(
+                [sys.executable, "-m", "duvm.workload", "--mib", "112", "--hold"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             try:
                 assert proc.stderr is not None
                 line = proc.stderr.readline().strip()
                 if line != "filled":
                     proc.wait(60)
-                    raise AssertionError(f"workload did not fill (exit {proc.returncode}, "
-                                         f"{cg.name}): {line} {proc.stderr.read()[-1500:]}")
+                    raise AssertionError(
+                        f"workload did not fill (exit {proc.returncode}, "
+                        f"{cg.name}): {line} {proc.stderr.read()[-1500:]}"
+                    )
                 text = _gtm(["--once"], [ctl]).stdout
                 doc = json.loads(_gtm(["--json"], [ctl]).stdout)
                 out, err = proc.communicate("go\n", timeout=300)
@@ -412,8 +536,10 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
             except Exception as e:  # SwapoffFailed and friends: pages cannot come home yet
                 why = str(e)
                 if time.monotonic() > deadline:
-                    pytest.fail(f"cannot detach {state} ({why}); the daemon and memservers "
-                                f"{servers.pids} are left running so that no page is lost")
+                    pytest.fail(
+                        f"cannot detach {state} ({why}); the daemon and memservers "
+                        f"{servers.pids} are left running so that no page is lost"
+                    )
                 time.sleep(2)
         control.stop_daemon(state)
         servers.close()

@@ -35,21 +35,26 @@ def test_ladder_order() -> None:
     assert {s.value for s in CORROBORATING} == {"api", "mapped", "cmdline"}
 
 
-@pytest.mark.parametrize("sources,status,detail", [
-    (("mapped", "cmdline"), "confirmed", True),
-    (("api", "mapped"), "confirmed", True),
-    (("api", "cmdline"), "confirmed", True),
-    (("mapped",), "single source", True),
-    (("cmdline", "path-arg"), "single source", True),
-    (("cmdline", "cmdline"), "single source", True),  # the same source twice is not two
-    (("path-arg",), "informational", False),
-    (("path-arg", "installed"), "informational", False),
-    (("installed",), "informational", False),
-])
-def test_only_api_mapped_cmdline_corroborate(sources: tuple[str, ...], status: str,
-                                             detail: bool) -> None:
-    claims = assess(Evidence(Source(s), path="/m/x.gguf", detail=str(i))
-                    for i, s in enumerate(sources))
+@pytest.mark.parametrize(
+    "sources,status,detail",
+    [
+        (("mapped", "cmdline"), "confirmed", True),
+        (("api", "mapped"), "confirmed", True),
+        (("api", "cmdline"), "confirmed", True),
+        (("mapped",), "single source", True),
+        (("cmdline", "path-arg"), "single source", True),
+        (("cmdline", "cmdline"), "single source", True),  # the same source twice is not two
+        (("path-arg",), "informational", False),
+        (("path-arg", "installed"), "informational", False),
+        (("installed",), "informational", False),
+    ],
+)
+def test_only_api_mapped_cmdline_corroborate(
+    sources: tuple[str, ...], status: str, detail: bool
+) -> None:
+    claims = assess(
+        Evidence(Source(s), path="/m/x.gguf", detail=str(i)) for i, s in enumerate(sources)
+    )
     assert len(claims) == 1
     c = claims[0]
     assert (c.status, c.allows_detail, c.confirmed) == (status, detail, status == "confirmed")
@@ -66,8 +71,17 @@ def test_real_process_cmdline_evidence_resolves_and_never_holds_a_secret(
     model.write_bytes(b"GGUF")
     link = tmp_path / "link.gguf"
     link.symlink_to(model)
-    args = ["-m", "models/../models/tiny.gguf", "--api-key", "secret.gguf",
-            "--hf-token=tok.gguf", "--port", "8080", "extra/link.gguf", str(link)]
+    args = [
+        "-m",
+        "models/../models/tiny.gguf",
+        "--api-key",
+        "secret.gguf",
+        "--hf-token=tok.gguf",
+        "--port",
+        "8080",
+        "extra/link.gguf",
+        str(link),
+    ]
     proc = start_mapper(args, tmp_path)
     children.append(proc)
     info = scan_process(proc.pid)
@@ -96,22 +110,26 @@ def test_api_key_only_from_the_raw_argv() -> None:
 
 
 def test_api_name_joins_the_one_matching_path_claim() -> None:
-    claims = assess([
-        Evidence(Source.MAPPED, path="/m/a.gguf"),
-        Evidence(Source.CMDLINE, path="/m/b.gguf"),
-        Evidence(Source.API, model="a.gguf"),
-    ])
+    claims = assess(
+        [
+            Evidence(Source.MAPPED, path="/m/a.gguf"),
+            Evidence(Source.CMDLINE, path="/m/b.gguf"),
+            Evidence(Source.API, model="a.gguf"),
+        ]
+    )
     a = next(c for c in claims if c.path == "/m/a.gguf")
     assert a.confirmed and a.model == "a.gguf" and a.best is Source.API
     assert claims[0] is a  # confirmed first
 
 
 def test_ambiguous_api_name_stays_alone() -> None:
-    claims = assess([
-        Evidence(Source.MAPPED, path="/m/one/model.gguf"),
-        Evidence(Source.MAPPED, path="/m/two/model.gguf"),
-        Evidence(Source.API, model="model.gguf"),
-    ])
+    claims = assess(
+        [
+            Evidence(Source.MAPPED, path="/m/one/model.gguf"),
+            Evidence(Source.MAPPED, path="/m/two/model.gguf"),
+            Evidence(Source.API, model="model.gguf"),
+        ]
+    )
     alone = [c for c in claims if c.path is None]
     assert len(alone) == 1 and alone[0].model == "model.gguf" and not alone[0].confirmed
 
@@ -126,12 +144,18 @@ def test_from_procinfo_rows(tmp_path: Path) -> None:
     real.write_bytes(b"GGUF")
     link = tmp_path / "l.gguf"
     link.symlink_to(real)
-    rows = [ModelEvidence("mapped", str(link)), ModelEvidence("cmdline", str(real), flag="-m"),
-            ModelEvidence("path-arg", None, raw="rel.gguf"),
-            ModelEvidence("mapped", "/gone/x.gguf", deleted=True)]
+    rows = [
+        ModelEvidence("mapped", str(link)),
+        ModelEvidence("cmdline", str(real), flag="-m"),
+        ModelEvidence("path-arg", None, raw="rel.gguf"),
+        ModelEvidence("mapped", "/gone/x.gguf", deleted=True),
+    ]
     ev = from_procinfo(rows)
     assert [(e.source.value, e.path) for e in ev] == [
-        ("mapped", str(real)), ("cmdline", str(real)), ("mapped", "/gone/x.gguf")]
+        ("mapped", str(real)),
+        ("cmdline", str(real)),
+        ("mapped", "/gone/x.gguf"),
+    ]
     claim = next(c for c in assess(ev) if c.path == str(real))
     assert claim.confirmed
 
@@ -145,8 +169,15 @@ def test_mapped_store_blobs_without_extension(tmp_path: Path) -> None:
     blob.write_bytes(content)
     man = root / "manifests" / "registry.ollama.ai" / "library" / "m" / "latest"
     man.parent.mkdir(parents=True)
-    man.write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.model",
-                                           "digest": f"sha256:{hexd}"}]}))
+    man.write_text(
+        json.dumps(
+            {
+                "layers": [
+                    {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{hexd}"}
+                ]
+            }
+        )
+    )
     idx = StoreIndex(StoreRoots(ollama=(str(root),)))
     ev = mapped_store_files(["/usr/lib/libc.so.6", str(blob)], idx.name_for)
     assert [(e.source, e.path) for e in ev] == [(Source.MAPPED, os.path.realpath(blob))]

@@ -48,22 +48,43 @@ def _mock_snapshot():
     a0, a1 = ms.adapter(0, ms.BUS0), ms.adapter(1, ms.BUS1, uuid="GPU-second")
     m1 = ms.metrics(used=0, util=None, power=None)  # a measured zero, two unknowns
     llama = ms.proc(101, 3 * ms.GIB, name="llama-server")
-    llama = llama.__class__(**{**{f: getattr(llama, f) for f in llama.__slots__},
-                               "model": ModelRef("qwen2.5-7b", "mapped", confirmed=True),
-                               "breakdown": LlmView(
-                                   "qwen2.5-7b", None, "mapped", "confirmed", "",
-                                   parts=(ViewPart("weights", Reading.runtime(2 * ms.GIB, "log")),
-                                          ViewPart("kv_cache", Reading.estimated(ms.GIB, "gguf")),
-                                          ViewPart("compute", Reading.missing(
-                                              Reason.UNAVAILABLE, "x", kind=Kind.ESTIMATED))),
-                                   reported_total=2 * ms.GIB, estimated_total=ms.GIB)})
+    llama = llama.__class__(
+        **{
+            **{f: getattr(llama, f) for f in llama.__slots__},
+            "model": ModelRef("qwen2.5-7b", "mapped", confirmed=True),
+            "breakdown": LlmView(
+                "qwen2.5-7b",
+                None,
+                "mapped",
+                "confirmed",
+                "",
+                parts=(
+                    ViewPart("weights", Reading.runtime(2 * ms.GIB, "log")),
+                    ViewPart("kv_cache", Reading.estimated(ms.GIB, "gguf")),
+                    ViewPart(
+                        "compute", Reading.missing(Reason.UNAVAILABLE, "x", kind=Kind.ESTIMATED)
+                    ),
+                ),
+                reported_total=2 * ms.GIB,
+                estimated_total=ms.GIB,
+            ),
+        }
+    )
     guess = ms.proc(102, 512 * ms.MIB, name="python3")
-    guess = guess.__class__(**{**{f: getattr(guess, f) for f in guess.__slots__},
-                               "model": ModelRef("maybe-model", "cmdline")})
-    hidden = ms.proc(103, None, name="hidden", bus=ms.BUS1, reason=Reason.HIDDEN,
-                     inferred=256 * ms.MIB)
-    snap = ms.snapshot(adapters=(a0, a1), metrics_by_bus={ms.BUS0: ms.metrics(), ms.BUS1: m1},
-                       procs=(llama, guess, hidden))
+    guess = guess.__class__(
+        **{
+            **{f: getattr(guess, f) for f in guess.__slots__},
+            "model": ModelRef("maybe-model", "cmdline"),
+        }
+    )
+    hidden = ms.proc(
+        103, None, name="hidden", bus=ms.BUS1, reason=Reason.HIDDEN, inferred=256 * ms.MIB
+    )
+    snap = ms.snapshot(
+        adapters=(a0, a1),
+        metrics_by_bus={ms.BUS0: ms.metrics(), ms.BUS1: m1},
+        procs=(llama, guess, hidden),
+    )
     return snap
 
 
@@ -73,7 +94,9 @@ def test_nvml_mocked_scrape_names_labels_and_provenance():
     # device: labels identify the GPU; measured values carry provenance="measured"
     total = got["gputaskman_gpu_memory_total_bytes"]
     assert {(s.labels["gpu"], s.labels["pci_bus_id"], s.labels["uuid"]) for s in total} == {
-        ("0", ms.BUS0, f"GPU-mock-{ms.BUS0}"), ("1", ms.BUS1, "GPU-second")}
+        ("0", ms.BUS0, f"GPU-mock-{ms.BUS0}"),
+        ("1", ms.BUS1, "GPU-second"),
+    }
     assert all(s.labels["provenance"] == "measured" and s.value == 16 * ms.GIB for s in total)
     # a measured zero is exported as 0; unknowns are absent (not 0)
     used = {s.labels["gpu"]: s.value for s in got["gputaskman_gpu_memory_used_bytes"]}
@@ -91,17 +114,23 @@ def test_nvml_mocked_scrape_names_labels_and_provenance():
     # inferred, estimated and runtime values live under their own names, never the base one
     inf = got["gputaskman_process_vram_inferred_bytes"]
     assert [(s.labels["pid"], s.labels["provenance"], s.value) for s in inf] == [
-        ("103", "inferred", 256 * ms.MIB)]
+        ("103", "inferred", 256 * ms.MIB)
+    ]
     est = got["gputaskman_process_vram_estimated_bytes"]
     assert [(s.labels["pid"], s.labels["provenance"], s.value) for s in est] == [
-        ("101", "estimated", ms.GIB)]
+        ("101", "estimated", ms.GIB)
+    ]
     rt = got["gputaskman_process_vram_runtime_bytes"]
     assert [(s.labels["pid"], s.value) for s in rt] == [("101", 2 * ms.GIB)]
     parts = {(s.name, s.labels["part"]) for n in got for s in got[n] if "llm_part" in n}
-    assert parts == {("gputaskman_process_llm_part_runtime_bytes", "weights"),
-                     ("gputaskman_process_llm_part_estimated_bytes", "kv_cache")}  # compute n/a
-    info = {(s.labels["pid"], s.labels["model_name"], s.labels["confirmed"])
-            for s in got["gputaskman_process_model_info"]}
+    assert parts == {
+        ("gputaskman_process_llm_part_runtime_bytes", "weights"),
+        ("gputaskman_process_llm_part_estimated_bytes", "kv_cache"),
+    }  # compute n/a
+    info = {
+        (s.labels["pid"], s.labels["model_name"], s.labels["confirmed"])
+        for s in got["gputaskman_process_model_info"]
+    }
     assert info == {("101", "qwen2.5-7b", "true"), ("102", "maybe-model", "false")}
     # the measured sum counts measured bytes only (the inferred 256 MiB is not in it)
     att = {s.labels["gpu"]: s.value for s in got["gputaskman_gpu_attributed_bytes"]}
@@ -115,16 +144,23 @@ def _platform_rows_snapshot():
     base = ms.proc(201, 2 * ms.GIB, name="game.exe")
     paged = dataclasses.replace(base, paged=Reading.measured(300 * ms.MIB, "pdh:Non Local Usage"))
     paged_unknown = dataclasses.replace(
-        base, pid=202, paged=Reading.missing(Reason.UNAVAILABLE, "pdh:Non Local Usage", "x"))
+        base, pid=202, paged=Reading.missing(Reason.UNAVAILABLE, "pdh:Non Local Usage", "x")
+    )
     mac = dataclasses.replace(
-        base, pid=203, name="Safari", paged=Reading.measured(0, "task_vm_info:compressed"),
-        footprint=Reading.measured(5 * ms.GIB, "proc_pid_rusage:ri_phys_footprint"))
+        base,
+        pid=203,
+        name="Safari",
+        paged=Reading.measured(0, "task_vm_info:compressed"),
+        footprint=Reading.measured(5 * ms.GIB, "proc_pid_rusage:ri_phys_footprint"),
+    )
     mac_denied = dataclasses.replace(
-        base, pid=204, footprint=Reading.missing(Reason.DENIED, "proc_pid_rusage", "EPERM"))
+        base, pid=204, footprint=Reading.missing(Reason.DENIED, "proc_pid_rusage", "EPERM")
+    )
     linux = ms.proc(205, ms.GIB)  # NVML measures neither
     # a Windows host row whose PID is this test process's own PID here
-    host_row = dataclasses.replace(base, pid=os.getpid(), create_time=None, host="windows",
-                                   name="vmwp.exe")
+    host_row = dataclasses.replace(
+        base, pid=os.getpid(), create_time=None, host="windows", name="vmwp.exe"
+    )
     return ms.snapshot(procs=(paged, paged_unknown, mac, mac_denied, linux, host_row))
 
 
@@ -133,11 +169,16 @@ def test_platform_mocked_paged_and_footprint_match_json_and_unknown_is_absent():
     sysinfo = HostSampler(duvm=False).sample(pids=[os.getpid()])
     got = scrape(Cached(snap, sysinfo, time.time(), 0.01))
     doc = ms.doc(snap, sysinfo)
-    for metric, key in (("gputaskman_process_paged_bytes", "paged_bytes"),
-                        ("gputaskman_process_footprint_bytes", "footprint_bytes")):
+    for metric, key in (
+        ("gputaskman_process_paged_bytes", "paged_bytes"),
+        ("gputaskman_process_footprint_bytes", "footprint_bytes"),
+    ):
         series = {s.labels["pid"]: s for s in got[metric]}
-        known = {("windows:" if p["host"] else "") + str(p["pid"]): p[key]["value"]
-                 for p in doc["processes"] if p[key] is not None and p[key]["value"] is not None}
+        known = {
+            ("windows:" if p["host"] else "") + str(p["pid"]): p[key]["value"]
+            for p in doc["processes"]
+            if p[key] is not None and p[key]["value"] is not None
+        }
         # exactly the values --json has; unknown (202, 204) and unmeasured (NVML 205): absent
         assert {pid: s.value for pid, s in series.items()} == known
         assert all(s.labels["provenance"] == "measured" for s in series.values())
@@ -164,7 +205,8 @@ def test_nvml_mocked_no_sample_yet_and_backend_down():
     assert not [n for n in got if n.startswith(("gputaskman_gpu_", "gputaskman_process_"))]
     probs = got["gputaskman_sample_problems"]
     assert [(s.labels["where"], s.labels["reason"], s.value) for s in probs] == [
-        ("backend.init", "library not found", 1)]
+        ("backend.init", "library not found", 1)
+    ]
 
 
 def test_real_host_sample_exports_system_and_no_unknowns():
@@ -180,10 +222,16 @@ def test_real_host_sample_exports_system_and_no_unknowns():
 
 
 def test_metric_name_keeps_kinds_apart():
-    assert metric_name("gputaskman_process_vram", "bytes", Kind.MEASURED) == \
-        "gputaskman_process_vram_bytes"
+    assert (
+        metric_name("gputaskman_process_vram", "bytes", Kind.MEASURED)
+        == "gputaskman_process_vram_bytes"
+    )
     assert {metric_name("x", "bytes", k) for k in Kind} == {
-        "x_bytes", "x_inferred_bytes", "x_estimated_bytes", "x_runtime_bytes"}
+        "x_bytes",
+        "x_inferred_bytes",
+        "x_estimated_bytes",
+        "x_runtime_bytes",
+    }
 
 
 @given(st.text(max_size=40))
@@ -245,9 +293,13 @@ def test_scrapes_read_the_cache_and_never_sample():
 
 
 def _serve(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "gputaskman.cli", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gputaskman.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     line = proc.stdout.readline()
     if "serving http://" not in line:
         proc.kill()
@@ -263,8 +315,9 @@ def _get(url: str) -> str:
 
 
 def test_serve_real_gpu_less_machine_scrapes_cleanly():
-    proc, url = _serve(["serve", "--listen", "127.0.0.1:0", "--sample-interval", "0.2"],
-                       {"GTM_DUVM_SOCKETS": ""})
+    proc, url = _serve(
+        ["serve", "--listen", "127.0.0.1:0", "--sample-interval", "0.2"], {"GTM_DUVM_SOCKETS": ""}
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -295,13 +348,21 @@ def test_serve_port_in_use_is_a_clear_error():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "gputaskman.cli", "serve", "--listen",
-                            f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "gputaskman.cli", "serve", "--listen", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert r.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_serve_bad_listen_is_a_usage_error():
-    r = subprocess.run([sys.executable, "-m", "gputaskman.cli", "serve", "--listen", "nope"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "gputaskman.cli", "serve", "--listen", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "not ADDR:PORT" in r.stderr

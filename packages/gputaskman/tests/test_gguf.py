@@ -81,8 +81,17 @@ def test_qwen2_gqa_kv_uses_head_count_kv(tmp_path: Path) -> None:
 
 def test_gemma2_sliding_window_layers(tmp_path: Path) -> None:
     p = tmp_path / "gemma2.gguf"
-    write_model(p, "gemma2", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, ctx=8192,
-                key_length=32, sliding_window=1024)
+    write_model(
+        p,
+        "gemma2",
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        ctx=8192,
+        key_length=32,
+        sliding_window=1024,
+    )
     h = g.read_header(p)
     kv = g.kv_cache_estimate(h)
     row = 2 * 32 * 2  # 2 KV heads of 32, f16
@@ -104,8 +113,9 @@ def test_gemma2_default_window_and_gemma3_pattern(tmp_path: Path) -> None:
     kv = g.kv_cache_estimate(g.read_header(p))
     assert kv.swa_cells == 4096 + 512  # gemma2's default window, already a multiple of 256
     p3 = tmp_path / "g3.gguf"
-    write_model(p3, "gemma3", n_layer=6, n_embd=64, n_head=4, n_head_kv=1, ctx=4096,
-                sliding_window=512)
+    write_model(
+        p3, "gemma3", n_layer=6, n_embd=64, n_head=4, n_head_kv=1, ctx=4096, sliding_window=512
+    )
     kv3 = g.kv_cache_estimate(g.read_header(p3))
     assert (kv3.swa_layers, kv3.full_layers, kv3.swa_cells) == (5, 1, 1024)
     assert kv3.bytes == (5 * 1024 + 1 * 4096) * 2 * 16 * 2
@@ -136,8 +146,7 @@ def test_missing_shape_gives_none_not_zero(tmp_path: Path) -> None:
         g.kv_cache_estimate(h, cache_type_k="q5_1")
 
 
-def test_every_metadata_value_type_and_nested_arrays_agree_with_gguf_reader(
-        tmp_path: Path) -> None:
+def test_every_metadata_value_type_and_nested_arrays_agree_with_gguf_reader(tmp_path: Path) -> None:
     p = tmp_path / "types.gguf"
     w = ggufpkg.GGUFWriter(str(p), "llama")
     w.add_uint8("t.u8", 200)
@@ -202,8 +211,9 @@ def test_truncated_at_every_offset_is_a_clear_error(small_file: tuple[bytes, int
 
 def test_truncated_inside_a_skipped_vocabulary(tmp_path: Path) -> None:
     p = tmp_path / "vocab.gguf"
-    write_model(p, "llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=2, ctx=16,
-                vocab=g.KEEP_ARRAY + 50)
+    write_model(
+        p, "llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=2, ctx=16, vocab=g.KEEP_ARRAY + 50
+    )
     data = p.read_bytes()
     h = g.read_header(p)
     assert h.metadata["tokenizer.ggml.tokens"] == g.ArraySummary("string", g.KEEP_ARRAY + 50)
@@ -212,23 +222,35 @@ def test_truncated_inside_a_skipped_vocabulary(tmp_path: Path) -> None:
             g.parse_header(io.BytesIO(data[:cut]))
     # A vocabulary string declaring a huge length is refused, not skipped over.
     i = data.index(b"tok0") - 8
-    bad = data[:i] + struct.pack("<Q", 2**40) + data[i + 8:]
+    bad = data[:i] + struct.pack("<Q", 2**40) + data[i + 8 :]
     with pytest.raises(g.GGUFError, match="exceeds cap"):
         g.parse_header(io.BytesIO(bad))
 
 
-def test_garbage_big_endian_and_unknown_versions_are_refused(tmp_path: Path,
-                                                            small_file: tuple[bytes, int]) -> None:
+def test_garbage_big_endian_and_unknown_versions_are_refused(
+    tmp_path: Path, small_file: tuple[bytes, int]
+) -> None:
     with pytest.raises(g.GGUFError, match="not GGUF: magic"):
         g.parse_header(io.BytesIO(b"\x7fELF" + b"\0" * 100))
     be = tmp_path / "be.gguf"
-    write_model(be, "llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=2, ctx=16,
-                endianess=ggufpkg.GGUFEndian.BIG)
+    write_model(
+        be,
+        "llama",
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        n_head_kv=2,
+        ctx=16,
+        endianess=ggufpkg.GGUFEndian.BIG,
+    )
     with pytest.raises(g.GGUFError, match="big-endian"):
         g.read_header(be)
     data = small_file[0]
-    for version, msg in ((1, "version 1"), (7, "unknown GGUF version 7"),
-                         (0xFFFFFFFF, "unknown GGUF version")):
+    for version, msg in (
+        (1, "version 1"),
+        (7, "unknown GGUF version 7"),
+        (0xFFFFFFFF, "unknown GGUF version"),
+    ):
         bad = data[:4] + struct.pack("<I", version) + data[8:]
         with pytest.raises(g.GGUFError, match=msg):
             g.parse_header(io.BytesIO(bad))
@@ -238,18 +260,25 @@ def _header(n_tensors: int = 0, n_kv: int = 1) -> bytes:
     return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv)
 
 
-@pytest.mark.parametrize("blob,msg", [
-    (_header() + struct.pack("<Q", 2**60), "exceeds cap"),  # key length
-    (_header() + struct.pack("<Q", 1) + b"k" + struct.pack("<IQ", 8, 2**62), "exceeds cap"),
-    (_header() + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 4, 2**40), "exceeds cap"),
-    (_header() + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 4, 10**7),
-     "larger than the"),  # under the count cap, over the byte cap: refused before reading
-    (_header(n_tensors=2**50, n_kv=0), "tensors, over the cap"),
-    (_header(n_kv=2**40), "metadata entries, over the cap"),
-    (_header() + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 99), "unknown metadata"),
-    (_header(n_tensors=1, n_kv=0) + struct.pack("<Q", 1) + b"t" + struct.pack("<I", 1000),
-     "dims"),
-])
+@pytest.mark.parametrize(
+    "blob,msg",
+    [
+        (_header() + struct.pack("<Q", 2**60), "exceeds cap"),  # key length
+        (_header() + struct.pack("<Q", 1) + b"k" + struct.pack("<IQ", 8, 2**62), "exceeds cap"),
+        (_header() + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 4, 2**40), "exceeds cap"),
+        (
+            _header() + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 4, 10**7),
+            "larger than the",
+        ),  # under the count cap, over the byte cap: refused before reading
+        (_header(n_tensors=2**50, n_kv=0), "tensors, over the cap"),
+        (_header(n_kv=2**40), "metadata entries, over the cap"),
+        (_header() + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 99), "unknown metadata"),
+        (
+            _header(n_tensors=1, n_kv=0) + struct.pack("<Q", 1) + b"t" + struct.pack("<I", 1000),
+            "dims",
+        ),
+    ],
+)
 def test_huge_declared_lengths_do_not_allocate(blob: bytes, msg: str) -> None:
     tracemalloc.start()
     try:
@@ -311,6 +340,7 @@ def test_fuzz_mutated_real_file(data: st.DataObject) -> None:
 
 def _small_real() -> bytes:
     import tempfile
+
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "s.gguf"
         write_model(p, "llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=2, ctx=16, vocab=4)

@@ -38,21 +38,26 @@ def _variants() -> list:
     rows = [base]
     for i, kind in enumerate(Kind):
         inferred = Reading(50 * ms.MIB, kind, "mock:rule")
-        rows.append(dataclasses.replace(base, pid=10 + i, dedicated=ms.r(None), inferred=inferred,
-                                        unique=True))
+        rows.append(
+            dataclasses.replace(
+                base, pid=10 + i, dedicated=ms.r(None), inferred=inferred, unique=True
+            )
+        )
     for i, reason in enumerate(Reason):
         rows.append(dataclasses.replace(base, pid=100 + i, dedicated=ms.r(None, reason)))
     rows.append(dataclasses.replace(base, pid=200, host="windows"))
     rows.append(dataclasses.replace(base, pid=201, detail=ProcDetail()))  # not scanned yet
     heuristic = runtimes.Classification(runtimes.VISION, True, "names only").label
-    rows.append(dataclasses.replace(base, pid=202, detail=ProcDetail(category=heuristic,
-                                                                     scanned=True)))
+    rows.append(
+        dataclasses.replace(base, pid=202, detail=ProcDetail(category=heuristic, scanned=True))
+    )
     for i, source in enumerate(Source):
         for confirmed in (False, True):
             for pending in (False, True):
                 m = ModelRef("m", source.value, confirmed=confirmed, pending=pending)
-                rows.append(dataclasses.replace(base, pid=300 + 4 * i + 2 * confirmed + pending,
-                                                model=m))
+                rows.append(
+                    dataclasses.replace(base, pid=300 + 4 * i + 2 * confirmed + pending, model=m)
+                )
     app = type("App", (), {"selected": "chosen-model"})()
     rows.append(dataclasses.replace(base, pid=400, app_model=app))
     rows.append(dataclasses.replace(base, pid=401, paged=Reading.measured(ms.MIB, "mock:pdh")))
@@ -84,10 +89,15 @@ def test_help_names_every_mark_the_table_renders() -> None:
                 assert cell in text, cell
     # the rows really exercised every mark the renderers use
     expected = {m for m in report.KIND_MARK.values() if m} | {
-        report.UNIQUE_MARK, report.NOT_SCANNED_MARK, runtimes.HEURISTIC_MARK,
-        report_models.CONFIRMED_MARK, report_models.UNCONFIRMED_MARK,
-        report_models.PENDING_MARK, "[", "]",
-    }  # fmt: skip
+        report.UNIQUE_MARK,
+        report.NOT_SCANNED_MARK,
+        runtimes.HEURISTIC_MARK,
+        report_models.CONFIRMED_MARK,
+        report_models.UNCONFIRMED_MARK,
+        report_models.PENDING_MARK,
+        "[",
+        "]",
+    }
     assert expected <= symbols
     for s in symbols:
         assert s in text, f"the table can show {s!r} but the help does not explain it"

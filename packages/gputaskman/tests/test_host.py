@@ -50,8 +50,9 @@ def test_parse_swaps_kernel_format_partition_and_odd_file_names() -> None:
         SWAPS_HEADER
         + kernel_swaps_line("/dev/dm-1", False, 1003516, 0, -2)
         + kernel_swaps_line(kernel_escape("/var/swap file\tx\\y"), True, 102396, 512, 5)
-        + kernel_swaps_line(kernel_escape("/a/very/long/path/to/a/swapfile/beyond/40/cols"),
-                            True, 8, 4, -3)
+        + kernel_swaps_line(
+            kernel_escape("/a/very/long/path/to/a/swapfile/beyond/40/cols"), True, 8, 4, -3
+        )
     )
     devices, problems = parse_swaps(text)
     assert problems == ()
@@ -92,8 +93,10 @@ def test_unescape_leaves_unknown_escapes_alone() -> None:
 
 
 _names = st.text(
-    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00\r\x0b\x0c"
-                           "\x1c\x1d\x1e\x1f\x85\u2028\u2029\xa0\u1680\u3000"),
+    alphabet=st.characters(
+        blacklist_categories=("Cs",),
+        blacklist_characters="\x00\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\u2028\u2029\xa0\u1680\u3000",
+    ),
     min_size=1,
     max_size=60,
 ).filter(lambda s: not s.strip().startswith("Filename") and s.strip() != "")
@@ -113,8 +116,9 @@ def test_fuzz_swaps_roundtrip_of_kernel_lines(
     escaped = kernel_escape("/" + name)
     # Only ASCII whitespace is escaped by the kernel; other Unicode spaces would split the
     # columns in any whitespace-separated reader, so the strategy leaves them out.
-    devices, problems = parse_swaps(SWAPS_HEADER + kernel_swaps_line(escaped, is_file, size,
-                                                                      used, prio))
+    devices, problems = parse_swaps(
+        SWAPS_HEADER + kernel_swaps_line(escaped, is_file, size, used, prio)
+    )
     (dev,) = devices
     expected = "/" + name
     deleted = expected.endswith(" (deleted)")
@@ -172,8 +176,10 @@ def test_real_machine_values_are_sane_and_os_reported() -> None:
     psutil_total = psutil.virtual_memory().total
     assert total == psutil_total
     assert first.cpu.logical_cpus.value == os.cpu_count()
-    assert all(r.value is not None and r.value >= 0
-               for r in (first.cpu.load_1, first.cpu.load_5, first.cpu.load_15))
+    assert all(
+        r.value is not None and r.value >= 0
+        for r in (first.cpu.load_1, first.cpu.load_5, first.cpu.load_15)
+    )
     # A rate needs two samples: the first is unknown with a reason, never 0.
     assert first.cpu.percent.value is None and first.cpu.percent.reason is Reason.UNAVAILABLE
     time.sleep(0.2)

@@ -26,10 +26,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_win_pdh import FakePdh  # the WDDM tests' mocked PDH
 
 GIB = 1 << 30
-FIRST = {pdh.MEMORY_AVAILABLE: CounterRead.ok({"": 6 * GIB}),
-         pdh.PROCESSOR_TIME: CounterRead.failed(pdh.PDH_INVALID_DATA)}  # a rate: no value yet
-SECOND = {pdh.MEMORY_AVAILABLE: CounterRead.ok({"": 5 * GIB}),
-          pdh.PROCESSOR_TIME: CounterRead.ok({"_Total": 37.5})}
+FIRST = {
+    pdh.MEMORY_AVAILABLE: CounterRead.ok({"": 6 * GIB}),
+    pdh.PROCESSOR_TIME: CounterRead.failed(pdh.PDH_INVALID_DATA),
+}  # a rate: no value yet
+SECOND = {
+    pdh.MEMORY_AVAILABLE: CounterRead.ok({"": 5 * GIB}),
+    pdh.PROCESSOR_TIME: CounterRead.ok({"_Total": 37.5}),
+}
 
 
 @pytest.fixture
@@ -84,8 +88,10 @@ def test_pdh_mocked_windows_host_sample_reads_pdh_never_proc(no_proc) -> None:
 
 
 def test_pdh_mocked_counter_failures_and_odd_instances_are_reasons() -> None:
-    bad = {pdh.MEMORY_AVAILABLE: CounterRead.failed(pdh.PDH_CSTATUS_NO_COUNTER),
-           pdh.PROCESSOR_TIME: CounterRead.ok({"a": 1.0, "b": 2.0})}
+    bad = {
+        pdh.MEMORY_AVAILABLE: CounterRead.failed(pdh.PDH_CSTATUS_NO_COUNTER),
+        pdh.PROCESSOR_TIME: CounterRead.ok({"a": 1.0, "b": 2.0}),
+    }
     got = hostplat.PlatformHostSampler("win32", pdh=FakePdh(bad)).sample()
     _unknown_not_zero(got.memory.available_bytes)  # no such counter: not supported
     _unknown_not_zero(got.cpu.percent, Reason.QUERY_FAILED)
@@ -101,8 +107,9 @@ def test_real_pdh_on_this_linux_machine_is_a_reason_not_a_crash(no_proc) -> None
 
 
 def test_iokit_mocked_macos_host_sample_total_and_load(no_proc) -> None:
-    s = hostplat.PlatformHostSampler("darwin", memsize=lambda: 32 * GIB,
-                                     loadavg=lambda: (1.5, 1.0, 0.5))
+    s = hostplat.PlatformHostSampler(
+        "darwin", memsize=lambda: 32 * GIB, loadavg=lambda: (1.5, 1.0, 0.5)
+    )
     got = s.sample()
     assert got.memory.total_bytes.value == 32 * GIB
     assert got.memory.total_bytes.source == "sysctl:hw.memsize"
@@ -125,8 +132,11 @@ def test_platform_samples_keep_the_null_rules_in_json_text_and_metrics(plat) -> 
     names = {m.name for m in system_families(info)}
     exported = {n for n in names if n.startswith("gputaskman_system_memory")}
     # only what was measured is a series: Windows available bytes, macOS total
-    assert exported == ({"gputaskman_system_memory_available_bytes"} if plat == "win32"
-                        else {"gputaskman_system_memory_total_bytes"})
+    assert exported == (
+        {"gputaskman_system_memory_available_bytes"}
+        if plat == "win32"
+        else {"gputaskman_system_memory_total_bytes"}
+    )
     doc = report.to_json_dict(__import__("mocked_snapshots").snapshot(), info)
     assert doc["system"]["memory"]["free_bytes"]["value"] is None
 

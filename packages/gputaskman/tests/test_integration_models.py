@@ -62,11 +62,23 @@ def llama_server(tmp_path: Path) -> Iterator[Server]:
     write_model(model, "llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, ctx=256)
     log = tmp_path / "server.log"
     reqs = tmp_path / "requests.log"
-    argv = [sys.executable, str(HERE / "imitation_llama_server.py"), "-m", "tiny.gguf",
-            "--port", "0", "-c", "128", "--api-key", SECRET, "-v", "--requests-log", str(reqs)]
+    argv = [
+        sys.executable,
+        str(HERE / "imitation_llama_server.py"),
+        "-m",
+        "tiny.gguf",
+        "--port",
+        "0",
+        "-c",
+        "128",
+        "--api-key",
+        SECRET,
+        "-v",
+        "--requests-log",
+        str(reqs),
+    ]
     with open(log, "w") as err:
-        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err,
-                                text=True)
+        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("listening "), line
@@ -103,15 +115,17 @@ def _check_view_provenance(bd: dict, srv: Server) -> None:
     other = bd["parts"]["other"]["reading"]
     assert other["value"] is None and other["kind"] == "inferred"
     assert bd["reported_total"]["value"] == round(0.41 * MIB) + round(0.06 * MIB) + round(
-        0.70 * MIB)
+        0.70 * MIB
+    )
     assert bd["estimated_total"]["value"] is None  # no estimate was chosen for any part
 
 
 @pytest.mark.slow
 def test_json_subprocess_identifies_the_llama_server_with_confirmed_evidence(llama_server):
     srv = llama_server
-    r = subprocess.run([GTM, "--json"], capture_output=True, text=True, timeout=120,
-                       stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [GTM, "--json"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
     assert r.returncode == 0, r.stderr
     assert SECRET not in r.stdout and SECRET not in r.stderr
     doc = json.loads(r.stdout)
@@ -137,13 +151,14 @@ def test_json_subprocess_identifies_the_llama_server_with_confirmed_evidence(lla
 @pytest.mark.slow
 def test_once_subprocess_prints_the_model_section(llama_server):
     srv = llama_server
-    r = subprocess.run([GTM, "--once"], capture_output=True, text=True, timeout=120,
-                       stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [GTM, "--once"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
     assert r.returncode == 0, r.stderr
     assert SECRET not in r.stdout
     out = r.stdout
     assert "MODELS" in out
-    section = out[out.index(f"PID {srv.proc.pid} "):]
+    section = out[out.index(f"PID {srv.proc.pid} ") :]
     assert "model tiny.gguf [api✓]" in section
     assert "evidence api (confirmed: api+cmdline+mapped)" in section
     assert f"llama.cpp API on 127.0.0.1:{srv.port}" in section
@@ -218,8 +233,9 @@ def test_path_arg_alone_is_informational_and_never_probed(tmp_path: Path):
     model = tmp_path / "notes.gguf"
     model.write_bytes(b"not a gguf file at all")  # a header read would record an error
     reqs = tmp_path / "requests.log"
-    proc = subprocess.Popen([sys.executable, str(script), str(model), str(reqs)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(model), str(reqs)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().startswith("listening")
         info = scan_process(proc.pid)
@@ -280,23 +296,36 @@ def test_ollama_runner_child_is_named_through_the_parent_api(tmp_path: Path):
     write_model(blob, "llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=2, ctx=64)
     manifest = models / "manifests/registry.ollama.ai/library/tiny/latest"
     manifest.parent.mkdir(parents=True)
-    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [
-        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}",
-         "size": blob.stat().st_size}]}))
+    manifest.write_text(
+        json.dumps(
+            {
+                "schemaVersion": 2,
+                "layers": [
+                    {
+                        "mediaType": "application/vnd.ollama.image.model",
+                        "digest": f"sha256:{digest}",
+                        "size": blob.stat().st_size,
+                    }
+                ],
+            }
+        )
+    )
     exe = tmp_path / "ollama"
     exe.symlink_to(sys.executable)
     script = tmp_path / "serve.py"
     script.write_text(OLLAMA_SERVE)
-    serve = subprocess.Popen([str(exe), str(script), str(blob), "tiny:latest"],
-                             stdout=subprocess.PIPE, text=True)
+    serve = subprocess.Popen(
+        [str(exe), str(script), str(blob), "tiny:latest"], stdout=subprocess.PIPE, text=True
+    )
     try:
         words = serve.stdout.readline().split()
         assert words[0] == "runner", words
         runner_pid = int(words[1])
         info = scan_process(runner_pid)
         assert info.name == "ollama"
-        resolver = ModelResolver(background=False,
-                                 index=StoreIndex(StoreRoots(ollama=(str(models),))))
+        resolver = ModelResolver(
+            background=False, index=StoreIndex(StoreRoots(ollama=(str(models),)))
+        )
         res = resolver.resolve(info)
         assert res.ref is not None
         assert res.ref.name == "tiny:latest" and res.ref.store == "ollama"
@@ -313,8 +342,7 @@ def test_ollama_runner_child_is_named_through_the_parent_api(tmp_path: Path):
         os.kill(runner_pid, 9)
 
 
-def test_handy_process_gets_its_selected_model_from_the_app_adapter(tmp_path: Path,
-                                                                      monkeypatch):
+def test_handy_process_gets_its_selected_model_from_the_app_adapter(tmp_path: Path, monkeypatch):
     """A real process named ``handy`` (a symlink to Python) and Handy's settings file laid
     out under $XDG_DATA_HOME: the selection is a setting, shown as such, never as residency."""
     data = tmp_path / "data"
@@ -324,8 +352,11 @@ def test_handy_process_gets_its_selected_model_from_the_app_adapter(tmp_path: Pa
     monkeypatch.setenv("XDG_DATA_HOME", str(data))
     exe = tmp_path / "handy"
     exe.symlink_to(sys.executable)
-    proc = subprocess.Popen([str(exe), "-c", "import time; print('up', flush=True); "
-                             "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(exe), "-c", "import time; print('up', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().startswith("up")
         info = scan_process(proc.pid)
@@ -335,8 +366,16 @@ def test_handy_process_gets_its_selected_model_from_the_app_adapter(tmp_path: Pa
         assert res.ref is None and res.view is None  # a setting is not evidence
         assert res.app is not None and res.app.selected == "parakeet-tdt-0.6b-v3"
         from gputaskman.model import ProcGpu, Reading, Reason
-        row = ProcGpu(proc.pid, info.create_time, "handy", None, (),
-                      Reading.missing(Reason.NOT_LISTED, "nvml"), app_model=res.app)
+
+        row = ProcGpu(
+            proc.pid,
+            info.create_time,
+            "handy",
+            None,
+            (),
+            Reading.missing(Reason.NOT_LISTED, "nvml"),
+            app_model=res.app,
+        )
         assert report.model_cell(row) == "parakeet-tdt-0.6b-v3 [selected]"
         assert report.app_json(row.app_model)["evidence"] == "settings"
         assert any("a setting, not residency" in ln for ln in report.model_lines(row))

@@ -51,8 +51,12 @@ Route = Callable[[BaseHTTPRequestHandler], tuple[int, bytes] | None]
 class Imitation:
     """A loopback HTTP server answering fixed bodies per path; records method and headers."""
 
-    def __init__(self, routes: dict[str, object], delay: threading.Event | None = None,
-                 require_bearer: str | None = None) -> None:
+    def __init__(
+        self,
+        routes: dict[str, object],
+        delay: threading.Event | None = None,
+        require_bearer: str | None = None,
+    ) -> None:
         self.requests: list[tuple[str, str, str | None]] = []
         outer = self
 
@@ -61,17 +65,17 @@ class Imitation:
                 pass
 
             def _answer(self) -> None:
-                outer.requests.append((self.command, self.path,
-                                       self.headers.get("Authorization")))
+                outer.requests.append((self.command, self.path, self.headers.get("Authorization")))
                 if delay is not None:
                     delay.wait(10)
-                if require_bearer and self.headers.get("Authorization") != \
-                        f"Bearer {require_bearer}":
+                if (
+                    require_bearer
+                    and self.headers.get("Authorization") != f"Bearer {require_bearer}"
+                ):
                     code, body = 401, b'{"error": "unauthorized"}'
                 elif self.path in routes:
                     r = routes[self.path]
-                    code, body = (200, r) if isinstance(r, bytes) else (
-                        200, json.dumps(r).encode())
+                    code, body = (200, r) if isinstance(r, bytes) else (200, json.dumps(r).encode())
                 else:
                     code, body = 404, b"{}"
                 try:
@@ -115,45 +119,116 @@ def imitation() -> Iterator[Callable[..., Imitation]]:
 
 
 # Shapes from each runtime's API documentation.
-LLAMA_PROPS = {"model_path": "/models/qwen.gguf", "total_slots": 1,
-               "default_generation_settings": {"n_ctx": 4096, "params": {}}}
-LLAMA_MODELS = {"object": "list", "data": [{"id": "/models/qwen.gguf", "object": "model",
-                                            "owned_by": "llamacpp", "created": 1,
-                                            "meta": {"n_params": 494032768, "size": 531000000,
-                                                     "n_ctx_train": 32768}}]}
-LLAMA_METRICS = (b"# HELP llamacpp:kv_cache_usage_ratio KV-cache usage.\n"
-                 b"# TYPE llamacpp:kv_cache_usage_ratio gauge\n"
-                 b"llamacpp:kv_cache_usage_ratio 0.25\nllamacpp:requests_processing 1\n")
-OLLAMA_PS = {"models": [{"name": "llama3.2:3b", "model": "llama3.2:3b", "size": 3400000000,
-                         "digest": "a80c4f17acd5", "details": {"format": "gguf",
-                                                               "quantization_level": "Q4_K_M"},
-                         "expires_at": "2026-11-29T19:00:00Z", "size_vram": 3000000000,
-                         "context_length": 4096}]}
-OLLAMA_TAGS = {"models": [{"name": "llama3.2:3b", "model": "llama3.2:3b", "size": 2019393189,
-                           "digest": "a80c4f17acd5"},
-                          {"name": "qwen3:8b", "model": "qwen3:8b", "size": 5200000000}]}
-LMSTUDIO = {"object": "list", "data": [
-    {"id": "qwen2.5-7b-instruct", "object": "model", "type": "llm", "publisher": "lmstudio",
-     "arch": "qwen2", "compatibility_type": "gguf", "quantization": "Q4_K_M",
-     "state": "loaded", "max_context_length": 32768, "loaded_context_length": 8192},
-    {"id": "gemma-3-4b", "object": "model", "type": "vlm", "state": "not-loaded",
-     "max_context_length": 131072}]}
-VLLM_MODELS = {"object": "list", "data": [{"id": "Qwen/Qwen2.5-1.5B-Instruct", "object": "model",
-                                           "owned_by": "vllm", "root": "/srv/qwen",
-                                           "parent": None, "max_model_len": 32768}]}
-VLLM_METRICS = (b"# TYPE vllm:gpu_cache_usage_perc gauge\n"
-                b'vllm:gpu_cache_usage_perc{model_name="Qwen/Qwen2.5-1.5B-Instruct"} 0.1\n'
-                b'vllm:num_requests_running{model_name="Qwen/Qwen2.5-1.5B-Instruct"} 2.0\n')
+LLAMA_PROPS = {
+    "model_path": "/models/qwen.gguf",
+    "total_slots": 1,
+    "default_generation_settings": {"n_ctx": 4096, "params": {}},
+}
+LLAMA_MODELS = {
+    "object": "list",
+    "data": [
+        {
+            "id": "/models/qwen.gguf",
+            "object": "model",
+            "owned_by": "llamacpp",
+            "created": 1,
+            "meta": {"n_params": 494032768, "size": 531000000, "n_ctx_train": 32768},
+        }
+    ],
+}
+LLAMA_METRICS = (
+    b"# HELP llamacpp:kv_cache_usage_ratio KV-cache usage.\n"
+    b"# TYPE llamacpp:kv_cache_usage_ratio gauge\n"
+    b"llamacpp:kv_cache_usage_ratio 0.25\nllamacpp:requests_processing 1\n"
+)
+OLLAMA_PS = {
+    "models": [
+        {
+            "name": "llama3.2:3b",
+            "model": "llama3.2:3b",
+            "size": 3400000000,
+            "digest": "a80c4f17acd5",
+            "details": {"format": "gguf", "quantization_level": "Q4_K_M"},
+            "expires_at": "2026-11-29T19:00:00Z",
+            "size_vram": 3000000000,
+            "context_length": 4096,
+        }
+    ]
+}
+OLLAMA_TAGS = {
+    "models": [
+        {
+            "name": "llama3.2:3b",
+            "model": "llama3.2:3b",
+            "size": 2019393189,
+            "digest": "a80c4f17acd5",
+        },
+        {"name": "qwen3:8b", "model": "qwen3:8b", "size": 5200000000},
+    ]
+}
+LMSTUDIO = {
+    "object": "list",
+    "data": [
+        {
+            "id": "qwen2.5-7b-instruct",
+            "object": "model",
+            "type": "llm",
+            "publisher": "lmstudio",
+            "arch": "qwen2",
+            "compatibility_type": "gguf",
+            "quantization": "Q4_K_M",
+            "state": "loaded",
+            "max_context_length": 32768,
+            "loaded_context_length": 8192,
+        },
+        {
+            "id": "gemma-3-4b",
+            "object": "model",
+            "type": "vlm",
+            "state": "not-loaded",
+            "max_context_length": 131072,
+        },
+    ],
+}
+VLLM_MODELS = {
+    "object": "list",
+    "data": [
+        {
+            "id": "Qwen/Qwen2.5-1.5B-Instruct",
+            "object": "model",
+            "owned_by": "vllm",
+            "root": "/srv/qwen",
+            "parent": None,
+            "max_model_len": 32768,
+        }
+    ],
+}
+VLLM_METRICS = (
+    b"# TYPE vllm:gpu_cache_usage_perc gauge\n"
+    b'vllm:gpu_cache_usage_perc{model_name="Qwen/Qwen2.5-1.5B-Instruct"} 0.1\n'
+    b'vllm:num_requests_running{model_name="Qwen/Qwen2.5-1.5B-Instruct"} 2.0\n'
+)
 
 
 def test_llama_server_imitation_with_api_key(imitation: Callable[..., Imitation]) -> None:
-    srv = imitation({"/props": LLAMA_PROPS, "/v1/models": LLAMA_MODELS, "/metrics": LLAMA_METRICS,
-                     "/slots": [{"id": 0, "n_ctx": 4096}]}, require_bearer="k3y")
+    srv = imitation(
+        {
+            "/props": LLAMA_PROPS,
+            "/v1/models": LLAMA_MODELS,
+            "/metrics": LLAMA_METRICS,
+            "/slots": [{"id": 0, "n_ctx": 4096}],
+        },
+        require_bearer="k3y",
+    )
     r = probe([srv.socket], "llama.cpp", api_key="k3y", timeout=2)
     assert r.runtime == "llama.cpp" and r.endpoint == f"127.0.0.1:{srv.port}"
     (m,) = r.models
-    assert (m.path, m.n_ctx, m.weights_bytes, m.n_params) == ("/models/qwen.gguf", 4096,
-                                                               531000000, 494032768)
+    assert (m.path, m.n_ctx, m.weights_bytes, m.n_params) == (
+        "/models/qwen.gguf",
+        4096,
+        531000000,
+        494032768,
+    )
     assert r.gauges["llamacpp:kv_cache_usage_ratio"] == 0.25 and r.gauges["slots"] == 1
     assert {meth for meth, _, _ in srv.requests} == {"GET"}
     assert all(auth == "Bearer k3y" for _, _, auth in srv.requests)
@@ -166,7 +241,8 @@ def test_ollama_imitation(imitation: Callable[..., Imitation]) -> None:
     r = probe([srv.socket], "ollama", timeout=2)
     loaded = [m for m in r.models if m.loaded]
     assert [(m.name, m.size_bytes, m.vram_bytes, m.n_ctx) for m in loaded] == [
-        ("llama3.2:3b", 3400000000, 3000000000, 4096)]
+        ("llama3.2:3b", 3400000000, 3000000000, 4096)
+    ]
     installed = [m for m in r.models if m.loaded is False]
     assert [m.name for m in installed] == ["qwen3:8b"]
     ev = r.evidence()
@@ -176,7 +252,9 @@ def test_ollama_imitation(imitation: Callable[..., Imitation]) -> None:
 def test_lmstudio_imitation(imitation: Callable[..., Imitation]) -> None:
     r = probe([imitation({"/api/v0/models": LMSTUDIO}).socket], "lmstudio", timeout=2)
     assert [(m.name, m.loaded, m.n_ctx) for m in r.models] == [
-        ("qwen2.5-7b-instruct", True, 8192), ("gemma-3-4b", False, None)]
+        ("qwen2.5-7b-instruct", True, 8192),
+        ("gemma-3-4b", False, None),
+    ]
     assert [e.model for e in r.evidence()] == ["qwen2.5-7b-instruct"]
 
 
@@ -185,7 +263,8 @@ def test_vllm_imitation_and_autodetect(imitation: Callable[..., Imitation]) -> N
     r = probe([srv.socket], None, timeout=2)  # no hint: tries each table
     assert r.runtime == "vllm"
     assert [(m.name, m.path, m.n_ctx) for m in r.models] == [
-        ("Qwen/Qwen2.5-1.5B-Instruct", "/srv/qwen", 32768)]
+        ("Qwen/Qwen2.5-1.5B-Instruct", "/srv/qwen", 32768)
+    ]
     assert r.gauges['vllm:num_requests_running{model_name="Qwen/Qwen2.5-1.5B-Instruct"}'] == 2.0
 
 
@@ -195,26 +274,36 @@ def test_llama_server_is_not_mistaken_for_vllm(imitation: Callable[..., Imitatio
     assert not r.ok and any("owned_by vllm" in e for e in r.errors)
 
 
-@pytest.mark.parametrize("routes,reason", [
-    ({"/props": b"{not json"}, "ignored"),
-    ({"/props": [1, 2]}, "no model_path"),
-    ({"/props": {"model_path": None}}, "no model_path"),
-    ({"/props": {"model_path": 7}}, "no model_path"),
-    ({"/props": b"\xff\xfe"}, "ignored"),
-    ({}, "HTTP 404"),
-])
-def test_malformed_answers_are_ignored_with_a_reason(imitation: Callable[..., Imitation],
-                                                     routes: dict[str, object],
-                                                     reason: str) -> None:
+@pytest.mark.parametrize(
+    "routes,reason",
+    [
+        ({"/props": b"{not json"}, "ignored"),
+        ({"/props": [1, 2]}, "no model_path"),
+        ({"/props": {"model_path": None}}, "no model_path"),
+        ({"/props": {"model_path": 7}}, "no model_path"),
+        ({"/props": b"\xff\xfe"}, "ignored"),
+        ({}, "HTTP 404"),
+    ],
+)
+def test_malformed_answers_are_ignored_with_a_reason(
+    imitation: Callable[..., Imitation], routes: dict[str, object], reason: str
+) -> None:
     r = probe([imitation(routes).socket], "llama.cpp", timeout=2)
     assert not r.ok and r.models == ()
     assert any(reason in e for e in r.errors), r.errors
 
 
 def test_malformed_optional_endpoint_keeps_the_good_ones(
-        imitation: Callable[..., Imitation]) -> None:
-    srv = imitation({"/props": LLAMA_PROPS, "/slots": {"not": "a list"},
-                     "/v1/models": {"data": [None, {"id": 5}]}, "/metrics": b"garbage"})
+    imitation: Callable[..., Imitation],
+) -> None:
+    srv = imitation(
+        {
+            "/props": LLAMA_PROPS,
+            "/slots": {"not": "a list"},
+            "/v1/models": {"data": [None, {"id": 5}]},
+            "/metrics": b"garbage",
+        }
+    )
     r = probe([srv.socket], "llama.cpp", timeout=2)
     assert r.ok and [m.path for m in r.models] == ["/models/qwen.gguf"]
     assert len(r.errors) == 3 and all("ignored" in e for e in r.errors)
@@ -365,11 +454,24 @@ def test_incomplete_last_pass_falls_back_to_the_last_complete_one() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from([
-    "load_tensors: CPU model buffer size = 1.00 MiB", "llama_kv_cache: CPU KV buffer size = 2 MiB",
-    "sched_reserve: CPU compute buffer size = 0.5 MiB", "x buffer size = MiB", "",
-    "CUDA0 KV buffer size = -1 MiB", "\x00\xff", "model buffer size = 1e9 MiB",
-]) | st.text(max_size=60), max_size=30))
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "load_tensors: CPU model buffer size = 1.00 MiB",
+                "llama_kv_cache: CPU KV buffer size = 2 MiB",
+                "sched_reserve: CPU compute buffer size = 0.5 MiB",
+                "x buffer size = MiB",
+                "",
+                "CUDA0 KV buffer size = -1 MiB",
+                "\x00\xff",
+                "model buffer size = 1e9 MiB",
+            ]
+        )
+        | st.text(max_size=60),
+        max_size=30,
+    )
+)
 def test_fuzz_buffer_log_never_crashes(lines: list[str]) -> None:
     b = llm.parse_buffer_log("\n".join(lines))
     if b is not None:
@@ -427,8 +529,7 @@ def test_view_estimates_only_are_labelled_and_not_summed_into_measured(model_fil
     assert comp.reading.value is None and comp.reading.reason is not None
     assert other.reading.value is None  # never measured minus estimates
     assert v.reported_total is None and v.estimated_total == h.weights_bytes + kv.reading.value
-    assert (v.status, v.owner_marker, v.n_ctx, v.n_ctx_source) == ("confirmed", "", 512,
-                                                                   "cmdline")
+    assert (v.status, v.owner_marker, v.n_ctx, v.n_ctx_source) == ("confirmed", "", 512, "cmdline")
     json.dumps(v.to_json())
 
 
@@ -446,8 +547,15 @@ def test_view_runtime_beats_estimate_and_other_is_inferred(model_file: Path) -> 
     served = llm.ServedModel("qwen.gguf", str(model_file), True, n_ctx=256)
     claim = _claim(model_file, Source.API, Source.MAPPED)
     measured = 4 * MIB
-    v = llm.build_view(claim, header=h, buffers=buffers, served=served, runtime="llama.cpp",
-                       measured_bytes=measured, friendly_name="Qwen test")
+    v = llm.build_view(
+        claim,
+        header=h,
+        buffers=buffers,
+        served=served,
+        runtime="llama.cpp",
+        measured_bytes=measured,
+        friendly_name="Qwen test",
+    )
     w = v.part("weights")
     assert w.reading.kind is Kind.RUNTIME and w.reading.value == round(0.41 * MIB)
     assert [a.kind for a in w.alternatives] == [Kind.ESTIMATED]
@@ -464,14 +572,19 @@ def test_view_runtime_beats_estimate_and_other_is_inferred(model_file: Path) -> 
 def test_view_equal_candidates_get_a_star(model_file: Path) -> None:
     h = gguf.read_header(model_file)
     served = llm.ServedModel("qwen.gguf", str(model_file), True, weights_bytes=h.weights_bytes)
-    v = llm.build_view(_claim(model_file, Source.API, Source.MAPPED), header=h, served=served,
-                       runtime="llama.cpp")
+    v = llm.build_view(
+        _claim(model_file, Source.API, Source.MAPPED), header=h, served=served, runtime="llama.cpp"
+    )
     w = v.part("weights")
     assert w.reading.kind is Kind.RUNTIME and w.marker == "*"
     off_by_one = llm.ServedModel("q", None, True, weights_bytes=h.weights_bytes + 1)
-    v2 = llm.build_view(_claim(model_file, Source.API, Source.MAPPED), header=h,
-                        served=off_by_one, runtime="llama.cpp", buffers=llm.parse_buffer_log(
-                            "load_tensors: CPU model buffer size = 1.00 MiB\n"))
+    v2 = llm.build_view(
+        _claim(model_file, Source.API, Source.MAPPED),
+        header=h,
+        served=off_by_one,
+        runtime="llama.cpp",
+        buffers=llm.parse_buffer_log("load_tensors: CPU model buffer size = 1.00 MiB\n"),
+    )
     assert v2.part("weights").marker == ""  # near-equal is not enough; two reports differ
 
 
@@ -488,12 +601,23 @@ def test_end_to_end_imitation_llama_server(tmp_path: Path) -> None:
     write_model(model, "llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, ctx=256)
     log = tmp_path / "server.log"
     reqlog = tmp_path / "requests.log"
-    argv = [sys.executable, str(HERE / "imitation_llama_server.py"), "-m", "tiny.gguf",
-            "--port", "0", "-c", "128", "--api-key", "s3cret", "-v",
-            "--requests-log", str(reqlog)]
+    argv = [
+        sys.executable,
+        str(HERE / "imitation_llama_server.py"),
+        "-m",
+        "tiny.gguf",
+        "--port",
+        "0",
+        "-c",
+        "128",
+        "--api-key",
+        "s3cret",
+        "-v",
+        "--requests-log",
+        str(reqlog),
+    ]
     with open(log, "w") as err:
-        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err,
-                                text=True)
+        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("listening "), line
@@ -510,13 +634,18 @@ def test_end_to_end_imitation_llama_server(tmp_path: Path) -> None:
         claims = assess(evidence)
         claim = claims[0]
         assert claim.path == str(model.resolve())
-        assert claim.confirmed and {s.value for s in claim.sources} == {"api", "mapped",
-                                                                         "cmdline"}
+        assert claim.confirmed and {s.value for s in claim.sources} == {"api", "mapped", "cmdline"}
         header = gguf.read_header_cached(claim.path)
         assert llm.log_files(proc.pid, raw_argv, info.cwd) == [str(log)]
         buffers = llm.read_buffer_log(str(log))
-        view = llm.build_view(claim, header=header, buffers=buffers, served=result.models[0],
-                              runtime=result.runtime, argv=raw_argv)
+        view = llm.build_view(
+            claim,
+            header=header,
+            buffers=buffers,
+            served=result.models[0],
+            runtime=result.runtime,
+            argv=raw_argv,
+        )
         doc = json.loads(json.dumps(view.to_json()))
         assert doc["evidence"] == "api" and doc["status"] == "confirmed"
         assert doc["owner_marker"] is None and doc["n_ctx"] == 128
@@ -539,17 +668,41 @@ def test_end_to_end_imitation_llama_server(tmp_path: Path) -> None:
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
-        st.sampled_from(["model_path", "data", "models", "id", "name", "meta", "size",
-                         "size_vram", "state", "n_ctx", "default_generation_settings",
-                         "owned_by", "root", "max_model_len", "x"]), kids, max_size=5),
-    max_leaves=20)
+    lambda kids: (
+        st.lists(kids, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "model_path",
+                    "data",
+                    "models",
+                    "id",
+                    "name",
+                    "meta",
+                    "size",
+                    "size_vram",
+                    "state",
+                    "n_ctx",
+                    "default_generation_settings",
+                    "owned_by",
+                    "root",
+                    "max_model_len",
+                    "x",
+                ]
+            ),
+            kids,
+            max_size=5,
+        )
+    ),
+    max_leaves=20,
+)
 
 
 @settings(max_examples=300, deadline=None)
 @given(_json)
 def test_fuzz_every_response_parser(doc: object) -> None:
     from gputaskman.serverprobe import RUNTIMES, ServedModel, _Bad
+
     for endpoints in RUNTIMES.values():
         for ep in endpoints:
             arg = json.dumps(doc) if ep.text else doc

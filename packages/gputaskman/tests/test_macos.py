@@ -198,8 +198,12 @@ def test_metal_mocked_gpu_percent_is_a_rate_of_accumulated_time():
 def test_metal_mocked_clients_of_one_process_add_their_gpu_time():
     clock = Clock()
     two = lambda a, b: [agx([client(OWN, "x", a, "Metal"), client(OWN, "x", b, "CoreML")])]  # noqa: E731
-    b = MacCounters(FakeIOKit(two(100, 200), two(100 + 10**8, 200 + 10**8)), FakeFootprint(),
-                    memsize=lambda: None, clock=clock)  # fmt: skip
+    b = MacCounters(
+        FakeIOKit(two(100, 200), two(100 + 10**8, 200 + 10**8)),
+        FakeFootprint(),
+        memsize=lambda: None,
+        clock=clock,
+    )
     assert len(b.sample().processes) == 1
     clock.t += 1.0
     (p,) = b.sample().processes

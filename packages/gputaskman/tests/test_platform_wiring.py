@@ -49,9 +49,13 @@ def run_gtm(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     full.pop("WSL_DISTRO_NAME", None)
     full.update(env or {})
     return subprocess.run(
-        [GTM, *args], capture_output=True, text=True, timeout=60,
-        stdin=subprocess.DEVNULL, env=full,
-    )  # fmt: skip
+        [GTM, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        env=full,
+    )
 
 
 class NoNvml:
@@ -112,8 +116,12 @@ def test_mocked_platform_detection_sets_the_collector_backend(patch, env, want):
     full = {k: v for k, v in os.environ.items() if k != "WSL_DISTRO_NAME"} | env
     out = subprocess.run(
         [sys.executable, "-c", DETECT.replace("PATCH", patch)],
-        capture_output=True, text=True, check=True, timeout=60, env=full,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env=full,
+    )
     assert out.stdout.strip() == want
 
 
@@ -171,13 +179,13 @@ def dxg_child(tmp_path):
 def test_wsl_replay_rows_end_to_end_through_collector_json_and_replay(dxg_child):
     child, dev = dxg_child
     calls = iter(range(100))
-    host = ReplayHost(
-        host_frame(1, 300 * MIB, child.pid) + host_frame(2, 4396 * MIB, child.pid)
-    )
+    host = ReplayHost(host_frame(1, 300 * MIB, child.pid) + host_frame(2, 4396 * MIB, child.pid))
     b = WslBackend(
-        nvml=NoNvml(), host=host, interop=Interop(True, None, "/mnt/c/ps.exe"),
+        nvml=NoNvml(),
+        host=host,
+        interop=Interop(True, None, "/mnt/c/ps.exe"),
         holders=lambda: ({}, 0) if next(calls) == 0 else dxg_holders(device=dev),
-    )  # fmt: skip
+    )
     c = Collector(nvml=b, scanner=NullScanner())
     try:
         c.sample()  # baseline: the VM idle at 300 MiB, nobody holds the device
@@ -192,7 +200,9 @@ def test_wsl_replay_rows_end_to_end_through_collector_json_and_replay(dxg_child)
     assert doc["attributed_complete"] is True  # the WSL row's bytes are inside vmwp.exe's
     assert wsl["vram_bytes"]["value"] is None and wsl["vram_bytes"]["reason"] == "not listed"
     assert wsl["vram_inferred_bytes"] == {
-        **wsl["vram_inferred_bytes"], "value": 4096 * MIB, "kind": "inferred"
+        **wsl["vram_inferred_bytes"],
+        "value": 4096 * MIB,
+        "kind": "inferred",
     }
     assert wsl["parent_pid"] == VMWP and wsl["inferred_unique"] is True
     # the Linux process keeps its /proc identity; the Windows process with the same
@@ -241,10 +251,16 @@ def mac_source(result) -> MacCounters:
 
 
 def agx() -> Accelerator:
-    props = {"model": "Apple M4", "PerformanceStatistics": {"In use system memory": 6 * GIB,
-                                                            "Device Utilization %": 37}}
-    return Accelerator(0x100000ABC, "AGXAcceleratorG16X", props,
-                       [{"IOUserClientCreator": f"pid {OWN}, llama-server"}])  # fmt: skip
+    props = {
+        "model": "Apple M4",
+        "PerformanceStatistics": {"In use system memory": 6 * GIB, "Device Utilization %": 37},
+    }
+    return Accelerator(
+        0x100000ABC,
+        "AGXAcceleratorG16X",
+        props,
+        [{"IOUserClientCreator": f"pid {OWN}, llama-server"}],
+    )
 
 
 def mac_snapshot():
@@ -343,11 +359,14 @@ def list_gpus(source, capsys) -> tuple[int, list[str]]:
 def test_list_gpus_iokit_mocked_empty_probe_is_not_a_failed_one(capsys):
     rc, empty = list_gpus(mac_source([]), capsys)
     assert rc == 0 and "metal: probe succeeded, 0 GPUs" in empty
-    rc, failed = list_gpus(mac_source(OSError("IOServiceGetMatchingServices returned 0xe00002c7")),
-                           capsys)  # fmt: skip
+    rc, failed = list_gpus(
+        mac_source(OSError("IOServiceGetMatchingServices returned 0xe00002c7")), capsys
+    )
     assert rc == 0
-    assert "metal: probe failed (query failed: IOKit: IOServiceGetMatchingServices returned " \
-           "0xe00002c7)" in failed  # fmt: skip
+    assert (
+        "metal: probe failed (query failed: IOKit: IOServiceGetMatchingServices returned "
+        "0xe00002c7)" in failed
+    )
     assert not any("probe succeeded" in line for line in failed)
     rc, ok = list_gpus(mac_source([agx()]), capsys)
     assert ok[0].startswith("0  Apple M4  ") and ok[0].endswith("[metal]")
@@ -420,14 +439,20 @@ def test_list_gpus_subprocess_mocked_npu_smi_failing_is_a_failed_probe(tmp_path)
     bindir = write_tool(tmp_path, fail)
     r = run_gtm("--list-gpus", env={"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"})
     assert r.returncode == 0
-    assert "ascend: probe failed (query failed: npu-smi exited with 255: dcmi model " \
-           "initialized failed, ret is -8020)" in r.stdout  # fmt: skip
+    assert (
+        "ascend: probe failed (query failed: npu-smi exited with 255: dcmi model "
+        "initialized failed, ret is -8020)" in r.stdout
+    )
 
 
 def test_list_gpus_subprocess_sysroot_lists_fixture_cards_and_the_unasked_nvml(tmp_path):
     root = tmp_path / "root"
-    subprocess.run([sys.executable, "-m", "gputaskman.drm_fixtures", str(root)],
-                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "gputaskman.drm_fixtures", str(root)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     r = run_gtm("--sysroot", str(root), "--list-gpus")
     assert r.returncode == 0 and r.stderr == ""
     lines = r.stdout.splitlines()

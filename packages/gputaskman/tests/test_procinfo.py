@@ -246,7 +246,9 @@ def test_permission_denied_is_a_reason(children: list[subprocess.Popen[str]]) ->
     gone, cmdline, reasons = out.split("|")
     assert gone == "False" and cmdline == "('sleep', '30')"  # cmdline is world-readable
     assert dict(kv.split("=") for kv in reasons.split(";")) == {
-        "cwd": "denied", "exe": "denied", "maps": "denied"
+        "cwd": "denied",
+        "exe": "denied",
+        "maps": "denied",
     }
 
 
@@ -350,8 +352,10 @@ def test_runtime_table(basename: str, key: str) -> None:
     assert key in {s.key for s in RUNTIMES}
 
 
-@pytest.mark.parametrize("basename", ["libcurl.so.4", "libglib-2.0.so.0", "libc.so.6",
-                                      "libcudart_static.a", "mylibcudart.so"])
+@pytest.mark.parametrize(
+    "basename",
+    ["libcurl.so.4", "libglib-2.0.so.0", "libc.so.6", "libcudart_static.a", "mylibcudart.so"],
+)
 def test_runtime_table_negatives(basename: str) -> None:
     assert detect_runtimes([f"/usr/lib/{basename}"]) == ()
 
@@ -363,8 +367,7 @@ def test_runtime_table_negatives(basename: str) -> None:
         ("firefox-esr", ("/usr/lib/firefox-esr/firefox-esr",), "browser", True),
         ("ffmpeg", ("ffmpeg", "-i", "in.mp4"), "video", True),
         ("python3", ("python3", "train_lora.py", "--epochs", "3"), "training", True),
-        ("python3", ("python3", "-m", "vllm.entrypoints.openai.api_server"), "LLM inference",
-         True),
+        ("python3", ("python3", "-m", "vllm.entrypoints.openai.api_server"), "LLM inference", True),
         ("python3", ("python3", "fit.py", "--use", "xgboost"), "decision?", True),
         ("constraint", ("constraint-solver",), None, None),
         ("settings", ("gsd-settings",), None, None),
@@ -395,14 +398,20 @@ def test_classify_prefers_evidence_over_names() -> None:
     [
         (["srv", "--api-key", "X1"], ["srv", "--api-key", REDACTED]),
         (["srv", "--api-key=X1"], ["srv", f"--api-key={REDACTED}"]),
-        (["srv", "--token", "X1", "--max-tokens", "5"],
-         ["srv", "--token", REDACTED, "--max-tokens", "5"]),
+        (
+            ["srv", "--token", "X1", "--max-tokens", "5"],
+            ["srv", "--token", REDACTED, "--max-tokens", "5"],
+        ),
         (["srv", "--hf-token", "X1"], ["srv", "--hf-token", REDACTED]),
         (["srv", "--password", "X1"], ["srv", "--password", REDACTED]),
-        (["srv", "--hfToken", "X1", "--apiKey=X2"],
-         ["srv", "--hfToken", REDACTED, f"--apiKey={REDACTED}"]),
-        (["env", "HF_TOKEN=X1", "OPENAI_API_KEY=X2", "PATH=/bin"],
-         ["env", f"HF_TOKEN={REDACTED}", f"OPENAI_API_KEY={REDACTED}", "PATH=/bin"]),
+        (
+            ["srv", "--hfToken", "X1", "--apiKey=X2"],
+            ["srv", "--hfToken", REDACTED, f"--apiKey={REDACTED}"],
+        ),
+        (
+            ["env", "HF_TOKEN=X1", "OPENAI_API_KEY=X2", "PATH=/bin"],
+            ["env", f"HF_TOKEN={REDACTED}", f"OPENAI_API_KEY={REDACTED}", "PATH=/bin"],
+        ),
         (["curl", "https://me:X1@host/p"], ["curl", f"https://me:{REDACTED}@host/p"]),
         (["curl", "-H", "Authorization: Bearer X1"], ["curl", "-H", f"Authorization: {REDACTED}"]),
         (["llama-server -m a.gguf --api-key X1"], [f"llama-server -m a.gguf --api-key {REDACTED}"]),
@@ -431,8 +440,19 @@ _secret = st.text(alphabet="ABCDEFGHJKLMNPQRSTUVWXYZ23456789", min_size=6, max_s
     lambda s: "Q9" + s + ".gguf"
 )
 _plain = st.text(alphabet=st.characters(blacklist_characters="\x00Q"), max_size=20)
-_flag = st.sampled_from(["--api-key", "--token", "--hf-token", "--password", "--secret",
-                         "--auth", "--access-key", "--db-password", "--openai_api_key"])
+_flag = st.sampled_from(
+    [
+        "--api-key",
+        "--token",
+        "--hf-token",
+        "--password",
+        "--secret",
+        "--auth",
+        "--access-key",
+        "--db-password",
+        "--openai_api_key",
+    ]
+)
 
 
 @given(
@@ -473,8 +493,11 @@ def test_flag_value_both_forms_last_wins() -> None:
     assert flag_value([], ("-c",)) is None
 
 
-@given(st.lists(st.text(max_size=12), max_size=10),
-       st.sampled_from(["-c", "--api-key", "--log-file"]), st.text(max_size=12))
+@given(
+    st.lists(st.text(max_size=12), max_size=10),
+    st.sampled_from(["-c", "--api-key", "--log-file"]),
+    st.text(max_size=12),
+)
 @settings(max_examples=300)
 def test_fuzz_flag_value_total_and_finds_an_appended_flag(argv, flag, value) -> None:
     flag_value(argv, (flag,))  # never raises
@@ -508,7 +531,12 @@ _path_chars = st.characters(blacklist_characters="\n\x00", blacklist_categories=
 )
 @settings(max_examples=400)
 def test_fuzz_maps_line_roundtrip_and_fast_path_agree(
-    start: int, length: int, perms: str, offset: int, inode: int, path: str | None,
+    start: int,
+    length: int,
+    perms: str,
+    offset: int,
+    inode: int,
+    path: str | None,
     deleted: bool,
 ) -> None:
     if path is not None:
@@ -524,8 +552,13 @@ def test_fuzz_maps_line_roundtrip_and_fast_path_agree(
         line += " " * 19 + shown
     e = parse_maps_line(line)
     assert e is not None
-    assert (e.start, e.end, e.perms, e.offset, e.inode) == (start, start + length, perms,
-                                                           offset, inode)
+    assert (e.start, e.end, e.perms, e.offset, e.inode) == (
+        start,
+        start + length,
+        perms,
+        offset,
+        inode,
+    )
     if path is None:
         assert e.path is None
     else:

@@ -28,13 +28,27 @@ MODEL = "/home/alice/secret-project/llama-3-8b.Q4_K_M.gguf"
 EXE = "/opt/acme-internal/bin/llama-server"
 CMDLINE = (EXE, "-m", MODEL, "--api-key", "hunter2-token", "--alias", "acme-prod-bot")
 NOTE_PATH = "/srv/private-share/notes.txt"
-PRIVATE = [MODEL, EXE, NOTE_PATH, "alice", "secret-project", "acme-internal", "hunter2-token",
-           "--api-key", "acme-prod-bot", "private-share", "/home/", "/opt/", "/srv/"]
+PRIVATE = [
+    MODEL,
+    EXE,
+    NOTE_PATH,
+    "alice",
+    "secret-project",
+    "acme-internal",
+    "hunter2-token",
+    "--api-key",
+    "acme-prod-bot",
+    "private-share",
+    "/home/",
+    "/opt/",
+    "/srv/",
+]
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("capture_screenshots",
-                                                  ROOT / "tools" / "capture_screenshots.py")
+    spec = importlib.util.spec_from_file_location(
+        "capture_screenshots", ROOT / "tools" / "capture_screenshots.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -47,17 +61,27 @@ cs = load_script()
 def private_recording(path: Path, frames: int = 2) -> Path:
     base = demo_snapshot()
     llama = base.processes[0]
-    detail = dataclasses.replace(llama.detail, cmdline=CMDLINE, exe=EXE, model_files=(MODEL,),
-                                 model_evidence=(("mapped", MODEL), ("cmdline", MODEL)))
-    llama = dataclasses.replace(llama, detail=detail,
-                                model=ModelRef("llama-3-8b.Q4_K_M", "mapped", False, MODEL))
+    detail = dataclasses.replace(
+        llama.detail,
+        cmdline=CMDLINE,
+        exe=EXE,
+        model_files=(MODEL,),
+        model_evidence=(("mapped", MODEL), ("cmdline", MODEL)),
+    )
+    llama = dataclasses.replace(
+        llama, detail=detail, model=ModelRef("llama-3-8b.Q4_K_M", "mapped", False, MODEL)
+    )
     with open(path, "wb") as f:
         for i in range(frames):
             snap = dataclasses.replace(
-                base, taken=base.taken + i, processes=(llama, *base.processes[1:]),
-                notes=(*base.notes, f"could not read {NOTE_PATH} (denied)"))
-            f.write(encode_line(json.loads(json.dumps(
-                report.to_json_dict(snap, cs.demo_system(snap))))))
+                base,
+                taken=base.taken + i,
+                processes=(llama, *base.processes[1:]),
+                notes=(*base.notes, f"could not read {NOTE_PATH} (denied)"),
+            )
+            f.write(
+                encode_line(json.loads(json.dumps(report.to_json_dict(snap, cs.demo_system(snap)))))
+            )
         f.write(b'{"half a line": ')  # what a killed recorder leaves: skipped
     return path
 
@@ -99,8 +123,11 @@ def test_redact_rules() -> None:
         "model": {"path": "/home/bob/m.gguf", "name": "m"},
         "source": "/proc/4242/stat (rss)",
         "device": "/dev/nvidia0",
-        "notes": ["read 10 MiB/s from /data/x.bin, 1/2 done", "cwd /home/bob",
-                  "file:/srv/a:b/c.txt: gone"],
+        "notes": [
+            "read 10 MiB/s from /data/x.bin, 1/2 done",
+            "cwd /home/bob",
+            "file:/srv/a:b/c.txt: gone",
+        ],
         "model_files": ["/home/bob/my models/a b.gguf", "/sys/class/drm/card0"],
         "n": 3,
         "none": None,
@@ -128,8 +155,12 @@ def test_redact_text_fuzz_leaves_no_private_absolute_path(text: str) -> None:
         assert m.group(0).startswith(cs.KEEP_PREFIXES), (text, once)
 
 
-@given(st.lists(st.sampled_from(["home", "alice", "x.gguf", "opt", "a b", "c:d"]), min_size=1,
-                max_size=5), st.sampled_from(["", "model ", "see ", "("]))
+@given(
+    st.lists(
+        st.sampled_from(["home", "alice", "x.gguf", "opt", "a b", "c:d"]), min_size=1, max_size=5
+    ),
+    st.sampled_from(["", "model ", "see ", "("]),
+)
 def test_redact_fuzz_paths_lose_their_directories(parts: list[str], prefix: str) -> None:
     path = "/" + "/".join(parts)
     whole = cs.redact(path)  # a value that is one path: redacted whole, spaces and all

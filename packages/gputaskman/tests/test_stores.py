@@ -29,10 +29,14 @@ def _manifest(root: Path, reg: str, ns: str, model: str, tag: str, body: object)
 
 
 def _layers(*digests: str, media: str = MODEL) -> dict[str, object]:
-    return {"schemaVersion": 2, "config": {"digest": "sha256:" + "0" * 64},
-            "layers": [{"mediaType": "application/vnd.ollama.image.license",
-                        "digest": "sha256:" + "1" * 64}]
-            + [{"mediaType": media, "digest": f"sha256:{d}", "size": 4} for d in digests]}
+    return {
+        "schemaVersion": 2,
+        "config": {"digest": "sha256:" + "0" * 64},
+        "layers": [
+            {"mediaType": "application/vnd.ollama.image.license", "digest": "sha256:" + "1" * 64}
+        ]
+        + [{"mediaType": media, "digest": f"sha256:{d}", "size": 4} for d in digests],
+    }
 
 
 @pytest.fixture
@@ -59,8 +63,9 @@ def test_ollama_names_follow_ollama_list(ollama: tuple[Path, dict[str, Path]]) -
     assert idx.skipped_manifests == {}
 
 
-def test_paths_deduplicated_however_spelled(ollama: tuple[Path, dict[str, Path]],
-                                            tmp_path: Path) -> None:
+def test_paths_deduplicated_however_spelled(
+    ollama: tuple[Path, dict[str, Path]], tmp_path: Path
+) -> None:
     root, blobs = ollama
     idx = StoreIndex(StoreRoots(ollama=(str(root), str(root / ".." / "models"))))
     link = tmp_path / "alias.bin"
@@ -83,18 +88,20 @@ def test_symlinked_ollama_root(ollama: tuple[Path, dict[str, Path]], tmp_path: P
     assert idx.name_for(str(linked_root / "blobs" / blobs["two"].name)).name == "someone/tuned:q4"
 
 
-@pytest.mark.parametrize("body,reason", [
-    ("{not json", "not JSON"),
-    ("[1, 2]", "no layers list"),
-    ({"layers": None}, "no layers list"),
-    ({"layers": [None, 3, "x", {"mediaType": MODEL, "digest": None}]}, "no model layer"),
-    ({"layers": [{"mediaType": MODEL, "digest": "sha256:zz"}]}, "no model layer"),
-    ({"layers": [{"mediaType": MODEL, "digest": 12}]}, "no model layer"),
-    ({"layers": [{"digest": "sha256:" + "a" * 64}]}, "no model layer"),
-    ("", "not JSON"),
-])
-def test_odd_manifests_are_skipped_with_a_reason(tmp_path: Path, body: object,
-                                                 reason: str) -> None:
+@pytest.mark.parametrize(
+    "body,reason",
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "no layers list"),
+        ({"layers": None}, "no layers list"),
+        ({"layers": [None, 3, "x", {"mediaType": MODEL, "digest": None}]}, "no model layer"),
+        ({"layers": [{"mediaType": MODEL, "digest": "sha256:zz"}]}, "no model layer"),
+        ({"layers": [{"mediaType": MODEL, "digest": 12}]}, "no model layer"),
+        ({"layers": [{"digest": "sha256:" + "a" * 64}]}, "no model layer"),
+        ("", "not JSON"),
+    ],
+)
+def test_odd_manifests_are_skipped_with_a_reason(tmp_path: Path, body: object, reason: str) -> None:
     root = tmp_path / "models"
     d, blob = _blob(root, b"good")
     _manifest(root, "registry.ollama.ai", "library", "good", "latest", _layers(d))
@@ -107,8 +114,9 @@ def test_odd_manifests_are_skipped_with_a_reason(tmp_path: Path, body: object,
 
 def test_oversized_manifest_is_not_read(tmp_path: Path) -> None:
     root = tmp_path / "models"
-    big = _manifest(root, "registry.ollama.ai", "library", "big", "latest",
-                    " " * (2 * 1024 * 1024) + "{}")
+    big = _manifest(
+        root, "registry.ollama.ai", "library", "big", "latest", " " * (2 * 1024 * 1024) + "{}"
+    )
     idx = StoreIndex(StoreRoots(ollama=(str(root),)))
     assert idx.skipped_manifests == {str(big): "larger than the manifest cap"}
 
@@ -123,8 +131,11 @@ def test_lmstudio_and_its_old_cache_root(tmp_path: Path) -> None:
         f.write_bytes(b"GGUF")
     idx = StoreIndex(default_roots(env={"HOME": str(tmp_path)}))
     a, b = idx.name_for(str(f1)), idx.name_for(str(f2))
-    assert (a.store, a.name, a.detail) == ("lmstudio", "lmstudio-community/Qwen3-4B-GGUF",
-                                           "Qwen3-4B-Q4_K_M.gguf")
+    assert (a.store, a.name, a.detail) == (
+        "lmstudio",
+        "lmstudio-community/Qwen3-4B-GGUF",
+        "Qwen3-4B-Q4_K_M.gguf",
+    )
     assert (b.name, b.detail) == ("TheBloke/Mistral-7B-GGUF", "sub/mistral.Q8_0.gguf")
     # A file directly under a publisher folder is not a repo file.
     loose = new / "loose.gguf"
@@ -148,15 +159,23 @@ def test_huggingface_hub_cache_snapshot_and_blob(tmp_path: Path) -> None:
     via_snap = idx.name_for(str(snap))
     via_blob = idx.name_for(str(blob))
     assert via_snap.path == via_blob.path == os.path.realpath(blob)
-    assert (via_snap.name, via_snap.detail) == ("Qwen/Qwen2.5-0.5B-Instruct-GGUF",
-                                                "qwen2.5-0.5b-instruct-q8_0.gguf")
+    assert (via_snap.name, via_snap.detail) == (
+        "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+        "qwen2.5-0.5b-instruct-q8_0.gguf",
+    )
     assert (via_blob.name, via_blob.detail) == ("Qwen/Qwen2.5-0.5B-Instruct-GGUF", None)
     assert idx.name_for(str(nogrp)).name == "gpt2"
 
 
 def test_default_roots_read_the_environment(tmp_path: Path) -> None:
-    r = default_roots(env={"HOME": "/h", "OLLAMA_MODELS": "/srv/ollama", "HF_HUB_CACHE": "/c",
-                           "XDG_CACHE_HOME": "/x"})
+    r = default_roots(
+        env={
+            "HOME": "/h",
+            "OLLAMA_MODELS": "/srv/ollama",
+            "HF_HUB_CACHE": "/c",
+            "XDG_CACHE_HOME": "/x",
+        }
+    )
     assert r.ollama[0] == "/srv/ollama" and "/h/.ollama/models" in r.ollama
     assert r.huggingface == ("/c", "/x/huggingface/hub")
     assert r.lmstudio == ("/h/.lmstudio/models", "/h/.cache/lm-studio/models")

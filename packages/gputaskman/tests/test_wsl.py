@@ -74,14 +74,18 @@ def test_interop_off_says_why(tmp_path):
 
 
 def test_interop_disabled_entry_says_so(tmp_path):
-    s = interop_status(tree(tmp_path, "disabled"), {"WSL_INTEROP": "/run/WSL/1_interop"},
-                       which=lambda _: "/mnt/c/x/powershell.exe")  # fmt: skip
+    s = interop_status(
+        tree(tmp_path, "disabled"),
+        {"WSL_INTEROP": "/run/WSL/1_interop"},
+        which=lambda _: "/mnt/c/x/powershell.exe",
+    )
     assert not s.ok and "disabled" in (s.reason or "")
 
 
 def test_interop_without_powershell_says_why(tmp_path):
-    s = interop_status(tree(tmp_path, "enabled"), {"WSL_INTEROP": "/run/WSL/1_interop"},
-                       which=lambda _: None)  # fmt: skip
+    s = interop_status(
+        tree(tmp_path, "enabled"), {"WSL_INTEROP": "/run/WSL/1_interop"}, which=lambda _: None
+    )
     assert not s.ok and "powershell.exe not found" in (s.reason or "")
 
 
@@ -92,8 +96,11 @@ def test_interop_without_wsl_interop_env_says_why(tmp_path):
 
 @pytest.mark.parametrize("name", ["WSLInterop", "WSLInterop-late"])
 def test_interop_enabled(tmp_path, name):
-    s = interop_status(tree(tmp_path, "enabled", name), {"WSL_INTEROP": "/run/WSL/9_interop"},
-                       which=lambda _: "/mnt/c/ps.exe")  # fmt: skip
+    s = interop_status(
+        tree(tmp_path, "enabled", name),
+        {"WSL_INTEROP": "/run/WSL/9_interop"},
+        which=lambda _: "/mnt/c/ps.exe",
+    )
     assert s.ok and s.reason is None and s.powershell == "/mnt/c/ps.exe"
 
 
@@ -383,8 +390,11 @@ def test_wsl_replay_inferred_rows_sit_under_vmwp_and_are_never_summed():
 
 
 def test_wsl_interop_off_reduces_what_is_shown_and_says_why():
-    b = WslBackend(nvml=NoNvml(), interop=Interop(False, "WSL interop is off: no WSLInterop"),
-                   holders=lambda: ({}, 0))  # fmt: skip
+    b = WslBackend(
+        nvml=NoNvml(),
+        interop=Interop(False, "WSL interop is off: no WSLInterop"),
+        holders=lambda: ({}, 0),
+    )
     s = b.sample()
     assert any(p.where == "wsl.interop" and "WSLInterop" in (p.detail or "") for p in s.problems)
     assert s.probe.status == "failed" and s.probe.reason is Reason.NO_LIBRARY
@@ -392,8 +402,12 @@ def test_wsl_interop_off_reduces_what_is_shown_and_says_why():
 
 def test_wsl_replay_two_vm_workers_refuse_inference():
     two = frame(1, 300 * MIB, {7000: 10 * MIB}).replace("gtm1\tP\t7000\tdwm", "gtm1\tP\t7000\tvmwp")
-    b = WslBackend(nvml=NoNvml(), host=ReplayHost(two), interop=Interop(True, None, "ps"),
-                   holders=lambda: ({A[0]: A}, 0))  # fmt: skip
+    b = WslBackend(
+        nvml=NoNvml(),
+        host=ReplayHost(two),
+        interop=Interop(True, None, "ps"),
+        holders=lambda: ({A[0]: A}, 0),
+    )
     s = b.sample()
     assert not [p for p in s.processes if p.host is None]
     assert any(
@@ -416,8 +430,13 @@ def test_wsl_dead_host_stream_is_restarted_rarely_with_a_real_process(tmp_path):
     )
     now = [0.0]
     hs = HostStream([sys.executable, "-c", code])
-    b = WslBackend(nvml=NoNvml(), host=hs, interop=Interop(True, None, "ps"),
-                   holders=lambda: ({}, 0), clock=lambda: now[0])  # fmt: skip
+    b = WslBackend(
+        nvml=NoNvml(),
+        host=hs,
+        interop=Interop(True, None, "ps"),
+        holders=lambda: ({}, 0),
+        clock=lambda: now[0],
+    )
     try:
         b.sample()
         assert wait_for(lambda: hs.exited)

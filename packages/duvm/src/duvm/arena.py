@@ -77,8 +77,9 @@ class Arena:
             "arena of %d MiB is NOT locked in RAM (%s): under memory pressure this server's "
             "pages may be swapped out. Run as root, grant CAP_IPC_LOCK, or raise the memlock "
             "limit (ulimit -l / LimitMEMLOCK=infinity) to at least the capacity.",
-            self.nbytes >> 20, self.lock_error,
-        )  # fmt: skip
+            self.nbytes >> 20,
+            self.lock_error,
+        )
 
     @property
     def free_slots(self) -> int:

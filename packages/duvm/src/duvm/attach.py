@@ -125,13 +125,20 @@ def _run(tool: str, *args: str, timeout: float = 120) -> str:
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
-def spawn_detached(cmd: list[str], log: Path,
-                   preexec: Callable[[], object] | None = None) -> subprocess.Popen[bytes]:
+def spawn_detached(
+    cmd: list[str], log: Path, preexec: Callable[[], object] | None = None
+) -> subprocess.Popen[bytes]:
     """Start a long-lived helper in its own session, so it outlives `duvm enable`; `preexec`
     runs in the child before the program starts."""
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True, preexec_fn=preexec)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            preexec_fn=preexec,
+        )
     _CHILDREN[proc.pid] = proc
     return proc
 
@@ -219,8 +226,9 @@ def raise_min_free(sysctl: Path = MIN_FREE_SYSCTL) -> tuple[int, int | None]:
     return before, floor
 
 
-def restore_min_free(before: int | None, we_set: int | None,
-                     sysctl: Path = MIN_FREE_SYSCTL) -> None:
+def restore_min_free(
+    before: int | None, we_set: int | None, sysctl: Path = MIN_FREE_SYSCTL
+) -> None:
     """Put back the old value, unless someone changed it after we did (then theirs stands)."""
     if before is None or we_set is None:
         return
@@ -326,8 +334,11 @@ def kernel_nbd_available() -> bool:
 
 def fuse_path_problems() -> list[str]:
     """Why the nbdfuse+loop path cannot work here (empty list: it can)."""
-    problems = [f"{t} missing (Debian package {TOOL_PACKAGES[t]})"
-                for t in ("nbdfuse", "fusermount3", "losetup") if find_tool(t) is None]
+    problems = [
+        f"{t} missing (Debian package {TOOL_PACKAGES[t]})"
+        for t in ("nbdfuse", "fusermount3", "losetup")
+        if find_tool(t) is None
+    ]
     if not Path("/dev/fuse").exists():
         problems.append("/dev/fuse missing (kernel without FUSE; try modprobe fuse)")
     if not Path("/dev/loop-control").exists():
@@ -371,8 +382,7 @@ def _handshake(socket_path: str) -> tuple[socket.socket, kernelnbd.ExportInfo]:
     try:
         return kernelnbd.connect_unix(socket_path)
     except (OSError, kernelnbd.NbdHandshakeError) as exc:
-        raise AttachError(f"NBD handshake with the daemon at {socket_path} failed: {exc}") \
-            from exc
+        raise AttachError(f"NBD handshake with the daemon at {socket_path} failed: {exc}") from exc
 
 
 def _attach_netlink(att: Attachment, device: str, timeout_s: int, save: Saver) -> None:
@@ -383,9 +393,14 @@ def _attach_netlink(att: Attachment, device: str, timeout_s: int, save: Saver) -
     att.dead_conn_timeout_s = DEFAULT_DEAD_CONN_TIMEOUT_S
     save()  # from here a failure must disconnect the device
     try:
-        nbdnetlink.connect(device, [sock.fileno()], info.size,
-                           server_flags=info.transmission_flags, timeout_s=timeout_s,
-                           dead_conn_timeout_s=DEFAULT_DEAD_CONN_TIMEOUT_S)
+        nbdnetlink.connect(
+            device,
+            [sock.fileno()],
+            info.size,
+            server_flags=info.transmission_flags,
+            timeout_s=timeout_s,
+            dead_conn_timeout_s=DEFAULT_DEAD_CONN_TIMEOUT_S,
+        )
     except OSError as exc:
         raise AttachError(f"kernel nbd attach of {device} over netlink failed: {exc}") from exc
     finally:
@@ -406,19 +421,24 @@ def reattach_kernel(att: Attachment) -> None:
     unanswered, and swap continues where it stopped."""
     require_root()
     if att.method != METHOD_KERNEL or not att.nbd_netlink or not att.nbd_device:
-        raise AttachError("only a kernel nbd device attached over netlink can be handed to a "
-                          "restarted daemon (this one is "
-                          f"{att.method}{'' if att.nbd_netlink else ' via ioctls'})")
+        raise AttachError(
+            "only a kernel nbd device attached over netlink can be handed to a "
+            "restarted daemon (this one is "
+            f"{att.method}{'' if att.nbd_netlink else ' via ioctls'})"
+        )
     if not kernelnbd.device_started(att.nbd_device):
-        raise AttachError(f"{att.nbd_device} is no longer connected (the dead-connection "
-                          f"timeout of {att.dead_conn_timeout_s} s passed?); its swapped pages "
-                          "are gone: `duvm disable --force`, then enable again")
+        raise AttachError(
+            f"{att.nbd_device} is no longer connected (the dead-connection "
+            f"timeout of {att.dead_conn_timeout_s} s passed?); its swapped pages "
+            "are gone: `duvm disable --force`, then enable again"
+        )
     sock, _info = _handshake(att.socket)
     try:
         nbdnetlink.reconfigure(att.nbd_device, [sock.fileno()])
     except OSError as exc:
-        raise AttachError(f"handing the daemon's new connection to {att.nbd_device} failed: "
-                          f"{exc}") from exc
+        raise AttachError(
+            f"handing the daemon's new connection to {att.nbd_device} failed: {exc}"
+        ) from exc
     finally:
         sock.close()
 
@@ -435,9 +455,11 @@ def _attach_fuse(att: Attachment, run_dir: Path, save: Saver, realtime: bool = T
     logpath = run_dir / f"{mountdir.name}.log"
     # nbdfuse is on the swap path like the daemon: realtime and an I/O flusher from its first
     # instruction (both survive exec; mlockall does not, so it cannot be locked from here)
-    proc = spawn_detached([nbdfuse, "-P", str(pidfile), att.fuse_file, "--unix", att.socket],
-                          logpath, preexec=pressure.inherited_protections if realtime
-                          else pressure.become_io_flusher)
+    proc = spawn_detached(
+        [nbdfuse, "-P", str(pidfile), att.fuse_file, "--unix", att.socket],
+        logpath,
+        preexec=pressure.inherited_protections if realtime else pressure.become_io_flusher,
+    )
     att.nbdfuse_pid = proc.pid
     save()
     # nbdfuse sits on the swap path: if the OOM killer picked it, every swapped page would be
@@ -447,8 +469,9 @@ def _attach_fuse(att: Attachment, run_dir: Path, save: Saver, realtime: bool = T
     deadline = time.monotonic() + 30
     while not pidfile.exists() or not os.path.exists(att.fuse_file):
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise AttachError(f"nbdfuse could not expose {att.socket}: "
-                              f"{logpath.read_text()[-800:].strip()}")
+            raise AttachError(
+                f"nbdfuse could not expose {att.socket}: {logpath.read_text()[-800:].strip()}"
+            )
         time.sleep(0.05)
     pidfile.unlink(missing_ok=True)
     att.size_bytes = os.stat(att.fuse_file).st_size
@@ -463,10 +486,17 @@ def _attach_fuse(att: Attachment, run_dir: Path, save: Saver, realtime: bool = T
 # --- public API ------------------------------------------------------------------------------
 
 
-def attach(socket_path: str, state_path: Path, *, run_dir: Path = DEFAULT_RUN_DIR,
-           method: str = "auto", priority: int = DEFAULT_PRIORITY,
-           nbd_timeout_s: int = DEFAULT_NBD_TIMEOUT_S,
-           extra: dict[str, object] | None = None, realtime: bool = True) -> Attachment:
+def attach(
+    socket_path: str,
+    state_path: Path,
+    *,
+    run_dir: Path = DEFAULT_RUN_DIR,
+    method: str = "auto",
+    priority: int = DEFAULT_PRIORITY,
+    nbd_timeout_s: int = DEFAULT_NBD_TIMEOUT_S,
+    extra: dict[str, object] | None = None,
+    realtime: bool = True,
+) -> Attachment:
     """Attach the NBD export at `socket_path` and activate it as swap. Root only.
 
     `method` is "auto" (kernel nbd when present, else nbdfuse+loop), METHOD_KERNEL or
@@ -478,16 +508,20 @@ def attach(socket_path: str, state_path: Path, *, run_dir: Path = DEFAULT_RUN_DI
         require_tool(tool)
     existing = load_state(state_path)
     if existing is not None:
-        raise AttachError(f"already attached ({existing.device or existing.method}, state in "
-                          f"{state_path}); detach first")
+        raise AttachError(
+            f"already attached ({existing.device or existing.method}, state in "
+            f"{state_path}); detach first"
+        )
     if method == "auto":
         if kernel_nbd_available():
             method = METHOD_KERNEL
         else:
             problems = fuse_path_problems()
             if problems:
-                raise AttachError("no way to attach: the kernel has no nbd module, and the "
-                                  "nbdfuse fallback cannot run: " + "; ".join(problems))
+                raise AttachError(
+                    "no way to attach: the kernel has no nbd module, and the "
+                    "nbdfuse fallback cannot run: " + "; ".join(problems)
+                )
             method = METHOD_FUSE
     elif method == METHOD_KERNEL and not kernel_nbd_available():
         raise AttachError("the kernel has no nbd driver (modprobe nbd failed or kmod missing)")
@@ -538,8 +572,10 @@ def swapoff_problems(entry: SwapEntry) -> list[str]:
         return problems
     available = mem_available_kb()
     if available is not None and entry.used_kb > available:
-        problems.append(f"{entry.used_kb >> 10} MiB are swapped out to {entry.filename} but only "
-                        f"{available >> 10} MiB of RAM are available to bring them home")
+        problems.append(
+            f"{entry.used_kb >> 10} MiB are swapped out to {entry.filename} but only "
+            f"{available >> 10} MiB of RAM are available to bring them home"
+        )
     problems += cgroup.swap_headroom_problems()
     return problems
 
@@ -574,10 +610,12 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
         if problems:
             raise SwapoffFailed(
                 f"not turning off swap on {att.device}: the kernel would have to bring every "
-                f"swapped page back into RAM, and there is no room: " + "; ".join(problems)
+                f"swapped page back into RAM, and there is no room: "
+                + "; ".join(problems)
                 + ". It stays attached and nothing was lost. Free memory (stop or resize those "
                 "workloads) and run disable again (--force skips this check; swapoff itself "
-                "still refuses when RAM is short, and the kernel may OOM-kill such a group).")
+                "still refuses when RAM is short, and the kernel may OOM-kill such a group)."
+            )
         try:
             _run("swapoff", att.device, timeout=3600)
         except AttachError as exc:
@@ -611,14 +649,18 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
 def swapoff_failure(device: str, error: str) -> str:
     """What a failed swapoff means, from what it said: RAM too short, or pages unreadable."""
     if "Input/output error" in error or "EIO" in error:
-        why = ("the kernel could not read some swapped pages back from it (I/O errors: is the "
-               "daemon running and are its memservers reachable? `duvm status` shows both). "
-               "Pages it did read are back in RAM; fix the cause and run disable again")
+        why = (
+            "the kernel could not read some swapped pages back from it (I/O errors: is the "
+            "daemon running and are its memservers reachable? `duvm status` shows both). "
+            "Pages it did read are back in RAM; fix the cause and run disable again"
+        )
     else:
-        why = ("the kernel must bring every swapped page back into RAM first; this usually "
-               "means there is not enough free memory (and a memory-limited cgroup that could "
-               "not take its pages back may have been OOM-killed). Free memory and run disable "
-               "again")
+        why = (
+            "the kernel must bring every swapped page back into RAM first; this usually "
+            "means there is not enough free memory (and a memory-limited cgroup that could "
+            "not take its pages back may have been OOM-killed). Free memory and run disable "
+            "again"
+        )
     return f"swapoff of {device} failed, so it stays attached: {why}. ({error})"
 
 
@@ -631,8 +673,10 @@ def device_problem(att: Attachment) -> str | None:
     if att.method == METHOD_KERNEL:
         recorded, now = att.extra.get("nbd_pid"), _nbd_pid(att.device)
         if recorded and now and now != recorded:  # (not connected at all: still ours to clean)
-            return (f"{att.device} is connected by someone else now (pid {now}, duvm's "
-                    f"connection was pid {recorded})")
+            return (
+                f"{att.device} is connected by someone else now (pid {now}, duvm's "
+                f"connection was pid {recorded})"
+            )
         return None
     if att.device != att.loop_device:
         return None
@@ -677,8 +721,11 @@ def _detach_kernel(att: Attachment, errors: list[str]) -> None:
             kernelnbd.disconnect(att.nbd_device)
         except OSError as exc:
             errors.append(f"NBD_DISCONNECT on {att.nbd_device}: {exc}")
-    if (att.holder_pid and _pid_runs(att.holder_pid, "duvm.kernelnbd")
-            and not wait_pid_exit(att.holder_pid, 30)):
+    if (
+        att.holder_pid
+        and _pid_runs(att.holder_pid, "duvm.kernelnbd")
+        and not wait_pid_exit(att.holder_pid, 30)
+    ):
         errors.append(f"nbd holder {att.holder_pid} still runs after disconnect")
         return
     att.holder_pid = None
@@ -705,8 +752,11 @@ def _detach_fuse(att: Attachment, errors: list[str]) -> None:
                     errors.append(str(exc))
                     return
                 time.sleep(0.1)
-    if (att.nbdfuse_pid and _pid_runs(att.nbdfuse_pid, "nbdfuse")
-            and not wait_pid_exit(att.nbdfuse_pid, 30)):
+    if (
+        att.nbdfuse_pid
+        and _pid_runs(att.nbdfuse_pid, "nbdfuse")
+        and not wait_pid_exit(att.nbdfuse_pid, 30)
+    ):
         errors.append(f"nbdfuse {att.nbdfuse_pid} still runs after unmount")
         return
     att.nbdfuse_pid = None

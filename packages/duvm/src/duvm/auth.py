@@ -58,12 +58,14 @@ def token_digest(token: bytes) -> bytes:
     return hashlib.sha256(b"duvm namespace token\0" + token).digest()
 
 
-def proof(secret: bytes, role: str, nonce_c: bytes, nonce_s: bytes, client_id: str,
-          token: bytes) -> bytes:  # fmt: skip
+def proof(
+    secret: bytes, role: str, nonce_c: bytes, nonce_s: bytes, client_id: str, token: bytes
+) -> bytes:
     """HMAC-SHA256 proof of `role` ("server" or "client") over both nonces, id and token."""
     cid = client_id.encode("utf-8")
-    msg = b"".join((_LABELS[role], nonce_c, nonce_s, len(cid).to_bytes(2, "little"), cid,
-                    token_digest(token)))  # fmt: skip
+    msg = b"".join(
+        (_LABELS[role], nonce_c, nonce_s, len(cid).to_bytes(2, "little"), cid, token_digest(token))
+    )
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
@@ -110,8 +112,9 @@ def parse_secrets(text: str, where: str = "secret file") -> list[bytes]:
         except ValueError:
             raise SecretError(f"{where} line {n}: not hexadecimal") from None
         if len(raw) != SECRET_BYTES:
-            raise SecretError(f"{where} line {n}: a secret is {SECRET_BYTES * 2} hex digits, "
-                              f"this has {len(line)}")  # fmt: skip
+            raise SecretError(
+                f"{where} line {n}: a secret is {SECRET_BYTES * 2} hex digits, this has {len(line)}"
+            )
         out.append(raw)
     if not out:
         raise SecretError(f"{where} holds no secret")
@@ -127,8 +130,9 @@ def load_secrets(path: str | os.PathLike[str]) -> list[bytes]:
     try:
         text = p.read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as e:
-        raise SecretError(f"cannot read secret file {p}: {getattr(e, 'strerror', None) or e}"
-                          ) from None  # fmt: skip
+        raise SecretError(
+            f"cannot read secret file {p}: {getattr(e, 'strerror', None) or e}"
+        ) from None
     return parse_secrets(text, f"secret file {p}")
 
 
@@ -176,8 +180,9 @@ def server_tls_context(cert: str, key: str, ca: str | None) -> ssl.SSLContext:
     return ctx
 
 
-def client_tls_context(ca: str | None, cert: str | None = None, key: str | None = None,
-                       *, check_hostname: bool = True) -> ssl.SSLContext:  # fmt: skip
+def client_tls_context(
+    ca: str | None, cert: str | None = None, key: str | None = None, *, check_hostname: bool = True
+) -> ssl.SSLContext:
     """TLS for a client: verify the memserver against `ca` (system CAs when None) and its
     name or IP; present `cert` when the server asks for mutual TLS."""
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
@@ -213,8 +218,9 @@ class _ClientState:
     nonce: bytes
 
 
-def start_handshake(client_id: str, security: PeerSecurity | None,
-                    token: bytes) -> tuple[Any, _ClientState]:  # fmt: skip
+def start_handshake(
+    client_id: str, security: PeerSecurity | None, token: bytes
+) -> tuple[Any, _ClientState]:
     """The HELLO a client opens with, and what it must remember to check the CHALLENGE."""
     from duvm import pageproto as pp
 
@@ -222,35 +228,47 @@ def start_handshake(client_id: str, security: PeerSecurity | None,
     kr = security.keyring if security else None
     kid = kr.current_id if kr else NO_KEY
     return pp.Hello(0, client_id, nonce=nonce, key_id=kid, token=token), _ClientState(
-        client_id, token, nonce)
+        client_id, token, nonce
+    )
 
 
-def answer_challenge(ch: Any, st: _ClientState, security: PeerSecurity | None,
-                     peer: str) -> Any:  # fmt: skip
+def answer_challenge(ch: Any, st: _ClientState, security: PeerSecurity | None, peer: str) -> Any:
     """Check the server's proof and return the AUTH to send; AuthError when the server proves
     nothing we can check (and we require it) or proves it wrongly."""
     from duvm import pageproto as pp
 
     kr = security.keyring if security else None
     if ch.auth_required and kr is None:
-        raise AuthError(f"memserver {peer} requires authentication: give this node the cluster "
-                        "secret (--secret-file)")  # fmt: skip
+        raise AuthError(
+            f"memserver {peer} requires authentication: give this node the cluster "
+            "secret (--secret-file)"
+        )
     if kr is None:
-        if security is not None and security.require_server_auth and not \
-                security.server_verified_by_tls:  # fmt: skip
-            raise AuthError(f"memserver {peer} is not authenticated (no secret, no verified "
-                            "certificate); refusing to send it pages")  # fmt: skip
+        if (
+            security is not None
+            and security.require_server_auth
+            and not security.server_verified_by_tls
+        ):
+            raise AuthError(
+                f"memserver {peer} is not authenticated (no secret, no verified "
+                "certificate); refusing to send it pages"
+            )
         return pp.Auth(0, bytes(PROOF_BYTES))
     if not ch.auth_required:
         if security.require_server_auth and not security.server_verified_by_tls:
-            raise AuthError(f"memserver {peer} has no cluster secret: it cannot prove itself; "
-                            "refusing to send it pages")  # fmt: skip
+            raise AuthError(
+                f"memserver {peer} has no cluster secret: it cannot prove itself; "
+                "refusing to send it pages"
+            )
         return pp.Auth(0, bytes(PROOF_BYTES))
     secret = kr.lookup(ch.key_id)
     if secret is None or not verify(
-            proof(secret, "server", st.nonce, ch.nonce, st.client_id, st.token), ch.proof):
-        raise AuthError(f"memserver {peer} failed to prove the cluster secret (wrong secret or "
-                        "an impostor); refusing it")  # fmt: skip
+        proof(secret, "server", st.nonce, ch.nonce, st.client_id, st.token), ch.proof
+    ):
+        raise AuthError(
+            f"memserver {peer} failed to prove the cluster secret (wrong secret or "
+            "an impostor); refusing it"
+        )
     return pp.Auth(0, proof(secret, "client", st.nonce, ch.nonce, st.client_id, st.token))
 
 
@@ -271,38 +289,54 @@ def default_token(client_id: str) -> bytes:
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     sec = parser.add_argument_group("security (see README: Security)")
-    sec.add_argument("--secret-file", metavar="PATH",
-                     help="cluster secret file (mode 0600, `duvm secret generate`); its first "
-                     "secret proves this node, memservers must prove one of its secrets")
-    sec.add_argument("--tls-ca", metavar="PEM",
-                     help="connect to memservers over TLS, verifying them against this CA")
+    sec.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="cluster secret file (mode 0600, `duvm secret generate`); its first "
+        "secret proves this node, memservers must prove one of its secrets",
+    )
+    sec.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="connect to memservers over TLS, verifying them against this CA",
+    )
     sec.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
     sec.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
-    sec.add_argument("--encrypt", action=argparse.BooleanOptionalAction, default=None,
-                     help="seal pages with AES-GCM before they leave this node (default: on "
-                     "when any memserver is not on loopback)")
-    sec.add_argument("--insecure", action="store_true",
-                     help="allow memservers off loopback with no secret and no TLS")
+    sec.add_argument(
+        "--encrypt",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="seal pages with AES-GCM before they leave this node (default: on "
+        "when any memserver is not on loopback)",
+    )
+    sec.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow memservers off loopback with no secret and no TLS",
+    )
 
 
 def all_loopback(peers: list[tuple[str, int]]) -> bool:
     return all(is_loopback(h) for h, _ in peers)
 
 
-def client_security_from_args(args: argparse.Namespace, peers: list[tuple[str, int]]
-                              ) -> PeerSecurity | None:  # fmt: skip
+def client_security_from_args(
+    args: argparse.Namespace, peers: list[tuple[str, int]]
+) -> PeerSecurity | None:
     """PeerSecurity from the daemon's flags. ValueError/SecretError/OSError with a reason;
     refuses memservers off loopback without a secret or TLS unless --insecure."""
     keyring = Keyring.from_file(args.secret_file) if args.secret_file else None
     if (args.tls_cert or args.tls_key) and not (args.tls_cert and args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
-    if (args.tls_cert and not args.tls_ca):
+    if args.tls_cert and not args.tls_ca:
         raise ValueError("--tls-cert needs --tls-ca (the CA that signed the memservers)")
     tls = client_tls_context(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
     if keyring is None and tls is None:
         if peers and not all_loopback(peers) and not args.insecure:
-            raise ValueError("memservers off loopback need --secret-file or --tls-ca "
-                             "(or --insecure to send pages to unauthenticated peers)")
+            raise ValueError(
+                "memservers off loopback need --secret-file or --tls-ca "
+                "(or --insecure to send pages to unauthenticated peers)"
+            )
         return None
     return PeerSecurity(keyring, tls, require_server_auth=True)
 
@@ -325,6 +359,7 @@ def reload_client_keyring(clients: list[Any], path: str) -> str:
         if c.security is not None:
             c.security = dataclasses.replace(c.security, keyring=keyring)
     if memclient.default_security is not None:
-        memclient.default_security = dataclasses.replace(memclient.default_security,
-                                                         keyring=keyring)  # fmt: skip
+        memclient.default_security = dataclasses.replace(
+            memclient.default_security, keyring=keyring
+        )
     return f"SIGHUP: re-read {path}: current key id {keyring.current_id.hex()}"

@@ -70,8 +70,10 @@ class MemoryCgroup:
         self.limit_bytes = limit_bytes
         self.version = detect_version(root)
         if self.version is None:
-            raise CgroupError(f"no cgroup memory controller under {root} (neither v2 with "
-                              "'memory' in cgroup.controllers nor v1 at memory/)")
+            raise CgroupError(
+                f"no cgroup memory controller under {root} (neither v2 with "
+                "'memory' in cgroup.controllers nor v1 at memory/)"
+            )
         self.name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if self.version == 2:
             self.parent = root
@@ -130,8 +132,9 @@ class MemoryCgroup:
     def __enter__(self) -> MemoryCgroup:
         return self.create()
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.remove()
 
     # -- processes ---------------------------------------------------------------------------
@@ -159,8 +162,9 @@ class MemoryCgroup:
 
         return subprocess.Popen(cmd, preexec_fn=join, **kwargs)
 
-    def run(self, cmd: list[str], timeout: float | None = None,
-            **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    def run(
+        self, cmd: list[str], timeout: float | None = None, **kwargs: Any
+    ) -> subprocess.CompletedProcess[Any]:
         """Like subprocess.run (capture_output too), inside the group."""
         if kwargs.pop("capture_output", False):
             kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
@@ -250,8 +254,10 @@ def swap_headroom_problems(root: Path = CGROUP_ROOT, limit: int = 20) -> list[st
         room = max(cap - usage, 0)
         if swapped > room:
             rel = "/" + str(group.relative_to(base)).lstrip(".")
-            problems.append(f"cgroup {rel} has {swapped >> 20} MiB in swap but only "
-                            f"{room >> 20} MiB of room under its {cap >> 20} MiB limit")
+            problems.append(
+                f"cgroup {rel} has {swapped >> 20} MiB in swap but only "
+                f"{room >> 20} MiB of room under its {cap >> 20} MiB limit"
+            )
             if len(problems) >= limit:
                 break
     return problems

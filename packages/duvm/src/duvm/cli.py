@@ -15,12 +15,17 @@ from duvm import __version__
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "memserver": ("duvm.memserver", "serve this node's spare RAM to the pool (page server)"),
-    "node": ("duvm.node", "run this node's memserver and control socket from the config file "
-             "(the provider side; systemd: duvm-node.service)"),
+    "node": (
+        "duvm.node",
+        "run this node's memserver and control socket from the config file "
+        "(the provider side; systemd: duvm-node.service)",
+    ),
     "daemon": ("duvm.daemon", "NBD server for the local kernel; its blocks live on memservers"),
     "enable": ("duvm.enable", "start the daemon, attach its device and swap to the pool (root)"),
-    "supervise": ("duvm.supervise", "restart a crashed daemon onto its live kernel nbd device "
-                  "(started by enable)"),
+    "supervise": (
+        "duvm.supervise",
+        "restart a crashed daemon onto its live kernel nbd device (started by enable)",
+    ),
     "disable": ("duvm.disable", "swapoff, detach, stop the daemon; refuses if pages can't go home"),
     "status": ("duvm.status", "enabled or not, device, swap used, pages and health per peer"),
     "doctor": ("duvm.doctor", "check this node's prerequisites and say how to fix each gap"),

@@ -44,8 +44,17 @@ METHODS = ("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE)
 # gputaskman's pool panel looks for /run/duvm/*.ctl; this is the memserver's
 DEFAULT_NODE_CONTROL_SOCKET = DEFAULT_STATE_DIR / "memserver.ctl"
 
-TOP_KEYS = ("peers", "size", "priority", "replicas", "method", "state_dir", "daemon_args",
-            "secret_file", "node")
+TOP_KEYS = (
+    "peers",
+    "size",
+    "priority",
+    "replicas",
+    "method",
+    "state_dir",
+    "daemon_args",
+    "secret_file",
+    "node",
+)
 NODE_KEYS = ("listen", "capacity", "lease", "control_socket", "metrics", "memserver_args")
 
 
@@ -67,8 +76,14 @@ class NodeConfig:
 
     def memserver_argv(self) -> list[str]:
         """The `duvm memserver` arguments this node runs with."""
-        argv = ["--listen", self.listen, "--capacity", str(self.capacity),
-                "--control-socket", str(self.control_socket)]
+        argv = [
+            "--listen",
+            self.listen,
+            "--capacity",
+            str(self.capacity),
+            "--control-socket",
+            str(self.control_socket),
+        ]
         if self.lease is not None:
             argv += ["--lease", repr(float(self.lease))]
         if self.secret_file is not None:
@@ -100,10 +115,14 @@ class Config:
 
     def validate(self) -> Config:
         if not self.peers:
-            why = f" (left after skipping this node's own memserver {self.skipped_self})" \
-                if self.skipped_self else ""
-            raise ControlError(f"no peers{why}: give --peers HOST:PORT[,...] or peers = [...] "
-                               "in the config file")
+            why = (
+                f" (left after skipping this node's own memserver {self.skipped_self})"
+                if self.skipped_self
+                else ""
+            )
+            raise ControlError(
+                f"no peers{why}: give --peers HOST:PORT[,...] or peers = [...] in the config file"
+            )
         for p in self.peers:
             try:
                 parse_hostport(p, MEMSERVER_PORT)
@@ -114,8 +133,9 @@ class Config:
         if self.replicas is None:
             self.replicas = default_replicas(len(self.peers))
         if not 1 <= self.replicas <= len(self.peers):
-            raise ControlError(f"replicas = {self.replicas} needs 1..{len(self.peers)} "
-                               "(at most one copy per peer)")
+            raise ControlError(
+                f"replicas = {self.replicas} needs 1..{len(self.peers)} (at most one copy per peer)"
+            )
         if not -1 <= self.priority <= 32767:
             raise ControlError(f"swap priority {self.priority} is outside -1..32767")
         if self.method not in METHODS:
@@ -146,8 +166,10 @@ def read_toml(path: Path) -> dict[str, Any]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise ControlError(f"config {path} cannot be read as text: not UTF-8 (byte "
-                           f"{exc.start}, line {line}); save it as UTF-8") from None
+        raise ControlError(
+            f"config {path} cannot be read as text: not UTF-8 (byte "
+            f"{exc.start}, line {line}); save it as UTF-8"
+        ) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -162,8 +184,9 @@ class _Reader:
         unknown = sorted(set(table) - set(known))
         if unknown:
             where = f"[{prefix.rstrip('.')}] " if prefix else ""
-            raise ControlError(f"config {path}: unknown {where}key(s) {unknown}; known: "
-                               f"{sorted(known)}")
+            raise ControlError(
+                f"config {path}: unknown {where}key(s) {unknown}; known: {sorted(known)}"
+            )
 
     def fail(self, key: str, want: str) -> ControlError:
         got = self.table[key]
@@ -203,11 +226,12 @@ class _Reader:
 
     def size(self, key: str, example: str) -> int:
         if key not in self.table:
-            raise ControlError(f"config {self.file}: {self.prefix}{key} is missing "
-                               f"(e.g. {key} = \"{example}\")")
+            raise ControlError(
+                f'config {self.file}: {self.prefix}{key} is missing (e.g. {key} = "{example}")'
+            )
         v = self.table[key]
         if isinstance(v, bool) or not isinstance(v, int | str):
-            raise self.fail(key, f"a size such as \"{example}\"")
+            raise self.fail(key, f'a size such as "{example}"')
         try:
             return parse_size(str(v))
         except ValueError as exc:
@@ -233,8 +257,10 @@ def _node_from(path: Path, raw: dict[str, Any], secret_file: Path | None) -> Nod
     r = _Reader(path, table, "node.", NODE_KEYS)
     listen = r.text("listen")
     if listen is None:
-        raise ControlError(f"config {path}: node.listen is missing (e.g. listen = "
-                           "\"10.0.0.2:7070\", this node's address on the cluster network)")
+        raise ControlError(
+            f"config {path}: node.listen is missing (e.g. listen = "
+            '"10.0.0.2:7070", this node\'s address on the cluster network)'
+        )
     try:
         parse_listen(listen)
     except ValueError as exc:
@@ -248,11 +274,16 @@ def _node_from(path: Path, raw: dict[str, Any], secret_file: Path | None) -> Nod
             parse_listen(metrics)
         except ValueError as exc:
             raise ControlError(f"config {path}: node.metrics: {exc}") from None
-    return NodeConfig(listen=listen, capacity=capacity, lease=r.number("lease"),
-                      secret_file=secret_file,
-                      control_socket=r.path("control_socket", DEFAULT_NODE_CONTROL_SOCKET)
-                      or DEFAULT_NODE_CONTROL_SOCKET,
-                      metrics=metrics, memserver_args=r.strings("memserver_args"))
+    return NodeConfig(
+        listen=listen,
+        capacity=capacity,
+        lease=r.number("lease"),
+        secret_file=secret_file,
+        control_socket=r.path("control_socket", DEFAULT_NODE_CONTROL_SOCKET)
+        or DEFAULT_NODE_CONTROL_SOCKET,
+        metrics=metrics,
+        memserver_args=r.strings("memserver_args"),
+    )
 
 
 def _top(path: Path) -> tuple[dict[str, Any], _Reader, Path | None, NodeConfig | None]:
@@ -267,7 +298,7 @@ def load_config(path: Path) -> Config:
     Every problem is a one-line ControlError naming the file and the key."""
     _, r, secret, node = _top(path)
     if not r.has("size"):
-        raise ControlError(f"config {path}: size is missing (e.g. size = \"4G\")")
+        raise ControlError(f'config {path}: size is missing (e.g. size = "4G")')
     peers = r.strings("peers", comma=True)
     for p in peers:
         try:
@@ -287,7 +318,10 @@ def load_config(path: Path) -> Config:
         method=r.text("method", "auto") or "auto",
         state_dir=r.path("state_dir", DEFAULT_STATE_DIR) or DEFAULT_STATE_DIR,
         daemon_args=daemon_args,
-        secret_file=secret, node=node, skipped_self=own)
+        secret_file=secret,
+        node=node,
+        skipped_self=own,
+    )
     try:
         return cfg.validate()
     except ControlError as exc:
@@ -301,8 +335,10 @@ def load_node_config(path: Path) -> NodeConfig:
     r.strings("peers", comma=True)  # type checks only: enable reads these
     r.strings("daemon_args")
     if node is None:
-        raise ControlError(f"config {path}: no [node] table: add [node] with listen = "
-                           "\"HOST:PORT\" and capacity = \"SIZE\" (see duvm.example.toml)")
+        raise ControlError(
+            f"config {path}: no [node] table: add [node] with listen = "
+            '"HOST:PORT" and capacity = "SIZE" (see duvm.example.toml)'
+        )
     return node
 
 

@@ -80,8 +80,9 @@ def load_daemon(state_dir: Path) -> DaemonInfo | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as exc:
-        raise ControlError(f"{daemon_path(state_dir)} is unreadable ({exc}); inspect it by "
-                           "hand") from exc
+        raise ControlError(
+            f"{daemon_path(state_dir)} is unreadable ({exc}); inspect it by hand"
+        ) from exc
 
 
 def client_id(cfg: Config) -> str:
@@ -91,9 +92,20 @@ def client_id(cfg: Config) -> str:
 
 def daemon_command(cfg: Config) -> list[str]:
     """The `duvm daemon` command line for `cfg` (the daemon's own flags live in daemon.py)."""
-    cmd = [sys.executable, "-m", "duvm.cli", "daemon", "--socket", cfg.socket,
-           "--peers", ",".join(cfg.peers), "--size", str(cfg.size),
-           "--client-id", client_id(cfg)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "duvm.cli",
+        "daemon",
+        "--socket",
+        cfg.socket,
+        "--peers",
+        ",".join(cfg.peers),
+        "--size",
+        str(cfg.size),
+        "--client-id",
+        client_id(cfg),
+    ]
     # Always explicit: the daemon's own default (2 with 2+ peers) must not override the config.
     cmd += ["--replicas", str(cfg.replicas)]
     return cmd + cfg.daemon_args
@@ -110,8 +122,17 @@ def start_daemon(cfg: Config, timeout: float = 60.0) -> DaemonInfo:
     log = cfg.state_dir / "daemon.log"
     log.unlink(missing_ok=True)  # errors shown on failure must be this run's
     proc = attach.spawn_detached(daemon_command(cfg), log)
-    info = DaemonInfo(proc.pid, cfg.socket, cfg.peers, cfg.size, cfg.replicas, str(log),
-                      time.time(), client_id(cfg), list(cfg.daemon_args))
+    info = DaemonInfo(
+        proc.pid,
+        cfg.socket,
+        cfg.peers,
+        cfg.size,
+        cfg.replicas,
+        str(log),
+        time.time(),
+        client_id(cfg),
+        list(cfg.daemon_args),
+    )
     daemon_path(cfg.state_dir).write_text(json.dumps(asdict(info)) + "\n")
     deadline = time.monotonic() + timeout
     while not os.path.exists(cfg.socket):
@@ -149,14 +170,21 @@ def enable(cfg: Config) -> attach.Attachment:
     existing = attach.load_state(state_path(cfg.state_dir))
     if existing is not None or daemon_alive(load_daemon(cfg.state_dir)):
         where = existing.device if existing and existing.device else "daemon running"
-        raise ControlError(f"duvm is already enabled ({where}); `duvm status` shows it, "
-                           "`duvm disable` turns it off")
+        raise ControlError(
+            f"duvm is already enabled ({where}); `duvm status` shows it, "
+            "`duvm disable` turns it off"
+        )
     daemon = start_daemon(cfg)
     try:
-        att = attach.attach(daemon.socket, state_path(cfg.state_dir), run_dir=cfg.state_dir,
-                            method=cfg.method, priority=cfg.priority,
-                            extra={"daemon_pid": daemon.pid},
-                            realtime=pressure.realtime_wanted(cfg.daemon_args))
+        att = attach.attach(
+            daemon.socket,
+            state_path(cfg.state_dir),
+            run_dir=cfg.state_dir,
+            method=cfg.method,
+            priority=cfg.priority,
+            extra={"daemon_pid": daemon.pid},
+            realtime=pressure.realtime_wanted(cfg.daemon_args),
+        )
     except BaseException:
         stop_daemon(cfg.state_dir)
         raise
@@ -172,8 +200,9 @@ def enable(cfg: Config) -> attach.Attachment:
     return att
 
 
-def disable(state_dir: Path = DEFAULT_STATE_DIR, *, force: bool = False,
-            notes: list[str] | None = None) -> bool:
+def disable(
+    state_dir: Path = DEFAULT_STATE_DIR, *, force: bool = False, notes: list[str] | None = None
+) -> bool:
     """Swap off, detach, stop the daemon. False when nothing was enabled. What the user should
     know about a device left alone goes to `notes`."""
     from duvm import supervise
@@ -181,23 +210,34 @@ def disable(state_dir: Path = DEFAULT_STATE_DIR, *, force: bool = False,
     attach.require_root()
     current = attach.load_state(state_path(state_dir))
     daemon = load_daemon(state_dir)
-    if (current is not None and daemon is not None and not force and not daemon_alive(daemon)
-            and supervise.wanted(current, daemon.daemon_args)):
+    if (
+        current is not None
+        and daemon is not None
+        and not force
+        and not daemon_alive(daemon)
+        and supervise.wanted(current, daemon.daemon_args)
+    ):
         # swapoff would have to read the pages from a dead daemon: they would be lost
         sup = supervise.alive(supervise.load(state_dir))
         raise ControlError(
             f"the daemon (pid {daemon.pid}) is not running, so swapoff could not bring the "
-            f"pages on {current.device} home: " + (
-                "the supervisor is restarting it; run disable again in a few seconds" if sup
+            f"pages on {current.device} home: "
+            + (
+                "the supervisor is restarting it; run disable again in a few seconds"
+                if sup
                 else "run `duvm enable --resume` first (--force detaches anyway, and the "
-                "programs whose pages are still out get I/O errors)"))
+                "programs whose pages are still out get I/O errors)"
+            )
+        )
     # The supervisor stays on during the swapoff (a daemon crash then is resumed too) and is
     # stopped before the daemon, whose stop it must not take for a crash.
     att = attach.detach(state_path(state_dir), force=force)  # SwapoffFailed: nothing done
     supervise.stop(state_dir)
     if att is not None and notes is not None and att.extra.get("device_problem"):
-        notes.append(f"left {att.device} alone (not swapped off, not discarded): "
-                     f"{att.extra['device_problem']}")
+        notes.append(
+            f"left {att.device} alone (not swapped off, not discarded): "
+            f"{att.extra['device_problem']}"
+        )
     had_daemon = load_daemon(state_dir) is not None
     stop_daemon(state_dir)
     return att is not None or had_daemon
@@ -217,33 +257,49 @@ def peer_security(daemon_args: list[str], peers: list[str]) -> Any:
     return auth.client_security_from_args(ns, [parse_hostport(p, MEMSERVER_PORT) for p in peers])
 
 
-async def _peer_status(peer: str, timeout: float, client: str | None,
-                       security: Any) -> dict[str, Any]:
+async def _peer_status(
+    peer: str, timeout: float, client: str | None, security: Any
+) -> dict[str, Any]:
     from duvm.memclient import query_status  # the page protocol is only needed here
 
     host, port = parse_hostport(peer, MEMSERVER_PORT)
     try:
         st = await query_status(host, port, timeout=timeout, security=security)
     except Exception as exc:  # unreachable, refused, or a peer that speaks something else
-        return {"peer": peer, "health": "unreachable", "error": str(exc), "pages": None,
-                "capacity_pages": None, "our_pages": None, "our_reserved_pages": None}
+        return {
+            "peer": peer,
+            "health": "unreachable",
+            "error": str(exc),
+            "pages": None,
+            "capacity_pages": None,
+            "our_pages": None,
+            "our_reserved_pages": None,
+        }
     ours = next((ns for ns in st.get("namespaces", []) if ns.get("client_id") == client), None)
-    return {"peer": peer, "health": "ok", "error": None, "pages": st.get("used_pages"),
-            "reserved_pages": st.get("reserved_pages"), "capacity_pages": st.get("capacity_pages"),
-            "namespaces": st.get("namespaces_total"),
-            "our_pages": ours.get("stored_pages") if ours else (0 if client else None),
-            "our_reserved_pages": ours.get("reserved_pages") if ours else (0 if client else None),
-            "counters": st.get("counters")}
+    return {
+        "peer": peer,
+        "health": "ok",
+        "error": None,
+        "pages": st.get("used_pages"),
+        "reserved_pages": st.get("reserved_pages"),
+        "capacity_pages": st.get("capacity_pages"),
+        "namespaces": st.get("namespaces_total"),
+        "our_pages": ours.get("stored_pages") if ours else (0 if client else None),
+        "our_reserved_pages": ours.get("reserved_pages") if ours else (0 if client else None),
+        "counters": st.get("counters"),
+    }
 
 
-def peer_statuses(peers: list[str], timeout: float = 3.0, client: str | None = None,
-                  security: Any = None) -> list[dict[str, Any]]:
+def peer_statuses(
+    peers: list[str], timeout: float = 3.0, client: str | None = None, security: Any = None
+) -> list[dict[str, Any]]:
     """STATUS of each peer: totals, and the pages of namespace `client` when given.
     `security` (an `auth.PeerSecurity`) authenticates to memservers that require it."""
 
     async def gather() -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(_peer_status(p, timeout, client, security)
-                                           for p in peers)))
+        return list(
+            await asyncio.gather(*(_peer_status(p, timeout, client, security) for p in peers))
+        )
 
     return asyncio.run(gather()) if peers else []
 
@@ -270,26 +326,43 @@ def node_status(path: Path = DEFAULT_NODE_CONTROL_SOCKET) -> dict[str, Any] | No
         st = control_socket.query(str(path))
     except (OSError, ValueError) as exc:
         return {"socket": str(path), "running": False, "error": str(exc)}
-    keep = ("capacity_pages", "used_pages", "reserved_pages", "connections", "lease_seconds",
-            "namespaces_total", "counters")
-    return {"socket": str(path), "running": True, "error": None,
-            **{k: st.get(k) for k in keep},
-            "auth": (st.get("security") or {}).get("auth"),
-            "namespaces": [{k: ns.get(k) for k in ("client_id", "stored_pages", "reserved_pages",
-                                                    "connections")}
-                           for ns in st.get("namespaces") or [] if isinstance(ns, dict)]}
+    keep = (
+        "capacity_pages",
+        "used_pages",
+        "reserved_pages",
+        "connections",
+        "lease_seconds",
+        "namespaces_total",
+        "counters",
+    )
+    return {
+        "socket": str(path),
+        "running": True,
+        "error": None,
+        **{k: st.get(k) for k in keep},
+        "auth": (st.get("security") or {}).get("auth"),
+        "namespaces": [
+            {k: ns.get(k) for k in ("client_id", "stored_pages", "reserved_pages", "connections")}
+            for ns in st.get("namespaces") or []
+            if isinstance(ns, dict)
+        ],
+    }
 
 
 def _supervisor_status(state_dir: Path) -> dict[str, Any] | None:
     from duvm import supervise
 
     info = supervise.load(state_dir)
-    return None if info is None else {"pid": info["pid"], "running": supervise.alive(info),
-                                      "log": info.get("log")}
+    return (
+        None
+        if info is None
+        else {"pid": info["pid"], "running": supervise.alive(info), "log": info.get("log")}
+    )
 
 
-def status(state_dir: Path = DEFAULT_STATE_DIR,
-           node_socket: Path = DEFAULT_NODE_CONTROL_SOCKET) -> dict[str, Any]:
+def status(
+    state_dir: Path = DEFAULT_STATE_DIR, node_socket: Path = DEFAULT_NODE_CONTROL_SOCKET
+) -> dict[str, Any]:
     """Everything `duvm status` shows, as plain data (JSON-ready)."""
     att = attach.load_state(state_path(state_dir))
     daemon = load_daemon(state_dir)
@@ -301,8 +374,7 @@ def status(state_dir: Path = DEFAULT_STATE_DIR,
             security = peer_security(daemon.daemon_args, peers)
         except (ValueError, OSError, auth.SecretError) as exc:  # said with each peer
             security_error = f"cannot authenticate as the daemon does: {exc}"
-    peer_list = peer_statuses(peers, client=daemon.client_id if daemon else None,
-                              security=security)
+    peer_list = peer_statuses(peers, client=daemon.client_id if daemon else None, security=security)
     if security_error:
         for p in peer_list:
             p["error"] = f"{p['error']} ({security_error})" if p["error"] else security_error
@@ -314,15 +386,25 @@ def status(state_dir: Path = DEFAULT_STATE_DIR,
         "path": (att.fuse_file or att.nbd_device) if att else None,
         "socket": att.socket if att else (daemon.socket if daemon else None),
         "size_bytes": att.size_bytes if att else None,
-        "swap": None if entry is None else {
-            "size_bytes": entry.size_kb * 1024, "used_bytes": entry.used_kb * 1024,
-            "priority": entry.priority},
-        "daemon": None if daemon is None else {
-            "pid": daemon.pid, "running": daemon_alive(daemon), "log": daemon.log,
-            "replicas": daemon.replicas},
+        "swap": None
+        if entry is None
+        else {
+            "size_bytes": entry.size_kb * 1024,
+            "used_bytes": entry.used_kb * 1024,
+            "priority": entry.priority,
+        },
+        "daemon": None
+        if daemon is None
+        else {
+            "pid": daemon.pid,
+            "running": daemon_alive(daemon),
+            "log": daemon.log,
+            "replicas": daemon.replicas,
+        },
         "supervisor": _supervisor_status(state_dir),
         "min_free_kbytes": {"before": att.min_free_before, "set": att.min_free_set}
-        if att else None,
+        if att
+        else None,
         "client_id": daemon.client_id if daemon else None,
         "replication": daemon_health(daemon),
         "peers": peer_list,
@@ -339,49 +421,69 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"device: {st['device']} via {st['method']} ({st['path']})")
     if st["swap"]:
         s = st["swap"]
-        lines.append(f"swap: {mib(s['used_bytes'])} used of {mib(s['size_bytes'])}, "
-                     f"priority {s['priority']}")
+        lines.append(
+            f"swap: {mib(s['used_bytes'])} used of {mib(s['size_bytes'])}, priority {s['priority']}"
+        )
     elif st["device"]:
         lines.append("swap: not active on the device")
     if st["daemon"]:
         d = st["daemon"]
-        lines.append(f"daemon: pid {d['pid']} {'running' if d['running'] else 'NOT RUNNING'} "
-                     f"(log {d['log']})")
+        lines.append(
+            f"daemon: pid {d['pid']} {'running' if d['running'] else 'NOT RUNNING'} "
+            f"(log {d['log']})"
+        )
     sup = st.get("supervisor")
     if sup:
-        lines.append(f"supervisor: pid {sup['pid']} "
-                     f"{'running' if sup['running'] else 'NOT RUNNING'} (log {sup['log']})")
+        lines.append(
+            f"supervisor: pid {sup['pid']} "
+            f"{'running' if sup['running'] else 'NOT RUNNING'} (log {sup['log']})"
+        )
     r = st.get("replication")
     if r:
-        rep = "; ".join(f"slab {x['slab']} to {x['target']} {x['copied_pages']}/"
-                        f"{x['total_pages']} pages" for x in r["repairing"]) or "none running"
+        rep = (
+            "; ".join(
+                f"slab {x['slab']} to {x['target']} {x['copied_pages']}/{x['total_pages']} pages"
+                for x in r["repairing"]
+            )
+            or "none running"
+        )
         done = r["repair"]["repairs_done"] if r["repair"] else "n/a"
-        lines.append(f"replication: R={r['replicas']}, {r['degraded_slabs']} of {r['slabs']} "
-                     f"slabs degraded, repairs done {done} "
-                     f"(now: {rep}), failovers {r['failovers']}, checksum failures "
-                     f"{r['checksum_failures']}, pages lost {r['pages_lost_now']}")
+        lines.append(
+            f"replication: R={r['replicas']}, {r['degraded_slabs']} of {r['slabs']} "
+            f"slabs degraded, repairs done {done} "
+            f"(now: {rep}), failovers {r['failovers']}, checksum failures "
+            f"{r['checksum_failures']}, pages lost {r['pages_lost_now']}"
+        )
     elif st["daemon"]:
         lines.append("replication: n/a (the daemon's control socket does not answer)")
     for p in st["peers"]:
+
         def n(v: int | None) -> str:
             return "n/a" if v is None else str(v)
 
         extra = f" ({p['error']})" if p["error"] else ""
-        lines.append(f"peer {p['peer']}: {p['health']}, ours {n(p['our_pages'])} pages "
-                     f"({n(p['our_reserved_pages'])} reserved), all clients "
-                     f"{n(p['pages'])} of {n(p['capacity_pages'])}{extra}")
+        lines.append(
+            f"peer {p['peer']}: {p['health']}, ours {n(p['our_pages'])} pages "
+            f"({n(p['our_reserved_pages'])} reserved), all clients "
+            f"{n(p['pages'])} of {n(p['capacity_pages'])}{extra}"
+        )
     node = st.get("node")
     if node is not None and not node["running"]:
         lines.append(f"node: control socket {node['socket']} does not answer ({node['error']})")
     elif node is not None:
+
         def pages(v: object) -> str:
             return f"{v * 4096 >> 20} MiB" if isinstance(v, int) else "n/a"
 
-        lines.append(f"node: lends {pages(node['used_pages'])} in use, "
-                     f"{pages(node['reserved_pages'])} reserved of {pages(node['capacity_pages'])}"
-                     f" to {node['namespaces_total']} client(s), {node['connections']} "
-                     f"connection(s), auth {node['auth'] or 'n/a'}")
+        lines.append(
+            f"node: lends {pages(node['used_pages'])} in use, "
+            f"{pages(node['reserved_pages'])} reserved of {pages(node['capacity_pages'])}"
+            f" to {node['namespaces_total']} client(s), {node['connections']} "
+            f"connection(s), auth {node['auth'] or 'n/a'}"
+        )
         for ns in node["namespaces"]:
-            lines.append(f"  client {ns['client_id']}: {ns['stored_pages']} pages stored, "
-                         f"{ns['reserved_pages']} reserved")
+            lines.append(
+                f"  client {ns['client_id']}: {ns['stored_pages']} pages stored, "
+                f"{ns['reserved_pages']} reserved"
+            )
     return "\n".join(lines)

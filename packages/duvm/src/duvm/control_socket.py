@@ -60,7 +60,7 @@ async def start(path: str, provider: Callable[[], dict[str, Any]]) -> asyncio.Ab
                 if cmd == "status":
                     reply: dict[str, Any] = provider()
                 else:
-                    reply = {"error": "unknown request; send {\"cmd\": \"status\"}"}
+                    reply = {"error": 'unknown request; send {"cmd": "status"}'}
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
         except (ConnectionError, ValueError, asyncio.LimitOverrunError) as e:
@@ -111,6 +111,10 @@ def daemon_status(store: object, server: object, replicas: int | None) -> dict[s
 
         add_pages_per_peer(inner, health)
     stats = getattr(server, "stats", None)
-    return {"pid": os.getpid(), "size_bytes": getattr(store, "size", None),
-            "replicas": replicas, "store": health,
-            "nbd": stats.as_dict() if stats is not None else None}  # fmt: skip
+    return {
+        "pid": os.getpid(),
+        "size_bytes": getattr(store, "size", None),
+        "replicas": replicas,
+        "store": health,
+        "nbd": stats.as_dict() if stats is not None else None,
+    }

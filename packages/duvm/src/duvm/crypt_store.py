@@ -90,8 +90,9 @@ class CryptStore(BlockStore):
         first = offset // PAGE_SIZE
         n = out.nbytes // PAGE_SIZE
         meta = self._meta_mv
-        written = [meta[(first + i) * META : (first + i) * META + NONCE] != _NO_NONCE
-                   for i in range(n)]  # fmt: skip
+        written = [
+            meta[(first + i) * META : (first + i) * META + NONCE] != _NO_NONCE for i in range(n)
+        ]
         if any(written):
             await self.inner.read(offset, out)
         opened = self._aead.decrypt
@@ -103,14 +104,20 @@ class CryptStore(BlockStore):
             m = (first + i) * META
             nonce = bytes(meta[m : m + NONCE])
             try:
-                plain = opened(nonce, bytes(out[a : a + PAGE_SIZE]) + meta[m + NONCE : m + META],
-                               _AAD.pack(_LABEL, first + i) + nonce)  # fmt: skip
+                plain = opened(
+                    nonce,
+                    bytes(out[a : a + PAGE_SIZE]) + meta[m + NONCE : m + META],
+                    _AAD.pack(_LABEL, first + i) + nonce,
+                )
             except InvalidTag:
                 self.stats["tag_failures"] += 1
                 out[:] = bytes(out.nbytes)  # never hand back unauthenticated bytes
-                raise StorageError(errno.EIO, f"page {first + i} failed authentication: the "
-                                   "memserver returned bytes this node did not write "
-                                   "there") from None  # fmt: skip
+                raise StorageError(
+                    errno.EIO,
+                    f"page {first + i} failed authentication: the "
+                    "memserver returned bytes this node did not write "
+                    "there",
+                ) from None
             out[a : a + PAGE_SIZE] = plain
         self.stats["pages_opened"] += sum(written)
 
@@ -134,4 +141,3 @@ class CryptStore(BlockStore):
         # Best effort: drop the key object and the table (Python cannot promise to wipe).
         self._aead = None  # type: ignore[assignment]
         self._meta[:] = bytes(len(self._meta))
-

@@ -41,60 +41,114 @@ class DaemonError(Exception):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peers", metavar="HOST:PORT,...",
-                        help="memservers holding the pages (comma-separated)")
-    parser.add_argument("--size", required=True, metavar="SIZE",
-                        help="export size, reserved on the memservers before serving (e.g. 4G)")
-    parser.add_argument("--socket", required=True, metavar="PATH",
-                        help="Unix socket to serve NBD on")
-    parser.add_argument("--tcp", metavar="HOST:PORT",
-                        help="also serve NBD on TCP (loopback only; port 0 picks one)")
-    parser.add_argument("--export-name", default="", metavar="NAME",
-                        help="NBD export name (default: the default export, '')")
-    parser.add_argument("--replicas", type=int, default=None, metavar="N",
-                        help="memservers holding each page (default 2 when at least 2 peers, "
-                        "else 1)")
-    parser.add_argument("--control-socket", metavar="PATH",
-                        help="local status socket, owner-only (default: SOCKET.ctl)")
-    parser.add_argument("--client-id", metavar="ID",
-                        help="namespace on the memservers (default: hostname:socket path)")
-    parser.add_argument("--memory", action="store_true",
-                        help="serve a local in-RAM store instead of memservers (testing, "
-                        "benchmark baseline)")
+    parser.add_argument(
+        "--peers", metavar="HOST:PORT,...", help="memservers holding the pages (comma-separated)"
+    )
+    parser.add_argument(
+        "--size",
+        required=True,
+        metavar="SIZE",
+        help="export size, reserved on the memservers before serving (e.g. 4G)",
+    )
+    parser.add_argument(
+        "--socket", required=True, metavar="PATH", help="Unix socket to serve NBD on"
+    )
+    parser.add_argument(
+        "--tcp", metavar="HOST:PORT", help="also serve NBD on TCP (loopback only; port 0 picks one)"
+    )
+    parser.add_argument(
+        "--export-name",
+        default="",
+        metavar="NAME",
+        help="NBD export name (default: the default export, '')",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="memservers holding each page (default 2 when at least 2 peers, else 1)",
+    )
+    parser.add_argument(
+        "--control-socket",
+        metavar="PATH",
+        help="local status socket, owner-only (default: SOCKET.ctl)",
+    )
+    parser.add_argument(
+        "--client-id",
+        metavar="ID",
+        help="namespace on the memservers (default: hostname:socket path)",
+    )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="serve a local in-RAM store instead of memservers (testing, benchmark baseline)",
+    )
     parser.add_argument("--no-mlock", action="store_true", help="do not lock the daemon in RAM")
-    parser.add_argument("--heap-reserve", type=int, default=0, metavar="MIB",
-                        help="with the daemon locked in RAM: MiB of heap faulted in and kept at "
-                        "start, so request buffers need no page fault under memory pressure "
-                        "(default 0; see docs/KERNEL_NBD_QEMU.md for what it does and does not "
-                        "fix)")
-    parser.add_argument("--metrics", metavar="HOST:PORT",
-                        help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
-                        "one; see duvm.metrics)")
-    parser.add_argument("--state-dir", metavar="DIR",
-                        help="keep the state a restarted daemon needs (namespace token, slab "
-                        "map, page checksums, key) in DIR (0700; a tmpfs such as /run/duvm)")
-    parser.add_argument("--resume", action="store_true",
-                        help="take over from a daemon that died, from --state-dir: same "
-                        "namespaces on the memservers, same pages (kernel nbd then "
-                        "reconnects its live device; see `duvm enable --resume`)")
-    parser.add_argument("--no-realtime", dest="realtime", action="store_false",
-                        help="run at the normal scheduling class instead of SCHED_RR priority "
-                        "1 (the default, which lets the daemon's allocations dip below the min "
-                        "watermark so memory pressure cannot stall the swap path; see "
-                        "docs/ARCHITECTURE.md)")
-    parser.add_argument("--realtime", dest="realtime", action="store_true",
-                        help=argparse.SUPPRESS)  # the default now; kept for old configs
-    parser.add_argument("--no-io-flusher", dest="io_flusher", action="store_false",
-                        help="do not mark the daemon as an I/O flusher (PR_SET_IO_FLUSHER, "
-                        "the default: its reclaim never waits on swap writes it must serve)")
-    parser.add_argument("--oom-score-adj", type=int, default=pressure.OOM_SCORE_ADJ,
-                        metavar="N", help="the daemon's OOM score adjustment (default "
-                        f"{pressure.OOM_SCORE_ADJ}: killed after almost everything else; "
-                        "-1000 never)")
-    parser.add_argument("--trace", metavar="FILE",
-                        help="write one line per NBD request (arrival and reply times, "
-                        "command, offset, length, errno) to FILE, for finding where time goes "
-                        "(benchmarks/nbd_trace.py summarises it; about 1.5 µs per request)")
+    parser.add_argument(
+        "--heap-reserve",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="with the daemon locked in RAM: MiB of heap faulted in and kept at "
+        "start, so request buffers need no page fault under memory pressure "
+        "(default 0; see docs/KERNEL_NBD_QEMU.md for what it does and does not "
+        "fix)",
+    )
+    parser.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
+        "one; see duvm.metrics)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="keep the state a restarted daemon needs (namespace token, slab "
+        "map, page checksums, key) in DIR (0700; a tmpfs such as /run/duvm)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="take over from a daemon that died, from --state-dir: same "
+        "namespaces on the memservers, same pages (kernel nbd then "
+        "reconnects its live device; see `duvm enable --resume`)",
+    )
+    parser.add_argument(
+        "--no-realtime",
+        dest="realtime",
+        action="store_false",
+        help="run at the normal scheduling class instead of SCHED_RR priority "
+        "1 (the default, which lets the daemon's allocations dip below the min "
+        "watermark so memory pressure cannot stall the swap path; see "
+        "docs/ARCHITECTURE.md)",
+    )
+    parser.add_argument(
+        "--realtime", dest="realtime", action="store_true", help=argparse.SUPPRESS
+    )  # the default now; kept for old configs
+    parser.add_argument(
+        "--no-io-flusher",
+        dest="io_flusher",
+        action="store_false",
+        help="do not mark the daemon as an I/O flusher (PR_SET_IO_FLUSHER, "
+        "the default: its reclaim never waits on swap writes it must serve)",
+    )
+    parser.add_argument(
+        "--oom-score-adj",
+        type=int,
+        default=pressure.OOM_SCORE_ADJ,
+        metavar="N",
+        help="the daemon's OOM score adjustment (default "
+        f"{pressure.OOM_SCORE_ADJ}: killed after almost everything else; "
+        "-1000 never)",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write one line per NBD request (arrival and reply times, "
+        "command, offset, length, errno) to FILE, for finding where time goes "
+        "(benchmarks/nbd_trace.py summarises it; about 1.5 µs per request)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log connections and errors")
     auth.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
 
@@ -108,14 +162,20 @@ def run(args: argparse.Namespace) -> int:
     # Protections first, so the threads started below (the log writer) inherit the scheduling
     # class and every page touched from here on is locked.
     if not args.memory:
-        pressure.protect("duvm daemon", realtime=args.realtime, mlock=not args.no_mlock,
-                         io_flusher=args.io_flusher, oom_adj=args.oom_score_adj)
+        pressure.protect(
+            "duvm daemon",
+            realtime=args.realtime,
+            mlock=not args.no_mlock,
+            io_flusher=args.io_flusher,
+            oom_adj=args.oom_score_adj,
+        )
         if args.heap_reserve > 0 and not args.no_mlock:
             pressure.reserve_heap(args.heap_reserve << 20)
     else:
         pressure.lower_oom_score(args.oom_score_adj)
-    logger = quietlog.start_background(logging.INFO if args.verbose else logging.WARNING,
-                                       "duvm daemon: %(levelname)s %(message)s")
+    logger = quietlog.start_background(
+        logging.INFO if args.verbose else logging.WARNING, "duvm daemon: %(levelname)s %(message)s"
+    )
     try:
         return _run(args)
     finally:
@@ -150,8 +210,10 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as e:  # ssl.SSLError included: unreadable or bad certificate files
         return _fail(f"cannot load TLS files: {e}", 2)
     if args.replicas == 1 and not args.memory:
-        log.warning("--replicas 1: a memserver that dies or restarts takes its pages with it "
-                    "(the programs that own them get I/O errors); use 2 or more peers")
+        log.warning(
+            "--replicas 1: a memserver that dies or restarts takes its pages with it "
+            "(the programs that own them get I/O errors); use 2 or more peers"
+        )
     client_id = args.client_id or f"{socket.gethostname()}:{os.path.abspath(args.socket)}"
     try:
         return _run_loop(_serve(args, size, peers, tcp, client_id))
@@ -169,10 +231,9 @@ def _run_loop(coro) -> int:
     return uvloop.run(coro)
 
 
-
-
-async def open_store(args: argparse.Namespace, size: int, peers: list[tuple[str, int]],
-                     client_id: str):
+async def open_store(
+    args: argparse.Namespace, size: int, peers: list[tuple[str, int]], client_id: str
+):
     """The store to serve: reserved on the memservers, or local RAM with --memory."""
     if args.memory:
         from duvm.memory_store import MemoryStore
@@ -185,9 +246,15 @@ async def open_store(args: argparse.Namespace, size: int, peers: list[tuple[str,
 
         try:
             store, args.persisted = await daemon_state.open_store(
-                Path(args.state_dir), peers, size, client_id, args.replicas,
-                encrypt=auth.encryption_wanted(args, peers), resume=args.resume,
-                export_name=args.export_name)
+                Path(args.state_dir),
+                peers,
+                size,
+                client_id,
+                args.replicas,
+                encrypt=auth.encryption_wanted(args, peers),
+                resume=args.resume,
+                export_name=args.export_name,
+            )
         except (StorageError, ValueError, daemon_state.StateError) as e:
             raise DaemonError(getattr(e, "reason", None) or str(e)) from None
         except OSError as e:
@@ -204,15 +271,21 @@ async def open_store(args: argparse.Namespace, size: int, peers: list[tuple[str,
     return store
 
 
-async def _serve(args: argparse.Namespace, size: int, peers: list[tuple[str, int]],
-                 tcp: tuple[str, int] | None, client_id: str) -> int:
+async def _serve(
+    args: argparse.Namespace,
+    size: int,
+    peers: list[tuple[str, int]],
+    tcp: tuple[str, int] | None,
+    client_id: str,
+) -> int:
     trace = None
     if getattr(args, "trace", None):  # opened first: a bad path fails before reserving
         try:
             trace = RequestTrace(args.trace)
         except OSError as e:
-            raise DaemonError(f"cannot write the trace to {args.trace}: "
-                              f"{e.strerror or e}") from None
+            raise DaemonError(
+                f"cannot write the trace to {args.trace}: {e.strerror or e}"
+            ) from None
     try:
         return await _serve_store(args, size, peers, tcp, client_id, trace)
     finally:
@@ -220,9 +293,14 @@ async def _serve(args: argparse.Namespace, size: int, peers: list[tuple[str, int
             trace.close()
 
 
-async def _serve_store(args: argparse.Namespace, size: int, peers: list[tuple[str, int]],
-                       tcp: tuple[str, int] | None, client_id: str,
-                       trace: RequestTrace | None) -> int:
+async def _serve_store(
+    args: argparse.Namespace,
+    size: int,
+    peers: list[tuple[str, int]],
+    tcp: tuple[str, int] | None,
+    client_id: str,
+    trace: RequestTrace | None,
+) -> int:
     from duvm.nbdserver import NBDServer
 
     store = await open_store(args, size, peers, client_id)
@@ -234,18 +312,22 @@ async def _serve_store(args: argparse.Namespace, size: int, peers: list[tuple[st
         loop.add_signal_handler(sig, stop.set)
     if getattr(args, "secret_file", None):  # secret rotation: re-read on SIGHUP
         clients = getattr(getattr(store, "inner", store), "clients", [])
-        loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(
-            "%s", auth.reload_client_keyring(clients, args.secret_file)))
+        loop.add_signal_handler(
+            signal.SIGHUP,
+            lambda: log.warning("%s", auth.reload_client_keyring(clients, args.secret_file)),
+        )
     try:
         if args.metrics:  # Prometheus exposition; NBD latencies observed from here on
             from duvm import metrics
 
             try:
                 server.latency, bound = metrics.start_for_loop(
-                    metrics.DaemonCollector, server, metrics.NBD_KINDS, args.metrics)
+                    metrics.DaemonCollector, server, metrics.NBD_KINDS, args.metrics
+                )
             except OSError as e:
-                raise DaemonError(f"cannot serve metrics on {args.metrics}: "
-                                  f"{e.strerror or e}") from None
+                raise DaemonError(
+                    f"cannot serve metrics on {args.metrics}: {e.strerror or e}"
+                ) from None
             print(f"duvm daemon metrics on http://{bound[0]}:{bound[1]}/metrics", flush=True)
         await server.start_unix(args.socket)
         where = f"unix:{args.socket}"
@@ -258,10 +340,16 @@ async def _serve_store(args: argparse.Namespace, size: int, peers: list[tuple[st
         from duvm import control_socket
 
         ctl_path = args.control_socket or control_socket.default_path(args.socket)
-        ctl = await control_socket.start(ctl_path, lambda: control_socket.daemon_status(
-            store, server, None if args.memory else args.replicas))
-        print(f"duvm daemon serving export {args.export_name!r} ({size} bytes, {backend}) on "
-              f"{where}", flush=True)
+        ctl = await control_socket.start(
+            ctl_path,
+            lambda: control_socket.daemon_status(
+                store, server, None if args.memory else args.replicas
+            ),
+        )
+        print(
+            f"duvm daemon serving export {args.export_name!r} ({size} bytes, {backend}) on {where}",
+            flush=True,
+        )
         await stop.wait()
         ctl.close()
         log.info("stopping: finishing in-flight requests")

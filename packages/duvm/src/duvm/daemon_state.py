@@ -115,15 +115,22 @@ class SavedDaemon:
             d = json.loads(text)
             if not isinstance(d, dict) or d.get("version") != FORMAT_VERSION:
                 raise ValueError(f"not format version {FORMAT_VERSION}")
-            out = cls(size=int(d["size"]), slab_pages=int(d["slab_pages"]),
-                      replicas=int(d["replicas"]), client_id=str(d["client_id"]),
-                      peers=[str(p) for p in d["peers"]], token=bytes.fromhex(d["token"]),
-                      sets=[[int(i) for i in s] for s in d["sets"]],
-                      key=None if d.get("key") is None else bytes.fromhex(d["key"]),
-                      export_name=str(d.get("export_name", "")))
+            out = cls(
+                size=int(d["size"]),
+                slab_pages=int(d["slab_pages"]),
+                replicas=int(d["replicas"]),
+                client_id=str(d["client_id"]),
+                peers=[str(p) for p in d["peers"]],
+                token=bytes.fromhex(d["token"]),
+                sets=[[int(i) for i in s] for s in d["sets"]],
+                key=None if d.get("key") is None else bytes.fromhex(d["key"]),
+                export_name=str(d.get("export_name", "")),
+            )
         except (ValueError, KeyError, TypeError) as exc:
-            raise StateError(f"{where} is corrupt ({type(exc).__name__}: {exc}); it cannot be "
-                             "resumed from (disable and enable again)") from None
+            raise StateError(
+                f"{where} is corrupt ({type(exc).__name__}: {exc}); it cannot be "
+                "resumed from (disable and enable again)"
+            ) from None
         if out.size <= 0 or out.slab_pages <= 0 or len(out.token) < 16 or not out.sets:
             raise StateError(f"{where} is corrupt (impossible size, slab size, token or map)")
         return out
@@ -137,8 +144,9 @@ def _check_private(path: Path, want_mode: int) -> None:
         raise StateError(f"{path} belongs to uid {st.st_uid}, not to us ({os.geteuid()})")
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o077:
-        raise StateError(f"{path} has mode {mode:04o}; it holds secrets and must be "
-                         f"{want_mode:04o} (root only)")
+        raise StateError(
+            f"{path} has mode {mode:04o}; it holds secrets and must be {want_mode:04o} (root only)"
+        )
 
 
 class StateDir:
@@ -198,12 +206,19 @@ class PageTables:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, total)
-            os.pwrite(fd, _HEADER.pack(PAGES_MAGIC, FORMAT_VERSION,
-                                       FLAG_ENCRYPTED if encrypted else 0, pages, 0), 0)
+            os.pwrite(
+                fd,
+                _HEADER.pack(
+                    PAGES_MAGIC, FORMAT_VERSION, FLAG_ENCRYPTED if encrypted else 0, pages, 0
+                ),
+                0,
+            )
         else:
             if not self.path.exists():
-                raise StateError(f"{path} is missing: the page checksums are gone, resuming "
-                                 "would serve unverifiable pages")
+                raise StateError(
+                    f"{path} is missing: the page checksums are gone, resuming "
+                    "would serve unverifiable pages"
+                )
             _check_private(self.path, 0o600)
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
@@ -234,12 +249,15 @@ class PageTables:
         if magic != PAGES_MAGIC or version != FORMAT_VERSION:
             raise StateError(f"{self.path} is not a duvm page table (bad magic or version)")
         if file_pages != pages or bool(flags & FLAG_ENCRYPTED) != encrypted:
-            raise StateError(f"{self.path} describes {file_pages} pages "
-                             f"({'encrypted' if flags & FLAG_ENCRYPTED else 'plain'}), not the "
-                             f"{pages} ({'encrypted' if encrypted else 'plain'}) of this device")
+            raise StateError(
+                f"{self.path} describes {file_pages} pages "
+                f"({'encrypted' if flags & FLAG_ENCRYPTED else 'plain'}), not the "
+                f"{pages} ({'encrypted' if encrypted else 'plain'}) of this device"
+            )
         if size != total:
-            raise StateError(f"{self.path} is {size} bytes, expected {total} (truncated or "
-                             "corrupt)")
+            raise StateError(
+                f"{self.path} is {size} bytes, expected {total} (truncated or corrupt)"
+            )
 
     @classmethod
     def create(cls, path: Path, pages: int, encrypted: bool) -> PageTables:
@@ -329,10 +347,18 @@ class Persisted:
         self.dir.remove()
 
 
-async def open_store(state_dir: Path, peers: list[tuple[str, int]], size: int, client_id: str,
-                     replicas: int, *, encrypt: bool, resume: bool,
-                     export_name: str = "", repair: bool = True
-                     ) -> tuple[BlockStore, Persisted]:
+async def open_store(
+    state_dir: Path,
+    peers: list[tuple[str, int]],
+    size: int,
+    client_id: str,
+    replicas: int,
+    *,
+    encrypt: bool,
+    resume: bool,
+    export_name: str = "",
+    repair: bool = True,
+) -> tuple[BlockStore, Persisted]:
     """The daemon's store on persisted state in `state_dir`.
 
     Fresh (`resume` False): new page tables; the namespace token of a predecessor with the same
@@ -349,32 +375,54 @@ async def open_store(state_dir: Path, peers: list[tuple[str, int]], size: int, c
     old: SavedDaemon | None = None
     if resume:
         old = sd.load()
-        mismatch = [f"{what} {a!r} (saved {b!r})" for what, a, b in (
-            ("size", size, old.size), ("client id", client_id, old.client_id),
-            ("replicas", replicas, old.replicas),
-            ("peers", [f"{h}:{p}" for h, p in peers], old.peers)) if a != b]
+        mismatch = [
+            f"{what} {a!r} (saved {b!r})"
+            for what, a, b in (
+                ("size", size, old.size),
+                ("client id", client_id, old.client_id),
+                ("replicas", replicas, old.replicas),
+                ("peers", [f"{h}:{p}" for h, p in peers], old.peers),
+            )
+            if a != b
+        ]
         if mismatch:
-            raise StateError(f"cannot resume from {sd.state_file}: it was saved for another "
-                             "device: " + "; ".join(mismatch))
+            raise StateError(
+                f"cannot resume from {sd.state_file}: it was saved for another "
+                "device: " + "; ".join(mismatch)
+            )
         encrypted = old.key is not None  # the memservers hold what the saved key sealed
     else:
         with contextlib.suppress(StateError):
             old = sd.load() if sd.exists() else None
         encrypted = encrypt
-    token = old.token if old is not None and old.client_id == client_id else \
-        secrets.token_bytes(32)
-    key = (old.key if resume and old is not None else secrets.token_bytes(32)) \
-        if encrypted else None
+    token = old.token if old is not None and old.client_id == client_id else secrets.token_bytes(32)
+    key = (
+        (old.key if resume and old is not None else secrets.token_bytes(32)) if encrypted else None
+    )
     tables = (PageTables.open if resume else PageTables.create)(sd.pages_file, pages, encrypted)
     try:
         slab_pages = old.slab_pages if resume and old is not None else 256
-        store = RemoteStore(peers, size, client_id, replicas=replicas, slab_pages=slab_pages,
-                            tables=tables.tables, repair=repair)
+        store = RemoteStore(
+            peers,
+            size,
+            client_id,
+            replicas=replicas,
+            slab_pages=slab_pages,
+            tables=tables.tables,
+            repair=repair,
+        )
         for c in store.clients:
             c.token = token  # the same owner across restarts (memserver namespace isolation)
-        saved = SavedDaemon(size=size, slab_pages=slab_pages, replicas=replicas,
-                            client_id=client_id, peers=[f"{h}:{p}" for h, p in peers],
-                            token=token, key=key, export_name=export_name)
+        saved = SavedDaemon(
+            size=size,
+            slab_pages=slab_pages,
+            replicas=replicas,
+            client_id=client_id,
+            peers=[f"{h}:{p}" for h, p in peers],
+            token=token,
+            key=key,
+            export_name=export_name,
+        )
         state = Persisted(sd, tables, saved)
         if resume and old is not None:
             saved.sets = old.sets

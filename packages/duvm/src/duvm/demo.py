@@ -81,19 +81,24 @@ def preflight() -> list[str]:
     """Why the demo cannot run here (empty: it can), each with what to install or do."""
     problems = []
     if os.geteuid() != 0:
-        problems.append("needs root (it creates a swap device, a loop device and a cgroup): "
-                        "run it with sudo")
+        problems.append(
+            "needs root (it creates a swap device, a loop device and a cgroup): run it with sudo"
+        )
     for tool in ("mkswap", "swapon", "swapoff", "blkdiscard"):
         if attach.find_tool(tool) is None:
             problems.append(f"{tool} missing: install {attach.TOOL_PACKAGES[tool]}")
     if not kernelnbd.kernel_has_nbd():
         fuse = attach.fuse_path_problems()
         if fuse and attach.find_tool("modprobe") is None:
-            problems.append("no kernel nbd module (install kmod and a kernel with nbd) and the "
-                            "nbdfuse fallback is missing: " + "; ".join(fuse))
+            problems.append(
+                "no kernel nbd module (install kmod and a kernel with nbd) and the "
+                "nbdfuse fallback is missing: " + "; ".join(fuse)
+            )
         elif fuse:
-            problems.append("kernel nbd is not loaded (`modprobe nbd` may fix it) and the "
-                            "nbdfuse fallback is missing: " + "; ".join(fuse))
+            problems.append(
+                "kernel nbd is not loaded (`modprobe nbd` may fix it) and the "
+                "nbdfuse fallback is missing: " + "; ".join(fuse)
+            )
     if cgroup.detect_version() is None:
         problems.append("no cgroup memory controller (mount cgroup v2, or v1 with memory)")
     return problems
@@ -118,10 +123,23 @@ class Memservers:
         extra = ["--secret-file", str(secret_file)] if secret_file else []
         try:
             for _ in range(count):
-                p = subprocess.Popen([sys.executable, "-m", "duvm.cli", "memserver", "--listen",
-                                      "127.0.0.1:0", "--capacity", str(capacity), *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     stdin=subprocess.DEVNULL)
+                p = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "duvm.cli",
+                        "memserver",
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--capacity",
+                        str(capacity),
+                        *extra,
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    stdin=subprocess.DEVNULL,
+                )
                 self.procs.append(p)
                 assert p.stdout is not None
                 line = p.stdout.readline()  # "... listening on HOST:PORT ..." once it serves
@@ -129,7 +147,8 @@ class Memservers:
                 if not m:
                     p.wait()
                     raise control.ControlError(
-                        f"memserver did not start: {(line + p.stdout.read()).strip()}")
+                        f"memserver did not start: {(line + p.stdout.read()).strip()}"
+                    )
                 self.addrs.append(f"{m.group(1)}:{m.group(2)}")
         except BaseException:
             self.close()
@@ -186,8 +205,9 @@ class Sampler(threading.Thread):
         out: dict[str, int | None] = {}
         for addr in self.addrs:
             now, then = self.counters.get(addr), since.get(addr)
-            out[addr] = now[key] - then[key] if now and then and key in now and key in then \
-                else None
+            out[addr] = (
+                now[key] - then[key] if now and then and key in now and key in then else None
+            )
         return out
 
     def run(self) -> None:
@@ -211,8 +231,14 @@ def _mib(pages: int | None) -> str:
     return "n/a" if pages is None else f"{pages * PAGE >> 20} MiB"
 
 
-def _progress_line(phase: str, done: int, total: int, sampler: Sampler, device: str,
-                   since: dict[str, dict[str, int] | None]) -> str:
+def _progress_line(
+    phase: str,
+    done: int,
+    total: int,
+    sampler: Sampler,
+    device: str,
+    since: dict[str, dict[str, int] | None],
+) -> str:
     entry = attach.swap_entry(device)
     swap = "n/a" if entry is None else f"{entry.used_kb >> 10} MiB"
     held = " ".join(f"{_mib(v):>7}" for v in sampler.latest.values())
@@ -220,8 +246,10 @@ def _progress_line(phase: str, done: int, total: int, sampler: Sampler, device: 
     total_out = None if None in out.values() else sum(v or 0 for v in out.values())
     total_in = None if None in back.values() else sum(v or 0 for v in back.values())
     pct = 100 * done // max(total, 1)
-    return (f"  {phase:<8} {pct:3d}%  swap used {swap:>8}  stored {_mib(total_out):>8}  "
-            f"loaded {_mib(total_in):>8}  held per memserver {held}")
+    return (
+        f"  {phase:<8} {pct:3d}%  swap used {swap:>8}  stored {_mib(total_out):>8}  "
+        f"loaded {_mib(total_in):>8}  held per memserver {held}"
+    )
 
 
 def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
@@ -234,15 +262,25 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
     secret = args.state_dir / "demo.secret" if args.secret else None
     # The highest swap priority: the demo's device is the first the kernel uses, in front of
     # any local swap, so the pages it shows moving are the workload's.
-    cfg = control.Config(peers=[], size=size, replicas=args.replicas, method=args.method,
-                         state_dir=args.state_dir, secret_file=secret, priority=MAX_PRIORITY,
-                         daemon_args=with_secret([], secret))
+    cfg = control.Config(
+        peers=[],
+        size=size,
+        replicas=args.replicas,
+        method=args.method,
+        state_dir=args.state_dir,
+        secret_file=secret,
+        priority=MAX_PRIORITY,
+        daemon_args=with_secret([], secret),
+    )
     servers: Memservers | None = None
     sampler: Sampler | None = None
     enabled = False
     try:
-        how = "authenticated with a temporary cluster secret" if secret else \
-            "on loopback, without a secret (--no-secret)"
+        how = (
+            "authenticated with a temporary cluster secret"
+            if secret
+            else "on loopback, without a secret (--no-secret)"
+        )
         say(f"1/5 starting 3 memservers ({capacity >> 20} MiB of RAM each, {how})")
         if secret is not None:
             write_temporary_secret(secret)
@@ -258,11 +296,16 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         att = control.enable(cfg)
         enabled = True
         res.method, res.device = att.method, att.device
-        res.pids += [p for p in (att.extra.get("daemon_pid"), att.nbdfuse_pid, att.holder_pid)
-                     if isinstance(p, int)]
+        res.pids += [
+            p
+            for p in (att.extra.get("daemon_pid"), att.nbdfuse_pid, att.holder_pid)
+            if isinstance(p, int)
+        ]
         say(f"    {att.device} via {att.method}")
-        say(f"3/5 workload: {args.mib} MiB of random data in a cgroup limited to "
-            f"{args.limit_mib} MiB")
+        say(
+            f"3/5 workload: {args.mib} MiB of random data in a cgroup limited to "
+            f"{args.limit_mib} MiB"
+        )
         sampler = Sampler(servers.addrs, security=security)
         sampler.sample()
         since = dict(sampler.counters)
@@ -270,9 +313,13 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         before = _vmstat()
         with cgroup.MemoryCgroup(args.limit_mib << 20, prefix="duvm-demo") as cg:
             res.cgroup = str(cg.path)
-            proc = cg.popen([sys.executable, "-m", "duvm.workload", "--mib", str(args.mib),
-                             "--progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL)
+            proc = cg.popen(
+                [sys.executable, "-m", "duvm.workload", "--mib", str(args.mib), "--progress"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )
             assert proc.stderr is not None and proc.stdout is not None
             last = 0.0
             for line in proc.stderr:
@@ -282,8 +329,9 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
                     done, total = int(parts[2]), int(parts[3])
                     if now - last > (0.2 if tty else 2.0) or done == total:
                         last = now
-                        text = _progress_line(parts[1], done, total, sampler, att.device or "",
-                                              since)
+                        text = _progress_line(
+                            parts[1], done, total, sampler, att.device or "", since
+                        )
                         if tty:
                             out.write("\r" + text)
                             out.flush()
@@ -312,10 +360,14 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         say(f"    what moved where (out = stored on the memserver, in = loaded back{copies}):")
         say(f"      {'memserver':<22} {'out':>14} {'in':>14} {'peak held':>14}")
         for addr in servers.addrs:
-            say(f"      {addr:<22} {_mib(res.stored_pages[addr]):>14} "
-                f"{_mib(res.loaded_pages[addr]):>14} {_mib(res.peak_pages[addr]):>14}")
-        say(f"    the kernel (whole machine, /proc/vmstat): swapped out {_mib(res.pswpout)}, "
-            f"in {_mib(res.pswpin)}")
+            say(
+                f"      {addr:<22} {_mib(res.stored_pages[addr]):>14} "
+                f"{_mib(res.loaded_pages[addr]):>14} {_mib(res.peak_pages[addr]):>14}"
+            )
+        say(
+            f"    the kernel (whole machine, /proc/vmstat): swapped out {_mib(res.pswpout)}, "
+            f"in {_mib(res.pswpin)}"
+        )
 
         say("4/5 duvm disable (swapoff first)")
         try:
@@ -329,15 +381,19 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
         deadline = time.monotonic() + 15
         while True:
             sts = control.peer_statuses(servers.addrs, security=security)
-            if all(s["pages"] == 0 and s.get("reserved_pages") == 0 for s in sts) or \
-                    time.monotonic() > deadline:
+            if (
+                all(s["pages"] == 0 and s.get("reserved_pages") == 0 for s in sts)
+                or time.monotonic() > deadline
+            ):
                 break
             time.sleep(0.2)
         for s in sts:
             res.pages_after_disable[s["peer"]] = s["pages"]
             res.reserved_after_disable[s["peer"]] = s.get("reserved_pages")
-            say(f"      {s['peer']:<22} {s['pages'] if s['pages'] is not None else 'n/a':>8} "
-                f"pages, {s.get('reserved_pages', 'n/a')} reserved")
+            say(
+                f"      {s['peer']:<22} {s['pages'] if s['pages'] is not None else 'n/a':>8} "
+                f"pages, {s.get('reserved_pages', 'n/a')} reserved"
+            )
     except (control.ControlError, attach.AttachError, cgroup.CgroupError) as exc:
         res.error = str(exc)
     finally:
@@ -356,7 +412,8 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
             res.error = (res.error or "") + (
                 f"; left running so that no swapped page is lost: the swap device, its daemon "
                 f"and the memservers (pids {' '.join(map(str, servers.pids))}). Free memory, run "
-                f"`duvm disable --state-dir {cfg.state_dir}`, then stop those pids")
+                f"`duvm disable --state-dir {cfg.state_dir}`, then stop those pids"
+            )
             servers.release()
         elif servers is not None:
             servers.close()
@@ -368,21 +425,36 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mib", type=int, default=256, help="workload size in MiB")
-    parser.add_argument("--limit-mib", type=int, default=64,
-                        help="RAM limit of the workload's cgroup in MiB")
-    parser.add_argument("--size", type=parse_size, default=None,
-                        help="swap device size (default 1.5x the workload)")
-    parser.add_argument("--replicas", type=int, default=2,
-                        help="copies of each page on the 3 memservers (1-3; default 2, as "
-                        "`duvm enable` with 2 or more peers)")
-    parser.add_argument("--method", choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
-                        default="auto")
-    parser.add_argument("--state-dir", type=Path, default=Path("/run/duvm-demo"),
-                        help="state directory, apart from a real enablement's")
-    parser.add_argument("--no-secret", dest="secret", action="store_false",
-                        help="run the memservers without authentication (allowed on loopback); "
-                        "by default the demo makes a temporary cluster secret, as a real "
-                        "cluster uses one")
+    parser.add_argument(
+        "--limit-mib", type=int, default=64, help="RAM limit of the workload's cgroup in MiB"
+    )
+    parser.add_argument(
+        "--size", type=parse_size, default=None, help="swap device size (default 1.5x the workload)"
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="copies of each page on the 3 memservers (1-3; default 2, as "
+        "`duvm enable` with 2 or more peers)",
+    )
+    parser.add_argument(
+        "--method", choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE), default="auto"
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("/run/duvm-demo"),
+        help="state directory, apart from a real enablement's",
+    )
+    parser.add_argument(
+        "--no-secret",
+        dest="secret",
+        action="store_false",
+        help="run the memservers without authentication (allowed on loopback); "
+        "by default the demo makes a temporary cluster secret, as a real "
+        "cluster uses one",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON only")
 
 
@@ -408,19 +480,26 @@ def run(args: argparse.Namespace) -> int:
         print("duvm demo cannot run here:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 1
     if args.mib <= args.limit_mib or args.limit_mib < 16:
-        print("duvm demo: --mib must exceed --limit-mib (>= 16) so the workload swaps",
-              file=sys.stderr)
+        print(
+            "duvm demo: --mib must exceed --limit-mib (>= 16) so the workload swaps",
+            file=sys.stderr,
+        )
         return 2
     others = competing_swaps()
     if others and not args.json:
-        print(f"duvm demo: note: swap {', '.join(others)} is active at the highest priority "
-              f"({MAX_PRIORITY}); the kernel shares the workload's pages between it and the "
-              "demo's device", file=sys.stderr)
+        print(
+            f"duvm demo: note: swap {', '.join(others)} is active at the highest priority "
+            f"({MAX_PRIORITY}); the kernel shares the workload's pages between it and the "
+            "demo's device",
+            file=sys.stderr,
+        )
     try:
         res = run_demo(args, sys.stdout)
     except KeyboardInterrupt:
-        print("\nduvm demo interrupted; everything it started was stopped and removed",
-              file=sys.stderr)
+        print(
+            "\nduvm demo interrupted; everything it started was stopped and removed",
+            file=sys.stderr,
+        )
         return 130
     if args.json:
         print(json.dumps(asdict(res)))
@@ -428,7 +507,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"duvm demo failed: {res.error}", file=sys.stderr)
     else:
         back = all(v == 0 for v in res.pages_after_disable.values())
-        print(f"done in {res.seconds:.1f} s: data {'intact' if res.intact else 'CORRUPTED'}, "
-              f"memservers {'all back at 0 pages' if back else 'NOT all back at 0 pages'}")
+        print(
+            f"done in {res.seconds:.1f} s: data {'intact' if res.intact else 'CORRUPTED'}, "
+            f"memservers {'all back at 0 pages' if back else 'NOT all back at 0 pages'}"
+        )
     ok = res.error is None and res.intact and res.swapoff_ok
     return 0 if ok else 1

@@ -11,11 +11,18 @@ from duvm import attach, control
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state-dir", type=Path, default=control.DEFAULT_STATE_DIR,
-                        help=f"as given to enable (default {control.DEFAULT_STATE_DIR})")
-    parser.add_argument("--force", action="store_true",
-                        help="skip the check that swapoff would not OOM-kill memory-limited "
-                        "cgroups (swapoff itself still refuses when RAM is short)")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=control.DEFAULT_STATE_DIR,
+        help=f"as given to enable (default {control.DEFAULT_STATE_DIR})",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="skip the check that swapoff would not OOM-kill memory-limited "
+        "cgroups (swapoff itself still refuses when RAM is short)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -89,8 +89,9 @@ class Options:
     daemon_args: list[str] = field(default_factory=list)
 
 
-def _verdict(name: str, problem: bool, required: bool, detail: str,
-             fix: str | None = None) -> Check:
+def _verdict(
+    name: str, problem: bool, required: bool, detail: str, fix: str | None = None
+) -> Check:
     if not problem:
         return Check(name, OK, required, detail)
     return Check(name, FAIL if required else WARN, required, detail, fix)
@@ -105,27 +106,39 @@ def _package(tool: str) -> str:
 
 def check_root() -> Check:
     euid = os.geteuid()
-    return _verdict("root", euid != 0, True,
-                    "running as root" if euid == 0 else f"running as uid {euid}, not root",
-                    "enable/disable attach devices and call swapon: run as root (sudo duvm ...)")
+    return _verdict(
+        "root",
+        euid != 0,
+        True,
+        "running as root" if euid == 0 else f"running as uid {euid}, not root",
+        "enable/disable attach devices and call swapon: run as root (sudo duvm ...)",
+    )
 
 
 def kernel_nbd(probe: Probe) -> tuple[bool, Check]:
     """(usable, check): loaded, or a module `modprobe -n` finds (enable then loads it)."""
     devices = sorted(p.name for p in probe.dev.glob("nbd*") if p.name[3:].isdigit())
     if devices or (probe.sys_module / "nbd").exists():
-        return True, Check("kernel-nbd", OK, False,
-                           f"nbd loaded, {len(devices)} device(s) /dev/nbd*")
+        return True, Check(
+            "kernel-nbd", OK, False, f"nbd loaded, {len(devices)} device(s) /dev/nbd*"
+        )
     modprobe = probe.tool("modprobe")
     if modprobe is not None:
-        res = subprocess.run([modprobe, "-n", "-q", "nbd"], capture_output=True, timeout=30,
-                             check=False)
+        res = subprocess.run(
+            [modprobe, "-n", "-q", "nbd"], capture_output=True, timeout=30, check=False
+        )
         if res.returncode == 0:
-            return True, Check("kernel-nbd", OK, False,
-                               "nbd module available, not loaded (enable runs modprobe nbd)")
+            return True, Check(
+                "kernel-nbd",
+                OK,
+                False,
+                "nbd module available, not loaded (enable runs modprobe nbd)",
+            )
         why = "this kernel has no nbd module"
-        fix = "install the kernel's extra modules (e.g. linux-modules-extra-$(uname -r)) or use " \
-              "the nbdfuse+loop fallback (method = \"nbdfuse-loop\")"
+        fix = (
+            "install the kernel's extra modules (e.g. linux-modules-extra-$(uname -r)) or use "
+            'the nbdfuse+loop fallback (method = "nbdfuse-loop")'
+        )
     else:
         why = "nbd not loaded and modprobe is missing"
         fix = f"apt-get install {_package('modprobe')}, then modprobe nbd"
@@ -144,19 +157,28 @@ def fuse_loop(probe: Probe) -> tuple[bool, Check]:
             missing.append(f"/dev/{node}")
             fixes.append(f"modprobe {module}")
     if not missing:
-        return True, Check("fuse-loop", OK, False, "nbdfuse, fusermount3, losetup, /dev/fuse "
-                           "and /dev/loop-control present")
-    return False, Check("fuse-loop", WARN, False, "missing: " + ", ".join(missing),
-                        "; ".join(dict.fromkeys(fixes)))
+        return True, Check(
+            "fuse-loop",
+            OK,
+            False,
+            "nbdfuse, fusermount3, losetup, /dev/fuse and /dev/loop-control present",
+        )
+    return False, Check(
+        "fuse-loop", WARN, False, "missing: " + ", ".join(missing), "; ".join(dict.fromkeys(fixes))
+    )
 
 
-def check_block_device(method: str, nbd: tuple[bool, Check],
-                       fuse: tuple[bool, Check]) -> Check:
+def check_block_device(method: str, nbd: tuple[bool, Check], fuse: tuple[bool, Check]) -> Check:
     """Required: a path `method` may take exists (auto: kernel nbd first, else the fallback)."""
     paths = {attach.METHOD_KERNEL: [nbd], attach.METHOD_FUSE: [fuse], "auto": [nbd, fuse]}
     if method not in paths:
-        return Check("block-device", FAIL, True, f"unknown method {method!r}",
-                     f"set method to one of {', '.join(sorted(paths))}")
+        return Check(
+            "block-device",
+            FAIL,
+            True,
+            f"unknown method {method!r}",
+            f"set method to one of {', '.join(sorted(paths))}",
+        )
     candidates = paths[method]
     for usable, c in candidates:
         if usable:
@@ -165,16 +187,26 @@ def check_block_device(method: str, nbd: tuple[bool, Check],
                 via += " (no kernel nbd; slower)"
             return Check("block-device", OK, True, f"method {method}: {via}")
     fixes = [c.fix for _, c in candidates if c.fix]
-    return Check("block-device", FAIL, True, f"method {method}: no way to attach a block device "
-                 f"({'; '.join(c.detail for _, c in candidates)})", " or ".join(fixes) or None)
+    return Check(
+        "block-device",
+        FAIL,
+        True,
+        f"method {method}: no way to attach a block device "
+        f"({'; '.join(c.detail for _, c in candidates)})",
+        " or ".join(fixes) or None,
+    )
 
 
 def check_swap_tools(probe: Probe) -> Check:
     missing = [t for t in SWAP_TOOLS if probe.tool(t) is None]
     pkgs = sorted({_package(t) for t in missing})
-    return _verdict("swap-tools", bool(missing), True,
-                    "missing: " + ", ".join(missing) if missing else ", ".join(SWAP_TOOLS),
-                    f"apt-get install {' '.join(pkgs)}")
+    return _verdict(
+        "swap-tools",
+        bool(missing),
+        True,
+        "missing: " + ", ".join(missing) if missing else ", ".join(SWAP_TOOLS),
+        f"apt-get install {' '.join(pkgs)}",
+    )
 
 
 def check_cgroup(probe: Probe) -> Check:
@@ -185,11 +217,15 @@ def check_cgroup(probe: Probe) -> Check:
     else:
         err = ""
     return _verdict(
-        "cgroup-memory", version is None, False,
-        f"cgroup v{version} memory controller" if version else
-        f"no usable memory cgroup at {probe.cgroup_root}{err}",
+        "cgroup-memory",
+        version is None,
+        False,
+        f"cgroup v{version} memory controller"
+        if version
+        else f"no usable memory cgroup at {probe.cgroup_root}{err}",
         "needed by duvm demo and disable's swapoff safety check: mount cgroup2 on "
-        "/sys/fs/cgroup with the memory controller enabled (or boot with cgroup_enable=memory)")
+        "/sys/fs/cgroup with the memory controller enabled (or boot with cgroup_enable=memory)",
+    )
 
 
 def check_min_free(probe: Probe) -> Check:
@@ -197,22 +233,30 @@ def check_min_free(probe: Probe) -> Check:
         now = int(probe.min_free.read_text())
         want = attach.safe_min_free_kbytes(attach.mem_total_kb(probe.meminfo.read_text()))
     except (OSError, ValueError, attach.AttachError) as exc:
-        return Check("min-free-kbytes", WARN, False, f"cannot read {probe.min_free}: {exc}",
-                     "check that /proc is mounted")
+        return Check(
+            "min-free-kbytes",
+            WARN,
+            False,
+            f"cannot read {probe.min_free}: {exc}",
+            "check that /proc is mounted",
+        )
     return _verdict(
-        "min-free-kbytes", now < want, False,
+        "min-free-kbytes",
+        now < want,
+        False,
         f"vm.min_free_kbytes = {now} (swap over the network wants >= {want})",
         f"enable raises it to {want} while attached; to keep it: "
-        f"echo 'vm.min_free_kbytes = {want}' > /etc/sysctl.d/90-duvm.conf && sysctl --system")
+        f"echo 'vm.min_free_kbytes = {want}' > /etc/sysctl.d/90-duvm.conf && sysctl --system",
+    )
 
 
 _PROTECTION_FIX = {
     "mlock": "run duvm enable as root (CAP_IPC_LOCK), or raise the locked-memory limit "
-             "(systemd: LimitMEMLOCK=infinity)",
+    "(systemd: LimitMEMLOCK=infinity)",
     "io-flusher": "run duvm enable as root (CAP_SYS_RESOURCE; PR_SET_IO_FLUSHER needs Linux 5.6)",
     "realtime": "run duvm enable as root (CAP_SYS_NICE); under a cgroup v1 cpu controller with "
-                "RT group scheduling, give duvm's group cpu.rt_runtime_us; systemd units must "
-                "not set RestrictRealtime=yes",
+    "RT group scheduling, give duvm's group cpu.rt_runtime_us; systemd units must "
+    "not set RestrictRealtime=yes",
     "oom-score": "run duvm enable as root (CAP_SYS_RESOURCE)",
 }
 
@@ -222,8 +266,9 @@ def check_swap_path(daemon_args: list[str], python: str = sys.executable) -> Che
     in a throwaway child process, so this process changes nothing."""
     code = "import json; from duvm import pressure; print(json.dumps(pressure.probe()))"
     try:
-        res = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30,
-                             check=False)
+        res = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, timeout=30, check=False
+        )
         got = json.loads(res.stdout.strip().splitlines()[-1])
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
         return Check("swap-path-protection", WARN, False, f"could not try them: {exc}")
@@ -231,15 +276,29 @@ def check_swap_path(daemon_args: list[str], python: str = sys.executable) -> Che
         got["realtime"] = "turned off by --no-realtime in daemon_args"
     bad = {k: v for k, v in got.items() if v}
     if not bad:
-        return Check("swap-path-protection", OK, False,
-                     "the daemon can lock itself in RAM, run realtime (SCHED_RR), be an I/O "
-                     "flusher and lower its OOM score")
-    fixes = sorted({"remove --no-realtime from daemon_args" if "--no-realtime" in str(v)
-                    else _PROTECTION_FIX[k] for k, v in bad.items()})
-    return Check("swap-path-protection", WARN, False,
-                 "; ".join(f"{v}" for v in bad.values())
-                 + ": under memory pressure the node can hang on its own swap device",
-                 "; ".join(fixes))
+        return Check(
+            "swap-path-protection",
+            OK,
+            False,
+            "the daemon can lock itself in RAM, run realtime (SCHED_RR), be an I/O "
+            "flusher and lower its OOM score",
+        )
+    fixes = sorted(
+        {
+            "remove --no-realtime from daemon_args"
+            if "--no-realtime" in str(v)
+            else _PROTECTION_FIX[k]
+            for k, v in bad.items()
+        }
+    )
+    return Check(
+        "swap-path-protection",
+        WARN,
+        False,
+        "; ".join(f"{v}" for v in bad.values())
+        + ": under memory pressure the node can hang on its own swap device",
+        "; ".join(fixes),
+    )
 
 
 def check_rt_throttle(probe: Probe) -> Check:
@@ -249,13 +308,21 @@ def check_rt_throttle(probe: Probe) -> Check:
         return Check("rt-throttling", SKIP, False, "cannot read /proc/sys/kernel/sched_rt_*")
     runtime, period = got
     if runtime < 0:
-        return Check("rt-throttling", WARN, False,
-                     "kernel.sched_rt_runtime_us = -1: realtime tasks (the duvm daemon "
-                     "included) may take a whole CPU with nothing left for the others",
-                     "sysctl kernel.sched_rt_runtime_us=950000 (the kernel's default: 95 %)")
-    return Check("rt-throttling", OK, False,
-                 f"realtime tasks get at most {100 * runtime / max(period, 1):.0f} % of each "
-                 f"CPU ({runtime} of {period} µs)")
+        return Check(
+            "rt-throttling",
+            WARN,
+            False,
+            "kernel.sched_rt_runtime_us = -1: realtime tasks (the duvm daemon "
+            "included) may take a whole CPU with nothing left for the others",
+            "sysctl kernel.sched_rt_runtime_us=950000 (the kernel's default: 95 %)",
+        )
+    return Check(
+        "rt-throttling",
+        OK,
+        False,
+        f"realtime tasks get at most {100 * runtime / max(period, 1):.0f} % of each "
+        f"CPU ({runtime} of {period} µs)",
+    )
 
 
 def _tcp(host: str, port: int, timeout: float) -> str | None:
@@ -292,22 +359,29 @@ def check_peer_auth(opts: Options) -> tuple[auth.PeerSecurity | None, Check]:
     except (ValueError, OSError, auth.SecretError) as exc:
         return None, Check("peer-auth", FAIL, True, str(exc), _AUTH_FIX)
     if security is None:
-        how = "--insecure: pages go to unauthenticated peers" if ns.insecure and not \
-            auth.all_loopback(addrs) else "all peers on loopback, no authentication needed"
-        return None, Check("peer-auth", WARN if ns.insecure else OK, False, how,
-                           _AUTH_FIX if ns.insecure else None)
+        how = (
+            "--insecure: pages go to unauthenticated peers"
+            if ns.insecure and not auth.all_loopback(addrs)
+            else "all peers on loopback, no authentication needed"
+        )
+        return None, Check(
+            "peer-auth", WARN if ns.insecure else OK, False, how, _AUTH_FIX if ns.insecure else None
+        )
     how = [f"secret file {ns.secret_file}"] if security.keyring else []
     how += ["TLS"] if security.tls else []
     return security, Check("peer-auth", OK, True, " + ".join(how))
 
 
-_AUTH_FIX = ("duvm secret generate /etc/duvm/cluster.secret on one node, copy it (mode 0600, "
-             "root) to every node, give memservers --secret-file and add \"--secret-file\", "
-             "\"/etc/duvm/cluster.secret\" to daemon_args in duvm.toml")
+_AUTH_FIX = (
+    "duvm secret generate /etc/duvm/cluster.secret on one node, copy it (mode 0600, "
+    'root) to every node, give memservers --secret-file and add "--secret-file", '
+    '"/etc/duvm/cluster.secret" to daemon_args in duvm.toml'
+)
 
 
-async def _statuses(addrs: dict[str, tuple[str, int]], timeout: float,
-                    security: auth.PeerSecurity | None) -> dict[str, dict[str, Any] | str]:
+async def _statuses(
+    addrs: dict[str, tuple[str, int]], timeout: float, security: auth.PeerSecurity | None
+) -> dict[str, dict[str, Any] | str]:
     from duvm.memclient import query_status  # the page protocol is only needed here
 
     async def one(host: str, port: int) -> dict[str, Any] | str:
@@ -320,8 +394,9 @@ async def _statuses(addrs: dict[str, tuple[str, int]], timeout: float,
     return dict(zip(addrs, got, strict=True))
 
 
-def check_peers(peers: list[str], timeout: float,
-                security: auth.PeerSecurity | None = None) -> Check:
+def check_peers(
+    peers: list[str], timeout: float, security: auth.PeerSecurity | None = None
+) -> Check:
     if not peers:
         return Check("peers", SKIP, True, "no peers given (--peers or --config)")
     problems, good, addrs = [], [], {}
@@ -332,12 +407,15 @@ def check_peers(peers: list[str], timeout: float,
             problems.append(f"{p}: {exc}")
     # Connect to all peers at once, so N dead peers cost one timeout, not N.
     with ThreadPoolExecutor(max_workers=min(16, len(addrs) or 1)) as pool:
-        errors = dict(zip(addrs, pool.map(lambda hp: _tcp(*hp, timeout), addrs.values()),
-                          strict=True))
+        errors = dict(
+            zip(addrs, pool.map(lambda hp: _tcp(*hp, timeout), addrs.values()), strict=True)
+        )
     problems += [f"{p}: {err}" for p, err in errors.items() if err]
     reachable = {p: addrs[p] for p, err in errors.items() if not err}
-    fix = ("on each failing peer run `duvm memserver --listen HOST:PORT --capacity SIZE` (or "
-           "its systemd unit duvm-node.service) and open that TCP port")
+    fix = (
+        "on each failing peer run `duvm memserver --listen HOST:PORT --capacity SIZE` (or "
+        "its systemd unit duvm-node.service) and open that TCP port"
+    )
     for peer, st in asyncio.run(_statuses(reachable, timeout, security)).items():
         if isinstance(st, str):
             problems.append(f"{peer}: port open but no duvm memserver STATUS ({st})")
@@ -348,8 +426,10 @@ def check_peers(peers: list[str], timeout: float,
         def mib(pages: object) -> str:
             return f"{pages * 4096 >> 20} MiB" if isinstance(pages, int) else "n/a"
 
-        good.append(f"{peer} (capacity {mib(st.get('capacity_pages'))}, reserved "
-                    f"{mib(st.get('reserved_pages'))})")
+        good.append(
+            f"{peer} (capacity {mib(st.get('capacity_pages'))}, reserved "
+            f"{mib(st.get('reserved_pages'))})"
+        )
     detail = "; ".join([*problems, f"ok: {', '.join(good)}"] if good else problems)
     return _verdict("peers", bool(problems), True, detail, fix)
 
@@ -361,12 +441,16 @@ def check_secret(path: Path | None) -> Check:
     try:
         st = path.lstat()
     except OSError as exc:
-        return Check("secret-file", FAIL, True, f"{path}: {exc.strerror or exc}",
-                     f"duvm secret generate {path} (on one node; copy it to the others)")
+        return Check(
+            "secret-file",
+            FAIL,
+            True,
+            f"{path}: {exc.strerror or exc}",
+            f"duvm secret generate {path} (on one node; copy it to the others)",
+        )
     problems = []
     if not stat.S_ISREG(st.st_mode):
-        problems.append("not a regular file" + (" (a symlink)" if stat.S_ISLNK(st.st_mode)
-                                                else ""))
+        problems.append("not a regular file" + (" (a symlink)" if stat.S_ISLNK(st.st_mode) else ""))
     if st.st_uid != 0:
         problems.append(f"owned by uid {st.st_uid}, not root")
     if st.st_mode & 0o077:
@@ -377,28 +461,44 @@ def check_secret(path: Path | None) -> Check:
         except auth.SecretError as exc:
             problems.append(str(exc))
             fix = f"duvm secret generate {path} (or fix the line it names)"
-    return _verdict("secret-file", bool(problems), True,
-                    f"{path}: " + ("; ".join(problems) if problems else
-                                   f"{n} secret(s), root-owned, mode "
-                                   f"{stat.S_IMODE(st.st_mode):04o}"), fix)
+    return _verdict(
+        "secret-file",
+        bool(problems),
+        True,
+        f"{path}: "
+        + (
+            "; ".join(problems)
+            if problems
+            else f"{n} secret(s), root-owned, mode {stat.S_IMODE(st.st_mode):04o}"
+        ),
+        fix,
+    )
 
 
 def check_uvloop() -> Check:
     try:
         import uvloop
     except ImportError:
-        return Check("uvloop", WARN, False, "uvloop not importable: asyncio's default loop "
-                     "is used (slower fault path)", "reinstall duvm with its dependencies "
-                     "(e.g. uv tool install --reinstall duvm)")
+        return Check(
+            "uvloop",
+            WARN,
+            False,
+            "uvloop not importable: asyncio's default loop is used (slower fault path)",
+            "reinstall duvm with its dependencies (e.g. uv tool install --reinstall duvm)",
+        )
     return Check("uvloop", OK, False, f"uvloop {getattr(uvloop, '__version__', 'n/a')}")
 
 
 def check_config(opts: Options) -> Check:
     if opts.config_path is None:
         return Check("config", SKIP, True, "no --config given")
-    return _verdict("config", opts.config_error is not None, True,
-                    opts.config_error or f"{opts.config_path} is valid",
-                    f"fix {opts.config_path} (see duvm.example.toml in the duvm sources)")
+    return _verdict(
+        "config",
+        opts.config_error is not None,
+        True,
+        opts.config_error or f"{opts.config_path} is valid",
+        f"fix {opts.config_path} (see duvm.example.toml in the duvm sources)",
+    )
 
 
 def run_checks(opts: Options, probe: Probe | None = None) -> list[Check]:
@@ -437,19 +537,40 @@ def passed(checks: list[Check]) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, metavar="FILE",
-                        help="the config enable will use (peers, method, daemon_args)")
-    parser.add_argument("--peers", metavar="HOST:PORT[,...]",
-                        help="memservers to check (instead of / besides the config's)")
-    parser.add_argument("--secret-file", type=Path, metavar="FILE",
-                        help="cluster secret file to check (else the --secret-file in the "
-                        "config's daemon_args)")
-    parser.add_argument("--method", choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
-                        help="attach method to check for (default: the config's, else auto)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="as the daemon's --insecure: peers off loopback without a secret")
-    parser.add_argument("--timeout", type=float, default=PEER_TIMEOUT_S, metavar="S",
-                        help=f"per-peer connect timeout (default {PEER_TIMEOUT_S:g})")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="the config enable will use (peers, method, daemon_args)",
+    )
+    parser.add_argument(
+        "--peers",
+        metavar="HOST:PORT[,...]",
+        help="memservers to check (instead of / besides the config's)",
+    )
+    parser.add_argument(
+        "--secret-file",
+        type=Path,
+        metavar="FILE",
+        help="cluster secret file to check (else the --secret-file in the config's daemon_args)",
+    )
+    parser.add_argument(
+        "--method",
+        choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
+        help="attach method to check for (default: the config's, else auto)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="as the daemon's --insecure: peers off loopback without a secret",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=PEER_TIMEOUT_S,
+        metavar="S",
+        help=f"per-peer connect timeout (default {PEER_TIMEOUT_S:g})",
+    )
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
 
 
@@ -468,11 +589,13 @@ def options_from_args(args: argparse.Namespace) -> Options:
             opts.peers, opts.method = list(cfg.peers), cfg.method
             opts.daemon_args = list(cfg.daemon_args)
         except (control.ControlError, ValueError) as exc:  # ValueError: bytes that are not UTF-8
-            opts.config_error = str(exc) if isinstance(exc, control.ControlError) else \
-                f"config {args.config} cannot be read as text: {exc}"
+            opts.config_error = (
+                str(exc)
+                if isinstance(exc, control.ControlError)
+                else f"config {args.config} cannot be read as text: {exc}"
+            )
             peers = raw.get("peers", [])
-            opts.peers = [p for p in peers if isinstance(p, str)] if isinstance(peers, list) \
-                else []
+            opts.peers = [p for p in peers if isinstance(p, str)] if isinstance(peers, list) else []
     if args.peers:
         extra = [p.strip() for p in args.peers.split(",") if p.strip()]
         opts.peers = list(dict.fromkeys([*opts.peers, *extra]))
@@ -490,8 +613,10 @@ def options_from_args(args: argparse.Namespace) -> Options:
 def render(checks: list[Check]) -> str:
     counts = {s: sum(c.status == s for c in checks) for s in (OK, WARN, FAIL, SKIP)}
     verdict = "ready" if passed(checks) else "NOT ready"
-    lines = [f"duvm doctor: {verdict} ({counts[OK]} ok, {counts[WARN]} warning(s), "
-             f"{counts[FAIL]} failed, {counts[SKIP]} skipped)"]
+    lines = [
+        f"duvm doctor: {verdict} ({counts[OK]} ok, {counts[WARN]} warning(s), "
+        f"{counts[FAIL]} failed, {counts[SKIP]} skipped)"
+    ]
     width = max(len(c.name) for c in checks)
     for c in checks:
         lines.append(f"  {c.status.upper():<4}  {c.name:<{width}}  {c.detail}")

@@ -161,8 +161,9 @@ def apply_info(info: dict[str, int], payload: bytes) -> None:
 def finish_info(info: dict[str, int]) -> ExportInfo:
     if "size" not in info:
         raise NbdHandshakeError("server acknowledged NBD_OPT_GO without NBD_INFO_EXPORT")
-    return ExportInfo(info["size"], info["flags"], info.get("min"), info.get("pref"),
-                      info.get("max"))
+    return ExportInfo(
+        info["size"], info["flags"], info.get("min"), info.get("pref"), info.get("max")
+    )
 
 
 # --- blocking driver over a socket ------------------------------------------------------------
@@ -202,9 +203,9 @@ def handshake(sock: socket.socket, export_name: str = "") -> ExportInfo:
     raise NbdHandshakeError(f"more than {MAX_REPLIES} replies to NBD_OPT_GO")
 
 
-def connect_unix(path: str, timeout: float = 10.0, export_name: str = "") -> tuple[
-    socket.socket, ExportInfo
-]:
+def connect_unix(
+    path: str, timeout: float = 10.0, export_name: str = ""
+) -> tuple[socket.socket, ExportInfo]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -285,8 +286,11 @@ def hold(device: str, socket_path: str, timeout_s: int, export_name: str = "") -
     fd = os.open(device, os.O_RDWR)
     try:
         configure(fd, sock, info, timeout_s)
-        print(f"duvm nbd holder: {device} <- {socket_path} ({info.size} bytes)", file=sys.stderr,
-              flush=True)
+        print(
+            f"duvm nbd holder: {device} <- {socket_path} ({info.size} bytes)",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             fcntl.ioctl(fd, NBD_DO_IT)
         except OSError as exc:  # returns with an error on a dead connection, too
@@ -302,13 +306,23 @@ def hold(device: str, socket_path: str, timeout_s: int, export_name: str = "") -
 
 
 def holder_command(device: str, socket_path: str, timeout_s: int) -> list[str]:
-    return [sys.executable, "-m", "duvm.kernelnbd", "--device", device, "--socket", socket_path,
-            "--timeout", str(timeout_s)]
+    return [
+        sys.executable,
+        "-m",
+        "duvm.kernelnbd",
+        "--device",
+        device,
+        "--socket",
+        socket_path,
+        "--timeout",
+        str(timeout_s),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m duvm.kernelnbd",
-                                description="hold a kernel NBD device connected (internal)")
+    p = argparse.ArgumentParser(
+        prog="python -m duvm.kernelnbd", description="hold a kernel NBD device connected (internal)"
+    )
     p.add_argument("--device", required=True)
     p.add_argument("--socket", required=True)
     p.add_argument("--timeout", type=int, default=60)

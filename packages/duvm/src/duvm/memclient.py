@@ -141,11 +141,24 @@ class MemserverUnreachable(ConnectionError):
 # CPython does not export SO_SNDBUFFORCE/SO_RCVBUFFORCE; these are their numbers in Linux's
 # asm-generic/socket.h, which these architectures use (mips, sparc, parisc and alpha number
 # them differently: there only the plain options are tried).
-_GENERIC_SOCKET_H = ("x86_64", "i686", "i386", "aarch64", "armv7l", "armv6l", "riscv64",
-                     "ppc64le", "ppc64", "s390x", "loongarch64")
+_GENERIC_SOCKET_H = (
+    "x86_64",
+    "i686",
+    "i386",
+    "aarch64",
+    "armv7l",
+    "armv6l",
+    "riscv64",
+    "ppc64le",
+    "ppc64",
+    "s390x",
+    "loongarch64",
+)
 _SNDBUFFORCE, _RCVBUFFORCE = (
     (getattr(socket, "SO_SNDBUFFORCE", 32), getattr(socket, "SO_RCVBUFFORCE", 33))
-    if sys.platform == "linux" and platform.machine() in _GENERIC_SOCKET_H else (None, None))
+    if sys.platform == "linux" and platform.machine() in _GENERIC_SOCKET_H
+    else (None, None)
+)
 
 
 def set_buffers(sock: socket.socket, size: int) -> None:
@@ -167,10 +180,16 @@ def set_buffers(sock: socket.socket, size: int) -> None:
 def tune_socket(sock: socket.socket) -> None:
     """No Nagle delay on small frames, buffers for whole large frames, dead-peer detection."""
     set_buffers(sock, SOCKET_BUFFER)
-    opts = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
-            (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
-    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3),
-                        ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):  # fmt: skip
+    opts = [
+        (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    ]
+    for name, value in (
+        ("TCP_KEEPIDLE", 5),
+        ("TCP_KEEPINTVL", 2),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
+    ):
         if hasattr(socket, name):
             opts.append((socket.IPPROTO_TCP, getattr(socket, name), value))
     for level, opt, value in opts:
@@ -221,8 +240,9 @@ class _Batch:
         self.keys: list[int] = []
         self.parts: list[memoryview] = []
         # (future, keys, data, out) per request
-        self.waiters: list[tuple[asyncio.Future, tuple[int, ...], memoryview | None,
-                                 memoryview | None]] = []  # fmt: skip
+        self.waiters: list[
+            tuple[asyncio.Future, tuple[int, ...], memoryview | None, memoryview | None]
+        ] = []
 
 
 class _ClientProto(asyncio.BufferedProtocol):
@@ -283,8 +303,10 @@ class _ClientProto(asyncio.BufferedProtocol):
         except pp.RemoteProtocolError as e:
             log.warning("memserver %s broke the protocol: %s; closing", self.client.peer, e)
             if entry is not None:  # popped already, so the lost connection would not fail it
-                MemClient._fail([entry], MemserverUnreachable(
-                    f"memserver {self.client.peer} broke the protocol: {e}"))
+                MemClient._fail(
+                    [entry],
+                    MemserverUnreachable(f"memserver {self.client.peer} broke the protocol: {e}"),
+                )
             self.transport.abort()
 
     def _batch_reply(self, batch: _Batch, mtype: int, frame: tuple) -> None:
@@ -332,9 +354,17 @@ class MemClient:
     connection that cannot be restored raises `MemserverUnreachable`.
     """
 
-    def __init__(self, host: str, port: int, client_id: str, *, connect_timeout: float = 5.0,
-                 retries: int = 1, security: PeerSecurity | None = None,
-                 token: bytes | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        client_id: str,
+        *,
+        connect_timeout: float = 5.0,
+        retries: int = 1,
+        security: PeerSecurity | None = None,
+        token: bytes | None = None,
+    ) -> None:
         pp.Hello(0, client_id)  # validates the id early
         self.host, self.port, self.client_id = host, port, client_id
         # Authentication (duvm.auth): secret and/or TLS, and the token that owns our namespace
@@ -435,8 +465,13 @@ class MemClient:
         try:
             tls = self.security.tls if self.security is not None else None
             _, proto = await asyncio.wait_for(
-                loop.create_connection(lambda: _ClientProto(self), self.host, self.port,
-                                       ssl=tls, server_hostname=self.host if tls else None),
+                loop.create_connection(
+                    lambda: _ClientProto(self),
+                    self.host,
+                    self.port,
+                    ssl=tls,
+                    server_hostname=self.host if tls else None,
+                ),
                 self.connect_timeout,
             )
         except (TimeoutError, OSError) as e:  # ssl.SSLError is an OSError
@@ -447,14 +482,16 @@ class MemClient:
             # handshake: a memserver dying as it accepted us). Its connection_lost has run,
             # so nothing would ever fail a request sent on it: the HELLO would wait forever,
             # and every caller waiting for this reconnect with it.
-            raise MemserverUnreachable(f"cannot reach memserver {self.peer}: the connection "
-                                       "was closed as it opened")
+            raise MemserverUnreachable(
+                f"cannot reach memserver {self.peer}: the connection was closed as it opened"
+            )
         self._proto = proto
         try:
             hello, state = start_handshake(self.client_id, self.security, self.token)
             challenge = await self._request(hello)
-            reply = await self._request(answer_challenge(challenge, state, self.security,
-                                                         self.peer))  # fmt: skip
+            reply = await self._request(
+                answer_challenge(challenge, state, self.security, self.peer)
+            )
         except AuthError as e:
             proto.transport.abort()
             self._proto = None
@@ -469,8 +506,12 @@ class MemClient:
         self._max_batch = max(1, min(reply.max_batch, pp.MAX_BATCH, fit))
         if not reply.resumed and self._reserved:
             self.namespace_losses += 1
-            log.error("memserver %s lost namespace %r (lease expired or restart): its pages are "
-                      "gone; restoring the reservation", self.peer, self.client_id)  # fmt: skip
+            log.error(
+                "memserver %s lost namespace %r (lease expired or restart): its pages are "
+                "gone; restoring the reservation",
+                self.peer,
+                self.client_id,
+            )
             if self.on_namespace_lost is not None:
                 self.on_namespace_lost(self)
             await self._request(pp.Reserve(0, self._reserved))
@@ -499,8 +540,9 @@ class MemClient:
             return  # an old connection, already failed when it was replaced: not ours to fail
         self._proto = None
         self.hello = None
-        err = MemserverUnreachable(f"connection to memserver {self.peer} lost"
-                                   + (f": {exc}" if exc else ""))  # fmt: skip
+        err = MemserverUnreachable(
+            f"connection to memserver {self.peer} lost" + (f": {exc}" if exc else "")
+        )
         # The tables are emptied before anyone hears of the failure: a waiter that reacts by
         # sending again must find its new request kept, not wiped with the failed ones.
         failed = [*self._pending.values(), *self._outq]
@@ -531,7 +573,8 @@ class MemClient:
             if time.monotonic() < self._breaker_until:
                 raise MemserverUnreachable(
                     f"memserver {self.peer} is failing ({self.failures} consecutive failures); "
-                    f"next try in {self._breaker_until - time.monotonic():.1f} s")
+                    f"next try in {self._breaker_until - time.monotonic():.1f} s"
+                )
             self._reconnecting = asyncio.ensure_future(self._reconnect())
         await asyncio.shield(self._reconnecting)
 
@@ -544,9 +587,15 @@ class MemClient:
 
     # --- requests ---
 
-    def _send(self, mtype: int, keys: tuple[int, ...] | None, data: memoryview | None,
-              out: memoryview | None, msg: pp.Request | None = None,
-              fut: Any = None) -> asyncio.Future:  # fmt: skip
+    def _send(
+        self,
+        mtype: int,
+        keys: tuple[int, ...] | None,
+        data: memoryview | None,
+        out: memoryview | None,
+        msg: pp.Request | None = None,
+        fut: Any = None,
+    ) -> asyncio.Future:
         """Queue one request; everything queued in this loop iteration leaves in one
         writelines, and consecutive STOREs (or LOADs) merge into one frame. `fut` (a
         `_Callback`) replaces the Future the caller would otherwise await."""
@@ -558,8 +607,11 @@ class MemClient:
             self._busy_since = time.monotonic()
         if mtype in (_STORE, _LOAD):
             b = self._open
-            if (b is None or b.mtype != mtype
-                    or len(b.keys) + len(keys) > min(MERGE_PAGES, self._max_batch)):  # fmt: skip
+            if (
+                b is None
+                or b.mtype != mtype
+                or len(b.keys) + len(keys) > min(MERGE_PAGES, self._max_batch)
+            ):
                 b = self._open = _Batch(mtype)
                 self._outq.append(b)
             b.keys += keys
@@ -636,9 +688,14 @@ class MemClient:
             raise MemserverUnreachable(f"not connected to memserver {self.peer}")
         return await self._send(0, None, None, None, msg)
 
-    async def _call(self, mtype: int, keys: tuple[int, ...] | None = None,
-                    data: memoryview | None = None, out: memoryview | None = None,
-                    msg: pp.Request | None = None) -> Any:  # fmt: skip
+    async def _call(
+        self,
+        mtype: int,
+        keys: tuple[int, ...] | None = None,
+        data: memoryview | None = None,
+        out: memoryview | None = None,
+        msg: pp.Request | None = None,
+    ) -> Any:
         """Send a request; on a lost connection reconnect and retry (requests are idempotent)."""
         if self.hello is not None:  # connected: the fast path
             try:
@@ -648,8 +705,10 @@ class MemClient:
                     raise
                 if not self._retry_logged:  # once per lost connection, not per request
                     self._retry_logged = True
-                    log.warning("memserver %s: connection lost; reconnecting and retrying its "
-                                "requests", self.peer)
+                    log.warning(
+                        "memserver %s: connection lost; reconnecting and retrying its requests",
+                        self.peer,
+                    )
         for attempt in range(self.retries + 1):
             await self._ensure_connected()
             try:
@@ -690,15 +749,17 @@ class MemClient:
     # MemserverUnreachable) straight from the receive path. Returns False, queuing nothing,
     # when not connected: the caller then takes its awaitable path, which reconnects.
 
-    def store_cb(self, keys: tuple[int, ...], data: memoryview,
-                 cb: Callable[[BaseException | None], None]) -> bool:  # fmt: skip
+    def store_cb(
+        self, keys: tuple[int, ...], data: memoryview, cb: Callable[[BaseException | None], None]
+    ) -> bool:
         if self.hello is None:
             return False
         self._send(_STORE, keys, data, None, None, _Callback(cb))
         return True
 
-    def load_cb(self, keys: tuple[int, ...], out: memoryview,
-                cb: Callable[[BaseException | None], None]) -> bool:  # fmt: skip
+    def load_cb(
+        self, keys: tuple[int, ...], out: memoryview, cb: Callable[[BaseException | None], None]
+    ) -> bool:
         if self.hello is None:
             return False
         self._send(_LOAD, keys, None, out, None, _Callback(cb))
@@ -717,12 +778,16 @@ class MemClient:
         if 0 < n <= mb:
             await self._call(_STORE, keys, mv)
         elif n:
-            await self._each([self._call(_STORE, keys[i : i + mb],
-                                         mv[i * PAGE_SIZE : (i + mb) * PAGE_SIZE])
-                              for i in range(0, n, mb)])  # fmt: skip
+            await self._each(
+                [
+                    self._call(_STORE, keys[i : i + mb], mv[i * PAGE_SIZE : (i + mb) * PAGE_SIZE])
+                    for i in range(0, n, mb)
+                ]
+            )
 
-    async def load(self, keys: Iterable[int], out: bytearray | memoryview | None = None
-                   ) -> bytearray | None:  # fmt: skip
+    async def load(
+        self, keys: Iterable[int], out: bytearray | memoryview | None = None
+    ) -> bytearray | None:
         """Load pages `keys` into `out` (writable, len(keys) * PAGE_SIZE bytes), or into a new
         bytearray that is returned when `out` is None. A page not stored raises
         PageServerError(NOT_FOUND)."""
@@ -738,17 +803,23 @@ class MemClient:
         if 0 < n <= mb:
             await self._call(_LOAD, keys, None, mv)
         elif n:
-            await self._each([self._call(_LOAD, keys[i : i + mb], None,
-                                         mv[i * PAGE_SIZE : (i + mb) * PAGE_SIZE])
-                              for i in range(0, n, mb)])  # fmt: skip
+            await self._each(
+                [
+                    self._call(
+                        _LOAD, keys[i : i + mb], None, mv[i * PAGE_SIZE : (i + mb) * PAGE_SIZE]
+                    )
+                    for i in range(0, n, mb)
+                ]
+            )
         return ret
 
     async def free(self, keys: Iterable[int]) -> int:
         """Free pages `keys`; returns how many were stored. Absent keys are not an error."""
         keys = pp.keys_tuple(keys)
         mb = self.max_batch
-        replies = await self._each([self._call(_FREE, keys[i : i + mb])
-                                    for i in range(0, len(keys), mb)])  # fmt: skip
+        replies = await self._each(
+            [self._call(_FREE, keys[i : i + mb]) for i in range(0, len(keys), mb)]
+        )
         return sum(r.freed for r in replies)
 
     async def status(self) -> dict:
@@ -767,8 +838,9 @@ class MemClient:
         return res
 
 
-async def query_status(host: str, port: int, *, timeout: float = 5.0,
-                       security: PeerSecurity | None = None) -> dict:  # fmt: skip
+async def query_status(
+    host: str, port: int, *, timeout: float = 5.0, security: PeerSecurity | None = None
+) -> dict:
     """One memserver's STATUS without joining any namespace (monitoring, `duvm status`).
     Raises MemserverUnreachable when it cannot be reached within `timeout`. With a secret or
     TLS (`security`, else `default_security`) it authenticates first, under a throwaway
@@ -776,8 +848,14 @@ async def query_status(host: str, port: int, *, timeout: float = 5.0,
     peer = f"{host}:{port}"
     security = security if security is not None else default_security
     if security is not None and (security.keyring is not None or security.tls is not None):
-        client = MemClient(host, port, f"status-{secrets.token_hex(8)}", connect_timeout=timeout,
-                           retries=0, security=security)  # fmt: skip
+        client = MemClient(
+            host,
+            port,
+            f"status-{secrets.token_hex(8)}",
+            connect_timeout=timeout,
+            retries=0,
+            security=security,
+        )
         try:
             async with asyncio.timeout(timeout):
                 await client.connect()

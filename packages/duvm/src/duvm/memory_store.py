@@ -25,8 +25,16 @@ class MemoryStore(BlockStore):
         self.size = size
         self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view = memoryview(self._map)
-        self.stats = {"read": 0, "write": 0, "trim": 0, "zero": 0, "flush": 0,
-                      "bytes_read": 0, "bytes_written": 0, "bytes_freed": 0}
+        self.stats = {
+            "read": 0,
+            "write": 0,
+            "trim": 0,
+            "zero": 0,
+            "flush": 0,
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "bytes_freed": 0,
+        }
 
     async def read(self, offset: int, out: memoryview) -> None:
         n = len(out)

@@ -95,15 +95,19 @@ class Refused(Exception):
 
 
 def _no_room(new: int, ns: Namespace) -> Refused:
-    return Refused(pp.ErrorCode.NO_SPACE, f"STORE of {new} new pages exceeds the reservation "
-                   f"({len(ns.pages)} of {ns.reserved} pages used)")  # fmt: skip
+    return Refused(
+        pp.ErrorCode.NO_SPACE,
+        f"STORE of {new} new pages exceeds the reservation "
+        f"({len(ns.pages)} of {ns.reserved} pages used)",
+    )
 
 
 class PageStore:
     """Arena, namespaces, reservations and the requests on them. No I/O."""
 
-    def __init__(self, capacity_pages: int, *, lease_s: float = DEFAULT_LEASE_S,
-                 lock: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, capacity_pages: int, *, lease_s: float = DEFAULT_LEASE_S, lock: bool = True
+    ) -> None:
         self.arena = Arena(capacity_pages, lock=lock)
         self.lease_s = lease_s
         self.namespaces: dict[str, Namespace] = {}
@@ -112,9 +116,15 @@ class PageStore:
         self.started = time.monotonic()
         self.extra_status: Any = None  # callable adding the server's fields to STATUS
         # requests and pages served, by kind (STATUS reports them)
-        self.counters = {"store_requests": 0, "load_requests": 0, "free_requests": 0,
-                         "pages_stored": 0, "pages_loaded": 0, "pages_freed": 0,
-                         "refused": 0}  # fmt: skip
+        self.counters = {
+            "store_requests": 0,
+            "load_requests": 0,
+            "free_requests": 0,
+            "pages_stored": 0,
+            "pages_loaded": 0,
+            "pages_freed": 0,
+            "refused": 0,
+        }
 
     @property
     def capacity_pages(self) -> int:
@@ -126,8 +136,10 @@ class PageStore:
         ns = self.namespaces.get(client_id)
         resumed = ns is not None
         if ns is not None and not auth.verify(ns.owner, owner):
-            raise Refused(pp.ErrorCode.DENIED, f"namespace {client_id!r} belongs to another "
-                          "client (namespace token differs)")  # fmt: skip
+            raise Refused(
+                pp.ErrorCode.DENIED,
+                f"namespace {client_id!r} belongs to another client (namespace token differs)",
+            )
         if ns is None:
             ns = self.namespaces[client_id] = Namespace(client_id, owner)
         if ns.timer is not None:
@@ -202,7 +214,8 @@ class PageStore:
                     slots[i] = slot
         first = slots[0]
         if slots[-1] - first == len(slots) - 1 and slots == list(
-                range(first, first + len(slots))):  # consecutive slots: one copy
+            range(first, first + len(slots))
+        ):  # consecutive slots: one copy
             mem[first * PAGE_SIZE : (first + len(slots)) * PAGE_SIZE] = data
             return
         src = 0
@@ -224,8 +237,10 @@ class PageStore:
             slots = [pages[k] for k in keys]
         except KeyError as e:
             missing = sum(1 for k in keys if k not in pages)
-            raise Refused(pp.ErrorCode.NOT_FOUND, f"{missing} of {len(keys)} pages not stored, "
-                          f"first: {e.args[0]}") from None  # fmt: skip
+            raise Refused(
+                pp.ErrorCode.NOT_FOUND,
+                f"{missing} of {len(keys)} pages not stored, first: {e.args[0]}",
+            ) from None
         views, start, prev = [], slots[0], slots[0]
         for slot in itertools.islice(slots, 1, None):
             if slot != prev + 1:
@@ -260,13 +275,18 @@ class PageStore:
     def reserve(self, ns: Namespace, want: int) -> int:
         stored = len(ns.pages)
         if want < stored:
-            raise Refused(pp.ErrorCode.BUSY, f"cannot reserve {want} pages: {stored} are "
-                          "stored; FREE them first")  # fmt: skip
+            raise Refused(
+                pp.ErrorCode.BUSY,
+                f"cannot reserve {want} pages: {stored} are stored; FREE them first",
+            )
         available = self.capacity_pages - self.reserved_total + ns.reserved
         if want > available:
-            raise Refused(pp.ErrorCode.NO_SPACE, f"cannot reserve {want} pages "
-                          f"({want * PAGE_SIZE >> 20} MiB): {available} available of "
-                          f"{self.capacity_pages}")  # fmt: skip
+            raise Refused(
+                pp.ErrorCode.NO_SPACE,
+                f"cannot reserve {want} pages "
+                f"({want * PAGE_SIZE >> 20} MiB): {available} available of "
+                f"{self.capacity_pages}",
+            )
         self.reserved_total += want - ns.reserved
         ns.reserved = want
         return stored
@@ -358,8 +378,10 @@ class _Conn(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             tune_socket(sock)
-            if (transport.get_extra_info("sslcontext") is None
-                    and transport.get_extra_info("ssl_object") is None):  # fmt: skip
+            if (
+                transport.get_extra_info("sslcontext") is None
+                and transport.get_extra_info("ssl_object") is None
+            ):
                 self.fd = sock.fileno()  # plain socket: replies may go out by writev
         self.tls_verified = transport.get_extra_info("peercert") is not None
         self.store.connections += 1
@@ -367,7 +389,8 @@ class _Conn(asyncio.BufferedProtocol):
         self.last_active = time.monotonic()
         self.server._pending_add(self)
         self._deadline = asyncio.get_running_loop().call_later(
-            self.server.handshake_timeout, self._handshake_expired)
+            self.server.handshake_timeout, self._handshake_expired
+        )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.store.connections -= 1
@@ -381,8 +404,11 @@ class _Conn(asyncio.BufferedProtocol):
 
     def _handshake_expired(self) -> None:
         if not self.authed and not self.closing:
-            log.warning("closing connection from %s: no authentication within %gs", self.peer,
-                        self.server.handshake_timeout)  # fmt: skip
+            log.warning(
+                "closing connection from %s: no authentication within %gs",
+                self.peer,
+                self.server.handshake_timeout,
+            )
             self.server.counters["handshake_timeouts"] += 1
             self.closing = True
             self.transport.abort()
@@ -479,6 +505,7 @@ class _Conn(asyncio.BufferedProtocol):
             out = _skip(out, sent)
         if out:
             t.writelines(_own(out))
+
     def _grow_decoder(self) -> pp.Decoder:
         """Authenticated: switch to a full-size decoder, keeping bytes already received."""
         rest = self.decoder.take_pending()
@@ -489,8 +516,11 @@ class _Conn(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool:
         if self.decoder.buffered:
-            log.warning("closing connection from %s: closed inside a frame (%d bytes pending)",
-                        self.peer, self.decoder.buffered)  # fmt: skip
+            log.warning(
+                "closing connection from %s: closed inside a frame (%d bytes pending)",
+                self.peer,
+                self.decoder.buffered,
+            )
         return False
 
     def _abort(self, reason: str, out: list) -> None:
@@ -506,8 +536,12 @@ class _Conn(asyncio.BufferedProtocol):
         if isinstance(msg, pp.Status):
             if not self.authed and self.server.auth_required:
                 # STATUS names the namespaces and their sizes: only for authenticated peers.
-                return self._refuse(msg.req_id, pp.MsgType.STATUS, pp.ErrorCode.AUTH,
-                                    "authentication required before STATUS")  # fmt: skip
+                return self._refuse(
+                    msg.req_id,
+                    pp.MsgType.STATUS,
+                    pp.ErrorCode.AUTH,
+                    "authentication required before STATUS",
+                )
             body = json.dumps(store.status(), separators=(",", ":")).encode()
             return pp.StatusReply(msg.req_id, body)
         if isinstance(msg, pp.Hello):
@@ -528,8 +562,9 @@ class _Conn(asyncio.BufferedProtocol):
             return pp.ReleaseReply(msg.req_id, store.release(ns))
         raise AssertionError(f"unhandled request {msg!r}")
 
-    def _refuse(self, req_id: int, mtype: pp.MsgType, code: pp.ErrorCode, why: str,
-                detail: str = "") -> pp.ErrorReply:  # fmt: skip
+    def _refuse(
+        self, req_id: int, mtype: pp.MsgType, code: pp.ErrorCode, why: str, detail: str = ""
+    ) -> pp.ErrorReply:
         """Reply, log (never a secret: only ids and reasons) and close after the reply."""
         self.closing = True
         log.warning("refusing %s: %s%s", self.peer, why, detail)
@@ -539,22 +574,35 @@ class _Conn(asyncio.BufferedProtocol):
         lo, hi = SUPPORTED_VERSIONS
         version = min(hi, msg.max_version)
         if version < max(lo, msg.min_version) or not msg.nonce:
-            return self._refuse(msg.req_id, pp.MsgType.HELLO, pp.ErrorCode.VERSION,
-                                "no common protocol version: client speaks "
-                                f"{msg.min_version}..{msg.max_version}, server {lo}..{hi}")
+            return self._refuse(
+                msg.req_id,
+                pp.MsgType.HELLO,
+                pp.ErrorCode.VERSION,
+                "no common protocol version: client speaks "
+                f"{msg.min_version}..{msg.max_version}, server {lo}..{hi}",
+            )
         self._hello = msg
         self._nonce_s = auth.new_nonce()
         kr = self.server.keyring
         if kr is None:
-            return pp.Challenge(msg.req_id, version, False, self._nonce_s, auth.NO_KEY,
-                                bytes(pp.PROOF_SIZE))  # fmt: skip
+            return pp.Challenge(
+                msg.req_id, version, False, self._nonce_s, auth.NO_KEY, bytes(pp.PROOF_SIZE)
+            )
         secret = kr.lookup(msg.key_id)
         if secret is None:
             self.server.counters["auth_failures"] += 1
-            why = ("authentication required: no secret offered" if msg.key_id == auth.NO_KEY
-                   else "authentication failed: unknown key id")  # fmt: skip
-            return self._refuse(msg.req_id, pp.MsgType.HELLO, pp.ErrorCode.AUTH, why,
-                                f" (client id {msg.client_id!r}, key id {msg.key_id.hex()})")
+            why = (
+                "authentication required: no secret offered"
+                if msg.key_id == auth.NO_KEY
+                else "authentication failed: unknown key id"
+            )
+            return self._refuse(
+                msg.req_id,
+                pp.MsgType.HELLO,
+                pp.ErrorCode.AUTH,
+                why,
+                f" (client id {msg.client_id!r}, key id {msg.key_id.hex()})",
+            )
         self._secret = secret
         proof = auth.proof(secret, "server", msg.nonce, self._nonce_s, msg.client_id, msg.token)
         return pp.Challenge(msg.req_id, version, True, self._nonce_s, auth.key_id(secret), proof)
@@ -563,19 +611,32 @@ class _Conn(asyncio.BufferedProtocol):
         hello, server = self._hello, self.server
         assert hello is not None
         if self._secret is not None:
-            want = auth.proof(self._secret, "client", hello.nonce, self._nonce_s,
-                              hello.client_id, hello.token)  # fmt: skip
+            want = auth.proof(
+                self._secret, "client", hello.nonce, self._nonce_s, hello.client_id, hello.token
+            )
             if not auth.verify(want, msg.proof):
                 server.counters["auth_failures"] += 1
-                return self._refuse(msg.req_id, pp.MsgType.AUTH, pp.ErrorCode.AUTH,
-                                    "authentication failed: wrong proof",
-                                    f" (client id {hello.client_id!r})")  # fmt: skip
+                return self._refuse(
+                    msg.req_id,
+                    pp.MsgType.AUTH,
+                    pp.ErrorCode.AUTH,
+                    "authentication failed: wrong proof",
+                    f" (client id {hello.client_id!r})",
+                )
         elif server.tls_client_auth and not self.tls_verified:
-            return self._refuse(msg.req_id, pp.MsgType.AUTH, pp.ErrorCode.AUTH,
-                                "authentication failed: no client certificate")
+            return self._refuse(
+                msg.req_id,
+                pp.MsgType.AUTH,
+                pp.ErrorCode.AUTH,
+                "authentication failed: no client certificate",
+            )
         if sum(1 for c in server.conns if c.authed) >= server.max_connections:
-            return self._refuse(msg.req_id, pp.MsgType.AUTH, pp.ErrorCode.BUSY,
-                                f"too many connections (limit {server.max_connections})")
+            return self._refuse(
+                msg.req_id,
+                pp.MsgType.AUTH,
+                pp.ErrorCode.BUSY,
+                f"too many connections (limit {server.max_connections})",
+            )
         ns, resumed = self.store.attach(hello.client_id, auth.token_digest(hello.token))
         self.ns, self.authed = ns, True
         self._secret = None
@@ -586,9 +647,17 @@ class _Conn(asyncio.BufferedProtocol):
         if resumed:
             log.info("%s resumed namespace %r (%d pages)", self.peer, ns.client_id, len(ns.pages))
         version = min(SUPPORTED_VERSIONS[1], hello.max_version)
-        return pp.HelloReply(msg.req_id, version, resumed, int(self.store.lease_s * 1000),
-                             pp.MAX_FRAME, pp.MAX_BATCH, self.store.capacity_pages,
-                             ns.reserved, len(ns.pages))  # fmt: skip
+        return pp.HelloReply(
+            msg.req_id,
+            version,
+            resumed,
+            int(self.store.lease_s * 1000),
+            pp.MAX_FRAME,
+            pp.MAX_BATCH,
+            self.store.capacity_pages,
+            ns.reserved,
+            len(ns.pages),
+        )
 
 
 class MemServer:
@@ -599,13 +668,19 @@ class MemServer:
     certificates, a verified certificate authenticates a client that has no secret.
     """
 
-    def __init__(self, capacity_bytes: int, *, lease_s: float = DEFAULT_LEASE_S,
-                 lock: bool = True, keyring: auth.Keyring | None = None,
-                 tls: ssl.SSLContext | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
-                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
-                 idle_timeout: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        lease_s: float = DEFAULT_LEASE_S,
+        lock: bool = True,
+        keyring: auth.Keyring | None = None,
+        tls: ssl.SSLContext | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        idle_timeout: float | None = None,
+    ) -> None:
         if capacity_bytes < PAGE_SIZE:
             raise ValueError(f"capacity must be at least one page ({PAGE_SIZE} bytes)")
         if max_connections < 1 or max_handshakes < 1 or handshake_timeout <= 0:
@@ -620,8 +695,13 @@ class MemServer:
         self.idle_timeout = idle_timeout
         self.conns: set[_Conn] = set()
         self.pending: OrderedDict[_Conn, None] = OrderedDict()  # unauthenticated, oldest first
-        self.counters = {"auth_failures": 0, "handshake_timeouts": 0, "handshakes_evicted": 0,
-                         "unauthenticated_requests": 0, "idle_closed": 0}  # fmt: skip
+        self.counters = {
+            "auth_failures": 0,
+            "handshake_timeouts": 0,
+            "handshakes_evicted": 0,
+            "unauthenticated_requests": 0,
+            "idle_closed": 0,
+        }
         self.store.extra_status = self._security_status
         # duvm.metrics.LatencyByKind when serving --metrics, else None (no cost per frame)
         self.latency: Any = None
@@ -633,9 +713,13 @@ class MemServer:
         return self.keyring is not None or self.tls_client_auth
 
     def _security_status(self) -> dict:
-        return {"auth": "secret" if self.keyring else "tls" if self.tls_client_auth else "none",
-                "tls": self.tls is not None, "max_connections": self.max_connections,
-                "pending_handshakes": len(self.pending), **self.counters}  # fmt: skip
+        return {
+            "auth": "secret" if self.keyring else "tls" if self.tls_client_auth else "none",
+            "tls": self.tls is not None,
+            "max_connections": self.max_connections,
+            "pending_handshakes": len(self.pending),
+            **self.counters,
+        }
 
     def set_keyring(self, keyring: auth.Keyring | None) -> None:
         """Swap the accepted secrets (SIGHUP after a rotation step); live connections stay."""
@@ -646,8 +730,11 @@ class MemServer:
         while len(self.pending) >= self.max_handshakes:
             old, _ = self.pending.popitem(last=False)
             self.counters["handshakes_evicted"] += 1
-            log.warning("dropping unauthenticated connection from %s: %d handshakes pending",
-                        old.peer, self.max_handshakes)  # fmt: skip
+            log.warning(
+                "dropping unauthenticated connection from %s: %d handshakes pending",
+                old.peer,
+                self.max_handshakes,
+            )
             old.closing = True
             if old.transport is not None:
                 old.transport.abort()
@@ -668,8 +755,14 @@ class MemServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _Conn(self), host, port, reuse_address=True, backlog=128, ssl=self.tls,
-            ssl_handshake_timeout=self.handshake_timeout if self.tls else None)
+            lambda: _Conn(self),
+            host,
+            port,
+            reuse_address=True,
+            backlog=128,
+            ssl=self.tls,
+            ssl_handshake_timeout=self.handshake_timeout if self.tls else None,
+        )
         if self.idle_timeout is not None:
             self._sweeper = loop.call_later(max(0.05, self.idle_timeout / 4), self._sweep)
         addr = self._server.sockets[0].getsockname()
@@ -693,49 +786,94 @@ class MemServer:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", required=True, metavar="HOST:PORT",
-                        help="address to listen on (port 0 picks a free port)")  # fmt: skip
-    parser.add_argument("--capacity", required=True, metavar="SIZE",
-                        help="RAM to serve, e.g. 512M or 4G (preallocated at start)")  # fmt: skip
-    parser.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
-                        help="how long a disconnected client's pages are kept "
-                        f"(default {DEFAULT_LEASE_S:g})")  # fmt: skip
-    parser.add_argument("--no-mlock", action="store_true",
-                        help="do not lock the arena in RAM")  # fmt: skip
+    parser.add_argument(
+        "--listen",
+        required=True,
+        metavar="HOST:PORT",
+        help="address to listen on (port 0 picks a free port)",
+    )
+    parser.add_argument(
+        "--capacity",
+        required=True,
+        metavar="SIZE",
+        help="RAM to serve, e.g. 512M or 4G (preallocated at start)",
+    )
+    parser.add_argument(
+        "--lease",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        metavar="SECONDS",
+        help=f"how long a disconnected client's pages are kept (default {DEFAULT_LEASE_S:g})",
+    )
+    parser.add_argument("--no-mlock", action="store_true", help="do not lock the arena in RAM")
     sec = parser.add_argument_group("security (see README: Security)")
-    sec.add_argument("--secret-file", metavar="PATH",
-                     help="cluster secret(s), one per line, mode 0600 (`duvm secret generate`); "
-                     "every client must prove one. SIGHUP re-reads it (rotation)")  # fmt: skip
+    sec.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="cluster secret(s), one per line, mode 0600 (`duvm secret generate`); "
+        "every client must prove one. SIGHUP re-reads it (rotation)",
+    )
     sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate")
     sec.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
-    sec.add_argument("--tls-ca", metavar="PEM",
-                     help="cluster CA: clients must present a certificate it signed (mutual "
-                     "TLS; authenticates clients without --secret-file)")  # fmt: skip
-    sec.add_argument("--insecure", action="store_true",
-                     help="allow serving a non-loopback address without any authentication")
-    sec.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
-                     help=f"authenticated connections (default {DEFAULT_MAX_CONNECTIONS})")
-    sec.add_argument("--max-handshakes", type=int, default=DEFAULT_MAX_HANDSHAKES, metavar="N",
-                     help="unauthenticated connections; the oldest is dropped beyond this "
-                     f"(default {DEFAULT_MAX_HANDSHAKES})")  # fmt: skip
-    sec.add_argument("--handshake-timeout", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT_S,
-                     metavar="SECONDS", help="time to authenticate "
-                     f"(default {DEFAULT_HANDSHAKE_TIMEOUT_S:g})")  # fmt: skip
-    sec.add_argument("--idle-timeout", type=float, metavar="SECONDS",
-                     help="close authenticated connections idle this long (default: never; a "
-                     "swap device may rightly be idle for hours)")  # fmt: skip
-    parser.add_argument("--metrics", metavar="HOST:PORT",
-                        help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
-                        "one; see duvm.metrics)")  # fmt: skip
-    parser.add_argument("--control-socket", metavar="PATH",
-                        help="local status socket, owner-only (JSON lines, `{\"cmd\": "
-                        "\"status\"}`): what this node lends and to whom, e.g. for gputaskman "
-                        "(e.g. /run/duvm/memserver.ctl)")  # fmt: skip
+    sec.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="cluster CA: clients must present a certificate it signed (mutual "
+        "TLS; authenticates clients without --secret-file)",
+    )
+    sec.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow serving a non-loopback address without any authentication",
+    )
+    sec.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help=f"authenticated connections (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    sec.add_argument(
+        "--max-handshakes",
+        type=int,
+        default=DEFAULT_MAX_HANDSHAKES,
+        metavar="N",
+        help="unauthenticated connections; the oldest is dropped beyond this "
+        f"(default {DEFAULT_MAX_HANDSHAKES})",
+    )
+    sec.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=DEFAULT_HANDSHAKE_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"time to authenticate (default {DEFAULT_HANDSHAKE_TIMEOUT_S:g})",
+    )
+    sec.add_argument(
+        "--idle-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="close authenticated connections idle this long (default: never; a "
+        "swap device may rightly be idle for hours)",
+    )
+    parser.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
+        "one; see duvm.metrics)",
+    )
+    parser.add_argument(
+        "--control-socket",
+        metavar="PATH",
+        help='local status socket, owner-only (JSON lines, `{"cmd": '
+        '"status"}`): what this node lends and to whom, e.g. for gputaskman '
+        "(e.g. /run/duvm/memserver.ctl)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every connection")
 
 
-def security_from_args(args: argparse.Namespace, host: str) -> tuple[auth.Keyring | None,
-                                                                     ssl.SSLContext | None]:
+def security_from_args(
+    args: argparse.Namespace, host: str
+) -> tuple[auth.Keyring | None, ssl.SSLContext | None]:
     """Keyring and TLS context from the flags; ValueError/SecretError/OSError with a reason.
     Refuses to serve a network address with no authentication unless --insecure."""
     keyring = auth.Keyring.from_file(args.secret_file) if args.secret_file else None
@@ -747,8 +885,10 @@ def security_from_args(args: argparse.Namespace, host: str) -> tuple[auth.Keyrin
     elif args.tls_ca:
         raise ValueError("--tls-ca needs --tls-cert and --tls-key")
     if keyring is None and not args.tls_ca and not is_loopback(host) and not args.insecure:
-        raise ValueError(f"refusing to serve {host} without authentication: pass --secret-file "
-                         "(or --tls-cert/--tls-key/--tls-ca), or --insecure to accept any peer")
+        raise ValueError(
+            f"refusing to serve {host} without authentication: pass --secret-file "
+            "(or --tls-cert/--tls-key/--tls-ca), or --insecure to accept any peer"
+        )
     return keyring, tls
 
 
@@ -764,14 +904,21 @@ def mem_available() -> int | None:
     return None
 
 
-async def _serve(server: MemServer, host: str, port: int, secret_file: str | None = None,
-                 metrics: str | None = None, control: str | None = None) -> None:  # fmt: skip
+async def _serve(
+    server: MemServer,
+    host: str,
+    port: int,
+    secret_file: str | None = None,
+    metrics: str | None = None,
+    control: str | None = None,
+) -> None:
     if metrics:  # Prometheus exposition; request latencies observed from here on
         from duvm import metrics as m
 
         try:
-            server.latency, mb = m.start_for_loop(m.MemserverCollector, server,
-                                                  m.MEMSERVER_KINDS, metrics)  # fmt: skip
+            server.latency, mb = m.start_for_loop(
+                m.MemserverCollector, server, m.MEMSERVER_KINDS, metrics
+            )
         except OSError as e:
             raise MetricsError(f"cannot serve metrics on {metrics}: {e.strerror or e}") from None
         print(f"duvm memserver metrics on http://{mb[0]}:{mb[1]}/metrics", flush=True)
@@ -779,15 +926,18 @@ async def _serve(server: MemServer, host: str, port: int, secret_file: str | Non
     if control:  # what this node lends, to whom: for local readers such as gputaskman
         from duvm import control_socket
 
-        ctl = await control_socket.start(control, lambda: {"role": "memserver",
-                                                           **server.store.status()})
+        ctl = await control_socket.start(
+            control, lambda: {"role": "memserver", **server.store.status()}
+        )
     bound = await server.start(host, port)
     st = server.store
-    print(f"duvm memserver listening on {bound[0]}:{bound[1]} "
-          f"capacity {st.capacity_pages} pages ({st.capacity_pages * PAGE_SIZE >> 20} MiB) "
-          f"locked {'yes' if st.arena.locked else 'no'} lease {st.lease_s:g}s "
-          f"auth {server._security_status()['auth']} tls {'yes' if server.tls else 'no'}",
-          flush=True)  # fmt: skip
+    print(
+        f"duvm memserver listening on {bound[0]}:{bound[1]} "
+        f"capacity {st.capacity_pages} pages ({st.capacity_pages * PAGE_SIZE >> 20} MiB) "
+        f"locked {'yes' if st.arena.locked else 'no'} lease {st.lease_s:g}s "
+        f"auth {server._security_status()['auth']} tls {'yes' if server.tls else 'no'}",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -815,8 +965,10 @@ def _reload_secrets(server: MemServer, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="duvm memserver: %(levelname)s %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="duvm memserver: %(levelname)s %(message)s",
+    )
     try:
         host, port = parse_listen(args.listen)
         capacity = parse_size(args.capacity)
@@ -834,15 +986,24 @@ def run(args: argparse.Namespace) -> int:
     available = mem_available()
     if available is not None and capacity > available:
         # Populating more than the free RAM would push this node into swap or the OOM killer.
-        print(f"duvm memserver: --capacity {args.capacity} ({capacity >> 20} MiB) exceeds this "
-              f"node's available memory ({available >> 20} MiB)", file=sys.stderr)  # fmt: skip
+        print(
+            f"duvm memserver: --capacity {args.capacity} ({capacity >> 20} MiB) exceeds this "
+            f"node's available memory ({available >> 20} MiB)",
+            file=sys.stderr,
+        )
         return 1
     try:
-        server = MemServer(capacity, lease_s=args.lease, lock=not args.no_mlock,
-                           keyring=keyring, tls=tls, max_connections=args.max_connections,
-                           max_handshakes=args.max_handshakes,
-                           handshake_timeout=args.handshake_timeout,
-                           idle_timeout=args.idle_timeout)  # fmt: skip
+        server = MemServer(
+            capacity,
+            lease_s=args.lease,
+            lock=not args.no_mlock,
+            keyring=keyring,
+            tls=tls,
+            max_connections=args.max_connections,
+            max_handshakes=args.max_handshakes,
+            handshake_timeout=args.handshake_timeout,
+            idle_timeout=args.idle_timeout,
+        )
     except (MemoryError, ValueError) as e:
         print(f"duvm memserver: {e}", file=sys.stderr)
         return 1
@@ -858,14 +1019,21 @@ def run(args: argparse.Namespace) -> int:
             log.warning("cannot lock the memserver in RAM (%s): it may be swapped out", why)
         pressure.become_io_flusher()
     try:
-        run_loop(_serve(server, host, port, args.secret_file, metrics=args.metrics,
-                        control=args.control_socket))  # fmt: skip
+        run_loop(
+            _serve(
+                server,
+                host,
+                port,
+                args.secret_file,
+                metrics=args.metrics,
+                control=args.control_socket,
+            )
+        )
     except MetricsError as e:
         print(f"duvm memserver: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"duvm memserver: cannot listen on {args.listen}: {e.strerror or e}",
-              file=sys.stderr)  # fmt: skip
+        print(f"duvm memserver: cannot listen on {args.listen}: {e.strerror or e}", file=sys.stderr)
         return 1
     return 0
 

@@ -61,12 +61,29 @@ PAGE_SIZE = 4096
 SNAPSHOT_TIMEOUT_S = 2.0
 # Upper bounds in seconds: 10 us .. 2.5 s, fine where the fault path lives (tens of us).
 LATENCY_BOUNDS_S: tuple[float, ...] = (
-    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
-    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)  # fmt: skip
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
 
 
-def _cumulative(bounds_ns: list[int], counts: list[int], sum_ns: int
-                ) -> tuple[list[tuple[str, float]], float]:  # fmt: skip
+def _cumulative(
+    bounds_ns: list[int], counts: list[int], sum_ns: int
+) -> tuple[list[tuple[str, float]], float]:
     """Prometheus buckets (cumulative, ending with +Inf) and the sum in seconds."""
     counts = list(counts)  # one atomic copy: the loop thread may be counting meanwhile
     out, acc = [], 0
@@ -106,8 +123,7 @@ class LatencyByKind:
 
     __slots__ = ("_bounds", "_counts", "_sums", "names")
 
-    def __init__(self, kinds: dict[int, str], bounds_s: Iterable[float] = LATENCY_BOUNDS_S
-                 ) -> None:  # fmt: skip
+    def __init__(self, kinds: dict[int, str], bounds_s: Iterable[float] = LATENCY_BOUNDS_S) -> None:
         self.names = kinds
         self._bounds = _bounds_ns(bounds_s)
         self._counts = {code: [0] * (len(self._bounds) + 1) for code in kinds}
@@ -130,8 +146,11 @@ class LatencyByKind:
         return fam
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable[[], Any],
-             loop_thread: threading.Thread | None = None) -> Any:
+def _on_loop(
+    loop: asyncio.AbstractEventLoop | None,
+    fn: Callable[[], Any],
+    loop_thread: threading.Thread | None = None,
+) -> Any:
     """Run `fn` on the loop thread and return its result; None if the loop does not answer.
     Without a loop (tests building a collector by hand) `fn` runs here."""
     if loop is None or threading.current_thread() is loop_thread:
@@ -171,80 +190,112 @@ def _counter(name: str, doc: str, value: float | None) -> Iterator[Metric]:
 
 # --- memserver -------------------------------------------------------------------------------
 
-MEMSERVER_KINDS = {int(pp.MsgType.STORE): "store", int(pp.MsgType.LOAD): "load",
-                   int(pp.MsgType.FREE): "free"}
+MEMSERVER_KINDS = {
+    int(pp.MsgType.STORE): "store",
+    int(pp.MsgType.LOAD): "load",
+    int(pp.MsgType.FREE): "free",
+}
 
 
 class MemserverCollector(Collector):
     """Metric families of one `MemServer` (duvm.memserver), read on its loop at scrape time."""
 
-    def __init__(self, server: Any, loop: asyncio.AbstractEventLoop | None,
-                 latency: LatencyByKind) -> None:  # fmt: skip
+    def __init__(
+        self, server: Any, loop: asyncio.AbstractEventLoop | None, latency: LatencyByKind
+    ) -> None:
         self.server, self.loop, self.latency = server, loop, latency
         self.thread = threading.current_thread()  # built on the loop's thread
 
     def _snapshot(self) -> dict[str, Any]:
         st = self.server.store
         return {
-            "capacity": st.capacity_pages, "used": st.arena.used_slots,
-            "reserved": st.reserved_total, "locked": st.arena.locked,
-            "connections": st.connections, "counters": dict(st.counters),
+            "capacity": st.capacity_pages,
+            "used": st.arena.used_slots,
+            "reserved": st.reserved_total,
+            "locked": st.arena.locked,
+            "connections": st.connections,
+            "counters": dict(st.counters),
             "server_counters": dict(getattr(self.server, "counters", {})),
-            "namespaces": [(ns.client_id, len(ns.pages), ns.reserved, ns.connections)
-                           for ns in st.namespaces.values()],
-        }  # fmt: skip
+            "namespaces": [
+                (ns.client_id, len(ns.pages), ns.reserved, ns.connections)
+                for ns in st.namespaces.values()
+            ],
+        }
 
     def collect(self) -> Iterator[Metric]:
         snap = _on_loop(self.loop, self._snapshot, self.thread)
-        yield GaugeMetricFamily("duvm_scrape_snapshot_ok", "1 if the server state was read "
-                                "for this scrape, 0 if its event loop did not answer",
-                                value=0 if snap is None else 1)  # fmt: skip
-        yield self.latency.family("duvm_memserver_request", "Service time of page requests "
-                                  "inside the memserver, per frame")  # fmt: skip
+        yield GaugeMetricFamily(
+            "duvm_scrape_snapshot_ok",
+            "1 if the server state was read for this scrape, 0 if its event loop did not answer",
+            value=0 if snap is None else 1,
+        )
+        yield self.latency.family(
+            "duvm_memserver_request",
+            "Service time of page requests inside the memserver, per frame",
+        )
         if snap is None:
             return
         p = PAGE_SIZE
-        yield from _gauge("duvm_memserver_capacity_bytes", "Preallocated arena size",
-                          snap["capacity"] * p)
-        yield from _gauge("duvm_memserver_used_bytes", "Arena bytes holding pages",
-                          snap["used"] * p)
-        yield from _gauge("duvm_memserver_reserved_bytes", "Arena bytes promised to clients",
-                          snap["reserved"] * p)
-        yield from _gauge("duvm_memserver_arena_locked", "1 if the arena is locked in RAM",
-                          1 if snap["locked"] else 0)
-        yield from _gauge("duvm_memserver_connections", "Open client connections",
-                          snap["connections"])
-        stored = GaugeMetricFamily("duvm_memserver_namespace_stored_pages",
-                                   "Pages stored for a client namespace", labels=["client_id"])
-        reserved = GaugeMetricFamily("duvm_memserver_namespace_reserved_pages",
-                                     "Pages reserved by a client namespace",
-                                     labels=["client_id"])  # fmt: skip
-        conns = GaugeMetricFamily("duvm_memserver_namespace_connections",
-                                  "Connections attached to a namespace (0: in its lease)",
-                                  labels=["client_id"])  # fmt: skip
+        yield from _gauge(
+            "duvm_memserver_capacity_bytes", "Preallocated arena size", snap["capacity"] * p
+        )
+        yield from _gauge(
+            "duvm_memserver_used_bytes", "Arena bytes holding pages", snap["used"] * p
+        )
+        yield from _gauge(
+            "duvm_memserver_reserved_bytes", "Arena bytes promised to clients", snap["reserved"] * p
+        )
+        yield from _gauge(
+            "duvm_memserver_arena_locked",
+            "1 if the arena is locked in RAM",
+            1 if snap["locked"] else 0,
+        )
+        yield from _gauge(
+            "duvm_memserver_connections", "Open client connections", snap["connections"]
+        )
+        stored = GaugeMetricFamily(
+            "duvm_memserver_namespace_stored_pages",
+            "Pages stored for a client namespace",
+            labels=["client_id"],
+        )
+        reserved = GaugeMetricFamily(
+            "duvm_memserver_namespace_reserved_pages",
+            "Pages reserved by a client namespace",
+            labels=["client_id"],
+        )
+        conns = GaugeMetricFamily(
+            "duvm_memserver_namespace_connections",
+            "Connections attached to a namespace (0: in its lease)",
+            labels=["client_id"],
+        )
         for cid, n_stored, n_reserved, n_conns in snap["namespaces"]:
             stored.add_metric([cid], n_stored)
             reserved.add_metric([cid], n_reserved)
             conns.add_metric([cid], n_conns)
         yield from (stored, reserved, conns)
         c = snap["counters"]
-        req = CounterMetricFamily("duvm_memserver_requests", "Page requests served",
-                                  labels=["op"])
-        pages = CounterMetricFamily("duvm_memserver_pages", "Pages moved by requests",
-                                    labels=["op"])
+        req = CounterMetricFamily("duvm_memserver_requests", "Page requests served", labels=["op"])
+        pages = CounterMetricFamily(
+            "duvm_memserver_pages", "Pages moved by requests", labels=["op"]
+        )
         for op, done in (("store", "stored"), ("load", "loaded"), ("free", "freed")):
             if f"{op}_requests" in c:
                 req.add_metric([op], c[f"{op}_requests"])
             if f"pages_{done}" in c:
                 pages.add_metric([op], c[f"pages_{done}"])
         yield from (req, pages)
-        yield from _counter("duvm_memserver_refused", "Requests refused (no room, no "
-                            "reservation, unknown page)", c.get("refused"))  # fmt: skip
+        yield from _counter(
+            "duvm_memserver_refused",
+            "Requests refused (no room, no reservation, unknown page)",
+            c.get("refused"),
+        )
         sec = snap["server_counters"]
         if sec:
-            events = CounterMetricFamily("duvm_memserver_security_events",
-                                         "Authentication and connection-limit events",
-                                         labels=["event"])  # fmt: skip
+            events = CounterMetricFamily(
+                "duvm_memserver_security_events",
+                "Authentication and connection-limit events",
+                labels=["event"],
+            )
             for k, v in sorted(sec.items()):
                 if isinstance(v, int):
                     events.add_metric([k], v)
@@ -253,8 +304,13 @@ class MemserverCollector(Collector):
 
 # --- daemon ----------------------------------------------------------------------------------
 
-NBD_KINDS = {C.CMD_READ: "read", C.CMD_WRITE: "write", C.CMD_FLUSH: "flush", C.CMD_TRIM: "trim",
-             C.CMD_WRITE_ZEROES: "write_zeroes"}
+NBD_KINDS = {
+    C.CMD_READ: "read",
+    C.CMD_WRITE: "write",
+    C.CMD_FLUSH: "flush",
+    C.CMD_TRIM: "trim",
+    C.CMD_WRITE_ZEROES: "write_zeroes",
+}
 
 
 _DAEMON_COUNTERS = (
@@ -271,71 +327,111 @@ _DAEMON_COUNTERS = (
 class DaemonCollector(Collector):
     """Metric families of the daemon's `NBDServer` and its store."""
 
-    def __init__(self, server: Any, loop: asyncio.AbstractEventLoop | None,
-                 latency: LatencyByKind) -> None:  # fmt: skip
+    def __init__(
+        self, server: Any, loop: asyncio.AbstractEventLoop | None, latency: LatencyByKind
+    ) -> None:
         self.server, self.loop, self.latency = server, loop, latency
         self.thread = threading.current_thread()  # built on the loop's thread
 
     def collect(self) -> Iterator[Metric]:
         snap = _on_loop(self.loop, lambda: daemon_snapshot(self.server), self.thread)
-        yield GaugeMetricFamily("duvm_scrape_snapshot_ok", "1 if the daemon state was read "
-                                "for this scrape, 0 if its event loop did not answer",
-                                value=0 if snap is None else 1)  # fmt: skip
-        yield self.latency.family("duvm_daemon_nbd_request", "NBD request time in the daemon "
-                                  "(decoded to reply queued), memserver round trips included")
+        yield GaugeMetricFamily(
+            "duvm_scrape_snapshot_ok",
+            "1 if the daemon state was read for this scrape, 0 if its event loop did not answer",
+            value=0 if snap is None else 1,
+        )
+        yield self.latency.family(
+            "duvm_daemon_nbd_request",
+            "NBD request time in the daemon "
+            "(decoded to reply queued), memserver round trips included",
+        )
         if snap is None:
             return
         nbd = snap["nbd"]
-        yield GaugeMetricFamily("duvm_daemon_export_bytes", "Size of the NBD export",
-                                value=snap["export_bytes"])
-        yield GaugeMetricFamily("duvm_daemon_nbd_connections", "Open NBD connections",
-                                value=snap["nbd_connections"])
-        yield from _counter("duvm_daemon_nbd_requests", "NBD requests received",
-                            nbd.get("requests"))
-        yield from _counter("duvm_daemon_nbd_errors", "NBD requests answered with an error",
-                            nbd.get("errors"))
-        yield from _counter("duvm_daemon_nbd_protocol_errors",
-                            "NBD connections dropped for breaking the protocol",
-                            nbd.get("protocol_errors"))
+        yield GaugeMetricFamily(
+            "duvm_daemon_export_bytes", "Size of the NBD export", value=snap["export_bytes"]
+        )
+        yield GaugeMetricFamily(
+            "duvm_daemon_nbd_connections", "Open NBD connections", value=snap["nbd_connections"]
+        )
+        yield from _counter(
+            "duvm_daemon_nbd_requests", "NBD requests received", nbd.get("requests")
+        )
+        yield from _counter(
+            "duvm_daemon_nbd_errors", "NBD requests answered with an error", nbd.get("errors")
+        )
+        yield from _counter(
+            "duvm_daemon_nbd_protocol_errors",
+            "NBD connections dropped for breaking the protocol",
+            nbd.get("protocol_errors"),
+        )
         h = snap["health"]
         if h is None:  # --memory: no pool, so nothing below is known
             return
         for key, name, doc in _DAEMON_COUNTERS:
             yield from _counter(name, doc, h.get(key))
         rep = h.get("repair") or {}
-        yield from _counter("duvm_daemon_repairs", "Slab repairs completed",
-                            rep.get("repairs_done"))
-        yield from _counter("duvm_daemon_repair_failures", "Slab repairs that failed",
-                            rep.get("repair_failures"))
-        yield from _counter("duvm_daemon_repair_pages_copied", "Pages copied by repairs",
-                            rep.get("repair_pages_copied"))
-        yield from _gauge("duvm_daemon_degraded_slabs", "Slabs with fewer live replicas than "
-                          "wanted", h.get("degraded_slabs"))  # fmt: skip
+        yield from _counter(
+            "duvm_daemon_repairs", "Slab repairs completed", rep.get("repairs_done")
+        )
+        yield from _counter(
+            "duvm_daemon_repair_failures", "Slab repairs that failed", rep.get("repair_failures")
+        )
+        yield from _counter(
+            "duvm_daemon_repair_pages_copied",
+            "Pages copied by repairs",
+            rep.get("repair_pages_copied"),
+        )
+        yield from _gauge(
+            "duvm_daemon_degraded_slabs",
+            "Slabs with fewer live replicas than wanted",
+            h.get("degraded_slabs"),
+        )
         yield from _gauge("duvm_daemon_slabs", "Slabs of the export", h.get("slabs"))
         yield from _gauge("duvm_daemon_replicas", "Replicas wanted per slab", h.get("replicas"))
-        yield from _gauge("duvm_daemon_repairs_in_progress", "Slabs being copied now",
-                          len(h["repairing"]) if "repairing" in h else None)
-        yield from _gauge("duvm_daemon_pages_written", "Export pages holding data",
-                          h.get("pages_written"))
+        yield from _gauge(
+            "duvm_daemon_repairs_in_progress",
+            "Slabs being copied now",
+            len(h["repairing"]) if "repairing" in h else None,
+        )
+        yield from _gauge(
+            "duvm_daemon_pages_written", "Export pages holding data", h.get("pages_written")
+        )
         peers = h.get("peers", [])
         fams = {
-            "up": GaugeMetricFamily("duvm_daemon_peer_up", "1 if connected to the memserver",
-                                    labels=["peer"]),
-            "circuit": GaugeMetricFamily("duvm_daemon_peer_circuit_open", "1 while the "
-                                         "breaker keeps requests away", labels=["peer"]),
-            "pages": GaugeMetricFamily("duvm_daemon_peer_pages", "This node's written pages "
-                                       "held by the memserver (per replica)", labels=["peer"]),
-            "reserved": GaugeMetricFamily("duvm_daemon_peer_reserved_pages", "Pages reserved "
-                                          "on the memserver", labels=["peer"]),
-            "slabs": GaugeMetricFamily("duvm_daemon_peer_slabs", "Slabs with a replica on the "
-                                       "memserver", labels=["peer"]),
-            "trips": CounterMetricFamily("duvm_daemon_peer_breaker_trips", "Times the breaker "
-                                         "opened", labels=["peer"]),
-        }  # fmt: skip
+            "up": GaugeMetricFamily(
+                "duvm_daemon_peer_up", "1 if connected to the memserver", labels=["peer"]
+            ),
+            "circuit": GaugeMetricFamily(
+                "duvm_daemon_peer_circuit_open",
+                "1 while the breaker keeps requests away",
+                labels=["peer"],
+            ),
+            "pages": GaugeMetricFamily(
+                "duvm_daemon_peer_pages",
+                "This node's written pages held by the memserver (per replica)",
+                labels=["peer"],
+            ),
+            "reserved": GaugeMetricFamily(
+                "duvm_daemon_peer_reserved_pages",
+                "Pages reserved on the memserver",
+                labels=["peer"],
+            ),
+            "slabs": GaugeMetricFamily(
+                "duvm_daemon_peer_slabs", "Slabs with a replica on the memserver", labels=["peer"]
+            ),
+            "trips": CounterMetricFamily(
+                "duvm_daemon_peer_breaker_trips", "Times the breaker opened", labels=["peer"]
+            ),
+        }
         for p in peers:
             lbl = [str(p.get("peer"))]
-            for key, fam_key in (("pages", "pages"), ("reserved_pages", "reserved"),
-                                 ("slabs", "slabs"), ("breaker_trips", "trips")):
+            for key, fam_key in (
+                ("pages", "pages"),
+                ("reserved_pages", "reserved"),
+                ("slabs", "slabs"),
+                ("breaker_trips", "trips"),
+            ):
                 if p.get(key) is not None:
                     fams[fam_key].add_metric(lbl, p[key])
             for key, fam_key in (("connected", "up"), ("circuit_open", "circuit")):
@@ -358,8 +454,12 @@ def serve(collector: Collector, listen: str) -> tuple[str, int]:
     return str(bound[0]), int(bound[1])
 
 
-def start_for_loop(collector_cls: type, target: Any, kinds: dict[int, str], listen: str,
-                   ) -> tuple[LatencyByKind, tuple[str, int]]:  # fmt: skip
+def start_for_loop(
+    collector_cls: type,
+    target: Any,
+    kinds: dict[int, str],
+    listen: str,
+) -> tuple[LatencyByKind, tuple[str, int]]:
     """Build the latency histograms and collector for `target` on the running loop, serve
     them; return the histograms (for the hot path) and the bound address."""
     loop = asyncio.get_running_loop()

@@ -54,8 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     npages = min(a.pages or h.get_size() // PAGE, h.get_size() // PAGE)
     version = [0] * npages  # 0: never written (reads as zeros)
     busy = bytearray(npages)  # pages with a request in flight: no overlapping requests
-    st = {"writes": 0, "reads": 0, "pages_written": 0, "pages_read": 0, "write_eio": 0,
-          "read_eio": 0, "mismatches": 0, "lost_pages": 0, "verified_pages": 0}
+    st = {
+        "writes": 0,
+        "reads": 0,
+        "pages_written": 0,
+        "pages_read": 0,
+        "write_eio": 0,
+        "read_eio": 0,
+        "mismatches": 0,
+        "lost_pages": 0,
+        "verified_pages": 0,
+    }
     inflight: dict[int, tuple] = {}
 
     def check(first: int, n: int, buf: bytes, versions: list[int]) -> None:

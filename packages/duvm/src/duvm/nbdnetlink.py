@@ -117,27 +117,45 @@ def nla_nested(atype: int, *children: bytes) -> bytes:
     return nla(atype | NLA_F_NESTED, b"".join(children))
 
 
-def genl_message(family: int, cmd: int, attrs: bytes, seq: int, *, version: int = 1,
-                 flags: int = NLM_F_REQUEST | NLM_F_ACK) -> bytes:
+def genl_message(
+    family: int,
+    cmd: int,
+    attrs: bytes,
+    seq: int,
+    *,
+    version: int = 1,
+    flags: int = NLM_F_REQUEST | NLM_F_ACK,
+) -> bytes:
     """A complete generic-netlink request."""
     body = _GENLHDR.pack(cmd, version, 0) + attrs
     return _NLMSGHDR.pack(_NLMSGHDR.size + len(body), family, flags, seq, 0) + body
 
 
 def sockets_attr(fds: list[int]) -> bytes:
-    return nla_nested(NBD_ATTR_SOCKETS,
-                      *(nla_nested(NBD_SOCK_ITEM, nla_u32(NBD_SOCK_FD, fd)) for fd in fds))
+    return nla_nested(
+        NBD_ATTR_SOCKETS, *(nla_nested(NBD_SOCK_ITEM, nla_u32(NBD_SOCK_FD, fd)) for fd in fds)
+    )
 
 
-def connect_attrs(index: int, fds: list[int], size: int, *, block_size: int = 4096,
-                  server_flags: int = 0, timeout_s: int = 0, dead_conn_timeout_s: int = 0
-                  ) -> bytes:
+def connect_attrs(
+    index: int,
+    fds: list[int],
+    size: int,
+    *,
+    block_size: int = 4096,
+    server_flags: int = 0,
+    timeout_s: int = 0,
+    dead_conn_timeout_s: int = 0,
+) -> bytes:
     """NBD_CMD_CONNECT's attributes. A timeout of 0 leaves the kernel's default."""
     if index < 0 or not fds or size <= 0 or block_size <= 0:
         raise ValueError("connect needs a device index >= 0, sockets and a positive size")
-    out = [nla_u32(NBD_ATTR_INDEX, index), nla_u64(NBD_ATTR_SIZE_BYTES, size),
-           nla_u64(NBD_ATTR_BLOCK_SIZE_BYTES, block_size),
-           nla_u64(NBD_ATTR_SERVER_FLAGS, server_flags)]
+    out = [
+        nla_u32(NBD_ATTR_INDEX, index),
+        nla_u64(NBD_ATTR_SIZE_BYTES, size),
+        nla_u64(NBD_ATTR_BLOCK_SIZE_BYTES, block_size),
+        nla_u64(NBD_ATTR_SERVER_FLAGS, server_flags),
+    ]
     if timeout_s:
         out.append(nla_u64(NBD_ATTR_TIMEOUT, timeout_s))
     if dead_conn_timeout_s:
@@ -155,13 +173,15 @@ def parse_messages(data: bytes) -> Iterator[Message]:
     while off + _NLMSGHDR.size <= len(data):
         length, mtype, flags, seq, pid = _NLMSGHDR.unpack_from(data, off)
         if length < _NLMSGHDR.size or off + length > len(data):
-            raise NetlinkError(errno.EPROTO, f"netlink message length {length} at {off} is "
-                               f"outside the {len(data)}-byte datagram")
+            raise NetlinkError(
+                errno.EPROTO,
+                f"netlink message length {length} at {off} is "
+                f"outside the {len(data)}-byte datagram",
+            )
         yield Message(mtype, flags, seq, pid, data[off + _NLMSGHDR.size : off + length])
         off += _align(length)
     if off < len(data) and len(data) - off >= 1 and any(data[off:]):
-        raise NetlinkError(errno.EPROTO, f"{len(data) - off} trailing bytes after netlink "
-                           "messages")
+        raise NetlinkError(errno.EPROTO, f"{len(data) - off} trailing bytes after netlink messages")
 
 
 def parse_attrs(data: bytes) -> dict[int, bytes]:
@@ -171,8 +191,10 @@ def parse_attrs(data: bytes) -> dict[int, bytes]:
     while off + _NLATTR.size <= len(data):
         length, atype = _NLATTR.unpack_from(data, off)
         if length < _NLATTR.size or off + length > len(data):
-            raise NetlinkError(errno.EPROTO, f"attribute length {length} at {off} is outside "
-                               f"the {len(data)}-byte payload")
+            raise NetlinkError(
+                errno.EPROTO,
+                f"attribute length {length} at {off} is outside the {len(data)}-byte payload",
+            )
         out[atype & NLA_TYPE_MASK] = data[off + _NLATTR.size : off + length]
         off += _align(length)
     return out
@@ -212,8 +234,15 @@ class GenlSocket:
     def close(self) -> None:
         self.sock.close()
 
-    def request(self, family: int, cmd: int, attrs: bytes, *, version: int = 1,
-                what: str = "netlink request") -> list[dict[int, bytes]]:
+    def request(
+        self,
+        family: int,
+        cmd: int,
+        attrs: bytes,
+        *,
+        version: int = 1,
+        what: str = "netlink request",
+    ) -> list[dict[int, bytes]]:
         """Send one request with NLM_F_ACK; the attributes of each reply until the ACK.
         Raises NetlinkError with the kernel's errno on refusal."""
         self._seq = (self._seq + 1) & 0xFFFFFFFF
@@ -224,8 +253,7 @@ class GenlSocket:
             try:
                 data = self.sock.recv(MAX_REPLY)
             except TimeoutError:
-                raise NetlinkError(errno.ETIMEDOUT, f"{what}: the kernel did not answer") \
-                    from None
+                raise NetlinkError(errno.ETIMEDOUT, f"{what}: the kernel did not answer") from None
             for msg in parse_messages(data):
                 if msg.seq != seq:
                     continue  # a late answer to an earlier request
@@ -243,13 +271,18 @@ class GenlSocket:
     def family_id(self, name: str) -> int:
         """The numeric id of generic-netlink family `name`. FamilyNotFound when absent."""
         try:
-            replies = self.request(GENL_ID_CTRL, CTRL_CMD_GETFAMILY,
-                                   nla_str(CTRL_ATTR_FAMILY_NAME, name), version=1,
-                                   what=f"resolving netlink family {name!r}")
+            replies = self.request(
+                GENL_ID_CTRL,
+                CTRL_CMD_GETFAMILY,
+                nla_str(CTRL_ATTR_FAMILY_NAME, name),
+                version=1,
+                what=f"resolving netlink family {name!r}",
+            )
         except NetlinkError as exc:
             if exc.errno == errno.ENOENT:
-                raise FamilyNotFound(errno.ENOENT, f"no generic-netlink family {name!r} "
-                                     "(module not loaded?)") from None
+                raise FamilyNotFound(
+                    errno.ENOENT, f"no generic-netlink family {name!r} (module not loaded?)"
+                ) from None
             raise
         for attrs in replies:
             value = attrs.get(CTRL_ATTR_FAMILY_ID)
@@ -279,17 +312,37 @@ def available() -> bool:
         return False
 
 
-def connect(device: str, fds: list[int], size: int, *, server_flags: int = 0,
-            timeout_s: int = 0, dead_conn_timeout_s: int = 0, block_size: int = 4096) -> int:
+def connect(
+    device: str,
+    fds: list[int],
+    size: int,
+    *,
+    server_flags: int = 0,
+    timeout_s: int = 0,
+    dead_conn_timeout_s: int = 0,
+    block_size: int = 4096,
+) -> int:
     """NBD_CMD_CONNECT `device` to the (post-handshake) sockets `fds`. Returns the index the
     kernel reports. The caller may close its fds afterwards: the kernel holds its own."""
     index = device_index(device)
-    attrs = connect_attrs(index, fds, size, block_size=block_size, server_flags=server_flags,
-                          timeout_s=timeout_s, dead_conn_timeout_s=dead_conn_timeout_s)
+    attrs = connect_attrs(
+        index,
+        fds,
+        size,
+        block_size=block_size,
+        server_flags=server_flags,
+        timeout_s=timeout_s,
+        dead_conn_timeout_s=dead_conn_timeout_s,
+    )
     with GenlSocket() as nl:
         family = nl.family_id(NBD_GENL_FAMILY_NAME)
-        replies = nl.request(family, NBD_CMD_CONNECT, attrs, version=NBD_GENL_VERSION,
-                             what=f"NBD_CMD_CONNECT {device}")
+        replies = nl.request(
+            family,
+            NBD_CMD_CONNECT,
+            attrs,
+            version=NBD_GENL_VERSION,
+            what=f"NBD_CMD_CONNECT {device}",
+        )
     for attrs_ in replies:
         got = attr_u32(attrs_, NBD_ATTR_INDEX)
         if got is not None:
@@ -306,12 +359,20 @@ def reconfigure(device: str, fds: list[int], *, dead_conn_timeout_s: int = 0) ->
     with GenlSocket() as nl:
         family = nl.family_id(NBD_GENL_FAMILY_NAME)
         try:
-            nl.request(family, NBD_CMD_RECONFIGURE, attrs, version=NBD_GENL_VERSION,
-                       what=f"NBD_CMD_RECONFIGURE {device}")
+            nl.request(
+                family,
+                NBD_CMD_RECONFIGURE,
+                attrs,
+                version=NBD_GENL_VERSION,
+                what=f"NBD_CMD_RECONFIGURE {device}",
+            )
         except NetlinkError as exc:
             if exc.errno == errno.ENOSPC:
-                raise NetlinkError(errno.ENOSPC, f"{device} has no dead connection to replace "
-                                   "(is the old daemon still running?)") from None
+                raise NetlinkError(
+                    errno.ENOSPC,
+                    f"{device} has no dead connection to replace "
+                    "(is the old daemon still running?)",
+                ) from None
             raise
 
 
@@ -319,5 +380,10 @@ def disconnect(device: str) -> None:
     """NBD_CMD_DISCONNECT: end the device's connections; the device becomes free."""
     with GenlSocket() as nl:
         family = nl.family_id(NBD_GENL_FAMILY_NAME)
-        nl.request(family, NBD_CMD_DISCONNECT, nla_u32(NBD_ATTR_INDEX, device_index(device)),
-                   version=NBD_GENL_VERSION, what=f"NBD_CMD_DISCONNECT {device}")
+        nl.request(
+            family,
+            NBD_CMD_DISCONNECT,
+            nla_u32(NBD_ATTR_INDEX, device_index(device)),
+            version=NBD_GENL_VERSION,
+            what=f"NBD_CMD_DISCONNECT {device}",
+        )

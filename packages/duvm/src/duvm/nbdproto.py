@@ -329,8 +329,17 @@ class Request:
 
     __slots__ = ("buffer", "cmd", "cookie", "error", "flags", "length", "offset", "payload")
 
-    def __init__(self, cmd: int, flags: int, cookie: int, offset: int, length: int, error: int,
-                 payload: memoryview | None = None, buffer: memoryview | None = None) -> None:
+    def __init__(
+        self,
+        cmd: int,
+        flags: int,
+        cookie: int,
+        offset: int,
+        length: int,
+        error: int,
+        payload: memoryview | None = None,
+        buffer: memoryview | None = None,
+    ) -> None:
         self.cmd = cmd
         self.flags = flags
         self.cookie = cookie
@@ -403,8 +412,9 @@ def _allowed_flags(flags: int) -> dict[int, int]:
     return allowed
 
 
-def validate(export: ExportInfo, allowed: dict[int, int], cmd: int, flags: int, offset: int,
-             length: int) -> int:
+def validate(
+    export: ExportInfo, allowed: dict[int, int], cmd: int, flags: int, offset: int, length: int
+) -> int:
     """The errno a request must be failed with, or 0. The rules of proto.md, in one place."""
     mask = allowed.get(cmd)
     if mask is None:
@@ -538,8 +548,13 @@ class TransmissionDecoder:
             if magic != _REQ_MAGIC:
                 raise ProtocolError(f"bad request magic 0x{magic:08x}")
             # Fast path: a plain aligned in-range READ or WRITE needs no further checks.
-            if (cmd <= self._max_rw_cmd and not flags and not (offset | length) & self._align
-                    and offset + length <= self.export.size and length <= self._max_payload):
+            if (
+                cmd <= self._max_rw_cmd
+                and not flags
+                and not (offset | length) & self._align
+                and offset + length <= self.export.size
+                and length <= self._max_payload
+            ):
                 if cmd == _CMD_READ or not length:
                     return Request(cmd, flags, cookie, offset, length, 0)
                 buf = self.pool.acquire(length)

@@ -195,10 +195,12 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._aborted = False
         # the store's callback fast path, when it has one (BlockStore.start_read)
         st = type(self.store)
-        self._start_read = (self.store.start_read
-                            if st.start_read is not BlockStore.start_read else None)  # fmt: skip
-        self._start_write = (self.store.start_write
-                             if st.start_write is not BlockStore.start_write else None)  # fmt: skip
+        self._start_read = (
+            self.store.start_read if st.start_read is not BlockStore.start_read else None
+        )
+        self._start_write = (
+            self.store.start_write if st.start_write is not BlockStore.start_write else None
+        )
         self._lat = server.latency  # request start times only when metrics are on
         self._trace = server.trace  # or a trace is written
         self._timed = self._lat is not None or self._trace is not None
@@ -353,8 +355,11 @@ class NBDConnection(asyncio.BufferedProtocol):
                 self._segments.append(_PACK_REPLY(_REPLY_MAGIC, 0, req.cookie))
                 return
             self._in_flight_bytes += req.length
-            if (self._start_write is not None and not req.flags
-                    and self._started(self._start_write, req, req.payload)):  # fmt: skip
+            if (
+                self._start_write is not None
+                and not req.flags
+                and self._started(self._start_write, req, req.payload)
+            ):
                 return
             coro = store.write(req.offset, req.payload)  # type: ignore[arg-type]
         elif cmd == C.CMD_TRIM:
@@ -454,11 +459,21 @@ class NBDConnection(asyncio.BufferedProtocol):
             fut._asyncio_future_blocking = False
             fut.add_done_callback(partial(self._resume, req, coro))
         else:
-            self._loop.call_soon(self._resume, req, coro, None,
-                                 RuntimeError(f"store awaited {fut!r}, not an asyncio future"))
+            self._loop.call_soon(
+                self._resume,
+                req,
+                coro,
+                None,
+                RuntimeError(f"store awaited {fut!r}, not an asyncio future"),
+            )
 
-    def _resume(self, req: Request, coro: Coroutine[Any, Any, None], fut: Any,
-                exc: BaseException | None = None) -> None:
+    def _resume(
+        self,
+        req: Request,
+        coro: Coroutine[Any, Any, None],
+        fut: Any,
+        exc: BaseException | None = None,
+    ) -> None:
         if self._waiting.pop(req, None) is None:
             return  # the connection was aborted and the coroutine closed
         try:
@@ -548,9 +563,12 @@ class NBDConnection(asyncio.BufferedProtocol):
         t = self.transport
         if t is None or self._dec is None:
             return
-        busy = (self._write_paused or self._disconnecting
-                or self._in_flight >= self.server.max_in_flight
-                or self._in_flight_bytes >= self.server.max_in_flight_bytes)
+        busy = (
+            self._write_paused
+            or self._disconnecting
+            or self._in_flight >= self.server.max_in_flight
+            or self._in_flight_bytes >= self.server.max_in_flight_bytes
+        )
         if busy and not self._read_paused:
             self._read_paused = True
             t.pause_reading()

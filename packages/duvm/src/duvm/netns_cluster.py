@@ -43,8 +43,9 @@ def tool(name: str) -> str:
 
 
 def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([tool(cmd[0]), *cmd[1:]], capture_output=True, text=True,
-                          check=check, timeout=30)  # fmt: skip
+    return subprocess.run(
+        [tool(cmd[0]), *cmd[1:]], capture_output=True, text=True, check=check, timeout=30
+    )
 
 
 def skip_reason() -> str | None:
@@ -109,14 +110,31 @@ class Cluster:
             self._namespaces.append(ns)
             run("ip", "-n", ns, "link", "set", "lo", "up")
             # Created in the node, the far end moved to the hub: names never meet in the root.
-            run("ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name",
-                f"h{node}", "netns", self.hub)  # fmt: skip
+            run(
+                "ip",
+                "-n",
+                ns,
+                "link",
+                "add",
+                "eth0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"h{node}",
+                "netns",
+                self.hub,
+            )
             run("ip", "-n", ns, "addr", "add", f"{self.addr(node)}/24", "dev", "eth0")
             run("ip", "-n", ns, "link", "set", "eth0", "up")
             run("ip", "-n", self.hub, "link", "set", f"h{node}", "master", "br0")
             run("ip", "-n", self.hub, "link", "set", f"h{node}", "up")
-        subprocess.run([self.python, "-m", "duvm.cli", "secret", "generate", str(self.secret)],
-                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        subprocess.run(
+            [self.python, "-m", "duvm.cli", "secret", "generate", str(self.secret)],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
 
     def close(self) -> None:
         for p in list(self.procs.values()):
@@ -143,8 +161,12 @@ class Cluster:
     def start(self, name: str, node: int, argv: list[str]) -> subprocess.Popen:
         """Start `argv` in `node`'s namespace, output to DIR/name.log."""
         log = open(self.dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
-        p = subprocess.Popen([tool("ip"), "netns", "exec", self.ns(node), *argv], stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        p = subprocess.Popen(
+            [tool("ip"), "netns", "exec", self.ns(node), *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         self.procs[name] = p
         return p
@@ -162,8 +184,9 @@ class Cluster:
             if p.poll() is not None:
                 raise RuntimeError(f"{name} exited {p.returncode}: {self.log(name)[-2000:]}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: {text!r} not seen in {timeout} s: "
-                                   f"{self.log(name)[-2000:]}")  # fmt: skip
+                raise RuntimeError(
+                    f"{name}: {text!r} not seen in {timeout} s: {self.log(name)[-2000:]}"
+                )
             time.sleep(0.05)
 
     def memserver(self, node: int, capacity: str = "64M", lease: float = 60) -> subprocess.Popen:
@@ -172,10 +195,25 @@ class Cluster:
         if old is not None:
             self._kill(old)
         (self.dir / f"{name}.log").unlink(missing_ok=True)
-        p = self.start(name, node, [self.python, "-m", "duvm.cli", "memserver", "--listen",
-                                    self.peer(node), "--capacity", capacity, "--lease",
-                                    str(lease), "--no-mlock", "--secret-file",
-                                    str(self.secret)])  # fmt: skip
+        p = self.start(
+            name,
+            node,
+            [
+                self.python,
+                "-m",
+                "duvm.cli",
+                "memserver",
+                "--listen",
+                self.peer(node),
+                "--capacity",
+                capacity,
+                "--lease",
+                str(lease),
+                "--no-mlock",
+                "--secret-file",
+                str(self.secret),
+            ],
+        )
         self.wait_log(name, "listening on")
         self.memservers[node] = p
         return p
@@ -186,15 +224,42 @@ class Cluster:
         p.kill()
         p.wait(10)
 
-    def daemon(self, node: int, peers: list[int], size: str, *, replicas: int,
-               name: str = "daemon", extra: list[str] = ()) -> str:  # fmt: skip
+    def daemon(
+        self,
+        node: int,
+        peers: list[int],
+        size: str,
+        *,
+        replicas: int,
+        name: str = "daemon",
+        extra: list[str] = (),
+    ) -> str:
         """Start a daemon in `node` on the memservers of `peers`; returns its Unix socket."""
         sock = str(self.dir / f"{name}.sock")
-        self.start(name, node, [self.python, "-m", "duvm.cli", "daemon", "--peers",
-                                ",".join(self.peer(i) for i in peers), "--size", size,
-                                "--socket", sock, "--replicas", str(replicas), "--client-id",
-                                f"{self.tag}:{name}", "--secret-file", str(self.secret),
-                                "--no-mlock", *extra])  # fmt: skip
+        self.start(
+            name,
+            node,
+            [
+                self.python,
+                "-m",
+                "duvm.cli",
+                "daemon",
+                "--peers",
+                ",".join(self.peer(i) for i in peers),
+                "--size",
+                size,
+                "--socket",
+                sock,
+                "--replicas",
+                str(replicas),
+                "--client-id",
+                f"{self.tag}:{name}",
+                "--secret-file",
+                str(self.secret),
+                "--no-mlock",
+                *extra,
+            ],
+        )
         self.wait_log(name, "serving")
         return sock
 
@@ -207,8 +272,25 @@ class Cluster:
     def slow(self, node: int, rate: str = "1mbit") -> None:
         """Token-bucket limit both directions of `node`'s link."""
         for ns, dev in ((self.hub, f"h{node}"), (self.ns(node), "eth0")):
-            run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                "rate", rate, "burst", "32kbit", "latency", "400ms")  # fmt: skip
+            run(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "32kbit",
+                "latency",
+                "400ms",
+            )
 
     def unslow(self, node: int) -> None:
         for ns, dev in ((self.hub, f"h{node}"), (self.ns(node), "eth0")):

@@ -44,22 +44,46 @@ DEFAULT_CONFIG = Path("/etc/duvm/duvm.toml")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, metavar="FILE",
-                        help=f"config file with a [node] table (e.g. {DEFAULT_CONFIG}); the "
-                        "flags below override its values")
-    parser.add_argument("--listen", metavar="HOST:PORT",
-                        help="address the memserver listens on (port 0 picks a free port)")
-    parser.add_argument("--capacity", metavar="SIZE",
-                        help="RAM lent to the pool, e.g. 4G (preallocated and locked at start)")
-    parser.add_argument("--lease", type=float, metavar="SECONDS",
-                        help="how long a disconnected client's pages are kept")
-    parser.add_argument("--secret-file", type=Path, metavar="PATH",
-                        help="cluster secret file (mode 0600); required off loopback")
-    parser.add_argument("--control-socket", type=Path, metavar="PATH",
-                        help="local status socket, owner-only (default "
-                        f"{config.DEFAULT_NODE_CONTROL_SOCKET})")
-    parser.add_argument("--metrics", metavar="HOST:PORT",
-                        help="serve Prometheus metrics on http://HOST:PORT/metrics")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help=f"config file with a [node] table (e.g. {DEFAULT_CONFIG}); the "
+        "flags below override its values",
+    )
+    parser.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="address the memserver listens on (port 0 picks a free port)",
+    )
+    parser.add_argument(
+        "--capacity",
+        metavar="SIZE",
+        help="RAM lent to the pool, e.g. 4G (preallocated and locked at start)",
+    )
+    parser.add_argument(
+        "--lease",
+        type=float,
+        metavar="SECONDS",
+        help="how long a disconnected client's pages are kept",
+    )
+    parser.add_argument(
+        "--secret-file",
+        type=Path,
+        metavar="PATH",
+        help="cluster secret file (mode 0600); required off loopback",
+    )
+    parser.add_argument(
+        "--control-socket",
+        type=Path,
+        metavar="PATH",
+        help=f"local status socket, owner-only (default {config.DEFAULT_NODE_CONTROL_SOCKET})",
+    )
+    parser.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every connection")
 
 
@@ -68,8 +92,9 @@ def node_config(args: argparse.Namespace) -> config.NodeConfig:
     if args.config is not None:
         node = config.load_node_config(args.config)
     elif args.listen is None or args.capacity is None:
-        raise config.ControlError("give --config FILE (with a [node] table), or --listen "
-                                  "HOST:PORT and --capacity SIZE")
+        raise config.ControlError(
+            "give --config FILE (with a [node] table), or --listen HOST:PORT and --capacity SIZE"
+        )
     else:
         node = config.NodeConfig(listen=args.listen, capacity=0)
     if args.listen is not None:
@@ -117,15 +142,19 @@ def check_control_socket(path: Path) -> None:
         except (OSError, ValueError):
             pass  # stale socket of a node that is gone: the memserver replaces it
         else:
-            raise config.ControlError(f"a duvm node already answers on {path}: stop it first "
-                                      "(systemctl stop duvm-node), or give --control-socket")
+            raise config.ControlError(
+                f"a duvm node already answers on {path}: stop it first "
+                "(systemctl stop duvm-node), or give --control-socket"
+            )
     try:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     except OSError as exc:
         raise config.ControlError(f"cannot create {path.parent}: {exc.strerror or exc}") from None
     if not os.access(path.parent, os.W_OK):
-        raise config.ControlError(f"cannot create the control socket in {path.parent}: not "
-                                  "writable (run as root, or give --control-socket)")
+        raise config.ControlError(
+            f"cannot create the control socket in {path.parent}: not "
+            "writable (run as root, or give --control-socket)"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
         # The memserver handles SIGHUP only to re-read a secret file; without one, a reload
         # (systemctl reload) must not kill it with every page it holds.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    print(f"duvm node: memserver on {node.listen}, {node.capacity >> 20} MiB, control socket "
-          f"{node.control_socket}", flush=True)
+    print(
+        f"duvm node: memserver on {node.listen}, {node.capacity >> 20} MiB, control socket "
+        f"{node.control_socket}",
+        flush=True,
+    )
     return memserver.run(ms_args)

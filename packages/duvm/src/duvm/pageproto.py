@@ -346,9 +346,16 @@ class ErrorReply:
 
 Request = Hello | Auth | Reserve | Release | Store | Load | Free | Status
 Reply = (
-    Challenge | HelloReply | ReserveReply | ReleaseReply | StoreReply | LoadReply | FreeReply
-    | StatusReply | ErrorReply
-)  # fmt: skip
+    Challenge
+    | HelloReply
+    | ReserveReply
+    | ReleaseReply
+    | StoreReply
+    | LoadReply
+    | FreeReply
+    | StatusReply
+    | ErrorReply
+)
 Message = Request | Reply
 
 
@@ -427,9 +434,15 @@ def encode(msg: Message) -> list[bytes | memoryview]:
             return [frame_header(MsgType.AUTH, req_id, len(proof)) + proof]
         case HelloReply():
             body = _HELLO_REPLY.pack(
-                msg.version, RESUMED if msg.resumed else 0, msg.lease_ms, msg.max_frame,
-                msg.max_batch, msg.capacity_pages, msg.reserved_pages, msg.stored_pages,
-            )  # fmt: skip
+                msg.version,
+                RESUMED if msg.resumed else 0,
+                msg.lease_ms,
+                msg.max_frame,
+                msg.max_batch,
+                msg.capacity_pages,
+                msg.reserved_pages,
+                msg.stored_pages,
+            )
             return [frame_header(MsgType.AUTH | REPLY_BIT, msg.req_id, len(body)) + body]
         case Reserve(req_id, pages):
             return [frame_header(MsgType.RESERVE, req_id, 8) + _U64.pack(pages)]
@@ -499,7 +512,8 @@ class Decoder:
             raise LocalProtocolError(f"role must be 'server' or 'client', not {role!r}")
         if not HEADER_SIZE + _CHALLENGE.size <= max_frame <= MAX_FRAME:
             raise LocalProtocolError(
-                f"max_frame must be in [{HEADER_SIZE + _CHALLENGE.size}, {MAX_FRAME}]")
+                f"max_frame must be in [{HEADER_SIZE + _CHALLENGE.size}, {MAX_FRAME}]"
+            )
         self._replies = role == "client"
         self.max_frame = max_frame
         room = max_frame - HEADER_SIZE
@@ -628,8 +642,12 @@ def _expect(body: memoryview, size: int, name: str) -> None:
 def decode_frame(mtype: int, req_id: int, status: int, body: memoryview) -> Message:
     """A frame from `Decoder.next_frame` as a message (payload fields validated)."""
     if status:
-        return ErrorReply(req_id, MsgType(mtype & ~REPLY_BIT), ErrorCode(status),
-                          bytes(body).decode("utf-8", "replace"))  # fmt: skip
+        return ErrorReply(
+            req_id,
+            MsgType(mtype & ~REPLY_BIT),
+            ErrorCode(status),
+            bytes(body).decode("utf-8", "replace"),
+        )
     return _DECODERS[mtype](req_id, body)
 
 
@@ -666,9 +684,15 @@ def _d_hello(req_id: int, body: memoryview) -> Hello:
                 raise LocalProtocolError("a version-2 HELLO needs a nonce, key id and token")
             return Hello(req_id, client_id, lo, hi, b"", b"", b"")
         tail = bytes(body[end:])
-        return Hello(req_id, client_id, lo, hi, tail[:NONCE_SIZE],
-                     tail[NONCE_SIZE : NONCE_SIZE + KEY_ID_SIZE],
-                     tail[NONCE_SIZE + KEY_ID_SIZE :])  # fmt: skip
+        return Hello(
+            req_id,
+            client_id,
+            lo,
+            hi,
+            tail[:NONCE_SIZE],
+            tail[NONCE_SIZE : NONCE_SIZE + KEY_ID_SIZE],
+            tail[NONCE_SIZE + KEY_ID_SIZE :],
+        )
     except (UnicodeDecodeError, LocalProtocolError) as e:
         raise RemoteProtocolError(f"bad HELLO: {e}") from None
 
@@ -722,8 +746,9 @@ def _d_hello_reply(req_id: int, body: memoryview) -> HelloReply:
     version, flags, lease, max_frame, max_batch, cap, res, stored = _HELLO_REPLY.unpack(body)
     if flags & ~RESUMED:
         raise RemoteProtocolError(f"AUTH reply has unknown flags 0x{flags:x}")
-    return HelloReply(req_id, version, bool(flags & RESUMED), lease, max_frame, max_batch, cap,
-                      res, stored)  # fmt: skip
+    return HelloReply(
+        req_id, version, bool(flags & RESUMED), lease, max_frame, max_batch, cap, res, stored
+    )
 
 
 def _d_reserve_reply(req_id: int, body: memoryview) -> ReserveReply:

@@ -38,14 +38,16 @@ def normalize_peers(peers: list[tuple[str, int]]) -> list[tuple[str, int]]:
             addr = host.lower()  # unresolvable now: connect() will say so
         key = (addr, port)
         if key in seen:
-            raise ValueError(f"a memserver is listed twice: {host}:{port} is "
-                             f"{seen[key][0]}:{seen[key][1]}")  # fmt: skip
+            raise ValueError(
+                f"a memserver is listed twice: {host}:{port} is {seen[key][0]}:{seen[key][1]}"
+            )
         seen[key] = (host, port)
     return list(peers)
 
 
-def choose(room: list[int], need: int, exclude: set[int] | frozenset[int],
-           rng: random.Random) -> int | None:  # fmt: skip
+def choose(
+    room: list[int], need: int, exclude: set[int] | frozenset[int], rng: random.Random
+) -> int | None:
     """One peer index by power of two choices among peers with `need` free pages not in
     `exclude`, or None when none qualifies."""
     eligible = [i for i, r in enumerate(room) if r >= need and i not in exclude]
@@ -59,8 +61,9 @@ def choose(room: list[int], need: int, exclude: set[int] | frozenset[int],
     return min(a, b)
 
 
-def place(slab_sizes: list[int], room: list[int], replicas: int,
-          rng: random.Random) -> list[tuple[int, ...]]:  # fmt: skip
+def place(
+    slab_sizes: list[int], room: list[int], replicas: int, rng: random.Random
+) -> list[tuple[int, ...]]:
     """A replica set (distinct peer indices) for each slab of `slab_sizes` pages, taking the
     pages from `room` as it goes. Raises StorageError(ENOSPC) when the pool cannot hold it."""
     room = list(room)

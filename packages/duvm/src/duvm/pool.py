@@ -66,8 +66,15 @@ def _translate(e: Exception, what: str) -> PoolError:
 class Pool:
     """Pages in other nodes' RAM under keys you choose. Use as `async with` or open/close."""
 
-    def __init__(self, peers: Sequence[tuple[str, int]], client_id: str, *, pages: int,
-                 connect_timeout: float = 5.0, security: PeerSecurity | None = None) -> None:
+    def __init__(
+        self,
+        peers: Sequence[tuple[str, int]],
+        client_id: str,
+        *,
+        pages: int,
+        connect_timeout: float = 5.0,
+        security: PeerSecurity | None = None,
+    ) -> None:
         """`security`: how to authenticate to memservers that require the cluster secret or
         TLS (e.g. `PeerSecurity(Keyring.from_file(path))`); pages travel as given, so
         encrypt them first if a memserver must not read them."""
@@ -77,15 +84,21 @@ class Pool:
             raise ValueError("pages must be positive")
         self.pages = pages
         self.client_id = client_id
-        self.clients = [MemClient(h, p, client_id, connect_timeout=connect_timeout,
-                                  security=security) for h, p in peers]  # fmt: skip
+        self.clients = [
+            MemClient(h, p, client_id, connect_timeout=connect_timeout, security=security)
+            for h, p in peers
+        ]
 
     async def __aenter__(self) -> Pool:
         await self.open()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.close()
 
     async def open(self) -> None:
@@ -93,8 +106,11 @@ class Pool:
         share = -(-self.pages // len(self.clients))
         try:
             await self._gather([c.connect() for c in self.clients], "connect", raw=True)
-            await self._gather([c.reserve(max(share, c.hello.stored_pages))
-                                for c in self.clients], "reserve", raw=True)  # fmt: skip
+            await self._gather(
+                [c.reserve(max(share, c.hello.stored_pages)) for c in self.clients],
+                "reserve",
+                raw=True,
+            )
         except (PageServerError, MemserverUnreachable) as e:
             await self.close()  # release what was reserved: all or nothing
             raise _translate(e, "opening the pool") from None
@@ -123,14 +139,14 @@ class Pool:
         """Store one page (exactly 4096 bytes) under `key`, replacing what was there."""
         await self.store_many([key], data)
 
-    async def store_many(self, keys: Iterable[int], data: bytes | bytearray | memoryview
-                         ) -> None:  # fmt: skip
+    async def store_many(self, keys: Iterable[int], data: bytes | bytearray | memoryview) -> None:
         """Store len(keys) pages from `data` (back to back). All or nothing per memserver."""
         keys = keys_tuple(keys)
         mv = memoryview(data).cast("B")
         if mv.nbytes != len(keys) * PAGE_SIZE:
-            raise ValueError(f"{len(keys)} pages need {len(keys) * PAGE_SIZE} bytes, "
-                             f"got {mv.nbytes}")  # fmt: skip
+            raise ValueError(
+                f"{len(keys)} pages need {len(keys) * PAGE_SIZE} bytes, got {mv.nbytes}"
+            )
         if not keys:
             return
         parts = self._split(keys)
@@ -150,8 +166,9 @@ class Pool:
         """The page stored under `key`. Raises PoolKeyError when there is none."""
         return bytes(await self.load_many([key]))
 
-    async def load_many(self, keys: Iterable[int], out: bytearray | memoryview | None = None
-                        ) -> bytearray | None:  # fmt: skip
+    async def load_many(
+        self, keys: Iterable[int], out: bytearray | memoryview | None = None
+    ) -> bytearray | None:
         """Load pages into `out` (or a new bytearray, returned). PoolKeyError if any is absent."""
         keys = keys_tuple(keys)
         ret = None

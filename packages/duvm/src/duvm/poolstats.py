@@ -11,14 +11,17 @@ from typing import Any
 def pages_per_peer(store: Any) -> list[int] | None:
     """Written pages held by each peer of a RemoteStore (a page counts once per replica);
     None when the store keeps no per-page state (not a RemoteStore)."""
-    state, sets, slab = getattr(store, "_state", None), getattr(store, "sets", None), \
-        getattr(store, "slab_pages", None)  # fmt: skip
+    state, sets, slab = (
+        getattr(store, "_state", None),
+        getattr(store, "sets", None),
+        getattr(store, "slab_pages", None),
+    )
     clients = getattr(store, "clients", None)
     if state is None or sets is None or not slab or clients is None:
         return None
     out = [0] * len(clients)
     for s, members in enumerate(sets):
-        n = state[s * slab:(s + 1) * slab].count(1)  # remote_store.DATA
+        n = state[s * slab : (s + 1) * slab].count(1)  # remote_store.DATA
         if n:
             for i in members:
                 out[i] += n
@@ -40,6 +43,10 @@ def daemon_snapshot(server: Any) -> dict[str, Any]:
     health = store.health() if hasattr(store, "health") else None
     if health is not None:
         add_pages_per_peer(store, health)
-    return {"export_bytes": server.store.size, "nbd": server.stats.as_dict(),
-            "nbd_connections": server.connections, "store": type(server.store).__name__,
-            "health": health}  # fmt: skip
+    return {
+        "export_bytes": server.store.size,
+        "nbd": server.stats.as_dict(),
+        "nbd_connections": server.connections,
+        "store": type(server.store).__name__,
+        "health": health,
+    }

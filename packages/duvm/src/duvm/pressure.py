@@ -110,8 +110,14 @@ def rt_throttle(runtime: Path = RT_RUNTIME, period: Path = RT_PERIOD) -> tuple[i
         return None
 
 
-def protect(who: str, *, realtime: bool = True, mlock: bool = True, io_flusher: bool = True,
-            oom_adj: int = OOM_SCORE_ADJ) -> list[str]:
+def protect(
+    who: str,
+    *,
+    realtime: bool = True,
+    mlock: bool = True,
+    io_flusher: bool = True,
+    oom_adj: int = OOM_SCORE_ADJ,
+) -> list[str]:
     """Every protection for a process on the swap path; one warning per protection that could
     not be applied (what it risks), returned too for callers that report them elsewhere."""
     risks = {
@@ -120,25 +126,32 @@ def protect(who: str, *, realtime: bool = True, mlock: bool = True, io_flusher: 
         "realtime": "under memory pressure it may wait for free memory like every other task",
         "oom": "the OOM killer may pick it",
     }
-    steps = [("lock", lock_in_memory if mlock else None),
-             ("flusher", become_io_flusher if io_flusher else None),
-             ("realtime", become_realtime if realtime else None),
-             ("oom", lambda: lower_oom_score(oom_adj))]
+    steps = [
+        ("lock", lock_in_memory if mlock else None),
+        ("flusher", become_io_flusher if io_flusher else None),
+        ("realtime", become_realtime if realtime else None),
+        ("oom", lambda: lower_oom_score(oom_adj)),
+    ]
     problems = []
     for name, step in steps:
         why = step() if step is not None else None
         if why is not None:
             problems.append(f"{why}: {risks[name]}")
-            log.warning("%s: %s: %s (run as root; `duvm doctor` says what to change)", who, why,
-                        risks[name])
+            log.warning(
+                "%s: %s: %s (run as root; `duvm doctor` says what to change)", who, why, risks[name]
+            )
     return problems
 
 
 def probe() -> dict[str, str | None]:
     """Try every protection on this process (meant for a throwaway child: `duvm doctor`);
     name -> None when it applies, else why not."""
-    return {"mlock": lock_in_memory(), "io-flusher": become_io_flusher(),
-            "realtime": become_realtime(), "oom-score": lower_oom_score()}
+    return {
+        "mlock": lock_in_memory(),
+        "io-flusher": become_io_flusher(),
+        "realtime": become_realtime(),
+        "oom-score": lower_oom_score(),
+    }
 
 
 def reserve_heap(nbytes: int) -> None:
@@ -150,8 +163,12 @@ def reserve_heap(nbytes: int) -> None:
     every measured run, and it costs locked RAM."""
     libc = _libc()
     m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8
-    for opt, value in ((m_arena_max, 1), (m_mmap_threshold, 32 << 20),
-                       (m_trim_threshold, 2**31 - 1), (m_top_pad, 1 << 20)):
+    for opt, value in (
+        (m_arena_max, 1),
+        (m_mmap_threshold, 32 << 20),
+        (m_trim_threshold, 2**31 - 1),
+        (m_top_pad, 1 << 20),
+    ):
         if not libc.mallopt(opt, value):
             log.warning("mallopt(%d) refused; heap reserve skipped", opt)
             return

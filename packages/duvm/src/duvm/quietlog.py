@@ -38,10 +38,14 @@ class _DroppingQueueHandler(logging.handlers.QueueHandler):
 
     def enqueue(self, record: logging.LogRecord) -> None:
         if self.dropped:
-            note = logging.makeLogRecord({"name": record.name, "levelno": logging.WARNING,
-                                          "levelname": "WARNING",
-                                          "msg": f"{self.dropped} log record(s) dropped "
-                                          "(the log writer fell behind)"})
+            note = logging.makeLogRecord(
+                {
+                    "name": record.name,
+                    "levelno": logging.WARNING,
+                    "levelname": "WARNING",
+                    "msg": f"{self.dropped} log record(s) dropped (the log writer fell behind)",
+                }
+            )
             try:
                 self.queue.put_nowait(note)
             except queue.Full:
@@ -69,8 +73,9 @@ class _Writer(logging.handlers.QueueListener):
         self._thread = None
 
 
-def start_background(level: int, fmt: str, stream: TextIO | None = None,
-                     capacity: int = QUEUE_RECORDS) -> logging.handlers.QueueListener:
+def start_background(
+    level: int, fmt: str, stream: TextIO | None = None, capacity: int = QUEUE_RECORDS
+) -> logging.handlers.QueueListener:
     """Route the root logger through a bounded queue to a writer thread on `stream`
     (default stderr). Call `stop()` on the result at exit to write what is queued."""
     q: queue.Queue = queue.Queue(capacity)

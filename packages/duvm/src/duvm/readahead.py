@@ -89,8 +89,7 @@ class Readahead:
                 return True
         return self._straddle(first, count, out, done, tag)
 
-    def _straddle(self, first: int, count: int, out: memoryview, done: Done,
-                  tag: object) -> bool:
+    def _straddle(self, first: int, count: int, out: memoryview, done: Done, tag: object) -> bool:
         """A read that ends in the window after the one it starts in (the reader shifted by a
         page the kernel skipped): copied from both when both are ready, else False (a miss)."""
         end = first + count
@@ -192,8 +191,11 @@ class Readahead:
     def _arrived(self, w: _Window, exc: BaseException | None) -> None:
         store = self.store
         try:
-            good = (exc is None and w in self.windows
-                    and store.pages_match(w.first, w.count, memoryview(w.buf)))  # fmt: skip
+            good = (
+                exc is None
+                and w in self.windows
+                and store.pages_match(w.first, w.count, memoryview(w.buf))
+            )
         except Exception:  # the waiting reads must still be answered: by the general path
             good = False
         if good:

@@ -95,8 +95,11 @@ assert PAGE_SIZE == 1 << 12  # the hot paths shift by 12
 def page_crcs(buf: memoryview, count: int) -> array:
     """The CRC-32C of each of the first `count` pages of `buf`. The per-page loop runs in C
     (map over precomputed slices): a batch of 64 pages costs no Python bytecode per page."""
-    slices = _PAGE_SLICES[:count] if count <= len(_PAGE_SLICES) else [
-        slice(k << 12, (k + 1) << 12) for k in range(count)]
+    slices = (
+        _PAGE_SLICES[:count]
+        if count <= len(_PAGE_SLICES)
+        else [slice(k << 12, (k + 1) << 12) for k in range(count)]
+    )
     return array("I", map(_crc32, map(buf.__getitem__, slices)))
 
 
@@ -148,12 +151,21 @@ class RemoteStore(BlockStore):
 
     capabilities = Capabilities()
 
-    def __init__(self, peers: list[tuple[str, int]], size: int, client_id: str, *,
-                 slab_pages: int = DEFAULT_SLAB_PAGES, replicas: int = 1,
-                 connect_timeout: float = 5.0, op_timeout: float = DEFAULT_OP_TIMEOUT,
-                 unreachable_wait: float = DEFAULT_UNREACHABLE_WAIT, repair: bool = True,
-                 seed: int | None = None, tables: tuple[Any, Any] | None = None
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self,
+        peers: list[tuple[str, int]],
+        size: int,
+        client_id: str,
+        *,
+        slab_pages: int = DEFAULT_SLAB_PAGES,
+        replicas: int = 1,
+        connect_timeout: float = 5.0,
+        op_timeout: float = DEFAULT_OP_TIMEOUT,
+        unreachable_wait: float = DEFAULT_UNREACHABLE_WAIT,
+        repair: bool = True,
+        seed: int | None = None,
+        tables: tuple[Any, Any] | None = None,
+    ) -> None:
         if size <= 0 or size & _MASK:
             raise ValueError(f"size must be a positive multiple of {PAGE_SIZE}, not {size}")
         if not peers:
@@ -170,8 +182,9 @@ class RemoteStore(BlockStore):
         self.replicas = replicas
         self.op_timeout = op_timeout
         self.unreachable_wait = unreachable_wait
-        self.clients = [MemClient(h, p, client_id, connect_timeout=connect_timeout)
-                        for h, p in peers]  # fmt: skip
+        self.clients = [
+            MemClient(h, p, client_id, connect_timeout=connect_timeout) for h, p in peers
+        ]
         for c in self.clients:
             c.on_namespace_lost = self._namespace_lost
         self._index = {c: i for i, c in enumerate(self.clients)}
@@ -198,12 +211,26 @@ class RemoteStore(BlockStore):
         self._probes: set[asyncio.Task] = set()  # background reconnect attempts
         self._want_repair = repair
         self.repairer = None
-        self.stats = {"loads": 0, "stores": 0, "frees": 0, "zero_reads": 0, "pages_loaded": 0,
-                      "pages_stored": 0, "pages_freed": 0, "failovers": 0,
-                      "replicas_dropped": 0, "checksum_failures": 0, "pages_lost": 0,
-                      "read_errors": 0, "write_errors": 0, "stalls_aborted": 0,
-                      "unreachable_waits": 0, "ra_loads": 0, "ra_hits": 0,
-                      "ra_dropped": 0}  # fmt: skip
+        self.stats = {
+            "loads": 0,
+            "stores": 0,
+            "frees": 0,
+            "zero_reads": 0,
+            "pages_loaded": 0,
+            "pages_stored": 0,
+            "pages_freed": 0,
+            "failovers": 0,
+            "replicas_dropped": 0,
+            "checksum_failures": 0,
+            "pages_lost": 0,
+            "read_errors": 0,
+            "write_errors": 0,
+            "stalls_aborted": 0,
+            "unreachable_waits": 0,
+            "ra_loads": 0,
+            "ra_hits": 0,
+            "ra_dropped": 0,
+        }
         self.readahead = Readahead(self)
         self.events = QuietLog(log)  # failover messages: one line per kind, then counts
         self.summary_every = DEFAULT_SUMMARY_EVERY
@@ -212,8 +239,9 @@ class RemoteStore(BlockStore):
         self._pending_writes: list[tuple[int, int, memoryview]] = []
 
     @classmethod
-    async def open(cls, peers: list[tuple[str, int]], size: int, client_id: str,
-                   **kwargs: object) -> RemoteStore:  # fmt: skip
+    async def open(
+        cls, peers: list[tuple[str, int]], size: int, client_id: str, **kwargs: object
+    ) -> RemoteStore:
         """Build, connect and reserve; see `connect`."""
         store = cls(peers, size, client_id, **kwargs)  # type: ignore[arg-type]
         await store.connect()
@@ -231,14 +259,17 @@ class RemoteStore(BlockStore):
 
     async def connect(self) -> None:
         """Connect to every peer, place the slabs and reserve them. All or nothing."""
-        results = await asyncio.gather(*(c.connect() for c in self.clients),
-                                       return_exceptions=True)  # fmt: skip
-        failed = [f"{c.peer} ({r})" for c, r in zip(self.clients, results, strict=True)
-                  if isinstance(r, BaseException)]  # fmt: skip
+        results = await asyncio.gather(*(c.connect() for c in self.clients), return_exceptions=True)
+        failed = [
+            f"{c.peer} ({r})"
+            for c, r in zip(self.clients, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
         try:
             if failed:
-                raise StorageError(errno.EHOSTUNREACH,
-                                   "memserver unreachable: " + "; ".join(failed))  # fmt: skip
+                raise StorageError(
+                    errno.EHOSTUNREACH, "memserver unreachable: " + "; ".join(failed)
+                )
             # A namespace resumed by a new store holds pages nobody can name any more.
             stale = [c for c in self.clients if c.hello.stored_pages or c.hello.reserved_pages]
             if stale:
@@ -251,9 +282,10 @@ class RemoteStore(BlockStore):
             for slab, peers in enumerate(placement):
                 for i in peers:
                     want[i] += sizes[slab]
-            res = await asyncio.gather(*(c.reserve(n) for c, n in zip(self.clients, want,
-                                                                      strict=True) if n),
-                                       return_exceptions=True)  # fmt: skip
+            res = await asyncio.gather(
+                *(c.reserve(n) for c, n in zip(self.clients, want, strict=True) if n),
+                return_exceptions=True,
+            )
             errs = [r for r in res if isinstance(r, BaseException)]
             if errs:
                 raise _storage_error(errs[0], "reserving capacity failed")
@@ -268,14 +300,18 @@ class RemoteStore(BlockStore):
         is released: the memservers keep the pages for their lease. A memserver that lost the
         namespace meanwhile is handled as on a reconnect (`_namespace_lost`)."""
         if len(placement) != self.nslabs or any(
-                not p or len(set(p)) != len(p) or not all(0 <= i < len(self.clients) for i in p)
-                for p in placement):  # fmt: skip
-            raise ValueError(f"placement must name 1+ distinct peers for each of {self.nslabs} "
-                             "slabs")
-        results = await asyncio.gather(*(c.connect() for c in self.clients),
-                                       return_exceptions=True)  # fmt: skip
-        failed = [f"{c.peer} ({r})" for c, r in zip(self.clients, results, strict=True)
-                  if isinstance(r, BaseException)]  # fmt: skip
+            not p or len(set(p)) != len(p) or not all(0 <= i < len(self.clients) for i in p)
+            for p in placement
+        ):
+            raise ValueError(
+                f"placement must name 1+ distinct peers for each of {self.nslabs} slabs"
+            )
+        results = await asyncio.gather(*(c.connect() for c in self.clients), return_exceptions=True)
+        failed = [
+            f"{c.peer} ({r})"
+            for c, r in zip(self.clients, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
         if failed:
             for c in self.clients:
                 await c.close()  # never RELEASE here: the pages belong to a live device
@@ -288,9 +324,10 @@ class RemoteStore(BlockStore):
         for c in self.clients:
             if not c.hello.resumed:
                 self._namespace_lost(c)
-        res = await asyncio.gather(*(c.reserve(n) for c, n in zip(self.clients, want,
-                                                                  strict=True) if n),
-                                   return_exceptions=True)  # fmt: skip
+        res = await asyncio.gather(
+            *(c.reserve(n) for c, n in zip(self.clients, want, strict=True) if n),
+            return_exceptions=True,
+        )
         for r in res:
             if isinstance(r, BaseException):
                 log.error("reserving on resume failed: %s", r)
@@ -307,8 +344,13 @@ class RemoteStore(BlockStore):
 
             self.repairer = Repairer(self)
             self._tasks.append(asyncio.ensure_future(self.repairer.run()))
-        log.info("export of %d pages reserved as %d slabs on %d memservers (R=%d)",
-                 self.pages, self.nslabs, len(self.clients), self.replicas)  # fmt: skip
+        log.info(
+            "export of %d pages reserved as %d slabs on %d memservers (R=%d)",
+            self.pages,
+            self.nslabs,
+            len(self.clients),
+            self.replicas,
+        )
 
     async def _abandon(self) -> None:
         for c in self.clients:
@@ -379,9 +421,15 @@ class RemoteStore(BlockStore):
         lost = self._state.count(LOST)
         if degraded or lost:
             self._was_degraded = True
-            log.warning("degraded: %d of %d slabs below %d replicas, %d repairing, %d pages "
-                        "lost (reads of them fail with EIO)", degraded, self.nslabs,
-                        self.replicas, len(self.repairs), lost)  # fmt: skip
+            log.warning(
+                "degraded: %d of %d slabs below %d replicas, %d repairing, %d pages "
+                "lost (reads of them fail with EIO)",
+                degraded,
+                self.nslabs,
+                self.replicas,
+                len(self.repairs),
+                lost,
+            )
         elif self._was_degraded:
             self._was_degraded = False
             log.warning("every slab has %d replicas again", self.replicas)
@@ -408,9 +456,16 @@ class RemoteStore(BlockStore):
         # one line per memserver; repeats are counted (a lost memserver drops a copy of every
         # slab it held, each with its own wording of the failure) and summed up by the
         # watchdog's flush
-        self.events.event(("dropped", peer), logging.WARNING,
-                          "dropping copies on %s (%s): slab %d now has %d of %d replicas",
-                          self.clients[peer].peer, why, slab, len(members) - 1, self.replicas)
+        self.events.event(
+            ("dropped", peer),
+            logging.WARNING,
+            "dropping copies on %s (%s): slab %d now has %d of %d replicas",
+            self.clients[peer].peer,
+            why,
+            slab,
+            len(members) - 1,
+            self.replicas,
+        )
         if self.repairer is not None:
             self.repairer.wake()
         return True
@@ -427,10 +482,15 @@ class RemoteStore(BlockStore):
         for i in self.sets[slab]:
             self.assigned[i] -= n
         gone = ", ".join(c.peer for c in self._slab_clients[slab])
-        self.events.event(("lost", gone), logging.ERROR,
-                          "slab %d: every replica is gone (%s); its written pages are lost "
-                          "(reads fail with EIO), new writes go to %s", slab, gone,
-                          self.clients[target].peer)  # fmt: skip
+        self.events.event(
+            ("lost", gone),
+            logging.ERROR,
+            "slab %d: every replica is gone (%s); its written pages are lost "
+            "(reads fail with EIO), new writes go to %s",
+            slab,
+            gone,
+            self.clients[target].peer,
+        )
         self._set_replicas(slab, [target])
 
     def _mark_lost(self, first: int, count: int) -> None:
@@ -466,28 +526,49 @@ class RemoteStore(BlockStore):
                 per_peer[i] += 1
         rep = self.repairer
         return {
-            "replicas": self.replicas, "slabs": self.nslabs, "slab_pages": self.slab_pages,
-            "degraded_slabs": len(degraded), "degraded": degraded[:32],
-            "repairing": [{"slab": s, "target": self.clients[r.target].peer,
-                           "copied_pages": r.copied, "total_pages": r.total}
-                          for s, r in self.repairs.items()],
+            "replicas": self.replicas,
+            "slabs": self.nslabs,
+            "slab_pages": self.slab_pages,
+            "degraded_slabs": len(degraded),
+            "degraded": degraded[:32],
+            "repairing": [
+                {
+                    "slab": s,
+                    "target": self.clients[r.target].peer,
+                    "copied_pages": r.copied,
+                    "total_pages": r.total,
+                }
+                for s, r in self.repairs.items()
+            ],
             "repair": rep.stats if rep is not None else None,
-            "pages_written": self._state.count(DATA), "pages_lost_now": self._state.count(LOST),
+            "pages_written": self._state.count(DATA),
+            "pages_lost_now": self._state.count(LOST),
             **self.stats,
-            "peers": [{"peer": c.peer, "connected": c.connected, "circuit_open": c.circuit_open,
-                       "consecutive_failures": c.failures, "breaker_trips": c.breaker_trips,
-                       "namespace_losses": c.namespace_losses, "slabs": per_peer[i],
-                       "reserved_pages": self.reserved[i]}
-                      for i, c in enumerate(self.clients)],
-        }  # fmt: skip
+            "peers": [
+                {
+                    "peer": c.peer,
+                    "connected": c.connected,
+                    "circuit_open": c.circuit_open,
+                    "consecutive_failures": c.failures,
+                    "breaker_trips": c.breaker_trips,
+                    "namespace_losses": c.namespace_losses,
+                    "slabs": per_peer[i],
+                    "reserved_pages": self.reserved[i],
+                }
+                for i, c in enumerate(self.clients)
+            ],
+        }
 
     # --- block I/O ---
 
     def _check(self, offset: int, length: int) -> None:
         """Raise for a request the hot paths' quick test flagged."""
         if (offset | length) & _MASK:
-            raise StorageError(errno.EINVAL, f"unaligned request ({offset}, {length}): "
-                               f"offsets and lengths must be multiples of {PAGE_SIZE}")  # fmt: skip
+            raise StorageError(
+                errno.EINVAL,
+                f"unaligned request ({offset}, {length}): "
+                f"offsets and lengths must be multiples of {PAGE_SIZE}",
+            )
         if not self._open:
             raise StorageError(errno.EIO, "store is not open")
 
@@ -524,8 +605,9 @@ class RemoteStore(BlockStore):
         if count == 1:
             if st[first] != DATA:
                 return False
-        elif ((first + count - 1) // self.slab_pages != slab
-              or st.count(DATA, first, first + count) != count):  # fmt: skip
+        elif (first + count - 1) // self.slab_pages != slab or st.count(
+            DATA, first, first + count
+        ) != count:
             return False
         c = self._slab_clients[slab][0]
         if count > c.max_batch:
@@ -615,8 +697,9 @@ class RemoteStore(BlockStore):
             return None
         return clients[0]
 
-    def _mark_stored(self, first: int, count: int, data: memoryview,
-                     crcs: array | None = None) -> None:
+    def _mark_stored(
+        self, first: int, count: int, data: memoryview, crcs: array | None = None
+    ) -> None:
         """Every live replica acknowledged these pages: they hold `data` (whose page
         checksums are `crcs`, when already computed) from now on."""
         self.readahead.invalidate(first, count)
@@ -637,17 +720,19 @@ class RemoteStore(BlockStore):
             self._check(offset, n)
         first, count, st = offset >> 12, n >> 12, self._state
         slab = first // self.slab_pages
-        if ((count == 1 and st[first] == DATA) or (
-                (first + count - 1) // self.slab_pages == slab
-                and st.count(DATA, first, first + count) == count)):  # fmt: skip
+        if (count == 1 and st[first] == DATA) or (
+            (first + count - 1) // self.slab_pages == slab
+            and st.count(DATA, first, first + count) == count
+        ):
             # The common case (written pages, one slab): one LOAD from the preferred replica,
             # no extra coroutine frames. Anything unusual (a failure, a bad checksum) goes
             # through load_verified, which loads again with failover and judges the replicas.
             c = self._slab_clients[slab][0]
             if c.hello is not None and count <= c.max_batch:
                 try:
-                    await c.load_batch((first,) if count == 1
-                                       else tuple(range(first, first + count)), out)  # fmt: skip
+                    await c.load_batch(
+                        (first,) if count == 1 else tuple(range(first, first + count)), out
+                    )
                 except _FAILURES:
                     pass
                 else:
@@ -686,8 +771,11 @@ class RemoteStore(BlockStore):
 
     def _lost_error(self, first: int, count: int) -> None:
         self.stats["read_errors"] += 1
-        raise StorageError(errno.EIO, f"pages in {first}..{first + count - 1} were lost by "
-                           "every replica (memserver restarted, or a write failed everywhere)")
+        raise StorageError(
+            errno.EIO,
+            f"pages in {first}..{first + count - 1} were lost by "
+            "every replica (memserver restarted, or a write failed everywhere)",
+        )
 
     def _zero(self, out: memoryview, a: int, b: int) -> None:
         if a < b:
@@ -718,17 +806,25 @@ class RemoteStore(BlockStore):
             got = page_crcs(out, count)
             if got == crc[first : first + count]:  # the common case, compared in C
                 return []
-            bad = [first + k for k in range(count)
-                   if st[first + k] == DATA and got[k] != crc[first + k]]
+            bad = [
+                first + k
+                for k in range(count)
+                if st[first + k] == DATA and got[k] != crc[first + k]
+            ]
         if bad and self._pending_writes:
-            bad = [p for p in bad if not self._in_flight_bytes(p, out[(p - first) << 12 :
-                                                                     (p - first + 1) << 12])]
+            bad = [
+                p
+                for p in bad
+                if not self._in_flight_bytes(p, out[(p - first) << 12 : (p - first + 1) << 12])
+            ]
         return bad
 
     def _in_flight_bytes(self, page: int, got: memoryview) -> bool:
         """`got` is page `page` as a replicated write still in flight writes it."""
-        return any(f <= page < f + n and got == d[(page - f) << 12 : (page - f + 1) << 12]
-                   for f, n, d in self._pending_writes)
+        return any(
+            f <= page < f + n and got == d[(page - f) << 12 : (page - f + 1) << 12]
+            for f, n, d in self._pending_writes
+        )
 
     async def load_verified(self, slab: int, first: int, count: int, out: memoryview) -> None:
         """LOAD pages from the slab's replicas until one returns bytes matching every page's
@@ -738,8 +834,7 @@ class RemoteStore(BlockStore):
         keys = (first,) if count == 1 else tuple(range(first, first + count))
         wait = _UnreachableWait(self)
         while True:
-            unreachable, bad, bad_everywhere = await self._load_round(slab, first, count, keys,
-                                                                      out)  # fmt: skip
+            unreachable, bad, bad_everywhere = await self._load_round(slab, first, count, keys, out)
             if unreachable is None:
                 return
             # a replica may come back: wait, then try again
@@ -751,14 +846,18 @@ class RemoteStore(BlockStore):
         if not unreachable:  # every replica answered and none had good bytes: gone for good
             for p in sorted(bad_everywhere):
                 self._mark_lost(p, 1)
-            raise StorageError(errno.EIO, f"{what}: pages were lost by every replica: "
-                               + "; ".join(bad))  # fmt: skip
-        raise StorageError(errno.EIO, f"{what}: no replica answered with good bytes within "
-                           f"{self.unreachable_wait:.0f} s: "
-                           + "; ".join(unreachable + bad))  # fmt: skip
+            raise StorageError(
+                errno.EIO, f"{what}: pages were lost by every replica: " + "; ".join(bad)
+            )
+        raise StorageError(
+            errno.EIO,
+            f"{what}: no replica answered with good bytes within "
+            f"{self.unreachable_wait:.0f} s: " + "; ".join(unreachable + bad),
+        )
 
-    async def _load_round(self, slab: int, first: int, count: int, keys: tuple[int, ...],
-                          out: memoryview) -> tuple:  # fmt: skip
+    async def _load_round(
+        self, slab: int, first: int, count: int, keys: tuple[int, ...], out: memoryview
+    ) -> tuple:
         """Try each replica once. Returns (None, ...) on success, else the reasons."""
         members = self.sets[slab]
         clients = self._slab_clients[slab]
@@ -787,8 +886,7 @@ class RemoteStore(BlockStore):
             bad_everywhere.intersection_update(bad_pages)
             self.stats["checksum_failures"] += nbad
             bad.append(f"{client.peer}: {nbad} page(s) with bad checksums")
-            log.error("slab %d: %d page(s) from %s failed their checksum", slab, nbad,
-                      client.peer)  # fmt: skip
+            log.error("slab %d: %d page(s) from %s failed their checksum", slab, nbad, client.peer)
             self.drop_replica(slab, idx, "bad checksum")
         return unreachable, bad, bad_everywhere
 
@@ -807,8 +905,9 @@ class RemoteStore(BlockStore):
                 inflight = self.inflight
                 inflight[slab] += 1  # a repair starting now waits for this write to finish
                 try:
-                    await c.store_batch((first,) if count == 1
-                                        else tuple(range(first, first + count)), data)  # fmt: skip
+                    await c.store_batch(
+                        (first,) if count == 1 else tuple(range(first, first + count)), data
+                    )
                     ok = True
                 except _FAILURES:
                     ok = False
@@ -826,8 +925,9 @@ class RemoteStore(BlockStore):
         await self._all(parts)
 
     @staticmethod
-    def _start_store(client: MemClient, keys: tuple[int, ...],
-                     data: memoryview) -> Awaitable[Any] | None:  # fmt: skip
+    def _start_store(
+        client: MemClient, keys: tuple[int, ...], data: memoryview
+    ) -> Awaitable[Any] | None:
         """Queue the STORE at once when the client is connected (it leaves with this loop
         iteration's sends); None when `_store_one` has to connect first."""
         if client.hello is not None and len(keys) <= client.max_batch:
@@ -835,8 +935,12 @@ class RemoteStore(BlockStore):
         return None
 
     @staticmethod
-    async def _store_one(client: MemClient, keys: tuple[int, ...], data: memoryview,
-                         started: Awaitable[Any] | None = None) -> None:  # fmt: skip
+    async def _store_one(
+        client: MemClient,
+        keys: tuple[int, ...],
+        data: memoryview,
+        started: Awaitable[Any] | None = None,
+    ) -> None:
         if started is None:
             started = RemoteStore._start_store(client, keys, data)
         if started is not None:
@@ -860,8 +964,9 @@ class RemoteStore(BlockStore):
         async with rep.lock:  # the copier holds it per chunk: no copy overwrites this write
             await self._store_replicas(slab, first, count, data, rep)
 
-    async def _store_replicas(self, slab: int, first: int, count: int, data: memoryview,
-                              rep: _SlabRepair | None) -> None:  # fmt: skip
+    async def _store_replicas(
+        self, slab: int, first: int, count: int, data: memoryview, rep: _SlabRepair | None
+    ) -> None:
         self.stats["stores"] += 1
         self.stats["pages_stored"] += count
         wait = _UnreachableWait(self)
@@ -880,8 +985,9 @@ class RemoteStore(BlockStore):
         self._mark_lost(first, count)  # replicas may disagree now: never serve either
         raise _storage_error(err, what) from None
 
-    async def _store_round(self, slab: int, first: int, count: int, data: memoryview,
-                           rep: _SlabRepair | None) -> Exception | None:  # fmt: skip
+    async def _store_round(
+        self, slab: int, first: int, count: int, data: memoryview, rep: _SlabRepair | None
+    ) -> Exception | None:
         """Store on every replica once. None when at least one stored it (the others are
         dropped); else the failure to act on: NO_SPACE only if every replica refused for
         space, MemserverUnreachable if any could not be reached."""
@@ -912,9 +1018,12 @@ class RemoteStore(BlockStore):
                     await asyncio.sleep(0)  # the STOREs leave: checksum while they are copied
                 crcs = (_crc32(data),) if count == 1 else page_crcs(data, count)
                 results = await asyncio.gather(
-                    *[self._store_one(c, keys, data, s)
-                      for c, s in zip(targets, started, strict=True)],
-                    return_exceptions=True)  # fmt: skip
+                    *[
+                        self._store_one(c, keys, data, s)
+                        for c, s in zip(targets, started, strict=True)
+                    ],
+                    return_exceptions=True,
+                )
             except BaseException:  # closed or cancelled: the started STOREs have no waiter
                 for f in started:
                     if isinstance(f, asyncio.Future):
@@ -929,8 +1038,9 @@ class RemoteStore(BlockStore):
                 r = results.pop()
                 if isinstance(r, BaseException):
                     rep.aborted = f"writing to the new replica failed: {r}"
-        failed = [(i, r) for i, r in zip(members, results, strict=True)
-                  if isinstance(r, BaseException)]  # fmt: skip
+        failed = [
+            (i, r) for i, r in zip(members, results, strict=True) if isinstance(r, BaseException)
+        ]
         for _, r in failed:
             if not isinstance(r, _FAILURES):
                 raise r  # a bug or cancellation, not a replica failure
@@ -947,8 +1057,9 @@ class RemoteStore(BlockStore):
         unreachable = [r for r in errs if isinstance(r, MemserverUnreachable)]
         if unreachable:
             return unreachable[0]
-        nospace = [r for r in errs if isinstance(r, PageServerError)
-                   and r.code == ErrorCode.NO_SPACE]  # fmt: skip
+        nospace = [
+            r for r in errs if isinstance(r, PageServerError) and r.code == ErrorCode.NO_SPACE
+        ]
         return errs[0] if len(nospace) < len(errs) else nospace[0]
 
     async def trim(self, offset: int, length: int) -> None:
@@ -995,8 +1106,9 @@ class RemoteStore(BlockStore):
     async def _free_replicas(self, slab: int, keys: list[int], rep: _SlabRepair | None) -> None:
         members = list(self.sets[slab])
         targets = [*members, rep.target] if rep is not None and not rep.aborted else members
-        res = await asyncio.gather(*(self.clients[i].free(keys) for i in targets),
-                                   return_exceptions=True)  # fmt: skip
+        res = await asyncio.gather(
+            *(self.clients[i].free(keys) for i in targets), return_exceptions=True
+        )
         self.stats["frees"] += len(targets)
         for i, r in zip(targets, res, strict=True):
             if isinstance(r, BaseException):

@@ -64,8 +64,14 @@ class Repairer:
         self.store = store
         self._wake = asyncio.Event()
         self._avoid: dict[int, float] = {}  # peer -> monotonic time it may be chosen again
-        self.stats = {"repairs_done": 0, "repair_failures": 0, "repair_pages_copied": 0,
-                      "no_target": 0, "slabs_replaced": 0, "stale_freed": 0}  # fmt: skip
+        self.stats = {
+            "repairs_done": 0,
+            "repair_failures": 0,
+            "repair_pages_copied": 0,
+            "no_target": 0,
+            "slabs_replaced": 0,
+            "stale_freed": 0,
+        }
         self.last_error: str | None = None
         # one copy buffer for the repairer's lifetime (slabs are copied one at a time): a
         # repair under memory pressure allocates nothing per slab
@@ -142,8 +148,9 @@ class Repairer:
             try:
                 await c.free(range(first, first + s.slab_size(slab)))
             except (PageServerError, MemserverUnreachable) as e:
-                log.info("repair: cannot free slab %d's dropped copy on %s yet: %s", slab,
-                         c.peer, e)  # fmt: skip
+                log.info(
+                    "repair: cannot free slab %d's dropped copy on %s yet: %s", slab, c.peer, e
+                )
                 continue
             if (peer, slab) in s.stale and peer not in s.sets[slab]:  # (still) stale: room
                 s.stale.discard((peer, slab))
@@ -171,8 +178,9 @@ class Repairer:
             return None
         probes = await asyncio.gather(*(s.clients[i].probe() for i in candidates))
         live = [i for i, ok in zip(candidates, probes, strict=True) if ok]
-        statuses = await asyncio.gather(*(s.clients[i].status() for i in live),
-                                        return_exceptions=True)  # fmt: skip
+        statuses = await asyncio.gather(
+            *(s.clients[i].status() for i in live), return_exceptions=True
+        )
         room = [-1] * len(s.clients)
         for i, st in zip(live, statuses, strict=True):
             if isinstance(st, dict):
@@ -189,8 +197,12 @@ class Repairer:
             try:
                 await s.clients[i].reserve(s.reserved[i] + need - spare)
             except (PageServerError, MemserverUnreachable) as e:
-                log.info("repair: %s cannot reserve %d more pages: %s", s.clients[i].peer,
-                         need - spare, e)  # fmt: skip
+                log.info(
+                    "repair: %s cannot reserve %d more pages: %s",
+                    s.clients[i].peer,
+                    need - spare,
+                    e,
+                )
                 continue
             s.reserved[i] += need - spare
             return i
@@ -249,13 +261,25 @@ class Repairer:
             self._avoid[target] = time.monotonic() + AVOID_S
             self.stats["repair_failures"] += 1
             self.last_error = f"slab {slab} to {client.peer}: {e}"
-            s.events.event(("repair failed", target), logging.WARNING,
-                           "repair of slab %d to %s failed: %s", slab, client.peer, e)
+            s.events.event(
+                ("repair failed", target),
+                logging.WARNING,
+                "repair of slab %d to %s failed: %s",
+                slab,
+                client.peer,
+                e,
+            )
             return False
         finally:
             del s.repairs[slab]
         self.stats["repairs_done"] += 1
-        log.info("slab %d repaired onto %s (%d pages in %.2f s); %d of %d replicas", slab,
-                 client.peer, rep.copied, time.monotonic() - t0, len(s.sets[slab]),
-                 s.replicas)  # fmt: skip
+        log.info(
+            "slab %d repaired onto %s (%d pages in %.2f s); %d of %d replicas",
+            slab,
+            client.peer,
+            rep.copied,
+            time.monotonic() - t0,
+            len(s.sets[slab]),
+            s.replicas,
+        )
         return True

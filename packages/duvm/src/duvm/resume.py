@@ -58,24 +58,40 @@ def resume_command(info: control.DaemonInfo) -> list[str]:
     if info.client_id is None:
         raise control.ControlError("the daemon record has no client id; cannot resume")
     if not keeps_state(info.daemon_args):
-        raise control.ControlError("the daemon was started without --state-dir, so its pages "
-                                   "cannot be served again: `duvm disable --force`, then "
-                                   "enable again")
-    return [sys.executable, "-m", "duvm.cli", "daemon", "--socket", info.socket,
-            "--peers", ",".join(info.peers), "--size", str(info.size),
-            "--client-id", info.client_id, "--replicas", str(info.replicas),
-            *info.daemon_args, "--resume"]
+        raise control.ControlError(
+            "the daemon was started without --state-dir, so its pages "
+            "cannot be served again: `duvm disable --force`, then "
+            "enable again"
+        )
+    return [
+        sys.executable,
+        "-m",
+        "duvm.cli",
+        "daemon",
+        "--socket",
+        info.socket,
+        "--peers",
+        ",".join(info.peers),
+        "--size",
+        str(info.size),
+        "--client-id",
+        info.client_id,
+        "--replicas",
+        str(info.replicas),
+        *info.daemon_args,
+        "--resume",
+    ]
 
 
-def resume(state_dir: Path, timeout: float = 120.0) -> tuple[control.DaemonInfo,
-                                                              attach.Attachment]:
+def resume(state_dir: Path, timeout: float = 120.0) -> tuple[control.DaemonInfo, attach.Attachment]:
     """Restart the dead daemon of `state_dir` and reattach its live device (see above).
     One at a time: the supervisor and a manual `--resume` wait for each other here, and the
     second then finds the daemon running."""
     attach.require_root()
     if not state_dir.is_dir():
-        raise control.ControlError(f"duvm is not enabled with state in {state_dir}; nothing "
-                                   "to resume (use `duvm enable`)")
+        raise control.ControlError(
+            f"duvm is not enabled with state in {state_dir}; nothing to resume (use `duvm enable`)"
+        )
     with open(state_dir / RESUME_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _resume(state_dir, timeout)
@@ -84,14 +100,16 @@ def resume(state_dir: Path, timeout: float = 120.0) -> tuple[control.DaemonInfo,
 def _resume(state_dir: Path, timeout: float) -> tuple[control.DaemonInfo, attach.Attachment]:
     att = attach.load_state(control.state_path(state_dir))
     if att is None:
-        raise control.ControlError(f"duvm is not enabled with state in {state_dir}; nothing "
-                                   "to resume (use `duvm enable`)")
+        raise control.ControlError(
+            f"duvm is not enabled with state in {state_dir}; nothing to resume (use `duvm enable`)"
+        )
     if att.method != attach.METHOD_KERNEL or not att.nbd_netlink:
         raise control.ControlError(
             f"{att.device or att.method} is attached via "
             f"{att.method if att.method != attach.METHOD_KERNEL else 'nbd ioctls'}, which "
             "cannot take a restarted daemon (that needs kernel nbd over netlink): "
-            "`duvm disable --force`, then enable again")
+            "`duvm disable --force`, then enable again"
+        )
     old = control.load_daemon(state_dir)
     if old is None:
         raise control.ControlError(f"no daemon record in {state_dir}; cannot resume")
@@ -104,15 +122,25 @@ def _resume(state_dir: Path, timeout: float) -> tuple[control.DaemonInfo, attach
     with open(log, "a") as f:
         f.write(f"--- duvm enable --resume at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
     proc = attach.spawn_detached(cmd, log)
-    info = control.DaemonInfo(proc.pid, old.socket, old.peers, old.size, old.replicas, old.log,
-                              time.time(), old.client_id, list(old.daemon_args))
+    info = control.DaemonInfo(
+        proc.pid,
+        old.socket,
+        old.peers,
+        old.size,
+        old.replicas,
+        old.log,
+        time.time(),
+        old.client_id,
+        list(old.daemon_args),
+    )
     control.daemon_path(state_dir).write_text(json.dumps(asdict(info)) + "\n")
     try:
         deadline = time.monotonic() + timeout
         while not os.path.exists(info.socket):
             if proc.poll() is not None or time.monotonic() > deadline:
-                why = "exited" if proc.returncode is not None else \
-                    f"not ready after {timeout:.0f} s"
+                why = (
+                    "exited" if proc.returncode is not None else f"not ready after {timeout:.0f} s"
+                )
                 tail = log.read_text(errors="replace")[-1500:].strip()
                 raise control.ControlError(f"the resumed daemon {why}: {tail}")
             time.sleep(0.05)

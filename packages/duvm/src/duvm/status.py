@@ -14,11 +14,19 @@ from duvm.config import DEFAULT_NODE_CONTROL_SOCKET
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object")
-    parser.add_argument("--state-dir", type=Path, default=control.DEFAULT_STATE_DIR,
-                        help=f"as given to enable (default {control.DEFAULT_STATE_DIR})")
-    parser.add_argument("--node-socket", type=Path, default=DEFAULT_NODE_CONTROL_SOCKET,
-                        metavar="PATH", help="control socket of `duvm node` (default "
-                        f"{DEFAULT_NODE_CONTROL_SOCKET})")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=control.DEFAULT_STATE_DIR,
+        help=f"as given to enable (default {control.DEFAULT_STATE_DIR})",
+    )
+    parser.add_argument(
+        "--node-socket",
+        type=Path,
+        default=DEFAULT_NODE_CONTROL_SOCKET,
+        metavar="PATH",
+        help=f"control socket of `duvm node` (default {DEFAULT_NODE_CONTROL_SOCKET})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,8 +56,9 @@ def supervisor_path(state_dir: Path) -> Path:
 def wanted(att: attach.Attachment, daemon_args: list[str]) -> bool:
     """A restarted daemon can take this device back only on kernel nbd over netlink, and only
     if the daemon keeps its state (`--state-dir`, which `duvm enable` always gives)."""
-    return (att.method == attach.METHOD_KERNEL and att.nbd_netlink
-            and resume.keeps_state(daemon_args))
+    return (
+        att.method == attach.METHOD_KERNEL and att.nbd_netlink and resume.keeps_state(daemon_args)
+    )
 
 
 def start(state_dir: Path, ready_timeout: float = 30.0) -> tuple[int, str | None]:
@@ -65,10 +66,12 @@ def start(state_dir: Path, ready_timeout: float = 30.0) -> tuple[int, str | None
     daemon. Returns its pid and, when it is not watching, why (a warning for the user)."""
     log = state_dir / "supervisor.log"
     size = log.stat().st_size if log.exists() else 0
-    proc = attach.spawn_detached([sys.executable, "-m", "duvm.cli", "supervise",
-                                  "--state-dir", str(state_dir)], log)
-    supervisor_path(state_dir).write_text(json.dumps({"pid": proc.pid, "log": str(log),
-                                                      "started": time.time()}) + "\n")
+    proc = attach.spawn_detached(
+        [sys.executable, "-m", "duvm.cli", "supervise", "--state-dir", str(state_dir)], log
+    )
+    supervisor_path(state_dir).write_text(
+        json.dumps({"pid": proc.pid, "log": str(log), "started": time.time()}) + "\n"
+    )
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         with open(log, "rb") as f:
@@ -77,8 +80,9 @@ def start(state_dir: Path, ready_timeout: float = 30.0) -> tuple[int, str | None
         if "watching daemon pid" in said:
             return proc.pid, None
         if proc.poll() is not None:
-            return proc.pid, (f"the supervisor exited ({proc.returncode}): "
-                              f"{said.strip()[-500:] or 'no output'}")
+            return proc.pid, (
+                f"the supervisor exited ({proc.returncode}): {said.strip()[-500:] or 'no output'}"
+            )
         time.sleep(0.05)
     return proc.pid, f"the supervisor is not watching the daemon after {ready_timeout:.0f} s"
 
@@ -117,8 +121,7 @@ class _Stop:
         self.requested = False
         self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._old_fd = signal.set_wakeup_fd(self._w)
-        self._old = {sig: signal.signal(sig, self._note) for sig in (signal.SIGTERM,
-                                                                    signal.SIGINT)}
+        self._old = {sig: signal.signal(sig, self._note) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def close(self) -> None:
         """Give the process its previous signal handling back."""
@@ -165,8 +168,12 @@ class _Stop:
                 os.close(pidfd)
 
 
-def watch(state_dir: Path, *, resume_fn: Callable[..., Any] | None = None,
-          say: Callable[[str], None] | None = None) -> int:
+def watch(
+    state_dir: Path,
+    *,
+    resume_fn: Callable[..., Any] | None = None,
+    say: Callable[[str], None] | None = None,
+) -> int:
     """The supervisor's loop (see the module docstring). Returns the exit code: 0 when told to
     stop or when duvm is no longer enabled, 1 when it gave up."""
     resume_fn = resume_fn or resume.resume
@@ -178,8 +185,9 @@ def watch(state_dir: Path, *, resume_fn: Callable[..., Any] | None = None,
         stopper.close()
 
 
-def _watch(state_dir: Path, resume_fn: Callable[..., Any], say: Callable[[str], None],
-           stopper: _Stop) -> int:
+def _watch(
+    state_dir: Path, resume_fn: Callable[..., Any], say: Callable[[str], None], stopper: _Stop
+) -> int:
     restarts: list[float] = []
     while not stopper.requested:
         att = attach.load_state(control.state_path(state_dir))
@@ -203,15 +211,19 @@ def _watch(state_dir: Path, resume_fn: Callable[..., Any], say: Callable[[str], 
         died = time.monotonic()
         restarts = [t for t in restarts if died - t < RESTART_WINDOW] + [died]
         if len(restarts) > MAX_RESTARTS:
-            say(f"the daemon died again after {MAX_RESTARTS} restarts within "
+            say(
+                f"the daemon died again after {MAX_RESTARTS} restarts within "
                 f"{RESTART_WINDOW:.0f} s: giving up (see the daemon log); `duvm enable "
-                "--resume` tries again by hand")
+                "--resume` tries again by hand"
+            )
             return 1
         # The kernel holds the device's I/O (and the memservers the namespaces) this long.
         hold = att.dead_conn_timeout_s or attach.DEFAULT_DEAD_CONN_TIMEOUT_S
         deadline = died + hold
-        say(f"daemon pid {daemon.pid} ended: resuming it onto {att.device} (the kernel holds "
-            f"its I/O for {hold} s)")
+        say(
+            f"daemon pid {daemon.pid} ended: resuming it onto {att.device} (the kernel holds "
+            f"its I/O for {hold} s)"
+        )
         for delay in (*RETRY_DELAYS, None):
             if stopper.requested:
                 say("stopped")
@@ -222,8 +234,10 @@ def _watch(state_dir: Path, resume_fn: Callable[..., Any], say: Callable[[str], 
                 break
             left = deadline - time.monotonic()
             if left <= 0:
-                say(f"could not resume the daemon within the kernel's {hold} s: its held I/O "
-                    "has failed; giving up (`duvm enable --resume` tries again by hand)")
+                say(
+                    f"could not resume the daemon within the kernel's {hold} s: its held I/O "
+                    "has failed; giving up (`duvm enable --resume` tries again by hand)"
+                )
                 return 1
             try:
                 resume_fn(state_dir, timeout=max(left, 5.0))
@@ -242,8 +256,12 @@ def _watch(state_dir: Path, resume_fn: Callable[..., Any], say: Callable[[str], 
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("--state-dir", type=Path, default=control.DEFAULT_STATE_DIR,
-                        help=f"as given to enable (default {control.DEFAULT_STATE_DIR})")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=control.DEFAULT_STATE_DIR,
+        help=f"as given to enable (default {control.DEFAULT_STATE_DIR})",
+    )
 
 
 def run(args: Any) -> int:
@@ -254,6 +272,8 @@ def run(args: Any) -> int:
     # realtime class and the I/O flusher flag from its first instruction on, so even its
     # start-up is served under memory pressure.
     daemon = control.load_daemon(args.state_dir)
-    pressure.protect("duvm supervise", realtime=pressure.realtime_wanted(
-        daemon.daemon_args if daemon is not None else []))
+    pressure.protect(
+        "duvm supervise",
+        realtime=pressure.realtime_wanted(daemon.daemon_args if daemon is not None else []),
+    )
     return watch(args.state_dir)

@@ -20,8 +20,9 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-def parse_hostport(text: str, default_port: int | None = None, *,
-                   allow_zero: bool = False) -> tuple[str, int]:
+def parse_hostport(
+    text: str, default_port: int | None = None, *, allow_zero: bool = False
+) -> tuple[str, int]:
     """'host:port', '[::1]:port' or 'host' (with a default port) -> (host, port).
 
     Port 0 is refused unless `allow_zero` (an address to listen on, where 0 lets the kernel

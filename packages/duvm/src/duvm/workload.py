@@ -80,15 +80,16 @@ def touch_order(chunks: int, order: str, seed: int, phase: str) -> list[int]:
     return idx
 
 
-def fill(view: memoryview, seed: int, chunk: int, progress: bool = False,
-         order: str = "sequential") -> list[bytes]:
+def fill(
+    view: memoryview, seed: int, chunk: int, progress: bool = False, order: str = "sequential"
+) -> list[bytes]:
     """Write every chunk of `view` (in `order`); return each chunk's digest, by index."""
     chunks = len(view) // chunk
     step = max(1, chunks // 100)
     digests = [b""] * chunks
     for n, i in enumerate(touch_order(chunks, order, seed, "fill")):
         data = chunk_bytes(seed, i, chunk)
-        view[i * chunk:(i + 1) * chunk] = data
+        view[i * chunk : (i + 1) * chunk] = data
         digests[i] = _digest(data)
         if n % step == 0:
             _progress(progress, "fill", n, chunks)
@@ -96,16 +97,22 @@ def fill(view: memoryview, seed: int, chunk: int, progress: bool = False,
     return digests
 
 
-def verify(view: memoryview, digests: list[bytes], seed: int, chunk: int,
-           phase: str = "verify", progress: bool = False,
-           order: str = "sequential") -> list[dict[str, int]]:
+def verify(
+    view: memoryview,
+    digests: list[bytes],
+    seed: int,
+    chunk: int,
+    phase: str = "verify",
+    progress: bool = False,
+    order: str = "sequential",
+) -> list[dict[str, int]]:
     """Read every byte back; one {"chunk", "offset"} per chunk that differs (first bad byte)."""
     bad = []
     chunks = len(digests)
     step = max(1, chunks // 100)
     for n, i in enumerate(touch_order(chunks, order, seed, phase)):
         want = digests[i]
-        with view[i * chunk:(i + 1) * chunk] as part:
+        with view[i * chunk : (i + 1) * chunk] as part:
             if _digest(part) != want:
                 expected = chunk_bytes(seed, i, chunk)
                 off = next((k for k in range(chunk) if part[k] != expected[k]), 0)
@@ -116,8 +123,15 @@ def verify(view: memoryview, digests: list[bytes], seed: int, chunk: int,
     return sorted(bad, key=lambda b: b["chunk"])
 
 
-def run(mib: int, chunk_kib: int = 1024, seed: int = 1, passes: int = 1,
-        progress: bool = False, hold: bool = False, order: str = "sequential") -> Result:
+def run(
+    mib: int,
+    chunk_kib: int = 1024,
+    seed: int = 1,
+    passes: int = 1,
+    progress: bool = False,
+    hold: bool = False,
+    order: str = "sequential",
+) -> Result:
     """Fill `mib` MiB, optionally wait for a line on stdin (`hold`), verify `passes` times."""
     size = mib << 20
     chunk = chunk_kib << 10
@@ -151,19 +165,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-kib", type=int, default=1024, help="bytes per digest (KiB)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--passes", type=int, default=1, help="verification passes over all data")
-    p.add_argument("--order", choices=("sequential", "random"), default="sequential",
-                   help="touch chunks in ascending order, or in a shuffled order per pass "
-                   "(scattered swap-ins; pair with a small --chunk-kib)")
+    p.add_argument(
+        "--order",
+        choices=("sequential", "random"),
+        default="sequential",
+        help="touch chunks in ascending order, or in a shuffled order per pass "
+        "(scattered swap-ins; pair with a small --chunk-kib)",
+    )
     p.add_argument("--progress", action="store_true", help="progress lines on stderr")
-    p.add_argument("--hold", action="store_true",
-                   help="after filling, print 'filled' on stderr and wait for a line on stdin")
+    p.add_argument(
+        "--hold",
+        action="store_true",
+        help="after filling, print 'filled' on stderr and wait for a line on stdin",
+    )
     try:
         a = p.parse_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else 0
     if a.mib <= 0 or a.chunk_kib <= 0 or a.passes <= 0 or a.chunk_kib % 4:
-        print("workload: --mib, --passes must be positive, --chunk-kib a positive multiple of 4",
-              file=sys.stderr)
+        print(
+            "workload: --mib, --passes must be positive, --chunk-kib a positive multiple of 4",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if (a.mib << 10) % a.chunk_kib:
         print("workload: --mib must be a whole number of chunks", file=sys.stderr)

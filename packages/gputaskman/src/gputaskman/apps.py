@@ -75,9 +75,15 @@ class AppModel:
     reasons: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, object]:
-        return {"app": self.app, "selected": self.selected, "evidence": "settings",
-                "last_event": self.last_event, "last_event_model": self.last_event_model,
-                "last_event_time": self.last_event_time, "reasons": list(self.reasons)}
+        return {
+            "app": self.app,
+            "selected": self.selected,
+            "evidence": "settings",
+            "last_event": self.last_event,
+            "last_event_model": self.last_event_model,
+            "last_event_time": self.last_event_time,
+            "reasons": list(self.reasons),
+        }
 
 
 APPS: tuple[AppSpec, ...] = (
@@ -88,21 +94,34 @@ APPS: tuple[AppSpec, ...] = (
         settings_key=("settings", "selected_model"),
         log_paths=("{logs}/com.pais.handy/handy.log",),
         log_events=(
-            (re.compile(r"(?:^|\])\s*Starting to load model: " + _MODEL_ID + r"\s*$"),
-             "loading"),
-            (re.compile(r"(?:^|\])\s*Successfully loaded transcription model: " + _MODEL_ID
-                        + r" \(took \d+ms\)\s*$"), "loaded"),
-            (re.compile(r"(?:^|\])\s*Model switched to " + _MODEL_ID + r" via tray\.\s*$"),
-             "loaded"),
-            (re.compile(r"(?:^|\])\s*Model unloaded( manually| due to inactivity| via tray)"),
-             "unloaded"),
+            (re.compile(r"(?:^|\])\s*Starting to load model: " + _MODEL_ID + r"\s*$"), "loading"),
+            (
+                re.compile(
+                    r"(?:^|\])\s*Successfully loaded transcription model: "
+                    + _MODEL_ID
+                    + r" \(took \d+ms\)\s*$"
+                ),
+                "loaded",
+            ),
+            (
+                re.compile(r"(?:^|\])\s*Model switched to " + _MODEL_ID + r" via tray\.\s*$"),
+                "loaded",
+            ),
+            (
+                re.compile(r"(?:^|\])\s*Model unloaded( manually| due to inactivity| via tray)"),
+                "unloaded",
+            ),
         ),
     ),
 )
 
 
-def expand_paths(templates: Sequence[str], env: Mapping[str, str] | None = None,
-                 home: str | None = None, platform: str | None = None) -> list[str]:
+def expand_paths(
+    templates: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    home: str | None = None,
+    platform: str | None = None,
+) -> list[str]:
     """Expand ``{data}``, ``{local}``, ``{logs}`` and ``{home}`` for the platform."""
     env = os.environ if env is None else env
     home = home or env.get("HOME") or os.path.expanduser("~")
@@ -120,7 +139,7 @@ def expand_paths(templates: Sequence[str], env: Mapping[str, str] | None = None,
     out = []
     for t in templates:
         if t.startswith("{logs}/"):
-            ident, _, rest = t[len("{logs}/"):].partition("/")
+            ident, _, rest = t[len("{logs}/") :].partition("/")
             t = logs_for.replace("{id}", ident) + "/" + rest
         out.append(os.path.normpath(t.format(data=data, local=local, home=home)))
     return out
@@ -184,8 +203,12 @@ def _last_event(path: str, spec: AppSpec) -> tuple[str | None, str | None, str |
     return found
 
 
-def read_app_model(spec: AppSpec, env: Mapping[str, str] | None = None,
-                   home: str | None = None, platform: str | None = None) -> AppModel:
+def read_app_model(
+    spec: AppSpec,
+    env: Mapping[str, str] | None = None,
+    home: str | None = None,
+    platform: str | None = None,
+) -> AppModel:
     """Read one app's selected model and last model event. Never raises for missing files."""
     reasons: list[str] = []
     selected = settings_path = None
@@ -211,5 +234,6 @@ def read_app_model(spec: AppSpec, env: Mapping[str, str] | None = None,
         if event is None:
             reasons.append("no model event in the log tail")
         break
-    return AppModel(spec.name, selected, settings_path, event, model, when, log_path,
-                    tuple(reasons))
+    return AppModel(
+        spec.name, selected, settings_path, event, model, when, log_path, tuple(reasons)
+    )

@@ -250,9 +250,14 @@ def to_sample(info: NpuSmiInfo, start_index: int = 0) -> PlatformSample:
             problems.append(Problem("processes.npu-smi", Reason.UNAVAILABLE, why, chip_key(c)))
     notes = (f"npu-smi: {info.unparsed} rows not understood",) if info.unparsed else ()
     return PlatformSample(
-        BACKEND, tuple(adapters), metrics, tuple(procs), tuple(problems),
-        driver_version=info.version, notes=notes,
-    )  # fmt: skip
+        BACKEND,
+        tuple(adapters),
+        metrics,
+        tuple(procs),
+        tuple(problems),
+        driver_version=info.version,
+        notes=notes,
+    )
 
 
 def _metrics(c: Chip) -> DeviceMetrics:
@@ -326,16 +331,24 @@ class AscendBackend:
         if cmd is None:
             exe = find_npu_smi()
             if exe is None:
-                return failed_sample(BACKEND, "backend.init", Reason.NO_LIBRARY,
-                                     "npu-smi not found (no Ascend driver installed)")  # fmt: skip
+                return failed_sample(
+                    BACKEND,
+                    "backend.init",
+                    Reason.NO_LIBRARY,
+                    "npu-smi not found (no Ascend driver installed)",
+                )
             cmd = [exe, "info"]
         try:
             r = subprocess.run(cmd, capture_output=True, timeout=self.timeout, check=False)
         except FileNotFoundError as exc:
             return failed_sample(BACKEND, "backend.init", Reason.NO_LIBRARY, str(exc))
         except subprocess.TimeoutExpired:
-            return failed_sample(BACKEND, "backend.init", Reason.QUERY_FAILED,
-                                 f"npu-smi did not answer within {self.timeout:g}s")  # fmt: skip
+            return failed_sample(
+                BACKEND,
+                "backend.init",
+                Reason.QUERY_FAILED,
+                f"npu-smi did not answer within {self.timeout:g}s",
+            )
         except OSError as exc:
             return failed_sample(BACKEND, "backend.init", Reason.QUERY_FAILED, str(exc))
         out = r.stdout.decode("utf-8", "replace")

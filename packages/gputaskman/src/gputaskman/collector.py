@@ -347,7 +347,6 @@ class Collector:
         )
         return snap, system
 
-
     def _add_models(self, rows: list[ProcGpu], adapters: Sequence[Adapter]) -> list[ProcGpu]:
         """Rows with `model`, `breakdown` and `app_model` filled (see `modelinfo`)."""
         info_for = getattr(self._scanner, "info", None)
@@ -399,8 +398,9 @@ def sysroot_gpu_source(root: str) -> GpuSource:
     return NvmlWithDrm(nvml, DrmBackend(root))
 
 
-def sysroot_collector(root: str, gpu: int | None = None,
-                      scan_budget: float | None = SCAN_BUDGET) -> Collector:
+def sysroot_collector(
+    root: str, gpu: int | None = None, scan_budget: float | None = SCAN_BUDGET
+) -> Collector:
     """A collector that reads ``root/sys`` and ``root/proc`` only (fixture trees)."""
     import os
 
@@ -409,10 +409,17 @@ def sysroot_collector(root: str, gpu: int | None = None,
 
     proc = os.path.join(root, "proc")
     scanner = ProcinfoScanner(root=proc)
-    models = ModelResolver(background=scan_budget is not None, proc=proc,
-                           index=StoreIndex(StoreRoots()))
-    c = Collector(gpu, scan_budget, nvml=sysroot_gpu_source(root),
-                  host=host_mod.HostSampler(proc_root=proc), scanner=scanner, models=models)
+    models = ModelResolver(
+        background=scan_budget is not None, proc=proc, index=StoreIndex(StoreRoots())
+    )
+    c = Collector(
+        gpu,
+        scan_budget,
+        nvml=sysroot_gpu_source(root),
+        host=host_mod.HostSampler(proc_root=proc),
+        scanner=scanner,
+        models=models,
+    )
     c.extra_notes = (
         f"--sysroot {root}: GPUs and processes come from the tree under it; NVML is not "
         "asked; RAM, swap and CPU totals are this machine's",

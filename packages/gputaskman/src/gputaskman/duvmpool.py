@@ -115,8 +115,7 @@ class PoolInfo:
 def _num(obj: Mapping[str, Any], key: str, source: str, scale: int = 1) -> Reading:
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-        return Reading.missing(Reason.UNAVAILABLE, source, f"{key} not reported",
-                               kind=Kind.RUNTIME)  # fmt: skip
+        return Reading.missing(Reason.UNAVAILABLE, source, f"{key} not reported", kind=Kind.RUNTIME)
     return Reading.runtime(v * scale, source)
 
 
@@ -154,11 +153,21 @@ def _parse_daemon(st: Mapping[str, Any], path: str) -> DaemonPool:
         raise ValueError("'store' is not an object")
     peers: list[PeerPages] = []
     if store is None:
-        no_pool = Reading.missing(Reason.NOT_SUPPORTED, src, "daemon serves local RAM, no pool",
-                                  kind=Kind.RUNTIME)  # fmt: skip
-        return DaemonPool(path, _int_or_none(st.get("pid")), _num(st, "size_bytes", src),
-                          _num(st, "replicas", src), no_pool, no_pool, no_pool, "ok",
-                          ("no pool: the daemon serves local RAM",), ())  # fmt: skip
+        no_pool = Reading.missing(
+            Reason.NOT_SUPPORTED, src, "daemon serves local RAM, no pool", kind=Kind.RUNTIME
+        )
+        return DaemonPool(
+            path,
+            _int_or_none(st.get("pid")),
+            _num(st, "size_bytes", src),
+            _num(st, "replicas", src),
+            no_pool,
+            no_pool,
+            no_pool,
+            "ok",
+            ("no pool: the daemon serves local RAM",),
+            (),
+        )
     raw_peers = store.get("peers", [])
     if not isinstance(raw_peers, list):
         raise ValueError("'store.peers' is not a list")
@@ -166,14 +175,28 @@ def _parse_daemon(st: Mapping[str, Any], path: str) -> DaemonPool:
         if not isinstance(p, Mapping) or not isinstance(p.get("peer"), str):
             raise ValueError("a peer entry without a 'peer' name")
         conn = p.get("connected")
-        peers.append(PeerPages(p["peer"], conn if isinstance(conn, bool) else None,
-                               _num(p, "pages", src), _num(p, "reserved_pages", src),
-                               _num(p, "slabs", src)))  # fmt: skip
+        peers.append(
+            PeerPages(
+                p["peer"],
+                conn if isinstance(conn, bool) else None,
+                _num(p, "pages", src),
+                _num(p, "reserved_pages", src),
+                _num(p, "slabs", src),
+            )
+        )
     health, reasons = _health(store, peers)
-    return DaemonPool(path, _int_or_none(st.get("pid")), _num(st, "size_bytes", src),
-                      _num(store, "replicas", src), _num(store, "pages_written", src),
-                      _num(store, "degraded_slabs", src), _num(store, "pages_lost_now", src),
-                      health, reasons, tuple(peers))  # fmt: skip
+    return DaemonPool(
+        path,
+        _int_or_none(st.get("pid")),
+        _num(st, "size_bytes", src),
+        _num(store, "replicas", src),
+        _num(store, "pages_written", src),
+        _num(store, "degraded_slabs", src),
+        _num(store, "pages_lost_now", src),
+        health,
+        reasons,
+        tuple(peers),
+    )
 
 
 def _parse_memserver(st: Mapping[str, Any], path: str) -> Lending:
@@ -185,13 +208,22 @@ def _parse_memserver(st: Mapping[str, Any], path: str) -> Lending:
     for n in ns:
         if not isinstance(n, Mapping) or not isinstance(n.get("client_id"), str):
             raise ValueError("a namespace without a 'client_id'")
-        borrowers.append(Borrower(n["client_id"], _num(n, "stored_pages", src, PAGE_SIZE),
-                                  _num(n, "reserved_pages", src, PAGE_SIZE),
-                                  _int_or_none(n.get("connections"))))  # fmt: skip
-    return Lending(path, _num(st, "capacity_pages", src, PAGE_SIZE),
-                   _num(st, "used_pages", src, PAGE_SIZE),
-                   _num(st, "reserved_pages", src, PAGE_SIZE), tuple(borrowers),
-                   _int_or_none(st.get("namespaces_total")))  # fmt: skip
+        borrowers.append(
+            Borrower(
+                n["client_id"],
+                _num(n, "stored_pages", src, PAGE_SIZE),
+                _num(n, "reserved_pages", src, PAGE_SIZE),
+                _int_or_none(n.get("connections")),
+            )
+        )
+    return Lending(
+        path,
+        _num(st, "capacity_pages", src, PAGE_SIZE),
+        _num(st, "used_pages", src, PAGE_SIZE),
+        _num(st, "reserved_pages", src, PAGE_SIZE),
+        tuple(borrowers),
+        _int_or_none(st.get("namespaces_total")),
+    )
 
 
 def parse_status(obj: Any, path: str) -> DaemonPool | Lending:
@@ -280,30 +312,51 @@ def pool_json(info: PoolInfo) -> dict[str, Any]:
     return {
         "kind": Kind.RUNTIME.value,
         "looked": info.looked,
-        "daemons": [{
-            "socket": d.socket, "pid": d.pid, "health": d.health, "reasons": list(d.reasons),
-            "size_bytes": reading_json(d.size_bytes), "replicas": reading_json(d.replicas),
-            "pages_written": reading_json(d.pages_written),
-            "degraded_slabs": reading_json(d.degraded_slabs),
-            "pages_lost": reading_json(d.pages_lost),
-            "peers": [{"peer": p.peer, "connected": p.connected,
-                       "pages": reading_json(p.pages),
-                       "reserved_pages": reading_json(p.reserved_pages),
-                       "slabs": reading_json(p.slabs)} for p in d.peers],
-        } for d in info.daemons],
-        "lending": [{
-            "socket": m.socket, "capacity_bytes": reading_json(m.capacity_bytes),
-            "used_bytes": reading_json(m.used_bytes),
-            "reserved_bytes": reading_json(m.reserved_bytes),
-            "borrowers_listed_of": reading_json(_count(m.borrowers_total, m.socket)),
-            "borrowers": [{"client_id": b.client_id,
-                           "stored_bytes": reading_json(b.stored_bytes),
-                           "reserved_bytes": reading_json(b.reserved_bytes),
-                           "connections": reading_json(_count(b.connections, m.socket))}
-                          for b in m.borrowers],
-        } for m in info.lending],
+        "daemons": [
+            {
+                "socket": d.socket,
+                "pid": d.pid,
+                "health": d.health,
+                "reasons": list(d.reasons),
+                "size_bytes": reading_json(d.size_bytes),
+                "replicas": reading_json(d.replicas),
+                "pages_written": reading_json(d.pages_written),
+                "degraded_slabs": reading_json(d.degraded_slabs),
+                "pages_lost": reading_json(d.pages_lost),
+                "peers": [
+                    {
+                        "peer": p.peer,
+                        "connected": p.connected,
+                        "pages": reading_json(p.pages),
+                        "reserved_pages": reading_json(p.reserved_pages),
+                        "slabs": reading_json(p.slabs),
+                    }
+                    for p in d.peers
+                ],
+            }
+            for d in info.daemons
+        ],
+        "lending": [
+            {
+                "socket": m.socket,
+                "capacity_bytes": reading_json(m.capacity_bytes),
+                "used_bytes": reading_json(m.used_bytes),
+                "reserved_bytes": reading_json(m.reserved_bytes),
+                "borrowers_listed_of": reading_json(_count(m.borrowers_total, m.socket)),
+                "borrowers": [
+                    {
+                        "client_id": b.client_id,
+                        "stored_bytes": reading_json(b.stored_bytes),
+                        "reserved_bytes": reading_json(b.reserved_bytes),
+                        "connections": reading_json(_count(b.connections, m.socket)),
+                    }
+                    for b in m.borrowers
+                ],
+            }
+            for m in info.lending
+        ],
         "errors": dict(info.errors),
-    }  # fmt: skip
+    }
 
 
 def _count(v: int | None, path: str) -> Reading:
@@ -325,20 +378,28 @@ def pool_lines(info: PoolInfo | None) -> list[str]:
     for d in info.daemons:
         why = f" ({'; '.join(d.reasons)})" if d.reasons else ""
         lines.append(f"duvm  pool {d.health}{why}  [runtime: {d.socket}]")
-        lines.append(f"      device {fmt_bytes(d.size_bytes.value)}  written "
-                     f"{_pages(d.pages_written)}  replicas "
-                     f"{NA if d.replicas.value is None else int(d.replicas.value)}")
+        lines.append(
+            f"      device {fmt_bytes(d.size_bytes.value)}  written "
+            f"{_pages(d.pages_written)}  replicas "
+            f"{NA if d.replicas.value is None else int(d.replicas.value)}"
+        )
         for p in d.peers:
             state = {True: "up", False: "DOWN", None: "n/a"}[p.connected]
-            lines.append(f"      peer {p.peer}  {state}  our pages {_pages(p.pages)}  "
-                         f"reserved {_pages(p.reserved_pages)}")
+            lines.append(
+                f"      peer {p.peer}  {state}  our pages {_pages(p.pages)}  "
+                f"reserved {_pages(p.reserved_pages)}"
+            )
     for m in info.lending:
-        lines.append(f"duvm  lending {fmt_bytes(m.used_bytes.value)} used, "
-                     f"{fmt_bytes(m.reserved_bytes.value)} reserved of "
-                     f"{fmt_bytes(m.capacity_bytes.value)}  [runtime: {m.socket}]")
+        lines.append(
+            f"duvm  lending {fmt_bytes(m.used_bytes.value)} used, "
+            f"{fmt_bytes(m.reserved_bytes.value)} reserved of "
+            f"{fmt_bytes(m.capacity_bytes.value)}  [runtime: {m.socket}]"
+        )
         for b in m.borrowers:
-            lines.append(f"      to {b.client_id}  {fmt_bytes(b.stored_bytes.value)} stored, "
-                         f"{fmt_bytes(b.reserved_bytes.value)} reserved")
+            lines.append(
+                f"      to {b.client_id}  {fmt_bytes(b.stored_bytes.value)} stored, "
+                f"{fmt_bytes(b.reserved_bytes.value)} reserved"
+            )
         if m.borrowers_total is not None and m.borrowers_total > len(m.borrowers):
             lines.append(f"      ... {m.borrowers_total - len(m.borrowers)} more clients")
     for path, why in info.errors.items():

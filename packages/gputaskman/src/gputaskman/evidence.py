@@ -48,6 +48,7 @@ __all__ = [
     "mapped_store_files",
 ]
 
+
 class Source(StrEnum):
     API = "api"
     MAPPED = "mapped"
@@ -63,6 +64,7 @@ class Source(StrEnum):
 
 _RANK = {s: i for i, s in enumerate(Source)}
 CORROBORATING = frozenset({Source.API, Source.MAPPED, Source.CMDLINE})
+
 
 def api_key_from_argv(argv: Sequence[str]) -> str | None:
     """The ``--api-key`` a llama-server was started with (for the prober only), or None."""
@@ -82,14 +84,14 @@ def from_procinfo(models: Iterable[Any]) -> list[Evidence]:
         if not path or kind not in (Source.MAPPED, Source.CMDLINE, Source.PATH_ARG):
             continue
         real = path if getattr(m, "deleted", False) else os.path.realpath(path)
-        detail = getattr(m, "flag", None) or ("(deleted)" if getattr(m, "deleted", False)
-                                               else None)
+        detail = getattr(m, "flag", None) or ("(deleted)" if getattr(m, "deleted", False) else None)
         out.append(Evidence(Source(kind), path=real, detail=detail))
     return out
 
 
-def mapped_store_files(paths: Iterable[str], name_for: Callable[[str], object | None],
-                       limit: int = 64) -> list[Evidence]:
+def mapped_store_files(
+    paths: Iterable[str], name_for: Callable[[str], object | None], limit: int = 64
+) -> list[Evidence]:
     """``mapped`` evidence for mapped files a model store names (Ollama blobs have no
     extension, so an extension filter misses them). ``name_for`` is
     ``stores.StoreIndex.name_for``; at most ``limit`` paths are looked at."""
@@ -175,14 +177,19 @@ def assess(evidence: Iterable[Evidence]) -> list[ModelClaim]:
     by_name: dict[str, list[Evidence]] = {}
     for e in names_only:
         assert e.model is not None
-        matches = [p for p, evs in by_path.items()
-                   if os.path.basename(p) == e.model or any(x.model == e.model for x in evs)]
+        matches = [
+            p
+            for p, evs in by_path.items()
+            if os.path.basename(p) == e.model or any(x.model == e.model for x in evs)
+        ]
         if len(matches) == 1:
             by_path[matches[0]].append(e)
         else:
             by_name.setdefault(e.model, []).append(e)
-    claims = [ModelClaim(p, next((e.model for e in evs if e.model), None), tuple(evs))
-              for p, evs in by_path.items()]
+    claims = [
+        ModelClaim(p, next((e.model for e in evs if e.model), None), tuple(evs))
+        for p, evs in by_path.items()
+    ]
     claims += [ModelClaim(None, n, tuple(evs)) for n, evs in by_name.items()]
     claims.sort(key=lambda c: (not c.confirmed, c.best.rank, c.path or c.model or ""))
     return claims

@@ -99,26 +99,76 @@ _CHUNK = 1024 * 1024
 
 # ggml type id -> (name, block size in elements, bytes per block); ggml.c type_traits.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
-    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
-    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
-    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
-    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18),
+    21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
 }
 _TYPE_BY_NAME = {name.lower(): tid for tid, (name, _, _) in GGML_TYPES.items()}
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 
 # llama.h llama_ftype -> the name llama.cpp prints ("Q4_K - Medium" is shown as Q4_K_M).
 _FILE_TYPES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
-    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
-    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    19: "IQ2_XXS",
+    20: "IQ2_XS",
+    21: "Q2_K_S",
+    22: "IQ3_XS",
+    23: "IQ3_XXS",
+    24: "IQ1_S",
+    25: "IQ4_NL",
+    26: "IQ3_S",
+    27: "IQ3_M",
+    28: "IQ2_S",
+    29: "IQ2_M",
+    30: "IQ4_XS",
+    31: "IQ1_M",
+    32: "BF16",
+    36: "TQ1_0",
+    37: "TQ2_0",
     38: "MXFP4_MOE",
 }
 
@@ -133,9 +183,17 @@ SWA_ARCHS: dict[str, tuple[int, int | None]] = {
 
 # GGUF metadata value types: id -> (name, struct format or None for string/array).
 _SCALARS: dict[int, tuple[str, str]] = {
-    0: ("uint8", "<B"), 1: ("int8", "<b"), 2: ("uint16", "<H"), 3: ("int16", "<h"),
-    4: ("uint32", "<I"), 5: ("int32", "<i"), 6: ("float32", "<f"), 7: ("bool", "<?"),
-    10: ("uint64", "<Q"), 11: ("int64", "<q"), 12: ("float64", "<d"),
+    0: ("uint8", "<B"),
+    1: ("int8", "<b"),
+    2: ("uint16", "<H"),
+    3: ("int16", "<h"),
+    4: ("uint32", "<I"),
+    5: ("int32", "<i"),
+    6: ("float32", "<f"),
+    7: ("bool", "<?"),
+    10: ("uint64", "<Q"),
+    11: ("int64", "<q"),
+    12: ("float64", "<d"),
 }
 _STRING, _ARRAY = 8, 9
 
@@ -361,8 +419,9 @@ def _value(r: _Reader, vtype: int, depth: int) -> Any:
     raise GGUFError(f"unknown metadata value type {vtype} at offset {r.pos - 4}")
 
 
-def parse_header(f: BinaryIO, path: str = "", file_size: int | None = None,
-                 limit: int = MAX_HEADER_BYTES) -> GGUFHeader:
+def parse_header(
+    f: BinaryIO, path: str = "", file_size: int | None = None, limit: int = MAX_HEADER_BYTES
+) -> GGUFHeader:
     """Parse a GGUF header from an open binary file positioned at offset 0."""
     r = _Reader(f, limit)
     try:
@@ -398,9 +457,14 @@ def parse_header(f: BinaryIO, path: str = "", file_size: int | None = None,
             raise GGUFError(f"tensor {name!r} has {n_dims} dims, over the cap of {MAX_DIMS}")
         shape = tuple(r.u64() for _ in range(n_dims))
         tensors.append(TensorInfo(name, shape, r.u32(), r.u64()))
-    return GGUFHeader(path=path, version=version,
-                      file_size=file_size if file_size is not None else r.pos,
-                      header_bytes=r.pos, metadata=meta, tensors=tuple(tensors))
+    return GGUFHeader(
+        path=path,
+        version=version,
+        file_size=file_size if file_size is not None else r.pos,
+        header_bytes=r.pos,
+        metadata=meta,
+        tensors=tuple(tensors),
+    )
 
 
 def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
@@ -457,9 +521,16 @@ def _uint(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
-def kv_cache_estimate(header: GGUFHeader, n_ctx: int | None = None, cache_type_k: str = "f16",
-                      cache_type_v: str | None = None, *, n_seq: int = 1, n_ubatch: int = 512,
-                      swa_full: bool = False) -> KvEstimate | None:
+def kv_cache_estimate(
+    header: GGUFHeader,
+    n_ctx: int | None = None,
+    cache_type_k: str = "f16",
+    cache_type_v: str | None = None,
+    *,
+    n_seq: int = 1,
+    n_ubatch: int = 512,
+    swa_full: bool = False,
+) -> KvEstimate | None:
     """Estimate llama.cpp's KV-cache bytes (formula in the module docstring).
 
     Returns None when the header lacks what the formula needs (no architecture, block count,
@@ -516,10 +587,19 @@ def kv_cache_estimate(header: GGUFHeader, n_ctx: int | None = None, cache_type_k
         if heads_kv[il] == 0:
             continue  # recurrent / KV-less layer
         cells = swa_cells if swa[il] and swa_cells is not None else n_ctx
-        total += cells * (_row_size(cache_type_k, head_k * heads_kv[il])
-                          + _row_size(cache_type_v, head_v * heads_kv[il]))
+        total += cells * (
+            _row_size(cache_type_k, head_k * heads_kv[il])
+            + _row_size(cache_type_v, head_v * heads_kv[il])
+        )
     n_swa_layers = sum(1 for il in range(n_layer) if swa[il] and heads_kv[il])
-    return KvEstimate(cache_type_k=cache_type_k.lower(), cache_type_v=cache_type_v.lower(),
-                      n_ctx=n_ctx, n_ctx_source=source, bytes=total,
-                      full_layers=sum(1 for h in heads_kv if h) - n_swa_layers,
-                      swa_layers=n_swa_layers, swa_cells=swa_cells, notes=tuple(notes))
+    return KvEstimate(
+        cache_type_k=cache_type_k.lower(),
+        cache_type_v=cache_type_v.lower(),
+        n_ctx=n_ctx,
+        n_ctx_source=source,
+        bytes=total,
+        full_layers=sum(1 for h in heads_kv if h) - n_swa_layers,
+        swa_layers=n_swa_layers,
+        swa_cells=swa_cells,
+        notes=tuple(notes),
+    )

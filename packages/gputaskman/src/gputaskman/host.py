@@ -404,8 +404,16 @@ class HostSampler:
                 start = int(fields[19])
                 kthread = int(fields[6]) & procfs.PF_KTHREAD
             except (IndexError, ValueError):
-                out[pid] = ProcessUsage(pid, None, None, None, None, Reason.QUERY_FAILED,
-                                        Reason.QUERY_FAILED, "unparseable /proc/PID/stat")
+                out[pid] = ProcessUsage(
+                    pid,
+                    None,
+                    None,
+                    None,
+                    None,
+                    Reason.QUERY_FAILED,
+                    Reason.QUERY_FAILED,
+                    "unparseable /proc/PID/stat",
+                )
                 continue
             name = data[data.find(b"(") + 1 : rpar].decode("utf-8", "replace")
             # RSS from statm, not stat: since Linux 6.2 stat's rss is the per-CPU counter's
@@ -426,8 +434,16 @@ class HostSampler:
                     else Reason.QUERY_FAILED
                 )
             if btime is None:
-                out[pid] = ProcessUsage(pid, None, name, rss, None, rss_reason,
-                                        Reason.UNAVAILABLE, "boot time unknown (/proc/stat)")
+                out[pid] = ProcessUsage(
+                    pid,
+                    None,
+                    name,
+                    rss,
+                    None,
+                    rss_reason,
+                    Reason.UNAVAILABLE,
+                    "boot time unknown (/proc/stat)",
+                )
                 continue
             ct = start / hz + btime  # == procfs.create_time(start, btime), inlined
             key = (pid, ct)

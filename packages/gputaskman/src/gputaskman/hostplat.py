@@ -104,8 +104,9 @@ class PlatformHostSampler:
 
     def _loads(self) -> tuple[Reading, Reading, Reading]:
         if self._loadavg is None:
-            why = Reading.missing(Reason.NOT_SUPPORTED, LOADAVG,
-                                  f"{self.os_name} has no load average")  # fmt: skip
+            why = Reading.missing(
+                Reason.NOT_SUPPORTED, LOADAVG, f"{self.os_name} has no load average"
+            )
             return why, why, why
         try:
             loads = self._loadavg()
@@ -129,8 +130,9 @@ class PlatformHostSampler:
             available = got[pdh_mod.MEMORY_AVAILABLE]
             cpu_percent = got[pdh_mod.PROCESSOR_TIME]
             if cpu_percent.value is not None:
-                cpu_percent = Reading.measured(min(100.0, float(cpu_percent.value)),
-                                               cpu_percent.source)  # fmt: skip
+                cpu_percent = Reading.measured(
+                    min(100.0, float(cpu_percent.value)), cpu_percent.source
+                )
         memory = host.MemoryInfo(
             total_bytes=total,
             available_bytes=available,
@@ -148,8 +150,18 @@ class PlatformHostSampler:
             devices_reason=f"swap devices are not read on {self.os_name} yet",
         )
         n = os.cpu_count()
-        logical = (Reading.measured(n, "os.cpu_count") if n
-                   else Reading.missing(Reason.UNAVAILABLE, "os.cpu_count"))  # fmt: skip
+        logical = (
+            Reading.measured(n, "os.cpu_count")
+            if n
+            else Reading.missing(Reason.UNAVAILABLE, "os.cpu_count")
+        )
         cpu = host.CpuInfo(logical, *self._loads(), cpu_percent)
-        return host.SystemInfo(taken, memory, swap, cpu, MappingProxyType({}),
-                               NO_PROCESSES.format(os=self.os_name), None)  # fmt: skip
+        return host.SystemInfo(
+            taken,
+            memory,
+            swap,
+            cpu,
+            MappingProxyType({}),
+            NO_PROCESSES.format(os=self.os_name),
+            None,
+        )

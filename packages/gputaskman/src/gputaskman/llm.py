@@ -77,7 +77,8 @@ LOG_HEAD = 1024 * 1024
 LOG_TAIL = 256 * 1024
 _BUF_LINE = re.compile(
     r"(?<![\w.\-])(?P<dev>[A-Za-z][\w\-.]*)\s+(?P<kind>model|KV|compute)"
-    r" buffer size\s*=\s*(?P<mib>\d+(?:\.\d+)?) MiB")
+    r" buffer size\s*=\s*(?P<mib>\d+(?:\.\d+)?) MiB"
+)
 _KINDS = ("model", "KV", "compute")
 
 
@@ -90,8 +91,11 @@ class BufferSizes:
     source: str  # the log file
 
     def total(self, kind: str, device: str | None = None) -> int | None:
-        vals = [d[kind] for dev, d in self.by_device.items()
-                if kind in d and (device is None or dev == device)]
+        vals = [
+            d[kind]
+            for dev, d in self.by_device.items()
+            if kind in d and (device is None or dev == device)
+        ]
         return sum(vals) if vals else None
 
 
@@ -107,8 +111,11 @@ def parse_buffer_log(text: str, source: str = "") -> BufferSizes | None:
         if not m:
             continue
         kind = m["kind"]
-        if cur is None or (kind == "model" and seen & {"KV", "compute"}) or (
-                kind == "KV" and "compute" in seen):
+        if (
+            cur is None
+            or (kind == "model" and seen & {"KV", "compute"})
+            or (kind == "KV" and "compute" in seen)
+        ):
             cur = {}
             passes.append(cur)
             seen = set()
@@ -162,8 +169,9 @@ def read_buffer_log(path: str) -> BufferSizes | None:
     return res
 
 
-def log_files(pid: int, argv: Sequence[str] = (), cwd: str | None = None,
-              proc: str = "/proc") -> list[str]:
+def log_files(
+    pid: int, argv: Sequence[str] = (), cwd: str | None = None, proc: str = "/proc"
+) -> list[str]:
     """Regular files the process logs to: its stdout/stderr and a ``--log-file`` argument."""
     out: list[str] = []
     for fd in (1, 2):
@@ -171,8 +179,12 @@ def log_files(pid: int, argv: Sequence[str] = (), cwd: str | None = None,
             target = os.readlink(f"{proc}/{pid}/fd/{fd}")
         except OSError:
             continue
-        if target.startswith("/") and not target.startswith("/dev/") and \
-                os.path.isfile(target) and target not in out:
+        if (
+            target.startswith("/")
+            and not target.startswith("/dev/")
+            and os.path.isfile(target)
+            and target not in out
+        ):
             out.append(target)
     val = flag_value(argv, ("--log-file",))
     if val:
@@ -208,11 +220,18 @@ class ViewPart:
 
     def to_json(self) -> dict[str, object]:
         r = self.reading
-        return {"bytes": r.value, "provenance": r.kind.value, "source": r.source,
-                "reason": r.reason.value if r.reason else None, "detail": r.detail,
-                "marker": self.marker or None,
-                "alternatives": [{"bytes": a.value, "provenance": a.kind.value,
-                                  "source": a.source} for a in self.alternatives]}
+        return {
+            "bytes": r.value,
+            "provenance": r.kind.value,
+            "source": r.source,
+            "reason": r.reason.value if r.reason else None,
+            "detail": r.detail,
+            "marker": self.marker or None,
+            "alternatives": [
+                {"bytes": a.value, "provenance": a.kind.value, "source": a.source}
+                for a in self.alternatives
+            ],
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,23 +258,34 @@ class LlmView:
         return next((p for p in self.parts if p.name == name), None)
 
     def to_json(self) -> dict[str, object]:
-        return {"model": self.model, "path": self.path, "evidence": self.evidence,
-                "status": self.status, "owner_marker": self.owner_marker or None,
-                "runtime": self.runtime, "architecture": self.architecture,
-                "file_type": self.file_type, "parameter_count": self.parameter_count,
-                "n_ctx": self.n_ctx, "n_ctx_source": self.n_ctx_source,
-                "parts": {p.name: p.to_json() for p in self.parts},
-                "reported_total": self.reported_total, "estimated_total": self.estimated_total,
-                "notes": list(self.notes)}
+        return {
+            "model": self.model,
+            "path": self.path,
+            "evidence": self.evidence,
+            "status": self.status,
+            "owner_marker": self.owner_marker or None,
+            "runtime": self.runtime,
+            "architecture": self.architecture,
+            "file_type": self.file_type,
+            "parameter_count": self.parameter_count,
+            "n_ctx": self.n_ctx,
+            "n_ctx_source": self.n_ctx_source,
+            "parts": {p.name: p.to_json() for p in self.parts},
+            "reported_total": self.reported_total,
+            "estimated_total": self.estimated_total,
+            "notes": list(self.notes),
+        }
 
 
-def _choose(name: str, runtime: list[Reading], estimates: list[tuple[Reading, bool]],
-            missing_source: str) -> ViewPart:
+def _choose(
+    name: str, runtime: list[Reading], estimates: list[tuple[Reading, bool]], missing_source: str
+) -> ViewPart:
     """Runtime beats estimate. ``estimates`` carry whether all their inputs were known."""
     cands = runtime + [e for e, _ in estimates]
     if not cands:
-        return ViewPart(name, Reading.missing(Reason.UNAVAILABLE, missing_source,
-                                              kind=Kind.ESTIMATED))
+        return ViewPart(
+            name, Reading.missing(Reason.UNAVAILABLE, missing_source, kind=Kind.ESTIMATED)
+        )
     chosen = cands[0]
     values = {c.value for c in cands}
     if len(values) == 1 and len(cands) > 1:
@@ -267,11 +297,18 @@ def _choose(name: str, runtime: list[Reading], estimates: list[tuple[Reading, bo
     return ViewPart(name, chosen, tuple(cands[1:]), marker)
 
 
-def build_view(claim: ModelClaim, *, header: GGUFHeader | None = None,
-               buffers: BufferSizes | None = None, served: ServedModel | None = None,
-               runtime: str | None = None, friendly_name: str | None = None,
-               argv: Sequence[str] = (), device: str | None = None,
-               measured_bytes: int | None = None) -> LlmView | None:
+def build_view(
+    claim: ModelClaim,
+    *,
+    header: GGUFHeader | None = None,
+    buffers: BufferSizes | None = None,
+    served: ServedModel | None = None,
+    runtime: str | None = None,
+    friendly_name: str | None = None,
+    argv: Sequence[str] = (),
+    device: str | None = None,
+    measured_bytes: int | None = None,
+) -> LlmView | None:
     """The view of one model claim; None for an informational (path-arg only) claim.
 
     ``header``: the model's GGUF header (read only when ``claim.allows_detail``).
@@ -322,41 +359,72 @@ def build_view(claim: ModelClaim, *, header: GGUFHeader | None = None,
             weights_est.append((Reading.estimated(wb, "gguf tensor sizes"), True))
         kv = kv_cache_estimate(header, n_ctx, ctk, ctv)
         if kv is not None:
-            src = (f"gguf KV formula ({kv.cache_type_k}/{kv.cache_type_v}, n_ctx={kv.n_ctx} "
-                   f"from {n_ctx_src or kv.n_ctx_source})")
+            src = (
+                f"gguf KV formula ({kv.cache_type_k}/{kv.cache_type_v}, n_ctx={kv.n_ctx} "
+                f"from {n_ctx_src or kv.n_ctx_source})"
+            )
             kv_est.append((Reading.estimated(kv.bytes, src), n_ctx is not None and types_known))
             notes.extend(kv.notes)
             if n_ctx is None:
                 n_ctx, n_ctx_src = kv.n_ctx, kv.n_ctx_source
 
-    parts = [_choose("weights", weights_rt, weights_est, "no log, API or header size"),
-             _choose("kv_cache", kv_rt, kv_est, "no log or header KV shape"),
-             _choose("compute", compute_rt, [], "compute buffers only come from runtime logs")]
+    parts = [
+        _choose("weights", weights_rt, weights_est, "no log, API or header size"),
+        _choose("kv_cache", kv_rt, kv_est, "no log or header KV shape"),
+        _choose("compute", compute_rt, [], "compute buffers only come from runtime logs"),
+    ]
     all_runtime = all(p.reading.kind is Kind.RUNTIME and p.reading.known for p in parts)
     if measured_bytes is not None and all_runtime:
         rest = measured_bytes - sum(int(p.reading.value or 0) for p in parts)
-        other = Reading.inferred(rest, "measured minus runtime-reported parts") if rest >= 0 \
-            else Reading.missing(Reason.UNAVAILABLE, "measured minus runtime-reported parts",
-                                 "parts exceed the measured bytes", Kind.INFERRED)
+        other = (
+            Reading.inferred(rest, "measured minus runtime-reported parts")
+            if rest >= 0
+            else Reading.missing(
+                Reason.UNAVAILABLE,
+                "measured minus runtime-reported parts",
+                "parts exceed the measured bytes",
+                Kind.INFERRED,
+            )
+        )
     else:
-        other = Reading.missing(Reason.UNAVAILABLE, "measured minus runtime-reported parts",
-                                "needs measured bytes and runtime-reported parts",
-                                Kind.INFERRED)
+        other = Reading.missing(
+            Reason.UNAVAILABLE,
+            "measured minus runtime-reported parts",
+            "needs measured bytes and runtime-reported parts",
+            Kind.INFERRED,
+        )
     parts.append(ViewPart("other", other))
 
-    rt_vals = [int(p.reading.value) for p in parts[:3]
-               if p.reading.kind is Kind.RUNTIME and p.reading.value is not None]
-    est_vals = [int(p.reading.value) for p in parts[:3]
-                if p.reading.kind is Kind.ESTIMATED and p.reading.value is not None]
-    name = friendly_name or claim.model or (header.name if header else None) or (
-        os.path.basename(claim.path) if claim.path else None)
+    rt_vals = [
+        int(p.reading.value)
+        for p in parts[:3]
+        if p.reading.kind is Kind.RUNTIME and p.reading.value is not None
+    ]
+    est_vals = [
+        int(p.reading.value)
+        for p in parts[:3]
+        if p.reading.kind is Kind.ESTIMATED and p.reading.value is not None
+    ]
+    name = (
+        friendly_name
+        or claim.model
+        or (header.name if header else None)
+        or (os.path.basename(claim.path) if claim.path else None)
+    )
     return LlmView(
-        model=name, path=claim.path, evidence=claim.best.value, status=claim.status,
-        owner_marker="" if claim.confirmed else "?", runtime=runtime,
+        model=name,
+        path=claim.path,
+        evidence=claim.best.value,
+        status=claim.status,
+        owner_marker="" if claim.confirmed else "?",
+        runtime=runtime,
         architecture=header.architecture if header else None,
         file_type=header.file_type if header else None,
-        parameter_count=header.parameter_count if header else (served.n_params if served
-                                                                 else None),
-        n_ctx=n_ctx, n_ctx_source=n_ctx_src, parts=tuple(parts),
+        parameter_count=header.parameter_count if header else (served.n_params if served else None),
+        n_ctx=n_ctx,
+        n_ctx_source=n_ctx_src,
+        parts=tuple(parts),
         reported_total=sum(rt_vals) if rt_vals else None,
-        estimated_total=sum(est_vals) if est_vals else None, notes=tuple(notes))
+        estimated_total=sum(est_vals) if est_vals else None,
+        notes=tuple(notes),
+    )

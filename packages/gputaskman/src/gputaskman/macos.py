@@ -177,9 +177,13 @@ class MacCounters:
                 clients[who] = t if prev is None else (prev + t if t is not None else prev)
             if bad:
                 problems.append(
-                    Problem("processes.iokit", Reason.UNAVAILABLE,
-                            f"{bad} GPU clients name no owner (IOUserClientCreator)", key)
-                )  # fmt: skip
+                    Problem(
+                        "processes.iokit",
+                        Reason.UNAVAILABLE,
+                        f"{bad} GPU clients name no owner (IOUserClientCreator)",
+                        key,
+                    )
+                )
             for (pid, pname), t in sorted(clients.items(), key=lambda kv: kv[0][0]):
                 engines = self._rate(times, (key, pid, pname), t, now)
                 if pid not in footprints:
@@ -456,12 +460,25 @@ class CtypesIOKit:
             )
             io.IORegistryEntryGetRegistryEntryID.argtypes = (u32, ctypes.POINTER(ctypes.c_uint64))
             io.IOObjectGetClass.argtypes = (u32, ctypes.c_char_p)
-            for fn in ("CFGetTypeID", "CFStringGetTypeID", "CFNumberGetTypeID",
-                       "CFBooleanGetTypeID", "CFDictionaryGetTypeID", "CFArrayGetTypeID",
-                       "CFDictionaryGetCount", "CFArrayGetCount"):  # fmt: skip
+            for fn in (
+                "CFGetTypeID",
+                "CFStringGetTypeID",
+                "CFNumberGetTypeID",
+                "CFBooleanGetTypeID",
+                "CFDictionaryGetTypeID",
+                "CFArrayGetTypeID",
+                "CFDictionaryGetCount",
+                "CFArrayGetCount",
+            ):
                 getattr(cf, fn).restype = ctypes.c_long
-            for fn in ("CFGetTypeID", "CFDictionaryGetCount", "CFArrayGetCount", "CFRelease",
-                       "CFBooleanGetValue", "CFNumberIsFloatType"):  # fmt: skip
+            for fn in (
+                "CFGetTypeID",
+                "CFDictionaryGetCount",
+                "CFArrayGetCount",
+                "CFRelease",
+                "CFBooleanGetValue",
+                "CFNumberIsFloatType",
+            ):
                 getattr(cf, fn).argtypes = (vp,)
             cf.CFArrayGetValueAtIndex.restype = vp
             cf.CFArrayGetValueAtIndex.argtypes = (vp, ctypes.c_long)
@@ -505,8 +522,9 @@ class CtypesIOKit:
                         io.IOObjectRelease(child)
             finally:
                 io.IOObjectRelease(kids)
-        return Accelerator(int(rid.value), cls.value.decode(errors="replace"),
-                           self._properties(entry), clients)  # fmt: skip
+        return Accelerator(
+            int(rid.value), cls.value.decode(errors="replace"), self._properties(entry), clients
+        )
 
     def _properties(self, entry: int) -> dict[str, Any]:
         io, cf = self._load()
@@ -540,8 +558,10 @@ class CtypesIOKit:
             cf.CFNumberGetValue(ref, kCFNumberSInt64Type, ctypes.byref(i))
             return i.value
         if t == cf.CFArrayGetTypeID():
-            return [self._py(cf.CFArrayGetValueAtIndex(ref, n), depth + 1)
-                    for n in range(cf.CFArrayGetCount(ref))]  # fmt: skip
+            return [
+                self._py(cf.CFArrayGetValueAtIndex(ref, n), depth + 1)
+                for n in range(cf.CFArrayGetCount(ref))
+            ]
         if t == cf.CFDictionaryGetTypeID():
             n = cf.CFDictionaryGetCount(ref)
             keys, vals = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()

@@ -121,8 +121,9 @@ def _store_blobs(info: Any, index: stores.StoreIndex, proc: str) -> list[Evidenc
     return evidence.mapped_store_files(paths, index.name_for, limit=MAX_STORE_PATHS)
 
 
-def _link_names(api: Sequence[Evidence],
-                friendly: Mapping[str, stores.StoreName]) -> list[Evidence]:
+def _link_names(
+    api: Sequence[Evidence], friendly: Mapping[str, stores.StoreName]
+) -> list[Evidence]:
     """Give name-only API evidence (Ollama's ``/api/ps`` names ``llama3.2:3b``) the path of
     the one mapped blob the store index calls by that name."""
     out = []
@@ -145,8 +146,14 @@ def _parent_ollama(pid: int, proc: str) -> int | None:
     return ppid if parent.name.lower().startswith("ollama") else None
 
 
-def gather(info: Any, index: stores.StoreIndex, *, proc: str = procfs.PROC,
-           probe_timeout: float = 0.5, probe_deadline: float = 3.0) -> Inputs:
+def gather(
+    info: Any,
+    index: stores.StoreIndex,
+    *,
+    proc: str = procfs.PROC,
+    probe_timeout: float = 0.5,
+    probe_deadline: float = 3.0,
+) -> Inputs:
     """Do every costly look for one process (see the module docstring). Never raises for
     a process that vanished or refused a read: what could not be read is simply absent."""
     t0 = time.perf_counter()
@@ -177,17 +184,24 @@ def gather(info: Any, index: stores.StoreIndex, *, proc: str = procfs.PROC,
         socks = llm.listening_sockets(pid, proc=proc)
         probed = pid
         if socks:
-            result = llm.probe(socks, runtime, api_key=evidence.api_key_from_argv(raw),
-                               timeout=probe_timeout, deadline_s=probe_deadline)
+            result = llm.probe(
+                socks,
+                runtime,
+                api_key=evidence.api_key_from_argv(raw),
+                timeout=probe_timeout,
+                deadline_s=probe_deadline,
+            )
         if (result is None or not result.ok) and any(
-                n.store == "ollama" for n in friendly.values()):
+            n.store == "ollama" for n in friendly.values()
+        ):
             # an Ollama runner's own port is not the documented API; `ollama serve` is
             parent = _parent_ollama(pid, proc)
             psocks = llm.listening_sockets(parent, proc=proc) if parent is not None else []
             if psocks:
                 probed, runtime = parent, "ollama"
-                result = llm.probe(psocks, "ollama", timeout=probe_timeout,
-                                   deadline_s=probe_deadline)
+                result = llm.probe(
+                    psocks, "ollama", timeout=probe_timeout, deadline_s=probe_deadline
+                )
         if result is not None and result.ok:
             runtime = result.runtime
             api = _link_names(result.evidence(cwd), friendly)
@@ -206,8 +220,18 @@ def gather(info: Any, index: stores.StoreIndex, *, proc: str = procfs.PROC,
                 buffers = llm.read_buffer_log(p)
             if buffers is not None:
                 break
-    return Inputs(tuple(claims), friendly, header, header_error, buffers, result, probed,
-                  runtime, app, time.perf_counter() - t0)
+    return Inputs(
+        tuple(claims),
+        friendly,
+        header,
+        header_error,
+        buffers,
+        result,
+        probed,
+        runtime,
+        app,
+        time.perf_counter() - t0,
+    )
 
 
 def _served_for(claim: ModelClaim, probe: llm.ProbeResult | None) -> llm.ServedModel | None:
@@ -224,8 +248,9 @@ def _served_for(claim: ModelClaim, probe: llm.ProbeResult | None) -> llm.ServedM
     return loaded[0] if len(loaded) == 1 and claim.sources & {Source.API} else None
 
 
-def _ref(claim: ModelClaim, name: str | None, store: str | None, *, pending: bool,
-         inputs: Inputs | None) -> ModelRef:
+def _ref(
+    claim: ModelClaim, name: str | None, store: str | None, *, pending: bool, inputs: Inputs | None
+) -> ModelRef:
     p = inputs.probe if inputs is not None else None
     return ModelRef(
         name=name or claim.model or (os.path.basename(claim.path) if claim.path else "?"),
@@ -243,8 +268,14 @@ def _ref(claim: ModelClaim, name: str | None, store: str | None, *, pending: boo
     )
 
 
-def build(info: Any, inputs: Inputs | None, *, argv: Sequence[str] | None,
-          measured_bytes: int | None, device: str | None) -> Resolved:
+def build(
+    info: Any,
+    inputs: Inputs | None,
+    *,
+    argv: Sequence[str] | None,
+    measured_bytes: int | None,
+    device: str | None,
+) -> Resolved:
     """The row's `Resolved` from gathered inputs (None: not gathered yet, cheap ref only)."""
     if inputs is None:
         claims = cheap_claims(info)
@@ -258,10 +289,16 @@ def build(info: Any, inputs: Inputs | None, *, argv: Sequence[str] | None,
     view = None
     if claim.allows_detail:
         view = llm.build_view(
-            claim, header=inputs.header, buffers=inputs.buffers,
-            served=_served_for(claim, inputs.probe), runtime=inputs.runtime,
-            friendly_name=store.name if store else None, argv=argv or (), device=device,
-            measured_bytes=measured_bytes)
+            claim,
+            header=inputs.header,
+            buffers=inputs.buffers,
+            served=_served_for(claim, inputs.probe),
+            runtime=inputs.runtime,
+            friendly_name=store.name if store else None,
+            argv=argv or (),
+            device=device,
+            measured_bytes=measured_bytes,
+        )
     name = view.model if view is not None else (store.name if store else None)
     ref = _ref(claim, name, store.store if store else None, pending=False, inputs=inputs)
     return Resolved(ref, view, inputs.app)
@@ -270,9 +307,17 @@ def build(info: Any, inputs: Inputs | None, *, argv: Sequence[str] | None,
 class ModelResolver:
     """Caches `gather` per ``(pid, create_time)``; see the module docstring."""
 
-    def __init__(self, *, background: bool = True, index: stores.StoreIndex | None = None,
-                 proc: str = procfs.PROC, ttl: float = 10.0, max_workers: int = 2,
-                 probe_timeout: float = 0.5, probe_deadline: float = 3.0) -> None:
+    def __init__(
+        self,
+        *,
+        background: bool = True,
+        index: stores.StoreIndex | None = None,
+        proc: str = procfs.PROC,
+        ttl: float = 10.0,
+        max_workers: int = 2,
+        probe_timeout: float = 0.5,
+        probe_deadline: float = 3.0,
+    ) -> None:
         self.background = background
         self.index = index if index is not None else stores.StoreIndex()
         self.proc = proc
@@ -290,14 +335,21 @@ class ModelResolver:
             # Daemon threads, not a ThreadPoolExecutor: the interpreter joins executor
             # threads at exit, so one read stuck on a dead network or FUSE mount would keep
             # `record` or the TUI from ever exiting.
-            self._pool = [threading.Thread(target=self._work, name=f"gtm-model-{i}",
-                                           daemon=True) for i in range(max_workers)]
+            self._pool = [
+                threading.Thread(target=self._work, name=f"gtm-model-{i}", daemon=True)
+                for i in range(max_workers)
+            ]
             for t in self._pool:
                 t.start()
 
     def _gather(self, info: Any) -> Inputs:
-        return gather(info, self.index, proc=self.proc, probe_timeout=self.probe_timeout,
-                      probe_deadline=self.probe_deadline)
+        return gather(
+            info,
+            self.index,
+            proc=self.proc,
+            probe_timeout=self.probe_timeout,
+            probe_deadline=self.probe_deadline,
+        )
 
     def inputs(self, info: Any) -> Inputs | None:
         """Gathered inputs for `info` (inline when not in background; else cached, with a
@@ -341,10 +393,16 @@ class ModelResolver:
         with self._lock:
             return self._idle.wait_for(lambda: not self._running, timeout)
 
-    def resolve(self, info: Any, *, measured_bytes: int | None = None,
-                device: str | None = None) -> Resolved:
-        return build(info, self.inputs(info), argv=getattr(info, "cmdline", None),
-                     measured_bytes=measured_bytes, device=device)
+    def resolve(
+        self, info: Any, *, measured_bytes: int | None = None, device: str | None = None
+    ) -> Resolved:
+        return build(
+            info,
+            self.inputs(info),
+            argv=getattr(info, "cmdline", None),
+            measured_bytes=measured_bytes,
+            device=device,
+        )
 
     def costs(self) -> list[float]:
         """Seconds each cached look took (benchmarks)."""

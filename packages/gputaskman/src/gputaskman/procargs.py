@@ -64,19 +64,58 @@ SECRET_FLAG_WORDS = frozenset(
         "bearer",
     }
 )
-SECRET_ENV_WORDS = ("TOKEN", "PASSWORD", "PASSWD", "SECRET", "API_KEY", "APIKEY",
-                    "ACCESS_KEY", "PRIVATE_KEY", "CREDENTIAL", "AUTH")
+SECRET_ENV_WORDS = (
+    "TOKEN",
+    "PASSWORD",
+    "PASSWD",
+    "SECRET",
+    "API_KEY",
+    "APIKEY",
+    "ACCESS_KEY",
+    "PRIVATE_KEY",
+    "CREDENTIAL",
+    "AUTH",
+)
 
-MODEL_EXTENSIONS = (".gguf", ".safetensors", ".onnx", ".bin", ".pt", ".pth", ".ckpt",
-                    ".tflite", ".engine", ".plan", ".ggml")
+MODEL_EXTENSIONS = (
+    ".gguf",
+    ".safetensors",
+    ".onnx",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".tflite",
+    ".engine",
+    ".plan",
+    ".ggml",
+)
 
 MODEL_FLAGS = frozenset(
     {
-        "-m", "--model", "--model-path", "--model_path", "--model-file", "--model_file",
-        "--model-dir", "--model_dir", "--models", "--mmproj", "--lora", "--lora-base",
-        "-md", "--model-draft", "--draft-model", "--checkpoint", "--ckpt", "--ckpt-path",
-        "--weights", "--model-name-or-path", "--model_name_or_path",
-        "--pretrained-model-name-or-path", "--pretrained_model_name_or_path",
+        "-m",
+        "--model",
+        "--model-path",
+        "--model_path",
+        "--model-file",
+        "--model_file",
+        "--model-dir",
+        "--model_dir",
+        "--models",
+        "--mmproj",
+        "--lora",
+        "--lora-base",
+        "-md",
+        "--model-draft",
+        "--draft-model",
+        "--checkpoint",
+        "--ckpt",
+        "--ckpt-path",
+        "--weights",
+        "--model-name-or-path",
+        "--model_name_or_path",
+        "--pretrained-model-name-or-path",
+        "--pretrained_model_name_or_path",
     }
 )
 # Flags whose values are model names rather than files; still `cmdline` evidence.
@@ -250,9 +289,7 @@ def model_args(args: RedactedArgs) -> tuple[ModelArg, ...]:
                 i += 1
                 continue
             ambiguous = name in _AMBIGUOUS_SHORT
-            if val.startswith("-") or (
-                ambiguous and "/" not in val and not _looks_like_model(val)
-            ):
+            if val.startswith("-") or (ambiguous and "/" not in val and not _looks_like_model(val)):
                 i += 1
                 continue
             add(val, "cmdline", name, idx)

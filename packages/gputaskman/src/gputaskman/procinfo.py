@@ -260,9 +260,21 @@ def _stat_model(pid: int, path: str | None, root: str) -> tuple[bool | None, int
 
 
 def _gone(pid: int, create_time: float | None, err: procfs.ProcError) -> ProcInfo:
-    return ProcInfo(pid, create_time, None, None, None, None, 0, (), (), None,
-                    time.monotonic(), gone=True,
-                    reasons=(FieldReason("process", err.reason, err.detail),))
+    return ProcInfo(
+        pid,
+        create_time,
+        None,
+        None,
+        None,
+        None,
+        0,
+        (),
+        (),
+        None,
+        time.monotonic(),
+        gone=True,
+        reasons=(FieldReason("process", err.reason, err.detail),),
+    )
 
 
 def scan_process(
@@ -278,20 +290,40 @@ def scan_process(
     try:
         st = procfs.read_stat(pid, root=root)
     except procfs.ProcError as err:
-        return _gone(pid, create_time, err) if isinstance(err, procfs.NoSuchProcess) else (
-            ProcInfo(pid, create_time, None, None, None, None, 0, (), (), None,
-                     time.monotonic(), reasons=(FieldReason("stat", err.reason, err.detail),))
+        return (
+            _gone(pid, create_time, err)
+            if isinstance(err, procfs.NoSuchProcess)
+            else (
+                ProcInfo(
+                    pid,
+                    create_time,
+                    None,
+                    None,
+                    None,
+                    None,
+                    0,
+                    (),
+                    (),
+                    None,
+                    time.monotonic(),
+                    reasons=(FieldReason("stat", err.reason, err.detail),),
+                )
+            )
         )
     bt = btime if btime is not None else procfs.boot_time(root)
     ct = procfs.create_time(st.start_ticks, bt) if bt is not None else None
     if create_time is not None and ct is not None and abs(ct - create_time) > 1e-6:
-        return _gone(pid, create_time, procfs.NoSuchProcess(
-            pid, f"pid {pid} now belongs to a process started at {ct:.2f}"))
+        return _gone(
+            pid,
+            create_time,
+            procfs.NoSuchProcess(pid, f"pid {pid} now belongs to a process started at {ct:.2f}"),
+        )
 
     if st.kernel_thread:
         # Kernel threads have no memory map, command line or executable; skip three reads.
-        return ProcInfo(pid, ct, st.name, None, None, (), 0, (), (), None, time.monotonic(),
-                        kernel_thread=True)
+        return ProcInfo(
+            pid, ct, st.name, None, None, (), 0, (), (), None, time.monotonic(), kernel_thread=True
+        )
 
     argv: tuple[str, ...] | None = None
     redacted = 0
@@ -327,16 +359,20 @@ def scan_process(
     models: list[ModelEvidence] = []
     for path, deleted in mapped_models(paths):
         exists, size = (None, None) if deleted else _stat_model(pid, path, root)
-        models.append(ModelEvidence("mapped", path, deleted=deleted, exists=exists,
-                                    size_bytes=size))
+        models.append(
+            ModelEvidence("mapped", path, deleted=deleted, exists=exists, size_bytes=size)
+        )
     cwd = links["cwd"]
     for ma in margs:
         path = resolve(ma.raw, cwd)
         # path-arg is informational only: no stat (a stat of an arbitrary argument could
         # block on a dead network mount, and the ladder gives it no weight anyway).
         exists, size = _stat_model(pid, path, root) if ma.evidence == "cmdline" else (None, None)
-        models.append(ModelEvidence(ma.evidence, path, raw=ma.raw, flag=ma.flag,
-                                    exists=exists, size_bytes=size))
+        models.append(
+            ModelEvidence(
+                ma.evidence, path, raw=ma.raw, flag=ma.flag, exists=exists, size_bytes=size
+            )
+        )
     name = st.name
     return ProcInfo(
         pid=pid,

@@ -651,8 +651,11 @@ def render_text(
         ]
     else:
         out.append("PROCESSES: none with a GPU context or a GPU runtime found")
-    with_models = [p for p in procs if p.model is not None or p.breakdown is not None
-                   or getattr(p.app_model, "selected", None)]
+    with_models = [
+        p
+        for p in procs
+        if p.model is not None or p.breakdown is not None or getattr(p.app_model, "selected", None)
+    ]
     if with_models:
         out += [
             "",

@@ -83,8 +83,9 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
     RuntimeSpec("tensorrt", "TensorRT", r"libnvinfer(?:_plugin)?\.so"),
     RuntimeSpec("nvenc", "NVENC", r"libnvidia-encode\.so", VIDEO),
     RuntimeSpec("nvdec", "NVDEC", r"libnvcuvid\.so", VIDEO),
-    RuntimeSpec("nvidia-gl", "NVIDIA OpenGL", r"lib(?:GLX_nvidia|EGL_nvidia|nvidia-glcore)\.so",
-                GRAPHICS),
+    RuntimeSpec(
+        "nvidia-gl", "NVIDIA OpenGL", r"lib(?:GLX_nvidia|EGL_nvidia|nvidia-glcore)\.so", GRAPHICS
+    ),
     # AMD ROCm
     RuntimeSpec("hip", "ROCm HIP", r"libamdhip64\.so"),
     RuntimeSpec("hsa", "ROCm HSA runtime", r"libhsa-runtime64\.so"),
@@ -114,16 +115,24 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
     RuntimeSpec("ggml", "ggml", r"libggml(?:-base)?\.so", LLM),
     RuntimeSpec("llama", "llama.cpp", r"libllama\.so", LLM),
     RuntimeSpec("whisper", "whisper.cpp", r"libwhisper\.so", SPEECH),
-    RuntimeSpec("stable-diffusion-cpp", "stable-diffusion.cpp", r"libstable-diffusion\.so",
-                VISION),
+    RuntimeSpec("stable-diffusion-cpp", "stable-diffusion.cpp", r"libstable-diffusion\.so", VISION),
     RuntimeSpec("ctranslate2", "CTranslate2", r"libctranslate2\.so"),
     # Frameworks
-    RuntimeSpec("pytorch", "PyTorch",
-                r"(?:libtorch(?:_cpu|_cuda|_hip|_python|_global_deps)?|libc10(?:_cuda)?)\.so"),
-    RuntimeSpec("onnxruntime", "ONNX Runtime",
-                r"(?:libonnxruntime(?:_providers_[a-z_]+)?|onnxruntime_pybind11_state)[.-]"),
-    RuntimeSpec("tensorflow", "TensorFlow",
-                r"(?:libtensorflow(?:_framework|_cc)?|_pywrap_tensorflow_internal)\.so"),
+    RuntimeSpec(
+        "pytorch",
+        "PyTorch",
+        r"(?:libtorch(?:_cpu|_cuda|_hip|_python|_global_deps)?|libc10(?:_cuda)?)\.so",
+    ),
+    RuntimeSpec(
+        "onnxruntime",
+        "ONNX Runtime",
+        r"(?:libonnxruntime(?:_providers_[a-z_]+)?|onnxruntime_pybind11_state)[.-]",
+    ),
+    RuntimeSpec(
+        "tensorflow",
+        "TensorFlow",
+        r"(?:libtensorflow(?:_framework|_cc)?|_pywrap_tensorflow_internal)\.so",
+    ),
     RuntimeSpec("tflite", "TensorFlow Lite", r"libtensorflowlite(?:_c)?\.so"),
     RuntimeSpec("jax", "JAX/XLA", r"(?:xla_extension|xla_cuda_plugin|xla_rocm_plugin|_jax)[.-]"),
     RuntimeSpec("paddle", "PaddlePaddle", r"libpaddle\.so"),
@@ -135,37 +144,167 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
 _RUNTIME_RE = re.compile("|".join(f"(?P<r{i}>{s.pattern})" for i, s in enumerate(RUNTIMES)))
 
 # Name tables for classify(): lower-case process names (comm or argv[0]/script base names).
-COMPOSITOR_NAMES = frozenset({
-    "xorg", "x", "xwayland", "gnome-shell", "kwin_wayland", "kwin_x11", "sway", "hyprland",
-    "weston", "mutter", "picom", "compton", "wayfire", "cosmic-comp", "labwc", "river",
-    "niri", "gamescope", "xfwm4", "marco", "muffin", "enlightenment",
-})
-BROWSER_NAMES = frozenset({
-    "firefox", "firefox-esr", "firefox-bin", "chrome", "google-chrome", "chromium",
-    "chromium-browser", "brave", "brave-browser", "msedge", "microsoft-edge", "vivaldi",
-    "vivaldi-bin", "opera", "librewolf", "epiphany", "qutebrowser", "thorium",
-})
-VIDEO_NAMES = frozenset({
-    "ffmpeg", "obs", "obs-studio", "gst-launch-1.0", "handbrakecli", "ghb", "vlc", "mpv",
-    "kdenlive", "shotcut", "resolve", "davinci-resolve", "totem", "celluloid",
-})
-GRAPHICS_NAMES = frozenset({
-    "blender", "godot", "unity", "unityhub", "unrealeditor", "steam", "gzdoom", "glxgears",
-    "vkcube", "glmark2", "vkmark", "krita", "gimp", "darktable", "freecad",
-})
+COMPOSITOR_NAMES = frozenset(
+    {
+        "xorg",
+        "x",
+        "xwayland",
+        "gnome-shell",
+        "kwin_wayland",
+        "kwin_x11",
+        "sway",
+        "hyprland",
+        "weston",
+        "mutter",
+        "picom",
+        "compton",
+        "wayfire",
+        "cosmic-comp",
+        "labwc",
+        "river",
+        "niri",
+        "gamescope",
+        "xfwm4",
+        "marco",
+        "muffin",
+        "enlightenment",
+    }
+)
+BROWSER_NAMES = frozenset(
+    {
+        "firefox",
+        "firefox-esr",
+        "firefox-bin",
+        "chrome",
+        "google-chrome",
+        "chromium",
+        "chromium-browser",
+        "brave",
+        "brave-browser",
+        "msedge",
+        "microsoft-edge",
+        "vivaldi",
+        "vivaldi-bin",
+        "opera",
+        "librewolf",
+        "epiphany",
+        "qutebrowser",
+        "thorium",
+    }
+)
+VIDEO_NAMES = frozenset(
+    {
+        "ffmpeg",
+        "obs",
+        "obs-studio",
+        "gst-launch-1.0",
+        "handbrakecli",
+        "ghb",
+        "vlc",
+        "mpv",
+        "kdenlive",
+        "shotcut",
+        "resolve",
+        "davinci-resolve",
+        "totem",
+        "celluloid",
+    }
+)
+GRAPHICS_NAMES = frozenset(
+    {
+        "blender",
+        "godot",
+        "unity",
+        "unityhub",
+        "unrealeditor",
+        "steam",
+        "gzdoom",
+        "glxgears",
+        "vkcube",
+        "glmark2",
+        "vkmark",
+        "krita",
+        "gimp",
+        "darktable",
+        "freecad",
+    }
+)
 # Word tables: matched as whole words (tokens split on anything not a letter or digit), so
 # "train" matches train_lora.py and --do_train but not "constraint".
-SPEECH_WORDS = ("whisper", "faster whisper", "piper", "vosk", "coqui", "tts", "parakeet",
-                "handy", "wyoming", "speech", "riva", "kokoro", "asr", "stt")
-VISION_WORDS = ("comfyui", "stable diffusion", "sd webui", "automatic1111", "invokeai",
-                "fooocus", "diffusers", "yolo", "ultralytics", "detectron2", "sam2",
-                "segment anything", "sdxl", "flux")
-TRAINING_WORDS = ("train", "training", "trainer", "finetune", "finetuning", "fine tune",
-                  "torchrun", "deepspeed", "accelerate", "pretrain", "sft", "dpo")
-LLM_WORDS = ("llama", "ollama", "vllm", "sglang", "text generation", "text generation launcher",
-             "koboldcpp", "localai", "local ai", "lmstudio", "lm studio", "tabbyapi",
-             "exllama", "exllamav2", "mlc llm", "gpt4all", "llamafile", "aphrodite", "tgi",
-             "llm", "llama server", "llama cli", "mistral", "qwen", "gemma", "phi")
+SPEECH_WORDS = (
+    "whisper",
+    "faster whisper",
+    "piper",
+    "vosk",
+    "coqui",
+    "tts",
+    "parakeet",
+    "handy",
+    "wyoming",
+    "speech",
+    "riva",
+    "kokoro",
+    "asr",
+    "stt",
+)
+VISION_WORDS = (
+    "comfyui",
+    "stable diffusion",
+    "sd webui",
+    "automatic1111",
+    "invokeai",
+    "fooocus",
+    "diffusers",
+    "yolo",
+    "ultralytics",
+    "detectron2",
+    "sam2",
+    "segment anything",
+    "sdxl",
+    "flux",
+)
+TRAINING_WORDS = (
+    "train",
+    "training",
+    "trainer",
+    "finetune",
+    "finetuning",
+    "fine tune",
+    "torchrun",
+    "deepspeed",
+    "accelerate",
+    "pretrain",
+    "sft",
+    "dpo",
+)
+LLM_WORDS = (
+    "llama",
+    "ollama",
+    "vllm",
+    "sglang",
+    "text generation",
+    "text generation launcher",
+    "koboldcpp",
+    "localai",
+    "local ai",
+    "lmstudio",
+    "lm studio",
+    "tabbyapi",
+    "exllama",
+    "exllamav2",
+    "mlc llm",
+    "gpt4all",
+    "llamafile",
+    "aphrodite",
+    "tgi",
+    "llm",
+    "llama server",
+    "llama cli",
+    "mistral",
+    "qwen",
+    "gemma",
+    "phi",
+)
 DECISION_WORDS = ("xgboost", "lightgbm", "catboost", "sklearn", "scikit learn")
 
 
@@ -176,7 +315,6 @@ class Runtime:
     key: str
     label: str
     library: str
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +331,6 @@ class Classification:
         c = self.category
         mark = HEURISTIC_MARK
         return c if (not self.heuristic or c.endswith(mark)) else f"{c}{mark}"
-
 
 
 # Base name -> index into RUNTIMES (or -1). Libraries repeat across processes (every
@@ -223,9 +360,7 @@ def detect_runtimes(paths: Iterable[str]) -> tuple[Runtime, ...]:
             base = base[: -len(_DELETED)] if base.endswith(_DELETED) else base
             if idx not in found or base < found[idx]:  # deterministic: smallest name
                 found[idx] = base
-    return tuple(
-        Runtime(RUNTIMES[i].key, RUNTIMES[i].label, found[i]) for i in sorted(found)
-    )
+    return tuple(Runtime(RUNTIMES[i].key, RUNTIMES[i].label, found[i]) for i in sorted(found))
 
 
 # --------------------------------------------------------------------------- classify
@@ -268,9 +403,13 @@ def _hit(words: str, table: tuple[tuple[str, str], ...]) -> str | None:
 
 _WORD_TABLES = tuple(
     (category, _padded(table))
-    for category, table in ((SPEECH, SPEECH_WORDS), (VISION, VISION_WORDS),
-                            (TRAINING, TRAINING_WORDS), (LLM, LLM_WORDS),
-                            (DECISION, DECISION_WORDS))
+    for category, table in (
+        (SPEECH, SPEECH_WORDS),
+        (VISION, VISION_WORDS),
+        (TRAINING, TRAINING_WORDS),
+        (LLM, LLM_WORDS),
+        (DECISION, DECISION_WORDS),
+    )
 )
 
 
@@ -301,8 +440,17 @@ def classify(
         p = m.path or m.raw or ""
         if p.lower().endswith((".gguf", ".ggml")):
             return Classification(LLM, False, f"{m.evidence} {posixpath.basename(p)}")
-    if keys & {"llama", "ggml", "ggml-cuda", "ggml-vulkan", "ggml-hip", "ggml-sycl",
-               "ggml-cpu", "ggml-metal", "ggml-opencl"}:
+    if keys & {
+        "llama",
+        "ggml",
+        "ggml-cuda",
+        "ggml-vulkan",
+        "ggml-hip",
+        "ggml-sycl",
+        "ggml-cpu",
+        "ggml-metal",
+        "ggml-opencl",
+    }:
         return Classification(LLM, False, "maps llama.cpp/ggml libraries")
     # --- names
     base_names, words = _names(name, argv)

@@ -48,13 +48,21 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", type=parse_listen, default=parse_listen(DEFAULT_LISTEN),
-                        metavar="ADDR:PORT",
-                        help=f"where to serve /metrics (default {DEFAULT_LISTEN}; port 0 "
-                        "picks a free one)")  # fmt: skip
-    parser.add_argument("--sample-interval", dest="serve_interval", type=float, default=None,
-                        metavar="S", help="seconds between samples (default: --interval, "
-                        "the TUI's refresh)")  # fmt: skip
+    parser.add_argument(
+        "--listen",
+        type=parse_listen,
+        default=parse_listen(DEFAULT_LISTEN),
+        metavar="ADDR:PORT",
+        help=f"where to serve /metrics (default {DEFAULT_LISTEN}; port 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--sample-interval",
+        dest="serve_interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds between samples (default: --interval, the TUI's refresh)",
+    )
 
 
 class Sampler:
@@ -114,16 +122,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         httpd, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as e:
-        print(f"gputaskman serve: cannot listen on {host}:{port}: {e.strerror or e}",
-              file=sys.stderr)
+        print(
+            f"gputaskman serve: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr
+        )
         return 1
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     sampler.start()
     bound_host, bound_port = httpd.server_address[:2]
-    print(f"gputaskman serving http://{bound_host}:{bound_port}/metrics (sampling every "
-          f"{interval:g} s, scan budget {SCAN_BUDGET * 1000:.0f} ms)", flush=True)
+    print(
+        f"gputaskman serving http://{bound_host}:{bound_port}/metrics (sampling every "
+        f"{interval:g} s, scan budget {SCAN_BUDGET * 1000:.0f} ms)",
+        flush=True,
+    )
     try:
         stop.wait()
     finally:

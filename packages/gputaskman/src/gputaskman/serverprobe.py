@@ -84,7 +84,7 @@ def _hex_addr(hexaddr: str, family: str) -> str:
     if family == "tcp":
         return ".".join(str(b) for b in raw[::-1])
     # IPv6 is four little-endian 32-bit words.
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
     return str(ipaddress.IPv6Address(words))
 
 
@@ -163,8 +163,14 @@ class ProbeResult:
             if path:
                 path = os.path.realpath(path)
             if path or m.name:
-                out.append(Evidence(Source.API, path=path, model=m.name,
-                                    detail=f"{self.runtime} API on {self.endpoint}"))
+                out.append(
+                    Evidence(
+                        Source.API,
+                        path=path,
+                        model=m.name,
+                        detail=f"{self.runtime} API on {self.endpoint}",
+                    )
+                )
         return out
 
 
@@ -214,9 +220,16 @@ def _parse_openai_models(doc: Any) -> tuple[list[ServedModel], dict[str, float]]
         ident = d["id"]
         if path is None and os.path.isabs(ident):
             path = ident
-        out.append(ServedModel(ident, path, True, weights_bytes=_int(meta.get("size")),
-                               n_params=_int(meta.get("n_params")),
-                               n_ctx=_int(d.get("max_model_len"))))
+        out.append(
+            ServedModel(
+                ident,
+                path,
+                True,
+                weights_bytes=_int(meta.get("size")),
+                n_params=_int(meta.get("n_params")),
+                n_ctx=_int(d.get("max_model_len")),
+            )
+        )
     if not out:
         raise _Bad("no model entries")
     return out, {}
@@ -226,7 +239,8 @@ def _parse_vllm_models(doc: Any) -> tuple[list[ServedModel], dict[str, float]]:
     # llama-server answers /v1/models too; vLLM marks its rows owned_by "vllm".
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list) or not any(
-            isinstance(d, dict) and d.get("owned_by") == "vllm" for d in data):
+        isinstance(d, dict) and d.get("owned_by") == "vllm" for d in data
+    ):
         raise _Bad("no model owned_by vllm")
     return _parse_openai_models(doc)
 
@@ -239,10 +253,16 @@ def _parse_ollama(doc: Any, loaded: bool) -> tuple[list[ServedModel], dict[str, 
     for m in models:
         if not isinstance(m, dict) or not (_str(m.get("name")) or _str(m.get("model"))):
             continue
-        out.append(ServedModel(_str(m.get("name")) or _str(m.get("model")), None, loaded,
-                               size_bytes=_int(m.get("size")),
-                               vram_bytes=_int(m.get("size_vram")) if loaded else None,
-                               n_ctx=_int(m.get("context_length"))))
+        out.append(
+            ServedModel(
+                _str(m.get("name")) or _str(m.get("model")),
+                None,
+                loaded,
+                size_bytes=_int(m.get("size")),
+                vram_bytes=_int(m.get("size_vram")) if loaded else None,
+                n_ctx=_int(m.get("context_length")),
+            )
+        )
     return out, {}
 
 
@@ -296,15 +316,21 @@ def _metrics(prefixes: Sequence[str]) -> Parser:
 
 
 RUNTIMES: dict[str, tuple[Endpoint, ...]] = {
-    "llama.cpp": (Endpoint("/props", _parse_props, identifies=True),
-                  Endpoint("/slots", _parse_slots),
-                  Endpoint("/v1/models", _parse_openai_models),
-                  Endpoint("/metrics", _metrics(["llamacpp:"]), text=True)),
-    "ollama": (Endpoint("/api/ps", lambda d: _parse_ollama(d, True), identifies=True),
-               Endpoint("/api/tags", lambda d: _parse_ollama(d, False))),
+    "llama.cpp": (
+        Endpoint("/props", _parse_props, identifies=True),
+        Endpoint("/slots", _parse_slots),
+        Endpoint("/v1/models", _parse_openai_models),
+        Endpoint("/metrics", _metrics(["llamacpp:"]), text=True),
+    ),
+    "ollama": (
+        Endpoint("/api/ps", lambda d: _parse_ollama(d, True), identifies=True),
+        Endpoint("/api/tags", lambda d: _parse_ollama(d, False)),
+    ),
     "lmstudio": (Endpoint("/api/v0/models", _parse_lmstudio, identifies=True),),
-    "vllm": (Endpoint("/v1/models", _parse_vllm_models, identifies=True),
-             Endpoint("/metrics", _metrics(["vllm:"]), text=True)),
+    "vllm": (
+        Endpoint("/v1/models", _parse_vllm_models, identifies=True),
+        Endpoint("/metrics", _metrics(["vllm:"]), text=True),
+    ),
 }
 
 
@@ -330,18 +356,32 @@ def _merge(models: list[ServedModel], new: list[ServedModel]) -> None:
     """Merge rows naming the same model (by name or path); later fields fill gaps."""
     for n in new:
         for i, m in enumerate(models):
-            if (m.name and m.name == n.name) or (m.path and m.path == n.path) or (
-                    m.path and n.name and os.path.basename(m.path) == os.path.basename(n.name)):
-                models[i] = replace(m, **{k: getattr(n, k) for k in n.__slots__
-                                          if getattr(m, k) is None and getattr(n, k) is not None})
+            if (
+                (m.name and m.name == n.name)
+                or (m.path and m.path == n.path)
+                or (m.path and n.name and os.path.basename(m.path) == os.path.basename(n.name))
+            ):
+                models[i] = replace(
+                    m,
+                    **{
+                        k: getattr(n, k)
+                        for k in n.__slots__
+                        if getattr(m, k) is None and getattr(n, k) is not None
+                    },
+                )
                 break
         else:
             models.append(n)
 
 
-def probe(sockets: Sequence[ListenSocket], runtime: str | None = None, *,
-          api_key: str | None = None, timeout: float = 0.5,
-          deadline_s: float = 3.0) -> ProbeResult:
+def probe(
+    sockets: Sequence[ListenSocket],
+    runtime: str | None = None,
+    *,
+    api_key: str | None = None,
+    timeout: float = 0.5,
+    deadline_s: float = 3.0,
+) -> ProbeResult:
     """Probe the given listening sockets synchronously (use :class:`ServerProber` from a UI).
 
     ``runtime`` picks the endpoint table; None tries each table until one identifies itself.
@@ -378,27 +418,44 @@ def probe(sockets: Sequence[ListenSocket], runtime: str | None = None, *,
                 _merge(models, rows)
                 gauges.update(g)
             if identified:
-                return ProbeResult(rt, f"{sock.host}:{sock.port}", tuple(models), gauges,
-                                   tuple(errors), time.time(), time.monotonic() - t0)
+                return ProbeResult(
+                    rt,
+                    f"{sock.host}:{sock.port}",
+                    tuple(models),
+                    gauges,
+                    tuple(errors),
+                    time.time(),
+                    time.monotonic() - t0,
+                )
     return ProbeResult(None, None, (), {}, tuple(errors), time.time(), time.monotonic() - t0)
 
 
 class ServerProber:
     """Probes off the caller's thread and caches results per key for ``ttl`` seconds."""
 
-    def __init__(self, *, timeout: float = 0.5, ttl: float = 10.0, max_workers: int = 2,
-                 deadline_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float = 0.5,
+        ttl: float = 10.0,
+        max_workers: int = 2,
+        deadline_s: float = 3.0,
+    ) -> None:
         self.timeout = timeout
         self.ttl = ttl
         self.deadline_s = deadline_s
-        self._pool = ThreadPoolExecutor(max_workers=max_workers,
-                                        thread_name_prefix="gtm-probe")
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="gtm-probe")
         self._lock = threading.Lock()
         self._done: dict[Any, tuple[float, ProbeResult]] = {}
         self._running: dict[Any, Future[ProbeResult]] = {}
 
-    def submit(self, key: Any, sockets: Sequence[ListenSocket], runtime: str | None = None,
-               api_key: str | None = None) -> Future[ProbeResult] | None:
+    def submit(
+        self,
+        key: Any,
+        sockets: Sequence[ListenSocket],
+        runtime: str | None = None,
+        api_key: str | None = None,
+    ) -> Future[ProbeResult] | None:
         """Schedule a probe unless a fresh result or a running probe exists. Never blocks."""
         with self._lock:
             hit = self._done.get(key)
@@ -406,8 +463,14 @@ class ServerProber:
                 return None
             if key in self._running:
                 return self._running[key]
-            fut = self._pool.submit(probe, list(sockets), runtime, api_key=api_key,
-                                    timeout=self.timeout, deadline_s=self.deadline_s)
+            fut = self._pool.submit(
+                probe,
+                list(sockets),
+                runtime,
+                api_key=api_key,
+                timeout=self.timeout,
+                deadline_s=self.deadline_s,
+            )
             self._running[key] = fut
         fut.add_done_callback(lambda f, k=key: self._finish(k, f))
         return fut
@@ -427,8 +490,13 @@ class ServerProber:
             hit = self._done.get(key)
         return hit[1] if hit else None
 
-    def probe_now(self, key: Any, sockets: Sequence[ListenSocket], runtime: str | None = None,
-                  api_key: str | None = None) -> ProbeResult | None:
+    def probe_now(
+        self,
+        key: Any,
+        sockets: Sequence[ListenSocket],
+        runtime: str | None = None,
+        api_key: str | None = None,
+    ) -> ProbeResult | None:
         """Submit and wait up to the deadline (for one-shot output, never for a UI)."""
         fut = self.submit(key, sockets, runtime, api_key)
         if fut is not None:

@@ -88,8 +88,10 @@ def default_roots(env: Mapping[str, str] | None = None, home: str | None = None)
     home = home or env.get("HOME") or os.path.expanduser("~")
     ollama = [env["OLLAMA_MODELS"]] if env.get("OLLAMA_MODELS") else []
     ollama += [os.path.join(home, ".ollama", "models"), "/usr/share/ollama/.ollama/models"]
-    lms = [os.path.join(home, ".lmstudio", "models"),
-           os.path.join(home, ".cache", "lm-studio", "models")]
+    lms = [
+        os.path.join(home, ".lmstudio", "models"),
+        os.path.join(home, ".cache", "lm-studio", "models"),
+    ]
     hf = []
     if env.get("HF_HUB_CACHE"):
         hf.append(env["HF_HUB_CACHE"])
@@ -97,8 +99,9 @@ def default_roots(env: Mapping[str, str] | None = None, home: str | None = None)
         hf.append(os.path.join(env["HF_HOME"], "hub"))
     xdg = env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
     hf.append(os.path.join(xdg, "huggingface", "hub"))
-    return StoreRoots(tuple(dict.fromkeys(ollama)), tuple(dict.fromkeys(lms)),
-                      tuple(dict.fromkeys(hf)))
+    return StoreRoots(
+        tuple(dict.fromkeys(ollama)), tuple(dict.fromkeys(lms)), tuple(dict.fromkeys(hf))
+    )
 
 
 def huggingface_name(canonical: str) -> StoreName | None:
@@ -107,12 +110,12 @@ def huggingface_name(canonical: str) -> StoreName | None:
     for i, part in enumerate(parts):
         if not part.startswith("models--") or i + 1 >= len(parts):
             continue
-        repo = part[len("models--"):]
+        repo = part[len("models--") :]
         if not repo:
             continue
         name = "/".join(repo.split("--", 1))
         if parts[i + 1] == "snapshots" and i + 3 < len(parts):
-            return StoreName(canonical, name, "huggingface", "/".join(parts[i + 3:]))
+            return StoreName(canonical, name, "huggingface", "/".join(parts[i + 3 :]))
         if parts[i + 1] == "blobs" and i + 2 < len(parts):
             return StoreName(canonical, name, "huggingface", None)
     return None
@@ -148,7 +151,7 @@ def _read_manifest_digests(path: str) -> tuple[list[str], str | None]:
             continue
         digest = layer.get("digest")
         if isinstance(digest, str) and digest.startswith("sha256:"):
-            hexpart = digest[len("sha256:"):]
+            hexpart = digest[len("sha256:") :]
             if _HEX.match(hexpart):
                 out.append(hexpart.lower())
     return out, None if out else "no model layer"

@@ -129,8 +129,15 @@ def powershell_command(interval: float = 1.0, exe: str = "powershell.exe") -> li
     so no quoting survives a trip through two shells badly."""
     script = POWERSHELL_SCRIPT.replace("__INTERVAL__", str(max(1, round(interval))))
     encoded = base64.b64encode(script.encode("utf-16-le")).decode("ascii")
-    return [exe, "-NoProfile", "-NonInteractive", "-ExecutionPolicy", "Bypass",
-            "-EncodedCommand", encoded]  # fmt: skip
+    return [
+        exe,
+        "-NoProfile",
+        "-NonInteractive",
+        "-ExecutionPolicy",
+        "Bypass",
+        "-EncodedCommand",
+        encoded,
+    ]
 
 
 @dataclass(slots=True)

@@ -83,16 +83,22 @@ def mark_lines() -> list[str]:
     size = "1.2 GiB"
     lines = [_row(f"{mark}{size}", KIND_HELP[kind]) for kind, mark in KIND_MARK.items()]
     lines += [
-        _row(f"{KIND_MARK[Kind.INFERRED]}{size}{report.UNIQUE_MARK}",
-             f"{report.UNIQUE_MARK} only one explanation fits the inference"),
+        _row(
+            f"{KIND_MARK[Kind.INFERRED]}{size}{report.UNIQUE_MARK}",
+            f"{report.UNIQUE_MARK} only one explanation fits the inference",
+        ),
         _row(report.NA, "unknown (the inspector says why); never 0"),
         *(_row(f"{report.NA} ({reason})", LOUD_HELP[reason]) for reason in report.LOUD_REASONS),
         _row("windows:PID", "a process of another OS (HOST:PID), see PID"),
-        _row(f"RUNTIMES {report.NOT_SCANNED_MARK}",
-             "not scanned yet (scans are budgeted per refresh)"),
-        _row(f"CATEGORY name{runtimes.HEURISTIC_MARK}",
-             "only process or file names support the category (heuristic)"),
-    ]  # fmt: skip
+        _row(
+            f"RUNTIMES {report.NOT_SCANNED_MARK}",
+            "not scanned yet (scans are budgeted per refresh)",
+        ),
+        _row(
+            f"CATEGORY name{runtimes.HEURISTIC_MARK}",
+            "only process or file names support the category (heuristic)",
+        ),
+    ]
     return lines
 
 
@@ -104,10 +110,12 @@ def model_lines() -> list[str]:
         _row(f"[api{ok}]", f"{ok} confirmed: two of api/mapped/cmdline agree"),
         _row(f"[mapped{unsure}]", f"{unsure} one corroborating source only"),
         _row(f"[{Source.PATH_ARG.value}]", "no mark: informational only, no breakdown"),
-        _row(f"[cmdline{unsure}]{report_models.PENDING_MARK}",
-             f"{report_models.PENDING_MARK} API, header and log look still running"),
+        _row(
+            f"[cmdline{unsure}]{report_models.PENDING_MARK}",
+            f"{report_models.PENDING_MARK} API, header and log look still running",
+        ),
         _row(report_models.SELECTED_TAG, "an app's selected model: a setting, not residency"),
-    ]  # fmt: skip
+    ]
     return lines
 
 
@@ -117,19 +125,26 @@ def screen_lines() -> list[str]:
     return [
         "Header, panels and status line",
         _row("memory bar", "the GPU's used / total memory (measured; ~ when inferred)"),
-        _row("attributed", 'sum of measured per-process VRAM; "lower bound" when some process '
-             "memory was hidden or a process list failed"),
+        _row(
+            "attributed",
+            'sum of measured per-process VRAM; "lower bound" when some process '
+            "memory was hidden or a process list failed",
+        ),
         _row("GTT", "amdgpu: system memory the GPU has mapped (not VRAM)"),
-        _row(f"VRAM {down} / VRAM {up}",
-             "the sort column and direction; unknowns always sort last"),
+        _row(
+            f"VRAM {down} / VRAM {up}", "the sort column and direction; unknowns always sort last"
+        ),
         _row("SYSTEM", "RAM, swap and CPU as the OS reports them; never GPU memory"),
         _row("duvm pool lines", "reported by duvm's daemon/memserver (runtime), never summed"),
         _row("PAUSED", 'refresh paused (space resumes); otherwise "every Ns"'),
         "Inspector (i)",
-        _row("[kind, source]", "every number with its provenance and, when unknown, the "
-             "reason; a row counted under a parent PID (WSL) is inside that parent's "
-             "measured total and never added again"),
-    ]  # fmt: skip
+        _row(
+            "[kind, source]",
+            "every number with its provenance and, when unknown, the "
+            "reason; a row counted under a parent PID (WSL) is inside that parent's "
+            "measured total and never added again",
+        ),
+    ]
 
 
 def help_text(bindings: list[Binding]) -> str:

@@ -197,8 +197,11 @@ def machine_reading(read: CounterRead | None, path: str) -> Reading:
     assert read is not None and read.values is not None
     values = [v for v in read.values.values() if math.isfinite(v) and v >= 0]
     if len(values) != 1:
-        return Reading.missing(Reason.QUERY_FAILED, _src(path),
-                               f"{len(read.values)} instances, expected one valid value")
+        return Reading.missing(
+            Reason.QUERY_FAILED,
+            _src(path),
+            f"{len(read.values)} instances, expected one valid value",
+        )
     return Reading.measured(values[0], _src(path))
 
 
