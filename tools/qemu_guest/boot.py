@@ -164,7 +164,10 @@ def stop_memserver(ms: Memserver) -> None:
 
 
 def memserver_status(
-    port: int, net: TapNet | None = None, python: str = sys.executable
+    port: int,
+    net: TapNet | None = None,
+    python: str = sys.executable,
+    secret_file: Path | None = None,
 ) -> dict[str, Any] | None:
     """A memserver's STATUS; through the namespace's own stack when it lives in one."""
     if net is not None:
@@ -184,10 +187,14 @@ def memserver_status(
             return json.loads(res.stdout) if res.returncode == 0 else None
         except (subprocess.TimeoutExpired, ValueError):
             return None
+    from duvm import auth
     from duvm.memclient import query_status
 
+    security = None
+    if secret_file is not None:  # a memserver that requires the cluster secret
+        security = auth.PeerSecurity(auth.Keyring.from_file(secret_file))
     try:
-        return asyncio.run(query_status("127.0.0.1", port, timeout=5))
+        return asyncio.run(query_status("127.0.0.1", port, timeout=5, security=security))
     except Exception:  # unknown is None, never a made-up 0
         return None
 
@@ -452,7 +459,7 @@ def run_guest(
             events,
             markers,
             _read(console) + _read(work / "qemu.log"),
-            [memserver_status(s.port, net, python) for s in servers],
+            [memserver_status(s.port, net, python, secret) for s in servers],
             hung=watch.hung,
             memserver_killed_at=killed_at,
         )

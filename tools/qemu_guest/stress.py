@@ -66,6 +66,22 @@ class Setup:
     def workload_mib(self) -> int:
         return self.mem_mib * self.pct // 100
 
+    def guest_kwargs(self) -> dict[str, Any]:
+        """`boot.run_guest` arguments for this set-up (the CI's pressure guest uses them too)."""
+        swap_mib = max(256, 2 * self.mem_mib)  # the device holds the overflow, twice over
+        return {
+            "workload_mib": self.workload_mib,
+            "cgroup_mib": None,
+            "mem_mib": self.mem_mib,
+            "swap_size": f"{swap_mib}M",
+            "capacity": f"{swap_mib}M",
+            "host_memservers": True,
+            "memservers": 2 if self.kill else 1,
+            "kill_memserver_at": 50 if self.kill else None,
+            "order": self.order,
+            "chunk_kib": 1024 if self.order == "sequential" else 64,
+        }
+
     @classmethod
     def parse(cls, text: str) -> Setup:
         parts = text.split(":")
@@ -140,19 +156,9 @@ def run_one(
     """Boot one guest for `setup`; its logs in OUT/NAME-TIME; one result record."""
     work = out / f"{setup.name.replace(':', '-')}-{time.strftime('%H%M%S')}"
     work.mkdir(parents=True)
-    swap_mib = max(256, 2 * setup.mem_mib)  # the device holds the whole overflow, twice over
     started = time.time()
     run = boot.run_guest(
-        workload_mib=setup.workload_mib,
-        cgroup_mib=None,
-        mem_mib=setup.mem_mib,
-        swap_size=f"{swap_mib}M",
-        capacity=f"{swap_mib}M",
-        host_memservers=True,
-        memservers=2 if setup.kill else 1,
-        kill_memserver_at=50 if setup.kill else None,
-        order=setup.order,
-        chunk_kib=1024 if setup.order == "sequential" else 64,
+        **setup.guest_kwargs(),
         daemon_args=daemon_args,
         stall_s=stall_s,
         timeout_s=timeout_s,
