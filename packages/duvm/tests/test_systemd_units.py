@@ -86,6 +86,17 @@ def test_node_unit_runs_duvm_node_with_the_example_config() -> None:
     assert s["ExecReload"] == "/bin/kill -HUP $MAINPID"  # secret rotation keeps the pages
 
 
+def test_enable_unit_lets_the_swap_path_protect_itself() -> None:
+    """Catches a unit hardening that would quietly take the daemon's memory-pressure
+    protections away (duvm.pressure): a node short of memory could then hang on its own swap
+    device."""
+    s = unit("duvm-enable.service")["Service"]
+    assert s.get("RestrictRealtime", "no") == "no"
+    assert "CPUSchedulingPolicy" not in s and "Nice" not in s
+    assert "CapabilityBoundingSet" not in s and "NoNewPrivileges" not in s
+    assert s["LimitMEMLOCK"] == "infinity" and int(s["OOMScoreAdjust"]) <= -900
+
+
 def test_units_name_only_existing_subcommands() -> None:
     for name in ("duvm-node.service", "duvm-enable.service"):
         for key, cmd in unit(name)["Service"].items():
