@@ -23,7 +23,6 @@ Theory of operation:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import hmac
 import os
@@ -344,22 +343,3 @@ def client_security_from_args(
 def encryption_wanted(args: argparse.Namespace, peers: list[tuple[str, int]]) -> bool:
     """--encrypt/--no-encrypt, else on exactly when a memserver is not on loopback."""
     return args.encrypt if args.encrypt is not None else not all_loopback(peers)
-
-
-def reload_client_keyring(clients: list[Any], path: str) -> str:
-    """SIGHUP in the daemon: re-read the secret file into every MemClient's security (their
-    next connect proves the new current secret). Returns a log line without any secret."""
-    try:
-        keyring = Keyring.from_file(path)
-    except SecretError as e:
-        return f"SIGHUP: keeping the old secrets: {e}"
-    from duvm import memclient
-
-    for c in clients:
-        if c.security is not None:
-            c.security = dataclasses.replace(c.security, keyring=keyring)
-    if memclient.default_security is not None:
-        memclient.default_security = dataclasses.replace(
-            memclient.default_security, keyring=keyring
-        )
-    return f"SIGHUP: re-read {path}: current key id {keyring.current_id.hex()}"

@@ -314,7 +314,7 @@ async def _serve_store(
         clients = getattr(getattr(store, "inner", store), "clients", [])
         loop.add_signal_handler(
             signal.SIGHUP,
-            lambda: log.warning("%s", auth.reload_client_keyring(clients, args.secret_file)),
+            lambda: log.warning("%s", memclient.reload_client_keyring(clients, args.secret_file)),
         )
     try:
         if args.metrics:  # Prometheus exposition; NBD latencies observed from here on

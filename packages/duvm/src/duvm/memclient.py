@@ -50,7 +50,15 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from duvm import pageproto as pp
-from duvm.auth import AuthError, PeerSecurity, answer_challenge, default_token, start_handshake
+from duvm.auth import (
+    AuthError,
+    Keyring,
+    PeerSecurity,
+    SecretError,
+    answer_challenge,
+    default_token,
+    start_handshake,
+)
 from duvm.pageproto import PAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -887,3 +895,19 @@ async def query_status(
     if not isinstance(msg, pp.StatusReply):
         raise MemserverUnreachable(f"memserver {peer} answered STATUS with {type(msg).__name__}")
     return json.loads(msg.json)
+
+
+def reload_client_keyring(clients: list[MemClient], path: str) -> str:
+    """SIGHUP in the daemon: re-read the secret file into every MemClient's security (their
+    next connect proves the new current secret). Returns a log line without any secret."""
+    global default_security
+    try:
+        keyring = Keyring.from_file(path)
+    except SecretError as e:
+        return f"SIGHUP: keeping the old secrets: {e}"
+    for c in clients:
+        if c.security is not None:
+            c.security = dataclasses.replace(c.security, keyring=keyring)
+    if default_security is not None:
+        default_security = dataclasses.replace(default_security, keyring=keyring)
+    return f"SIGHUP: re-read {path}: current key id {keyring.current_id.hex()}"
