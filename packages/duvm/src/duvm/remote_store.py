@@ -65,6 +65,7 @@ from duvm.pageproto import MAX_BATCH, ErrorCode
 from duvm.placement import normalize_peers, place
 from duvm.quietlog import QuietLog
 from duvm.readahead import Readahead
+from duvm.repair import Repairer, SlabRepair
 from duvm.storage import (
     DATA,
     EMPTY,
@@ -110,19 +111,6 @@ def _storage_error(e: Exception, what: str) -> StorageError:
     if isinstance(e, PageServerError) and e.code == ErrorCode.NO_SPACE:
         return StorageError(errno.ENOSPC, f"{what}: {e}")
     return StorageError(errno.EIO, f"{what}: {e}")
-
-
-class _SlabRepair:
-    """A copy of one slab to a new replica in progress (see repair.py)."""
-
-    __slots__ = ("aborted", "copied", "lock", "target", "total")
-
-    def __init__(self, target: int, total: int) -> None:
-        self.target = target
-        self.lock = asyncio.Lock()
-        self.total = total
-        self.copied = 0
-        self.aborted: str | None = None
 
 
 class _UnreachableWait:
@@ -192,7 +180,7 @@ class RemoteStore(BlockStore):
         self.rng = random.Random(seed)
         self.sets: list[list[int]] = []  # slab -> live replica peer indices, preferred first
         self._slab_clients: list[tuple[MemClient, ...]] = []  # the same, as clients
-        self.repairs: dict[int, _SlabRepair] = {}  # slab -> copy in progress
+        self.repairs: dict[int, SlabRepair] = {}  # slab -> copy in progress
         self.reserved = [0] * len(self.clients)  # pages we reserved on each peer
         self.assigned = [0] * len(self.clients)  # pages of slabs placed (or copying) there
         # (peer, slab): a dropped copy that may still hold pages there (counted in assigned)
@@ -340,8 +328,6 @@ class RemoteStore(BlockStore):
         self._open = True
         self._tasks.append(asyncio.ensure_future(self._watchdog()))
         if self._want_repair:
-            from duvm.repair import Repairer
-
             self.repairer = Repairer(self)
             self._tasks.append(asyncio.ensure_future(self.repairer.run()))
         log.info(
@@ -965,7 +951,7 @@ class RemoteStore(BlockStore):
             await self._store_replicas(slab, first, count, data, rep)
 
     async def _store_replicas(
-        self, slab: int, first: int, count: int, data: memoryview, rep: _SlabRepair | None
+        self, slab: int, first: int, count: int, data: memoryview, rep: SlabRepair | None
     ) -> None:
         self.stats["stores"] += 1
         self.stats["pages_stored"] += count
@@ -986,7 +972,7 @@ class RemoteStore(BlockStore):
         raise _storage_error(err, what) from None
 
     async def _store_round(
-        self, slab: int, first: int, count: int, data: memoryview, rep: _SlabRepair | None
+        self, slab: int, first: int, count: int, data: memoryview, rep: SlabRepair | None
     ) -> Exception | None:
         """Store on every replica once. None when at least one stored it (the others are
         dropped); else the failure to act on: NO_SPACE only if every replica refused for
@@ -1103,7 +1089,7 @@ class RemoteStore(BlockStore):
             finally:
                 self.inflight[slab] -= 1
 
-    async def _free_replicas(self, slab: int, keys: list[int], rep: _SlabRepair | None) -> None:
+    async def _free_replicas(self, slab: int, keys: list[int], rep: SlabRepair | None) -> None:
         members = list(self.sets[slab])
         targets = [*members, rep.target] if rep is not None and not rep.aborted else members
         res = await asyncio.gather(

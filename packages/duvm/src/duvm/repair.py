@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from duvm.memclient import MemserverUnreachable, PageServerError
 from duvm.placement import choose
-from duvm.storage import PAGE_SIZE, StorageError
+from duvm.storage import DATA, PAGE_SIZE, StorageError
 
 if TYPE_CHECKING:
     from duvm.remote_store import RemoteStore
@@ -57,6 +57,20 @@ CHUNK_PAGES = 64  # pages copied per lock hold: short enough that writes barely 
 RETRY_S = 1.0  # how often degraded slabs without a target are looked at again
 AVOID_S = 5.0  # a target that failed a copy is not chosen again for this long
 GRACE_S = 1.0  # beyond a memserver's lease before its pages are taken as gone
+
+
+class SlabRepair:
+    """A copy of one slab to a new replica in progress: writes to the slab take `lock` while
+    it runs and also go to `target`; `aborted` says why it must not become a replica."""
+
+    __slots__ = ("aborted", "copied", "lock", "target", "total")
+
+    def __init__(self, target: int, total: int) -> None:
+        self.target = target
+        self.lock = asyncio.Lock()
+        self.total = total
+        self.copied = 0
+        self.aborted: str | None = None
 
 
 class Repairer:
@@ -209,13 +223,11 @@ class Repairer:
 
     async def copy_slab(self, slab: int, target: int) -> bool:
         """Copy the slab's written pages to `target` and make it a replica. True on success."""
-        from duvm.remote_store import DATA, _SlabRepair
-
         s = self.store
         n = s.slab_size(slab)
         first = slab * s.slab_pages
         state = s._state
-        rep = _SlabRepair(target, state.count(DATA, first, first + n))
+        rep = SlabRepair(target, state.count(DATA, first, first + n))
         s.repairs[slab] = rep
         self._charge(target, slab)
         client = s.clients[target]
