@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from duvm import attach, control, resume, supervise
+from duvm import attach, control, resume, supervise, supervisor_process
 
 STAND_IN = "import time; time.sleep(120)"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="duvm supervise and resume run as root")
@@ -213,12 +213,12 @@ def test_no_pidfd_here_still_notices_the_death(node: Node, monkeypatch: pytest.M
 
 def test_only_a_device_that_can_take_a_new_daemon_is_supervised() -> None:
     att = attach.Attachment(socket="s", method=attach.METHOD_FUSE, device="/dev/loop3")
-    assert not supervise.wanted(att, ["--state-dir", "d"])  # nbdfuse+loop
+    assert not supervisor_process.wanted(att, ["--state-dir", "d"])  # nbdfuse+loop
     att.method = attach.METHOD_KERNEL
-    assert not supervise.wanted(att, ["--state-dir", "d"])  # kernel nbd via ioctls
+    assert not supervisor_process.wanted(att, ["--state-dir", "d"])  # kernel nbd via ioctls
     att.nbd_netlink = True
-    assert supervise.wanted(att, ["--state-dir", "d"])
-    assert not supervise.wanted(att, [])  # a daemon without its state cannot be resumed
+    assert supervisor_process.wanted(att, ["--state-dir", "d"])
+    assert not supervisor_process.wanted(att, [])  # a daemon without its state cannot be resumed
 
 
 def _wait_log(log: Path, text: str, pid: int, timeout: float = 60) -> str:
@@ -234,11 +234,11 @@ def _wait_log(log: Path, text: str, pid: int, timeout: float = 60) -> str:
 @root_only
 def test_the_supervisor_process_starts_reports_and_stops(node: Node) -> None:
     daemon = node.start()
-    pid, problem = supervise.start(node.state_dir)
+    pid, problem = supervisor_process.start(node.state_dir)
     try:
         assert problem is None  # start() returns once it watches the daemon
-        info = supervise.load(node.state_dir)
-        assert info is not None and info["pid"] == pid and supervise.alive(info)
+        info = supervisor_process.load(node.state_dir)
+        assert info is not None and info["pid"] == pid and supervisor_process.alive(info)
         assert f"watching daemon pid {daemon}" in Path(info["log"]).read_text()
         # on the swap path like the daemon: realtime by default, so the daemon it restarts
         # inherits the class from its first instruction (duvm.pressure)
@@ -247,8 +247,8 @@ def test_the_supervisor_process_starts_reports_and_stops(node: Node) -> None:
         assert st["supervisor"] == {"pid": pid, "running": True, "log": info["log"]}
         assert f"supervisor: pid {pid} running" in control.format_status(st)
     finally:
-        supervise.stop(node.state_dir)
-    assert not attach.pid_alive(pid) and supervise.load(node.state_dir) is None
+        supervisor_process.stop(node.state_dir)
+    assert not attach.pid_alive(pid) and supervisor_process.load(node.state_dir) is None
     assert Path(info["log"]).read_text().rstrip().endswith("stopped")
     assert attach.pid_alive(daemon)  # stopping the supervisor leaves the daemon alone
 
@@ -258,7 +258,7 @@ def test_a_stop_during_the_retries_ends_them(node: Node) -> None:
     """The real resume fails here (its daemon finds no memserver at 127.0.0.1:1): the
     supervisor waits between tries, and SIGTERM then ends it at once, without another try."""
     first = node.start()
-    pid, problem = supervise.start(node.state_dir)
+    pid, problem = supervisor_process.start(node.state_dir)
     log = node.state_dir / "supervisor.log"
     try:
         assert problem is None
@@ -269,7 +269,7 @@ def test_a_stop_during_the_retries_ends_them(node: Node) -> None:
         assert "duvm enable --resume at" in (node.state_dir / "daemon.log").read_text()
         t = time.monotonic()
     finally:
-        supervise.stop(node.state_dir)
+        supervisor_process.stop(node.state_dir)
     said = log.read_text()
     assert time.monotonic() - t < 30 and not attach.pid_alive(pid)
     assert said.rstrip().endswith("stopped") and "giving up" not in said
@@ -315,20 +315,20 @@ def test_disable_keeps_the_supervisor_through_swapoff_and_refuses_with_a_dead_da
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     daemon = node.start()
-    pid, _ = supervise.start(node.state_dir)
+    pid, _ = supervisor_process.start(node.state_dir)
     try:
         # a dead daemon and nobody resuming it: disable refuses instead of losing the pages
-        supervise.stop(node.state_dir)
+        supervisor_process.stop(node.state_dir)
         node.kill(daemon)
         attach.wait_pid_exit(daemon, 10)
         with pytest.raises(control.ControlError, match="enable --resume` first"):
             control.disable(node.state_dir)
         daemon = node.start()
-        pid, _ = supervise.start(node.state_dir)
+        pid, _ = supervisor_process.start(node.state_dir)
         seen: list[bool] = []
 
         def detach(path: Path, force: bool = False) -> attach.Attachment | None:
-            seen.append(supervise.alive(supervise.load(node.state_dir)))
+            seen.append(supervisor_process.alive(supervisor_process.load(node.state_dir)))
             att = attach.load_state(path)
             path.unlink()
             return att
@@ -339,7 +339,7 @@ def test_disable_keeps_the_supervisor_through_swapoff_and_refuses_with_a_dead_da
         assert not attach.pid_alive(pid) and not attach.pid_alive(daemon)
         assert "resuming" not in (node.state_dir / "supervisor.log").read_text()
     finally:
-        supervise.stop(node.state_dir)
+        supervisor_process.stop(node.state_dir)
 
 
 def test_enable_tells_how_starting_the_supervisor_went(capsys: pytest.CaptureFixture[str]) -> None:
@@ -362,9 +362,9 @@ def test_the_supervisor_follows_the_daemons_no_realtime_opt_out(node: Node) -> N
     info = json.loads(control.daemon_path(node.state_dir).read_text())
     info["daemon_args"].append("--no-realtime")
     control.daemon_path(node.state_dir).write_text(json.dumps(info))
-    pid, problem = supervise.start(node.state_dir)
+    pid, problem = supervisor_process.start(node.state_dir)
     try:
         assert problem is None
         assert os.sched_getscheduler(pid) == os.SCHED_OTHER
     finally:
-        supervise.stop(node.state_dir)
+        supervisor_process.stop(node.state_dir)

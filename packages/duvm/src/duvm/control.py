@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duvm import attach, auth, pressure
+from duvm import attach, auth, pressure, supervisor_process
 
 # The config file lives in duvm.config; its names are re-exported here for the commands.
 from duvm.config import (
@@ -188,12 +188,10 @@ def enable(cfg: Config) -> attach.Attachment:
     except BaseException:
         stop_daemon(cfg.state_dir)
         raise
-    from duvm import supervise
-
-    if cfg.supervise and supervise.wanted(att, cfg.daemon_args):
+    if cfg.supervise and supervisor_process.wanted(att, cfg.daemon_args):
         att.extra["supervise"] = True  # `enable --resume` starts it again after a give-up
         attach.save_state(state_path(cfg.state_dir), att)
-        pid, problem = supervise.start(cfg.state_dir)
+        pid, problem = supervisor_process.start(cfg.state_dir)
         att.extra["supervisor_pid"] = pid
         if problem:
             att.extra["supervisor_problem"] = problem
@@ -205,8 +203,6 @@ def disable(
 ) -> bool:
     """Swap off, detach, stop the daemon. False when nothing was enabled. What the user should
     know about a device left alone goes to `notes`."""
-    from duvm import supervise
-
     attach.require_root()
     current = attach.load_state(state_path(state_dir))
     daemon = load_daemon(state_dir)
@@ -215,10 +211,10 @@ def disable(
         and daemon is not None
         and not force
         and not daemon_alive(daemon)
-        and supervise.wanted(current, daemon.daemon_args)
+        and supervisor_process.wanted(current, daemon.daemon_args)
     ):
         # swapoff would have to read the pages from a dead daemon: they would be lost
-        sup = supervise.alive(supervise.load(state_dir))
+        sup = supervisor_process.alive(supervisor_process.load(state_dir))
         raise ControlError(
             f"the daemon (pid {daemon.pid}) is not running, so swapoff could not bring the "
             f"pages on {current.device} home: "
@@ -232,7 +228,7 @@ def disable(
     # The supervisor stays on during the swapoff (a daemon crash then is resumed too) and is
     # stopped before the daemon, whose stop it must not take for a crash.
     att = attach.detach(state_path(state_dir), force=force)  # SwapoffFailed: nothing done
-    supervise.stop(state_dir)
+    supervisor_process.stop(state_dir)
     if att is not None and notes is not None and att.extra.get("device_problem"):
         notes.append(
             f"left {att.device} alone (not swapped off, not discarded): "
@@ -350,13 +346,11 @@ def node_status(path: Path = DEFAULT_NODE_CONTROL_SOCKET) -> dict[str, Any] | No
 
 
 def _supervisor_status(state_dir: Path) -> dict[str, Any] | None:
-    from duvm import supervise
-
-    info = supervise.load(state_dir)
+    info = supervisor_process.load(state_dir)
     return (
         None
         if info is None
-        else {"pid": info["pid"], "running": supervise.alive(info), "log": info.get("log")}
+        else {"pid": info["pid"], "running": supervisor_process.alive(info), "log": info.get("log")}
     )
 
 

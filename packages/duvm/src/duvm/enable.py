@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from duvm import attach, control, resume, supervise
+from duvm import attach, control, resume, supervisor_process
 from duvm.config import with_secret
 from duvm.units import parse_size
 
@@ -119,10 +119,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"duvm resumed: daemon pid {info.pid} serves {att.device} again")
         if (
             att.extra.get("supervise")
-            and supervise.wanted(att, info.daemon_args)
-            and not supervise.alive(supervise.load(args.state_dir))
+            and supervisor_process.wanted(att, info.daemon_args)
+            and not supervisor_process.alive(supervisor_process.load(args.state_dir))
         ):
-            pid, problem = supervise.start(args.state_dir)  # it had given up, or was killed
+            pid, problem = supervisor_process.start(
+                args.state_dir
+            )  # it had given up, or was killed
             say_supervisor(pid, problem, "watches the daemon again")
         return 0
     try:

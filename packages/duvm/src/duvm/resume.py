@@ -32,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from duvm import attach, control
+from duvm.supervisor_process import keeps_state
 
 DAEMON_STATE_SUBDIR = "daemon-state"
 RESUME_LOCK = ".resume.lock"
@@ -40,11 +41,6 @@ RESUME_LOCK = ".resume.lock"
 def daemon_state_dir(state_dir: Path) -> Path:
     """Where `duvm enable` has the daemon keep its state (a 0700 directory of its own)."""
     return state_dir / DAEMON_STATE_SUBDIR
-
-
-def keeps_state(daemon_args: list[str]) -> bool:
-    """The daemon runs with `--state-dir`, so a restarted one can serve its pages again."""
-    return any(a == "--state-dir" or a.startswith("--state-dir=") for a in daemon_args)
 
 
 def with_state_dir(daemon_args: list[str], state_dir: Path) -> list[str]:
