@@ -18,7 +18,8 @@ import mmap
 import os
 from array import array
 
-PAGE_SIZE = 4096
+from duvm.pageproto import PAGE_SIZE  # the one definition: the wire's page
+
 log = logging.getLogger(__name__)
 
 

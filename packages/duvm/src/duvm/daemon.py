@@ -27,13 +27,12 @@ from pathlib import Path
 
 from duvm import auth, memclient, pressure, quietlog
 from duvm.nbdtrace import RequestTrace
+from duvm.pageproto import PAGE_SIZE  # the one definition: the wire's page
 from duvm.placement import default_replicas
 from duvm.storage import StorageError
 from duvm.units import is_loopback, parse_hostport, parse_listen, parse_size
 
 log = logging.getLogger("duvm.daemon")
-
-PAGE_SIZE = 4096
 
 
 class DaemonError(Exception):

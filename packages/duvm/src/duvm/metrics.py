@@ -52,12 +52,12 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from duvm import nbdconst as C
 from duvm import pageproto as pp
+from duvm.pageproto import PAGE_SIZE  # the one definition: the wire's page
 from duvm.poolstats import daemon_snapshot
 from duvm.units import parse_listen
 
 log = logging.getLogger(__name__)
 
-PAGE_SIZE = 4096
 SNAPSHOT_TIMEOUT_S = 2.0
 # Upper bounds in seconds: 10 us .. 2.5 s, fine where the fault path lives (tens of us).
 LATENCY_BOUNDS_S: tuple[float, ...] = (

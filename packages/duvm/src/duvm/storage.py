@@ -16,7 +16,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-PAGE_SIZE = 4096
+from duvm.pageproto import PAGE_SIZE as PAGE_SIZE  # the wire's page, defined once there
+
 EMPTY, DATA, LOST = 0, 1, 2  # per-page state a store keeps: never written or trimmed / holds
 # data / lost (reads fail with EIO until the page is written again)
 
