@@ -212,6 +212,9 @@ def test_memserver_without_secret_is_refused_when_we_have_one(memserver: str, se
     c = doctor.check_peers([memserver], timeout=3, security=security)
     # the daemon would refuse it too: a memserver that cannot prove the secret
     assert c.status == doctor.FAIL and "has no cluster secret" in c.detail
+    # it is running: the fix is its secret, not starting it
+    assert f"the memserver at {memserver} runs without the cluster secret" in (c.fix or "")
+    assert "--secret-file" in (c.fix or "") and "duvm memserver --listen" not in (c.fix or "")
 
 
 def test_off_loopback_peers_need_a_secret_like_the_daemon_says() -> None:

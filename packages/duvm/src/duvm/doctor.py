@@ -421,6 +421,12 @@ def check_peers(
             problems.append(f"{peer}: port open but no duvm memserver STATUS ({st})")
             if "authentication required" in st and security is None:
                 fix = "the peers require authentication: " + _AUTH_FIX
+            elif "has no cluster secret" in st:  # it runs; it cannot prove the secret
+                fix = (
+                    f"the memserver at {peer} runs without the cluster secret: restart it with "
+                    "--secret-file and this node's secret file (duvm node: secret_file in "
+                    "duvm.toml)"
+                )
             continue
 
         def mib(pages: object) -> str:
