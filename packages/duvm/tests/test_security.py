@@ -78,6 +78,30 @@ def test_bad_secret_files_are_refused_with_a_reason(tmp_path: Path, text: str, m
         auth.load_secrets(p)
 
 
+def test_secret_generate_refuses_a_path_in_a_missing_folder(tmp_path: Path) -> None:
+    """Catches `duvm secret generate` creating folders from a mistyped path without a word
+    (the secret would then sit where no config points)."""
+    target = tmp_path / "no" / "such" / "cluster.secret"
+    res = subprocess.run(
+        [sys.executable, "-m", "duvm.cli", "secret", "generate", str(target)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert f"no directory {target.parent}: create it first" in res.stderr
+    assert not (tmp_path / "no").exists()
+    ok = tmp_path / "cluster.secret"
+    res = subprocess.run(
+        [sys.executable, "-m", "duvm.cli", "secret", "generate", str(ok)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert len(auth.load_secrets(ok)) == 1 and ok.stat().st_mode & 0o777 == 0o600
+
+
 def test_keyring_repr_never_shows_a_secret() -> None:
     kr = _keyring(S1, S2)
     assert S1.hex() not in repr(kr) and S2.hex() not in repr(kr)

@@ -63,7 +63,11 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "generate":
             if path.exists():
                 raise auth.SecretError(f"{path} exists; use `duvm secret add` to rotate")
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not path.parent.is_dir():  # a typo in the path must not create folders
+                raise auth.SecretError(
+                    f"no directory {path.parent}: create it first (mkdir -m 0700 "
+                    f"{path.parent}) or give another path"
+                )
             _write(path, [auth.new_secret_line()])
         elif args.action == "add":
             _write(path, [*_lines(path), auth.new_secret_line()])
