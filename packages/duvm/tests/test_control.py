@@ -342,6 +342,8 @@ def test_status_when_nothing_is_enabled(tmp_path: Path) -> None:
     assert st["peers"] == []
     text = run_cli("status", "--state-dir", str(tmp_path))
     assert text.returncode == 0 and "not enabled" in text.stdout
+    # and what to do next
+    assert "to enable: sudo duvm enable --config" in text.stdout and "duvm doctor" in text.stdout
 
 
 def test_unreachable_peer_is_unknown_not_zero() -> None:

@@ -159,6 +159,8 @@ def stop_daemon(state_dir: Path, timeout: float = 30.0) -> None:
     if info is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(info.socket)
+        with contextlib.suppress(FileNotFoundError):  # a killed daemon could not remove it
+            os.unlink(f"{info.socket}.ctl")
 
 
 # --- enable / disable ------------------------------------------------------------------------
@@ -480,4 +482,9 @@ def format_status(st: dict[str, Any]) -> str:
                 f"  client {ns['client_id']}: {ns['stored_pages']} pages stored, "
                 f"{ns['reserved_pages']} reserved"
             )
+    if not st["enabled"] and not st["device"] and not st["daemon"]:
+        lines.append(
+            "to enable: sudo duvm enable --config /etc/duvm/duvm.toml (or --peers HOST:PORT,... "
+            "--size SIZE); sudo duvm doctor checks what it needs first"
+        )
     return "\n".join(lines)
