@@ -188,6 +188,7 @@ def test_pages_live_on_the_memserver_and_trim_frees_them(procs):
     # SIGTERM: clean exit, and the reservation and pages are released on the memserver.
     assert procs.stop(d) == 0
     assert not os.path.exists(sock)
+    assert not os.path.exists(sock + ".ctl")  # no stale control socket for `duvm status`
     ns = namespace(port, "test-trim")
     assert ns is None or (ns["reserved_pages"], ns["stored_pages"]) == (0, 0)
     assert status(port)["used_pages"] == 0 and status(port)["reserved_pages"] == 0

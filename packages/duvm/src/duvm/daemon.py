@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -351,6 +352,9 @@ async def _serve_store(
         )
         await stop.wait()
         ctl.close()
+        # asyncio leaves the socket file: gone with the daemon, so nobody reads a stale one
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ctl_path)
         log.info("stopping: finishing in-flight requests")
     finally:
         await server.close()
