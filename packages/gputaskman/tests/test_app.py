@@ -72,8 +72,8 @@ async def test_header_table_inspector_and_system_panel_show_the_snapshot():
         table = app.query_one(ProcessTable)
         # selected GPU's rows plus the candidate without a GPU context; not BUS1's whisper
         assert [p.pid for p in table.rows_shown.values()] == [4242, 5151, 777, 3131]
-        assert table.get_row_at(1)[3] == "~2.0 GiB"  # inferred value keeps its marker
-        assert table.get_row_at(3)[3] == "n/a"
+        assert str(table.get_row_at(1)[3]) == "~2.0 GiB"  # inferred value keeps its marker
+        assert str(table.get_row_at(3)[3]) == "n/a"
         assert "PID 4242" in text_of(app.query_one("#inspector-body"))
         assert "cpu 37.5%" in text_of(app.query_one(SystemPanel))
     assert fake.closed
@@ -278,7 +278,7 @@ async def test_drm_fixture_tree_through_the_real_collector(tmp_path):
         table = app.query_one(ProcessTable)
         rows = {p.pid: p for p in table.rows_shown.values()}
         assert set(rows) == {4100, 4200, 4300, 4301}
-        assert table.get_row("4100@00000000:03:00.0")[3] == "4.0 GiB"  # measured: no mark
+        assert str(table.get_row("4100@00000000:03:00.0")[3]) == "4.0 GiB"  # measured: no mark
         assert rows[4300].dedicated.reason is not None
         assert str(rows[4300].dedicated.reason) == "shared"
         table.move_cursor(row=table.get_row_index("4300@00000000:03:00.0"))
@@ -292,7 +292,7 @@ async def test_drm_fixture_tree_through_the_real_collector(tmp_path):
         assert "note: Intel memory:" in header and "frequency throttled (pl1)" in header
         assert "~150.0 MiB / ~256.0 MiB used" in header  # Intel: inferred, marked
         assert {p.pid for p in table.rows_shown.values()} == {4400}
-        assert table.get_row("4400@00000000:00:02.0")[3] == "150.0 MiB"
+        assert str(table.get_row("4400@00000000:00:02.0")[3]) == "150.0 MiB"
 
 
 # ----------------------------------------------------------------- layout snapshots
@@ -337,3 +337,21 @@ def test_layout_snapshot_help(snap_compare, utc):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+async def test_text_from_outside_shows_as_typed_never_as_markup():
+    """Catches table cells handed to Rich as markup: the evidence marker `[mapped✓]` vanished
+    from the MODEL cell and a process named `[bold]x[/bold]` showed as a bold `x`."""
+    import dataclasses
+    import re
+
+    snap = demo_snapshot()
+    procs = list(snap.processes)
+    procs[1] = dataclasses.replace(procs[1], name="[bold]x[/bold]")
+    snap = dataclasses.replace(snap, processes=tuple(procs))
+    app = app_with(FakeCollector(snapshot=snap))
+    async with app.run_test(size=(160, 45)) as pilot:
+        await settle(pilot, app)
+        shown = re.sub(r"<[^>]+>", "", app.export_screenshot()).replace("&#160;", " ")
+        assert "[bold]x[/bold]" in shown
+        assert "qwen2.5-7b-q4_k_m [mapped?]" in shown  # the model with its evidence marker

@@ -340,7 +340,7 @@ async def test_tui_iokit_mocked_shows_paged_column_and_drops_it_without_paged():
         table = app.query_one(ProcessTable)
         assert table.columns_shown == report.PAGED_COLUMNS
         row = table.get_row(f"{OWN}@{mac[0].adapters[0].pci_bus_id}")
-        assert row[4] == "512.0 MiB"
+        assert str(row[4]) == "512.0 MiB"
         table.sort_column = "PAGED"
         table.show(list(demo_snapshot().processes), demo_snapshot(), DemoSystem())
         assert table.columns_shown == report.PROCESS_COLUMNS

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rich.text import Text
 from textual.widgets import DataTable
 
 from gputaskman import report
@@ -135,7 +136,9 @@ class ProcessTable(DataTable):
                 continue
             self.rows_shown[k] = p
             cells = report.process_cells(p, lookup, snapshot, columns)
-            self.add_row(*clip(cells, columns), key=k)
+            # Text, not str: names, command lines and model names come from outside and
+            # must show as typed, never be read as Rich markup ("[mapped✓]", "[bold]")
+            self.add_row(*(Text(c) for c in clip(cells, columns)), key=k)
         self._refresh_header()
         if keep is not None and keep in self.rows_shown:
             self.move_cursor(row=self.get_row_index(keep))

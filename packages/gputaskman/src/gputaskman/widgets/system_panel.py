@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.widgets import Static
 
 from gputaskman import report
@@ -14,4 +15,5 @@ class SystemPanel(Static):
 
     def show(self, system: object | None) -> None:
         lines = report.system_lines(system)
-        self.update("SYSTEM (OS-reported, not GPU)\n" + "\n".join(lines))
+        # Text: swap device paths and the like come from the OS, never Rich markup
+        self.update(Text("SYSTEM (OS-reported, not GPU)\n" + "\n".join(lines)))
