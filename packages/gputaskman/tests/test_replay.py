@@ -364,3 +364,37 @@ def test_models_breakdowns_and_app_models_replay_as_recorded() -> None:
     assert snap.processes[0].model == model
     assert snap.processes[0].app_model.selected == "whisper-small"
     assert report.model_cell(snap.processes[0]).startswith("qwen [api✓]")
+
+
+def test_a_single_saved_snapshot_is_read_back_pretty_or_compact(tmp_path: Path) -> None:
+    """Catches the line-by-line reader taking an indented `gputaskman --json > f` for hundreds
+    of unparseable lines ("skipped 466 unparseable line(s)") in replay and summary."""
+    out = gtm("--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    pretty, compact = tmp_path / "pretty.json", tmp_path / "compact.json"
+    pretty.write_text(out.stdout)
+    compact.write_text(json.dumps(doc) + "\n")
+    assert out.stdout.count("\n") > 20  # indented over many lines, as --json writes it
+    for path in (pretty, compact):
+        src = RecordSource.open(path)
+        assert len(src.frames) == 1 and not src.report.malformed, src.report
+        snap, system = src.load(0)
+        assert report.to_json_dict(snap, system, doc["selected_gpu"]) == doc
+        s = gtm("summary", str(path))
+        assert s.returncode == 0 and "1 snapshots in 1 run(s)" in s.stdout, s.stdout + s.stderr
+        assert "unparseable" not in s.stdout
+    # an indented file that is cut is not one snapshot: read as lines, each reported
+    cut = tmp_path / "cut.json"
+    cut.write_text(out.stdout[: len(out.stdout) // 2])
+    with open(cut, "rb") as f:
+        assert not any(e.ok for e in iter_record(f))
+
+
+def test_a_file_that_is_not_a_record_is_called_so(tmp_path: Path) -> None:
+    """Catches random bytes reported as an interrupted recording."""
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(bytes(range(256)) * 12)
+    s = gtm("summary", str(junk))
+    assert "not a gputaskman record file" in s.stdout + s.stderr
+    assert "interrupted" not in s.stdout + s.stderr

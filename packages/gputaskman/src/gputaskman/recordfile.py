@@ -20,7 +20,8 @@ Lines are read as bytes and decoded one at a time, so one bad byte spoils one li
 the file; a line longer than `MAX_LINE_BYTES` is skipped without being held in memory.
 JSON's non-standard ``NaN``/``Infinity`` are rejected: unknown is ``null``, never a
 sentinel. `load_snapshot_file` reads a single saved snapshot (``--json`` output, indented
-or compact) for `diff`.
+or compact) for `diff`; `iter_record` reads one too, as a record of one sample (an indented
+document is parsed whole when its first line is a lone ``{``).
 """
 
 from __future__ import annotations
@@ -127,8 +128,31 @@ def _read_line(f: IO[bytes]) -> tuple[bytes, int, bool]:
     return raw[-1:], total, True  # keep only the newline (if any) to mark completeness
 
 
+def _whole_snapshot(f: IO[bytes]) -> Entry | None:
+    """An indented ``--json`` snapshot (one document over many lines) as one `Entry`, or
+    None (the stream is left where it was) when the stream is not that."""
+    if not f.seekable():
+        return None
+    start = f.tell()
+    first = f.readline(4096)
+    doc = None
+    if first.strip() == b"{":  # compact snapshots and record lines are whole on line 1
+        whole = first + f.read(MAX_LINE_BYTES + 1 - len(first))
+        if len(whole) <= MAX_LINE_BYTES:
+            doc, _ = parse_line(whole)
+            if doc is not None:
+                return Entry(1, start, len(whole), doc)
+    f.seek(start)
+    return None
+
+
 def iter_record(f: IO[bytes]) -> Iterator[Entry]:
-    """Every line of a binary record stream, classified (see the module docstring)."""
+    """Every line of a binary record stream, classified (see the module docstring). A single
+    indented snapshot (``gputaskman --json > f``) is read as one entry."""
+    single = _whole_snapshot(f)
+    if single is not None:
+        yield single
+        return
     offset = 0
     lineno = 0
     while True:

@@ -430,7 +430,14 @@ KINDS = {"measured", "inferred", "estimated", "runtime"}
 
 def render_text(s: Summary, *, plot: bool = False, width: int | None = None) -> str:
     out = [f"gputaskman summary {s.path}: {s.snapshots} snapshots in {len(s.runs)} run(s)"]
-    if s.unparseable:
+    if s.unparseable and not s.snapshots:
+        first = s.unparseable[0]
+        out.append(
+            f"not a gputaskman record file: none of its {s.lines} line(s) is a snapshot "
+            f"(line {first}: {s.unparseable_why[first]}); record one with "
+            "`gputaskman record FILE`, or save one snapshot with `gputaskman --json > FILE`"
+        )
+    elif s.unparseable:
         why = "; last line incomplete (recording interrupted)" if s.incomplete_last_line else ""
         first = s.unparseable[0]
         out.append(
