@@ -355,3 +355,26 @@ async def test_text_from_outside_shows_as_typed_never_as_markup():
         shown = re.sub(r"<[^>]+>", "", app.export_screenshot()).replace("&#160;", " ")
         assert "[bold]x[/bold]" in shown
         assert "qwen2.5-7b-q4_k_m [mapped?]" in shown  # the model with its evidence marker
+
+
+def test_help_names_keys_as_typed_and_the_status_line_counts_in_english():
+    """Catches Textual's key names leaking into the help (`question_mark` for `?`) and a
+    status line saying "1 processes"."""
+    from gputaskman.screens.help import help_text, key_label
+
+    assert key_label("question_mark") == "?" and key_label("escape") == "esc"
+    assert key_label("g") == "g" and key_label("G") == "G"
+    text = help_text(GtmApp.BINDINGS)
+    assert "question_mark" not in text and "  ?  " in text
+
+
+async def test_the_status_line_says_one_process():
+    import dataclasses
+
+    snap = demo_snapshot()
+    snap = dataclasses.replace(snap, processes=snap.processes[:1])
+    app = app_with(FakeCollector(snapshot=snap))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        status = text_of(app.query_one("#status"))
+        assert "1 process ·" in status and "processes" not in status

@@ -216,7 +216,8 @@ class GtmApp(App[int]):
             took = "" if self.last_elapsed_s is None else f" in {self.last_elapsed_s * 1000:.0f} ms"
             parts.append(f"sample {when}{took}")
         table = self.table
-        parts.append(f"{len(table.rows_shown)} processes")
+        n = len(table.rows_shown)
+        parts.append(f"{n} process{'' if n == 1 else 'es'}")
         parts.append(f"sort {table.header_label(table.sort_column)}")
         parts.append("PAUSED" if self.paused else f"every {self.interval:g}s")
         if self.last_error:

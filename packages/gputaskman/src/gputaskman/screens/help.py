@@ -18,6 +18,7 @@ from typing import ClassVar
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
+from textual.keys import KEY_DISPLAY_ALIASES, key_to_character
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
@@ -170,10 +171,17 @@ def help_text(bindings: list[Binding]) -> str:
     )
 
 
+def key_label(key: str) -> str:
+    """What a user presses for Textual's key name: `?` for "question_mark", `esc` for
+    "escape"; a plain letter stays itself."""
+    key = key.strip()
+    return KEY_DISPLAY_ALIASES.get(key) or key_to_character(key) or key
+
+
 def key_lines(bindings: list[Binding]) -> list[str]:
     lines = []
     for b in bindings:
-        keys = ", ".join(k.strip() for k in b.key.split(","))
+        keys = ", ".join(key_label(k) for k in b.key.split(","))
         lines.append(f"  {keys:<14} {b.description}")
     return lines
 
