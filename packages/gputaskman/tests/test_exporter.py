@@ -339,6 +339,21 @@ def test_serve_real_gpu_less_machine_scrapes_cleanly():
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
+    assert "off loopback" not in err  # loopback: nothing to warn about
+
+
+def test_serve_off_loopback_warns_that_labels_carry_command_line_text():
+    """Catches `serve` exposing process names and command-line text on a network without a
+    word. (Checked on the message `run` prints, not by binding a public address here.)"""
+    from gputaskman import serve
+
+    assert serve.is_loopback("127.0.0.1") and serve.is_loopback("::1")
+    assert serve.is_loopback("localhost") and not serve.is_loopback("0.0.0.0")
+    assert not serve.is_loopback("10.0.0.2") and not serve.is_loopback("gpu-host-7")
+    assert serve.exposure_warning("127.0.0.1") is None
+    warning = serve.exposure_warning("0.0.0.0")
+    assert warning and "serving on 0.0.0.0, off loopback" in warning
+    assert "command-line text" in warning
 
 
 def test_serve_port_in_use_is_a_clear_error():

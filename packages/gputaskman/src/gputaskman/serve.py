@@ -20,6 +20,7 @@ processes and models, so exposing them on a network is a choice the user makes w
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import signal
 import sys
@@ -45,6 +46,28 @@ def parse_listen(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(f"port out of range: {text!r}")
     host = host.strip("[]") or "0.0.0.0"
     return host, port
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address or "localhost"; a name that is not an address is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str) -> str | None:
+    """What to tell a user who serves off loopback (None on loopback): the labels carry text
+    taken from command lines."""
+    if is_loopback(host):
+        return None
+    return (
+        f"serving on {host}, off loopback: anyone who can reach this port reads process "
+        "names, command-line text and model names from its labels (no authentication yet); "
+        "put it behind a firewall or a reverse proxy"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         print("gputaskman serve: --sample-interval must be positive", file=sys.stderr)
         return 2
     host, port = args.listen
+    if warning := exposure_warning(host):
+        print(f"gputaskman serve: warning: {warning}", file=sys.stderr)
     sampler = Sampler(lambda: _collector(args, SCAN_BUDGET), interval)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(sampler.latest))
