@@ -42,12 +42,13 @@ def gpu_text(snapshot: Snapshot | None, adapter: Adapter | None) -> Text:
     if not snapshot.available:
         bp = snapshot.backend_problem
         assert bp is not None
+        # one statement, not three: the hint explains the reason when there is one (the
+        # library's own message says the same again); else the library's detail
         out = Text(f"No GPU: {snapshot.backend} unavailable ({bp.reason})", style="bold yellow")
-        if bp.detail:
-            out.append(f"\n{snapshot.backend}: {bp.detail}")
         hint = report.BACKEND_HINTS.get(bp.reason)
-        if hint:
-            out.append(f"\n{hint}")
+        why = hint or (f"{snapshot.backend}: {bp.detail}" if bp.detail else None)
+        if why:
+            out.append(f": {why}")
         return out
     if adapter is None:
         return Text(f"{snapshot.backend} answered but lists no GPU", style="bold yellow")
