@@ -2,9 +2,9 @@
 """Soak duvm: minutes of kernel swapping on a namespace cluster while faults are injected.
 
 Not part of CI (it runs 10+ minutes and needs root). Layout: a 4-node cluster of network
-namespaces (`duvm.netns_cluster`); memservers on nodes 2-4, the daemon on node 1 with R=2 (or
-`--replicas`), attached as swap; a workload (`duvm.workload`, random data verified by digest)
-holding several times its memory cgroup's limit runs round after round. Meanwhile a fault
+namespaces (`duvm.testing.netns_cluster`); memservers on nodes 2-4, the daemon on node 1 with
+R=2 (or `--replicas`), attached as swap; a workload (`duvm.workload`, random data verified by
+digest) holding several times its memory cgroup's limit runs round after round. Meanwhile a fault
 injector picks, every `--fault-every` seconds (jittered), one of:
 
 * ``kill9``   SIGKILL a memserver, then start it again empty after a few seconds;
@@ -37,7 +37,8 @@ import threading
 import time
 from pathlib import Path
 
-from duvm import attach, cgroup, control_socket, netns_cluster
+from duvm import attach, cgroup, control_socket
+from duvm.testing import netns_cluster
 
 PRIORITY = 32767
 

@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from duvm import control, control_socket, netns_cluster
+from duvm import control, control_socket
+from duvm.testing import netns_cluster
 
 SYS_PY = "/usr/bin/python3"
-WORKLOAD = str(Path(__file__).parents[1] / "src" / "duvm" / "nbd_workload.py")
+WORKLOAD = str(Path(__file__).parents[1] / "src" / "duvm" / "testing" / "nbd_workload.py")
 
 
 def _skip_reason() -> str | None:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from duvm import attach, cgroup, control_socket, demo, netns_cluster
+from duvm import attach, cgroup, control_socket, demo
+from duvm.testing import netns_cluster
 
 LIMIT_MIB, WORKLOAD_MIB = 48, 160
 
