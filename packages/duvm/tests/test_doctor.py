@@ -512,6 +512,7 @@ def test_swap_path_protection_reports_what_the_daemon_would_be_refused() -> None
             ("mlock", "mlockall"),
         ):
             assert (word in c.detail) == (name in refused), (name, c.detail)
-    off = doctor.check_swap_path(["--verbose", "--no-realtime"])
-    assert off.status == doctor.WARN and "--no-realtime" in off.detail
+    off = doctor.check_swap_path(["--verbose", "--no-realtime", "--no-mlock"])
+    assert off.status == doctor.WARN and "turned off by --no-realtime" in off.detail
     assert "remove --no-realtime from daemon_args" in (off.fix or "")
+    assert "remove --no-mlock from daemon_args" in (off.fix or "")

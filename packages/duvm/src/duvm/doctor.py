@@ -261,6 +261,10 @@ _PROTECTION_FIX = {
 }
 
 
+# the daemon's flags that turn a protection off (duvm.daemon), by the name pressure.probe uses
+_OPT_OUTS = {"--no-realtime": "realtime", "--no-mlock": "mlock", "--no-io-flusher": "io-flusher"}
+
+
 def check_swap_path(daemon_args: list[str], python: str = sys.executable) -> Check:
     """Can the daemon take every protection against memory pressure (`duvm.pressure`)? Tried
     in a throwaway child process, so this process changes nothing."""
@@ -272,8 +276,9 @@ def check_swap_path(daemon_args: list[str], python: str = sys.executable) -> Che
         got = json.loads(res.stdout.strip().splitlines()[-1])
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
         return Check("swap-path-protection", WARN, False, f"could not try them: {exc}")
-    if "--no-realtime" in daemon_args:
-        got["realtime"] = "turned off by --no-realtime in daemon_args"
+    opted_out = {name: flag for flag, name in _OPT_OUTS.items() if flag in daemon_args}
+    for name, flag in opted_out.items():
+        got[name] = f"turned off by {flag} in daemon_args"
     bad = {k: v for k, v in got.items() if v}
     if not bad:
         return Check(
@@ -283,14 +288,10 @@ def check_swap_path(daemon_args: list[str], python: str = sys.executable) -> Che
             "the daemon can lock itself in RAM, run realtime (SCHED_RR), be an I/O "
             "flusher and lower its OOM score",
         )
-    fixes = sorted(
-        {
-            "remove --no-realtime from daemon_args"
-            if "--no-realtime" in str(v)
-            else _PROTECTION_FIX[k]
-            for k, v in bad.items()
-        }
-    )
+    fixes = [
+        f"remove {opted_out[k]} from daemon_args" if k in opted_out else _PROTECTION_FIX[k]
+        for k in bad
+    ]
     return Check(
         "swap-path-protection",
         WARN,
