@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duvm import attach, auth, pressure, supervisor_process
+from duvm import attach, auth, control_socket, pressure, supervisor_process
 
 # The config file lives in duvm.config; its names are re-exported here for the commands.
 from duvm.config import (
@@ -160,7 +160,7 @@ def stop_daemon(state_dir: Path, timeout: float = 30.0) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(info.socket)
         with contextlib.suppress(FileNotFoundError):  # a killed daemon could not remove it
-            os.unlink(f"{info.socket}.ctl")
+            os.unlink(control_socket.default_path(info.socket))
 
 
 # --- enable / disable ------------------------------------------------------------------------
@@ -306,8 +306,6 @@ def daemon_health(daemon: DaemonInfo | None) -> dict[str, Any] | None:
     """Replication health from the daemon's control socket (None when it cannot answer)."""
     if daemon is None or not daemon_alive(daemon):
         return None
-    from duvm import control_socket
-
     try:
         return control_socket.query(control_socket.default_path(daemon.socket)).get("store")
     except (OSError, ValueError):
@@ -318,8 +316,6 @@ def node_status(path: Path = DEFAULT_NODE_CONTROL_SOCKET) -> dict[str, Any] | No
     """What this node lends (`duvm node`'s control socket); None when no node runs here."""
     if not path.exists():
         return None
-    from duvm import control_socket
-
     try:
         st = control_socket.query(str(path))
     except (OSError, ValueError) as exc:
