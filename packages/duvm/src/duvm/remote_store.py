@@ -403,7 +403,7 @@ class RemoteStore(BlockStore):
     def log_summary(self) -> None:
         """The counted repeats since the last summary, and one line while degraded or lost."""
         self.events.flush()
-        degraded = sum(1 for m in self.sets if len(m) < self.replicas)
+        degraded = len(self.degraded_slabs())
         lost = self._state.count(LOST)
         if degraded or lost:
             self._was_degraded = True
@@ -503,9 +503,13 @@ class RemoteStore(BlockStore):
             if rep.target == peer:
                 rep.aborted = "the new replica's memserver lost our pages"
 
+    def degraded_slabs(self) -> list[int]:
+        """Slabs with fewer live replicas than wanted."""
+        return [s for s, m in enumerate(self.sets) if len(m) < self.replicas]
+
     def health(self) -> dict:
         """Replication state for `duvm status` (JSON-ready)."""
-        degraded = [s for s, m in enumerate(self.sets) if len(m) < self.replicas]
+        degraded = self.degraded_slabs()
         per_peer = [0] * len(self.clients)
         for m in self.sets:
             for i in m:
