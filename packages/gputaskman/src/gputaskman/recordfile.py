@@ -135,7 +135,6 @@ def _whole_snapshot(f: IO[bytes]) -> Entry | None:
         return None
     start = f.tell()
     first = f.readline(4096)
-    doc = None
     if first.strip() == b"{":  # compact snapshots and record lines are whole on line 1
         whole = first + f.read(MAX_LINE_BYTES + 1 - len(first))
         if len(whole) <= MAX_LINE_BYTES:
