@@ -475,9 +475,10 @@ def run_guest(
 
 
 class Watchdog:
-    """Reads the guest's console as it grows: progress is a change of the monitor thread's swap
-    counters (``out N in M``) or a new line of the guest script; armed once the workload
-    starts. Says when a memserver kill is due (the fill reached `kill_at_pct`)."""
+    """Reads the guest's console as it grows (only the new bytes at each poll): progress is a
+    change of the monitor thread's swap counters (``out N in M``) or a new line of the guest
+    script; armed once the workload starts. Says when a memserver kill is due (the fill
+    reached `kill_at_pct`)."""
 
     MONITOR = re.compile(r"duvm-guest: monitor \S+ out (\d+) in (\d+)")
 
@@ -490,22 +491,38 @@ class Watchdog:
         self.armed = False
         self.hung = False
         self.kill_due = False
+        self._offset = 0  # console bytes consumed, up to the last complete line
+        self._counters: tuple[str, str] | None = None  # the last monitor line's
+        self._lines = 0  # the guest script's own lines (not the monitor's)
         self._key: tuple[object, ...] | None = None
         self._since = 0.0
 
+    def _consume(self) -> None:
+        try:
+            with open(self.console, "rb") as f:
+                f.seek(self._offset)
+                new = f.read()
+        except OSError:
+            return
+        done = new.rfind(b"\n") + 1  # a partly written last line waits for the next poll
+        self._offset += done
+        for line in new[:done].decode(errors="replace").splitlines():
+            if self.kill_mark is not None and self.kill_mark in line:
+                self.kill_due = True
+            if "duvm-guest: workload fill" in line:
+                self.armed = True
+            if m := self.MONITOR.search(line):
+                self._counters = (m.group(1), m.group(2))
+            if line.startswith("duvm-guest:") and "monitor" not in line:
+                self._lines += 1
+
     def poll(self, now: float) -> None:
-        text = _read(self.console)
-        if self.kill_mark is not None and self.kill_mark in text:
-            self.kill_due = True
-        if not self.armed:
-            self.armed = "duvm-guest: workload fill" in text
+        was_armed = self.armed
+        self._consume()
+        if not was_armed:
             self._since = now
             return
-        counters = self.MONITOR.findall(text)
-        lines = sum(
-            1 for ln in text.splitlines() if ln.startswith("duvm-guest:") and "monitor" not in ln
-        )
-        key = (counters[-1] if counters else None, lines)
+        key = (self._counters, self._lines)
         if key != self._key:
             self._key, self._since = key, now
         elif self.stall_s is not None and now - self._since > self.stall_s:
