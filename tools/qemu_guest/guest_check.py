@@ -119,7 +119,18 @@ def device_facts(nbd: str = "nbd0") -> dict[str, Any]:
         "holder_pids": _pids_with("duvm.kernelnbd"),
         "supervisor_pids": _pids_with("duvm.cli\0supervise"),
         "daemon_policies": [_policy(p) for p in _pids_with("duvm.cli\0daemon")],
+        "daemon_state_mount": _mount_type(STATE_DIR + "/daemon-state"),
     }
+
+
+def _mount_type(path: str) -> str | None:
+    """The filesystem type mounted exactly on `path` (None: no mount there)."""
+    found = None
+    for line in (_read("/proc/self/mounts") or "").splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[1] == path:
+            found = fields[2]
+    return found
 
 
 def _policy(pid: int) -> int | None:

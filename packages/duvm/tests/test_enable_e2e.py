@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from duvm import attach, cgroup, control, demo
+from duvm import attach, cgroup, control, demo, ramfs
 
 LIMIT_MIB, WORKLOAD_MIB = 64, 256
 PAGE = 4096
@@ -195,6 +195,11 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         res = duvm(*enable)
         assert res.returncode == 0, res.stderr
         assert "2 copies of each page" in res.stdout and "warning" not in res.stderr
+        # the daemon's state is on a ramfs of its own: a restarted daemon can read it back
+        # even when everything else on /run was swapped out to this device (duvm.ramfs)
+        ds = control.daemon_state_dir(state_dir)
+        assert ramfs.is_mount_point(ds) and ramfs.filesystem_of(ds) == "ramfs"
+        assert (ds / "daemon-state.json").exists()
         again = duvm(*enable)
         assert again.returncode == 1 and "already enabled" in again.stderr
 

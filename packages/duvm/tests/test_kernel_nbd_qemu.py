@@ -189,6 +189,8 @@ def test_sigkilled_daemon_was_resumed_onto_the_live_device(guest_run: Any) -> No
     assert killed["vmstat"]["pswpout"] - _event(guest_run, "start")["vmstat"]["pswpout"] > 0
     assert killed["nbd_pid"] == att["nbd_pid"], killed
     assert {"daemon-state.json", "daemon-pages.bin"} <= set(killed["state_files"]), killed
+    # on a ramfs, so the guest's swapping cannot send them to the device whose server died
+    assert _event(guest_run, "attached")["daemon_state_mount"] == "ramfs"
     res = _event(guest_run, "resumed")
     # nobody ran `duvm enable --resume`: the supervisor that enable started did it
     assert res["new_pid"] is not None, f"not resumed: supervisor log {res['supervisor_log']}"

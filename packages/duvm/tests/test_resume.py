@@ -88,3 +88,29 @@ def test_refusals_before_anything_is_started(
     with pytest.raises(control.ControlError, match="without --state-dir"):
         resume.resume(tmp_path)
     assert not (tmp_path / "daemon.log").exists()  # nothing was started
+
+
+@needs_root
+def test_a_supervisors_resume_reads_no_record_and_starts_a_new_log(tmp_path: Path) -> None:
+    """Catches a resume that rereads state.json/daemon.json or appends to the dead daemon's
+    log although the supervisor handed it the records: on a node under pressure those pages
+    may be on the device whose server is dead, and touching them waits out the kernel's
+    dead-connection timeout (seen in CI: the restarted daemon's state read failed with EIO)."""
+    att = attach.Attachment(
+        socket=str(tmp_path / "nbd.sock"),
+        method=attach.METHOD_KERNEL,
+        device="/dev/nbd7",
+        nbd_device="/dev/nbd7",
+        nbd_netlink=True,
+    )
+    old = _daemon_info(tmp_path, _dead_pid(), ["--state-dir", str(tmp_path / "ds")])
+    (tmp_path / "daemon.log").write_text("the dead daemon's last words\n")
+    # no state.json, no daemon.json: read, they would make resume say "not enabled"
+    with pytest.raises(control.ControlError, match="the resumed daemon exited"):
+        resume.resume(tmp_path, timeout=30, known=(att, old))
+    assert (tmp_path / "daemon.log.1").read_text() == "the dead daemon's last words\n"
+    new_log = (tmp_path / "daemon.log").read_text()
+    assert new_log.startswith("--- duvm enable --resume at ")
+    assert "last words" not in new_log and "duvm daemon:" in new_log  # the new daemon's own
+    # the record of the daemon it started is written (fresh pages, no swap-in needed)
+    assert control.load_daemon(tmp_path).pid != old.pid

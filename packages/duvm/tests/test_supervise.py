@@ -99,7 +99,7 @@ def test_a_killed_daemon_is_resumed_and_the_new_one_watched(node: Node) -> None:
     timeouts: list[float] = []
     log: list[str] = []
 
-    def resume_fn(state_dir: Path, timeout: float) -> None:
+    def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
         timeouts.append(timeout)
         resumed.append(node.start())
         if len(resumed) == 1:  # the second daemon dies too, later
@@ -127,7 +127,7 @@ def test_a_failing_resume_is_retried_then_given_up(
     node.kill(node.start())
     calls: list[float] = []
 
-    def resume_fn(state_dir: Path, timeout: float) -> None:
+    def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
         calls.append(time.monotonic())
         raise control.ControlError("a memserver is unreachable")
 
@@ -149,7 +149,7 @@ def test_tries_stop_at_the_kernels_dead_connection_timeout(
     node.kill(node.start())
     calls: list[float] = []
 
-    def resume_fn(state_dir: Path, timeout: float) -> None:
+    def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
         calls.append(timeout)
         raise control.ControlError("no memserver answers")
 
@@ -166,7 +166,7 @@ def test_a_daemon_that_keeps_dying_is_not_restarted_forever(
     monkeypatch.setattr(supervise, "MAX_RESTARTS", 2)
     node.kill(node.start())
 
-    def resume_fn(state_dir: Path, timeout: float) -> None:
+    def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
         node.kill(node.start())  # crashes again at once
 
     log: list[str] = []
@@ -182,7 +182,7 @@ def test_a_resume_done_by_hand_meanwhile_is_taken_as_done(
     first = node.start()
     by_hand: list[int] = []
 
-    def resume_fn(state_dir: Path, timeout: float) -> None:
+    def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
         by_hand.append(node.start())  # `duvm enable --resume` won the lock first
         _later(0.2, lambda: node.disable(by_hand[0]))
         raise control.ControlError(f"the daemon (pid {by_hand[0]}) still runs")
@@ -201,7 +201,7 @@ def test_no_pidfd_here_still_notices_the_death(node: Node, monkeypatch: pytest.M
     first = node.start()
     resumed: list[int] = []
 
-    def resume_fn(state_dir: Path, timeout: float) -> None:
+    def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
         resumed.append(node.start())
         _later(0.2, lambda: node.disable(resumed[0]))
 
@@ -368,3 +368,47 @@ def test_the_supervisor_follows_the_daemons_no_realtime_opt_out(node: Node) -> N
         assert os.sched_getscheduler(pid) == os.SCHED_OTHER
     finally:
         supervisor_process.stop(node.state_dir)
+
+
+def test_no_record_is_read_between_the_death_and_the_resume(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches a supervisor that rereads state.json or daemon.json after the daemon died: on a
+    node under pressure their pages may be on the device whose server is dead, and the read
+    waits out the kernel's dead-connection timeout, so the resume comes too late (seen in CI:
+    swap I/O errors, then a kernel panic)."""
+    first = node.start()
+    dead = threading.Event()
+    reads_while_dead: list[str] = []
+    real_state, real_daemon = attach.load_state, control.load_daemon
+
+    def spy_state(path: Path) -> object:
+        if dead.is_set():
+            reads_while_dead.append(path.name)
+        return real_state(path)
+
+    def spy_daemon(state_dir: Path) -> object:
+        if dead.is_set():
+            reads_while_dead.append("daemon.json")
+        return real_daemon(state_dir)
+
+    monkeypatch.setattr(attach, "load_state", spy_state)
+    monkeypatch.setattr(control, "load_daemon", spy_daemon)
+    handed: list[object] = []
+    resumed: list[int] = []
+
+    def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
+        handed.append(known)
+        resumed.append(node.start())
+        dead.clear()  # a daemon serves again
+        _later(0.2, lambda: node.disable(resumed[0]))
+
+    def kill() -> None:
+        dead.set()
+        node.kill(first)
+
+    _later(0.2, kill)
+    assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=lambda m: None) == 0
+    assert reads_while_dead == []
+    att, daemon = handed[0]  # type: ignore[misc]
+    assert daemon.pid == first and att.device == "/dev/nbd7"

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duvm import attach, auth, control_socket, pressure, supervisor_process
+from duvm import attach, auth, control_socket, pressure, ramfs, supervisor_process
 
 # The config file lives in duvm.config; its names are re-exported here for the commands.
 from duvm.config import (
@@ -50,6 +50,25 @@ from duvm.config import load_node_config as load_node_config
 from duvm.units import parse_hostport
 
 # --- daemon process --------------------------------------------------------------------------
+
+DAEMON_STATE_SUBDIR = "daemon-state"
+
+
+def daemon_state_dir(state_dir: Path) -> Path:
+    """Where `duvm enable` has the daemon keep its state (`duvm.daemon_state`): a ramfs of its
+    own (`duvm.ramfs`), so that nothing a restarted daemon must read can be swapped out."""
+    return state_dir.resolve() / DAEMON_STATE_SUBDIR
+
+
+def _state_dir_arg(daemon_args: list[str]) -> Path | None:
+    """The daemon's `--state-dir` among `daemon_args` (the last one wins, as in argparse)."""
+    found = None
+    for i, a in enumerate(daemon_args):
+        if a == "--state-dir" and i + 1 < len(daemon_args):
+            found = daemon_args[i + 1]
+        elif a.startswith("--state-dir="):
+            found = a.split("=", 1)[1]
+    return Path(found) if found is not None else None
 
 
 @dataclass
@@ -176,7 +195,13 @@ def enable(cfg: Config) -> attach.Attachment:
             f"duvm is already enabled ({where}); `duvm status` shows it, "
             "`duvm disable` turns it off"
         )
-    daemon = start_daemon(cfg)
+    unswappable, state_problem = _unswappable_state(cfg)
+    try:
+        daemon = start_daemon(cfg)
+    except BaseException:
+        if unswappable is not None:
+            ramfs.release(unswappable)
+        raise
     try:
         att = attach.attach(
             daemon.socket,
@@ -189,7 +214,15 @@ def enable(cfg: Config) -> attach.Attachment:
         )
     except BaseException:
         stop_daemon(cfg.state_dir)
+        if unswappable is not None:
+            ramfs.release(unswappable)
         raise
+    if unswappable is not None or state_problem:
+        if unswappable is not None:
+            att.extra["state_ramfs"] = str(unswappable)
+        if state_problem:
+            att.extra["state_problem"] = state_problem
+        attach.save_state(state_path(cfg.state_dir), att)
     if cfg.supervise and supervisor_process.wanted(att, cfg.daemon_args):
         att.extra["supervise"] = True  # `enable --resume` starts it again after a give-up
         attach.save_state(state_path(cfg.state_dir), att)
@@ -198,6 +231,21 @@ def enable(cfg: Config) -> attach.Attachment:
         if problem:
             att.extra["supervisor_problem"] = problem
     return att
+
+
+def _unswappable_state(cfg: Config) -> tuple[Path | None, str | None]:
+    """Mount a ramfs on the daemon's state directory when it is the one enable chose (a
+    directory the user chose is theirs). Returns what was mounted, and why nothing could be."""
+    chosen = _state_dir_arg(cfg.daemon_args)
+    if chosen is None or chosen.resolve() != daemon_state_dir(cfg.state_dir):
+        return None, None
+    try:
+        return (chosen if ramfs.ensure(chosen) else None), None
+    except OSError as exc:
+        return None, (
+            f"{exc.strerror or exc}: the daemon's state can be swapped out, and a daemon "
+            "restarted after a crash may not be able to read it back"
+        )
 
 
 def disable(
@@ -238,6 +286,10 @@ def disable(
         )
     had_daemon = load_daemon(state_dir) is not None
     stop_daemon(state_dir)
+    # A device left alone may still need the state (a later `enable --resume`): keep it then.
+    mounted = current.extra.get("state_ramfs") if current is not None else None
+    if isinstance(mounted, str) and not (att is not None and att.extra.get("device_problem")):
+        ramfs.release(Path(mounted))
     return att is not None or had_daemon
 
 

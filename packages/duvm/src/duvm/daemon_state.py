@@ -16,11 +16,13 @@ has its predecessor's view of the pages, so that view lives in files, not only i
     a 4 KiB header, then per page: the state byte (never written / data / lost), the
     CRC-32C of the last acknowledged bytes and, with encryption, the 28-byte nonce+tag entry;
     the header holds the encryption's nonce counter. The tables *are* the mapping
-    (``MAP_SHARED`` of a file on tmpfs): a write costs no syscall and a SIGKILL loses nothing,
+    (``MAP_SHARED`` of a file in RAM): a write costs no syscall and a SIGKILL loses nothing,
     because the bytes are in the page cache, not in the process.
 
-Both are root-only (files 0600 in a 0700 directory, default /run/duvm, a tmpfs: the key is
-never on disk) and refused when their permissions, size or header do not match.
+Both are root-only (files 0600 in a 0700 directory) and refused when their permissions, size
+or header do not match. `duvm enable` puts the directory on a ramfs of its own
+(``/run/duvm/daemon-state``, `duvm.ramfs`): the key is never on disk, and no page of the state
+can be swapped out to the device while the daemon that would serve it back is dead.
 
 Ordering with the kernel's requeue (why a crash never serves wrong bytes)
 -------------------------------------------------------------------------

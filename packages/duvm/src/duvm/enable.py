@@ -147,9 +147,9 @@ def run(args: argparse.Namespace) -> int:
         att.extra.get("supervisor_problem"),
         "restarts the daemon onto the live device if it crashes",
     )
-    warning = replica_warning(cfg)
-    if warning:
-        print(f"duvm enable: warning: {warning}", file=sys.stderr)
+    for warning in (replica_warning(cfg), att.extra.get("state_problem")):
+        if warning:
+            print(f"duvm enable: warning: {warning}", file=sys.stderr)
     return 0
 
 

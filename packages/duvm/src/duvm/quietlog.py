@@ -1,15 +1,16 @@
-"""Logging for the daemon that can neither stall the swap path nor flood its log.
+"""Logging for the swap path's processes that can neither stall them nor flood their log.
 
 Theory of operation
 -------------------
-The daemon's log is a file on /run, a tmpfs: its pages can be swapped out like any other
-memory, to the very device the daemon serves. A write to such a file whose last page is out
-must first swap it in, and a daemon blocked in that write cannot answer the swap-in: the node
-hangs. So log records never touch the file from the event loop. `start_background` hands them
-to a bounded queue (stdlib `logging.handlers.QueueHandler`) drained by one writer thread
-(`QueueListener`): a write that waits for a swap-in blocks only that thread while the event
-loop serves the swap-in. When the queue is full, records are dropped and counted, and the count
-is logged when there is room again; the log never grows memory without bound.
+The daemon's and the supervisor's logs are files on /run, a tmpfs: its pages can be swapped out
+like any other memory, to the very device the daemon serves. A write to such a file whose last
+page is out must first swap it in, and a daemon blocked in that write cannot answer the
+swap-in: the node hangs (a supervisor blocked in it resumes a dead daemon too late). So log records
+never touch the file from the event loop. `start_background` hands them to a bounded queue
+(stdlib `logging.handlers.QueueHandler`) drained by one writer thread (`QueueListener`): a
+write that waits for a swap-in blocks only that thread while the event loop serves the swap-in.
+When the queue is full, records are dropped and counted, and the count is logged when there is
+room again; the log never grows memory without bound.
 
 `QuietLog` keeps a failure from writing one line per page or slab: the first event of a kind
 (say, copies dropped on one memserver) is logged at once, repeats are counted, and `flush`

@@ -34,20 +34,14 @@ from pathlib import Path
 from duvm import attach, control
 from duvm.supervisor_process import keeps_state
 
-DAEMON_STATE_SUBDIR = "daemon-state"
 RESUME_LOCK = ".resume.lock"
-
-
-def daemon_state_dir(state_dir: Path) -> Path:
-    """Where `duvm enable` has the daemon keep its state (a 0700 directory of its own)."""
-    return state_dir / DAEMON_STATE_SUBDIR
 
 
 def with_state_dir(daemon_args: list[str], state_dir: Path) -> list[str]:
     """`daemon_args` plus `--state-dir`, unless the user already chose one."""
     if keeps_state(daemon_args):
         return list(daemon_args)
-    return [*daemon_args, "--state-dir", str(daemon_state_dir(state_dir.resolve()))]
+    return [*daemon_args, "--state-dir", str(control.daemon_state_dir(state_dir))]
 
 
 def resume_command(info: control.DaemonInfo) -> list[str]:
@@ -79,10 +73,20 @@ def resume_command(info: control.DaemonInfo) -> list[str]:
     ]
 
 
-def resume(state_dir: Path, timeout: float = 120.0) -> tuple[control.DaemonInfo, attach.Attachment]:
+Records = tuple[attach.Attachment, control.DaemonInfo]
+
+
+def resume(
+    state_dir: Path, timeout: float = 120.0, known: Records | None = None
+) -> tuple[control.DaemonInfo, attach.Attachment]:
     """Restart the dead daemon of `state_dir` and reattach its live device (see above).
     One at a time: the supervisor and a manual `--resume` wait for each other here, and the
-    second then finds the daemon running."""
+    second then finds the daemon running.
+
+    `known`: the attachment and daemon records as the caller read them while the daemon lived
+    (the supervisor). The files on /run may have been swapped out since, to the very device
+    whose server is now dead, and reading them back would wait for it: so they are not read
+    again. The daemon log is not appended to either; the new daemon writes a new one."""
     attach.require_root()
     if not state_dir.is_dir():
         raise control.ControlError(
@@ -90,11 +94,15 @@ def resume(state_dir: Path, timeout: float = 120.0) -> tuple[control.DaemonInfo,
         )
     with open(state_dir / RESUME_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _resume(state_dir, timeout)
+        return _resume(state_dir, timeout, known)
 
 
-def _resume(state_dir: Path, timeout: float) -> tuple[control.DaemonInfo, attach.Attachment]:
-    att = attach.load_state(control.state_path(state_dir))
+def _resume(
+    state_dir: Path, timeout: float, known: Records | None
+) -> tuple[control.DaemonInfo, attach.Attachment]:
+    att, old = known if known is not None else (None, None)
+    if att is None:
+        att = attach.load_state(control.state_path(state_dir))
     if att is None:
         raise control.ControlError(
             f"duvm is not enabled with state in {state_dir}; nothing to resume (use `duvm enable`)"
@@ -106,7 +114,8 @@ def _resume(state_dir: Path, timeout: float) -> tuple[control.DaemonInfo, attach
             "cannot take a restarted daemon (that needs kernel nbd over netlink): "
             "`duvm disable --force`, then enable again"
         )
-    old = control.load_daemon(state_dir)
+    if old is None:
+        old = control.load_daemon(state_dir)
     if old is None:
         raise control.ControlError(f"no daemon record in {state_dir}; cannot resume")
     if control.daemon_alive(old):
@@ -115,7 +124,10 @@ def _resume(state_dir: Path, timeout: float) -> tuple[control.DaemonInfo, attach
     with contextlib.suppress(FileNotFoundError):
         os.unlink(old.socket)  # the dead daemon's socket would look ready
     log = Path(old.log)
-    with open(log, "a") as f:
+    # The dead daemon's log is kept as LOG.1; appending to it could need a swapped-out page.
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(log, log.with_name(log.name + ".1"))
+    with open(log, "w") as f:
         f.write(f"--- duvm enable --resume at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
     proc = attach.spawn_detached(cmd, log)
     info = control.DaemonInfo(

@@ -12,7 +12,10 @@ loses nothing; failed tries are repeated with backoff inside that time.
 
 - It runs locked in RAM (mlockall), realtime, as an I/O flusher and last in the OOM killer's
   list, like the daemon (`duvm.pressure`): a supervisor whose pages were swapped out to the
-  device it watches could not run once that device's server is dead.
+  device it watches could not run once that device's server is dead. For the same reason it
+  reads no file on /run between the daemon's death and the resume (it keeps the records it
+  read while the daemon lived and hands them to the resume) and logs through a writer thread
+  (`duvm.quietlog`).
 - Only a crash is resumed: `duvm disable` stops the supervisor (SIGTERM) before it stops the
   daemon. SIGTERM is only noted: a resume under way finishes first, so the device is never
   left without a server because the supervisor was told to stop half-way through.
@@ -31,15 +34,17 @@ loses nothing; failed tries are repeated with backoff inside that time.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from duvm import attach, control, pressure, resume
+from duvm import attach, control, pressure, quietlog, resume
 from duvm.supervisor_process import wanted
 
 MAX_RESTARTS = 5
@@ -122,9 +127,12 @@ def _watch(
     state_dir: Path, resume_fn: Callable[..., Any], say: Callable[[str], None], stopper: _Stop
 ) -> int:
     restarts: list[float] = []
+    daemon_file = control.daemon_path(state_dir)
     while not stopper.requested:
+        # Read while the daemon lives (a swap-in can be served); kept in this locked process.
         att = attach.load_state(control.state_path(state_dir))
         daemon = control.load_daemon(state_dir)
+        seen = _mtime(daemon_file)
         if att is None or daemon is None:
             say("duvm is not enabled here any more: supervisor exits")
             return 0
@@ -138,7 +146,10 @@ def _watch(
                 break
             if control.daemon_alive(daemon):
                 continue  # woken, but it still runs
-        if attach.load_state(control.state_path(state_dir)) is None:
+        # From here until a daemon serves again, no file on /run is read: its pages may be on
+        # the device whose server just died. Existence and mtime live in the inode, never
+        # swapped; `disable` removes the state file.
+        if not control.state_path(state_dir).exists():
             say("duvm was disabled: supervisor exits")
             return 0
         died = time.monotonic()
@@ -161,10 +172,16 @@ def _watch(
             if stopper.requested:
                 say("stopped")
                 return 0
-            current = control.load_daemon(state_dir)
-            if current is not None and current.pid != daemon.pid and control.daemon_alive(current):
-                say(f"daemon pid {current.pid} already serves it (resumed by hand)")
-                break
+            if _mtime(daemon_file) != seen:  # rewritten: by our last try or a manual resume
+                seen = _mtime(daemon_file)
+                current = control.load_daemon(state_dir)
+                if (
+                    current is not None
+                    and current.pid != daemon.pid
+                    and control.daemon_alive(current)
+                ):
+                    say(f"daemon pid {current.pid} already serves it (resumed by hand)")
+                    break
             left = deadline - time.monotonic()
             if left <= 0:
                 say(
@@ -173,7 +190,7 @@ def _watch(
                 )
                 return 1
             try:
-                resume_fn(state_dir, timeout=max(left, 5.0))
+                resume_fn(state_dir, timeout=max(left, 5.0), known=(att, daemon))
             except Exception as exc:  # ControlError, AttachError, OSError: say it, try again
                 say(f"resume failed: {exc}")
                 if delay is None:
@@ -181,11 +198,18 @@ def _watch(
                     return 1
                 stopper.wait(None, min(delay, max(0.0, deadline - time.monotonic())))
                 continue
-            new = control.load_daemon(state_dir)
+            new = control.load_daemon(state_dir)  # a daemon serves again: safe to read
             say(f"resumed: daemon pid {new.pid if new else '?'} serves {att.device} again")
             break
     say("stopped")
     return 0
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 def add_arguments(parser: Any) -> None:
@@ -209,4 +233,9 @@ def run(args: Any) -> int:
         "duvm supervise",
         realtime=pressure.realtime_wanted(daemon.daemon_args if daemon is not None else []),
     )
-    return watch(args.state_dir)
+    # Its log is on /run too: a write waiting for a swapped-out page must not delay a resume.
+    writer = quietlog.start_background(logging.INFO, "%(asctime)s %(message)s", sys.stdout)
+    try:
+        return watch(args.state_dir, say=logging.getLogger("duvm.supervise").info)
+    finally:
+        writer.stop()
