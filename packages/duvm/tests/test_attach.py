@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from duvm import attach, kernelnbd
+from duvm import nbdconst as C
 from duvm.kernelnbd import NbdHandshakeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -90,7 +91,7 @@ def test_handshake_with_nbdkit_reaches_transmission_phase(nbdkit_memory: str) ->
     sock, info = kernelnbd.connect_unix(nbdkit_memory)
     with sock:
         assert info.size == 64 << 20
-        assert info.transmission_flags & kernelnbd.NBD_FLAG_HAS_FLAGS
+        assert info.transmission_flags & C.FLAG_HAS_FLAGS
         assert info.transmission_flags & (1 << 5), "nbdkit memory supports TRIM"
         assert not info.read_only
         # prove the socket is in transmission phase: a raw NBD_CMD_WRITE gets a clean reply
@@ -171,10 +172,10 @@ def test_handshake_rejects_non_nbd_peer() -> None:
 
 
 def test_handshake_caps_reply_length() -> None:
-    greeting = kernelnbd.NBDMAGIC.to_bytes(8, "big") + kernelnbd.IHAVEOPT.to_bytes(8, "big")
+    greeting = C.NBDMAGIC.to_bytes(8, "big") + C.IHAVEOPT.to_bytes(8, "big")
     greeting += (3).to_bytes(2, "big")
     huge = (
-        kernelnbd.REPLY_MAGIC.to_bytes(8, "big")
+        C.OPT_REPLY_MAGIC.to_bytes(8, "big")
         + (7).to_bytes(4, "big")
         + (3).to_bytes(4, "big")
         + (1 << 30).to_bytes(4, "big")
@@ -185,7 +186,7 @@ def test_handshake_caps_reply_length() -> None:
     t.join(5)
 
 
-_GREETING = kernelnbd.NBDMAGIC.to_bytes(8, "big") + kernelnbd.IHAVEOPT.to_bytes(8, "big") + b"\0\3"
+_GREETING = C.NBDMAGIC.to_bytes(8, "big") + C.IHAVEOPT.to_bytes(8, "big") + b"\0\3"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

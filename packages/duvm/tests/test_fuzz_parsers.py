@@ -19,7 +19,7 @@ import pytest
 from duvm import nbdconst as C
 from duvm import pageproto as pp
 from duvm.memserver import MemServer, _Conn
-from duvm.nbdproto import ExportInfo, Handshake, ProtocolError, TransmissionDecoder
+from duvm.nbdproto import ExportInfo, Handshake, NbdProtocolError, TransmissionDecoder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -162,7 +162,7 @@ def fuzz_nbd_handshake(data: bytes, chunk: int = 64) -> None:
                 break
             hs.receive_data(data[i : i + max(1, chunk)])
             hs.data_to_send()
-    except ProtocolError:
+    except NbdProtocolError:
         return
 
 
@@ -173,7 +173,7 @@ def fuzz_nbd_transmission(data: bytes, chunk: int = 4096) -> None:
             dec.receive_data(data[i : i + max(1, chunk)])
             while (req := dec.next_request()) is not None:
                 assert (req.offset >= 0 and req.offset + req.length <= EXPORT.size) or req.error
-    except ProtocolError:
+    except NbdProtocolError:
         return
 
 

@@ -14,14 +14,14 @@ from duvm.nbdproto import (
     ExportInfo,
     Handshake,
     HandshakeState,
-    ProtocolError,
+    NbdProtocolError,
     Request,
     TransmissionDecoder,
     UsageError,
     encode_simple_reply,
-    transmission_flags,
     wire_error,
 )
+from duvm.nbdserver import transmission_flags
 from duvm.storage import Capabilities
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -94,7 +94,7 @@ def test_greeting_is_fixed_newstyle_with_no_zeroes():
 
 def test_unknown_client_flags_close_the_connection():
     hs = Handshake([EXPORT])
-    with pytest.raises(ProtocolError, match="client flags"):
+    with pytest.raises(NbdProtocolError, match="client flags"):
         hs.receive_data(struct.pack(">I", 0x80))
     assert hs.state is HandshakeState.CLOSED
     assert "client flags" in (hs.close_reason or "")
@@ -145,7 +145,7 @@ def test_export_name_reply_honours_no_zeroes(cflags, reply_len):
 
 def test_export_name_unknown_is_a_hard_disconnect():
     hs = negotiated()
-    with pytest.raises(ProtocolError, match="no export"):
+    with pytest.raises(NbdProtocolError, match="no export"):
         hs.receive_data(option(C.OPT_EXPORT_NAME, b"nope"))
     assert hs.state is HandshakeState.CLOSED
 
@@ -203,7 +203,7 @@ def test_over_long_option_is_skipped_in_pieces_not_buffered():
 
 def test_bad_option_magic_is_a_protocol_error():
     hs = negotiated()
-    with pytest.raises(ProtocolError, match="magic"):
+    with pytest.raises(NbdProtocolError, match="magic"):
         hs.receive_data(struct.pack(">QII", 0x1234, C.OPT_GO, 0))
 
 
@@ -238,7 +238,7 @@ def test_garbage_during_handshake_never_crashes_and_stays_bounded(garbage, prefi
     data = (struct.pack(">I", 1) if prefix else b"") + garbage
     try:
         hs.receive_data(data)
-    except ProtocolError:
+    except NbdProtocolError:
         assert hs.state is HandshakeState.CLOSED
         return
     assert len(hs._in) <= C.OPTION_HEADER_SIZE + MAX_OPTION_DATA
@@ -366,7 +366,7 @@ def test_oversized_write_is_refused_and_its_payload_skipped():
 def test_bad_request_magic_is_a_protocol_error():
     dec = TransmissionDecoder(EXPORT)
     dec.receive_data(b"\x00" * 28)
-    with pytest.raises(ProtocolError, match="magic"):
+    with pytest.raises(NbdProtocolError, match="magic"):
         dec.next_request()
 
 
@@ -463,7 +463,7 @@ def test_garbage_requests_raise_protocol_error_or_wait_never_crash(garbage):
     try:
         dec.receive_data(garbage[:4096])
         drain(dec)
-    except ProtocolError:
+    except NbdProtocolError:
         return
     assert dec.buffered < C.REQUEST_SIZE or dec.mid_request
 

@@ -378,7 +378,7 @@ def _nbd_pid(device: str) -> str | None:
         return None
 
 
-def _handshake(socket_path: str) -> tuple[socket.socket, kernelnbd.ExportInfo]:
+def _handshake(socket_path: str) -> tuple[socket.socket, kernelnbd.NegotiatedExport]:
     try:
         return kernelnbd.connect_unix(socket_path)
     except (OSError, kernelnbd.NbdHandshakeError) as exc:

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 The kernel NBD driver does not speak the handshake; a user-space client must open the
-connection, negotiate the export (fixed newstyle, ``NBD_OPT_GO``), and then hand the connected
+connection, negotiate the export (fixed newstyle, ``C.OPT_GO``), and then hand the connected
 socket to the kernel. From then on the kernel sends transmission-phase requests on that socket
 by itself. The handshake below serves both ways of handing it over:
 
@@ -42,6 +42,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from duvm import nbdconst as C
+
 # ioctl numbers: _IO(0xab, n) from <linux/nbd.h>; _IO has no size or direction bits.
 _NBD_IOC = 0xAB
 
@@ -62,20 +64,6 @@ NBD_SET_TIMEOUT = _io(9)
 NBD_SET_FLAGS = _io(10)
 
 # Handshake constants (doc/proto.md in NetworkBlockDevice/nbd).
-NBDMAGIC = 0x4E42444D41474943  # "NBDMAGIC"
-IHAVEOPT = 0x49484156454F5054  # "IHAVEOPT"
-REPLY_MAGIC = 0x3E889045565A9
-NBD_FLAG_FIXED_NEWSTYLE = 1 << 0
-NBD_FLAG_NO_ZEROES = 1 << 1
-NBD_OPT_GO = 7
-NBD_REP_ACK = 1
-NBD_REP_INFO = 3
-NBD_REP_FLAG_ERROR = 1 << 31
-NBD_INFO_EXPORT = 0
-NBD_INFO_BLOCK_SIZE = 3
-NBD_FLAG_HAS_FLAGS = 1 << 0
-NBD_FLAG_READ_ONLY = 1 << 1
-
 BLOCK_SIZE = 4096  # the page size: swap writes whole pages
 MAX_REPLY_DATA = 64 * 1024  # a peer cannot make us buffer more than this per option reply
 MAX_REPLIES = 64
@@ -86,7 +74,7 @@ class NbdHandshakeError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class ExportInfo:
+class NegotiatedExport:
     """What the server said about the export during NBD_OPT_GO."""
 
     size: int
@@ -97,7 +85,7 @@ class ExportInfo:
 
     @property
     def read_only(self) -> bool:
-        return bool(self.transmission_flags & NBD_FLAG_READ_ONLY)
+        return bool(self.transmission_flags & C.FLAG_READ_ONLY)
 
 
 # --- sans-io pieces -------------------------------------------------------------------------
@@ -108,25 +96,25 @@ def parse_greeting(data: bytes) -> int:
     if len(data) != 18:
         raise NbdHandshakeError(f"greeting is {len(data)} bytes, expected 18")
     magic, opt_magic, flags = struct.unpack(">QQH", data)
-    if magic != NBDMAGIC:
+    if magic != C.NBDMAGIC:
         raise NbdHandshakeError("not an NBD server (bad magic)")
-    if opt_magic != IHAVEOPT:
+    if opt_magic != C.IHAVEOPT:
         raise NbdHandshakeError("server does not speak newstyle negotiation (oldstyle?)")
-    if not flags & NBD_FLAG_FIXED_NEWSTYLE:
+    if not flags & C.FLAG_FIXED_NEWSTYLE:
         raise NbdHandshakeError("server does not support fixed newstyle negotiation")
     return flags
 
 
 def client_flags(server_flags: int) -> bytes:
-    flags = NBD_FLAG_FIXED_NEWSTYLE | (server_flags & NBD_FLAG_NO_ZEROES)
+    flags = C.FLAG_FIXED_NEWSTYLE | (server_flags & C.FLAG_NO_ZEROES)
     return struct.pack(">I", flags)
 
 
 def build_opt_go(export_name: str = "") -> bytes:
     """NBD_OPT_GO asking for the export and its block-size constraints."""
     name = export_name.encode()
-    payload = struct.pack(">I", len(name)) + name + struct.pack(">HH", 1, NBD_INFO_BLOCK_SIZE)
-    return struct.pack(">QII", IHAVEOPT, NBD_OPT_GO, len(payload)) + payload
+    payload = struct.pack(">I", len(name)) + name + struct.pack(">HH", 1, C.INFO_BLOCK_SIZE)
+    return struct.pack(">QII", C.IHAVEOPT, C.OPT_GO, len(payload)) + payload
 
 
 def parse_reply_header(data: bytes) -> tuple[int, int, int]:
@@ -134,9 +122,9 @@ def parse_reply_header(data: bytes) -> tuple[int, int, int]:
     if len(data) != 20:
         raise NbdHandshakeError(f"option reply header is {len(data)} bytes, expected 20")
     magic, option, rtype, length = struct.unpack(">QIII", data)
-    if magic != REPLY_MAGIC:
+    if magic != C.OPT_REPLY_MAGIC:
         raise NbdHandshakeError("bad option reply magic")
-    if option != NBD_OPT_GO:
+    if option != C.OPT_GO:
         raise NbdHandshakeError(f"reply for option {option}, expected NBD_OPT_GO")
     if length > MAX_REPLY_DATA:
         raise NbdHandshakeError(f"option reply of {length} bytes is over the {MAX_REPLY_DATA} cap")
@@ -148,20 +136,20 @@ def apply_info(info: dict[str, int], payload: bytes) -> None:
     if len(payload) < 2:
         raise NbdHandshakeError("NBD_REP_INFO shorter than its type field")
     (itype,) = struct.unpack_from(">H", payload)
-    if itype == NBD_INFO_EXPORT:
+    if itype == C.INFO_EXPORT:
         if len(payload) != 12:
             raise NbdHandshakeError("NBD_INFO_EXPORT has the wrong length")
         info["size"], info["flags"] = struct.unpack_from(">QH", payload, 2)
-    elif itype == NBD_INFO_BLOCK_SIZE:
+    elif itype == C.INFO_BLOCK_SIZE:
         if len(payload) != 14:
             raise NbdHandshakeError("NBD_INFO_BLOCK_SIZE has the wrong length")
         info["min"], info["pref"], info["max"] = struct.unpack_from(">III", payload, 2)
 
 
-def finish_info(info: dict[str, int]) -> ExportInfo:
+def finish_info(info: dict[str, int]) -> NegotiatedExport:
     if "size" not in info:
         raise NbdHandshakeError("server acknowledged NBD_OPT_GO without NBD_INFO_EXPORT")
-    return ExportInfo(
+    return NegotiatedExport(
         info["size"], info["flags"], info.get("min"), info.get("pref"), info.get("max")
     )
 
@@ -181,7 +169,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def handshake(sock: socket.socket, export_name: str = "") -> ExportInfo:
+def handshake(sock: socket.socket, export_name: str = "") -> NegotiatedExport:
     """Negotiate `export_name` with NBD_OPT_GO; on return the socket is in transmission phase."""
     server_flags = parse_greeting(_recv_exact(sock, 18))
     sock.sendall(client_flags(server_flags) + build_opt_go(export_name))
@@ -189,14 +177,14 @@ def handshake(sock: socket.socket, export_name: str = "") -> ExportInfo:
     for _ in range(MAX_REPLIES):
         _, rtype, length = parse_reply_header(_recv_exact(sock, 20))
         payload = _recv_exact(sock, length) if length else b""
-        if rtype & NBD_REP_FLAG_ERROR:
+        if rtype & C.REP_FLAG_ERROR:
             text = payload.decode(errors="replace") if payload else ""
             raise NbdHandshakeError(
                 f"server refused export {export_name!r} (reply type {rtype:#x}) {text}".strip()
             )
-        if rtype == NBD_REP_INFO:
+        if rtype == C.REP_INFO:
             apply_info(info, payload)
-        elif rtype == NBD_REP_ACK:
+        elif rtype == C.REP_ACK:
             return finish_info(info)
         else:
             raise NbdHandshakeError(f"unexpected reply type {rtype} to NBD_OPT_GO")
@@ -205,7 +193,7 @@ def handshake(sock: socket.socket, export_name: str = "") -> ExportInfo:
 
 def connect_unix(
     path: str, timeout: float = 10.0, export_name: str = ""
-) -> tuple[socket.socket, ExportInfo]:
+) -> tuple[socket.socket, NegotiatedExport]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -247,7 +235,7 @@ def device_started(device: str) -> bool:
     return Path("/sys/block", Path(device).name, "pid").exists()
 
 
-def configure(fd: int, sock: socket.socket, info: ExportInfo, timeout_s: int) -> None:
+def configure(fd: int, sock: socket.socket, info: NegotiatedExport, timeout_s: int) -> None:
     """Hand `sock` (post-handshake) and the export's geometry to the device open as `fd`."""
     blocks = info.size // BLOCK_SIZE
     if blocks == 0:

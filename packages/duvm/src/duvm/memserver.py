@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 from duvm import auth
 from duvm import pageproto as pp
 from duvm.arena import PAGE_SIZE, Arena
-from duvm.memclient import tune_socket
+from duvm.sockets import tune_socket
 from duvm.units import is_loopback, parse_listen, parse_size
 
 log = logging.getLogger(__name__)

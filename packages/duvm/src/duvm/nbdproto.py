@@ -17,7 +17,7 @@ module:
   Every request is validated here, once (range, alignment to the advertised minimum block
   size, flags, payload size, commands the export does not offer); a bad request comes out with
   `error` set, its payload already skipped, so the connection keeps working. Only a broken
-  frame (wrong magic: the stream is out of step) raises `ProtocolError`.
+  frame (wrong magic: the stream is out of step) raises `NbdProtocolError`.
 
 Buffering is capped: the handshake holds at most one option, the decoder one receive buffer
 plus the payload of the request being received; everything else is the driver's choice of how
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from duvm import nbdconst as C
-from duvm.storage import PAGE_SIZE, Capabilities
+from duvm.pageproto import PAGE_SIZE
 
 
-class ProtocolError(Exception):
+class NbdProtocolError(Exception):
     """The remote peer broke the protocol; the connection must be closed (hard disconnect)."""
 
 
@@ -77,23 +77,6 @@ class ExportInfo:
             raise ValueError("export size must be a multiple of min_block")
         if not self.flags & C.FLAG_HAS_FLAGS:
             raise ValueError("transmission flags must include HAS_FLAGS")
-
-
-def transmission_flags(caps: Capabilities) -> int:
-    """The transmission flags that a store with these capabilities supports."""
-    flags = C.FLAG_HAS_FLAGS
-    if not caps.can_write:
-        flags |= C.FLAG_READ_ONLY
-    if caps.can_flush:
-        # FUA is honoured by flushing after the command, so it rides on flush support.
-        flags |= C.FLAG_SEND_FLUSH | C.FLAG_SEND_FUA
-    if caps.can_write and caps.can_trim:
-        flags |= C.FLAG_SEND_TRIM
-    if caps.can_write and caps.can_zero:
-        flags |= C.FLAG_SEND_WRITE_ZEROES
-    if caps.can_multi_conn:
-        flags |= C.FLAG_CAN_MULTI_CONN
-    return flags
 
 
 _WIRE_ERRORS = {
@@ -174,13 +157,13 @@ class Handshake:
         return out
 
     def receive_data(self, data: bytes) -> None:
-        """Consume client bytes. Raises ProtocolError when the connection must be dropped."""
+        """Consume client bytes. Raises NbdProtocolError when the connection must be dropped."""
         if self.state in (HandshakeState.TRANSMISSION, HandshakeState.CLOSED):
             raise UsageError(f"handshake already {self.state.value}")
         self._in += data
         try:
             self._process()
-        except ProtocolError as e:
+        except NbdProtocolError as e:
             self.state = HandshakeState.CLOSED
             self.close_reason = str(e)
             raise
@@ -199,7 +182,7 @@ class Handshake:
                 (cflags,) = struct.unpack_from(">I", buf)
                 del buf[:4]
                 if cflags & ~_KNOWN_CLIENT_FLAGS:
-                    raise ProtocolError(f"unknown client flags 0x{cflags:x}")
+                    raise NbdProtocolError(f"unknown client flags 0x{cflags:x}")
                 self.no_zeroes = bool(cflags & C.FLAG_C_NO_ZEROES)
                 self.state = HandshakeState.OPTIONS
                 continue
@@ -219,10 +202,10 @@ class Handshake:
                 return
             magic, option, length = C.OPTION_HEADER.unpack_from(buf)
             if magic != C.IHAVEOPT:
-                raise ProtocolError(f"bad option magic 0x{magic:x}")
+                raise NbdProtocolError(f"bad option magic 0x{magic:x}")
             if length > MAX_OPTION_DATA:
                 if option == C.OPT_EXPORT_NAME:
-                    raise ProtocolError("NBD_OPT_EXPORT_NAME name too long")
+                    raise NbdProtocolError("NBD_OPT_EXPORT_NAME name too long")
                 del buf[: C.OPTION_HEADER_SIZE]
                 self._skip, self._skip_option = length, option
                 continue
@@ -244,7 +227,7 @@ class Handshake:
                 export = None
             if export is None:
                 # The document leaves no way to refuse EXPORT_NAME but to disconnect.
-                raise ProtocolError(f"NBD_OPT_EXPORT_NAME: no export named {data[:64]!r}")
+                raise NbdProtocolError(f"NBD_OPT_EXPORT_NAME: no export named {data[:64]!r}")
             self._out += struct.pack(">QH", export.size, export.flags)
             if not self.no_zeroes:
                 self._out += bytes(124)
@@ -513,7 +496,7 @@ class TransmissionDecoder:
     def next_request(self) -> Request | None:
         """The next complete request, or None when more bytes are needed.
 
-        Raises ProtocolError on a frame that puts the stream out of step (bad magic).
+        Raises NbdProtocolError on a frame that puts the stream out of step (bad magic).
         """
         while True:
             start = self._start
@@ -546,7 +529,7 @@ class TransmissionDecoder:
             start += _REQ_SIZE
             self._start = start
             if magic != _REQ_MAGIC:
-                raise ProtocolError(f"bad request magic 0x{magic:08x}")
+                raise NbdProtocolError(f"bad request magic 0x{magic:08x}")
             # Fast path: a plain aligned in-range READ or WRITE needs no further checks.
             if (
                 cmd <= self._max_rw_cmd

@@ -41,21 +41,39 @@ from time import perf_counter_ns
 from typing import Any
 
 from duvm import nbdconst as C
-from duvm.memclient import after_replies, cork, set_buffers, uncork
+from duvm.memclient import after_replies, cork, uncork
 from duvm.nbdproto import (
     BufferPool,
     ExportInfo,
     Handshake,
     HandshakeState,
-    ProtocolError,
+    NbdProtocolError,
     Request,
     TransmissionDecoder,
-    transmission_flags,
     wire_error,
 )
-from duvm.storage import BlockStore, StorageError
+from duvm.sockets import set_buffers
+from duvm.storage import BlockStore, Capabilities, StorageError
 
 log = logging.getLogger("duvm.nbd")
+
+
+def transmission_flags(caps: Capabilities) -> int:
+    """The transmission flags that a store with these capabilities supports."""
+    flags = C.FLAG_HAS_FLAGS
+    if not caps.can_write:
+        flags |= C.FLAG_READ_ONLY
+    if caps.can_flush:
+        # FUA is honoured by flushing after the command, so it rides on flush support.
+        flags |= C.FLAG_SEND_FLUSH | C.FLAG_SEND_FUA
+    if caps.can_write and caps.can_trim:
+        flags |= C.FLAG_SEND_TRIM
+    if caps.can_write and caps.can_zero:
+        flags |= C.FLAG_SEND_WRITE_ZEROES
+    if caps.can_multi_conn:
+        flags |= C.FLAG_CAN_MULTI_CONN
+    return flags
+
 
 HANDSHAKE_TIMEOUT = 30.0  # seconds a client may take to negotiate
 _SOCK_BUF = 4 << 20  # whole large replies fit, so one send per batch
@@ -281,7 +299,7 @@ class NBDConnection(asyncio.BufferedProtocol):
         assert hs is not None and self.transport is not None
         try:
             hs.receive_data(data)
-        except ProtocolError as e:
+        except NbdProtocolError as e:
             self.stats.protocol_errors += 1
             self.transport.write(hs.data_to_send())
             self.abort(f"handshake: {e}")
@@ -322,7 +340,7 @@ class NBDConnection(asyncio.BufferedProtocol):
                 if req is None:
                     break
                 dispatch(req)
-        except ProtocolError as e:
+        except NbdProtocolError as e:
             self.stats.protocol_errors += 1
             self.abort(str(e))
             return
