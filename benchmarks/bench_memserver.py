@@ -26,8 +26,8 @@ import subprocess
 import sys
 import time
 
-from duvm.memclient import MemClient
-from duvm.remote_store import RemoteStore
+from duvm.store.memclient import MemClient
+from duvm.store.remote_store import RemoteStore
 
 PS = 4096
 TICK = os.sysconf("SC_CLK_TCK")

@@ -10,7 +10,9 @@ Targets, all on one Unix socket each:
 
 * `duvm`        duvm daemon + one memserver on loopback (two hops: the product's path);
 * `nbdkit`      `nbdkit memory` (reference);
-* `duvm-local`  duvm daemon over its in-RAM store (one hop: shows where the time goes).
+* `duvm-local`  duvm daemon over its in-RAM store (one hop: shows where the time goes);
+* `duvm-base`, `duvm-local-base`: the same, run from another checkout (`--baseline DIR`, e.g. a
+  `git worktree` of the commit before a change), side by side with this one in the same run.
 
 For each run it reports IOPS or MiB/s, the ratio to nbdkit, the mean latency (fio), and the
 CPU time each process spent per request (utime+stime deltas from /proc/PID/stat for servers,
@@ -19,6 +21,7 @@ wait4 rusage for the client). The client is pinned to one CPU and every server t
 
 Usage: uv run python benchmarks/bench_nbd.py [--reps 3] [--runtime 4] [--size 512M]
                                              [--json out.json] [--markdown out.md]
+                                             [--baseline DIR --targets duvm,duvm-base,nbdkit]
 """
 
 from __future__ import annotations
@@ -83,14 +86,23 @@ def wait_for_socket(path: str, proc: subprocess.Popen, timeout: float = 30) -> N
 
 
 def start_targets(
-    tmp: str, size: int, server_cpu: str, memserver_cpu: str, want: list[str]
+    tmp: str,
+    size: int,
+    server_cpu: str,
+    memserver_cpu: str,
+    want: list[str],
+    baseline: str | None = None,
 ) -> list[Target]:
     py = [sys.executable, "-m", "duvm.cli"]
     pin = ["taskset", "-c", server_cpu]
     targets = []
-    for name in want:
-        sock = os.path.join(tmp, f"{name}.sock")
-        t = Target(name, f"nbd+unix:///?socket={sock}")
+    for full in want:
+        sock = os.path.join(tmp, f"{full}.sock")
+        t = Target(full, f"nbd+unix:///?socket={sock}")
+        name, env = full, None
+        if full.endswith("-base"):  # the other checkout's duvm comes first on the path
+            name = full.removesuffix("-base")
+            env = dict(os.environ, PYTHONPATH=os.path.join(baseline or "", "packages/duvm/src"))
         if name == "nbdkit":
             t.procs["nbdkit"] = subprocess.Popen(
                 [*pin, "nbdkit", "-f", "-U", sock, "memory", str(size)]
@@ -101,6 +113,7 @@ def start_targets(
                 [*pin, *py, "daemon", "--memory", "--size", str(size), "--socket", sock],
                 stdout=subprocess.PIPE,
                 text=True,
+                env=env,
             )
             wait_for_line(t.procs["daemon"], "serving")
         elif name == "duvm":
@@ -118,6 +131,7 @@ def start_targets(
                 ],
                 stdout=subprocess.PIPE,
                 text=True,
+                env=env,
             )
             t.procs["memserver"] = ms
             port = wait_for_line(ms, r"listening on [\d.]+:(\d+)").group(1)
@@ -135,6 +149,7 @@ def start_targets(
                 ],
                 stdout=subprocess.PIPE,
                 text=True,
+                env=env,
             )
             wait_for_line(t.procs["daemon"], "serving")
         targets.append(t)
@@ -345,10 +360,15 @@ def main() -> int:
         default=",".join(names),
         help=f"comma-separated, from {','.join(names)} (default: all)",
     )
+    ap.add_argument(
+        "--baseline",
+        help="another checkout of this repository, run as the targets duvm-base and "
+        "duvm-local-base (e.g. `git worktree add /tmp/base COMMIT`)",
+    )
     ap.add_argument("--json", help="write raw and median results here")
     ap.add_argument("--markdown", help="write the table here")
     args = ap.parse_args()
-    from duvm.units import parse_size
+    from duvm.base.units import parse_size
 
     args.size = parse_size(args.size)
     for tool in ("fio", "nbdcopy", "nbdkit", "taskset"):
@@ -358,17 +378,20 @@ def main() -> int:
     want = [t for t in args.targets.split(",") if t]
     if "duvm" in want:
         try:
-            import duvm.remote_store  # noqa: F401
+            import duvm.store.remote_store  # noqa: F401
         except ImportError:
             print(
-                "bench_nbd: duvm.remote_store is missing; skipping the two-hop target",
+                "bench_nbd: duvm.store.remote_store is missing; skipping the two-hop target",
                 file=sys.stderr,
             )
             want.remove("duvm")
     asked = [t for t in args.tests.split(",") if t]
-    unknown = [t for t in asked if t not in names] + [
-        t for t in want if t not in ("duvm", "nbdkit", "duvm-local")
-    ]
+    known = ["duvm", "nbdkit", "duvm-local"]
+    if args.baseline:
+        if not os.path.isdir(os.path.join(args.baseline, "packages/duvm/src/duvm")):
+            ap.error(f"--baseline {args.baseline} is not a checkout of this repository")
+        known += ["duvm-base", "duvm-local-base"]
+    unknown = [t for t in asked if t not in names] + [t for t in want if t not in known]
     if unknown or not asked or not want:
         ap.error(
             f"unknown test(s) or target(s): {','.join(unknown)}"
@@ -388,7 +411,12 @@ def main() -> int:
     raw: dict = {}
     try:
         targets = start_targets(
-            tmp, args.size, args.server_cpu, args.memserver_cpu or args.server_cpu, want
+            tmp,
+            args.size,
+            args.server_cpu,
+            args.memserver_cpu or args.server_cpu,
+            want,
+            args.baseline,
         )
         for t in targets:  # prefill: reads must not hit never-written (zero) blocks
             copy_test(t, "write", src, args)

@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "packages/duvm/tests"))
 
 from bench_memserver import timed
-from duvm import auth
-from duvm.crypt_store import CryptStore
-from duvm.memclient import MemClient
-from duvm.memory_store import MemoryStore
-from duvm.remote_store import RemoteStore
+from duvm.store.crypt_store import CryptStore
+from duvm.store.memclient import MemClient
+from duvm.store.memory_store import MemoryStore
+from duvm.store.remote_store import RemoteStore
+from duvm.wire import auth
 
 PS = 4096
 

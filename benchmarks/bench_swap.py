@@ -9,8 +9,8 @@ Usage (root; it creates swap devices, loop devices, FUSE mounts and cgroups):
 
 Theory of operation
 -------------------
-The workload is the demo's (:mod:`duvm.workload`): it holds ``--mib`` MiB of incompressible
-random data in a memory cgroup (:mod:`duvm.cgroup`) limited to ``--limit-mib`` (4x by default),
+The workload is the demo's (:mod:`duvm.cli.workload`): it holds ``--mib`` MiB of incompressible
+random data in a memory cgroup (:mod:`duvm.base.cgroup`) limited to ``--limit-mib`` (4x by default),
 so the kernel swaps most of it out while it fills (the *fill* phase, mostly swap-out) and back
 in while it reads every byte to verify it (the *verify* phase, mostly swap-in). The workload
 times both phases itself; this script times the whole process (wall), reads ``pswpout`` and
@@ -21,11 +21,11 @@ Targets, one swap device each at the highest swap priority (32767), so the workl
 to the device under test and nowhere else:
 
 * ``duvm-1``, ``duvm-3``: ``duvm enable`` (daemon + 1 or 3 memservers on loopback, one copy of
-  each page), through duvm's own attach (:mod:`duvm.attach`);
+  each page), through duvm's own attach (:mod:`duvm.node.attach`);
 * ``duvm-3r2``: the same with 3 memservers and two copies of each page, the default of
   ``duvm enable`` and ``duvm demo`` with 3 peers (every swapped-out page is sent twice);
 * ``nbdkit``: ``nbdkit memory`` (the C reference NBD server) on a Unix socket, attached by the
-  SAME :func:`duvm.attach.attach` call, so it goes through the same frontend as duvm: kernel
+  SAME :func:`duvm.node.attach.attach` call, so it goes through the same frontend as duvm: kernel
   nbd where the kernel has it, else nbdfuse + a loop device with direct I/O (this project's VM:
   no nbd module). ``duvm-3 / nbdkit`` is the issue's target ratio (<= 1.15x);
 * ``duvm-local``: ``duvm daemon --memory``, the same NBD server over its in-RAM store (one hop,
@@ -79,8 +79,10 @@ from pathlib import Path
 from typing import Any
 
 from cpusteal import cpu_times, steal_percent  # benchmarks/, next to this script
-from duvm import attach, cgroup, control, demo
-from duvm.units import parse_size
+from duvm.base import cgroup
+from duvm.base.units import parse_size
+from duvm.cli import demo
+from duvm.node import attach, control
 
 PRIORITY = demo.MAX_PRIORITY  # the highest: the kernel uses the device under test first
 MiB = 1 << 20
@@ -457,7 +459,7 @@ def run_workload(run: Run, args: argparse.Namespace, limit_bytes: int, device: s
             run.cgroup = str(cg.path)
             t0 = time.monotonic()
             proc = cg.popen(
-                [sys.executable, "-m", "duvm.workload", "--mib", str(args.mib), "--progress"],
+                [sys.executable, "-m", "duvm.cli.workload", "--mib", str(args.mib), "--progress"],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,

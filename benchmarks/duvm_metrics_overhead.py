@@ -32,7 +32,7 @@ import tempfile
 import time
 import timeit
 
-from duvm import metrics
+from duvm.wire import metrics
 from prometheus_client import CollectorRegistry, Histogram
 
 

@@ -33,7 +33,7 @@ from gputaskman.model import (
     Reading,
     Snapshot,
 )
-from gputaskman.replay import RecordSource
+from gputaskman.playback import RecordSource
 
 GIB = 1024**3
 BUSES = ("00000000:01:00.0", "00000000:41:00.0")

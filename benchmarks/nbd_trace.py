@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from duvm.nbdtrace import FORMAT
+from duvm.wire.nbdtrace import FORMAT
 
 
 class TraceError(Exception):

@@ -9,8 +9,8 @@ The NBD layer is not included (it is about 24-30k instructions per 4 KiB request
 
 The store is driven the way `nbdserver` drives it: its coroutine is stepped by hand and resumed
 from the awaited future's done callback; the requests that become ready in one loop iteration
-are started together, corked (`memclient.cork`), as the NBD server does for the requests of one
-read; QD16, random page-aligned offsets in a 16 MiB export prefilled with random data.
+are started together, corked (`store.batching.cork()`), as the NBD server does for the requests
+of one read; QD16, random page-aligned offsets in a 16 MiB export prefilled with random data.
 
     uv run python benchmarks/remote_store_instructions.py [--pages 1] [--requests 4000]
 
@@ -35,8 +35,7 @@ EXPORT_PAGES = 4096
 
 async def drive(port: int, mode: str, n: int, pages: int) -> None:
     """The measured workload (runs inside valgrind)."""
-    from duvm.memclient import cork, uncork
-    from duvm.remote_store import RemoteStore
+    from duvm.store.remote_store import RemoteStore
 
     store = await RemoteStore.open(
         [("127.0.0.1", port)], EXPORT_PAGES * 4096, f"instr:{os.getpid()}", repair=False
@@ -53,12 +52,12 @@ async def drive(port: int, mode: str, n: int, pages: int) -> None:
     ready: list[int] = []
 
     def start_ready() -> None:
-        corked = cork()
+        corked = store.batching.cork()
         for i in ready:
             start(i)
         ready.clear()
         if corked:
-            uncork()
+            store.batching.uncork()
 
     def start(i: int) -> None:
         count["issued"] += 1
@@ -84,11 +83,11 @@ async def drive(port: int, mode: str, n: int, pages: int) -> None:
         fut.add_done_callback(partial(step, i, coro))
 
     if n:
-        corked = cork()
+        corked = store.batching.cork()
         for i in range(min(QD, n)):
             start(i)
         if corked:
-            uncork()
+            store.batching.uncork()
         await done
     await store.close()
 

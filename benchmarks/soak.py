@@ -3,7 +3,7 @@
 
 Not part of CI (it runs 10+ minutes and needs root). Layout: a 4-node cluster of network
 namespaces (`duvm.testing.netns_cluster`); memservers on nodes 2-4, the daemon on node 1 with
-R=2 (or `--replicas`), attached as swap; a workload (`duvm.workload`, random data verified by
+R=2 (or `--replicas`), attached as swap; a workload (`duvm.cli.workload`, random data verified by
 digest) holding several times its memory cgroup's limit runs round after round. Meanwhile a fault
 injector picks, every `--fault-every` seconds (jittered), one of:
 
@@ -37,8 +37,10 @@ import threading
 import time
 from pathlib import Path
 
-from duvm import attach, cgroup, control_socket
+from duvm.base import cgroup
+from duvm.node import attach
 from duvm.testing import netns_cluster
+from duvm.wire import control_socket
 
 PRIORITY = 32767
 
@@ -165,7 +167,7 @@ def main() -> int:
                         [
                             sys.executable,
                             "-m",
-                            "duvm.workload",
+                            "duvm.cli.workload",
                             "--mib",
                             str(a.workload_mib),
                             "--seed",

@@ -8,7 +8,7 @@ it runs the project's own ``duvm`` commands exactly as a user would: ``duvm enab
 kernel-nbd`` starts the daemon (which reserves the swap device's capacity on the memservers,
 running on the host and reached through QEMU's user network at 10.0.2.2), attaches /dev/nbd0
 through the holder process (NBD_SET_SOCK / NBD_DO_IT), raises vm.min_free_kbytes and turns swap
-on. The workload (``python -m duvm.workload``) then fills more random data than the guest has
+on. The workload (``python -m duvm.cli.workload``) then fills more random data than the guest has
 RAM, so the kernel must swap most of it out to /dev/nbd0, and reads every byte back.
 
 Each step's observations (/proc/swaps, /sys/block/nbd0/pid and the holder's command line,
@@ -92,7 +92,7 @@ def duvm(*args: str, timeout: float = 300) -> dict[str, Any]:
 def status() -> dict[str, Any] | None:
     """What `duvm status --json` prints, computed in this process: a new interpreter costs
     5-25 s under TCG, the call itself well under one."""
-    from duvm import control
+    from duvm.node import control
 
     try:
         return control.status(Path(STATE_DIR))
@@ -116,7 +116,7 @@ def device_facts(nbd: str = "nbd0") -> dict[str, Any]:
         "min_free_kbytes": int(Path("/proc/sys/vm/min_free_kbytes").read_text()),
         "state_files": sorted(os.listdir(STATE_DIR)) if os.path.isdir(STATE_DIR) else [],
         "daemon_pids": _pids_with("duvm.cli\0daemon"),
-        "holder_pids": _pids_with("duvm.kernelnbd"),
+        "holder_pids": _pids_with("duvm.node.kernelnbd"),
         "supervisor_pids": _pids_with("duvm.cli\0supervise"),
         "daemon_policies": [_policy(p) for p in _pids_with("duvm.cli\0daemon")],
         "daemon_state_mount": _mount_type(STATE_DIR + "/daemon-state"),
@@ -263,7 +263,7 @@ def run_workload(mib: int, cgroup_mib: int | None) -> dict[str, Any]:
     cmd = [
         sys.executable,
         "-m",
-        "duvm.workload",
+        "duvm.cli.workload",
         "--mib",
         str(mib),
         "--hold",
@@ -283,7 +283,7 @@ def run_workload(mib: int, cgroup_mib: int | None) -> dict[str, Any]:
     }
     if cgroup_mib is None:
         return _drive(subprocess.Popen(cmd, **pipes), t)
-    from duvm.cgroup import MemoryCgroup
+    from duvm.base.cgroup import MemoryCgroup
 
     with MemoryCgroup(cgroup_mib << 20, prefix="duvm-qemu") as group:
         out = _drive(group.popen(cmd, **pipes), t)
@@ -335,8 +335,8 @@ def run_urandom_workload(mib: int) -> dict[str, Any]:
 
 def kill_and_resume() -> None:
     """SIGKILL the daemon in the middle of the workload: the supervisor `duvm enable` started
-    must restart it (`duvm.resume`), the new daemon take the live /dev/nbd0 back and serve every
-    page it had; a `duvm enable --resume` by hand afterwards must find nothing to do."""
+    must restart it (`duvm.node.resume`), the new daemon take the live /dev/nbd0 back and serve
+    every page it had; a `duvm enable --resume` by hand afterwards must find nothing to do."""
     info = json.loads(Path(STATE_DIR, "daemon.json").read_text())
     old_pid = info["pid"]
     before = vmstat()
@@ -453,7 +453,7 @@ def memserver_pages(peers: str) -> list[dict[str, Any]]:
     """What each memserver holds now (STATUS over the page protocol); None where unknown."""
     import asyncio
 
-    from duvm.memclient import query_status
+    from duvm.store.memclient import query_status
 
     out = []
     for peer in peers.split(","):

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from duvm.memserver import MemServer
+from duvm.memserver.server import MemServer
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 

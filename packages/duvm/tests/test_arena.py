@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from duvm.arena import PAGE_SIZE, Arena, ArenaFull
+from duvm.memserver.arena import PAGE_SIZE, Arena, ArenaFull
 
 
 def test_slots_are_distinct_windows_and_accounting_is_exact() -> None:
@@ -71,7 +71,7 @@ def test_unprivileged_lock_failure_warns_clearly() -> None:
         pytest.skip("needs root plus setpriv and prlimit to drop privileges")
     code = (
         "import logging; logging.basicConfig();"
-        "from duvm.arena import Arena; a = Arena(16);"
+        "from duvm.memserver.arena import Arena; a = Arena(16);"
         "a.view(a.alloc())[:2] = b'ok'; print(a.locked, a.lock_error)"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

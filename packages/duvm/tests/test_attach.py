@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from duvm import attach, kernelnbd
-from duvm import nbdconst as C
-from duvm.kernelnbd import NbdHandshakeError
+from duvm.node import attach, kernelnbd
+from duvm.node.kernelnbd import NbdHandshakeError
+from duvm.wire import nbdconst as C
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

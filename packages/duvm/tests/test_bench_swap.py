@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from duvm import attach, demo
+from duvm.cli import demo
+from duvm.node import attach
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_swap.py"
 TINY = ["--reps", "1", "--mib", "64", "--limit-mib", "24"]

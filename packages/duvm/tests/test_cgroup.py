@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from duvm import cgroup
+from duvm.base import cgroup
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -107,7 +107,7 @@ def test_headroom_check_is_quiet_without_swap_pressure() -> None:
 def test_workload_in_cgroup_reports_intact(tmp_path: Path) -> None:
     with cgroup.MemoryCgroup(256 << 20) as cg:
         res = cg.run(
-            [sys.executable, "-m", "duvm.workload", "--mib", "16"],
+            [sys.executable, "-m", "duvm.cli.workload", "--mib", "16"],
             capture_output=True,
             text=True,
             timeout=60,

@@ -16,8 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from duvm import attach, cgroup, control_socket, demo
+from duvm.base import cgroup
+from duvm.cli import demo
+from duvm.node import attach
 from duvm.testing import netns_cluster
+from duvm.wire import control_socket
 
 LIMIT_MIB, WORKLOAD_MIB = 48, 160
 
@@ -87,7 +90,7 @@ def start_workload(cg: cgroup.MemoryCgroup, seed: int) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "duvm.workload",
+            "duvm.cli.workload",
             "--mib",
             str(WORKLOAD_MIB),
             "--seed",

@@ -7,11 +7,11 @@ import errno
 import os
 
 import pytest
-from duvm.crypt_store import META, CryptStore
-from duvm.memory_store import MemoryStore
-from duvm.memserver import MemServer
-from duvm.remote_store import RemoteStore
-from duvm.storage import StorageError
+from duvm.memserver.server import MemServer
+from duvm.store.crypt_store import META, CryptStore
+from duvm.store.memory_store import MemoryStore
+from duvm.store.remote_store import RemoteStore
+from duvm.store.storage import StorageError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,7 +141,7 @@ async def test_a_new_key_cannot_read_old_pages() -> None:
 
 
 async def test_failed_write_keeps_the_previous_version_readable() -> None:
-    from duvm.storage import FaultStore
+    from duvm.store.storage import FaultStore
 
     inner = MemoryStore(4 * PS)
     fs = FaultStore(inner)

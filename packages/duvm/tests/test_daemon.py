@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from duvm.memclient import MemClient, query_status
+from duvm.store.memclient import MemClient, query_status
 
 MiB = 1 << 20
 PY = [sys.executable, "-m", "duvm.cli"]
@@ -218,7 +218,7 @@ def test_the_daemon_protects_itself_against_memory_pressure_by_default(procs):
         [
             sys.executable,
             "-c",
-            "import json; from duvm import pressure; print(json.dumps(pressure.probe()))",
+            "import json; from duvm.base import pressure; print(json.dumps(pressure.probe()))",
         ],
         capture_output=True,
         text=True,
@@ -230,7 +230,7 @@ def test_the_daemon_protects_itself_against_memory_pressure_by_default(procs):
     _, port = procs.memserver("16M")
     d, sock = procs.daemon([port], "8M", "test-protect")
     threads = _task_facts(d.pid)
-    assert len(threads) >= 2  # the event loop and the log writer (duvm.quietlog)
+    assert len(threads) >= 2  # the event loop and the log writer (duvm.base.quietlog)
     assert all(policy == os.SCHED_RR for policy, _ in threads), threads
     assert all(bool(flags & PF_MEMALLOC_NOIO) == allowed["io-flusher"] for _, flags in threads), (
         threads

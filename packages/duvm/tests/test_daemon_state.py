@@ -1,4 +1,4 @@
-"""Persisted daemon state (duvm.daemon_state): the files, their checks, and a daemon that is
+"""Persisted daemon state (duvm.store.daemon_state): the files, their checks, and a daemon that is
 SIGKILLed and resumed from them against a real memserver, read through a real NBD client."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from duvm import daemon_state as ds
+from duvm.store import daemon_state as ds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -148,7 +148,7 @@ def test_tables_written_just_before_sigkill_are_in_the_file(tmp_path: Path) -> N
     path = tmp_path / "pages.bin"
     code = (
         "import os, signal, sys\nfrom pathlib import Path\n"
-        "from duvm import daemon_state as ds\n"
+        "from duvm.store import daemon_state as ds\n"
         f"t = ds.PageTables.create(Path({str(path)!r}), 64, encrypted=False)\n"
         "t.crc[63] = 0xCAFEF00D\nt.state[63] = 1\nos.kill(os.getpid(), signal.SIGKILL)\n"
     )
@@ -249,7 +249,7 @@ def _qemu_io(sock: Path, *cmds: str) -> str:
 def _namespace(port: int) -> dict | None:
     import asyncio
 
-    from duvm.memclient import query_status
+    from duvm.store.memclient import query_status
 
     st_ = asyncio.run(query_status("127.0.0.1", port))
     return next((n for n in st_["namespaces"] if n["client_id"] == "test-resume"), None)

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from duvm import attach, doctor
+from duvm.node import attach, doctor
 
 NOBODY = 65534
 PY = sys.executable
@@ -405,7 +405,7 @@ def test_uvloop_absent_is_a_warning() -> None:
     # sys.modules[name] = None makes `import name` raise ImportError: uvloop as if uninstalled
     code = (
         "import sys; sys.modules['uvloop'] = None\n"
-        "from duvm import doctor\n"
+        "from duvm.node import doctor\n"
         "c = doctor.check_uvloop(); print(c.status, c.required, c.fix)"
     )
     res = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, check=False)
@@ -420,7 +420,7 @@ def test_not_root_fails_after_a_real_drop_to_nobody(tmp_path: Path) -> None:
     # argparse loads lazily), then the process really drops to nobody and runs the doctor.
     code = (
         "import os, shutil, sys, uvloop\n"
-        "from duvm import cli, doctor, memclient\n"
+        "from duvm import cli\nfrom duvm.node import doctor\nfrom duvm.store import memclient\n"
         "cli.build_parser().format_help()\n"
         f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
         "sys.exit(cli.main(['doctor', '--json']))\n"
@@ -492,7 +492,11 @@ def test_swap_path_protection_reports_what_the_daemon_would_be_refused() -> None
     """Catches a doctor that says ready while the daemon would run without its memory-pressure
     protections (the node can then hang on its own swap device)."""
     probe = subprocess.run(
-        [PY, "-c", "import json; from duvm import pressure; print(json.dumps(pressure.probe()))"],
+        [
+            PY,
+            "-c",
+            "import json; from duvm.base import pressure; print(json.dumps(pressure.probe()))",
+        ],
         capture_output=True,
         text=True,
         check=True,

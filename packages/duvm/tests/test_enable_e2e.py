@@ -24,7 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from duvm import attach, cgroup, control, demo, ramfs
+from duvm.base import cgroup, ramfs
+from duvm.cli import demo
+from duvm.node import attach, control
 
 LIMIT_MIB, WORKLOAD_MIB = 64, 256
 PAGE = 4096
@@ -32,8 +34,10 @@ MIN_SWAP_PAGES = ((WORKLOAD_MIB - 2 * LIMIT_MIB) << 20) // PAGE
 
 
 def _skip_reason() -> str | None:
-    if importlib.util.find_spec("duvm.remote_store") is None:
-        return "the daemon's memserver-backed store (duvm.remote_store) is not in this tree yet"
+    if importlib.util.find_spec("duvm.store.remote_store") is None:
+        return (
+            "the daemon's memserver-backed store (duvm.store.remote_store) is not in this tree yet"
+        )
     problems = demo.preflight()
     return "; ".join(problems) if problems else None
 
@@ -196,7 +200,7 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         assert res.returncode == 0, res.stderr
         assert "2 copies of each page" in res.stdout and "warning" not in res.stderr
         # the daemon's state is on a ramfs of its own: a restarted daemon can read it back
-        # even when everything else on /run was swapped out to this device (duvm.ramfs)
+        # even when everything else on /run was swapped out to this device (duvm.base.ramfs)
         ds = control.daemon_state_dir(state_dir)
         assert ramfs.is_mount_point(ds) and ramfs.filesystem_of(ds) == "ramfs"
         assert (ds / "daemon-state.json").exists()
@@ -215,7 +219,7 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         att = attach.load_state(control.state_path(state_dir))
         assert att is not None
         pids += [p for p in (att.nbdfuse_pid, att.holder_pid) if p]
-        # what serves the swap device runs realtime by default (duvm.pressure): the daemon,
+        # what serves the swap device runs realtime by default (duvm.base.pressure): the daemon,
         # and nbdfuse on the fallback path, from its first instruction
         for pid in (st["daemon"]["pid"], att.nbdfuse_pid):
             if pid:
@@ -225,7 +229,7 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         with cgroup.MemoryCgroup(LIMIT_MIB << 20, prefix="duvm-test") as cg:
             cgroups.append(str(cg.path))
             proc = cg.popen(
-                [sys.executable, "-m", "duvm.workload", "--mib", "160", "--hold"],
+                [sys.executable, "-m", "duvm.cli.workload", "--mib", "160", "--hold"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

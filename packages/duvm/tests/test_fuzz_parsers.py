@@ -16,10 +16,10 @@ import os
 import struct
 
 import pytest
-from duvm import nbdconst as C
-from duvm import pageproto as pp
-from duvm.memserver import MemServer, _Conn
-from duvm.nbdproto import ExportInfo, Handshake, NbdProtocolError, TransmissionDecoder
+from duvm.memserver.server import MemServer, _Conn
+from duvm.wire import nbdconst as C
+from duvm.wire import pageproto as pp
+from duvm.wire.nbdproto import ExportInfo, Handshake, NbdProtocolError, TransmissionDecoder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -103,7 +103,7 @@ class _Errors(logging.Handler):
 _LOOP: asyncio.AbstractEventLoop | None = None
 _SERVER: MemServer | None = None
 _ERRORS = _Errors()
-logging.getLogger("duvm.memserver").addHandler(_ERRORS)
+logging.getLogger("duvm.memserver.server").addHandler(_ERRORS)
 _LOGIN = (
     pp.encode_bytes(pp.Hello(1, "fuzz"))
     + pp.encode_bytes(pp.Auth(2, bytes(32)))

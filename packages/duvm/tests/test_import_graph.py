@@ -1,82 +1,27 @@
-"""duvm's modules import each other without cycles, counting imports inside functions (a
-function-local import hides a cycle from the interpreter, not from the reader). Imports under
-`if TYPE_CHECKING:` are annotations only and do not count."""
+"""duvm's modules import each other without cycles, and each layer (subpackage) imports only
+the layers its docstring's "May import:" line names. Imports inside functions count; imports
+under `if TYPE_CHECKING:` do not (tools/import_graph.py)."""
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "duvm"
-
-
-def module_graph(src: Path) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports anywhere in its file."""
-    pkg = src.name
-    mods: dict[str, Path] = {}
-    for f in src.rglob("*.py"):
-        parts = f.relative_to(src.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        mods[name] = f
-    graph: dict[str, set[str]] = {}
-    for name, f in mods.items():
-        tree = ast.parse(f.read_text())
-        typing_only = {
-            id(sub)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for sub in ast.walk(node)
-        }
-        found: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                found.add(node.module)
-                found |= {f"{node.module}.{a.name}" for a in node.names}
-        graph[name] = {m for m in found if m in mods and m != name and m != pkg}
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
+_spec = importlib.util.spec_from_file_location(
+    "import_graph", Path(__file__).resolve().parents[3] / "tools" / "import_graph.py"
+)
+ig = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ig)
+module_graph, cycles = ig.module_graph, ig.cycles
+layer_rules, layer_violations = ig.layer_rules, ig.layer_violations
 
 
 def test_duvm_has_no_import_cycles() -> None:
     graph = module_graph(SRC)
-    assert "duvm.daemon" in graph and "duvm.remote_store" in graph["duvm.daemon"] | {
-        m for d in graph["duvm.daemon"] for m in graph[d]
-    }
+    assert "duvm.node.daemon" in graph and "duvm.store.remote_store" in graph[
+        "duvm.node.daemon"
+    ] | {m for d in graph["duvm.node.daemon"] for m in graph[d]}
     assert cycles(graph) == []
 
 
@@ -95,3 +40,33 @@ def test_the_checker_finds_a_cycle_hidden_in_a_function(tmp_path: Path) -> None:
     graph = module_graph(pkg)
     assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.d"] == set()
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def test_every_module_is_in_a_layer() -> None:
+    rules = layer_rules(SRC)
+    assert set(rules) == {"base", "wire", "store", "memserver", "node", "cli", "testing"}
+    loose = sorted(f.name for f in SRC.glob("*.py") if f.name != "__init__.py")
+    assert loose == [], f"modules outside a layer: {loose}"
+
+
+def test_each_layer_imports_only_what_its_docstring_allows() -> None:
+    assert layer_violations(module_graph(SRC), layer_rules(SRC)) == []
+
+
+def test_the_layer_checker_finds_an_upward_import(tmp_path: Path) -> None:
+    """Catches a checker that misses an import from a lower layer up into a higher one (how
+    the memserver came to import the client's socket tuning)."""
+    pkg = tmp_path / "pkg"
+    for sub, rule in (("base", "nothing else of pkg"), ("store", "pkg.base"), ("cli", "any layer")):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text(f'"""Layer.\n\nMay import: {rule}.\n"""\n')
+    (pkg / "__init__.py").write_text("")
+    (pkg / "base" / "b.py").write_text("def f():\n    from pkg.store import s\n")
+    (pkg / "store" / "s.py").write_text("from pkg.base import b\n")
+    (pkg / "cli" / "c.py").write_text("from pkg.store import s\n")
+    rules = layer_rules(pkg)
+    assert rules == {"base": set(), "store": {"base"}, "cli": None}
+    assert layer_violations(module_graph(pkg), rules) == [
+        "pkg.base.b imports pkg.store (base may import [])",
+        "pkg.base.b imports pkg.store.s (base may import [])",
+    ]

@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
-from duvm import pageproto as pp
-from duvm.memclient import MemClient, MemserverUnreachable
-from duvm.memserver import MemServer
+from duvm.memserver.server import MemServer
+from duvm.store.memclient import MemClient, MemserverUnreachable
+from duvm.wire import pageproto as pp
 
 LOOPS = ["asyncio", "uvloop"]
 

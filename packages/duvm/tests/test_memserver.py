@@ -12,9 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from duvm import pageproto as pp
-from duvm.memclient import MemClient, MemserverUnreachable, PageServerError, query_status
-from duvm.memserver import MemServer, PageStore, Refused, _Conn, _skip
+from duvm.memserver.server import MemServer, PageStore, Refused, _Conn, _skip
+from duvm.store.memclient import MemClient, MemserverUnreachable, PageServerError, query_status
+from duvm.wire import pageproto as pp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -367,7 +367,7 @@ async def test_version_mismatch_is_refused_clearly(server: MemServer) -> None:
 
 
 async def test_request_before_hello_closes(server: MemServer, caplog) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver")
+    caplog.set_level(logging.WARNING, "duvm.memserver.server")
     got, closed = await raw_exchange(server.addr, pp.encode_bytes(pp.make_load(1, [1])))
     assert closed and got == []
     assert "Load before authentication" in caplog.text
@@ -397,7 +397,7 @@ async def test_status_needs_no_hello(server: MemServer) -> None:
 async def test_bad_client_is_cut_off_while_a_good_one_keeps_working(
     server: MemServer, caplog, wire: bytes, reason: str
 ) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver")
+    caplog.set_level(logging.WARNING, "duvm.memserver.server")
     good = MemClient(*server.addr, "good/1")
     await good.connect()
     await good.reserve(64)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from duvm import metrics, nbdconst, pageproto
+from duvm.wire import metrics, nbdconst, pageproto
 from prometheus_client.parser import text_string_to_metric_families
 
 PAGE = 4096

@@ -25,9 +25,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from duvm.memory_store import MemoryStore
-from duvm.nbdserver import NBDServer
-from duvm.storage import BlockStore, FaultStore
+from duvm.node.nbdserver import NBDServer
+from duvm.store.memory_store import MemoryStore
+from duvm.store.storage import BlockStore, FaultStore
 
 try:
     import uvloop
@@ -407,6 +407,8 @@ class SeeingStore(MemoryStore):
     """A MemoryStore that offers the callback fast path (declining it, so the coroutine path
     then runs) and records every range either path was asked for."""
 
+    fast_path = True
+
     def __init__(self, size: int) -> None:
         super().__init__(size)
         self.seen: list[tuple[str, int, int]] = []
@@ -464,6 +466,45 @@ def test_requests_that_run_past_the_end_are_refused_before_any_store_path(serve)
         ("read", inside, 4096),
     ]
     s.close()
+
+
+def _one_write_and_read(srv) -> None:
+    s = raw_connect(srv.path)
+    send_req(s, 1, cookie=1, offset=0, length=4096, payload=b"f" * 4096)
+    send_req(s, 0, cookie=2, offset=0, length=4096)
+    assert recv_reply(s) == (1, 0, b"")
+    assert recv_reply(s, 4096) == (2, 0, b"f" * 4096)
+    s.close()
+
+
+def test_the_fast_path_is_offered_only_to_a_store_that_declares_it(serve):
+    """Catches a server that picks the fast path by which methods a store defines (a filter
+    that inherits or stubs `start_read` would change the path silently)."""
+    undeclared = SeeingStore(MiB)
+    undeclared.fast_path = False
+    _one_write_and_read(serve(undeclared))
+    assert undeclared.seen == [("write", 0, 4096), ("read", 0, 4096)]
+
+
+def test_filters_forward_or_decline_the_fast_path(serve):
+    """Catches a filter that hides its inner store's fast path (FaultStore forwards it, and
+    declines only a request it must fault) or offers one it cannot serve (CryptStore must
+    seal every page on the coroutine path)."""
+    inner = SeeingStore(MiB)
+    faults = FaultStore(inner, delay={"read": 0.01}, only=range(0, 4096))
+    assert faults.fast_path and faults.describe() == "local RAM, faults injected"
+    _one_write_and_read(serve(faults))
+    # the write was forwarded to the fast path; the read, which has a delay to inject there,
+    # was declined before the inner store saw it and took the coroutine path
+    assert inner.seen == [("start_write", 0, 4096), ("write", 0, 4096), ("read", 0, 4096)]
+
+    from duvm.store.crypt_store import CryptStore
+
+    inner = SeeingStore(MiB)
+    sealed = CryptStore(inner)
+    assert not sealed.fast_path and sealed.describe() == "local RAM, pages encrypted"
+    _one_write_and_read(serve(sealed))
+    assert inner.seen == [("write", 0, 4096), ("read", 0, 4096)]  # never the fast path
 
 
 def test_replies_come_out_of_order_as_requests_complete(serve):
@@ -594,7 +635,7 @@ def test_connections_beyond_the_limit_are_refused_others_keep_working(serve):
 
 
 def test_client_that_never_negotiates_is_dropped(serve, monkeypatch):
-    import duvm.nbdserver as nbdserver
+    import duvm.node.nbdserver as nbdserver
 
     monkeypatch.setattr(nbdserver, "HANDSHAKE_TIMEOUT", 0.3)
     srv = serve(MemoryStore(MiB))

@@ -9,9 +9,9 @@ import shutil
 import stat
 
 import pytest
-from duvm import nbdserver
-from duvm.memory_store import MemoryStore
-from duvm.nbdserver import NBDServer
+from duvm.node import nbdserver
+from duvm.node.nbdserver import NBDServer
+from duvm.store.memory_store import MemoryStore
 
 
 async def _qemu_io(sock: str, *cmds: str) -> tuple[int, str]:

@@ -1,4 +1,4 @@
-"""The generic-netlink codec of duvm.nbdnetlink: encoders checked by decoding, the decoder
+"""The generic-netlink codec of duvm.wire.nbdnetlink: encoders checked by decoding, the decoder
 fuzzed, and the blocking exchange against this kernel's own nlctrl family (the nbd commands
 themselves run under QEMU: test_kernel_nbd_qemu.py)."""
 
@@ -9,7 +9,7 @@ import socket
 import struct
 
 import pytest
-from duvm import nbdnetlink as nl
+from duvm.wire import nbdnetlink as nl
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -1,4 +1,4 @@
-"""Unit and fuzz tests of the sans-io NBD codec (duvm.nbdproto): bytes in, events/bytes out."""
+"""Unit and fuzz tests of the sans-io NBD codec (duvm.wire.nbdproto): bytes in, events/bytes out."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import itertools
 import struct
 
 import pytest
-from duvm import nbdconst as C
-from duvm.nbdproto import (
+from duvm.node.nbdserver import transmission_flags
+from duvm.store.storage import Capabilities
+from duvm.wire import nbdconst as C
+from duvm.wire.nbdproto import (
     MAX_OPTION_DATA,
     BufferPool,
     ExportInfo,
@@ -21,8 +23,6 @@ from duvm.nbdproto import (
     encode_simple_reply,
     wire_error,
 )
-from duvm.nbdserver import transmission_flags
-from duvm.storage import Capabilities
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -23,8 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from duvm import auth, control, control_socket
-from duvm.memclient import MemClient, PageServerError, query_status
+from duvm.node import control
+from duvm.store.memclient import MemClient, PageServerError, query_status
+from duvm.wire import auth, control_socket
 
 
 def duvm(*args: str) -> subprocess.CompletedProcess[str]:

@@ -48,7 +48,8 @@ def test_sdist_has_readme_license_units_and_sources(dist: dict[str, Path]) -> No
         "README.md",
         "pyproject.toml",
         "duvm.example.toml",
-        f"src/{NAME}/cli.py",
+        f"src/{NAME}/cli/__init__.py",
+        f"src/{NAME}/node/daemon.py",  # the layer folders too
         "systemd/duvm-node.service",
         "systemd/duvm-enable.service",
     ]
@@ -69,7 +70,7 @@ def test_wheel_metadata_and_entry_points(dist: dict[str, Path]) -> None:
         names = zf.namelist()
     assert "License-Expression: MIT" in meta
     assert "duvm = duvm.cli:main" in eps
-    assert f"{NAME}/doctor.py" in names
+    assert f"{NAME}/node/doctor.py" in names
     assert all(n.startswith((f"{NAME}/", info)) for n in names), names
 
 

@@ -6,7 +6,7 @@ import os
 import struct
 
 import pytest
-from duvm import pageproto as pp
+from duvm.wire import pageproto as pp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -7,10 +7,10 @@ import os
 
 import duvm
 import pytest
-from duvm import auth
-from duvm.memclient import query_status
-from duvm.memserver import MemServer
-from duvm.pool import GROUP_PAGES, PoolError, PoolFull, PoolKeyError
+from duvm.memserver.server import MemServer
+from duvm.store.memclient import query_status
+from duvm.store.pool import GROUP_PAGES, PoolError, PoolFull, PoolKeyError
+from duvm.wire import auth
 
 PS = 4096
 

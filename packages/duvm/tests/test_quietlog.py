@@ -12,8 +12,8 @@ import threading
 import time
 
 import pytest
-from duvm import quietlog
-from duvm.remote_store import RemoteStore
+from duvm.base import quietlog
+from duvm.store.remote_store import RemoteStore
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""duvm.ramfs: the daemon's state directory on a filesystem that is never swapped out. The
+"""duvm.base.ramfs: the daemon's state directory on a filesystem that is never swapped out. The
 mounts are real (root on this machine); the mountinfo parsing also runs over fixed text."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from duvm import ramfs
+from duvm.base import ramfs
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a ramfs needs root")
 

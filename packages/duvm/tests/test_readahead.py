@@ -11,11 +11,11 @@ import random
 import shutil
 
 import pytest
-from duvm.nbdserver import NBDServer
-from duvm.readahead import WINDOW_PAGES
-from duvm.remote_store import RemoteStore
-from duvm.storage import PAGE_SIZE as PS
-from duvm.storage import StorageError
+from duvm.node.nbdserver import NBDServer
+from duvm.store.readahead import WINDOW_PAGES
+from duvm.store.remote_store import RemoteStore
+from duvm.store.storage import PAGE_SIZE as PS
+from duvm.store.storage import StorageError
 
 MiB = 1 << 20
 READ = 8 * PS  # the kernel's swap-in cluster (32 KiB)

@@ -8,11 +8,11 @@ import os
 import random
 
 import pytest
-from duvm.memclient import MemClient, query_status
-from duvm.memserver import MemServer
-from duvm.remote_store import RemoteStore
-from duvm.storage import PAGE_SIZE as PS
-from duvm.storage import StorageError
+from duvm.memserver.server import MemServer
+from duvm.store.memclient import MemClient, query_status
+from duvm.store.remote_store import RemoteStore
+from duvm.store.storage import PAGE_SIZE as PS
+from duvm.store.storage import StorageError
 
 MiB = 1 << 20
 
@@ -238,8 +238,8 @@ def test_constructor_checks_its_arguments() -> None:
 
 def test_page_crcs_are_each_pages_crc32c() -> None:
     from crc32c import crc32c
-    from duvm.pageproto import MAX_BATCH
-    from duvm.remote_store import page_crcs
+    from duvm.store.remote_store import page_crcs
+    from duvm.wire.pageproto import MAX_BATCH
 
     for count in (1, 2, 64, MAX_BATCH, MAX_BATCH + 3):  # the last one past the slice table
         buf = memoryview(os.urandom(count * PS))
@@ -253,7 +253,7 @@ async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
     servers, fast
 ) -> None:
     from crc32c import crc32c
-    from duvm import remote_store
+    from duvm.store import remote_store
 
     srvs, addrs = servers
     store = await RemoteStore.open(addrs[:1], MiB, "t:crc-overlap", replicas=1)
@@ -283,7 +283,7 @@ async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
 
 
 async def test_a_replicated_write_checksums_its_pages_after_its_stores_left(servers) -> None:
-    from duvm import remote_store
+    from duvm.store import remote_store
 
     srvs, addrs = servers
     store = await RemoteStore.open(addrs, MiB, "t:crc-overlap-2", replicas=2, slab_pages=64)
@@ -335,3 +335,36 @@ async def test_a_replicated_write_registers_its_bytes_before_any_store_leaves(se
         assert store._pending_writes == [] and store.inflight[0] == 0
     finally:
         await store.close()
+
+
+async def test_one_batching_object_per_store_shared_down_the_stack(servers) -> None:
+    """Catches batching kept in module state (one store's cork would hold another store's
+    requests) or a filter that hides its inner store's batching (the NBD server would cork
+    an object no connection looks at, and every request would cost an extra loop
+    iteration)."""
+    from duvm.store.crypt_store import CryptStore
+    from duvm.store.storage import FaultStore
+
+    _, addrs = servers
+    a = await RemoteStore.open(addrs, 4 * MiB, "n:batch-a:1", slab_pages=16)
+    b = await RemoteStore.open(addrs, 4 * MiB, "n:batch-b:1", slab_pages=16)
+    try:
+        assert a.batching is not b.batching
+        assert all(c.batching is a.batching for c in a.clients)
+        assert FaultStore(CryptStore(a)).batching is a.batching
+        # corked, a write's requests are held by its store's connections, not sent...
+        assert a.batching.cork() and not a.batching.cork()  # nested: only the outer uncorks
+        page = memoryview(os.urandom(PS))
+        wrote = asyncio.ensure_future(a.write(0, page))
+        other = asyncio.ensure_future(b.write(0, page))
+        await asyncio.wait_for(other, 5)  # ...while another store's are not held at all
+        await asyncio.sleep(0.05)
+        assert not wrote.done()
+        a.batching.uncork()  # ...and leave when uncorked
+        await asyncio.wait_for(wrote, 5)
+        out = memoryview(bytearray(PS))
+        await a.read(0, out)
+        assert out == page
+    finally:
+        await a.close()
+        await b.close()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 
-from duvm.remote_store import RemoteStore
-from duvm.repair import Repairer
-from duvm.storage import PAGE_SIZE
+from duvm.store.remote_store import RemoteStore
+from duvm.store.repair import Repairer
+from duvm.store.storage import PAGE_SIZE
 
 SLAB = 64  # pages per slab
 SLABS = 6

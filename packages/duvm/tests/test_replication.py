@@ -14,12 +14,12 @@ import sys
 import time
 
 import pytest
-from duvm.memclient import MemClient, MemserverUnreachable, query_status
-from duvm.memserver import MemServer
-from duvm.placement import choose, normalize_peers, place
-from duvm.remote_store import RemoteStore
-from duvm.storage import PAGE_SIZE as PS
-from duvm.storage import StorageError
+from duvm.memserver.server import MemServer
+from duvm.store.memclient import MemClient, MemserverUnreachable, query_status
+from duvm.store.placement import choose, normalize_peers, place
+from duvm.store.remote_store import RemoteStore
+from duvm.store.storage import PAGE_SIZE as PS
+from duvm.store.storage import StorageError
 
 MiB = 1 << 20
 
@@ -285,7 +285,7 @@ async def test_breaker_fails_fast_while_open_and_recovers() -> None:
 
 def _spawn_memserver() -> tuple[subprocess.Popen, tuple[str, int]]:
     code = (
-        "import asyncio,sys\nfrom duvm.memserver import MemServer\n"
+        "import asyncio,sys\nfrom duvm.memserver.server import MemServer\n"
         "async def m():\n s=MemServer(4<<20,lease_s=60,lock=False)\n h,p=await s.start()\n"
         " print(p,flush=True)\n await asyncio.Event().wait()\nasyncio.run(m())\n"
     )
@@ -342,7 +342,7 @@ async def test_statuses_agree_with_health(servers) -> None:
 
 
 async def test_control_socket_answers_status_owner_only(tmp_path, servers) -> None:
-    from duvm import control_socket
+    from duvm.wire import control_socket
 
     _, addrs = servers
     store = await RemoteStore.open(addrs[:2], MiB, "t:ctl:1", replicas=2, slab_pages=64)

@@ -1,4 +1,4 @@
-"""`duvm enable --resume` (duvm.resume): what it refuses, with which words, before it touches
+"""`duvm enable --resume` (duvm.node.resume): what it refuses, with which words, before it touches
 anything; the successful path runs under QEMU (test_kernel_nbd_qemu.py), where the kernel has
 nbd."""
 
@@ -12,8 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from duvm import attach, control, resume
 from duvm.cli import main
+from duvm.node import attach, control, resume
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="resume needs root")
 

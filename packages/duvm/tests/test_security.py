@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from duvm import auth
-from duvm import pageproto as pp
-from duvm.memclient import MemClient, MemserverUnreachable, PageServerError, query_status
-from duvm.memserver import MemServer
+from duvm.memserver.server import MemServer
+from duvm.store.memclient import MemClient, MemserverUnreachable, PageServerError, query_status
+from duvm.wire import auth
+from duvm.wire import pageproto as pp
 
 PS = pp.PAGE_SIZE
 
@@ -237,7 +237,7 @@ async def _raw_login(addr, client_id: str, secret: bytes | None, token: bytes):
 
 
 async def test_raw_frames_before_auth_are_refused(secured: MemServer, caplog) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver")
+    caplog.set_level(logging.WARNING, "duvm.memserver.server")
     for early in (
         pp.make_store(1, [0], bytes(PS)),
         pp.make_load(1, [0]),
@@ -502,7 +502,7 @@ async def test_tls_and_secret_together(pki) -> None:
 
 
 async def test_flood_and_slowloris_do_not_stop_service(caplog) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver")
+    caplog.set_level(logging.WARNING, "duvm.memserver.server")
     srv = MemServer(
         1 << 20,
         lease_s=60,

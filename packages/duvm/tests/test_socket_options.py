@@ -8,8 +8,8 @@ import socket
 from pathlib import Path
 
 import pytest
-from duvm.nbdserver import _tune_socket
-from duvm.sockets import SOCKET_BUFFER, set_buffers, tune_socket
+from duvm.base.sockets import SOCKET_BUFFER, set_buffers, tune_socket
+from duvm.node.nbdserver import _tune_socket
 
 
 def _cap(name: str) -> int:

@@ -3,7 +3,7 @@
 Real processes stand in for the daemon (a sleeping Python whose command line reads like
 `duvm.cli daemon`, so the PID checks accept it) and are SIGKILLed. Resuming for real needs a
 kernel nbd device, which this machine lacks: the loop tests pass a `resume_fn` that starts a
-new stand-in and records it, as `duvm.resume.resume` does; the process tests run the real
+new stand-in and records it, as `duvm.node.resume.resume` does; the process tests run the real
 `duvm supervise` with the real resume, which here can only fail (its daemon finds no
 memserver), to check retries and stopping. The whole path, resume included, runs under the
 real supervisor in the QEMU guest (test_kernel_nbd_qemu.py).
@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from duvm import attach, control, resume, supervise, supervisor_process
+from duvm.node import attach, control, resume, supervise, supervisor_process
 
 STAND_IN = "import time; time.sleep(120)"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="duvm supervise and resume run as root")
@@ -241,7 +241,7 @@ def test_the_supervisor_process_starts_reports_and_stops(node: Node) -> None:
         assert info is not None and info["pid"] == pid and supervisor_process.alive(info)
         assert f"watching daemon pid {daemon}" in Path(info["log"]).read_text()
         # on the swap path like the daemon: realtime by default, so the daemon it restarts
-        # inherits the class from its first instruction (duvm.pressure)
+        # inherits the class from its first instruction (duvm.base.pressure)
         assert os.sched_getscheduler(pid) == os.SCHED_RR
         st = control.status(node.state_dir)
         assert st["supervisor"] == {"pid": pid, "running": True, "log": info["log"]}
@@ -343,7 +343,7 @@ def test_disable_keeps_the_supervisor_through_swapoff_and_refuses_with_a_dead_da
 
 
 def test_enable_tells_how_starting_the_supervisor_went(capsys: pytest.CaptureFixture[str]) -> None:
-    from duvm.enable import say_supervisor
+    from duvm.node.enable import say_supervisor
 
     say_supervisor(4321, None, "watches the daemon again")
     say_supervisor(None, "no pidfd support", "unused")

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from duvm import attach, cgroup
+from duvm.base import cgroup
+from duvm.node import attach
 
 NBDKIT = shutil.which("nbdkit")
 NBDINFO = shutil.which("nbdinfo")
@@ -166,7 +167,7 @@ def swap_stack() -> Iterator[Stack]:
 
 def _workload(cg: cgroup.MemoryCgroup, *extra: str) -> subprocess.Popen[str]:
     return cg.popen(
-        [sys.executable, "-m", "duvm.workload", "--mib", str(WORKLOAD_MIB), *extra],
+        [sys.executable, "-m", "duvm.cli.workload", "--mib", str(WORKLOAD_MIB), *extra],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from duvm import cli, control
+from duvm import cli
+from duvm.node import control
 
 PKG = Path(__file__).resolve().parents[1]
 UNITS = PKG / "systemd"
@@ -60,7 +61,7 @@ def test_example_config_is_what_the_enable_unit_reads() -> None:
 
 
 def test_node_unit_runs_duvm_node_with_the_example_config() -> None:
-    from duvm import node
+    from duvm.node import node_command as node
 
     u = unit("duvm-node.service")
     s = u["Service"]
@@ -88,7 +89,7 @@ def test_node_unit_runs_duvm_node_with_the_example_config() -> None:
 
 def test_enable_unit_lets_the_swap_path_protect_itself() -> None:
     """Catches a unit hardening that would quietly take the daemon's memory-pressure
-    protections away (duvm.pressure): a node short of memory could then hang on its own swap
+    protections away (duvm.base.pressure): a node short of memory could then hang on its own swap
     device."""
     s = unit("duvm-enable.service")["Service"]
     assert s.get("RestrictRealtime", "no") == "no"

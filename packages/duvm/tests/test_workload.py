@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from duvm import workload
+from duvm.cli import workload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,7 +73,7 @@ def test_cli_prints_json_and_exits_zero() -> None:
         [
             sys.executable,
             "-m",
-            "duvm.workload",
+            "duvm.cli.workload",
             "--mib",
             "4",
             "--chunk-kib",
@@ -95,7 +95,7 @@ def test_cli_prints_json_and_exits_zero() -> None:
 
 def test_hold_waits_for_stdin() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "duvm.workload", "--mib", "2", "--hold"],
+        [sys.executable, "-m", "duvm.cli.workload", "--mib", "2", "--hold"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

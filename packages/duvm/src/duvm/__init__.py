@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from duvm.pool import Pool  # the explicit API (after __version__, which cli imports)
+from duvm.store.pool import Pool  # the explicit API (after __version__, which cli imports)
 
 __all__ = ["Pool", "__version__"]

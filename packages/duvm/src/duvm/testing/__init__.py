@@ -3,4 +3,6 @@
 `netns_cluster` builds a real multi-node cluster on one machine (network namespaces, veth,
 a bridge); `nbd_workload` is a verifying block workload run through libnbd by the system
 Python. Nothing outside this folder imports them except `tests/` and `benchmarks/`.
+
+May import: any layer.
 """

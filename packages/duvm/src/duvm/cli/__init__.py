@@ -1,0 +1,75 @@
+"""The `duvm` command: one subcommand per piece, and the commands that use every layer
+(`duvm demo`, `duvm secret`, the demo's workload).
+
+May import: any layer.
+
+Each subcommand lives in its own module, which exports `add_arguments(parser)` and
+`run(args) -> int`; this file only wires them, so pieces can grow without touching each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from duvm import __version__
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "memserver": ("duvm.memserver.server", "serve this node's spare RAM to the pool (page server)"),
+    "node": (
+        "duvm.node.node_command",
+        "run this node's memserver and control socket from the config file "
+        "(the provider side; systemd: duvm-node.service)",
+    ),
+    "daemon": (
+        "duvm.node.daemon",
+        "NBD server for the local kernel; its blocks live on memservers",
+    ),
+    "enable": (
+        "duvm.node.enable",
+        "start the daemon, attach its device and swap to the pool (root)",
+    ),
+    "supervise": (
+        "duvm.node.supervise",
+        "restart a crashed daemon onto its live kernel nbd device (started by enable)",
+    ),
+    "disable": (
+        "duvm.node.disable",
+        "swapoff, detach, stop the daemon; refuses if pages can't go home",
+    ),
+    "status": ("duvm.node.status", "enabled or not, device, swap used, pages and health per peer"),
+    "doctor": ("duvm.node.doctor", "check this node's prerequisites and say how to fix each gap"),
+    "demo": ("duvm.cli.demo", "a whole pool on this machine: 3 memservers, a workload, verified"),
+    "secret": ("duvm.cli.secret", "create, show and rotate the cluster secret file (0600)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="duvm",
+        description="Pool RAM across a cluster: the kernel swaps cold pages to a duvm block "
+        "device whose pages live in other nodes' RAM.",
+    )
+    parser.add_argument("--version", action="version", version=f"duvm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

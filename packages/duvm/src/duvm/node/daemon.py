@@ -1,0 +1,375 @@
+"""`duvm daemon`: the NBD server for the local kernel; its blocks live on memservers.
+
+Theory of operation: the daemon reserves the whole export's capacity on the memservers first
+(`RemoteStore`), and only then listens, so the kernel can never be offered a block that has
+nowhere to go. It serves the store with `NBDServer` on a Unix socket (and optionally TCP on
+loopback). It locks itself in RAM and lowers its OOM score where permitted, since it sits on
+the swap path: if it were swapped out or killed, the pages it holds for the kernel would be
+out of reach. It also runs realtime and as an I/O flusher, and logs from a writer thread, so
+memory pressure cannot stall it (`duvm.base.pressure`, `duvm.base.quietlog`). SIGTERM/SIGINT stop it
+cleanly: stop accepting, let in-flight requests finish and reply, then release the
+reservations on every memserver.
+
+`--memory` serves a local in-RAM store instead of memservers: the single-hop baseline of the
+benchmarks and a way to try NBD clients without a pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from duvm.base import pressure, quietlog
+from duvm.base.units import is_loopback, parse_hostport, parse_listen, parse_size
+from duvm.store import daemon_state, memclient
+from duvm.store.placement import default_replicas
+from duvm.store.storage import BlockStore, StorageError
+from duvm.wire import auth
+from duvm.wire.nbdtrace import RequestTrace
+from duvm.wire.pageproto import PAGE_SIZE  # the one definition: the wire's page
+
+log = logging.getLogger("duvm.node.daemon")
+
+
+class DaemonError(Exception):
+    """A reason to exit non-zero with a one-line message (peer unreachable, pool full, ...)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--peers", metavar="HOST:PORT,...", help="memservers holding the pages (comma-separated)"
+    )
+    parser.add_argument(
+        "--size",
+        required=True,
+        metavar="SIZE",
+        help="export size, reserved on the memservers before serving (e.g. 4G)",
+    )
+    parser.add_argument(
+        "--socket", required=True, metavar="PATH", help="Unix socket to serve NBD on"
+    )
+    parser.add_argument(
+        "--tcp", metavar="HOST:PORT", help="also serve NBD on TCP (loopback only; port 0 picks one)"
+    )
+    parser.add_argument(
+        "--export-name",
+        default="",
+        metavar="NAME",
+        help="NBD export name (default: the default export, '')",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="memservers holding each page (default 2 when at least 2 peers, else 1)",
+    )
+    parser.add_argument(
+        "--control-socket",
+        metavar="PATH",
+        help="local status socket, owner-only (default: SOCKET.ctl)",
+    )
+    parser.add_argument(
+        "--client-id",
+        metavar="ID",
+        help="namespace on the memservers (default: hostname:socket path)",
+    )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="serve a local in-RAM store instead of memservers (testing, benchmark baseline)",
+    )
+    parser.add_argument("--no-mlock", action="store_true", help="do not lock the daemon in RAM")
+    parser.add_argument(
+        "--heap-reserve",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="with the daemon locked in RAM: MiB of heap faulted in and kept at "
+        "start, so request buffers need no page fault under memory pressure "
+        "(default 0; see docs/KERNEL_NBD_QEMU.md for what it does and does not "
+        "fix)",
+    )
+    parser.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
+        "one; see duvm.wire.metrics)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="keep the state a restarted daemon needs (namespace token, slab "
+        "map, page checksums, key) in DIR (0700; a tmpfs such as /run/duvm)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="take over from a daemon that died, from --state-dir: same "
+        "namespaces on the memservers, same pages (kernel nbd then "
+        "reconnects its live device; see `duvm enable --resume`)",
+    )
+    parser.add_argument(
+        "--no-realtime",
+        dest="realtime",
+        action="store_false",
+        help="run at the normal scheduling class instead of SCHED_RR priority "
+        "1 (the default, which lets the daemon's allocations dip below the min "
+        "watermark so memory pressure cannot stall the swap path; see "
+        "docs/ARCHITECTURE.md)",
+    )
+    parser.add_argument(
+        "--realtime", dest="realtime", action="store_true", help=argparse.SUPPRESS
+    )  # the default now; kept for old configs
+    parser.add_argument(
+        "--no-io-flusher",
+        dest="io_flusher",
+        action="store_false",
+        help="do not mark the daemon as an I/O flusher (PR_SET_IO_FLUSHER, "
+        "the default: its reclaim never waits on swap writes it must serve)",
+    )
+    parser.add_argument(
+        "--oom-score-adj",
+        type=int,
+        default=pressure.OOM_SCORE_ADJ,
+        metavar="N",
+        help="the daemon's OOM score adjustment (default "
+        f"{pressure.OOM_SCORE_ADJ}: killed after almost everything else; "
+        "-1000 never)",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write one line per NBD request (arrival and reply times, "
+        "command, offset, length, errno) to FILE, for finding where time goes "
+        "(benchmarks/nbd_trace.py summarises it; about 1.5 µs per request)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log connections and errors")
+    auth.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
+
+
+def _fail(msg: str, code: int = 1) -> int:
+    print(f"duvm daemon: {msg}", file=sys.stderr)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    # Protections first, so the threads started below (the log writer) inherit the scheduling
+    # class and every page touched from here on is locked.
+    if not args.memory:
+        pressure.protect(
+            "duvm daemon",
+            realtime=args.realtime,
+            mlock=not args.no_mlock,
+            io_flusher=args.io_flusher,
+            oom_adj=args.oom_score_adj,
+        )
+        if args.heap_reserve > 0 and not args.no_mlock:
+            pressure.reserve_heap(args.heap_reserve << 20)
+    else:
+        pressure.lower_oom_score(args.oom_score_adj)
+    logger = quietlog.start_background(
+        logging.INFO if args.verbose else logging.WARNING, "duvm daemon: %(levelname)s %(message)s"
+    )
+    try:
+        return _run(args)
+    finally:
+        logger.stop()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The daemon's flags, checked and resolved once (the argparse namespace stays as given)."""
+
+    size: int
+    peers: list[tuple[str, int]]
+    tcp: tuple[str, int] | None
+    replicas: int
+    client_id: str
+    security: auth.PeerSecurity | None  # how every memserver connection authenticates
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """ValueError, auth.SecretError or OSError (TLS files) with a reason."""
+    size = parse_size(args.size)
+    if size <= 0 or size % PAGE_SIZE:
+        raise ValueError(f"--size must be a positive multiple of {PAGE_SIZE} bytes")
+    peers = [parse_hostport(p) for p in (args.peers or "").split(",") if p.strip()]
+    if not peers and not args.memory:
+        raise ValueError("--peers is required (or --memory for a local in-RAM store)")
+    tcp = parse_listen(args.tcp) if args.tcp else None
+    if tcp is not None and not is_loopback(tcp[0]):
+        raise ValueError(f"--tcp must be a loopback address, not {tcp[0]}")
+    replicas = args.replicas if args.replicas is not None else default_replicas(len(peers))
+    if replicas < 1:
+        raise ValueError("--replicas must be at least 1")
+    if args.metrics:
+        parse_listen(args.metrics)  # a bad address fails before anything starts
+    if args.resume and not args.state_dir:
+        raise ValueError("--resume needs --state-dir (where the dead daemon kept its state)")
+    if args.state_dir and args.memory:
+        raise ValueError("--state-dir keeps memserver state; --memory has none to keep")
+    return Settings(
+        size=size,
+        peers=peers,
+        tcp=tcp,
+        replicas=replicas,
+        client_id=args.client_id or f"{socket.gethostname()}:{os.path.abspath(args.socket)}",
+        security=auth.client_security_from_args(args, peers),
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        cfg = settings_from_args(args)
+    except (ValueError, auth.SecretError) as e:
+        return _fail(str(e), 2)
+    except OSError as e:  # ssl.SSLError included: unreadable or bad certificate files
+        return _fail(f"cannot load TLS files: {e}", 2)
+    if cfg.replicas == 1 and not args.memory:
+        log.warning(
+            "--replicas 1: a memserver that dies or restarts takes its pages with it "
+            "(the programs that own them get I/O errors); use 2 or more peers"
+        )
+    try:
+        return _run_loop(_serve(args, cfg))
+    except DaemonError as e:
+        return _fail(str(e))
+    except OSError as e:
+        return _fail(f"cannot serve on {args.socket}: {e.strerror or e}")
+
+
+def _run_loop(coro) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+async def open_store(
+    args: argparse.Namespace, cfg: Settings
+) -> tuple[BlockStore, daemon_state.Persisted | None]:
+    """The store to serve (reserved on the memservers, or local RAM with --memory) and, with
+    --state-dir, the files that let a restarted daemon serve it again."""
+    if args.memory:
+        from duvm.store.memory_store import MemoryStore
+
+        return MemoryStore(cfg.size), None
+    from duvm.store.remote_store import RemoteStore
+
+    if args.state_dir:  # state on files: a restarted daemon (--resume) serves the same pages
+        try:
+            return await daemon_state.open_store(
+                Path(args.state_dir),
+                cfg.peers,
+                cfg.size,
+                cfg.client_id,
+                cfg.replicas,
+                encrypt=auth.encryption_wanted(args, cfg.peers),
+                resume=args.resume,
+                export_name=args.export_name,
+                security=cfg.security,
+            )
+        except (StorageError, ValueError, daemon_state.StateError) as e:
+            raise DaemonError(getattr(e, "reason", None) or str(e)) from None
+        except OSError as e:
+            raise DaemonError(f"cannot keep state in {args.state_dir}: {e}") from None
+    try:
+        store = await RemoteStore.open(
+            cfg.peers, cfg.size, cfg.client_id, replicas=cfg.replicas, security=cfg.security
+        )
+    except (StorageError, ValueError) as e:  # unreachable peer, pool full: one clear line
+        raise DaemonError(getattr(e, "reason", None) or str(e)) from None
+    if auth.encryption_wanted(args, cfg.peers):
+        from duvm.store.crypt_store import CryptStore
+
+        return CryptStore(store), None  # pages leave this node sealed; the key never does
+    return store, None
+
+
+async def _serve(args: argparse.Namespace, cfg: Settings) -> int:
+    trace = None
+    if getattr(args, "trace", None):  # opened first: a bad path fails before reserving
+        try:
+            trace = RequestTrace(args.trace)
+        except OSError as e:
+            raise DaemonError(
+                f"cannot write the trace to {args.trace}: {e.strerror or e}"
+            ) from None
+    try:
+        return await _serve_store(args, cfg, trace)
+    finally:
+        if trace is not None:
+            trace.close()
+
+
+async def _serve_store(args: argparse.Namespace, cfg: Settings, trace: RequestTrace | None) -> int:
+    from duvm.node.nbdserver import NBDServer
+
+    store, persisted = await open_store(args, cfg)
+    server = NBDServer(store, args.export_name)
+    server.trace = trace
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if getattr(args, "secret_file", None):  # secret rotation: re-read on SIGHUP
+        clients = store.memserver_clients()
+        loop.add_signal_handler(
+            signal.SIGHUP,
+            lambda: log.warning("%s", memclient.reload_client_keyring(clients, args.secret_file)),
+        )
+    try:
+        if args.metrics:  # Prometheus exposition; NBD latencies observed from here on
+            from duvm.wire import metrics
+
+            try:
+                server.latency, bound = metrics.start_for_loop(
+                    metrics.DaemonCollector, server, metrics.NBD_KINDS, args.metrics
+                )
+            except OSError as e:
+                raise DaemonError(
+                    f"cannot serve metrics on {args.metrics}: {e.strerror or e}"
+                ) from None
+            print(f"duvm daemon metrics on http://{bound[0]}:{bound[1]}/metrics", flush=True)
+        await server.start_unix(args.socket)
+        where = f"unix:{args.socket}"
+        if cfg.tcp is not None:
+            host, port = await server.start_tcp(*cfg.tcp)
+            where += f" tcp:{host}:{port}"
+        backend = store.describe()
+        from duvm.wire import control_socket
+
+        ctl_path = args.control_socket or control_socket.default_path(args.socket)
+        ctl = await control_socket.start(
+            ctl_path,
+            lambda: control_socket.daemon_status(
+                store, server, None if args.memory else cfg.replicas
+            ),
+        )
+        print(
+            f"duvm daemon serving export {args.export_name!r} ({cfg.size} bytes, {backend}) "
+            f"on {where}",
+            flush=True,
+        )
+        await stop.wait()
+        ctl.close()
+        # asyncio leaves the socket file: gone with the daemon, so nobody reads a stale one
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ctl_path)
+        log.info("stopping: finishing in-flight requests")
+    finally:
+        await server.close()
+        await store.close()  # a RemoteStore RELEASEs its reservations on every memserver
+        if persisted is not None:
+            persisted.discard()  # released: nothing is left to resume
+    return 0

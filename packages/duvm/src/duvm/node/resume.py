@@ -1,0 +1,165 @@
+"""`duvm enable --resume`: bring a crashed daemon back onto its live kernel nbd device.
+
+Theory of operation
+-------------------
+``duvm enable`` attaches kernel nbd over netlink with a dead-connection timeout and starts the
+daemon with ``--state-dir`` (``STATE_DIR/daemon-state``), where the daemon keeps what it needs
+to serve its pages again (:mod:`duvm.store.daemon_state`). When the daemon dies (SIGKILL, OOM, a
+crash), the kernel marks the connection dead and holds the swap device's requests for that
+timeout. This command, run by hand or by a supervisor (systemd ``Restart=``/``ExecStart``):
+
+1. checks that an attachment exists, its daemon is dead and the device is still connected;
+2. starts ``duvm daemon ... --resume`` with the recorded arguments: same client id and
+   namespace token, so the memservers (which keep a dead client's namespace for their lease)
+   hand back the namespaces with every page; same slab map, checksums and key;
+3. waits for the daemon's socket, performs the NBD handshake on a new connection and gives it
+   to the device with ``NBD_CMD_RECONFIGURE``; the kernel resends what the old daemon left
+   unanswered, and the swapping programs continue.
+
+If anything fails the new daemon is stopped again, without releasing anything: the pages stay
+on the memservers for the rest of their lease and a second try may still succeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from duvm.node import attach, control
+from duvm.node.supervisor_process import keeps_state
+
+RESUME_LOCK = ".resume.lock"
+
+
+def with_state_dir(daemon_args: list[str], state_dir: Path) -> list[str]:
+    """`daemon_args` plus `--state-dir`, unless the user already chose one."""
+    if keeps_state(daemon_args):
+        return list(daemon_args)
+    return [*daemon_args, "--state-dir", str(control.daemon_state_dir(state_dir))]
+
+
+def resume_command(info: control.DaemonInfo) -> list[str]:
+    if info.client_id is None:
+        raise control.ControlError("the daemon record has no client id; cannot resume")
+    if not keeps_state(info.daemon_args):
+        raise control.ControlError(
+            "the daemon was started without --state-dir, so its pages "
+            "cannot be served again: `duvm disable --force`, then "
+            "enable again"
+        )
+    return [
+        sys.executable,
+        "-m",
+        "duvm.cli",
+        "daemon",
+        "--socket",
+        info.socket,
+        "--peers",
+        ",".join(info.peers),
+        "--size",
+        str(info.size),
+        "--client-id",
+        info.client_id,
+        "--replicas",
+        str(info.replicas),
+        *info.daemon_args,
+        "--resume",
+    ]
+
+
+Records = tuple[attach.Attachment, control.DaemonInfo]
+
+
+def resume(
+    state_dir: Path, timeout: float = 120.0, known: Records | None = None
+) -> tuple[control.DaemonInfo, attach.Attachment]:
+    """Restart the dead daemon of `state_dir` and reattach its live device (see above).
+    One at a time: the supervisor and a manual `--resume` wait for each other here, and the
+    second then finds the daemon running.
+
+    `known`: the attachment and daemon records as the caller read them while the daemon lived
+    (the supervisor). The files on /run may have been swapped out since, to the very device
+    whose server is now dead, and reading them back would wait for it: so they are not read
+    again. The daemon log is not appended to either; the new daemon writes a new one."""
+    attach.require_root()
+    if not state_dir.is_dir():
+        raise control.ControlError(
+            f"duvm is not enabled with state in {state_dir}; nothing to resume (use `duvm enable`)"
+        )
+    with open(state_dir / RESUME_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _resume(state_dir, timeout, known)
+
+
+def _resume(
+    state_dir: Path, timeout: float, known: Records | None
+) -> tuple[control.DaemonInfo, attach.Attachment]:
+    att, old = known if known is not None else (None, None)
+    if att is None:
+        att = attach.load_state(control.state_path(state_dir))
+    if att is None:
+        raise control.ControlError(
+            f"duvm is not enabled with state in {state_dir}; nothing to resume (use `duvm enable`)"
+        )
+    if att.method != attach.METHOD_KERNEL or not att.nbd_netlink:
+        raise control.ControlError(
+            f"{att.device or att.method} is attached via "
+            f"{att.method if att.method != attach.METHOD_KERNEL else 'nbd ioctls'}, which "
+            "cannot take a restarted daemon (that needs kernel nbd over netlink): "
+            "`duvm disable --force`, then enable again"
+        )
+    if old is None:
+        old = control.load_daemon(state_dir)
+    if old is None:
+        raise control.ControlError(f"no daemon record in {state_dir}; cannot resume")
+    if control.daemon_alive(old):
+        raise control.ControlError(f"the daemon (pid {old.pid}) still runs; nothing to resume")
+    cmd = resume_command(old)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(old.socket)  # the dead daemon's socket would look ready
+    log = Path(old.log)
+    # The dead daemon's log is kept as LOG.1; appending to it could need a swapped-out page.
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(log, log.with_name(log.name + ".1"))
+    with open(log, "w") as f:
+        f.write(f"--- duvm enable --resume at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+    proc = attach.spawn_detached(cmd, log)
+    info = control.DaemonInfo(
+        proc.pid,
+        old.socket,
+        old.peers,
+        old.size,
+        old.replicas,
+        old.log,
+        time.time(),
+        old.client_id,
+        list(old.daemon_args),
+    )
+    control.daemon_path(state_dir).write_text(json.dumps(asdict(info)) + "\n")
+    try:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(info.socket):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                why = (
+                    "exited" if proc.returncode is not None else f"not ready after {timeout:.0f} s"
+                )
+                tail = log.read_text(errors="replace")[-1500:].strip()
+                raise control.ControlError(f"the resumed daemon {why}: {tail}")
+            time.sleep(0.05)
+        attach.reattach_kernel(att)
+    except BaseException:
+        # never SIGTERM: a clean stop would RELEASE the pages the live device still needs
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, 9)
+        attach.wait_pid_exit(proc.pid, 10)
+        raise
+    att.extra["daemon_pid"] = proc.pid
+    att.extra["resumed"] = int(att.extra.get("resumed", 0) or 0) + 1  # type: ignore[call-overload]
+    attach.save_state(control.state_path(state_dir), att)
+    return info, att

@@ -1,0 +1,242 @@
+"""`duvm supervise`: bring a crashed daemon back onto its live kernel nbd device by itself.
+
+Theory of operation
+-------------------
+`duvm enable` on kernel nbd over netlink starts this small watcher beside the daemon (state in
+``STATE_DIR/supervisor.json``, log in ``STATE_DIR/supervisor.log``). It waits for the daemon
+process to end, event-driven (a pidfd; a 1 s check where the kernel has none), and then does
+exactly what ``duvm enable --resume`` does (:func:`duvm.node.resume.resume`): a new daemon from the
+saved state, handed the live device with ``NBD_CMD_RECONFIGURE``. The kernel holds the swap
+device's requests for the dead-connection timeout (60 s), so a resume that succeeds within it
+loses nothing; failed tries are repeated with backoff inside that time.
+
+- It runs locked in RAM (mlockall), realtime, as an I/O flusher and last in the OOM killer's
+  list, like the daemon (`duvm.base.pressure`): a supervisor whose pages were swapped out to the
+  device it watches could not run once that device's server is dead. For the same reason it
+  reads no file on /run between the daemon's death and the resume (it keeps the records it
+  read while the daemon lived and hands them to the resume) and logs through a writer thread
+  (`duvm.base.quietlog`).
+- Only a crash is resumed: `duvm disable` stops the supervisor (SIGTERM) before it stops the
+  daemon. SIGTERM is only noted: a resume under way finishes first, so the device is never
+  left without a server because the supervisor was told to stop half-way through.
+- A daemon that keeps dying is not restarted forever: when it dies again after
+  ``MAX_RESTARTS`` restarts within ``RESTART_WINDOW`` seconds, the supervisor gives up and says
+  so in its log (and `duvm status` shows the daemon not running). Tries of one resume stop at
+  the kernel's dead-connection timeout: after it the held I/O has failed and the memservers'
+  lease on the namespaces has run out, so a later try would find nothing to serve.
+- `duvm disable` stops it only after swapoff brought every page home and the device is gone
+  (a daemon crash during that long swapoff is resumed like any other); a daemon that is dead
+  when disable starts makes disable refuse (without --force) rather than fail the swapoff.
+- Manual ``duvm enable --resume`` and the supervisor never both resume: `resume` takes a lock
+  on the state directory, and the second finds the daemon already running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from duvm.base import pressure, quietlog
+from duvm.node import attach, control, resume
+from duvm.node.supervisor_process import wanted
+
+MAX_RESTARTS = 5
+RESTART_WINDOW = 600.0  # seconds
+RETRY_DELAYS = (0.5, 1, 2, 4, 8, 15, 30)  # between failed resume attempts (~60 s in all)
+
+
+class _Stop:
+    """SIGTERM/SIGINT noted (not acted on at once), and a fd that wakes a waiting poll."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._old_fd = signal.set_wakeup_fd(self._w)
+        self._old = {sig: signal.signal(sig, self._note) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def close(self) -> None:
+        """Give the process its previous signal handling back."""
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self._r)
+        os.close(self._w)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def wait(self, pid: int | None, timeout: float | None) -> None:
+        """Until `pid` ends (None: only the timeout), a stop is requested or `timeout` s."""
+        poller = select.poll()
+        poller.register(self._r, select.POLLIN)
+        pidfd = -1
+        if pid is not None:
+            try:
+                pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return
+            except (OSError, AttributeError):  # no pidfd here: look once a second
+                pidfd = -1
+            else:
+                poller.register(pidfd, select.POLLIN)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self.requested:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                if pid is not None and pidfd < 0:
+                    left = 1.0 if left is None else min(left, 1.0)
+                events = poller.poll(None if left is None else max(1, int(left * 1000)))
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._r, 512)
+                if pidfd >= 0 and any(fd == pidfd for fd, _ in events):
+                    return
+                if pid is not None and pidfd < 0 and not attach.pid_alive(pid):
+                    return
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+
+
+def watch(
+    state_dir: Path,
+    *,
+    resume_fn: Callable[..., Any] | None = None,
+    say: Callable[[str], None] | None = None,
+) -> int:
+    """The supervisor's loop (see the module docstring). Returns the exit code: 0 when told to
+    stop or when duvm is no longer enabled, 1 when it gave up."""
+    resume_fn = resume_fn or resume.resume
+    say = say or (lambda m: print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {m}", flush=True))
+    stopper = _Stop()
+    try:
+        return _watch(state_dir, resume_fn, say, stopper)
+    finally:
+        stopper.close()
+
+
+def _watch(
+    state_dir: Path, resume_fn: Callable[..., Any], say: Callable[[str], None], stopper: _Stop
+) -> int:
+    restarts: list[float] = []
+    daemon_file = control.daemon_path(state_dir)
+    while not stopper.requested:
+        # Read while the daemon lives (a swap-in can be served); kept in this locked process.
+        att = attach.load_state(control.state_path(state_dir))
+        daemon = control.load_daemon(state_dir)
+        seen = _mtime(daemon_file)
+        if att is None or daemon is None:
+            say("duvm is not enabled here any more: supervisor exits")
+            return 0
+        if not wanted(att, daemon.daemon_args):
+            say(f"{att.device} via {att.method} cannot take a restarted daemon: nothing to do")
+            return 0
+        if control.daemon_alive(daemon):  # (a recorded pid that is no daemon any more: dead)
+            say(f"watching daemon pid {daemon.pid} serving {att.device}")
+            stopper.wait(daemon.pid, None)
+            if stopper.requested:
+                break
+            if control.daemon_alive(daemon):
+                continue  # woken, but it still runs
+        # From here until a daemon serves again, no file on /run is read: its pages may be on
+        # the device whose server just died. Existence and mtime live in the inode, never
+        # swapped; `disable` removes the state file.
+        if not control.state_path(state_dir).exists():
+            say("duvm was disabled: supervisor exits")
+            return 0
+        died = time.monotonic()
+        restarts = [t for t in restarts if died - t < RESTART_WINDOW] + [died]
+        if len(restarts) > MAX_RESTARTS:
+            say(
+                f"the daemon died again after {MAX_RESTARTS} restarts within "
+                f"{RESTART_WINDOW:.0f} s: giving up (see the daemon log); `duvm enable "
+                "--resume` tries again by hand"
+            )
+            return 1
+        # The kernel holds the device's I/O (and the memservers the namespaces) this long.
+        hold = att.dead_conn_timeout_s or attach.DEFAULT_DEAD_CONN_TIMEOUT_S
+        deadline = died + hold
+        say(
+            f"daemon pid {daemon.pid} ended: resuming it onto {att.device} (the kernel holds "
+            f"its I/O for {hold} s)"
+        )
+        for delay in (*RETRY_DELAYS, None):
+            if stopper.requested:
+                say("stopped")
+                return 0
+            if _mtime(daemon_file) != seen:  # rewritten: by our last try or a manual resume
+                seen = _mtime(daemon_file)
+                current = control.load_daemon(state_dir)
+                if (
+                    current is not None
+                    and current.pid != daemon.pid
+                    and control.daemon_alive(current)
+                ):
+                    say(f"daemon pid {current.pid} already serves it (resumed by hand)")
+                    break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                say(
+                    f"could not resume the daemon within the kernel's {hold} s: its held I/O "
+                    "has failed; giving up (`duvm enable --resume` tries again by hand)"
+                )
+                return 1
+            try:
+                resume_fn(state_dir, timeout=max(left, 5.0), known=(att, daemon))
+            except Exception as exc:  # ControlError, AttachError, OSError: say it, try again
+                say(f"resume failed: {exc}")
+                if delay is None:
+                    say("could not resume the daemon: giving up")
+                    return 1
+                stopper.wait(None, min(delay, max(0.0, deadline - time.monotonic())))
+                continue
+            new = control.load_daemon(state_dir)  # a daemon serves again: safe to read
+            say(f"resumed: daemon pid {new.pid if new else '?'} serves {att.device} again")
+            break
+    say("stopped")
+    return 0
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=control.DEFAULT_STATE_DIR,
+        help=f"as given to enable (default {control.DEFAULT_STATE_DIR})",
+    )
+
+
+def run(args: Any) -> int:
+    """`duvm supervise` (started by `duvm enable`; rarely run by hand)."""
+    attach.require_root()
+    # Like the daemon: a supervisor whose own pages were swapped to the device it watches
+    # could not run once that device's server is dead. The daemon it starts inherits the
+    # realtime class and the I/O flusher flag from its first instruction on, so even its
+    # start-up is served under memory pressure.
+    daemon = control.load_daemon(args.state_dir)
+    pressure.protect(
+        "duvm supervise",
+        realtime=pressure.realtime_wanted(daemon.daemon_args if daemon is not None else []),
+    )
+    # Its log is on /run too: a write waiting for a swapped-out page must not delay a resume.
+    writer = quietlog.start_background(logging.INFO, "%(asctime)s %(message)s", sys.stdout)
+    try:
+        return watch(args.state_dir, say=logging.getLogger("duvm.node.supervise").info)
+    finally:
+        writer.stop()

@@ -1,0 +1,88 @@
+"""The supervisor (`duvm supervise`) seen from outside: start it, find it, stop it, and whether
+a device wants one. `duvm enable`/`disable`/`status` use these; the watcher itself is
+`duvm.node.supervise`, which imports the daemon's control and resume code. Kept apart so that the
+control layer never imports the watcher (no import cycle)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from duvm.node import attach
+
+
+def keeps_state(daemon_args: list[str]) -> bool:
+    """The daemon runs with `--state-dir`, so a restarted one can serve its pages again."""
+    return any(a == "--state-dir" or a.startswith("--state-dir=") for a in daemon_args)
+
+
+SUPERVISOR_FILE = "supervisor.json"
+
+
+def supervisor_path(state_dir: Path) -> Path:
+    return state_dir / SUPERVISOR_FILE
+
+
+def wanted(att: attach.Attachment, daemon_args: list[str]) -> bool:
+    """A restarted daemon can take this device back only on kernel nbd over netlink, and only
+    if the daemon keeps its state (`--state-dir`, which `duvm enable` always gives)."""
+    return att.method == attach.METHOD_KERNEL and att.nbd_netlink and keeps_state(daemon_args)
+
+
+def start(state_dir: Path, ready_timeout: float = 30.0) -> tuple[int, str | None]:
+    """Start the supervisor of `state_dir` in its own session and wait until it watches the
+    daemon. Returns its pid and, when it is not watching, why (a warning for the user)."""
+    log = state_dir / "supervisor.log"
+    size = log.stat().st_size if log.exists() else 0
+    proc = attach.spawn_detached(
+        [sys.executable, "-m", "duvm.cli", "supervise", "--state-dir", str(state_dir)], log
+    )
+    supervisor_path(state_dir).write_text(
+        json.dumps({"pid": proc.pid, "log": str(log), "started": time.time()}) + "\n"
+    )
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        with open(log, "rb") as f:
+            f.seek(size)
+            said = f.read().decode(errors="replace")
+        if "watching daemon pid" in said:
+            return proc.pid, None
+        if proc.poll() is not None:
+            return proc.pid, (
+                f"the supervisor exited ({proc.returncode}): {said.strip()[-500:] or 'no output'}"
+            )
+        time.sleep(0.05)
+    return proc.pid, f"the supervisor is not watching the daemon after {ready_timeout:.0f} s"
+
+
+def load(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        info = json.loads(supervisor_path(state_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
+
+
+def alive(info: dict[str, Any] | None) -> bool:
+    return info is not None and attach.duvm_runs(info["pid"], "supervise")
+
+
+def stop(state_dir: Path, timeout: float = 180.0) -> None:
+    """SIGTERM the supervisor and wait for it (a resume under way finishes first: up to the
+    resume timeout), then forget it."""
+    info = load(state_dir)
+    if alive(info):
+        assert info is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(info["pid"], signal.SIGTERM)
+        if not attach.wait_pid_exit(info["pid"], timeout):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(info["pid"], signal.SIGKILL)
+            attach.wait_pid_exit(info["pid"], 10)
+    supervisor_path(state_dir).unlink(missing_ok=True)

@@ -1,0 +1,7 @@
+"""Block stores behind the NBD server: the BlockStore interface, the local RAM store, the store
+whose pages live on memservers (placement, replicas, read-ahead, repair, the memserver client),
+the encryption filter and the state a restarted daemon needs. Also `Pool`, the explicit API to
+the same memservers.
+
+May import: duvm.base, duvm.wire.
+"""

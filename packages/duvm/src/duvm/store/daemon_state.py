@@ -1,0 +1,445 @@
+"""Daemon state that survives the daemon: what a restarted daemon needs to keep serving.
+
+Theory of operation
+-------------------
+With kernel nbd the device outlives the daemon: the kernel keeps ``/dev/nbdN`` and its swapped
+pages' slots for the dead-connection timeout and requeues unanswered requests when a new
+socket arrives (``NBD_CMD_RECONFIGURE``). A new daemon can only answer them correctly if it
+has its predecessor's view of the pages, so that view lives in files, not only in memory:
+
+``daemon-state.json`` (written atomically: temp file, fsync, rename; changes rarely)
+    size, slab size, R, client id, peers, the namespace token that owns our namespaces on the
+    memservers (a new token is refused for one lease), the slab map (slab -> peers; saved
+    again whenever it changes: failover, repair) and the page-encryption key when pages are
+    encrypted.
+``daemon-pages.bin`` (changes on every write; mapped shared into the daemon)
+    a 4 KiB header, then per page: the state byte (never written / data / lost), the
+    CRC-32C of the last acknowledged bytes and, with encryption, the 28-byte nonce+tag entry;
+    the header holds the encryption's nonce counter. The tables *are* the mapping
+    (``MAP_SHARED`` of a file in RAM): a write costs no syscall and a SIGKILL loses nothing,
+    because the bytes are in the page cache, not in the process.
+
+Both are root-only (files 0600 in a 0700 directory) and refused when their permissions, size
+or header do not match. `duvm enable` puts the directory on a ramfs of its own
+(``/run/duvm/daemon-state``, `duvm.base.ramfs`): the key is never on disk, and no page of the state
+can be swapped out to the device while the daemon that would serve it back is dead.
+
+Ordering with the kernel's requeue (why a crash never serves wrong bytes)
+-------------------------------------------------------------------------
+A write updates the memservers first, then the CRC, then the state byte, then answers the
+kernel. The kernel resends every request the dead daemon had not answered. So a crash
+
+* before the memservers stored the write: the old CRC matches the old bytes; the resend writes.
+* after they stored it, before the CRC: CRC (old) and bytes (new) disagree, so a read would be
+  EIO, never the wrong bytes; the resend rewrites the page and its CRC first anyway.
+* after the CRC, before the answer: the resend rewrites the same bytes: idempotent.
+
+A trim clears the state byte before the memservers free the pages; a crash in between leaves
+stale copies that read as zeros (the state says so) and are overwritten by the next write.
+If the dead-connection timeout expires first, the kernel fails those requests with EIO: a
+failed swap write keeps the page dirty in RAM, a failed read is an I/O error; in no case are
+other bytes returned. With encryption the nonce counter is stored before a page is sealed,
+so a restarted daemon never reuses a nonce under the same key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import mmap
+import os
+import stat
+import struct
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from duvm.store.crypt_store import META, CryptStore
+from duvm.store.storage import BlockStore
+from duvm.wire.auth import PeerSecurity
+
+STATE_FILE = "daemon-state.json"
+PAGES_FILE = "daemon-pages.bin"
+FORMAT_VERSION = 1
+PAGES_MAGIC = b"DUVMPGT1"
+HEADER_SIZE = 4096
+_HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, pages, nonce counter
+_COUNTER_OFFSET = 24
+FLAG_ENCRYPTED = 1
+
+
+class StateError(Exception):
+    """The persisted state is missing, unreadable, corrupt or unsafe; the message says which."""
+
+
+class _ByteTable(mmap.mmap):
+    """A shared mapping that answers the bytearray methods RemoteStore uses on its page-state
+    table (`find` and `count` with an int, as bytearray allows)."""
+
+    def find(self, sub: Any, start: int = 0, end: int | None = None) -> int:  # type: ignore[override]
+        if isinstance(sub, int):
+            sub = bytes((sub,))
+        return super().find(sub, start, len(self) if end is None else end)
+
+    def count(self, sub: int, start: int = 0, end: int | None = None) -> int:
+        return self[start : len(self) if end is None else end].count(sub)
+
+
+def _round(n: int) -> int:
+    return -(-n // HEADER_SIZE) * HEADER_SIZE
+
+
+@dataclass
+class SavedDaemon:
+    """The slowly changing part (daemon-state.json)."""
+
+    size: int
+    slab_pages: int
+    replicas: int
+    client_id: str
+    peers: list[str]
+    token: bytes
+    sets: list[list[int]] = field(default_factory=list)
+    key: bytes | None = None
+    export_name: str = ""
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["token"] = self.token.hex()
+        d["key"] = None if self.key is None else self.key.hex()
+        return json.dumps(d, separators=(",", ":")) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> SavedDaemon:
+        try:
+            d = json.loads(text)
+            if not isinstance(d, dict) or d.get("version") != FORMAT_VERSION:
+                raise ValueError(f"not format version {FORMAT_VERSION}")
+            out = cls(
+                size=int(d["size"]),
+                slab_pages=int(d["slab_pages"]),
+                replicas=int(d["replicas"]),
+                client_id=str(d["client_id"]),
+                peers=[str(p) for p in d["peers"]],
+                token=bytes.fromhex(d["token"]),
+                sets=[[int(i) for i in s] for s in d["sets"]],
+                key=None if d.get("key") is None else bytes.fromhex(d["key"]),
+                export_name=str(d.get("export_name", "")),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StateError(
+                f"{where} is corrupt ({type(exc).__name__}: {exc}); it cannot be "
+                "resumed from (disable and enable again)"
+            ) from None
+        if out.size <= 0 or out.slab_pages <= 0 or len(out.token) < 16 or not out.sets:
+            raise StateError(f"{where} is corrupt (impossible size, slab size, token or map)")
+        return out
+
+
+def _check_private(path: Path, want_mode: int) -> None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise StateError(f"{path} is a symbolic link; refusing to use it")
+    if st.st_uid != os.geteuid():
+        raise StateError(f"{path} belongs to uid {st.st_uid}, not to us ({os.geteuid()})")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise StateError(
+            f"{path} has mode {mode:04o}; it holds secrets and must be {want_mode:04o} (root only)"
+        )
+
+
+class StateDir:
+    """The daemon's persisted state in `path` (created 0700)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.state_file = self.path / STATE_FILE
+        self.pages_file = self.path / PAGES_FILE
+
+    def ensure(self) -> None:
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_private(self.path, 0o700)
+
+    def exists(self) -> bool:
+        return self.state_file.exists()
+
+    def save(self, saved: SavedDaemon) -> None:
+        """Atomically replace daemon-state.json (0600)."""
+        self.ensure()
+        tmp = self.path / f".{STATE_FILE}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, saved.to_json().encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.state_file)
+
+    def load(self) -> SavedDaemon:
+        if not self.state_file.exists():
+            raise StateError(f"no saved daemon state in {self.path} (nothing to resume)")
+        _check_private(self.path, 0o700)
+        _check_private(self.state_file, 0o600)
+        try:
+            text = self.state_file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StateError(f"{self.state_file} is unreadable: {exc}") from None
+        return SavedDaemon.from_json(text, str(self.state_file))
+
+    def remove(self) -> None:
+        """Forget the state (clean shutdown: the namespaces were released)."""
+        for p in (self.state_file, self.pages_file):
+            p.unlink(missing_ok=True)
+
+
+class PageTables:
+    """daemon-pages.bin mapped shared: `state` (1 byte per page), `crc` (uint32 per page) and,
+    when encrypted, `meta` (28 bytes per page) and the nonce counter."""
+
+    def __init__(self, path: Path, pages: int, encrypted: bool, *, create: bool) -> None:
+        self.path, self.pages, self.encrypted = Path(path), pages, encrypted
+        sizes = [_round(pages), _round(4 * pages)] + ([_round(META * pages)] if encrypted else [])
+        total = HEADER_SIZE + sum(sizes)
+        if create:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, total)
+            os.pwrite(
+                fd,
+                _HEADER.pack(
+                    PAGES_MAGIC, FORMAT_VERSION, FLAG_ENCRYPTED if encrypted else 0, pages, 0
+                ),
+                0,
+            )
+        else:
+            if not self.path.exists():
+                raise StateError(
+                    f"{path} is missing: the page checksums are gone, resuming "
+                    "would serve unverifiable pages"
+                )
+            _check_private(self.path, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            if not create:
+                self._check(fd, total, pages, encrypted)
+            self._maps: list[mmap.mmap] = []
+            self._header = mmap.mmap(fd, HEADER_SIZE, offset=0)
+            off = HEADER_SIZE
+            self.state = _ByteTable(fd, pages, offset=off)
+            off += sizes[0]
+            crc_map = mmap.mmap(fd, sizes[1], offset=off)
+            off += sizes[1]
+            self.crc = memoryview(crc_map)[: 4 * pages].cast("I")
+            self._maps += [self._header, self.state, crc_map]
+            self.meta: mmap.mmap | None = None
+            if encrypted:
+                self.meta = mmap.mmap(fd, META * pages, offset=off)
+                self._maps.append(self.meta)
+        finally:
+            os.close(fd)
+
+    def _check(self, fd: int, total: int, pages: int, encrypted: bool) -> None:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _HEADER.size, 0)
+        if len(head) < _HEADER.size:
+            raise StateError(f"{self.path} is truncated ({size} bytes)")
+        magic, version, flags, file_pages, _ = _HEADER.unpack(head)
+        if magic != PAGES_MAGIC or version != FORMAT_VERSION:
+            raise StateError(f"{self.path} is not a duvm page table (bad magic or version)")
+        if file_pages != pages or bool(flags & FLAG_ENCRYPTED) != encrypted:
+            raise StateError(
+                f"{self.path} describes {file_pages} pages "
+                f"({'encrypted' if flags & FLAG_ENCRYPTED else 'plain'}), not the "
+                f"{pages} ({'encrypted' if encrypted else 'plain'}) of this device"
+            )
+        if size != total:
+            raise StateError(
+                f"{self.path} is {size} bytes, expected {total} (truncated or corrupt)"
+            )
+
+    @classmethod
+    def create(cls, path: Path, pages: int, encrypted: bool) -> PageTables:
+        return cls(path, pages, encrypted, create=True)
+
+    @classmethod
+    def open(cls, path: Path, pages: int, encrypted: bool) -> PageTables:
+        return cls(path, pages, encrypted, create=False)
+
+    @property
+    def nonce_counter(self) -> int:
+        return int(struct.unpack_from("<Q", self._header, _COUNTER_OFFSET)[0])
+
+    @nonce_counter.setter
+    def nonce_counter(self, value: int) -> None:
+        struct.pack_into("<Q", self._header, _COUNTER_OFFSET, value)
+
+    @property
+    def tables(self) -> tuple[_ByteTable, memoryview]:
+        """(state, crc), as RemoteStore(tables=...) takes them."""
+        return self.state, self.crc
+
+    def close(self) -> None:
+        self.crc.release()
+        for m in self._maps:
+            with contextlib.suppress(BufferError):  # a view still held: the mapping stays
+                m.close()
+
+
+class PersistentCryptStore(CryptStore):
+    """CryptStore whose nonce/tag table and nonce counter live in `tables` (daemon-pages.bin),
+    with the key from daemon-state.json, so a restarted daemon can open its pages. The counter
+    is stored before each seal, so no nonce is ever used twice under the key."""
+
+    def __init__(self, inner: BlockStore, key: bytes, tables: PageTables) -> None:
+        super().__init__(inner, key=key)
+        if tables.meta is None:
+            raise ValueError("the page tables were created without encryption")
+        self._tables = tables
+        self._meta = tables.meta  # type: ignore[assignment]
+        self._meta_mv = memoryview(tables.meta)
+        self._counter = tables.nonce_counter
+
+    def _next_nonce(self) -> bytes:
+        nonce = super()._next_nonce()
+        self._tables.nonce_counter = self._counter
+        return nonce
+
+    async def close(self) -> None:
+        await super().close()
+        self._meta_mv.release()
+
+
+class Persisted:
+    """A daemon's open state: the directory, the mapped tables and the saved fields."""
+
+    def __init__(self, sd: StateDir, tables: PageTables, saved: SavedDaemon) -> None:
+        self.dir, self.tables, self.saved = sd, tables, saved
+
+    def save_placement(self, sets: list[list[int]]) -> None:
+        self.saved.sets = [list(s) for s in sets]
+        self.dir.save(self.saved)
+
+    def placement_saver(self, store: Any) -> Callable[[], None]:
+        """A RemoteStore.on_placement_change hook that saves once per event-loop iteration: a
+        failing memserver drops a replica of every slab it holds, thousands of calls in a row.
+        A crash before the save leaves a map that still names a dropped replica, which is safe:
+        its stale bytes fail their checksum and the next replica is read."""
+        pending = False
+
+        def save() -> None:
+            nonlocal pending
+            pending = False
+            self.save_placement(store.sets)
+
+        def changed() -> None:
+            nonlocal pending
+            if not pending:
+                pending = True
+                asyncio.get_running_loop().call_soon(save)
+
+        return changed
+
+    def discard(self) -> None:
+        """Clean shutdown (the namespaces were released): nothing left to resume."""
+        self.tables.close()
+        self.dir.remove()
+
+
+async def open_store(
+    state_dir: Path,
+    peers: list[tuple[str, int]],
+    size: int,
+    client_id: str,
+    replicas: int,
+    *,
+    encrypt: bool,
+    resume: bool,
+    export_name: str = "",
+    repair: bool = True,
+    security: PeerSecurity | None = None,
+) -> tuple[BlockStore, Persisted]:
+    """The daemon's store on persisted state in `state_dir`.
+
+    Fresh (`resume` False): new page tables; the namespace token of a predecessor with the same
+    client id is kept (so its leftover namespaces are ours to release, not refused for a lease),
+    otherwise a new random one. Resume: the saved token, slab map, tables and key; the arguments
+    must describe the same device. Raises StateError, or StorageError from the memservers."""
+    import secrets
+
+    from duvm.store.remote_store import RemoteStore
+
+    sd = StateDir(state_dir)
+    sd.ensure()
+    pages = size // 4096
+    old: SavedDaemon | None = None
+    if resume:
+        old = sd.load()
+        mismatch = [
+            f"{what} {a!r} (saved {b!r})"
+            for what, a, b in (
+                ("size", size, old.size),
+                ("client id", client_id, old.client_id),
+                ("replicas", replicas, old.replicas),
+                ("peers", [f"{h}:{p}" for h, p in peers], old.peers),
+            )
+            if a != b
+        ]
+        if mismatch:
+            raise StateError(
+                f"cannot resume from {sd.state_file}: it was saved for another "
+                "device: " + "; ".join(mismatch)
+            )
+        encrypted = old.key is not None  # the memservers hold what the saved key sealed
+    else:
+        with contextlib.suppress(StateError):
+            old = sd.load() if sd.exists() else None
+        encrypted = encrypt
+    token = old.token if old is not None and old.client_id == client_id else secrets.token_bytes(32)
+    key = (
+        (old.key if resume and old is not None else secrets.token_bytes(32)) if encrypted else None
+    )
+    tables = (PageTables.open if resume else PageTables.create)(sd.pages_file, pages, encrypted)
+    try:
+        slab_pages = old.slab_pages if resume and old is not None else 256
+        store = RemoteStore(
+            peers,
+            size,
+            client_id,
+            replicas=replicas,
+            slab_pages=slab_pages,
+            tables=tables.tables,
+            repair=repair,
+            security=security,
+        )
+        for c in store.clients:
+            c.token = token  # the same owner across restarts (memserver namespace isolation)
+        saved = SavedDaemon(
+            size=size,
+            slab_pages=slab_pages,
+            replicas=replicas,
+            client_id=client_id,
+            peers=[f"{h}:{p}" for h, p in peers],
+            token=token,
+            key=key,
+            export_name=export_name,
+        )
+        state = Persisted(sd, tables, saved)
+        if resume and old is not None:
+            saved.sets = old.sets
+            store.on_placement_change = state.placement_saver(store)
+            await store.reattach(old.sets)
+        else:
+            await store.connect()
+        state.save_placement(store.sets)
+        store.on_placement_change = state.placement_saver(store)
+    except BaseException:
+        tables.close()
+        raise
+    if key is not None:
+        return PersistentCryptStore(store, key, tables), state
+    return store, state

@@ -1,0 +1,806 @@
+"""Client of one memserver: one persistent TCP connection, many requests in flight.
+
+Theory of operation:
+
+- `MemClient` owns one connection (an asyncio BufferedProtocol around `pageproto.Decoder`) and
+  a table of pending requests keyed by request id. Callers `await` a method; the request is
+  queued, and every request queued in one event-loop iteration leaves in a single `writelines`
+  (a `call_soon` flush), so a burst of NBD requests costs one syscall. The NBD server instead
+  brackets the requests of one read with its store's `batching.cork()`/`uncork()`
+  (`storage.Batching`, shared by one store's connections): they leave at `uncork()`, in the
+  same iteration, which spares each request an extra loop iteration of latency.
+  Replies may arrive in any order; each completes its own future. LOAD replies are copied
+  straight from the receive buffer into the caller's buffer (`load(keys, out)`): one copy
+  from socket to destination.
+- Consecutive STOREs (or LOADs) queued in one iteration merge into one frame (`_Batch`): the
+  memserver then handles one request for many pages. If a merged request is refused, its parts
+  are sent again one by one, so only the parts that are really refused fail.
+- Batches larger than the server's `max_batch` are split and sent concurrently.
+- Every request is idempotent (STORE of the same bytes, LOAD, FREE, absolute RESERVE, RELEASE),
+  so when the connection drops the client reconnects with the same client id and retries once.
+  The memserver keeps the namespace for its lease, so the retry finds the pages. When a
+  reconnect finds the namespace gone (lease expired, server restarted) the client restores the
+  reservation and counts the loss in `namespace_losses`; the pages themselves are gone, and a
+  LOAD of them is refused (NOT_FOUND), never answered with other bytes.
+- Dead peers are detected by TCP keepalive and TCP_USER_TIMEOUT, not by per-request timers;
+  a caller that wants a tighter bound (RemoteStore's watchdog) reads `stalled_for()` and calls
+  `abort()`, which fails the pending requests like a lost connection.
+- Circuit breaker: a failed connect (or an abort) opens the breaker for a backoff that doubles
+  with each consecutive failure (`BACKOFF_MIN`..`BACKOFF_MAX`, with jitter). While it is open,
+  requests fail at once with MemserverUnreachable instead of each waiting for a connect timeout,
+  so replicated callers fail over without stalling the kernel. The first request (or `probe()`)
+  after the backoff is the half-open trial; a successful HELLO closes the breaker.
+- `on_namespace_lost(client)` (optional) is called when a reconnect finds the namespace gone,
+  before the reservation is restored, so the owner can mark the pages it held as lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import random
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from duvm.base.sockets import tune_socket
+from duvm.store.storage import Batching
+from duvm.wire import pageproto as pp
+from duvm.wire.auth import (
+    AuthError,
+    Keyring,
+    PeerSecurity,
+    SecretError,
+    answer_challenge,
+    default_token,
+    start_handshake,
+)
+from duvm.wire.pageproto import PAGE_SIZE
+
+log = logging.getLogger(__name__)
+
+# Requests merge into one frame up to this many pages: enough to spare the memserver its
+# per-request cost for small requests, small enough that a reply can be delivered (and the
+# next frame received) while others are still in flight.
+MERGE_PAGES = 64
+BACKOFF_MIN = 0.1  # seconds the breaker stays open after the first failure
+BACKOFF_MAX = 5.0  # ... and at most, however many failures follow
+
+
+_STORE, _LOAD, _FREE = int(pp.MsgType.STORE), int(pp.MsgType.LOAD), int(pp.MsgType.FREE)
+_STORE_REPLY, _LOAD_REPLY = _STORE | pp.REPLY_BIT, _LOAD | pp.REPLY_BIT
+_PER_KEY_ERRORS = (pp.ErrorCode.NOT_FOUND, pp.ErrorCode.NO_SPACE)
+
+
+class _Corked:
+    """Stands in for the flush handle of a client whose requests are held (`Batching.hold`)."""
+
+    __slots__ = ()
+
+    def cancel(self) -> None:  # close() flushes at once anyway
+        pass
+
+
+_CORKED = _Corked()
+
+
+class PageServerError(Exception):
+    """The memserver refused a request (full, absent page, bad version ...)."""
+
+    def __init__(self, code: pp.ErrorCode, message: str, peer: str = "") -> None:
+        super().__init__(f"memserver {peer}: {code.name}: {message}" if peer else message)
+        self.code = code
+        self.errno = code.to_errno()
+        self.message = message
+
+
+class MemserverUnreachable(ConnectionError):
+    """The memserver cannot be reached or the connection broke and could not be restored."""
+
+
+class _Callback:
+    """Stands in for a Future on the callback fast path (`load_cb`/`store_cb`): completing it
+    calls `cb(None)` or `cb(exception)` at once, from the receive path, without a Task, a
+    Future or a loop iteration in between."""
+
+    __slots__ = ("cb", "finished")
+
+    def __init__(self, cb: Callable[[BaseException | None], None]) -> None:
+        self.cb = cb
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def set_result(self, _: object) -> None:
+        self._call(None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._call(exc)
+
+    def _call(self, exc: BaseException | None) -> None:
+        self.finished = True
+        try:
+            self.cb(exc)
+        except Exception:  # a caller's bug must not break this connection's other replies
+            log.exception("memserver request callback failed")
+
+
+class _Batch:
+    """STOREs (or LOADs) queued back to back in one loop iteration, sent as one frame.
+
+    The memserver then handles one request for many pages instead of many requests, which is
+    where its time goes at high queue depth. STORE data is not copied: the frame's parts are
+    the callers' buffers. A LOAD reply is scattered straight into the callers' buffers."""
+
+    __slots__ = ("keys", "mtype", "parts", "waiters")
+
+    def __init__(self, mtype: int) -> None:
+        self.mtype = mtype
+        self.keys: list[int] = []
+        self.parts: list[memoryview] = []
+        # (future, keys, data, out) per request
+        self.waiters: list[
+            tuple[asyncio.Future, tuple[int, ...], memoryview | None, memoryview | None]
+        ] = []
+
+
+class _ClientProto(asyncio.BufferedProtocol):
+    def __init__(self, client: MemClient) -> None:
+        self.client = client
+        self.decoder = pp.Decoder("client")
+        self.transport: asyncio.Transport | None = None
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # uvloop: not a subclass
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            tune_socket(sock)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        dec, pending = self.decoder, self.client._pending
+        self.client._last_rx = time.monotonic()  # progress: the stall watchdog reads it
+        dec.buffer_updated(nbytes)
+        batching = self.client.batching
+        after = batching.delivering()
+        try:
+            self._deliver(dec, pending)
+        finally:
+            batching.delivered()
+            for fn in after:
+                try:
+                    fn()
+                except Exception:  # one caller's failure must not keep the others' replies
+                    log.exception("after-replies callback failed")
+
+    def _deliver(self, dec: pp.Decoder, pending: dict) -> None:
+        entry = None
+        try:
+            while True:
+                entry = None
+                frame = dec.next_frame()
+                if frame is pp.NEED_DATA:
+                    return
+                mtype, req_id, status, _ = frame
+                entry = pending.pop(req_id, None)
+                if entry is None:
+                    raise pp.RemoteProtocolError(f"reply to unknown request id {req_id}")
+                if type(entry) is _Batch:
+                    self._batch_reply(entry, mtype, frame)
+                    continue
+                fut = entry
+                if fut.done():  # the caller was cancelled; drop the reply
+                    continue
+                if status:
+                    msg = pp.decode_frame(*frame)
+                    fut.set_exception(PageServerError(msg.code, msg.message, self.client.peer))
+                else:
+                    fut.set_result(pp.decode_frame(*frame))
+        except pp.RemoteProtocolError as e:
+            log.warning("memserver %s broke the protocol: %s; closing", self.client.peer, e)
+            if entry is not None:  # popped already, so the lost connection would not fail it
+                MemClient._fail(
+                    [entry],
+                    MemserverUnreachable(f"memserver {self.client.peer} broke the protocol: {e}"),
+                )
+            self.transport.abort()
+
+    def _batch_reply(self, batch: _Batch, mtype: int, frame: tuple) -> None:
+        waiters = batch.waiters
+        if frame[2]:  # refused
+            msg = pp.decode_frame(*frame)
+            if len(waiters) > 1 and msg.code in _PER_KEY_ERRORS:
+                # Merged requests share the refusal; ask again one by one so that only the
+                # requests that are really refused fail.
+                self.client._resend_each(batch)
+                return
+            err = PageServerError(msg.code, msg.message, self.client.peer)
+            for fut, _, _, _ in waiters:
+                if not fut.done():
+                    fut.set_exception(err)
+        elif mtype == _LOAD_REPLY:
+            body = frame[3]
+            if body.nbytes != len(batch.keys) * PAGE_SIZE:
+                raise pp.RemoteProtocolError("LOAD reply does not match its request")
+            off = 0
+            for fut, _, _, out in waiters:
+                n = out.nbytes
+                if not fut.done():
+                    out[:] = body[off : off + n]  # the one copy: receive buffer -> caller
+                    fut.set_result(None)
+                off += n
+        elif mtype == _STORE_REPLY:  # its payload is empty (the decoder checked)
+            for fut, _, _, _ in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+        else:
+            raise pp.RemoteProtocolError(f"reply type 0x{mtype:04x} to a STORE/LOAD")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(None)
+        self.client._connection_lost(self, exc)
+
+
+class MemClient:
+    """Connection to one memserver for one namespace (`client_id`).
+
+    `await connect()` (HELLO) first; then `reserve`, `store`, `load`, `free`, `release`,
+    `status`; `close()` at the end. Refusals raise `PageServerError` (with `.errno`), a lost
+    connection that cannot be restored raises `MemserverUnreachable`.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        client_id: str,
+        *,
+        connect_timeout: float = 5.0,
+        retries: int = 1,
+        security: PeerSecurity | None = None,
+        token: bytes | None = None,
+        batching: Batching | None = None,
+    ) -> None:
+        pp.Hello(0, client_id)  # validates the id early
+        self.host, self.port, self.client_id = host, port, client_id
+        # shared with the other connections of one store and the NBD server in front of it
+        self.batching = batching if batching is not None else Batching()
+        # Authentication (duvm.wire.auth): secret and/or TLS, and the token that owns our namespace
+        # on the memserver; kept for every reconnect, so a reconnect finds the namespace again.
+        self.security = security
+        self.token = token if token is not None else default_token(client_id)
+        self.peer = f"{host}:{port}"
+        self.connect_timeout = connect_timeout
+        self.retries = retries
+        self.hello: pp.HelloReply | None = None
+        self.namespace_losses = 0  # reconnects that found the namespace gone
+        self._proto: _ClientProto | None = None
+        # request id -> its future, or the merged _Batch it answers
+        self._pending: dict[int, asyncio.Future | _Batch] = {}
+        self._open: _Batch | None = None  # the batch at the tail of _outq, still growing
+        self._next_id = 0
+        self._max_batch = pp.MAX_BATCH
+        self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment] - set by connect
+        self._outq: list[bytes | memoryview | _Batch] = []
+        self._flush_handle: asyncio.Handle | _Corked | None = None
+        self._reserved: int | None = None  # last reservation we asked for
+        self._reconnecting: asyncio.Task | None = None
+        self._closed = False
+        self.on_namespace_lost: Callable[[MemClient], None] | None = None
+        # circuit breaker and stall detection
+        self.failures = 0  # consecutive failed connects/aborts; 0 once a HELLO succeeds
+        self._retry_logged = False  # "retrying" said since the last successful HELLO
+        self.down_since: float | None = None  # monotonic time of the first of those failures
+        self.lease_s: float | None = None  # the memserver's namespace lease (from HELLO)
+        self.breaker_trips = 0  # times the breaker opened (status)
+        self._breaker_until = 0.0  # monotonic time before which no connect is tried
+        self._busy_since = 0.0  # when requests were last sent with none pending
+        self._last_rx = 0.0  # when bytes last arrived
+
+    # --- connection ---
+
+    @property
+    def connected(self) -> bool:
+        return self._proto is not None and self.hello is not None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop of its connection (set by `connect`); cached because
+        `asyncio.get_running_loop()` costs a getpid() system call on Python 3.11."""
+        return self._loop
+
+    @property
+    def circuit_open(self) -> bool:
+        """True while the breaker refuses to try connecting (backoff after failures)."""
+        return not self.connected and time.monotonic() < self._breaker_until
+
+    def _trip(self) -> None:
+        """Count a failure and open the breaker for an exponential, jittered backoff."""
+        self.failures += 1
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+        self.breaker_trips += 1
+        delay = min(BACKOFF_MAX, BACKOFF_MIN * 2 ** min(self.failures - 1, 16))
+        self._breaker_until = time.monotonic() + delay * random.uniform(0.75, 1.25)
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds requests have been outstanding with no byte received (0 when idle)."""
+        if not self._pending or self._proto is None:
+            return 0.0
+        return now - max(self._busy_since, self._last_rx)
+
+    def abort(self, reason: str) -> None:
+        """Drop the connection now (a stalled peer): pending requests fail as on a lost
+        connection, and the breaker opens so retries fail fast instead of waiting."""
+        proto = self._proto
+        if proto is None or proto.transport is None:
+            return
+        log.warning("memserver %s: %s; dropping the connection", self.peer, reason)
+        self._trip()
+        proto.transport.abort()
+
+    async def probe(self) -> bool:
+        """Try to (re)connect if the breaker allows; True when connected afterwards."""
+        if self.connected:
+            return True
+        if self._closed or self.circuit_open:
+            return False
+        try:
+            await self._ensure_connected()
+        except (MemserverUnreachable, PageServerError):
+            return False
+        return self.connected
+
+    @property
+    def max_batch(self) -> int:
+        """Pages per request the memserver accepts (protocol maximum before HELLO)."""
+        return self._max_batch
+
+    async def connect(self) -> pp.HelloReply:
+        """Connect and say HELLO. Raises MemserverUnreachable or PageServerError (VERSION)."""
+        self._closed = False
+        loop = self._loop = asyncio.get_running_loop()
+        try:
+            tls = self.security.tls if self.security is not None else None
+            _, proto = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: _ClientProto(self),
+                    self.host,
+                    self.port,
+                    ssl=tls,
+                    server_hostname=self.host if tls else None,
+                ),
+                self.connect_timeout,
+            )
+        except (TimeoutError, OSError) as e:  # ssl.SSLError is an OSError
+            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else e.strerror or e
+            raise MemserverUnreachable(f"cannot reach memserver {self.peer}: {reason}") from None
+        if proto.lost.done():
+            # Lost before create_connection even returned it (reset right after the TCP
+            # handshake: a memserver dying as it accepted us). Its connection_lost has run,
+            # so nothing would ever fail a request sent on it: the HELLO would wait forever,
+            # and every caller waiting for this reconnect with it.
+            raise MemserverUnreachable(
+                f"cannot reach memserver {self.peer}: the connection was closed as it opened"
+            )
+        self._proto = proto
+        try:
+            hello, state = start_handshake(self.client_id, self.security, self.token)
+            challenge = await self._request(hello)
+            reply = await self._request(
+                answer_challenge(challenge, state, self.security, self.peer)
+            )
+        except AuthError as e:
+            proto.transport.abort()
+            self._proto = None
+            raise PageServerError(pp.ErrorCode.AUTH, str(e)) from None
+        except BaseException:
+            proto.transport.abort()
+            self._proto = None
+            raise
+        self.hello = reply
+        # pages per request: what the server accepts, and what fits its largest frame
+        fit = (reply.max_frame - pp.HEADER_SIZE - 8) // (8 + PAGE_SIZE)
+        self._max_batch = max(1, min(reply.max_batch, pp.MAX_BATCH, fit))
+        if not reply.resumed and self._reserved:
+            self.namespace_losses += 1
+            log.error(
+                "memserver %s lost namespace %r (lease expired or restart): its pages are "
+                "gone; restoring the reservation",
+                self.peer,
+                self.client_id,
+            )
+            if self.on_namespace_lost is not None:
+                self.on_namespace_lost(self)
+            await self._request(pp.Reserve(0, self._reserved))
+        self.failures = 0
+        self._retry_logged = False
+        self._breaker_until = 0.0
+        self.down_since = None
+        self.lease_s = reply.lease_ms / 1000
+        return reply
+
+    async def close(self) -> None:
+        """Close the connection (the namespace stays on the server for its lease)."""
+        self._closed = True
+        proto, self._proto = self._proto, None
+        self.hello = None
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush()
+        if proto is not None and proto.transport is not None:
+            proto.transport.close()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proto.lost), 2.0)
+
+    def _connection_lost(self, proto: _ClientProto, exc: Exception | None) -> None:
+        if self._proto is not None and self._proto is not proto:
+            return  # an old connection, already failed when it was replaced: not ours to fail
+        self._proto = None
+        self.hello = None
+        err = MemserverUnreachable(
+            f"connection to memserver {self.peer} lost" + (f": {exc}" if exc else "")
+        )
+        # The tables are emptied before anyone hears of the failure: a waiter that reacts by
+        # sending again must find its new request kept, not wiped with the failed ones.
+        failed = [*self._pending.values(), *self._outq]
+        self._pending = {}
+        self._outq = []
+        self._open = None
+        self._fail(failed, err)
+
+    @staticmethod
+    def _fail(entries: list, err: Exception) -> None:
+        for entry in entries:
+            if type(entry) is _Batch:
+                futs = [w[0] for w in entry.waiters]
+            elif isinstance(entry, asyncio.Future):
+                futs = [entry]
+            else:
+                continue  # encoded bytes: their futures are in _pending
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(err)
+
+    async def _ensure_connected(self) -> None:
+        if self._closed:
+            raise MemserverUnreachable(f"client of memserver {self.peer} is closed")
+        if self.connected:
+            return
+        if self._reconnecting is None or self._reconnecting.done():
+            if time.monotonic() < self._breaker_until:
+                raise MemserverUnreachable(
+                    f"memserver {self.peer} is failing ({self.failures} consecutive failures); "
+                    f"next try in {self._breaker_until - time.monotonic():.1f} s"
+                )
+            self._reconnecting = asyncio.ensure_future(self._reconnect())
+        await asyncio.shield(self._reconnecting)
+
+    async def _reconnect(self) -> None:
+        try:
+            await self.connect()
+        except MemserverUnreachable:
+            self._trip()
+            raise
+
+    # --- requests ---
+
+    def _send(
+        self,
+        mtype: int,
+        keys: tuple[int, ...] | None,
+        data: memoryview | None,
+        out: memoryview | None,
+        msg: pp.Request | None = None,
+        fut: Any = None,
+    ) -> asyncio.Future:
+        """Queue one request; everything queued in this loop iteration leaves in one
+        writelines, and consecutive STOREs (or LOADs) merge into one frame. `fut` (a
+        `_Callback`) replaces the Future the caller would otherwise await."""
+        # The loop is cached: get_running_loop() costs a getpid() syscall on Python 3.11.
+        loop = self._loop
+        if fut is None:
+            fut = loop.create_future()
+        if not self._pending:  # the stall watchdog measures from here
+            self._busy_since = time.monotonic()
+        if mtype in (_STORE, _LOAD):
+            b = self._open
+            if (
+                b is None
+                or b.mtype != mtype
+                or len(b.keys) + len(keys) > min(MERGE_PAGES, self._max_batch)
+            ):
+                b = self._open = _Batch(mtype)
+                self._outq.append(b)
+            b.keys += keys
+            if data is not None:
+                b.parts.append(data)
+            b.waiters.append((fut, keys, data, out))
+        else:
+            self._next_id += 1
+            rid = self._next_id
+            self._pending[rid] = fut
+            if msg is not None:
+                self._outq += pp.encode(dataclasses.replace(msg, req_id=rid))
+            else:
+                self._outq.append(pp.batch_prefix(mtype, rid, keys))
+            self._open = None
+        if self._flush_handle is None:
+            if self.batching.hold(self):
+                self._flush_handle = _CORKED
+            else:
+                self._flush_handle = loop.call_soon(self._flush)
+        return fut
+
+    def _resend_each(self, batch: _Batch) -> None:
+        """Queue every still-waiting request of a refused merged batch on its own."""
+        for fut, keys, data, out in batch.waiters:
+            if fut.done():
+                continue
+            solo = _Batch(batch.mtype)
+            solo.keys += keys
+            if data is not None:
+                solo.parts.append(data)
+            solo.waiters.append((fut, keys, data, out))
+            self._outq.append(solo)
+        self._open = None
+        if self._flush_handle is None:
+            self._flush_handle = self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        self._open = None
+        q, self._outq = self._outq, []
+        if not q:
+            return
+        proto = self._proto
+        if proto is None or proto.transport is None or proto.transport.is_closing():
+            err = MemserverUnreachable(f"not connected to memserver {self.peer}")
+            if proto is None and self._pending:
+                # Requests (not merged page requests: those are in q) queued after the lost
+                # connection had already failed its table: a caller that resumed after its
+                # reconnect, when that new connection was gone again. No connection is left
+                # to answer or fail them, so fail them here.
+                q = [*q, *self._pending.values()]
+                self._pending = {}
+            self._fail(q, err)
+            return
+        wire: list[bytes | memoryview] = []
+        pending, batch_prefix = self._pending, pp.batch_prefix
+        for item in q:
+            if type(item) is _Batch:
+                self._next_id += 1
+                pending[self._next_id] = item
+                wire.append(batch_prefix(item.mtype, self._next_id, item.keys))
+                if item.parts:
+                    wire += item.parts
+            else:
+                wire.append(item)
+        proto.transport.writelines(wire)
+
+    async def _request(self, msg: pp.Request) -> Any:
+        """One request on the current connection, no retry (HELLO and setup)."""
+        if self._proto is None:
+            raise MemserverUnreachable(f"not connected to memserver {self.peer}")
+        return await self._send(0, None, None, None, msg)
+
+    async def _call(
+        self,
+        mtype: int,
+        keys: tuple[int, ...] | None = None,
+        data: memoryview | None = None,
+        out: memoryview | None = None,
+        msg: pp.Request | None = None,
+    ) -> Any:
+        """Send a request; on a lost connection reconnect and retry (requests are idempotent)."""
+        if self.hello is not None:  # connected: the fast path
+            try:
+                return await self._send(mtype, keys, data, out, msg)
+            except MemserverUnreachable:
+                if not self.retries:
+                    raise
+                if not self._retry_logged:  # once per lost connection, not per request
+                    self._retry_logged = True
+                    log.warning(
+                        "memserver %s: connection lost; reconnecting and retrying its requests",
+                        self.peer,
+                    )
+        for attempt in range(self.retries + 1):
+            await self._ensure_connected()
+            try:
+                return await self._send(mtype, keys, data, out, msg)
+            except MemserverUnreachable:
+                if attempt == self.retries:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def reserve(self, pages: int) -> pp.ReserveReply:
+        """Set this namespace's reservation to `pages` (absolute)."""
+        reply = await self._call(0, msg=pp.Reserve(0, pages))
+        self._reserved = pages
+        return reply
+
+    async def release(self) -> int:
+        """Free every page and the reservation; returns the number of pages freed."""
+        reply = await self._call(0, msg=pp.Release(0))
+        self._reserved = 0
+        return reply.freed_pages
+
+    # The trusted fast path for RemoteStore: `keys` a tuple of valid keys, 1..max_batch of
+    # them; `data`/`out` byte memoryviews of exactly len(keys) pages. Nothing is checked, and
+    # a lost connection is not retried here: callers fall back to store()/load() for that.
+
+    def store_batch(self, keys: tuple[int, ...], data: memoryview) -> Awaitable[Any]:
+        if self.hello is None:
+            return self._call(_STORE, keys, data)
+        return self._send(_STORE, keys, data, None)
+
+    def load_batch(self, keys: tuple[int, ...], out: memoryview) -> Awaitable[Any]:
+        if self.hello is None:
+            return self._call(_LOAD, keys, None, out)
+        return self._send(_LOAD, keys, None, out)
+
+    # The callback fast path (the NBD daemon's hot path): as store_batch/load_batch, but the
+    # completion calls `cb(None)` on success or `cb(exc)` on failure (PageServerError,
+    # MemserverUnreachable) straight from the receive path. Returns False, queuing nothing,
+    # when not connected: the caller then takes its awaitable path, which reconnects.
+
+    def store_cb(
+        self, keys: tuple[int, ...], data: memoryview, cb: Callable[[BaseException | None], None]
+    ) -> bool:
+        if self.hello is None:
+            return False
+        self._send(_STORE, keys, data, None, None, _Callback(cb))
+        return True
+
+    def load_cb(
+        self, keys: tuple[int, ...], out: memoryview, cb: Callable[[BaseException | None], None]
+    ) -> bool:
+        if self.hello is None:
+            return False
+        self._send(_LOAD, keys, None, out, None, _Callback(cb))
+        return True
+
+    async def store(self, keys: Iterable[int], data: bytes | bytearray | memoryview) -> None:
+        """Store pages `keys` from `data` (len(keys) * PAGE_SIZE bytes), all or nothing per
+        batch of max_batch pages. Refused with PageServerError(NO_SPACE) beyond the
+        reservation. `data` must stay unchanged until this returns."""
+        keys = pp.keys_tuple(keys)
+        mv = data if type(data) is memoryview and data.format == "B" else memoryview(data).cast("B")
+        n = len(keys)
+        if mv.nbytes != n * PAGE_SIZE:
+            raise ValueError(f"{n} pages need {n * PAGE_SIZE} bytes, got {mv.nbytes}")
+        mb = self.max_batch
+        if 0 < n <= mb:
+            await self._call(_STORE, keys, mv)
+        elif n:
+            await self._each(
+                [
+                    self._call(_STORE, keys[i : i + mb], mv[i * PAGE_SIZE : (i + mb) * PAGE_SIZE])
+                    for i in range(0, n, mb)
+                ]
+            )
+
+    async def load(
+        self, keys: Iterable[int], out: bytearray | memoryview | None = None
+    ) -> bytearray | None:
+        """Load pages `keys` into `out` (writable, len(keys) * PAGE_SIZE bytes), or into a new
+        bytearray that is returned when `out` is None. A page not stored raises
+        PageServerError(NOT_FOUND)."""
+        keys = pp.keys_tuple(keys)
+        n = len(keys)
+        ret = None
+        if out is None:
+            ret = out = bytearray(n * PAGE_SIZE)
+        mv = out if type(out) is memoryview and out.format == "B" else memoryview(out).cast("B")
+        if mv.readonly or mv.nbytes != n * PAGE_SIZE:
+            raise ValueError(f"out must be writable and {n * PAGE_SIZE} bytes")
+        mb = self.max_batch
+        if 0 < n <= mb:
+            await self._call(_LOAD, keys, None, mv)
+        elif n:
+            await self._each(
+                [
+                    self._call(
+                        _LOAD, keys[i : i + mb], None, mv[i * PAGE_SIZE : (i + mb) * PAGE_SIZE]
+                    )
+                    for i in range(0, n, mb)
+                ]
+            )
+        return ret
+
+    async def free(self, keys: Iterable[int]) -> int:
+        """Free pages `keys`; returns how many were stored. Absent keys are not an error."""
+        keys = pp.keys_tuple(keys)
+        mb = self.max_batch
+        replies = await self._each(
+            [self._call(_FREE, keys[i : i + mb]) for i in range(0, len(keys), mb)]
+        )
+        return sum(r.freed for r in replies)
+
+    async def status(self) -> dict:
+        """The memserver's STATUS (see docs/protocol.md for the fields)."""
+        reply = await self._call(0, msg=pp.Status(0))
+        return json.loads(reply.json)
+
+    @staticmethod
+    async def _each(coros: list) -> list:
+        """Await all parts, then raise the first failure: no part may still be using the
+        caller's buffer after we return."""
+        res = await asyncio.gather(*coros, return_exceptions=True)
+        for r in res:
+            if isinstance(r, BaseException):
+                raise r
+        return res
+
+
+async def query_status(
+    host: str, port: int, *, timeout: float = 5.0, security: PeerSecurity | None = None
+) -> dict:
+    """One memserver's STATUS without joining any namespace (monitoring, `duvm status`).
+    Raises MemserverUnreachable when it cannot be reached within `timeout`. With a secret or
+    TLS (`security`) it authenticates first, under a throwaway
+    client id that holds nothing."""
+    peer = f"{host}:{port}"
+    if security is not None and (security.keyring is not None or security.tls is not None):
+        client = MemClient(
+            host,
+            port,
+            f"status-{secrets.token_hex(8)}",
+            connect_timeout=timeout,
+            retries=0,
+            security=security,
+        )
+        try:
+            async with asyncio.timeout(timeout):
+                await client.connect()
+                return await client.status()
+        except TimeoutError:
+            raise MemserverUnreachable(f"cannot reach memserver {peer}: timed out") from None
+        finally:
+            await client.close()
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                writer.write(pp.encode_bytes(pp.Status(1)))
+                dec = pp.Decoder("client")
+                while True:
+                    msg = dec.next_event()
+                    if msg is not pp.NEED_DATA:
+                        break
+                    dec.receive_data(await reader.read(1 << 16))  # b"" marks the end
+            finally:
+                writer.close()
+    except (OSError, TimeoutError) as e:
+        reason = "timed out" if isinstance(e, TimeoutError) else e.strerror or e
+        raise MemserverUnreachable(f"cannot reach memserver {peer}: {reason}") from None
+    except pp.RemoteProtocolError as e:
+        raise MemserverUnreachable(f"memserver {peer} answered STATUS badly: {e}") from None
+    if isinstance(msg, pp.ErrorReply):
+        raise PageServerError(msg.code, msg.message, peer)
+    if not isinstance(msg, pp.StatusReply):
+        raise MemserverUnreachable(f"memserver {peer} answered STATUS with {type(msg).__name__}")
+    return json.loads(msg.json)
+
+
+def reload_client_keyring(clients: list[MemClient], path: str) -> str:
+    """SIGHUP in the daemon: re-read the secret file into every MemClient's security (their
+    next connect proves the new current secret). Returns a log line without any secret."""
+    try:
+        keyring = Keyring.from_file(path)
+    except SecretError as e:
+        return f"SIGHUP: keeping the old secrets: {e}"
+    for c in clients:
+        if c.security is not None:
+            c.security = dataclasses.replace(c.security, keyring=keyring)
+    return f"SIGHUP: re-read {path}: current key id {keyring.current_id.hex()}"

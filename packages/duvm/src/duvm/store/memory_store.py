@@ -1,0 +1,84 @@
+"""A `BlockStore` in this process's RAM: the baseline for tests and benchmarks.
+
+Theory of operation: one private anonymous mapping of the export's size. The kernel backs a
+page only once it is written, so an untouched export costs nothing; TRIM and WRITE_ZEROES give
+whole pages back with madvise(MADV_DONTNEED), after which they read as zeros again (that is
+what a private anonymous mapping promises), and zero any partial pages at the edges. Every
+operation completes without suspending, so the NBD driver's synchronous fast path serves it.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+from duvm.store.storage import PAGE_SIZE, BlockStore, Capabilities
+
+
+class MemoryStore(BlockStore):
+    """`size` bytes of local RAM. Counters in `stats` count calls and bytes per operation."""
+
+    capabilities = Capabilities()
+
+    def describe(self) -> str:
+        return "local RAM"
+
+    def __init__(self, size: int) -> None:
+        if size <= 0 or size % PAGE_SIZE:
+            raise ValueError(f"size must be a positive multiple of {PAGE_SIZE}, not {size}")
+        self.size = size
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._view = memoryview(self._map)
+        self.stats = {
+            "read": 0,
+            "write": 0,
+            "trim": 0,
+            "zero": 0,
+            "flush": 0,
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "bytes_freed": 0,
+        }
+
+    async def read(self, offset: int, out: memoryview) -> None:
+        n = len(out)
+        assert offset >= 0 and offset + n <= self.size
+        out[:] = self._view[offset : offset + n]
+        self.stats["read"] += 1
+        self.stats["bytes_read"] += n
+
+    async def write(self, offset: int, data: memoryview) -> None:
+        n = len(data)
+        assert offset >= 0 and offset + n <= self.size
+        self._view[offset : offset + n] = data
+        self.stats["write"] += 1
+        self.stats["bytes_written"] += n
+
+    def _discard(self, offset: int, length: int) -> None:
+        assert offset >= 0 and offset + length <= self.size and length >= 0
+        end = offset + length
+        first = -(-offset // PAGE_SIZE) * PAGE_SIZE  # first whole page
+        last = end // PAGE_SIZE * PAGE_SIZE
+        if first < last:
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+            self.stats["bytes_freed"] += last - first
+            if offset < first:
+                self._view[offset:first] = bytes(first - offset)
+            if last < end:
+                self._view[last:end] = bytes(end - last)
+        elif length:
+            self._view[offset:end] = bytes(length)
+
+    async def trim(self, offset: int, length: int) -> None:
+        self._discard(offset, length)
+        self.stats["trim"] += 1
+
+    async def write_zeroes(self, offset: int, length: int) -> None:
+        self._discard(offset, length)
+        self.stats["zero"] += 1
+
+    async def flush(self) -> None:
+        self.stats["flush"] += 1
+
+    async def close(self) -> None:
+        self._view.release()
+        self._map.close()
