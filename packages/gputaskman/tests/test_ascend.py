@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from gputaskman import report
+from gputaskman import report, schema
 from gputaskman.ascend import (
     SEARCH,
     AscendAlongside,
@@ -220,6 +220,7 @@ def test_ascend_mocked_alongside_a_failed_nvml_is_usable_and_sums_measured_bytes
     assert any(p.reason is Reason.NO_LIBRARY for p in snap.problems)  # NVML's, kept
     assert snap.attributed_on("00000000:5a:00.0") == 27600 * MIB
     assert report.null_rule_violations(report.to_json_dict(snap, None)) == []
+    assert schema.errors(report.to_json_dict(snap, None)) == []  # the packaged JSON Schema
 
 
 def test_ascend_absent_leaves_the_other_source_untouched(tmp_path):

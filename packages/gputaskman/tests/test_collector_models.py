@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from gputaskman import gguf, llm, report
+from gputaskman import gguf, llm, report, schema
 from gputaskman.collector import Collector, ProcinfoScanner
 from gputaskman.evidence import Evidence, Source, assess
 from gputaskman.model import Adapter, Kind, ProcGpu, Reading, Snapshot
@@ -123,6 +123,7 @@ def test_nvml_mocked_gpu_row_other_is_measured_minus_runtime_parts(server):
     # the measured total is the driver's number alone; the view adds nothing to it
     assert snap.attributed == vram
     doc = json.loads(json.dumps(report.to_json_dict(snap, system)))
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     assert report.null_rule_violations(doc) == []
     bd = next(p for p in doc["processes"] if p["pid"] == server.pid)["breakdown"]
     assert bd["parts"]["other"]["reading"]["kind"] == "inferred"
@@ -152,6 +153,7 @@ def test_breakdown_of_estimates_only_keeps_null_rules_and_never_enters_totals(tm
         processes=(row,),
     )
     doc = json.loads(json.dumps(report.to_json_dict(snap, None)))
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     assert report.null_rule_violations(doc) == []
     bd = doc["processes"][0]["breakdown"]
     assert bd["parts"]["weights"]["reading"]["kind"] == "estimated"

@@ -69,6 +69,22 @@ def test_measured_fields_are_compared_directly() -> None:
     assert "memory used" in text and "+2.0 GiB" in text
 
 
+def test_a_change_smaller_than_a_mebibyte_is_reported() -> None:
+    """Catches a diff that rounds to the display unit before comparing (or drops changes under
+    1 MiB as noise): a process that grew by one 4 KiB page and a GPU whose used memory moved by
+    512 KiB must both read as changed, with the exact delta in bytes."""
+    b = snap(used=4 * GIB, procs=[ms.proc(10, 3 * GIB)])
+    a = snap(60, used=4 * GIB + 512 * 1024, procs=[ms.proc(10, 3 * GIB + 4096)])
+    d = diff.diff(b, a)
+    used = field(d["adapters"][0], "memory_used_bytes")
+    assert (used["change"], used["delta"]) == ("changed", 512 * 1024)
+    (p,) = procs_by_pid(d, 10)
+    vram = field(p, "vram_bytes")
+    assert (vram["change"], vram["delta"]) == ("changed", 4096)
+    text = diff.render_text(d, "b.json", "a.json")
+    assert "+4.0 KiB" in text and "+512.0 KiB" in text, text
+
+
 def test_an_absent_row_is_not_listed_not_zero() -> None:
     b = snap(procs=[ms.proc(10, 3 * GIB), ms.proc(11, 1 * GIB, name="whisper")])
     a = snap(1, procs=[ms.proc(11, 1 * GIB, name="whisper"), ms.proc(12, 2 * GIB, name="new")])

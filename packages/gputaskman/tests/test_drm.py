@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from gputaskman import report
+from gputaskman import report, schema
 from gputaskman.drm import (
     BACKEND,
     DrmBackend,
@@ -687,6 +687,7 @@ def test_demo_tree_end_to_end_json_and_text(tmp_path: Path) -> None:
     write_demo_tree(tmp_path, step=1)
     snap, system = collector.sample_with_system()
     doc = report.to_json_dict(snap, system)
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     by_pid = {p["pid"]: p for p in doc["processes"]}
     llama = by_pid[4100]
     assert llama["vram_bytes"]["value"] == 4 * GIB and llama["vram_bytes"]["kind"] == "measured"

@@ -418,7 +418,7 @@ def test_parse_status_reads_fields_and_leaves_unknowns_unknown():
 
 def _enable_skip_reason() -> str | None:
     try:
-        from duvm import demo
+        from duvm.cli import demo
     except ImportError as e:
         return f"duvm not importable: {e}"
     problems = demo.preflight()
@@ -435,7 +435,9 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
         pytest.skip(why)
     import tempfile
 
-    from duvm import attach, cgroup, control, demo
+    from duvm.base import cgroup
+    from duvm.cli import demo
+    from duvm.node import attach, control
 
     # Swap is machine-wide: with another device at the top priority, or another cgroup whose
     # swapped pages could not come home, this test could neither place nor free its pages.
@@ -477,7 +479,7 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
         ctl = str(state / "nbd.sock.ctl")
         with cgroup.MemoryCgroup(48 << 20, prefix="gtm-duvm") as cg:
             proc = cg.popen(
-                [sys.executable, "-m", "duvm.workload", "--mib", "112", "--hold"],
+                [sys.executable, "-m", "duvm.cli.workload", "--mib", "112", "--hold"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

@@ -35,6 +35,25 @@ def test_ladder_order() -> None:
     assert {s.value for s in CORROBORATING} == {"api", "mapped", "cmdline"}
 
 
+def test_confirmed_claims_come_before_stronger_single_sources() -> None:
+    """Catches claims sorted by their best rung alone: an API-only claim (the top rung, one
+    source) would then come before a claim two sources confirm (mapped and on the command
+    line, lower rungs). Confirmed first, whatever the rung."""
+    claims = assess(
+        [
+            Evidence(Source.API, model="served-alone"),
+            Evidence(Source.CMDLINE, path="/m/b.gguf"),
+            Evidence(Source.MAPPED, path="/m/b.gguf"),
+            Evidence(Source.MAPPED, path="/m/a.gguf"),
+        ]
+    )
+    assert [(c.path or c.model, c.confirmed, c.best) for c in claims] == [
+        ("/m/b.gguf", True, Source.MAPPED),
+        ("served-alone", False, Source.API),
+        ("/m/a.gguf", False, Source.MAPPED),
+    ]
+
+
 @pytest.mark.parametrize(
     "sources,status,detail",
     [

@@ -181,6 +181,27 @@ def test_every_metadata_value_type_and_nested_arrays_agree_with_gguf_reader(tmp_
     assert {k for k in ref.fields if not k.startswith("GGUF.")} == set(m)
 
 
+def test_a_tensor_of_an_unknown_type_makes_the_weights_unknown(tmp_path: Path) -> None:
+    """Catches a weights sum that counts a tensor it cannot size as 0 bytes: the size would be
+    reported (too small) instead of unknown."""
+    p = tmp_path / "m.gguf"
+    write_model(p, "llama", n_layer=1, n_embd=32, n_head=2, n_head_kv=2, ctx=16, vocab=4)
+    data = bytearray(p.read_bytes())
+    first = g.read_header(p).tensors[0]
+    name = first.name.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 250)  # a ggml type id nobody defines
+    assert 250 not in g.GGML_TYPES
+    p.write_bytes(bytes(data))
+    h = g.read_header(p)
+    assert h.tensors[0].ggml_type == 250 and h.tensors[0].nbytes is None
+    assert all(t.nbytes is not None for t in h.tensors[1:])  # the others are still sized
+    assert h.weights_bytes is None
+    assert h.bytes_by_type["type250"] is None
+    assert h.parameter_count > 0  # element counts do not depend on the type
+
+
 def test_tensor_infos_agree_with_gguf_reader(tmp_path: Path) -> None:
     p = tmp_path / "m.gguf"
     write_model(p, "qwen2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, ctx=64)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gputaskman import collector, host, hostplat, report
+from gputaskman import collector, host, hostplat, report, schema
 from gputaskman.exporter import system_families
 from gputaskman.model import Reason
 from gputaskman.report_models import system_json
@@ -138,6 +138,7 @@ def test_platform_samples_keep_the_null_rules_in_json_text_and_metrics(plat) -> 
         else {"gputaskman_system_memory_total_bytes"}
     )
     doc = report.to_json_dict(__import__("mocked_snapshots").snapshot(), info)
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     assert doc["system"]["memory"]["free_bytes"]["value"] is None
 
 

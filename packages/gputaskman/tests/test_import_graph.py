@@ -1,10 +1,14 @@
-"""The non-UI modules never import Textual or Rich (checked in a fresh interpreter)."""
+"""The non-UI modules never import Textual or Rich (checked in a fresh interpreter), and no two
+modules import each other, directly or round a cycle, counting imports inside functions
+(tools/import_graph.py reads the source)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +53,19 @@ def test_nvml_binding_is_imported_lazily():
 def test_the_checker_sees_ui_imports():
     loaded = imported_after(["gputaskman.app"])
     assert "textual" in loaded  # so an empty result above means something
+
+
+_spec = importlib.util.spec_from_file_location(
+    "import_graph", Path(__file__).resolve().parents[3] / "tools" / "import_graph.py"
+)
+ig = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ig)
+SRC = Path(__file__).resolve().parents[1] / "src" / "gputaskman"
+
+
+def test_no_import_cycles() -> None:
+    """Catches modules that import each other behind a function-local import (how platforms
+    and its backends, plot and summary, replay and its app were tied)."""
+    graph = ig.module_graph(SRC)
+    assert "gputaskman.collector" in graph and "gputaskman.win.backend" in graph
+    assert ig.cycles(graph) == []

@@ -569,6 +569,31 @@ def test_view_runtime_beats_estimate_and_other_is_inferred(model_file: Path) -> 
     assert v.estimated_total is None
 
 
+def test_other_is_null_when_a_known_part_is_only_estimated(model_file: Path) -> None:
+    """Catches "other" computed from parts that are merely known: measured bytes minus an
+    estimate is no inference at all. Every part is known here (compute from the runtime's log,
+    weights and KV cache estimated from the header), so only the rule keeps "other" null."""
+    h = gguf.read_header(model_file)
+    buffers = llm.parse_buffer_log(
+        "sched_reserve:        CPU compute buffer size =     0.70 MiB\n", "/tmp/srv.log"
+    )
+    argv = ["llama-server", "-m", str(model_file), "-c", "512"]
+    v = llm.build_view(
+        _claim(model_file, Source.MAPPED, Source.CMDLINE),
+        header=h,
+        buffers=buffers,
+        runtime="llama.cpp",
+        argv=argv,
+        measured_bytes=64 * MIB,
+    )
+    parts = {n: v.part(n).reading for n in ("weights", "kv_cache", "compute")}
+    assert all(r.known for r in parts.values()), parts
+    assert parts["compute"].kind is Kind.RUNTIME
+    assert parts["weights"].kind is Kind.ESTIMATED and parts["kv_cache"].kind is Kind.ESTIMATED
+    other = v.part("other").reading
+    assert other.value is None and other.reason is not None and other.kind is Kind.INFERRED
+
+
 def test_view_equal_candidates_get_a_star(model_file: Path) -> None:
     h = gguf.read_header(model_file)
     served = llm.ServedModel("qwen.gguf", str(model_file), True, weights_bytes=h.weights_bytes)

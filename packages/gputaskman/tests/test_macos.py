@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-from gputaskman import report
+from gputaskman import report, schema
 from gputaskman.collector import Collector, NullScanner
 from gputaskman.macos import (
     Accelerator,
@@ -175,6 +175,7 @@ def test_metal_mocked_as_root_graphics_ledgers_are_measured_and_compressed_is_pa
     other = next(p for p in s.processes if p.pid == OTHER)
     assert other.paged is not None and other.paged.value == 0  # a measured zero stays 0
     assert report.null_rule_violations(report.to_json_dict(snap, None)) == []
+    assert schema.errors(report.to_json_dict(snap, None)) == []  # the packaged JSON Schema
 
 
 def test_metal_mocked_gpu_percent_is_a_rate_of_accumulated_time():

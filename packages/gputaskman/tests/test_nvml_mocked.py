@@ -15,7 +15,7 @@ from typing import Any
 
 import pynvml
 import pytest
-from gputaskman import report
+from gputaskman import report, schema
 from gputaskman.collector import Collector, NullScanner
 from gputaskman.model import Kind, Reason
 from gputaskman.nvml import NOT_AVAILABLE_UINT, NOT_AVAILABLE_ULL, NvmlBackend, reason_for
@@ -195,6 +195,7 @@ def test_nvml_mocked_hidden_memory_is_na_with_reason_never_zero():
     assert snap.attributed == 2 * GIB  # the measured zero and 2 GiB; hidden adds nothing
     assert snap.attributed_complete is False
     doc = report.to_json_dict(snap, None)
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     assert report.null_rule_violations(doc) == []
     hidden = next(p for p in doc["processes"] if p["pid"] == 100)
     assert hidden["vram_bytes"]["value"] is None
@@ -212,6 +213,7 @@ def test_nvml_mocked_failed_process_list_is_a_failure_not_an_empty_list():
     snap = Collector(nvml=NvmlBackend(MockedNvml([dev])), scanner=NullScanner()).sample()
     assert snap.attributed_complete is False
     doc = report.to_json_dict(snap, None)
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     status = doc["adapters"][0]["process_list"]
     assert status["graphics"] == "ok" and status["compute"]["reason"] == "denied"
 
@@ -348,6 +350,7 @@ def test_nvml_mocked_init_failure_degrades_with_reason_and_is_not_retried(code, 
         nvml=NvmlBackend(MockedNvml([], init_error=err(code))), scanner=NullScanner()
     ).sample()
     doc = report.to_json_dict(snap, None)
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     assert doc["available"] is False and doc["unavailable"]["reason"] == str(reason)
     assert report.null_rule_violations(doc) == []
 
@@ -405,6 +408,7 @@ def test_nvml_mocked_collector_joins_real_process_identity_and_scan():
     assert g.detail.reason is Reason.UNAVAILABLE and "PID namespace" in g.detail.reason_detail
     assert g.dedicated.value == 2 * GIB  # the driver's number stands even without /proc
     doc = report.to_json_dict(snap, system)
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     assert report.null_rule_violations(doc) == []
     row = next(p for p in doc["processes"] if p["pid"] == os.getpid())
     assert row["ram_bytes"]["value"] > 0

@@ -64,6 +64,7 @@ def test_wheel_metadata_and_entry_points(dist: dict[str, Path]) -> None:
     assert "gputaskman = gputaskman.cli:main" in eps and "gtm = gputaskman.cli:main" in eps
     # only the package goes into the wheel: no tests, no workspace files
     assert all(n.startswith((f"{NAME}/", info)) for n in names), names
+    assert f"{NAME}/snapshot.schema.json" in names  # the JSON Schema ships with the package
 
 
 @pytest.mark.slow

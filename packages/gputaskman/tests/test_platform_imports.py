@@ -8,13 +8,12 @@ import subprocess
 import sys
 
 import pytest
-from gputaskman.collector import Collector, NullScanner
+from gputaskman.collector import Collector, NullScanner, gpu_source
 from gputaskman.model import Problem, Reason
 from gputaskman.platforms import (
     PLATFORM_TABLE,
     ProbeResult,
     detect_backend,
-    gpu_source,
     is_wsl,
 )
 
@@ -43,7 +42,7 @@ def spy(self, name, *a, **k):
 ctypes.CDLL.__init__ = spy
 for m in MODULES:
     importlib.import_module(m)
-from gputaskman.platforms import gpu_source
+from gputaskman.collector import gpu_source
 built = [type(gpu_source(b)).__name__ for b in ("wddm", "metal")]
 print(json.dumps({"loaded": loaded, "built": built,
                   "modules": sorted(m for m in sys.modules if m.split(".")[0] in

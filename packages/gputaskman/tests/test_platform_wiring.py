@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gputaskman import cli, collector, report
+from gputaskman import cli, collector, report, schema
 from gputaskman.collector import Collector, NullScanner
 from gputaskman.demo import DemoSystem, demo_snapshot
 from gputaskman.macos import Accelerator, MacCounters
@@ -193,6 +193,7 @@ def test_wsl_replay_rows_end_to_end_through_collector_json_and_replay(dxg_child)
     finally:
         c.close()
     doc = report.to_json_dict(snap, system)
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     rows = {(p["pid"], p["host"]): p for p in doc["processes"]}
     vm, dwm, wsl = rows[(VMWP, "windows")], rows[(child.pid, "windows")], rows[(child.pid, None)]
     # measured host bytes are summed once; the WSL row's inferred 4 GiB never
@@ -274,6 +275,7 @@ def mac_snapshot():
 def test_iokit_mocked_paged_and_footprint_are_json_readings_never_summed():
     snap, system = mac_snapshot()
     doc = report.to_json_dict(snap, system)
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     (row,) = [p for p in doc["processes"] if p["pid"] == OWN and p["gpu"] is not None]
     assert row["vram_bytes"]["value"] == 4 * GIB
     assert row["paged_bytes"]["value"] == 512 * MIB and row["paged_bytes"]["kind"] == "measured"
@@ -301,6 +303,7 @@ def test_paged_column_only_when_a_backend_measures_it():
 def test_old_record_lines_without_platform_fields_still_read():
     snap, system = mac_snapshot()
     doc = report.to_json_dict(snap, system)
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     for p in doc["processes"]:
         for k in ("paged_bytes", "footprint_bytes", "host", "parent_pid", "inferred_unique"):
             del p[k]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from gputaskman import record, report
+from gputaskman.playback import SPEEDS, Playback, RecordSource
 from gputaskman.recordfile import SnapshotError, iter_record
-from gputaskman.replay import SPEEDS, Playback, RecordSource
 from gputaskman.replay_app import create_replay_app
 from gputaskman.widgets.gpu_header import GpuHeader
 from gputaskman.widgets.process_table import ProcessTable

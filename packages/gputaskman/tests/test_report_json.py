@@ -86,7 +86,7 @@ def test_unavailable_backend_json_says_why():
     assert doc["unavailable"]["reason"] == "library not found"
     assert doc["adapters"] == [] and doc["processes"] == []
     assert doc["attributed_bytes"] is None
-    assert doc["system"]["ram_total_bytes"]["value"] == 32 * 1024**3
+    assert doc["system"]["memory"]["total_bytes"]["value"] == 32 * 1024**3
     check_null_rules(doc)
 
 

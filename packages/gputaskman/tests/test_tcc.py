@@ -12,7 +12,7 @@ from typing import Any
 
 import pynvml
 import pytest
-from gputaskman import report
+from gputaskman import report, schema
 from gputaskman.collector import Collector, NullScanner
 from gputaskman.model import Reason
 from gputaskman.win import pdh
@@ -138,6 +138,7 @@ def test_tcc_mocked_appended_after_dxgi_and_no_index_moves():
     assert snap.attributed_on(TCC_BUS) == 3 * GIB
     assert snap.attributed_complete_on(TCC_BUS) is False
     assert report.null_rule_violations(report.to_json_dict(snap, None)) == []
+    assert schema.errors(report.to_json_dict(snap, None)) == []  # the packaged JSON Schema
 
 
 def test_tcc_mocked_paired_only_when_pci_address_is_unambiguous():

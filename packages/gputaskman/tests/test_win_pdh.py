@@ -15,7 +15,7 @@ import ctypes
 import math
 
 import pytest
-from gputaskman import report
+from gputaskman import report, schema
 from gputaskman.collector import Collector, NullScanner
 from gputaskman.model import Kind, Reason
 from gputaskman.win import pdh
@@ -354,4 +354,5 @@ def test_pdh_mocked_collector_sums_local_usage_only_and_never_asks_dedicated_usa
     assert m.memory_total_bytes.value == 16 * 1024**3
     assert m.temperature_c.value is None and m.temperature_c.reason is Reason.NOT_SUPPORTED
     doc = report.to_json_dict(snap, None)
+    assert schema.errors(doc) == []  # the packaged JSON Schema
     assert report.null_rule_violations(doc) == []

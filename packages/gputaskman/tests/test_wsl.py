@@ -16,7 +16,7 @@ import textwrap
 import time
 
 import pytest
-from gputaskman import report
+from gputaskman import report, schema
 from gputaskman.collector import Collector, NullScanner
 from gputaskman.model import Kind, Reason
 from gputaskman.nvml import NvmlSample
@@ -387,6 +387,7 @@ def test_wsl_replay_inferred_rows_sit_under_vmwp_and_are_never_summed():
     assert host.closed
     assert snap.attributed_on(LUID) == 4396 * MIB + 50 * MIB
     assert report.null_rule_violations(report.to_json_dict(snap, None)) == []
+    assert schema.errors(report.to_json_dict(snap, None)) == []  # the packaged JSON Schema
 
 
 def test_wsl_interop_off_reduces_what_is_shown_and_says_why():

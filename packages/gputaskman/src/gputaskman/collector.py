@@ -93,12 +93,34 @@ class GpuSource(Protocol):
     def close(self) -> None: ...
 
 
+def gpu_source(backend: str) -> Any:
+    """A sampling source for `backend`, importing its platform module only now.
+
+    ``nvml`` returns None: the collector keeps its own Linux default (NVML + DRM).
+    """
+    if backend == "wddm":
+        from gputaskman.win.backend import WddmBackend
+
+        return WddmBackend()
+    if backend == "wsl":
+        from gputaskman.wsl import WslBackend
+
+        return WslBackend()
+    if backend == "metal":
+        from gputaskman.macos import MacCounters
+
+        return MacCounters()
+    if backend == "nvml":
+        return None
+    raise ValueError(f"unknown backend {backend!r}; expected one of {platforms.BACKENDS}")
+
+
 def default_gpu_source(backend: str | None = None) -> GpuSource:
     """The source for `backend` (default `BACKEND`): the platform's own backend on
     Windows, WSL and macOS (imported only then); on Linux NVML plus DRM (amdgpu, i915,
     xe) merged by PCI address, with Ascend NPUs appended when npu-smi is installed."""
     name = BACKEND if backend is None else backend
-    src = platforms.gpu_source(name)
+    src = gpu_source(name)
     if src is not None:
         return src  # type: ignore[no-any-return]
     if not sys.platform.startswith("linux"):

@@ -161,18 +161,33 @@ class DemoSystem:
     """Fixed host sample (RAM, swap, CPU) with per-process readings for the demo PIDs."""
 
     def to_json_dict(self) -> dict[str, Any]:
+        """The shape `host.SystemInfo` writes (report.py's SYSTEM), with fixed numbers."""
         return {
-            "ram_total_bytes": _host(32 * GIB),
-            "ram_available_bytes": _host(20 * GIB),
-            "swap": [
-                {
-                    "device": "/dev/zram0",
-                    "size_bytes": _host(8 * GIB),
-                    "used_bytes": _host(0),
-                    "priority": _host(100),
-                }
-            ],
-            "cpu_percent": _host(37.5),
+            "taken": TAKEN,
+            "kind": "measured",
+            "memory": {
+                "total_bytes": _host(32 * GIB),
+                "available_bytes": _host(20 * GIB),
+                "used_bytes": _host(12 * GIB),
+            },
+            "swap": {
+                "total_bytes": _host(8 * GIB),
+                "free_bytes": _host(8 * GIB),
+                "used_bytes": _host(0),
+                "devices": [
+                    {
+                        "filename": "/dev/zram0",
+                        "type": "partition",
+                        "size_bytes": _host(8 * GIB),
+                        "used_bytes": _host(0),
+                        "priority": _host(100),
+                        "deleted": False,
+                    }
+                ],
+                "devices_reason": None,
+                "problems": [],
+            },
+            "cpu": {"percent": _host(37.5), "logical_cpus": _host(16)},
         }
 
     def render_lines(self) -> list[str]:

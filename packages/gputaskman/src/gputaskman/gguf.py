@@ -266,12 +266,16 @@ class GGUFHeader:
         return sum(t.n_elements for t in self.tensors)
 
     @property
-    def bytes_by_type(self) -> dict[str, int]:
-        """Tensor data bytes per ggml type name (unknown types under ``type<id>``)."""
-        out: dict[str, int] = {}
+    def bytes_by_type(self) -> dict[str, int | None]:
+        """Tensor data bytes per ggml type name; a type this reader cannot size is listed
+        under ``type<id>`` with None (unknown, never 0)."""
+        out: dict[str, int | None] = {}
         for t in self.tensors:
-            key = GGML_TYPES[t.ggml_type][0] if t.ggml_type in GGML_TYPES else f"type{t.ggml_type}"
-            out[key] = out.get(key, 0) + (t.nbytes or 0)
+            if t.ggml_type in GGML_TYPES:
+                key = GGML_TYPES[t.ggml_type][0]
+                out[key] = (out.get(key) or 0) + (t.nbytes or 0)
+            else:
+                out[f"type{t.ggml_type}"] = None
         return out
 
     @property

@@ -8,9 +8,10 @@ names Microsoft, or ``WSL_DISTRO_NAME`` is set) and ``nvml`` on native Linux. Th
 takes those facts as arguments so tests decide them; `current_backend` reads them from the
 running process.
 
-`gpu_source(backend)` builds the matching source *lazily*: platform modules (and through
-them ``ctypes.windll``, IOKit, PDH) are imported only here, so every module of the package
-imports cleanly on every platform (tests/test_platform_imports.py checks this on Linux).
+`collector.gpu_source(backend)` builds the matching source *lazily*: platform modules (and
+through them ``ctypes.windll``, IOKit, PDH) are imported only there, so every module of the
+package imports cleanly on every platform (tests/test_platform_imports.py checks this on
+Linux). This module imports none of them: they import its shared types.
 
 Every non-Linux backend returns a `PlatformSample`. It has the fields the collector already
 reads from `nvml.NvmlSample` (adapters, metrics, processes, problems, backend_problem,
@@ -183,28 +184,6 @@ def detect_backend(sys_platform: str, kernel_release: str, environ: Mapping[str,
 def current_backend() -> str:
     """`detect_backend` for this process (called once, at import, by the collector)."""
     return detect_backend(sys.platform, platform.release(), os.environ)
-
-
-def gpu_source(backend: str) -> Any:
-    """A sampling source for `backend`, importing its platform module only now.
-
-    ``nvml`` returns None: the collector keeps its own Linux default (NVML + DRM).
-    """
-    if backend == "wddm":
-        from gputaskman.win.backend import WddmBackend
-
-        return WddmBackend()
-    if backend == "wsl":
-        from gputaskman.wsl import WslBackend
-
-        return WslBackend()
-    if backend == "metal":
-        from gputaskman.macos import MacCounters
-
-        return MacCounters()
-    if backend == "nvml":
-        return None
-    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
 #: The README's platform table: (platform, backend, what it measures, validated on hardware).

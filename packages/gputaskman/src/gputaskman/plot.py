@@ -22,8 +22,12 @@ from __future__ import annotations
 import datetime as dt
 import shutil
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from gputaskman import report
+
+if TYPE_CHECKING:  # summary draws its charts here; plot needs its Run only as a type
+    from gputaskman.summary import Run
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 NO_READING = "·"
@@ -90,12 +94,9 @@ def default_width() -> int:
     return max(20, min(160, cols - LABEL_WIDTH - 4))
 
 
-def run_charts(run: object, *, width: int | None = None) -> list[str]:
+def run_charts(run: Run, *, width: int | None = None) -> list[str]:
     """Memory charts for one `summary.Run`: each GPU's measured memory used (scaled to its
     recorded total), then system RAM used (scaled to RAM total)."""
-    from gputaskman.summary import Run
-
-    assert isinstance(run, Run)
     width = width or default_width()
     stats = run.stats()
     out: list[str] = []

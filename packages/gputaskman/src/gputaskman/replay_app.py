@@ -5,7 +5,7 @@ Theory of operation
 `ReplayApp` subclasses `app.GtmApp`, so header, process table, inspector, system panel,
 sorting and GPU switching are the live app's own code. The seam is
 `GtmApp.request_refresh`, which the live app's timer calls every interval to start a
-collection: here it instead advances the `replay.Playback` clock by the wall time since
+collection: here it instead advances the `playback.Playback` clock by the wall time since
 the last tick and, when the frame changed, hands the recorded snapshot to the live app's
 `on_sample_ready`. No collector is ever created (the factory given to the base class
 raises), so replay never samples the GPU.
@@ -24,8 +24,8 @@ from typing import ClassVar
 from textual.binding import Binding
 
 from gputaskman.app import GtmApp, SampleReady
+from gputaskman.playback import Playback, RecordSource
 from gputaskman.recordfile import SnapshotError
-from gputaskman.replay import Playback, RecordSource
 from gputaskman.screens.help import HelpScreen
 
 TICK = 0.1  # seconds between playback clock updates

@@ -16,7 +16,9 @@ Every number is a *reading object*, always with all five keys::
 ``value`` is null exactly when ``reason`` is set (reasons: ``denied``, ``not supported``,
 ``process gone``, ``unavailable``, ``hidden by driver``, ``library not found``,
 ``driver not loaded``, ``no gpu``, ``gpu lost``, ``query failed``, ``not listed``,
-``not scanned yet``). A measured zero is ``0``; unknown is never ``0``.
+``not scanned yet``, ``shared``). A measured zero is ``0``; unknown is never ``0``.
+The same rules as a JSON Schema (draft 2020-12): ``snapshot.schema.json`` in this package
+(`gputaskman.schema`); the tests validate every document kind against it.
 Plain integers outside reading objects are identities (pid, index, schema_version), times,
 sums of measured readings (``attributed_bytes``, null when nothing was measured), and two
 facts about a model file or its settings (``parameter_count``, ``n_ctx``) that are not

@@ -1,0 +1,184 @@
+"""The snapshot document's JSON Schema (gputaskman/snapshot.schema.json, draft 2020-12): it is a
+valid schema shipped in the package, it accepts what gputaskman writes (the live `--json` of
+this machine, every `record` line, the demo, the mocked NVML documents; the platform tests check
+their own backends' documents), and it is strict where the rules are."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gputaskman import gguf, llm, report, schema
+from gputaskman.demo import DemoSystem, demo_snapshot, unavailable_snapshot
+from gputaskman.evidence import Evidence, Source, assess
+from gputaskman.model import Kind, Reason
+from gputaskman.report_models import breakdown_json
+from jsonschema import Draft202012Validator
+
+_spec = importlib.util.spec_from_file_location(
+    "mocked_snapshots", Path(__file__).with_name("mocked_snapshots.py")
+)
+ms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ms)
+
+
+def gtm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gputaskman.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+_gspec = importlib.util.spec_from_file_location(
+    "gguf_files", Path(__file__).with_name("gguf_files.py")
+)
+gguf_files = importlib.util.module_from_spec(_gspec)
+_gspec.loader.exec_module(gguf_files)
+
+
+@pytest.fixture
+def demo_doc(tmp_path: Path) -> dict[str, Any]:
+    """The demo document, its first process given a real breakdown (a GGUF file written with
+    the gguf package, a llama.cpp buffer log, measured bytes): every part of the document."""
+    doc = json.loads(json.dumps(report.to_json_dict(demo_snapshot(), DemoSystem())))
+    model = tmp_path / "qwen.gguf"
+    gguf_files.write_model(model, "qwen2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, ctx=1024)
+    claim = assess(
+        [Evidence(Source.MAPPED, path=str(model)), Evidence(Source.CMDLINE, path=str(model))]
+    )[0]
+    log = "sched_reserve:        CPU compute buffer size =     0.70 MiB\n"
+    view = llm.build_view(
+        claim,
+        header=gguf.read_header(model),
+        buffers=llm.parse_buffer_log(log, "/tmp/srv.log"),
+        runtime="llama.cpp",
+        argv=["llama-server", "-m", str(model), "-c", "512"],
+        measured_bytes=64 << 20,
+    )
+    doc["processes"][0]["breakdown"] = json.loads(json.dumps(breakdown_json(view)))
+    return doc
+
+
+def test_the_schema_is_valid_and_ships_in_the_package() -> None:
+    s = schema.load()
+    Draft202012Validator.check_schema(s)
+    assert s["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert Path(schema.__file__).with_name(schema.SCHEMA_FILE).is_file()
+
+
+def test_its_enumerations_are_the_codes() -> None:
+    """Catches a kind, reason or evidence source added in the code but not the schema (its
+    documents would then fail validation) or the other way round."""
+    defs = schema.load()["$defs"]
+    assert defs["kind"]["enum"] == [str(k) for k in Kind]
+    assert defs["reason"]["enum"] == [str(r) for r in Reason]
+    assert defs["evidence_source"]["enum"] == [str(s) for s in Source]
+
+
+def test_what_gputaskman_writes_is_valid(tmp_path: Path, demo_doc: dict[str, Any]) -> None:
+    live = gtm("--json")
+    assert live.returncode == 0, live.stderr
+    docs = {"live --json": json.loads(live.stdout)}
+    rec = tmp_path / "run.jsonl"
+    res = gtm("record", "--interval", "0.2", "--count", "3", str(rec))
+    assert res.returncode == 0, res.stderr
+    lines = rec.read_text().splitlines()
+    assert len(lines) == 3
+    docs |= {f"record line {i}": json.loads(line) for i, line in enumerate(lines)}
+    docs["demo with a breakdown"] = demo_doc
+    docs["demo, no host sample"] = report.to_json_dict(demo_snapshot(), None)
+    docs["no backend"] = report.to_json_dict(unavailable_snapshot(), DemoSystem())
+    docs["mocked NVML"] = ms.doc(
+        ms.snapshot(ms.T0, procs=[ms.proc(10, 3 * ms.GIB), ms.proc(11, None)])
+    )
+    for name, doc in docs.items():
+        assert schema.errors(doc) == [], name
+
+
+def _first_reading(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["adapters"][0]["metrics"]["memory_used_bytes"]
+
+
+@pytest.mark.parametrize(
+    "break_it,where",
+    [
+        (lambda d: _first_reading(d).update(kind="guessed"), "kind"),  # a made-up kind
+        (lambda d: _first_reading(d).update(reason="unavailable"), "reason"),  # value + reason
+        (lambda d: _first_reading(d).update(value=None), "reason"),  # null without a reason
+        (lambda d: _first_reading(d).update(value=None, reason="felt like it"), "reason"),
+        (lambda d: _first_reading(d).pop("detail"), "memory_used_bytes"),  # a key missing
+        (lambda d: _first_reading(d).update(extra=1), "memory_used_bytes"),  # a key too many
+        (lambda d: _first_reading(d).update(value="12"), "value"),  # a number as text
+        (lambda d: _first_reading(d).update(value=True), "value"),  # a bool is no number
+        (lambda d: d.update(schema_version=2), "schema_version"),
+        (lambda d: d["processes"][0].update(vram_bytes=0), "vram_bytes"),  # a bare number
+        (lambda d: d["processes"][0]["breakdown"]["parts"].pop("other"), "breakdown"),
+        (lambda d: d["system"]["swap"].update(used_bytes=None), "used_bytes"),
+    ],
+)
+def test_it_is_strict_where_the_rules_are(break_it, where: str, demo_doc: dict[str, Any]) -> None:
+    doc = demo_doc
+    assert schema.errors(doc) == []
+    assert doc["processes"][0]["breakdown"] is not None  # the demo has a breakdown to break
+    bad = copy.deepcopy(doc)
+    break_it(bad)
+    found = schema.errors(bad)
+    assert found, "the schema accepted a broken document"
+    assert any(where in e for e in found), found
+
+
+def test_new_keys_are_allowed_outside_readings(demo_doc: dict[str, Any]) -> None:
+    """Within schema_version 1 keys may be added (report.py's compatibility rule)."""
+    doc = demo_doc
+    doc["added_later"] = {"x": 1}
+    doc["processes"][0]["added_later"] = True
+    assert schema.errors(doc) == []
+
+
+def _r(v: float, kind: str = "measured") -> dict[str, Any]:
+    return {"value": v, "kind": kind, "source": "test", "reason": None, "detail": None}
+
+
+def test_replay_loses_no_field_that_is_set(demo_doc: dict[str, Any]) -> None:
+    """Catches a reader (recorded.py) that drops a field which is null in every fixture, such
+    as `scan_detail` or `header_error`: here every optional field of one process is set, the
+    breakdown and an app model included, and reading the document back for replay must give
+    the same document. (Host rows, `host` and `parent_pid`, round-trip in test_platform_wiring
+    with documents a WSL backend wrote.)"""
+    from gputaskman.recorded import snapshot_from_json
+
+    doc = demo_doc
+    p = doc["processes"][0]
+    p.update(
+        vram_inferred_bytes=_r(123 << 20, "inferred"),
+        inferred_unique=True,
+        paged_bytes=_r(5 << 20),
+        footprint_bytes=_r(7 << 20),
+        scan_reason="denied",
+        scan_detail="maps unreadable",
+        exe="/usr/bin/llama-server",
+        model_evidence=[{"evidence": "mapped", "path": "/m/a.gguf"}],
+        app_model={
+            "app": "Handy",
+            "selected": "whisper-small",
+            "evidence": "settings",
+            "last_event": "transcribed",
+            "last_event_model": "whisper-small",
+            "last_event_time": "2026-12-01T10:00:00Z",
+            "reasons": ["settings file"],
+        },
+    )
+    p["model"].update(
+        header_error="truncated header",
+        api={"runtime": "llama.cpp", "endpoint": "127.0.0.1:8080", "errors": ["timeout"]},
+    )
+    assert schema.errors(doc) == []
+    unset = [k for k, v in p.items() if v is None and k not in ("host", "parent_pid")]
+    assert unset == [], unset  # every optional field of the row is set
+    back = json.loads(json.dumps(report.to_json_dict(*snapshot_from_json(doc))))
+    assert back == doc
