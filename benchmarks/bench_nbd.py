@@ -298,7 +298,8 @@ def label(test: str, qd: int) -> str:
 
 
 def markdown(results: dict, info: dict, args: argparse.Namespace) -> str:
-    names = [n for n in ("duvm", "nbdkit", "duvm-local") if n in results["targets"]]
+    order = ("duvm", "duvm-base", "nbdkit", "duvm-local", "duvm-local-base")
+    names = [n for n in order if n in results["targets"]]
     steal = "n/a" if info.get("steal_pct") is None else f"{info['steal_pct']}%"
     lines = [
         f"Machine: {info['cpu']}, {info['cpus']} CPUs, kernel {info['kernel']}, "
