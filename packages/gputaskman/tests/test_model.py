@@ -146,3 +146,28 @@ def test_attributed_equals_sum_of_measured_values(readings):
     snap = Snapshot(1.0, "nvml", processes=tuple(proc(i, r) for i, r in enumerate(readings)))
     measured = [r.value for r in readings if r.kind is Kind.MEASURED and r.value is not None]
     assert snap.attributed == (sum(measured) if measured else None)
+
+
+def test_partial_metrics_say_what_the_backend_does_not_have() -> None:
+    """Catches a backend helper that fills a missing field with 0 or drops its reason."""
+    from gputaskman.model import METRIC_NAMES, DeviceMetrics, Kind, Reading, Reason
+
+    used = Reading.measured(5, "pdh")
+    m = DeviceMetrics.partial("pdh", "not a PDH counter", memory_used_bytes=used)
+    assert m.memory_used_bytes is used
+    assert set(METRIC_NAMES) == set(DeviceMetrics.__slots__)
+    for f in DeviceMetrics.__slots__:
+        if f == "memory_used_bytes":
+            continue
+        r = getattr(m, f)
+        assert (r.value, r.reason, r.kind, r.source) == (
+            None,
+            Reason.NOT_SUPPORTED,
+            Kind.MEASURED,
+            "pdh",
+        ), f
+        assert r.detail == f"{METRIC_NAMES[f]} is not a PDH counter"
+    import pytest
+
+    with pytest.raises(TypeError, match="power_watts"):
+        DeviceMetrics.partial("pdh", "absent", power_watts=used)

@@ -36,9 +36,10 @@ import json
 import os
 import re
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from gputaskman.filecache import ParsedFiles, read_tail
 
 __all__ = ["APPS", "AppModel", "AppSpec", "expand_paths", "read_app_model", "spec_for_process"]
 
@@ -171,36 +172,23 @@ def _read_selected(path: str, key: Sequence[str]) -> tuple[str | None, str | Non
     return None, "no model selected in settings"
 
 
-_log_cache: dict[str, tuple[tuple[int, int], tuple[str | None, str | None, str | None]]] = {}
-_log_lock = threading.Lock()
+_logs: ParsedFiles[tuple[str | None, str | None, str | None]] = ParsedFiles()
 
 
 def _last_event(path: str, spec: AppSpec) -> tuple[str | None, str | None, str | None]:
     """(event, model, timestamp) of the last matching log line in the bounded tail."""
-    st = os.stat(path)
-    key = (st.st_size, st.st_mtime_ns)
-    with _log_lock:
-        hit = _log_cache.get(path)
-    if hit and hit[0] == key:
-        return hit[1]
-    with open(path, "rb") as f:
-        f.seek(max(0, st.st_size - LOG_TAIL))
-        tail = f.read(LOG_TAIL).decode("utf-8", "replace")
-    found: tuple[str | None, str | None, str | None] = (None, None, None)
+    return _logs.get(path, lambda f, size: _scan_events(read_tail(f, size, LOG_TAIL), spec))
+
+
+def _scan_events(tail: str, spec: AppSpec) -> tuple[str | None, str | None, str | None]:
     for line in reversed(tail.splitlines()):
         for pattern, event in spec.log_events:
             m = pattern.search(line)
             if m:
                 stamp = _STAMP.match(line)
                 when = f"{stamp['date']} {stamp['time']}" if stamp else None
-                model = m.groupdict().get("model")
-                found = (event, model, when)
-                break
-        if found[0]:
-            break
-    with _log_lock:
-        _log_cache[path] = (key, found)
-    return found
+                return event, m.groupdict().get("model"), when
+    return None, None, None
 
 
 def read_app_model(

@@ -261,9 +261,6 @@ def to_sample(info: NpuSmiInfo, start_index: int = 0) -> PlatformSample:
 
 
 def _metrics(c: Chip) -> DeviceMetrics:
-    def ns(what: str) -> Reading:
-        return Reading.missing(Reason.NOT_SUPPORTED, "npu-smi info", f"{what} is not printed")
-
     pair, col = (
         (c.hbm_mb, "HBM-Usage(MB)") if c.hbm_mb is not None else (c.memory_mb, "Memory-Usage(MB)")
     )
@@ -289,20 +286,14 @@ def _metrics(c: Chip) -> DeviceMetrics:
         if c.aicore_percent is not None
         else Reading.missing(Reason.UNAVAILABLE, "npu-smi:AICore(%)", "not a number")
     )
-    return DeviceMetrics(
+    return DeviceMetrics.partial(
+        "npu-smi info",
+        "not printed",
         memory_total_bytes=total,
         memory_used_bytes=used,
-        memory_reserved_bytes=ns("reserved memory"),
         util_gpu_percent=util,
-        util_memory_percent=ns("memory controller use"),
-        encoder_percent=ns("encoder use"),
-        decoder_percent=ns("decoder use"),
         temperature_c=temp,
         power_w=power,
-        power_limit_w=ns("power limit"),
-        clock_graphics_mhz=ns("clock"),
-        clock_sm_mhz=ns("clock"),
-        clock_memory_mhz=ns("memory clock"),
     )
 
 

@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from gputaskman.evidence import ModelClaim
+from gputaskman.filecache import ParsedFiles, read_tail
 from gputaskman.gguf import KV_CACHE_TYPES, GGUFHeader, kv_cache_estimate
 from gputaskman.model import Kind, Reading, Reason
 from gputaskman.procargs import flag_value
@@ -139,8 +140,7 @@ def parse_buffer_log(text: str, source: str = "") -> BufferSizes | None:
     return None
 
 
-_log_cache: dict[str, tuple[tuple[int, int], BufferSizes | None]] = {}
-_log_lock = threading.Lock()
+_logs: ParsedFiles[BufferSizes | None] = ParsedFiles()
 
 
 def read_buffer_log(path: str) -> BufferSizes | None:
@@ -148,24 +148,16 @@ def read_buffer_log(path: str) -> BufferSizes | None:
 
     Reads at most ``LOG_TAIL + LOG_HEAD`` bytes. Raises OSError when the file is unreadable.
     """
-    st = os.stat(path)
-    key = (st.st_size, st.st_mtime_ns)
-    with _log_lock:
-        hit = _log_cache.get(path)
-    if hit and hit[0] == key:
-        return hit[1]
-    with open(path, "rb") as f:
-        f.seek(max(0, st.st_size - LOG_TAIL))
-        tail = f.read(LOG_TAIL).decode("utf-8", "replace")
-        res = parse_buffer_log(tail, path)
-        if res is None and st.st_size > LOG_TAIL:
-            f.seek(0)
-            head = f.read(min(LOG_HEAD, st.st_size - LOG_TAIL)).decode("utf-8", "replace")
-            res = parse_buffer_log(head, path)
-    with _log_lock:
-        if len(_log_cache) > 256:
-            _log_cache.clear()
-        _log_cache[path] = (key, res)
+    return _logs.get(path, lambda f, size: _parse_log_file(f, size, path))
+
+
+def _parse_log_file(f: BinaryIO, size: int, path: str) -> BufferSizes | None:
+    res = parse_buffer_log(read_tail(f, size, LOG_TAIL), path)
+    if res is None and size > LOG_TAIL:
+        f.seek(0)
+        res = parse_buffer_log(
+            f.read(min(LOG_HEAD, size - LOG_TAIL)).decode("utf-8", "replace"), path
+        )
     return res
 
 

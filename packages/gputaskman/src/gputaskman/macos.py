@@ -259,9 +259,6 @@ class MacCounters:
     def _metrics(acc: Accelerator, total: int | None) -> DeviceMetrics:
         perf = acc.perf
 
-        def ns(what: str) -> Reading:
-            return Reading.missing(Reason.NOT_SUPPORTED, "iokit", f"{what} is not published")
-
         if perf is None:
             gone = Reading.missing(Reason.UNAVAILABLE, PERF, "IOKit gave no PerformanceStatistics")
             used = util = gone
@@ -274,20 +271,12 @@ class MacCounters:
             if total is not None
             else Reading.missing(Reason.UNAVAILABLE, tsrc, "sysctl failed")
         )
-        return DeviceMetrics(
+        return DeviceMetrics.partial(
+            "iokit",
+            "not published",
             memory_total_bytes=total_r,
             memory_used_bytes=used,
-            memory_reserved_bytes=ns("reserved memory"),
             util_gpu_percent=util,
-            util_memory_percent=ns("memory controller use"),
-            encoder_percent=ns("encoder use"),
-            decoder_percent=ns("decoder use"),
-            temperature_c=ns("GPU temperature"),
-            power_w=ns("GPU power"),
-            power_limit_w=ns("power limit"),
-            clock_graphics_mhz=ns("graphics clock"),
-            clock_sm_mhz=ns("SM clock"),
-            clock_memory_mhz=ns("memory clock"),
         )
 
 

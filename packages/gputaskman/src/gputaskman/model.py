@@ -181,6 +181,40 @@ class DeviceMetrics:
         r = Reading.missing(reason, source, detail)
         return cls(*([r] * len(cls.__slots__)))  # type: ignore[arg-type]
 
+    @classmethod
+    def partial(cls, source: str, absent: str, **known: Reading) -> DeviceMetrics:
+        """The fields a backend has (`known`); every other one is ``not supported`` from
+        `source`, its detail "<what> is <absent>" ("temperature is not published")."""
+        unknown = set(known) - set(cls.__slots__)
+        if unknown:
+            raise TypeError(f"not DeviceMetrics fields: {sorted(unknown)}")
+        return cls(
+            **{
+                f: known[f]
+                if f in known
+                else Reading.missing(Reason.NOT_SUPPORTED, source, f"{METRIC_NAMES[f]} is {absent}")
+                for f in cls.__slots__
+            }
+        )
+
+
+# What each DeviceMetrics field is, in words (details of readings a backend does not have).
+METRIC_NAMES: dict[str, str] = {
+    "memory_total_bytes": "total memory",
+    "memory_used_bytes": "used memory",
+    "memory_reserved_bytes": "reserved memory",
+    "util_gpu_percent": "GPU use",
+    "util_memory_percent": "memory controller use",
+    "encoder_percent": "encoder use",
+    "decoder_percent": "decoder use",
+    "temperature_c": "temperature",
+    "power_w": "power",
+    "power_limit_w": "power limit",
+    "clock_graphics_mhz": "graphics clock",
+    "clock_sm_mhz": "SM clock",
+    "clock_memory_mhz": "memory clock",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class ModelRef:

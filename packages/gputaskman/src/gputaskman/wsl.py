@@ -231,18 +231,7 @@ class WslBackend:
             name = frame.names.get(pid)
             if is_vm_worker(name):
                 vm.setdefault(luid, []).append(pid)
-            procs.append(
-                PlatformProcess(
-                    pid=pid,
-                    adapter=luid,
-                    contexts=("wddm",),
-                    dedicated=c.local,
-                    paged=c.non_local,
-                    engines=c.engines,
-                    name=name,
-                    host="windows",
-                )
-            )
+            procs.append(pdh.process_row(pid, luid, c, name=name, host="windows"))
         holders, denied = self._holders()
         if denied:
             notes.append(f"/dev/dxg holders: {denied} processes' descriptors unreadable (not root)")
@@ -292,21 +281,18 @@ def _vm_total(view: pdh.PdhView, vm: Mapping[str, list[int]]) -> int | None:
 
 
 def _host_metrics(c: pdh.AdapterCounters) -> DeviceMetrics:
-    def ns(what: str) -> Reading:
-        return Reading.missing(Reason.NOT_SUPPORTED, "wsl:host stream", f"{what} is not streamed")
-
-    return DeviceMetrics(
-        memory_total_bytes=ns("total memory"),
+    engines = {
+        field: c.engines[name]
+        for field, name in (
+            ("encoder_percent", "videoencode_percent"),
+            ("decoder_percent", "videodecode_percent"),
+        )
+        if c.engines.get(name)
+    }
+    return DeviceMetrics.partial(
+        "wsl:host stream",
+        "not streamed",
         memory_used_bytes=c.dedicated_usage,
-        memory_reserved_bytes=ns("reserved memory"),
         util_gpu_percent=c.util_percent,
-        util_memory_percent=ns("memory controller use"),
-        encoder_percent=c.engines.get("videoencode_percent") or ns("encoder use"),
-        decoder_percent=c.engines.get("videodecode_percent") or ns("decoder use"),
-        temperature_c=ns("temperature"),
-        power_w=ns("power"),
-        power_limit_w=ns("power limit"),
-        clock_graphics_mhz=ns("graphics clock"),
-        clock_sm_mhz=ns("SM clock"),
-        clock_memory_mhz=ns("memory clock"),
+        **engines,
     )

@@ -32,7 +32,7 @@ import contextlib
 from dataclasses import dataclass
 
 from gputaskman.model import Adapter, DeviceMetrics, Problem, Reading, Reason
-from gputaskman.platforms import PlatformProcess, PlatformSample, failed_sample
+from gputaskman.platforms import PlatformSample, failed_sample
 from gputaskman.win import dxgi as dxgi_mod
 from gputaskman.win import pdh as pdh_mod
 from gputaskman.win import tcc as tcc_mod
@@ -150,14 +150,7 @@ class WddmBackend:
 
         live = {key for key, k in self._known.items() if not k.lost}
         procs = [
-            PlatformProcess(
-                pid=pid,
-                adapter=luid,
-                contexts=("wddm",),
-                dedicated=c.local,
-                paged=c.non_local,
-                engines=c.engines,
-            )
+            pdh_mod.process_row(pid, luid, c)
             for (pid, luid), c in sorted(view.processes.items())
             if luid in live
         ]
@@ -212,9 +205,6 @@ def _same_device(old: dxgi_mod.AdapterDesc, new: dxgi_mod.AdapterDesc) -> bool:
 def _metrics(
     desc: dxgi_mod.AdapterDesc, c: pdh_mod.AdapterCounters | None, view: pdh_mod.PdhView
 ) -> DeviceMetrics:
-    def ns(what: str) -> Reading:
-        return Reading.missing(Reason.NOT_SUPPORTED, "pdh", f"{what} is not a PDH counter")
-
     if c is None:
         # No counter instance for this LUID: PDH has not published it yet (new or just
         # re-enabled adapter), or a counter set failed as a whole.
@@ -236,18 +226,12 @@ def _metrics(
         )
     # An integrated GPU may report 0 dedicated bytes: a measured zero stays 0.
     total = Reading.measured(desc.dedicated_video_memory, "dxgi:DedicatedVideoMemory")
-    return DeviceMetrics(
+    return DeviceMetrics.partial(
+        "pdh",
+        "not a PDH counter",
         memory_total_bytes=total,
         memory_used_bytes=used,
-        memory_reserved_bytes=ns("reserved memory"),
         util_gpu_percent=util,
-        util_memory_percent=ns("memory controller use"),
         encoder_percent=enc,
         decoder_percent=dec,
-        temperature_c=ns("temperature"),
-        power_w=ns("power"),
-        power_limit_w=ns("power limit"),
-        clock_graphics_mhz=ns("graphics clock"),
-        clock_sm_mhz=ns("SM clock"),
-        clock_memory_mhz=ns("memory clock"),
     )

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from gputaskman.model import Reading, Reason
+from gputaskman.platforms import PlatformProcess
 
 LOCAL: Final = r"\GPU Process Memory(*)\Local Usage"
 NON_LOCAL: Final = r"\GPU Process Memory(*)\Non Local Usage"
@@ -152,6 +153,20 @@ class ProcCounters:
     local: Reading
     non_local: Reading
     engines: dict[str, Reading] = field(default_factory=dict)
+
+
+def process_row(pid: int, luid: str, c: ProcCounters, **more: Any) -> PlatformProcess:
+    """One process on one adapter from its PDH counters: dedicated (local) and shared
+    (non-local) memory and its engines; `more` adds what the caller knows (name, host)."""
+    return PlatformProcess(
+        pid=pid,
+        adapter=luid,
+        contexts=("wddm",),
+        dedicated=c.local,
+        paged=c.non_local,
+        engines=c.engines,
+        **more,
+    )
 
 
 @dataclass(slots=True)
