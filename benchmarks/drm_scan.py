@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gputaskman.drm import DrmBackend
-from gputaskman.drm_clients import attribute, scan_clients
-from gputaskman.drm_fixtures import (
+from gputaskman.backends.drm import DrmBackend
+from gputaskman.backends.drm_clients import attribute, scan_clients
+from gputaskman.fixtures.drm_fixtures import (
     AMD_PDEV,
     MIB,
     FakeTree,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import gguf as ggufpkg
 import numpy as np
-from gputaskman import apps, gguf, llm, serverprobe, stores
+from gputaskman.intel import apps, gguf, llm, serverprobe, stores
 
 
 def median_ms(fn: Callable[[], object], runs: int = 7) -> float:

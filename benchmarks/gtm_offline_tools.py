@@ -24,8 +24,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from gputaskman import record, report, summary
-from gputaskman.model import (
+from gputaskman.base.readings import (
     Adapter,
     DeviceMetrics,
     ProcDetail,
@@ -33,7 +32,9 @@ from gputaskman.model import (
     Reading,
     Snapshot,
 )
-from gputaskman.playback import RecordSource
+from gputaskman.core import report
+from gputaskman.offline import record, summary
+from gputaskman.offline.playback import RecordSource
 
 GIB = 1024**3
 BUSES = ("00000000:01:00.0", "00000000:41:00.0")

@@ -29,9 +29,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-from gputaskman.ascend import parse_npu_smi, to_sample
-from gputaskman.win import pdh
-from gputaskman.wslhost import ContextTracker, StreamParser
+from gputaskman.backends.ascend import parse_npu_smi, to_sample
+from gputaskman.backends.win import pdh
+from gputaskman.backends.wslhost import ContextTracker, StreamParser
 
 MIB = 1024**2
 

@@ -18,7 +18,7 @@ What it does
    runtime detection, ``cmdline`` read + redaction + model arguments, ``cwd``/``exe``
    readlinks, and one full ``procinfo.scan_process``. Machine-wide probes (meminfo, swaps,
    /proc/stat, loadavg) are timed ``--repeat`` x 20 times each.
-3. Refreshes: with ``gputaskman.collector.Collector`` when it exists (its ``last_timing``
+3. Refreshes: with ``gputaskman.core.collector.Collector`` when it exists (its ``last_timing``
    splits GPU, host and scan time), otherwise ``HostSampler`` + ``procinfo.Scanner``:
    a cold refresh (empty cache, budget 0.150 s), the refreshes until every process is
    scanned, a warm refresh (everything cached), and a one-shot refresh (budget None).
@@ -44,7 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from gputaskman import host, procargs, procfs, procinfo
+from gputaskman.base import procargs, procfs
+from gputaskman.core import host
+from gputaskman.intel import procinfo
 
 MAPPER = r"""
 import mmap, sys, time
@@ -294,7 +296,7 @@ def run(procs: list[subprocess.Popen[bytes]], args: argparse.Namespace) -> None:
 def refreshes(args: argparse.Namespace) -> None:
     budget = args.budget
     try:
-        from gputaskman.collector import Collector
+        from gputaskman.core.collector import Collector
     except ImportError:
         Collector = None  # type: ignore[assignment,misc]
     print(f"\nrefreshes (budget {budget * 1000:.0f} ms for maps scanning; milliseconds)")
@@ -309,7 +311,7 @@ def refreshes(args: argparse.Namespace) -> None:
             if res is None or not res.pending or len(results) > 200:
                 break
         cold, cold_res = results[0]
-        print(f"  using gputaskman.collector.Collector (backend {col.backend})")
+        print(f"  using gputaskman.core.collector.Collector (backend {col.backend})")
         _print_timing("cold refresh (empty cache)", cold, cold_res)
         print(f"  refreshes until every process was scanned: {len(results)}")
         col.sample_with_system()

@@ -92,7 +92,7 @@ a = Analysis(
     [{entry!r}],
     hiddenimports=collect_submodules("gputaskman") + collect_submodules("textual")
     + ["pynvml"],
-    datas=collect_data_files("textual"),
+    datas=collect_data_files("textual") + collect_data_files("gputaskman"),
     excludes=["tkinter", "numpy", "pytest", "hypothesis", "gguf", "IPython"],
     noarchive=False,
 )

@@ -5,7 +5,7 @@ stripped, for the README.
 Usage (from the repository root)::
 
     uv run python tools/capture_screenshots.py RECORD.jsonl [--frame N ...] [--out docs/screenshots]
-    uv run python tools/capture_screenshots.py --demo      # gputaskman.demo's synthetic data
+    uv run python tools/capture_screenshots.py --demo  # gputaskman.fixtures.demo's made-up data
 
 Theory of operation
 -------------------
@@ -15,13 +15,13 @@ every absolute path in any string becomes ``…/NAME`` for a file (``…`` for a
 last part, which is often a user name), except kernel interfaces under /proc, /sys and /dev,
 which are the same on every machine and name where a number came from. Lines that are not
 JSON are dropped (the replay would skip them anyway). The redacted file is played by the real
-replay TUI (`gputaskman.replay_app`, the live app's screens fed from a file, never sampling a
+replay TUI (`gputaskman.tui.replay_app`, the live app's screens fed from a file, never sampling a
 GPU) in Textual's headless test driver at a fixed size; for each requested frame the app
 shows that snapshot and `App.export_screenshot` writes the SVG. The header's subtitle, which
 names the recording's path, is replaced by a fixed label, and local time is UTC, so a render
 says nothing about the machine it was made on.
 
-``--demo`` records `gputaskman.demo`'s hand-written snapshot (synthetic, not measured; the
+``--demo`` records `gputaskman.fixtures.demo`'s hand-written snapshot (synthetic, not measured; the
 subtitle says so) for when no GPU recording is at hand. SVG only: GitHub renders it in a
 README, and PNG would need a browser or cairo.
 """
@@ -87,7 +87,7 @@ def redact(obj: Any) -> Any:
 
 def redact_record(src: Path, dst: Path) -> int:
     """Write the redacted lines of `src` to `dst`; returns how many snapshots were kept."""
-    from gputaskman.record import encode_line
+    from gputaskman.offline.record import encode_line
 
     kept = 0
     with open(src, "rb") as fin, open(dst, "wb") as fout:
@@ -103,13 +103,13 @@ def redact_record(src: Path, dst: Path) -> int:
 
 
 def demo_system(snapshot: Any) -> Any:
-    """A host sample in host.py's own shape with `gputaskman.demo.DemoSystem`'s figures
+    """A host sample in host.py's own shape with `gputaskman.fixtures.demo.DemoSystem`'s figures
     (synthetic), so the replayed system panel and RAM/CPU columns look as they do live."""
     from types import MappingProxyType
 
-    from gputaskman import host
-    from gputaskman.demo import GIB, DemoSystem
-    from gputaskman.model import Reading
+    from gputaskman.base.readings import Reading
+    from gputaskman.core import host
+    from gputaskman.fixtures.demo import GIB, DemoSystem
 
     def r(v: float) -> Reading:
         return Reading.measured(v, "demo:synthetic")
@@ -144,12 +144,12 @@ def demo_system(snapshot: Any) -> Any:
 
 
 def write_demo_record(path: Path, frames: int = 3) -> None:
-    """A short recording of gputaskman.demo's synthetic snapshot (not measured)."""
+    """A short recording of gputaskman.fixtures.demo's synthetic snapshot (not measured)."""
     import dataclasses
 
-    from gputaskman import report
-    from gputaskman.demo import demo_snapshot
-    from gputaskman.record import encode_line
+    from gputaskman.core import report
+    from gputaskman.fixtures.demo import demo_snapshot
+    from gputaskman.offline.record import encode_line
 
     base = demo_snapshot()
     with open(path, "wb") as f:
@@ -163,8 +163,8 @@ def write_demo_record(path: Path, frames: int = 3) -> None:
 async def _render(
     record: Path, out_dir: Path, frames: Iterable[int], label: str, size: tuple[int, int], stem: str
 ) -> list[Path]:
-    from gputaskman.replay import RecordSource
-    from gputaskman.replay_app import create_replay_app
+    from gputaskman.cli.replay import RecordSource
+    from gputaskman.tui.replay_app import create_replay_app
 
     source = RecordSource.open(record)
     if not source.frames:
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("record", nargs="?", type=Path, help="record file (gputaskman record)")
-    src.add_argument("--demo", action="store_true", help="render gputaskman.demo's data")
+    src.add_argument("--demo", action="store_true", help="render gputaskman.fixtures.demo's data")
     p.add_argument(
         "--frame",
         type=int,

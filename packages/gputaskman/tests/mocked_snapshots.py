@@ -15,8 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from gputaskman import report
-from gputaskman.model import (
+from gputaskman.base.readings import (
     Adapter,
     DeviceMetrics,
     Problem,
@@ -26,7 +25,8 @@ from gputaskman.model import (
     Reason,
     Snapshot,
 )
-from gputaskman.record import encode_line
+from gputaskman.core import report
+from gputaskman.offline.record import encode_line
 
 GIB = 1024**3
 MIB = 1024**2

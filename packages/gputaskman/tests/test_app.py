@@ -1,6 +1,6 @@
 """The Textual TUI: pilot tests for behaviour, snapshot tests for layout.
 
-A fake collector feeds fixed snapshots (`gputaskman.demo`: synthetic, not measured) so
+A fake collector feeds fixed snapshots (`gputaskman.fixtures.demo`: synthetic, not measured) so
 layouts are stable; one test runs the real `Collector` on this machine.
 """
 
@@ -10,13 +10,13 @@ import threading
 import time
 
 import pytest
-from gputaskman.app import GtmApp, create_app
-from gputaskman.demo import BUS1, DemoSystem, demo_snapshot, unavailable_snapshot
-from gputaskman.screens.help import HelpScreen
-from gputaskman.widgets.gpu_header import GpuHeader
-from gputaskman.widgets.inspector import Inspector
-from gputaskman.widgets.process_table import ProcessTable
-from gputaskman.widgets.system_panel import SystemPanel
+from gputaskman.fixtures.demo import BUS1, DemoSystem, demo_snapshot, unavailable_snapshot
+from gputaskman.tui.app import GtmApp, create_app
+from gputaskman.tui.screens.help import HelpScreen
+from gputaskman.tui.widgets.gpu_header import GpuHeader
+from gputaskman.tui.widgets.inspector import Inspector
+from gputaskman.tui.widgets.process_table import ProcessTable
+from gputaskman.tui.widgets.system_panel import SystemPanel
 
 SIZE = (120, 40)
 
@@ -232,7 +232,7 @@ async def test_a_failing_collector_is_reported_not_fatal():
 
 
 async def test_enter_rescans_the_highlighted_process_into_the_inspector():
-    from gputaskman.model import ProcDetail
+    from gputaskman.base.readings import ProcDetail
 
     class Rescanning(FakeCollector):
         def __init__(self):
@@ -265,8 +265,8 @@ async def test_drm_fixture_tree_through_the_real_collector(tmp_path):
     """Issue 8 in the TUI: the real `Collector` over a DRM fixture tree (kernel formats,
     not measured on hardware) shows the AMD and the Intel adapter, their processes with
     the right provenance, the GTT line and the Intel memory note."""
-    from gputaskman.collector import sysroot_collector
-    from gputaskman.drm_fixtures import write_demo_tree
+    from gputaskman.core.collector import sysroot_collector
+    from gputaskman.fixtures.drm_fixtures import write_demo_tree
 
     write_demo_tree(tmp_path)
     app = create_app(interval=60.0, collector_factory=lambda: sysroot_collector(str(tmp_path)))
@@ -362,7 +362,7 @@ async def test_text_from_outside_shows_as_typed_never_as_markup():
 def test_help_names_keys_as_typed_and_the_status_line_counts_in_english():
     """Catches Textual's key names leaking into the help (`question_mark` for `?`) and a
     status line saying "1 processes"."""
-    from gputaskman.screens.help import help_text, key_label
+    from gputaskman.tui.screens.help import help_text, key_label
 
     assert key_label("question_mark") == "?" and key_label("escape") == "esc"
     assert key_label("g") == "g" and key_label("G") == "G"

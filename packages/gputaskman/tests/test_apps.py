@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
-from gputaskman import apps
-from gputaskman.apps import APPS, AppSpec, expand_paths, read_app_model, spec_for_process
+from gputaskman.intel import apps
+from gputaskman.intel.apps import APPS, AppSpec, expand_paths, read_app_model, spec_for_process
 
 HANDY = APPS[0]
 SECRET = "sk-do-not-show"

@@ -18,8 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from gputaskman import report, schema
-from gputaskman.ascend import (
+from gputaskman.backends.ascend import (
     SEARCH,
     AscendAlongside,
     AscendBackend,
@@ -27,9 +26,11 @@ from gputaskman.ascend import (
     parse_npu_smi,
     to_sample,
 )
-from gputaskman.collector import Collector, NullScanner
-from gputaskman.model import Problem, Reason
-from gputaskman.nvml import NvmlSample
+from gputaskman.backends.nvml import NvmlSample
+from gputaskman.base import schema
+from gputaskman.base.readings import Problem, Reason
+from gputaskman.core import report
+from gputaskman.core.collector import Collector, NullScanner
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -18,7 +18,8 @@ import gguf as ggufpkg
 import numpy as np
 import psutil
 import pytest
-from gputaskman import __version__, report
+from gputaskman import __version__
+from gputaskman.core import report
 
 BIN = Path(sys.executable).parent
 GTM = str(BIN / "gputaskman")
@@ -175,7 +176,7 @@ def test_gpu_index_that_nvml_does_not_list_is_a_usage_error(capsys):
     GPU it does not list exits 2 with a message; without a backend it is 0 (the report
     already says why)."""
     from gputaskman import cli
-    from gputaskman.demo import demo_snapshot, unavailable_snapshot
+    from gputaskman.fixtures.demo import demo_snapshot, unavailable_snapshot
 
     assert cli._check_gpu_index(demo_snapshot(), 1) == 0
     assert cli._check_gpu_index(demo_snapshot(), None) == 0
@@ -185,7 +186,7 @@ def test_gpu_index_that_nvml_does_not_list_is_a_usage_error(capsys):
 
 
 # ------------------------------------------------------------ DRM fixture trees (issue 8)
-# The tree is `gputaskman.drm_fixtures.write_demo_tree`: kernel formats, NOT measured on
+# The tree is `gputaskman.fixtures.drm_fixtures.write_demo_tree`: kernel formats, NOT measured on
 # hardware. --sysroot reads /sys and /proc below it and does not ask NVML.
 
 
@@ -194,7 +195,8 @@ def drm_tree(tmp_path: Path) -> Path:
     root = tmp_path / "root"
     r = run(
         "-c",
-        f"import sys; from gputaskman.drm_fixtures import main; sys.exit(main([{str(root)!r}]))",
+        "import sys; from gputaskman.fixtures.drm_fixtures import main; "
+        f"sys.exit(main([{str(root)!r}]))",
         cmd=[sys.executable],
     )
     assert r.returncode == 0, r.stderr

@@ -20,14 +20,16 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from gputaskman import gguf, llm, report, schema
-from gputaskman.collector import Collector, ProcinfoScanner
-from gputaskman.evidence import Evidence, Source, assess
-from gputaskman.model import Adapter, Kind, ProcGpu, Reading, Snapshot
-from gputaskman.modelinfo import ModelResolver
-from gputaskman.nvml import NvmlProcess, NvmlSample
-from gputaskman.procinfo import scan_process
-from gputaskman.stores import StoreIndex, StoreRoots
+from gputaskman.backends.nvml import NvmlProcess, NvmlSample
+from gputaskman.base import schema
+from gputaskman.base.readings import Adapter, Kind, ProcGpu, Reading, Snapshot
+from gputaskman.core import report
+from gputaskman.core.collector import Collector, ProcinfoScanner
+from gputaskman.intel import gguf, llm
+from gputaskman.intel.evidence import Evidence, Source, assess
+from gputaskman.intel.modelinfo import ModelResolver
+from gputaskman.intel.procinfo import scan_process
+from gputaskman.intel.stores import StoreIndex, StoreRoots
 
 HERE = Path(__file__).resolve().parent
 MIB = 1024 * 1024
@@ -198,7 +200,7 @@ def test_background_looks_never_block_a_refresh(server):
 
 
 def test_collector_models_only_with_the_procinfo_scanner():
-    from gputaskman.collector import NullScanner
+    from gputaskman.core.collector import NullScanner
 
     seam = Collector(scanner=NullScanner(), nvml=MockNvml(1, 1))
     assert seam.models is None

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from gputaskman import duvmpool
-from gputaskman.exporter import Cached
-from gputaskman.host import HostSampler
+from gputaskman.core import duvmpool
+from gputaskman.core.exporter import Cached
+from gputaskman.core.host import HostSampler
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from gputaskman import diff
-from gputaskman.model import Reason
-from gputaskman.recordfile import SnapshotError, check_snapshot
+from gputaskman.base.readings import Reason
+from gputaskman.offline import diff
+from gputaskman.offline.recordfile import SnapshotError, check_snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -314,7 +314,7 @@ def test_diff_json_and_text_from_the_command_line(tmp_path: Path) -> None:
     res = gtm("diff", str(b), str(a), "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert out["schema"] == "gputaskman.diff" and out["schema_version"] == 1
+    assert out["schema"] == "gputaskman.offline.diff" and out["schema_version"] == 1
     assert out["warnings"][0]["code"] == "name-only" and "name-only" in res.stderr
     text = gtm("diff", str(b), str(a))
     assert text.returncode == 0 and text.stdout.startswith("gputaskman diff")

@@ -9,7 +9,7 @@ kernel, read from torvalds/linux blobs: drm-usage-stats.rst at f76ad354,
 ``drm_print_memory_stats`` in ``drivers/gpu/drm/drm_file.c``. Legacy amdgpu text follows the
 older ``amdgpu_fdinfo.c`` at 0604aa87 (``drm-memory-*`` only, no ``drm-shared-*``). The sysfs
 files follow the amdgpu, i915 and xe sysfs code of the same kernel. Trees are laid out by
-`gputaskman.drm_fixtures`.
+`gputaskman.fixtures.drm_fixtures`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from gputaskman import report, schema
-from gputaskman.drm import (
+from gputaskman.backends.drm import (
     BACKEND,
     DrmBackend,
     NvmlWithDrm,
@@ -33,7 +32,7 @@ from gputaskman.drm import (
     drm_adapters,
     merge_adapters,
 )
-from gputaskman.drm_clients import (
+from gputaskman.backends.drm_clients import (
     Client,
     EngineRates,
     FdRecord,
@@ -41,8 +40,20 @@ from gputaskman.drm_clients import (
     group_clients,
     scan_clients,
 )
-from gputaskman.drm_fdinfo import parse_fdinfo
-from gputaskman.drm_fixtures import (
+from gputaskman.backends.drm_fdinfo import parse_fdinfo
+from gputaskman.backends.drm_sysfs import (
+    INTEL_MEMORY_NOTE,
+    enumerate_cards,
+    parse_dpm_current,
+    parse_largest_prefetchable_bar,
+    read_amdgpu,
+    read_intel,
+)
+from gputaskman.backends.nvml import NvmlProcess, NvmlSample
+from gputaskman.base import schema
+from gputaskman.base.readings import Adapter, Kind, Problem, Reading, Reason
+from gputaskman.core import report
+from gputaskman.fixtures.drm_fixtures import (
     AMD_PDEV,
     GIB,
     INTEL_PDEV,
@@ -57,16 +68,6 @@ from gputaskman.drm_fixtures import (
     write_demo_tree,
     xe_fdinfo,
 )
-from gputaskman.drm_sysfs import (
-    INTEL_MEMORY_NOTE,
-    enumerate_cards,
-    parse_dpm_current,
-    parse_largest_prefetchable_bar,
-    read_amdgpu,
-    read_intel,
-)
-from gputaskman.model import Adapter, Kind, Problem, Reading, Reason
-from gputaskman.nvml import NvmlProcess, NvmlSample
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -664,8 +665,8 @@ def test_backend_for_selected_adapter() -> None:
 def _drm_collector(root: Path, clock_ns=None):
     """The real collector over a fixture tree: DRM backend, host sample and names from the
     tree's /proc (as ``--sysroot`` builds it), with a clock seam for engine rates."""
-    from gputaskman.collector import Collector, NoNvml, NullScanner
-    from gputaskman.host import HostSampler
+    from gputaskman.core.collector import Collector, NoNvml, NullScanner
+    from gputaskman.core.host import HostSampler
 
     source = NvmlWithDrm(NoNvml("not asked"), DrmBackend(str(root), clock_ns=clock_ns))
     return Collector(
@@ -819,8 +820,8 @@ def test_names_from_product_name_else_pci_ids(tmp_path: Path) -> None:
 
 
 def test_collector_with_nvml_with_drm_source(tmp_path: Path) -> None:
-    from gputaskman.collector import Collector, NullScanner
-    from gputaskman.nvml import NvmlBackend
+    from gputaskman.backends.nvml import NvmlBackend
+    from gputaskman.core.collector import Collector, NullScanner
 
     write_demo_tree(tmp_path)
     source = NvmlWithDrm(NvmlBackend(), DrmBackend(str(tmp_path)))

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gputaskman import duvmpool
-from gputaskman.report import null_rule_violations
+from gputaskman.core import duvmpool
+from gputaskman.core.report import null_rule_violations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -196,7 +196,7 @@ def test_gtm_json_and_once_show_pages_per_peer_and_what_a_memserver_lends(pool: 
         assert m["used_bytes"]["value"] == 272 * PAGE
         assert m["capacity_bytes"]["value"] == 32 << 20
     # the offline tools (replay, diff) read a document with system.duvm as they read others
-    from gputaskman import diff, recorded
+    from gputaskman.offline import diff, recorded
 
     recorded.snapshot_from_json(doc)
     assert diff.diff(doc, doc) is not None
@@ -232,8 +232,8 @@ def test_lost_memserver_shows_as_degraded_pool(pool: Pool):
 
 
 async def test_tui_system_panel_shows_the_pool(pool: Pool, monkeypatch):
-    from gputaskman.app import create_app
-    from gputaskman.widgets.system_panel import SystemPanel
+    from gputaskman.tui.app import create_app
+    from gputaskman.tui.widgets.system_panel import SystemPanel
 
     pool.memserver()
     pool.start_daemon(replicas=1)
@@ -306,7 +306,8 @@ def test_owner_only_socket_read_by_another_user_is_permission_denied(tmp_path: P
     os.chmod(tmp_path, 0o755)
     try:
         code = (
-            f"from gputaskman import duvmpool; print(duvmpool.sample([{path!r}]).errors[{path!r}])"
+            "from gputaskman.core import duvmpool; "
+            f"print(duvmpool.sample([{path!r}]).errors[{path!r}])"
         )
         r = subprocess.run(
             [

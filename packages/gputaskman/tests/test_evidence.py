@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from gputaskman.evidence import (
+from gputaskman.base.procargs import REDACTED, redact_argv, resolve
+from gputaskman.intel.evidence import (
     CORROBORATING,
     Evidence,
     Source,
@@ -19,9 +20,8 @@ from gputaskman.evidence import (
     from_procinfo,
     mapped_store_files,
 )
-from gputaskman.procargs import REDACTED, redact_argv, resolve
-from gputaskman.procinfo import ModelEvidence, scan_process
-from gputaskman.stores import StoreIndex, StoreRoots
+from gputaskman.intel.procinfo import ModelEvidence, scan_process
+from gputaskman.intel.stores import StoreIndex, StoreRoots
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_procinfo import children, start_mapper  # the real child process and its cleanup

@@ -16,11 +16,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from gputaskman import serve
-from gputaskman.exporter import Cached, SnapshotCollector, metric_name
-from gputaskman.host import HostSampler
-from gputaskman.llm import LlmView, ViewPart
-from gputaskman.model import Kind, ModelRef, Reading, Reason
+from gputaskman.base.readings import Kind, ModelRef, Reading, Reason
+from gputaskman.cli import serve
+from gputaskman.core.exporter import Cached, SnapshotCollector, metric_name
+from gputaskman.core.host import HostSampler
+from gputaskman.intel.llm import LlmView, ViewPart
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
@@ -254,7 +254,7 @@ class _Counting:
     """A real collector, counting the samples taken (to show scrapes never sample)."""
 
     def __init__(self) -> None:
-        from gputaskman.collector import SCAN_BUDGET, Collector
+        from gputaskman.core.collector import SCAN_BUDGET, Collector
 
         self.inner = Collector(scan_budget=SCAN_BUDGET)
         self.samples = 0
@@ -345,7 +345,7 @@ def test_serve_real_gpu_less_machine_scrapes_cleanly():
 def test_serve_off_loopback_warns_that_labels_carry_command_line_text():
     """Catches `serve` exposing process names and command-line text on a network without a
     word. (Checked on the message `run` prints, not by binding a public address here.)"""
-    from gputaskman import serve
+    from gputaskman.cli import serve
 
     assert serve.is_loopback("127.0.0.1") and serve.is_loopback("::1")
     assert serve.is_loopback("localhost") and not serve.is_loopback("0.0.0.0")

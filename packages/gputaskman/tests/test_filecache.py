@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from gputaskman.filecache import ParsedFiles, read_tail
+from gputaskman.base.filecache import ParsedFiles, read_tail
 
 
 def test_parsed_once_until_the_file_changes(tmp_path: Path) -> None:

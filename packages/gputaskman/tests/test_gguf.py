@@ -13,7 +13,7 @@ from types import ModuleType
 
 import gguf as ggufpkg
 import pytest
-from gputaskman import gguf as g
+from gputaskman.intel import gguf as g
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -14,12 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from gputaskman import report, report_models, runtimes
-from gputaskman.app import GtmApp
-from gputaskman.evidence import Source
-from gputaskman.model import Kind, ModelRef, ProcDetail, Reading, Reason
-from gputaskman.screens import help as help_mod
-from gputaskman.widgets.process_table import ProcessTable
+from gputaskman.base.readings import Kind, ModelRef, ProcDetail, Reading, Reason
+from gputaskman.core import report, report_models
+from gputaskman.intel import runtimes
+from gputaskman.intel.evidence import Source
+from gputaskman.tui.app import GtmApp
+from gputaskman.tui.screens import help as help_mod
+from gputaskman.tui.widgets.process_table import ProcessTable
 
 sys.path.insert(0, str(Path(__file__).parent))
 ms = __import__("mocked_snapshots")

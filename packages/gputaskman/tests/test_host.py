@@ -13,8 +13,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from gputaskman import procfs, report_models
-from gputaskman.host import (
+from gputaskman.base import procfs
+from gputaskman.base.readings import Kind, Reason
+from gputaskman.core import report_models
+from gputaskman.core.host import (
     FIRST_SAMPLE,
     HostSampler,
     parse_cpu_line,
@@ -22,7 +24,6 @@ from gputaskman.host import (
     parse_swaps,
     unescape_swap_name,
 )
-from gputaskman.model import Kind, Reason
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

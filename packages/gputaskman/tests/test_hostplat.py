@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-from gputaskman import collector, host, hostplat, report, schema
-from gputaskman.exporter import system_families
-from gputaskman.model import Reason
-from gputaskman.report_models import system_json
-from gputaskman.win import pdh
-from gputaskman.win.pdh import CounterRead
+from gputaskman.backends.win import pdh
+from gputaskman.backends.win.pdh import CounterRead
+from gputaskman.base import schema
+from gputaskman.base.readings import Reason
+from gputaskman.core import collector, host, hostplat, report
+from gputaskman.core.exporter import system_families
+from gputaskman.core.report_models import system_json
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_win_pdh import FakePdh  # the WDDM tests' mocked PDH

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 CORE = [
-    "gputaskman.model",
-    "gputaskman.nvml",
-    "gputaskman.host",
-    "gputaskman.procinfo",
-    "gputaskman.collector",
-    "gputaskman.report",
-    "gputaskman.demo",
+    "gputaskman.base.readings",
+    "gputaskman.backends.nvml",
+    "gputaskman.core.host",
+    "gputaskman.intel.procinfo",
+    "gputaskman.core.collector",
+    "gputaskman.core.report",
+    "gputaskman.fixtures.demo",
     "gputaskman.cli",
 ]
 UI = ("textual", "rich")
@@ -46,12 +46,12 @@ def test_core_module_imports_no_ui_library(module):
 
 
 def test_nvml_binding_is_imported_lazily():
-    loaded = imported_after(["gputaskman.nvml", "gputaskman.collector"])
+    loaded = imported_after(["gputaskman.backends.nvml", "gputaskman.core.collector"])
     assert "pynvml" not in loaded
 
 
 def test_the_checker_sees_ui_imports():
-    loaded = imported_after(["gputaskman.app"])
+    loaded = imported_after(["gputaskman.tui.app"])
     assert "textual" in loaded  # so an empty result above means something
 
 
@@ -67,5 +67,27 @@ def test_no_import_cycles() -> None:
     """Catches modules that import each other behind a function-local import (how platforms
     and its backends, plot and summary, replay and its app were tied)."""
     graph = ig.module_graph(SRC)
-    assert "gputaskman.collector" in graph and "gputaskman.win.backend" in graph
+    assert "gputaskman.core.collector" in graph and "gputaskman.backends.win.backend" in graph
     assert ig.cycles(graph) == []
+
+
+def test_every_module_is_in_a_layer() -> None:
+    rules = ig.layer_rules(SRC)
+    assert set(rules) == {
+        "base",
+        "backends",
+        "intel",
+        "core",
+        "offline",
+        "tui",
+        "fixtures",
+        "cli",
+    }
+    loose = sorted(f.name for f in SRC.glob("*.py") if f.name != "__init__.py")
+    assert loose == [], f"modules outside a layer: {loose}"
+
+
+def test_each_layer_imports_only_what_its_docstring_allows() -> None:
+    """Catches an import up the layers (a backend reaching into the collector, the core into
+    the TUI); each layer's "May import:" line is the rule."""
+    assert ig.layer_violations(ig.module_graph(SRC), ig.layer_rules(SRC)) == []

@@ -23,12 +23,13 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from gputaskman import gguf, report
-from gputaskman.app import create_app
-from gputaskman.collector import Collector
-from gputaskman.modelinfo import ModelResolver
-from gputaskman.procinfo import scan_process
-from gputaskman.stores import StoreIndex, StoreRoots
+from gputaskman.core import report
+from gputaskman.core.collector import Collector
+from gputaskman.intel import gguf
+from gputaskman.intel.modelinfo import ModelResolver
+from gputaskman.intel.procinfo import scan_process
+from gputaskman.intel.stores import StoreIndex, StoreRoots
+from gputaskman.tui.app import create_app
 
 HERE = Path(__file__).resolve().parent
 
@@ -169,7 +170,7 @@ def test_once_subprocess_prints_the_model_section(llama_server):
 
 
 async def test_tui_with_the_real_collector_shows_model_and_breakdown(llama_server):
-    from gputaskman.widgets.process_table import ProcessTable
+    from gputaskman.tui.widgets.process_table import ProcessTable
 
     srv = llama_server
     collectors: list[Collector] = []
@@ -365,7 +366,7 @@ def test_handy_process_gets_its_selected_model_from_the_app_adapter(tmp_path: Pa
         resolver.close()
         assert res.ref is None and res.view is None  # a setting is not evidence
         assert res.app is not None and res.app.selected == "parakeet-tdt-0.6b-v3"
-        from gputaskman.model import ProcGpu, Reading, Reason
+        from gputaskman.base.readings import ProcGpu, Reading, Reason
 
         row = ProcGpu(
             proc.pid,

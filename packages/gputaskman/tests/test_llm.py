@@ -22,10 +22,10 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from gputaskman import gguf, llm, procinfo
-from gputaskman.evidence import Evidence, Source, api_key_from_argv, assess, from_procinfo
-from gputaskman.model import Kind
-from gputaskman.serverprobe import ListenSocket, ServerProber, listening_sockets, probe
+from gputaskman.base.readings import Kind
+from gputaskman.intel import gguf, llm, procinfo
+from gputaskman.intel.evidence import Evidence, Source, api_key_from_argv, assess, from_procinfo
+from gputaskman.intel.serverprobe import ListenSocket, ServerProber, listening_sockets, probe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -726,7 +726,7 @@ _json = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(_json)
 def test_fuzz_every_response_parser(doc: object) -> None:
-    from gputaskman.serverprobe import RUNTIMES, ServedModel, _Bad
+    from gputaskman.intel.serverprobe import RUNTIMES, ServedModel, _Bad
 
     for endpoints in RUNTIMES.values():
         for ep in endpoints:

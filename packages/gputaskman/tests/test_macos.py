@@ -12,9 +12,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-from gputaskman import report, schema
-from gputaskman.collector import Collector, NullScanner
-from gputaskman.macos import (
+from gputaskman.backends.macos import (
     Accelerator,
     CtypesFootprint,
     CtypesIOKit,
@@ -24,7 +22,10 @@ from gputaskman.macos import (
     rusage_info_v0,
     task_vm_info,
 )
-from gputaskman.model import Kind, Reason
+from gputaskman.base import schema
+from gputaskman.base.readings import Kind, Reason
+from gputaskman.core import report
+from gputaskman.core.collector import Collector, NullScanner
 from hypothesis import given
 from hypothesis import strategies as st
 

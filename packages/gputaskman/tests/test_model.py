@@ -6,8 +6,7 @@ import dataclasses
 import math
 
 import pytest
-from gputaskman.demo import BUS0, BUS1, demo_snapshot
-from gputaskman.model import (
+from gputaskman.base.readings import (
     Adapter,
     DeviceMetrics,
     Kind,
@@ -17,6 +16,7 @@ from gputaskman.model import (
     Reason,
     Snapshot,
 )
+from gputaskman.fixtures.demo import BUS0, BUS1, demo_snapshot
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -150,7 +150,7 @@ def test_attributed_equals_sum_of_measured_values(readings):
 
 def test_partial_metrics_say_what_the_backend_does_not_have() -> None:
     """Catches a backend helper that fills a missing field with 0 or drops its reason."""
-    from gputaskman.model import METRIC_NAMES, DeviceMetrics, Kind, Reading, Reason
+    from gputaskman.base.readings import METRIC_NAMES, DeviceMetrics, Kind, Reading, Reason
 
     used = Reading.measured(5, "pdh")
     m = DeviceMetrics.partial("pdh", "not a PDH counter", memory_used_bytes=used)

@@ -15,10 +15,11 @@ from typing import Any
 
 import pynvml
 import pytest
-from gputaskman import report, schema
-from gputaskman.collector import Collector, NullScanner
-from gputaskman.model import Kind, Reason
-from gputaskman.nvml import NOT_AVAILABLE_UINT, NOT_AVAILABLE_ULL, NvmlBackend, reason_for
+from gputaskman.backends.nvml import NOT_AVAILABLE_UINT, NOT_AVAILABLE_ULL, NvmlBackend, reason_for
+from gputaskman.base import schema
+from gputaskman.base.readings import Kind, Reason
+from gputaskman.core import report
+from gputaskman.core.collector import Collector, NullScanner
 
 GIB = 1024**3
 BUS_A = "00000000:01:00.0"

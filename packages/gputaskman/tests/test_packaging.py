@@ -44,7 +44,12 @@ def test_sdist_has_readme_license_and_sources(dist: dict[str, Path]) -> None:
         pkg_info = tf.extractfile(f"{top}/PKG-INFO")
         assert pkg_info is not None
         meta = pkg_info.read().decode()
-    for f in ("README.md", "pyproject.toml", f"src/{NAME}/cli.py", f"src/{NAME}/__init__.py"):
+    for f in (
+        "README.md",
+        "pyproject.toml",
+        f"src/{NAME}/cli/__init__.py",
+        f"src/{NAME}/__init__.py",
+    ):
         assert f"{top}/{f}" in names
     assert "License-Expression: MIT" in meta
     assert f"Version: {VERSION}" in meta
@@ -64,7 +69,7 @@ def test_wheel_metadata_and_entry_points(dist: dict[str, Path]) -> None:
     assert "gputaskman = gputaskman.cli:main" in eps and "gtm = gputaskman.cli:main" in eps
     # only the package goes into the wheel: no tests, no workspace files
     assert all(n.startswith((f"{NAME}/", info)) for n in names), names
-    assert f"{NAME}/snapshot.schema.json" in names  # the JSON Schema ships with the package
+    assert f"{NAME}/base/snapshot.schema.json" in names  # the JSON Schema ships with the package
 
 
 @pytest.mark.slow

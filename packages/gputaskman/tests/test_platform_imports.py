@@ -8,26 +8,26 @@ import subprocess
 import sys
 
 import pytest
-from gputaskman.collector import Collector, NullScanner, gpu_source
-from gputaskman.model import Problem, Reason
-from gputaskman.platforms import (
+from gputaskman.backends.platforms import (
     PLATFORM_TABLE,
     ProbeResult,
     detect_backend,
     is_wsl,
 )
+from gputaskman.base.readings import Problem, Reason
+from gputaskman.core.collector import Collector, NullScanner, gpu_source
 
 PLATFORM_MODULES = [
-    "gputaskman.platforms",
-    "gputaskman.win",
-    "gputaskman.win.dxgi",
-    "gputaskman.win.pdh",
-    "gputaskman.win.tcc",
-    "gputaskman.win.backend",
-    "gputaskman.wsl",
-    "gputaskman.wslhost",
-    "gputaskman.macos",
-    "gputaskman.ascend",
+    "gputaskman.backends.platforms",
+    "gputaskman.backends.win",
+    "gputaskman.backends.win.dxgi",
+    "gputaskman.backends.win.pdh",
+    "gputaskman.backends.win.tcc",
+    "gputaskman.backends.win.backend",
+    "gputaskman.backends.wsl",
+    "gputaskman.backends.wslhost",
+    "gputaskman.backends.macos",
+    "gputaskman.backends.ascend",
 ]
 
 # Records every shared library ctypes is asked to load, then imports the modules and
@@ -42,7 +42,7 @@ def spy(self, name, *a, **k):
 ctypes.CDLL.__init__ = spy
 for m in MODULES:
     importlib.import_module(m)
-from gputaskman.collector import gpu_source
+from gputaskman.core.collector import gpu_source
 built = [type(gpu_source(b)).__name__ for b in ("wddm", "metal")]
 print(json.dumps({"loaded": loaded, "built": built,
                   "modules": sorted(m for m in sys.modules if m.split(".")[0] in
@@ -119,7 +119,7 @@ def test_probe_result_keeps_empty_and_failed_apart():
 def test_foreign_backend_on_linux_degrades_with_a_reason(backend):
     source = gpu_source(backend)
     if backend == "wddm":
-        from gputaskman.win.backend import WddmBackend
+        from gputaskman.backends.win.backend import WddmBackend
 
         source = WddmBackend(tcc=False)
     snap = Collector(nvml=source, scanner=NullScanner()).sample()
@@ -136,11 +136,11 @@ def test_platform_table_is_honest():
 
 
 def test_probes_list_the_main_probe_then_sub_probes():
-    from gputaskman.nvml import NvmlSample
-    from gputaskman.platforms import probes
-    from gputaskman.win.backend import WddmBackend
-    from gputaskman.win.pdh import COUNTERS, CounterRead
-    from gputaskman.win.tcc import TccCounters
+    from gputaskman.backends.nvml import NvmlSample
+    from gputaskman.backends.platforms import probes
+    from gputaskman.backends.win.backend import WddmBackend
+    from gputaskman.backends.win.pdh import COUNTERS, CounterRead
+    from gputaskman.backends.win.tcc import TccCounters
 
     class NoAdapters:
         def enum_adapters(self):

@@ -24,15 +24,17 @@ import time
 from pathlib import Path
 
 import pytest
-from gputaskman import cli, collector, report, schema
-from gputaskman.collector import Collector, NullScanner
-from gputaskman.demo import DemoSystem, demo_snapshot
-from gputaskman.macos import Accelerator, MacCounters
-from gputaskman.model import Problem, Reason
-from gputaskman.nvml import NvmlSample
-from gputaskman.recorded import snapshot_from_json
-from gputaskman.wsl import Interop, WslBackend, dxg_holders
-from gputaskman.wslhost import StreamParser
+from gputaskman import cli
+from gputaskman.backends.macos import Accelerator, MacCounters
+from gputaskman.backends.nvml import NvmlSample
+from gputaskman.backends.wsl import Interop, WslBackend, dxg_holders
+from gputaskman.backends.wslhost import StreamParser
+from gputaskman.base import schema
+from gputaskman.base.readings import Problem, Reason
+from gputaskman.core import collector, report
+from gputaskman.core.collector import Collector, NullScanner
+from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
+from gputaskman.offline.recorded import snapshot_from_json
 
 GIB = 1024**3
 MIB = 1024**2
@@ -85,8 +87,8 @@ def test_mocked_platform_selects_its_backend_and_loads_nothing(backend, kind):
 
 
 def test_mocked_linux_appends_ascend_only_when_npu_smi_is_installed(monkeypatch):
-    from gputaskman import ascend
-    from gputaskman.drm import NvmlWithDrm
+    from gputaskman.backends import ascend
+    from gputaskman.backends.drm import NvmlWithDrm
 
     monkeypatch.setattr(ascend, "find_npu_smi", lambda which=None: None)
     plain = collector.default_gpu_source("nvml")
@@ -98,7 +100,7 @@ def test_mocked_linux_appends_ascend_only_when_npu_smi_is_installed(monkeypatch)
     both.close()
 
 
-DETECT = "import sys; PATCH; from gputaskman import collector; print(collector.BACKEND)"
+DETECT = "import sys; PATCH; from gputaskman.core import collector; print(collector.BACKEND)"
 
 
 @pytest.mark.parametrize(
@@ -311,7 +313,7 @@ def test_old_record_lines_without_platform_fields_still_read():
     assert all(p.paged is None and p.host is None and not p.unique for p in back.processes)
     bad = report.to_json_dict(snap, system)
     bad["processes"][0]["parent_pid"] = "6140"
-    from gputaskman.recordfile import SnapshotError
+    from gputaskman.offline.recordfile import SnapshotError
 
     with pytest.raises(SnapshotError, match="parent_pid"):
         snapshot_from_json(bad)
@@ -329,8 +331,8 @@ class FixedCollector:
 
 
 async def test_tui_iokit_mocked_shows_paged_column_and_drops_it_without_paged():
-    from gputaskman.app import create_app
-    from gputaskman.widgets.process_table import ProcessTable
+    from gputaskman.tui.app import create_app
+    from gputaskman.tui.widgets.process_table import ProcessTable
 
     mac = mac_snapshot()
     fake = FixedCollector(mac, (demo_snapshot(), DemoSystem()))
@@ -377,7 +379,7 @@ def test_list_gpus_iokit_mocked_empty_probe_is_not_a_failed_one(capsys):
 
 
 def test_list_gpus_pdh_mocked_windows_empty_probe(capsys):
-    from gputaskman.win.backend import WddmBackend
+    from gputaskman.backends.win.backend import WddmBackend
 
     class NoAdapters:
         def enum_adapters(self):
@@ -451,7 +453,7 @@ def test_list_gpus_subprocess_mocked_npu_smi_failing_is_a_failed_probe(tmp_path)
 def test_list_gpus_subprocess_sysroot_lists_fixture_cards_and_the_unasked_nvml(tmp_path):
     root = tmp_path / "root"
     subprocess.run(
-        [sys.executable, "-m", "gputaskman.drm_fixtures", str(root)],
+        [sys.executable, "-m", "gputaskman.fixtures.drm_fixtures", str(root)],
         check=True,
         capture_output=True,
         timeout=60,

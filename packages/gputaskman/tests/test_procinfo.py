@@ -14,9 +14,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from gputaskman import procfs
-from gputaskman.model import Reason
-from gputaskman.procargs import (
+from gputaskman.base import procfs
+from gputaskman.base.procargs import (
     REDACTED,
     flag_value,
     model_args,
@@ -24,7 +23,8 @@ from gputaskman.procargs import (
     resolve,
     split_cmdline,
 )
-from gputaskman.procinfo import (
+from gputaskman.base.readings import Reason
+from gputaskman.intel.procinfo import (
     LLM,
     RUNTIMES,
     Runtime,

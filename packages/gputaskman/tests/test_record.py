@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from gputaskman import record, report
-from gputaskman.collector import SCAN_BUDGET, Collector
-from gputaskman.nvml import NvmlBackend
-from gputaskman.recorded import snapshot_from_json
-from gputaskman.recordfile import check_snapshot, iter_record
+from gputaskman.backends.nvml import NvmlBackend
+from gputaskman.core import report
+from gputaskman.core.collector import SCAN_BUDGET, Collector
+from gputaskman.offline import record
+from gputaskman.offline.recorded import snapshot_from_json
+from gputaskman.offline.recordfile import check_snapshot, iter_record
 
 HERE = Path(__file__).parent
 
@@ -144,7 +145,7 @@ def test_record_samples_with_the_tui_scan_budget() -> None:
     c = record.make_collector(None)
     try:
         assert c.scan_budget == SCAN_BUDGET and c.scan_budget is not None
-        from gputaskman.app import create_app
+        from gputaskman.tui.app import create_app
 
         tui = create_app()._factory()
         try:

@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from gputaskman import record, report
-from gputaskman.playback import SPEEDS, Playback, RecordSource
-from gputaskman.recordfile import SnapshotError, iter_record
-from gputaskman.replay_app import create_replay_app
-from gputaskman.widgets.gpu_header import GpuHeader
-from gputaskman.widgets.process_table import ProcessTable
+from gputaskman.core import report
+from gputaskman.offline import record
+from gputaskman.offline.playback import SPEEDS, Playback, RecordSource
+from gputaskman.offline.recordfile import SnapshotError, iter_record
+from gputaskman.tui.replay_app import create_replay_app
+from gputaskman.tui.widgets.gpu_header import GpuHeader
+from gputaskman.tui.widgets.process_table import ProcessTable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -282,8 +283,9 @@ async def test_replay_tui_labels_time_that_was_not_recorded(tmp_path: Path) -> N
 def test_offline_modules_import_no_ui_library() -> None:
     code = (
         "import sys\n"
-        "for m in ('record', 'recordfile', 'recorded', 'replay', 'diff', 'summary', 'plot'):\n"
-        "    __import__('gputaskman.' + m)\n"
+        "for m in ('record', 'recordfile', 'recorded', 'playback', 'diff', 'summary', 'plot'):\n"
+        "    __import__('gputaskman.offline.' + m)\n"
+        "__import__('gputaskman.cli.replay')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('textual', 'rich')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -322,7 +324,7 @@ _values = st.one_of(
 @settings(max_examples=300)
 @given(st.lists(st.tuples(st.integers(0, 100_000), _values), min_size=1, max_size=5))
 def test_snapshot_loader_fuzz_only_ever_raises_snapshot_error(muts) -> None:
-    from gputaskman.recorded import snapshot_from_json
+    from gputaskman.offline.recorded import snapshot_from_json
 
     base = frame(0, 1, [ms.proc(4242, 3 * GIB), ms.proc(5, None, name=None, bus=None)])
     try:
@@ -336,9 +338,9 @@ def test_snapshot_loader_fuzz_only_ever_raises_snapshot_error(muts) -> None:
 def test_models_breakdowns_and_app_models_replay_as_recorded() -> None:
     import dataclasses
 
-    from gputaskman.apps import AppModel
-    from gputaskman.model import ModelRef
-    from gputaskman.recorded import snapshot_from_json
+    from gputaskman.base.readings import ModelRef
+    from gputaskman.intel.apps import AppModel
+    from gputaskman.offline.recorded import snapshot_from_json
 
     model = ModelRef(
         "qwen",

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gputaskman import gguf, llm, report, schema
-from gputaskman.demo import DemoSystem, demo_snapshot, unavailable_snapshot
-from gputaskman.evidence import Evidence, Source, assess
-from gputaskman.model import Kind, Reason
-from gputaskman.report_models import breakdown_json
+from gputaskman.base import schema
+from gputaskman.base.readings import Kind, Reason
+from gputaskman.core import report
+from gputaskman.core.report_models import breakdown_json
+from gputaskman.fixtures.demo import DemoSystem, demo_snapshot, unavailable_snapshot
+from gputaskman.intel import gguf, llm
+from gputaskman.intel.evidence import Evidence, Source, assess
 from jsonschema import Draft202012Validator
 
 _spec = importlib.util.spec_from_file_location(
@@ -150,7 +152,7 @@ def test_replay_loses_no_field_that_is_set(demo_doc: dict[str, Any]) -> None:
     breakdown and an app model included, and reading the document back for replay must give
     the same document. (Host rows, `host` and `parent_pid`, round-trip in test_platform_wiring
     with documents a WSL backend wrote.)"""
-    from gputaskman.recorded import snapshot_from_json
+    from gputaskman.offline.recorded import snapshot_from_json
 
     doc = demo_doc
     p = doc["processes"][0]

@@ -2,7 +2,7 @@
 the rendered SVG comes out without any of them, and the input file is left as it was.
 
 The recording is written the way `gputaskman record` writes one (the real
-`report.to_json_dict` and `record.encode_line`) from gputaskman.demo's synthetic snapshot
+`report.to_json_dict` and `record.encode_line`) from gputaskman.fixtures.demo's synthetic snapshot
 with a process given a private command line, executable, model path and a note naming a
 path; GPU numbers are synthetic (no GPU here).
 """
@@ -15,10 +15,10 @@ import json
 from pathlib import Path
 from types import ModuleType
 
-from gputaskman import report
-from gputaskman.demo import demo_snapshot
-from gputaskman.model import ModelRef
-from gputaskman.record import encode_line
+from gputaskman.base.readings import ModelRef
+from gputaskman.core import report
+from gputaskman.fixtures.demo import demo_snapshot
+from gputaskman.offline.record import encode_line
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from gputaskman.stores import StoreIndex, StoreRoots, canonical_path, default_roots
+from gputaskman.intel.stores import StoreIndex, StoreRoots, canonical_path, default_roots
 
 MODEL = "application/vnd.ollama.image.model"
 

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from gputaskman import plot, summary
-from gputaskman.model import Reason
+from gputaskman.base.readings import Reason
+from gputaskman.offline import plot, summary
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -12,14 +12,11 @@ from typing import Any
 
 import pynvml
 import pytest
-from gputaskman import report, schema
-from gputaskman.collector import Collector, NullScanner
-from gputaskman.model import Reason
-from gputaskman.win import pdh
-from gputaskman.win.backend import WddmBackend
-from gputaskman.win.dxgi import AdapterDesc
-from gputaskman.win.pdh import CounterRead
-from gputaskman.win.tcc import (
+from gputaskman.backends.win import pdh
+from gputaskman.backends.win.backend import WddmBackend
+from gputaskman.backends.win.dxgi import AdapterDesc
+from gputaskman.backends.win.pdh import CounterRead
+from gputaskman.backends.win.tcc import (
     NVML_DRIVER_MCDM,
     NVML_DRIVER_WDDM,
     NVML_DRIVER_WDM,
@@ -28,6 +25,10 @@ from gputaskman.win.tcc import (
     pair_with_dxgi,
     parse_bus_id,
 )
+from gputaskman.base import schema
+from gputaskman.base.readings import Reason
+from gputaskman.core import report
+from gputaskman.core.collector import Collector, NullScanner
 
 GIB = 1024**3
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-from gputaskman.model import Reason
-from gputaskman.win import dxgi, pdh, system_dll
-from gputaskman.win.backend import LOST_DETAIL, WddmBackend
-from gputaskman.win.dxgi import (
+from gputaskman.backends.win import dxgi, pdh, system_dll
+from gputaskman.backends.win.backend import LOST_DETAIL, WddmBackend
+from gputaskman.backends.win.dxgi import (
     DXGI_ADAPTER_DESC1,
     AdapterDesc,
     CtypesDxgi,
@@ -22,7 +21,8 @@ from gputaskman.win.dxgi import (
     hardware_adapters,
     luid_key,
 )
-from gputaskman.win.pdh import CounterRead
+from gputaskman.backends.win.pdh import CounterRead
+from gputaskman.base.readings import Reason
 
 GIB = 1024**3
 

@@ -15,11 +15,8 @@ import ctypes
 import math
 
 import pytest
-from gputaskman import report, schema
-from gputaskman.collector import Collector, NullScanner
-from gputaskman.model import Kind, Reason
-from gputaskman.win import pdh
-from gputaskman.win.pdh import (
+from gputaskman.backends.win import pdh
+from gputaskman.backends.win.pdh import (
     ADAPTER_DEDICATED,
     ADAPTER_SHARED,
     ENGINE,
@@ -30,6 +27,10 @@ from gputaskman.win.pdh import (
     engine_name,
     parse_instance,
 )
+from gputaskman.base import schema
+from gputaskman.base.readings import Kind, Reason
+from gputaskman.core import report
+from gputaskman.core.collector import Collector, NullScanner
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -321,8 +322,8 @@ class FakeDxgi:
 
 
 def test_pdh_mocked_collector_sums_local_usage_only_and_never_asks_dedicated_usage():
-    from gputaskman.win.backend import WddmBackend
-    from gputaskman.win.dxgi import AdapterDesc
+    from gputaskman.backends.win.backend import WddmBackend
+    from gputaskman.backends.win.dxgi import AdapterDesc
 
     desc = AdapterDesc(
         "NVIDIA Mock RTX",

@@ -16,19 +16,20 @@ import textwrap
 import time
 
 import pytest
-from gputaskman import report, schema
-from gputaskman.collector import Collector, NullScanner
-from gputaskman.model import Kind, Reason
-from gputaskman.nvml import NvmlSample
-from gputaskman.win import pdh
-from gputaskman.wsl import Interop, WslBackend, dxg_holders, interop_status
-from gputaskman.wslhost import (
+from gputaskman.backends.nvml import NvmlSample
+from gputaskman.backends.win import pdh
+from gputaskman.backends.wsl import Interop, WslBackend, dxg_holders, interop_status
+from gputaskman.backends.wslhost import (
     MAX_LINE,
     ContextTracker,
     HostStream,
     StreamParser,
     powershell_command,
 )
+from gputaskman.base import schema
+from gputaskman.base.readings import Kind, Reason
+from gputaskman.core import report
+from gputaskman.core.collector import Collector, NullScanner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -353,7 +354,7 @@ class ReplayHost:
 
 class NoNvml:
     def sample(self):
-        from gputaskman.model import Problem
+        from gputaskman.base.readings import Problem
 
         p = Problem("backend.init", Reason.NO_LIBRARY, "NVML Shared Library Not Found")
         return NvmlSample(problems=(p,), backend_problem=p)

@@ -1,0 +1,430 @@
+"""Thin, lazy wrapper over NVML (`pynvml` from the `nvidia-ml-py` package) for Linux NVIDIA.
+
+Theory of operation
+-------------------
+`NvmlBackend.sample()` returns an `NvmlSample`: adapters, device metrics, the per-process
+rows NVML lists, and every problem it met, each with a `Reason`. It never raises for an
+NVML error, and it never turns an error into a number.
+
+* **Lazy init.** `pynvml` is imported and `nvmlInit()` called on the first sample, not at
+  import. A failed init (no library, no driver) is remembered with its reason: a missing
+  library does not appear while we run, and retrying dlopen every refresh costs for nothing.
+* **One error map.** `reason_for()` is the only place an `NVMLError` kind becomes a
+  `Reason` (LibraryNotFound -> library not found, DriverNotLoaded -> driver not loaded,
+  NoPermission -> denied, NotSupported/FunctionNotFound -> not supported, GpuIsLost ->
+  gpu lost, ...). Every reading goes through `_call()`, which applies it.
+* **Hidden is not zero.** `usedGpuMemory` of `None` (pynvml's translation of
+  NVML_VALUE_NOT_AVAILABLE) or the raw sentinel itself means the driver withholds the
+  process's memory (containers, permissions): a missing reading with `Reason.HIDDEN`.
+* **A failed list is a failure.** When `nvmlDeviceGet{Compute,Graphics}RunningProcesses`
+  fails, the sample carries a `processes.compute` / `processes.graphics` problem for that
+  adapter; it is never reported as an empty list.
+* **Pairing by PCI bus id.** Adapters are keyed by their PCI bus id, never by name or index;
+  an adapter seen in an earlier sample and absent now is kept, with every metric missing
+  (`gpu lost`), so a GPU that falls off the bus is visible as such rather than vanishing.
+  A GPU lost in the middle of a sample (GpuIsLost from any call) marks the rest of that
+  adapter's readings lost too, without further calls.
+
+Engine use per process comes from `nvmlDeviceGetProcessUtilization`, which returns samples
+newer than the last timestamp we pass; engine readings are independent of memory.
+
+Not validated on hardware in this repository: the machine that built it has no GPU; the
+paths are exercised by tests/test_nvml_mocked.py through recorded/mocked NVML responses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, TypeVar
+
+from gputaskman.base.readings import Adapter, DeviceMetrics, Problem, Reading, Reason
+
+BACKEND = "nvml"
+VENDOR = "nvidia"
+NOT_AVAILABLE_ULL = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE as unsigned long long
+NOT_AVAILABLE_UINT = 2**32 - 1
+
+# NVML error class name (pynvml generates NVMLError_<CamelCase>) -> reason.
+_REASONS: dict[str, Reason] = {
+    "NVMLError_LibraryNotFound": Reason.NO_LIBRARY,
+    "NVMLError_DriverNotLoaded": Reason.NO_DRIVER,
+    "NVMLError_NoPermission": Reason.DENIED,
+    "NVMLError_NotSupported": Reason.NOT_SUPPORTED,
+    "NVMLError_FunctionNotFound": Reason.NOT_SUPPORTED,
+    "NVMLError_GpuIsLost": Reason.GPU_LOST,
+    "NVMLError_GpuNotFound": Reason.GPU_LOST,
+    "NVMLError_NoData": Reason.UNAVAILABLE,
+    "NVMLError_NotFound": Reason.UNAVAILABLE,
+    "NVMLError_NotReady": Reason.UNAVAILABLE,
+}
+
+T = TypeVar("T")
+
+
+def reason_for(exc: BaseException) -> Reason:
+    """The one place an NVML (or binding) error becomes a Reason."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _REASONS:
+            return _REASONS[cls.__name__]
+    return Reason.QUERY_FAILED
+
+
+def _detail(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:  # pynvml's __str__ can itself call into NVML
+        text = ""
+    return text or type(exc).__name__
+
+
+LIBRARY = "libnvidia-ml.so.1"  # the name pynvml loads on Linux
+
+
+def _library_missing() -> str | None:
+    """Why the NVML library cannot be loaded, or None when it can.
+
+    Loads the library the way pynvml does (``CDLL("libnvidia-ml.so.1")``) before importing
+    pynvml, because importing the binding costs about half a second (measured on the
+    development VM) and is wasted on a machine without the driver.
+    """
+    if not sys.platform.startswith("linux"):
+        return None  # other platforms load a different file; let pynvml decide
+    try:
+        ctypes.CDLL(LIBRARY)
+    except OSError as exc:
+        return f"NVML Shared Library Not Found ({exc})"
+    return None
+
+
+def _text(v: Any) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace").strip("\x00").strip()
+    return str(v).strip()
+
+
+def normalise_bus_id(bus: str) -> str:
+    """``00000000:01:00.0`` in lower case: the pairing key across probes."""
+    return bus.strip().lower()
+
+
+class _Lost(Exception):
+    """Raised inside one adapter's sampling once NVML said the GPU is lost."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlProcess:
+    """One process on one adapter as NVML lists it (identity comes from procinfo)."""
+
+    pid: int
+    adapter: str
+    contexts: tuple[str, ...]
+    dedicated: Reading
+    engines: dict[str, Reading] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlSample:
+    adapters: tuple[Adapter, ...] = ()
+    metrics: dict[str, DeviceMetrics] = field(default_factory=dict)
+    processes: tuple[NvmlProcess, ...] = ()
+    problems: tuple[Problem, ...] = ()
+    backend_problem: Problem | None = None
+    driver_version: str | None = None
+
+
+class NvmlBackend:
+    """Lazily initialised NVML. `lib` is the pynvml module (tests pass a mocked one)."""
+
+    def __init__(self, lib: ModuleType | Any | None = None) -> None:
+        self._lib = lib
+        self._ready = False
+        self._init_problem: Problem | None = None
+        self._lock = threading.Lock()
+        self._seen: dict[str, Adapter] = {}  # bus id -> adapter, from earlier samples
+        self._util_ts: dict[str, int] = {}  # bus id -> last process-utilisation timestamp
+
+    # -- lifecycle
+
+    def _init(self) -> Problem | None:
+        if self._ready or self._init_problem is not None:
+            return self._init_problem
+        try:
+            if self._lib is None:
+                missing = _library_missing()
+                if missing is not None:
+                    self._init_problem = Problem("backend.init", Reason.NO_LIBRARY, missing)
+                    return self._init_problem
+                import pynvml  # lazy: importing gputaskman never loads the binding
+
+                self._lib = pynvml
+            self._lib.nvmlInit()
+        except Exception as exc:  # any failure here means no NVML at all
+            self._init_problem = Problem("backend.init", reason_for(exc), _detail(exc))
+            return self._init_problem
+        self._ready = True
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._ready:
+                # shutting down a broken driver must not raise
+                with contextlib.suppress(Exception):
+                    self._lib.nvmlShutdown()
+                self._ready = False
+
+    # -- sampling
+
+    def sample(self) -> NvmlSample:
+        with self._lock:
+            problem = self._init()
+            if problem is not None:
+                return NvmlSample(problems=(problem,), backend_problem=problem)
+            return self._sample()
+
+    def _sample(self) -> NvmlSample:
+        lib = self._lib
+        problems: list[Problem] = []
+        driver = None
+        try:
+            driver = _text(lib.nvmlSystemGetDriverVersion())
+        except Exception as exc:
+            problems.append(Problem("system.driver_version", reason_for(exc), _detail(exc)))
+        try:
+            count = int(lib.nvmlDeviceGetCount())
+        except Exception as exc:
+            p = Problem("backend.device_count", reason_for(exc), _detail(exc))
+            return NvmlSample(problems=(p,), backend_problem=p, driver_version=driver)
+
+        adapters: list[Adapter] = []
+        metrics: dict[str, DeviceMetrics] = {}
+        procs: list[NvmlProcess] = []
+        for index in range(count):
+            try:
+                handle = lib.nvmlDeviceGetHandleByIndex(index)
+                bus = normalise_bus_id(_text(lib.nvmlDeviceGetPciInfo(handle).busId) or "")
+            except Exception as exc:
+                problems.append(Problem(f"device.{index}", reason_for(exc), _detail(exc)))
+                continue
+            if not bus:
+                problems.append(Problem(f"device.{index}", Reason.QUERY_FAILED, "no PCI bus id"))
+                continue
+            adapter = Adapter(
+                index=index,
+                vendor=VENDOR,
+                name=self._optional_text(lambda h=handle: lib.nvmlDeviceGetName(h)),
+                uuid=self._optional_text(lambda h=handle: lib.nvmlDeviceGetUUID(h)),
+                pci_bus_id=bus,
+                backend=BACKEND,
+            )
+            adapters.append(adapter)
+            self._seen[bus] = adapter
+            try:
+                metrics[bus] = self._metrics(handle)
+                procs.extend(self._processes(handle, bus, problems))
+            except _Lost as lost:
+                # readings taken before the loss stay; the rest are lost
+                metrics.setdefault(
+                    bus, DeviceMetrics.all_missing(Reason.GPU_LOST, "nvml", lost.detail)
+                )
+                for kind in ("compute", "graphics"):
+                    problems.append(Problem(f"processes.{kind}", Reason.GPU_LOST, lost.detail, bus))
+
+        present = {a.pci_bus_id for a in adapters}
+        for bus, old in self._seen.items():
+            if bus in present:
+                continue
+            # Seen before, gone now: keep it visible as lost instead of silently dropping it.
+            detail = "adapter no longer enumerated by NVML"
+            adapters.append(Adapter(old.index, old.vendor, old.name, old.uuid, bus, old.backend))
+            metrics[bus] = DeviceMetrics.all_missing(Reason.GPU_LOST, "nvml", detail)
+            problems.append(Problem("adapter", Reason.GPU_LOST, detail, bus))
+            for kind in ("compute", "graphics"):
+                problems.append(Problem(f"processes.{kind}", Reason.GPU_LOST, detail, bus))
+        return NvmlSample(tuple(adapters), metrics, tuple(procs), tuple(problems), None, driver)
+
+    @staticmethod
+    def _optional_text(fn: Callable[[], Any]) -> str | None:
+        try:
+            return _text(fn())
+        except Exception:  # a name or UUID we cannot read is shown as n/a
+            return None
+
+    def _call(self, fn: Callable[[], T], source: str) -> tuple[T | None, Reading | None]:
+        """Run one NVML call: (value, None) or (None, missing reading with the reason).
+        A lost GPU aborts the adapter (raises _Lost)."""
+        try:
+            return fn(), None
+        except Exception as exc:
+            reason = reason_for(exc)
+            if reason is Reason.GPU_LOST:
+                raise _Lost(_detail(exc)) from exc
+            return None, Reading.missing(reason, f"nvml:{source}", _detail(exc))
+
+    def _metrics(self, h: Any) -> DeviceMetrics:
+        lib = self._lib
+
+        def read(fn: Callable[[], Any], api: str, scale: float = 1.0) -> Reading:
+            value, missing = self._call(fn, api)
+            if missing is not None:
+                return missing
+            return _number(value, api, scale)
+
+        mem, mem_missing = self._call(
+            lambda: lib.nvmlDeviceGetMemoryInfo(h, version=lib.nvmlMemory_v2),
+            "nvmlDeviceGetMemoryInfo",
+        )
+        api = "nvmlDeviceGetMemoryInfo"
+        if mem is not None:
+            total, used = _number(mem.total, api), _number(mem.used, api)
+            reserved = _number(mem.reserved, api)
+        else:
+            # v2 (with reserved) needs driver >= 510; v1 still gives total and used.
+            mem1, missing1 = self._call(lambda: lib.nvmlDeviceGetMemoryInfo(h), api)
+            if mem1 is None:
+                total = used = reserved = missing1  # type: ignore[assignment]
+            else:
+                total, used = _number(mem1.total, api), _number(mem1.used, api)
+                reserved = mem_missing  # type: ignore[assignment]
+        util, util_missing = self._call(
+            lambda: lib.nvmlDeviceGetUtilizationRates(h), "nvmlDeviceGetUtilizationRates"
+        )
+        uapi = "nvmlDeviceGetUtilizationRates"
+        util_gpu = util_missing if util is None else _number(util.gpu, uapi)
+        util_mem = util_missing if util is None else _number(util.memory, uapi)
+        return DeviceMetrics(
+            memory_total_bytes=total,
+            memory_used_bytes=used,
+            memory_reserved_bytes=reserved,
+            util_gpu_percent=util_gpu,  # type: ignore[arg-type]
+            util_memory_percent=util_mem,  # type: ignore[arg-type]
+            encoder_percent=read(
+                lambda: lib.nvmlDeviceGetEncoderUtilization(h)[0],
+                "nvmlDeviceGetEncoderUtilization",
+            ),
+            decoder_percent=read(
+                lambda: lib.nvmlDeviceGetDecoderUtilization(h)[0],
+                "nvmlDeviceGetDecoderUtilization",
+            ),
+            temperature_c=read(
+                lambda: lib.nvmlDeviceGetTemperature(h, lib.NVML_TEMPERATURE_GPU),
+                "nvmlDeviceGetTemperature",
+            ),
+            power_w=read(lambda: lib.nvmlDeviceGetPowerUsage(h), "nvmlDeviceGetPowerUsage", 1e-3),
+            power_limit_w=read(
+                lambda: lib.nvmlDeviceGetEnforcedPowerLimit(h),
+                "nvmlDeviceGetEnforcedPowerLimit",
+                1e-3,
+            ),
+            clock_graphics_mhz=read(
+                lambda: lib.nvmlDeviceGetClockInfo(h, lib.NVML_CLOCK_GRAPHICS),
+                "nvmlDeviceGetClockInfo",
+            ),
+            clock_sm_mhz=read(
+                lambda: lib.nvmlDeviceGetClockInfo(h, lib.NVML_CLOCK_SM), "nvmlDeviceGetClockInfo"
+            ),
+            clock_memory_mhz=read(
+                lambda: lib.nvmlDeviceGetClockInfo(h, lib.NVML_CLOCK_MEM), "nvmlDeviceGetClockInfo"
+            ),
+        )
+
+    def _processes(self, h: Any, bus: str, problems: list[Problem]) -> list[NvmlProcess]:
+        lib = self._lib
+        rows: dict[int, tuple[list[str], Reading | None]] = {}
+        for kind, api, fn in (
+            (
+                "compute",
+                "nvmlDeviceGetComputeRunningProcesses",
+                lib.nvmlDeviceGetComputeRunningProcesses,
+            ),
+            (
+                "graphics",
+                "nvmlDeviceGetGraphicsRunningProcesses",
+                lib.nvmlDeviceGetGraphicsRunningProcesses,
+            ),
+        ):
+            listed, missing = self._call(lambda fn=fn: fn(h), api)
+            if missing is not None:
+                problems.append(
+                    Problem(f"processes.{kind}", missing.reason, missing.detail, bus)  # type: ignore[arg-type]
+                )
+                continue
+            for info in listed or ():
+                pid = int(info.pid)
+                used = getattr(info, "usedGpuMemory", None)
+                if used is None or used in (NOT_AVAILABLE_ULL, NOT_AVAILABLE_UINT):
+                    r = Reading.missing(
+                        Reason.HIDDEN,
+                        f"nvml:{api}",
+                        "NVML lists the process but withholds usedGpuMemory "
+                        "(container PID namespace or permissions)",
+                    )
+                else:
+                    r = Reading.measured(int(used), f"nvml:{api}")
+                contexts, prev = rows.get(pid, ([], None))
+                contexts.append(kind)
+                # A process in both lists reports the same per-process figure; keep the
+                # first known one rather than adding them (that would double count).
+                rows[pid] = (contexts, prev if prev is not None and prev.known else r)
+        engines = self._engines(h, bus, set(rows))
+        return [
+            NvmlProcess(pid, bus, tuple(ctx), r, engines.get(pid) or {})  # type: ignore[arg-type]
+            for pid, (ctx, r) in sorted(rows.items())
+        ]
+
+    def _engines(self, h: Any, bus: str, pids: set[int]) -> dict[int, dict[str, Reading]]:
+        """Per-process engine use since the last sample; independent of memory."""
+        if not pids:
+            return {}
+        api = "nvmlDeviceGetProcessUtilization"
+        lib = self._lib
+        since = self._util_ts.get(bus, int((time.time() - 2.0) * 1e6))
+        samples, missing = self._call(lambda: lib.nvmlDeviceGetProcessUtilization(h, since), api)
+        out: dict[int, dict[str, Reading]] = {}
+        if missing is not None:
+            return {pid: _engine_missing(missing) for pid in pids}
+        latest: dict[int, Any] = {}
+        for s in samples or ():
+            if int(s.pid) in pids and (
+                int(s.pid) not in latest or s.timeStamp > latest[int(s.pid)].timeStamp
+            ):
+                latest[int(s.pid)] = s
+            self._util_ts[bus] = max(self._util_ts.get(bus, 0), int(s.timeStamp))
+        fields = (
+            ("gpu_percent", "smUtil"),
+            ("memory_percent", "memUtil"),
+            ("encoder_percent", "encUtil"),
+            ("decoder_percent", "decUtil"),
+        )
+        for pid in pids:
+            s = latest.get(pid)
+            if s is None:
+                gone = Reading.missing(Reason.UNAVAILABLE, f"nvml:{api}", "no sample this period")
+                out[pid] = _engine_missing(gone)
+                continue
+            out[pid] = {name: _number(getattr(s, attr), api) for name, attr in fields}
+        return out
+
+
+def _engine_missing(r: Reading) -> dict[str, Reading]:
+    return {k: r for k in ("gpu_percent", "memory_percent", "encoder_percent", "decoder_percent")}
+
+
+def _number(v: Any, api: str, scale: float = 1.0) -> Reading:
+    """A measured NVML number; the NOT_AVAILABLE sentinels become a missing reading."""
+    if v is None or v in (NOT_AVAILABLE_ULL, NOT_AVAILABLE_UINT):
+        return Reading.missing(Reason.UNAVAILABLE, f"nvml:{api}", "NVML_VALUE_NOT_AVAILABLE")
+    value: int | float = int(v) if scale == 1.0 else round(float(v) * scale, 3)
+    return Reading.measured(value, f"nvml:{api}")

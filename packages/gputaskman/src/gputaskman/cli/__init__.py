@@ -1,0 +1,241 @@
+"""The `gputaskman` / `gtm` command, and the subcommands that span layers (`serve`, `replay`).
+
+May import: any layer.
+
+Without a subcommand it runs the TUI (or, when stdout is not a terminal, prints the
+``--once`` report). ``--once`` prints a text report, ``--json`` the JSON object of
+`report.to_json_dict`, ``--list-gpus`` the adapters this platform's backend enumerates
+(`collector.default_gpu_source`: NVML + DRM (+ Ascend) on Linux, DXGI/PDH (+ TCC) on
+Windows, NVML + host counters under WSL, IOKit on macOS), followed by one line per probe
+that found nothing, failed or answered only in part, so an empty successful probe never
+looks like a failed one. One-shot output scans every process (``scan_budget=None``); the
+TUI spreads scans across refreshes.
+
+Subcommands (record, replay, diff, summary, ...) plug in through `SUBCOMMANDS`: each
+module exports ``add_arguments(parser)`` and ``run(args) -> int``, so adding one never
+touches the flags above. On a machine with no GPU, driver or NVML every mode says so and
+why, still shows the system panel, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from gputaskman import __version__
+
+# subcommand -> (module, one-line help); the module exports add_arguments() and run().
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "record": (
+        "gputaskman.offline.record",
+        "append one --json snapshot per interval to a record file",
+    ),
+    "summary": ("gputaskman.offline.summary", "averages and peaks per run of a record file"),
+    "diff": ("gputaskman.offline.diff", "compare two saved --json snapshots"),
+    "replay": ("gputaskman.cli.replay", "play a record file in the TUI (offline, never samples)"),
+    "serve": ("gputaskman.cli.serve", "serve Prometheus metrics (sampled like the TUI)"),
+}
+
+# How long one-shot output waits between the priming host sample and the real one, so
+# CPU% (a rate) has two samples. Short enough not to be noticed.
+CPU_RATE_WINDOW_S = 0.25
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
+    return v
+
+
+def _gpu_index(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a GPU index: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"GPU index must be 0 or more: {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gputaskman",
+        description="What is inside GPU memory: per-process VRAM, engine load, runtimes and "
+        "models, with the provenance of every number (measured, inferred, estimated, "
+        "runtime-reported). Runs the TUI unless told otherwise.",
+    )
+    parser.add_argument("--version", action="version", version=f"gputaskman {__version__}")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="print one text report and exit")
+    mode.add_argument("--json", action="store_true", help="print one JSON snapshot and exit")
+    mode.add_argument("--list-gpus", action="store_true", help="list GPUs and exit")
+    parser.add_argument("--gpu", type=_gpu_index, metavar="N", help="select GPU N (index)")
+    parser.add_argument(
+        "--interval",
+        type=_positive_float,
+        default=1.0,
+        metavar="S",
+        help="TUI refresh interval in seconds (default 1.0)",
+    )
+    # Hidden: read /sys and /proc below DIR instead of the machine's (a fixture tree from
+    # `python -m gputaskman.fixtures.drm_fixtures DIR`); NVML is not asked. For demos and tests.
+    parser.add_argument("--sysroot", metavar="DIR", help=argparse.SUPPRESS)
+    if SUBCOMMANDS:
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+        for name, (module_name, help_text) in SUBCOMMANDS.items():
+            module = importlib.import_module(module_name)
+            p = sub.add_parser(name, help=help_text, description=help_text)
+            module.add_arguments(p)
+            p.set_defaults(_module=module)
+    return parser
+
+
+def _one_shot(args: argparse.Namespace) -> int:
+    from gputaskman.core import report
+
+    collector = _collector(args, scan_budget=None)
+    try:
+        collector.prime()
+        time.sleep(CPU_RATE_WINDOW_S)
+        snap, system = collector.sample_with_system()
+    finally:
+        collector.close()
+    rc = _check_gpu_index(snap, args.gpu)
+    if args.json:
+        doc = report.to_json_dict(snap, system, selected_gpu=args.gpu)
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        sys.stdout.write(report.render_text(snap, system, selected_gpu=args.gpu))
+    return rc
+
+
+def _collector(args: argparse.Namespace, scan_budget: float | None) -> Any:
+    """The real collector, or one reading the tree under ``--sysroot``."""
+    from gputaskman.core.collector import Collector, sysroot_collector
+
+    if getattr(args, "sysroot", None):
+        if not os.path.isdir(args.sysroot):
+            raise SystemExit(f"gputaskman: --sysroot {args.sysroot}: not a directory")
+        return sysroot_collector(args.sysroot, args.gpu, scan_budget)
+    return Collector(gpu=args.gpu, scan_budget=scan_budget)
+
+
+def _check_gpu_index(snap: object, gpu: int | None) -> int:
+    """Exit code for `--gpu N`: 2 when NVML works and lists no GPU N (a usage error);
+    0 when there is no backend at all (the report already says why)."""
+    if gpu is None or not snap.available:  # type: ignore[attr-defined]
+        return 0
+    if any(a.index == gpu for a in snap.adapters):  # type: ignore[attr-defined]
+        return 0
+    count = len(snap.adapters)  # type: ignore[attr-defined]
+    print(f"gputaskman: no GPU {gpu}; NVML lists {count} GPU(s)", file=sys.stderr)
+    return 2
+
+
+def _list_gpus(args: argparse.Namespace, source: Any = None) -> int:
+    """Print the adapters, then a line for every probe that is not a plain success.
+
+    `source` replaces `collector.default_gpu_source()` (tests pass a mocked backend).
+    """
+    from gputaskman.backends import platforms
+    from gputaskman.core import collector, report
+
+    if source is None and getattr(args, "sysroot", None):
+        if not os.path.isdir(args.sysroot):
+            raise SystemExit(f"gputaskman: --sysroot {args.sysroot}: not a directory")
+        source = collector.sysroot_gpu_source(args.sysroot)
+    src = source if source is not None else collector.default_gpu_source()
+    # NvmlWithDrm clears NVML's failure once DRM finds a card; keep NVML's own sample so
+    # its probe can still be reported on its own line.
+    linux = getattr(src, "primary", src)
+    nvml_part = None
+    if hasattr(linux, "nvml") and hasattr(linux, "drm"):
+        nvml_part = linux.nvml = _KeepLast(linux.nvml)
+    try:
+        s = src.sample()
+    finally:
+        src.close()
+    backend = getattr(s, "backend", None) or collector.BACKEND
+    for a in s.adapters:
+        m = s.metrics.get(a.pci_bus_id)
+        total = report.fmt_reading(m.memory_total_bytes, as_bytes=True, reason=True) if m else "n/a"
+        print(
+            f"{a.index}  {a.name or 'n/a'}  {a.pci_bus_id}  {a.uuid or 'n/a'}  {total}"
+            f"  [{a.backend}]"
+        )
+    # A failed probe is not an empty list: each probe says which it was, and why.
+    found = platforms.probes(src, s, backend)
+    if nvml_part is not None and nvml_part.last is not None and s.adapters:
+        n = nvml_part.last
+        found.insert(1, platforms.ProbeResult.of("nvml", n.adapters, n.backend_problem))
+    for pr in found:
+        if pr.status != "ok" or pr.partial:
+            print(pr.line())
+    drm = getattr(src, "last_drm", None)
+    if drm is not None and not drm.adapters:
+        print("drm: no amdgpu, i915 or xe card in /sys/class/drm")
+    for p in s.problems:
+        if p is not s.backend_problem:
+            print("problem: " + report.describe_problem(p))
+    for note in getattr(s, "notes", ()):
+        print("note: " + note)
+    return 0
+
+
+class _KeepLast:
+    """A GPU source that remembers its last sample (for `_list_gpus`)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.last: Any = None
+
+    def sample(self) -> Any:
+        self.last = self.inner.sample()
+        return self.last
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _tui(args: argparse.Namespace) -> int:
+    from gputaskman.tui.app import create_app
+
+    factory = None
+    if args.sysroot:
+        from gputaskman.core.collector import SCAN_BUDGET
+
+        def factory() -> Any:
+            return _collector(args, SCAN_BUDGET)
+
+    app = create_app(gpu=args.gpu, interval=args.interval, collector_factory=factory)
+    app.run()
+    return int(app.return_code or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "command", None):
+        return int(args._module.run(args) or 0)
+    if args.list_gpus:
+        return _list_gpus(args)
+    if args.once or args.json:
+        return _one_shot(args)
+    if not sys.stdout.isatty():
+        print("gputaskman: stdout is not a terminal; printing the --once report", file=sys.stderr)
+        args.once = True
+        return _one_shot(args)
+    return _tui(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

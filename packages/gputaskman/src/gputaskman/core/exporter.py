@@ -1,0 +1,446 @@
+"""Prometheus metric families from one `Snapshot` (+ host sample): what `gputaskman serve`
+exports.
+
+Theory of operation
+-------------------
+`SnapshotCollector.collect()` reads the latest cached sample (a callable returning it; the
+sampling thread in `serve.py` refreshes it) and turns it into metric families. A scrape never
+samples anything.
+
+The provenance rule carries over to metric names: a value measured by a driver or the OS is
+exported under the base name (``gputaskman_process_vram_bytes``); an inferred, estimated or
+runtime-reported value under a name carrying its kind
+(``gputaskman_process_vram_estimated_bytes``, ``..._runtime_bytes``), so a dashboard or a
+``sum()`` never mixes them. Every sample also carries a ``provenance`` label with the kind.
+Unknown values (a `Reading` with a reason) are not exported at all: absent, never 0.
+
+Labels: GPUs by ``gpu`` (index), ``pci_bus_id``, ``uuid`` and ``name``; processes by ``pid``
+and ``name`` (the process name, not its command line) plus the GPU labels. A process of
+another OS (the Windows host seen from WSL) has ``pid="windows:1234"``, as in the table, so it
+never shares a series with a local process of the same number, and it gets no RAM/CPU series
+(this machine's host sample knows nothing of it). ``model`` is the
+model's name only when two kinds of evidence confirm it (see `model.ModelRef.confirmed`), else
+empty; `gputaskman_process_model_info` lists every identified model with its evidence.
+
+Per-process memory beside VRAM, as ``--json`` has it (``paged_bytes``, ``footprint_bytes``):
+``gputaskman_process_paged_bytes`` is non-local / compressed graphics memory (Windows PDH
+``Non Local Usage``, macOS compressed graphics ledger) and ``gputaskman_process_footprint_bytes``
+the macOS physical footprint (CPU and GPU memory together: unified memory, not VRAM). Neither
+is part of ``gputaskman_process_vram_bytes`` or of any attributed sum, and a backend that does
+not measure them (NVML, DRM) exports no series at all, never 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gputaskman.base.readings import Adapter, Kind, ProcGpu, Reading, Snapshot
+
+GPU_LABELS = ("gpu", "pci_bus_id", "uuid", "gpu_name")
+PROC_LABELS = ("pid", "name", "model", *GPU_LABELS)
+
+# DeviceMetrics field -> (metric base name, unit suffix, scale, help)
+DEVICE_FIELDS: dict[str, tuple[str, str, float, str]] = {
+    "memory_total_bytes": ("gputaskman_gpu_memory_total", "bytes", 1, "GPU memory size"),
+    "memory_used_bytes": ("gputaskman_gpu_memory_used", "bytes", 1, "GPU memory in use"),
+    "memory_reserved_bytes": (
+        "gputaskman_gpu_memory_reserved",
+        "bytes",
+        1,
+        "GPU memory reserved by the driver",
+    ),
+    "util_gpu_percent": ("gputaskman_gpu_utilization", "percent", 1, "GPU engine busy"),
+    "util_memory_percent": (
+        "gputaskman_gpu_memory_utilization",
+        "percent",
+        1,
+        "Memory controller busy",
+    ),
+    "encoder_percent": ("gputaskman_gpu_encoder_utilization", "percent", 1, "Encoder busy"),
+    "decoder_percent": ("gputaskman_gpu_decoder_utilization", "percent", 1, "Decoder busy"),
+    "temperature_c": ("gputaskman_gpu_temperature", "celsius", 1, "GPU temperature"),
+    "power_w": ("gputaskman_gpu_power", "watts", 1, "Power draw"),
+    "power_limit_w": ("gputaskman_gpu_power_limit", "watts", 1, "Power limit"),
+    "clock_graphics_mhz": ("gputaskman_gpu_clock_graphics", "hertz", 1e6, "Graphics clock"),
+    "clock_sm_mhz": ("gputaskman_gpu_clock_sm", "hertz", 1e6, "SM clock"),
+    "clock_memory_mhz": ("gputaskman_gpu_clock_memory", "hertz", 1e6, "Memory clock"),
+}
+
+
+def metric_name(base: str, unit: str, kind: Kind) -> str:
+    """``base_unit`` for measured values, ``base_<kind>_unit`` for every other kind."""
+    if kind is Kind.MEASURED:
+        return f"{base}_{unit}" if unit else base
+    return f"{base}_{kind.value}_{unit}" if unit else f"{base}_{kind.value}"
+
+
+@dataclass(frozen=True)
+class Cached:
+    """One sample as the sampling thread left it."""
+
+    snapshot: Snapshot
+    system: Any  # host.SystemInfo | None
+    sampled_at: float  # time.time() when the sample finished
+    duration_s: float
+
+
+class _Families:
+    """Gauge families by name, created on first use with the labels they need."""
+
+    def __init__(self) -> None:
+        self.fams: dict[str, GaugeMetricFamily] = {}
+
+    def add(
+        self,
+        name: str,
+        doc: str,
+        labels: tuple[str, ...],
+        values: tuple[str, ...],
+        value: float,
+        kind: Kind = Kind.MEASURED,
+    ) -> None:
+        fam = self.fams.get(name)
+        if fam is None:
+            fam = self.fams[name] = GaugeMetricFamily(name, doc, labels=[*labels, "provenance"])
+        fam.add_metric([*values, kind.value], value)
+
+    def reading(
+        self,
+        base: str,
+        unit: str,
+        doc: str,
+        labels: tuple[str, ...],
+        values: tuple[str, ...],
+        r: Reading | None,
+        scale: float = 1,
+    ) -> None:
+        """Export `r` under the name of its kind; nothing when unknown."""
+        if r is None or r.value is None:
+            return
+        kind_doc = "" if r.kind is Kind.MEASURED else f" ({r.kind.value}, not measured)"
+        self.add(
+            metric_name(base, unit, r.kind), doc + kind_doc, labels, values, r.value * scale, r.kind
+        )
+
+
+def _gpu_values(a: Adapter | None) -> tuple[str, ...]:
+    if a is None:
+        return ("", "", "", "")
+    return (str(a.index), a.pci_bus_id, a.uuid or "", a.name or "")
+
+
+def _proc_values(p: ProcGpu, a: Adapter | None) -> tuple[str, ...]:
+    model = p.model.name if p.model is not None and p.model.confirmed else ""
+    pid = str(p.pid) if p.host is None else f"{p.host}:{p.pid}"  # another OS's PID
+    return (pid, p.name or "", model, *_gpu_values(a))
+
+
+def _breakdown_parts(view: object) -> Mapping[str, Any]:
+    """The parts of a weights/KV/compute view as reading objects (report's JSON shape)."""
+    from gputaskman.core.report_models import breakdown_json
+
+    return breakdown_json(view) or {}
+
+
+def _reading_from_json(obj: Any) -> Reading | None:
+    if not isinstance(obj, Mapping) or obj.get("value") is None:
+        return None
+    try:
+        return Reading(obj["value"], Kind(obj["kind"]), str(obj.get("source") or "?"))
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
+    """Every metric family for one cached sample."""
+    snap, system = c.snapshot, c.system
+    now = time.time() if now is None else now
+    yield GaugeMetricFamily(
+        "gputaskman_backend_up", "1 if the GPU backend answered", value=1 if snap.available else 0
+    )
+    yield GaugeMetricFamily(
+        "gputaskman_sample_timestamp_seconds",
+        "When the cached sample finished (Unix time)",
+        value=c.sampled_at,
+    )
+    yield GaugeMetricFamily(
+        "gputaskman_sample_age_seconds",
+        "Age of the cached sample at scrape time",
+        value=max(0.0, now - c.sampled_at),
+    )
+    yield GaugeMetricFamily(
+        "gputaskman_sample_duration_seconds", "Time the last sample took", value=c.duration_s
+    )
+    counts: dict[tuple[str, str], int] = {}
+    # the backend problem is usually also in `problems`: count each problem once
+    for pr in dict.fromkeys(
+        snap.problems + ((snap.backend_problem,) if snap.backend_problem else ())
+    ):
+        key = (pr.where, str(pr.reason))
+        counts[key] = counts.get(key, 0) + 1
+    fam_problems = GaugeMetricFamily(
+        "gputaskman_sample_problems",
+        "Problems that reduced what the latest sample shows",
+        labels=["where", "reason"],
+    )
+    for (where, reason), n in sorted(counts.items()):
+        fam_problems.add_metric([where, reason], n)
+    yield fam_problems
+
+    f = _Families()
+    for a in snap.adapters:
+        gv = _gpu_values(a)
+        info = f.fams.get("gputaskman_gpu_info")
+        if info is None:
+            info = f.fams["gputaskman_gpu_info"] = GaugeMetricFamily(
+                "gputaskman_gpu_info",
+                "One per GPU (labels identify it)",
+                labels=[*GPU_LABELS, "vendor", "backend"],
+            )
+        info.add_metric([*gv, a.vendor, a.backend], 1)
+        m = snap.metrics.get(a.pci_bus_id)
+        if m is not None:
+            for fld, (base, unit, scale, doc) in DEVICE_FIELDS.items():
+                f.reading(base, unit, doc, GPU_LABELS, gv, getattr(m, fld), scale)
+        for key, r in (snap.extra_metrics.get(a.pci_bus_id) or {}).items():
+            base, _, unit = key.rpartition("_")
+            f.reading(f"gputaskman_gpu_{base}", unit, f"Backend-specific: {key}", GPU_LABELS, gv, r)
+        attributed = snap.attributed_on(a.pci_bus_id)
+        if attributed is not None:  # a sum of measured values only
+            f.add(
+                "gputaskman_gpu_attributed_bytes",
+                "Sum of measured per-process VRAM",
+                GPU_LABELS,
+                gv,
+                attributed,
+            )
+            f.add(
+                "gputaskman_gpu_attributed_complete",
+                "1 if every process's VRAM was measured (else the sum is a lower bound)",
+                GPU_LABELS,
+                gv,
+                1 if snap.attributed_complete_on(a.pci_bus_id) else 0,
+            )
+
+    from gputaskman.core.report import proc_host_lookup
+
+    lookup = proc_host_lookup(system)
+    seen_model: set[tuple[str, ...]] = set()
+    for p in snap.processes:
+        a = snap.adapter(p.adapter) if p.adapter else None
+        pv = _proc_values(p, a)
+        f.reading(
+            "gputaskman_process_vram", "bytes", "Process GPU memory", PROC_LABELS, pv, p.dedicated
+        )
+        f.reading(
+            "gputaskman_process_vram", "bytes", "Process GPU memory", PROC_LABELS, pv, p.inferred
+        )
+        f.reading(
+            "gputaskman_process_paged",
+            "bytes",
+            "Process non-local / compressed "
+            "graphics memory (Windows Non Local Usage, macOS); not VRAM, never summed",
+            PROC_LABELS,
+            pv,
+            p.paged,
+        )
+        f.reading(
+            "gputaskman_process_footprint",
+            "bytes",
+            "Process physical footprint "
+            "(macOS unified memory, CPU and GPU); not VRAM, never summed",
+            PROC_LABELS,
+            pv,
+            p.footprint,
+        )
+        for engine, r in sorted(p.engines.items()):
+            f.reading(
+                f"gputaskman_process_{engine}_utilization",
+                "percent",
+                f"Process share of the {engine} engine",
+                PROC_LABELS,
+                pv,
+                r,
+            )
+        # a row of another OS must not pick up the readings of a local process that
+        # happens to have the same PID
+        host = lookup(p.pid, p.create_time) if p.host is None else {}
+        f.reading(
+            "gputaskman_process_ram",
+            "bytes",
+            "Process resident RAM (OS)",
+            PROC_LABELS,
+            pv,
+            host.get("ram_bytes"),
+        )
+        f.reading(
+            "gputaskman_process_cpu",
+            "percent",
+            "Process CPU, percent of one core (OS)",
+            PROC_LABELS,
+            pv,
+            host.get("cpu_percent"),
+        )
+        if p.model is not None:
+            key = (*pv, p.model.name, p.model.evidence)
+            if key not in seen_model:
+                seen_model.add(key)
+                fam = f.fams.get("gputaskman_process_model_info")
+                if fam is None:
+                    fam = f.fams["gputaskman_process_model_info"] = GaugeMetricFamily(
+                        "gputaskman_process_model_info",
+                        "The model a process holds, with "
+                        "its strongest evidence (confirmed: two kinds agree)",
+                        labels=[*PROC_LABELS, "model_name", "evidence", "confirmed"],
+                    )
+                fam.add_metric(
+                    [*pv, p.model.name, p.model.evidence, "true" if p.model.confirmed else "false"],
+                    1,
+                )
+        if p.breakdown is not None:
+            doc = _breakdown_parts(p.breakdown)
+            for part, body in (doc.get("parts") or {}).items():
+                r = _reading_from_json(body.get("reading") if isinstance(body, Mapping) else None)
+                f.reading(
+                    "gputaskman_process_llm_part",
+                    "bytes",
+                    "Model memory part (weights, kv_cache, compute, other)",
+                    (*PROC_LABELS, "part"),
+                    (*pv, part),
+                    r,
+                )
+            f.reading(
+                "gputaskman_process_vram",
+                "bytes",
+                "Process GPU memory",
+                PROC_LABELS,
+                pv,
+                _reading_from_json(doc.get("reported_total")),
+            )
+            f.reading(
+                "gputaskman_process_vram",
+                "bytes",
+                "Process GPU memory",
+                PROC_LABELS,
+                pv,
+                _reading_from_json(doc.get("estimated_total")),
+            )
+    yield from f.fams.values()
+    if system is not None:
+        yield from system_families(system)
+
+
+def system_families(system: Any) -> Iterator[Metric]:
+    """RAM, swap devices, CPU (OS-measured) and the duvm pool (runtime) of the host sample."""
+    f = _Families()
+    m, s, c = system.memory, system.swap, system.cpu
+    for fld in ("total_bytes", "available_bytes", "used_bytes", "cached_bytes"):
+        f.reading(
+            f"gputaskman_system_memory_{fld[:-6]}",
+            "bytes",
+            f"System RAM {fld[:-6]}",
+            (),
+            (),
+            getattr(m, fld),
+        )
+    for fld in ("total_bytes", "used_bytes"):
+        f.reading(
+            f"gputaskman_system_swap_{fld[:-6]}",
+            "bytes",
+            f"Swap {fld[:-6]}",
+            (),
+            (),
+            getattr(s, fld),
+        )
+    f.reading("gputaskman_system_cpu", "percent", "CPU busy, all CPUs", (), (), c.percent)
+    for d in s.devices or ():
+        lv = (d.filename, d.type)
+        if d.size_bytes is not None:
+            f.add(
+                "gputaskman_system_swap_device_size_bytes",
+                "Swap device size",
+                ("device", "type"),
+                lv,
+                d.size_bytes,
+            )
+        if d.used_bytes is not None:
+            f.add(
+                "gputaskman_system_swap_device_used_bytes",
+                "Swap device used",
+                ("device", "type"),
+                lv,
+                d.used_bytes,
+            )
+    pool = getattr(system, "duvm", None)
+    if pool is not None:
+        for d in pool.daemons:
+            f.add(
+                "gputaskman_duvm_pool_health",
+                "duvm pool health from the daemon (1 on the current state)",
+                ("socket", "state"),
+                (d.socket, d.health),
+                1,
+                Kind.RUNTIME,
+            )
+            for p in d.peers:
+                f.reading(
+                    "gputaskman_duvm_peer_pages",
+                    "bytes",
+                    "This node's pages held by a duvm peer",
+                    ("socket", "peer"),
+                    (d.socket, p.peer),
+                    p.pages,
+                    4096,
+                )
+        for ln in pool.lending:
+            f.reading(
+                "gputaskman_duvm_lent",
+                "bytes",
+                "RAM this node's memserver holds for clients",
+                ("socket",),
+                (ln.socket,),
+                ln.used_bytes,
+            )
+            f.reading(
+                "gputaskman_duvm_lend_capacity",
+                "bytes",
+                "This node's memserver capacity",
+                ("socket",),
+                (ln.socket,),
+                ln.capacity_bytes,
+            )
+            for b in ln.borrowers:
+                f.reading(
+                    "gputaskman_duvm_lent_to",
+                    "bytes",
+                    "RAM lent to one client",
+                    ("socket", "client_id"),
+                    (ln.socket, b.client_id),
+                    b.stored_bytes,
+                )
+    yield from f.fams.values()
+
+
+class SnapshotCollector(Collector):
+    """A prometheus_client collector over the latest cached sample (None: not sampled yet)."""
+
+    def __init__(self, latest: Callable[[], Cached | None]) -> None:
+        self.latest = latest
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.latest()
+        if c is None:
+            yield GaugeMetricFamily(
+                "gputaskman_sample_ready", "1 once the first sample exists", value=0
+            )
+            return
+        yield GaugeMetricFamily(
+            "gputaskman_sample_ready", "1 once the first sample exists", value=1
+        )
+        yield from snapshot_families(c)

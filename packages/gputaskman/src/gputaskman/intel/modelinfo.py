@@ -1,0 +1,426 @@
+"""Which model a process holds, and its weights / KV cache / compute view, for the collector.
+
+Theory of operation
+-------------------
+The collector hands every row it shows to `ModelResolver.resolve` with the `procinfo.ProcInfo`
+of that process. Resolution has two halves:
+
+* **Cheap, on the collector's thread** (no I/O): the evidence procinfo already found
+  (``mapped``, ``cmdline``, ``path-arg``) goes through `evidence.assess`, giving a
+  `model.ModelRef` at once, named after the file.
+* **Costly, in `gather`**: everything that does I/O. Mapped Ollama blobs (no model extension)
+  are found by re-reading ``/proc/PID/maps`` for LLM-looking processes; the store index names
+  the files; the process's own listening ports are probed (GET only, short timeouts) when a
+  claim allows detail or procinfo classified an LLM runtime from mapped libraries; an Ollama
+  runner child is linked to its ``ollama serve`` parent, whose ``/api/ps`` names the model;
+  the GGUF header is read (90-200 ms for a real model, cached by path/size/mtime); the
+  runtime's buffer log is parsed; an app adapter (`apps`) reads the selected model.
+  `gather` returns `Inputs`; `llm.build_view` then turns them plus this refresh's measured
+  bytes into an `llm.LlmView` (pure arithmetic, done every refresh).
+
+With ``background=True`` (the TUI and ``record``) `gather` runs on a small thread pool: a
+refresh never waits on it; a row shows the cheap ref (``pending``) until its job finishes,
+and results are re-gathered every `ttl` seconds (logs and APIs change). With
+``background=False`` (``--once``/``--json``) `gather` runs inline, so one-shot output is
+complete. A path-arg-only claim is informational: no probing, header read or estimates.
+
+The raw (unredacted) command line is read here only for the API key a llama-server was
+started with and for ``--log-file``; it is never stored in a result or shown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gputaskman.base import procfs
+from gputaskman.base.procargs import split_cmdline
+from gputaskman.base.readings import ModelRef
+from gputaskman.intel import apps, evidence, gguf, llm, stores
+from gputaskman.intel.evidence import Evidence, ModelClaim, Source
+from gputaskman.intel.runtimes import LLM
+
+__all__ = ["Inputs", "ModelResolver", "Resolved", "gather"]
+
+# Mapped files looked at for store blobs (an Ollama runner maps few; a browser maps many).
+MAX_STORE_PATHS = 64
+# Process names whose mapped files are checked against the store index even without a
+# model extension (Ollama's runner maps a blob named sha256-<hex>).
+BLOB_PROCESS_NAMES = ("ollama", "ollama_llama_se", "ollama-runner")
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """What `gather` found for one process (all I/O done)."""
+
+    claims: tuple[ModelClaim, ...]
+    friendly: Mapping[str, stores.StoreName] = field(default_factory=dict)  # path -> name
+    header: gguf.GGUFHeader | None = None
+    header_error: str | None = None
+    buffers: llm.BufferSizes | None = None
+    probe: llm.ProbeResult | None = None
+    probed_pid: int | None = None
+    runtime: str | None = None
+    app: apps.AppModel | None = None
+    cost_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """One row's model: the ref (None: no model known), the view, the app's selection."""
+
+    ref: ModelRef | None = None
+    view: llm.LlmView | None = None
+    app: apps.AppModel | None = None
+
+
+def _runtime_hint(info: Any) -> str | None:
+    """The API table to try, from the mapped runtime libraries (None: try every table)."""
+    keys = set(getattr(info, "runtime_keys", ()) or ())
+    name = (getattr(info, "name", None) or "").lower()
+    if name.startswith("ollama"):
+        return "ollama"
+    if "llama" in keys or any(k.startswith("ggml") for k in keys) or name.startswith("llama"):
+        return "llama.cpp"
+    if name.startswith("lm studio") or name.startswith("lms"):
+        return "lmstudio"
+    return None
+
+
+def _llm_by_libraries(info: Any) -> bool:
+    c = getattr(info, "classification", None)
+    return c is not None and c.category == LLM and not c.heuristic
+
+
+def cheap_claims(info: Any) -> list[ModelClaim]:
+    """Claims from procinfo's evidence only (no I/O)."""
+    return evidence.assess(evidence.from_procinfo(getattr(info, "models", ()) or ()))
+
+
+def _raw_argv(pid: int, proc: str) -> tuple[str, ...]:
+    try:
+        return split_cmdline(procfs.read_proc(pid, "cmdline", root=proc))
+    except procfs.ProcError:
+        return ()
+
+
+def _store_blobs(info: Any, index: stores.StoreIndex, proc: str) -> list[Evidence]:
+    """``mapped`` evidence for mapped store files without a model extension."""
+    from gputaskman.intel.procinfo import mapped_paths
+
+    try:
+        text = procfs.read_proc(info.pid, "maps", root=proc).decode("utf-8", "replace")
+    except procfs.ProcError:
+        return []
+    paths = sorted(p for p in mapped_paths(text) if ".so" not in os.path.basename(p))
+    return evidence.mapped_store_files(paths, index.name_for, limit=MAX_STORE_PATHS)
+
+
+def _link_names(
+    api: Sequence[Evidence], friendly: Mapping[str, stores.StoreName]
+) -> list[Evidence]:
+    """Give name-only API evidence (Ollama's ``/api/ps`` names ``llama3.2:3b``) the path of
+    the one mapped blob the store index calls by that name."""
+    out = []
+    for e in api:
+        if e.path is None and e.model is not None:
+            hits = [p for p, n in friendly.items() if e.model == n.name or e.model in n.aliases]
+            if len(hits) == 1:
+                e = replace(e, path=hits[0])
+        out.append(e)
+    return out
+
+
+def _parent_ollama(pid: int, proc: str) -> int | None:
+    """The PID of an ``ollama`` parent (``ollama serve`` answers the API for its runner)."""
+    try:
+        ppid = procfs.read_stat(pid, root=proc).ppid
+        parent = procfs.read_stat(ppid, root=proc)
+    except procfs.ProcError:
+        return None
+    return ppid if parent.name.lower().startswith("ollama") else None
+
+
+def gather(
+    info: Any,
+    index: stores.StoreIndex,
+    *,
+    proc: str = procfs.PROC,
+    probe_timeout: float = 0.5,
+    probe_deadline: float = 3.0,
+) -> Inputs:
+    """Do every costly look for one process (see the module docstring). Never raises for
+    a process that vanished or refused a read: what could not be read is simply absent."""
+    t0 = time.perf_counter()
+    pid, cwd = info.pid, getattr(info, "cwd", None)
+    app = None
+    spec = apps.spec_for_process(info.name or "")
+    if spec is not None:
+        app = apps.read_app_model(spec)
+    evs = evidence.from_procinfo(info.models or ())
+    name = (info.name or "").lower()
+    has_mapped = any(e.source is Source.MAPPED for e in evs)
+    if not has_mapped and (name.startswith(BLOB_PROCESS_NAMES) or _llm_by_libraries(info)):
+        evs += _store_blobs(info, index, proc)
+    claims = evidence.assess(evs)
+    friendly: dict[str, stores.StoreName] = {}
+    for c in claims:
+        if c.path is not None:
+            n = index.name_for(c.path, cwd)
+            if n is not None:
+                friendly[c.path] = n
+    detail = any(c.allows_detail for c in claims)
+    result: llm.ProbeResult | None = None
+    probed = None
+    runtime = _runtime_hint(info)
+    raw: tuple[str, ...] = ()
+    if detail or _llm_by_libraries(info):
+        raw = _raw_argv(pid, proc)
+        socks = llm.listening_sockets(pid, proc=proc)
+        probed = pid
+        if socks:
+            result = llm.probe(
+                socks,
+                runtime,
+                api_key=evidence.api_key_from_argv(raw),
+                timeout=probe_timeout,
+                deadline_s=probe_deadline,
+            )
+        if (result is None or not result.ok) and any(
+            n.store == "ollama" for n in friendly.values()
+        ):
+            # an Ollama runner's own port is not the documented API; `ollama serve` is
+            parent = _parent_ollama(pid, proc)
+            psocks = llm.listening_sockets(parent, proc=proc) if parent is not None else []
+            if psocks:
+                probed, runtime = parent, "ollama"
+                result = llm.probe(
+                    psocks, "ollama", timeout=probe_timeout, deadline_s=probe_deadline
+                )
+        if result is not None and result.ok:
+            runtime = result.runtime
+            api = _link_names(result.evidence(cwd), friendly)
+            claims = evidence.assess([*evs, *api])
+    header = None
+    header_error = None
+    buffers = None
+    best = claims[0] if claims else None
+    if best is not None and best.allows_detail and best.path is not None:
+        try:
+            header = gguf.read_header_cached(best.path)
+        except (OSError, gguf.GGUFError) as e:
+            header_error = f"{type(e).__name__}: {e}"
+        for p in llm.log_files(pid, raw, cwd, proc=proc):
+            with contextlib.suppress(OSError):
+                buffers = llm.read_buffer_log(p)
+            if buffers is not None:
+                break
+    return Inputs(
+        tuple(claims),
+        friendly,
+        header,
+        header_error,
+        buffers,
+        result,
+        probed,
+        runtime,
+        app,
+        time.perf_counter() - t0,
+    )
+
+
+def _served_for(claim: ModelClaim, probe: llm.ProbeResult | None) -> llm.ServedModel | None:
+    if probe is None:
+        return None
+    for m in probe.models:
+        if m.loaded is False:
+            continue
+        if claim.path and m.path and os.path.realpath(m.path) == claim.path:
+            return m
+        if claim.model and m.name == claim.model:
+            return m
+    loaded = [m for m in probe.models if m.loaded is not False]
+    return loaded[0] if len(loaded) == 1 and claim.sources & {Source.API} else None
+
+
+def _ref(
+    claim: ModelClaim, name: str | None, store: str | None, *, pending: bool, inputs: Inputs | None
+) -> ModelRef:
+    p = inputs.probe if inputs is not None else None
+    return ModelRef(
+        name=name or claim.model or (os.path.basename(claim.path) if claim.path else "?"),
+        evidence=claim.best.value,
+        confirmed=claim.confirmed,
+        path=claim.path,
+        store=store,
+        status=claim.status,
+        sources=tuple(sorted(s.value for s in claim.sources)),
+        pending=pending,
+        api_runtime=p.runtime if p is not None else None,
+        api_endpoint=p.endpoint if p is not None else None,
+        api_errors=tuple(p.errors) if p is not None else (),
+        header_error=inputs.header_error if inputs is not None else None,
+    )
+
+
+def build(
+    info: Any,
+    inputs: Inputs | None,
+    *,
+    argv: Sequence[str] | None,
+    measured_bytes: int | None,
+    device: str | None,
+) -> Resolved:
+    """The row's `Resolved` from gathered inputs (None: not gathered yet, cheap ref only)."""
+    if inputs is None:
+        claims = cheap_claims(info)
+        if not claims:
+            return Resolved()
+        return Resolved(_ref(claims[0], None, None, pending=True, inputs=None))
+    if not inputs.claims:
+        return Resolved(app=inputs.app)
+    claim = inputs.claims[0]
+    store = inputs.friendly.get(claim.path) if claim.path else None
+    view = None
+    if claim.allows_detail:
+        view = llm.build_view(
+            claim,
+            header=inputs.header,
+            buffers=inputs.buffers,
+            served=_served_for(claim, inputs.probe),
+            runtime=inputs.runtime,
+            friendly_name=store.name if store else None,
+            argv=argv or (),
+            device=device,
+            measured_bytes=measured_bytes,
+        )
+    name = view.model if view is not None else (store.name if store else None)
+    ref = _ref(claim, name, store.store if store else None, pending=False, inputs=inputs)
+    return Resolved(ref, view, inputs.app)
+
+
+class ModelResolver:
+    """Caches `gather` per ``(pid, create_time)``; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        background: bool = True,
+        index: stores.StoreIndex | None = None,
+        proc: str = procfs.PROC,
+        ttl: float = 10.0,
+        max_workers: int = 2,
+        probe_timeout: float = 0.5,
+        probe_deadline: float = 3.0,
+    ) -> None:
+        self.background = background
+        self.index = index if index is not None else stores.StoreIndex()
+        self.proc = proc
+        self.ttl = ttl
+        self.probe_timeout = probe_timeout
+        self.probe_deadline = probe_deadline
+        self._lock = threading.Lock()
+        self._done: dict[tuple[int, float | None], tuple[float, Inputs]] = {}
+        self._running: dict[tuple[int, float | None], Any] = {}
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self._pool = None
+        if background:
+            # Daemon threads, not a ThreadPoolExecutor: the interpreter joins executor
+            # threads at exit, so one read stuck on a dead network or FUSE mount would keep
+            # `record` or the TUI from ever exiting.
+            self._pool = [
+                threading.Thread(target=self._work, name=f"gtm-model-{i}", daemon=True)
+                for i in range(max_workers)
+            ]
+            for t in self._pool:
+                t.start()
+
+    def _gather(self, info: Any) -> Inputs:
+        return gather(
+            info,
+            self.index,
+            proc=self.proc,
+            probe_timeout=self.probe_timeout,
+            probe_deadline=self.probe_deadline,
+        )
+
+    def inputs(self, info: Any) -> Inputs | None:
+        """Gathered inputs for `info` (inline when not in background; else cached, with a
+        job submitted when missing or older than `ttl`). Never blocks in background mode."""
+        key = info.key
+        now = time.monotonic()
+        with self._lock:
+            hit = self._done.get(key)
+        if self._pool is None:
+            if hit is None or now - hit[0] >= self.ttl:
+                hit = (now, self._gather(info))
+                with self._lock:
+                    self._done[key] = hit
+            return hit[1]
+        if hit is None or now - hit[0] >= self.ttl:
+            with self._lock:
+                if key not in self._running and not self._closed:
+                    self._running[key] = info
+                    self._queue.put(key)
+        return hit[1] if hit is not None else None
+
+    def _work(self) -> None:
+        while True:
+            key = self._queue.get()
+            if key is None:
+                return
+            with self._lock:
+                info = self._running.get(key)
+            try:
+                inputs = self._gather(info)
+            except Exception:
+                # a bug in one probe must not leave the row pending forever: no detail
+                inputs = Inputs(())
+            with self._lock:
+                self._running.pop(key, None)
+                self._done[key] = (time.monotonic(), inputs)
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait until no job is queued or running (tests, benchmarks). True when idle."""
+        with self._lock:
+            return self._idle.wait_for(lambda: not self._running, timeout)
+
+    def resolve(
+        self, info: Any, *, measured_bytes: int | None = None, device: str | None = None
+    ) -> Resolved:
+        return build(
+            info,
+            self.inputs(info),
+            argv=getattr(info, "cmdline", None),
+            measured_bytes=measured_bytes,
+            device=device,
+        )
+
+    def costs(self) -> list[float]:
+        """Seconds each cached look took (benchmarks)."""
+        with self._lock:
+            return [inputs.cost_s for _, inputs in self._done.values()]
+
+    def forget(self, live: Iterable[tuple[int, float | None]]) -> None:
+        keep = set(live)
+        with self._lock:
+            for k in [k for k in self._done if k not in keep]:
+                del self._done[k]
+
+    def close(self) -> None:
+        """Stop taking jobs; workers finish their current look and exit (never joined)."""
+        with self._lock:
+            self._closed = True
+            self._running.clear()
+            self._idle.notify_all()
+        for _ in self._pool or ():
+            self._queue.put(None)

@@ -1,0 +1,681 @@
+"""``gputaskman diff BEFORE.json AFTER.json``: which memory moved between two saved snapshots.
+
+Theory of operation
+-------------------
+Works on saved ``--json`` objects only, never on live state. Three steps:
+
+1. **Pair adapters.** By UUID when both sides have one, else by (vendor, PCI address).
+   The same PCI address with a different vendor or UUID, or two snapshots whose addressed
+   adapters have none in common, are *conflicting adapters*: the snapshots describe
+   different GPUs and `diff` refuses (exit 3) rather than compare unrelated memory. An
+   adapter without an address can only be paired by name; that happens only when the
+   name is unique on both sides and always carries a ``name-only`` warning, because two
+   cards of one model look the same by name. Two adapters that share a name are never
+   paired by name when their addresses can tell them apart.
+2. **Pair process rows** by PID on paired adapters (rows with no GPU context pair with
+   rows with none). When both ``started_at`` values are valid times more than
+   `SAME_PROCESS_SECS` apart, the PID was reused by a different process: the two rows are
+   never paired, whatever else matches. An unknown or malformed start time never
+   conflicts, so snapshots without one pair by PID as before.
+3. **Compare fields**, sorted into sections by the kind the snapshot recorded. Fields in
+   `MEASURED` (driver memory counters, the measured per-process VRAM and the measured
+   sums) are compared directly with a byte delta. Byte readings of kind inferred,
+   runtime-reported or estimated go to their own sections and are never mixed into the
+   measured one. Host RAM/CPU is not GPU memory and is ignored.
+
+Unknown is never 0: a field that is null on one side "became known" or "became unknown"
+(with the reason), a row missing on one side is "not listed", and no delta is computed
+from either. A field whose kind differs between the two sides is shown, not subtracted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gputaskman.core import report
+from gputaskman.offline.recordfile import SnapshotError, is_number, load_snapshot_file
+
+SAME_PROCESS_SECS = report.SAME_PROCESS_SECS
+
+# Byte counts compared directly when their reading is measured (adapter metrics, the
+# measured sums, the driver's per-process VRAM). Add a new measured byte count here.
+MEASURED = (
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "memory_reserved_bytes",
+    "gtt_used_bytes",  # amdgpu: system memory the GPU has mapped (extra_metrics)
+    "gtt_total_bytes",
+    "attributed_bytes",
+    "vram_bytes",
+)
+SECTIONS = ("measured", "inferred", "runtime", "estimated")
+SECTION_TITLES = {
+    "measured": "MEASURED (driver counters and sums of them, compared directly)",
+    "inferred": "INFERRED (derived values; never summed)",
+    "runtime": "RUNTIME-REPORTED (what a runtime says about itself)",
+    "estimated": "ESTIMATED (computed from a model, not observed)",
+}
+# Process keys that are not GPU memory (host readings) or only restate others.
+IGNORED_PROCESS_KEYS = frozenset({"ram_bytes", "cpu_percent", "shown_vram", "breakdown"})
+
+EXIT_REFUSED = 3
+EXIT_BAD_INPUT = 2
+
+
+class Refused(Exception):
+    """The snapshots describe different GPUs; the message says which."""
+
+
+# ---------------------------------------------------------------------------- fields
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """One side of a field: the recorded value (None when unknown) and why."""
+
+    value: float | None
+    kind: str
+    reason: str | None = None
+
+    def json(self) -> dict[str, Any]:
+        return {"value": self.value, "kind": self.kind, "reason": self.reason}
+
+
+def _value(obj: object) -> Value | None:
+    """A reading object as a `Value`; None when it is not one."""
+    if not isinstance(obj, Mapping) or "value" not in obj or "kind" not in obj:
+        return None
+    v = obj.get("value")
+    reason = obj.get("reason") if isinstance(obj.get("reason"), str) else None
+    if not is_number(v):
+        return Value(None, str(obj.get("kind")), reason or "unknown")
+    return Value(v, str(obj.get("kind")), None)
+
+
+def _sum_value(v: object) -> Value:
+    """A plain measured sum (``attributed_bytes``): null means nothing was measured."""
+    if is_number(v):
+        return Value(v, "measured")
+    return Value(None, "measured", "nothing measured")
+
+
+def _byte_readings(row: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Value]]:
+    """Every byte-count reading in a process row (nested objects included)."""
+    for k, v in row.items():
+        if not prefix and k in IGNORED_PROCESS_KEYS:
+            continue
+        name = f"{prefix}{k}"
+        val = _value(v)
+        if val is not None:
+            if k.endswith("_bytes"):
+                yield name, val
+        elif isinstance(v, Mapping):
+            yield from _byte_readings(v, f"{name}.")
+
+
+def adapter_fields(a: Mapping[str, Any]) -> dict[str, Value]:
+    out: dict[str, Value] = {}
+    for group in ("metrics", "extra_metrics"):
+        metrics = a.get(group)
+        if not isinstance(metrics, Mapping):
+            continue
+        for k, v in metrics.items():
+            val = _value(v)
+            if val is not None and str(k).endswith("_bytes"):
+                out[str(k)] = val
+    if "attributed_bytes" in a:
+        out["attributed_bytes"] = _sum_value(a.get("attributed_bytes"))
+    return out
+
+
+def _breakdown_readings(view: object) -> Iterator[tuple[str, Value]]:
+    """The weights / KV / compute parts (each part's chosen reading, not its alternatives)
+    and the runtime-reported and estimated totals of a recorded ``breakdown``."""
+    if not isinstance(view, Mapping):
+        return
+    parts = view.get("parts")
+    if isinstance(parts, Mapping):
+        for name, part in parts.items():
+            val = _value(part.get("reading")) if isinstance(part, Mapping) else None
+            if val is not None:
+                yield f"breakdown.{name}", val
+    for key in ("reported_total", "estimated_total"):
+        val = _value(view.get(key))
+        if val is not None:
+            yield f"breakdown.{key}", val
+
+
+def process_fields(row: Mapping[str, Any]) -> dict[str, Value]:
+    fields = dict(_byte_readings(row))
+    fields.update(_breakdown_readings(row.get("breakdown")))
+    return fields
+
+
+def _section(name: str, kind: str) -> str | None:
+    if kind == "measured":
+        return "measured" if name.rsplit(".", 1)[-1] in MEASURED else None
+    return kind if kind in SECTIONS else None
+
+
+@dataclass(frozen=True, slots=True)
+class FieldChange:
+    field: str
+    section: str
+    before: Value | None  # None: the row is not listed in that snapshot
+    after: Value | None
+    change: str
+    delta: float | None = None
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "field": self.field,
+            "section": self.section,
+            "before": None if self.before is None else self.before.json(),
+            "after": None if self.after is None else self.after.json(),
+            "change": self.change,
+            "delta": self.delta,
+        }
+
+
+def compare_fields(
+    before: Mapping[str, Value] | None, after: Mapping[str, Value] | None
+) -> list[FieldChange]:
+    """Field-by-field changes; `before`/`after` None means the row is not listed there."""
+    names = list(dict.fromkeys([*(before or {}), *(after or {})]))
+    out = []
+    for name in names:
+        b = None if before is None else before.get(name)
+        a = None if after is None else after.get(name)
+        kinds = {v.kind for v in (b, a) if v is not None}
+        section = next((s for k in kinds if (s := _section(name, k))), None)
+        if section is None:
+            continue
+        if before is None:
+            change, delta = "not listed before", None
+        elif after is None:
+            change, delta = "not listed after", None
+        elif b is None or a is None:
+            change, delta = "not recorded on one side", None
+        elif b.kind != a.kind:
+            change, delta = f"kind changed ({b.kind} -> {a.kind}); not compared", None
+        elif b.value is not None and a.value is not None:
+            delta = a.value - b.value
+            change = "unchanged" if delta == 0 else "changed"
+        elif b.value is None and a.value is not None:
+            change, delta = "became known", None
+        elif b.value is not None:
+            change, delta = "became unknown", None
+        else:
+            change, delta = "unknown in both", None
+        out.append(FieldChange(name, section, b, a, change, delta))
+    return out
+
+
+# ---------------------------------------------------------------------------- pairing
+
+
+def _text(v: object) -> str | None:
+    return v.strip().lower() if isinstance(v, str) and v.strip() else None
+
+
+MALFORMED = "\0malformed"  # a recorded address that is not a string: pairs with nothing
+UNPAIRED = "\0unpaired"
+
+
+def _bus(v: object) -> str | None:
+    """A recorded PCI address / ``gpu`` value as a pairing key: a string, None (no GPU
+    context), or `MALFORMED` for anything else (a list, a number)."""
+    if v is None or isinstance(v, str):
+        return v
+    return MALFORMED
+
+
+def _ident(a: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: a.get(k) for k in ("index", "vendor", "name", "uuid", "pci_bus_id", "backend")}
+
+
+def _label(a: Mapping[str, Any]) -> str:
+    return f"{a.get('vendor') or '?'} {a.get('name') or 'n/a'} at {a.get('pci_bus_id') or '?'}"
+
+
+@dataclass
+class AdapterPairing:
+    pairs: list[tuple[Mapping[str, Any], Mapping[str, Any], str]] = field(default_factory=list)
+    only_before: list[Mapping[str, Any]] = field(default_factory=list)
+    only_after: list[Mapping[str, Any]] = field(default_factory=list)
+    warnings: list[dict[str, str]] = field(default_factory=list)
+    bus_map: dict[str | None, str | None] = field(default_factory=lambda: {None: None})
+
+
+def pair_adapters(before: list[Any], after: list[Any]) -> AdapterPairing:
+    """Pair adapters (see the module docstring); raises `Refused` on conflicting ones."""
+    bs = [a for a in before if isinstance(a, Mapping)]
+    as_ = [a for a in after if isinstance(a, Mapping)]
+    out = AdapterPairing()
+    used_b: set[int] = set()
+    used_a: set[int] = set()
+
+    def pair(i: int, j: int, how: str) -> None:
+        used_b.add(i)
+        used_a.add(j)
+        out.pairs.append((bs[i], as_[j], how))
+        kb, ka = _bus(bs[i].get("pci_bus_id")), _bus(as_[j].get("pci_bus_id"))
+        if kb != MALFORMED:  # rows on a malformed address pair with nothing
+            out.bus_map[kb] = UNPAIRED if ka == MALFORMED else ka
+
+    def keyed(a: Mapping[str, Any]) -> bool:
+        return _text(a.get("pci_bus_id")) is not None and _text(a.get("vendor")) is not None
+
+    # 1. the same UUID is the same card, wherever it sits
+    for i, b in enumerate(bs):
+        ub = _text(b.get("uuid"))
+        for j, a in enumerate(as_):
+            if ub is None or i in used_b or j in used_a or ub != _text(a.get("uuid")):
+                continue
+            moved = _text(b.get("pci_bus_id")) != _text(a.get("pci_bus_id"))
+            pair(i, j, "uuid (PCI address changed)" if moved else "uuid")
+    # 2. the same PCI address: the same card unless vendor or UUID says otherwise
+    for i, b in enumerate(bs):
+        if i in used_b or not keyed(b):
+            continue
+        for j, a in enumerate(as_):
+            if j in used_a or not keyed(a):
+                continue
+            if _text(b.get("pci_bus_id")) != _text(a.get("pci_bus_id")):
+                continue
+            ub, ua = _text(b.get("uuid")), _text(a.get("uuid"))
+            if _text(b.get("vendor")) != _text(a.get("vendor")) or (ub and ua and ub != ua):
+                raise Refused(
+                    f"conflicting adapters at {b.get('pci_bus_id')}: before is {_label(b)} "
+                    f"(uuid {b.get('uuid')}), after is {_label(a)} (uuid {a.get('uuid')})"
+                )
+            pair(i, j, "pci_bus_id")
+            break
+    keyed_b = [i for i, b in enumerate(bs) if keyed(b)]
+    keyed_a = [j for j, a in enumerate(as_) if keyed(a)]
+    if keyed_b and keyed_a and not out.pairs:
+        raise Refused(
+            "conflicting adapters: before lists "
+            + "; ".join(_label(bs[i]) for i in keyed_b)
+            + ", after lists "
+            + "; ".join(_label(as_[j]) for j in keyed_a)
+            + " (no GPU in common)"
+        )
+    # 3. name-only, for adapters that cannot be compared more exactly: never two adapters
+    # whose addresses are both known (different addresses are different cards)
+    for i, b in enumerate(bs):
+        name = _text(b.get("name"))
+        if i in used_b or name is None:
+            continue
+        cands = [
+            j
+            for j, a in enumerate(as_)
+            if j not in used_a and _text(a.get("name")) == name and not (keyed(b) and keyed(a))
+        ]
+        if not cands:
+            continue
+        rivals = [k for k, x in enumerate(bs) if k not in used_b and _text(x.get("name")) == name]
+        if len(cands) > 1 or len(rivals) > 1:
+            out.warnings.append(
+                {
+                    "code": "name-only",
+                    "message": f"adapters named {b.get('name')!r} cannot be told apart "
+                    "(no PCI address on one side and the name is not unique); not compared",
+                }
+            )
+            continue
+        pair(i, cands[0], "name-only")
+        out.warnings.append(
+            {
+                "code": "name-only",
+                "message": f"{b.get('name')!r} compared by name only: the snapshots do not "
+                "both identify it by vendor and PCI address, so it may not be the same GPU",
+            }
+        )
+    out.only_before = [b for i, b in enumerate(bs) if i not in used_b]
+    out.only_after = [a for j, a in enumerate(as_) if j not in used_a]
+    return out
+
+
+def valid_start(v: object) -> float | None:
+    """A usable ``started_at``; anything else is unknown and never conflicts."""
+    return float(v) if is_number(v) and v > 0 else None
+
+
+def same_process(b: Mapping[str, Any], a: Mapping[str, Any]) -> bool:
+    sb, sa = valid_start(b.get("started_at")), valid_start(a.get("started_at"))
+    return sb is None or sa is None or abs(sb - sa) <= SAME_PROCESS_SECS
+
+
+@dataclass
+class ProcessEntry:
+    pid: Any
+    name: Any
+    before: Mapping[str, Any] | None
+    after: Mapping[str, Any] | None
+    fields: list[FieldChange]
+    pid_reused: bool = False
+
+    @property
+    def status(self) -> str:
+        if self.before is None:
+            return "not listed before"
+        if self.after is None:
+            return "not listed after"
+        return "paired"
+
+    def json(self) -> dict[str, Any]:
+        def side(r: Mapping[str, Any] | None) -> dict[str, Any] | None:
+            if r is None:
+                return None
+            return {"started_at": r.get("started_at"), "gpu": r.get("gpu"), "name": r.get("name")}
+
+        return {
+            "pid": self.pid,
+            "name": self.name,
+            "status": self.status,
+            "pid_reused": self.pid_reused,
+            "before": side(self.before),
+            "after": side(self.after),
+            "fields": [f.json() for f in self.fields],
+        }
+
+
+def pair_processes(
+    before: list[Any], after: list[Any], pairing: AdapterPairing
+) -> list[ProcessEntry]:
+    bs = [r for r in before if isinstance(r, Mapping)]
+    as_ = [r for r in after if isinstance(r, Mapping)]
+    taken: set[int] = set()
+    reused_after: set[int] = set()
+    out: list[ProcessEntry] = []
+    for b in bs:
+        gpu = _bus(b.get("gpu"))
+        target = UNPAIRED if gpu == MALFORMED else pairing.bus_map.get(gpu, UNPAIRED)
+        match = None
+        reused = False
+        for j, a in enumerate(as_):
+            if j in taken or a.get("pid") != b.get("pid") or _bus(a.get("gpu")) != target:
+                continue
+            if not same_process(b, a):
+                reused = True
+                reused_after.add(j)
+                continue
+            match = j
+            break
+        if match is None:
+            out.append(
+                ProcessEntry(
+                    b.get("pid"),
+                    b.get("name"),
+                    b,
+                    None,
+                    compare_fields(process_fields(b), None),
+                    reused,
+                )
+            )
+        else:
+            taken.add(match)
+            a = as_[match]
+            out.append(
+                ProcessEntry(
+                    b.get("pid"),
+                    a.get("name") or b.get("name"),
+                    b,
+                    a,
+                    compare_fields(process_fields(b), process_fields(a)),
+                )
+            )
+    for j, a in enumerate(as_):
+        if j not in taken:
+            out.append(
+                ProcessEntry(
+                    a.get("pid"),
+                    a.get("name"),
+                    None,
+                    a,
+                    compare_fields(None, process_fields(a)),
+                    j in reused_after,
+                )
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------- diff
+
+LOWER_BOUND = "lower bound (memory hidden or a process list failed); not compared"
+
+
+def _lower_bound(f: FieldChange, b: Mapping[str, Any], a: Mapping[str, Any]) -> FieldChange:
+    """A measured sum that is only a lower bound on either side is shown, not subtracted:
+    its change could be a process whose memory became hidden, not memory freed."""
+    if f.field != "attributed_bytes" or f.delta is None:
+        return f
+    if b.get("attributed_complete") is True and a.get("attributed_complete") is True:
+        return f
+    return FieldChange(f.field, f.section, f.before, f.after, LOWER_BOUND, None)
+
+
+def diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``--json`` diff object; raises `Refused` for conflicting adapters."""
+    pairing = pair_adapters(before["adapters"], after["adapters"])
+    warnings = list(pairing.warnings)
+    if before.get("backend") != after.get("backend"):
+        warnings.append(
+            {
+                "code": "backend-changed",
+                "message": f"backend {before.get('backend')} -> {after.get('backend')}: "
+                "counters may come from different APIs",
+            }
+        )
+    adapters: list[dict[str, Any]] = []
+    for b, a, how in pairing.pairs:
+        fields = compare_fields(adapter_fields(b), adapter_fields(a))
+        adapters.append(
+            {
+                "before": _ident(b),
+                "after": _ident(a),
+                "paired_by": how,
+                "status": "paired",
+                "fields": [_lower_bound(f, b, a).json() for f in fields],
+            }
+        )
+    for b in pairing.only_before:
+        adapters.append(
+            {
+                "before": _ident(b),
+                "after": None,
+                "paired_by": None,
+                "status": "not listed after",
+                "fields": [f.json() for f in compare_fields(adapter_fields(b), None)],
+            }
+        )
+    for a in pairing.only_after:
+        adapters.append(
+            {
+                "before": None,
+                "after": _ident(a),
+                "paired_by": None,
+                "status": "not listed before",
+                "fields": [f.json() for f in compare_fields(None, adapter_fields(a))],
+            }
+        )
+    procs = pair_processes(before["processes"], after["processes"], pairing)
+    tb, ta = before.get("taken"), after.get("taken")
+    return {
+        "schema": "gputaskman.offline.diff",
+        "schema_version": 1,
+        "before": {
+            "taken": tb,
+            "taken_iso": before.get("taken_iso"),
+            "backend": before.get("backend"),
+        },
+        "after": {
+            "taken": ta,
+            "taken_iso": after.get("taken_iso"),
+            "backend": after.get("backend"),
+        },
+        "elapsed_s": ta - tb if is_number(ta) and is_number(tb) else None,
+        "same_process_secs": SAME_PROCESS_SECS,
+        "warnings": warnings,
+        "adapters": adapters,
+        "processes": [p.json() for p in procs],
+    }
+
+
+# ---------------------------------------------------------------------------- text
+
+FIELD_LABELS = {
+    "memory_used_bytes": "memory used",
+    "memory_total_bytes": "memory total",
+    "memory_reserved_bytes": "memory reserved",
+    "attributed_bytes": "attributed to processes",
+}
+CHANGE_NOTES = {
+    "not listed before": "new (not listed before)",
+    "not listed after": "gone (not listed after)",
+}
+
+
+def _fmt(v: Value | None, listed: bool) -> str:
+    if not listed:
+        return "not listed"
+    if v is None:
+        return "not recorded"
+    if v.value is None:
+        return f"n/a ({v.reason})"
+    mark = report.KIND_MARK.get(report.Kind(v.kind), "") if v.kind in SECTIONS else ""
+    return mark + report.fmt_bytes(v.value)
+
+
+def _change_text(f: Mapping[str, Any]) -> str:
+    if f["change"] == "changed":
+        d = f["delta"]
+        return ("+" if d > 0 else "-") + report.fmt_bytes(abs(d))
+    return CHANGE_NOTES.get(f["change"], f["change"])
+
+
+def _field_row(label: str, f: Mapping[str, Any]) -> tuple[str, str, str]:
+    b = None if f["before"] is None else Value(**f["before"])
+    a = None if f["after"] is None else Value(**f["after"])
+    return (
+        label,
+        f"{_fmt(b, f['change'] != 'not listed before')} -> "
+        f"{_fmt(a, f['change'] != 'not listed after')}",
+        _change_text(f),
+    )
+
+
+def _gpu_name(entry: Mapping[str, Any]) -> str:
+    a = entry["after"] or entry["before"]
+    return f"GPU {a.get('index')} {a.get('name') or 'n/a'} [{a.get('pci_bus_id') or 'no address'}]"
+
+
+def _table(rows: list[tuple[str, str, str]], indent: str) -> list[str]:
+    if not rows:
+        return []
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    return [f"{indent}{r[0]:<{w0}}  {r[1]:<{w1}}  {r[2]}".rstrip() for r in rows]
+
+
+def _proc_label(p: Mapping[str, Any], gpu_index: Mapping[str | None, str]) -> str:
+    side = p["after"] or p["before"]
+    gpu = gpu_index.get(_bus(side.get("gpu")), side.get("gpu") or "none")
+    return f"{p['pid']} {p['name'] or 'n/a'} (GPU {gpu})"
+
+
+def render_text(d: Mapping[str, Any], before_path: str, after_path: str) -> str:
+    out = ["gputaskman diff"]
+    for side, path in (("before", before_path), ("after", after_path)):
+        s = d[side]
+        out.append(f"  {side:<6} {path}  {s['taken_iso'] or s['taken']}  backend {s['backend']}")
+    if d["elapsed_s"] is not None:
+        out[-1] += f"  ({d['elapsed_s']:+.1f} s)"
+    for w in d["warnings"]:
+        out.append(f"WARNING {w['code']}: {w['message']}")
+    gpu_index: dict[str | None, str] = {}
+    for e in d["adapters"]:
+        for side in ("before", "after"):
+            if e[side] is not None:
+                gpu_index[_bus(e[side].get("pci_bus_id"))] = str(e[side].get("index"))
+    unchanged = unknown = 0
+    for section in SECTIONS:
+        blocks: list[str] = []
+        for e in d["adapters"]:
+            rows = [
+                _field_row(FIELD_LABELS.get(f["field"], f["field"]), f)
+                for f in e["fields"]
+                if f["section"] == section
+            ]
+            if rows:
+                how = f"paired by {e['paired_by']}" if e["paired_by"] else e["status"]
+                blocks.append(f"  {_gpu_name(e)}  ({how})")
+                blocks += _table(rows, "    ")
+        prow = []
+        for p in d["processes"]:
+            for f in p["fields"]:
+                if f["section"] != section:
+                    continue
+                if f["change"] == "unchanged":
+                    unchanged += 1
+                    continue
+                if f["change"] == "unknown in both":
+                    unknown += 1
+                    continue
+                label = _proc_label(p, gpu_index)
+                if f["field"] != "vram_bytes":
+                    label += f" {f['field']}"
+                change = _change_text(f)
+                if p["pid_reused"]:
+                    change += "; PID reused by a different process (start times differ), not paired"
+                prow.append((label, *_field_row(label, f)[1:2], change))
+        if prow:
+            blocks.append("  PROCESSES (VRAM)")
+            blocks += _table(prow, "    ")
+        if blocks:
+            out += ["", SECTION_TITLES[section], *blocks]
+    if not d["adapters"]:
+        out += ["", "no GPU listed in either snapshot"]
+    tail = []
+    if unchanged:
+        tail.append(f"{unchanged} process value(s) unchanged")
+    if unknown:
+        tail.append(f"{unknown} unknown in both snapshots (not compared)")
+    if tail:
+        out += ["", "; ".join(tail)]
+    return "\n".join(out) + "\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("before", metavar="BEFORE.json", help="saved snapshot (gputaskman --json)")
+    p.add_argument("after", metavar="AFTER.json", help="saved snapshot to compare with it")
+    p.add_argument("--json", dest="diff_json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        before = load_snapshot_file(args.before)
+        after = load_snapshot_file(args.after)
+    except SnapshotError as exc:
+        print(f"gputaskman diff: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        d = diff(before, after)
+    except Refused as exc:  # the only error `diff` raises on checked documents (fuzzed)
+        print(f"gputaskman diff: refused: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    sys.stdout.write(
+        json.dumps(d, indent=2) + "\n"
+        if args.diff_json
+        else render_text(d, args.before, args.after)
+    )
+    for w in d["warnings"]:
+        if args.diff_json:
+            print(f"gputaskman diff: warning {w['code']}: {w['message']}", file=sys.stderr)
+    return 0

@@ -1,0 +1,5 @@
+"""The Textual TUI: the live app, the replay app, their widgets and screens. Nothing below this
+layer imports Textual or Rich.
+
+May import: gputaskman.base, gputaskman.intel, gputaskman.core, gputaskman.offline.
+"""

@@ -1,0 +1,320 @@
+"""The Textual TUI: a header per GPU, a sortable process table, an inspector, the system
+panel and a help screen.
+
+Theory of operation
+-------------------
+`create_app()` builds the app for the CLI and for tests; tests pass a fake collector (any
+object with ``sample_with_system()`` and ``close()``). A timer asks for a refresh every
+`interval` seconds; the sample is taken in a thread worker (``@work(thread=True)``) so
+NVML calls and /proc scans never stall the UI, and the result comes back as a small
+`SampleReady` message. While one collection runs, further ticks are skipped rather than
+queued (the collector is not thread-safe and a slow refresh must not pile up).
+
+The UI never computes numbers of its own: every cell comes from `report`'s formatting of
+readings, so the TUI, ``--once`` and ``--json`` always agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.message import Message
+from textual.widgets import DataTable, Footer, Static
+
+from gputaskman.base.readings import Adapter, ProcDetail, ProcGpu, Snapshot
+from gputaskman.tui.screens.help import HelpScreen
+from gputaskman.tui.widgets.gpu_header import GpuHeader
+from gputaskman.tui.widgets.inspector import Inspector
+from gputaskman.tui.widgets.process_table import ProcessTable
+from gputaskman.tui.widgets.system_panel import SystemPanel
+
+
+class CollectorLike(Protocol):
+    def sample_with_system(self) -> tuple[Snapshot, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class SampleReady(Message):
+    """A finished collection (posted from the worker thread)."""
+
+    snapshot: Snapshot
+    system: Any
+    elapsed_s: float
+
+
+@dataclass
+class SampleFailed(Message):
+    error: str
+
+
+@dataclass
+class RescanReady(Message):
+    """An on-demand scan of one process finished (None: the collector cannot rescan)."""
+
+    key: tuple[int, float | None]
+    detail: ProcDetail | None
+
+
+class GtmApp(App[int]):
+    TITLE = "gputaskman"
+    CSS = """
+    #status { height: 1; padding: 0 1; background: $boost; }
+    #main { height: 1fr; }
+    """
+    BINDINGS: ClassVar[list[Binding]] = [
+        Binding("q", "quit", "quit"),
+        Binding("question_mark", "help", "help"),
+        Binding("g", "next_gpu", "next GPU"),
+        Binding("G", "previous_gpu", "previous GPU"),
+        Binding("s", "next_sort", "sort by next column"),
+        Binding("r", "reverse_sort", "reverse sort order"),
+        Binding("i", "toggle_inspector", "show/hide inspector"),
+        Binding("space", "toggle_pause", "pause/resume refresh"),
+        Binding("u", "refresh_now", "refresh now"),
+        Binding("enter", "rescan", "rescan the highlighted process now (inspector)", show=False),
+    ]
+
+    def __init__(
+        self,
+        collector_factory: Callable[[], CollectorLike],
+        *,
+        gpu: int | None = None,
+        interval: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self._factory = collector_factory
+        self._collector: CollectorLike | None = None
+        self.interval = interval
+        self.requested_gpu = gpu
+        self.snapshot: Snapshot | None = None
+        self.system: Any = None
+        self.adapter_pos = 0
+        self.paused = False
+        self.samples = 0
+        self.last_elapsed_s: float | None = None
+        self.last_error: str | None = None
+        self._busy = threading.Lock()
+
+    # -- layout
+
+    def compose(self) -> ComposeResult:
+        # Kept as attributes: app.query_one() searches the *active* screen, which is the
+        # help screen while it is open, and a sample can arrive at any time.
+        self.header = GpuHeader(id="gpu")
+        self.table = ProcessTable(id="procs")
+        self.inspector = Inspector(id="inspector")
+        self.system_panel = SystemPanel(id="system")
+        self.status = Static("", id="status")
+        yield self.header
+        with Horizontal(id="main"):
+            yield self.table
+            yield self.inspector
+        yield self.system_panel
+        yield self.status
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.header.show(None, None)
+        self.system_panel.show(None)
+        self.table.focus()
+        self.set_interval(self.interval, self.request_refresh)
+        self.request_refresh()
+
+    def on_unmount(self) -> None:
+        if self._collector is not None:
+            self._collector.close()
+
+    # -- collection (off the UI thread)
+
+    def request_refresh(self) -> None:
+        if self.paused:
+            return
+        if not self._busy.acquire(blocking=False):
+            return  # the previous collection is still running: skip this tick
+        self.collect()
+
+    @work(thread=True, group="collect")
+    def collect(self) -> None:
+        try:
+            if self._collector is None:
+                self._collector = self._factory()
+            t0 = time.perf_counter()
+            snap, system = self._collector.sample_with_system()
+            self.post_message(SampleReady(snap, system, time.perf_counter() - t0))
+        except Exception as exc:  # a broken probe must not take the UI down
+            self.post_message(SampleFailed(f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._busy.release()
+
+    def on_sample_ready(self, msg: SampleReady) -> None:
+        first = self.snapshot is None
+        self.snapshot, self.system = msg.snapshot, msg.system
+        self.samples += 1
+        self.last_elapsed_s = msg.elapsed_s
+        self.last_error = None
+        if first and self.requested_gpu is not None:
+            pos = next(
+                (i for i, a in enumerate(self.snapshot.adapters) if a.index == self.requested_gpu),
+                None,
+            )
+            if pos is None:
+                self.notify(f"GPU {self.requested_gpu} is not listed", severity="warning")
+            else:
+                self.adapter_pos = pos
+        self.render_all()
+
+    def on_sample_failed(self, msg: SampleFailed) -> None:
+        self.last_error = msg.error
+        self.render_status()
+
+    # -- rendering
+
+    @property
+    def adapter(self) -> Adapter | None:
+        if self.snapshot is None or not self.snapshot.adapters:
+            return None
+        return self.snapshot.adapters[self.adapter_pos % len(self.snapshot.adapters)]
+
+    def visible_rows(self) -> list[ProcGpu]:
+        if self.snapshot is None:
+            return []
+        a = self.adapter
+        if a is None:
+            return list(self.snapshot.processes)
+        return [p for p in self.snapshot.processes if p.adapter in (a.pci_bus_id, None)]
+
+    def render_all(self) -> None:
+        self.header.show(self.snapshot, self.adapter)
+        table = self.table
+        table.show(self.visible_rows(), self.snapshot, self.system)
+        self.system_panel.show(self.system)
+        self.render_inspector()
+        self.render_status()
+
+    def render_inspector(self) -> None:
+        table = self.table
+        self.inspector.show(table.current(), self.snapshot, self.system)
+
+    def render_status(self) -> None:
+        parts = []
+        if self.snapshot is not None:
+            try:
+                when = time.strftime("%H:%M:%S", time.localtime(self.snapshot.taken))
+            except (ValueError, OverflowError, OSError):  # a replayed file may hold any time
+                when = "n/a"
+            took = "" if self.last_elapsed_s is None else f" in {self.last_elapsed_s * 1000:.0f} ms"
+            parts.append(f"sample {when}{took}")
+        table = self.table
+        n = len(table.rows_shown)
+        parts.append(f"{n} process{'' if n == 1 else 'es'}")
+        parts.append(f"sort {table.header_label(table.sort_column)}")
+        parts.append("PAUSED" if self.paused else f"every {self.interval:g}s")
+        if self.last_error:
+            parts.append(f"refresh failed: {self.last_error}")
+        parts.append("? help")
+        self.status.update(" · ".join(parts))
+
+    # -- on-demand rescan of one process (inspector)
+
+    def action_rescan(self) -> None:
+        p = self.table.current()
+        if p is None:
+            return
+        if not self._busy.acquire(blocking=False):
+            self.notify("a refresh is running; try again")
+            return
+        self.rescan(p.pid, p.create_time)
+
+    @work(thread=True, group="collect")
+    def rescan(self, pid: int, create_time: float | None) -> None:
+        try:
+            rescan = getattr(self._collector, "rescan", None)
+            detail = rescan(pid, create_time) if rescan is not None else None
+            self.post_message(RescanReady((pid, create_time), detail))
+        except Exception as exc:  # a process that vanished or a denied read: say so
+            self.post_message(SampleFailed(f"rescan of {pid}: {type(exc).__name__}: {exc}"))
+        finally:
+            self._busy.release()
+
+    def on_rescan_ready(self, msg: RescanReady) -> None:
+        if msg.detail is None:
+            self.notify("this collector cannot rescan one process")
+            return
+        for k, p in self.table.rows_shown.items():
+            if p.key == msg.key:
+                self.table.rows_shown[k] = dataclasses.replace(p, detail=msg.detail)
+        self.render_inspector()
+        self.notify(f"rescanned {msg.key[0]}")
+
+    # -- events and actions
+
+    @on(DataTable.RowSelected)
+    def _row_selected(self, _event: DataTable.RowSelected) -> None:
+        self.action_rescan()  # the table takes enter itself and reports it as a selection
+
+    @on(DataTable.RowHighlighted)
+    def _row_highlighted(self, _event: DataTable.RowHighlighted) -> None:
+        self.render_inspector()
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(list(self.BINDINGS)))  # type: ignore[arg-type]
+
+    def _move_gpu(self, step: int) -> None:
+        if self.snapshot is None or len(self.snapshot.adapters) < 2:
+            self.notify("only one GPU" if self.adapter else "no GPU to switch to")
+            return
+        self.adapter_pos = (self.adapter_pos + step) % len(self.snapshot.adapters)
+        self.render_all()
+
+    def action_next_gpu(self) -> None:
+        self._move_gpu(1)
+
+    def action_previous_gpu(self) -> None:
+        self._move_gpu(-1)
+
+    def action_next_sort(self) -> None:
+        self.table.next_sort()
+        self.render_all()
+
+    def action_reverse_sort(self) -> None:
+        self.table.reverse_sort()
+        self.render_all()
+
+    def action_toggle_inspector(self) -> None:
+        self.inspector.toggle_class("-hidden")
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        self.render_status()
+
+    def action_refresh_now(self) -> None:
+        was, self.paused = self.paused, False
+        self.request_refresh()
+        self.paused = was
+
+
+def create_app(
+    gpu: int | None = None,
+    interval: float = 1.0,
+    collector_factory: Callable[[], CollectorLike] | None = None,
+) -> GtmApp:
+    """The app for the CLI (real `Collector`) and for tests (a fake collector factory)."""
+    if collector_factory is None:
+
+        def collector_factory() -> CollectorLike:
+            from gputaskman.core.collector import Collector
+
+            return Collector(gpu=gpu)
+
+    return GtmApp(collector_factory, gpu=gpu, interval=interval)
