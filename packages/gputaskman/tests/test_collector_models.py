@@ -23,7 +23,7 @@ import pytest
 from gputaskman.backends.nvml import NvmlProcess, NvmlSample
 from gputaskman.base import schema
 from gputaskman.base.readings import Adapter, Kind, ProcGpu, Reading, Snapshot
-from gputaskman.core import report
+from gputaskman.core import report, text_report
 from gputaskman.core.collector import Collector, ProcinfoScanner
 from gputaskman.intel import gguf, llm
 from gputaskman.intel.evidence import Evidence, Source, assess
@@ -164,7 +164,7 @@ def test_breakdown_of_estimates_only_keeps_null_rules_and_never_enters_totals(tm
     assert bd["estimated_total"]["kind"] == "estimated"
     assert bd["reported_total"]["value"] is None and bd["reported_total"]["reason"]
     assert doc["attributed_bytes"] == 3 * MIB  # estimates never summed into it
-    text = report.render_text(snap, None)
+    text = text_report.render_text(snap, None)
     assert "MODELS" in text and f"≈{report.fmt_bytes(header.weights_bytes)}" in text
 
 

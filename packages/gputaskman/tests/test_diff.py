@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from gputaskman.base.readings import Reason
-from gputaskman.offline import diff
+from gputaskman.offline import diff, diff_report
 from gputaskman.offline.recordfile import SnapshotError, check_snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -65,7 +65,7 @@ def test_measured_fields_are_compared_directly() -> None:
     assert field(gpu, "attributed_bytes")["delta"] == 2 * GIB
     (p,) = procs_by_pid(d, 10)
     assert p["status"] == "paired" and field(p, "vram_bytes")["delta"] == 2 * GIB
-    text = diff.render_text(d, "b.json", "a.json")
+    text = diff_report.render_text(d, "b.json", "a.json")
     assert "memory used" in text and "+2.0 GiB" in text
 
 
@@ -81,7 +81,7 @@ def test_a_change_smaller_than_a_mebibyte_is_reported() -> None:
     (p,) = procs_by_pid(d, 10)
     vram = field(p, "vram_bytes")
     assert (vram["change"], vram["delta"]) == ("changed", 4096)
-    text = diff.render_text(d, "b.json", "a.json")
+    text = diff_report.render_text(d, "b.json", "a.json")
     assert "+4.0 KiB" in text and "+512.0 KiB" in text, text
 
 
@@ -94,7 +94,7 @@ def test_an_absent_row_is_not_listed_not_zero() -> None:
     assert gone["status"] == "not listed after" and new["status"] == "not listed before"
     assert field(gone, "vram_bytes")["delta"] is None and field(gone, "vram_bytes")["after"] is None
     assert field(new, "vram_bytes")["delta"] is None and field(new, "vram_bytes")["before"] is None
-    text = diff.render_text(d, "b", "a")
+    text = diff_report.render_text(d, "b", "a")
     assert "3.0 GiB -> not listed" in text and "not listed -> 2.0 GiB" in text
     assert "-3.0 GiB" not in text and "+2.0 GiB" not in text
 
@@ -146,7 +146,7 @@ def test_name_only_pairing_warns() -> None:
     assert d["adapters"][0]["paired_by"] == "name-only"
     assert [w["code"] for w in d["warnings"]] == ["name-only"]
     assert field(d["adapters"][0], "memory_used_bytes")["delta"] == 1 * GIB
-    assert "WARNING name-only" in diff.render_text(d, "b", "a")
+    assert "WARNING name-only" in diff_report.render_text(d, "b", "a")
 
 
 def test_adapters_sharing_a_name_pair_by_address_never_by_name() -> None:
@@ -218,7 +218,7 @@ def test_reused_pids_are_never_paired(after_start, paired: bool) -> None:
         assert sorted(r["status"] for r in rows) == ["not listed after", "not listed before"]
         assert all(r["pid_reused"] for r in rows)
         assert all(field(r, "vram_bytes")["delta"] is None for r in rows)
-        assert "PID reused" in diff.render_text(d, "b", "a")
+        assert "PID reused" in diff_report.render_text(d, "b", "a")
 
 
 def test_memory_that_became_known_or_unknown() -> None:
@@ -236,7 +236,7 @@ def test_memory_that_became_known_or_unknown() -> None:
     att = field(d["adapters"][0], "attributed_bytes")
     assert att["before"]["value"] == 2 * GIB and att["after"]["value"] == 3 * GIB
     assert att["delta"] is None and att["change"] == diff.LOWER_BOUND
-    text = diff.render_text(d, "b", "a")
+    text = diff_report.render_text(d, "b", "a")
     assert "n/a (hidden by driver) -> 3.0 GiB  became known" in text
     assert "2.0 GiB -> n/a (hidden by driver)  became unknown" in text
 
@@ -284,7 +284,7 @@ def test_runtime_estimated_and_inferred_values_have_their_own_sections() -> None
     }  # host RAM, shown_vram, alternatives and counts are not compared
     assert field(p, "breakdown.kv_cache")["delta"] == 1 * GIB
     assert field(p, "breakdown.weights")["change"] == "unchanged"
-    text = diff.render_text(d, "b", "a")
+    text = diff_report.render_text(d, "b", "a")
     measured = text.split("MEASURED")[1].split("INFERRED")[0]
     assert "kv_cache" not in measured and "weights" not in measured
     runtime = text.split("RUNTIME-REPORTED")[1].split("ESTIMATED")[0]
@@ -405,7 +405,7 @@ def _mutate(doc: dict, muts) -> dict:
 @settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 @given(_mutations(), _mutations())
 def test_diff_fuzz_mangled_snapshots_never_crash_unexpectedly(mb, ma) -> None:
-    """What `diff.run` does with any two documents: the top-level check (bad input, exit
+    """What `diff_report.run` does with any two documents: the top-level check (bad input, exit
     2), then `diff` raises nothing but `Refused` (exit 3), and its result renders."""
     base = snap(procs=[ms.proc(10, 3 * GIB), ms.proc(11, None, name="y")])
     b, a = _mutate(base, mb), _mutate(snap(1, procs=[ms.proc(10, 4 * GIB)]), ma)
@@ -418,5 +418,5 @@ def test_diff_fuzz_mangled_snapshots_never_crash_unexpectedly(mb, ma) -> None:
     except diff.Refused as exc:
         assert "conflicting adapters" in str(exc)
         return
-    diff.render_text(d, "b", "a")
+    diff_report.render_text(d, "b", "a")
     json.dumps(d, allow_nan=True)

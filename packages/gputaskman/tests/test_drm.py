@@ -52,7 +52,7 @@ from gputaskman.backends.drm_sysfs import (
 from gputaskman.backends.nvml import NvmlProcess, NvmlSample
 from gputaskman.base import schema
 from gputaskman.base.readings import Adapter, Kind, Problem, Reading, Reason
-from gputaskman.core import report
+from gputaskman.core import report, text_report
 from gputaskman.fixtures.drm_fixtures import (
     AMD_PDEV,
     GIB,
@@ -710,7 +710,7 @@ def test_demo_tree_end_to_end_json_and_text(tmp_path: Path) -> None:
     assert intel["metrics"]["memory_total_bytes"]["value"] == 256 * MIB
     assert doc["backend"] == "drm"
     assert any("00000000:00:02.0: frequency throttled (pl1)" in n for n in doc["notes"])
-    text = report.render_text(snap, system)
+    text = text_report.render_text(snap, system)
     assert "llama-server" in text and "00000000:00:02.0" in text
 
 

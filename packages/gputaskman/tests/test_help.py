@@ -1,7 +1,7 @@
 """The TUI help screen explains every column and every mark the process table can render.
 
-Nothing is copied from the help text: the columns come from `report.PAGED_COLUMNS`, and the
-marks from rendering rows through `report.process_cells` (the function the table uses) with
+Nothing is copied from the help text: the columns come from `text_report.PAGED_COLUMNS`, and the
+marks from rendering rows through `text_report.process_cells` (the function the table uses) with
 every variant the code has: each reading kind, an inferred value with one explanation, each
 reason a cell spells out, a row of another OS, an unscanned row, a heuristic category, and
 each model evidence tag. Any symbol those cells contain must appear in the help.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from gputaskman.base.readings import Kind, ModelRef, ProcDetail, Reading, Reason
-from gputaskman.core import report, report_models
+from gputaskman.core import report, report_models, text_report
 from gputaskman.intel import runtimes
 from gputaskman.intel.evidence import Source
 from gputaskman.tui.app import GtmApp
@@ -68,15 +68,15 @@ def _variants() -> list:
 def _cells() -> list[tuple[str, ...]]:
     rows = _variants()
     snap = ms.snapshot(procs=tuple(rows))
-    assert report.process_columns(snap) == report.PAGED_COLUMNS
+    assert text_report.process_columns(snap) == text_report.PAGED_COLUMNS
     lookup = report.proc_host_lookup(None)
-    return [report.process_cells(p, lookup, snap, report.PAGED_COLUMNS) for p in rows]
+    return [text_report.process_cells(p, lookup, snap, text_report.PAGED_COLUMNS) for p in rows]
 
 
 def test_help_explains_every_column_the_table_can_show() -> None:
     text = _text()
-    assert set(report.PROCESS_COLUMNS) < set(report.PAGED_COLUMNS)
-    for label in report.PAGED_COLUMNS:
+    assert set(text_report.PROCESS_COLUMNS) < set(text_report.PAGED_COLUMNS)
+    for label in text_report.PAGED_COLUMNS:
         assert f"\n  {label} " in text, label
 
 
@@ -90,8 +90,8 @@ def test_help_names_every_mark_the_table_renders() -> None:
                 assert cell in text, cell
     # the rows really exercised every mark the renderers use
     expected = {m for m in report.KIND_MARK.values() if m} | {
-        report.UNIQUE_MARK,
-        report.NOT_SCANNED_MARK,
+        text_report.UNIQUE_MARK,
+        text_report.NOT_SCANNED_MARK,
         runtimes.HEURISTIC_MARK,
         report_models.CONFIRMED_MARK,
         report_models.UNCONFIRMED_MARK,
@@ -102,7 +102,7 @@ def test_help_names_every_mark_the_table_renders() -> None:
     assert expected <= symbols
     for s in symbols:
         assert s in text, f"the table can show {s!r} but the help does not explain it"
-    for reason in report.LOUD_REASONS:
+    for reason in text_report.LOUD_REASONS:
         assert f"{report.NA} ({reason})" in text
     assert report_models.SELECTED_TAG in text
     pid_cells = {cells[0] for cells in _cells()}
@@ -121,11 +121,11 @@ def test_help_names_the_sort_marks() -> None:
 @pytest.mark.parametrize(
     ("attr", "value"),
     [
-        ("PAGED_COLUMNS", (*report.PAGED_COLUMNS, "NEWCOL")),
-        ("LOUD_REASONS", (*report.LOUD_REASONS, Reason.SHARED)),
+        ("PAGED_COLUMNS", (*text_report.PAGED_COLUMNS, "NEWCOL")),
+        ("LOUD_REASONS", (*text_report.LOUD_REASONS, Reason.SHARED)),
     ],
 )
 def test_an_unexplained_column_or_reason_fails_loudly(monkeypatch, attr, value) -> None:
-    monkeypatch.setattr(report, attr, value)
+    monkeypatch.setattr(text_report, attr, value)
     with pytest.raises(KeyError):
         _text()

@@ -19,7 +19,7 @@ from gputaskman.backends.win import pdh
 from gputaskman.backends.win.pdh import CounterRead
 from gputaskman.base import schema
 from gputaskman.base.readings import Reason
-from gputaskman.core import collector, host, hostplat, report
+from gputaskman.core import collector, host, hostplat, report, text_report
 from gputaskman.core.exporter import system_families
 from gputaskman.core.report_models import system_json
 
@@ -127,7 +127,7 @@ def test_platform_samples_keep_the_null_rules_in_json_text_and_metrics(plat) -> 
     s = hostplat.PlatformHostSampler(plat, pdh=FakePdh(SECOND), memsize=lambda: 16 * GIB)
     info = s.sample()
     assert report.null_rule_violations({"system": system_json(info)}) == []
-    lines = report.system_lines(info)
+    lines = text_report.system_lines(info)
     assert any("n/a (not supported)" in line for line in lines)
     assert any("devices n/a (swap devices are not read" in line for line in lines)
     names = {m.name for m in system_families(info)}

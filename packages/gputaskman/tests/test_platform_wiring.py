@@ -31,7 +31,7 @@ from gputaskman.backends.wsl import Interop, WslBackend, dxg_holders
 from gputaskman.backends.wslhost import StreamParser
 from gputaskman.base import schema
 from gputaskman.base.readings import Problem, Reason
-from gputaskman.core import collector, report
+from gputaskman.core import collector, report, text_report
 from gputaskman.core.collector import Collector, NullScanner
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
 from gputaskman.offline.recorded import snapshot_from_json
@@ -219,7 +219,7 @@ def test_wsl_replay_rows_end_to_end_through_collector_json_and_replay(dxg_child)
     # replay gives the same object back (recorded.py reads the new fields)
     again = report.to_json_dict(*snapshot_from_json(doc))
     assert again == doc
-    text = report.render_text(snap, system)
+    text = text_report.render_text(snap, system)
     assert f"windows:{child.pid}" in text and "~4.0 GiB*" in text
     assert "never added again" in text and "PAGED" in text
 
@@ -291,15 +291,15 @@ def test_iokit_mocked_paged_and_footprint_are_json_readings_never_summed():
 
 def test_paged_column_only_when_a_backend_measures_it():
     snap, system = mac_snapshot()
-    assert report.process_columns(snap) == report.PAGED_COLUMNS
-    text = report.render_text(snap, system)
+    assert text_report.process_columns(snap) == text_report.PAGED_COLUMNS
+    text = text_report.render_text(snap, system)
     header = next(line for line in text.splitlines() if line.strip().startswith("PID"))
     assert header.split()[:5] == ["PID", "NAME", "GPU", "VRAM", "PAGED"]
     line = next(ln for ln in text.splitlines() if ln.strip().startswith(str(OWN)))
     assert "4.0 GiB" in line and "512.0 MiB" in line
     linux = demo_snapshot()
-    assert report.process_columns(linux) == report.PROCESS_COLUMNS
-    assert "PAGED" not in report.render_text(linux, DemoSystem())
+    assert text_report.process_columns(linux) == text_report.PROCESS_COLUMNS
+    assert "PAGED" not in text_report.render_text(linux, DemoSystem())
 
 
 def test_old_record_lines_without_platform_fields_still_read():
@@ -343,14 +343,14 @@ async def test_tui_iokit_mocked_shows_paged_column_and_drops_it_without_paged():
             if app.samples >= 1:
                 break
         table = app.query_one(ProcessTable)
-        assert table.columns_shown == report.PAGED_COLUMNS
+        assert table.columns_shown == text_report.PAGED_COLUMNS
         row = table.get_row(f"{OWN}@{mac[0].adapters[0].pci_bus_id}")
         assert str(row[4]) == "512.0 MiB"
         table.sort_column = "PAGED"
         table.show(list(demo_snapshot().processes), demo_snapshot(), DemoSystem())
-        assert table.columns_shown == report.PROCESS_COLUMNS
+        assert table.columns_shown == text_report.PROCESS_COLUMNS
         assert table.sort_column == "VRAM"  # the PAGED sort went with its column
-        assert len(table.columns) == len(report.PROCESS_COLUMNS)
+        assert len(table.columns) == len(text_report.PROCESS_COLUMNS)
 
 
 # -- --list-gpus: empty vs failed ------------------------------------------------------------

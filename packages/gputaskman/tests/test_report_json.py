@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gputaskman.core import report
+from gputaskman.core import report, text_report
 from gputaskman.fixtures.demo import BUS0, BUS1, DemoSystem, demo_snapshot, unavailable_snapshot
 from hypothesis import given
 from hypothesis import strategies as st
@@ -99,7 +99,7 @@ def test_model_and_breakdown_seams_are_present():
 
 
 def test_render_text_shows_na_with_reason_and_never_zero_for_unknown():
-    text = report.render_text(demo_snapshot(), DemoSystem())
+    text = text_report.render_text(demo_snapshot(), DemoSystem())
     assert "n/a (hidden by driver)" not in text  # hidden shows its inferred value instead
     assert "~2.0 GiB" in text
     assert "enc n/a (not supported)" in text
@@ -108,7 +108,7 @@ def test_render_text_shows_na_with_reason_and_never_zero_for_unknown():
 
 
 def test_render_text_without_backend_says_why():
-    text = report.render_text(unavailable_snapshot(), None)
+    text = text_report.render_text(unavailable_snapshot(), None)
     assert "GPU: none usable via nvml (library not found)" in text
     assert "NVML Shared Library Not Found" in text
 

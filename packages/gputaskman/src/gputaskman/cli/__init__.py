@@ -36,7 +36,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "append one --json snapshot per interval to a record file",
     ),
     "summary": ("gputaskman.offline.summary", "averages and peaks per run of a record file"),
-    "diff": ("gputaskman.offline.diff", "compare two saved --json snapshots"),
+    "diff": ("gputaskman.offline.diff_report", "compare two saved --json snapshots"),
     "replay": ("gputaskman.cli.replay", "play a record file in the TUI (offline, never samples)"),
     "serve": ("gputaskman.cli.serve", "serve Prometheus metrics (sampled like the TUI)"),
 }
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_shot(args: argparse.Namespace) -> int:
-    from gputaskman.core import report
+    from gputaskman.core import report, text_report
 
     collector = _collector(args, scan_budget=None)
     try:
@@ -114,7 +114,7 @@ def _one_shot(args: argparse.Namespace) -> int:
         doc = report.to_json_dict(snap, system, selected_gpu=args.gpu)
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
-        sys.stdout.write(report.render_text(snap, system, selected_gpu=args.gpu))
+        sys.stdout.write(text_report.render_text(snap, system, selected_gpu=args.gpu))
     return rc
 
 
@@ -147,7 +147,7 @@ def _list_gpus(args: argparse.Namespace, source: Any = None) -> int:
     `source` replaces `collector.default_gpu_source()` (tests pass a mocked backend).
     """
     from gputaskman.backends import platforms
-    from gputaskman.core import collector, report
+    from gputaskman.core import collector, report, text_report
 
     if source is None and getattr(args, "sysroot", None):
         if not os.path.isdir(args.sysroot):
@@ -185,7 +185,7 @@ def _list_gpus(args: argparse.Namespace, source: Any = None) -> int:
         print("drm: no amdgpu, i915 or xe card in /sys/class/drm")
     for p in s.problems:
         if p is not s.backend_problem:
-            print("problem: " + report.describe_problem(p))
+            print("problem: " + text_report.describe_problem(p))
     for note in getattr(s, "notes", ()):
         print("note: " + note)
     return 0

@@ -40,7 +40,7 @@ from gputaskman.base.readings import (
     Reason,
     Snapshot,
 )
-from gputaskman.core import host, report
+from gputaskman.core import host, text_report
 from gputaskman.offline.recordfile import SnapshotError, is_number
 
 RECORDED_SOURCE = "recorded"
@@ -232,7 +232,7 @@ class RecordedSystem:
         if self.doc is None:
             return ["not recorded"]
         try:
-            return report.system_lines(system_info_from_json(self.doc))
+            return text_report.system_lines(system_info_from_json(self.doc))
         except (KeyError, TypeError, ValueError, AttributeError):
             # a shape this version does not know: show it as recorded, not guessed at
             return [f"{k}: {v}" for k, v in self.doc.items() if k != "reasons"]

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Nothing here is a copy of what the table draws: the keys come from the app's bindings, the
-columns from `report.PAGED_COLUMNS` (the widest table), the provenance marks from
+columns from `text_report.PAGED_COLUMNS` (the widest table), the provenance marks from
 `fmt.KIND_MARK`, the evidence tags from `evidence.Source`, and the other marks from the
 constants `report`, `report_models` and `runtimes` render with. Each is looked up in an
 explanation table below, so a column, kind or evidence source added without an explanation
@@ -24,7 +24,7 @@ from textual.widgets import Static
 
 from gputaskman.base.fmt import KIND_MARK
 from gputaskman.base.readings import Kind, Reason
-from gputaskman.core import report, report_models
+from gputaskman.core import report, report_models, text_report
 from gputaskman.intel import runtimes
 from gputaskman.intel.evidence import Source
 from gputaskman.tui.widgets.process_table import SORT_MARKS
@@ -77,7 +77,7 @@ def _row(mark: str, text: str, width: int = 24) -> str:
 
 def column_lines() -> list[str]:
     """One line per column the process table can show (KeyError: one is unexplained)."""
-    return [_row(label, COLUMN_HELP[label], 9) for label in report.PAGED_COLUMNS]
+    return [_row(label, COLUMN_HELP[label], 9) for label in text_report.PAGED_COLUMNS]
 
 
 def mark_lines() -> list[str]:
@@ -86,14 +86,17 @@ def mark_lines() -> list[str]:
     lines = [_row(f"{mark}{size}", KIND_HELP[kind]) for kind, mark in KIND_MARK.items()]
     lines += [
         _row(
-            f"{KIND_MARK[Kind.INFERRED]}{size}{report.UNIQUE_MARK}",
-            f"{report.UNIQUE_MARK} only one explanation fits the inference",
+            f"{KIND_MARK[Kind.INFERRED]}{size}{text_report.UNIQUE_MARK}",
+            f"{text_report.UNIQUE_MARK} only one explanation fits the inference",
         ),
         _row(report.NA, "unknown (the inspector says why); never 0"),
-        *(_row(f"{report.NA} ({reason})", LOUD_HELP[reason]) for reason in report.LOUD_REASONS),
+        *(
+            _row(f"{report.NA} ({reason})", LOUD_HELP[reason])
+            for reason in text_report.LOUD_REASONS
+        ),
         _row("windows:PID", "a process of another OS (HOST:PID), see PID"),
         _row(
-            f"RUNTIMES {report.NOT_SCANNED_MARK}",
+            f"RUNTIMES {text_report.NOT_SCANNED_MARK}",
             "not scanned yet (scans are budgeted per refresh)",
         ),
         _row(

@@ -12,7 +12,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from gputaskman.base.readings import Adapter, DeviceMetrics, Reading, Snapshot
-from gputaskman.core import report
+from gputaskman.core import report, text_report
 
 BAR_WIDTH = 32
 
@@ -45,7 +45,7 @@ def gpu_text(snapshot: Snapshot | None, adapter: Adapter | None) -> Text:
         # one statement, not three: the hint explains the reason when there is one (the
         # library's own message says the same again); else the library's detail
         out = Text(f"No GPU: {snapshot.backend} unavailable ({bp.reason})", style="bold yellow")
-        hint = report.BACKEND_HINTS.get(bp.reason)
+        hint = text_report.BACKEND_HINTS.get(bp.reason)
         why = hint or (f"{snapshot.backend}: {bp.detail}" if bp.detail else None)
         if why:
             out.append(f": {why}")

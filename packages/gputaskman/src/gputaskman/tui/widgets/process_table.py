@@ -6,7 +6,7 @@ only); unknown is n/a, sorted after every known value whichever the direction. R
 keyed by ``pid@adapter`` so the cursor stays on the same process across refreshes.
 
 A PAGED column (Windows non-local / macOS compressed graphics memory) appears after VRAM
-only while some row has a paged reading (`report.process_columns`); the columns are
+only while some row has a paged reading (`text_report.process_columns`); the columns are
 rebuilt when that changes, never on an ordinary refresh.
 """
 
@@ -19,10 +19,10 @@ from rich.text import Text
 from textual.widgets import DataTable
 
 from gputaskman.base.readings import ProcGpu, Reading
-from gputaskman.core import report
+from gputaskman.core import report, text_report
 
 # column label, sort name (None: not a sort column)
-COLUMNS = report.PROCESS_COLUMNS
+COLUMNS = text_report.PROCESS_COLUMNS
 SORTS = ("VRAM", "PAGED", "RAM", "CPU%", "PID", "NAME")
 # Shown after the sort column's label: (descending, ascending).
 SORT_MARKS = ("▼", "▲")
@@ -123,7 +123,7 @@ class ProcessTable(DataTable):
         """Replace the rows, keeping the cursor on the same process when it is still there."""
         lookup = report.proc_host_lookup(system)
         keep = self.current_key()
-        columns = report.process_columns(snapshot)
+        columns = text_report.process_columns(snapshot)
         self._set_columns(columns)
         ordered = sorted_rows(rows, self.sort_column, self.descending, lookup)
         self.clear()
@@ -135,7 +135,7 @@ class ProcessTable(DataTable):
             if k in self.rows_shown:
                 continue
             self.rows_shown[k] = p
-            cells = report.process_cells(p, lookup, snapshot, columns)
+            cells = text_report.process_cells(p, lookup, snapshot, columns)
             # Text, not str: names, command lines and model names come from outside and
             # must show as typed, never be read as Rich markup ("[mapped✓]", "[bold]")
             self.add_row(*(Text(c) for c in clip(cells, columns)), key=k)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from gputaskman.core import report
+from gputaskman.core import text_report
 
 
 class SystemPanel(Static):
@@ -14,6 +14,6 @@ class SystemPanel(Static):
     """
 
     def show(self, system: object | None) -> None:
-        lines = report.system_lines(system)
+        lines = text_report.system_lines(system)
         # Text: swap device paths and the like come from the OS, never Rich markup
         self.update(Text("SYSTEM (OS-reported, not GPU)\n" + "\n".join(lines)))
