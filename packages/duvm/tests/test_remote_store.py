@@ -368,3 +368,56 @@ async def test_one_batching_object_per_store_shared_down_the_stack(servers) -> N
     finally:
         await a.close()
         await b.close()
+
+
+async def test_each_stacking_takes_the_path_it_declares(servers) -> None:
+    """Catches a filter over a RemoteStore that hides its fast path (FaultStore must forward
+    it: the callback path serves the request) or offers one it cannot serve (CryptStore, and
+    CryptStore over FaultStore, must decline: pages are sealed on the coroutine path)."""
+    from duvm.store.crypt_store import CryptStore
+    from duvm.store.storage import FaultStore
+
+    _, addrs = servers
+    remote = await RemoteStore.open(addrs, 4 * MiB, "n:stack:1", slab_pages=16)
+    try:
+        page = memoryview(os.urandom(PS))
+        await remote.write(0, page)
+        stacks = {
+            "remote": remote,
+            "fault over remote": FaultStore(remote),
+            "crypt over remote": CryptStore(remote),
+            "crypt over fault over remote": CryptStore(FaultStore(remote)),
+        }
+        declared = {name: s.fast_path for name, s in stacks.items()}
+        assert declared == {
+            "remote": True,
+            "fault over remote": True,
+            "crypt over remote": False,
+            "crypt over fault over remote": False,
+        }
+        # what the NBD server offers a declared fast path: a forwarding filter takes it
+        done = asyncio.get_running_loop().create_future()
+        out = memoryview(bytearray(PS))
+
+        def finished(tag: object, cont: object) -> None:
+            done.set_result(cont)
+
+        assert stacks["fault over remote"].start_read(0, out, finished, "t") is True
+        cont = await asyncio.wait_for(done, 5)
+        if asyncio.iscoroutine(cont):  # the store handed the rest to a coroutine
+            await cont
+        elif isinstance(cont, memoryview):
+            out[:] = cont
+        assert bytes(out) == bytes(page)
+        # a declining filter takes nothing on the callback path
+        assert stacks["crypt over remote"].start_read(0, out, finished, "t") is False
+        assert all(
+            s.describe() == f"2 memserver(s){extra}"
+            for s, extra in (
+                (stacks["remote"], ""),
+                (stacks["fault over remote"], ", faults injected"),
+                (stacks["crypt over remote"], ", pages encrypted"),
+            )
+        )
+    finally:
+        await remote.close()
