@@ -43,8 +43,9 @@ Theory of operation:
 - A watchdog aborts connections whose requests made no progress for `op_timeout` seconds
   (a cut link or a frozen memserver), so a write is not held hostage by one replica: the
   aborted replica is dropped and the survivors acknowledge.
-- Requests must be page-aligned (the NBD layer advertises a 4096-byte minimum block and checks
-  it); anything else is refused with EINVAL.
+- Requests arrive validated: the NBD layer advertises a 4096-byte minimum block and refuses
+  anything unaligned or past the end with EINVAL (`nbdproto.validate`); here alignment is only
+  asserted.
 """
 
 from __future__ import annotations
@@ -565,13 +566,10 @@ class RemoteStore(BlockStore):
     # --- block I/O ---
 
     def _check(self, offset: int, length: int) -> None:
-        """Raise for a request the hot paths' quick test flagged."""
-        if (offset | length) & _MASK:
-            raise StorageError(
-                errno.EINVAL,
-                f"unaligned request ({offset}, {length}): "
-                f"offsets and lengths must be multiples of {PAGE_SIZE}",
-            )
+        """Raise for a request the hot paths' quick test flagged. Bounds and alignment are the
+        NBD layer's to validate (`nbdproto.validate`, EINVAL to the client); here a request
+        that is not page-aligned is a caller's bug, so only asserted."""
+        assert not (offset | length) & _MASK, f"unaligned request ({offset}, {length})"
         if not self._open:
             raise StorageError(errno.EIO, "store is not open")
 
@@ -607,7 +605,8 @@ class RemoteStore(BlockStore):
         whose reply is checked and answered from the receive path, with no coroutine. Anything
         else, or any failure, continues in `load_verified` (failover, judging replicas)."""
         n = len(out)
-        if (offset | n) & _MASK or not self._open:
+        assert not (offset | n) & _MASK, f"unaligned request ({offset}, {n})"
+        if not self._open:
             return False
         first, count, st = offset >> 12, n >> 12, self._state
         slab = first // self.slab_pages
@@ -654,7 +653,8 @@ class RemoteStore(BlockStore):
         acknowledgement marks the pages from the receive path. Any failure continues in
         `_store`, which sends it again (STORE is idempotent) and decides what it means."""
         n = len(data)
-        if (offset | n) & _MASK or not self._open:
+        assert not (offset | n) & _MASK, f"unaligned request ({offset}, {n})"
+        if not self._open:
             return False
         first, count = offset >> 12, n >> 12
         slab = first // self.slab_pages
