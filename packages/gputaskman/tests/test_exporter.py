@@ -13,9 +13,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 from gputaskman.base.readings import Kind, ModelRef, Reading, Reason
 from gputaskman.cli import serve
 from gputaskman.core.exporter import Cached, SnapshotCollector, metric_name
@@ -381,3 +383,84 @@ def test_serve_bad_listen_is_a_usage_error():
         timeout=60,
     )
     assert r.returncode == 2 and "not ADDR:PORT" in r.stderr
+
+
+def _token_file(tmp_path, text: str = "s3cr3t-token-0123456789abcdef", mode: int = 0o600):
+    p = tmp_path / "serve.token"
+    p.write_text(text + "\n")
+    os.chmod(p, mode)
+    return p
+
+
+def _status(url: str, token: str | None) -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(url)
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_serve_with_a_token_answers_only_requests_that_carry_it(tmp_path):
+    """Catches a token that is read but not checked, checked on the wrong header, or a refusal
+    that leaks metrics or this host's software versions."""
+    token = "s3cr3t-token-0123456789abcdef"
+    path = _token_file(tmp_path, token)
+    proc, url = _serve(
+        ["serve", "--listen", "127.0.0.1:0", "--sample-interval", "0.2", "--token-file", str(path)],
+        {"GTM_DUVM_SOCKETS": ""},
+    )
+    try:
+        for sent in (None, "wrong-token-0123456789abcdef", token + "x", token[:-1], ""):
+            code, headers, body = _status(url, sent)
+            assert code == 401, sent
+            assert headers.get("WWW-Authenticate") == "Bearer"
+            assert b"gputaskman_" not in body and b"unauthorized" in body
+            assert "Python" not in headers.get("Server", "") and "WSGI" not in headers.get(
+                "Server", ""
+            )
+        basic = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(basic, timeout=10)
+        assert e.value.code == 401
+        code, _headers, body = _status(url, token)
+        assert code == 200 and b"gputaskman_sample_ready" in body
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+
+
+GTM_SERVE = [sys.executable, "-m", "gputaskman.cli", "serve", "--listen", "127.0.0.1:0"]
+
+
+@pytest.mark.parametrize(
+    "text,mode,says",
+    [
+        ("s3cr3t-token-0123456789abcdef", 0o644, "readable by others"),
+        ("s3cr3t-token-0123456789abcdef", 0o640, "chmod 600"),
+        ("short", 0o600, "at least 16 characters"),
+        ("two words-0123456789abcdef", 0o600, "without spaces"),
+    ],
+)
+def test_serve_refuses_a_token_file_it_cannot_trust(tmp_path, text, mode, says):
+    """Catches a token file that others may read (their processes could scrape as us) or a
+    token too short to resist guessing, taken without a word."""
+    path = _token_file(tmp_path, text, mode)
+    r = subprocess.run(
+        [*GTM_SERVE, "--token-file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
+    assert "serving http://" not in r.stdout
+
+
+def test_serve_off_loopback_with_a_token_does_not_warn():
+    from gputaskman.cli import serve
+
+    assert serve.exposure_warning("0.0.0.0", token=True) is None
+    assert "--token-file" in (serve.exposure_warning("0.0.0.0") or "")

@@ -14,7 +14,8 @@ Only gputaskman's own families are exported (a private registry, no Python proce
 What the names and labels mean is in `exporter`. SIGINT/SIGTERM stop the sampler, close the
 collector and the HTTP server, and exit 0. The default address is loopback: the metrics name
 processes and models, so exposing them on a network is a choice the user makes with
-``--listen 0.0.0.0:PORT``.
+``--listen 0.0.0.0:PORT``, and ``--token-file`` makes every request prove a bearer token
+(`cli.httpauth`). Serving off loopback without one prints a warning.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from gputaskman.cli.httpauth import MAKE_TOKEN, TokenError, bearer_required, read_token
+from gputaskman.cli.httpauth import serve as http_serve
 from gputaskman.core.exporter import Cached, SnapshotCollector
 
 log = logging.getLogger(__name__)
@@ -58,15 +62,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def exposure_warning(host: str) -> str | None:
-    """What to tell a user who serves off loopback (None on loopback): the labels carry text
-    taken from command lines."""
-    if is_loopback(host):
+def exposure_warning(host: str, token: bool = False) -> str | None:
+    """What to tell a user who serves off loopback without a token (None on loopback or with
+    one): the labels carry text taken from command lines."""
+    if is_loopback(host) or token:
         return None
     return (
         f"serving on {host}, off loopback: anyone who can reach this port reads process "
-        "names, command-line text and model names from its labels (no authentication yet); "
-        "put it behind a firewall or a reverse proxy"
+        "names, command-line text and model names from its labels; require a token with "
+        "--token-file FILE, or put it behind a firewall"
     )
 
 
@@ -85,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="S",
         help="seconds between samples (default: --interval, the TUI's refresh)",
+    )
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="require 'Authorization: Bearer TOKEN' with the token in FILE (mode 0600; make "
+        f"one with: {MAKE_TOKEN})",
     )
 
 
@@ -127,7 +139,7 @@ class Sampler:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prometheus_client import start_http_server
+    from prometheus_client import make_wsgi_app
     from prometheus_client.registry import CollectorRegistry
 
     from gputaskman.cli import _collector
@@ -139,13 +151,23 @@ def run(args: argparse.Namespace) -> int:
         print("gputaskman serve: --sample-interval must be positive", file=sys.stderr)
         return 2
     host, port = args.listen
-    if warning := exposure_warning(host):
+    token = None
+    if args.token_file is not None:
+        try:
+            token = read_token(args.token_file)
+        except TokenError as e:
+            print(f"gputaskman serve: {e}", file=sys.stderr)
+            return 2
+    if warning := exposure_warning(host, token is not None):
         print(f"gputaskman serve: warning: {warning}", file=sys.stderr)
     sampler = Sampler(lambda: _collector(args, SCAN_BUDGET), interval)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(sampler.latest))
+    app = make_wsgi_app(registry)
     try:
-        httpd, _thread = start_http_server(port, addr=host, registry=registry)
+        httpd, _thread = http_serve(
+            app if token is None else bearer_required(app, token), host, port
+        )
     except OSError as e:
         print(
             f"gputaskman serve: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr
@@ -158,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
     bound_host, bound_port = httpd.server_address[:2]
     print(
         f"gputaskman serving http://{bound_host}:{bound_port}/metrics (sampling every "
-        f"{interval:g} s, scan budget {SCAN_BUDGET * 1000:.0f} ms)",
+        f"{interval:g} s, scan budget {SCAN_BUDGET * 1000:.0f} ms"
+        f"{', bearer token required' if token else ''})",
         flush=True,
     )
     try:
