@@ -24,6 +24,7 @@ _spec = importlib.util.spec_from_file_location(
 ms = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ms)
 GIB = ms.GIB
+MIB = 1024 * 1024
 
 
 def gtm(*args: str) -> subprocess.CompletedProcess:
@@ -95,7 +96,12 @@ def test_an_absent_row_is_not_listed_not_zero() -> None:
     assert field(gone, "vram_bytes")["delta"] is None and field(gone, "vram_bytes")["after"] is None
     assert field(new, "vram_bytes")["delta"] is None and field(new, "vram_bytes")["before"] is None
     text = diff_report.render_text(d, "b", "a")
-    assert "3.0 GiB -> not listed" in text and "not listed -> 2.0 GiB" in text
+    # one line each, under their own heading: the VRAM they had on the side they are on,
+    # never a drop to 0 or a rise from 0
+    gone_at, new_at = text.index("PROCESSES GONE"), text.index("PROCESSES NEW")
+    assert "10 " in text[gone_at:new_at] and "VRAM 3.0 GiB" in text[gone_at:new_at]
+    assert "12 new" in text[new_at:] and "VRAM 2.0 GiB" in text[new_at:]
+    assert "0 B" not in text and text.count("(GPU 0)") == 2  # whisper is unchanged: not listed
     assert "-3.0 GiB" not in text and "+2.0 GiB" not in text
 
 
@@ -332,12 +338,125 @@ def test_diff_of_two_real_snapshots_of_this_machine(tmp_path: Path) -> None:
     assert "no GPU listed in either snapshot" in res.stdout
 
 
+def _system(used: int | None, swap_used: int = 0) -> dict:
+    def r(v, reason=None):
+        return {
+            "value": v,
+            "kind": "measured",
+            "source": "/proc/meminfo",
+            "reason": reason,
+            "detail": None,
+        }
+
+    return {
+        "taken": ms.T0,
+        "kind": "measured",
+        "memory": {
+            "total_bytes": r(32 * GIB),
+            "used_bytes": r(used) if used is not None else r(None, "unavailable"),
+        },
+        "swap": {
+            "total_bytes": r(8 * GIB),
+            "used_bytes": r(swap_used),
+            "devices": [],
+            "devices_reason": None,
+            "problems": [],
+        },
+        "cpu": {},
+    }
+
+
+def test_a_change_in_system_ram_is_reported_apart_from_gpu_memory() -> None:
+    """Catches a diff that compares only GPU fields: 200 MiB more RAM in use (a model loaded
+    into host memory, a leak) must show, labelled as the OS's counter, not as GPU memory."""
+    b, a = snap(), snap(60)
+    b["system"], a["system"] = _system(10 * GIB), _system(10 * GIB + 200 * MIB, 64 * MIB)
+    d = diff.diff(b, a)
+    fields = {f["field"]: f for f in d["system"]}
+    assert (fields["memory.used_bytes"]["change"], fields["memory.used_bytes"]["delta"]) == (
+        "changed",
+        200 * MIB,
+    )
+    assert fields["swap.used_bytes"]["delta"] == 64 * MIB
+    assert fields["memory.total_bytes"]["change"] == "unchanged"
+    text = diff_report.render_text(d, "b", "a")
+    assert "SYSTEM (RAM and swap" in text and "RAM used" in text and "+200.0 MiB" in text
+    assert "RAM total" not in text  # unchanged values are not listed
+    # a value that became unknown says so; a snapshot without a host sample compares nothing
+    a["system"] = _system(None)
+    assert {f["field"]: f["change"] for f in diff.diff(b, a)["system"]}["memory.used_bytes"] == (
+        "became unknown"
+    )
+    del a["system"]
+    assert all(f["change"] == "not listed after" for f in diff.diff(b, a)["system"])
+
+
+def test_a_process_that_went_away_takes_one_line() -> None:
+    """Catches a vanished process spread over every section (measured, inferred, runtime,
+    estimated: one "gone" row per reading, 14 lines for one llama-server)."""
+
+    def r(v, kind):
+        return {"value": v, "kind": kind, "source": "t", "reason": None, "detail": None}
+
+    b = snap(procs=[ms.proc(10, 3 * GIB, name="llama-server")])
+    row = b["processes"][0]
+    row["vram_inferred_bytes"] = r(3 * GIB, "inferred")
+    row["breakdown"] = {
+        "parts": {
+            name: {"reading": r(v, kind), "marker": None, "alternatives": []}
+            for name, v, kind in (
+                ("weights", 2 * GIB, "runtime"),
+                ("kv_cache", GIB // 2, "estimated"),
+                ("compute", GIB // 4, "runtime"),
+                ("other", None, "inferred"),
+            )
+        },
+        "reported_total": r(2 * GIB, "runtime"),
+        "estimated_total": r(GIB // 2, "estimated"),
+    }
+    row["breakdown"]["parts"]["other"]["reading"].update(reason="unavailable")
+    d = diff.diff(b, snap(60))
+    (gone,) = procs_by_pid(d, 10)
+    assert len(gone["fields"]) >= 6  # the JSON keeps every reading
+    text = diff_report.render_text(d, "b", "a")
+    lines = [ln for ln in text.splitlines() if "llama-server" in ln]
+    assert len(lines) == 1 and "VRAM 3.0 GiB" in lines[0], text
+    assert "RUNTIME-REPORTED" not in text and "ESTIMATED" not in text
+
+
+def test_two_samples_of_one_record_file_are_compared_by_position(tmp_path: Path) -> None:
+    """Catches FILE@N that picks the wrong line (0-based, or counting malformed lines) or reads
+    @-1 as anything but the last snapshot."""
+    rec = ms.write_record(
+        tmp_path / "run.jsonl",
+        [
+            snap(0, used=1 * GIB),
+            b"{not json\n",  # a malformed line is not a snapshot and does not count
+            snap(60, used=2 * GIB),
+            snap(120, used=3 * GIB),
+        ],
+    )
+    res = gtm("diff", "--json", f"{rec}@1", f"{rec}@-1")
+    assert res.returncode == 0, res.stderr
+    used = field(json.loads(res.stdout)["adapters"][0], "memory_used_bytes")
+    assert (used["before"]["value"], used["after"]["value"]) == (1 * GIB, 3 * GIB)
+    res = gtm("diff", "--json", f"{rec}@2", f"{rec}@3")
+    assert field(json.loads(res.stdout)["adapters"][0], "memory_used_bytes")["delta"] == GIB
+    text = gtm("diff", f"{rec}@1", f"{rec}@-2")
+    assert text.returncode == 0 and f"{rec}@1" in text.stdout and f"{rec}@-2" in text.stdout
+    for bad, says in ((f"{rec}@0", "count from 1"), (f"{rec}@4", "holds 3 snapshot(s)")):
+        res = gtm("diff", bad, f"{rec}@1")
+        assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr
+    plain = gtm("diff", str(rec), f"{rec}@1")  # the whole file: say how to name one
+    assert plain.returncode == 2 and f"{rec}@1" in plain.stderr
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
         ("not json", "not JSON"),
         ('{"schema": "other"}', "not a gputaskman.snapshot"),
-        (None, "record file with 2 snapshots"),
+        (None, "a record file (2 lines, one snapshot each); name one as"),
         ("schema2", "schema_version 2 is not supported"),
     ],
 )

@@ -130,6 +130,24 @@ def adapter_fields(a: Mapping[str, Any]) -> dict[str, Value]:
     return out
 
 
+def system_fields(doc: Mapping[str, Any]) -> dict[str, Value] | None:
+    """The host's RAM and swap byte readings (``memory.used_bytes``...), None without a
+    system sample. They are the OS's own counters, never GPU memory and never in a total."""
+    system = doc.get("system")
+    if not isinstance(system, Mapping):
+        return None
+    out: dict[str, Value] = {}
+    for group in ("memory", "swap"):
+        readings = system.get(group)
+        if not isinstance(readings, Mapping):
+            continue
+        for k, v in readings.items():
+            val = _value(v)
+            if val is not None and str(k).endswith("_bytes"):
+                out[f"{group}.{k}"] = val
+    return out
+
+
 def _breakdown_readings(view: object) -> Iterator[tuple[str, Value]]:
     """The weights / KV / compute parts (each part's chosen reading, not its alternatives)
     and the runtime-reported and estimated totals of a recorded ``breakdown``."""
@@ -155,7 +173,8 @@ def process_fields(row: Mapping[str, Any]) -> dict[str, Value]:
 
 def _section(name: str, kind: str) -> str | None:
     if kind == "measured":
-        return "measured" if name.rsplit(".", 1)[-1] in MEASURED else None
+        measured = name.rsplit(".", 1)[-1] in MEASURED or name.startswith(("memory.", "swap."))
+        return "measured" if measured else None
     return kind if kind in SECTIONS else None
 
 
@@ -522,4 +541,5 @@ def diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
         "warnings": warnings,
         "adapters": adapters,
         "processes": [p.json() for p in procs],
+        "system": [f.json() for f in compare_fields(system_fields(before), system_fields(after))],
     }

@@ -21,13 +21,25 @@ from gputaskman.offline.diff import (
     _bus,
     diff,
 )
-from gputaskman.offline.recordfile import SnapshotError, load_snapshot_file
+from gputaskman.offline.recordfile import SnapshotError, load_snapshot_arg
 
 FIELD_LABELS = {
     "memory_used_bytes": "memory used",
     "memory_total_bytes": "memory total",
     "memory_reserved_bytes": "memory reserved",
     "attributed_bytes": "attributed to processes",
+}
+SYSTEM_LABELS = {
+    "memory.total_bytes": "RAM total",
+    "memory.used_bytes": "RAM used",
+    "memory.available_bytes": "RAM available",
+    "memory.free_bytes": "RAM free",
+    "memory.cached_bytes": "RAM cached",
+    "memory.buffers_bytes": "RAM buffers",
+    "memory.shared_bytes": "RAM shared",
+    "swap.total_bytes": "swap total",
+    "swap.used_bytes": "swap used",
+    "swap.free_bytes": "swap free",
 }
 CHANGE_NOTES = {
     "not listed before": "new (not listed before)",
@@ -83,6 +95,15 @@ def _proc_label(p: Mapping[str, Any], gpu_index: Mapping[str | None, str]) -> st
     return f"{p['pid']} {p['name'] or 'n/a'} (GPU {gpu})"
 
 
+def _vram_was(p: Mapping[str, Any]) -> str:
+    """A process that came or went, in one cell: its measured VRAM on the side it is on."""
+    for f in p["fields"]:
+        if f["field"] == "vram_bytes":
+            side = f["before"] if f["before"] is not None else f["after"]
+            return f"VRAM {_fmt(Value(**side), True)}" if side is not None else "VRAM not recorded"
+    return "no VRAM recorded"
+
+
 def render_text(d: Mapping[str, Any], before_path: str, after_path: str) -> str:
     out = ["gputaskman diff"]
     for side, path in (("before", before_path), ("after", after_path)):
@@ -112,6 +133,8 @@ def render_text(d: Mapping[str, Any], before_path: str, after_path: str) -> str:
                 blocks += _table(rows, "    ")
         prow = []
         for p in d["processes"]:
+            if p["status"] != "paired" and not p["pid_reused"]:
+                continue  # one line each, after the sections
             for f in p["fields"]:
                 if f["section"] != section:
                     continue
@@ -131,8 +154,27 @@ def render_text(d: Mapping[str, Any], before_path: str, after_path: str) -> str:
         if prow:
             blocks.append("  PROCESSES (VRAM)")
             blocks += _table(prow, "    ")
+        srow = [
+            _field_row(SYSTEM_LABELS.get(f["field"], f["field"]), f)
+            for f in d.get("system", ())
+            if f["section"] == section and f["change"] not in ("unchanged", "unknown in both")
+        ]
+        if srow:
+            blocks.append("  SYSTEM (RAM and swap, as the OS counts them; not GPU memory)")
+            blocks += _table(srow, "    ")
         if blocks:
             out += ["", SECTION_TITLES[section], *blocks]
+    for status, title in (
+        ("not listed after", "PROCESSES GONE (not listed after)"),
+        ("not listed before", "PROCESSES NEW (not listed before)"),
+    ):
+        rows = [
+            (_proc_label(p, gpu_index), _vram_was(p), "")
+            for p in d["processes"]
+            if p["status"] == status and not p["pid_reused"]
+        ]
+        if rows:
+            out += ["", title, *_table(rows, "  ")]
     if not d["adapters"]:
         out += ["", "no GPU listed in either snapshot"]
     tail = []
@@ -146,15 +188,20 @@ def render_text(d: Mapping[str, Any], before_path: str, after_path: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("before", metavar="BEFORE.json", help="saved snapshot (gputaskman --json)")
-    p.add_argument("after", metavar="AFTER.json", help="saved snapshot to compare with it")
+    p.add_argument(
+        "before",
+        metavar="BEFORE",
+        help="a saved snapshot (gputaskman --json > FILE), or FILE@N: the Nth snapshot of a "
+        "record file (N from 1; -1 is the last)",
+    )
+    p.add_argument("after", metavar="AFTER", help="the snapshot to compare with it, the same way")
     p.add_argument("--json", dest="diff_json", action="store_true", help="print JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        before = load_snapshot_file(args.before)
-        after = load_snapshot_file(args.after)
+        before, before_name = load_snapshot_arg(args.before)
+        after, after_name = load_snapshot_arg(args.after)
     except SnapshotError as exc:
         print(f"gputaskman diff: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -166,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(
         json.dumps(d, indent=2) + "\n"
         if args.diff_json
-        else render_text(d, args.before, args.after)
+        else render_text(d, before_name, after_name)
     )
     for w in d["warnings"]:
         if args.diff_json:

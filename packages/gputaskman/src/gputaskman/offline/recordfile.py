@@ -207,13 +207,40 @@ def load_snapshot_file(path: str | Path) -> dict[str, Any]:
         raise SnapshotError(f"{path}: not UTF-8 text ({exc.reason})") from None
     except (ValueError, RecursionError) as exc:
         lines = [ln for ln in data.splitlines() if ln.strip()]
-        if len(lines) > 1 and all(parse_line(ln)[0] is not None for ln in lines[:2]):
+        good = sum(parse_line(ln)[0] is not None for ln in lines[:20])
+        if len(lines) > 1 and good:
             raise SnapshotError(
-                f"{path}: a record file with {len(lines)} snapshots; diff compares two "
-                "single snapshots (gputaskman --json > FILE)"
+                f"{path}: a record file ({len(lines)} lines, one snapshot each); name one as "
+                f"{path}@N (N from 1, or -1 for the last), e.g. {path}@1 {path}@-1"
             ) from None
         raise SnapshotError(f"{path}: not JSON ({exc})") from None
     try:
         return check_snapshot(doc)
     except SnapshotError as exc:
         raise SnapshotError(f"{path}: {exc}") from None
+
+
+def load_snapshot_arg(arg: str) -> tuple[dict[str, Any], str]:
+    """A snapshot named on the command line: a single saved snapshot (FILE), or the Nth good
+    snapshot of a record file (FILE@N; N counts from 1, negative from the end: @-1 is the
+    last). Returns the snapshot and how to name it to the user. SnapshotError says why not."""
+    path, at, n_text = arg.rpartition("@")
+    if not at or Path(arg).exists() or not n_text.lstrip("-").isdigit():
+        return load_snapshot_file(arg), arg
+    n = int(n_text)
+    if n == 0:
+        raise SnapshotError(f"{arg}: snapshots count from 1 (@1 is the first, @-1 the last)")
+    try:
+        with open(path, "rb") as f:
+            docs = [e.doc for e in iter_record(f) if e.doc is not None]
+    except OSError as exc:
+        raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not docs:
+        raise SnapshotError(f"{path}: no snapshot in it (not a gputaskman record file?)")
+    if not -len(docs) <= n <= len(docs):
+        raise SnapshotError(f"{arg}: {path} holds {len(docs)} snapshot(s)")
+    doc = docs[n - 1] if n > 0 else docs[n]
+    try:
+        return check_snapshot(doc), f"{path}@{n}"
+    except SnapshotError as exc:
+        raise SnapshotError(f"{arg}: {exc}") from None
