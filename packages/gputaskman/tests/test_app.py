@@ -88,9 +88,37 @@ async def test_inspector_follows_the_cursor_and_shows_reasons():
         body = text_of(app.query_one("#inspector-body"))
         assert "PID 5151" in body
         assert "hidden by driver" in body and "VRAM inferred: ~2.0 GiB  [inferred" in body
+        assert not app.query_one(Inspector).display  # 120 columns: the table gets them all
+        await pilot.press("i")
+        await pilot.pause()
+        assert app.query_one(Inspector).display
         await pilot.press("i")
         await pilot.pause()
         assert not app.query_one(Inspector).display
+
+
+async def test_the_inspector_shows_by_itself_only_on_a_wide_terminal():
+    """Catches an inspector open on every terminal (at 120 columns it took the room the
+    table's MODEL column needed) and one that ignores the user's choice on a resize."""
+    app = app_with(FakeCollector())
+    async with app.run_test(size=(160, 45)) as pilot:
+        await settle(pilot, app)
+        inspector = app.query_one(Inspector)
+        assert inspector.display
+        assert inspector.size.width <= 0.3 * 160  # a side panel, not 40 % of the screen
+        await pilot.resize_terminal(100, 30)
+        await pilot.pause()
+        assert not inspector.display
+        await pilot.press("i")  # the user's choice stands from now on
+        await pilot.pause()
+        await pilot.resize_terminal(90, 30)
+        await pilot.pause()
+        assert inspector.display
+        await pilot.press("i")
+        await pilot.pause()
+        await pilot.resize_terminal(200, 60)
+        await pilot.pause()
+        assert not inspector.display
 
 
 async def test_sorting_cycles_columns_reverses_and_keeps_unknown_last():

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from textual import on, work
+from textual import events, on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
@@ -36,6 +36,9 @@ from gputaskman.tui.widgets.gpu_header import GpuHeader
 from gputaskman.tui.widgets.inspector import Inspector
 from gputaskman.tui.widgets.process_table import ProcessTable
 from gputaskman.tui.widgets.system_panel import SystemPanel
+
+# Below this many columns the process table needs the width: the inspector starts hidden.
+INSPECTOR_MIN_COLS = 140
 
 
 class CollectorLike(Protocol):
@@ -105,6 +108,7 @@ class GtmApp(App[int]):
         self.last_elapsed_s: float | None = None
         self.last_error: str | None = None
         self._busy = threading.Lock()
+        self._inspector_wanted: bool | None = None  # None: by the terminal's width
 
     # -- layout
 
@@ -128,8 +132,18 @@ class GtmApp(App[int]):
         self.header.show(None, None)
         self.system_panel.show(None)
         self.table.focus()
+        self._fit_inspector(self.size.width)
         self.set_interval(self.interval, self.request_refresh)
         self.request_refresh()
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._fit_inspector(event.size.width)
+
+    def _fit_inspector(self, width: int) -> None:
+        """Until the user toggles it (i), the inspector shows only where the table keeps room
+        for its columns beside it (INSPECTOR_MIN_COLS)."""
+        if self._inspector_wanted is None:
+            self.inspector.set_class(width < INSPECTOR_MIN_COLS, "-hidden")
 
     def on_unmount(self) -> None:
         if self._collector is not None:
@@ -292,7 +306,8 @@ class GtmApp(App[int]):
         self.render_all()
 
     def action_toggle_inspector(self) -> None:
-        self.inspector.toggle_class("-hidden")
+        self._inspector_wanted = self.inspector.has_class("-hidden")
+        self.inspector.set_class(not self._inspector_wanted, "-hidden")
 
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
