@@ -408,3 +408,28 @@ async def test_the_status_line_says_one_process():
         await settle(pilot, app)
         status = text_of(app.query_one("#status"))
         assert "1 process ·" in status and "processes" not in status
+
+
+def _bottom_line(svg: str) -> str:
+    """The last row of an exported screenshot as plain text (segments joined in order)."""
+    import html
+    import re
+
+    rows: dict[float, list[tuple[float, str]]] = {}
+    pattern = r'<text class="[^"]*" x="([\d.]+)" y="([\d.]+)"[^>]*>([^<]*)</text>'
+    for m in re.finditer(pattern, svg):
+        rows.setdefault(float(m.group(2)), []).append((float(m.group(1)), m.group(3)))
+    last = sorted(rows[max(rows)])
+    return "".join(html.unescape(t) for _, t in last).replace("\xa0", " ")
+
+
+@pytest.mark.parametrize("size", [(60, 15), (80, 24)])
+async def test_the_footer_always_says_where_every_key_is(size):
+    """Catches a footer cut off mid-word with no sign that more keys exist (`u refre▏` at 80
+    columns): "? all keys" comes right after quit, and the rest are in the help screen."""
+    app = app_with(FakeCollector())
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot, app)
+        assert "? all keys" in _bottom_line(app.export_screenshot())
+    shown = [b.key for b in type(app).BINDINGS if b.show]
+    assert shown[:2] == ["q", "question_mark"]

@@ -76,15 +76,16 @@ class GtmApp(App[int]):
     #main { height: 1fr; }
     """
     BINDINGS: ClassVar[list[Binding]] = [
+        # The footer shows the first keys and "? all keys"; the rest are in the help screen.
         Binding("q", "quit", "quit"),
-        Binding("question_mark", "help", "help"),
+        Binding("question_mark", "help", "all keys"),
         Binding("g", "next_gpu", "next GPU"),
-        Binding("G", "previous_gpu", "previous GPU"),
         Binding("s", "next_sort", "sort by next column"),
-        Binding("r", "reverse_sort", "reverse sort order"),
         Binding("i", "toggle_inspector", "show/hide inspector"),
-        Binding("space", "toggle_pause", "pause/resume refresh"),
-        Binding("u", "refresh_now", "refresh now"),
+        Binding("G", "previous_gpu", "previous GPU", show=False),
+        Binding("r", "reverse_sort", "reverse sort order", show=False),
+        Binding("space", "toggle_pause", "pause/resume refresh", show=False),
+        Binding("u", "refresh_now", "refresh now", show=False),
         Binding("enter", "rescan", "rescan the highlighted process now (inspector)", show=False),
     ]
 
