@@ -415,6 +415,11 @@ async def test_each_stacking_takes_the_path_it_declares(servers) -> None:
         assert bytes(out) == bytes(page)
         # a declining filter takes nothing on the callback path
         assert stacks["crypt over remote"].start_read(0, out, finished, "t") is False
+        # every stack reports the health of the store it wraps, per-peer pages included
+        # (one written page, on the one replica of slab 0)
+        want = remote.health()
+        assert sum(peer["pages"] for peer in want["peers"]) == 1
+        assert all(s.health() == want for s in stacks.values())
         assert all(
             s.describe() == f"2 memserver(s){extra}"
             for s, extra in (

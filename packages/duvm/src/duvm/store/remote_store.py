@@ -521,13 +521,26 @@ class RemoteStore(BlockStore):
         """Slabs with fewer live replicas than wanted."""
         return [s for s, m in enumerate(self.sets) if len(m) < self.replicas]
 
+    def pages_per_peer(self) -> list[int]:
+        """Written pages held by each peer (a page counts once per replica)."""
+        out = [0] * len(self.clients)
+        sp, st = self.slab_pages, self._state
+        for s, members in enumerate(self.sets):
+            n = st.count(DATA, s * sp, (s + 1) * sp)
+            if n:
+                for i in members:
+                    out[i] += n
+        return out
+
     def health(self) -> dict:
-        """Replication state for `duvm status` (JSON-ready)."""
+        """Replication state for `duvm status` and metrics (JSON-ready), with each peer's
+        written pages."""
         degraded = self.degraded_slabs()
         per_peer = [0] * len(self.clients)
         for m in self.sets:
             for i in m:
                 per_peer[i] += 1
+        pages = self.pages_per_peer()
         rep = self.repairer
         return {
             "replicas": self.replicas,
@@ -558,6 +571,7 @@ class RemoteStore(BlockStore):
                     "namespace_losses": c.namespace_losses,
                     "slabs": per_peer[i],
                     "reserved_pages": self.reserved[i],
+                    "pages": pages[i],
                 }
                 for i, c in enumerate(self.clients)
             ],

@@ -132,6 +132,11 @@ class BlockStore(ABC):
         SIGHUP); none for a store in local RAM."""
         return []
 
+    def health(self) -> dict[str, Any] | None:
+        """Replication health for `duvm status` and metrics (JSON-ready), None for a store
+        without replicas."""
+        return None
+
     def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
         return False
 
@@ -177,6 +182,9 @@ class StoreFilter(BlockStore):
 
     def memserver_clients(self) -> list[Any]:
         return self.inner.memserver_clients()
+
+    def health(self) -> dict[str, Any] | None:
+        return self.inner.health()
 
     async def flush(self) -> None:
         await self.inner.flush()

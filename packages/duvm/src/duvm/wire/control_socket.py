@@ -99,17 +99,10 @@ def query(path: str, timeout: float = 2.0) -> dict[str, Any]:
     return reply
 
 
-def daemon_status(store: object, server: object, replicas: int | None) -> dict[str, Any]:
+def daemon_status(store: Any, server: object, replicas: int | None) -> dict[str, Any]:
     """What the daemon answers: replication health of its store (through wrapping layers such
     as encryption) and the NBD server's counters. Unknown parts are None."""
-    inner = store
-    while not hasattr(inner, "health") and hasattr(inner, "inner"):
-        inner = inner.inner
-    health = inner.health() if hasattr(inner, "health") else None
-    if health is not None:  # this node's written pages on each peer (duvm.wire.poolstats)
-        from duvm.wire.poolstats import add_pages_per_peer
-
-        add_pages_per_peer(inner, health)
+    health = store.health()  # through filters; each peer's written pages included
     stats = getattr(server, "stats", None)
     return {
         "pid": os.getpid(),
