@@ -115,16 +115,22 @@ def _byte_readings(row: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[s
             yield from _byte_readings(v, f"{name}.")
 
 
-def adapter_fields(a: Mapping[str, Any]) -> dict[str, Value]:
+def _byte_groups(obj: Mapping[str, Any], groups: tuple[str, ...], prefix: bool) -> dict[str, Value]:
+    """The ``*_bytes`` readings of `obj`'s `groups` objects, named ``group.key`` or ``key``."""
     out: dict[str, Value] = {}
-    for group in ("metrics", "extra_metrics"):
-        metrics = a.get(group)
-        if not isinstance(metrics, Mapping):
+    for group in groups:
+        readings = obj.get(group)
+        if not isinstance(readings, Mapping):
             continue
-        for k, v in metrics.items():
+        for k, v in readings.items():
             val = _value(v)
             if val is not None and str(k).endswith("_bytes"):
-                out[str(k)] = val
+                out[f"{group}.{k}" if prefix else str(k)] = val
+    return out
+
+
+def adapter_fields(a: Mapping[str, Any]) -> dict[str, Value]:
+    out = _byte_groups(a, ("metrics", "extra_metrics"), prefix=False)
     if "attributed_bytes" in a:
         out["attributed_bytes"] = _sum_value(a.get("attributed_bytes"))
     return out
@@ -136,16 +142,7 @@ def system_fields(doc: Mapping[str, Any]) -> dict[str, Value] | None:
     system = doc.get("system")
     if not isinstance(system, Mapping):
         return None
-    out: dict[str, Value] = {}
-    for group in ("memory", "swap"):
-        readings = system.get(group)
-        if not isinstance(readings, Mapping):
-            continue
-        for k, v in readings.items():
-            val = _value(v)
-            if val is not None and str(k).endswith("_bytes"):
-                out[f"{group}.{k}"] = val
-    return out
+    return _byte_groups(system, ("memory", "swap"), prefix=True)
 
 
 def _breakdown_readings(view: object) -> Iterator[tuple[str, Value]]:
