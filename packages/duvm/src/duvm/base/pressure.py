@@ -35,10 +35,11 @@ less protected), and `duvm doctor` says what to change (`doctor.check_swap_path`
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 from pathlib import Path
+
+from duvm.base.libc import libc
 
 log = logging.getLogger("duvm.base.pressure")
 
@@ -50,22 +51,18 @@ RT_RUNTIME = Path("/proc/sys/kernel/sched_rt_runtime_us")
 RT_PERIOD = Path("/proc/sys/kernel/sched_rt_period_us")
 
 
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
 def lock_in_memory() -> str | None:
     """mlockall (on fault where possible). None on success, else why it failed."""
-    libc = _libc()
+    c = libc()
     for flags in (_MCL_CURRENT | _MCL_FUTURE | _MCL_ONFAULT, _MCL_CURRENT | _MCL_FUTURE):
-        if libc.mlockall(flags) == 0:
+        if c.mlockall(flags) == 0:
             return None
     return f"mlockall: {os.strerror(ctypes.get_errno())}"
 
 
 def become_io_flusher() -> str | None:
     """PR_SET_IO_FLUSHER (Linux 5.6+, CAP_SYS_RESOURCE). None on success, else why not."""
-    if _libc().prctl(_PR_SET_IO_FLUSHER, 1, 0, 0, 0) == 0:
+    if libc().prctl(_PR_SET_IO_FLUSHER, 1, 0, 0, 0) == 0:
         return None
     return f"PR_SET_IO_FLUSHER: {os.strerror(ctypes.get_errno())}"
 
@@ -161,7 +158,7 @@ def reserve_heap(nbytes: int) -> None:
     glibc is told to keep freed memory in its one heap (no per-thread arenas, no mmap for large
     blocks below 32 MiB, no trimming). Off by default: the realtime reserve made it unneeded in
     every measured run, and it costs locked RAM."""
-    libc = _libc()
+    c = libc()
     m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8
     for opt, value in (
         (m_arena_max, 1),
@@ -169,17 +166,17 @@ def reserve_heap(nbytes: int) -> None:
         (m_trim_threshold, 2**31 - 1),
         (m_top_pad, 1 << 20),
     ):
-        if not libc.mallopt(opt, value):
+        if not c.mallopt(opt, value):
             log.warning("mallopt(%d) refused; heap reserve skipped", opt)
             return
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
+    c.malloc.restype = ctypes.c_void_p
+    c.free.argtypes = [ctypes.c_void_p]
     chunk, blocks = 4 << 20, []
     for _ in range(nbytes // chunk):
-        p = libc.malloc(chunk)
+        p = c.malloc(chunk)
         if not p:
             break
         ctypes.memset(p, 1, chunk)  # touch: resident now, and locked (mlockall)
         blocks.append(p)
     for p in blocks:
-        libc.free(p)  # back to the heap, which keeps it
+        c.free(p)  # back to the heap, which keeps it

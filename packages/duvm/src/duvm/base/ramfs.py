@@ -13,18 +13,15 @@ device page (33 with encryption), memory the daemon already keeps locked.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from pathlib import Path
+
+from duvm.base.libc import libc
 
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_NOEXEC = 0x8
 MNT_DETACH = 0x2
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def _unescape(field: str) -> str:
@@ -69,9 +66,9 @@ def ensure(path: Path) -> bool:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     if filesystem_of(path) == "ramfs":
         return False
-    libc = _libc()
+    c = libc()
     flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
-    if libc.mount(b"duvm-state", os.fsencode(path), b"ramfs", flags, b"mode=0700") != 0:
+    if c.mount(b"duvm-state", os.fsencode(path), b"ramfs", flags, b"mode=0700") != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot mount a ramfs on {path}: {os.strerror(err)}")
     return True
@@ -82,10 +79,10 @@ def release(path: Path) -> None:
     `path` is no ramfs mount point."""
     if not (is_mount_point(path) and filesystem_of(path) == "ramfs"):
         return
-    libc = _libc()
+    c = libc()
     # Still open somewhere (a shell's cwd)? Then detach it now; it is freed when the last
     # user goes.
     target = os.fsencode(path)
-    if libc.umount2(target, 0) != 0 and libc.umount2(target, MNT_DETACH) != 0:
+    if c.umount2(target, 0) != 0 and c.umount2(target, MNT_DETACH) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot unmount {path}: {os.strerror(err)}")

@@ -12,12 +12,12 @@ freeing are O(1) and never touch the allocator. Callers copy bytes in and out th
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
 from array import array
 
+from duvm.base.libc import libc
 from duvm.wire.pageproto import PAGE_SIZE  # the one definition: the wire's page
 
 log = logging.getLogger(__name__)
@@ -25,14 +25,6 @@ log = logging.getLogger(__name__)
 
 class ArenaFull(Exception):
     """No free slot left."""
-
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
 
 
 class Arena:
@@ -64,12 +56,13 @@ class Arena:
         self._free = array("I", range(slots - 1, -1, -1))
 
     def _lock(self) -> None:
-        libc = _libc()
-        if libc is None:
+        try:
+            c = libc()
+        except OSError:
             self.lock_error = "libc not found"
         else:
             addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-            if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(self.nbytes)) == 0:
+            if c.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(self.nbytes)) == 0:
                 self.locked = True
                 return
             err = ctypes.get_errno()
