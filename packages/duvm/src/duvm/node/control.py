@@ -62,17 +62,6 @@ def daemon_state_dir(state_dir: Path) -> Path:
     return state_dir.resolve() / DAEMON_STATE_SUBDIR
 
 
-def _state_dir_arg(daemon_args: list[str]) -> Path | None:
-    """The daemon's `--state-dir` among `daemon_args` (the last one wins, as in argparse)."""
-    found = None
-    for i, a in enumerate(daemon_args):
-        if a == "--state-dir" and i + 1 < len(daemon_args):
-            found = daemon_args[i + 1]
-        elif a.startswith("--state-dir="):
-            found = a.split("=", 1)[1]
-    return Path(found) if found is not None else None
-
-
 @dataclass
 class DaemonInfo:
     pid: int
@@ -238,7 +227,7 @@ def enable(cfg: Config) -> attach.Attachment:
 def _unswappable_state(cfg: Config) -> tuple[Path | None, str | None]:
     """Mount a ramfs on the daemon's state directory when it is the one enable chose (a
     directory the user chose is theirs). Returns what was mounted, and why nothing could be."""
-    chosen = _state_dir_arg(cfg.daemon_args)
+    chosen = supervisor_process.state_dir_arg(cfg.daemon_args)
     if chosen is None or chosen.resolve() != daemon_state_dir(cfg.state_dir):
         return None, None
     try:

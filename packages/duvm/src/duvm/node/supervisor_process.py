@@ -17,9 +17,20 @@ from typing import Any
 from duvm.node import attach
 
 
+def state_dir_arg(daemon_args: list[str]) -> Path | None:
+    """The daemon's `--state-dir` among `daemon_args` (the last one wins, as in argparse)."""
+    found = None
+    for i, a in enumerate(daemon_args):
+        if a == "--state-dir" and i + 1 < len(daemon_args):
+            found = daemon_args[i + 1]
+        elif a.startswith("--state-dir="):
+            found = a.split("=", 1)[1]
+    return Path(found) if found is not None else None
+
+
 def keeps_state(daemon_args: list[str]) -> bool:
     """The daemon runs with `--state-dir`, so a restarted one can serve its pages again."""
-    return any(a == "--state-dir" or a.startswith("--state-dir=") for a in daemon_args)
+    return state_dir_arg(daemon_args) is not None
 
 
 SUPERVISOR_FILE = "supervisor.json"
