@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,16 +231,27 @@ def load_snapshot_arg(arg: str) -> tuple[dict[str, Any], str]:
     n = int(n_text)
     if n == 0:
         raise SnapshotError(f"{arg}: snapshots count from 1 (@1 is the first, @-1 the last)")
+    # An hours-long recording is not held in memory: only the snapshot asked for (@N) or the
+    # last |N| of them (@-N) are kept while the file is read.
+    kept: deque[dict[str, Any]] = deque(maxlen=1 if n > 0 else -n)
+    count = 0
     try:
         with open(path, "rb") as f:
-            docs = [e.doc for e in iter_record(f) if e.doc is not None]
+            for e in iter_record(f):
+                if e.doc is None:
+                    continue
+                count += 1
+                if n < 0 or count == n:
+                    kept.append(e.doc)
+                if count == n:
+                    break
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if not docs:
+    if not count:
         raise SnapshotError(f"{path}: no snapshot in it (not a gputaskman record file?)")
-    if not -len(docs) <= n <= len(docs):
-        raise SnapshotError(f"{arg}: {path} holds {len(docs)} snapshot(s)")
-    doc = docs[n - 1] if n > 0 else docs[n]
+    if count < abs(n):
+        raise SnapshotError(f"{arg}: {path} holds {count} snapshot(s)")
+    doc = kept[0]
     try:
         return check_snapshot(doc), f"{path}@{n}"
     except SnapshotError as exc:
