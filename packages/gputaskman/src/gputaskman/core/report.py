@@ -203,7 +203,8 @@ def _metrics_json(m: DeviceMetrics | None) -> dict[str, Any] | None:
     return {name: reading_json(getattr(m, name)) for name in DeviceMetrics.__slots__}
 
 
-def _system_json(system: object | None) -> Any:
+def system_document(system: object | None) -> Any:
+    """The ``system`` object of the JSON document, from whichever host sample was given."""
     if system is None:
         return None
     if isinstance(system, host.SystemInfo):
@@ -340,7 +341,7 @@ def _process_list_status(snapshot: Snapshot, pci: str) -> dict[str, Any]:
     return status
 
 
-def _utc(taken: float) -> _dt.datetime | None:
+def utc_of(taken: float) -> _dt.datetime | None:
     """`taken` as a UTC datetime; None for a time no calendar date holds (a replayed file
     may carry any number, and bad input must never crash the report)."""
     try:
@@ -350,7 +351,7 @@ def _utc(taken: float) -> _dt.datetime | None:
 
 
 def _iso(taken: float) -> str | None:
-    when = _utc(taken)
+    when = utc_of(taken)
     return None if when is None else when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -399,7 +400,7 @@ def to_json_dict(
         "attributed_complete": snapshot.attributed_complete,
         "problems": [problem_json(p) for p in snapshot.problems],
         "notes": list(snapshot.notes),
-        "system": _system_json(system),
+        "system": system_document(system),
     }
 
 

@@ -19,7 +19,7 @@ from gputaskman.base.readings import (
     Snapshot,
 )
 from gputaskman.core import host
-from gputaskman.core.report import ProcHostLookup, _system_json, _utc, proc_host_lookup
+from gputaskman.core.report import ProcHostLookup, proc_host_lookup, system_document, utc_of
 from gputaskman.core.report_models import (
     gtt_text,
     model_cell,
@@ -206,7 +206,7 @@ def system_lines(system: object | None) -> list[str]:
         render = getattr(system, "render_lines", None)
         if callable(render):
             return list(render())
-        return [f"{k}: {v}" for k, v in _system_json(system).items()]
+        return [f"{k}: {v}" for k, v in system_document(system).items()]
     m, s, c = system.memory, system.swap, system.cpu
     lines = [
         "RAM   used "
@@ -248,7 +248,7 @@ def render_text(
     snapshot: Snapshot, system: object | None = None, selected_gpu: int | None = None
 ) -> str:
     """The ``--once`` report: GPUs, processes, problems, then the system panel."""
-    utc = _utc(snapshot.taken)
+    utc = utc_of(snapshot.taken)
     when = NA if utc is None else utc.strftime("%Y-%m-%d %H:%M:%S")
     out = [f"gputaskman {__version__}  {when} UTC  backend {snapshot.backend}"]
     if snapshot.driver_version:
