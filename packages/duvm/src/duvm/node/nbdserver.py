@@ -210,6 +210,8 @@ class NBDConnection(asyncio.BufferedProtocol):
         # store coroutines suspended inside the store, by request
         self._waiting: dict[Request, Coroutine[Any, Any, None]] = {}
         self._aborted = False
+        # the store's request batching (storage.Batching), looked up once per connection
+        self._batching = self.store.batching
         # the store's callback fast path, when it declares one (BlockStore.fast_path)
         fast = self.store.fast_path
         self._start_read = self.store.start_read if fast else None
@@ -326,7 +328,7 @@ class NBDConnection(asyncio.BufferedProtocol):
         max_bytes = self.server.max_in_flight_bytes
         # Requests the store sends to memservers while dispatching this read merge and leave
         # together when uncorked, in this loop iteration (see storage.Batching).
-        batching = self.store.batching
+        batching = self._batching
         corked = batching.cork()
         try:
             while not self._disconnecting:
@@ -438,7 +440,7 @@ class NBDConnection(asyncio.BufferedProtocol):
         if not self._flush_scheduled:
             self._flush_scheduled = True
             # Many replies arrive in one read from a memserver: answer them in one write.
-            if not self.store.batching.after_replies(self._flush):
+            if not self._batching.after_replies(self._flush):
                 self._loop.call_soon(self._flush)
 
     def _run(self, req: Request, coro: Coroutine[Any, Any, None]) -> None:

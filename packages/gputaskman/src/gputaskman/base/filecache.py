@@ -42,7 +42,3 @@ class ParsedFiles(Generic[T]):
                 self._got.clear()
             self._got[path] = (key, res)
         return res
-
-    def clear(self) -> None:
-        with self._lock:
-            self._got.clear()

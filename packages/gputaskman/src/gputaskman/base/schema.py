@@ -10,6 +10,7 @@ draft 2020-12 validator, e.g. ``python -m jsonschema`` or `jsonschema.validate(d
 from __future__ import annotations
 
 import json
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -27,11 +28,17 @@ def load() -> dict[str, Any]:
 def errors(doc: Any) -> list[str]:
     """Every way `doc` violates the schema, as ``path: message`` (empty: valid). Needs the
     `jsonschema` package, which gputaskman itself does not depend on."""
-    from jsonschema import Draft202012Validator
-
-    validator = Draft202012Validator(load())
     out = []
+    validator = _validator()
     for e in sorted(validator.iter_errors(doc), key=lambda e: [str(p) for p in e.absolute_path]):
         where = "/".join(str(p) for p in e.absolute_path) or "(document)"
         out.append(f"{where}: {e.message[:300]}")
     return out
+
+
+@cache
+def _validator() -> Any:
+    """Built once: compiling the schema costs more than validating one document."""
+    from jsonschema import Draft202012Validator
+
+    return Draft202012Validator(load())
