@@ -187,33 +187,29 @@ def enable(cfg: Config) -> attach.Attachment:
             "`duvm disable` turns it off"
         )
     unswappable, state_problem = _unswappable_state(cfg)
+    extra: dict[str, object] = {}
+    if unswappable is not None:
+        extra["state_ramfs"] = str(unswappable)  # disable unmounts it
+    if state_problem:
+        extra["state_problem"] = state_problem
+    daemon = None
     try:
         daemon = start_daemon(cfg)
-    except BaseException:
-        if unswappable is not None:
-            ramfs.release(unswappable)
-        raise
-    try:
         att = attach.attach(
             daemon.socket,
             state_path(cfg.state_dir),
             run_dir=cfg.state_dir,
             method=cfg.method,
             priority=cfg.priority,
-            extra={"daemon_pid": daemon.pid},
+            extra={"daemon_pid": daemon.pid, **extra},
             realtime=pressure.realtime_wanted(cfg.daemon_args),
         )
     except BaseException:
-        stop_daemon(cfg.state_dir)
+        if daemon is not None:
+            stop_daemon(cfg.state_dir)
         if unswappable is not None:
             ramfs.release(unswappable)
         raise
-    if unswappable is not None or state_problem:
-        if unswappable is not None:
-            att.extra["state_ramfs"] = str(unswappable)
-        if state_problem:
-            att.extra["state_problem"] = state_problem
-        attach.save_state(state_path(cfg.state_dir), att)
     if cfg.supervise and supervisor_process.wanted(att, cfg.daemon_args):
         att.extra["supervise"] = True  # `enable --resume` starts it again after a give-up
         attach.save_state(state_path(cfg.state_dir), att)
