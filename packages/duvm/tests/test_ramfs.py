@@ -32,6 +32,9 @@ def test_the_innermost_mount_decides(tmp_path: Path) -> None:
     assert ramfs.filesystem_of(Path("/srv/a dir/f"), where) == "ramfs"  # \\040 is a space
     assert ramfs.is_mount_point(Path("/run/duvm/daemon-state"), where)
     assert not ramfs.is_mount_point(Path("/run/duvm"), where)
+    assert ramfs.mounted_at(Path("/run/duvm/daemon-state"), where) == "ramfs"
+    assert ramfs.mounted_at(Path("/run"), where) == "tmpfs"  # not the one below it
+    assert ramfs.mounted_at(Path("/run/duvm"), where) is None
 
 
 @root_only

@@ -54,9 +54,18 @@ def filesystem_of(path: Path, mountinfo: str = "/proc/self/mountinfo") -> str | 
     return best[1] if best else None
 
 
-def is_mount_point(path: Path, mountinfo: str = "/proc/self/mountinfo") -> bool:
+def mounted_at(path: Path, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the filesystem mounted exactly on `path` (the latest), None if none is."""
     target = os.path.realpath(path)
-    return any(point == target for point, _ in mounts(mountinfo))
+    found = None
+    for point, fstype in mounts(mountinfo):
+        if point == target:
+            found = fstype
+    return found
+
+
+def is_mount_point(path: Path, mountinfo: str = "/proc/self/mountinfo") -> bool:
+    return mounted_at(path, mountinfo) is not None
 
 
 def ensure(path: Path) -> bool:
@@ -77,7 +86,7 @@ def ensure(path: Path) -> bool:
 def release(path: Path) -> None:
     """Unmount the ramfs `ensure` mounted on `path` (its files go with it). Nothing when
     `path` is no ramfs mount point."""
-    if not (is_mount_point(path) and filesystem_of(path) == "ramfs"):
+    if mounted_at(path) != "ramfs":
         return
     c = libc()
     # Still open somewhere (a shell's cwd)? Then detach it now; it is freed when the last

@@ -173,8 +173,9 @@ def _watch(
             if stopper.requested:
                 say("stopped")
                 return 0
-            if _mtime(daemon_file) != seen:  # rewritten: by our last try or a manual resume
-                seen = _mtime(daemon_file)
+            mtime = _mtime(daemon_file)
+            if mtime != seen:  # rewritten: by our last try or a manual resume
+                seen = mtime
                 current = control.load_daemon(state_dir)
                 if (
                     current is not None
