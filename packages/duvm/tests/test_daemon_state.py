@@ -378,12 +378,12 @@ async def test_slab_map_changes_are_saved_coalesced(memserver_pool, tmp_path: Pa
     state.dir.save = lambda s: (saves.append(1), real_save(s))  # type: ignore[method-assign]
     try:
         assert all(len(s) == 2 for s in sd.load().sets)
-        for slab in range(store.nslabs):
-            assert store.drop_replica(slab, store.sets[slab][0], "test")
+        for slab in range(store.table.nslabs):
+            assert store.drop_replica(slab, store.table.sets[slab][0], "test")
         assert saves == []  # not yet: once, at the end of this iteration
         await asyncio.sleep(0)
         assert saves == [1]
-        assert sd.load().sets == [list(s) for s in store.sets]
+        assert sd.load().sets == [list(s) for s in store.table.sets]
         assert all(len(s) == 1 for s in sd.load().sets)
     finally:
         await store.close()

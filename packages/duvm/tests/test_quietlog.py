@@ -128,11 +128,11 @@ async def test_a_lost_memserver_logs_one_line_and_a_summary_not_one_per_slab(
         with caplog.at_level(logging.WARNING, "duvm"):
             await srvs[1].close()
             deadline = time.monotonic() + 20
-            while store.health()["degraded_slabs"] < store.nslabs:
+            while store.health()["degraded_slabs"] < store.table.nslabs:
                 assert time.monotonic() < deadline, "the dead peer's slabs never degraded"
                 await asyncio.sleep(0.05)
             drops = [r for r in caplog.records if "dropping copies" in r.getMessage()]
-            assert store.nslabs == 64 and len(drops) == 1
+            assert store.table.nslabs == 64 and len(drops) == 1
             store.log_summary()
         msgs = [r.getMessage() for r in caplog.records]
         assert any("(and 63 more like it" in m for m in msgs), msgs

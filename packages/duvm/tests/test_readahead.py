@@ -121,8 +121,8 @@ async def test_writes_and_trims_never_leave_stale_bytes_in_a_window(memserver_po
         for step in range(600):
             op = rng.random()
             if op < 0.6:  # the sequential reader
-                sp = store.slab_pages
-                if store._state.count(1, pos, pos + 8) == 8 and pos // sp == (pos + 7) // sp:
+                sp = store.table.slab_pages
+                if store.table.state.count(1, pos, pos + 8) == 8 and pos // sp == (pos + 7) // sp:
                     await fast(store.start_read, pos * PS, memoryview(out))
                 else:  # trimmed pages or two slabs: the fast path leaves them to the general path
                     await store.read(pos * PS, memoryview(out))

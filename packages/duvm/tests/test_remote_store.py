@@ -242,7 +242,7 @@ def test_constructor_checks_its_arguments() -> None:
 
 def test_page_crcs_are_each_pages_crc32c() -> None:
     from crc32c import crc32c
-    from duvm.store.remote_store import page_crcs
+    from duvm.store.slab_table import page_crcs
     from duvm.wire.pageproto import MAX_BATCH
 
     for count in (1, 2, 64, MAX_BATCH, MAX_BATCH + 3):  # the last one past the slice table
@@ -257,18 +257,18 @@ async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
     servers, fast
 ) -> None:
     from crc32c import crc32c
-    from duvm.store import remote_store
+    from duvm.store import remote_write
 
     srvs, addrs = servers
     store = await RemoteStore.open(addrs[:1], MiB, "t:crc-overlap", replicas=1)
     seen: list[tuple[int, int]] = []  # (STOREs the memserver had handled, pages) at each call
-    real = remote_store.page_crcs
+    real = remote_write.page_crcs
 
     def spy(buf: memoryview, count: int) -> object:
         seen.append((srvs[0].store.counters["store_requests"], count))
         return real(buf, count)
 
-    remote_store.page_crcs = spy
+    remote_write.page_crcs = spy
     try:
         data = os.urandom(64 * PS)
         before = srvs[0].store.counters["store_requests"]
@@ -277,31 +277,33 @@ async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
         # not again at the acknowledgement
         assert seen == [(before, 64)]
         assert srvs[0].store.counters["store_requests"] == before + 1
-        assert list(store._crc[8:72]) == [crc32c(data[k * PS : (k + 1) * PS]) for k in range(64)]
+        assert list(store.table.crc[8:72]) == [
+            crc32c(data[k * PS : (k + 1) * PS]) for k in range(64)
+        ]
         out = bytearray(64 * PS)
         await store.read(8 * PS, memoryview(out))  # the checksums vouch for the bytes
         assert out == data and store.stats["checksum_failures"] == 0
     finally:
-        remote_store.page_crcs = real
+        remote_write.page_crcs = real
         await store.close()
 
 
 async def test_a_replicated_write_checksums_its_pages_after_its_stores_left(servers) -> None:
-    from duvm.store import remote_store
+    from duvm.store import remote_write
 
     srvs, addrs = servers
     store = await RemoteStore.open(addrs, MiB, "t:crc-overlap-2", replicas=2, slab_pages=64)
     # when the checksums were taken: STOREs each memserver had handled, and whether every
     # client had sent what it had queued
     seen: list[tuple[list[int], bool]] = []
-    real = remote_store.page_crcs
+    real = remote_write.page_crcs
 
     def spy(buf: memoryview, count: int) -> object:
         sent = all(c._flush_handle is None and not c._outq for c in store.clients)
         seen.append(([s.store.counters["store_requests"] for s in srvs], sent))
         return real(buf, count)
 
-    remote_store.page_crcs = spy
+    remote_write.page_crcs = spy
     try:
         data = os.urandom(32 * PS)
         before = [s.store.counters["store_requests"] for s in srvs]
@@ -309,12 +311,12 @@ async def test_a_replicated_write_checksums_its_pages_after_its_stores_left(serv
         assert seen == [(before, True)]  # once, with both STOREs sent and not yet handled
         after = [s.store.counters["store_requests"] for s in srvs]
         assert sorted(a - b for a, b in zip(after, before, strict=True))[-2:] == [1, 1]
-        assert store._pending_writes == []  # nothing left registered for racing reads
+        assert store.table.pending_writes == []  # nothing left registered for racing reads
         out = bytearray(32 * PS)
         await store.read(0, memoryview(out))
         assert out == data and store.stats["checksum_failures"] == 0
     finally:
-        remote_store.page_crcs = real
+        remote_write.page_crcs = real
         await store.close()
 
 
@@ -329,14 +331,14 @@ async def test_a_replicated_write_registers_its_bytes_before_any_store_leaves(se
         data = os.urandom(8 * PS)
         coro = store.write(0, memoryview(data))
         assert coro.send(None) is None  # driven by hand, as nbdserver does: the first yield
-        [(first, count, held)] = store._pending_writes
+        [(first, count, held)] = store.table.pending_writes
         assert (first, count) == (0, 8) and bytes(held) == data
         bad = bytearray(data[:PS])
         bad[9] ^= 1  # not the write's bytes: still bad
-        assert store._bad_pages(0, 1, memoryview(data[:PS])) == []  # the write's: not bad
-        assert store._bad_pages(0, 1, memoryview(bad)) == [0]
+        assert store.table.bad_pages(0, 1, memoryview(data[:PS])) == []  # the write's: not bad
+        assert store.table.bad_pages(0, 1, memoryview(bad)) == [0]
         coro.close()
-        assert store._pending_writes == [] and store.inflight[0] == 0
+        assert store.table.pending_writes == [] and store.table.inflight[0] == 0
     finally:
         await store.close()
 

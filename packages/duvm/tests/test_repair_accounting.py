@@ -61,10 +61,10 @@ async def test_repair_onto_a_peer_holding_a_dropped_copy_frees_that_copy_first(
         rep = Repairer(store)
         assert await rep.repair_all() == 2  # s2 onto b, then s1 back onto b (c is dead)
         assert rep.stats["repair_failures"] == 0, rep.last_error
-        assert b in store.sets[s2] and b in store.sets[s1]
+        assert b in store.table.sets[s2] and b in store.table.sets[s1]
         # mechanism: the dropped copy of s1 was freed on b before s2 was copied there
         assert rep.stats["stale_freed"] == 1 and not store.stale - {(c, s2)}
-        held = sum(store.slab_size(s) for s, m in enumerate(store.sets) if b in m)
+        held = sum(store.table.slab_size(s) for s, m in enumerate(store.table.sets) if b in m)
         assert await _namespace_pages(store, b) == held == store.assigned[b] == before + SLAB
         # outcome: s2 reads back intact from b alone
         assert store.drop_replica(s2, a, "test: read from the repaired copy")

@@ -94,9 +94,9 @@ async def test_corrupt_replica_is_detected_bypassed_and_repaired(servers) -> Non
     try:
         data = os.urandom(MiB)
         await store.write(0, memoryview(data))
-        first = store.sets[0][0]
+        first = store.table.sets[0][0]
         corrupt(srvs[first], "t:crc:1", 5)
-        for i in store.sets[0]:
+        for i in store.table.sets[0]:
             corrupt(srvs[i], "t:crc:1", 9)  # page 9 rots on every replica
         one = bytearray(PS)
         await store.read(5 * PS, memoryview(one))  # the single-page path checks too
@@ -109,9 +109,9 @@ async def test_corrupt_replica_is_detected_bypassed_and_repaired(servers) -> Non
         await store.read(0, memoryview(out))
         assert out == data
         assert store.stats["replicas_dropped"] >= 1  # the bad copy was no longer trusted ...
-        await wait_for(lambda: len(store.sets[0]) == 2)  # ... and repair restored R=2
+        await wait_for(lambda: len(store.table.sets[0]) == 2)  # ... and repair restored R=2
         assert store.repairer.stats["repairs_done"] >= 1
-        new = store.sets[0][-1]
+        new = store.table.sets[0][-1]
         assert await stored_keys(srvs[new], "t:crc:1") >= set(range(64))
         await store.read(0, memoryview(out))
         assert out == data
@@ -158,15 +158,15 @@ async def test_memserver_death_during_io_loses_nothing_and_repair_restores_r(ser
                 model[p] = b
 
         await writer(200)
-        victim = store.sets[0][0]
+        victim = store.table.sets[0][0]
         task = asyncio.ensure_future(writer(400))
         await asyncio.sleep(0)
         await srvs[victim].close()  # dies with requests in flight
         await task
-        assert all(victim not in s for s in store.sets)
+        assert all(victim not in s for s in store.table.sets)
         assert store.stats["replicas_dropped"] > 0
         await wait_for(lambda: store.health()["degraded_slabs"] == 0, 20)
-        assert all(len(set(s)) == 2 for s in store.sets)
+        assert all(len(set(s)) == 2 for s in store.table.sets)
         out = bytearray(PS)
         for p, b in model.items():
             await store.read(p * PS, memoryview(out))
@@ -185,7 +185,10 @@ async def test_degraded_without_spare_peer_keeps_serving_and_reports_it(servers)
         await srvs[1].close()
         await store.write(0, memoryview(data[::-1]))  # writes continue on the survivor
         h = store.health()
-        assert h["degraded_slabs"] == store.nslabs and h["replicas_dropped"] == store.nslabs
+        assert (
+            h["degraded_slabs"] == store.table.nslabs
+            and h["replicas_dropped"] == store.table.nslabs
+        )
         assert h["peers"][1]["connected"] is False
         out = bytearray(MiB)
         await store.read(0, memoryview(out))
@@ -313,7 +316,7 @@ async def test_frozen_memserver_is_cut_off_and_writes_continue(servers) -> None:
         t0 = time.monotonic()
         await asyncio.wait_for(store.write(0, memoryview(data[::-1])), 10)
         assert time.monotonic() - t0 < 5  # the watchdog, not TCP_USER_TIMEOUT (15 s)
-        assert store.stats["stalls_aborted"] >= 1 and store.sets[0] == [0]
+        assert store.stats["stalls_aborted"] >= 1 and store.table.sets[0] == [0]
         out = bytearray(PS)
         await store.read(0, memoryview(out))
         assert out == data[::-1]
@@ -376,11 +379,12 @@ async def test_dead_peer_degrades_its_slabs_without_any_write(servers) -> None:
     try:
         data = os.urandom(MiB)
         await store.write(0, memoryview(data))
-        victim = store.sets[0][0]
+        victim = store.table.sets[0][0]
         await srvs[victim].close()  # nobody reads or writes: the watchdog must notice
         await wait_for(
             lambda: (
-                all(victim not in s for s in store.sets) and store.health()["degraded_slabs"] == 0
+                all(victim not in s for s in store.table.sets)
+                and store.health()["degraded_slabs"] == 0
             ),
             20,
         )
@@ -402,11 +406,11 @@ async def test_slab_whose_replicas_outlive_their_lease_is_lost_then_replaced() -
     try:
         data = os.urandom(MiB)
         await store.write(0, memoryview(data))
-        on_a = [s for s, m in enumerate(store.sets) if m == [0]]
+        on_a = [s for s, m in enumerate(store.table.sets) if m == [0]]
         assert on_a  # placement used both peers
         await a.close()  # for good
         t0 = time.monotonic()
-        await wait_for(lambda: all(m == [1] for m in store.sets), 20)
+        await wait_for(lambda: all(m == [1] for m in store.table.sets), 20)
         assert time.monotonic() - t0 > 1.0  # not before the lease could have run out
         assert store.repairer.stats["slabs_replaced"] == len(on_a)
         page = on_a[0] * 64
@@ -465,7 +469,7 @@ async def test_fast_round_trip_completes_without_the_coroutine_path(servers, fas
         assert one == data[:PS]
         assert store.stats["stores"] == 2 and store.stats["pages_stored"] == 9
         assert store.stats["loads"] == 2 and store.stats["pages_loaded"] == 9
-        assert list(store.inflight) == [0] * store.nslabs  # every write accounted for
+        assert list(store.table.inflight) == [0] * store.table.nslabs  # every write accounted for
         # ... and the general path reads what the fast path wrote (same checksums)
         await store.read(3 * PS, memoryview(out))
         assert out == data
@@ -501,7 +505,7 @@ async def test_fast_read_of_a_corrupt_replica_fails_over_to_the_good_one(servers
     try:
         data = os.urandom(4 * PS)
         await store.write(0, memoryview(data))
-        corrupt(srvs[store.sets[0][0]], "t:fast:3", 2)  # the preferred replica rots
+        corrupt(srvs[store.table.sets[0][0]], "t:fast:3", 2)  # the preferred replica rots
         out = bytearray(4 * PS)
         assert await fast(store.start_read, 0, memoryview(out)) == "continued"
         assert out == data  # never the rotten bytes
@@ -534,7 +538,7 @@ async def test_fast_write_to_a_dead_memserver_is_eio_and_the_pages_are_lost(serv
         with pytest.raises(StorageError) as ei:
             await fast(store.start_write, 0, memoryview(b"b" * PS))
         assert ei.value.errno == errno.EIO
-        assert list(store.inflight) == [0] * store.nslabs
+        assert list(store.table.inflight) == [0] * store.table.nslabs
         # Neither the old nor the new bytes may be served now: the read is an error too.
         with pytest.raises(StorageError):
             await store.read(0, memoryview(bytearray(PS)))
@@ -553,7 +557,7 @@ async def test_a_read_racing_a_replicated_write_is_neither_eio_nor_a_dropped_rep
     try:
         old, new = os.urandom(PS), os.urandom(PS)
         await store.write(0, memoryview(old))
-        first, second = store.sets[0]
+        first, second = store.table.sets[0]
         for conn in srvs[second].conns:  # the second replica is slow to answer
             conn.transport.pause_reading()
         write = asyncio.ensure_future(store.write(0, memoryview(new)))
@@ -567,7 +571,7 @@ async def test_a_read_racing_a_replicated_write_is_neither_eio_nor_a_dropped_rep
         await write
         assert store.stats["checksum_failures"] == 0
         assert store.stats["replicas_dropped"] == 0 and store.stats["pages_lost"] == 0
-        assert store.sets[0] == [first, second]
+        assert store.table.sets[0] == [first, second]
         await store.read(0, memoryview(out))
         assert bytes(out) == new
     finally:
@@ -579,8 +583,8 @@ async def test_close_right_after_a_replica_is_dropped_does_not_hang(servers) -> 
     (asyncio.wait_for on Python 3.11 could swallow that cancel and loop forever)."""
     _, addrs = servers
     store = await RemoteStore.open(addrs[:2], MiB, "t:close:1", replicas=2, slab_pages=64)
-    for slab in range(store.nslabs):
-        store.drop_replica(slab, store.sets[slab][0], "test")
+    for slab in range(store.table.nslabs):
+        store.drop_replica(slab, store.table.sets[slab][0], "test")
     tasks = list(store._tasks)  # the watchdog and the repairer
     assert len(tasks) == 2
     await asyncio.sleep(0)

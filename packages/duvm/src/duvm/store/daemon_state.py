@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from duvm.store.crypt_store import META, CryptStore
+from duvm.store.slab_table import SlabTable
 from duvm.store.storage import BlockStore
 from duvm.wire.auth import PeerSecurity
 
@@ -324,8 +325,8 @@ class Persisted:
         self.saved.sets = [list(s) for s in sets]
         self.dir.save(self.saved)
 
-    def placement_saver(self, store: Any) -> Callable[[], None]:
-        """A RemoteStore.on_placement_change hook that saves once per event-loop iteration: a
+    def placement_saver(self, table: SlabTable) -> Callable[[], None]:
+        """A SlabTable.on_placement_change hook that saves once per event-loop iteration: a
         failing memserver drops a replica of every slab it holds, thousands of calls in a row.
         A crash before the save leaves a map that still names a dropped replica, which is safe:
         its stale bytes fail their checksum and the next replica is read."""
@@ -334,7 +335,7 @@ class Persisted:
         def save() -> None:
             nonlocal pending
             pending = False
-            self.save_placement(store.sets)
+            self.save_placement(table.sets)
 
         def changed() -> None:
             nonlocal pending
@@ -431,12 +432,12 @@ async def open_store(
         state = Persisted(sd, tables, saved)
         if resume and old is not None:
             saved.sets = old.sets
-            store.on_placement_change = state.placement_saver(store)
+            store.table.on_placement_change = state.placement_saver(store.table)
             await store.reattach(old.sets)
         else:
             await store.connect()
-        state.save_placement(store.sets)
-        store.on_placement_change = state.placement_saver(store)
+        state.save_placement(store.table.sets)
+        store.table.on_placement_change = state.placement_saver(store.table)
     except BaseException:
         tables.close()
         raise

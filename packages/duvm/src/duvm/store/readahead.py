@@ -32,19 +32,18 @@ Theory of operation:
   before a STORE to the same page is answered first (one connection, in order), so it carries
   the old bytes and the STORE's acknowledgement then drops it; one sent after the STORE carries
   bytes whose checksum the store has not accepted yet, and is dropped on arrival. Reads that
-  waited for a dropped window continue through `RemoteStore.read`, the general path.
+  waited for a dropped window continue through the store's `read`, the general path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import Any
 
+from duvm.store.slab_table import SlabTable
 from duvm.store.storage import DATA, EMPTY, LOST, Done
-
-if TYPE_CHECKING:
-    from duvm.store.remote_store import RemoteStore
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +65,21 @@ class _Window:
 class Readahead:
     """The readahead windows of one store (see the module docstring)."""
 
-    def __init__(self, store: RemoteStore, window_pages: int = WINDOW_PAGES) -> None:
-        self.store = store
+    def __init__(
+        self,
+        table: SlabTable,
+        stats: dict[str, int],
+        read: Callable[[int, memoryview], Coroutine[Any, Any, None]],
+        window_pages: int = WINDOW_PAGES,
+    ) -> None:
+        self.table = table
+        self._read = read  # the store's general read path, for reads a dropped window held
         self.window_pages = window_pages
         self.windows: list[_Window] = []
         self.next_page = -1  # where a sequential reader's next read starts
         self._scheduled: int | None = None  # first page of a fetch due after this reply
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.stats = store.stats  # ra_loads, ra_hits, ra_dropped are counted there
+        self.stats = stats  # ra_loads, ra_hits, ra_dropped are counted there
 
     def hit(self, first: int, count: int, out: memoryview, done: Done, tag: object) -> bool:
         """Serve a read that lies inside a window (now, or when the window arrives) and keep
@@ -165,13 +171,13 @@ class Readahead:
             log.exception("fetching ahead failed; reading on without it")
 
     def _fetch(self, first: int) -> None:
-        store = self.store
-        if first >= store.pages:
+        t = self.table
+        if first >= t.pages:
             return
-        sp = store.slab_pages
+        sp = t.slab_pages
         slab = first // sp
-        end = min(first + self.window_pages, (slab + 1) * sp, store.pages)
-        st = store._state
+        end = min(first + self.window_pages, (slab + 1) * sp, t.pages)
+        st = t.state
         if st[first] != DATA:
             return
         count = end - first  # up to the first page that holds no data
@@ -179,7 +185,7 @@ class Readahead:
             q = st.find(other, first, end)
             if q >= 0:
                 count = min(count, q - first)
-        c = store._slab_clients[slab][0]
+        c = t.slab_clients[slab][0]
         if count > c.max_batch:
             count = c.max_batch
         w = _Window(first, count)
@@ -189,12 +195,11 @@ class Readahead:
             self.stats["ra_loads"] += 1
 
     def _arrived(self, w: _Window, exc: BaseException | None) -> None:
-        store = self.store
         try:
             good = (
                 exc is None
                 and w in self.windows
-                and store.pages_match(w.first, w.count, memoryview(w.buf))
+                and self.table.pages_match(w.first, w.count, memoryview(w.buf))
             )
         except Exception:  # the waiting reads must still be answered: by the general path
             good = False
@@ -208,7 +213,7 @@ class Readahead:
             if good:
                 self._serve(w, first, count, done, tag)
             else:  # the general path loads it, with failover and judging the replicas
-                done(tag, store.read(first << 12, out))
+                done(tag, self._read(first << 12, out))
 
     def _serve(self, w: _Window, first: int, count: int, done: Done, tag: object) -> None:
         """Answer a read from a ready window with a view of it (no copy)."""

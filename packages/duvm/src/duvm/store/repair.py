@@ -119,8 +119,8 @@ class Repairer:
         now = time.monotonic()
         # Slabs whose every replica is gone first: they fail every request until replaced,
         # and a degraded slab with no target below must not keep them waiting.
-        for slab in range(s.nslabs):
-            if slab in s.repairs or not self._gone(s.sets[slab], now):
+        for slab in range(s.table.nslabs):
+            if slab in s.repairs or not self._gone(s.table.sets[slab], now):
                 continue
             target = await self._pick_target(slab)
             if target is None:
@@ -129,10 +129,10 @@ class Repairer:
             self._charge(target, slab)
             s.replace_lost_slab(slab, target)
             self.stats["slabs_replaced"] += 1
-        for slab in range(s.nslabs):
-            if slab in s.repairs or self._gone(s.sets[slab], now):
+        for slab in range(s.table.nslabs):
+            if slab in s.repairs or self._gone(s.table.sets[slab], now):
                 continue
-            if len(s.sets[slab]) >= s.replicas:
+            if len(s.table.sets[slab]) >= s.replicas:
                 continue
             target = await self._pick_target(slab)
             if target is None:
@@ -148,7 +148,7 @@ class Repairer:
         if (target, slab) in s.stale:
             s.stale.discard((target, slab))
         else:
-            s.assigned[target] += s.slab_size(slab)
+            s.assigned[target] += s.table.slab_size(slab)
 
     async def free_stale(self) -> None:
         """FREE the pages of dropped copies on reachable peers, so their reservation is
@@ -156,19 +156,19 @@ class Repairer:
         s = self.store
         for peer, slab in sorted(s.stale):
             c = s.clients[peer]
-            if not c.connected or slab in s.repairs or peer in s.sets[slab]:
+            if not c.connected or slab in s.repairs or peer in s.table.sets[slab]:
                 continue
-            first = slab * s.slab_pages
+            first = slab * s.table.slab_pages
             try:
-                await c.free(range(first, first + s.slab_size(slab)))
+                await c.free(range(first, first + s.table.slab_size(slab)))
             except (PageServerError, MemserverUnreachable) as e:
                 log.info(
                     "repair: cannot free slab %d's dropped copy on %s yet: %s", slab, c.peer, e
                 )
                 continue
-            if (peer, slab) in s.stale and peer not in s.sets[slab]:  # (still) stale: room
+            if (peer, slab) in s.stale and peer not in s.table.sets[slab]:  # (still) stale: room
                 s.stale.discard((peer, slab))
-                s.assigned[peer] -= s.slab_size(slab)
+                s.assigned[peer] -= s.table.slab_size(slab)
                 self.stats["stale_freed"] += 1
 
     def _gone(self, members: list[int], now: float) -> bool:
@@ -184,9 +184,9 @@ class Repairer:
 
     async def _pick_target(self, slab: int) -> int | None:
         s = self.store
-        need = s.slab_size(slab)
+        need = s.table.slab_size(slab)
         now = time.monotonic()
-        exclude = set(s.sets[slab]) | {i for i, t in self._avoid.items() if t > now}
+        exclude = set(s.table.sets[slab]) | {i for i, t in self._avoid.items() if t > now}
         candidates = [i for i in range(len(s.clients)) if i not in exclude]
         if not candidates:
             return None
@@ -224,9 +224,9 @@ class Repairer:
     async def copy_slab(self, slab: int, target: int) -> bool:
         """Copy the slab's written pages to `target` and make it a replica. True on success."""
         s = self.store
-        n = s.slab_size(slab)
-        first = slab * s.slab_pages
-        state = s._state
+        n = s.table.slab_size(slab)
+        first = slab * s.table.slab_pages
+        state = s.table.state
         rep = SlabRepair(target, state.count(DATA, first, first + n))
         s.repairs[slab] = rep
         self._charge(target, slab)
@@ -236,7 +236,7 @@ class Repairer:
         try:
             # Writes that started before the copy was registered do not go to the target:
             # let them finish before reading anything (new ones take the lock path).
-            while s.inflight[slab]:
+            while s.table.inflight[slab]:
                 await asyncio.sleep(0.001)
             await client.free(range(first, first + n))  # stale copies from an earlier life
             for c0 in range(first, first + n, CHUNK_PAGES):
@@ -265,7 +265,7 @@ class Repairer:
                 await asyncio.sleep(0)  # let the kernel's requests in between chunks
             if rep.aborted:
                 raise StorageError(errno.EIO, rep.aborted)
-            if not s.sets[slab]:
+            if not s.table.sets[slab]:
                 raise StorageError(errno.EIO, "the slab has no replica left to copy from")
             s.add_replica(slab, target)
         except (StorageError, PageServerError, MemserverUnreachable) as e:
@@ -291,7 +291,7 @@ class Repairer:
             client.peer,
             rep.copied,
             time.monotonic() - t0,
-            len(s.sets[slab]),
+            len(s.table.sets[slab]),
             s.replicas,
         )
         return True

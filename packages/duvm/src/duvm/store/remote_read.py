@@ -1,0 +1,244 @@
+"""Reads of a `RemoteStore`: LOAD from the first replica that answers and verify every page.
+
+- Never-written (EMPTY) pages are zeros made here, with no network trip; LOST pages fail with
+  EIO until they are written again.
+- The common read (written pages of one slab, its preferred replica connected) is one LOAD
+  whose reply is checked against the slab table's CRC-32C; on the fast path (`start_read`)
+  that happens in the receive callback, with no coroutine.
+- Anything else, or any failure, goes through `load_verified`: each replica in turn. A replica
+  that is unreachable is skipped (a failover); one that answers NOT_FOUND or bad bytes is
+  dropped from the slab. If no replica has good bytes, the pages are lost (EIO from now on); if
+  replicas were merely unreachable, the read waits (`unreachable_wait`) for one to come back,
+  then fails with EIO, and a later read may still succeed.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Callable
+
+from duvm.store.memclient import MemClient, MemserverUnreachable, PageServerError
+from duvm.store.readahead import Readahead
+from duvm.store.replica_errors import (
+    REPLICA_FAILURES,
+    UnreachableWait,
+    all_parts,
+    check_request,
+)
+from duvm.store.slab_table import SlabTable
+from duvm.store.storage import DATA, EMPTY, LOST, PAGE_SIZE, Done, StorageError
+from duvm.wire.pageproto import ErrorCode
+
+log = logging.getLogger(__name__)
+
+_MASK = PAGE_SIZE - 1
+_ZEROS = bytes(256 * PAGE_SIZE)
+_ZERO_PAGE = _ZEROS[:PAGE_SIZE]
+
+
+class RemoteReads:
+    """The read half of `RemoteStore` (a mixin: these are the parts of the store it uses)."""
+
+    table: SlabTable
+    stats: dict[str, int]
+    readahead: Readahead
+    unreachable_wait: float
+    _open: bool
+    drop_replica: Callable[[int, int, str], bool]
+
+    def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
+        """The common read (written pages of one slab, preferred replica connected): one LOAD
+        whose reply is checked and answered from the receive path, with no coroutine. Anything
+        else, or any failure, continues in `load_verified` (failover, judging replicas)."""
+        n = len(out)
+        assert not (offset | n) & _MASK, f"unaligned request ({offset}, {n})"
+        if not self._open:
+            return False
+        t = self.table
+        first, count, st = offset >> 12, n >> 12, t.state
+        slab = first // t.slab_pages
+        if count == 1:
+            if st[first] != DATA:
+                return False
+        elif (first + count - 1) // t.slab_pages != slab or st.count(
+            DATA, first, first + count
+        ) != count:
+            return False
+        c = t.slab_clients[slab][0]
+        if count > c.max_batch:
+            return False
+        ra = self.readahead
+        if ra.windows and ra.hit(first, count, out, done, tag):
+            return True
+
+        def loaded(exc: BaseException | None) -> None:
+            try:
+                ok = exc is None and not t.bad_pages(first, count, out)
+            except Exception as e:  # never leave the request unanswered
+                ok, exc = False, e
+            if ok:
+                stats = self.stats
+                stats["loads"] += 1
+                stats["pages_loaded"] += count
+                done(tag, None)
+            elif exc is None or isinstance(exc, REPLICA_FAILURES):
+                done(tag, self.load_verified(slab, first, count, out))
+            else:
+                done(tag, exc)
+
+        keys = (first,) if count == 1 else tuple(range(first, first + count))
+        if not c.load_cb(keys, out, loaded):
+            return False
+        try:  # the request is on its way: fetching ahead must not fail it
+            ra.missed(first, count)
+        except Exception:
+            log.exception("readahead failed; reading on without it")
+        return True
+
+    async def read(self, offset: int, out: memoryview) -> None:
+        n = len(out)
+        if (offset | n) & _MASK or not self._open:
+            check_request(offset, n, self._open)
+        t = self.table
+        first, count, st = offset >> 12, n >> 12, t.state
+        slab = first // t.slab_pages
+        if (count == 1 and st[first] == DATA) or (
+            (first + count - 1) // t.slab_pages == slab
+            and st.count(DATA, first, first + count) == count
+        ):
+            # The common case (written pages, one slab): one LOAD from the preferred replica,
+            # no extra coroutine frames. Anything unusual (a failure, a bad checksum) goes
+            # through load_verified, which loads again with failover and judges the replicas.
+            c = t.slab_clients[slab][0]
+            if c.hello is not None and count <= c.max_batch:
+                try:
+                    await c.load_batch(
+                        (first,) if count == 1 else tuple(range(first, first + count)), out
+                    )
+                except REPLICA_FAILURES:
+                    pass
+                else:
+                    if not t.bad_pages(first, count, out):
+                        stats = self.stats
+                        stats["loads"] += 1
+                        stats["pages_loaded"] += count
+                        return
+            await self.load_verified(slab, first, count, out)
+            return
+        if count == 1:
+            s = st[first]
+            if s == EMPTY:
+                out[:] = _ZERO_PAGE
+                self.stats["zero_reads"] += 1
+            else:
+                self._lost_error(first, 1)
+            return
+        if st.find(LOST, first, first + count) >= 0:
+            self._lost_error(first, count)
+        parts, p, end = [], first, first + count
+        while p < end:
+            q = st.find(DATA, p, end)
+            q = end if q < 0 else q
+            self._zero(out, (p - first) * PAGE_SIZE, (q - first) * PAGE_SIZE)
+            if q == end:
+                break
+            r = st.find(EMPTY, q, end)
+            r = end if r < 0 else r
+            for slab, s, k in t.runs(q, r - q):
+                a = (s - first) * PAGE_SIZE
+                parts.append(self.load_verified(slab, s, k, out[a : a + k * PAGE_SIZE]))
+            p = r
+        if parts:
+            await all_parts(parts)
+
+    def _lost_error(self, first: int, count: int) -> None:
+        self.stats["read_errors"] += 1
+        raise StorageError(
+            errno.EIO,
+            f"pages in {first}..{first + count - 1} were lost by "
+            "every replica (memserver restarted, or a write failed everywhere)",
+        )
+
+    def _zero(self, out: memoryview, a: int, b: int) -> None:
+        if a < b:
+            self.stats["zero_reads"] += 1
+        while a < b:
+            n = min(b - a, len(_ZEROS))
+            out[a : a + n] = _ZEROS[:n]
+            a += n
+
+    async def load_verified(self, slab: int, first: int, count: int, out: memoryview) -> None:
+        """LOAD pages from the slab's replicas until one returns bytes matching every page's
+        checksum. Drops replicas with missing or bad pages; raises EIO if none is good."""
+        self.stats["loads"] += 1
+        self.stats["pages_loaded"] += count
+        keys = (first,) if count == 1 else tuple(range(first, first + count))
+        wait = UnreachableWait(self.unreachable_wait, self.stats)
+        while True:
+            unreachable, bad, bad_everywhere = await self._load_round(slab, first, count, keys, out)
+            if unreachable is None:
+                return
+            # a replica may come back: wait, then try again
+            if unreachable and self._open and await wait.again():
+                continue
+            break
+        self.stats["read_errors"] += 1
+        what = f"reading pages {first}..{first + count - 1}"
+        if not unreachable:  # every replica answered and none had good bytes: gone for good
+            for p in sorted(bad_everywhere):
+                self.table.mark_lost(p, 1)
+            raise StorageError(
+                errno.EIO, f"{what}: pages were lost by every replica: " + "; ".join(bad)
+            )
+        raise StorageError(
+            errno.EIO,
+            f"{what}: no replica answered with good bytes within "
+            f"{self.unreachable_wait:.0f} s: " + "; ".join(unreachable + bad),
+        )
+
+    async def _load_round(
+        self, slab: int, first: int, count: int, keys: tuple[int, ...], out: memoryview
+    ) -> tuple:
+        """Try each replica once. Returns (None, ...) on success, else the reasons."""
+        t = self.table
+        members = t.sets[slab]
+        clients = t.slab_clients[slab]
+        unreachable: list[str] = []
+        bad: list[str] = []
+        bad_everywhere = set(range(first, first + count))  # bad on every replica that answered
+        for idx, client in zip(list(members), clients, strict=True):
+            try:
+                await _load_one(client, keys, out)
+            except MemserverUnreachable as e:
+                self.stats["failovers"] += 1
+                unreachable.append(str(e))
+                continue
+            except PageServerError as e:
+                if e.code != ErrorCode.NOT_FOUND:
+                    self.stats["failovers"] += 1
+                    unreachable.append(str(e))
+                    continue
+                bad.append(f"{client.peer}: pages missing")
+                self.drop_replica(slab, idx, "pages missing")
+                continue
+            bad_pages = t.bad_pages(first, count, out)
+            if not bad_pages:
+                return None, None, None
+            nbad = len(bad_pages)
+            bad_everywhere.intersection_update(bad_pages)
+            self.stats["checksum_failures"] += nbad
+            bad.append(f"{client.peer}: {nbad} page(s) with bad checksums")
+            log.error("slab %d: %d page(s) from %s failed their checksum", slab, nbad, client.peer)
+            self.drop_replica(slab, idx, "bad checksum")
+        return unreachable, bad, bad_everywhere
+
+
+async def _load_one(client: MemClient, keys: tuple[int, ...], out: memoryview) -> None:
+    if client.hello is not None and len(keys) <= client.max_batch:
+        try:
+            await client.load_batch(keys, out)
+            return
+        except MemserverUnreachable:
+            pass  # load() below reconnects (if the breaker allows) and retries
+    await client.load(keys, out)

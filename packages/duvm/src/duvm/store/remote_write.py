@@ -1,0 +1,271 @@
+"""Writes of a `RemoteStore`: STORE on every live replica of the slab at once.
+
+- A write is acknowledged only when every live replica stored it. A replica that fails
+  (unreachable, stalled, refused) is dropped from the slab, which is then degraded, and the
+  write is acknowledged by the survivors.
+- If no replica stored it, the write fails: with ENOSPC when every replica refused for space
+  (the old bytes remain everywhere), else with EIO, and the pages are marked lost, because the
+  replicas may now disagree and a read must never return bytes other than the last written.
+  Writes that reach no replica first wait (`unreachable_wait`) for one to come back.
+- While a slab is being copied to a new replica (`repairs`), writes to it also go to the
+  target, under the copy's per-slab lock, so a copied chunk never overwrites a newer write.
+- The common write (one slab, one replica, no copy running) is one STORE; on the fast path
+  (`start_write`) its acknowledgement marks the pages from the receive callback. Any failure
+  continues in `_store`, which sends it again (STORE is idempotent) and decides what it means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from array import array
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from crc32c import crc32c as _crc32
+
+from duvm.store.memclient import MemClient, MemserverUnreachable, PageServerError
+from duvm.store.repair import SlabRepair
+from duvm.store.replica_errors import (
+    REPLICA_FAILURES,
+    UnreachableWait,
+    all_parts,
+    check_request,
+    storage_error,
+)
+from duvm.store.slab_table import SlabTable, page_crcs
+from duvm.store.storage import PAGE_SIZE, Done
+from duvm.wire.pageproto import ErrorCode
+
+_MASK = PAGE_SIZE - 1
+
+
+class RemoteWrites:
+    """The write half of `RemoteStore` (a mixin: these are the parts of the store it uses)."""
+
+    table: SlabTable
+    clients: list[MemClient]
+    repairs: dict[int, SlabRepair]
+    stats: dict[str, int]
+    unreachable_wait: float
+    _open: bool
+    drop_replica: Callable[[int, int, str], bool]
+
+    def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
+        """The common write (one slab, one replica, no repair copying it): one STORE whose
+        acknowledgement marks the pages from the receive path. Any failure continues in
+        `_store`, which sends it again (STORE is idempotent) and decides what it means."""
+        n = len(data)
+        assert not (offset | n) & _MASK, f"unaligned request ({offset}, {n})"
+        if not self._open:
+            return False
+        t = self.table
+        first, count = offset >> 12, n >> 12
+        slab = first // t.slab_pages
+        c = self._lone_replica(slab, count)
+        if c is None or (first + count - 1) // t.slab_pages != slab:
+            return False
+        inflight = t.inflight
+        crcs: list[array] = []  # the pages' checksums, once computed (see below)
+
+        def stored(exc: BaseException | None) -> None:
+            inflight[slab] -= 1
+            if exc is None:
+                try:
+                    t.mark_stored(first, count, data, crcs[0] if crcs else None)
+                except Exception as e:  # never leave the request unanswered
+                    done(tag, e)
+                    return
+                done(tag, None)
+            elif isinstance(exc, REPLICA_FAILURES):
+                done(tag, self._store(slab, first, count, data))
+            else:
+                done(tag, exc)
+
+        keys = (first,) if count == 1 else tuple(range(first, first + count))
+        inflight[slab] += 1  # a repair starting now waits for this write to finish
+        if c.store_cb(keys, data, stored):
+            if count > 1:
+                # Needed only at the acknowledgement, so computed once the STORE has left
+                # (this callback normally runs right after the send), while the memserver
+                # copies the pages, instead of after it answered: for 512 KiB that is about
+                # 40% of the daemon's work per write taken off the write's latency. Should the
+                # acknowledgement come first, `stored` computes them itself (D29).
+                c.loop.call_soon(lambda: crcs.append(page_crcs(data, count)))
+            return True
+        inflight[slab] -= 1
+        return False
+
+    def _lone_replica(self, slab: int, count: int) -> MemClient | None:
+        """The slab's only replica when one STORE of `count` pages can go straight to it (no
+        replication, no repair copying the slab), else None: the general path decides."""
+        clients = self.table.slab_clients[slab]
+        if len(clients) != 1 or slab in self.repairs or count > clients[0].max_batch:
+            return None
+        return clients[0]
+
+    async def write(self, offset: int, data: memoryview) -> None:
+        n = len(data)
+        if (offset | n) & _MASK or not self._open:
+            check_request(offset, n, self._open)
+        t = self.table
+        first, count = offset >> 12, n >> 12
+        slab = first // t.slab_pages
+        if (first + count - 1) // t.slab_pages == slab:  # within one slab: no splitting
+            c = self._lone_replica(slab, count)
+            if c is not None and c.hello is not None:
+                # The common case without replication: one STORE awaited right here. On any
+                # failure the general path below sends it again (STORE is idempotent) and
+                # decides what the failure means (ENOSPC, EIO, pages lost).
+                inflight = t.inflight
+                inflight[slab] += 1  # a repair starting now waits for this write to finish
+                try:
+                    await c.store_batch(
+                        (first,) if count == 1 else tuple(range(first, first + count)), data
+                    )
+                    ok = True
+                except REPLICA_FAILURES:
+                    ok = False
+                finally:
+                    inflight[slab] -= 1
+                if ok:
+                    t.mark_stored(first, count, data, None)
+                    return
+            await self._store(slab, first, count, data)
+            return
+        parts = []
+        for slab, s, k in t.runs(first, count):
+            a = (s - first) * PAGE_SIZE
+            parts.append(self._store(slab, s, k, data[a : a + k * PAGE_SIZE]))
+        await all_parts(parts)
+
+    async def _store(self, slab: int, first: int, count: int, data: memoryview) -> None:
+        rep = self.repairs.get(slab)
+        if rep is None:
+            inflight = self.table.inflight
+            inflight[slab] += 1  # a repair starting now waits for this write to finish
+            try:
+                await self._store_replicas(slab, first, count, data, None)
+            finally:
+                inflight[slab] -= 1
+            return
+        async with rep.lock:  # the copier holds it per chunk: no copy overwrites this write
+            await self._store_replicas(slab, first, count, data, rep)
+
+    async def _store_replicas(
+        self, slab: int, first: int, count: int, data: memoryview, rep: SlabRepair | None
+    ) -> None:
+        self.stats["stores"] += 1
+        self.stats["pages_stored"] += count
+        wait = UnreachableWait(self.unreachable_wait, self.stats)
+        while True:
+            err = await self._store_round(slab, first, count, data, rep)
+            if err is None:
+                return
+            # a replica may come back: wait, then try again
+            if isinstance(err, MemserverUnreachable) and self._open and await wait.again():
+                continue
+            break
+        self.stats["write_errors"] += 1
+        what = f"writing pages {first}..{first + count - 1}"
+        if isinstance(err, PageServerError) and err.code == ErrorCode.NO_SPACE:
+            raise storage_error(err, what) from None  # refused everywhere: old bytes remain
+        self.table.mark_lost(first, count)  # replicas may disagree now: never serve either
+        raise storage_error(err, what) from None
+
+    async def _store_round(
+        self, slab: int, first: int, count: int, data: memoryview, rep: SlabRepair | None
+    ) -> Exception | None:
+        """Store on every replica once. None when at least one stored it (the others are
+        dropped); else the failure to act on: NO_SPACE only if every replica refused for
+        space, MemserverUnreachable if any could not be reached."""
+        t = self.table
+        keys = (first,) if count == 1 else tuple(range(first, first + count))
+        members = list(t.sets[slab])
+        clients = t.slab_clients[slab]
+        if len(clients) == 1 and rep is None:
+            crcs = (_crc32(data),) if count == 1 else page_crcs(data, count)
+            try:
+                await _store_one(clients[0], keys, data)
+                results: list = [None]
+            except REPLICA_FAILURES as e:
+                results = [e]
+        else:
+            targets = list(clients)
+            if rep is not None and not rep.aborted:
+                targets.append(self.clients[rep.target])
+            # Until every replica answers, a read that races this write may already get the
+            # new bytes from one of them: they are not corruption (see SlabTable.bad_pages).
+            # The pages are registered before any STORE can leave.
+            pending = t.pending_writes
+            entry = (first, count, data)
+            pending.append(entry)
+            started: list[Awaitable[Any] | None] = []
+            try:
+                started = [_start_store(c, keys, data) for c in targets]
+                if count > 1 and any(s is not None for s in started):
+                    await asyncio.sleep(0)  # the STOREs leave: checksum while they are copied
+                crcs = (_crc32(data),) if count == 1 else page_crcs(data, count)
+                results = await asyncio.gather(
+                    *[_store_one(c, keys, data, s) for c, s in zip(targets, started, strict=True)],
+                    return_exceptions=True,
+                )
+            except BaseException:  # closed or cancelled: the started STOREs have no waiter
+                for f in started:
+                    if isinstance(f, asyncio.Future):
+                        if not f.done():
+                            f.cancel()
+                        elif not f.cancelled():
+                            f.exception()  # retrieved: no "never retrieved" warning
+                raise
+            finally:  # by identity: another write may carry equal bytes
+                del pending[next(i for i, e in enumerate(pending) if e is entry)]
+            if len(results) > len(members):
+                r = results.pop()
+                if isinstance(r, BaseException):
+                    rep.aborted = f"writing to the new replica failed: {r}"
+        failed = [
+            (i, r) for i, r in zip(members, results, strict=True) if isinstance(r, BaseException)
+        ]
+        for _, r in failed:
+            if not isinstance(r, REPLICA_FAILURES):
+                raise r  # a bug or cancellation, not a replica failure
+        if len(failed) < len(members):  # stored by at least one replica: those are the truth
+            for i, r in failed:
+                self.drop_replica(slab, i, f"write failed: {r}")
+            t.record(first, count, crcs)
+            return None
+        errs = [r for _, r in failed]
+        unreachable = [r for r in errs if isinstance(r, MemserverUnreachable)]
+        if unreachable:
+            return unreachable[0]
+        nospace = [
+            r for r in errs if isinstance(r, PageServerError) and r.code == ErrorCode.NO_SPACE
+        ]
+        return errs[0] if len(nospace) < len(errs) else nospace[0]
+
+
+def _start_store(
+    client: MemClient, keys: tuple[int, ...], data: memoryview
+) -> Awaitable[Any] | None:
+    """Queue the STORE at once when the client is connected (it leaves with this loop
+    iteration's sends); None when `_store_one` has to connect first."""
+    if client.hello is not None and len(keys) <= client.max_batch:
+        return client.store_batch(keys, data)
+    return None
+
+
+async def _store_one(
+    client: MemClient,
+    keys: tuple[int, ...],
+    data: memoryview,
+    started: Awaitable[Any] | None = None,
+) -> None:
+    if started is None:
+        started = _start_store(client, keys, data)
+    if started is not None:
+        try:
+            await started
+            return
+        except MemserverUnreachable:
+            pass  # store() below reconnects (if the breaker allows) and retries
+    await client.store(keys, data)

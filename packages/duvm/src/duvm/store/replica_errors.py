@@ -1,0 +1,72 @@
+"""How `RemoteStore`'s request paths treat a failed replica: which exceptions are replica
+failures (anything else is a bug or a cancellation and propagates), the `StorageError` each
+becomes, and the wait while no replica of a slab answers (for swap a stall beats an error,
+up to `unreachable_wait`)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from duvm.store.memclient import MemserverUnreachable, PageServerError
+from duvm.store.storage import PAGE_SIZE, StorageError
+from duvm.wire.pageproto import ErrorCode
+
+# When no replica of a slab can be reached, requests wait this long for one to come back
+# (a restart, a flapping link) before failing: for swap, a stall beats an I/O error.
+DEFAULT_UNREACHABLE_WAIT = 30.0
+RETRY_MIN_S, RETRY_MAX_S = 0.05, 1.0
+REPLICA_FAILURES = (PageServerError, MemserverUnreachable)
+_MASK = PAGE_SIZE - 1
+
+
+def storage_error(e: Exception, what: str) -> StorageError:
+    """ENOSPC for a memserver's refusal for space, else EIO."""
+    if isinstance(e, PageServerError) and e.code == ErrorCode.NO_SPACE:
+        return StorageError(errno.ENOSPC, f"{what}: {e}")
+    return StorageError(errno.EIO, f"{what}: {e}")
+
+
+def check_request(offset: int, length: int, is_open: bool) -> None:
+    """Raise for a request the hot paths' quick test flagged. Bounds and alignment are the
+    NBD layer's to validate (`nbdproto.validate`, EINVAL to the client); here a request that
+    is not page-aligned is a caller's bug, so only asserted."""
+    assert not (offset | length) & _MASK, f"unaligned request ({offset}, {length})"
+    if not is_open:
+        raise StorageError(errno.EIO, "store is not open")
+
+
+class UnreachableWait:
+    """Backoff for one request while no replica answers, up to `limit` seconds in all."""
+
+    def __init__(self, limit: float, stats: dict[str, int]) -> None:
+        self._limit = limit
+        self._stats = stats  # unreachable_waits is counted there
+        self._deadline: float | None = None
+        self._delay = RETRY_MIN_S
+
+    async def again(self) -> bool:
+        """Sleep and return True while the limit has not passed; else False."""
+        now = time.monotonic()
+        if self._deadline is None:
+            self._deadline = now + self._limit
+        if now >= self._deadline:
+            return False
+        self._stats["unreachable_waits"] += 1
+        await asyncio.sleep(self._delay)
+        self._delay = min(2 * self._delay, RETRY_MAX_S)
+        return True
+
+
+async def all_parts(parts: list[Coroutine[Any, Any, None]]) -> None:
+    """Await every part of a request split at slab boundaries, then raise the first failure
+    (no part outlives the request)."""
+    if len(parts) == 1:
+        await parts[0]
+        return
+    for r in await asyncio.gather(*parts, return_exceptions=True):
+        if isinstance(r, BaseException):
+            raise r
