@@ -172,7 +172,7 @@ def memserver_status(
     """A memserver's STATUS; through the namespace's own stack when it lives in one."""
     if net is not None:
         code = (
-            "import asyncio, json, sys\nfrom duvm.store.memclient import query_status\n"
+            "import asyncio, json, sys\nfrom duvm.store.memserver_status import query_status\n"
             f"print(json.dumps(asyncio.run(query_status({net.host_ip!r}, {port}, "
             "timeout=5))))"
         )
@@ -187,7 +187,7 @@ def memserver_status(
             return json.loads(res.stdout) if res.returncode == 0 else None
         except (subprocess.TimeoutExpired, ValueError):
             return None
-    from duvm.store.memclient import query_status
+    from duvm.store.memserver_status import query_status
     from duvm.wire import auth
 
     security = None

@@ -453,7 +453,7 @@ def memserver_pages(peers: str) -> list[dict[str, Any]]:
     """What each memserver holds now (STATUS over the page protocol); None where unknown."""
     import asyncio
 
-    from duvm.store.memclient import query_status
+    from duvm.store.memserver_status import query_status
 
     out = []
     for peer in peers.split(","):

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from duvm.store.memclient import MemClient, query_status
+from duvm.store.memclient import MemClient
+from duvm.store.memserver_status import query_status
 
 MiB = 1 << 20
 PY = [sys.executable, "-m", "duvm.cli"]

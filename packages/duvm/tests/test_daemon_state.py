@@ -249,7 +249,7 @@ def _qemu_io(sock: Path, *cmds: str) -> str:
 def _namespace(port: int) -> dict | None:
     import asyncio
 
-    from duvm.store.memclient import query_status
+    from duvm.store.memserver_status import query_status
 
     st_ = asyncio.run(query_status("127.0.0.1", port))
     return next((n for n in st_["namespaces"] if n["client_id"] == "test-resume"), None)

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 from duvm.memserver.server import MemServer
-from duvm.store.memclient import MemClient, MemserverUnreachable
+from duvm.store.memclient import MemClient
+from duvm.store.memserver_errors import MemserverUnreachable
 from duvm.wire import pageproto as pp
 
 LOOPS = ["asyncio", "uvloop"]

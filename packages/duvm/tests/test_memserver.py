@@ -13,7 +13,9 @@ import sys
 
 import pytest
 from duvm.memserver.server import MemServer, PageStore, Refused, _Conn, _skip
-from duvm.store.memclient import MemClient, MemserverUnreachable, PageServerError, query_status
+from duvm.store.memclient import MemClient
+from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
+from duvm.store.memserver_status import query_status
 from duvm.wire import pageproto as pp
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import pytest
 from duvm.node import control
-from duvm.store.memclient import MemClient, PageServerError, query_status
+from duvm.store.memclient import MemClient
+from duvm.store.memserver_errors import PageServerError
+from duvm.store.memserver_status import query_status
 from duvm.wire import auth, control_socket
 
 

@@ -8,7 +8,7 @@ import os
 import duvm
 import pytest
 from duvm.memserver.server import MemServer
-from duvm.store.memclient import query_status
+from duvm.store.memserver_status import query_status
 from duvm.store.pool import GROUP_PAGES, PoolError, PoolFull, PoolKeyError
 from duvm.wire import auth
 

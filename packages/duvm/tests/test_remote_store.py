@@ -9,7 +9,8 @@ import random
 
 import pytest
 from duvm.memserver.server import MemServer
-from duvm.store.memclient import MemClient, query_status
+from duvm.store.memclient import MemClient
+from duvm.store.memserver_status import query_status
 from duvm.store.remote_store import RemoteStore
 from duvm.store.storage import PAGE_SIZE as PS
 from duvm.store.storage import StorageError

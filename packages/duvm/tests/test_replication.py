@@ -15,7 +15,9 @@ import time
 
 import pytest
 from duvm.memserver.server import MemServer
-from duvm.store.memclient import MemClient, MemserverUnreachable, query_status
+from duvm.store.memclient import MemClient
+from duvm.store.memserver_errors import MemserverUnreachable
+from duvm.store.memserver_status import query_status
 from duvm.store.placement import choose, normalize_peers, place
 from duvm.store.remote_store import RemoteStore
 from duvm.store.storage import PAGE_SIZE as PS

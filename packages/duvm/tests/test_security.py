@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 from duvm.memserver.server import MemServer
-from duvm.store.memclient import MemClient, MemserverUnreachable, PageServerError, query_status
+from duvm.store.memclient import MemClient
+from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
+from duvm.store.memserver_status import query_status
 from duvm.wire import auth
 from duvm.wire import pageproto as pp
 

@@ -297,7 +297,7 @@ def peer_security(daemon_args: list[str], peers: list[str]) -> Any:
 async def _peer_status(
     peer: str, timeout: float, client: str | None, security: Any
 ) -> dict[str, Any]:
-    from duvm.store.memclient import query_status  # the page protocol is only needed here
+    from duvm.store.memserver_status import query_status  # the page protocol is only needed here
 
     host, port = parse_hostport(peer, MEMSERVER_PORT)
     try:

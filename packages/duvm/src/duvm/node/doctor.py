@@ -385,7 +385,7 @@ _AUTH_FIX = (
 async def _statuses(
     addrs: dict[str, tuple[str, int]], timeout: float, security: auth.PeerSecurity | None
 ) -> dict[str, dict[str, Any] | str]:
-    from duvm.store.memclient import query_status  # the page protocol is only needed here
+    from duvm.store.memserver_status import query_status  # the page protocol is only needed here
 
     async def one(host: str, port: int) -> dict[str, Any] | str:
         try:

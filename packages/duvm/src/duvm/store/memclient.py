@@ -12,7 +12,7 @@ Theory of operation:
   Replies may arrive in any order; each completes its own future. LOAD replies are copied
   straight from the receive buffer into the caller's buffer (`load(keys, out)`): one copy
   from socket to destination.
-- Consecutive STOREs (or LOADs) queued in one iteration merge into one frame (`_Batch`): the
+- Consecutive STOREs (or LOADs) queued in one iteration merge into one frame (`Batch`): the
   memserver then handles one request for many pages. If a merged request is refused, its parts
   are sent again one by one, so only the parts that are really refused fail.
 - Batches larger than the server's `max_batch` are split and sent concurrently.
@@ -42,12 +42,12 @@ import dataclasses
 import json
 import logging
 import random
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from duvm.base.sockets import tune_socket
+from duvm.store.memclient_replies import Batch, Callback, ReplyProtocol, fail_requests
+from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.storage import Batching
 from duvm.wire import pageproto as pp
 from duvm.wire.auth import (
@@ -70,10 +70,7 @@ MERGE_PAGES = 64
 BACKOFF_MIN = 0.1  # seconds the breaker stays open after the first failure
 BACKOFF_MAX = 5.0  # ... and at most, however many failures follow
 
-
 _STORE, _LOAD, _FREE = int(pp.MsgType.STORE), int(pp.MsgType.LOAD), int(pp.MsgType.FREE)
-_STORE_REPLY, _LOAD_REPLY = _STORE | pp.REPLY_BIT, _LOAD | pp.REPLY_BIT
-_PER_KEY_ERRORS = (pp.ErrorCode.NOT_FOUND, pp.ErrorCode.NO_SPACE)
 
 
 class _Corked:
@@ -86,168 +83,6 @@ class _Corked:
 
 
 _CORKED = _Corked()
-
-
-class PageServerError(Exception):
-    """The memserver refused a request (full, absent page, bad version ...)."""
-
-    def __init__(self, code: pp.ErrorCode, message: str, peer: str = "") -> None:
-        super().__init__(f"memserver {peer}: {code.name}: {message}" if peer else message)
-        self.code = code
-        self.errno = code.to_errno()
-        self.message = message
-
-
-class MemserverUnreachable(ConnectionError):
-    """The memserver cannot be reached or the connection broke and could not be restored."""
-
-
-class _Callback:
-    """Stands in for a Future on the callback fast path (`load_cb`/`store_cb`): completing it
-    calls `cb(None)` or `cb(exception)` at once, from the receive path, without a Task, a
-    Future or a loop iteration in between."""
-
-    __slots__ = ("cb", "finished")
-
-    def __init__(self, cb: Callable[[BaseException | None], None]) -> None:
-        self.cb = cb
-        self.finished = False
-
-    def done(self) -> bool:
-        return self.finished
-
-    def set_result(self, _: object) -> None:
-        self._call(None)
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._call(exc)
-
-    def _call(self, exc: BaseException | None) -> None:
-        self.finished = True
-        try:
-            self.cb(exc)
-        except Exception:  # a caller's bug must not break this connection's other replies
-            log.exception("memserver request callback failed")
-
-
-class _Batch:
-    """STOREs (or LOADs) queued back to back in one loop iteration, sent as one frame.
-
-    The memserver then handles one request for many pages instead of many requests, which is
-    where its time goes at high queue depth. STORE data is not copied: the frame's parts are
-    the callers' buffers. A LOAD reply is scattered straight into the callers' buffers."""
-
-    __slots__ = ("keys", "mtype", "parts", "waiters")
-
-    def __init__(self, mtype: int) -> None:
-        self.mtype = mtype
-        self.keys: list[int] = []
-        self.parts: list[memoryview] = []
-        # (future, keys, data, out) per request
-        self.waiters: list[
-            tuple[asyncio.Future, tuple[int, ...], memoryview | None, memoryview | None]
-        ] = []
-
-
-class _ClientProto(asyncio.BufferedProtocol):
-    def __init__(self, client: MemClient) -> None:
-        self.client = client
-        self.decoder = pp.Decoder("client")
-        self.transport: asyncio.Transport | None = None
-        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # uvloop: not a subclass
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            tune_socket(sock)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.decoder.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        dec, pending = self.decoder, self.client._pending
-        self.client._last_rx = time.monotonic()  # progress: the stall watchdog reads it
-        dec.buffer_updated(nbytes)
-        batching = self.client.batching
-        after = batching.delivering()
-        try:
-            self._deliver(dec, pending)
-        finally:
-            batching.delivered()
-            for fn in after:
-                try:
-                    fn()
-                except Exception:  # one caller's failure must not keep the others' replies
-                    log.exception("after-replies callback failed")
-
-    def _deliver(self, dec: pp.Decoder, pending: dict) -> None:
-        entry = None
-        try:
-            while True:
-                entry = None
-                frame = dec.next_frame()
-                if frame is pp.NEED_DATA:
-                    return
-                mtype, req_id, status, _ = frame
-                entry = pending.pop(req_id, None)
-                if entry is None:
-                    raise pp.RemoteProtocolError(f"reply to unknown request id {req_id}")
-                if type(entry) is _Batch:
-                    self._batch_reply(entry, mtype, frame)
-                    continue
-                fut = entry
-                if fut.done():  # the caller was cancelled; drop the reply
-                    continue
-                if status:
-                    msg = pp.decode_frame(*frame)
-                    fut.set_exception(PageServerError(msg.code, msg.message, self.client.peer))
-                else:
-                    fut.set_result(pp.decode_frame(*frame))
-        except pp.RemoteProtocolError as e:
-            log.warning("memserver %s broke the protocol: %s; closing", self.client.peer, e)
-            if entry is not None:  # popped already, so the lost connection would not fail it
-                MemClient._fail(
-                    [entry],
-                    MemserverUnreachable(f"memserver {self.client.peer} broke the protocol: {e}"),
-                )
-            self.transport.abort()
-
-    def _batch_reply(self, batch: _Batch, mtype: int, frame: tuple) -> None:
-        waiters = batch.waiters
-        if frame[2]:  # refused
-            msg = pp.decode_frame(*frame)
-            if len(waiters) > 1 and msg.code in _PER_KEY_ERRORS:
-                # Merged requests share the refusal; ask again one by one so that only the
-                # requests that are really refused fail.
-                self.client._resend_each(batch)
-                return
-            err = PageServerError(msg.code, msg.message, self.client.peer)
-            for fut, _, _, _ in waiters:
-                if not fut.done():
-                    fut.set_exception(err)
-        elif mtype == _LOAD_REPLY:
-            body = frame[3]
-            if body.nbytes != len(batch.keys) * PAGE_SIZE:
-                raise pp.RemoteProtocolError("LOAD reply does not match its request")
-            off = 0
-            for fut, _, _, out in waiters:
-                n = out.nbytes
-                if not fut.done():
-                    out[:] = body[off : off + n]  # the one copy: receive buffer -> caller
-                    fut.set_result(None)
-                off += n
-        elif mtype == _STORE_REPLY:  # its payload is empty (the decoder checked)
-            for fut, _, _, _ in waiters:
-                if not fut.done():
-                    fut.set_result(None)
-        else:
-            raise pp.RemoteProtocolError(f"reply type 0x{mtype:04x} to a STORE/LOAD")
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.lost.done():
-            self.lost.set_result(None)
-        self.client._connection_lost(self, exc)
 
 
 class MemClient:
@@ -283,14 +118,14 @@ class MemClient:
         self.retries = retries
         self.hello: pp.HelloReply | None = None
         self.namespace_losses = 0  # reconnects that found the namespace gone
-        self._proto: _ClientProto | None = None
-        # request id -> its future, or the merged _Batch it answers
-        self._pending: dict[int, asyncio.Future | _Batch] = {}
-        self._open: _Batch | None = None  # the batch at the tail of _outq, still growing
+        self._proto: ReplyProtocol | None = None
+        # request id -> its future, or the merged Batch it answers
+        self._pending: dict[int, asyncio.Future | Batch] = {}
+        self._open: Batch | None = None  # the batch at the tail of _outq, still growing
         self._next_id = 0
         self._max_batch = pp.MAX_BATCH
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment] - set by connect
-        self._outq: list[bytes | memoryview | _Batch] = []
+        self._outq: list[bytes | memoryview | Batch] = []
         self._flush_handle: asyncio.Handle | _Corked | None = None
         self._reserved: int | None = None  # last reservation we asked for
         self._reconnecting: asyncio.Task | None = None
@@ -373,7 +208,7 @@ class MemClient:
             tls = self.security.tls if self.security is not None else None
             _, proto = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: _ClientProto(self),
+                    lambda: ReplyProtocol(self),
                     self.host,
                     self.port,
                     ssl=tls,
@@ -442,7 +277,7 @@ class MemClient:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proto.lost), 2.0)
 
-    def _connection_lost(self, proto: _ClientProto, exc: Exception | None) -> None:
+    def _connection_lost(self, proto: ReplyProtocol, exc: Exception | None) -> None:
         if self._proto is not None and self._proto is not proto:
             return  # an old connection, already failed when it was replaced: not ours to fail
         self._proto = None
@@ -456,20 +291,7 @@ class MemClient:
         self._pending = {}
         self._outq = []
         self._open = None
-        self._fail(failed, err)
-
-    @staticmethod
-    def _fail(entries: list, err: Exception) -> None:
-        for entry in entries:
-            if type(entry) is _Batch:
-                futs = [w[0] for w in entry.waiters]
-            elif isinstance(entry, asyncio.Future):
-                futs = [entry]
-            else:
-                continue  # encoded bytes: their futures are in _pending
-            for fut in futs:
-                if not fut.done():
-                    fut.set_exception(err)
+        fail_requests(failed, err)
 
     async def _ensure_connected(self) -> None:
         if self._closed:
@@ -505,7 +327,7 @@ class MemClient:
     ) -> asyncio.Future:
         """Queue one request; everything queued in this loop iteration leaves in one
         writelines, and consecutive STOREs (or LOADs) merge into one frame. `fut` (a
-        `_Callback`) replaces the Future the caller would otherwise await."""
+        `Callback`) replaces the Future the caller would otherwise await."""
         # The loop is cached: get_running_loop() costs a getpid() syscall on Python 3.11.
         loop = self._loop
         if fut is None:
@@ -519,7 +341,7 @@ class MemClient:
                 or b.mtype != mtype
                 or len(b.keys) + len(keys) > min(MERGE_PAGES, self._max_batch)
             ):
-                b = self._open = _Batch(mtype)
+                b = self._open = Batch(mtype)
                 self._outq.append(b)
             b.keys += keys
             if data is not None:
@@ -541,12 +363,12 @@ class MemClient:
                 self._flush_handle = loop.call_soon(self._flush)
         return fut
 
-    def _resend_each(self, batch: _Batch) -> None:
+    def _resend_each(self, batch: Batch) -> None:
         """Queue every still-waiting request of a refused merged batch on its own."""
         for fut, keys, data, out in batch.waiters:
             if fut.done():
                 continue
-            solo = _Batch(batch.mtype)
+            solo = Batch(batch.mtype)
             solo.keys += keys
             if data is not None:
                 solo.parts.append(data)
@@ -572,12 +394,12 @@ class MemClient:
                 # to answer or fail them, so fail them here.
                 q = [*q, *self._pending.values()]
                 self._pending = {}
-            self._fail(q, err)
+            fail_requests(q, err)
             return
         wire: list[bytes | memoryview] = []
         pending, batch_prefix = self._pending, pp.batch_prefix
         for item in q:
-            if type(item) is _Batch:
+            if type(item) is Batch:
                 self._next_id += 1
                 pending[self._next_id] = item
                 wire.append(batch_prefix(item.mtype, self._next_id, item.keys))
@@ -659,7 +481,7 @@ class MemClient:
     ) -> bool:
         if self.hello is None:
             return False
-        self._send(_STORE, keys, data, None, None, _Callback(cb))
+        self._send(_STORE, keys, data, None, None, Callback(cb))
         return True
 
     def load_cb(
@@ -667,7 +489,7 @@ class MemClient:
     ) -> bool:
         if self.hello is None:
             return False
-        self._send(_LOAD, keys, None, out, None, _Callback(cb))
+        self._send(_LOAD, keys, None, out, None, Callback(cb))
         return True
 
     async def store(self, keys: Iterable[int], data: bytes | bytearray | memoryview) -> None:
@@ -741,56 +563,6 @@ class MemClient:
             if isinstance(r, BaseException):
                 raise r
         return res
-
-
-async def query_status(
-    host: str, port: int, *, timeout: float = 5.0, security: PeerSecurity | None = None
-) -> dict:
-    """One memserver's STATUS without joining any namespace (monitoring, `duvm status`).
-    Raises MemserverUnreachable when it cannot be reached within `timeout`. With a secret or
-    TLS (`security`) it authenticates first, under a throwaway
-    client id that holds nothing."""
-    peer = f"{host}:{port}"
-    if security is not None and (security.keyring is not None or security.tls is not None):
-        client = MemClient(
-            host,
-            port,
-            f"status-{secrets.token_hex(8)}",
-            connect_timeout=timeout,
-            retries=0,
-            security=security,
-        )
-        try:
-            async with asyncio.timeout(timeout):
-                await client.connect()
-                return await client.status()
-        except TimeoutError:
-            raise MemserverUnreachable(f"cannot reach memserver {peer}: timed out") from None
-        finally:
-            await client.close()
-    try:
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, port)
-            try:
-                writer.write(pp.encode_bytes(pp.Status(1)))
-                dec = pp.Decoder("client")
-                while True:
-                    msg = dec.next_event()
-                    if msg is not pp.NEED_DATA:
-                        break
-                    dec.receive_data(await reader.read(1 << 16))  # b"" marks the end
-            finally:
-                writer.close()
-    except (OSError, TimeoutError) as e:
-        reason = "timed out" if isinstance(e, TimeoutError) else e.strerror or e
-        raise MemserverUnreachable(f"cannot reach memserver {peer}: {reason}") from None
-    except pp.RemoteProtocolError as e:
-        raise MemserverUnreachable(f"memserver {peer} answered STATUS badly: {e}") from None
-    if isinstance(msg, pp.ErrorReply):
-        raise PageServerError(msg.code, msg.message, peer)
-    if not isinstance(msg, pp.StatusReply):
-        raise MemserverUnreachable(f"memserver {peer} answered STATUS with {type(msg).__name__}")
-    return json.loads(msg.json)
 
 
 def reload_client_keyring(clients: list[MemClient], path: str) -> str:

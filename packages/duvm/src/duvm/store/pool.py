@@ -27,7 +27,8 @@ import errno
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 
-from duvm.store.memclient import MemClient, MemserverUnreachable, PageServerError
+from duvm.store.memclient import MemClient
+from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.wire.auth import PeerSecurity
 from duvm.wire.pageproto import PAGE_SIZE, ErrorCode, keys_tuple
 

@@ -18,7 +18,8 @@ import errno
 import logging
 from collections.abc import Callable
 
-from duvm.store.memclient import MemClient, MemserverUnreachable, PageServerError
+from duvm.store.memclient import MemClient
+from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.readahead import Readahead
 from duvm.store.replica_errors import (
     REPLICA_FAILURES,

@@ -23,7 +23,8 @@ from typing import Any
 
 from crc32c import crc32c as _crc32
 
-from duvm.store.memclient import MemClient, MemserverUnreachable, PageServerError
+from duvm.store.memclient import MemClient
+from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.repair import SlabRepair
 from duvm.store.replica_errors import (
     REPLICA_FAILURES,

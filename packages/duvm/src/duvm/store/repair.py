@@ -44,7 +44,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from duvm.store.memclient import MemserverUnreachable, PageServerError
+from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.placement import choose
 from duvm.store.storage import DATA, PAGE_SIZE, StorageError
 

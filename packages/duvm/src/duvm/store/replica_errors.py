@@ -11,7 +11,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from duvm.store.memclient import MemserverUnreachable, PageServerError
+from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.storage import PAGE_SIZE, StorageError
 from duvm.wire.pageproto import ErrorCode
 
