@@ -12,9 +12,12 @@ import subprocess
 import sys
 
 import pytest
+from duvm.memserver import server as memserver
 from duvm.memserver.server import MemServer, PageStore, Refused, _Conn, _skip
 from duvm.store.memclient import MemClient, MemserverUnreachable, PageServerError, query_status
 from duvm.wire import pageproto as pp
+from duvm.wire.pagedecode import NEED_DATA, Decoder, parse_batch
+from duvm.wire.pageencode import encode_bytes, frame_header
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,7 +41,7 @@ async def raw_exchange(
     """Send raw bytes; collect up to `replies` replies; report whether the server closed."""
     reader, writer = await asyncio.open_connection(*addr)
     writer.write(wire)
-    dec, got, closed = pp.Decoder("client"), [], False
+    dec, got, closed = Decoder("client"), [], False
     try:
         while len(got) < replies:
             data = await asyncio.wait_for(reader.read(1 << 16), 5)
@@ -46,7 +49,7 @@ async def raw_exchange(
                 closed = True
                 break
             dec.receive_data(data)
-            got += [m for m in iter(dec.next_event, pp.NEED_DATA)]
+            got += [m for m in iter(dec.next_event, NEED_DATA)]
         if not closed:
             closed = await asyncio.wait_for(reader.read(1), 0.3) == b""
     except TimeoutError:
@@ -234,17 +237,17 @@ async def test_a_reply_that_breaks_the_protocol_fails_its_request_not_hangs(
     await c.connect()
     await c.reserve(8)
     await c.store([1, 2], os.urandom(2 * PS))
-    real = pp.parse_batch
+    real = parse_batch
 
     def short(mtype: int, body: memoryview):  # the server "forgets" the last key of a LOAD
         keys, data = real(mtype, body)
         return (keys[:-1], data) if mtype == pp.MsgType.LOAD and len(keys) > 1 else (keys, data)
 
-    monkeypatch.setattr(pp, "parse_batch", short)
+    monkeypatch.setattr(memserver, "parse_batch", short)
     with pytest.raises(MemserverUnreachable, match=r"broke the protocol|lost"):
         async with asyncio.timeout(10):
             await c.load([1, 2])
-    monkeypatch.setattr(pp, "parse_batch", real)
+    monkeypatch.setattr(memserver, "parse_batch", real)
     assert bytes(await c.load([1])) != b""  # reconnected and serving again
     await c.close()
 
@@ -358,7 +361,7 @@ async def test_empty_namespace_is_dropped_at_disconnect(server: MemServer) -> No
 
 async def test_version_mismatch_is_refused_clearly(server: MemServer) -> None:
     # a version-1 client (HELLO without nonce) is told why, then disconnected
-    v1 = pp.frame_header(pp.MsgType.HELLO, 1, 9) + struct.pack("<HHHH", 1, 1, 1, 0) + b"x"
+    v1 = frame_header(pp.MsgType.HELLO, 1, 9) + struct.pack("<HHHH", 1, 1, 1, 0) + b"x"
     got, closed = await raw_exchange(server.addr, v1)
     assert closed and len(got) == 1
     err = got[0]
@@ -368,7 +371,7 @@ async def test_version_mismatch_is_refused_clearly(server: MemServer) -> None:
 
 async def test_request_before_hello_closes(server: MemServer, caplog) -> None:
     caplog.set_level(logging.WARNING, "duvm.memserver.server")
-    got, closed = await raw_exchange(server.addr, pp.encode_bytes(pp.make_load(1, [1])))
+    got, closed = await raw_exchange(server.addr, encode_bytes(pp.make_load(1, [1])))
     assert closed and got == []
     assert "Load before authentication" in caplog.text
 
@@ -384,11 +387,11 @@ async def test_status_needs_no_hello(server: MemServer) -> None:
     [
         (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
         (pp.HEADER.pack(pp.MAGIC, pp.MsgType.STORE, 0, 1, 0, 1 << 30), "exceeds the limit"),
-        (pp.encode_bytes(pp.Hello(1, "g")) + pp.encode_bytes(pp.Hello(2, "g")), "second HELLO"),
+        (encode_bytes(pp.Hello(1, "g")) + encode_bytes(pp.Hello(2, "g")), "second HELLO"),
         (
-            pp.encode_bytes(pp.Hello(1, "g"))
-            + pp.encode_bytes(pp.Auth(2, bytes(32)))
-            + pp.encode_bytes(pp.make_store(3, [1], bytes(PS)))[:-7],
+            encode_bytes(pp.Hello(1, "g"))
+            + encode_bytes(pp.Auth(2, bytes(32)))
+            + encode_bytes(pp.make_store(3, [1], bytes(PS)))[:-7],
             "closed inside a frame",
         ),
     ],

@@ -8,7 +8,7 @@ Theory of operation:
   never stores more pages than it reserved, so a STORE within a reservation always finds a free
   slot and receiving a page never allocates page memory. Each request method is synchronous
   (every request is served from RAM) and refuses by raising `Refused`, having changed nothing.
-- The network driver (`_Conn`) is an asyncio BufferedProtocol around `pageproto.Decoder`: the
+- The network driver (`_Conn`) is an asyncio BufferedProtocol around `pagedecode.Decoder`: the
   kernel copies received bytes straight into the decoder's preallocated buffer, STORE data is
   copied from there into arena slots, and every reply produced while handling one read is sent
   with a single `writelines` (one writev), so a pipelined burst costs one syscall each way.
@@ -38,7 +38,6 @@ import logging
 import os
 import signal
 import ssl
-import struct
 import sys
 import time
 from collections import OrderedDict
@@ -52,15 +51,17 @@ from duvm.base.units import is_loopback, parse_listen, parse_size
 from duvm.memserver.arena import PAGE_SIZE, Arena
 from duvm.wire import auth
 from duvm.wire import pageproto as pp
+from duvm.wire.pagedecode import HANDSHAKE_FRAME, NEED_DATA, Decoder, decode_frame, parse_batch
+from duvm.wire.pageencode import encode, frame_header
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_header = pp.frame_header
+_header = frame_header
 _STORE, _LOAD, _FREE = int(pp.MsgType.STORE), int(pp.MsgType.LOAD), int(pp.MsgType.FREE)
 _STORE_REPLY, _LOAD_REPLY = _STORE | pp.REPLY_BIT, _LOAD | pp.REPLY_BIT
 _FREE_REPLY = _FREE | pp.REPLY_BIT
-_FREE_BODY = struct.Struct("<II").pack
+_FREE_BODY = pp.FREE_REPLY_BODY.pack
 
 DEFAULT_LEASE_S = 60.0
 DEFAULT_MAX_CONNECTIONS = 256  # authenticated; each holds a ~4.3 MiB receive buffer
@@ -358,7 +359,7 @@ class _Conn(asyncio.BufferedProtocol):
         self.server = server
         self.store = server.store
         # Small until authenticated: an unauthenticated peer costs HANDSHAKE_FRAME bytes.
-        self.decoder = pp.Decoder("server", pp.HANDSHAKE_FRAME, slack=0)
+        self.decoder = Decoder("server", HANDSHAKE_FRAME, slack=0)
         self.transport: asyncio.Transport | None = None
         self.fd: int | None = None  # the plain socket's fd (None under TLS)
         self.ns: Namespace | None = None
@@ -426,7 +427,7 @@ class _Conn(asyncio.BufferedProtocol):
         try:
             while not self.closing:
                 frame = dec.next_frame()
-                if frame is pp.NEED_DATA:
+                if frame is NEED_DATA:
                     break
                 mtype, req_id, _, body = frame
                 ns = self.ns
@@ -439,11 +440,11 @@ class _Conn(asyncio.BufferedProtocol):
                         out = _own(out)
                         arena_views = False
                     if mtype == _STORE and ns is not None:
-                        keys, data = pp.parse_batch(mtype, body)
+                        keys, data = parse_batch(mtype, body)
                         store.store(ns, keys, data)
                         out.append(_header(_STORE_REPLY, req_id, 0))
                     elif mtype == _LOAD and ns is not None:
-                        keys = pp.parse_batch(mtype, body)[0]
+                        keys = parse_batch(mtype, body)[0]
                         if self.fd is None:
                             data = store.load(ns, keys)
                             out.append(_header(_LOAD_REPLY, req_id, len(data)))
@@ -454,15 +455,15 @@ class _Conn(asyncio.BufferedProtocol):
                             out += views
                             arena_views = True
                     elif mtype == _FREE and ns is not None:
-                        n = store.free(ns, pp.parse_batch(mtype, body)[0])
+                        n = store.free(ns, parse_batch(mtype, body)[0])
                         out.append(_header(_FREE_REPLY, req_id, 8) + _FREE_BODY(n, 0))
                     else:
-                        out += pp.encode(self._dispatch(pp.decode_frame(*frame)))
-                        if self.authed and dec.max_frame == pp.HANDSHAKE_FRAME:
+                        out += encode(self._dispatch(decode_frame(*frame)))
+                        if self.authed and dec.max_frame == HANDSHAKE_FRAME:
                             dec = self._grow_decoder()
                 except Refused as e:
                     store.counters["refused"] += 1
-                    out += pp.encode(pp.ErrorReply(req_id, pp.MsgType(mtype), e.code, str(e)))
+                    out += encode(pp.ErrorReply(req_id, pp.MsgType(mtype), e.code, str(e)))
                 if lat is not None:
                     lat.observe_ns(mtype, perf_counter_ns() - t0)
         except pp.RemoteProtocolError as e:
@@ -506,10 +507,10 @@ class _Conn(asyncio.BufferedProtocol):
         if out:
             t.writelines(_own(out))
 
-    def _grow_decoder(self) -> pp.Decoder:
+    def _grow_decoder(self) -> Decoder:
         """Authenticated: switch to a full-size decoder, keeping bytes already received."""
         rest = self.decoder.take_pending()
-        self.decoder = pp.Decoder("server")
+        self.decoder = Decoder("server")
         if rest:
             self.decoder.receive_data(rest)
         return self.decoder

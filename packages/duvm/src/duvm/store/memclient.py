@@ -2,7 +2,7 @@
 
 Theory of operation:
 
-- `MemClient` owns one connection (an asyncio BufferedProtocol around `pageproto.Decoder`) and
+- `MemClient` owns one connection (an asyncio BufferedProtocol around `pagedecode.Decoder`) and
   a table of pending requests keyed by request id. Callers `await` a method; the request is
   queued, and every request queued in one event-loop iteration leaves in a single `writelines`
   (a `call_soon` flush), so a burst of NBD requests costs one syscall. The NBD server instead
@@ -59,6 +59,8 @@ from duvm.wire.auth import (
     default_token,
     start_handshake,
 )
+from duvm.wire.pagedecode import NEED_DATA, Decoder, decode_frame
+from duvm.wire.pageencode import batch_prefix, encode, encode_bytes
 from duvm.wire.pageproto import PAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -152,7 +154,7 @@ class _Batch:
 class _ClientProto(asyncio.BufferedProtocol):
     def __init__(self, client: MemClient) -> None:
         self.client = client
-        self.decoder = pp.Decoder("client")
+        self.decoder = Decoder("client")
         self.transport: asyncio.Transport | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -181,13 +183,13 @@ class _ClientProto(asyncio.BufferedProtocol):
                 except Exception:  # one caller's failure must not keep the others' replies
                     log.exception("after-replies callback failed")
 
-    def _deliver(self, dec: pp.Decoder, pending: dict) -> None:
+    def _deliver(self, dec: Decoder, pending: dict) -> None:
         entry = None
         try:
             while True:
                 entry = None
                 frame = dec.next_frame()
-                if frame is pp.NEED_DATA:
+                if frame is NEED_DATA:
                     return
                 mtype, req_id, status, _ = frame
                 entry = pending.pop(req_id, None)
@@ -200,10 +202,10 @@ class _ClientProto(asyncio.BufferedProtocol):
                 if fut.done():  # the caller was cancelled; drop the reply
                     continue
                 if status:
-                    msg = pp.decode_frame(*frame)
+                    msg = decode_frame(*frame)
                     fut.set_exception(PageServerError(msg.code, msg.message, self.client.peer))
                 else:
-                    fut.set_result(pp.decode_frame(*frame))
+                    fut.set_result(decode_frame(*frame))
         except pp.RemoteProtocolError as e:
             log.warning("memserver %s broke the protocol: %s; closing", self.client.peer, e)
             if entry is not None:  # popped already, so the lost connection would not fail it
@@ -216,7 +218,7 @@ class _ClientProto(asyncio.BufferedProtocol):
     def _batch_reply(self, batch: _Batch, mtype: int, frame: tuple) -> None:
         waiters = batch.waiters
         if frame[2]:  # refused
-            msg = pp.decode_frame(*frame)
+            msg = decode_frame(*frame)
             if len(waiters) > 1 and msg.code in _PER_KEY_ERRORS:
                 # Merged requests share the refusal; ask again one by one so that only the
                 # requests that are really refused fail.
@@ -530,9 +532,9 @@ class MemClient:
             rid = self._next_id
             self._pending[rid] = fut
             if msg is not None:
-                self._outq += pp.encode(dataclasses.replace(msg, req_id=rid))
+                self._outq += encode(dataclasses.replace(msg, req_id=rid))
             else:
-                self._outq.append(pp.batch_prefix(mtype, rid, keys))
+                self._outq.append(batch_prefix(mtype, rid, keys))
             self._open = None
         if self._flush_handle is None:
             if self.batching.hold(self):
@@ -575,12 +577,12 @@ class MemClient:
             self._fail(q, err)
             return
         wire: list[bytes | memoryview] = []
-        pending, batch_prefix = self._pending, pp.batch_prefix
+        pending, prefix = self._pending, batch_prefix
         for item in q:
             if type(item) is _Batch:
                 self._next_id += 1
                 pending[self._next_id] = item
-                wire.append(batch_prefix(item.mtype, self._next_id, item.keys))
+                wire.append(prefix(item.mtype, self._next_id, item.keys))
                 if item.parts:
                     wire += item.parts
             else:
@@ -772,11 +774,11 @@ async def query_status(
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
             try:
-                writer.write(pp.encode_bytes(pp.Status(1)))
-                dec = pp.Decoder("client")
+                writer.write(encode_bytes(pp.Status(1)))
+                dec = Decoder("client")
                 while True:
                     msg = dec.next_event()
-                    if msg is not pp.NEED_DATA:
+                    if msg is not NEED_DATA:
                         break
                     dec.receive_data(await reader.read(1 << 16))  # b"" marks the end
             finally:
