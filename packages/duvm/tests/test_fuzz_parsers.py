@@ -16,7 +16,8 @@ import os
 import struct
 
 import pytest
-from duvm.memserver.server import MemServer, _Conn
+from duvm.memserver.connection import Connection
+from duvm.memserver.server import MemServer
 from duvm.wire import nbdconst as C
 from duvm.wire import pageproto as pp
 from duvm.wire.nbdproto import ExportInfo, Handshake, NbdProtocolError, TransmissionDecoder
@@ -105,7 +106,7 @@ class _Errors(logging.Handler):
 _LOOP: asyncio.AbstractEventLoop | None = None
 _SERVER: MemServer | None = None
 _ERRORS = _Errors()
-logging.getLogger("duvm.memserver.server").addHandler(_ERRORS)
+logging.getLogger("duvm.memserver").addHandler(_ERRORS)  # every memserver module
 _LOGIN = (
     encode_bytes(pp.Hello(1, "fuzz"))
     + encode_bytes(pp.Auth(2, bytes(32)))
@@ -126,7 +127,7 @@ def fuzz_memserver_conn(data: bytes, chunk: int = 4096, login: bool = True) -> N
     loop, server = _server()
 
     async def run() -> None:
-        conn = _Conn(server)
+        conn = Connection(server)
         t = _Transport()
         conn.connection_made(t)
         before = len(_ERRORS.records)

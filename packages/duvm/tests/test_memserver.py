@@ -12,8 +12,10 @@ import subprocess
 import sys
 
 import pytest
-from duvm.memserver import server as memserver
-from duvm.memserver.server import MemServer, PageStore, Refused, _Conn, _skip
+from duvm.memserver import connection
+from duvm.memserver.connection import Connection, _skip
+from duvm.memserver.pagestore import PageStore, Refused
+from duvm.memserver.server import MemServer
 from duvm.store.memclient import MemClient, MemserverUnreachable, PageServerError, query_status
 from duvm.wire import pageproto as pp
 from duvm.wire.pagedecode import NEED_DATA, Decoder, parse_batch
@@ -186,7 +188,7 @@ async def test_a_load_answers_with_the_bytes_of_its_turn(server: MemServer) -> N
 class _FullSocketTransport:
     """Stands in for a transport whose socket is full (a peer that does not read): the kernel
     side of that cannot be held still deterministically on loopback, so the test sees what
-    `_Conn._send` hands over instead."""
+    `Connection._send` hands over instead."""
 
     def __init__(self) -> None:
         self.queued: list = []
@@ -203,7 +205,7 @@ def test_replies_queued_behind_a_full_socket_are_copies_not_arena_views() -> Non
     ns, _ = store.attach("n/full")
     store.reserve(ns, 8)
     store.store(ns, (1, 2, 3), memoryview(b"a" * 3 * PS))
-    conn = _Conn.__new__(_Conn)  # only _send is exercised
+    conn = Connection.__new__(Connection)  # only _send is exercised
     conn.transport = _FullSocketTransport()  # type: ignore[assignment]
     conn.fd = -1  # never used: the queue is not empty, so no writev is tried
     views = store.load_views(ns, (1, 2, 3))
@@ -243,11 +245,11 @@ async def test_a_reply_that_breaks_the_protocol_fails_its_request_not_hangs(
         keys, data = real(mtype, body)
         return (keys[:-1], data) if mtype == pp.MsgType.LOAD and len(keys) > 1 else (keys, data)
 
-    monkeypatch.setattr(memserver, "parse_batch", short)
+    monkeypatch.setattr(connection, "parse_batch", short)
     with pytest.raises(MemserverUnreachable, match=r"broke the protocol|lost"):
         async with asyncio.timeout(10):
             await c.load([1, 2])
-    monkeypatch.setattr(memserver, "parse_batch", real)
+    monkeypatch.setattr(connection, "parse_batch", real)
     assert bytes(await c.load([1])) != b""  # reconnected and serving again
     await c.close()
 
@@ -370,7 +372,7 @@ async def test_version_mismatch_is_refused_clearly(server: MemServer) -> None:
 
 
 async def test_request_before_hello_closes(server: MemServer, caplog) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver.server")
+    caplog.set_level(logging.WARNING, "duvm.memserver")
     got, closed = await raw_exchange(server.addr, encode_bytes(pp.make_load(1, [1])))
     assert closed and got == []
     assert "Load before authentication" in caplog.text
@@ -400,7 +402,7 @@ async def test_status_needs_no_hello(server: MemServer) -> None:
 async def test_bad_client_is_cut_off_while_a_good_one_keeps_working(
     server: MemServer, caplog, wire: bytes, reason: str
 ) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver.server")
+    caplog.set_level(logging.WARNING, "duvm.memserver")
     good = MemClient(*server.addr, "good/1")
     await good.connect()
     await good.reserve(64)

@@ -239,7 +239,7 @@ async def _raw_login(addr, client_id: str, secret: bytes | None, token: bytes):
 
 
 async def test_raw_frames_before_auth_are_refused(secured: MemServer, caplog) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver.server")
+    caplog.set_level(logging.WARNING, "duvm.memserver")
     for early in (
         pp.make_store(1, [0], bytes(PS)),
         pp.make_load(1, [0]),
@@ -504,7 +504,7 @@ async def test_tls_and_secret_together(pki) -> None:
 
 
 async def test_flood_and_slowloris_do_not_stop_service(caplog) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver.server")
+    caplog.set_level(logging.WARNING, "duvm.memserver")
     srv = MemServer(
         1 << 20,
         lease_s=60,
