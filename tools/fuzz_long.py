@@ -86,7 +86,7 @@ def _seeds(h, name: str) -> list[bytes]:
             pp.StatusReply(5, b"{}"),
             pp.ErrorReply(6, pp.MsgType.LOAD, pp.ErrorCode.NOT_FOUND, "x"),
         ]
-    return [pp.encode_bytes(m) for m in msgs]
+    return [h.encode_bytes(m) for m in msgs]
 
 
 def run_atheris(h, seconds_each: float) -> dict[str, tuple[int, int]]:

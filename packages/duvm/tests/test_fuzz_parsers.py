@@ -16,10 +16,13 @@ import os
 import struct
 
 import pytest
-from duvm.memserver.server import MemServer, _Conn
+from duvm.memserver.connection import Connection
+from duvm.memserver.server import MemServer
 from duvm.wire import nbdconst as C
 from duvm.wire import pageproto as pp
 from duvm.wire.nbdproto import ExportInfo, Handshake, NbdProtocolError, TransmissionDecoder
+from duvm.wire.pagedecode import HANDSHAKE_FRAME, NEED_DATA, Decoder
+from duvm.wire.pageencode import encode_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,15 +49,15 @@ def _same(a: pp.Message, b: pp.Message) -> bool:
 
 def fuzz_page_decoder(data: bytes, role: str = "server", chunk: int = 4096) -> int:
     """Decode `data` in chunks of `chunk` bytes. Returns the messages decoded."""
-    dec = pp.Decoder(role, max_frame=pp.HANDSHAKE_FRAME if chunk % 2 else pp.MAX_FRAME)
+    dec = Decoder(role, max_frame=HANDSHAKE_FRAME if chunk % 2 else pp.MAX_FRAME)
     n = 0
     try:
         for i in range(0, len(data), max(1, chunk)):
             dec.receive_data(data[i : i + max(1, chunk)])
-            while (msg := dec.next_event()) is not pp.NEED_DATA:
+            while (msg := dec.next_event()) is not NEED_DATA:
                 n += 1
-                again = pp.Decoder(role)
-                again.receive_data(pp.encode_bytes(msg))
+                again = Decoder(role)
+                again.receive_data(encode_bytes(msg))
                 assert _same(again.next_event(), msg), msg  # re-encoding is faithful
         dec.receive_eof()
         dec.next_event()
@@ -103,11 +106,11 @@ class _Errors(logging.Handler):
 _LOOP: asyncio.AbstractEventLoop | None = None
 _SERVER: MemServer | None = None
 _ERRORS = _Errors()
-logging.getLogger("duvm.memserver.server").addHandler(_ERRORS)
+logging.getLogger("duvm.memserver").addHandler(_ERRORS)  # every memserver module
 _LOGIN = (
-    pp.encode_bytes(pp.Hello(1, "fuzz"))
-    + pp.encode_bytes(pp.Auth(2, bytes(32)))
-    + pp.encode_bytes(pp.Reserve(3, 8))
+    encode_bytes(pp.Hello(1, "fuzz"))
+    + encode_bytes(pp.Auth(2, bytes(32)))
+    + encode_bytes(pp.Reserve(3, 8))
 )
 
 
@@ -124,7 +127,7 @@ def fuzz_memserver_conn(data: bytes, chunk: int = 4096, login: bool = True) -> N
     loop, server = _server()
 
     async def run() -> None:
-        conn = _Conn(server)
+        conn = Connection(server)
         t = _Transport()
         conn.connection_made(t)
         before = len(_ERRORS.records)
@@ -192,19 +195,17 @@ TARGETS = {
 _keys = st.lists(st.integers(0, 20), min_size=1, max_size=6)
 _page_frames = st.one_of(
     st.builds(
-        lambda r, k: pp.encode_bytes(pp.make_store(r, k, bytes(len(k) * pp.PAGE_SIZE))),
+        lambda r, k: encode_bytes(pp.make_store(r, k, bytes(len(k) * pp.PAGE_SIZE))),
         st.integers(0, 2**64 - 1),
         _keys,
     ),
-    st.builds(lambda r, k: pp.encode_bytes(pp.make_load(r, k)), st.integers(0, 9), _keys),
-    st.builds(lambda r, k: pp.encode_bytes(pp.make_free(r, k)), st.integers(0, 9), _keys),
-    st.builds(
-        lambda r, n: pp.encode_bytes(pp.Reserve(r, n)), st.integers(0, 9), st.integers(0, 40)
-    ),
-    st.builds(lambda r: pp.encode_bytes(pp.Release(r)), st.integers(0, 9)),
-    st.builds(lambda r: pp.encode_bytes(pp.Status(r)), st.integers(0, 9)),
-    st.builds(lambda i: pp.encode_bytes(pp.Hello(1, i)), st.text(min_size=1, max_size=8)),
-    st.builds(lambda p: pp.encode_bytes(pp.Auth(2, p)), st.binary(min_size=32, max_size=32)),
+    st.builds(lambda r, k: encode_bytes(pp.make_load(r, k)), st.integers(0, 9), _keys),
+    st.builds(lambda r, k: encode_bytes(pp.make_free(r, k)), st.integers(0, 9), _keys),
+    st.builds(lambda r, n: encode_bytes(pp.Reserve(r, n)), st.integers(0, 9), st.integers(0, 40)),
+    st.builds(lambda r: encode_bytes(pp.Release(r)), st.integers(0, 9)),
+    st.builds(lambda r: encode_bytes(pp.Status(r)), st.integers(0, 9)),
+    st.builds(lambda i: encode_bytes(pp.Hello(1, i)), st.text(min_size=1, max_size=8)),
+    st.builds(lambda p: encode_bytes(pp.Auth(2, p)), st.binary(min_size=32, max_size=32)),
     st.binary(max_size=64),
 )
 
@@ -264,14 +265,14 @@ def test_fuzz_nbd_transmission(data: bytes, chunk: int) -> None:
 
 def test_targets_catch_a_planted_bug() -> None:
     """The harness can fail: a decoder that raises something else is reported."""
-    orig = pp.Decoder.next_event
+    orig = Decoder.next_event
 
     def broken(self):
         raise ValueError("planted")
 
-    pp.Decoder.next_event = broken  # type: ignore[method-assign]
+    Decoder.next_event = broken  # type: ignore[method-assign]
     try:
         with pytest.raises(ValueError, match="planted"):
-            fuzz_page_decoder(pp.encode_bytes(pp.Status(1)))
+            fuzz_page_decoder(encode_bytes(pp.Status(1)))
     finally:
-        pp.Decoder.next_event = orig  # type: ignore[method-assign]
+        Decoder.next_event = orig  # type: ignore[method-assign]

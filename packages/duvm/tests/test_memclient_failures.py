@@ -24,6 +24,7 @@ from duvm.memserver.server import MemServer
 from duvm.store.memclient import MemClient
 from duvm.store.memserver_errors import MemserverUnreachable
 from duvm.wire import pageproto as pp
+from duvm.wire.pagedecode import NEED_DATA, Decoder
 
 LOOPS = ["asyncio", "uvloop"]
 
@@ -68,11 +69,11 @@ class CutAfterWelcome:
                 s_w.write(data)
 
         async def down() -> None:  # memserver -> client, until WELCOME has passed
-            dec = pp.Decoder("client")
+            dec = Decoder("client")
             while data := await s_r.read(1 << 16):
                 dec.receive_data(data)
                 c_w.write(data)
-                while (msg := dec.next_event()) is not pp.NEED_DATA:
+                while (msg := dec.next_event()) is not NEED_DATA:
                     if isinstance(msg, pp.HelloReply):
                         c_w.close()  # at once: the FIN follows the WELCOME
                         self.cut += 1

@@ -12,11 +12,16 @@ import subprocess
 import sys
 
 import pytest
-from duvm.memserver.server import MemServer, PageStore, Refused, _Conn, _skip
+from duvm.memserver import connection
+from duvm.memserver.connection import Connection, _skip
+from duvm.memserver.pagestore import PageStore, Refused
+from duvm.memserver.server import MemServer
 from duvm.store.memclient import MemClient
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.memserver_status import query_status
 from duvm.wire import pageproto as pp
+from duvm.wire.pagedecode import NEED_DATA, Decoder, parse_batch
+from duvm.wire.pageencode import encode_bytes, frame_header
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +45,7 @@ async def raw_exchange(
     """Send raw bytes; collect up to `replies` replies; report whether the server closed."""
     reader, writer = await asyncio.open_connection(*addr)
     writer.write(wire)
-    dec, got, closed = pp.Decoder("client"), [], False
+    dec, got, closed = Decoder("client"), [], False
     try:
         while len(got) < replies:
             data = await asyncio.wait_for(reader.read(1 << 16), 5)
@@ -48,7 +53,7 @@ async def raw_exchange(
                 closed = True
                 break
             dec.receive_data(data)
-            got += [m for m in iter(dec.next_event, pp.NEED_DATA)]
+            got += [m for m in iter(dec.next_event, NEED_DATA)]
         if not closed:
             closed = await asyncio.wait_for(reader.read(1), 0.3) == b""
     except TimeoutError:
@@ -185,7 +190,7 @@ async def test_a_load_answers_with_the_bytes_of_its_turn(server: MemServer) -> N
 class _FullSocketTransport:
     """Stands in for a transport whose socket is full (a peer that does not read): the kernel
     side of that cannot be held still deterministically on loopback, so the test sees what
-    `_Conn._send` hands over instead."""
+    `Connection._send` hands over instead."""
 
     def __init__(self) -> None:
         self.queued: list = []
@@ -202,7 +207,7 @@ def test_replies_queued_behind_a_full_socket_are_copies_not_arena_views() -> Non
     ns, _ = store.attach("n/full")
     store.reserve(ns, 8)
     store.store(ns, (1, 2, 3), memoryview(b"a" * 3 * PS))
-    conn = _Conn.__new__(_Conn)  # only _send is exercised
+    conn = Connection.__new__(Connection)  # only _send is exercised
     conn.transport = _FullSocketTransport()  # type: ignore[assignment]
     conn.fd = -1  # never used: the queue is not empty, so no writev is tried
     views = store.load_views(ns, (1, 2, 3))
@@ -236,17 +241,17 @@ async def test_a_reply_that_breaks_the_protocol_fails_its_request_not_hangs(
     await c.connect()
     await c.reserve(8)
     await c.store([1, 2], os.urandom(2 * PS))
-    real = pp.parse_batch
+    real = parse_batch
 
     def short(mtype: int, body: memoryview):  # the server "forgets" the last key of a LOAD
         keys, data = real(mtype, body)
         return (keys[:-1], data) if mtype == pp.MsgType.LOAD and len(keys) > 1 else (keys, data)
 
-    monkeypatch.setattr(pp, "parse_batch", short)
+    monkeypatch.setattr(connection, "parse_batch", short)
     with pytest.raises(MemserverUnreachable, match=r"broke the protocol|lost"):
         async with asyncio.timeout(10):
             await c.load([1, 2])
-    monkeypatch.setattr(pp, "parse_batch", real)
+    monkeypatch.setattr(connection, "parse_batch", real)
     assert bytes(await c.load([1])) != b""  # reconnected and serving again
     await c.close()
 
@@ -360,7 +365,7 @@ async def test_empty_namespace_is_dropped_at_disconnect(server: MemServer) -> No
 
 async def test_version_mismatch_is_refused_clearly(server: MemServer) -> None:
     # a version-1 client (HELLO without nonce) is told why, then disconnected
-    v1 = pp.frame_header(pp.MsgType.HELLO, 1, 9) + struct.pack("<HHHH", 1, 1, 1, 0) + b"x"
+    v1 = frame_header(pp.MsgType.HELLO, 1, 9) + struct.pack("<HHHH", 1, 1, 1, 0) + b"x"
     got, closed = await raw_exchange(server.addr, v1)
     assert closed and len(got) == 1
     err = got[0]
@@ -369,8 +374,8 @@ async def test_version_mismatch_is_refused_clearly(server: MemServer) -> None:
 
 
 async def test_request_before_hello_closes(server: MemServer, caplog) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver.server")
-    got, closed = await raw_exchange(server.addr, pp.encode_bytes(pp.make_load(1, [1])))
+    caplog.set_level(logging.WARNING, "duvm.memserver")
+    got, closed = await raw_exchange(server.addr, encode_bytes(pp.make_load(1, [1])))
     assert closed and got == []
     assert "Load before authentication" in caplog.text
 
@@ -386,11 +391,11 @@ async def test_status_needs_no_hello(server: MemServer) -> None:
     [
         (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
         (pp.HEADER.pack(pp.MAGIC, pp.MsgType.STORE, 0, 1, 0, 1 << 30), "exceeds the limit"),
-        (pp.encode_bytes(pp.Hello(1, "g")) + pp.encode_bytes(pp.Hello(2, "g")), "second HELLO"),
+        (encode_bytes(pp.Hello(1, "g")) + encode_bytes(pp.Hello(2, "g")), "second HELLO"),
         (
-            pp.encode_bytes(pp.Hello(1, "g"))
-            + pp.encode_bytes(pp.Auth(2, bytes(32)))
-            + pp.encode_bytes(pp.make_store(3, [1], bytes(PS)))[:-7],
+            encode_bytes(pp.Hello(1, "g"))
+            + encode_bytes(pp.Auth(2, bytes(32)))
+            + encode_bytes(pp.make_store(3, [1], bytes(PS)))[:-7],
             "closed inside a frame",
         ),
     ],
@@ -399,7 +404,7 @@ async def test_status_needs_no_hello(server: MemServer) -> None:
 async def test_bad_client_is_cut_off_while_a_good_one_keeps_working(
     server: MemServer, caplog, wire: bytes, reason: str
 ) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver.server")
+    caplog.set_level(logging.WARNING, "duvm.memserver")
     good = MemClient(*server.addr, "good/1")
     await good.connect()
     await good.reserve(64)

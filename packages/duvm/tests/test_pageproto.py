@@ -7,6 +7,8 @@ import struct
 
 import pytest
 from duvm.wire import pageproto as pp
+from duvm.wire.pagedecode import NEED_DATA, Decoder
+from duvm.wire.pageencode import encode, encode_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -52,11 +54,11 @@ def same(a: pp.Message, b: pp.Message) -> bool:
 
 
 def decode_all(role: str, wire: bytes, chunk: int | None = None) -> list[pp.Message]:
-    dec, out = pp.Decoder(role), []
+    dec, out = Decoder(role), []
     chunk = chunk or len(wire) or 1
     for i in range(0, len(wire), chunk):
         dec.receive_data(wire[i : i + chunk])
-        while (m := dec.next_event()) is not pp.NEED_DATA:
+        while (m := dec.next_event()) is not NEED_DATA:
             # copy borrowed data before the next receive_data may move it
             if isinstance(m, pp.Store):
                 m = pp.Store(m.req_id, m.keys, memoryview(bytes(m.data)))
@@ -64,14 +66,14 @@ def decode_all(role: str, wire: bytes, chunk: int | None = None) -> list[pp.Mess
                 m = pp.LoadReply(m.req_id, memoryview(bytes(m.data)))
             out.append(m)
     dec.receive_eof()
-    assert dec.next_event() is pp.NEED_DATA
+    assert dec.next_event() is NEED_DATA
     return out
 
 
 @pytest.mark.parametrize("role,msgs", [("server", requests()), ("client", replies())])
 @pytest.mark.parametrize("chunk", [None, 1, 7, 24, 4096])
 def test_round_trip_at_any_split(role: str, msgs: list, chunk: int | None) -> None:
-    wire = b"".join(pp.encode_bytes(m) for m in msgs)
+    wire = b"".join(encode_bytes(m) for m in msgs)
     got = decode_all(role, wire, chunk)
     assert len(got) == len(msgs)
     for a, b in zip(got, msgs, strict=True):
@@ -79,7 +81,7 @@ def test_round_trip_at_any_split(role: str, msgs: list, chunk: int | None) -> No
 
 
 def test_header_layout_is_little_endian_and_documented() -> None:
-    wire = pp.encode_bytes(pp.Reserve(0x0102030405060708, 5))
+    wire = encode_bytes(pp.Reserve(0x0102030405060708, 5))
     assert wire[:4] == b"DUVM"
     assert struct.unpack_from("<HHQII", wire, 4) == (
         pp.MsgType.RESERVE,
@@ -94,13 +96,13 @@ def test_header_layout_is_little_endian_and_documented() -> None:
 
 def test_store_data_is_not_copied_by_encode() -> None:
     data = bytearray(2 * pp.PAGE_SIZE)
-    parts = pp.encode(pp.make_store(1, [1, 2], data))
+    parts = encode(pp.make_store(1, [1, 2], data))
     assert isinstance(parts[-1], memoryview) and parts[-1].obj is data
 
 
 def test_zero_copy_receive_path() -> None:
-    wire = pp.encode_bytes(pp.make_store(9, [4], b"x" * pp.PAGE_SIZE))
-    dec = pp.Decoder("server")
+    wire = encode_bytes(pp.make_store(9, [4], b"x" * pp.PAGE_SIZE))
+    dec = Decoder("server")
     buf = dec.get_buffer()
     buf[: len(wire)] = wire
     dec.buffer_updated(len(wire))
@@ -113,11 +115,11 @@ def test_zero_copy_receive_path() -> None:
 @pytest.mark.parametrize("role", ["server", "client"])
 def test_truncated_frame_at_eof_is_a_remote_error(role: str) -> None:
     msg = requests()[4] if role == "server" else replies()[4]
-    wire = pp.encode_bytes(msg)
+    wire = encode_bytes(msg)
     for cut in (1, 23, 24, 100, len(wire) - 1):
-        dec = pp.Decoder(role)
+        dec = Decoder(role)
         dec.receive_data(wire[:cut])
-        assert dec.next_event() is pp.NEED_DATA
+        assert dec.next_event() is NEED_DATA
         dec.receive_data(b"")
         with pytest.raises(pp.RemoteProtocolError, match="closed inside a frame"):
             dec.next_event()
@@ -180,7 +182,7 @@ def _frame(
     ids=lambda v: v if isinstance(v, str) and len(v) < 40 else "",
 )
 def test_bad_frames_are_remote_errors(role: str, wire: bytes, reason: str) -> None:
-    dec = pp.Decoder(role)
+    dec = Decoder(role)
     dec.receive_data(wire)
     with pytest.raises(pp.RemoteProtocolError, match=reason):
         dec.next_event()
@@ -188,15 +190,15 @@ def test_bad_frames_are_remote_errors(role: str, wire: bytes, reason: str) -> No
 
 def test_oversized_frame_refused_from_its_header_alone() -> None:
     """The limit is enforced before the payload is buffered: a peer cannot make us hold it."""
-    dec = pp.Decoder("server")
+    dec = Decoder("server")
     dec.receive_data(_frame(pp.MsgType.STORE, pp.MAX_FRAME))  # header only, no payload yet
     with pytest.raises(pp.RemoteProtocolError, match="exceeds the limit"):
         dec.next_event()
 
 
 def test_smaller_max_frame_is_enforced() -> None:
-    dec = pp.Decoder("server", max_frame=64 << 10)
-    dec.receive_data(pp.encode_bytes(pp.make_store(1, range(16), bytes(16 * pp.PAGE_SIZE)))[:30])
+    dec = Decoder("server", max_frame=64 << 10)
+    dec.receive_data(encode_bytes(pp.make_store(1, range(16), bytes(16 * pp.PAGE_SIZE)))[:30])
     with pytest.raises(pp.RemoteProtocolError, match="exceeds the limit"):
         dec.next_event()
 
@@ -219,29 +221,29 @@ def test_local_misuse_is_a_local_error() -> None:
     with pytest.raises(pp.LocalProtocolError, match="non-zero code"):
         pp.ErrorReply(1, pp.MsgType.LOAD, pp.ErrorCode.OK, "")
     with pytest.raises(pp.LocalProtocolError, match="role"):
-        pp.Decoder("peer")
+        Decoder("peer")
     with pytest.raises(pp.LocalProtocolError, match="not a page protocol message"):
-        pp.encode("hello")  # type: ignore[arg-type]
+        encode("hello")  # type: ignore[arg-type]
 
 
 def test_feeding_more_than_fits_is_a_local_error_and_loses_nothing() -> None:
-    dec = pp.Decoder("server", max_frame=4096)
-    one = pp.encode_bytes(pp.Status(1))
+    dec = Decoder("server", max_frame=4096)
+    one = encode_bytes(pp.Status(1))
     room = len(dec.get_buffer())
     with pytest.raises(pp.LocalProtocolError, match="call next_event"):
         dec.receive_data(one * (room // len(one) + 1))
     dec.receive_data(one * 3)
-    assert [m.req_id for m in iter(dec.next_event, pp.NEED_DATA)] == [1, 1, 1]
+    assert [m.req_id for m in iter(dec.next_event, NEED_DATA)] == [1, 1, 1]
 
 
 def test_buffer_compacts_so_a_partial_max_frame_still_fits() -> None:
-    dec = pp.Decoder("server")
-    small = pp.encode_bytes(pp.Status(1))
-    big = pp.encode_bytes(pp.make_store(2, range(pp.MAX_BATCH), bytes(pp.MAX_BATCH * 4096)))
+    dec = Decoder("server")
+    small = encode_bytes(pp.Status(1))
+    big = encode_bytes(pp.make_store(2, range(pp.MAX_BATCH), bytes(pp.MAX_BATCH * 4096)))
     for _ in range(200):
         dec.receive_data(small)
     dec.receive_data(big[:100])
-    assert len([m for m in iter(dec.next_event, pp.NEED_DATA)]) == 200
+    assert len([m for m in iter(dec.next_event, NEED_DATA)]) == 200
     dec.receive_data(big[100:])  # fits after compaction
     msg = dec.next_event()
     assert isinstance(msg, pp.Store) and len(msg.keys) == pp.MAX_BATCH
@@ -265,7 +267,7 @@ message_replies = st.sampled_from(replies())
 @settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.lists(message_requests, min_size=1, max_size=6), st.integers(1, 9000))
 def test_fuzz_request_streams_decode_at_any_chunking(msgs: list, chunk: int) -> None:
-    wire = b"".join(pp.encode_bytes(m) for m in msgs)
+    wire = b"".join(encode_bytes(m) for m in msgs)
     got = decode_all("server", wire, chunk)
     assert all(same(a, b) for a, b in zip(got, msgs, strict=True)) and len(got) == len(msgs)
 
@@ -273,11 +275,11 @@ def test_fuzz_request_streams_decode_at_any_chunking(msgs: list, chunk: int) -> 
 @settings(max_examples=250, deadline=None)
 @given(st.binary(max_size=600), st.sampled_from(["server", "client"]))
 def test_fuzz_garbage_only_raises_remote_errors(data: bytes, role: str) -> None:
-    dec = pp.Decoder(role)
+    dec = Decoder(role)
     dec.receive_data(data)
     dec.receive_eof()
     try:
-        while dec.next_event() is not pp.NEED_DATA:
+        while dec.next_event() is not NEED_DATA:
             pass
     except pp.RemoteProtocolError:
         pass
@@ -288,16 +290,16 @@ def test_fuzz_garbage_only_raises_remote_errors(data: bytes, role: str) -> None:
 def test_fuzz_mutated_valid_frames_never_crash(data: st.DataObject) -> None:
     role = data.draw(st.sampled_from(["server", "client"]))
     msg = data.draw(message_requests if role == "server" else message_replies)
-    wire = bytearray(pp.encode_bytes(msg))
+    wire = bytearray(encode_bytes(msg))
     for _ in range(data.draw(st.integers(1, 4))):
         pos = data.draw(st.integers(0, min(len(wire) - 1, 80)))
         wire[pos] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(0, len(wire)))
-    dec = pp.Decoder(role)
+    dec = Decoder(role)
     dec.receive_data(bytes(wire[:cut]))
     dec.receive_eof()
     try:
-        while (m := dec.next_event()) is not pp.NEED_DATA:
+        while (m := dec.next_event()) is not NEED_DATA:
             assert type(m).__name__ in {
                 t.__name__ for t in (*pp.Request.__args__, *pp.Reply.__args__)
             }

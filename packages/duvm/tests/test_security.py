@@ -21,6 +21,8 @@ from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.memserver_status import query_status
 from duvm.wire import auth
 from duvm.wire import pageproto as pp
+from duvm.wire.pagedecode import HANDSHAKE_FRAME, NEED_DATA, Decoder
+from duvm.wire.pageencode import encode_bytes
 
 PS = pp.PAGE_SIZE
 
@@ -181,11 +183,11 @@ async def _fake_server(handler) -> tuple[asyncio.base_events.Server, tuple[str, 
 
 async def test_client_refuses_an_impostor_with_a_forged_proof() -> None:
     async def impostor(reader, writer) -> None:
-        dec = pp.Decoder("server")
+        dec = Decoder("server")
         dec.receive_data(await reader.read(4096))
         hello = dec.next_event()  # knows the key id (public) but not the secret
         writer.write(
-            pp.encode_bytes(
+            encode_bytes(
                 pp.Challenge(hello.req_id, 2, True, os.urandom(32), hello.key_id, os.urandom(32))
             )
         )
@@ -204,14 +206,14 @@ async def test_client_refuses_an_impostor_with_a_forged_proof() -> None:
 
 async def raw_conn(addr):
     reader, writer = await asyncio.open_connection(*addr)
-    dec = pp.Decoder("client")
+    dec = Decoder("client")
 
     async def ask(msg_or_bytes) -> pp.Message | None:
-        wire = msg_or_bytes if isinstance(msg_or_bytes, bytes) else pp.encode_bytes(msg_or_bytes)
+        wire = msg_or_bytes if isinstance(msg_or_bytes, bytes) else encode_bytes(msg_or_bytes)
         writer.write(wire)
         while True:
             m = dec.next_event()
-            if m is not pp.NEED_DATA:
+            if m is not NEED_DATA:
                 return m
             try:
                 data = await asyncio.wait_for(reader.read(1 << 16), 5)
@@ -239,7 +241,7 @@ async def _raw_login(addr, client_id: str, secret: bytes | None, token: bytes):
 
 
 async def test_raw_frames_before_auth_are_refused(secured: MemServer, caplog) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver.server")
+    caplog.set_level(logging.WARNING, "duvm.memserver")
     for early in (
         pp.make_store(1, [0], bytes(PS)),
         pp.make_load(1, [0]),
@@ -504,7 +506,7 @@ async def test_tls_and_secret_together(pki) -> None:
 
 
 async def test_flood_and_slowloris_do_not_stop_service(caplog) -> None:
-    caplog.set_level(logging.WARNING, "duvm.memserver.server")
+    caplog.set_level(logging.WARNING, "duvm.memserver")
     srv = MemServer(
         1 << 20,
         lease_s=60,
@@ -523,7 +525,7 @@ async def test_flood_and_slowloris_do_not_stop_service(caplog) -> None:
         async def slowloris() -> None:
             _, w = await asyncio.open_connection(*addr)
             writers.append(w)
-            wire = pp.encode_bytes(
+            wire = encode_bytes(
                 pp.Hello(1, "slow", nonce=os.urandom(32), key_id=auth.key_id(S1), token=bytes(32))
             )
             for b in wire:  # one byte every 50 ms: never finishes within the timeout
@@ -544,7 +546,7 @@ async def test_flood_and_slowloris_do_not_stop_service(caplog) -> None:
         await asyncio.wait_for(late.connect(), 5)
         await late.close()
         assert len(srv.pending) <= srv.max_handshakes
-        assert all(c.decoder._buf.__len__() <= pp.HANDSHAKE_FRAME for c in srv.pending)
+        assert all(c.decoder._buf.__len__() <= HANDSHAKE_FRAME for c in srv.pending)
         await asyncio.sleep(1.5)  # past the handshake timeout
         assert len(srv.pending) == 0
         assert srv.counters["handshakes_evicted"] >= 90

@@ -17,7 +17,10 @@ from duvm import __version__
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "memserver": ("duvm.memserver.server", "serve this node's spare RAM to the pool (page server)"),
+    "memserver": (
+        "duvm.memserver.command",
+        "serve this node's spare RAM to the pool (page server)",
+    ),
     "node": (
         "duvm.node.node_command",
         "run this node's memserver and control socket from the config file "

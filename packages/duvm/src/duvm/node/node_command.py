@@ -9,9 +9,9 @@ cluster's ``secret_file``. The consumer side is `duvm enable`, reading the same 
 top-level keys (and skipping this node's own memserver in ``peers``), so one file copied to
 every node configures both.
 
-It is the memserver itself, run in this process (`duvm.memserver.server.run`), not a wrapper around
-a child: there is one process to supervise, signals reach it directly and its exit code is the
-command's. The settings become the memserver's own command line and are parsed by its own
+It is the memserver itself, run in this process (`duvm.memserver.command.run`), not a wrapper
+around a child: there is one process to supervise, signals reach it directly and its exit code
+is the command's. The settings become the memserver's own command line and are parsed by its own
 parser, so `duvm node` and `duvm memserver` cannot drift apart. What the node adds:
 
 - the config file (``--config``; flags override its values);
@@ -121,7 +121,7 @@ def node_config(args: argparse.Namespace) -> config.NodeConfig:
 
 def memserver_args(node: config.NodeConfig, verbose: bool = False) -> argparse.Namespace:
     """`node` as `duvm memserver` arguments, parsed by the memserver's own parser."""
-    from duvm.memserver import server as memserver
+    from duvm.memserver import command as memserver
 
     parser = argparse.ArgumentParser(prog="duvm node", add_help=False, exit_on_error=False)
     memserver.add_arguments(parser)
@@ -159,7 +159,7 @@ def check_control_socket(path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from duvm.memserver import server as memserver
+    from duvm.memserver import command as memserver
 
     try:
         node = node_config(args)

@@ -2,7 +2,7 @@
 
 Theory of operation:
 
-- `MemClient` owns one connection (an asyncio BufferedProtocol around `pageproto.Decoder`) and
+- `MemClient` owns one connection (an asyncio BufferedProtocol around `pagedecode.Decoder`) and
   a table of pending requests keyed by request id. Callers `await` a method; the request is
   queued, and every request queued in one event-loop iteration leaves in a single `writelines`
   (a `call_soon` flush), so a burst of NBD requests costs one syscall. The NBD server instead
@@ -59,6 +59,7 @@ from duvm.wire.auth import (
     default_token,
     start_handshake,
 )
+from duvm.wire.pageencode import batch_prefix, encode
 from duvm.wire.pageproto import PAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -352,9 +353,9 @@ class MemClient:
             rid = self._next_id
             self._pending[rid] = fut
             if msg is not None:
-                self._outq += pp.encode(dataclasses.replace(msg, req_id=rid))
+                self._outq += encode(dataclasses.replace(msg, req_id=rid))
             else:
-                self._outq.append(pp.batch_prefix(mtype, rid, keys))
+                self._outq.append(batch_prefix(mtype, rid, keys))
             self._open = None
         if self._flush_handle is None:
             if self.batching.hold(self):
@@ -397,12 +398,12 @@ class MemClient:
             fail_requests(q, err)
             return
         wire: list[bytes | memoryview] = []
-        pending, batch_prefix = self._pending, pp.batch_prefix
+        pending, prefix = self._pending, batch_prefix
         for item in q:
             if type(item) is Batch:
                 self._next_id += 1
                 pending[self._next_id] = item
-                wire.append(batch_prefix(item.mtype, self._next_id, item.keys))
+                wire.append(prefix(item.mtype, self._next_id, item.keys))
                 if item.parts:
                     wire += item.parts
             else:

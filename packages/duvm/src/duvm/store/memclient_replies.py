@@ -22,6 +22,7 @@ from duvm.base.sockets import tune_socket
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.storage import Batching
 from duvm.wire import pageproto as pp
+from duvm.wire.pagedecode import NEED_DATA, Decoder, decode_frame
 from duvm.wire.pageproto import PAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class ReplyProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, client: ReplyOwner) -> None:
         self.client = client
-        self.decoder = pp.Decoder("client")
+        self.decoder = Decoder("client")
         self.transport: asyncio.Transport | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -141,13 +142,13 @@ class ReplyProtocol(asyncio.BufferedProtocol):
                 except Exception:  # one caller's failure must not keep the others' replies
                     log.exception("after-replies callback failed")
 
-    def _deliver(self, dec: pp.Decoder, pending: dict) -> None:
+    def _deliver(self, dec: Decoder, pending: dict) -> None:
         entry = None
         try:
             while True:
                 entry = None
                 frame = dec.next_frame()
-                if frame is pp.NEED_DATA:
+                if frame is NEED_DATA:
                     return
                 mtype, req_id, status, _ = frame
                 entry = pending.pop(req_id, None)
@@ -160,10 +161,10 @@ class ReplyProtocol(asyncio.BufferedProtocol):
                 if fut.done():  # the caller was cancelled; drop the reply
                     continue
                 if status:
-                    msg = pp.decode_frame(*frame)
+                    msg = decode_frame(*frame)
                     fut.set_exception(PageServerError(msg.code, msg.message, self.client.peer))
                 else:
-                    fut.set_result(pp.decode_frame(*frame))
+                    fut.set_result(decode_frame(*frame))
         except pp.RemoteProtocolError as e:
             log.warning("memserver %s broke the protocol: %s; closing", self.client.peer, e)
             if entry is not None:  # popped already, so the lost connection would not fail it
@@ -176,7 +177,7 @@ class ReplyProtocol(asyncio.BufferedProtocol):
     def _batch_reply(self, batch: Batch, mtype: int, frame: tuple) -> None:
         waiters = batch.waiters
         if frame[2]:  # refused
-            msg = pp.decode_frame(*frame)
+            msg = decode_frame(*frame)
             if len(waiters) > 1 and msg.code in _PER_KEY_ERRORS:
                 # Merged requests share the refusal; ask again one by one so that only the
                 # requests that are really refused fail.

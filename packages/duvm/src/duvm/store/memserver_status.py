@@ -11,6 +11,8 @@ from duvm.store.memclient import MemClient
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.wire import pageproto as pp
 from duvm.wire.auth import PeerSecurity
+from duvm.wire.pagedecode import NEED_DATA, Decoder
+from duvm.wire.pageencode import encode_bytes
 
 
 async def query_status(
@@ -42,11 +44,11 @@ async def query_status(
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
             try:
-                writer.write(pp.encode_bytes(pp.Status(1)))
-                dec = pp.Decoder("client")
+                writer.write(encode_bytes(pp.Status(1)))
+                dec = Decoder("client")
                 while True:
                     msg = dec.next_event()
-                    if msg is not pp.NEED_DATA:
+                    if msg is not NEED_DATA:
                         break
                     dec.receive_data(await reader.read(1 << 16))  # b"" marks the end
             finally:

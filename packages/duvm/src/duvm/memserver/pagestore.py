@@ -1,0 +1,290 @@
+"""The memserver's state: one `Arena` of preallocated 4 KiB slots and one `Namespace` per
+client id, mapping the client's page numbers to slots, and the requests on them. No I/O.
+
+- Reservations are promises: the sum of all namespaces' reservations never exceeds the arena,
+  and a namespace never stores more pages than it reserved, so a STORE within a reservation
+  always finds a free slot and receiving a page never allocates page memory.
+- Each request method is synchronous (every request is served from RAM) and refuses by
+  raising `Refused`, having changed nothing.
+- A namespace belongs to the token of the client that created it (`attach` refuses another
+  token with DENIED), and outlives its connections for a lease (default 60 s): a client that
+  reconnects with the same client id within the lease finds its pages and reservation; when
+  the lease runs out both are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from duvm.memserver.arena import PAGE_SIZE, Arena
+from duvm.wire import auth
+from duvm.wire import pageproto as pp
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 60.0
+
+
+@dataclass(slots=True, eq=False)
+class Namespace:
+    """One attached device of one node: its pages (key -> arena slot) and its reservation."""
+
+    client_id: str
+    owner: bytes = b""  # digest of the creating client's namespace token
+    reserved: int = 0
+    pages: dict[int, int] = field(default_factory=dict)
+    connections: int = 0
+    expires_at: float | None = None  # monotonic time; set while no connection holds it
+    timer: asyncio.TimerHandle | None = None
+
+
+class Refused(Exception):
+    """A request the server declines (the reply carries `code`); it changed nothing."""
+
+    def __init__(self, code: pp.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _no_room(new: int, ns: Namespace) -> Refused:
+    return Refused(
+        pp.ErrorCode.NO_SPACE,
+        f"STORE of {new} new pages exceeds the reservation "
+        f"({len(ns.pages)} of {ns.reserved} pages used)",
+    )
+
+
+class PageStore:
+    """Arena, namespaces, reservations and the requests on them. No I/O."""
+
+    def __init__(
+        self, capacity_pages: int, *, lease_s: float = DEFAULT_LEASE_S, lock: bool = True
+    ) -> None:
+        self.arena = Arena(capacity_pages, lock=lock)
+        self.lease_s = lease_s
+        self.namespaces: dict[str, Namespace] = {}
+        self.reserved_total = 0
+        self.connections = 0
+        self.started = time.monotonic()
+        self.extra_status: Any = None  # callable adding the server's fields to STATUS
+        # requests and pages served, by kind (STATUS reports them)
+        self.counters = {
+            "store_requests": 0,
+            "load_requests": 0,
+            "free_requests": 0,
+            "pages_stored": 0,
+            "pages_loaded": 0,
+            "pages_freed": 0,
+            "refused": 0,
+        }
+
+    @property
+    def capacity_pages(self) -> int:
+        return self.arena.slots
+
+    def attach(self, client_id: str, owner: bytes = b"") -> tuple[Namespace, bool]:
+        """An authenticated connection joins its namespace: found (resumed=True) or created.
+        Refused (DENIED) when it exists and belongs to another token."""
+        ns = self.namespaces.get(client_id)
+        resumed = ns is not None
+        if ns is not None and not auth.verify(ns.owner, owner):
+            raise Refused(
+                pp.ErrorCode.DENIED,
+                f"namespace {client_id!r} belongs to another client (namespace token differs)",
+            )
+        if ns is None:
+            ns = self.namespaces[client_id] = Namespace(client_id, owner)
+        if ns.timer is not None:
+            ns.timer.cancel()
+            ns.timer = None
+        ns.expires_at = None
+        ns.connections += 1
+        return ns, resumed
+
+    def detach(self, ns: Namespace, loop: asyncio.AbstractEventLoop) -> None:
+        """A connection of `ns` ended: start the lease when it was the last one."""
+        ns.connections -= 1
+        if ns.connections > 0 or self.namespaces.get(ns.client_id) is not ns:
+            return
+        if not ns.pages and not ns.reserved:
+            del self.namespaces[ns.client_id]
+            return
+        ns.expires_at = time.monotonic() + self.lease_s
+        ns.timer = loop.call_later(self.lease_s, self._expire, ns)
+
+    def _expire(self, ns: Namespace) -> None:
+        if ns.connections or self.namespaces.get(ns.client_id) is not ns:
+            return
+        freed = self._release(ns)
+        del self.namespaces[ns.client_id]
+        log.info("lease of %r expired: freed %d pages", ns.client_id, freed)
+
+    def _release(self, ns: Namespace) -> int:
+        free = self.arena.free
+        for slot in sorted(ns.pages.values(), reverse=True):  # reused in ascending order
+            free(slot)
+        n = len(ns.pages)
+        ns.pages.clear()
+        self.reserved_total -= ns.reserved
+        ns.reserved = 0
+        return n
+
+    # --- requests (hot ones first). Refusals raise Refused; nothing changes then. ---
+
+    def store(self, ns: Namespace, keys: tuple[int, ...], data: memoryview) -> None:
+        pages, mem, c = ns.pages, self.arena.memory, self.counters
+        c["store_requests"] += 1
+        c["pages_stored"] += len(keys)
+        if len(keys) == 1:  # the swap path's common case, kept short
+            k = keys[0]
+            slot = pages.get(k)
+            if slot is None:
+                if len(pages) >= ns.reserved:
+                    raise _no_room(1, ns)
+                slot = pages[k] = self.arena.alloc()
+            off = slot * PAGE_SIZE
+            mem[off : off + PAGE_SIZE] = data
+            return
+        # The per-page work below runs in C (map, list methods) where it can: a STORE of
+        # 64 or 128 pages is the swap-out path's common request.
+        slots = list(map(pages.get, keys))
+        new = slots.count(None)
+        if new and len(pages) + new > ns.reserved:
+            new = len(set(keys).difference(pages))  # exact count (duplicate keys in the batch)
+            if len(pages) + new > ns.reserved:
+                raise _no_room(new, ns)
+        if new == len(keys) and len(set(keys)) == new:  # all new, no key twice
+            slots = self.arena.alloc_many(new)
+            pages.update(zip(keys, slots, strict=True))
+        elif new:
+            alloc = self.arena.alloc
+            for i, k in enumerate(keys):
+                if slots[i] is None:
+                    slot = pages.get(k)  # a key repeated in the batch keeps its first slot
+                    if slot is None:
+                        slot = pages[k] = alloc()
+                    slots[i] = slot
+        first = slots[0]
+        if slots[-1] - first == len(slots) - 1 and slots == list(
+            range(first, first + len(slots))
+        ):  # consecutive slots: one copy
+            mem[first * PAGE_SIZE : (first + len(slots)) * PAGE_SIZE] = data
+            return
+        src = 0
+        for slot in slots:
+            off = slot * PAGE_SIZE
+            mem[off : off + PAGE_SIZE] = data[src : src + PAGE_SIZE]
+            src += PAGE_SIZE
+
+    def load_views(self, ns: Namespace, keys: tuple[int, ...]) -> list[memoryview]:
+        """The pages as views of the arena (one per run of consecutive slots), not copied:
+        only for a reply written out before anything else runs (`Connection._send`)."""
+        pages, mem, c = ns.pages, self.arena.memory, self.counters
+        c["load_requests"] += 1
+        c["pages_loaded"] += len(keys)
+        try:
+            if len(keys) == 1:
+                off = pages[keys[0]] * PAGE_SIZE
+                return [mem[off : off + PAGE_SIZE]]
+            slots = [pages[k] for k in keys]
+        except KeyError as e:
+            missing = sum(1 for k in keys if k not in pages)
+            raise Refused(
+                pp.ErrorCode.NOT_FOUND,
+                f"{missing} of {len(keys)} pages not stored, first: {e.args[0]}",
+            ) from None
+        views, start, prev = [], slots[0], slots[0]
+        for slot in itertools.islice(slots, 1, None):
+            if slot != prev + 1:
+                views.append(mem[start * PAGE_SIZE : (prev + 1) * PAGE_SIZE])
+                start = slot
+            prev = slot
+        views.append(mem[start * PAGE_SIZE : (prev + 1) * PAGE_SIZE])
+        return views
+
+    def load(self, ns: Namespace, keys: tuple[int, ...]) -> bytes:
+        """The pages, copied: a view of the arena could change under a reply the transport
+        still buffers (the slot freed and reused, even by another namespace)."""
+        views = self.load_views(ns, keys)
+        return views[0].tobytes() if len(views) == 1 else b"".join(views)
+
+    def free(self, ns: Namespace, keys: tuple[int, ...]) -> int:
+        pages, freed = ns.pages, []
+        for k in keys:
+            slot = pages.pop(k, None)
+            if slot is not None:
+                freed.append(slot)
+        # Pushed in reverse, so the next batch of new pages pops them in ascending order and
+        # a sequential batch again gets consecutive slots (one copy instead of one per page).
+        free = self.arena.free
+        for slot in reversed(freed):
+            free(slot)
+        n = len(freed)
+        self.counters["free_requests"] += 1
+        self.counters["pages_freed"] += n
+        return n
+
+    def reserve(self, ns: Namespace, want: int) -> int:
+        stored = len(ns.pages)
+        if want < stored:
+            raise Refused(
+                pp.ErrorCode.BUSY,
+                f"cannot reserve {want} pages: {stored} are stored; FREE them first",
+            )
+        available = self.capacity_pages - self.reserved_total + ns.reserved
+        if want > available:
+            raise Refused(
+                pp.ErrorCode.NO_SPACE,
+                f"cannot reserve {want} pages "
+                f"({want * PAGE_SIZE >> 20} MiB): {available} available of "
+                f"{self.capacity_pages}",
+            )
+        self.reserved_total += want - ns.reserved
+        ns.reserved = want
+        return stored
+
+    def release(self, ns: Namespace) -> int:
+        return self._release(ns)
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        return {
+            "version": pp.PROTOCOL_VERSION,
+            "page_size": PAGE_SIZE,
+            "capacity_pages": self.capacity_pages,
+            "used_pages": self.arena.used_slots,
+            "reserved_pages": self.reserved_total,
+            "free_pages": self.arena.free_slots,
+            "unreserved_pages": self.capacity_pages - self.reserved_total,
+            "locked": self.arena.locked,
+            "lock_error": self.arena.lock_error,
+            "lease_seconds": self.lease_s,
+            "connections": self.connections,
+            "uptime_seconds": round(now - self.started, 3),
+            "counters": dict(self.counters),
+            "namespaces": [
+                {
+                    "client_id": ns.client_id,
+                    "reserved_pages": ns.reserved,
+                    "stored_pages": len(ns.pages),
+                    "connections": ns.connections,
+                    "lease_expires_in": None
+                    if ns.expires_at is None
+                    else round(max(0.0, ns.expires_at - now), 3),
+                }
+                for ns in list(self.namespaces.values())[:1000]
+            ],
+            "namespaces_total": len(self.namespaces),
+            **({"security": self.extra_status()} if self.extra_status else {}),
+        }
+
+    def close(self) -> None:
+        for ns in self.namespaces.values():
+            if ns.timer is not None:
+                ns.timer.cancel()
+        self.arena.close()
