@@ -52,6 +52,10 @@ def text_of(widget) -> str:
     return str(widget.render())
 
 
+def header_text(app: GtmApp) -> str:
+    return app.query_one(GpuHeader).text.plain
+
+
 async def settle(pilot, app: GtmApp, samples: int = 1) -> None:
     for _ in range(200):
         await pilot.pause()
@@ -66,14 +70,17 @@ async def test_header_table_inspector_and_system_panel_show_the_snapshot():
     app = app_with(fake)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot, app)
-        header = text_of(app.query_one(GpuHeader))
-        assert "GPU 0 of 2" in header and "12.0 GiB / 16.0 GiB used" in header
+        header = header_text(app)
+        # one line per GPU, the focused one marked, then its details
+        assert "▶ 0 NVIDIA GeForce RTX 4080 SUPER" in header and "  1 NVIDIA RTX A4000" in header
+        assert "12.0 GiB/16.0 GiB 75%" in header and "2.0 GiB/16.0 GiB 12%" in header
         assert "enc n/a" in header  # not supported stays n/a, never 0%
         table = app.query_one(ProcessTable)
         # selected GPU's rows plus the candidate without a GPU context; not BUS1's whisper
         assert [p.pid for p in table.rows_shown.values()] == [4242, 5151, 777, 3131]
-        assert str(table.get_row_at(1)[3]) == "~2.0 GiB"  # inferred value keeps its marker
-        assert str(table.get_row_at(3)[3]) == "n/a"
+        vram = table.columns_shown.index("VRAM")
+        assert str(table.get_row_at(1)[vram]) == "~2.0 GiB"  # inferred value keeps its marker
+        assert str(table.get_row_at(3)[vram]) == "n/a"
         assert "PID 4242" in text_of(app.query_one("#inspector-body"))
         assert "cpu 37.5%" in text_of(app.query_one(SystemPanel))
     assert fake.closed
@@ -147,11 +154,11 @@ async def test_switching_gpus_changes_header_and_rows():
         await pilot.press("g")
         await pilot.pause()
         assert app.adapter is not None and app.adapter.pci_bus_id == BUS1
-        assert "GPU 1 of 2" in text_of(app.query_one(GpuHeader))
+        assert "▶ 1 NVIDIA RTX A4000" in header_text(app) and "GPU 1: " in header_text(app)
         pids = [p.pid for p in app.query_one(ProcessTable).rows_shown.values()]
         assert pids == [9001, 3131]
         # this GPU's failed graphics list is said, not hidden behind an empty table
-        assert "processes.graphics query failed: Unknown Error" in text_of(app.query_one(GpuHeader))
+        assert "processes.graphics query failed: Unknown Error" in header_text(app)
         await pilot.press("G")
         await pilot.pause()
         assert app.adapter.index == 0
@@ -184,7 +191,7 @@ async def test_no_gpu_says_why_and_still_shows_system_panel():
     app = app_with(FakeCollector(unavailable_snapshot()))
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot, app)
-        header = text_of(app.query_one(GpuHeader))
+        header = header_text(app)
         assert "No GPU: nvml unavailable (library not found)" in header
         # said once: the hint explains it, the library's own message is not repeated
         assert "no NVIDIA driver is installed here" in header
@@ -202,7 +209,7 @@ async def test_real_collector_on_this_machine():
         system_text = text_of(app.query_one(SystemPanel))
         assert "RAM   used" in system_text and "GiB" in system_text
         if not snap.available:
-            assert "No GPU" in text_of(app.query_one(GpuHeader))
+            assert "No GPU" in header_text(app)
 
 
 async def test_refresh_runs_off_the_ui_thread_and_never_piles_up():
@@ -300,15 +307,16 @@ async def test_drm_fixture_tree_through_the_real_collector(tmp_path):
     app = create_app(interval=60.0, collector_factory=lambda: sysroot_collector(str(tmp_path)))
     async with app.run_test(size=(140, 45)) as pilot:
         await settle(pilot, app)
-        header = text_of(app.query_one(GpuHeader))
-        assert "GPU 0 of 2" in header and "00000000:03:00.0" in header
-        assert "5.0 GiB / 16.0 GiB used" in header
+        header = header_text(app)
+        assert "▶ 0 " in header and "GPU 0: 00000000:03:00.0" in header
+        assert "5.0 GiB/16.0 GiB" in header
         assert "GTT (system memory mapped by the GPU) used 300.0 MiB / 12.0 GiB" in header
         assert "Intel memory" not in header  # that note belongs to the Intel GPU
         table = app.query_one(ProcessTable)
         rows = {p.pid: p for p in table.rows_shown.values()}
         assert set(rows) == {4100, 4200, 4300, 4301}
-        assert str(table.get_row("4100@00000000:03:00.0")[3]) == "4.0 GiB"  # measured: no mark
+        vram = table.columns_shown.index("VRAM")
+        assert str(table.get_row("4100@00000000:03:00.0")[vram]) == "4.0 GiB"  # measured: no mark
         assert rows[4300].dedicated.reason is not None
         assert str(rows[4300].dedicated.reason) == "shared"
         table.move_cursor(row=table.get_row_index("4300@00000000:03:00.0"))
@@ -317,12 +325,12 @@ async def test_drm_fixture_tree_through_the_real_collector(tmp_path):
         assert "VRAM (driver): n/a (shared)" in body and "held by processes 4300, 4301" in body
         await pilot.press("g")
         await pilot.pause()
-        header = text_of(app.query_one(GpuHeader))
-        assert "GPU 1 of 2" in header and "00000000:00:02.0" in header
+        header = header_text(app)
+        assert "▶ 1 " in header and "GPU 1: 00000000:00:02.0" in header
         assert "note: Intel memory:" in header and "frequency throttled (pl1)" in header
-        assert "~150.0 MiB / ~256.0 MiB used" in header  # Intel: inferred, marked
+        assert "~150.0 MiB/~256.0 MiB" in header  # Intel: inferred, marked
         assert {p.pid for p in table.rows_shown.values()} == {4400}
-        assert str(table.get_row("4400@00000000:00:02.0")[3]) == "150.0 MiB"
+        assert str(table.get_row("4400@00000000:00:02.0")[vram]) == "150.0 MiB"
 
 
 # ----------------------------------------------------------------- layout snapshots

@@ -31,6 +31,9 @@ from textual.message import Message
 from textual.widgets import DataTable, Footer, Static
 
 from gputaskman.base.readings import Adapter, ProcDetail, ProcGpu, Snapshot
+from gputaskman.core import text_report
+from gputaskman.core.text_report import PROCESS_COLUMNS
+from gputaskman.tui.history import History
 from gputaskman.tui.screens.help import HelpScreen
 from gputaskman.tui.widgets.gpu_header import GpuHeader
 from gputaskman.tui.widgets.inspector import Inspector
@@ -39,6 +42,8 @@ from gputaskman.tui.widgets.system_panel import SystemPanel
 
 # Below this many columns the process table needs the width: the inspector starts hidden.
 INSPECTOR_MIN_COLS = 140
+# Below this many rows the header shows only each GPU's line, what is attributed and problems.
+COMPACT_MAX_ROWS = 30
 
 
 class CollectorLike(Protocol):
@@ -110,6 +115,7 @@ class GtmApp(App[int]):
         self.last_error: str | None = None
         self._busy = threading.Lock()
         self._inspector_wanted: bool | None = None  # None: by the terminal's width
+        self.history = History()
 
     # -- layout
 
@@ -139,6 +145,8 @@ class GtmApp(App[int]):
 
     def on_resize(self, event: events.Resize) -> None:
         self._fit_inspector(event.size.width)
+        if self.snapshot is not None:
+            self.render_all()  # the table's columns fit the new width
 
     def _fit_inspector(self, width: int) -> None:
         """Until the user toggles it (i), the inspector shows only where the table keeps room
@@ -175,6 +183,7 @@ class GtmApp(App[int]):
     def on_sample_ready(self, msg: SampleReady) -> None:
         first = self.snapshot is None
         self.snapshot, self.system = msg.snapshot, msg.system
+        self.history.add(msg.snapshot)
         self.samples += 1
         self.last_elapsed_s = msg.elapsed_s
         self.last_error = None
@@ -210,12 +219,20 @@ class GtmApp(App[int]):
         return [p for p in self.snapshot.processes if p.adapter in (a.pci_bus_id, None)]
 
     def render_all(self) -> None:
-        self.header.show(self.snapshot, self.adapter)
+        compact = self.size.height < COMPACT_MAX_ROWS
+        self.header.show(self.snapshot, self.adapter, self.history, compact)
         table = self.table
-        table.show(self.visible_rows(), self.snapshot, self.system)
-        self.system_panel.show(self.system)
+        table.show(self.visible_rows(), self.snapshot, self.system, self.table_width())
+        self.system_panel.show(self.system, compact)
         self.render_inspector()
         self.render_status()
+
+    def table_width(self) -> int:
+        """The process table's room: the screen's width less the inspector's, when shown."""
+        width = self.size.width
+        if not self.inspector.has_class("-hidden"):
+            width -= self.inspector.styles.width.cells or 0  # type: ignore[union-attr]
+        return width
 
     def render_inspector(self) -> None:
         table = self.table
@@ -299,7 +316,8 @@ class GtmApp(App[int]):
         self._move_gpu(-1)
 
     def action_next_sort(self) -> None:
-        self.table.next_sort()
+        snap = self.snapshot
+        self.table.next_sort(text_report.process_columns(snap) if snap else PROCESS_COLUMNS)
         self.render_all()
 
     def action_reverse_sort(self) -> None:
@@ -309,6 +327,8 @@ class GtmApp(App[int]):
     def action_toggle_inspector(self) -> None:
         self._inspector_wanted = self.inspector.has_class("-hidden")
         self.inspector.set_class(not self._inspector_wanted, "-hidden")
+        if self.snapshot is not None:
+            self.render_all()  # the table's room changed
 
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused

@@ -6,8 +6,12 @@ only); unknown is n/a, sorted after every known value whichever the direction. R
 keyed by ``pid@adapter`` so the cursor stays on the same process across refreshes.
 
 A PAGED column (Windows non-local / macOS compressed graphics memory) appears after VRAM
-only while some row has a paged reading (`text_report.process_columns`); the columns are
-rebuilt when that changes, never on an ordinary refresh.
+only while some row has a paged reading (`text_report.process_columns`).
+
+The table fits its width: columns are kept in the order of `PRIORITY` while they fit (PID,
+NAME, VRAM and MODEL always, and the sort column, arrow included), and when even those do not
+fit, the model's and then the process's name are cut (never the model's evidence marker). The
+columns are rebuilt only when that choice changes, never on an ordinary refresh.
 """
 
 from __future__ import annotations
@@ -30,12 +34,25 @@ SORT_MARKS = ("▼", "▲")
 
 # Widest a text cell may be in the table; the inspector shows the full value.
 CELL_LIMITS = {"RUNTIMES": 22, "MODEL": 24, "NAME": 18, "CATEGORY": 16}
+# Which columns a narrow table keeps, first first; the first four are always kept.
+PRIORITY = ("PID", "NAME", "VRAM", "MODEL", "GPU", "CPU%", "RAM", "PAGED", "CATEGORY", "RUNTIMES")
+ALWAYS = PRIORITY[:4]
+# The widest MODEL may get when the table has room for it (its names are long).
+MODEL_ROOM = 40
+# The narrowest the cut cells may get before the table scrolls sideways instead.
+MIN_LIMITS = {"MODEL": 14, "NAME": 8}
+CELL_PAD = 2  # DataTable's cell padding, one column each side
+SCROLLBAR = 2  # room kept for the vertical scrollbar
 
 
-def clip(cells: tuple[str, ...], columns: tuple[str, ...] = COLUMNS) -> tuple[str, ...]:
+def clip(
+    cells: tuple[str, ...],
+    columns: tuple[str, ...] = COLUMNS,
+    limits: Mapping[str, int] = CELL_LIMITS,
+) -> tuple[str, ...]:
     out = []
     for label, cell in zip(columns, cells, strict=True):
-        limit = CELL_LIMITS.get(label)
+        limit = limits.get(label)
         if limit is None or len(cell) <= limit:
             out.append(cell)
         elif label == "MODEL" and " [" in cell:
@@ -46,6 +63,45 @@ def clip(cells: tuple[str, ...], columns: tuple[str, ...] = COLUMNS) -> tuple[st
         else:
             out.append(cell[: limit - 1] + "…")
     return tuple(out)
+
+
+def fit_columns(
+    columns: tuple[str, ...],
+    rows: list[tuple[str, ...]],
+    width: int,
+    sort_label: tuple[str, str],
+) -> tuple[tuple[str, ...], dict[str, int]]:
+    """The columns of `columns` to show in `width` cells, and the cell limits to clip with.
+
+    `rows` are the unclipped cells of every row, in `columns` order; `sort_label` is the sort
+    column and its header label (with the arrow), whose width counts too."""
+    limits = dict(CELL_LIMITS, MODEL=MODEL_ROOM)
+
+    def need(col: str) -> int:
+        i = columns.index(col)
+        label = sort_label[1] if col == sort_label[0] else col
+        cells = [len(clip((r[i],), (col,), limits)[0]) for r in rows]
+        return max([len(label), *cells]) + CELL_PAD
+
+    room = width - SCROLLBAR
+    keep = [c for c in ALWAYS if c in columns]
+    if sort_label[0] in columns and sort_label[0] not in keep:
+        keep.append(sort_label[0])
+    used = sum(need(c) for c in keep)
+    for col in (c for c in PRIORITY if c in columns and c not in keep):
+        w = need(col)
+        if used + w <= room:
+            keep.append(col)
+            used += w
+    if "MODEL" in keep and used < room:  # room to spare: the model's name shows in full
+        limits["MODEL"] = min(MODEL_ROOM, need("MODEL") - CELL_PAD + room - used)
+    for col in ("MODEL", "NAME"):  # still too wide: cut the names, the model's first
+        if used <= room or col not in keep:
+            continue
+        before = need(col)
+        limits[col] = max(MIN_LIMITS[col], before - CELL_PAD - (used - room))
+        used += need(col) - before
+    return tuple(c for c in columns if c in keep), limits
 
 
 def row_key(p: ProcGpu) -> str:
@@ -104,41 +160,47 @@ class ProcessTable(DataTable):
             self.add_column(label, key=label)
 
     def _set_columns(self, columns: tuple[str, ...]) -> None:
-        """Rebuild the columns (only when the PAGED column comes or goes)."""
+        """Rebuild the columns (only when the fitted choice changes)."""
         if columns == self.columns_shown:
             return
         self.clear(columns=True)
         self.columns_shown = columns
         for label in columns:
             self.add_column(label, key=label)
-        if self.sort_column not in columns:
-            self.sort_column, self.descending = "VRAM", True
 
     def header_label(self, label: str) -> str:
         if label != self.sort_column:
             return label
         return f"{label} {SORT_MARKS[0] if self.descending else SORT_MARKS[1]}"
 
-    def show(self, rows: list[ProcGpu], snapshot: Any, system: object | None) -> None:
-        """Replace the rows, keeping the cursor on the same process when it is still there."""
+    def show(self, rows: list[ProcGpu], snapshot: Any, system: object | None, width: int) -> None:
+        """Replace the rows, keeping the cursor on the same process when it is still there;
+        `width` is the table's room in cells (the columns are fitted to it)."""
         lookup = report.proc_host_lookup(system)
         keep = self.current_key()
-        columns = text_report.process_columns(snapshot)
-        self._set_columns(columns)
+        every = text_report.process_columns(snapshot)
+        if self.sort_column not in every:  # the PAGED column went away
+            self.sort_column, self.descending = "VRAM", True
         ordered = sorted_rows(rows, self.sort_column, self.descending, lookup)
+        shown: dict[str, tuple[ProcGpu, tuple[str, ...]]] = {}
+        for p in ordered:
+            k = row_key(p)
+            if k not in shown:
+                shown[k] = (p, text_report.process_cells(p, lookup, snapshot, every))
+        sort = (self.sort_column, self.header_label(self.sort_column))
+        columns, limits = fit_columns(every, [c for _, c in shown.values()], width, sort)
+        self._set_columns(columns)
         self.clear()
         for key, col in zip(columns, self.columns.values(), strict=True):
             col.label = self.header_label(key)  # type: ignore[assignment]
+        picks = [every.index(c) for c in columns]
         self.rows_shown = {}
-        for p in ordered:
-            k = row_key(p)
-            if k in self.rows_shown:
-                continue
+        for k, (p, cells) in shown.items():
             self.rows_shown[k] = p
-            cells = text_report.process_cells(p, lookup, snapshot, columns)
+            kept = tuple(cells[i] for i in picks)
             # Text, not str: names, command lines and model names come from outside and
             # must show as typed, never be read as Rich markup ("[mapped✓]", "[bold]")
-            self.add_row(*(Text(c) for c in clip(cells, columns)), key=k)
+            self.add_row(*(Text(c) for c in clip(kept, columns, limits)), key=k)
         self._refresh_header()
         if keep is not None and keep in self.rows_shown:
             self.move_cursor(row=self.get_row_index(keep))
@@ -159,8 +221,9 @@ class ProcessTable(DataTable):
         k = self.current_key()
         return None if k is None else self.rows_shown.get(k)
 
-    def next_sort(self) -> None:
-        sorts = [c for c in SORTS if c in self.columns_shown]
+    def next_sort(self, columns: tuple[str, ...]) -> None:
+        """Sort by the next of `columns` (the snapshot's, shown or not) that sorts."""
+        sorts = [c for c in SORTS if c in columns]
         i = sorts.index(self.sort_column) if self.sort_column in sorts else -1
         self.sort_column = sorts[(i + 1) % len(sorts)]
         self.descending = self.sort_column not in ("PID", "NAME")

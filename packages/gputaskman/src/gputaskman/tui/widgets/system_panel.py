@@ -1,4 +1,5 @@
-"""The system panel: RAM, swap devices and CPU as the OS reports them (never GPU bytes)."""
+"""The system panel: RAM, swap devices and CPU as the OS reports them (never GPU bytes); on a
+short terminal (`compact`) in one run of text."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ class SystemPanel(Static):
     SystemPanel { height: auto; padding: 0 1; border-top: solid $primary-darken-2; }
     """
 
-    def show(self, system: object | None) -> None:
+    def show(self, system: object | None, compact: bool = False) -> None:
         lines = text_report.system_lines(system)
         # Text: swap device paths and the like come from the OS, never Rich markup
-        self.update(Text("SYSTEM (OS-reported, not GPU)\n" + "\n".join(lines)))
+        label = "SYSTEM (OS-reported, not GPU)" if self.app.size.width >= 100 else "SYSTEM"
+        if compact:  # one run of text: the aligned columns of the full panel would waste rows
+            self.update(Text(f"{label}: " + " · ".join(" ".join(ln.split()) for ln in lines)))
+        else:
+            self.update(Text(label + "\n" + "\n".join(lines)))
