@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="TUI refresh interval in seconds (default 1.0)",
     )
+    parser.add_argument(
+        "--readonly",
+        action="store_true",
+        help="TUI: no key acts on a process (k, which signals the highlighted one, is removed)",
+    )
     # Hidden: read /sys and /proc below DIR instead of the machine's (a fixture tree from
     # `python -m gputaskman.fixtures.drm_fixtures DIR`); NVML is not asked. For demos and tests.
     parser.add_argument("--sysroot", metavar="DIR", help=argparse.SUPPRESS)
@@ -216,7 +221,9 @@ def _tui(args: argparse.Namespace) -> int:
         def factory() -> Any:
             return _collector(args, SCAN_BUDGET)
 
-    app = create_app(gpu=args.gpu, interval=args.interval, collector_factory=factory)
+    app = create_app(
+        gpu=args.gpu, interval=args.interval, collector_factory=factory, readonly=args.readonly
+    )
     app.run()
     return int(app.return_code or 0)
 

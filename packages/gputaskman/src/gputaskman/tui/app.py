@@ -28,13 +28,15 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.message import Message
-from textual.widgets import DataTable, Footer, Static
+from textual.widgets import DataTable, Footer, Input, Static
 
 from gputaskman.base.readings import Adapter, ProcDetail, ProcGpu, Snapshot
 from gputaskman.core import text_report
 from gputaskman.core.text_report import PROCESS_COLUMNS
+from gputaskman.tui import signalling
 from gputaskman.tui.history import History
 from gputaskman.tui.screens.help import HelpScreen
+from gputaskman.tui.screens.signal import SignalScreen
 from gputaskman.tui.widgets.gpu_header import GpuHeader
 from gputaskman.tui.widgets.inspector import Inspector
 from gputaskman.tui.widgets.process_table import ProcessTable
@@ -79,6 +81,8 @@ class GtmApp(App[int]):
     CSS = """
     #status { height: 1; padding: 0 1; background: $boost; }
     #main { height: 1fr; }
+    #filter { height: 1; border: none; padding: 0 1; }
+    #filter.-hidden { display: none; }
     """
     BINDINGS: ClassVar[list[Binding]] = [
         # The footer shows the first keys and "? all keys"; the rest are in the help screen.
@@ -92,6 +96,11 @@ class GtmApp(App[int]):
         Binding("space", "toggle_pause", "pause/resume refresh", show=False),
         Binding("u", "refresh_now", "refresh now", show=False),
         Binding("enter", "rescan", "rescan the highlighted process now (inspector)", show=False),
+        Binding(
+            "slash", "filter", "filter rows (name, pid, model, runtime); esc clears", show=False
+        ),
+        Binding("escape", "clear_filter", "clear the filter", show=False),
+        Binding("k", "signal", "signal the highlighted process (TERM, INT, KILL)", show=False),
     ]
 
     def __init__(
@@ -100,8 +109,11 @@ class GtmApp(App[int]):
         *,
         gpu: int | None = None,
         interval: float = 1.0,
+        readonly: bool = False,
     ) -> None:
         super().__init__()
+        self.readonly = readonly  # no key acts on a process (k is gone)
+        self.filter_text = ""
         self._factory = collector_factory
         self._collector: CollectorLike | None = None
         self.interval = interval
@@ -127,11 +139,14 @@ class GtmApp(App[int]):
         self.inspector = Inspector(id="inspector")
         self.system_panel = SystemPanel(id="system")
         self.status = Static("", id="status")
+        self.filter_box = Input(placeholder="filter: name, pid, model, runtime", id="filter")
+        self.filter_box.add_class("-hidden")
         yield self.header
         with Horizontal(id="main"):
             yield self.table
             yield self.inspector
         yield self.system_panel
+        yield self.filter_box
         yield self.status
         yield Footer()
 
@@ -214,9 +229,12 @@ class GtmApp(App[int]):
         if self.snapshot is None:
             return []
         a = self.adapter
-        if a is None:
-            return list(self.snapshot.processes)
-        return [p for p in self.snapshot.processes if p.adapter in (a.pci_bus_id, None)]
+        rows = list(self.snapshot.processes)
+        if a is not None:
+            rows = [p for p in rows if p.adapter in (a.pci_bus_id, None)]
+        if self.filter_text:
+            rows = [p for p in rows if matches(p, self.filter_text)]
+        return rows
 
     def render_all(self) -> None:
         compact = self.size.height < COMPACT_MAX_ROWS
@@ -249,7 +267,10 @@ class GtmApp(App[int]):
             parts.append(f"sample {when}{took}")
         table = self.table
         n = len(table.rows_shown)
-        parts.append(f"{n} process{'' if n == 1 else 'es'}")
+        if self.filter_text:
+            parts.append(f"filter {self.filter_text!r}: {n} shown")
+        else:
+            parts.append(f"{n} process{'' if n == 1 else 'es'}")
         parts.append(f"sort {table.header_label(table.sort_column)}")
         parts.append("PAUSED" if self.paused else f"every {self.interval:g}s")
         if self.last_error:
@@ -300,7 +321,56 @@ class GtmApp(App[int]):
         self.render_inspector()
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(list(self.BINDINGS)))  # type: ignore[arg-type]
+        keys = [b for b in self.BINDINGS if self.check_action(b.action, ()) is not False]
+        self.push_screen(HelpScreen(keys))  # type: ignore[arg-type]
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # --readonly (and replay): the signal key does not exist
+        return not (action == "signal" and self.readonly)
+
+    # -- filter
+
+    def action_filter(self) -> None:
+        self.filter_box.remove_class("-hidden")
+        self.filter_box.value = self.filter_text
+        self.filter_box.focus()
+
+    def action_clear_filter(self) -> None:
+        self.filter_box.add_class("-hidden")
+        self.table.focus()
+        if self.filter_text:
+            self.filter_text = ""
+            self.filter_box.value = ""
+            self.render_all()
+
+    @on(Input.Changed, "#filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        self.filter_text = event.value.strip()
+        if self.snapshot is not None:
+            self.render_all()
+
+    @on(Input.Submitted, "#filter")
+    def _filter_kept(self, _event: Input.Submitted) -> None:
+        self.filter_box.add_class("-hidden")
+        self.table.focus()
+
+    # -- signal
+
+    def action_signal(self) -> None:
+        row = self.table.current()
+        if row is None:
+            self.notify("no process selected")
+            return
+
+        def chosen(name: str | None) -> None:
+            if name is None:
+                return
+            result = signalling.send(row, name)
+            self.notify(result.message, severity="information" if result.sent else "error")
+            if result.sent:
+                self.action_refresh_now()
+
+        self.push_screen(SignalScreen(row), chosen)
 
     def _move_gpu(self, step: int) -> None:
         if self.snapshot is None or len(self.snapshot.adapters) < 2:
@@ -340,10 +410,21 @@ class GtmApp(App[int]):
         self.paused = was
 
 
+def matches(p: ProcGpu, text: str) -> bool:
+    """Whether row `p` matches a filter: `text` (any case) in its PID, name, model, runtimes
+    or category."""
+    needle = text.casefold()
+    hay = [str(p.pid), p.name or "", p.detail.category or "", *p.detail.runtimes]
+    if p.model is not None:
+        hay.append(p.model.name)
+    return any(needle in h.casefold() for h in hay)
+
+
 def create_app(
     gpu: int | None = None,
     interval: float = 1.0,
     collector_factory: Callable[[], CollectorLike] | None = None,
+    readonly: bool = False,
 ) -> GtmApp:
     """The app for the CLI (real `Collector`) and for tests (a fake collector factory)."""
     if collector_factory is None:
@@ -353,4 +434,4 @@ def create_app(
 
             return Collector(gpu=gpu)
 
-    return GtmApp(collector_factory, gpu=gpu, interval=interval)
+    return GtmApp(collector_factory, gpu=gpu, interval=interval, readonly=readonly)

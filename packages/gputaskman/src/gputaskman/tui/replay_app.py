@@ -62,7 +62,8 @@ class ReplayApp(GtmApp):
     ]
 
     def __init__(self, source: RecordSource, playback: Playback, *, gpu: int | None = None) -> None:
-        super().__init__(_no_collector, gpu=gpu, interval=TICK)  # type: ignore[arg-type]
+        # read-only: a recording's processes are not this machine's to signal
+        super().__init__(_no_collector, gpu=gpu, interval=TICK, readonly=True)  # type: ignore[arg-type]
         self.source = source
         self.playback = playback
         self.sub_title = str(source.path)
@@ -87,6 +88,8 @@ class ReplayApp(GtmApp):
             for message in self.source.report.lines():
                 self.notify(message, severity="warning", timeout=8)
         i = self.playback.index
+        if self.frame_index is not None and i != self.frame_index + 1:
+            self.history.clear()  # a jump: the frames before are not this one's past
         self.frame_index = i
         try:
             snapshot, system = self.source.load(i)
@@ -161,7 +164,13 @@ class ReplayApp(GtmApp):
     def action_help(self) -> None:
         mine = [b for b in ReplayApp.BINDINGS if b.show]
         keys = {b.key for b in mine}
-        live = [b for b in GtmApp.BINDINGS if b.key not in keys and b.action != "refresh_now"]
+        live = [
+            b
+            for b in GtmApp.BINDINGS
+            if b.key not in keys
+            and b.action != "refresh_now"
+            and self.check_action(b.action, ()) is not False
+        ]
         shown = [Binding(b.key_display or b.key, b.action, b.description) for b in mine]
         self.push_screen(HelpScreen([*shown, Binding("0-9", "", "jump to 0-90%"), *live]))
 

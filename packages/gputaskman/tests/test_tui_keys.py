@@ -1,0 +1,278 @@
+"""The TUI's filter (`/`) and signal (`k`) keys, with pilot tests.
+
+The signal tests signal real processes this test starts (`sleep`), never anything else; the
+rows naming them are the demo snapshot's (synthetic GPU numbers) with the child's PID and its
+real start time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from gputaskman.base.readings import ProcGpu, Snapshot
+from gputaskman.core import report
+from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
+from gputaskman.offline.playback import RecordSource
+from gputaskman.offline.record import encode_line
+from gputaskman.tui import signalling
+from gputaskman.tui.app import GtmApp, create_app
+from gputaskman.tui.replay_app import create_replay_app
+from gputaskman.tui.screens.help import HelpScreen, help_text
+from gputaskman.tui.screens.signal import SignalScreen
+from gputaskman.tui.widgets.process_table import ProcessTable
+
+
+class Fixed:
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.calls = 0
+
+    def sample_with_system(self):
+        self.calls += 1
+        return self.snapshot, DemoSystem()
+
+    def close(self) -> None:
+        pass
+
+
+async def settle(pilot, app: GtmApp) -> None:
+    for _ in range(200):
+        await pilot.pause()
+        if app.samples:
+            return
+        await pilot.pause(0.01)
+    raise AssertionError("no sample arrived")
+
+
+def pids(app: GtmApp) -> list[int]:
+    return [p.pid for p in app.query_one(ProcessTable).rows_shown.values()]
+
+
+def status(app: GtmApp) -> str:
+    return str(app.query_one("#status").render())
+
+
+# ------------------------------------------------------------------------ filter
+
+
+async def test_the_filter_narrows_live_enter_keeps_it_and_esc_clears_it():
+    app = create_app(collector_factory=lambda: Fixed(demo_snapshot()), interval=60.0)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        assert pids(app) == [4242, 5151, 777, 3131]
+        await pilot.press("slash")
+        assert app.focused is app.filter_box
+        await pilot.press(*"LLAMA")  # any case
+        assert pids(app) == [4242, 3131]  # narrowed with each key, before enter
+        assert "filter 'LLAMA': 2 shown" in status(app)
+        await pilot.press("enter")
+        assert app.filter_box.has_class("-hidden") and pids(app) == [4242, 3131]
+        assert isinstance(app.focused, ProcessTable)
+        await pilot.press("escape")
+        assert pids(app) == [4242, 5151, 777, 3131] and "filter" not in status(app)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [("qwen", [4242]), ("5151", [5151]), ("pytorch", [5151]), ("compositor", [777])],
+)
+async def test_the_filter_matches_pid_model_runtime_and_category(text, want):
+    app = create_app(collector_factory=lambda: Fixed(demo_snapshot()), interval=60.0)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("slash", *text, "enter")
+        assert pids(app) == want
+
+
+# ------------------------------------------------------------------------ signal
+
+
+@pytest.fixture
+def child():
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def with_row(pid: int, create_time: float | None) -> Snapshot:
+    snap = demo_snapshot()
+    row = dataclasses.replace(snap.processes[0], pid=pid, create_time=create_time, name="sleep")
+    return dataclasses.replace(snap, processes=(row,))
+
+
+def wait_exit(proc: subprocess.Popen, timeout: float = 5.0) -> int | None:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+async def test_k_confirms_then_sends_term_by_default(child):
+    app = create_app(
+        collector_factory=lambda: Fixed(
+            with_row(child.pid, psutil.Process(child.pid).create_time())
+        ),
+        interval=60.0,
+    )
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("k")
+        await pilot.pause()
+        assert isinstance(app.screen, SignalScreen)
+        assert child.poll() is None  # nothing is sent before the confirmation
+        await pilot.press("enter")
+        await pilot.pause()
+    assert wait_exit(child) == -15  # SIGTERM
+
+
+async def test_k_then_kill_sends_sigkill_and_esc_sends_nothing(child):
+    app = create_app(
+        collector_factory=lambda: Fixed(
+            with_row(child.pid, psutil.Process(child.pid).create_time())
+        ),
+        interval=60.0,
+    )
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("k", "escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, SignalScreen) and child.poll() is None
+        await pilot.press("k", "down", "down", "enter")
+        await pilot.pause()
+    assert wait_exit(child) == -9
+
+
+def test_a_reused_pid_is_never_signalled(child):
+    """Catches signalling by PID alone: the row's process exited and its PID now names
+    another process, which must not be hit."""
+    started = psutil.Process(child.pid).create_time()
+    row = with_row(child.pid, started + 1.0).processes[0]
+    result = signalling.send(row, "KILL")
+    assert not result.sent and "another process now" in result.message
+    assert child.poll() is None
+    unknown = signalling.send(dataclasses.replace(row, create_time=None), "KILL")
+    assert not unknown.sent and "start time is unknown" in unknown.message
+    gone = signalling.send(dataclasses.replace(row, pid=2**22 + 12345), "TERM")
+    assert not gone.sent and "has exited" in gone.message
+    assert child.poll() is None
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
+)
+def test_a_signal_the_os_refuses_says_it_is_not_permitted(child):
+    """As user nobody, signalling this root-owned child is refused with the reason, and the
+    child lives on."""
+    row = with_row(child.pid, psutil.Process(child.pid).create_time()).processes[0]
+    code = (
+        "import sys, json, dataclasses\n"
+        "from gputaskman.tui import signalling\n"
+        "from gputaskman.fixtures.demo import demo_snapshot\n"
+        "row = dataclasses.replace(demo_snapshot().processes[0], pid=int(sys.argv[1]),\n"
+        "    create_time=float(sys.argv[2]), name='sleep')\n"
+        "r = signalling.send(row, 'TERM')\n"
+        "print(json.dumps([r.sent, r.message]))\n"
+    )
+    out = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            code,
+            str(row.pid),
+            repr(row.create_time),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
+    if out.returncode != 0 and "Permission denied" in out.stderr:
+        pytest.skip(f"user nobody cannot run this interpreter: {out.stderr.strip()[-200:]}")
+    assert out.returncode == 0, out.stderr
+    assert "not permitted" in out.stdout and "false" in out.stdout
+    assert child.poll() is None
+
+
+async def test_readonly_removes_the_signal_key(child):
+    app = create_app(
+        collector_factory=lambda: Fixed(
+            with_row(child.pid, psutil.Process(child.pid).create_time())
+        ),
+        interval=60.0,
+        readonly=True,
+    )
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("k")
+        await pilot.pause()
+        assert not isinstance(app.screen, SignalScreen)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        assert "signal the highlighted process" not in help_text(app.screen._key_list)
+    assert child.poll() is None
+
+
+async def test_replay_never_signals(child, tmp_path: Path):
+    """A recording's PIDs are not this machine's processes: in replay `k` does nothing, even
+    when a recorded row's PID and start time match a live process."""
+    snap = with_row(child.pid, psutil.Process(child.pid).create_time())
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(encode_line(report.to_json_dict(snap, DemoSystem())))
+    app = create_replay_app(RecordSource.open(path), playing=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        for _ in range(100):
+            await pilot.pause(0.01)
+            if app.samples:
+                break
+        assert pids(app) == [child.pid]
+        await pilot.press("k")
+        await pilot.pause()
+        assert not isinstance(app.screen, SignalScreen)
+    time.sleep(0.1)
+    assert child.poll() is None
+
+
+def test_the_signal_choices_are_term_first():
+    assert [name for name, _ in signalling.CHOICES] == ["TERM", "INT", "KILL"]
+    assert isinstance(demo_snapshot().processes[0], ProcGpu)
+
+
+def test_the_cli_readonly_flag_reaches_the_app(monkeypatch):
+    """`gputaskman --readonly` builds the TUI read-only (the flag is not parsed and dropped)."""
+    from gputaskman import cli
+    from gputaskman.tui import app as app_module
+
+    seen: dict[str, object] = {}
+
+    class Ran:
+        return_code = 0
+
+        def run(self) -> None:
+            seen["ran"] = True
+
+    def fake_create_app(**kwargs: object) -> Ran:
+        seen.update(kwargs)
+        return Ran()
+
+    monkeypatch.setattr(app_module, "create_app", fake_create_app)
+    parse = cli.build_parser().parse_args
+    assert cli._tui(parse(["--readonly"])) == 0
+    assert seen["readonly"] is True and seen["ran"] is True
+    assert cli._tui(parse([])) == 0 and seen["readonly"] is False
