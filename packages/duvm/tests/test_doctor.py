@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from duvm.node import attach, doctor
+from duvm.node import attach_fuse, attach_kernel, doctor, kernel_swap, systools
 
 NOBODY = 65534
 PY = sys.executable
@@ -36,7 +36,7 @@ def by_name(checks: list[doctor.Check] | list[dict]) -> dict:
 
 
 def fuse_path_here() -> bool:
-    return not attach.fuse_path_problems()
+    return not attach_fuse.problems()
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ needs_root = pytest.mark.skipif(
 def test_doctor_passes_on_this_machine_with_a_live_memserver(
     start_memserver, secret: Path, tmp_path: Path
 ) -> None:
-    if not fuse_path_here() and not attach.kernel_nbd_available():
+    if not fuse_path_here() and not attach_kernel.available():
         pytest.skip("neither kernel nbd nor nbdfuse+loop on this machine")
     memserver = start_memserver("--secret-file", str(secret))
     cfg = tmp_path / "duvm.toml"
@@ -334,24 +334,24 @@ def tool_dir_without(tmp_path: Path, *absent: str) -> Path:
     d.mkdir()
     wanted = {*doctor.SWAP_TOOLS, *doctor.FUSE_TOOLS, "modprobe"} - set(absent)
     for name in wanted:
-        real = attach.find_tool(name)
+        real = systools.find_tool(name)
         if real:
             (d / name).symlink_to(real)
     return d
 
 
 def test_tools_without_nbdfuse_fail_the_fallback_and_name_the_package(tmp_path: Path) -> None:
-    if attach.find_tool("nbdfuse") is None:
+    if systools.find_tool("nbdfuse") is None:
         pytest.skip("nbdfuse not installed here, nothing to take away")
     probe = doctor.Probe(tool_dirs=(str(tool_dir_without(tmp_path, "nbdfuse")),))
     usable, c = doctor.fuse_loop(probe)
     assert not usable and c.status == doctor.WARN
     assert c.detail == "missing: nbdfuse"
-    assert c.fix == f"apt-get install {attach.TOOL_PACKAGES['nbdfuse']}"
+    assert c.fix == f"apt-get install {systools.TOOL_PACKAGES['nbdfuse']}"
     nbd = doctor.kernel_nbd(probe)
     block = doctor.check_block_device("nbdfuse-loop", nbd, (usable, c))
     assert (block.status, block.required) == (doctor.FAIL, True)
-    assert attach.TOOL_PACKAGES["nbdfuse"] in (block.fix or "")
+    assert systools.TOOL_PACKAGES["nbdfuse"] in (block.fix or "")
     if not nbd[0]:  # this VM: no kernel nbd either, so auto has no way left
         auto = doctor.check_block_device("auto", nbd, (usable, c))
         assert auto.status == doctor.FAIL
@@ -391,7 +391,7 @@ def test_no_cgroup_and_low_min_free_are_warnings_not_failures(tmp_path: Path) ->
     cg, mf = doctor.check_cgroup(probe), doctor.check_min_free(probe)
     assert (cg.status, cg.required) == (doctor.WARN, False)
     assert (mf.status, mf.required) == (doctor.WARN, False)
-    want = attach.safe_min_free_kbytes(attach.mem_total_kb())
+    want = kernel_swap.safe_min_free_kbytes(kernel_swap.mem_total_kb())
     assert f"vm.min_free_kbytes = 1024 (swap over the network wants >= {want})" == mf.detail
     assert f"vm.min_free_kbytes = {want}" in (mf.fix or "")
     sysctl.write_text(f"{want}\n")

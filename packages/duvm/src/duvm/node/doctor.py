@@ -10,7 +10,7 @@ command exit 1; warnings (a slower fallback path, a low ``vm.min_free_kbytes`` t
 raises anyway, no uvloop) keep exit 0. ``--json`` prints the same list as data.
 
 What is checked is what `duvm enable` will need, found the way enable finds it: system tools
-in the fixed sbin/bin directories `duvm.node.attach` uses (never $PATH, so a doctor verdict cannot
+in the fixed sbin/bin directories `duvm.node.systools` uses (never $PATH, so a doctor verdict cannot
 differ from enable's), the kernel nbd device or the nbdfuse + FUSE + loop fallback for the
 configured method, the swap tools, a memory cgroup, the network reserve, the protections the
 daemon takes against memory pressure (tried in a throwaway child) and the RT throttling that
@@ -44,7 +44,7 @@ from typing import Any
 
 from duvm.base import cgroup, pressure
 from duvm.base.units import parse_hostport
-from duvm.node import attach, control
+from duvm.node import attach_state, control, kernel_swap, systools
 from duvm.wire import auth
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -66,17 +66,17 @@ class Check:
 class Probe:
     """Where the checks look; the defaults are the places `duvm enable` uses."""
 
-    tool_dirs: tuple[str, ...] = attach._TOOL_DIRS
+    tool_dirs: tuple[str, ...] = systools.TOOL_DIRS
     dev: Path = Path("/dev")
     sys_module: Path = Path("/sys/module")
     cgroup_root: Path = cgroup.CGROUP_ROOT
-    min_free: Path = attach.MIN_FREE_SYSCTL
+    min_free: Path = kernel_swap.MIN_FREE_SYSCTL
     meminfo: Path = Path("/proc/meminfo")
     rt_runtime: Path = pressure.RT_RUNTIME
     rt_period: Path = pressure.RT_PERIOD
 
     def tool(self, name: str) -> str | None:
-        return attach.find_tool(name, self.tool_dirs)
+        return systools.find_tool(name, self.tool_dirs)
 
 
 @dataclass
@@ -100,7 +100,7 @@ def _verdict(
 
 
 def _package(tool: str) -> str:
-    return attach.TOOL_PACKAGES.get(tool, "util-linux")
+    return systools.TOOL_PACKAGES.get(tool, "util-linux")
 
 
 # --- checks ------------------------------------------------------------------------------------
@@ -172,7 +172,11 @@ def fuse_loop(probe: Probe) -> tuple[bool, Check]:
 
 def check_block_device(method: str, nbd: tuple[bool, Check], fuse: tuple[bool, Check]) -> Check:
     """Required: a path `method` may take exists (auto: kernel nbd first, else the fallback)."""
-    paths = {attach.METHOD_KERNEL: [nbd], attach.METHOD_FUSE: [fuse], "auto": [nbd, fuse]}
+    paths = {
+        attach_state.METHOD_KERNEL: [nbd],
+        attach_state.METHOD_FUSE: [fuse],
+        "auto": [nbd, fuse],
+    }
     if method not in paths:
         return Check(
             "block-device",
@@ -233,8 +237,8 @@ def check_cgroup(probe: Probe) -> Check:
 def check_min_free(probe: Probe) -> Check:
     try:
         now = int(probe.min_free.read_text())
-        want = attach.safe_min_free_kbytes(attach.mem_total_kb(probe.meminfo.read_text()))
-    except (OSError, ValueError, attach.AttachError) as exc:
+        want = kernel_swap.safe_min_free_kbytes(kernel_swap.mem_total_kb(probe.meminfo.read_text()))
+    except (OSError, ValueError, attach_state.AttachError) as exc:
         return Check(
             "min-free-kbytes",
             WARN,
@@ -565,7 +569,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--method",
-        choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
+        choices=("auto", attach_state.METHOD_KERNEL, attach_state.METHOD_FUSE),
         help="attach method to check for (default: the config's, else auto)",
     )
     parser.add_argument(
