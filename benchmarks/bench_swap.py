@@ -82,7 +82,7 @@ from cpusteal import cpu_times, steal_percent  # benchmarks/, next to this scrip
 from duvm.base import cgroup
 from duvm.base.units import parse_size
 from duvm.cli import demo
-from duvm.node import attach, control
+from duvm.node import attach, attach_kernel, attach_state, control, kernel_swap, processes, systools
 
 PRIORITY = demo.MAX_PRIORITY  # the highest: the kernel uses the device under test first
 MiB = 1 << 20
@@ -138,9 +138,9 @@ class Run:
 
 def run_tool(tool: str, *args: str, timeout: float = 300) -> str:
     """A util-linux tool by absolute path (attach's convention); BenchError when it fails."""
-    path = attach.find_tool(tool)
+    path = systools.find_tool(tool)
     if path is None:
-        raise BenchError(f"{tool} not found; install {attach.TOOL_PACKAGES.get(tool, tool)}")
+        raise BenchError(f"{tool} not found; install {systools.TOOL_PACKAGES.get(tool, tool)}")
     res = subprocess.run(
         [path, *args], capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -158,8 +158,8 @@ def vmstat() -> dict[str, int]:
     return out
 
 
-def swaps() -> list[attach.SwapEntry]:
-    return attach.parse_proc_swaps(Path("/proc/swaps").read_text())
+def swaps() -> list[kernel_swap.SwapEntry]:
+    return kernel_swap.parse_proc_swaps(Path("/proc/swaps").read_text())
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
@@ -175,8 +175,8 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
 # --- targets ---------------------------------------------------------------------------------
 
 
-def fuse_frontend(att: attach.Attachment) -> str:
-    if att.method == attach.METHOD_KERNEL:
+def fuse_frontend(att: attach_state.Attachment) -> str:
+    if att.method == attach_state.METHOD_KERNEL:
         return "kernel nbd"
     return f"nbdfuse + loop (direct I/O {'on' if att.direct_io else 'OFF'})"
 
@@ -186,7 +186,7 @@ def detach_or_explain(state_file: Path, keep: Callable[[], None]) -> None:
     machine-wide), so its server must keep running: `keep` releases it instead of stopping."""
     try:
         attach.detach(state_file, force=True)
-    except attach.SwapoffFailed as exc:
+    except attach_state.SwapoffFailed as exc:
         keep()
         raise BenchError(
             f"{exc} The server behind it was left running; detach with "
@@ -223,7 +223,7 @@ def duvm_target(
         finally:
             try:
                 control.disable(state, force=True)
-            except attach.SwapoffFailed as exc:
+            except attach_state.SwapoffFailed as exc:
                 stop = False
                 servers.release()
                 raise BenchError(f"{exc} The daemon and memservers were left running.") from exc
@@ -284,7 +284,7 @@ def socket_server_target(
 def nbdkit_target(
     args: argparse.Namespace, state: Path
 ) -> contextlib.AbstractContextManager[Active]:
-    nbdkit = attach.find_tool("nbdkit")
+    nbdkit = systools.find_tool("nbdkit")
     assert nbdkit is not None  # preflight
     pidfile = state / "nbdkit.pid"  # nbdkit writes it once it listens
     return socket_server_target(
@@ -359,7 +359,7 @@ def disk_file_target(args: argparse.Namespace, state: Path) -> Iterator[Active]:
             if active:
                 run_tool("swapoff", str(path), timeout=3600)
         finally:
-            if not active or attach.swap_entry(str(path)) is None:
+            if not active or kernel_swap.swap_entry(str(path)) is None:
                 path.unlink(missing_ok=True)
 
 
@@ -522,11 +522,11 @@ def leftovers(state: Path, run: Run) -> list[str]:
             if bf.read_text().startswith(f"{state}/"):
                 left.append(f"loop device /dev/{bf.parent.parent.name}")
     left += [f"mount {m}" for m in mounts_below(state)]
-    if run.device and attach.swap_entry(run.device) is not None:
+    if run.device and kernel_swap.swap_entry(run.device) is not None:
         left.append(f"swap {run.device}")
     if run.cgroup and Path(run.cgroup).exists():
         left.append(f"cgroup {run.cgroup}")
-    left += [f"process {p}" for p in run.pids if attach.pid_alive(p)]
+    left += [f"process {p}" for p in run.pids if processes.pid_alive(p)]
     return left
 
 
@@ -561,7 +561,7 @@ def run_target(
         run.teardown_s = round(time.monotonic() - teardown_from, 3)
     except (
         BenchError,
-        attach.AttachError,
+        attach_state.AttachError,
         control.ControlError,
         cgroup.CgroupError,
         OSError,
@@ -595,7 +595,7 @@ def mounts_below(path: Path) -> list[str]:
 
 
 def mem_total_bytes() -> int:
-    return attach.mem_total_kb() * 1024
+    return kernel_swap.mem_total_kb() * 1024
 
 
 # --- preflight, machine info, summary --------------------------------------------------------
@@ -604,7 +604,7 @@ def mem_total_bytes() -> int:
 def preflight(args: argparse.Namespace) -> list[str]:
     """Why the benchmark cannot run as asked (empty: it can)."""
     problems = demo.preflight()  # root, swap tools, a way to attach, a memory cgroup
-    if "nbdkit" in args.targets and attach.find_tool("nbdkit") is None:
+    if "nbdkit" in args.targets and systools.find_tool("nbdkit") is None:
         problems.append("nbdkit missing: install nbdkit (or leave out --targets nbdkit)")
     if (
         "zram" in args.targets
@@ -814,7 +814,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--method",
-        choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
+        choices=("auto", attach_state.METHOD_KERNEL, attach_state.METHOD_FUSE),
         default="auto",
         help="frontend for duvm and nbdkit alike (auto: kernel nbd "
         "when the kernel has it, else nbdfuse + loop)",
@@ -865,7 +865,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     signal.signal(signal.SIGTERM, _raise_on_signal)  # `timeout`, kill: clean up like Ctrl-C
     if args.method == "auto":
-        args.method = attach.METHOD_KERNEL if attach.kernel_nbd_available() else attach.METHOD_FUSE
+        args.method = (
+            attach_state.METHOD_KERNEL if attach_kernel.available() else attach_state.METHOD_FUSE
+        )
     info = machine(args)
     say(
         f"bench_swap: {info['cpu']}, {info['cpus']} CPUs, {info['mem_mib']} MiB, kernel "

@@ -7,7 +7,7 @@ prefill) and once doing the setup plus N requests. (difference) / N is what one 
 in the daemon-side process, user space only: RemoteStore, MemClient, the page codec, uvloop.
 The NBD layer is not included (it is about 24-30k instructions per 4 KiB request).
 
-The store is driven the way `nbdserver` drives it: its coroutine is stepped by hand and resumed
+The store is driven the way `nbdconnection` drives it: its coroutine is stepped by hand and resumed
 from the awaited future's done callback; the requests that become ready in one loop iteration
 are started together, corked (`store.batching.cork()`), as the NBD server does for the requests
 of one read; QD16, random page-aligned offsets in a 16 MiB export prefilled with random data.
@@ -72,7 +72,7 @@ async def drive(port: int, mode: str, n: int, pages: int) -> None:
             count["completed"] += 1
             if count["issued"] + len(ready) < n:
                 # Like an NBD client's next requests: those that become ready in one loop
-                # iteration are started together, corked, as nbdserver does for one read.
+                # iteration are started together, corked, as nbdconnection does for one read.
                 if not ready:
                     loop.call_soon(start_ready)
                 ready.append(i)

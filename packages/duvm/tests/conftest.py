@@ -46,7 +46,7 @@ FastPath = Callable[..., Awaitable[str]]
 
 
 async def _fast(start: Callable[..., bool], offset: int, buf: memoryview) -> str:
-    """Drive one request through a store's callback fast path the way nbdserver does: hand
+    """Drive one request through a store's callback fast path the way nbdconnection does: hand
     it to `start` (`store.start_read`/`start_write`); `done(tag, None)` finishes,
     `done(tag, coroutine)` continues there, `done(tag, exc)` fails. Returns how it finished:
     "fast" (from the callback, or at once) or "continued" (through the general path)."""

@@ -19,7 +19,15 @@ import time
 from pathlib import Path
 
 import pytest
-from duvm.node import attach, kernelnbd
+from duvm.node import (
+    attach,
+    attach_fuse,
+    attach_kernel,
+    attach_state,
+    kernel_swap,
+    kernelnbd,
+    systools,
+)
 from duvm.node.kernelnbd import NbdHandshakeError
 from duvm.wire import nbdconst as C
 from hypothesis import HealthCheck, given, settings
@@ -213,38 +221,43 @@ def test_fuzz_parsers(data: bytes) -> None:
 
 def test_min_free_floor_matches_measured_guest_and_scales() -> None:
     # 192 MiB guest: froze at the default 1447 KiB, never at 8192 KiB (FACTS.md)
-    assert attach.safe_min_free_kbytes(192 * 1024) == 8192
-    assert attach.safe_min_free_kbytes(1 << 20) == 16384  # 1 GiB
-    assert attach.safe_min_free_kbytes(16 << 20) == 65536  # 16 GiB
-    assert attach.safe_min_free_kbytes(1 << 30) == 262144  # 1 TiB: capped
-    assert attach.safe_min_free_kbytes(0) == 8192
+    assert kernel_swap.safe_min_free_kbytes(192 * 1024) == 8192
+    assert kernel_swap.safe_min_free_kbytes(1 << 20) == 16384  # 1 GiB
+    assert kernel_swap.safe_min_free_kbytes(16 << 20) == 65536  # 16 GiB
+    assert kernel_swap.safe_min_free_kbytes(1 << 30) == 262144  # 1 TiB: capped
+    assert kernel_swap.safe_min_free_kbytes(0) == 8192
 
 
 @given(st.integers(min_value=0, max_value=1 << 40), st.integers(min_value=0, max_value=1 << 40))
 def test_fuzz_min_free_floor_monotonic_and_bounded(a: int, b: int) -> None:
     lo, hi = sorted((a, b))
-    assert 8192 <= attach.safe_min_free_kbytes(lo) <= attach.safe_min_free_kbytes(hi) <= 262144
+    assert (
+        8192
+        <= kernel_swap.safe_min_free_kbytes(lo)
+        <= kernel_swap.safe_min_free_kbytes(hi)
+        <= 262144
+    )
 
 
 def test_min_free_raised_restored_and_never_lowered(tmp_path: Path) -> None:
-    floor = attach.safe_min_free_kbytes(attach.mem_total_kb())
+    floor = kernel_swap.safe_min_free_kbytes(kernel_swap.mem_total_kb())
     sysctl = tmp_path / "min_free_kbytes"
     sysctl.write_text("1024\n")
-    before, we_set = attach.raise_min_free(sysctl)
+    before, we_set = kernel_swap.raise_min_free(sysctl)
     assert (before, we_set) == (1024, floor)
     assert int(sysctl.read_text()) == floor
-    attach.restore_min_free(before, we_set, sysctl)
+    kernel_swap.restore_min_free(before, we_set, sysctl)
     assert int(sysctl.read_text()) == 1024
 
     # someone changed it after us: theirs stands
-    attach.raise_min_free(sysctl)
+    kernel_swap.raise_min_free(sysctl)
     sysctl.write_text("5000")
-    attach.restore_min_free(1024, floor, sysctl)
+    kernel_swap.restore_min_free(1024, floor, sysctl)
     assert sysctl.read_text() == "5000"
 
     # a higher value is never lowered, and nothing is restored
     sysctl.write_text(str(floor + 1))
-    assert attach.raise_min_free(sysctl) == (floor + 1, None)
+    assert kernel_swap.raise_min_free(sysctl) == (floor + 1, None)
     assert int(sysctl.read_text()) == floor + 1
 
 
@@ -258,18 +271,18 @@ def test_parse_proc_swaps_sample_and_live() -> None:
         "/swap\\040file                           file\t\t1048572\t\t0\t\t-2\n"
         "garbage line\n"
     )
-    entries = attach.parse_proc_swaps(text)
+    entries = kernel_swap.parse_proc_swaps(text)
     assert entries == [
-        attach.SwapEntry("/dev/loop0", "partition", 524284, 209188, 100),
-        attach.SwapEntry("/swap file", "file", 1048572, 0, -2),
+        kernel_swap.SwapEntry("/dev/loop0", "partition", 524284, 209188, 100),
+        kernel_swap.SwapEntry("/swap file", "file", 1048572, 0, -2),
     ]
-    live = attach.parse_proc_swaps(Path("/proc/swaps").read_text())
+    live = kernel_swap.parse_proc_swaps(Path("/proc/swaps").read_text())
     assert all(e.size_kb >= e.used_kb >= 0 for e in live)
 
 
 @given(st.text(max_size=400))
 def test_fuzz_parse_proc_swaps(text: str) -> None:
-    for e in attach.parse_proc_swaps(text):
+    for e in kernel_swap.parse_proc_swaps(text):
         assert isinstance(e.size_kb, int)
 
 
@@ -278,40 +291,40 @@ def test_fuzz_parse_proc_swaps(text: str) -> None:
 
 def test_state_roundtrip_and_corruption(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "state.json"
-    assert attach.load_state(path) is None
-    att = attach.Attachment(
+    assert attach_state.load_state(path) is None
+    att = attach_state.Attachment(
         socket="/run/x.sock",
-        method=attach.METHOD_FUSE,
+        method=attach_state.METHOD_FUSE,
         device="/dev/loop7",
         loop_device="/dev/loop7",
         min_free_before=1447,
         extra={"pid": 5},
     )
-    attach.save_state(path, att)
-    assert attach.load_state(path) == att
+    attach_state.save_state(path, att)
+    assert attach_state.load_state(path) == att
     assert not list(path.parent.glob("*.tmp*")), "atomic write leaves no temp file"
 
     raw = json.loads(path.read_text())
     raw["from_a_newer_version"] = 1
     path.write_text(json.dumps(raw))
-    assert attach.load_state(path) == att
+    assert attach_state.load_state(path) == att
 
     path.write_text("{not json")
-    with pytest.raises(attach.AttachError, match="unreadable"):
-        attach.load_state(path)
+    with pytest.raises(attach_state.AttachError, match="unreadable"):
+        attach_state.load_state(path)
     path.write_text("[1, 2]")
-    with pytest.raises(attach.AttachError, match="not a duvm attachment"):
-        attach.load_state(path)
+    with pytest.raises(attach_state.AttachError, match="not a duvm attachment"):
+        attach_state.load_state(path)
 
 
 # --- refusals --------------------------------------------------------------------------------
 
 
 def test_missing_tool_names_debian_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(attach, "_TOOL_DIRS", (str(tmp_path),))
-    with pytest.raises(attach.AttachError, match="install the Debian package util-linux"):
-        attach.require_tool("mkswap")
-    assert any("libnbd-bin" in p for p in attach.fuse_path_problems())
+    monkeypatch.setattr(systools, "TOOL_DIRS", (str(tmp_path),))
+    with pytest.raises(attach_state.AttachError, match="install the Debian package util-linux"):
+        systools.require_tool("mkswap")
+    assert any("libnbd-bin" in p for p in attach_fuse.problems())
 
 
 @needs_root
@@ -326,7 +339,7 @@ def test_attach_refuses_without_root(tmp_path: Path) -> None:
             os.setgid(65534)
             os.setuid(65534)
             attach.attach(str(tmp_path / "none.sock"), tmp_path / "state.json")
-        except attach.AttachError as exc:
+        except attach_state.AttachError as exc:
             msg = f"AttachError: {exc}"
         except BaseException as exc:  # report anything else as a failure
             msg = f"{type(exc).__name__}: {exc}"
@@ -344,12 +357,12 @@ def test_attach_refuses_without_root(tmp_path: Path) -> None:
 def test_attach_without_server_leaves_nothing(tmp_path: Path) -> None:
     before = Path("/proc/sys/vm/min_free_kbytes").read_text()
     state = tmp_path / "state.json"
-    with pytest.raises(attach.AttachError):
+    with pytest.raises(attach_state.AttachError):
         attach.attach(
             str(tmp_path / "absent.sock"),
             state,
             run_dir=tmp_path / "run",
-            method=attach.METHOD_FUSE,
+            method=attach_state.METHOD_FUSE,
         )
     assert not state.exists()
     assert Path("/proc/sys/vm/min_free_kbytes").read_text() == before
@@ -357,7 +370,7 @@ def test_attach_without_server_leaves_nothing(tmp_path: Path) -> None:
 
 @needs_root
 def test_attach_unknown_method_and_detach_nothing(tmp_path: Path) -> None:
-    with pytest.raises(attach.AttachError):
+    with pytest.raises(attach_state.AttachError):
         attach.attach("/nonexistent.sock", tmp_path / "s.json", method="carrier-pigeon")
     assert attach.detach(tmp_path / "s.json") is None
 
@@ -429,13 +442,13 @@ def test_neither_path_available_says_what_to_install(
     tools = tmp_path / "bin"
     tools.mkdir()
     for name in ("mkswap", "swapon", "swapoff", "blkdiscard", "fusermount3"):
-        real = attach.find_tool(name)
+        real = systools.find_tool(name)
         if real is None:
             pytest.skip(f"{name} missing")
         (tools / name).symlink_to(real)
-    monkeypatch.setattr(attach, "_TOOL_DIRS", (str(tools),))
+    monkeypatch.setattr(systools, "TOOL_DIRS", (str(tools),))
     state = tmp_path / "state.json"
-    with pytest.raises(attach.AttachError) as info:
+    with pytest.raises(attach_state.AttachError) as info:
         attach.attach(str(tmp_path / "x.sock"), state, run_dir=tmp_path / "run")
     msg = str(info.value)
     assert "no way to attach: the kernel has no nbd module" in msg
@@ -458,7 +471,7 @@ def test_neither_path_available_says_what_to_install(
 def test_swapoff_failure_names_the_cause_it_saw(
     said: str, expected: str, not_expected: str
 ) -> None:
-    msg = attach.swapoff_failure("/dev/x", said)
+    msg = kernel_swap.swapoff_failure("/dev/x", said)
     assert msg.startswith("swapoff of /dev/x failed, so it stays attached")
     assert expected in msg and not_expected not in msg and said in msg
 
@@ -466,17 +479,48 @@ def test_swapoff_failure_names_the_cause_it_saw(
 def test_device_problem_kernel_nbd_mocked_sysfs(monkeypatch: pytest.MonkeyPatch) -> None:
     """No kernel nbd here: /sys/block/nbdN/pid is stood in for (the QEMU guest test runs the
     real one through enable, resume and disable)."""
-    att = attach.Attachment(
+    att = attach_state.Attachment(
         socket="s",
-        method=attach.METHOD_KERNEL,
+        method=attach_state.METHOD_KERNEL,
         device="/dev/nbd3",
         nbd_device="/dev/nbd3",
         nbd_netlink=True,
         extra={"nbd_pid": "812"},
     )
     for now, problem in (("812", None), (None, None), ("977", "connected by someone else")):
-        monkeypatch.setattr(attach, "_nbd_pid", lambda device, now=now: now)
+        monkeypatch.setattr(attach_kernel, "nbd_pid", lambda device, now=now: now)
         found = attach.device_problem(att)
         assert (found is None) if problem is None else (problem in (found or "")), (now, found)
     att.extra.pop("nbd_pid")  # a state file from before the pid was recorded: trusted
     assert attach.device_problem(att) is None
+
+
+@needs_root
+def test_device_problem_loop_device_backed_by_another_file(tmp_path: Path) -> None:
+    """Catches a detach that would swapoff and discard a loop device whose number was reused
+    (the nbdfuse+loop path's check, reached through attach.device_problem): a real loop
+    device on a plain file that stands in for nbdfuse's file (the real one: test_swap_e2e.py)."""
+    ours, theirs = tmp_path / "swap", tmp_path / "theirs"
+    for f in (ours, theirs):
+        f.write_bytes(bytes(1 << 20))
+    (tmp_path / "link").symlink_to(ours)
+    loop = systools.run_tool("losetup", "--find", "--show", str(ours)).strip()
+    att = attach_state.Attachment(
+        socket="s",
+        method=attach_state.METHOD_FUSE,
+        device=loop,
+        loop_device=loop,
+        fuse_file=str(tmp_path / "link"),  # the kernel reports it resolved
+    )
+    try:
+        assert attach.device_problem(att) is None
+        att.fuse_file = str(theirs)
+        assert attach.device_problem(att) == (
+            f"{loop} is now backed by {ours}, not by duvm's {theirs}"
+        )
+    finally:
+        systools.run_tool("losetup", "-d", loop)
+    deadline = time.monotonic() + 10
+    while attach.device_problem(att) != f"{loop} is no longer a loop device":
+        assert time.monotonic() < deadline, attach.device_problem(att)
+        time.sleep(0.05)

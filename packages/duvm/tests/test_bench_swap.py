@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from duvm.cli import demo
-from duvm.node import attach
+from duvm.node import kernel_swap, processes, systools
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_swap.py"
 TINY = ["--reps", "1", "--mib", "64", "--limit-mib", "24"]
@@ -28,7 +28,7 @@ def _skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root: the benchmark creates swap, loop devices, FUSE mounts and cgroups"
     problems = demo.preflight()
-    if attach.find_tool("nbdkit") is None:
+    if systools.find_tool("nbdkit") is None:
         problems.append("nbdkit missing (install nbdkit)")
     if demo.competing_swaps():
         problems.append(
@@ -75,7 +75,7 @@ def _ours() -> dict[str, set[str]]:
         for ln in Path("/proc/mounts").read_text().splitlines()
         if ln.split()[1].startswith("/run/duvm-bench-")
     }
-    swaps = {e.filename for e in attach.parse_proc_swaps(Path("/proc/swaps").read_text())}
+    swaps = {e.filename for e in kernel_swap.parse_proc_swaps(Path("/proc/swaps").read_text())}
     return {"run_dirs": run_dirs, "loops": loops, "mounts": mounts, "swaps": swaps}
 
 
@@ -85,7 +85,7 @@ def _assert_nothing_left(before: dict[str, set[str]], runs: list[dict]) -> None:
     for r in runs:
         assert r["leftovers"] == []
         assert r["cgroup"] is None or not Path(r["cgroup"]).exists()
-        assert not [p for p in r["pids"] if attach.pid_alive(p)]
+        assert not [p for p in r["pids"] if processes.pid_alive(p)]
 
 
 @pytest.mark.root
@@ -156,16 +156,18 @@ def _rival_swap(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "rival.swap"
     path.write_bytes(bytes(16 << 20))
     path.chmod(0o600)
-    subprocess.run([attach.require_tool("mkswap"), str(path)], check=True, capture_output=True)
+    subprocess.run([systools.require_tool("mkswap"), str(path)], check=True, capture_output=True)
     subprocess.run(
-        [attach.require_tool("swapon"), "-p", str(demo.MAX_PRIORITY), str(path)],
+        [systools.require_tool("swapon"), "-p", str(demo.MAX_PRIORITY), str(path)],
         check=True,
         capture_output=True,
     )
     try:
         yield path
     finally:
-        subprocess.run([attach.require_tool("swapoff"), str(path)], check=True, capture_output=True)
+        subprocess.run(
+            [systools.require_tool("swapoff"), str(path)], check=True, capture_output=True
+        )
 
 
 @pytest.mark.root
@@ -216,7 +218,7 @@ def test_interrupt_mid_workload_tears_down(tmp_path: Path) -> None:
         while time.monotonic() < deadline:  # wait until the workload is swapping to nbdkit
             used = [
                 e
-                for e in attach.parse_proc_swaps(Path("/proc/swaps").read_text())
+                for e in kernel_swap.parse_proc_swaps(Path("/proc/swaps").read_text())
                 if e.priority == demo.MAX_PRIORITY and e.used_kb > 0
             ]
             if used or proc.poll() is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from duvm.base import cgroup
 from duvm.cli import demo
-from duvm.node import attach
+from duvm.node import attach, attach_state, kernel_swap
 from duvm.testing import netns_cluster
 from duvm.wire import control_socket
 
@@ -69,13 +69,13 @@ def cluster():
     # them would turn the kernel's pages on it into I/O errors for whoever owns them.
     assert not errors, f"swap still on; cluster {c.tag} left running: {errors}"
     assert c.namespaces_left() == []
-    swaps = attach.parse_proc_swaps(Path("/proc/swaps").read_text())
+    swaps = kernel_swap.parse_proc_swaps(Path("/proc/swaps").read_text())
     assert not [e for e in swaps if str(c.dir) in e.filename]
     mounts = Path("/proc/mounts").read_text()
     assert str(c.dir) not in mounts
 
 
-def attach_swap(c: netns_cluster.Cluster, sock: str, name: str) -> attach.Attachment:
+def attach_swap(c: netns_cluster.Cluster, sock: str, name: str) -> attach_state.Attachment:
     state = c.dir / f"{name}.state.json"
     c.states.append(state)  # type: ignore[attr-defined]
     run = c.dir / f"run-{name}"

@@ -70,7 +70,7 @@ def _example_with_secret(tmp_path: Path, secret: str | None) -> Path:
 def test_example_config_passes_doctors_parse_and_peer_auth(tmp_path: Path) -> None:
     """doctor reads the example as enable would, and its off-loopback peers are authenticated by
     the secret_file line; without that line the daemon's rule refuses them."""
-    from duvm.node import doctor
+    from duvm.node import doctor, doctor_check, doctor_cluster
 
     secret = tmp_path / "cluster.secret"
     res = run_cli("secret", "generate", str(secret))
@@ -84,16 +84,16 @@ def test_example_config_passes_doctors_parse_and_peer_auth(tmp_path: Path) -> No
         timeout=1.0,
     )
     opts = doctor.options_from_args(ns)
-    assert opts.config_error is None and doctor.check_config(opts).status == doctor.OK
+    assert opts.config_error is None and doctor.check_config(opts).status == doctor_check.OK
     assert opts.peers == ["10.0.0.3:7070", "10.0.0.4:7070"]
-    assert doctor.secret_path(opts) == secret
-    security, check = doctor.check_peer_auth(opts)
-    assert check.status == doctor.OK and str(secret) in check.detail, check
+    assert doctor_cluster.secret_path(opts) == secret
+    security, check = doctor_cluster.check_peer_auth(opts)
+    assert check.status == doctor_check.OK and str(secret) in check.detail, check
     assert security is not None and security.keyring is not None
 
     ns.config = _example_with_secret(tmp_path, None)
-    _, check = doctor.check_peer_auth(doctor.options_from_args(ns))
-    assert check.status == doctor.FAIL and "--secret-file" in check.detail
+    _, check = doctor_cluster.check_peer_auth(doctor.options_from_args(ns))
+    assert check.status == doctor_check.FAIL and "--secret-file" in check.detail
 
 
 @pytest.mark.parametrize(

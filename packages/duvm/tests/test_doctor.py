@@ -19,7 +19,16 @@ import threading
 from pathlib import Path
 
 import pytest
-from duvm.node import attach, doctor
+from duvm.node import (
+    attach_fuse,
+    attach_kernel,
+    doctor,
+    doctor_check,
+    doctor_cluster,
+    doctor_host,
+    kernel_swap,
+    systools,
+)
 
 NOBODY = 65534
 PY = sys.executable
@@ -31,12 +40,12 @@ def duvm(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
-def by_name(checks: list[doctor.Check] | list[dict]) -> dict:
+def by_name(checks: list[doctor_check.Check] | list[dict]) -> dict:
     return {(c["name"] if isinstance(c, dict) else c.name): c for c in checks}
 
 
 def fuse_path_here() -> bool:
-    return not attach.fuse_path_problems()
+    return not attach_fuse.problems()
 
 
 @pytest.fixture
@@ -144,7 +153,7 @@ needs_root = pytest.mark.skipif(
 def test_doctor_passes_on_this_machine_with_a_live_memserver(
     start_memserver, secret: Path, tmp_path: Path
 ) -> None:
-    if not fuse_path_here() and not attach.kernel_nbd_available():
+    if not fuse_path_here() and not attach_kernel.available():
         pytest.skip("neither kernel nbd nor nbdfuse+loop on this machine")
     memserver = start_memserver("--secret-file", str(secret))
     cfg = tmp_path / "duvm.toml"
@@ -189,8 +198,8 @@ def test_text_output_lists_every_check_with_fixes(dead_port: int) -> None:
 
 
 def test_peer_not_listening_fails_with_the_reason(dead_port: int) -> None:
-    c = doctor.check_peers([f"127.0.0.1:{dead_port}"], timeout=2)
-    assert (c.status, c.required) == (doctor.FAIL, True)
+    c = doctor_cluster.check_peers([f"127.0.0.1:{dead_port}"], timeout=2)
+    assert (c.status, c.required) == (doctor_check.FAIL, True)
     assert f"127.0.0.1:{dead_port}: Connection refused" in c.detail
     assert "duvm memserver --listen" in (c.fix or "")
 
@@ -199,42 +208,42 @@ def test_memserver_that_wants_a_secret_we_lack_fails_and_says_so(
     start_memserver, secret: Path
 ) -> None:
     memserver = start_memserver("--secret-file", str(secret))
-    c = doctor.check_peers([memserver], timeout=3)
-    assert c.status == doctor.FAIL
+    c = doctor_cluster.check_peers([memserver], timeout=3)
+    assert c.status == doctor_check.FAIL
     assert "authentication required" in c.detail
     assert (c.fix or "").startswith("the peers require authentication: duvm secret generate")
 
 
 def test_memserver_without_secret_is_refused_when_we_have_one(memserver: str, secret: Path) -> None:
-    opts = doctor.Options(peers=[memserver], secret_file=secret)
-    security, auth_check = doctor.check_peer_auth(opts)
-    assert auth_check.status == doctor.OK and security is not None
-    c = doctor.check_peers([memserver], timeout=3, security=security)
+    opts = doctor_check.Options(peers=[memserver], secret_file=secret)
+    security, auth_check = doctor_cluster.check_peer_auth(opts)
+    assert auth_check.status == doctor_check.OK and security is not None
+    c = doctor_cluster.check_peers([memserver], timeout=3, security=security)
     # the daemon would refuse it too: a memserver that cannot prove the secret
-    assert c.status == doctor.FAIL and "has no cluster secret" in c.detail
+    assert c.status == doctor_check.FAIL and "has no cluster secret" in c.detail
     # it is running: the fix is its secret, not starting it
     assert f"the memserver at {memserver} runs without the cluster secret" in (c.fix or "")
     assert "--secret-file" in (c.fix or "") and "duvm memserver --listen" not in (c.fix or "")
 
 
 def test_off_loopback_peers_need_a_secret_like_the_daemon_says() -> None:
-    security, c = doctor.check_peer_auth(doctor.Options(peers=["10.0.0.2:7070"]))
-    assert security is None and (c.status, c.required) == (doctor.FAIL, True)
+    security, c = doctor_cluster.check_peer_auth(doctor_check.Options(peers=["10.0.0.2:7070"]))
+    assert security is None and (c.status, c.required) == (doctor_check.FAIL, True)
     assert "--secret-file or --tls-ca" in c.detail and "duvm secret generate" in (c.fix or "")
-    opts = doctor.Options(peers=["10.0.0.2:7070"], daemon_args=["--insecure"])
-    _, c = doctor.check_peer_auth(opts)
-    assert c.status == doctor.WARN and "unauthenticated" in c.detail
+    opts = doctor_check.Options(peers=["10.0.0.2:7070"], daemon_args=["--insecure"])
+    _, c = doctor_cluster.check_peer_auth(opts)
+    assert c.status == doctor_check.WARN and "unauthenticated" in c.detail
 
 
 def test_listener_that_is_not_a_memserver_fails(not_a_memserver: str) -> None:
-    c = doctor.check_peers([not_a_memserver], timeout=2)
-    assert c.status == doctor.FAIL
+    c = doctor_cluster.check_peers([not_a_memserver], timeout=2)
+    assert c.status == doctor_check.FAIL
     assert "port open but no duvm memserver STATUS" in c.detail
 
 
 def test_one_dead_peer_among_good_ones_fails_and_names_it(memserver: str, dead_port: int) -> None:
-    c = doctor.check_peers([memserver, f"127.0.0.1:{dead_port}", "bad:port:x"], timeout=2)
-    assert c.status == doctor.FAIL
+    c = doctor_cluster.check_peers([memserver, f"127.0.0.1:{dead_port}", "bad:port:x"], timeout=2)
+    assert c.status == doctor_check.FAIL
     assert f"127.0.0.1:{dead_port}: Connection refused" in c.detail
     assert "bad:port:x:" in c.detail  # an unparseable address is a problem, not a crash
     assert f"ok: {memserver}" in c.detail
@@ -243,39 +252,39 @@ def test_one_dead_peer_among_good_ones_fails_and_names_it(memserver: str, dead_p
 @needs_root
 def test_world_readable_secret_fails(secret: Path) -> None:
     secret.chmod(0o644)
-    c = doctor.check_secret(secret)
-    assert c.status == doctor.FAIL
+    c = doctor_cluster.check_secret(secret)
+    assert c.status == doctor_check.FAIL
     assert "mode 0644 lets others read or write it" in c.detail
     assert c.fix == f"chown root:root {secret} && chmod 0600 {secret}"
     secret.chmod(0o400)
-    assert doctor.check_secret(secret).status == doctor.OK
+    assert doctor_cluster.check_secret(secret).status == doctor_check.OK
 
 
 @needs_root
 def test_secret_not_owned_by_root_fails(secret: Path) -> None:
     os.chown(secret, NOBODY, NOBODY)
-    c = doctor.check_secret(secret)
-    assert c.status == doctor.FAIL and f"owned by uid {NOBODY}, not root" in c.detail
+    c = doctor_cluster.check_secret(secret)
+    assert c.status == doctor_check.FAIL and f"owned by uid {NOBODY}, not root" in c.detail
 
 
 def test_missing_empty_garbled_and_symlinked_secrets_fail(tmp_path: Path, secret: Path) -> None:
-    missing = doctor.check_secret(tmp_path / "nope.key")
-    assert missing.status == doctor.FAIL and "No such file" in missing.detail
+    missing = doctor_cluster.check_secret(tmp_path / "nope.key")
+    assert missing.status == doctor_check.FAIL and "No such file" in missing.detail
     assert (
         missing.fix == f"duvm secret generate {tmp_path / 'nope.key'} (on one node; copy it "
         "to the others)"
     )
     empty = tmp_path / "empty.key"
     empty.touch(mode=0o600)
-    assert "holds no secret" in doctor.check_secret(empty).detail
+    assert "holds no secret" in doctor_cluster.check_secret(empty).detail
     garbled = tmp_path / "garbled.key"
     garbled.write_text("not hex at all\n")
     garbled.chmod(0o600)
-    c = doctor.check_secret(garbled)
-    assert c.status == doctor.FAIL and "line 1: not hexadecimal" in c.detail
+    c = doctor_cluster.check_secret(garbled)
+    assert c.status == doctor_check.FAIL and "line 1: not hexadecimal" in c.detail
     link = tmp_path / "link.key"
     link.symlink_to(secret)
-    assert "a symlink" in doctor.check_secret(link).detail
+    assert "a symlink" in doctor_cluster.check_secret(link).detail
 
 
 def test_secret_file_from_daemon_args_is_checked(
@@ -332,46 +341,46 @@ def tool_dir_without(tmp_path: Path, *absent: str) -> Path:
     """A tool directory holding links to the real tools, minus `absent`."""
     d = tmp_path / "sbin"
     d.mkdir()
-    wanted = {*doctor.SWAP_TOOLS, *doctor.FUSE_TOOLS, "modprobe"} - set(absent)
+    wanted = {*doctor_host.SWAP_TOOLS, *doctor_host.FUSE_TOOLS, "modprobe"} - set(absent)
     for name in wanted:
-        real = attach.find_tool(name)
+        real = systools.find_tool(name)
         if real:
             (d / name).symlink_to(real)
     return d
 
 
 def test_tools_without_nbdfuse_fail_the_fallback_and_name_the_package(tmp_path: Path) -> None:
-    if attach.find_tool("nbdfuse") is None:
+    if systools.find_tool("nbdfuse") is None:
         pytest.skip("nbdfuse not installed here, nothing to take away")
-    probe = doctor.Probe(tool_dirs=(str(tool_dir_without(tmp_path, "nbdfuse")),))
-    usable, c = doctor.fuse_loop(probe)
-    assert not usable and c.status == doctor.WARN
+    probe = doctor_host.Probe(tool_dirs=(str(tool_dir_without(tmp_path, "nbdfuse")),))
+    usable, c = doctor_host.fuse_loop(probe)
+    assert not usable and c.status == doctor_check.WARN
     assert c.detail == "missing: nbdfuse"
-    assert c.fix == f"apt-get install {attach.TOOL_PACKAGES['nbdfuse']}"
-    nbd = doctor.kernel_nbd(probe)
-    block = doctor.check_block_device("nbdfuse-loop", nbd, (usable, c))
-    assert (block.status, block.required) == (doctor.FAIL, True)
-    assert attach.TOOL_PACKAGES["nbdfuse"] in (block.fix or "")
+    assert c.fix == f"apt-get install {systools.TOOL_PACKAGES['nbdfuse']}"
+    nbd = doctor_host.kernel_nbd(probe)
+    block = doctor_host.check_block_device("nbdfuse-loop", nbd, (usable, c))
+    assert (block.status, block.required) == (doctor_check.FAIL, True)
+    assert systools.TOOL_PACKAGES["nbdfuse"] in (block.fix or "")
     if not nbd[0]:  # this VM: no kernel nbd either, so auto has no way left
-        auto = doctor.check_block_device("auto", nbd, (usable, c))
-        assert auto.status == doctor.FAIL
-    bogus = doctor.check_block_device("ublk", nbd, (usable, c))
-    assert bogus.status == doctor.FAIL and "unknown method 'ublk'" in bogus.detail
-    checks = by_name(doctor.run_checks(doctor.Options(method="nbdfuse-loop"), probe))
-    assert checks["block-device"].status == doctor.FAIL
+        auto = doctor_host.check_block_device("auto", nbd, (usable, c))
+        assert auto.status == doctor_check.FAIL
+    bogus = doctor_host.check_block_device("ublk", nbd, (usable, c))
+    assert bogus.status == doctor_check.FAIL and "unknown method 'ublk'" in bogus.detail
+    checks = by_name(doctor.run_checks(doctor_check.Options(method="nbdfuse-loop"), probe))
+    assert checks["block-device"].status == doctor_check.FAIL
     assert not doctor.passed(list(checks.values()))
 
 
 def test_missing_swap_tools_fail(tmp_path: Path) -> None:
-    probe = doctor.Probe(tool_dirs=(str(tool_dir_without(tmp_path, "mkswap", "swapon")),))
-    c = doctor.check_swap_tools(probe)
-    assert c.status == doctor.FAIL and c.detail == "missing: mkswap, swapon"
+    probe = doctor_host.Probe(tool_dirs=(str(tool_dir_without(tmp_path, "mkswap", "swapon")),))
+    c = doctor_host.check_swap_tools(probe)
+    assert c.status == doctor_check.FAIL and c.detail == "missing: mkswap, swapon"
     assert c.fix == "apt-get install util-linux"
 
 
 def test_dev_without_fuse_and_loop(tmp_path: Path) -> None:
-    probe = doctor.Probe(dev=tmp_path)
-    usable, c = doctor.fuse_loop(probe)
+    probe = doctor_host.Probe(dev=tmp_path)
+    usable, c = doctor_host.fuse_loop(probe)
     assert not usable
     assert "/dev/fuse" in c.detail and "/dev/loop-control" in c.detail
     assert "modprobe fuse" in (c.fix or "") and "modprobe loop" in (c.fix or "")
@@ -380,24 +389,24 @@ def test_dev_without_fuse_and_loop(tmp_path: Path) -> None:
 def test_kernel_nbd_seen_from_dev_nodes(tmp_path: Path) -> None:
     (tmp_path / "nbd0").touch()
     (tmp_path / "nbd1").touch()
-    usable, c = doctor.kernel_nbd(doctor.Probe(dev=tmp_path, sys_module=tmp_path))
+    usable, c = doctor_host.kernel_nbd(doctor_host.Probe(dev=tmp_path, sys_module=tmp_path))
     assert usable and c.detail == "nbd loaded, 2 device(s) /dev/nbd*"
 
 
 def test_no_cgroup_and_low_min_free_are_warnings_not_failures(tmp_path: Path) -> None:
     sysctl = tmp_path / "min_free_kbytes"
     sysctl.write_text("1024\n")
-    probe = doctor.Probe(cgroup_root=tmp_path, min_free=sysctl)
-    cg, mf = doctor.check_cgroup(probe), doctor.check_min_free(probe)
-    assert (cg.status, cg.required) == (doctor.WARN, False)
-    assert (mf.status, mf.required) == (doctor.WARN, False)
-    want = attach.safe_min_free_kbytes(attach.mem_total_kb())
+    probe = doctor_host.Probe(cgroup_root=tmp_path, min_free=sysctl)
+    cg, mf = doctor_host.check_cgroup(probe), doctor_host.check_min_free(probe)
+    assert (cg.status, cg.required) == (doctor_check.WARN, False)
+    assert (mf.status, mf.required) == (doctor_check.WARN, False)
+    want = kernel_swap.safe_min_free_kbytes(kernel_swap.mem_total_kb())
     assert f"vm.min_free_kbytes = 1024 (swap over the network wants >= {want})" == mf.detail
     assert f"vm.min_free_kbytes = {want}" in (mf.fix or "")
     sysctl.write_text(f"{want}\n")
-    assert doctor.check_min_free(probe).status == doctor.OK
+    assert doctor_host.check_min_free(probe).status == doctor_check.OK
     sysctl.write_text("garbage\n")
-    assert doctor.check_min_free(probe).status == doctor.WARN  # unreadable, not a crash
+    assert doctor_host.check_min_free(probe).status == doctor_check.WARN  # unreadable, not a crash
     assert doctor.passed([cg, mf])
 
 
@@ -405,8 +414,8 @@ def test_uvloop_absent_is_a_warning() -> None:
     # sys.modules[name] = None makes `import name` raise ImportError: uvloop as if uninstalled
     code = (
         "import sys; sys.modules['uvloop'] = None\n"
-        "from duvm.node import doctor\n"
-        "c = doctor.check_uvloop(); print(c.status, c.required, c.fix)"
+        "from duvm.node import doctor_host\n"
+        "c = doctor_host.check_uvloop(); print(c.status, c.required, c.fix)"
     )
     res = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 0, res.stderr
@@ -476,15 +485,15 @@ def test_rt_throttling_off_is_a_warning_and_the_kernel_default_is_ok(tmp_path: P
     runtime, period = tmp_path / "sched_rt_runtime_us", tmp_path / "sched_rt_period_us"
     period.write_text("1000000\n")
     runtime.write_text("950000\n")
-    probe = doctor.Probe(rt_runtime=runtime, rt_period=period)
-    c = doctor.check_rt_throttle(probe)
-    assert c.status == doctor.OK and "at most 95 % of each CPU" in c.detail
+    probe = doctor_host.Probe(rt_runtime=runtime, rt_period=period)
+    c = doctor_host.check_rt_throttle(probe)
+    assert c.status == doctor_check.OK and "at most 95 % of each CPU" in c.detail
     runtime.write_text("-1\n")
-    c = doctor.check_rt_throttle(probe)
-    assert (c.status, c.required) == (doctor.WARN, False)
+    c = doctor_host.check_rt_throttle(probe)
+    assert (c.status, c.required) == (doctor_check.WARN, False)
     assert "sched_rt_runtime_us=950000" in (c.fix or "")
-    runtime.unlink()
-    assert doctor.check_rt_throttle(probe).status == doctor.SKIP  # unreadable, not a crash
+    runtime.unlink()  # unreadable: a skip, not a crash
+    assert doctor_host.check_rt_throttle(probe).status == doctor_check.SKIP
 
 
 @needs_root
@@ -503,12 +512,12 @@ def test_swap_path_protection_reports_what_the_daemon_would_be_refused() -> None
         timeout=60,
     )
     refused = {k for k, v in json.loads(probe.stdout).items() if v}
-    c = doctor.check_swap_path([])
+    c = doctor_host.check_swap_path([])
     assert c.required is False
     if not refused:
-        assert c.status == doctor.OK and "run realtime (SCHED_RR)" in c.detail
+        assert c.status == doctor_check.OK and "run realtime (SCHED_RR)" in c.detail
     else:  # a sandbox may refuse even root some of them: each is named, with a fix
-        assert c.status == doctor.WARN and c.fix
+        assert c.status == doctor_check.WARN and c.fix
         for name, word in (
             ("io-flusher", "PR_SET_IO_FLUSHER"),
             ("oom-score", "oom_score_adj"),
@@ -516,7 +525,7 @@ def test_swap_path_protection_reports_what_the_daemon_would_be_refused() -> None
             ("mlock", "mlockall"),
         ):
             assert (word in c.detail) == (name in refused), (name, c.detail)
-    off = doctor.check_swap_path(["--verbose", "--no-realtime", "--no-mlock"])
-    assert off.status == doctor.WARN and "turned off by --no-realtime" in off.detail
+    off = doctor_host.check_swap_path(["--verbose", "--no-realtime", "--no-mlock"])
+    assert off.status == doctor_check.WARN and "turned off by --no-realtime" in off.detail
     assert "remove --no-realtime from daemon_args" in (off.fix or "")
     assert "remove --no-mlock from daemon_args" in (off.fix or "")

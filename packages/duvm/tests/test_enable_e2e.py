@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from duvm.base import cgroup, ramfs
 from duvm.cli import demo
-from duvm.node import attach, control
+from duvm.node import attach, attach_state, control, kernel_swap, processes
 
 LIMIT_MIB, WORKLOAD_MIB = 64, 256
 PAGE = 4096
@@ -74,12 +74,12 @@ def leftovers(state_dir: Path, pids: list[int], cgroups: list[str]) -> list[str]
     for line in Path("/proc/mounts").read_text().splitlines():
         if line.split()[1].startswith(str(state_dir)):
             left.append(f"mount {line.split()[1]}")
-    for e in attach.parse_proc_swaps(Path("/proc/swaps").read_text()):
+    for e in kernel_swap.parse_proc_swaps(Path("/proc/swaps").read_text()):
         backing = Path("/sys/block", Path(e.filename).name, "loop", "backing_file")
         if backing.exists() and backing.read_text().startswith(str(state_dir)):
             left.append(f"swap {e.filename}")
     left += [f"cgroup {c}" for c in cgroups if Path(c).exists()]
-    left += [f"process {p}" for p in pids if attach.pid_alive(p)]
+    left += [f"process {p}" for p in pids if processes.pid_alive(p)]
     left += [
         f"state {p.name}"
         for p in (state_dir / "state.json", state_dir / "daemon.json")
@@ -112,7 +112,7 @@ def state_dir() -> Iterator[Path]:
             attach.detach(control.state_path(path), force=True)
         with contextlib.suppress(Exception):
             control.stop_daemon(path)
-        if daemon is not None and attach.pid_alive(daemon.pid):
+        if daemon is not None and processes.pid_alive(daemon.pid):
             os.kill(daemon.pid, signal.SIGKILL)
         shutil.rmtree(path, ignore_errors=True)
 
@@ -209,14 +209,17 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
 
         st = json.loads(duvm("status", "--json", "--state-dir", str(state_dir)).stdout)
         assert st["enabled"] is True and st["swap"]["size_bytes"] > 0
-        assert st["device"] and st["method"] in (attach.METHOD_FUSE, attach.METHOD_KERNEL)
+        assert st["device"] and st["method"] in (
+            attach_state.METHOD_FUSE,
+            attach_state.METHOD_KERNEL,
+        )
         # status authenticates to the peers as the daemon does (they refuse anyone else)
         assert [p["health"] for p in st["peers"]] == ["ok"] * 3, st["peers"]
         assert st["daemon"]["replicas"] == 2 and st["replication"]["replicas"] == 2
         # reserve before exposing: every page of the device reserved twice across the peers
         assert sum(p["our_reserved_pages"] for p in st["peers"]) >= 2 * size // PAGE
         pids += [st["daemon"]["pid"]]
-        att = attach.load_state(control.state_path(state_dir))
+        att = attach_state.load_state(control.state_path(state_dir))
         assert att is not None
         pids += [p for p in (att.nbdfuse_pid, att.holder_pid) if p]
         # what serves the swap device runs realtime by default (duvm.base.pressure): the daemon,
@@ -347,7 +350,9 @@ def test_demo_interrupted_midway_leaves_nothing_behind(state_dir: Path) -> None:
                 ports = [a.strip() for a in line.split(",")]
             if "fill" in line and "swap used" in line and " 0%" not in line:
                 break  # pages are on their way to the memservers now
-        assert len(ports) == 3 and attach.load_state(control.state_path(state_dir)) is not None
+        assert (
+            len(ports) == 3 and attach_state.load_state(control.state_path(state_dir)) is not None
+        )
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

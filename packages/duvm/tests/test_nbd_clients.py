@@ -635,9 +635,9 @@ def test_connections_beyond_the_limit_are_refused_others_keep_working(serve):
 
 
 def test_client_that_never_negotiates_is_dropped(serve, monkeypatch):
-    import duvm.node.nbdserver as nbdserver
+    from duvm.node import nbdconnection
 
-    monkeypatch.setattr(nbdserver, "HANDSHAKE_TIMEOUT", 0.3)
+    monkeypatch.setattr(nbdconnection, "HANDSHAKE_TIMEOUT", 0.3)
     srv = serve(MemoryStore(MiB))
     s = socket.socket(socket.AF_UNIX)
     s.connect(srv.path)

@@ -9,7 +9,7 @@ import shutil
 import stat
 
 import pytest
-from duvm.node import nbdserver
+from duvm.node import nbdconnection
 from duvm.node.nbdserver import NBDServer
 from duvm.store.memory_store import MemoryStore
 
@@ -31,7 +31,7 @@ async def _qemu_io(sock: str, *cmds: str) -> tuple[int, str]:
 async def test_flood_and_slowloris_do_not_stop_a_real_client(tmp_path, monkeypatch) -> None:
     if shutil.which("qemu-io") is None:
         pytest.skip("qemu-io not installed")
-    monkeypatch.setattr(nbdserver, "HANDSHAKE_TIMEOUT", 1.5)
+    monkeypatch.setattr(nbdconnection, "HANDSHAKE_TIMEOUT", 1.5)
     store = MemoryStore(1 << 20)
     srv = NBDServer(store, max_connections=64)
     sock = str(tmp_path / "nbd.sock")

@@ -331,7 +331,7 @@ async def test_a_replicated_write_registers_its_bytes_before_any_store_leaves(se
         await store.write(0, memoryview(os.urandom(8 * PS)))  # the pages hold data
         data = os.urandom(8 * PS)
         coro = store.write(0, memoryview(data))
-        assert coro.send(None) is None  # driven by hand, as nbdserver does: the first yield
+        assert coro.send(None) is None  # driven by hand, as nbdconnection does: the first yield
         [(first, count, held)] = store.table.pending_writes
         assert (first, count) == (0, 8) and bytes(held) == data
         bad = bytearray(data[:PS])

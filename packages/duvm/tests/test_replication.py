@@ -451,7 +451,7 @@ async def test_r1_read_waits_for_a_restarting_memserver_instead_of_failing() -> 
         await srv.close()
 
 
-# --- the callback fast path (start_read/start_write, what nbdserver calls) ----------------
+# --- the callback fast path (start_read/start_write, what nbdconnection calls) ------------
 
 
 async def test_fast_round_trip_completes_without_the_coroutine_path(servers, fast) -> None:

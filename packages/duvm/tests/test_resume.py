@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from duvm.cli import main
-from duvm.node import attach, control, resume
+from duvm.node import attach_state, control, resume
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="resume needs root")
 
@@ -60,14 +60,14 @@ def test_refusals_before_anything_is_started(
 ) -> None:
     assert main(["enable", "--resume", "--state-dir", str(tmp_path)]) == 1
     assert "not enabled" in capsys.readouterr().err
-    att = attach.Attachment(
-        socket=str(tmp_path / "nbd.sock"), method=attach.METHOD_FUSE, device="/dev/loop7"
+    att = attach_state.Attachment(
+        socket=str(tmp_path / "nbd.sock"), method=attach_state.METHOD_FUSE, device="/dev/loop7"
     )
-    attach.save_state(control.state_path(tmp_path), att)
+    attach_state.save_state(control.state_path(tmp_path), att)
     with pytest.raises(control.ControlError, match="cannot take a restarted daemon"):
         resume.resume(tmp_path)
-    att.method, att.nbd_netlink, att.nbd_device = attach.METHOD_KERNEL, True, "/dev/nbd0"
-    attach.save_state(control.state_path(tmp_path), att)
+    att.method, att.nbd_netlink, att.nbd_device = attach_state.METHOD_KERNEL, True, "/dev/nbd0"
+    attach_state.save_state(control.state_path(tmp_path), att)
     with pytest.raises(control.ControlError, match="no daemon record"):
         resume.resume(tmp_path)
     # a daemon that still runs (a stand-in whose command line reads like one's)
@@ -96,9 +96,9 @@ def test_a_supervisors_resume_reads_no_record_and_starts_a_new_log(tmp_path: Pat
     log although the supervisor handed it the records: on a node under pressure those pages
     may be on the device whose server is dead, and touching them waits out the kernel's
     dead-connection timeout (seen in CI: the restarted daemon's state read failed with EIO)."""
-    att = attach.Attachment(
+    att = attach_state.Attachment(
         socket=str(tmp_path / "nbd.sock"),
-        method=attach.METHOD_KERNEL,
+        method=attach_state.METHOD_KERNEL,
         device="/dev/nbd7",
         nbd_device="/dev/nbd7",
         nbd_netlink=True,

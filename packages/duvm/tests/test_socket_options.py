@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from duvm.base.sockets import SOCKET_BUFFER, set_buffers, tune_socket
-from duvm.node.nbdserver import _tune_socket
+from duvm.node.nbdconnection import _tune_socket
 
 
 def _cap(name: str) -> int:

@@ -24,7 +24,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from duvm.node import attach, control, resume, supervise, supervisor_process
+from duvm.node import (
+    attach,
+    attach_state,
+    control,
+    processes,
+    resume,
+    supervise,
+    supervisor_process,
+)
 
 STAND_IN = "import time; time.sleep(120)"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="duvm supervise and resume run as root")
@@ -36,15 +44,15 @@ class Node:
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
         self.procs: list[subprocess.Popen[bytes]] = []
-        att = attach.Attachment(
+        att = attach_state.Attachment(
             socket=str(state_dir / "nbd.sock"),
-            method=attach.METHOD_KERNEL,
+            method=attach_state.METHOD_KERNEL,
             device="/dev/nbd7",
             nbd_device="/dev/nbd7",
             nbd_netlink=True,
             dead_conn_timeout_s=60,
         )
-        attach.save_state(control.state_path(state_dir), att)
+        attach_state.save_state(control.state_path(state_dir), att)
 
     def start(self) -> int:
         p = subprocess.Popen([sys.executable, "-c", STAND_IN, "duvm.cli", "daemon"])
@@ -141,10 +149,10 @@ def test_a_failing_resume_is_retried_then_given_up(
 def test_tries_stop_at_the_kernels_dead_connection_timeout(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    att = attach.load_state(control.state_path(node.state_dir))
+    att = attach_state.load_state(control.state_path(node.state_dir))
     assert att is not None
     att.dead_conn_timeout_s = 1
-    attach.save_state(control.state_path(node.state_dir), att)
+    attach_state.save_state(control.state_path(node.state_dir), att)
     monkeypatch.setattr(supervise, "RETRY_DELAYS", (0.4,) * 20)
     node.kill(node.start())
     calls: list[float] = []
@@ -212,9 +220,9 @@ def test_no_pidfd_here_still_notices_the_death(node: Node, monkeypatch: pytest.M
 
 
 def test_only_a_device_that_can_take_a_new_daemon_is_supervised() -> None:
-    att = attach.Attachment(socket="s", method=attach.METHOD_FUSE, device="/dev/loop3")
+    att = attach_state.Attachment(socket="s", method=attach_state.METHOD_FUSE, device="/dev/loop3")
     assert not supervisor_process.wanted(att, ["--state-dir", "d"])  # nbdfuse+loop
-    att.method = attach.METHOD_KERNEL
+    att.method = attach_state.METHOD_KERNEL
     assert not supervisor_process.wanted(att, ["--state-dir", "d"])  # kernel nbd via ioctls
     att.nbd_netlink = True
     assert supervisor_process.wanted(att, ["--state-dir", "d"])
@@ -227,7 +235,7 @@ def _wait_log(log: Path, text: str, pid: int, timeout: float = 60) -> str:
         said = log.read_text() if log.exists() else ""
         if text in said:
             return said
-        assert time.monotonic() < deadline and attach.pid_alive(pid), said
+        assert time.monotonic() < deadline and processes.pid_alive(pid), said
         time.sleep(0.05)
 
 
@@ -248,9 +256,9 @@ def test_the_supervisor_process_starts_reports_and_stops(node: Node) -> None:
         assert f"supervisor: pid {pid} running" in control.format_status(st)
     finally:
         supervisor_process.stop(node.state_dir)
-    assert not attach.pid_alive(pid) and supervisor_process.load(node.state_dir) is None
+    assert not processes.pid_alive(pid) and supervisor_process.load(node.state_dir) is None
     assert Path(info["log"]).read_text().rstrip().endswith("stopped")
-    assert attach.pid_alive(daemon)  # stopping the supervisor leaves the daemon alone
+    assert processes.pid_alive(daemon)  # stopping the supervisor leaves the daemon alone
 
 
 @root_only
@@ -271,7 +279,7 @@ def test_a_stop_during_the_retries_ends_them(node: Node) -> None:
     finally:
         supervisor_process.stop(node.state_dir)
     said = log.read_text()
-    assert time.monotonic() - t < 30 and not attach.pid_alive(pid)
+    assert time.monotonic() - t < 30 and not processes.pid_alive(pid)
     assert said.rstrip().endswith("stopped") and "giving up" not in said
     assert said.count("resume failed:") <= tries + 1  # at most the try under way finished
     # the daemons the tries started are gone with them (resume kills its own on failure)
@@ -283,7 +291,7 @@ def _processes_with(text: bytes) -> list[int]:
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             with contextlib.suppress(OSError):
-                if text in (d / "cmdline").read_bytes() and attach.pid_alive(int(d.name)):
+                if text in (d / "cmdline").read_bytes() and processes.pid_alive(int(d.name)):
                     found.append(int(d.name))
     return found
 
@@ -320,23 +328,23 @@ def test_disable_keeps_the_supervisor_through_swapoff_and_refuses_with_a_dead_da
         # a dead daemon and nobody resuming it: disable refuses instead of losing the pages
         supervisor_process.stop(node.state_dir)
         node.kill(daemon)
-        attach.wait_pid_exit(daemon, 10)
+        processes.wait_pid_exit(daemon, 10)
         with pytest.raises(control.ControlError, match="enable --resume` first"):
             control.disable(node.state_dir)
         daemon = node.start()
         pid, _ = supervisor_process.start(node.state_dir)
         seen: list[bool] = []
 
-        def detach(path: Path, force: bool = False) -> attach.Attachment | None:
+        def detach(path: Path, force: bool = False) -> attach_state.Attachment | None:
             seen.append(supervisor_process.alive(supervisor_process.load(node.state_dir)))
-            att = attach.load_state(path)
+            att = attach_state.load_state(path)
             path.unlink()
             return att
 
         monkeypatch.setattr(attach, "detach", detach)
         assert control.disable(node.state_dir) is True
         assert seen == [True]  # the supervisor watched through the swapoff
-        assert not attach.pid_alive(pid) and not attach.pid_alive(daemon)
+        assert not processes.pid_alive(pid) and not processes.pid_alive(daemon)
         assert "resuming" not in (node.state_dir / "supervisor.log").read_text()
     finally:
         supervisor_process.stop(node.state_dir)
@@ -380,7 +388,7 @@ def test_no_record_is_read_between_the_death_and_the_resume(
     first = node.start()
     dead = threading.Event()
     reads_while_dead: list[str] = []
-    real_state, real_daemon = attach.load_state, control.load_daemon
+    real_state, real_daemon = attach_state.load_state, control.load_daemon
 
     def spy_state(path: Path) -> object:
         if dead.is_set():
@@ -392,7 +400,7 @@ def test_no_record_is_read_between_the_death_and_the_resume(
             reads_while_dead.append("daemon.json")
         return real_daemon(state_dir)
 
-    monkeypatch.setattr(attach, "load_state", spy_state)
+    monkeypatch.setattr(attach_state, "load_state", spy_state)
     monkeypatch.setattr(control, "load_daemon", spy_daemon)
     handed: list[object] = []
     resumed: list[int] = []

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from duvm.base import cgroup
-from duvm.node import attach
+from duvm.node import attach, attach_fuse, attach_state, kernel_swap, processes, systools
 
 NBDKIT = shutil.which("nbdkit")
 NBDINFO = shutil.which("nbdinfo")
@@ -37,10 +37,10 @@ def _skip_reason() -> str | None:
         return "needs root (loop devices, FUSE, swapon, cgroups)"
     if NBDKIT is None or NBDINFO is None:
         return "nbdkit/nbdinfo missing (apt: nbdkit libnbd-bin)"
-    if problems := attach.fuse_path_problems():
+    if problems := attach_fuse.problems():
         return "; ".join(problems)
     for tool in ("mkswap", "swapon", "swapoff", "blkdiscard"):
-        if attach.find_tool(tool) is None:
+        if systools.find_tool(tool) is None:
             return f"{tool} missing (apt: util-linux)"
     if cgroup.detect_version() is None:
         return "no cgroup memory controller"
@@ -88,9 +88,9 @@ class Stack:
         )
         return sum(e["size"] for e in json.loads(res.stdout) if e["type"] & 1 == 0)
 
-    def attach(self) -> attach.Attachment:
+    def attach(self) -> attach_state.Attachment:
         att = attach.attach(
-            self.sock, self.state, run_dir=self.base / "run", method=attach.METHOD_FUSE
+            self.sock, self.state, run_dir=self.base / "run", method=attach_state.METHOD_FUSE
         )
         self.pids += [p for p in (att.nbdfuse_pid,) if p]
         self.devices += [d for d in (att.device,) if d]
@@ -110,10 +110,10 @@ class Stack:
         for line in Path("/proc/mounts").read_text().splitlines():
             if line.split()[1].startswith(str(self.base)):
                 left.append(f"mount {line}")
-        swaps = {e.filename for e in attach.parse_proc_swaps(Path("/proc/swaps").read_text())}
+        swaps = {e.filename for e in kernel_swap.parse_proc_swaps(Path("/proc/swaps").read_text())}
         left += [f"swap {d}" for d in self.devices if d in swaps]
         left += [f"cgroup {p}" for p in self.cgroups if p.exists()]
-        left += [f"process {p}" for p in self.pids if attach.pid_alive(p)]
+        left += [f"process {p}" for p in self.pids if processes.pid_alive(p)]
         if self.state.exists():
             left.append(f"state file {self.state}")
         if Path("/proc/sys/vm/min_free_kbytes").read_text() != self.min_free_before:
@@ -158,7 +158,7 @@ def swap_stack() -> Iterator[Stack]:
                     if not path.exists():
                         break
                     time.sleep(0.02)
-        with contextlib.suppress(attach.AttachError):
+        with contextlib.suppress(attach_state.AttachError):
             attach.detach(stack.state, force=True)
         server.terminate()
         server.wait(10)
@@ -179,11 +179,11 @@ def test_workload_swaps_through_nbd_and_every_byte_comes_back() -> None:
     with swap_stack() as stack:
         assert stack.server_data_bytes() == 0
         att = stack.attach()
-        entry = attach.swap_entry(att.device or "")
-        assert entry is not None and entry.priority == attach.DEFAULT_PRIORITY
+        entry = kernel_swap.swap_entry(att.device or "")
+        assert entry is not None and entry.priority == attach_state.DEFAULT_PRIORITY
         assert att.direct_io is True
         assert att.size_bytes == SERVER_MIB << 20
-        floor = attach.safe_min_free_kbytes(attach.mem_total_kb())
+        floor = kernel_swap.safe_min_free_kbytes(kernel_swap.mem_total_kb())
         assert int(Path("/proc/sys/vm/min_free_kbytes").read_text()) >= floor
 
         before = vmstat()
@@ -192,7 +192,7 @@ def test_workload_swaps_through_nbd_and_every_byte_comes_back() -> None:
             assert proc.stderr is not None
             assert proc.stderr.readline().strip() == "filled"
             # while held: most of the data is out of RAM, on the NBD server
-            swapped_mib = (attach.swap_entry(att.device or "").used_kb) >> 10
+            swapped_mib = (kernel_swap.swap_entry(att.device or "").used_kb) >> 10
             held_mib = stack.server_data_bytes() >> 20
             assert swapped_mib >= WORKLOAD_MIB - 2 * LIMIT_MIB, swapped_mib
             assert held_mib >= WORKLOAD_MIB - 2 * LIMIT_MIB, held_mib
@@ -207,9 +207,9 @@ def test_workload_swaps_through_nbd_and_every_byte_comes_back() -> None:
 
         # the workload is gone: its slots were freed and discarded on the server
         deadline = time.monotonic() + 10
-        while attach.swap_entry(att.device or "").used_kb and time.monotonic() < deadline:
+        while kernel_swap.swap_entry(att.device or "").used_kb and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert attach.swap_entry(att.device or "").used_kb == 0
+        assert kernel_swap.swap_entry(att.device or "").used_kb == 0
         # discard reached the server. Not to the last byte: the kernel discards whole free
         # 2 MiB swap clusters, and the few it keeps as per-CPU allocation clusters stay until
         # reuse or swapoff (seen: 32 KiB to 8 MiB left), so allow 16 MiB of ~200 MiB. The kernel
@@ -235,11 +235,11 @@ def test_disable_refuses_while_a_cgroup_cannot_take_its_pages_back() -> None:
         with stack.cgroup() as cg:
             proc = _workload(cg, "--hold")
             assert proc.stderr is not None and proc.stderr.readline().strip() == "filled"
-            with pytest.raises(attach.SwapoffFailed, match=f"{cg.name} has .* in swap"):
+            with pytest.raises(attach_state.SwapoffFailed, match=f"{cg.name} has .* in swap"):
                 attach.detach(stack.state)
-            entry = attach.swap_entry(att.device or "")
+            entry = kernel_swap.swap_entry(att.device or "")
             assert entry is not None and entry.used_kb > 0, "still attached, pages still out"
-            assert attach.load_state(stack.state) == att
+            assert attach_state.load_state(stack.state) == att
             out, err = proc.communicate("go\n", timeout=300)
             assert proc.returncode == 0, err[-2000:]
             assert json.loads(out.splitlines()[-1])["intact"] is True
@@ -250,9 +250,9 @@ def test_disable_refuses_while_a_cgroup_cannot_take_its_pages_back() -> None:
 def test_attaching_twice_says_already_attached() -> None:
     with swap_stack() as stack:
         att = stack.attach()
-        with pytest.raises(attach.AttachError, match="already attached"):
+        with pytest.raises(attach_state.AttachError, match="already attached"):
             attach.attach(stack.sock, stack.state, run_dir=stack.base / "run")
-        assert attach.swap_entry(att.device or "") is not None
+        assert kernel_swap.swap_entry(att.device or "") is not None
         attach.detach(stack.state)
     assert not stack.leftovers()
 
@@ -303,7 +303,7 @@ def test_detach_leaves_alone_a_device_number_someone_else_reused() -> None:
             assert removed is not None
             assert "not by duvm's" in str(removed.extra.get("device_problem")), removed.extra
             # their swap is still on, their bytes untouched (no blkdiscard), the loop kept
-            assert attach.swap_entry(dev) is not None
+            assert kernel_swap.swap_entry(dev) is not None
             assert image.read_bytes()[:8192] == header
             backing = Path("/sys/block", Path(dev).name, "loop", "backing_file")
             assert backing.read_text().strip() == str(image)
@@ -326,7 +326,7 @@ def test_a_state_dir_reached_through_a_symlink_is_still_recognised() -> None:
         link = stack.base / "via-link"
         (stack.base / "real").mkdir()
         link.symlink_to(stack.base / "real")
-        att = attach.attach(stack.sock, stack.state, run_dir=link, method=attach.METHOD_FUSE)
+        att = attach.attach(stack.sock, stack.state, run_dir=link, method=attach_state.METHOD_FUSE)
         stack.pids += [p for p in (att.nbdfuse_pid,) if p]
         stack.devices += [d for d in (att.device,) if d]
         assert att.fuse_file is not None and att.fuse_file.startswith(str(stack.base / "real"))
@@ -335,8 +335,8 @@ def test_a_state_dir_reached_through_a_symlink_is_still_recognised() -> None:
         saved["fuse_file"] = saved["fuse_file"].replace(str(stack.base / "real"), str(link))
         saved["mountdir"] = saved["mountdir"].replace(str(stack.base / "real"), str(link))
         stack.state.write_text(json.dumps(saved))
-        assert attach.device_problem(attach.load_state(stack.state)) is None
+        assert attach.device_problem(attach_state.load_state(stack.state)) is None
         removed = attach.detach(stack.state)
         assert removed is not None and "device_problem" not in removed.extra
-        assert attach.swap_entry(att.device or "") is None
+        assert kernel_swap.swap_entry(att.device or "") is None
         assert stack.leftovers() == [f"process {stack.server.pid}"]

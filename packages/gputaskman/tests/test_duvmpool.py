@@ -438,7 +438,7 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
 
     from duvm.base import cgroup
     from duvm.cli import demo
-    from duvm.node import attach, control
+    from duvm.node import attach, attach_state, control
 
     # Swap is machine-wide: with another device at the top priority, or another cgroup whose
     # swapped pages could not come home, this test could neither place nor free its pages.
@@ -475,7 +475,7 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
             str(demo.MAX_PRIORITY),
         )
         assert res.returncode == 0, res.stderr
-        att = attach.load_state(control.state_path(state))
+        att = attach_state.load_state(control.state_path(state))
         assert att is not None and att.device
         ctl = str(state / "nbd.sock.ctl")
         with cgroup.MemoryCgroup(48 << 20, prefix="gtm-duvm") as cg:

@@ -29,7 +29,7 @@ QEMU guest, docs/ARCHITECTURE.md "Staying alive under memory pressure"):
     holds for the kernel.
 
 Each function reports failure instead of raising (a process without privilege still runs,
-less protected), and `duvm doctor` says what to change (`doctor.check_swap_path`).
+less protected), and `duvm doctor` says what to change (`doctor_host.check_swap_path`).
 """
 
 from __future__ import annotations

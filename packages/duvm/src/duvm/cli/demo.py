@@ -43,7 +43,7 @@ from typing import Any, TextIO
 
 from duvm.base import cgroup
 from duvm.base.units import parse_size
-from duvm.node import attach, control, kernelnbd
+from duvm.node import attach_fuse, attach_state, control, kernel_swap, kernelnbd, systools
 from duvm.node.config import with_secret
 from duvm.wire import auth
 
@@ -87,11 +87,11 @@ def preflight() -> list[str]:
             "needs root (it creates a swap device, a loop device and a cgroup): run it with sudo"
         )
     for tool in ("mkswap", "swapon", "swapoff", "blkdiscard"):
-        if attach.find_tool(tool) is None:
-            problems.append(f"{tool} missing: install {attach.TOOL_PACKAGES[tool]}")
+        if systools.find_tool(tool) is None:
+            problems.append(f"{tool} missing: install {systools.TOOL_PACKAGES[tool]}")
     if not kernelnbd.kernel_has_nbd():
-        fuse = attach.fuse_path_problems()
-        if fuse and attach.find_tool("modprobe") is None:
+        fuse = attach_fuse.problems()
+        if fuse and systools.find_tool("modprobe") is None:
             problems.append(
                 "no kernel nbd module (install kmod and a kernel with nbd) and the "
                 "nbdfuse fallback is missing: " + "; ".join(fuse)
@@ -110,7 +110,7 @@ def competing_swaps() -> list[str]:
     """Active swap devices at the highest priority: the kernel would spread the workload's
     pages over them and the demo's device, so part of what it shows would go elsewhere."""
     try:
-        entries = attach.parse_proc_swaps(Path("/proc/swaps").read_text())
+        entries = kernel_swap.parse_proc_swaps(Path("/proc/swaps").read_text())
     except OSError:
         return []
     return [e.filename for e in entries if e.priority >= MAX_PRIORITY]
@@ -241,7 +241,7 @@ def _progress_line(
     device: str,
     since: dict[str, dict[str, int] | None],
 ) -> str:
-    entry = attach.swap_entry(device)
+    entry = kernel_swap.swap_entry(device)
     swap = "n/a" if entry is None else f"{entry.used_kb >> 10} MiB"
     held = " ".join(f"{_mib(v):>7}" for v in sampler.latest.values())
     out, back = sampler.moved(since, "pages_stored"), sampler.moved(since, "pages_loaded")
@@ -376,7 +376,7 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
             control.disable(cfg.state_dir)
             res.swapoff_ok = True
             enabled = False
-        except attach.SwapoffFailed as exc:
+        except attach_state.SwapoffFailed as exc:
             res.swapoff_ok = False
             raise control.ControlError(str(exc)) from exc
         say("5/5 memservers after disable:")
@@ -396,7 +396,7 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
                 f"      {s['peer']:<22} {s['pages'] if s['pages'] is not None else 'n/a':>8} "
                 f"pages, {s.get('reserved_pages', 'n/a')} reserved"
             )
-    except (control.ControlError, attach.AttachError, cgroup.CgroupError) as exc:
+    except (control.ControlError, attach_state.AttachError, cgroup.CgroupError) as exc:
         res.error = str(exc)
     finally:
         if sampler is not None:
@@ -405,7 +405,7 @@ def run_demo(args: argparse.Namespace, out: TextIO) -> DemoResult:
             try:
                 control.disable(cfg.state_dir, force=True)
                 enabled = False
-            except (control.ControlError, attach.AttachError) as exc:
+            except (control.ControlError, attach_state.AttachError) as exc:
                 res.error = (res.error or "") + f"; cleanup: {exc}"
         if servers is not None and enabled:
             # swapoff failed: swapped pages (maybe other programs' too: swap is shared by the
@@ -441,7 +441,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`duvm enable` with 2 or more peers)",
     )
     parser.add_argument(
-        "--method", choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE), default="auto"
+        "--method",
+        choices=("auto", attach_state.METHOD_KERNEL, attach_state.METHOD_FUSE),
+        default="auto",
     )
     parser.add_argument(
         "--state-dir",

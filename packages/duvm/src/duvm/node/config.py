@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from duvm.base.units import parse_hostport, parse_listen, parse_size
-from duvm.node import attach
+from duvm.node import attach_state
 from duvm.store.placement import default_replicas
 
 DEFAULT_STATE_DIR = Path("/run/duvm")
 MEMSERVER_PORT = 7070
-METHODS = ("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE)
+METHODS = ("auto", attach_state.METHOD_KERNEL, attach_state.METHOD_FUSE)
 # gputaskman's pool panel looks for /run/duvm/*.ctl; this is the memserver's
 DEFAULT_NODE_CONTROL_SOCKET = DEFAULT_STATE_DIR / "memserver.ctl"
 
@@ -99,7 +99,7 @@ class Config:
 
     peers: list[str]
     size: int
-    priority: int = attach.DEFAULT_PRIORITY
+    priority: int = attach_state.DEFAULT_PRIORITY
     replicas: int | None = None  # None: 2 when there are at least 2 peers, else 1
     method: str = "auto"
     state_dir: Path = DEFAULT_STATE_DIR
@@ -313,7 +313,7 @@ def load_config(path: Path) -> Config:
     cfg = Config(
         peers=[p for p in peers if p not in own],
         size=r.size("size", "4G"),
-        priority=r.integer("priority", attach.DEFAULT_PRIORITY),
+        priority=r.integer("priority", attach_state.DEFAULT_PRIORITY),
         replicas=r.integer("replicas", 0) if "replicas" in r.table else None,
         method=r.text("method", "auto") or "auto",
         state_dir=r.path("state_dir", DEFAULT_STATE_DIR) or DEFAULT_STATE_DIR,

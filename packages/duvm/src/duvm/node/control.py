@@ -36,7 +36,14 @@ from typing import Any
 
 from duvm.base import pressure, ramfs
 from duvm.base.units import parse_hostport
-from duvm.node import attach, supervisor_process
+from duvm.node import (
+    attach,
+    attach_state,
+    kernel_swap,
+    processes,
+    supervisor_process,
+    systools,
+)
 
 # The config file lives in duvm.node.config; its names are re-exported here for the commands.
 from duvm.node.config import (
@@ -122,7 +129,7 @@ def daemon_command(cfg: Config) -> list[str]:
 
 
 def daemon_alive(info: DaemonInfo | None) -> bool:
-    return info is not None and attach.duvm_runs(info.pid, "daemon")
+    return info is not None and processes.duvm_runs(info.pid, "daemon")
 
 
 def start_daemon(cfg: Config, timeout: float = 60.0) -> DaemonInfo:
@@ -131,7 +138,7 @@ def start_daemon(cfg: Config, timeout: float = 60.0) -> DaemonInfo:
         os.unlink(cfg.socket)  # a stale socket from a crashed daemon would look ready
     log = cfg.state_dir / "daemon.log"
     log.unlink(missing_ok=True)  # errors shown on failure must be this run's
-    proc = attach.spawn_detached(daemon_command(cfg), log)
+    proc = processes.spawn_detached(daemon_command(cfg), log)
     info = DaemonInfo(
         proc.pid,
         cfg.socket,
@@ -161,10 +168,10 @@ def stop_daemon(state_dir: Path, timeout: float = 30.0) -> None:
     if info is not None and daemon_alive(info):
         with contextlib.suppress(ProcessLookupError):
             os.kill(info.pid, signal.SIGTERM)
-        if not attach.wait_pid_exit(info.pid, timeout):
+        if not processes.wait_pid_exit(info.pid, timeout):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(info.pid, signal.SIGKILL)
-            attach.wait_pid_exit(info.pid, 10)
+            processes.wait_pid_exit(info.pid, 10)
     daemon_path(state_dir).unlink(missing_ok=True)
     if info is not None:
         with contextlib.suppress(FileNotFoundError):
@@ -176,10 +183,10 @@ def stop_daemon(state_dir: Path, timeout: float = 30.0) -> None:
 # --- enable / disable ------------------------------------------------------------------------
 
 
-def enable(cfg: Config) -> attach.Attachment:
-    attach.require_root()
+def enable(cfg: Config) -> attach_state.Attachment:
+    systools.require_root()
     cfg.validate()
-    existing = attach.load_state(state_path(cfg.state_dir))
+    existing = attach_state.load_state(state_path(cfg.state_dir))
     if existing is not None or daemon_alive(load_daemon(cfg.state_dir)):
         where = existing.device if existing and existing.device else "daemon running"
         raise ControlError(
@@ -212,7 +219,7 @@ def enable(cfg: Config) -> attach.Attachment:
         raise
     if cfg.supervise and supervisor_process.wanted(att, cfg.daemon_args):
         att.extra["supervise"] = True  # `enable --resume` starts it again after a give-up
-        attach.save_state(state_path(cfg.state_dir), att)
+        attach_state.save_state(state_path(cfg.state_dir), att)
         pid, problem = supervisor_process.start(cfg.state_dir)
         att.extra["supervisor_pid"] = pid
         if problem:
@@ -240,8 +247,8 @@ def disable(
 ) -> bool:
     """Swap off, detach, stop the daemon. False when nothing was enabled. What the user should
     know about a device left alone goes to `notes`."""
-    attach.require_root()
-    current = attach.load_state(state_path(state_dir))
+    systools.require_root()
+    current = attach_state.load_state(state_path(state_dir))
     daemon = load_daemon(state_dir)
     if (
         current is not None
@@ -395,9 +402,9 @@ def status(
     state_dir: Path = DEFAULT_STATE_DIR, node_socket: Path = DEFAULT_NODE_CONTROL_SOCKET
 ) -> dict[str, Any]:
     """Everything `duvm status` shows, as plain data (JSON-ready)."""
-    att = attach.load_state(state_path(state_dir))
+    att = attach_state.load_state(state_path(state_dir))
     daemon = load_daemon(state_dir)
-    entry = attach.swap_entry(att.device) if att and att.device else None
+    entry = kernel_swap.swap_entry(att.device) if att and att.device else None
     peers = daemon.peers if daemon else []
     security, security_error = None, None
     if daemon is not None and peers:

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from duvm.node import attach, control
+from duvm.node import attach_state, control
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,10 +29,10 @@ def run(args: argparse.Namespace) -> int:
     notes: list[str] = []
     try:
         was = control.disable(args.state_dir, force=args.force, notes=notes)
-    except attach.SwapoffFailed as exc:
+    except attach_state.SwapoffFailed as exc:
         print(f"duvm disable: {exc}", file=sys.stderr)
         return 3
-    except (control.ControlError, attach.AttachError) as exc:
+    except (control.ControlError, attach_state.AttachError) as exc:
         print(f"duvm disable: {exc}", file=sys.stderr)
         return 1
     for note in notes:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from duvm.base.units import parse_size
-from duvm.node import attach, control, resume, supervisor_process
+from duvm.node import attach_state, control, resume, supervisor_process
 from duvm.node.config import with_secret
 
 
@@ -39,12 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--priority",
         type=int,
-        default=attach.DEFAULT_PRIORITY,
-        help=f"swap priority (default {attach.DEFAULT_PRIORITY})",
+        default=attach_state.DEFAULT_PRIORITY,
+        help=f"swap priority (default {attach_state.DEFAULT_PRIORITY})",
     )
     parser.add_argument(
         "--method",
-        choices=("auto", attach.METHOD_KERNEL, attach.METHOD_FUSE),
+        choices=("auto", attach_state.METHOD_KERNEL, attach_state.METHOD_FUSE),
         default="auto",
         help="kernel nbd, or the nbdfuse+loop fallback",
     )
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         try:
             info, att = resume.resume(args.state_dir)
-        except (control.ControlError, attach.AttachError) as exc:
+        except (control.ControlError, attach_state.AttachError) as exc:
             print(f"duvm enable --resume: {exc}", file=sys.stderr)
             return 1
         print(f"duvm resumed: daemon pid {info.pid} serves {att.device} again")
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         # the daemon keeps its state on files so `--resume` can restart it (duvm.node.resume)
         cfg.daemon_args = resume.with_state_dir(cfg.daemon_args, cfg.state_dir)
         att = control.enable(cfg)
-    except (control.ControlError, attach.AttachError) as exc:
+    except (control.ControlError, attach_state.AttachError) as exc:
         print(f"duvm enable: {exc}", file=sys.stderr)
         return 1
     if cfg.skipped_self:

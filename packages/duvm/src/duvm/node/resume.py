@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from duvm.node import attach, control
+from duvm.node import attach_kernel, attach_state, control, processes, systools
 from duvm.node.supervisor_process import keeps_state
 
 RESUME_LOCK = ".resume.lock"
@@ -73,12 +73,12 @@ def resume_command(info: control.DaemonInfo) -> list[str]:
     ]
 
 
-Records = tuple[attach.Attachment, control.DaemonInfo]
+Records = tuple[attach_state.Attachment, control.DaemonInfo]
 
 
 def resume(
     state_dir: Path, timeout: float = 120.0, known: Records | None = None
-) -> tuple[control.DaemonInfo, attach.Attachment]:
+) -> tuple[control.DaemonInfo, attach_state.Attachment]:
     """Restart the dead daemon of `state_dir` and reattach its live device (see above).
     One at a time: the supervisor and a manual `--resume` wait for each other here, and the
     second then finds the daemon running.
@@ -87,7 +87,7 @@ def resume(
     (the supervisor). The files on /run may have been swapped out since, to the very device
     whose server is now dead, and reading them back would wait for it: so they are not read
     again. The daemon log is not appended to either; the new daemon writes a new one."""
-    attach.require_root()
+    systools.require_root()
     if not state_dir.is_dir():
         raise control.ControlError(
             f"duvm is not enabled with state in {state_dir}; nothing to resume (use `duvm enable`)"
@@ -99,18 +99,18 @@ def resume(
 
 def _resume(
     state_dir: Path, timeout: float, known: Records | None
-) -> tuple[control.DaemonInfo, attach.Attachment]:
+) -> tuple[control.DaemonInfo, attach_state.Attachment]:
     att, old = known if known is not None else (None, None)
     if att is None:
-        att = attach.load_state(control.state_path(state_dir))
+        att = attach_state.load_state(control.state_path(state_dir))
     if att is None:
         raise control.ControlError(
             f"duvm is not enabled with state in {state_dir}; nothing to resume (use `duvm enable`)"
         )
-    if att.method != attach.METHOD_KERNEL or not att.nbd_netlink:
+    if att.method != attach_state.METHOD_KERNEL or not att.nbd_netlink:
         raise control.ControlError(
             f"{att.device or att.method} is attached via "
-            f"{att.method if att.method != attach.METHOD_KERNEL else 'nbd ioctls'}, which "
+            f"{att.method if att.method != attach_state.METHOD_KERNEL else 'nbd ioctls'}, which "
             "cannot take a restarted daemon (that needs kernel nbd over netlink): "
             "`duvm disable --force`, then enable again"
         )
@@ -129,7 +129,7 @@ def _resume(
         os.replace(log, log.with_name(log.name + ".1"))
     with open(log, "w") as f:
         f.write(f"--- duvm enable --resume at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
-    proc = attach.spawn_detached(cmd, log)
+    proc = processes.spawn_detached(cmd, log)
     info = control.DaemonInfo(
         proc.pid,
         old.socket,
@@ -152,14 +152,14 @@ def _resume(
                 tail = log.read_text(errors="replace")[-1500:].strip()
                 raise control.ControlError(f"the resumed daemon {why}: {tail}")
             time.sleep(0.05)
-        attach.reattach_kernel(att)
+        attach_kernel.reattach(att)
     except BaseException:
         # never SIGTERM: a clean stop would RELEASE the pages the live device still needs
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, 9)
-        attach.wait_pid_exit(proc.pid, 10)
+        processes.wait_pid_exit(proc.pid, 10)
         raise
     att.extra["daemon_pid"] = proc.pid
     att.extra["resumed"] = int(att.extra.get("resumed", 0) or 0) + 1  # type: ignore[call-overload]
-    attach.save_state(control.state_path(state_dir), att)
+    attach_state.save_state(control.state_path(state_dir), att)
     return info, att

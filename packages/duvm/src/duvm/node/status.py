@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from duvm.node import attach, control
+from duvm.node import attach_state, control
 from duvm.node.config import DEFAULT_NODE_CONTROL_SOCKET
 
 
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         st = control.status(args.state_dir, args.node_socket)
-    except (control.ControlError, attach.AttachError, OSError) as exc:
+    except (control.ControlError, attach_state.AttachError, OSError) as exc:
         print(f"duvm status: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(st, indent=2) if args.json else control.format_status(st))

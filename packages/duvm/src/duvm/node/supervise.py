@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from duvm.base import pressure, quietlog
-from duvm.node import attach, control, resume
+from duvm.node import attach_kernel, attach_state, control, processes, resume, systools
 from duvm.node.supervisor_process import wanted
 
 MAX_RESTARTS = 5
@@ -100,7 +100,7 @@ class _Stop:
                     os.read(self._r, 512)
                 if pidfd >= 0 and any(fd == pidfd for fd, _ in events):
                     return
-                if pid is not None and pidfd < 0 and not attach.pid_alive(pid):
+                if pid is not None and pidfd < 0 and not processes.pid_alive(pid):
                     return
         finally:
             if pidfd >= 0:
@@ -131,7 +131,7 @@ def _watch(
     daemon_file = control.daemon_path(state_dir)
     while not stopper.requested:
         # Read while the daemon lives (a swap-in can be served); kept in this locked process.
-        att = attach.load_state(control.state_path(state_dir))
+        att = attach_state.load_state(control.state_path(state_dir))
         daemon = control.load_daemon(state_dir)
         seen = _mtime(daemon_file)
         if att is None or daemon is None:
@@ -163,7 +163,7 @@ def _watch(
             )
             return 1
         # The kernel holds the device's I/O (and the memservers the namespaces) this long.
-        hold = att.dead_conn_timeout_s or attach.DEFAULT_DEAD_CONN_TIMEOUT_S
+        hold = att.dead_conn_timeout_s or attach_kernel.DEFAULT_DEAD_CONN_TIMEOUT_S
         deadline = died + hold
         say(
             f"daemon pid {daemon.pid} ended: resuming it onto {att.device} (the kernel holds "
@@ -225,7 +225,7 @@ def add_arguments(parser: Any) -> None:
 
 def run(args: Any) -> int:
     """`duvm supervise` (started by `duvm enable`; rarely run by hand)."""
-    attach.require_root()
+    systools.require_root()
     # Like the daemon: a supervisor whose own pages were swapped to the device it watches
     # could not run once that device's server is dead. The daemon it starts inherits the
     # realtime class and the I/O flusher flag from its first instruction on, so even its

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from duvm.node import attach
+from duvm.node import attach_state, processes
 
 
 def state_dir_arg(daemon_args: list[str]) -> Path | None:
@@ -40,10 +40,10 @@ def supervisor_path(state_dir: Path) -> Path:
     return state_dir / SUPERVISOR_FILE
 
 
-def wanted(att: attach.Attachment, daemon_args: list[str]) -> bool:
+def wanted(att: attach_state.Attachment, daemon_args: list[str]) -> bool:
     """A restarted daemon can take this device back only on kernel nbd over netlink, and only
     if the daemon keeps its state (`--state-dir`, which `duvm enable` always gives)."""
-    return att.method == attach.METHOD_KERNEL and att.nbd_netlink and keeps_state(daemon_args)
+    return att.method == attach_state.METHOD_KERNEL and att.nbd_netlink and keeps_state(daemon_args)
 
 
 def start(state_dir: Path, ready_timeout: float = 30.0) -> tuple[int, str | None]:
@@ -51,7 +51,7 @@ def start(state_dir: Path, ready_timeout: float = 30.0) -> tuple[int, str | None
     daemon. Returns its pid and, when it is not watching, why (a warning for the user)."""
     log = state_dir / "supervisor.log"
     size = log.stat().st_size if log.exists() else 0
-    proc = attach.spawn_detached(
+    proc = processes.spawn_detached(
         [sys.executable, "-m", "duvm.cli", "supervise", "--state-dir", str(state_dir)], log
     )
     supervisor_path(state_dir).write_text(
@@ -81,7 +81,7 @@ def load(state_dir: Path) -> dict[str, Any] | None:
 
 
 def alive(info: dict[str, Any] | None) -> bool:
-    return info is not None and attach.duvm_runs(info["pid"], "supervise")
+    return info is not None and processes.duvm_runs(info["pid"], "supervise")
 
 
 def stop(state_dir: Path, timeout: float = 180.0) -> None:
@@ -92,8 +92,8 @@ def stop(state_dir: Path, timeout: float = 180.0) -> None:
         assert info is not None
         with contextlib.suppress(ProcessLookupError):
             os.kill(info["pid"], signal.SIGTERM)
-        if not attach.wait_pid_exit(info["pid"], timeout):
+        if not processes.wait_pid_exit(info["pid"], timeout):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(info["pid"], signal.SIGKILL)
-            attach.wait_pid_exit(info["pid"], 10)
+            processes.wait_pid_exit(info["pid"], 10)
     supervisor_path(state_dir).unlink(missing_ok=True)

@@ -1,0 +1,148 @@
+"""The nbdfuse + loop path of `duvm.node.attach`, the fallback where the kernel has no nbd.
+
+``nbdfuse`` (libnbd) shows the daemon's export as one file on a FUSE mount; ``losetup
+--direct-io=on`` puts a loop device on that file, so swap I/O goes straight to nbdfuse without
+a second copy in the page cache. Detach undoes it in reverse: loop device, mount, nbdfuse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from pathlib import Path
+
+from duvm.base import pressure
+from duvm.node import processes, systools
+from duvm.node.attach_state import AttachError, Attachment, Saver
+
+
+def problems() -> list[str]:
+    """Why the nbdfuse+loop path cannot work here (empty list: it can)."""
+    found = [
+        f"{t} missing (Debian package {systools.TOOL_PACKAGES[t]})"
+        for t in ("nbdfuse", "fusermount3", "losetup")
+        if systools.find_tool(t) is None
+    ]
+    if not Path("/dev/fuse").exists():
+        found.append("/dev/fuse missing (kernel without FUSE; try modprobe fuse)")
+    if not Path("/dev/loop-control").exists():
+        found.append("/dev/loop-control missing (kernel without loop; try modprobe loop)")
+    return found
+
+
+def attach(att: Attachment, run_dir: Path, save: Saver, realtime: bool = True) -> None:
+    """Start nbdfuse on a new mount under `run_dir` and a loop device on its file;
+    `att.device` is the loop device."""
+    nbdfuse = systools.require_tool("nbdfuse")
+    systools.require_tool("fusermount3")
+    mountdir = run_dir.resolve() / f"fuse-{uuid.uuid4().hex[:8]}"  # as the kernel names it
+    mountdir.mkdir(parents=True)
+    att.mountdir = str(mountdir)
+    att.fuse_file = str(mountdir / "swap")
+    save()
+    pidfile = run_dir / f"{mountdir.name}.pid"
+    logpath = run_dir / f"{mountdir.name}.log"
+    # nbdfuse is on the swap path like the daemon: realtime and an I/O flusher from its first
+    # instruction (both survive exec; mlockall does not, so it cannot be locked from here)
+    proc = processes.spawn_detached(
+        [nbdfuse, "-P", str(pidfile), att.fuse_file, "--unix", att.socket],
+        logpath,
+        preexec=pressure.inherited_protections if realtime else pressure.become_io_flusher,
+    )
+    att.nbdfuse_pid = proc.pid
+    save()
+    # nbdfuse sits on the swap path: if the OOM killer picked it, every swapped page would be
+    # unreachable and the processes owning them would die on swap-in errors
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{proc.pid}/oom_score_adj").write_text("-1000")
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not os.path.exists(att.fuse_file):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AttachError(
+                f"nbdfuse could not expose {att.socket}: {logpath.read_text()[-800:].strip()}"
+            )
+        time.sleep(0.05)
+    pidfile.unlink(missing_ok=True)
+    att.size_bytes = os.stat(att.fuse_file).st_size
+    loop = systools.run_tool("losetup", "--find", "--show", "--direct-io=on", att.fuse_file).strip()
+    att.loop_device = loop
+    save()
+    dio = Path("/sys/block", Path(loop).name, "loop", "dio")
+    att.direct_io = dio.exists() and dio.read_text().strip() == "1"
+    att.device = loop
+
+
+def device_problem(att: Attachment) -> str | None:
+    """Why `att.device` is no longer the loop device this attachment made, or None: the number
+    is reused as soon as it is free, so it must still be backed by our FUSE file."""
+    assert att.device is not None
+    if att.device != att.loop_device:
+        return None
+    found = _loop_backing(att.device)
+    if found is None:
+        return f"{att.device} is no longer a loop device"
+    if not _same_path(found, att.fuse_file):
+        return f"{att.device} is now backed by {found}, not by duvm's {att.fuse_file}"
+    return None
+
+
+def _loop_backing(device: str) -> str | None:
+    try:
+        return Path("/sys/block", Path(device).name, "loop", "backing_file").read_text().strip()
+    except OSError:
+        return None
+
+
+def _same_path(kernel_path: str, ours: str | None) -> bool:
+    """The kernel reports a loop device's backing file resolved; ours may name it through a
+    symlink or a relative state directory."""
+    return ours is not None and os.path.realpath(kernel_path) == os.path.realpath(ours)
+
+
+def detach(att: Attachment, errors: list[str]) -> None:
+    """Loop device, mount, nbdfuse, mount directory; what failed is appended to `errors`."""
+    if att.loop_device:
+        found = _loop_backing(att.loop_device)
+        if found is not None and _same_path(found, att.fuse_file):
+            try:
+                systools.run_tool("losetup", "-d", att.loop_device)
+            except AttachError as exc:
+                errors.append(str(exc))
+                return
+        att.loop_device = None
+    if att.mountdir and _is_mounted(att.mountdir):
+        # the loop driver drops its file reference asynchronously after losetup -d
+        for attempt in range(50):
+            try:
+                systools.run_tool("fusermount3", "-u", att.mountdir)
+                break
+            except AttachError as exc:
+                if attempt == 49:
+                    errors.append(str(exc))
+                    return
+                time.sleep(0.1)
+    if (
+        att.nbdfuse_pid
+        and processes.pid_runs(att.nbdfuse_pid, "nbdfuse")
+        and not processes.wait_pid_exit(att.nbdfuse_pid, 30)
+    ):
+        errors.append(f"nbdfuse {att.nbdfuse_pid} still runs after unmount")
+        return
+    att.nbdfuse_pid = None
+    if att.mountdir:
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(att.mountdir)
+        run_dir = Path(att.mountdir).parent
+        with contextlib.suppress(FileNotFoundError):
+            (run_dir / f"{Path(att.mountdir).name}.log").unlink()
+
+
+def _is_mounted(path: str) -> bool:
+    real = os.path.realpath(path)
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 1 and parts[1].replace("\\040", " ") == real:
+            return True
+    return False

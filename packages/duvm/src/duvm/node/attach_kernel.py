@@ -1,0 +1,179 @@
+"""The kernel nbd path of `duvm.node.attach`: the daemon's export as ``/dev/nbdN``.
+
+``modprobe nbd`` first when the module is not loaded. The device is connected over generic
+netlink (:mod:`duvm.wire.nbdnetlink`: ``NBD_CMD_CONNECT`` with a dead-connection timeout, so a
+restarted daemon can take the live device back with ``NBD_CMD_RECONFIGURE``, see
+:func:`reattach`); on a kernel whose nbd has no netlink family, by the ioctl holder process of
+:mod:`duvm.node.kernelnbd` instead. Detach disconnects the device the way it was connected.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from duvm.node import kernelnbd, processes, systools
+from duvm.node.attach_state import METHOD_KERNEL, AttachError, Attachment, Saver
+from duvm.wire import nbdnetlink
+
+# How long the kernel holds requests for a restarted daemon after the connection died. The
+# memservers keep a dead daemon's namespace for their lease (60 s by default); after that the
+# pages are gone anyway, so waiting longer would only stall the swapping programs longer.
+DEFAULT_DEAD_CONN_TIMEOUT_S = 60
+
+
+def available() -> bool:
+    """The kernel has nbd, loading the module first when it is not loaded."""
+    if kernelnbd.kernel_has_nbd():
+        return True
+    modprobe = systools.find_tool("modprobe")
+    if modprobe is None:
+        return False
+    subprocess.run([modprobe, "nbd"], capture_output=True, check=False, timeout=30)
+    return kernelnbd.kernel_has_nbd()
+
+
+def attach(att: Attachment, run_dir: Path, timeout_s: int, save: Saver) -> None:
+    """Connect a free /dev/nbdN to the daemon's socket; `att.device` is set once it runs."""
+    device = kernelnbd.free_device()
+    if device is None:
+        raise AttachError("every /dev/nbdN is in use (load nbd with a higher nbds_max)")
+    att.nbd_device = device
+    if nbdnetlink.available():
+        _attach_netlink(att, device, timeout_s, save)
+        return
+    logpath = run_dir / f"holder-{Path(device).name}.log"
+    proc = processes.spawn_detached(
+        kernelnbd.holder_command(device, att.socket, timeout_s), logpath
+    )
+    att.holder_pid = proc.pid
+    save()
+    deadline = time.monotonic() + 30
+    while not kernelnbd.device_started(device):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = logpath.read_text()[-800:]
+            raise AttachError(f"kernel nbd attach of {device} failed: {tail.strip()}")
+        time.sleep(0.05)
+    att.device = device
+    att.size_bytes = int(Path("/sys/block", Path(device).name, "size").read_text()) * 512
+    att.extra["nbd_pid"] = nbd_pid(device)
+
+
+def nbd_pid(device: str) -> str | None:
+    """/sys/block/nbdN/pid: set when the device is connected, kept across a reconfigure, so
+    it tells our connection from someone else's on the same device number."""
+    try:
+        return Path("/sys/block", Path(device).name, "pid").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _handshake(socket_path: str) -> tuple[socket.socket, kernelnbd.NegotiatedExport]:
+    try:
+        return kernelnbd.connect_unix(socket_path)
+    except (OSError, kernelnbd.NbdHandshakeError) as exc:
+        raise AttachError(f"NBD handshake with the daemon at {socket_path} failed: {exc}") from exc
+
+
+def _attach_netlink(att: Attachment, device: str, timeout_s: int, save: Saver) -> None:
+    """NBD_CMD_CONNECT: the kernel takes its own reference on the socket, so nothing of
+    ours has to stay running; the dead-connection timeout lets a new daemon take over."""
+    sock, info = _handshake(att.socket)
+    att.nbd_netlink = True
+    att.dead_conn_timeout_s = DEFAULT_DEAD_CONN_TIMEOUT_S
+    save()  # from here a failure must disconnect the device
+    try:
+        nbdnetlink.connect(
+            device,
+            [sock.fileno()],
+            info.size,
+            server_flags=info.transmission_flags,
+            timeout_s=timeout_s,
+            dead_conn_timeout_s=DEFAULT_DEAD_CONN_TIMEOUT_S,
+        )
+    except OSError as exc:
+        raise AttachError(f"kernel nbd attach of {device} over netlink failed: {exc}") from exc
+    finally:
+        sock.close()
+    deadline = time.monotonic() + 30
+    while not kernelnbd.device_started(device):
+        if time.monotonic() > deadline:
+            raise AttachError(f"{device} did not start after NBD_CMD_CONNECT")
+        time.sleep(0.05)
+    att.device = device
+    att.size_bytes = int(Path("/sys/block", Path(device).name, "size").read_text()) * 512
+    att.extra["nbd_pid"] = nbd_pid(device)
+
+
+def reattach(att: Attachment) -> None:
+    """Hand the (restarted) daemon's socket to the live device whose connection died:
+    NBD_CMD_RECONFIGURE. The kernel then resends every request the dead daemon left
+    unanswered, and swap continues where it stopped."""
+    systools.require_root()
+    if att.method != METHOD_KERNEL or not att.nbd_netlink or not att.nbd_device:
+        raise AttachError(
+            "only a kernel nbd device attached over netlink can be handed to a "
+            "restarted daemon (this one is "
+            f"{att.method}{'' if att.nbd_netlink else ' via ioctls'})"
+        )
+    if not kernelnbd.device_started(att.nbd_device):
+        raise AttachError(
+            f"{att.nbd_device} is no longer connected (the dead-connection "
+            f"timeout of {att.dead_conn_timeout_s} s passed?); its swapped pages "
+            "are gone: `duvm disable --force`, then enable again"
+        )
+    sock, _info = _handshake(att.socket)
+    try:
+        nbdnetlink.reconfigure(att.nbd_device, [sock.fileno()])
+    except OSError as exc:
+        raise AttachError(
+            f"handing the daemon's new connection to {att.nbd_device} failed: {exc}"
+        ) from exc
+    finally:
+        sock.close()
+
+
+def device_problem(att: Attachment) -> str | None:
+    """Why the connected `att.device` is no longer ours, or None: the number is reused as soon
+    as it is free, so a connected device must still carry the connection pid seen at attach."""
+    assert att.device is not None
+    recorded, now = att.extra.get("nbd_pid"), nbd_pid(att.device)
+    if recorded and now and now != recorded:  # (not connected at all: still ours to clean)
+        return (
+            f"{att.device} is connected by someone else now (pid {now}, duvm's "
+            f"connection was pid {recorded})"
+        )
+    return None
+
+
+def detach(att: Attachment, errors: list[str]) -> None:
+    """Disconnect the device the way it was connected; what failed is appended to `errors`."""
+    if att.nbd_netlink:
+        if att.nbd_device and kernelnbd.device_started(att.nbd_device):
+            try:
+                nbdnetlink.disconnect(att.nbd_device)
+            except OSError as exc:
+                errors.append(f"NBD_CMD_DISCONNECT on {att.nbd_device}: {exc}")
+                return
+            deadline = time.monotonic() + 30
+            while kernelnbd.device_started(att.nbd_device):
+                if time.monotonic() > deadline:
+                    errors.append(f"{att.nbd_device} still connected 30 s after disconnect")
+                    return
+                time.sleep(0.05)
+        return
+    if att.nbd_device and kernelnbd.device_started(att.nbd_device):
+        try:
+            kernelnbd.disconnect(att.nbd_device)
+        except OSError as exc:
+            errors.append(f"NBD_DISCONNECT on {att.nbd_device}: {exc}")
+    if (
+        att.holder_pid
+        and processes.pid_runs(att.holder_pid, "duvm.node.kernelnbd")
+        and not processes.wait_pid_exit(att.holder_pid, 30)
+    ):
+        errors.append(f"nbd holder {att.holder_pid} still runs after disconnect")
+        return
+    att.holder_pid = None
