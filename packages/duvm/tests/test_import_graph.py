@@ -70,3 +70,18 @@ def test_the_layer_checker_finds_an_upward_import(tmp_path: Path) -> None:
         "pkg.base.b imports pkg.store (base may import [])",
         "pkg.base.b imports pkg.store.s (base may import [])",
     ]
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_longer_than_one_sitting() -> None:
+    """Catches a module growing past what a reader takes in at once (RemoteStore had grown to
+    1143 lines holding placement, replicas, three write paths, two read paths, trim and
+    health): split it by job instead, as store/remote_*.py are."""
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}
