@@ -276,3 +276,90 @@ def test_the_cli_readonly_flag_reaches_the_app(monkeypatch):
     assert cli._tui(parse(["--readonly"])) == 0
     assert seen["readonly"] is True and seen["ran"] is True
     assert cli._tui(parse([])) == 0 and seen["readonly"] is False
+
+
+# ---------------------------------------------------------------------- settings
+
+
+async def test_sort_theme_and_interval_persist_across_sessions(tmp_path: Path):
+    from gputaskman.tui import settings as settings_mod
+
+    path = tmp_path / "cfg" / "tui.json"
+    app = create_app(
+        collector_factory=lambda: Fixed(demo_snapshot()), interval=2.5, settings_path=path
+    )
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("s", "r")  # sort by PAGED-less next column (RAM), ascending
+        app.theme = "nord"
+        await pilot.pause()
+    saved, problem = settings_mod.load(path)
+    assert problem is None
+    assert (saved.sort, saved.descending, saved.interval, saved.theme) == (
+        "RAM",
+        False,
+        2.5,
+        "nord",
+    )
+    again = create_app(
+        collector_factory=lambda: Fixed(demo_snapshot()), interval=None, settings_path=path
+    )
+    async with again.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, again)
+        table = again.query_one(ProcessTable)
+        assert (table.sort_column, table.descending) == ("RAM", False)
+        assert again.theme == "nord" and again.interval == 2.5
+        assert "RAM ▲" in [str(c.label) for c in table.columns.values()]
+
+
+async def test_hidden_columns_from_the_settings_file_are_left_out(tmp_path: Path):
+    path = tmp_path / "tui.json"
+    path.write_text('{"hidden_columns": ["GPU", "CATEGORY"]}')
+    app = create_app(collector_factory=lambda: Fixed(demo_snapshot()), settings_path=path)
+    async with app.run_test(size=(200, 60)) as pilot:
+        await settle(pilot, app)
+        shown = app.query_one(ProcessTable).columns_shown
+        assert "GPU" not in shown and "CATEGORY" not in shown and "RUNTIMES" in shown
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ("{not json", "is not JSON"),
+        ('["a list"]', "not a JSON object"),
+        ('{"sort": "BOGUS", "interval": -1, "hidden_columns": ["PID"]}', "sort 'BOGUS'"),
+        (b"\xff\xfe garbage", "not JSON"),
+    ],
+)
+async def test_a_bad_settings_file_is_reported_and_never_stops_the_tui(
+    tmp_path: Path, content, words
+):
+    """Catches a settings file that crashes the TUI at start, or a bad value that is used
+    anyway (sort by a column that does not exist, a negative interval, PID hidden)."""
+    path = tmp_path / "tui.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    before = path.read_bytes()
+    app = create_app(
+        collector_factory=lambda: Fixed(demo_snapshot()), interval=None, settings_path=path
+    )
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        assert app.settings_problem is not None and words in app.settings_problem
+        table = app.query_one(ProcessTable)
+        assert table.sort_column == "VRAM" and app.interval == 1.0 and "PID" in table.columns_shown
+    assert path.read_bytes() == before  # nothing was changed, so nothing was written
+
+
+async def test_settings_that_cannot_be_saved_are_reported_once(tmp_path: Path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    path = blocker / "tui.json"  # its folder is a file: every save fails
+    app = create_app(collector_factory=lambda: Fixed(demo_snapshot()), settings_path=path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("s", "s")
+        assert app.settings_problem is not None and "not saved" in app.settings_problem
+        assert app.query_one(ProcessTable).sort_column == "CPU%"  # the keys still work

@@ -82,9 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--interval",
         type=_positive_float,
-        default=1.0,
+        default=None,
         metavar="S",
-        help="TUI refresh interval in seconds (default 1.0)",
+        help="TUI refresh interval in seconds (default 1.0; a value given here is kept in "
+        "the TUI's settings for next time)",
     )
     parser.add_argument(
         "--readonly",
@@ -221,8 +222,14 @@ def _tui(args: argparse.Namespace) -> int:
         def factory() -> Any:
             return _collector(args, SCAN_BUDGET)
 
+    from gputaskman.tui.settings import default_path
+
     app = create_app(
-        gpu=args.gpu, interval=args.interval, collector_factory=factory, readonly=args.readonly
+        gpu=args.gpu,
+        interval=args.interval,
+        collector_factory=factory,
+        readonly=args.readonly,
+        settings_path=default_path(),
     )
     app.run()
     return int(app.return_code or 0)

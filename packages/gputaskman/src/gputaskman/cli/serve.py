@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from gputaskman.core.collector import SCAN_BUDGET
 
     logging.basicConfig(level=logging.WARNING, format="gputaskman serve: %(message)s")
-    interval = args.serve_interval if args.serve_interval is not None else args.interval
+    interval = args.serve_interval if args.serve_interval is not None else args.interval or 1.0
     if not interval > 0:
         print("gputaskman serve: --sample-interval must be positive", file=sys.stderr)
         return 2

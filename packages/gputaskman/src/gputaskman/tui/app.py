@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from textual import events, on, work
@@ -33,10 +34,12 @@ from textual.widgets import DataTable, Footer, Input, Static
 from gputaskman.base.readings import Adapter, ProcDetail, ProcGpu, Snapshot
 from gputaskman.core import text_report
 from gputaskman.core.text_report import PROCESS_COLUMNS
+from gputaskman.tui import settings as settings_mod
 from gputaskman.tui import signalling
 from gputaskman.tui.history import History
 from gputaskman.tui.screens.help import HelpScreen
 from gputaskman.tui.screens.signal import SignalScreen
+from gputaskman.tui.settings import Settings
 from gputaskman.tui.widgets.gpu_header import GpuHeader
 from gputaskman.tui.widgets.inspector import Inspector
 from gputaskman.tui.widgets.process_table import ProcessTable
@@ -44,6 +47,7 @@ from gputaskman.tui.widgets.system_panel import SystemPanel
 
 # Below this many columns the process table needs the width: the inspector starts hidden.
 INSPECTOR_MIN_COLS = 140
+DEFAULT_INTERVAL = 1.0  # seconds between samples
 # Below this many rows the header shows only each GPU's line, what is attributed and problems.
 COMPACT_MAX_ROWS = 30
 
@@ -108,10 +112,19 @@ class GtmApp(App[int]):
         collector_factory: Callable[[], CollectorLike],
         *,
         gpu: int | None = None,
-        interval: float = 1.0,
+        interval: float | None = None,
         readonly: bool = False,
+        settings_path: Path | None = None,
     ) -> None:
         super().__init__()
+        # settings_path None: nothing is read or saved (tests, replay of someone's file)
+        self.settings_path = settings_path
+        self.settings, self.settings_problem = (
+            settings_mod.load(settings_path) if settings_path else (Settings(), None)
+        )
+        if interval is not None and interval != self.settings.interval and settings_path:
+            self._save_settings(interval=interval)  # given on the command line: kept
+        interval = interval or self.settings.interval or DEFAULT_INTERVAL
         self.readonly = readonly  # no key acts on a process (k is gone)
         self.filter_text = ""
         self._factory = collector_factory
@@ -151,6 +164,17 @@ class GtmApp(App[int]):
         yield Footer()
 
     def on_mount(self) -> None:
+        st = self.settings
+        self.table.sort_column, self.table.descending = st.sort, st.descending
+        self.table.hidden = st.hidden_columns
+        if st.theme is not None:
+            if st.theme in self.available_themes:
+                self.theme = st.theme
+            else:
+                self.settings_problem = f"settings: no theme {st.theme!r}; default used"
+        if self.settings_problem:
+            self.notify(self.settings_problem, severity="warning", timeout=10)
+        self.theme_changed_signal.subscribe(self, self._theme_changed)
         self.header.show(None, None)
         self.system_panel.show(None)
         self.table.focus()
@@ -388,11 +412,27 @@ class GtmApp(App[int]):
     def action_next_sort(self) -> None:
         snap = self.snapshot
         self.table.next_sort(text_report.process_columns(snap) if snap else PROCESS_COLUMNS)
+        self._save_settings(sort=self.table.sort_column, descending=self.table.descending)
         self.render_all()
 
     def action_reverse_sort(self) -> None:
         self.table.reverse_sort()
+        self._save_settings(descending=self.table.descending)
         self.render_all()
+
+    # -- settings
+
+    def _theme_changed(self, theme: object) -> None:
+        self._save_settings(theme=self.theme)
+
+    def _save_settings(self, **changes: object) -> None:
+        self.settings = dataclasses.replace(self.settings, **changes)  # type: ignore[arg-type]
+        if self.settings_path is None:
+            return
+        problem = settings_mod.save(self.settings, self.settings_path)
+        if problem and problem != self.settings_problem:  # said once, not at every key
+            self.settings_problem = problem
+            self.notify(problem, severity="warning")
 
     def action_toggle_inspector(self) -> None:
         self._inspector_wanted = self.inspector.has_class("-hidden")
@@ -422,9 +462,10 @@ def matches(p: ProcGpu, text: str) -> bool:
 
 def create_app(
     gpu: int | None = None,
-    interval: float = 1.0,
+    interval: float | None = 1.0,
     collector_factory: Callable[[], CollectorLike] | None = None,
     readonly: bool = False,
+    settings_path: Path | None = None,
 ) -> GtmApp:
     """The app for the CLI (real `Collector`) and for tests (a fake collector factory)."""
     if collector_factory is None:
@@ -434,4 +475,10 @@ def create_app(
 
             return Collector(gpu=gpu)
 
-    return GtmApp(collector_factory, gpu=gpu, interval=interval, readonly=readonly)
+    return GtmApp(
+        collector_factory,
+        gpu=gpu,
+        interval=interval,
+        readonly=readonly,
+        settings_path=settings_path,
+    )

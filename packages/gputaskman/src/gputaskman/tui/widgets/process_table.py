@@ -85,7 +85,7 @@ def fit_columns(
 
     room = width - SCROLLBAR
     keep = [c for c in ALWAYS if c in columns]
-    if sort_label[0] in columns and sort_label[0] not in keep:
+    if sort_label[0] in columns and sort_label[0] not in keep:  # (unless hidden)
         keep.append(sort_label[0])
     used = sum(need(c) for c in keep)
     for col in (c for c in PRIORITY if c in columns and c not in keep):
@@ -154,6 +154,7 @@ class ProcessTable(DataTable):
         self.descending = True
         self.rows_shown: dict[str, ProcGpu] = {}
         self.columns_shown: tuple[str, ...] = COLUMNS
+        self.hidden: tuple[str, ...] = ()  # columns the user's settings leave out
 
     def on_mount(self) -> None:
         for label in self.columns_shown:
@@ -188,7 +189,10 @@ class ProcessTable(DataTable):
             if k not in shown:
                 shown[k] = (p, text_report.process_cells(p, lookup, snapshot, every))
         sort = (self.sort_column, self.header_label(self.sort_column))
-        columns, limits = fit_columns(every, [c for _, c in shown.values()], width, sort)
+        offered = tuple(c for c in every if c not in self.hidden)
+        picks = [every.index(c) for c in offered]
+        cells_offered = [tuple(c[i] for i in picks) for _, c in shown.values()]
+        columns, limits = fit_columns(offered, cells_offered, width, sort)
         self._set_columns(columns)
         self.clear()
         for key, col in zip(columns, self.columns.values(), strict=True):
