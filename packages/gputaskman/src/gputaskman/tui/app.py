@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 from textual import events, on, work
 from textual.app import App, ComposeResult
@@ -31,6 +31,7 @@ from textual.message import Message
 from textual.widgets import DataTable, Footer, Static
 
 from gputaskman.base.readings import Adapter, ProcDetail, ProcGpu, Snapshot
+from gputaskman.core.host import HostSample
 from gputaskman.tui.screens.help import HelpScreen
 from gputaskman.tui.widgets.gpu_header import GpuHeader
 from gputaskman.tui.widgets.inspector import Inspector
@@ -42,7 +43,7 @@ INSPECTOR_MIN_COLS = 140
 
 
 class CollectorLike(Protocol):
-    def sample_with_system(self) -> tuple[Snapshot, Any]: ...
+    def sample_with_system(self) -> tuple[Snapshot, HostSample | None]: ...
 
     def close(self) -> None: ...
 
@@ -52,7 +53,7 @@ class SampleReady(Message):
     """A finished collection (posted from the worker thread)."""
 
     snapshot: Snapshot
-    system: Any
+    system: HostSample | None
     elapsed_s: float
 
 
@@ -102,7 +103,7 @@ class GtmApp(App[int]):
         self.interval = interval
         self.requested_gpu = gpu
         self.snapshot: Snapshot | None = None
-        self.system: Any = None
+        self.system: HostSample | None = None
         self.adapter_pos = 0
         self.paused = False
         self.samples = 0
