@@ -20,14 +20,15 @@ from pathlib import Path
 import pytest
 from gputaskman.backends.ascend import (
     SEARCH,
-    AscendAlongside,
     AscendBackend,
     find_npu_smi,
     parse_npu_smi,
     to_sample,
 )
-from gputaskman.backends.nvml import NvmlSample
+from gputaskman.backends.drm import DrmBackend
+from gputaskman.backends.linux import LinuxGpus
 from gputaskman.base import schema
+from gputaskman.base.gpusource import GpuSample, GpuSource
 from gputaskman.base.readings import Problem, Reason
 from gputaskman.core import report
 from gputaskman.core.collector import Collector, NullScanner
@@ -203,10 +204,10 @@ def test_find_npu_smi_on_path_or_in_driver_locations():
     assert find_npu_smi(which=lambda _: None) is None
 
 
-class NoNvml:
+class NoNvml(GpuSource):
     def sample(self):
         p = Problem("backend.init", Reason.NO_LIBRARY, "NVML Shared Library Not Found")
-        return NvmlSample(problems=(p,), backend_problem=p)
+        return GpuSample("nvml", problems=(p,), backend_problem=p)
 
     def close(self):
         self.closed = True
@@ -215,9 +216,10 @@ class NoNvml:
 def test_ascend_mocked_alongside_a_failed_nvml_is_usable_and_sums_measured_bytes(tmp_path):
     (tmp_path / "out.txt").write_text(SINGLE)
     tool = fake_tool(tmp_path, f"cat {tmp_path / 'out.txt'}\n")
-    src = AscendAlongside(NoNvml(), AscendBackend([tool]))
-    snap = Collector(nvml=src, scanner=NullScanner()).sample()
+    src = LinuxGpus(NoNvml(), DrmBackend(str(tmp_path / "no-drm")), AscendBackend([tool]))
+    snap = Collector(source=src, scanner=NullScanner()).sample()
     assert snap.available and [a.index for a in snap.adapters] == [0, 1]
+    assert snap.backend == "ascend"  # the first GPU shown is an NPU
     assert any(p.reason is Reason.NO_LIBRARY for p in snap.problems)  # NVML's, kept
     assert snap.attributed_on("00000000:5a:00.0") == 27600 * MIB
     assert report.null_rule_violations(report.to_json_dict(snap, None)) == []
@@ -225,8 +227,15 @@ def test_ascend_mocked_alongside_a_failed_nvml_is_usable_and_sums_measured_bytes
 
 
 def test_ascend_absent_leaves_the_other_source_untouched(tmp_path):
-    base = NoNvml()
-    src = AscendAlongside(base, AscendBackend([str(tmp_path / "absent")]))
-    assert src.sample() == base.sample()
-    with pytest.raises(AttributeError):
-        _ = src.something_else
+    no_drm = DrmBackend(str(tmp_path / "no-drm"))
+    without = LinuxGpus(NoNvml(), no_drm).sample()
+    src = LinuxGpus(NoNvml(), no_drm, AscendBackend([str(tmp_path / "absent")]))
+    s = src.sample()
+    assert (s.adapters, s.problems, s.backend_problem) == (
+        without.adapters,
+        without.problems,
+        without.backend_problem,
+    )
+    # only the failed Ascend probe is added, for --list-gpus
+    assert [p.backend for p in s.parts] == ["ascend", "drm"]
+    assert s.parts[0].status == "failed" and s.parts[0].reason is Reason.NO_LIBRARY

@@ -20,8 +20,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from gputaskman.backends.nvml import NvmlProcess, NvmlSample
 from gputaskman.base import schema
+from gputaskman.base.gpusource import GpuProcess, GpuSample, GpuSource
 from gputaskman.base.readings import Adapter, Kind, ProcGpu, Reading, Snapshot
 from gputaskman.core import report, text_report
 from gputaskman.core.collector import Collector, ProcinfoScanner
@@ -88,18 +88,18 @@ def server(tmp_path: Path) -> Iterator[subprocess.Popen]:
         proc.stdout.close()
 
 
-class MockNvml:
+class MockNvml(GpuSource):
     """NVML mock: one NVIDIA GPU that lists `pid` with `vram` measured bytes."""
 
     def __init__(self, pid: int, vram: int) -> None:
         self.pid, self.vram = pid, vram
 
-    def sample(self) -> NvmlSample:
+    def sample(self) -> GpuSample:
         a = Adapter(0, "nvidia", "NVIDIA Mock GPU", "GPU-mock", BUS, "nvml")
-        p = NvmlProcess(
+        p = GpuProcess(
             self.pid, BUS, ("compute",), Reading.measured(self.vram, "nvml:mock running processes")
         )
-        return NvmlSample(adapters=(a,), processes=(p,), driver_version="mock")
+        return GpuSample("nvml", adapters=(a,), processes=(p,), driver_version="mock")
 
     def close(self) -> None:
         pass
@@ -107,7 +107,7 @@ class MockNvml:
 
 def test_nvml_mocked_gpu_row_other_is_measured_minus_runtime_parts(server):
     vram = 2 * GIB
-    c = Collector(scan_budget=None, nvml=MockNvml(server.pid, vram))
+    c = Collector(scan_budget=None, source=MockNvml(server.pid, vram))
     try:
         snap, system = c.sample_with_system()
     finally:
@@ -202,9 +202,9 @@ def test_background_looks_never_block_a_refresh(server):
 def test_collector_models_only_with_the_procinfo_scanner():
     from gputaskman.core.collector import NullScanner
 
-    seam = Collector(scanner=NullScanner(), nvml=MockNvml(1, 1))
+    seam = Collector(scanner=NullScanner(), source=MockNvml(1, 1))
     assert seam.models is None
-    real = Collector(scanner=ProcinfoScanner(), nvml=MockNvml(1, 1))
+    real = Collector(scanner=ProcinfoScanner(), source=MockNvml(1, 1))
     try:
         assert isinstance(real.models, ModelResolver) and real.models.background
     finally:

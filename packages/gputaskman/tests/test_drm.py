@@ -24,10 +24,8 @@ import pytest
 from gputaskman.backends.drm import (
     BACKEND,
     DrmBackend,
-    NvmlWithDrm,
     backend_for,
     bus_id,
-    collector_backend,
     combine_with_nvml,
     drm_adapters,
     merge_adapters,
@@ -49,8 +47,9 @@ from gputaskman.backends.drm_sysfs import (
     read_amdgpu,
     read_intel,
 )
-from gputaskman.backends.nvml import NvmlProcess, NvmlSample
+from gputaskman.backends.linux import LinuxGpus, NotAsked
 from gputaskman.base import schema
+from gputaskman.base.gpusource import GpuProcess, GpuSample
 from gputaskman.base.readings import Adapter, Kind, Problem, Reading, Reason
 from gputaskman.core import report, text_report
 from gputaskman.fixtures.drm_fixtures import (
@@ -612,8 +611,7 @@ def test_xe_frequency_throttle_and_energy_power(tmp_path: Path) -> None:
     assert m.clock_graphics_mhz.value == 2050
     assert m.clock_graphics_mhz.source.endswith("tile0/gt0/freq0/act_freq")
     # gt1's status is 0, so its stray reason bit is not reported
-    assert s.throttle_reasons[key] == ("thermal",)
-    assert f"GPU {key}: frequency throttled (thermal)" in s.notes[-1]
+    assert f"GPU {key}: frequency throttled (thermal) [" in s.notes[-1]
     assert m.memory_total_bytes.value == 16 * GIB and m.memory_used_bytes.value == GIB
     assert m.power_w.value is None and m.power_w.reason is Reason.UNAVAILABLE
     (tmp_path / "sys/devices/pci0000:00/0000:03:00.0/hwmon/hwmon5/energy1_input").write_text(
@@ -665,13 +663,13 @@ def test_backend_for_selected_adapter() -> None:
 def _drm_collector(root: Path, clock_ns=None):
     """The real collector over a fixture tree: DRM backend, host sample and names from the
     tree's /proc (as ``--sysroot`` builds it), with a clock seam for engine rates."""
-    from gputaskman.core.collector import Collector, NoNvml, NullScanner
+    from gputaskman.core.collector import Collector, NullScanner
     from gputaskman.core.host import HostSampler
 
-    source = NvmlWithDrm(NoNvml("not asked"), DrmBackend(str(root), clock_ns=clock_ns))
+    source = LinuxGpus(NotAsked("nvml", "not asked"), DrmBackend(str(root), clock_ns=clock_ns))
     return Collector(
         scan_budget=None,
-        nvml=source,
+        source=source,
         scanner=NullScanner(),
         models=None,
         host=HostSampler(proc_root=str(root / "proc"), duvm=False),
@@ -754,19 +752,18 @@ def test_drm_sample_reads_no_comm_or_stat_and_one_sysfs_link_per_node(
     assert any(p.endswith("renderD128/device") for p in sysfs)
     rows = {p.pid: p for p in s.processes}
     assert rows[90].dedicated.value == 20 * 2 * MIB  # 20 private clients of 2 MiB each
-    assert all(p.name is None and p.create_time is None for p in s.processes)
+    assert all(p.name is None for p in s.processes)  # identity comes from the host sample
 
 
 def test_combine_with_nvml_sample_data_and_collector_backend(tmp_path: Path) -> None:
     write_demo_tree(tmp_path)
     drm = DrmBackend(str(tmp_path)).sample()
     nv_metrics = drm.metrics[bus_id(AMD_PDEV)]  # any DeviceMetrics will do as NVML's
-    nvml = NvmlSample(
+    nvml = GpuSample(
+        "nvml",
         adapters=(_nvml("00000000:01:00.0"),),
         metrics={"00000000:01:00.0": nv_metrics},
-        processes=(
-            NvmlProcess(7, "00000000:01:00.0", ("compute",), Reading.measured(1, "nvml:x")),
-        ),
+        processes=(GpuProcess(7, "00000000:01:00.0", ("compute",), Reading.measured(1, "nvml:x")),),
         driver_version="550.54",
     )
     both = combine_with_nvml(nvml, drm)
@@ -778,22 +775,25 @@ def test_combine_with_nvml_sample_data_and_collector_backend(tmp_path: Path) -> 
     assert set(both.metrics) == {a.pci_bus_id for a in both.adapters}
     assert [p.pid for p in both.processes] == [7, 4100, 4200, 4300, 4301, 4400]
     assert both.backend_problem is None and both.driver_version == "550.54"
-    assert collector_backend(both.adapters, None, "nvml") == "nvml"  # first adapter: NVIDIA
-    assert collector_backend(both.adapters, 1, "nvml") == "drm"
-    assert collector_backend(both.adapters, 2, "nvml") == "drm"
+    assert set(both.extra_metrics) == {bus_id(AMD_PDEV)}  # amdgpu's GTT
+    backend_for = LinuxGpus(NotAsked("nvml", "unused"), DrmBackend(str(tmp_path))).backend_for
+    assert backend_for(both, None) == "nvml"  # first adapter: NVIDIA
+    assert backend_for(both, 1) == "drm"
+    assert backend_for(both, 2) == "drm"
 
     # NVML absent (an AMD/Intel-only machine): usable, NVML's reason kept as a problem
     missing = Problem("backend.init", Reason.NO_LIBRARY, "NVML Shared Library Not Found")
-    alone = combine_with_nvml(NvmlSample(problems=(missing,), backend_problem=missing), drm)
+    alone = combine_with_nvml(GpuSample("nvml", problems=(missing,), backend_problem=missing), drm)
     assert alone.backend_problem is None and alone.problems == (missing,)
     assert [(a.index, a.vendor) for a in alone.adapters] == [(0, "amd"), (1, "intel")]
-    assert collector_backend(alone.adapters, None, "nvml") == "drm"
+    assert backend_for(alone, None) == "drm"
     # NVML already lists 03:00.0: the DRM copy, its metrics and its processes are dropped
-    owned = NvmlSample(adapters=(_nvml("00000000:03:00.0"),), metrics={})
+    owned = GpuSample("nvml", adapters=(_nvml("00000000:03:00.0"),), metrics={})
     merged = combine_with_nvml(owned, drm)
     assert [a.backend for a in merged.adapters] == ["nvml", "drm"]
     assert bus_id(AMD_PDEV) not in merged.metrics
     assert {p.adapter for p in merged.processes} == {bus_id(INTEL_PDEV)}
+    assert merged.extra_metrics == {}  # the GTT of a card NVML lists goes with it
     # no DRM card: NVML's sample unchanged
     assert combine_with_nvml(nvml, DrmBackend(str(tmp_path / "empty")).sample()) is nvml
 
@@ -824,8 +824,8 @@ def test_collector_with_nvml_with_drm_source(tmp_path: Path) -> None:
     from gputaskman.core.collector import Collector, NullScanner
 
     write_demo_tree(tmp_path)
-    source = NvmlWithDrm(NvmlBackend(), DrmBackend(str(tmp_path)))
-    collector = Collector(scan_budget=None, nvml=source, scanner=NullScanner())
+    source = LinuxGpus(NvmlBackend(), DrmBackend(str(tmp_path)))
+    collector = Collector(scan_budget=None, source=source, scanner=NullScanner())
     try:
         snap, _system = collector.sample_with_system()
     finally:
@@ -837,5 +837,5 @@ def test_collector_with_nvml_with_drm_source(tmp_path: Path) -> None:
     assert rows[4100].dedicated.value == 4 * GIB
     assert rows[4300].dedicated.value is None
     assert snap.attributed_on(bus_id(AMD_PDEV)) == 4 * GIB
-    assert source.backend(drm_adapters_seen[0].index, "nvml") == "drm"
-    assert any(INTEL_MEMORY_NOTE in n for n in source.last_drm.notes)
+    assert snap.backend == "drm"  # the first adapter is an AMD card (no NVML here)
+    assert any(INTEL_MEMORY_NOTE in n for n in snap.notes)

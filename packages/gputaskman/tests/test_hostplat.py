@@ -18,6 +18,7 @@ import pytest
 from gputaskman.backends.win import pdh
 from gputaskman.backends.win.pdh import CounterRead
 from gputaskman.base import schema
+from gputaskman.base.gpusource import GpuSample, GpuSource
 from gputaskman.base.readings import Reason
 from gputaskman.core import collector, host, hostplat, report, text_report
 from gputaskman.core.exporter import system_families
@@ -150,9 +151,9 @@ def test_default_sampler_picks_by_platform_and_the_collector_uses_it(monkeypatch
     with pytest.raises(ValueError):
         hostplat.PlatformHostSampler("linux")
 
-    class NoGpu:
+    class NoGpu(GpuSource):
         def sample(self):
-            return collector.NvmlSample()
+            return GpuSample("nvml")
 
         def close(self) -> None:
             pass
@@ -162,7 +163,7 @@ def test_default_sampler_picks_by_platform_and_the_collector_uses_it(monkeypatch
             return {}
 
     monkeypatch.setattr(sys, "platform", "darwin")
-    c = collector.Collector(nvml=NoGpu(), scanner=NoScan(), models=None)
+    c = collector.Collector(source=NoGpu(), scanner=NoScan(), models=None)
     monkeypatch.undo()
     snap, system = c.sample_with_system()
     assert isinstance(system, host.SystemInfo) and "macOS" in (system.processes_reason or "")

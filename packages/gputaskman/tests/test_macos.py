@@ -163,7 +163,7 @@ def test_metal_mocked_as_root_graphics_ledgers_are_measured_and_compressed_is_pa
         FakeFootprint(root=True),
         memsize=lambda: 32 * GIB,
     )
-    snap = Collector(nvml=backend, scanner=NullScanner()).sample()
+    snap = Collector(source=backend, scanner=NullScanner()).sample()
     key = "iokit:0x100000abc"
     # graphics footprints are summed; compressed (Paged) and phys footprints never are
     assert snap.attributed_on(key) == 4 * GIB + 200 * MIB

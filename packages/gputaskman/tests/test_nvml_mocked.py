@@ -191,7 +191,7 @@ def test_nvml_mocked_hidden_memory_is_na_with_reason_never_zero():
         r = by_pid[pid].dedicated
         assert r.value is None and r.reason is Reason.HIDDEN and r.kind is Kind.MEASURED
     assert by_pid[102].dedicated.value == 0 and by_pid[102].dedicated.reason is None
-    c = Collector(nvml=NvmlBackend(MockedNvml([dev])), scanner=NullScanner())
+    c = Collector(source=NvmlBackend(MockedNvml([dev])), scanner=NullScanner())
     snap = c.sample()
     assert snap.attributed == 2 * GIB  # the measured zero and 2 GiB; hidden adds nothing
     assert snap.attributed_complete is False
@@ -211,7 +211,7 @@ def test_nvml_mocked_failed_process_list_is_a_failure_not_an_empty_list():
     (p,) = s.problems
     assert (p.where, p.reason, p.adapter) == ("processes.compute", Reason.DENIED, BUS_A.lower())
     assert [x.pid for x in s.processes] == [200]  # the graphics list still answered
-    snap = Collector(nvml=NvmlBackend(MockedNvml([dev])), scanner=NullScanner()).sample()
+    snap = Collector(source=NvmlBackend(MockedNvml([dev])), scanner=NullScanner()).sample()
     assert snap.attributed_complete is False
     doc = report.to_json_dict(snap, None)
     assert schema.errors(doc) == []  # the packaged JSON Schema
@@ -348,7 +348,7 @@ def test_nvml_mocked_init_failure_degrades_with_reason_and_is_not_retried(code, 
     backend.sample()
     assert lib.init_calls == 1
     snap = Collector(
-        nvml=NvmlBackend(MockedNvml([], init_error=err(code))), scanner=NullScanner()
+        source=NvmlBackend(MockedNvml([], init_error=err(code))), scanner=NullScanner()
     ).sample()
     doc = report.to_json_dict(snap, None)
     assert schema.errors(doc) == []  # the packaged JSON Schema
@@ -357,7 +357,7 @@ def test_nvml_mocked_init_failure_degrades_with_reason_and_is_not_retried(code, 
 
 
 def test_nvml_mocked_zero_gpus_is_an_answer_not_a_failure():
-    snap = Collector(nvml=NvmlBackend(MockedNvml([])), scanner=NullScanner()).sample()
+    snap = Collector(source=NvmlBackend(MockedNvml([])), scanner=NullScanner()).sample()
     assert snap.available and snap.adapters == ()
     assert "NVML answered but lists no GPU" in snap.notes
 
@@ -398,7 +398,7 @@ def test_nvml_mocked_collector_joins_real_process_identity_and_scan():
 
     ghost = 2**22 + 12345  # above the kernel's pid_max limit, so never a real process
     dev = device(BUS_A, compute=[proc(os.getpid(), GIB), proc(ghost, 2 * GIB)])
-    c = Collector(nvml=NvmlBackend(MockedNvml([dev])), scan_budget=None)
+    c = Collector(source=NvmlBackend(MockedNvml([dev])), scan_budget=None)
     snap, system = c.sample_with_system()
     rows = {p.pid: p for p in snap.processes if p.adapter == BUS_A.lower()}
     me = rows[os.getpid()]

@@ -8,12 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from gputaskman.backends.platforms import (
-    PLATFORM_TABLE,
-    ProbeResult,
-    detect_backend,
-    is_wsl,
-)
+from gputaskman.backends.platforms import PLATFORM_TABLE, detect_backend, is_wsl
+from gputaskman.base.gpusource import GpuSample, ProbeResult
 from gputaskman.base.readings import Problem, Reason
 from gputaskman.core.collector import Collector, NullScanner, gpu_source
 
@@ -122,7 +118,7 @@ def test_foreign_backend_on_linux_degrades_with_a_reason(backend):
         from gputaskman.backends.win.backend import WddmBackend
 
         source = WddmBackend(tcc=False)
-    snap = Collector(nvml=source, scanner=NullScanner()).sample()
+    snap = Collector(source=source, scanner=NullScanner()).sample()
     assert not snap.available and snap.backend_problem is not None
     assert "only" in (snap.backend_problem.detail or "")  # "... only on Windows/macOS"
 
@@ -136,8 +132,6 @@ def test_platform_table_is_honest():
 
 
 def test_probes_list_the_main_probe_then_sub_probes():
-    from gputaskman.backends.nvml import NvmlSample
-    from gputaskman.backends.platforms import probes
     from gputaskman.backends.win.backend import WddmBackend
     from gputaskman.backends.win.pdh import COUNTERS, CounterRead
     from gputaskman.backends.win.tcc import TccCounters
@@ -161,9 +155,9 @@ def test_probes_list_the_main_probe_then_sub_probes():
 
     with unittest.mock.patch("sys.platform", "win32"):
         s = w.sample()
-    main, tcc = probes(w, s, "wddm")
+    main, tcc = s.probes
     assert main.line() == "wddm: probe succeeded, 0 GPUs"
     assert tcc.status == "failed" and "nvml.dll not found" in tcc.line()
     p = Problem("backend.init", Reason.NO_LIBRARY, "NVML Shared Library Not Found")
-    (only,) = probes(object(), NvmlSample(problems=(p,), backend_problem=p), "nvml")
+    (only,) = GpuSample("nvml", problems=(p,), backend_problem=p).probes
     assert only.line() == "nvml: probe failed (library not found: NVML Shared Library Not Found)"

@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 from gputaskman import cli
 from gputaskman.backends.macos import Accelerator, MacCounters
-from gputaskman.backends.nvml import NvmlSample
 from gputaskman.backends.wsl import Interop, WslBackend, dxg_holders
 from gputaskman.backends.wslhost import StreamParser
 from gputaskman.base import schema
+from gputaskman.base.gpusource import GpuSample, GpuSource
 from gputaskman.base.readings import Problem, Reason
 from gputaskman.core import collector, report, text_report
 from gputaskman.core.collector import Collector, NullScanner
@@ -60,12 +60,12 @@ def run_gtm(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-class NoNvml:
+class NoNvml(GpuSource):
     """NVML absent (this machine has no NVIDIA driver either; this keeps tests exact)."""
 
     def sample(self):
         p = Problem("backend.init", Reason.NO_LIBRARY, "NVML Shared Library Not Found")
-        return NvmlSample(problems=(p,), backend_problem=p)
+        return GpuSample("nvml", problems=(p,), backend_problem=p)
 
     def close(self):
         pass
@@ -88,14 +88,14 @@ def test_mocked_platform_selects_its_backend_and_loads_nothing(backend, kind):
 
 def test_mocked_linux_appends_ascend_only_when_npu_smi_is_installed(monkeypatch):
     from gputaskman.backends import ascend
-    from gputaskman.backends.drm import NvmlWithDrm
+    from gputaskman.backends.linux import LinuxGpus
 
     monkeypatch.setattr(ascend, "find_npu_smi", lambda which=None: None)
     plain = collector.default_gpu_source("nvml")
-    assert isinstance(plain, NvmlWithDrm)
+    assert isinstance(plain, LinuxGpus) and plain.ascend is None
     monkeypatch.setattr(ascend, "find_npu_smi", lambda which=None: "/usr/local/bin/npu-smi")
     both = collector.default_gpu_source("nvml")
-    assert isinstance(both, ascend.AscendAlongside) and isinstance(both.primary, NvmlWithDrm)
+    assert isinstance(both, LinuxGpus) and isinstance(both.ascend, ascend.AscendBackend)
     plain.close()
     both.close()
 
@@ -188,7 +188,7 @@ def test_wsl_replay_rows_end_to_end_through_collector_json_and_replay(dxg_child)
         interop=Interop(True, None, "/mnt/c/ps.exe"),
         holders=lambda: ({}, 0) if next(calls) == 0 else dxg_holders(device=dev),
     )
-    c = Collector(nvml=b, scanner=NullScanner())
+    c = Collector(source=b, scanner=NullScanner())
     try:
         c.sample()  # baseline: the VM idle at 300 MiB, nobody holds the device
         snap, system = c.sample_with_system()
@@ -267,7 +267,7 @@ def agx() -> Accelerator:
 
 
 def mac_snapshot():
-    c = Collector(nvml=mac_source([agx()]), scanner=NullScanner())
+    c = Collector(source=mac_source([agx()]), scanner=NullScanner())
     try:
         return c.sample_with_system()
     finally:
@@ -337,7 +337,7 @@ async def test_tui_iokit_mocked_shows_paged_column_and_drops_it_without_paged():
     mac = mac_snapshot()
     fake = FixedCollector(mac, (demo_snapshot(), DemoSystem()))
     app = create_app(collector_factory=lambda: fake, interval=60.0)
-    async with app.run_test(size=(140, 40)) as pilot:
+    async with app.run_test(size=(220, 40)) as pilot:  # wide enough for every column
         for _ in range(200):
             await pilot.pause(0.01)
             if app.samples >= 1:
@@ -345,9 +345,9 @@ async def test_tui_iokit_mocked_shows_paged_column_and_drops_it_without_paged():
         table = app.query_one(ProcessTable)
         assert table.columns_shown == text_report.PAGED_COLUMNS
         row = table.get_row(f"{OWN}@{mac[0].adapters[0].pci_bus_id}")
-        assert str(row[4]) == "512.0 MiB"
+        assert str(row[table.columns_shown.index("PAGED")]) == "512.0 MiB"
         table.sort_column = "PAGED"
-        table.show(list(demo_snapshot().processes), demo_snapshot(), DemoSystem())
+        table.show(list(demo_snapshot().processes), demo_snapshot(), DemoSystem(), 220)
         assert table.columns_shown == text_report.PROCESS_COLUMNS
         assert table.sort_column == "VRAM"  # the PAGED sort went with its column
         assert len(table.columns) == len(text_report.PROCESS_COLUMNS)
@@ -394,6 +394,25 @@ def test_list_gpus_pdh_mocked_windows_empty_probe(capsys):
 
     rc, out = list_gpus(WddmBackend(dxgi=NoAdapters(), pdh=NoCounters(), tcc=False), capsys)
     assert rc == 0 and "wddm: probe succeeded, 0 GPUs" in out
+
+
+def test_list_gpus_drm_without_a_card_is_one_probe_line_and_one_snapshot_note(tmp_path, capsys):
+    """Catches the DRM part's empty probe going missing (nothing would say DRM was looked
+    for) or being said twice in ``--list-gpus`` (as a probe line and again as a note)."""
+    from gputaskman.backends.drm import DrmBackend
+    from gputaskman.backends.linux import LinuxGpus
+
+    def source() -> LinuxGpus:
+        return LinuxGpus(NoNvml(), DrmBackend(str(tmp_path)))
+
+    rc, out = list_gpus(source(), capsys)
+    assert rc == 0
+    assert out == [
+        "nvml: probe failed (library not found: NVML Shared Library Not Found)",
+        "drm: no amdgpu, i915 or xe card in /sys/class/drm",
+    ]
+    snap = Collector(source=source(), scanner=NullScanner()).sample()
+    assert snap.notes == ("DRM: no amdgpu, i915 or xe card in /sys/class/drm",)
 
 
 def write_tool(tmp_path: Path, body: str) -> Path:

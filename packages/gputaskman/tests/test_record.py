@@ -125,7 +125,7 @@ class Capturing:
 def test_nvml_mocked_record_lines_equal_to_json_dict_of_each_sample(tmp_path: Path) -> None:
     nvml_mod = _helper("test_nvml_mocked")
     lib = nvml_mod.MockedNvml([nvml_mod.device(nvml_mod.BUS_A), nvml_mod.device(nvml_mod.BUS_B)])
-    src = Capturing(Collector(gpu=1, nvml=NvmlBackend(lib)))
+    src = Capturing(Collector(gpu=1, source=NvmlBackend(lib)))
     out = tmp_path / "gpu.jsonl"
     fd = record.open_record(out)
     try:

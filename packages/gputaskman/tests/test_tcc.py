@@ -98,7 +98,7 @@ def test_tcc_mocked_keeps_tcc_and_mcdm_devices_only_and_asks_the_model_once():
         (TCC_BUS, "tcc"),
         ("00000000:af:00.0", "tcc"),
     ]
-    assert s.modes == {TCC_BUS: "tcc", "00000000:af:00.0": "mcdm"}
+    assert t.modes == {TCC_BUS: "tcc", "00000000:af:00.0": "mcdm"}
     assert WDDM_BUS not in s.metrics and all(p.adapter != WDDM_BUS for p in s.processes)
     t.sample()
     t.sample()
@@ -134,7 +134,7 @@ def test_tcc_mocked_appended_after_dxgi_and_no_index_moves():
     ]
     assert s2.metrics[TCC_BUS].memory_total_bytes.value == 16 * GIB
     assert any("NVML only" in n for n in s2.notes)
-    snap = Collector(nvml=backend, scanner=NullScanner()).sample()
+    snap = Collector(source=backend, scanner=NullScanner()).sample()
     # the hidden process makes the TCC sum a lower bound, never a complete-looking number
     assert snap.attributed_on(TCC_BUS) == 3 * GIB
     assert snap.attributed_complete_on(TCC_BUS) is False
@@ -203,7 +203,8 @@ def test_tcc_mocked_no_nvidia_driver_is_a_failed_probe_not_an_empty_one(monkeypa
     w = WddmBackend(dxgi=Dxgi([desc(0xA)]), pdh=EmptyPdh(), tcc=TccCounters(loader=loader))
     ws = w.sample()
     assert ws.problems == () and [a.index for a in ws.adapters] == [0]
-    assert w.last_tcc is not None and w.last_tcc.probe.status == "failed"
+    (tcc,) = ws.parts  # TCC's own probe, for --list-gpus
+    assert tcc.backend == "tcc" and tcc.status == "failed"
 
 
 def test_tcc_mocked_nvml_with_only_wddm_gpus_is_an_empty_probe():

@@ -340,7 +340,7 @@ def test_pdh_mocked_collector_sums_local_usage_only_and_never_asks_dedicated_usa
     )
     fake = FakePdh(reads())
     backend = WddmBackend(dxgi=FakeDxgi([desc]), pdh=fake, tcc=False)
-    c = Collector(nvml=backend, scanner=NullScanner())
+    c = Collector(source=backend, scanner=NullScanner())
     snap = c.sample()
     c.close()
     assert fake.closed

@@ -16,7 +16,6 @@ import textwrap
 import time
 
 import pytest
-from gputaskman.backends.nvml import NvmlSample
 from gputaskman.backends.win import pdh
 from gputaskman.backends.wsl import Interop, WslBackend, dxg_holders, interop_status
 from gputaskman.backends.wslhost import (
@@ -27,6 +26,7 @@ from gputaskman.backends.wslhost import (
     powershell_command,
 )
 from gputaskman.base import schema
+from gputaskman.base.gpusource import GpuSample, GpuSource
 from gputaskman.base.readings import Kind, Reason
 from gputaskman.core import report
 from gputaskman.core.collector import Collector, NullScanner
@@ -352,12 +352,12 @@ class ReplayHost:
         self.closed = True
 
 
-class NoNvml:
+class NoNvml(GpuSource):
     def sample(self):
         from gputaskman.base.readings import Problem
 
         p = Problem("backend.init", Reason.NO_LIBRARY, "NVML Shared Library Not Found")
-        return NvmlSample(problems=(p,), backend_problem=p)
+        return GpuSample("nvml", problems=(p,), backend_problem=p)
 
     def close(self):
         pass
@@ -382,7 +382,7 @@ def test_wsl_replay_inferred_rows_sit_under_vmwp_and_are_never_summed():
     assert wsl_row.inferred is not None and wsl_row.inferred.value == 4096 * MIB
     assert wsl_row.dedicated.value is None and wsl_row.dedicated.reason is Reason.NOT_LISTED
     # through the collector: only measured host bytes are summed (vmwp.exe + dwm), once
-    c = Collector(nvml=b, scanner=NullScanner())
+    c = Collector(source=b, scanner=NullScanner())
     snap = c.sample()  # the replay repeats its last frame
     c.close()
     assert host.closed

@@ -28,9 +28,9 @@ processes" line has an unknown process list (a problem), not an empty one.
 
 `AscendBackend` runs the command (found on PATH or in the driver's install locations) with
 a timeout; no command, a failing one, or output without a device table make a failed
-probe with the reason. `AscendAlongside` adds the NPUs to another Linux source (NVML +
-DRM) the way `drm.NvmlWithDrm` adds DRM cards: appended, so no index moves. Not
-validated on Ascend hardware.
+probe with the reason; it is a `gpusource.GpuSource` whose samples have backend
+``ascend``. `append_npus` adds the NPUs to another Linux sample (NVML + DRM, in
+`linux.LinuxGpus`): appended, so no index moves. Not validated on Ascend hardware.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from gputaskman.backends.drm_fdinfo import pci_bus_id
-from gputaskman.backends.platforms import PlatformProcess, PlatformSample, failed_sample
+from gputaskman.base.gpusource import GpuProcess, GpuSample, GpuSource
 from gputaskman.base.readings import Adapter, DeviceMetrics, Problem, Reading, Reason
 
 BACKEND: Final = "ascend"
@@ -198,10 +198,10 @@ def chip_key(c: Chip) -> str:
     return key if key is not None else f"ascend:npu{c.npu}-chip{c.chip}"
 
 
-def to_sample(info: NpuSmiInfo, start_index: int = 0) -> PlatformSample:
-    """Model types from one parse."""
+def to_sample(info: NpuSmiInfo, start_index: int = 0) -> GpuSample:
+    """The contract's types from one parse."""
     if not info.has_device_table:
-        return failed_sample(
+        return GpuSample.failed(
             BACKEND, "backend.init", Reason.QUERY_FAILED, "npu-smi printed no device table"
         )
     adapters: list[Adapter] = []
@@ -216,7 +216,7 @@ def to_sample(info: NpuSmiInfo, start_index: int = 0) -> PlatformSample:
         by_chip[(c.npu, c.chip)] = key
         adapters.append(Adapter(start_index + len(adapters), "huawei", c.name, None, key, BACKEND))
         metrics[key] = _metrics(c)
-    procs: list[PlatformProcess] = []
+    procs: list[GpuProcess] = []
     src = "npu-smi:Process memory(MB)"
     for p in info.processes:
         where = by_chip.get((p.npu, p.chip))
@@ -231,7 +231,7 @@ def to_sample(info: NpuSmiInfo, start_index: int = 0) -> PlatformSample:
             )
             continue
         procs.append(
-            PlatformProcess(
+            GpuProcess(
                 pid=p.pid,
                 adapter=where,
                 contexts=("npu",),
@@ -249,7 +249,7 @@ def to_sample(info: NpuSmiInfo, start_index: int = 0) -> PlatformSample:
             )
             problems.append(Problem("processes.npu-smi", Reason.UNAVAILABLE, why, chip_key(c)))
     notes = (f"npu-smi: {info.unparsed} rows not understood",) if info.unparsed else ()
-    return PlatformSample(
+    return GpuSample(
         BACKEND,
         tuple(adapters),
         metrics,
@@ -304,7 +304,7 @@ def find_npu_smi(which: Callable[[str], str | None] = shutil.which) -> str | Non
     return next((p for p in SEARCH if os.access(p, os.X_OK)), None)
 
 
-class AscendBackend:
+class AscendBackend(GpuSource):
     """Runs ``npu-smi info`` each sample. `command` overrides the program (tests)."""
 
     def __init__(self, command: Sequence[str] | None = None, timeout: float = 10.0) -> None:
@@ -317,12 +317,12 @@ class AscendBackend:
     def available(self) -> bool:
         return self.command is not None or find_npu_smi() is not None
 
-    def sample(self, start_index: int = 0) -> PlatformSample:
+    def sample(self, start_index: int = 0) -> GpuSample:
         cmd = self.command
         if cmd is None:
             exe = find_npu_smi()
             if exe is None:
-                return failed_sample(
+                return GpuSample.failed(
                     BACKEND,
                     "backend.init",
                     Reason.NO_LIBRARY,
@@ -332,16 +332,16 @@ class AscendBackend:
         try:
             r = subprocess.run(cmd, capture_output=True, timeout=self.timeout, check=False)
         except FileNotFoundError as exc:
-            return failed_sample(BACKEND, "backend.init", Reason.NO_LIBRARY, str(exc))
+            return GpuSample.failed(BACKEND, "backend.init", Reason.NO_LIBRARY, str(exc))
         except subprocess.TimeoutExpired:
-            return failed_sample(
+            return GpuSample.failed(
                 BACKEND,
                 "backend.init",
                 Reason.QUERY_FAILED,
                 f"npu-smi did not answer within {self.timeout:g}s",
             )
         except OSError as exc:
-            return failed_sample(BACKEND, "backend.init", Reason.QUERY_FAILED, str(exc))
+            return GpuSample.failed(BACKEND, "backend.init", Reason.QUERY_FAILED, str(exc))
         out = r.stdout.decode("utf-8", "replace")
         if r.returncode != 0:
             # the error text: stderr's last line, else stdout's (npu-smi prints to both)
@@ -349,52 +349,32 @@ class AscendBackend:
             lines = err or out.strip().splitlines()
             tail = lines[-1].strip() if lines else ""
             detail = f"npu-smi exited with {r.returncode}: {tail}".rstrip(": ")
-            return failed_sample(BACKEND, "backend.init", Reason.QUERY_FAILED, detail)
+            return GpuSample.failed(BACKEND, "backend.init", Reason.QUERY_FAILED, detail)
         return to_sample(parse_npu_smi(out), start_index)
 
 
-class AscendAlongside:
-    """Another Linux source (NVML + DRM) with Ascend NPUs appended after its adapters.
-
-    Forwards `last_drm` and `backend()` of the wrapped source, so the collector treats it
-    as it treats `drm.NvmlWithDrm`. When the wrapped source is unusable (no NVML) but NPUs
-    answer, the sample is usable and the other problem stays listed.
-    """
-
-    def __init__(self, primary: Any, ascend: AscendBackend) -> None:
-        self.primary = primary
-        self.ascend = ascend
-        self.last_ascend: PlatformSample | None = None
-        self._indices: dict[str, int] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("last_drm", "backend"):
-            return getattr(self.primary, name)
-        raise AttributeError(name)
-
-    def sample(self) -> Any:
-        base = self.primary.sample()
-        a = self.ascend.sample()
-        self.last_ascend = a
-        if a.backend_problem is not None or not a.adapters:
-            return base
-        taken = {x.index for x in base.adapters}
-        adapters = list(base.adapters)
-        for x in a.adapters:
-            if x.pci_bus_id not in self._indices:
-                used = taken | set(self._indices.values())
-                self._indices[x.pci_bus_id] = max(used, default=-1) + 1
-            adapters.append(dataclasses.replace(x, index=self._indices[x.pci_bus_id]))
-        metrics = dict(base.metrics)
-        metrics.update(a.metrics)
-        return dataclasses.replace(
-            base,
-            adapters=tuple(adapters),
-            metrics=metrics,
-            processes=tuple(base.processes) + a.processes,
-            problems=tuple(base.problems) + a.problems,
-            backend_problem=None,
-        )
-
-    def close(self) -> None:
-        self.primary.close()
+def append_npus(base: GpuSample, npus: GpuSample, indices: dict[str, int]) -> GpuSample:
+    """`base` (another Linux source's sample) with the NPUs of `npus` appended after its
+    adapters. `indices` (bus id -> index) is the caller's, kept across samples, so an NPU
+    keeps its index and no other adapter's moves. When `base` is unusable (no NVML) but
+    NPUs answer, the result is usable and `base`'s problem stays listed; when the NPUs
+    failed or there are none, `base` is returned as it is."""
+    if npus.backend_problem is not None or not npus.adapters:
+        return base
+    taken = {x.index for x in base.adapters}
+    adapters = list(base.adapters)
+    for x in npus.adapters:
+        if x.pci_bus_id not in indices:
+            used = taken | set(indices.values())
+            indices[x.pci_bus_id] = max(used, default=-1) + 1
+        adapters.append(dataclasses.replace(x, index=indices[x.pci_bus_id]))
+    metrics = dict(base.metrics)
+    metrics.update(npus.metrics)
+    return dataclasses.replace(
+        base,
+        adapters=tuple(adapters),
+        metrics=metrics,
+        processes=base.processes + npus.processes,
+        problems=base.problems + npus.problems,
+        backend_problem=None,
+    )

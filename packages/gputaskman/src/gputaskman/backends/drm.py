@@ -1,9 +1,9 @@
-"""The DRM backend (AMD amdgpu, Intel i915 and xe on Linux), in the model's types.
+"""The DRM backend (AMD amdgpu, Intel i915 and xe on Linux).
 
 Theory of operation
 -------------------
-`DrmBackend.sample()` makes one pass and returns a `DrmSample` holding `model.Adapter`,
-`model.DeviceMetrics` and `model.ProcGpu` values, ready to go into a `Snapshot`:
+`DrmBackend` is a `gpusource.GpuSource`: `sample()` makes one pass and returns a
+`GpuSample` (backend ``drm``):
 
 1. `drm_sysfs.enumerate_cards` lists the cards; only amdgpu, i915 and xe on PCI are kept.
 2. `drm_clients.scan_clients` finds every DRM client in /proc (deduplicated by
@@ -14,13 +14,16 @@ Theory of operation
    "used" memory is the sum over its visible clients, computed here; Intel power, where the
    hwmon gives only an energy counter, is a rate between two samples too.
 4. `drm_clients.attribute` decides what each process may be credited with; here that becomes
-   `ProcGpu.dedicated` (measured only for provably private clients, else missing with the
-   reason) and `ProcGpu.engines`. Rows carry no name or start time: the collector joins
-   them with its host sample (``(pid, create_time)``), which already read both.
+   `GpuProcess.dedicated` (measured only for provably private clients, else missing with
+   the reason) and `GpuProcess.engines`. Rows carry no name: the collector joins them with
+   its host sample (``(pid, create_time)``), which already read it.
+5. amdgpu's GTT (system memory the GPU has mapped) goes to `GpuSample.extra_metrics`;
+   a throttled Intel GT frequency becomes a note naming the reasons.
 
-`merge_adapters` pairs these adapters with NVML's by PCI address so a machine with an NVIDIA
-GPU and an AMD or Intel one lists each GPU once; `backend_for` says which backend serves a
-selected adapter (``"drm"`` for amdgpu and Intel).
+`combine_with_nvml` (used by `linux.LinuxGpus`) pairs these adapters with NVML's by PCI
+address (`merge_adapters`) so a machine with an NVIDIA GPU and an AMD or Intel one lists each
+GPU once; `backend_for` says which backend serves a selected adapter (``"drm"`` for amdgpu
+and Intel).
 
 Everything reads below ``root`` (default ``/``), so tests run on fake /sys and /proc trees.
 Not validated on real hardware.
@@ -31,8 +34,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from gputaskman.backends.drm_clients import (
     Client,
@@ -54,18 +56,19 @@ from gputaskman.backends.drm_sysfs import (
     read_amdgpu,
     read_intel,
 )
-from gputaskman.backends.nvml import NvmlProcess, NvmlSample
+from gputaskman.base.gpusource import GpuProcess, GpuSample, GpuSource
 from gputaskman.base.readings import (
     Adapter,
     DeviceMetrics,
     Kind,
     Problem,
-    ProcGpu,
     Reading,
     Reason,
 )
 
 BACKEND: Final = "drm"
+#: What an empty DRM probe looked for (``--list-gpus`` and the snapshot's notes say it).
+NO_CARD: Final = "no amdgpu, i915 or xe card in /sys/class/drm"
 #: Memory or engine time of a DRM client held by several processes: credited to nobody;
 #: the detail names the processes.
 SHARED_REASON: Final = Reason.SHARED
@@ -73,12 +76,10 @@ FDINFO_SOURCE: Final = "drm-fdinfo"
 __all__ = [
     "BACKEND",
     "INTEL_MEMORY_NOTE",
+    "NO_CARD",
     "DrmBackend",
-    "DrmSample",
-    "NvmlWithDrm",
     "backend_for",
     "bus_id",
-    "collector_backend",
     "combine_with_nvml",
     "drm_adapters",
     "merge_adapters",
@@ -144,86 +145,37 @@ def backend_for(adapter: Adapter | None, default: str) -> str:
     return default
 
 
-def collector_backend(adapters: Sequence[Adapter], selected: int | None, default: str) -> str:
-    """`Collector.backend`: that of the selected adapter (by index), else of the first one."""
-    chosen = next((a for a in adapters if a.index == selected), None)
-    if chosen is None and selected is None and adapters:
-        chosen = adapters[0]
-    return backend_for(chosen, default)
-
-
-def combine_with_nvml(nvml: NvmlSample, drm: DrmSample) -> NvmlSample:
-    """NVML's sample with the DRM adapters, metrics, processes and problems added.
+def combine_with_nvml(nvml: GpuSample, drm: GpuSample) -> GpuSample:
+    """NVML's sample with the DRM adapters, metrics, processes, problems and notes added.
 
     Adapters are merged by PCI address (`merge_adapters`); DRM data for a device NVML
-    already lists is dropped, so nothing shows twice. DRM processes become `NvmlProcess`
-    rows (same fields the collector reads). When NVML itself is unusable (no library on
-    an AMD/Intel machine) but DRM found cards, the result is usable: NVML's problem stays
-    in `problems` and `backend_problem` is cleared. DRM `notes` are not part of an
-    `NvmlSample`; the collector adds ``drm.notes`` to the snapshot's notes itself.
+    already lists is dropped, so nothing shows twice. When NVML itself is unusable (no
+    library on an AMD/Intel machine) but DRM found cards, the result is usable: NVML's
+    problem stays in `problems` and `backend_problem` is cleared. With no DRM card, NVML's
+    sample is returned with DRM's notes, if any.
     """
     if not drm.adapters:
-        return nvml
+        return dataclasses.replace(nvml, notes=drm.notes + nvml.notes) if drm.notes else nvml
     adapters = merge_adapters(nvml.adapters, drm.adapters)
     kept = {a.pci_bus_id for a in adapters if a.backend == BACKEND}
     metrics = dict(nvml.metrics)
     metrics.update({k: v for k, v in drm.metrics.items() if k in kept})
-    procs = tuple(
-        NvmlProcess(p.pid, p.adapter, p.contexts, p.dedicated, dict(p.engines))
-        for p in drm.processes
-        if p.adapter in kept
-    )
-    problems = nvml.problems + tuple(p for p in drm.problems if p.adapter in kept)
-    return NvmlSample(
+    return dataclasses.replace(
+        nvml,
         adapters=adapters,
         metrics=metrics,
-        processes=nvml.processes + procs,
-        problems=problems,
+        processes=nvml.processes + tuple(p for p in drm.processes if p.adapter in kept),
+        problems=nvml.problems + tuple(p for p in drm.problems if p.adapter in kept),
         backend_problem=None,
-        driver_version=nvml.driver_version,
+        notes=drm.notes + nvml.notes,
+        extra_metrics={
+            **nvml.extra_metrics,
+            **{k: v for k, v in drm.extra_metrics.items() if k in kept},
+        },
     )
 
 
-class NvmlWithDrm:
-    """Drop-in for the collector's `NvmlBackend`: each sample is NVML's plus DRM's.
-
-    ``Collector(nvml=NvmlWithDrm(NvmlBackend(), DrmBackend()))`` shows NVIDIA, AMD and Intel
-    GPUs side by side. After each `sample`, `last_drm` holds the DRM sample (for its
-    ``notes``) and `backend(selected, default)` gives `Collector.backend`.
-    """
-
-    def __init__(self, nvml: Any, drm: DrmBackend) -> None:
-        self.nvml = nvml
-        self.drm = drm
-        self.last_drm = DrmSample()
-        self._last: NvmlSample = NvmlSample()
-
-    def sample(self) -> NvmlSample:
-        self.last_drm = self.drm.sample()
-        self._last = combine_with_nvml(self.nvml.sample(), self.last_drm)
-        return self._last
-
-    def backend(self, selected: int | None, default: str) -> str:
-        return collector_backend(self._last.adapters, selected, default)
-
-    def close(self) -> None:
-        self.nvml.close()
-
-
-@dataclass(frozen=True, slots=True)
-class DrmSample:
-    """One pass of the DRM backend, in model types; `metrics` is keyed by pci_bus_id."""
-
-    adapters: tuple[Adapter, ...] = ()
-    metrics: Mapping[str, DeviceMetrics] = field(default_factory=dict)
-    processes: tuple[ProcGpu, ...] = ()
-    problems: tuple[Problem, ...] = ()
-    notes: tuple[str, ...] = ()
-    extra: Mapping[str, CardReadings] = field(default_factory=dict)  # GTT, throttle reasons
-    throttle_reasons: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
-
-
-class DrmBackend:
+class DrmBackend(GpuSource):
     """Samples DRM cards and clients under `root`; keep one instance across samples."""
 
     def __init__(self, root: str = "/", clock_ns: Callable[[], int] | None = None) -> None:
@@ -235,12 +187,15 @@ class DrmBackend:
     def cards(self) -> tuple[DrmCard, ...]:
         return tuple(c for c in enumerate_cards(self.root) if c.supported)
 
-    def sample(self, start_index: int = 0) -> DrmSample:
+    def close(self) -> None:
+        pass  # every read opens and closes its own file
+
+    def sample(self, start_index: int = 0) -> GpuSample:
         """Adapters, device metrics and processes of every amdgpu/i915/xe card."""
         cards = self.cards()
         adapters = drm_adapters(cards, start_index)
         if not cards:
-            return DrmSample()
+            return GpuSample(BACKEND)
         now = int(self._clock())
         scan = scan_clients(self.root)
         pdevs = {c.pdev for c in cards}
@@ -261,14 +216,14 @@ class DrmBackend:
             extra[bus_id(card.pdev)] = readings
         usages = attribute(clients, rates)
         processes = tuple(self._proc(u, clients, integrated[u.pdev]) for u in usages)
-        return DrmSample(
+        return GpuSample(
+            BACKEND,
             adapters=adapters,
             metrics=metrics,
             processes=processes,
             problems=_problems(scan, adapters),
             notes=_notes(scan, cards) + _throttle_notes(extra),
-            extra=extra,
-            throttle_reasons={k: v.throttle_reasons for k, v in extra.items()},
+            extra_metrics=_gtt(extra),
         )
 
     def _intel_power(self, pdev: str, r: CardReadings, now: int) -> CardReadings:
@@ -288,18 +243,25 @@ class DrmBackend:
         return dataclasses.replace(r, metrics=dataclasses.replace(r.metrics, power_w=power))
 
     @staticmethod
-    def _proc(u: ProcUsage, clients: Sequence[Client], integrated: bool) -> ProcGpu:
-        # No name or start time: the collector joins each row with its host sample, which
-        # has both for every process, so reading comm and stat here again would be wasted.
-        return ProcGpu(
+    def _proc(u: ProcUsage, clients: Sequence[Client], integrated: bool) -> GpuProcess:
+        # No name: the collector joins each row with its host sample, which has it for
+        # every process, so reading comm here again would be wasted.
+        return GpuProcess(
             pid=u.pid,
-            create_time=None,
-            name=None,
             adapter=bus_id(u.pdev),
             contexts=("drm",),
             dedicated=_dedicated(u, integrated),
             engines=_engines(u, clients),
         )
+
+
+def _gtt(extra: Mapping[str, CardReadings]) -> dict[str, dict[str, Reading]]:
+    """amdgpu GTT readings of the cards that have them (a card without GTT files has none)."""
+    return {
+        bus: {"gtt_used_bytes": r.gtt_used_bytes, "gtt_total_bytes": r.gtt_total_bytes}
+        for bus, r in extra.items()
+        if r.gtt_used_bytes.known or r.gtt_total_bytes.known
+    }
 
 
 def _has_local(clients: Iterable[Client], pdev: str) -> bool:

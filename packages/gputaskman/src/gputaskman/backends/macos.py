@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-`MacCounters.sample()` returns a `PlatformSample` built from two interfaces that tests
-replace:
+`MacCounters` is a `gpusource.GpuSource`; its `sample()` returns a `GpuSample` (backend
+``metal``) built from two interfaces that tests replace:
 
 * `IOKitApi.accelerators()`: every ``IOAccelerator`` service (``AGXAccelerator*`` on
   Apple Silicon) with its ``PerformanceStatistics`` dictionary and the properties of its
@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from gputaskman.backends.platforms import PlatformProcess, PlatformSample, failed_sample
+from gputaskman.base.gpusource import GpuProcess, GpuSample, GpuSource
 from gputaskman.base.readings import Adapter, DeviceMetrics, Kind, Problem, Reading, Reason
 
 BACKEND: Final = "metal"
@@ -123,7 +123,7 @@ def _reading(v: Any, source: str, what: str) -> Reading:
     return Reading.measured(n, source)
 
 
-class MacCounters:
+class MacCounters(GpuSource):
     """IOKit + footprint poller. `clock` is monotonic seconds (a seam for rate tests)."""
 
     def __init__(
@@ -143,16 +143,16 @@ class MacCounters:
     def close(self) -> None:
         pass
 
-    def sample(self) -> PlatformSample:
+    def sample(self) -> GpuSample:
         try:
             accels = self._iokit.accelerators()
         except OSError as exc:
-            return failed_sample(BACKEND, "backend.init", Reason.QUERY_FAILED, f"IOKit: {exc}")
+            return GpuSample.failed(BACKEND, "backend.init", Reason.QUERY_FAILED, f"IOKit: {exc}")
         now = self._clock()
         total = self._memsize()
         adapters: list[Adapter] = []
         metrics: dict[str, DeviceMetrics] = {}
-        procs: list[PlatformProcess] = []
+        procs: list[GpuProcess] = []
         problems: list[Problem] = []
         times: dict[tuple[str, int, str | None], tuple[float, int]] = {}
         footprints: dict[int, tuple[Reading, Reading, Reading]] = {}
@@ -190,7 +190,7 @@ class MacCounters:
                     footprints[pid] = self._footprint(pid)
                 graphics, compressed, fp = footprints[pid]
                 procs.append(
-                    PlatformProcess(
+                    GpuProcess(
                         pid=pid,
                         adapter=key,
                         contexts=("metal",),
@@ -203,7 +203,7 @@ class MacCounters:
                 )
         self._times = times
         notes = ("Apple GPUs share unified memory with the CPU: footprint is not VRAM",)
-        return PlatformSample(
+        return GpuSample(
             BACKEND, tuple(adapters), metrics, tuple(procs), tuple(problems), notes=notes
         )
 

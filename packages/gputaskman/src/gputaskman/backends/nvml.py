@@ -2,9 +2,10 @@
 
 Theory of operation
 -------------------
-`NvmlBackend.sample()` returns an `NvmlSample`: adapters, device metrics, the per-process
-rows NVML lists, and every problem it met, each with a `Reason`. It never raises for an
-NVML error, and it never turns an error into a number.
+`NvmlBackend` is a `gpusource.GpuSource`: `sample()` returns a `GpuSample` (backend
+``nvml``): adapters, device metrics, the per-process rows NVML lists (`GpuProcess`), and
+every problem it met, each with a `Reason`. It never raises for an NVML error, and it never
+turns an error into a number.
 
 * **Lazy init.** `pynvml` is imported and `nvmlInit()` called on the first sample, not at
   import. A failed init (no library, no driver) is remembered with its reason: a missing
@@ -40,10 +41,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, TypeVar
 
+from gputaskman.base.gpusource import GpuProcess, GpuSample, GpuSource
 from gputaskman.base.readings import Adapter, DeviceMetrics, Problem, Reading, Reason
 
 BACKEND = "nvml"
@@ -124,28 +125,7 @@ class _Lost(Exception):
         self.detail = detail
 
 
-@dataclass(frozen=True, slots=True)
-class NvmlProcess:
-    """One process on one adapter as NVML lists it (identity comes from procinfo)."""
-
-    pid: int
-    adapter: str
-    contexts: tuple[str, ...]
-    dedicated: Reading
-    engines: dict[str, Reading] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class NvmlSample:
-    adapters: tuple[Adapter, ...] = ()
-    metrics: dict[str, DeviceMetrics] = field(default_factory=dict)
-    processes: tuple[NvmlProcess, ...] = ()
-    problems: tuple[Problem, ...] = ()
-    backend_problem: Problem | None = None
-    driver_version: str | None = None
-
-
-class NvmlBackend:
+class NvmlBackend(GpuSource):
     """Lazily initialised NVML. `lib` is the pynvml module (tests pass a mocked one)."""
 
     def __init__(self, lib: ModuleType | Any | None = None) -> None:
@@ -187,14 +167,14 @@ class NvmlBackend:
 
     # -- sampling
 
-    def sample(self) -> NvmlSample:
+    def sample(self) -> GpuSample:
         with self._lock:
             problem = self._init()
             if problem is not None:
-                return NvmlSample(problems=(problem,), backend_problem=problem)
+                return GpuSample(BACKEND, problems=(problem,), backend_problem=problem)
             return self._sample()
 
-    def _sample(self) -> NvmlSample:
+    def _sample(self) -> GpuSample:
         lib = self._lib
         problems: list[Problem] = []
         driver = None
@@ -206,11 +186,11 @@ class NvmlBackend:
             count = int(lib.nvmlDeviceGetCount())
         except Exception as exc:
             p = Problem("backend.device_count", reason_for(exc), _detail(exc))
-            return NvmlSample(problems=(p,), backend_problem=p, driver_version=driver)
+            return GpuSample(BACKEND, problems=(p,), backend_problem=p, driver_version=driver)
 
         adapters: list[Adapter] = []
         metrics: dict[str, DeviceMetrics] = {}
-        procs: list[NvmlProcess] = []
+        procs: list[GpuProcess] = []
         for index in range(count):
             try:
                 handle = lib.nvmlDeviceGetHandleByIndex(index)
@@ -253,7 +233,9 @@ class NvmlBackend:
             problems.append(Problem("adapter", Reason.GPU_LOST, detail, bus))
             for kind in ("compute", "graphics"):
                 problems.append(Problem(f"processes.{kind}", Reason.GPU_LOST, detail, bus))
-        return NvmlSample(tuple(adapters), metrics, tuple(procs), tuple(problems), None, driver)
+        return GpuSample(
+            BACKEND, tuple(adapters), metrics, tuple(procs), tuple(problems), None, driver
+        )
 
     @staticmethod
     def _optional_text(fn: Callable[[], Any]) -> str | None:
@@ -340,7 +322,7 @@ class NvmlBackend:
             ),
         )
 
-    def _processes(self, h: Any, bus: str, problems: list[Problem]) -> list[NvmlProcess]:
+    def _processes(self, h: Any, bus: str, problems: list[Problem]) -> list[GpuProcess]:
         lib = self._lib
         rows: dict[int, tuple[list[str], Reading | None]] = {}
         for kind, api, fn in (
@@ -380,7 +362,7 @@ class NvmlBackend:
                 rows[pid] = (contexts, prev if prev is not None and prev.known else r)
         engines = self._engines(h, bus, set(rows))
         return [
-            NvmlProcess(pid, bus, tuple(ctx), r, engines.get(pid) or {})  # type: ignore[arg-type]
+            GpuProcess(pid, bus, tuple(ctx), r, engines.get(pid) or {})  # type: ignore[arg-type]
             for pid, (ctx, r) in sorted(rows.items())
         ]
 

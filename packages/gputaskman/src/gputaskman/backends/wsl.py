@@ -2,7 +2,8 @@
 
 Theory of operation
 -------------------
-`WslBackend.sample()` builds a `PlatformSample` from three sources:
+`WslBackend` is a `gpusource.GpuSource`; `sample()` builds a `GpuSample` (backend ``wsl``)
+from three sources:
 
 1. **NVML inside WSL** (`nvml.NvmlBackend`; the driver maps libnvidia-ml into the distro):
    device metrics by PCI address. NVML inside WSL does not give per-process memory; its
@@ -35,10 +36,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gputaskman.backends.platforms import PlatformProcess, PlatformSample
 from gputaskman.backends.win import pdh
 from gputaskman.backends.wslhost import ContextTracker, HostStream, Key, is_vm_worker
 from gputaskman.base import procfs
+from gputaskman.base.gpusource import GpuProcess, GpuSample, GpuSource
 from gputaskman.base.readings import Adapter, DeviceMetrics, Problem, Reading, Reason
 
 BACKEND: Final = "wsl"
@@ -131,12 +132,12 @@ def dxg_holders(proc_root: str = "/proc", device: str = DXG) -> tuple[dict[int, 
     return out, denied
 
 
-class WslBackend:
+class WslBackend(GpuSource):
     """NVML + host stream + context tracking; pass fakes in tests."""
 
     def __init__(
         self,
-        nvml: Any | None = None,
+        nvml: GpuSource | None = None,
         host: HostStream | None = None,
         interop: Interop | None = None,
         holders: Any | None = None,
@@ -165,14 +166,11 @@ class WslBackend:
         if self._host is not None:
             self._host.close()
 
-    def sample(self) -> PlatformSample:
+    def sample(self) -> GpuSample:
         base = self._nvml.sample()
         adapters = list(base.adapters)
         metrics: dict[str, DeviceMetrics] = dict(base.metrics)
-        procs: list[PlatformProcess] = [
-            PlatformProcess(p.pid, p.adapter, p.contexts, p.dedicated, dict(p.engines))
-            for p in base.processes
-        ]
+        procs: list[GpuProcess] = list(base.processes)
         problems: list[Problem] = list(base.problems)
         notes: list[str] = []
         # NVML missing inside WSL is not fatal when the host view works
@@ -194,7 +192,7 @@ class WslBackend:
             self._add_host(frame, adapters, metrics, procs, problems, notes)
         if nvml_problem is not None and len(adapters) > len(base.adapters):
             nvml_problem = None  # the host view answered: the sample is usable
-        return PlatformSample(
+        return GpuSample(
             backend=BACKEND,
             adapters=tuple(adapters),
             metrics=metrics,
@@ -210,7 +208,7 @@ class WslBackend:
         frame: Any,
         adapters: list[Adapter],
         metrics: dict[str, DeviceMetrics],
-        procs: list[PlatformProcess],
+        procs: list[GpuProcess],
         problems: list[Problem],
         notes: list[str],
     ) -> None:
@@ -258,7 +256,7 @@ class WslBackend:
         )
         for key, inf in sorted(inferred.items(), key=lambda kv: kv[0][0]):
             procs.append(
-                PlatformProcess(
+                GpuProcess(
                     pid=key[0],
                     adapter=luid,
                     contexts=("dxg",),

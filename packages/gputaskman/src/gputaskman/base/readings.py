@@ -278,7 +278,7 @@ class ProcGpu:
     (``gpu``, ``memory``, ``encoder``, ``decoder``) to per-process utilisation readings;
     engine availability is independent of memory availability.
 
-    Fields from the non-Linux backends (`platforms.PlatformProcess`), none of them ever
+    Fields only some backends know (`gpusource.GpuProcess`), none of them ever
     summed into `Snapshot.attributed`: `paged` is measured non-local memory (Windows PDH
     ``Non Local Usage``, macOS compressed graphics memory, the "Paged" column); `footprint`
     the macOS physical footprint (unified memory, not VRAM); `host` names the OS a row's

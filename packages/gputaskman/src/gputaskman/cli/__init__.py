@@ -25,9 +25,14 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gputaskman import __version__
+
+if TYPE_CHECKING:
+    from gputaskman.base.gpusource import GpuSource
+    from gputaskman.base.readings import Snapshot
+    from gputaskman.core.collector import Collector
 
 # subcommand -> (module, one-line help); the module exports add_arguments() and run().
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -124,7 +129,7 @@ def _one_shot(args: argparse.Namespace) -> int:
     return rc
 
 
-def _collector(args: argparse.Namespace, scan_budget: float | None) -> Any:
+def _collector(args: argparse.Namespace, scan_budget: float | None) -> Collector:
     """The real collector, or one reading the tree under ``--sysroot``."""
     from gputaskman.core.collector import Collector, sysroot_collector
 
@@ -135,24 +140,23 @@ def _collector(args: argparse.Namespace, scan_budget: float | None) -> Any:
     return Collector(gpu=args.gpu, scan_budget=scan_budget)
 
 
-def _check_gpu_index(snap: object, gpu: int | None) -> int:
+def _check_gpu_index(snap: Snapshot, gpu: int | None) -> int:
     """Exit code for `--gpu N`: 2 when NVML works and lists no GPU N (a usage error);
     0 when there is no backend at all (the report already says why)."""
-    if gpu is None or not snap.available:  # type: ignore[attr-defined]
+    if gpu is None or not snap.available:
         return 0
-    if any(a.index == gpu for a in snap.adapters):  # type: ignore[attr-defined]
+    if any(a.index == gpu for a in snap.adapters):
         return 0
-    count = len(snap.adapters)  # type: ignore[attr-defined]
+    count = len(snap.adapters)
     print(f"gputaskman: no GPU {gpu}; NVML lists {count} GPU(s)", file=sys.stderr)
     return 2
 
 
-def _list_gpus(args: argparse.Namespace, source: Any = None) -> int:
+def _list_gpus(args: argparse.Namespace, source: GpuSource | None = None) -> int:
     """Print the adapters, then a line for every probe that is not a plain success.
 
     `source` replaces `collector.default_gpu_source()` (tests pass a mocked backend).
     """
-    from gputaskman.backends import platforms
     from gputaskman.core import collector, report, text_report
 
     if source is None and getattr(args, "sysroot", None):
@@ -160,17 +164,10 @@ def _list_gpus(args: argparse.Namespace, source: Any = None) -> int:
             raise SystemExit(f"gputaskman: --sysroot {args.sysroot}: not a directory")
         source = collector.sysroot_gpu_source(args.sysroot)
     src = source if source is not None else collector.default_gpu_source()
-    # NvmlWithDrm clears NVML's failure once DRM finds a card; keep NVML's own sample so
-    # its probe can still be reported on its own line.
-    linux = getattr(src, "primary", src)
-    nvml_part = None
-    if hasattr(linux, "nvml") and hasattr(linux, "drm"):
-        nvml_part = linux.nvml = _KeepLast(linux.nvml)
     try:
         s = src.sample()
     finally:
         src.close()
-    backend = getattr(s, "backend", None) or collector.BACKEND
     for a in s.adapters:
         m = s.metrics.get(a.pci_bus_id)
         total = report.fmt_reading(m.memory_total_bytes, as_bytes=True, reason=True) if m else "n/a"
@@ -178,38 +175,17 @@ def _list_gpus(args: argparse.Namespace, source: Any = None) -> int:
             f"{a.index}  {a.name or 'n/a'}  {a.pci_bus_id}  {a.uuid or 'n/a'}  {total}"
             f"  [{a.backend}]"
         )
-    # A failed probe is not an empty list: each probe says which it was, and why.
-    found = platforms.probes(src, s, backend)
-    if nvml_part is not None and nvml_part.last is not None and s.adapters:
-        n = nvml_part.last
-        found.insert(1, platforms.ProbeResult.of("nvml", n.adapters, n.backend_problem))
-    for pr in found:
+    # A failed probe is not an empty list: each probe says which it was, and why. The
+    # sample's parts are its sources' own probes (NVML's beside DRM, TCC's, Ascend's).
+    for pr in s.probes:
         if pr.status != "ok" or pr.partial:
             print(pr.line())
-    drm = getattr(src, "last_drm", None)
-    if drm is not None and not drm.adapters:
-        print("drm: no amdgpu, i915 or xe card in /sys/class/drm")
     for p in s.problems:
         if p is not s.backend_problem:
             print("problem: " + text_report.describe_problem(p))
-    for note in getattr(s, "notes", ()):
+    for note in s.notes:
         print("note: " + note)
     return 0
-
-
-class _KeepLast:
-    """A GPU source that remembers its last sample (for `_list_gpus`)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.last: Any = None
-
-    def sample(self) -> Any:
-        self.last = self.inner.sample()
-        return self.last
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _tui(args: argparse.Namespace) -> int:

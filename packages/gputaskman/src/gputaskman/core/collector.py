@@ -4,16 +4,18 @@ Theory of operation
 -------------------
 `Collector.sample_with_system()` does, in order:
 
-1. **GPU backend** (chosen once at construction by `default_gpu_source`). `BACKEND` is
-   `platforms.current_backend()`: ``wddm`` on Windows (DXGI + PDH, TCC/MCDM GPUs from
-   NVML), ``metal`` on macOS (IOKit), ``wsl`` under WSL (NVML + the Windows host's
-   counters), else ``nvml``: on Linux `drm.NvmlWithDrm` (NVML for NVIDIA plus DRM
-   sysfs/fdinfo for amdgpu, i915 and xe, merged by PCI address), with Huawei Ascend NPUs
-   appended (`ascend.AscendAlongside`) when ``npu-smi`` is installed. Each gives adapters,
-   device metrics and the processes the driver lists per adapter. A missing driver or
-   library yields a snapshot with `backend_problem` set, never an exception.
-   `Collector.backend` is `BACKEND`, or ``drm`` / ``ascend`` when the selected GPU is an
-   AMD/Intel card or an NPU. Non-Linux backends are not validated on hardware.
+1. **GPU backend**, a `gpusource.GpuSource` (chosen once at construction by
+   `default_gpu_source`; the collector knows backends only through that contract).
+   `BACKEND` is `platforms.current_backend()`: ``wddm`` on Windows (DXGI + PDH, TCC/MCDM
+   GPUs from NVML), ``metal`` on macOS (IOKit), ``wsl`` under WSL (NVML + the Windows
+   host's counters), else ``nvml``: on Linux `linux.LinuxGpus` (NVML for NVIDIA plus DRM
+   sysfs/fdinfo for amdgpu, i915 and xe, merged by PCI address, with Huawei Ascend NPUs
+   appended when ``npu-smi`` is installed). Each gives a `GpuSample`: adapters, device
+   metrics, the processes the driver lists per adapter, notes and probes. A missing driver
+   or library yields a snapshot with `backend_problem` set, never an exception.
+   `Collector.backend` is the source's `backend_for` the selected GPU: the sample's
+   backend, or ``drm`` / ``ascend`` when the selected GPU is an AMD/Intel card or an NPU.
+   Non-Linux backends are not validated on hardware.
 
    Rows a backend marks with ``host`` (Windows processes seen from WSL) carry PIDs of
    another OS: they keep the backend's name, get no create time, and are never scanned
@@ -57,10 +59,11 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gputaskman.backends import platforms
-from gputaskman.backends.nvml import NvmlBackend, NvmlProcess, NvmlSample
+from gputaskman.backends.nvml import NvmlBackend
+from gputaskman.base.gpusource import GpuProcess, GpuSource
 from gputaskman.base.readings import (
     Adapter,
     Kind,
@@ -74,11 +77,14 @@ from gputaskman.base.readings import (
 from gputaskman.core import host as host_mod
 from gputaskman.core import hostplat
 
+if TYPE_CHECKING:
+    from gputaskman.intel.procinfo import ProcInfo
+
 SCAN_BUDGET = 0.150  # seconds of /proc/PID/maps scanning per refresh (TUI, record)
 
 # The backend for this machine, chosen once from platform facts (platforms.detect_backend);
 # `Collector.backend` becomes "drm" / "ascend" when the selected GPU is an amdgpu or Intel
-# card or an Ascend NPU (see drm.collector_backend).
+# card or an Ascend NPU (see linux.LinuxGpus.backend_for).
 BACKEND = platforms.current_backend()
 
 ScanKey = tuple[int, float | None]
@@ -86,15 +92,7 @@ ScanKey = tuple[int, float | None]
 _DEFAULT_MODELS: Any = object()  # "build the default ModelResolver" (None means none)
 
 
-class GpuSource(Protocol):
-    """What the collector needs from a GPU backend (`NvmlBackend`, `drm.NvmlWithDrm`)."""
-
-    def sample(self) -> NvmlSample: ...
-
-    def close(self) -> None: ...
-
-
-def gpu_source(backend: str) -> Any:
+def gpu_source(backend: str) -> GpuSource | None:
     """A sampling source for `backend`, importing its platform module only now.
 
     ``nvml`` returns None: the collector keeps its own Linux default (NVML + DRM).
@@ -123,23 +121,32 @@ def default_gpu_source(backend: str | None = None) -> GpuSource:
     name = BACKEND if backend is None else backend
     src = gpu_source(name)
     if src is not None:
-        return src  # type: ignore[no-any-return]
+        return src
     if not sys.platform.startswith("linux"):
         return NvmlBackend()
-    from gputaskman.backends.ascend import AscendAlongside, AscendBackend
-    from gputaskman.backends.drm import DrmBackend, NvmlWithDrm
+    from gputaskman.backends.ascend import AscendBackend
+    from gputaskman.backends.drm import DrmBackend
+    from gputaskman.backends.linux import LinuxGpus
 
-    linux = NvmlWithDrm(NvmlBackend(), DrmBackend())
     npu = AscendBackend()
-    return AscendAlongside(linux, npu) if npu.available() else linux
+    return LinuxGpus(NvmlBackend(), DrmBackend(), npu if npu.available() else None)
 
 
 class ProcScanner(Protocol):
     """What the collector needs from procinfo's scanner."""
 
-    def scan(
-        self, keys: Sequence[ScanKey], budget: float | None
-    ) -> Mapping[ScanKey, ProcDetail]: ...
+    def scan(self, keys: Sequence[ScanKey], budget: float | None) -> Mapping[ScanKey, ProcDetail]:
+        """Details of the processes the budget reached (cached per key)."""
+        ...
+
+    def scan_one(self, pid: int, create_time: float | None) -> ProcDetail | None:
+        """Scan one process now, ignoring budget and cache; None when this scanner cannot."""
+        ...
+
+    def info(self, key: ScanKey) -> ProcInfo | None:
+        """The `procinfo.ProcInfo` behind the last scan's detail for `key` (what model
+        resolution reads), or None."""
+        ...
 
 
 class NullScanner:
@@ -147,6 +154,12 @@ class NullScanner:
 
     def scan(self, keys: Sequence[ScanKey], budget: float | None) -> Mapping[ScanKey, ProcDetail]:
         return {}
+
+    def scan_one(self, pid: int, create_time: float | None) -> ProcDetail | None:
+        return None
+
+    def info(self, key: ScanKey) -> ProcInfo | None:
+        return None
 
 
 class ProcinfoScanner:
@@ -160,13 +173,13 @@ class ProcinfoScanner:
         self.last_result: Any = None
         # key -> (the ProcInfo object converted, its ProcDetail): a cached scan returns the
         # same object every refresh, so the conversion is done once per scan, not per refresh.
-        self._details: dict[ScanKey, tuple[Any, ProcDetail]] = {}
+        self._details: dict[ScanKey, tuple[ProcInfo, ProcDetail]] = {}
 
     def scan(self, keys: Sequence[ScanKey], budget: float | None) -> Mapping[ScanKey, ProcDetail]:
         res = self.scanner.scan(keys, budget)
         self.last_result = res
         old = self._details
-        new: dict[ScanKey, tuple[Any, ProcDetail]] = {}
+        new: dict[ScanKey, tuple[ProcInfo, ProcDetail]] = {}
         for info in res.infos.values():
             key = info.key
             hit = old.get(key)
@@ -179,13 +192,13 @@ class ProcinfoScanner:
     def scan_one(self, pid: int, create_time: float | None) -> ProcDetail:
         return detail_from_procinfo(self.scanner.scan_one(pid, create_time))
 
-    def info(self, key: ScanKey) -> Any:
+    def info(self, key: ScanKey) -> ProcInfo | None:
         """The `procinfo.ProcInfo` behind the last scan's detail for `key`, or None."""
         hit = self._details.get(key)
         return None if hit is None else hit[0]
 
 
-def detail_from_procinfo(info: Any) -> ProcDetail:
+def detail_from_procinfo(info: ProcInfo) -> ProcDetail:
     """Convert a `procinfo.ProcInfo` into the snapshot's `ProcDetail`."""
     reason = None
     reason_detail = None
@@ -234,14 +247,14 @@ class Collector:
         gpu: int | None = None,
         scan_budget: float | None = SCAN_BUDGET,
         *,
-        nvml: GpuSource | None = None,
+        source: GpuSource | None = None,
         host: host_mod.HostSampler | hostplat.PlatformHostSampler | None = None,
         scanner: ProcScanner | None = None,
         models: Any = _DEFAULT_MODELS,
     ) -> None:
         self.gpu = gpu
         self.scan_budget = scan_budget
-        self._nvml = nvml if nvml is not None else default_gpu_source()
+        self._source = source if source is not None else default_gpu_source()
         self._host = host if host is not None else hostplat.default_sampler()
         self._scanner = scanner if scanner is not None else default_scanner()
         if models is _DEFAULT_MODELS:
@@ -257,17 +270,14 @@ class Collector:
         self.last_timing: dict[str, float] = {}
 
     def close(self) -> None:
-        self._nvml.close()
+        self._source.close()
         if self.models is not None:
             self.models.close()
 
     def rescan(self, pid: int, create_time: float | None) -> ProcDetail | None:
         """Scan one process now, ignoring budget and cache (the inspector's refresh key).
         None when the scanner cannot scan on demand."""
-        scan_one = getattr(self._scanner, "scan_one", None)
-        if scan_one is None:
-            return None
-        return scan_one(pid, create_time)
+        return self._scanner.scan_one(pid, create_time)
 
     def prime(self) -> None:
         """Take a host sample whose only use is to give CPU% (a rate) its first point,
@@ -282,7 +292,7 @@ class Collector:
     def sample_with_system(self) -> tuple[Snapshot, host_mod.SystemInfo | None]:
         taken = time.time()
         t0 = time.perf_counter()
-        gpu = self._nvml.sample()
+        gpu = self._source.sample()
         t1 = time.perf_counter()
         system: host_mod.SystemInfo | None
         try:
@@ -295,7 +305,9 @@ class Collector:
         else:
             host_problem = None
         t2 = time.perf_counter()
-        procs_by_pid: Mapping[int, Any] = system.processes if system is not None else {}
+        procs_by_pid: Mapping[int, host_mod.ProcessUsage] = (
+            system.processes if system is not None else {}
+        )
 
         def ident(pid: int) -> tuple[str | None, float | None]:
             u = procs_by_pid.get(pid)
@@ -307,7 +319,7 @@ class Collector:
         seen: set[int] = set()
         for r in gpu_rows:
             # a row of another OS (Windows host seen from WSL) is not a process here
-            if getattr(r, "host", None) is None and r.pid not in seen:
+            if r.host is None and r.pid not in seen:
                 seen.add(r.pid)
                 keys.append((r.pid, ident(r.pid)[1]))
         for pid, u in procs_by_pid.items():
@@ -318,7 +330,7 @@ class Collector:
 
         rows: list[ProcGpu] = []
         for r in gpu_rows:
-            if getattr(r, "host", None) is not None:
+            if r.host is not None:
                 rows.append(_row(r, None, None, None))
                 continue
             name, ct = ident(r.pid)
@@ -335,20 +347,12 @@ class Collector:
         rows = self._add_models(rows, gpu.adapters)
         t5 = time.perf_counter()
 
-        drm = getattr(self._nvml, "last_drm", None)
-        npu = getattr(self._nvml, "last_ascend", None)
-        notes: list[str] = [*self.extra_notes, *getattr(drm, "notes", ())]
-        notes.extend(getattr(gpu, "notes", ()))  # PlatformSample: wddm, wsl, metal
-        notes.extend(getattr(npu, "notes", ()))
-        if drm is not None and not drm.adapters:
-            notes.append("DRM: no amdgpu, i915 or xe card in /sys/class/drm")
+        notes: list[str] = [*self.extra_notes, *gpu.notes]
+        # a part that answered and found nothing says what it looked for (DRM: no card)
+        notes.extend(n for p in gpu.parts if (n := p.note()) is not None)
         if gpu.backend_problem is None and not gpu.adapters and BACKEND == "nvml":
             notes.append("NVML answered but lists no GPU")
-        pick_backend = getattr(self._nvml, "backend", None)
-        if callable(pick_backend):
-            self.backend = pick_backend(self.gpu, BACKEND)
-            if npu is not None:
-                self.backend = _ascend_backend(gpu.adapters, self.gpu, self.backend)
+        self.backend = self._source.backend_for(gpu, self.gpu)
         self.last_timing = {
             "gpu_s": t1 - t0,
             "host_s": t2 - t1,
@@ -366,22 +370,21 @@ class Collector:
             notes=tuple(notes),
             driver_version=gpu.driver_version,
             backend_problem=gpu.backend_problem,
-            extra_metrics=_extra_metrics(drm, gpu.adapters),
+            extra_metrics=gpu.extra_metrics,
         )
         return snap, system
 
     def _add_models(self, rows: list[ProcGpu], adapters: Sequence[Adapter]) -> list[ProcGpu]:
         """Rows with `model`, `breakdown` and `app_model` filled (see `modelinfo`)."""
-        info_for = getattr(self._scanner, "info", None)
-        if self.models is None or not callable(info_for):
+        if self.models is None:
             return rows
         nvidia = [a for a in adapters if a.vendor == "nvidia"]
         out = []
         live = []
         for r in rows:
             # a host row's PID is another OS's: never look it up in this machine's scans
-            info = info_for(r.key) if r.host is None else None
-            if info is None or getattr(info, "gone", False):
+            info = self._scanner.info(r.key) if r.host is None else None
+            if info is None or info.gone:
                 out.append(r)
                 continue
             live.append(r.key)
@@ -400,25 +403,13 @@ class Collector:
         return out
 
 
-class NoNvml:
-    """A GPU source that asks no driver (``--sysroot``: the fixture's PIDs are not NVML's)."""
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-    def sample(self) -> NvmlSample:
-        return NvmlSample(backend_problem=Problem("backend.init", Reason.UNAVAILABLE, self.why))
-
-    def close(self) -> None:
-        pass
-
-
 def sysroot_gpu_source(root: str) -> GpuSource:
     """DRM cards under ``root/sys`` and ``root/proc``; NVML is not asked (``--sysroot``)."""
-    from gputaskman.backends.drm import DrmBackend, NvmlWithDrm
+    from gputaskman.backends.drm import DrmBackend
+    from gputaskman.backends.linux import LinuxGpus, NotAsked
 
-    nvml = NoNvml(f"NVML not asked: reading the tree under --sysroot {root}")
-    return NvmlWithDrm(nvml, DrmBackend(root))
+    nvml = NotAsked("nvml", f"NVML not asked: reading the tree under --sysroot {root}")
+    return LinuxGpus(nvml, DrmBackend(root))
 
 
 def sysroot_collector(
@@ -438,7 +429,7 @@ def sysroot_collector(
     c = Collector(
         gpu,
         scan_budget,
-        nvml=sysroot_gpu_source(root),
+        source=sysroot_gpu_source(root),
         host=host_mod.HostSampler(proc_root=proc),
         scanner=scanner,
         models=models,
@@ -450,25 +441,7 @@ def sysroot_collector(
     return c
 
 
-def _extra_metrics(drm: Any, adapters: Sequence[Adapter]) -> dict[str, dict[str, Reading]]:
-    """amdgpu GTT readings of the DRM adapters the snapshot lists (`DrmSample.extra`)."""
-    out: dict[str, dict[str, Reading]] = {}
-    listed = {a.pci_bus_id for a in adapters if a.backend == "drm"}
-    for bus, r in (getattr(drm, "extra", None) or {}).items():
-        if bus in listed and (r.gtt_used_bytes.known or r.gtt_total_bytes.known):
-            out[bus] = {"gtt_used_bytes": r.gtt_used_bytes, "gtt_total_bytes": r.gtt_total_bytes}
-    return out
-
-
-def _ascend_backend(adapters: Sequence[Adapter], selected: int | None, default: str) -> str:
-    """``ascend`` when the selected adapter (else the first one) is an Ascend NPU."""
-    chosen = next((a for a in adapters if a.index == selected), None)
-    if chosen is None and selected is None and adapters:
-        chosen = adapters[0]
-    return "ascend" if chosen is not None and chosen.backend == "ascend" else default
-
-
-def _vram_desc(r: NvmlProcess) -> tuple[int, int]:
+def _vram_desc(r: GpuProcess) -> tuple[int, int]:
     v = r.dedicated.value
     return (0 if v is not None else 1, -int(v or 0))
 
@@ -481,22 +454,20 @@ def _not_listed(backend_ok: bool) -> Reading:
     return Reading.missing(Reason.UNAVAILABLE, "nvml", "no GPU backend on this machine")
 
 
-def _row(r: NvmlProcess, name: str | None, ct: float | None, d: ProcDetail | None) -> ProcGpu:
-    """A snapshot row for one backend row (`NvmlProcess` or `platforms.PlatformProcess`:
-    the platform fields are read with getattr so NVML rows need none of them)."""
-    host = getattr(r, "host", None)
-    if host is not None:
+def _row(r: GpuProcess, name: str | None, ct: float | None, d: ProcDetail | None) -> ProcGpu:
+    """A snapshot row for one backend row, with this machine's identity and scan."""
+    if r.host is not None:
         d = ProcDetail(
             scanned=False,
             reason=Reason.UNAVAILABLE,
-            reason_detail=f"a {host} process (its PID is not one of this machine's)",
+            reason_detail=f"a {r.host} process (its PID is not one of this machine's)",
         )
-        name = getattr(r, "name", None)
+        name = r.name
     elif d is None and ct is None:
-        # NVML lists the PID but /proc here has no such process: it runs in another PID
-        # namespace (we are in a container) or exited between the two reads. Windows and
-        # macOS have no /proc: the process scanner is Linux-only, and their host sampler
-        # (hostplat) lists no processes yet.
+        # The backend lists the PID but /proc here has no such process: it runs in another
+        # PID namespace (we are in a container) or exited between the two reads. Windows
+        # and macOS have no /proc: the process scanner is Linux-only, and their host
+        # sampler (hostplat) lists no processes yet.
         why = "no /proc entry for this PID here (another PID namespace, or exited)"
         if BACKEND in ("wddm", "metal"):
             why = "process details come from /proc, which this OS does not have"
@@ -504,7 +475,7 @@ def _row(r: NvmlProcess, name: str | None, ct: float | None, d: ProcDetail | Non
     elif d is None:
         d = ProcDetail(scanned=False, reason=Reason.NOT_SCANNED)
     if name is None:
-        name = getattr(r, "name", None)  # the backend's own name (PDH, IOKit) as fallback
+        name = r.name  # the backend's own name (PDH, IOKit, npu-smi) as fallback
     return ProcGpu(
         r.pid,
         ct,
@@ -512,12 +483,12 @@ def _row(r: NvmlProcess, name: str | None, ct: float | None, d: ProcDetail | Non
         r.adapter,
         r.contexts,
         r.dedicated,
-        inferred=getattr(r, "inferred", None),
+        inferred=r.inferred,
         engines=r.engines,
         detail=d,
-        paged=getattr(r, "paged", None),
-        footprint=getattr(r, "footprint", None),
-        host=host,
-        parent_pid=getattr(r, "parent_pid", None),
-        unique=bool(getattr(r, "unique", False)),
+        paged=r.paged,
+        footprint=r.footprint,
+        host=r.host,
+        parent_pid=r.parent_pid,
+        unique=r.unique,
     )

@@ -41,6 +41,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gputaskman.base.readings import Adapter, Kind, ProcGpu, Reading, Snapshot
+from gputaskman.core.host import SystemInfo
 
 GPU_LABELS = ("gpu", "pci_bus_id", "uuid", "gpu_name")
 PROC_LABELS = ("pid", "name", "model", *GPU_LABELS)
@@ -85,7 +86,7 @@ class Cached:
     """One sample as the sampling thread left it."""
 
     snapshot: Snapshot
-    system: Any  # host.SystemInfo | None
+    system: SystemInfo | None
     sampled_at: float  # time.time() when the sample finished
     duration_s: float
 
@@ -336,7 +337,7 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
         yield from system_families(system)
 
 
-def system_families(system: Any) -> Iterator[Metric]:
+def system_families(system: SystemInfo) -> Iterator[Metric]:
     """RAM, swap devices, CPU (OS-measured) and the duvm pool (runtime) of the host sample."""
     f = _Families()
     m, s, c = system.memory, system.swap, system.cpu
@@ -377,7 +378,7 @@ def system_families(system: Any) -> Iterator[Metric]:
                 lv,
                 d.used_bytes,
             )
-    pool = getattr(system, "duvm", None)
+    pool = system.duvm
     if pool is not None:
         for d in pool.daemons:
             f.add(

@@ -34,6 +34,11 @@ read on Linux >= 6.2 and lags by hundreds of pages) once per process; see
 ``benchmarks/gtm_refresh.py`` for its measured cost against ``psutil.process_iter``.
 Nothing here is GPU memory or ever added to GPU totals; the report shows it under the
 JSON key ``system``.
+
+A snapshot's host part is a `HostSample`: a live `SystemInfo`, or a `HostView` (a
+recording's host part, `offline.recorded.RecordedSystem`; the demo's,
+`fixtures.demo.DemoSystem`), which the report, the text report and the TUI read through
+the three methods the protocol declares.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol, TypeAlias
 
 from gputaskman.base import procfs
 from gputaskman.base.readings import Reading, Reason
@@ -146,6 +151,27 @@ class SystemInfo:
     # duvm pool as this node's duvm processes report it (`duvmpool.PoolInfo`, kind runtime);
     # None when not looked for (fixture trees, replays)
     duvm: Any = None
+
+
+class HostView(Protocol):
+    """A host sample that is not a live `SystemInfo`: what the report, the text report and
+    the TUI ask of it."""
+
+    def to_json_dict(self) -> Any:
+        """The JSON ``system`` object (the shape `report_models.system_json` writes), or None."""
+        ...
+
+    def process_readings(self, pid: int, create_time: float | None) -> Mapping[str, Reading]:
+        """``ram_bytes`` / ``cpu_percent`` readings of one process; empty when unknown."""
+        ...
+
+    def render_lines(self) -> list[str]:
+        """The system panel as text lines."""
+        ...
+
+
+#: The host part of a snapshot, as the report, the text report and the TUI take it.
+HostSample: TypeAlias = "SystemInfo | HostView"
 
 
 # --------------------------------------------------------------------------- parsers

@@ -39,7 +39,7 @@ MEMSIZE = "sysctl:hw.memsize"
 LOADAVG = "getloadavg"
 
 
-def default_sampler(sys_platform: str | None = None) -> Any:
+def default_sampler(sys_platform: str | None = None) -> host.HostSampler | PlatformHostSampler:
     """`host.HostSampler` where /proc exists; a `PlatformHostSampler` on Windows/macOS."""
     plat = sys.platform if sys_platform is None else sys_platform
     if plat in OS_NAMES:

@@ -203,18 +203,13 @@ def _metrics_json(m: DeviceMetrics | None) -> dict[str, Any] | None:
     return {name: reading_json(getattr(m, name)) for name in DeviceMetrics.__slots__}
 
 
-def system_document(system: object | None) -> Any:
+def system_document(system: host.HostSample | None) -> Any:
     """The ``system`` object of the JSON document, from whichever host sample was given."""
     if system is None:
         return None
     if isinstance(system, host.SystemInfo):
         return system_json(system)
-    if isinstance(system, Mapping):
-        return dict(system)
-    to_json = getattr(system, "to_json_dict", None)
-    if callable(to_json):
-        return to_json()
-    raise TypeError(f"system must be a mapping or have to_json_dict(), got {type(system)!r}")
+    return system.to_json_dict()
 
 
 # Two create times closer than this belong to the same process (both come from the same
@@ -242,17 +237,16 @@ def _usage_readings(system: host.SystemInfo, pid: int, ct: float | None) -> Mapp
     return {"ram_bytes": ram, "cpu_percent": cpu}
 
 
-def proc_host_lookup(system: object | None) -> ProcHostLookup:
-    """The per-process host readings provider for `system` (host.py's `SystemInfo`, or any
-    object with ``process_readings(pid, create_time)``). A process the host sample does not
-    have yields nothing, and the caller shows a missing reading, never zeros."""
+def proc_host_lookup(system: host.HostSample | None) -> ProcHostLookup:
+    """The per-process host readings provider for `system` (a live `SystemInfo`, or a
+    `host.HostView`'s ``process_readings``). A process the host sample does not have yields
+    nothing, and the caller shows a missing reading, never zeros."""
+    if system is None:
+        return _no_host_readings
     if isinstance(system, host.SystemInfo):
         sysinfo = system
         return lambda pid, ct: _usage_readings(sysinfo, pid, ct)
-    fn = getattr(system, "process_readings", None)
-    if callable(fn):
-        return fn  # type: ignore[return-value]
-    return _no_host_readings
+    return system.process_readings
 
 
 __all__ = [
@@ -279,7 +273,9 @@ def _no_host_readings(pid: int, create_time: float | None) -> Mapping[str, Readi
     return {}
 
 
-def _host_readings(lookup: ProcHostLookup, p: ProcGpu, system: object | None) -> dict[str, Any]:
+def _host_readings(
+    lookup: ProcHostLookup, p: ProcGpu, system: host.HostSample | None
+) -> dict[str, Any]:
     # a row of another OS (the Windows host seen from WSL) must not pick up the readings
     # of whatever process has the same PID here
     got = (lookup(p.pid, p.create_time) or {}) if p.host is None else {}
@@ -295,7 +291,9 @@ def _host_readings(lookup: ProcHostLookup, p: ProcGpu, system: object | None) ->
     return out
 
 
-def process_json(p: ProcGpu, lookup: ProcHostLookup, system: object | None) -> dict[str, Any]:
+def process_json(
+    p: ProcGpu, lookup: ProcHostLookup, system: host.HostSample | None
+) -> dict[str, Any]:
     d = p.detail
     row: dict[str, Any] = {
         "pid": p.pid,
@@ -356,7 +354,7 @@ def _iso(taken: float) -> str | None:
 
 
 def to_json_dict(
-    snapshot: Snapshot, system: object | None = None, selected_gpu: int | None = None
+    snapshot: Snapshot, system: host.HostSample | None = None, selected_gpu: int | None = None
 ) -> dict[str, Any]:
     """The ``--json`` object for one snapshot and the host sample taken beside it."""
     lookup = proc_host_lookup(system)

@@ -19,7 +19,7 @@ from gputaskman.base.readings import (
     Snapshot,
 )
 from gputaskman.core import host
-from gputaskman.core.report import ProcHostLookup, proc_host_lookup, system_document, utc_of
+from gputaskman.core.report import ProcHostLookup, proc_host_lookup, utc_of
 from gputaskman.core.report_models import (
     gtt_text,
     model_cell,
@@ -198,15 +198,12 @@ def _table(rows: Iterable[tuple[str, ...]], header: tuple[str, ...]) -> list[str
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
-def system_lines(system: object | None) -> list[str]:
+def system_lines(system: host.HostSample | None) -> list[str]:
     """The system panel as text lines (shared by --once and the TUI)."""
     if system is None:
         return ["not sampled"]
     if not isinstance(system, host.SystemInfo):
-        render = getattr(system, "render_lines", None)
-        if callable(render):
-            return list(render())
-        return [f"{k}: {v}" for k, v in system_document(system).items()]
+        return list(system.render_lines())
     m, s, c = system.memory, system.swap, system.cpu
     lines = [
         "RAM   used "
@@ -245,7 +242,7 @@ def system_lines(system: object | None) -> list[str]:
 
 
 def render_text(
-    snapshot: Snapshot, system: object | None = None, selected_gpu: int | None = None
+    snapshot: Snapshot, system: host.HostSample | None = None, selected_gpu: int | None = None
 ) -> str:
     """The ``--once`` report: GPUs, processes, problems, then the system panel."""
     utc = utc_of(snapshot.taken)

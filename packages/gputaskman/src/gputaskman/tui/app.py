@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 from textual import events, on, work
 from textual.app import App, ComposeResult
@@ -33,6 +33,7 @@ from textual.widgets import DataTable, Footer, Input, Static
 
 from gputaskman.base.readings import Adapter, ProcDetail, ProcGpu, Snapshot
 from gputaskman.core import text_report
+from gputaskman.core.host import HostSample
 from gputaskman.core.text_report import PROCESS_COLUMNS
 from gputaskman.tui import settings as settings_mod
 from gputaskman.tui import signalling
@@ -53,7 +54,7 @@ COMPACT_MAX_ROWS = 30
 
 
 class CollectorLike(Protocol):
-    def sample_with_system(self) -> tuple[Snapshot, Any]: ...
+    def sample_with_system(self) -> tuple[Snapshot, HostSample | None]: ...
 
     def close(self) -> None: ...
 
@@ -63,7 +64,7 @@ class SampleReady(Message):
     """A finished collection (posted from the worker thread)."""
 
     snapshot: Snapshot
-    system: Any
+    system: HostSample | None
     elapsed_s: float
 
 
@@ -132,7 +133,7 @@ class GtmApp(App[int]):
         self.interval = interval
         self.requested_gpu = gpu
         self.snapshot: Snapshot | None = None
-        self.system: Any = None
+        self.system: HostSample | None = None
         self.adapter_pos = 0
         self.paused = False
         self.samples = 0

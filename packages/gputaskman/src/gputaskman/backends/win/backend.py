@@ -1,4 +1,4 @@
-"""The Windows (WDDM) backend: DXGI adapters + PDH counters + TCC GPUs, as a PlatformSample.
+"""The Windows (WDDM) backend: DXGI adapters + PDH counters + TCC GPUs, as one `GpuSample`.
 
 Theory of operation
 -------------------
@@ -21,7 +21,8 @@ One `WddmBackend` lives as long as the monitor; each `sample()`:
    DedicatedVideoMemory, utilisation is the busiest engine; per process, VRAM is
    ``Local Usage`` and the Paged column is ``Non Local Usage``. Temperature, power and
    clocks are not in PDH: ``not supported`` with that reason.
-4. Appends NVIDIA TCC/MCDM GPUs from `tcc.TccCounters` (NVML only).
+4. Appends NVIDIA TCC/MCDM GPUs from `tcc.TccCounters` (NVML only); the sample's `parts`
+   hold TCC's own probe, so ``--list-gpus`` can say why no TCC GPU was found.
 
 Not validated on Windows hardware.
 """
@@ -31,10 +32,10 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from gputaskman.backends.platforms import PlatformSample, failed_sample
 from gputaskman.backends.win import dxgi as dxgi_mod
 from gputaskman.backends.win import pdh as pdh_mod
 from gputaskman.backends.win import tcc as tcc_mod
+from gputaskman.base.gpusource import GpuSample, GpuSource, ProbeResult
 from gputaskman.base.readings import Adapter, DeviceMetrics, Problem, Reading, Reason
 
 BACKEND = dxgi_mod.BACKEND
@@ -48,7 +49,7 @@ class _Known:
     lost: bool = False
 
 
-class WddmBackend:
+class WddmBackend(GpuSource):
     """Samples DXGI + PDH (+ NVML for TCC). Pass fakes for `dxgi`, `pdh` and `tcc` in
     tests; `tcc=False` turns TCC discovery off."""
 
@@ -69,7 +70,6 @@ class WddmBackend:
             self._tcc = tcc
         self._known: dict[str, _Known] = {}  # LUID key -> index, last desc
         self._indices: dict[str, int] = {}  # every key ever given an index (DXGI and TCC)
-        self.last_tcc: tcc_mod.TccSample | None = None
 
     def _index_for(self, key: str) -> int:
         if key not in self._indices:
@@ -108,11 +108,11 @@ class WddmBackend:
             self._known[d.luid] = _Known(self._index_for(d.luid), d)
         return notes
 
-    def sample(self) -> PlatformSample:
+    def sample(self) -> GpuSample:
         try:
             descs = dxgi_mod.hardware_adapters(self._dxgi.enum_adapters())
         except OSError as exc:
-            return failed_sample(BACKEND, "backend.init", Reason.QUERY_FAILED, f"DXGI: {exc}")
+            return GpuSample.failed(BACKEND, "backend.init", Reason.QUERY_FAILED, f"DXGI: {exc}")
         notes = self._track(descs)
         problems: list[Problem] = []
         try:
@@ -162,12 +162,17 @@ class WddmBackend:
             )
 
         driver = None
+        parts: tuple[ProbeResult, ...] = ()
         if self._tcc is not None:
             t = self._tcc.sample()
-            self.last_tcc = t
+            parts = (t.probe,)
             if t.backend_problem is None:
                 extra, tcc_notes = tcc_mod.merge_tcc(
-                    adapters, [k.desc.pci_text for _, k in known], t, self._index_for
+                    adapters,
+                    [k.desc.pci_text for _, k in known],
+                    t,
+                    self._tcc.modes,
+                    self._index_for,
                 )
                 notes.extend(tcc_notes)
                 keep = {a.pci_bus_id for a in extra}
@@ -181,7 +186,7 @@ class WddmBackend:
             elif t.backend_problem.reason is not Reason.NO_LIBRARY:
                 problems.append(t.backend_problem)  # NVML present but broken: say so
         adapters.sort(key=lambda a: a.index)  # display order; indices never move
-        return PlatformSample(
+        return GpuSample(
             backend=BACKEND,
             adapters=tuple(adapters),
             metrics=metrics,
@@ -189,6 +194,7 @@ class WddmBackend:
             problems=tuple(problems),
             driver_version=driver,
             notes=tuple(notes),
+            parts=parts,
         )
 
 

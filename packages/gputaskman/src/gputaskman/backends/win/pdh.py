@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from gputaskman.backends.platforms import PlatformProcess
+from gputaskman.base.gpusource import GpuProcess
 from gputaskman.base.readings import Reading, Reason
 
 LOCAL: Final = r"\GPU Process Memory(*)\Local Usage"
@@ -155,10 +155,10 @@ class ProcCounters:
     engines: dict[str, Reading] = field(default_factory=dict)
 
 
-def process_row(pid: int, luid: str, c: ProcCounters, **more: Any) -> PlatformProcess:
+def process_row(pid: int, luid: str, c: ProcCounters, **more: Any) -> GpuProcess:
     """One process on one adapter from its PDH counters: dedicated (local) and shared
     (non-local) memory and its engines; `more` adds what the caller knows (name, host)."""
-    return PlatformProcess(
+    return GpuProcess(
         pid=pid,
         adapter=luid,
         contexts=("wddm",),

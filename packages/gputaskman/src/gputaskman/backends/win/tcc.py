@@ -4,10 +4,11 @@ Theory of operation
 -------------------
 A GPU in TCC (or MCDM) mode is not a display adapter: DXGI does not list it and Windows
 publishes no GPU Engine / GPU Process Memory counters for it. NVML is the only source, so
-`TccCounters` asks NVML (through `nvml.NvmlBackend`, same error map, same "hidden is not
-zero" rule) and keeps the devices whose current driver model is ``NVML_DRIVER_WDM`` (TCC)
-or ``NVML_DRIVER_MCDM``. A WDDM device is left to DXGI and PDH. The driver model cannot
-change without a reboot, so it is asked once per device per process run.
+`TccCounters` (a `gpusource.GpuSource`, backend ``tcc``) asks NVML (through
+`nvml.NvmlBackend`, same error map, same "hidden is not zero" rule) and keeps the devices
+whose current driver model is ``NVML_DRIVER_WDM`` (TCC) or ``NVML_DRIVER_MCDM``
+(`TccCounters.modes` says which). A WDDM device is left to DXGI and PDH. The driver model
+cannot change without a reboot, so it is asked once per device per process run.
 
 `merge_tcc` appends these GPUs after the DXGI adapters, so no existing index moves. A TCC
 GPU is *paired* with a DXGI adapter (treated as the same device, not listed twice) only
@@ -31,34 +32,18 @@ import dataclasses
 import ntpath
 import os
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from gputaskman.backends.nvml import NvmlBackend, normalise_bus_id, reason_for
-from gputaskman.backends.platforms import PlatformProcess, ProbeResult
-from gputaskman.base.readings import Adapter, DeviceMetrics, Problem, Reason
+from gputaskman.base.gpusource import GpuSample, GpuSource
+from gputaskman.base.readings import Adapter, Problem, Reason
 
 BACKEND: Final = "tcc"
 NVML_DRIVER_WDDM: Final = 0
 NVML_DRIVER_WDM: Final = 1  # TCC
 NVML_DRIVER_MCDM: Final = 2
 TCC_MODELS: Final = {NVML_DRIVER_WDM: "tcc", NVML_DRIVER_MCDM: "mcdm"}
-
-
-@dataclass(frozen=True, slots=True)
-class TccSample:
-    adapters: tuple[Adapter, ...] = ()
-    metrics: dict[str, DeviceMetrics] = field(default_factory=dict)
-    processes: tuple[PlatformProcess, ...] = ()
-    problems: tuple[Problem, ...] = ()
-    backend_problem: Problem | None = None
-    driver_version: str | None = None
-    modes: dict[str, str] = field(default_factory=dict)  # bus id -> "tcc" / "mcdm"
-
-    @property
-    def probe(self) -> ProbeResult:
-        return ProbeResult.of(BACKEND, self.adapters, self.backend_problem, self.problems)
 
 
 def parse_bus_id(bus: str) -> tuple[int, int, int, int] | None:
@@ -95,9 +80,10 @@ def load_windows_nvml(
     return pynvml
 
 
-class TccCounters:
+class TccCounters(GpuSource):
     """NVML for TCC/MCDM GPUs. `lib` is a pynvml-like module (tests pass a mocked one);
-    `loader` makes the real one on Windows."""
+    `loader` makes the real one on Windows. `modes` maps the bus id of each GPU the last
+    sample listed to its driver model, ``tcc`` or ``mcdm``."""
 
     def __init__(self, lib: Any | None = None, loader: Callable[[], Any] | None = None) -> None:
         self._lib = lib
@@ -105,6 +91,7 @@ class TccCounters:
         self._nvml: NvmlBackend | None = None
         self._failed: Problem | None = None
         self._models: dict[str, int | None] = {}
+        self.modes: dict[str, str] = {}
 
     def _backend(self) -> NvmlBackend | Problem:
         if self._failed is not None:
@@ -152,38 +139,28 @@ class TccCounters:
                     self._models[bus] = None
         return self._models
 
-    def sample(self) -> TccSample:
+    def sample(self) -> GpuSample:
+        self.modes = {}
         backend = self._backend()
         if isinstance(backend, Problem):
-            return TccSample(problems=(backend,), backend_problem=backend)
+            return GpuSample(BACKEND, problems=(backend,), backend_problem=backend)
         s = backend.sample()
         if s.backend_problem is not None:
-            return TccSample(problems=s.problems, backend_problem=s.backend_problem)
+            return GpuSample(BACKEND, problems=s.problems, backend_problem=s.backend_problem)
         models = self._driver_models()
         modes = {b: TCC_MODELS[m] for b, m in models.items() if m in TCC_MODELS}
         adapters = tuple(
             dataclasses.replace(a, backend=BACKEND) for a in s.adapters if a.pci_bus_id in modes
         )
         keep = {a.pci_bus_id for a in adapters}
-        procs = tuple(
-            PlatformProcess(
-                pid=p.pid,
-                adapter=p.adapter,
-                contexts=p.contexts,
-                dedicated=p.dedicated,
-                engines=dict(p.engines),
-            )
-            for p in s.processes
-            if p.adapter in keep
-        )
-        problems = tuple(p for p in s.problems if p.adapter is None or p.adapter in keep)
-        return TccSample(
+        self.modes = {b: m for b, m in modes.items() if b in keep}
+        return GpuSample(
+            BACKEND,
             adapters=adapters,
             metrics={k: v for k, v in s.metrics.items() if k in keep},
-            processes=procs,
-            problems=problems,
+            processes=tuple(p for p in s.processes if p.adapter in keep),
+            problems=tuple(p for p in s.problems if p.adapter is None or p.adapter in keep),
             driver_version=s.driver_version,
-            modes={b: m for b, m in modes.items() if b in keep},
         )
 
     def close(self) -> None:
@@ -207,17 +184,19 @@ def pair_with_dxgi(tcc_bus: str, dxgi_pci: Sequence[str | None]) -> int | None:
 def merge_tcc(
     dxgi: Sequence[Adapter],
     dxgi_pci: Sequence[str | None],
-    tcc: TccSample,
+    tcc: GpuSample,
+    modes: Mapping[str, str],
     index_for: Callable[[str], int],
 ) -> tuple[list[Adapter], list[str]]:
-    """TCC adapters to append after `dxgi`, and notes. `index_for(key)` gives an adapter
-    its index (the caller's registry hands out the next free one, so nothing moves).
+    """TCC adapters to append after `dxgi`, and notes. `modes` is `TccCounters.modes`;
+    `index_for(key)` gives an adapter its index (the caller's registry hands out the next
+    free one, so nothing moves).
 
     A TCC GPU paired with a DXGI adapter is not appended (it is already listed)."""
     out: list[Adapter] = []
     notes: list[str] = []
     for a in tcc.adapters:
-        mode = tcc.modes.get(a.pci_bus_id, "tcc").upper()
+        mode = modes.get(a.pci_bus_id, "tcc").upper()
         hit = pair_with_dxgi(a.pci_bus_id, dxgi_pci)
         if hit is not None:
             notes.append(

@@ -13,6 +13,7 @@ from textual.widgets import Static
 
 from gputaskman.base.readings import ProcGpu, Reading, Snapshot
 from gputaskman.core import report
+from gputaskman.core.host import HostSample
 
 MAX_CMDLINE = 600  # characters; a huge argv must not swamp the pane
 
@@ -25,7 +26,7 @@ def reading_line(label: str, r: Reading | None, *, as_bytes: bool = False, unit:
     return f"{label}: {value}  [{r.kind}, {r.source}]{extra}"
 
 
-def inspect_text(p: ProcGpu | None, snapshot: Snapshot | None, system: object | None) -> str:
+def inspect_text(p: ProcGpu | None, snapshot: Snapshot | None, system: HostSample | None) -> str:
     if p is None or snapshot is None:
         return "no process selected"
     d = p.detail
@@ -94,5 +95,5 @@ class Inspector(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield self.body
 
-    def show(self, p: ProcGpu | None, snapshot: Snapshot | None, system: object | None) -> None:
+    def show(self, p: ProcGpu | None, snapshot: Snapshot | None, system: HostSample | None) -> None:
         self.body.update(inspect_text(p, snapshot, system))

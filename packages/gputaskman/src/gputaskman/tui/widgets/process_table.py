@@ -24,6 +24,7 @@ from textual.widgets import DataTable
 
 from gputaskman.base.readings import ProcGpu, Reading
 from gputaskman.core import report, text_report
+from gputaskman.core.host import HostSample
 
 # column label, sort name (None: not a sort column)
 COLUMNS = text_report.PROCESS_COLUMNS
@@ -174,7 +175,9 @@ class ProcessTable(DataTable):
             return label
         return f"{label} {SORT_MARKS[0] if self.descending else SORT_MARKS[1]}"
 
-    def show(self, rows: list[ProcGpu], snapshot: Any, system: object | None, width: int) -> None:
+    def show(
+        self, rows: list[ProcGpu], snapshot: Any, system: HostSample | None, width: int
+    ) -> None:
         """Replace the rows, keeping the cursor on the same process when it is still there;
         `width` is the table's room in cells (the columns are fitted to it)."""
         lookup = report.proc_host_lookup(system)

@@ -7,6 +7,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from gputaskman.core import text_report
+from gputaskman.core.host import HostSample
 
 
 class SystemPanel(Static):
@@ -14,7 +15,7 @@ class SystemPanel(Static):
     SystemPanel { height: auto; padding: 0 1; border-top: solid $primary-darken-2; }
     """
 
-    def show(self, system: object | None, compact: bool = False) -> None:
+    def show(self, system: HostSample | None, compact: bool = False) -> None:
         lines = text_report.system_lines(system)
         # Text: swap device paths and the like come from the OS, never Rich markup
         label = "SYSTEM (OS-reported, not GPU)" if self.app.size.width >= 100 else "SYSTEM"
