@@ -188,3 +188,42 @@ async def test_the_header_keeps_history_from_the_samples_already_taken():
         assert list(series.values) == [75.0] * 4 and series.mark() == ""
         header = app.query_one(GpuHeader).text.plain
         assert "mem " + sparkline([75.0] * 4, SPARK_WIDTH, 100.0) in header
+
+
+async def test_engine_load_columns_come_with_their_data_and_unknown_is_na():
+    """GPU% shows while some row has a measured process utilisation (the demo's llama-server:
+    87%), other rows say n/a (never 0%); with no row having one, there is no column."""
+    snap = demo_snapshot()
+    app = create_app(collector_factory=lambda: Fixed(snap), interval=60.0)
+    async with app.run_test(size=(200, 60)) as pilot:
+        await settle(pilot, app)
+        table = app.query_one(ProcessTable)
+        assert "GPU%" in table.columns_shown and "ENC%" not in table.columns_shown
+        col = table.columns_shown.index("GPU%")
+        assert str(table.get_row("4242@00000000:01:00.0")[col]) == "87%"
+        assert str(table.get_row("5151@00000000:01:00.0")[col]) == "n/a"
+    bare = dataclasses.replace(
+        snap, processes=tuple(dataclasses.replace(p, engines={}) for p in snap.processes)
+    )
+    app = create_app(collector_factory=lambda: Fixed(bare), interval=60.0)
+    async with app.run_test(size=(200, 60)) as pilot:
+        await settle(pilot, app)
+        assert "GPU%" not in app.query_one(ProcessTable).columns_shown
+
+
+async def test_the_inspector_graphs_the_selected_process_vram_from_earlier_samples():
+    fake = Fixed(demo_snapshot())
+    app = create_app(collector_factory=lambda: fake, interval=60.0)
+    async with app.run_test(size=(200, 60)) as pilot:
+        await settle(pilot, app)
+        body = str(app.query_one("#inspector-body").render())
+        assert "last 1 samples" not in body and "samples:" not in body  # one sample: no graph
+        app.action_refresh_now()
+        for _ in range(100):
+            await pilot.pause(0.01)
+            if app.samples == 2:
+                break
+        await pilot.pause()
+        body = str(app.query_one("#inspector-body").render())
+        assert "VRAM last 2 samples: " + sparkline([9.5, 9.5], 2).strip() in body
+        assert "(9.5 GiB–9.5 GiB)" in body

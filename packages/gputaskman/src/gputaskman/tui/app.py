@@ -190,7 +190,9 @@ class GtmApp(App[int]):
 
     def _fit_inspector(self, width: int) -> None:
         """Until the user toggles it (i), the inspector shows only where the table keeps room
-        for its columns beside it (INSPECTOR_MIN_COLS)."""
+        for its columns beside it (INSPECTOR_MIN_COLS). It takes about a quarter of a wide
+        screen, so that long paths wrap less."""
+        self.inspector.styles.width = max(46, min(72, width // 4))
         if self._inspector_wanted is None:
             self.inspector.set_class(width < INSPECTOR_MIN_COLS, "-hidden")
 
@@ -279,7 +281,7 @@ class GtmApp(App[int]):
 
     def render_inspector(self) -> None:
         table = self.table
-        self.inspector.show(table.current(), self.snapshot, self.system)
+        self.inspector.show(table.current(), self.snapshot, self.system, self.history)
 
     def render_status(self) -> None:
         parts = []

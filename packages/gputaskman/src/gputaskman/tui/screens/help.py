@@ -27,7 +27,7 @@ from gputaskman.base.readings import Kind, Reason
 from gputaskman.core import report, report_models, text_report
 from gputaskman.intel import runtimes
 from gputaskman.intel.evidence import Source
-from gputaskman.tui.widgets.process_table import SORT_MARKS
+from gputaskman.tui.widgets.process_table import ENGINE_COLUMNS, SORT_MARKS
 
 COLUMN_HELP: dict[str, str] = {
     "PID": "process id; HOST:PID (windows:1234) is a process of another OS (WSL: the "
@@ -43,6 +43,10 @@ COLUMN_HELP: dict[str, str] = {
     "RUNTIMES": "GPU and ML runtimes mapped into the process (detection, not proof)",
     "CATEGORY": "what the process appears to do (LLM inference, training, graphics, ...)",
     "MODEL": "the model it holds, with an evidence tag (below)",
+    "GPU%": "its share of the GPU's time (NVML process utilisation, measured); shown while a "
+    "row has one",
+    "ENC%": "its video encoder load, measured; shown while a row has one",
+    "DEC%": "its video decoder load, measured; shown while a row has one",
 }
 
 KIND_HELP: dict[Kind, str] = {
@@ -77,7 +81,8 @@ def _row(mark: str, text: str, width: int = 24) -> str:
 
 def column_lines() -> list[str]:
     """One line per column the process table can show (KeyError: one is unexplained)."""
-    return [_row(label, COLUMN_HELP[label], 9) for label in text_report.PAGED_COLUMNS]
+    labels = [*text_report.PAGED_COLUMNS, *ENGINE_COLUMNS]
+    return [_row(label, COLUMN_HELP[label], 9) for label in labels]
 
 
 def mark_lines() -> list[str]:

@@ -11,10 +11,13 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from gputaskman.base.fmt import fmt_bytes
 from gputaskman.base.readings import ProcGpu, Reading, Snapshot
 from gputaskman.core import report
 from gputaskman.core.host import HostSample
+from gputaskman.tui.history import History, Series, sparkline
 
+HISTORY_WIDTH = 30  # samples drawn in the VRAM history line
 MAX_CMDLINE = 600  # characters; a huge argv must not swamp the pane
 
 
@@ -26,7 +29,22 @@ def reading_line(label: str, r: Reading | None, *, as_bytes: bool = False, unit:
     return f"{label}: {value}  [{r.kind}, {r.source}]{extra}"
 
 
-def inspect_text(p: ProcGpu | None, snapshot: Snapshot | None, system: HostSample | None) -> str:
+def history_line(series: Series | None) -> str | None:
+    """The process's shown VRAM over the samples the TUI took, with its provenance mark."""
+    if series is None or len(series.values) < 2:
+        return None
+    known = [v for v in series.values if v is not None]
+    span = f"{fmt_bytes(min(known))}–{fmt_bytes(max(known))}" if known else "n/a"
+    line = sparkline(series.values, HISTORY_WIDTH).lstrip()
+    return f"VRAM{series.mark()} last {len(series.values)} samples: {line}  ({span})"
+
+
+def inspect_text(
+    p: ProcGpu | None,
+    snapshot: Snapshot | None,
+    system: HostSample | None,
+    history: History | None = None,
+) -> str:
     if p is None or snapshot is None:
         return "no process selected"
     d = p.detail
@@ -46,6 +64,9 @@ def inspect_text(p: ProcGpu | None, snapshot: Snapshot | None, system: HostSampl
         f"GPU {p.adapter or 'none known'}  contexts {','.join(p.contexts) or 'none'}",
         reading_line("VRAM (driver)", p.dedicated, as_bytes=True),
     ]
+    hist = history_line(history.vram.get(p.key)) if history is not None else None
+    if hist is not None:
+        lines.append(hist)
     if p.inferred is not None:
         star = " (* only one explanation fits)" if p.unique else ""
         lines.append(reading_line("VRAM inferred", p.inferred, as_bytes=True) + star)
@@ -84,7 +105,8 @@ def inspect_text(p: ProcGpu | None, snapshot: Snapshot | None, system: HostSampl
 
 class Inspector(VerticalScroll):
     DEFAULT_CSS = """
-    Inspector { width: 46; border-left: solid $primary-darken-2; padding: 0 1; }
+    Inspector { width: 46; border-left: solid $primary-darken-2; padding: 0 1;
+                overflow-x: hidden; }
     Inspector.-hidden { display: none; }
     """
 
@@ -95,5 +117,11 @@ class Inspector(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield self.body
 
-    def show(self, p: ProcGpu | None, snapshot: Snapshot | None, system: HostSample | None) -> None:
-        self.body.update(inspect_text(p, snapshot, system))
+    def show(
+        self,
+        p: ProcGpu | None,
+        snapshot: Snapshot | None,
+        system: HostSample | None,
+        history: History | None = None,
+    ) -> None:
+        self.body.update(inspect_text(p, snapshot, system, history))

@@ -22,13 +22,17 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import DataTable
 
+from gputaskman.base.fmt import fmt_reading
 from gputaskman.base.readings import ProcGpu, Reading
 from gputaskman.core import report, text_report
 from gputaskman.core.host import HostSample
 
 # column label, sort name (None: not a sort column)
 COLUMNS = text_report.PROCESS_COLUMNS
-SORTS = ("VRAM", "PAGED", "RAM", "CPU%", "PID", "NAME")
+SORTS = ("VRAM", "PAGED", "GPU%", "RAM", "CPU%", "PID", "NAME")
+# Per-process engine load (NVML's process utilisation), each a column only while some row has
+# a known value for it: label -> key in `ProcGpu.engines`.
+ENGINE_COLUMNS = {"GPU%": "gpu_percent", "ENC%": "encoder_percent", "DEC%": "decoder_percent"}
 # Shown after the sort column's label: (descending, ascending).
 SORT_MARKS = ("▼", "▲")
 
@@ -36,7 +40,21 @@ SORT_MARKS = ("▼", "▲")
 # Widest a text cell may be in the table; the inspector shows the full value.
 CELL_LIMITS = {"RUNTIMES": 22, "MODEL": 24, "NAME": 18, "CATEGORY": 16}
 # Which columns a narrow table keeps, first first; the first four are always kept.
-PRIORITY = ("PID", "NAME", "VRAM", "MODEL", "GPU", "CPU%", "RAM", "PAGED", "CATEGORY", "RUNTIMES")
+PRIORITY = (
+    "PID",
+    "NAME",
+    "VRAM",
+    "MODEL",
+    "GPU%",
+    "RAM",
+    "CPU%",
+    "GPU",
+    "PAGED",
+    "ENC%",
+    "DEC%",
+    "CATEGORY",
+    "RUNTIMES",
+)
 ALWAYS = PRIORITY[:4]
 # The widest MODEL may get when the table has room for it (its names are long).
 MODEL_ROOM = 40
@@ -105,6 +123,15 @@ def fit_columns(
     return tuple(c for c in columns if c in keep), limits
 
 
+def engine_columns(rows: list[ProcGpu]) -> tuple[str, ...]:
+    """The engine columns some row has a known value for (unknown everywhere: no column)."""
+    return tuple(
+        label
+        for label, key in ENGINE_COLUMNS.items()
+        if any((r := p.engines.get(key)) is not None and r.value is not None for p in rows)
+    )
+
+
 def row_key(p: ProcGpu) -> str:
     return f"{p.pid}@{p.adapter or '-'}"
 
@@ -123,6 +150,8 @@ def sort_value(p: ProcGpu, column: str, host: Mapping[str, Reading]) -> tuple[in
         v = _num(host.get("ram_bytes"))
     elif column == "CPU%":
         v = _num(host.get("cpu_percent"))
+    elif column in ENGINE_COLUMNS:
+        v = _num(p.engines.get(ENGINE_COLUMNS[column]))
     elif column == "PID":
         return (0, p.pid)
     else:
@@ -182,15 +211,20 @@ class ProcessTable(DataTable):
         `width` is the table's room in cells (the columns are fitted to it)."""
         lookup = report.proc_host_lookup(system)
         keep = self.current_key()
-        every = text_report.process_columns(snapshot)
-        if self.sort_column not in every:  # the PAGED column went away
+        engines = engine_columns(rows)
+        base = text_report.process_columns(snapshot)
+        at = base.index("PAGED" if "PAGED" in base else "VRAM") + 1
+        every = (*base[:at], *engines, *base[at:])  # engine loads right after the memory
+        if self.sort_column not in every:  # the PAGED or an engine column went away
             self.sort_column, self.descending = "VRAM", True
         ordered = sorted_rows(rows, self.sort_column, self.descending, lookup)
         shown: dict[str, tuple[ProcGpu, tuple[str, ...]]] = {}
         for p in ordered:
             k = row_key(p)
             if k not in shown:
-                shown[k] = (p, text_report.process_cells(p, lookup, snapshot, every))
+                cells = text_report.process_cells(p, lookup, snapshot, base)
+                loads = tuple(fmt_reading(p.engines.get(ENGINE_COLUMNS[c]), "%") for c in engines)
+                shown[k] = (p, (*cells[:at], *loads, *cells[at:]))
         sort = (self.sort_column, self.header_label(self.sort_column))
         offered = tuple(c for c in every if c not in self.hidden)
         picks = [every.index(c) for c in offered]
