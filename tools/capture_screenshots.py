@@ -46,8 +46,9 @@ SIZE = (140, 42)
 KEEP_PREFIXES = ("/proc/", "/sys/", "/dev/")
 # An absolute path inside any text: "/" not preceded by a word character (so "MiB/s" and
 # "1/2" are left alone), then one or more segments. A segment ends at whitespace, quotes,
-# brackets, commas and at ":" that ends a word ("/x: denied"), not at one inside a name.
-_SEG = r"(?:[^\s/'\"(),;:=\[\]{}<>|]|:(?=[^\s/'\"(),;:=\[\]{}<>|]))"
+# brackets, commas and at ":" that ends a word ("/x: denied"), not at one inside a name, and
+# at "…", the mark a redacted path leaves ("//x" becomes "/…", which must stay as it is).
+_SEG = r"(?:[^\s/'\"(),;:=\[\]{}<>|…]|:(?=[^\s/'\"(),;:=\[\]{}<>|…]))"
 _PATH = re.compile(rf"(?<![\w.~…-])/{_SEG}+(?:/{_SEG}*)*")
 
 
