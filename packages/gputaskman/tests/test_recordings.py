@@ -5,6 +5,7 @@ written (tests/recordings/expected)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -12,10 +13,18 @@ import pytest
 from gputaskman import cli
 from gputaskman.core import report, text_report
 from gputaskman.offline.playback import RecordSource
+from gputaskman.offline.recorded import snapshot_from_json
 from gputaskman.tui.widgets.inspector import inspect_text
 
 HERE = Path(__file__).parent / "recordings"
 RECORDINGS = ("demo.jsonl", "drm.jsonl")
+
+
+def _writer():
+    spec = importlib.util.spec_from_file_location("write_recordings", HERE / "write_recordings.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.mark.parametrize("name", RECORDINGS)
@@ -45,6 +54,34 @@ def test_the_demo_recording_has_every_part_a_reader_must_keep() -> None:
     whisper = next(p for p in docs[-1]["processes"] if p["name"] == "whisper")
     assert whisper["app_model"]["selected"] == "whisper-small" and whisper["scan_detail"]
     assert docs[-1]["system"]["duvm"]["daemons"] and docs[-1]["system"]["duvm"]["lending"]
+
+
+def test_replay_shows_each_sample_as_the_live_view_did(tmp_path: Path) -> None:
+    """Catches replay showing less than the live view: a recorded breakdown kept as raw JSON
+    (the inspector then loses its weights / KV / compute lines) or a recorded duvm pool left
+    out of the system panel. Each sample of the changing demo, written as a record line and
+    replayed, renders as the live sample did: the --once report, every process's inspector,
+    the system panel."""
+    wr = _writer()
+    sampler = wr.DemoSampler(wr.gguf_header(tmp_path))
+    for _ in range(4):
+        snap, system = sampler.sample_with_system()
+        line = json.loads(json.dumps(report.to_json_dict(snap, system)))
+        rsnap, rsystem = snapshot_from_json(line)
+        assert text_report.render_text(rsnap, rsystem) == text_report.render_text(snap, system)
+        for live, replayed in zip(snap.processes, rsnap.processes, strict=True):
+            want = inspect_text(live, snap, system).splitlines()
+            got = inspect_text(replayed, rsnap, rsystem).splitlines()
+            assert len(got) == len(want)
+            for w, g in zip(want, got, strict=True):
+                # a process the live host sample lacked: the record line says why
+                if w in ("RAM: n/a", "CPU: n/a"):
+                    assert g.startswith(w) and g.endswith("process not in host sample"), g
+                else:
+                    assert g == w
+        assert text_report.system_lines(rsystem) == text_report.system_lines(system)
+    assert "weights" in inspect_text(rsnap.processes[0], rsnap, rsystem)
+    assert any(ln.startswith("duvm  pool ok") for ln in text_report.system_lines(rsystem))
 
 
 RUNS = {

@@ -52,7 +52,7 @@ def _load(path: Path, name: str) -> Any:
     return mod
 
 
-def _header(tmp: Path) -> gguf.GGUFHeader:
+def gguf_header(tmp: Path) -> gguf.GGUFHeader:
     model = tmp / "model.gguf"
     _load(TESTS / "gguf_files.py", "gguf_files").write_model(
         model, "qwen2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, ctx=1024
@@ -290,7 +290,7 @@ def expected_outputs(rec: Path) -> None:
 
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
-        record(HERE / "demo.jsonl", DemoSampler(_header(Path(tmp))), count=4, interval=0.01)
+        record(HERE / "demo.jsonl", DemoSampler(gguf_header(Path(tmp))), count=4, interval=0.01)
         record(HERE / "drm.jsonl", DrmSampler(Path(tmp) / "root"), count=3, interval=0.5)
     for rec in (HERE / "demo.jsonl", HERE / "drm.jsonl"):
         expected_outputs(rec)
