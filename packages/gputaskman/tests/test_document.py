@@ -95,3 +95,21 @@ def test_unknown_reasons_and_early_system_numbers_are_kept_in_words() -> None:
     _, system = snapshot_from_json(doc)
     text = "\n".join(system.render_lines())
     assert "RAM   used 5 B / n/a (unavailable)" in text
+
+
+def test_a_number_no_float_holds_is_refused_not_a_crash(tmp_path) -> None:
+    """Catches `is_number` letting a 400-digit integer through (``math.isfinite`` raises
+    OverflowError on it): such a `taken` made summary and replay crash on the whole file
+    instead of skipping the line; as a reading's value it must be refused, not summed."""
+    from gputaskman.offline import summary
+
+    huge = 10**400
+    doc = _doc()
+    doc["adapters"][0]["metrics"]["memory_used_bytes"]["value"] = huge
+    with pytest.raises(SnapshotError, match=r"memory_used_bytes\.value"):
+        read_document(doc)
+    rec = tmp_path / "r.jsonl"
+    rec.write_text(json.dumps(_doc()) + "\n" + json.dumps({**_doc(), "taken": huge}) + "\n")
+    s = summary.summarize(rec)
+    assert s.snapshots == 1 and s.unparseable == [2]
+    assert "taken" in s.unparseable_why[2] and "not a finite number" in s.unparseable_why[2]

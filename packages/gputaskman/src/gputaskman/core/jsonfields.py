@@ -25,8 +25,14 @@ class SnapshotError(ValueError):
 
 
 def is_number(v: object) -> TypeGuard[int | float]:
-    """A real JSON number (bool is not one), finite."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A real JSON number (bool is not one) that a float holds, finite: a 400-digit integer
+    is valid JSON but no count this document holds, and would break the arithmetic on it."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _type_name(v: object) -> str:
