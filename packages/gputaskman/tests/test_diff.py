@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from gputaskman.base.readings import Reason
+from gputaskman.core.document import SnapshotError, read_document
 from gputaskman.offline import diff, diff_report
-from gputaskman.offline.recordfile import SnapshotError, check_snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -42,6 +42,11 @@ def snap(t=0.0, *, used=4 * GIB, procs=(), adapters=None, metrics_by_bus=None, *
     )
 
 
+def compare(before: dict, after: dict) -> dict:
+    """`diff.diff` of two documents, read as `gputaskman diff` reads them."""
+    return diff.diff(read_document(before), read_document(after))
+
+
 def field(entry: dict, name: str) -> dict:
     return next(f for f in entry["fields"] if f["field"] == name)
 
@@ -57,7 +62,7 @@ def adapter_entry(d: dict, bus: str) -> dict:
 def test_measured_fields_are_compared_directly() -> None:
     b = snap(used=4 * GIB, procs=[ms.proc(10, 3 * GIB)])
     a = snap(60, used=6 * GIB, procs=[ms.proc(10, 5 * GIB)])
-    d = diff.diff(b, a)
+    d = compare(b, a)
     gpu = d["adapters"][0]
     assert gpu["paired_by"] == "uuid" and d["warnings"] == [] and d["elapsed_s"] == 60
     used = field(gpu, "memory_used_bytes")
@@ -76,7 +81,7 @@ def test_a_change_smaller_than_a_mebibyte_is_reported() -> None:
     512 KiB must both read as changed, with the exact delta in bytes."""
     b = snap(used=4 * GIB, procs=[ms.proc(10, 3 * GIB)])
     a = snap(60, used=4 * GIB + 512 * 1024, procs=[ms.proc(10, 3 * GIB + 4096)])
-    d = diff.diff(b, a)
+    d = compare(b, a)
     used = field(d["adapters"][0], "memory_used_bytes")
     assert (used["change"], used["delta"]) == ("changed", 512 * 1024)
     (p,) = procs_by_pid(d, 10)
@@ -89,7 +94,7 @@ def test_a_change_smaller_than_a_mebibyte_is_reported() -> None:
 def test_an_absent_row_is_not_listed_not_zero() -> None:
     b = snap(procs=[ms.proc(10, 3 * GIB), ms.proc(11, 1 * GIB, name="whisper")])
     a = snap(1, procs=[ms.proc(11, 1 * GIB, name="whisper"), ms.proc(12, 2 * GIB, name="new")])
-    d = diff.diff(b, a)
+    d = compare(b, a)
     (gone,) = procs_by_pid(d, 10)
     (new,) = procs_by_pid(d, 12)
     assert gone["status"] == "not listed after" and new["status"] == "not listed before"
@@ -116,7 +121,7 @@ def test_an_absent_row_is_not_listed_not_zero() -> None:
 def test_conflicting_adapters_are_refused(tmp_path: Path, before_ad, after_ad) -> None:
     b, a = snap(adapters=[before_ad]), snap(1, adapters=[after_ad])
     with pytest.raises(diff.Refused, match="conflicting adapters"):
-        diff.diff(b, a)
+        compare(b, a)
     res = gtm("diff", str(ms.save(tmp_path / "b.json", b)), str(ms.save(tmp_path / "a.json", a)))
     assert res.returncode == diff.EXIT_REFUSED and "refused" in res.stderr and res.stdout == ""
 
@@ -124,7 +129,7 @@ def test_conflicting_adapters_are_refused(tmp_path: Path, before_ad, after_ad) -
 def test_a_gpu_missing_on_one_side_is_not_a_conflict() -> None:
     b = snap(procs=[ms.proc(10, 3 * GIB)])
     a = ms.doc(ms.snapshot(ms.T0 + 1, unavailable=Reason.GPU_LOST))
-    d = diff.diff(b, a)
+    d = compare(b, a)
     assert d["adapters"][0]["status"] == "not listed after"
     assert field(d["adapters"][0], "memory_used_bytes")["delta"] is None
 
@@ -132,7 +137,7 @@ def test_a_gpu_missing_on_one_side_is_not_a_conflict() -> None:
 def test_a_moved_card_pairs_by_uuid() -> None:
     b = snap(adapters=[ms.adapter(bus=ms.BUS0, uuid="GPU-x")])
     a = snap(1, adapters=[ms.adapter(bus=ms.BUS1, uuid="GPU-x")])
-    assert diff.diff(b, a)["adapters"][0]["paired_by"] == "uuid (PCI address changed)"
+    assert compare(b, a)["adapters"][0]["paired_by"] == "uuid (PCI address changed)"
 
 
 def _strip_address(d: dict) -> dict:
@@ -148,7 +153,7 @@ def _strip_address(d: dict) -> dict:
 def test_name_only_pairing_warns() -> None:
     b = snap(used=4 * GIB)
     a = _strip_address(snap(1, used=5 * GIB))  # e.g. a snapshot from a backend with no address
-    d = diff.diff(b, a)
+    d = compare(b, a)
     assert d["adapters"][0]["paired_by"] == "name-only"
     assert [w["code"] for w in d["warnings"]] == ["name-only"]
     assert field(d["adapters"][0], "memory_used_bytes")["delta"] == 1 * GIB
@@ -168,13 +173,13 @@ def test_adapters_sharing_a_name_pair_by_address_never_by_name() -> None:
         adapters=[twin1, twin0],
         metrics_by_bus={ms.BUS0: ms.metrics(used=3 * GIB), ms.BUS1: ms.metrics(used=9 * GIB)},
     )
-    d = diff.diff(b, a)
+    d = compare(b, a)
     assert {e["paired_by"] for e in d["adapters"]} == {"pci_bus_id"} and d["warnings"] == []
     assert field(adapter_entry(d, ms.BUS0), "memory_used_bytes")["delta"] == 2 * GIB
     assert field(adapter_entry(d, ms.BUS1), "memory_used_bytes")["delta"] == 0
     # one twin gone: it is not listed, never matched to the other twin by name
     a2 = snap(1, adapters=[twin1], metrics_by_bus={ms.BUS1: ms.metrics(used=9 * GIB)})
-    d2 = diff.diff(b, a2)
+    d2 = compare(b, a2)
     assert adapter_entry(d2, ms.BUS0)["status"] == "not listed after"
     assert adapter_entry(d2, ms.BUS1)["paired_by"] == "pci_bus_id"
 
@@ -184,7 +189,7 @@ def test_same_name_at_different_addresses_is_never_paired_by_name() -> None:
     other = ms.adapter(2, bus2, "NVIDIA A100", uuid="")
     b_twin = ms.adapter(0, ms.BUS0, "NVIDIA RTX 4090", uuid="")
     a_twin = ms.adapter(0, ms.BUS1, "NVIDIA RTX 4090", uuid="")  # a different card, same model
-    d = diff.diff(snap(adapters=[other, b_twin]), snap(1, adapters=[other, a_twin]))
+    d = compare(snap(adapters=[other, b_twin]), snap(1, adapters=[other, a_twin]))
     assert adapter_entry(d, bus2)["paired_by"] == "pci_bus_id"
     assert adapter_entry(d, ms.BUS0)["status"] == "not listed after"
     assert adapter_entry(d, ms.BUS1)["status"] == "not listed before"
@@ -195,7 +200,7 @@ def test_twins_without_addresses_are_not_compared() -> None:
     twins = [ms.adapter(0, ms.BUS0, "NVIDIA RTX 4090"), ms.adapter(1, ms.BUS1, "NVIDIA RTX 4090")]
     b = _strip_address(snap(adapters=twins))
     a = _strip_address(snap(1, adapters=twins))
-    d = diff.diff(b, a)
+    d = compare(b, a)
     assert all(e["paired_by"] is None for e in d["adapters"])
     assert any("cannot be told apart" in w["message"] for w in d["warnings"])
 
@@ -207,7 +212,6 @@ def test_twins_without_addresses_are_not_compared() -> None:
         (ms.T0 - 100 + diff.SAME_PROCESS_SECS + 1, False),
         (ms.T0 - 100 + diff.SAME_PROCESS_SECS / 2, True),  # float noise: same process
         (None, True),  # unknown start time never conflicts
-        ("yesterday", True),  # malformed start time never conflicts
         (-5, True),
     ],
 )
@@ -215,7 +219,7 @@ def test_reused_pids_are_never_paired(after_start, paired: bool) -> None:
     b = snap(procs=[ms.proc(10, 3 * GIB, start=ms.T0 - 100)])
     a = snap(1, procs=[ms.proc(10, 3 * GIB, start=ms.T0 - 100)])
     a["processes"][0]["started_at"] = after_start
-    d = diff.diff(b, a)
+    d = compare(b, a)
     rows = procs_by_pid(d, 10)
     if paired:
         assert [r["status"] for r in rows] == ["paired"]
@@ -230,7 +234,7 @@ def test_reused_pids_are_never_paired(after_start, paired: bool) -> None:
 def test_memory_that_became_known_or_unknown() -> None:
     b = snap(used=None, procs=[ms.proc(10, None), ms.proc(11, 2 * GIB, name="x")])
     a = snap(1, used=5 * GIB, procs=[ms.proc(10, 3 * GIB), ms.proc(11, None, name="x")])
-    d = diff.diff(b, a)
+    d = compare(b, a)
     assert field(d["adapters"][0], "memory_used_bytes")["change"] == "became known"
     known = field(procs_by_pid(d, 10)[0], "vram_bytes")
     unknown = field(procs_by_pid(d, 11)[0], "vram_bytes")
@@ -277,7 +281,7 @@ def test_runtime_estimated_and_inferred_values_have_their_own_sections() -> None
         d["processes"][0]["ram_bytes"] = _reading(w * 7 * GIB, "measured")  # host RAM
         # a measured byte count not in MEASURED is not compared until someone adds it
         d["processes"][0]["gart_bytes"] = _reading(w * GIB, "measured")
-    d = diff.diff(b, a)
+    d = compare(b, a)
     (p,) = procs_by_pid(d, 10)
     sections = {f["field"]: f["section"] for f in p["fields"]}
     assert sections == {
@@ -302,7 +306,7 @@ def test_gtt_is_a_measured_adapter_field() -> None:
     b, a = snap(), snap(1)
     for d, used in ((b, 1), (a, 3)):
         d["adapters"][0]["extra_metrics"] = {"gtt_used_bytes": _reading(used * GIB, "measured")}
-    f = field(diff.diff(b, a)["adapters"][0], "gtt_used_bytes")
+    f = field(compare(b, a)["adapters"][0], "gtt_used_bytes")
     assert f["section"] == "measured" and f["delta"] == 2 * GIB
 
 
@@ -310,7 +314,7 @@ def test_a_field_whose_kind_changed_is_not_subtracted() -> None:
     b = snap(procs=[ms.proc(10, 3 * GIB)])
     a = snap(1, procs=[ms.proc(10, 3 * GIB)])
     a["processes"][0]["vram_bytes"]["kind"] = "inferred"
-    f = field(procs_by_pid(diff.diff(b, a), 10)[0], "vram_bytes")
+    f = field(procs_by_pid(compare(b, a), 10)[0], "vram_bytes")
     assert f["delta"] is None and f["change"].startswith("kind changed")
 
 
@@ -371,7 +375,7 @@ def test_a_change_in_system_ram_is_reported_apart_from_gpu_memory() -> None:
     into host memory, a leak) must show, labelled as the OS's counter, not as GPU memory."""
     b, a = snap(), snap(60)
     b["system"], a["system"] = _system(10 * GIB), _system(10 * GIB + 200 * MIB, 64 * MIB)
-    d = diff.diff(b, a)
+    d = compare(b, a)
     fields = {f["field"]: f for f in d["system"]}
     assert (fields["memory.used_bytes"]["change"], fields["memory.used_bytes"]["delta"]) == (
         "changed",
@@ -384,11 +388,11 @@ def test_a_change_in_system_ram_is_reported_apart_from_gpu_memory() -> None:
     assert "RAM total" not in text  # unchanged values are not listed
     # a value that became unknown says so; a snapshot without a host sample compares nothing
     a["system"] = _system(None)
-    assert {f["field"]: f["change"] for f in diff.diff(b, a)["system"]}["memory.used_bytes"] == (
+    assert {f["field"]: f["change"] for f in compare(b, a)["system"]}["memory.used_bytes"] == (
         "became unknown"
     )
     del a["system"]
-    assert all(f["change"] == "not listed after" for f in diff.diff(b, a)["system"])
+    assert all(f["change"] == "not listed after" for f in compare(b, a)["system"])
 
 
 def test_a_process_that_went_away_takes_one_line() -> None:
@@ -415,7 +419,7 @@ def test_a_process_that_went_away_takes_one_line() -> None:
         "estimated_total": r(GIB // 2, "estimated"),
     }
     row["breakdown"]["parts"]["other"]["reading"].update(reason="unavailable")
-    d = diff.diff(b, snap(60))
+    d = compare(b, snap(60))
     (gone,) = procs_by_pid(d, 10)
     assert len(gone["fields"]) >= 6  # the JSON keeps every reading
     text = diff_report.render_text(d, "b", "a")
@@ -473,19 +477,18 @@ def test_bad_input_is_refused_with_a_reason(tmp_path: Path, content, message) ->
     assert res.returncode == diff.EXIT_BAD_INPUT and message in res.stderr
 
 
-def test_malformed_gpu_values_deep_inside_are_unpaired_not_a_crash(tmp_path: Path) -> None:
-    """Past the top-level check, a row whose ``gpu`` is a list (unhashable) once crashed
-    the pairing; now it is a row that pairs with nothing, and the CLI exits 0."""
-    b = snap(procs=[ms.proc(10, 3 * GIB)])
-    b["processes"][0]["gpu"] = ["not", "an", "address"]
-    b["adapters"][0]["pci_bus_id"] = {"bad": 1}
-    a = snap(1, procs=[ms.proc(10, 4 * GIB)])
-    res = gtm(
-        "diff", "--json", str(ms.save(tmp_path / "b.json", b)), str(ms.save(tmp_path / "a.json", a))
-    )
-    assert res.returncode == 0, res.stderr
-    procs = json.loads(res.stdout)["processes"]
-    assert sorted(p["status"] for p in procs) == ["not listed after", "not listed before"]
+def test_malformed_values_deep_inside_are_refused_naming_the_place(tmp_path: Path) -> None:
+    """Catches a value of the wrong type deep in a document (a row whose ``gpu`` is a list, a
+    start time that is a word) crashing the pairing or being compared as something else:
+    the reader refuses the document and says where, and the CLI exits 2."""
+    a = ms.save(tmp_path / "a.json", snap(1, procs=[ms.proc(10, 4 * GIB)]))
+    for where, value in (("gpu", ["not", "an", "address"]), ("started_at", "yesterday")):
+        b = snap(procs=[ms.proc(10, 3 * GIB)])
+        b["processes"][0][where] = value
+        res = gtm("diff", "--json", str(ms.save(tmp_path / "b.json", b)), str(a))
+        assert res.returncode == diff.EXIT_BAD_INPUT and res.stdout == "", res.stderr
+        assert f"b.json: processes[0].{where}: expected" in res.stderr
+        assert "Traceback" not in res.stderr
 
 
 def _mutations() -> st.SearchStrategy:
@@ -524,12 +527,12 @@ def _mutate(doc: dict, muts) -> dict:
 @settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 @given(_mutations(), _mutations())
 def test_diff_fuzz_mangled_snapshots_never_crash_unexpectedly(mb, ma) -> None:
-    """What `diff_report.run` does with any two documents: the top-level check (bad input, exit
-    2), then `diff` raises nothing but `Refused` (exit 3), and its result renders."""
+    """What `diff_report.run` does with any two documents: the reader (bad input, exit 2), then
+    `diff` raises nothing but `Refused` (exit 3), and its result renders."""
     base = snap(procs=[ms.proc(10, 3 * GIB), ms.proc(11, None, name="y")])
     b, a = _mutate(base, mb), _mutate(snap(1, procs=[ms.proc(10, 4 * GIB)]), ma)
     try:
-        b, a = check_snapshot(b), check_snapshot(a)
+        b, a = read_document(b), read_document(a)
     except SnapshotError:
         return  # the CLI's bad-input message
     try:

@@ -216,7 +216,7 @@ def test_wsl_replay_rows_end_to_end_through_collector_json_and_replay(dxg_child)
     assert dwm["ram_bytes"]["value"] is None and "windows process" in dwm["ram_bytes"]["detail"]
     assert dwm["paged_bytes"]["value"] == MIB and vm["paged_bytes"]["value"] == MIB
     assert report.null_rule_violations(doc) == []
-    # replay gives the same object back (recorded.py reads the new fields)
+    # replay gives the same object back (core/document.py reads the new fields)
     again = report.to_json_dict(*snapshot_from_json(doc))
     assert again == doc
     text = text_report.render_text(snap, system)

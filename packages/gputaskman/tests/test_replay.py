@@ -338,8 +338,9 @@ def test_snapshot_loader_fuzz_only_ever_raises_snapshot_error(muts) -> None:
 def test_models_breakdowns_and_app_models_replay_as_recorded() -> None:
     import dataclasses
 
-    from gputaskman.base.readings import ModelRef
+    from gputaskman.base.readings import ModelRef, Reading
     from gputaskman.intel.apps import AppModel
+    from gputaskman.intel.llm import LlmView, ViewPart
     from gputaskman.offline.recorded import snapshot_from_json
 
     model = ModelRef(
@@ -357,14 +358,32 @@ def test_models_breakdowns_and_app_models_replay_as_recorded() -> None:
         None,
     )
     app = AppModel("Handy", "whisper-small", None, "loaded", "whisper-small", None, None)
-    recorded_view = {"model": "qwen", "parts": {}, "notes": ["recorded"]}
+    view = LlmView(
+        "qwen",
+        "/m/q.gguf",
+        "mapped",
+        "single source",
+        "?",
+        parts=(
+            ViewPart("weights", Reading.estimated(GIB, "gguf tensor sizes"), marker="*"),
+            ViewPart(
+                "kv_cache",
+                Reading.runtime(GIB // 4, "llama.cpp log"),
+                (Reading.estimated(GIB // 5, "gguf KV formula"),),
+            ),
+        ),
+        reported_total=GIB // 4,
+        estimated_total=GIB,
+        notes=("recorded",),
+    )
     p = dataclasses.replace(ms.proc(7, 2 * GIB), model=model, app_model=app)
-    p2 = dataclasses.replace(ms.proc(8, 1 * GIB), breakdown=recorded_view)
+    p2 = dataclasses.replace(ms.proc(8, 1 * GIB), breakdown=view)
     doc = frame(0, 4, [p, p2])
     snap, system = snapshot_from_json(doc)
     assert report.to_json_dict(snap, system, None) == doc
-    assert snap.processes[0].model == model
-    assert snap.processes[0].app_model.selected == "whisper-small"
+    # the same objects as live, so the inspector and the exporter show them as live
+    assert snap.processes[0].model == model and snap.processes[1].breakdown == view
+    assert snap.processes[0].app_model == app
     assert report.model_cell(snap.processes[0]).startswith("qwen [api✓]")
 
 

@@ -147,8 +147,8 @@ def _r(v: float, kind: str = "measured") -> dict[str, Any]:
 
 
 def test_replay_loses_no_field_that_is_set(demo_doc: dict[str, Any]) -> None:
-    """Catches a reader (recorded.py) that drops a field which is null in every fixture, such
-    as `scan_detail` or `header_error`: here every optional field of one process is set, the
+    """Catches a reader (core/document.py) that drops a field which is null in every fixture,
+    such as `scan_detail` or `header_error`: here every optional field of one process is set, the
     breakdown and an app model included, and reading the document back for replay must give
     the same document. (Host rows, `host` and `parent_pid`, round-trip in test_platform_wiring
     with documents a WSL backend wrote.)"""

@@ -15,6 +15,8 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_FILE = "snapshot.schema.json"
+NAME = "gputaskman.snapshot"  # the document's "schema" value
+VERSION = 1  # its "schema_version": new keys are additive within it
 
 
 def schema_text() -> str:

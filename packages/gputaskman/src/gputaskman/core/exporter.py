@@ -33,15 +33,15 @@ not measure them (NVML, DRM) exports no series at all, never 0.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gputaskman.base.readings import Adapter, Kind, ProcGpu, Reading, Snapshot
 from gputaskman.core.host import SystemInfo
+from gputaskman.core.report_models import breakdown_totals, breakdown_view
 
 GPU_LABELS = ("gpu", "pci_bus_id", "uuid", "gpu_name")
 PROC_LABELS = ("pid", "name", "model", *GPU_LABELS)
@@ -140,22 +140,6 @@ def _proc_values(p: ProcGpu, a: Adapter | None) -> tuple[str, ...]:
     model = p.model.name if p.model is not None and p.model.confirmed else ""
     pid = str(p.pid) if p.host is None else f"{p.host}:{p.pid}"  # another OS's PID
     return (pid, p.name or "", model, *_gpu_values(a))
-
-
-def _breakdown_parts(view: object) -> Mapping[str, Any]:
-    """The parts of a weights/KV/compute view as reading objects (report's JSON shape)."""
-    from gputaskman.core.report_models import breakdown_json
-
-    return breakdown_json(view) or {}
-
-
-def _reading_from_json(obj: Any) -> Reading | None:
-    if not isinstance(obj, Mapping) or obj.get("value") is None:
-        return None
-    try:
-        return Reading(obj["value"], Kind(obj["kind"]), str(obj.get("source") or "?"))
-    except (ValueError, TypeError, KeyError):
-        return None
 
 
 def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
@@ -304,34 +288,21 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
                     [*pv, p.model.name, p.model.evidence, "true" if p.model.confirmed else "false"],
                     1,
                 )
-        if p.breakdown is not None:
-            doc = _breakdown_parts(p.breakdown)
-            for part, body in (doc.get("parts") or {}).items():
-                r = _reading_from_json(body.get("reading") if isinstance(body, Mapping) else None)
+        view = breakdown_view(p.breakdown)
+        if view is not None:
+            for part in view.parts:
                 f.reading(
                     "gputaskman_process_llm_part",
                     "bytes",
                     "Model memory part (weights, kv_cache, compute, other)",
                     (*PROC_LABELS, "part"),
-                    (*pv, part),
-                    r,
+                    (*pv, part.name),
+                    part.reading,
                 )
-            f.reading(
-                "gputaskman_process_vram",
-                "bytes",
-                "Process GPU memory",
-                PROC_LABELS,
-                pv,
-                _reading_from_json(doc.get("reported_total")),
-            )
-            f.reading(
-                "gputaskman_process_vram",
-                "bytes",
-                "Process GPU memory",
-                PROC_LABELS,
-                pv,
-                _reading_from_json(doc.get("estimated_total")),
-            )
+            for total in breakdown_totals(view):
+                f.reading(
+                    "gputaskman_process_vram", "bytes", "Process GPU memory", PROC_LABELS, pv, total
+                )
     yield from f.fams.values()
     if system is not None:
         yield from system_families(system)

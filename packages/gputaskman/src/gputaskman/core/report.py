@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 `to_json_dict` is the single source of the ``--json`` object; record files store exactly
-this object, one per line, and replay/diff/summary read it back. `render_text` is the
+this object, one per line, and replay/diff/summary read it back through its one reader,
+`document.read_document`. `render_text` is the
 ``--once`` report. Neither function samples anything or imports a UI library.
 
 JSON shape (``schema_version`` 1)
@@ -158,6 +159,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gputaskman import __version__
+from gputaskman.base import schema
 from gputaskman.base.fmt import KIND_MARK, NA, fmt_bytes, fmt_reading, reading_json
 from gputaskman.base.readings import (
     DeviceMetrics,
@@ -181,8 +183,8 @@ from gputaskman.core.report_models import (
     system_json,
 )
 
-SCHEMA = "gputaskman.snapshot"
-SCHEMA_VERSION = 1
+SCHEMA = schema.NAME
+SCHEMA_VERSION = schema.VERSION
 
 HOST_SOURCE = "host"
 

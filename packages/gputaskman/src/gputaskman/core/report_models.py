@@ -8,8 +8,9 @@ Theory of operation
 object, so estimates carry kind ``estimated`` and runtime reports kind ``runtime``, and none
 of them is ever part of a measured sum. `model_lines` is the same information as text for
 ``--once`` and the TUI inspector; `model_cell` the table's MODEL column. `system_json` writes
-host.py's `SystemInfo` with reading objects (kind ``measured``: the OS's own counters, the
-source naming the file), so the whole document follows one null rule.
+host.py's `SystemInfo` (or the `document.SystemDoc` replay read back) with reading objects
+(kind ``measured``: the OS's own counters, the source naming the file), so the whole
+document follows one null rule.
 """
 
 from __future__ import annotations
@@ -19,47 +20,82 @@ from typing import Any
 
 from gputaskman.base.fmt import NA, fmt_bytes, fmt_reading, reading_json
 from gputaskman.base.readings import Kind, ModelRef, ProcGpu, Reading, Reason
-from gputaskman.core import host
+from gputaskman.core import duvmpool, host
+from gputaskman.core.document import SwapDeviceDoc, SwapDoc, SystemDoc
+from gputaskman.intel.apps import AppModel
+from gputaskman.intel.llm import LlmView
 
 
-def system_json(info: host.SystemInfo) -> dict[str, Any]:
-    """The ``system`` object: every number a reading object (OS-reported, kind measured)."""
-    m, s, c = info.memory, info.swap, info.cpu
+def system_doc(info: host.SystemInfo) -> SystemDoc:
+    """A host sample as the ``system`` object holds it: swap device numbers become readings
+    of /proc/swaps (unknown when the line had none)."""
+    s, src = info.swap, "/proc/swaps"
     devices = None
     if s.devices is not None:
-        devices = []
-        src = "/proc/swaps"
-        for d in s.devices:
-            devices.append(
+        devices = tuple(
+            SwapDeviceDoc(
+                d.filename,
+                d.type,
+                _os_reading(d.size_bytes, src),
+                _os_reading(d.used_bytes, src),
+                _os_reading(d.priority, src),
+                d.deleted,
+            )
+            for d in s.devices
+        )
+    return SystemDoc(
+        taken=info.taken,
+        memory={n: getattr(info.memory, n) for n in host.MemoryInfo.__slots__},
+        swap=SwapDoc(
+            s.total_bytes, s.free_bytes, s.used_bytes, devices, s.devices_reason, s.problems
+        ),
+        cpu={n: getattr(info.cpu, n) for n in host.CpuInfo.__slots__},
+        processes_reason=info.processes_reason or None,
+        duvm=info.duvm,
+    )
+
+
+def system_json(system: host.SystemInfo | SystemDoc) -> dict[str, Any]:
+    """The ``system`` object: every number a reading object (OS-reported, kind measured),
+    from a host sample or from a recorded one (`document.SystemDoc`, in replay)."""
+    doc = system_doc(system) if isinstance(system, host.SystemInfo) else system
+    out: dict[str, Any] = {
+        "taken": doc.taken,
+        "kind": Kind.MEASURED.value,
+        "memory": {n: reading_json(r) for n, r in doc.memory.items()},
+    }
+    s = doc.swap
+    if s is not None:
+        swap: dict[str, Any] = {
+            n: reading_json(r)
+            for n, r in (
+                ("total_bytes", s.total_bytes),
+                ("free_bytes", s.free_bytes),
+                ("used_bytes", s.used_bytes),
+            )
+            if r is not None
+        }
+        swap["devices"] = None
+        if s.devices is not None:
+            swap["devices"] = [
                 {
                     "filename": d.filename,
                     "type": d.type,
-                    "size_bytes": reading_json(_os_reading(d.size_bytes, src)),
-                    "used_bytes": reading_json(_os_reading(d.used_bytes, src)),
-                    "priority": reading_json(_os_reading(d.priority, src)),
+                    "size_bytes": reading_json(d.size_bytes),
+                    "used_bytes": reading_json(d.used_bytes),
+                    "priority": reading_json(d.priority),
                     "deleted": d.deleted,
                 }
-            )
-    out: dict[str, Any] = {
-        "taken": info.taken,
-        "kind": Kind.MEASURED.value,
-        "memory": {n: reading_json(getattr(m, n)) for n in m.__slots__},
-        "swap": {
-            "total_bytes": reading_json(s.total_bytes),
-            "free_bytes": reading_json(s.free_bytes),
-            "used_bytes": reading_json(s.used_bytes),
-            "devices": devices,
-            "devices_reason": s.devices_reason,
-            "problems": list(s.problems),
-        },
-        "cpu": {n: reading_json(getattr(c, n)) for n in c.__slots__},
-    }
-    if info.processes_reason:
-        out["processes_reason"] = info.processes_reason
-    if info.duvm is not None:  # duvm pool (duvmpool.PoolInfo): kind runtime, never summed
-        from gputaskman.core import duvmpool
-
-        out["duvm"] = duvmpool.pool_json(info.duvm)
+                for d in s.devices
+            ]
+        swap["devices_reason"] = s.devices_reason
+        swap["problems"] = list(s.problems)
+        out["swap"] = swap
+    out["cpu"] = {n: reading_json(r) for n, r in doc.cpu.items()}
+    if doc.processes_reason:
+        out["processes_reason"] = doc.processes_reason
+    if doc.duvm is not None:  # duvm pool (duvmpool.PoolInfo): kind runtime, never summed
+        out["duvm"] = duvmpool.pool_json(doc.duvm)
     return out
 
 
@@ -89,64 +125,80 @@ def model_json(m: ModelRef | None) -> dict[str, Any] | None:
     }
 
 
-def app_json(obj: object | None) -> Any:
-    """An app adapter's `AppModel` (or its recorded mapping) as JSON."""
-    if obj is None:
+def app_json(app: object | None) -> dict[str, object] | None:
+    """An app adapter's `AppModel` as JSON."""
+    if app is None:
         return None
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    fn = getattr(obj, "to_json", None)
-    return fn() if callable(fn) else None
+    if not isinstance(app, AppModel):
+        raise TypeError(f"app_model must be an apps.AppModel, got {type(app)!r}")
+    return app.to_json()
 
 
 BREAKDOWN_PARTS = ("weights", "kv_cache", "compute", "other")
 
 
-def breakdown_json(view: object | None) -> dict[str, Any] | None:
-    """An `llm.LlmView` as reading objects (a recorded mapping passes through as is)."""
+def breakdown_view(view: object | None) -> LlmView | None:
+    """`ProcGpu.breakdown` as the `llm.LlmView` it holds (live or read back), None when the
+    process has none."""
     if view is None:
         return None
-    if isinstance(view, Mapping):
-        return dict(view)
+    if not isinstance(view, LlmView):
+        raise TypeError(f"breakdown must be an llm.LlmView, got {type(view)!r}")
+    return view
+
+
+def breakdown_totals(view: LlmView) -> tuple[Reading, Reading]:
+    """The runtime-reported and the estimated total of a breakdown, as readings (unknown
+    when no part is of that kind); never added to a measured total."""
+    reported = (
+        Reading.runtime(view.reported_total, "sum of runtime-reported parts")
+        if view.reported_total is not None
+        else Reading.missing(
+            Reason.UNAVAILABLE,
+            "sum of runtime-reported parts",
+            "no part runtime-reported",
+            Kind.RUNTIME,
+        )
+    )
+    estimated = (
+        Reading.estimated(view.estimated_total, "sum of estimated parts")
+        if view.estimated_total is not None
+        else Reading.missing(
+            Reason.UNAVAILABLE, "sum of estimated parts", "no part estimated", Kind.ESTIMATED
+        )
+    )
+    return reported, estimated
+
+
+def breakdown_json(view: object | None) -> dict[str, Any] | None:
+    """An `llm.LlmView` (live, or read back from a recording) as reading objects."""
+    view = breakdown_view(view)
+    if view is None:
+        return None
     parts = {}
-    for part in getattr(view, "parts", ()):
+    for part in view.parts:
         parts[part.name] = {
             "reading": reading_json(part.reading),
             "marker": part.marker or None,
             "alternatives": [reading_json(a) for a in part.alternatives],
         }
-    v: Any = view
+    reported, estimated = breakdown_totals(view)
     return {
-        "model": v.model,
-        "path": v.path,
-        "evidence": v.evidence,
-        "status": v.status,
-        "owner_marker": v.owner_marker or None,
-        "runtime": v.runtime,
-        "architecture": v.architecture,
-        "file_type": v.file_type,
-        "parameter_count": v.parameter_count,
-        "n_ctx": v.n_ctx,
-        "n_ctx_source": v.n_ctx_source,
+        "model": view.model,
+        "path": view.path,
+        "evidence": view.evidence,
+        "status": view.status,
+        "owner_marker": view.owner_marker or None,
+        "runtime": view.runtime,
+        "architecture": view.architecture,
+        "file_type": view.file_type,
+        "parameter_count": view.parameter_count,
+        "n_ctx": view.n_ctx,
+        "n_ctx_source": view.n_ctx_source,
         "parts": parts,
-        "reported_total": reading_json(
-            Reading.runtime(v.reported_total, "sum of runtime-reported parts")
-            if v.reported_total is not None
-            else Reading.missing(
-                Reason.UNAVAILABLE,
-                "sum of runtime-reported parts",
-                "no part runtime-reported",
-                Kind.RUNTIME,
-            )
-        ),
-        "estimated_total": reading_json(
-            Reading.estimated(v.estimated_total, "sum of estimated parts")
-            if v.estimated_total is not None
-            else Reading.missing(
-                Reason.UNAVAILABLE, "sum of estimated parts", "no part estimated", Kind.ESTIMATED
-            )
-        ),
-        "notes": list(v.notes),
+        "reported_total": reading_json(reported),
+        "estimated_total": reading_json(estimated),
+        "notes": list(view.notes),
     }
 
 
@@ -202,7 +254,7 @@ def _count(n: int | None) -> str:
 def model_lines(p: ProcGpu) -> list[str]:
     """The model and its weights / KV / compute / other split, for --once and the inspector.
     Each part shows its reading with provenance marker and source, then the alternatives."""
-    m, v = p.model, p.breakdown
+    m, vv = p.model, breakdown_view(p.breakdown)
     lines: list[str] = []
     if m is not None:
         status = m.status or ("confirmed" if m.confirmed else "unconfirmed")
@@ -225,9 +277,8 @@ def model_lines(p: ProcGpu) -> list[str]:
     app = p.app_model
     if app is not None and getattr(app, "selected", None) is not None:
         lines.append(f"{app.app}: selected model {app.selected} (a setting, not residency)")  # type: ignore[attr-defined]
-    if v is None or isinstance(v, Mapping):
+    if vv is None:
         return lines
-    vv: Any = v
     lines.append(
         f"  {vv.architecture or 'n/a'} {vv.file_type or ''}  params {_count(vv.parameter_count)}"
         f"  n_ctx {NA if vv.n_ctx is None else vv.n_ctx}"

@@ -2,7 +2,8 @@
 
 Theory of operation
 -------------------
-Works on saved ``--json`` objects only, never on live state. Three steps:
+Works on saved ``--json`` objects only, never on live state, as `core.document` reads them
+(`Document`). Three steps:
 
 1. **Pair adapters.** By UUID when both sides have one, else by (vendor, PCI address).
    The same PCI address with a different vendor or UUID, or two snapshots whose addressed
@@ -15,13 +16,15 @@ Works on saved ``--json`` objects only, never on live state. Three steps:
 2. **Pair process rows** by PID on paired adapters (rows with no GPU context pair with
    rows with none). When both ``started_at`` values are valid times more than
    `SAME_PROCESS_SECS` apart, the PID was reused by a different process: the two rows are
-   never paired, whatever else matches. An unknown or malformed start time never
-   conflicts, so snapshots without one pair by PID as before.
+   never paired, whatever else matches. An unknown start time (null, or not after 1970)
+   never conflicts, so snapshots without one pair by PID as before.
 3. **Compare fields**, sorted into sections by the kind the snapshot recorded. Fields in
    `MEASURED` (driver memory counters, the measured per-process VRAM and the measured
    sums) are compared directly with a byte delta. Byte readings of kind inferred,
    runtime-reported or estimated go to their own sections and are never mixed into the
-   measured one. Host RAM/CPU is not GPU memory and is ignored.
+   measured one. The byte readings of a process row are its VRAM (measured, inferred),
+   paged and footprint bytes and the parts and totals of its breakdown; host RAM/CPU is
+   not GPU memory and is ignored.
 
 Unknown is never 0: a field that is null on one side "became known" or "became unknown"
 (with the reason), a row missing on one side is "not listed", and no delta is computed
@@ -30,12 +33,14 @@ from either. A field whose kind differs between the two sides is shown, not subt
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gputaskman.base.readings import DeviceMetrics, ProcGpu, Reading
 from gputaskman.core import report
-from gputaskman.offline.recordfile import is_number
+from gputaskman.core.document import AdapterDoc, Document, ProcessDoc
+from gputaskman.core.report_models import breakdown_totals, breakdown_view
 
 SAME_PROCESS_SECS = report.SAME_PROCESS_SECS
 
@@ -57,9 +62,6 @@ SECTION_TITLES = {
     "runtime": "RUNTIME-REPORTED (what a runtime says about itself)",
     "estimated": "ESTIMATED (computed from a model, not observed)",
 }
-# Process keys that are not GPU memory (host readings) or only restate others.
-IGNORED_PROCESS_KEYS = frozenset({"ram_bytes", "cpu_percent", "shown_vram", "breakdown"})
-
 EXIT_REFUSED = 3
 EXIT_BAD_INPUT = 2
 
@@ -83,88 +85,70 @@ class Value:
         return {"value": self.value, "kind": self.kind, "reason": self.reason}
 
 
-def _value(obj: object) -> Value | None:
-    """A reading object as a `Value`; None when it is not one."""
-    if not isinstance(obj, Mapping) or "value" not in obj or "kind" not in obj:
-        return None
-    v = obj.get("value")
-    reason = obj.get("reason") if isinstance(obj.get("reason"), str) else None
-    if not is_number(v):
-        return Value(None, str(obj.get("kind")), reason or "unknown")
-    return Value(v, str(obj.get("kind")), None)
+def _value(r: Reading) -> Value:
+    if r.value is None:
+        return Value(None, str(r.kind), "unknown" if r.reason is None else str(r.reason))
+    return Value(r.value, str(r.kind), None)
 
 
-def _sum_value(v: object) -> Value:
+def _sum_value(v: int | None) -> Value:
     """A plain measured sum (``attributed_bytes``): null means nothing was measured."""
-    if is_number(v):
+    if v is not None:
         return Value(v, "measured")
     return Value(None, "measured", "nothing measured")
 
 
-def _byte_readings(row: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Value]]:
-    """Every byte-count reading in a process row (nested objects included)."""
-    for k, v in row.items():
-        if not prefix and k in IGNORED_PROCESS_KEYS:
-            continue
-        name = f"{prefix}{k}"
-        val = _value(v)
-        if val is not None:
-            if k.endswith("_bytes"):
-                yield name, val
-        elif isinstance(v, Mapping):
-            yield from _byte_readings(v, f"{name}.")
+def _byte_values(readings: Iterable[tuple[str, Reading | None]]) -> dict[str, Value]:
+    """The byte counts (``*_bytes``) among `readings` that were recorded, as `Value`s."""
+    return {n: _value(r) for n, r in readings if r is not None and n.endswith("_bytes")}
 
 
-def _byte_groups(obj: Mapping[str, Any], groups: tuple[str, ...], prefix: bool) -> dict[str, Value]:
-    """The ``*_bytes`` readings of `obj`'s `groups` objects, named ``group.key`` or ``key``."""
-    out: dict[str, Value] = {}
-    for group in groups:
-        readings = obj.get(group)
-        if not isinstance(readings, Mapping):
-            continue
-        for k, v in readings.items():
-            val = _value(v)
-            if val is not None and str(k).endswith("_bytes"):
-                out[f"{group}.{k}" if prefix else str(k)] = val
+def adapter_fields(a: AdapterDoc) -> dict[str, Value]:
+    m = a.metrics
+    names = () if m is None else DeviceMetrics.__slots__
+    out = _byte_values((n, getattr(m, n)) for n in names)
+    out.update(_byte_values(a.extra_metrics.items()))
+    out["attributed_bytes"] = _sum_value(a.attributed_bytes)
     return out
 
 
-def adapter_fields(a: Mapping[str, Any]) -> dict[str, Value]:
-    out = _byte_groups(a, ("metrics", "extra_metrics"), prefix=False)
-    if "attributed_bytes" in a:
-        out["attributed_bytes"] = _sum_value(a.get("attributed_bytes"))
-    return out
-
-
-def system_fields(doc: Mapping[str, Any]) -> dict[str, Value] | None:
+def system_fields(doc: Document) -> dict[str, Value] | None:
     """The host's RAM and swap byte readings (``memory.used_bytes``...), None without a
     system sample. They are the OS's own counters, never GPU memory and never in a total."""
-    system = doc.get("system")
-    if not isinstance(system, Mapping):
+    system = doc.system
+    if system is None:
         return None
-    return _byte_groups(system, ("memory", "swap"), prefix=True)
+    out = _byte_values((f"memory.{k}", r) for k, r in system.memory.items())
+    s = system.swap
+    if s is not None:
+        swap = (("total_bytes", s.total_bytes), ("free_bytes", s.free_bytes))
+        out.update(_byte_values((f"swap.{k}", r) for k, r in (*swap, ("used_bytes", s.used_bytes))))
+    return out
 
 
 def _breakdown_readings(view: object) -> Iterator[tuple[str, Value]]:
     """The weights / KV / compute parts (each part's chosen reading, not its alternatives)
-    and the runtime-reported and estimated totals of a recorded ``breakdown``."""
-    if not isinstance(view, Mapping):
+    and the runtime-reported and estimated totals of a breakdown."""
+    view = breakdown_view(view)
+    if view is None:
         return
-    parts = view.get("parts")
-    if isinstance(parts, Mapping):
-        for name, part in parts.items():
-            val = _value(part.get("reading")) if isinstance(part, Mapping) else None
-            if val is not None:
-                yield f"breakdown.{name}", val
-    for key in ("reported_total", "estimated_total"):
-        val = _value(view.get(key))
-        if val is not None:
-            yield f"breakdown.{key}", val
+    for part in view.parts:
+        yield f"breakdown.{part.name}", _value(part.reading)
+    reported, estimated = breakdown_totals(view)
+    yield "breakdown.reported_total", _value(reported)
+    yield "breakdown.estimated_total", _value(estimated)
 
 
-def process_fields(row: Mapping[str, Any]) -> dict[str, Value]:
-    fields = dict(_byte_readings(row))
-    fields.update(_breakdown_readings(row.get("breakdown")))
+def process_fields(p: ProcGpu) -> dict[str, Value]:
+    fields = _byte_values(
+        (
+            ("vram_bytes", p.dedicated),
+            ("vram_inferred_bytes", p.inferred),
+            ("paged_bytes", p.paged),
+            ("footprint_bytes", p.footprint),
+        )
+    )
+    fields.update(_breakdown_readings(p.breakdown))
     return fields
 
 
@@ -236,39 +220,35 @@ def _text(v: object) -> str | None:
     return v.strip().lower() if isinstance(v, str) and v.strip() else None
 
 
-MALFORMED = "\0malformed"  # a recorded address that is not a string: pairs with nothing
-UNPAIRED = "\0unpaired"
+UNPAIRED = "\0unpaired"  # the bus of a row whose adapter has no partner: pairs with nothing
 
 
-def _bus(v: object) -> str | None:
-    """A recorded PCI address / ``gpu`` value as a pairing key: a string, None (no GPU
-    context), or `MALFORMED` for anything else (a list, a number)."""
-    if v is None or isinstance(v, str):
-        return v
-    return MALFORMED
+def _ident(a: AdapterDoc) -> dict[str, Any]:
+    return {
+        "index": a.index,
+        "vendor": a.vendor,
+        "name": a.name,
+        "uuid": a.uuid,
+        "pci_bus_id": a.pci_bus_id,
+        "backend": a.backend,
+    }
 
 
-def _ident(a: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: a.get(k) for k in ("index", "vendor", "name", "uuid", "pci_bus_id", "backend")}
-
-
-def _label(a: Mapping[str, Any]) -> str:
-    return f"{a.get('vendor') or '?'} {a.get('name') or 'n/a'} at {a.get('pci_bus_id') or '?'}"
+def _label(a: AdapterDoc) -> str:
+    return f"{a.vendor or '?'} {a.name or 'n/a'} at {a.pci_bus_id or '?'}"
 
 
 @dataclass
 class AdapterPairing:
-    pairs: list[tuple[Mapping[str, Any], Mapping[str, Any], str]] = field(default_factory=list)
-    only_before: list[Mapping[str, Any]] = field(default_factory=list)
-    only_after: list[Mapping[str, Any]] = field(default_factory=list)
+    pairs: list[tuple[AdapterDoc, AdapterDoc, str]] = field(default_factory=list)
+    only_before: list[AdapterDoc] = field(default_factory=list)
+    only_after: list[AdapterDoc] = field(default_factory=list)
     warnings: list[dict[str, str]] = field(default_factory=list)
     bus_map: dict[str | None, str | None] = field(default_factory=lambda: {None: None})
 
 
-def pair_adapters(before: list[Any], after: list[Any]) -> AdapterPairing:
+def pair_adapters(bs: tuple[AdapterDoc, ...], as_: tuple[AdapterDoc, ...]) -> AdapterPairing:
     """Pair adapters (see the module docstring); raises `Refused` on conflicting ones."""
-    bs = [a for a in before if isinstance(a, Mapping)]
-    as_ = [a for a in after if isinstance(a, Mapping)]
     out = AdapterPairing()
     used_b: set[int] = set()
     used_a: set[int] = set()
@@ -277,20 +257,18 @@ def pair_adapters(before: list[Any], after: list[Any]) -> AdapterPairing:
         used_b.add(i)
         used_a.add(j)
         out.pairs.append((bs[i], as_[j], how))
-        kb, ka = _bus(bs[i].get("pci_bus_id")), _bus(as_[j].get("pci_bus_id"))
-        if kb != MALFORMED:  # rows on a malformed address pair with nothing
-            out.bus_map[kb] = UNPAIRED if ka == MALFORMED else ka
+        out.bus_map[bs[i].pci_bus_id] = as_[j].pci_bus_id
 
-    def keyed(a: Mapping[str, Any]) -> bool:
-        return _text(a.get("pci_bus_id")) is not None and _text(a.get("vendor")) is not None
+    def keyed(a: AdapterDoc) -> bool:
+        return _text(a.pci_bus_id) is not None and _text(a.vendor) is not None
 
     # 1. the same UUID is the same card, wherever it sits
     for i, b in enumerate(bs):
-        ub = _text(b.get("uuid"))
+        ub = _text(b.uuid)
         for j, a in enumerate(as_):
-            if ub is None or i in used_b or j in used_a or ub != _text(a.get("uuid")):
+            if ub is None or i in used_b or j in used_a or ub != _text(a.uuid):
                 continue
-            moved = _text(b.get("pci_bus_id")) != _text(a.get("pci_bus_id"))
+            moved = _text(b.pci_bus_id) != _text(a.pci_bus_id)
             pair(i, j, "uuid (PCI address changed)" if moved else "uuid")
     # 2. the same PCI address: the same card unless vendor or UUID says otherwise
     for i, b in enumerate(bs):
@@ -299,13 +277,13 @@ def pair_adapters(before: list[Any], after: list[Any]) -> AdapterPairing:
         for j, a in enumerate(as_):
             if j in used_a or not keyed(a):
                 continue
-            if _text(b.get("pci_bus_id")) != _text(a.get("pci_bus_id")):
+            if _text(b.pci_bus_id) != _text(a.pci_bus_id):
                 continue
-            ub, ua = _text(b.get("uuid")), _text(a.get("uuid"))
-            if _text(b.get("vendor")) != _text(a.get("vendor")) or (ub and ua and ub != ua):
+            ub, ua = _text(b.uuid), _text(a.uuid)
+            if _text(b.vendor) != _text(a.vendor) or (ub and ua and ub != ua):
                 raise Refused(
-                    f"conflicting adapters at {b.get('pci_bus_id')}: before is {_label(b)} "
-                    f"(uuid {b.get('uuid')}), after is {_label(a)} (uuid {a.get('uuid')})"
+                    f"conflicting adapters at {b.pci_bus_id}: before is {_label(b)} "
+                    f"(uuid {b.uuid}), after is {_label(a)} (uuid {a.uuid})"
                 )
             pair(i, j, "pci_bus_id")
             break
@@ -322,22 +300,22 @@ def pair_adapters(before: list[Any], after: list[Any]) -> AdapterPairing:
     # 3. name-only, for adapters that cannot be compared more exactly: never two adapters
     # whose addresses are both known (different addresses are different cards)
     for i, b in enumerate(bs):
-        name = _text(b.get("name"))
+        name = _text(b.name)
         if i in used_b or name is None:
             continue
         cands = [
             j
             for j, a in enumerate(as_)
-            if j not in used_a and _text(a.get("name")) == name and not (keyed(b) and keyed(a))
+            if j not in used_a and _text(a.name) == name and not (keyed(b) and keyed(a))
         ]
         if not cands:
             continue
-        rivals = [k for k, x in enumerate(bs) if k not in used_b and _text(x.get("name")) == name]
+        rivals = [k for k, x in enumerate(bs) if k not in used_b and _text(x.name) == name]
         if len(cands) > 1 or len(rivals) > 1:
             out.warnings.append(
                 {
                     "code": "name-only",
-                    "message": f"adapters named {b.get('name')!r} cannot be told apart "
+                    "message": f"adapters named {b.name!r} cannot be told apart "
                     "(no PCI address on one side and the name is not unique); not compared",
                 }
             )
@@ -346,7 +324,7 @@ def pair_adapters(before: list[Any], after: list[Any]) -> AdapterPairing:
         out.warnings.append(
             {
                 "code": "name-only",
-                "message": f"{b.get('name')!r} compared by name only: the snapshots do not "
+                "message": f"{b.name!r} compared by name only: the snapshots do not "
                 "both identify it by vendor and PCI address, so it may not be the same GPU",
             }
         )
@@ -355,22 +333,22 @@ def pair_adapters(before: list[Any], after: list[Any]) -> AdapterPairing:
     return out
 
 
-def valid_start(v: object) -> float | None:
+def valid_start(v: float | None) -> float | None:
     """A usable ``started_at``; anything else is unknown and never conflicts."""
-    return float(v) if is_number(v) and v > 0 else None
+    return float(v) if v is not None and v > 0 else None
 
 
-def same_process(b: Mapping[str, Any], a: Mapping[str, Any]) -> bool:
-    sb, sa = valid_start(b.get("started_at")), valid_start(a.get("started_at"))
+def same_process(b: ProcGpu, a: ProcGpu) -> bool:
+    sb, sa = valid_start(b.create_time), valid_start(a.create_time)
     return sb is None or sa is None or abs(sb - sa) <= SAME_PROCESS_SECS
 
 
 @dataclass
 class ProcessEntry:
-    pid: Any
-    name: Any
-    before: Mapping[str, Any] | None
-    after: Mapping[str, Any] | None
+    pid: int
+    name: str | None
+    before: ProcGpu | None
+    after: ProcGpu | None
     fields: list[FieldChange]
     pid_reused: bool = False
 
@@ -383,10 +361,10 @@ class ProcessEntry:
         return "paired"
 
     def json(self) -> dict[str, Any]:
-        def side(r: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        def side(r: ProcGpu | None) -> dict[str, Any] | None:
             if r is None:
                 return None
-            return {"started_at": r.get("started_at"), "gpu": r.get("gpu"), "name": r.get("name")}
+            return {"started_at": r.create_time, "gpu": r.adapter, "name": r.name}
 
         return {
             "pid": self.pid,
@@ -400,20 +378,19 @@ class ProcessEntry:
 
 
 def pair_processes(
-    before: list[Any], after: list[Any], pairing: AdapterPairing
+    before: tuple[ProcessDoc, ...], after: tuple[ProcessDoc, ...], pairing: AdapterPairing
 ) -> list[ProcessEntry]:
-    bs = [r for r in before if isinstance(r, Mapping)]
-    as_ = [r for r in after if isinstance(r, Mapping)]
+    bs = [r.proc for r in before]
+    as_ = [r.proc for r in after]
     taken: set[int] = set()
     reused_after: set[int] = set()
     out: list[ProcessEntry] = []
     for b in bs:
-        gpu = _bus(b.get("gpu"))
-        target = UNPAIRED if gpu == MALFORMED else pairing.bus_map.get(gpu, UNPAIRED)
+        target = pairing.bus_map.get(b.adapter, UNPAIRED)
         match = None
         reused = False
         for j, a in enumerate(as_):
-            if j in taken or a.get("pid") != b.get("pid") or _bus(a.get("gpu")) != target:
+            if j in taken or a.pid != b.pid or a.adapter != target:
                 continue
             if not same_process(b, a):
                 reused = True
@@ -422,40 +399,17 @@ def pair_processes(
             match = j
             break
         if match is None:
-            out.append(
-                ProcessEntry(
-                    b.get("pid"),
-                    b.get("name"),
-                    b,
-                    None,
-                    compare_fields(process_fields(b), None),
-                    reused,
-                )
-            )
+            fields = compare_fields(process_fields(b), None)
+            out.append(ProcessEntry(b.pid, b.name, b, None, fields, reused))
         else:
             taken.add(match)
             a = as_[match]
-            out.append(
-                ProcessEntry(
-                    b.get("pid"),
-                    a.get("name") or b.get("name"),
-                    b,
-                    a,
-                    compare_fields(process_fields(b), process_fields(a)),
-                )
-            )
+            fields = compare_fields(process_fields(b), process_fields(a))
+            out.append(ProcessEntry(b.pid, a.name or b.name, b, a, fields))
     for j, a in enumerate(as_):
         if j not in taken:
-            out.append(
-                ProcessEntry(
-                    a.get("pid"),
-                    a.get("name"),
-                    None,
-                    a,
-                    compare_fields(None, process_fields(a)),
-                    j in reused_after,
-                )
-            )
+            fields = compare_fields(None, process_fields(a))
+            out.append(ProcessEntry(a.pid, a.name, None, a, fields, j in reused_after))
     return out
 
 
@@ -464,25 +418,25 @@ def pair_processes(
 LOWER_BOUND = "lower bound (memory hidden or a process list failed); not compared"
 
 
-def _lower_bound(f: FieldChange, b: Mapping[str, Any], a: Mapping[str, Any]) -> FieldChange:
+def _lower_bound(f: FieldChange, b: AdapterDoc, a: AdapterDoc) -> FieldChange:
     """A measured sum that is only a lower bound on either side is shown, not subtracted:
     its change could be a process whose memory became hidden, not memory freed."""
     if f.field != "attributed_bytes" or f.delta is None:
         return f
-    if b.get("attributed_complete") is True and a.get("attributed_complete") is True:
+    if b.attributed_complete is True and a.attributed_complete is True:
         return f
     return FieldChange(f.field, f.section, f.before, f.after, LOWER_BOUND, None)
 
 
-def diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+def diff(before: Document, after: Document) -> dict[str, Any]:
     """The ``--json`` diff object; raises `Refused` for conflicting adapters."""
-    pairing = pair_adapters(before["adapters"], after["adapters"])
+    pairing = pair_adapters(before.adapters, after.adapters)
     warnings = list(pairing.warnings)
-    if before.get("backend") != after.get("backend"):
+    if before.backend != after.backend:
         warnings.append(
             {
                 "code": "backend-changed",
-                "message": f"backend {before.get('backend')} -> {after.get('backend')}: "
+                "message": f"backend {before.backend} -> {after.backend}: "
                 "counters may come from different APIs",
             }
         )
@@ -518,22 +472,14 @@ def diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
                 "fields": [f.json() for f in compare_fields(None, adapter_fields(a))],
             }
         )
-    procs = pair_processes(before["processes"], after["processes"], pairing)
-    tb, ta = before.get("taken"), after.get("taken")
+    procs = pair_processes(before.processes, after.processes, pairing)
+    tb, ta = before.taken, after.taken
     return {
         "schema": "gputaskman.offline.diff",
         "schema_version": 1,
-        "before": {
-            "taken": tb,
-            "taken_iso": before.get("taken_iso"),
-            "backend": before.get("backend"),
-        },
-        "after": {
-            "taken": ta,
-            "taken_iso": after.get("taken_iso"),
-            "backend": after.get("backend"),
-        },
-        "elapsed_s": ta - tb if is_number(ta) and is_number(tb) else None,
+        "before": {"taken": tb, "taken_iso": before.taken_iso, "backend": before.backend},
+        "after": {"taken": ta, "taken_iso": after.taken_iso, "backend": after.backend},
+        "elapsed_s": ta - tb,
         "same_process_secs": SAME_PROCESS_SECS,
         "warnings": warnings,
         "adapters": adapters,

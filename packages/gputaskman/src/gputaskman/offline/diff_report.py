@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gputaskman.core import report
+from gputaskman.core.document import Document, read_document
 from gputaskman.offline.diff import (
     EXIT_BAD_INPUT,
     EXIT_REFUSED,
@@ -18,7 +19,6 @@ from gputaskman.offline.diff import (
     SECTIONS,
     Refused,
     Value,
-    _bus,
     diff,
 )
 from gputaskman.offline.recordfile import SnapshotError, load_snapshot_arg
@@ -91,7 +91,7 @@ def _table(rows: list[tuple[str, str, str]], indent: str) -> list[str]:
 
 def _proc_label(p: Mapping[str, Any], gpu_index: Mapping[str | None, str]) -> str:
     side = p["after"] or p["before"]
-    gpu = gpu_index.get(_bus(side.get("gpu")), side.get("gpu") or "none")
+    gpu = gpu_index.get(side["gpu"], side["gpu"] or "none")
     return f"{p['pid']} {p['name'] or 'n/a'} (GPU {gpu})"
 
 
@@ -117,7 +117,7 @@ def render_text(d: Mapping[str, Any], before_path: str, after_path: str) -> str:
     for e in d["adapters"]:
         for side in ("before", "after"):
             if e[side] is not None:
-                gpu_index[_bus(e[side].get("pci_bus_id"))] = str(e[side].get("index"))
+                gpu_index[e[side]["pci_bus_id"]] = str(e[side]["index"])
     unchanged = unknown = 0
     for section in SECTIONS:
         blocks: list[str] = []
@@ -198,16 +198,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="diff_json", action="store_true", help="print JSON")
 
 
+def read_arg(arg: str) -> tuple[Document, str]:
+    """The snapshot a command-line argument names (FILE or FILE@N), read, and its name for
+    the user; `SnapshotError` says why it cannot be compared."""
+    doc, name = load_snapshot_arg(arg)
+    try:
+        return read_document(doc), name
+    except SnapshotError as exc:
+        raise SnapshotError(f"{name}: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        before, before_name = load_snapshot_arg(args.before)
-        after, after_name = load_snapshot_arg(args.after)
+        before, before_name = read_arg(args.before)
+        after, after_name = read_arg(args.after)
     except SnapshotError as exc:
         print(f"gputaskman diff: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         d = diff(before, after)
-    except Refused as exc:  # the only error `diff` raises on checked documents (fuzzed)
+    except Refused as exc:  # the only error `diff` raises on documents read (fuzzed)
         print(f"gputaskman diff: refused: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     sys.stdout.write(

@@ -226,7 +226,7 @@ class RecordSource:
                     else:
                         malformed.append((e.lineno, e.error or "?"))
                     continue
-                frames.append(FrameRef(e.lineno, e.offset, e.length, float(e.doc["taken"])))
+                frames.append(FrameRef(e.lineno, e.offset, e.length, e.taken))
         report = LoadReport(str(path), len(frames), tuple(malformed), incomplete)
         return cls(path, frames, report)
 

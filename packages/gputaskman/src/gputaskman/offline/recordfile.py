@@ -19,30 +19,27 @@ go through `iter_record`, which classifies every line:
 Lines are read as bytes and decoded one at a time, so one bad byte spoils one line, never
 the file; a line longer than `MAX_LINE_BYTES` is skipped without being held in memory.
 JSON's non-standard ``NaN``/``Infinity`` are rejected: unknown is ``null``, never a
-sentinel. `load_snapshot_file` reads a single saved snapshot (``--json`` output, indented
-or compact) for `diff`; `iter_record` reads one too, as a record of one sample (an indented
-document is parsed whole when its first line is a lone ``{``).
+sentinel. Each line's top-level shape is checked here (`document.check_snapshot`); the rest
+is read by `document.read_document` when a line is used. `load_snapshot_file` reads a single
+saved snapshot (``--json`` output, indented or compact) for `diff`; `iter_record` reads one
+too, as a record of one sample (an indented document is parsed whole when its first line
+is a lone ``{``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, TypeGuard
+from typing import IO, Any
 
-from gputaskman.core.report import SCHEMA, SCHEMA_VERSION
+from gputaskman.core.document import SnapshotError, check_snapshot
 
 # A snapshot of a thousand processes with long command lines is a few MB; anything far
 # beyond that is not a line record wrote, and must not be loaded whole.
 MAX_LINE_BYTES = 64 * 1024 * 1024
-
-
-class SnapshotError(ValueError):
-    """A document that is not a gputaskman snapshot this version can read."""
 
 
 def _reject_constant(name: str) -> Any:
@@ -52,35 +49,6 @@ def _reject_constant(name: str) -> Any:
 def parse_json(text: str | bytes) -> Any:
     """`json.loads` that refuses NaN and Infinity."""
     return json.loads(text, parse_constant=_reject_constant)
-
-
-def is_number(v: object) -> TypeGuard[int | float]:
-    """A real JSON number (bool is not one), finite."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def check_snapshot(doc: object) -> dict[str, Any]:
-    """The document when it has the top-level shape of a schema-1 ``--json`` object, else
-    `SnapshotError` saying what is wrong. Deeper structure is checked by its users."""
-    if not isinstance(doc, dict):
-        raise SnapshotError(f"not a JSON object but {type(doc).__name__}")
-    if doc.get("schema") != SCHEMA:
-        raise SnapshotError(f"not a {SCHEMA} object (schema {doc.get('schema')!r})")
-    version = doc.get("schema_version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise SnapshotError(f"schema_version {version!r} is not an integer")
-    if version != SCHEMA_VERSION:
-        raise SnapshotError(
-            f"schema_version {version} is not supported (this gputaskman reads {SCHEMA_VERSION})"
-        )
-    if not is_number(doc.get("taken")):
-        raise SnapshotError(f"taken {doc.get('taken')!r} is not a finite number")
-    if not isinstance(doc.get("backend"), str):
-        raise SnapshotError("backend is missing or not a string")
-    for key in ("adapters", "processes"):
-        if not isinstance(doc.get(key), list):
-            raise SnapshotError(f"{key} is missing or not a list")
-    return doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +65,13 @@ class Entry:
     @property
     def ok(self) -> bool:
         return self.doc is not None
+
+    @property
+    def taken(self) -> float:
+        """When the snapshot was taken (`check_snapshot` made sure it is a number)."""
+        if self.doc is None:
+            raise SnapshotError(f"line {self.lineno} holds no snapshot: {self.error}")
+        return float(self.doc["taken"])
 
 
 def parse_line(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:

@@ -2,10 +2,11 @@
 
 Theory of operation
 -------------------
-One pass over the file (`recordfile.iter_record`) turns every snapshot line into a compact
-`Sample`: its time, its GPU identity, and the readings worth summarising, keyed by
-(scope, metric, kind). Lines that do not parse are skipped and counted with their line
-numbers; nothing else is held, so a day-long recording summarises in bounded memory.
+One pass over the file (`recordfile.iter_record`) reads every snapshot line
+(`document.read_document`) into a compact `Sample`: its time, its GPU identity, and the
+readings worth summarising, keyed by (scope, metric, kind). Lines that cannot be read are
+skipped and counted with their line numbers; nothing else is held, so a day-long
+recording summarises in bounded memory.
 
 Runs. Samples are split into runs where averaging across the boundary would mix
 different things: a change of backend or of the GPU set (vendor, PCI address, UUID; a GPU
@@ -39,14 +40,15 @@ import itertools
 import json
 import statistics
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gputaskman.base.readings import DeviceMetrics
+from gputaskman.base.readings import DeviceMetrics, Kind, Reading
 from gputaskman.core import report
-from gputaskman.offline.recordfile import describe_lines, is_number, iter_record
+from gputaskman.core.document import AdapterDoc, Document, SnapshotError, SystemDoc, read_document
+from gputaskman.offline.recordfile import describe_lines, iter_record
 
 RUN_GAP_FACTOR = 5.0
 RUN_GAP_MIN = 10.0  # seconds
@@ -78,64 +80,62 @@ class Sample:
     proc_vram: dict[tuple[str | None, str], int]  # (host, name) -> measured bytes, summed
 
 
-def _adapter_ident(a: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: a.get(k) for k in ("index", "vendor", "name", "uuid", "pci_bus_id")}
+def _adapter_ident(a: AdapterDoc) -> dict[str, Any]:
+    return {
+        "index": a.index,
+        "vendor": a.vendor,
+        "name": a.name,
+        "uuid": a.uuid,
+        "pci_bus_id": a.pci_bus_id,
+    }
 
 
-def sample_from_doc(doc: Mapping[str, Any], lineno: int) -> Sample:
-    """The summary's view of one snapshot object (already checked by recordfile)."""
+def _adapter_readings(a: AdapterDoc) -> Iterator[tuple[str, Reading]]:
+    if a.metrics is not None:
+        for name in DeviceMetrics.__slots__:
+            yield name, getattr(a.metrics, name)
+    yield from a.extra_metrics.items()
+
+
+def _system_readings(s: SystemDoc) -> Iterator[tuple[str, Reading | None]]:
+    for section, key, metric in SYSTEM_METRICS:
+        if section == "swap":
+            yield metric, None if s.swap is None else s.swap.used_bytes
+        else:
+            yield metric, (s.memory if section == "memory" else s.cpu).get(key)
+
+
+def sample_from_doc(doc: Document, lineno: int) -> Sample:
+    """The summary's view of one snapshot document."""
     values: dict[MetricKey, float] = {}
     adapters = []
-    for a in doc["adapters"]:
-        if not isinstance(a, Mapping):
-            continue
-        ident = _adapter_ident(a)
-        adapters.append(ident)
-        scope = str(a.get("pci_bus_id"))
-        m, x = a.get("metrics"), a.get("extra_metrics")
-        metrics: Mapping[str, Any] = m if isinstance(m, Mapping) else {}
-        extra: Mapping[str, Any] = x if isinstance(x, Mapping) else {}
-        for name, r in [*metrics.items(), *extra.items()]:
-            if isinstance(r, Mapping) and is_number(r.get("value")):
-                values[(scope, str(name), str(r.get("kind")))] = r["value"]
+    for a in doc.adapters:
+        adapters.append(_adapter_ident(a))
+        scope = str(a.pci_bus_id)
+        for name, r in _adapter_readings(a):
+            if r.value is not None:
+                values[(scope, name, str(r.kind))] = r.value
         # a sum of measured readings, null when nothing was measured
-        if is_number(a.get("attributed_bytes")):
-            values[(scope, "attributed_bytes", "measured")] = a["attributed_bytes"]
-    system = doc.get("system")
-    if isinstance(system, Mapping):
-        for section, key, metric in SYSTEM_METRICS:
-            part = system.get(section)
-            v: Any = part.get(key) if isinstance(part, Mapping) else None
-            kind = "measured"  # OS counters; early files wrote plain numbers
-            if isinstance(v, Mapping):
-                v, kind = v.get("value"), str(v.get("kind"))
-            if is_number(v):
-                values[("system", metric, kind)] = v
+        if a.attributed_bytes is not None:
+            values[(scope, "attributed_bytes", "measured")] = a.attributed_bytes
+    if doc.system is not None:
+        for metric, r in _system_readings(doc.system):
+            if r is not None and r.value is not None:
+                values[("system", metric, str(r.kind))] = r.value
     proc_vram: dict[tuple[str | None, str], int] = {}
-    for row in doc["processes"]:
-        if not isinstance(row, Mapping):
+    for row in doc.processes:
+        p = row.proc
+        r = p.dedicated
+        if r.kind is not Kind.MEASURED or r.value is None:
             continue
-        r = row.get("vram_bytes")
-        if not (isinstance(r, Mapping) and r.get("kind") == "measured"):
-            continue
-        if not is_number(r.get("value")):
-            continue
-        name_obj, host_obj = row.get("name"), row.get("host")
-        name = name_obj if isinstance(name_obj, str) else f"pid {row.get('pid')}"
-        host = host_obj if isinstance(host_obj, str) else None
-        proc_vram[(host, name)] = proc_vram.get((host, name), 0) + int(r["value"])
+        name = p.name if p.name is not None else f"pid {p.pid}"
+        proc_vram[(p.host, name)] = proc_vram.get((p.host, name), 0) + int(r.value)
     identity = (
-        doc["backend"],
-        tuple(sorted((str(a["vendor"]), str(a["pci_bus_id"]), str(a["uuid"])) for a in adapters)),
+        doc.backend,
+        tuple(sorted((a.vendor, str(a.pci_bus_id), str(a.uuid)) for a in doc.adapters)),
     )
     return Sample(
-        lineno,
-        float(doc["taken"]),
-        identity,
-        tuple(adapters),
-        str(doc["backend"]),
-        values,
-        proc_vram,
+        lineno, float(doc.taken), identity, tuple(adapters), doc.backend, values, proc_vram
     )
 
 
@@ -257,8 +257,8 @@ def summarize(path: str | Path) -> Summary:
                 out.incomplete_last_line = entry.incomplete
                 continue
             try:
-                samples.append(sample_from_doc(entry.doc, entry.lineno))
-            except (KeyError, TypeError, ValueError) as exc:
+                samples.append(sample_from_doc(read_document(entry.doc), entry.lineno))
+            except SnapshotError as exc:
                 out.unparseable.append(entry.lineno)
                 out.unparseable_why[entry.lineno] = f"bad snapshot ({exc})"
     out.runs, out.median_interval, out.gap_limit = split_runs(samples)
