@@ -198,7 +198,7 @@ async def test_tui_with_the_real_collector_shows_model_and_breakdown(llama_serve
         app.render_inspector()
         await pilot.pause()
         cells = [str(c) for c in table.get_row(key)]  # Text cells, compared as shown
-        assert cells[-1] == "tiny.gguf [api✓]"
+        assert cells[table.columns_shown.index("MODEL")] == "tiny.gguf [api✓]"
         body = str(app.query_one("#inspector-body").render())
         assert "model tiny.gguf [api✓]" in body
         w = report.fmt_bytes(round(0.41 * MIB))

@@ -332,7 +332,11 @@ class FixedCollector:
 
 async def test_tui_iokit_mocked_shows_paged_column_and_drops_it_without_paged():
     from gputaskman.tui.app import create_app
-    from gputaskman.tui.widgets.process_table import ENGINE_COLUMNS, ProcessTable
+    from gputaskman.tui.widgets.process_table import (
+        ENGINE_COLUMNS,
+        IDENTITY_COLUMNS,
+        ProcessTable,
+    )
 
     mac = mac_snapshot()
     fake = FixedCollector(mac, (demo_snapshot(), DemoSystem()))
@@ -344,8 +348,9 @@ async def test_tui_iokit_mocked_shows_paged_column_and_drops_it_without_paged():
                 break
         table = app.query_one(ProcessTable)
 
-        def memory_columns() -> tuple[str, ...]:  # (engine loads come and go with their data)
-            return tuple(c for c in table.columns_shown if c not in ENGINE_COLUMNS)
+        def memory_columns() -> tuple[str, ...]:  # less the TUI's own engine/identity columns
+            extra = (*ENGINE_COLUMNS, *IDENTITY_COLUMNS)
+            return tuple(c for c in table.columns_shown if c not in extra)
 
         assert memory_columns() == text_report.PAGED_COLUMNS
         row = table.get_row(f"{OWN}@{mac[0].adapters[0].pci_bus_id}")

@@ -577,3 +577,26 @@ def test_fuzz_maps_parsers_never_raise(text: str) -> None:
     paths = mapped_paths(text)
     detect_runtimes(paths)
     mapped_models(paths)
+
+
+def test_a_scan_names_the_user_and_the_parent(tmp_path: Path) -> None:
+    """The real user (status Uid) and parent PID of a real child process; a tree without a
+    status file gives an unknown user, never a made-up one."""
+    import pwd
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        info = scan_process(child.pid)
+        assert info.ppid == os.getpid()
+        assert info.user == pwd.getpwuid(os.getuid()).pw_name
+    finally:
+        child.kill()
+        child.wait()
+    pid_dir = tmp_path / "4321"
+    pid_dir.mkdir()
+    (pid_dir / "stat").write_text("4321 (x) S 77 4321 4321 0 -1 4194304 " + "0 " * 40 + "\n")
+    (pid_dir / "cmdline").write_bytes(b"x\0")
+    (pid_dir / "maps").write_text("")
+    (tmp_path / "stat").write_text("btime 1700000000\n")
+    fake = scan_process(4321, root=str(tmp_path))
+    assert fake.ppid == 77 and fake.user is None

@@ -164,6 +164,8 @@ def test_replay_loses_no_field_that_is_set(demo_doc: dict[str, Any]) -> None:
         scan_reason="denied",
         scan_detail="maps unreadable",
         exe="/usr/bin/llama-server",
+        user="alice",
+        ppid=1,
         model_evidence=[{"evidence": "mapped", "path": "/m/a.gguf"}],
         app_model={
             "app": "Handy",

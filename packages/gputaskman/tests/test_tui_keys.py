@@ -363,3 +363,56 @@ async def test_settings_that_cannot_be_saved_are_reported_once(tmp_path: Path):
         await pilot.press("s", "s")
         assert app.settings_problem is not None and "not saved" in app.settings_problem
         assert app.query_one(ProcessTable).sort_column == "CPU%"  # the keys still work
+
+
+# ------------------------------------------------------------------ tree and identity
+
+
+def test_tree_order_puts_children_under_parents_and_survives_a_cycle():
+    from gputaskman.base.readings import ProcDetail
+    from gputaskman.tui.widgets.process_table import row_key, tree_order
+
+    base = demo_snapshot().processes[0]
+
+    def row(pid: int, ppid: int | None) -> ProcGpu:
+        return dataclasses.replace(base, pid=pid, detail=ProcDetail(ppid=ppid))
+
+    rows = [row(1, None), row(5, 9), row(2, 1), row(3, 1), row(4, 2), row(9, 5)]
+    ordered, marks = tree_order(rows)
+    assert [p.pid for p in ordered] == [1, 2, 4, 3, 5, 9]
+    assert [marks[row_key(p)] for p in ordered] == ["", "├ ", "│ └ ", "└ ", "", ""]
+    # 5 and 9 are each other's parents: both still shown, once each
+    assert sorted(p.pid for p in ordered) == [1, 2, 3, 4, 5, 9]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(None, "n/a"), (-3, "n/a"), (5, "0:05"), (3600, "1:00:00"), (90061, "1-01:01:01")],
+)
+def test_elapsed_time_reads_like_ps(seconds, text):
+    from gputaskman.tui.widgets.process_table import elapsed
+
+    assert elapsed(seconds) == text
+
+
+async def test_t_shows_processes_under_their_parent_and_user_time_command_columns():
+    app = create_app(collector_factory=lambda: Fixed(demo_snapshot()), interval=60.0)
+    async with app.run_test(size=(260, 50)) as pilot:  # room for every column, inspector shut
+        await settle(pilot, app)
+        await pilot.press("i")
+        await pilot.pause()
+        table = app.query_one(ProcessTable)
+        assert {"USER", "TIME", "COMMAND"} <= set(table.columns_shown)
+        cols = table.columns_shown
+        row = table.get_row("4242@00000000:01:00.0")
+        assert str(row[cols.index("USER")]) == "ml" and str(row[cols.index("TIME")]) == "1:00:00"
+        assert str(row[cols.index("COMMAND")]).startswith("llama-server -m /models/qwen")
+        command = app.query_one(ProcessTable).rows_shown["4242@00000000:01:00.0"].detail.cmdline
+        assert command is not None and "***" in command  # the secret redacted, as scanned
+        assert pids(app) == [4242, 5151, 777, 3131]
+        await pilot.press("t")
+        assert pids(app) == [4242, 5151, 3131, 777]  # llama-cli under the script that ran it
+        assert str(table.get_row("3131@-")[cols.index("NAME")]) == "└ llama-cli"
+        assert "tree" in status(app)
+        await pilot.press("t")
+        assert pids(app) == [4242, 5151, 777, 3131]

@@ -217,6 +217,8 @@ def detail_from_procinfo(info: ProcInfo) -> ProcDetail:
         exe=info.exe,
         model_evidence=tuple((m.evidence, m.path) for m in info.models),
         reason_detail=reason_detail,
+        user=info.user,
+        ppid=info.ppid,
     )
 
 

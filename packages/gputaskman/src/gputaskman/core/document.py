@@ -295,6 +295,8 @@ def _process(o: Fields) -> ProcessDoc:
         exe=o.text("exe"),
         model_evidence=tuple(_evidence(e) for e in o.objs("model_evidence")),
         reason_detail=o.text("scan_detail"),
+        user=o.text("user"),
+        ppid=o.integer("ppid"),
     )
     proc = ProcGpu(
         pid=o.need_integer("pid"),

@@ -113,6 +113,7 @@ Top level::
                "category": str | null,                # "?" suffix: names only (heuristic)
                "scanned": bool, "scan_reason": "<reason>" | null, "scan_detail": str | null,
                "exe": str | null,
+               "user": str | null, "ppid": int | null,  # from /proc (procinfo's scan)
                "model_evidence": [{"evidence": "mapped" | "cmdline" | "path-arg",
                                    "path": str | null}, ...],
                "model": null | MODEL,
@@ -324,6 +325,8 @@ def process_json(
             "scan_reason": None if d.reason is None else str(d.reason),
             "scan_detail": d.reason_detail,
             "exe": d.exe,
+            "user": d.user,
+            "ppid": d.ppid,
             "model_evidence": [{"evidence": e, "path": path} for e, path in d.model_evidence],
             "model": model_json(p.model),
             "breakdown": breakdown_json(p.breakdown),
@@ -417,6 +420,7 @@ PLAIN_NUMBER_KEYS = frozenset(
         "index",
         "pid",
         "parent_pid",  # a PID, an identity
+        "ppid",  # the parent's PID, an identity
         "started_at",
         "attributed_bytes",
         "selected_gpu",

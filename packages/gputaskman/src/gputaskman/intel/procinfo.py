@@ -37,6 +37,7 @@ are recognised from ``stat`` and not read further.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -46,6 +47,11 @@ from types import MappingProxyType
 from typing import cast
 
 from gputaskman.base import procfs
+
+try:
+    import pwd
+except ImportError:  # Windows: no /proc to scan there either
+    pwd = None  # type: ignore[assignment]
 from gputaskman.base.procargs import (
     MODEL_EXTENSIONS,
     model_args,
@@ -156,6 +162,8 @@ class ProcInfo:
     gone: bool = False
     reasons: tuple[FieldReason, ...] = ()
     kernel_thread: bool = False  # no user memory: maps, cwd and exe are not read
+    ppid: int | None = None  # the parent's PID (stat)
+    user: str | None = None  # the real user's name (status Uid), or the uid when unnamed
 
     @property
     def key(self) -> tuple[int, float | None]:
@@ -322,7 +330,20 @@ def scan_process(
     if st.kernel_thread:
         # Kernel threads have no memory map, command line or executable; skip three reads.
         return ProcInfo(
-            pid, ct, st.name, None, None, (), 0, (), (), None, time.monotonic(), kernel_thread=True
+            pid,
+            ct,
+            st.name,
+            None,
+            None,
+            (),
+            0,
+            (),
+            (),
+            None,
+            time.monotonic(),
+            kernel_thread=True,
+            ppid=st.ppid,
+            user=_user(pid, root),
         )
 
     argv: tuple[str, ...] | None = None
@@ -387,7 +408,29 @@ def scan_process(
         classification=classify(name, argv, runtimes, models),
         scanned_at=time.monotonic(),
         reasons=tuple(reasons),
+        ppid=st.ppid,
+        user=_user(pid, root),
     )
+
+
+def _user(pid: int, root: str) -> str | None:
+    """The process's real user (the first ``Uid:`` field of /proc/PID/status) by name, or the
+    uid as text when no account names it; None when unreadable."""
+    try:
+        for line in procfs.read_proc(pid, "status", root=root).splitlines():
+            if line.startswith(b"Uid:"):
+                return user_name(int(line.split()[1]))
+    except (procfs.ProcError, ValueError, IndexError):
+        return None
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name if pwd is not None else str(uid)
+    except KeyError:
+        return str(uid)
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,6 +106,7 @@ class GtmApp(App[int]):
         ),
         Binding("escape", "clear_filter", "clear the filter", show=False),
         Binding("k", "signal", "signal the highlighted process (TERM, INT, KILL)", show=False),
+        Binding("t", "toggle_tree", "tree: processes under their parent", show=False),
     ]
 
     def __init__(
@@ -298,7 +299,9 @@ class GtmApp(App[int]):
             parts.append(f"filter {self.filter_text!r}: {n} shown")
         else:
             parts.append(f"{n} process{'' if n == 1 else 'es'}")
-        parts.append(f"sort {table.header_label(table.sort_column)}")
+        parts.append(
+            f"sort {table.header_label(table.sort_column)}" + (" · tree" if table.as_tree else "")
+        )
         parts.append("PAUSED" if self.paused else f"every {self.interval:g}s")
         if self.last_error:
             parts.append(f"refresh failed: {self.last_error}")
@@ -442,6 +445,11 @@ class GtmApp(App[int]):
         self.inspector.set_class(not self._inspector_wanted, "-hidden")
         if self.snapshot is not None:
             self.render_all()  # the table's room changed
+
+    def action_toggle_tree(self) -> None:
+        self.table.as_tree = not self.table.as_tree
+        if self.snapshot is not None:
+            self.render_all()
 
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused

@@ -27,7 +27,7 @@ from gputaskman.base.readings import Kind, Reason
 from gputaskman.core import report, report_models, text_report
 from gputaskman.intel import runtimes
 from gputaskman.intel.evidence import Source
-from gputaskman.tui.widgets.process_table import ENGINE_COLUMNS, SORT_MARKS
+from gputaskman.tui.widgets.process_table import ENGINE_COLUMNS, IDENTITY_COLUMNS, SORT_MARKS
 
 COLUMN_HELP: dict[str, str] = {
     "PID": "process id; HOST:PID (windows:1234) is a process of another OS (WSL: the "
@@ -47,6 +47,9 @@ COLUMN_HELP: dict[str, str] = {
     "row has one",
     "ENC%": "its video encoder load, measured; shown while a row has one",
     "DEC%": "its video decoder load, measured; shown while a row has one",
+    "USER": "the user it runs as (n/a until it is scanned)",
+    "TIME": "how long it has run when the sample was taken (M:SS, H:MM:SS, D-HH:MM:SS)",
+    "COMMAND": "its command line, secrets redacted as in the inspector",
 }
 
 KIND_HELP: dict[Kind, str] = {
@@ -81,7 +84,7 @@ def _row(mark: str, text: str, width: int = 24) -> str:
 
 def column_lines() -> list[str]:
     """One line per column the process table can show (KeyError: one is unexplained)."""
-    labels = [*text_report.PAGED_COLUMNS, *ENGINE_COLUMNS]
+    labels = [*text_report.PAGED_COLUMNS, *ENGINE_COLUMNS, *IDENTITY_COLUMNS]
     return [_row(label, COLUMN_HELP[label], 9) for label in labels]
 
 

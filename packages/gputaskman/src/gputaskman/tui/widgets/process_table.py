@@ -22,7 +22,7 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import DataTable
 
-from gputaskman.base.fmt import fmt_reading
+from gputaskman.base.fmt import NA, fmt_reading
 from gputaskman.base.readings import ProcGpu, Reading
 from gputaskman.core import report, text_report
 from gputaskman.core.host import HostSample
@@ -37,8 +37,18 @@ ENGINE_COLUMNS = {"GPU%": "gpu_percent", "ENC%": "encoder_percent", "DEC%": "dec
 SORT_MARKS = ("▼", "▲")
 
 
+# Columns of the process's identity from procinfo's scan, after the others, shown where the
+# width allows: its user, how long it has run, and its command line (secrets redacted).
+IDENTITY_COLUMNS = ("USER", "TIME", "COMMAND")
 # Widest a text cell may be in the table; the inspector shows the full value.
-CELL_LIMITS = {"RUNTIMES": 22, "MODEL": 24, "NAME": 18, "CATEGORY": 16}
+CELL_LIMITS = {
+    "RUNTIMES": 22,
+    "MODEL": 24,
+    "NAME": 18,
+    "CATEGORY": 16,
+    "USER": 10,
+    "COMMAND": 48,
+}
 # Which columns a narrow table keeps, first first; the first four are always kept.
 PRIORITY = (
     "PID",
@@ -53,7 +63,10 @@ PRIORITY = (
     "ENC%",
     "DEC%",
     "CATEGORY",
+    "USER",
+    "TIME",
     "RUNTIMES",
+    "COMMAND",
 )
 ALWAYS = PRIORITY[:4]
 # The widest MODEL may get when the table has room for it (its names are long).
@@ -123,6 +136,67 @@ def fit_columns(
     return tuple(c for c in columns if c in keep), limits
 
 
+def elapsed(seconds: float | None) -> str:
+    """How long a process has run, as ps prints it: ``M:SS``, ``H:MM:SS``, ``D-HH:MM:SS``."""
+    if seconds is None or seconds < 0:
+        return NA
+    s = int(seconds)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}-{hours:02d}:{minutes:02d}:{s:02d}"
+    if hours:
+        return f"{hours}:{minutes:02d}:{s:02d}"
+    return f"{minutes}:{s:02d}"
+
+
+def identity_cells(p: ProcGpu, taken: float) -> tuple[str, str, str]:
+    """USER, TIME and COMMAND of row `p` in a snapshot taken at `taken` (n/a: unknown)."""
+    d = p.detail
+    ran = None if p.create_time is None or p.host is not None else taken - p.create_time
+    command = NA if d.cmdline is None else " ".join(d.cmdline) or NA
+    return (d.user or NA, elapsed(ran), command)
+
+
+def tree_order(rows: list[ProcGpu]) -> tuple[list[ProcGpu], dict[str, str]]:
+    """`rows` (already sorted) with each process right after its parent, when its parent is
+    a row too, and the branch drawn before each child's name (by row key)."""
+    first = {}
+    for p in rows:
+        first.setdefault(p.pid, p)
+    children: dict[int, list[ProcGpu]] = {}
+    roots = []
+    for p in rows:
+        parent = p.detail.ppid
+        if parent is not None and parent in first and parent != p.pid and p is first[p.pid]:
+            children.setdefault(parent, []).append(p)
+        else:
+            roots.append(p)
+    out: list[ProcGpu] = []
+    marks: dict[str, str] = {}
+    seen: set[int] = set()
+
+    def walk(p: ProcGpu, indent: str, branch: str) -> None:
+        out.append(p)
+        marks[row_key(p)] = indent + branch
+        if p is not first[p.pid] or p.pid in seen:
+            return
+        seen.add(p.pid)
+        kids = children.get(p.pid, [])
+        below = indent + ("│ " if branch == "├ " else "  " if branch else "")
+        for i, k in enumerate(kids):
+            walk(k, below, "└ " if i == len(kids) - 1 else "├ ")
+
+    for r in roots:
+        walk(r, "", "")
+    for p in rows:  # a cycle in the parent links: kept, flat
+        if row_key(p) not in marks:
+            out.append(p)
+            marks[row_key(p)] = ""
+    return out, marks
+
+
 def engine_columns(rows: list[ProcGpu]) -> tuple[str, ...]:
     """The engine columns some row has a known value for (unknown everywhere: no column)."""
     return tuple(
@@ -185,6 +259,7 @@ class ProcessTable(DataTable):
         self.rows_shown: dict[str, ProcGpu] = {}
         self.columns_shown: tuple[str, ...] = COLUMNS
         self.hidden: tuple[str, ...] = ()  # columns the user's settings leave out
+        self.as_tree = False  # rows under their parent process (t)
 
     def on_mount(self) -> None:
         for label in self.columns_shown:
@@ -214,17 +289,25 @@ class ProcessTable(DataTable):
         engines = engine_columns(rows)
         base = text_report.process_columns(snapshot)
         at = base.index("PAGED" if "PAGED" in base else "VRAM") + 1
-        every = (*base[:at], *engines, *base[at:])  # engine loads right after the memory
+        every = (*base[:at], *engines, *base[at:], *IDENTITY_COLUMNS)  # loads after memory
         if self.sort_column not in every:  # the PAGED or an engine column went away
             self.sort_column, self.descending = "VRAM", True
         ordered = sorted_rows(rows, self.sort_column, self.descending, lookup)
+        branches: dict[str, str] = {}
+        if self.as_tree:
+            ordered, branches = tree_order(ordered)
+        name_at = every.index("NAME")
+        taken = snapshot.taken if snapshot is not None else 0.0
         shown: dict[str, tuple[ProcGpu, tuple[str, ...]]] = {}
         for p in ordered:
             k = row_key(p)
             if k not in shown:
                 cells = text_report.process_cells(p, lookup, snapshot, base)
                 loads = tuple(fmt_reading(p.engines.get(ENGINE_COLUMNS[c]), "%") for c in engines)
-                shown[k] = (p, (*cells[:at], *loads, *cells[at:]))
+                row = [*cells[:at], *loads, *cells[at:], *identity_cells(p, taken)]
+                if branches.get(k):
+                    row[name_at] = branches[k] + row[name_at]
+                shown[k] = (p, tuple(row))
         sort = (self.sort_column, self.header_label(self.sort_column))
         offered = tuple(c for c in every if c not in self.hidden)
         picks = [every.index(c) for c in offered]
