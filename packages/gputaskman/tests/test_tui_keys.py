@@ -416,3 +416,18 @@ async def test_t_shows_processes_under_their_parent_and_user_time_command_column
         assert "tree" in status(app)
         await pilot.press("t")
         assert pids(app) == [4242, 5151, 777, 3131]
+
+
+async def test_q_quits_and_closes_the_collector():
+    closed: list[bool] = []
+
+    class Closing(Fixed):
+        def close(self) -> None:
+            closed.append(True)
+
+    app = create_app(collector_factory=lambda: Closing(demo_snapshot()), interval=60.0)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("q")
+        await pilot.pause()
+    assert closed == [True] and app.return_code == 0

@@ -102,7 +102,7 @@ def test_layout_snapshots(snap_compare, utc, tmp_path, source, size):
     assert snap_compare(app, terminal_size=size, run_before=lambda pilot: settle(pilot, app))
 
 
-@pytest.mark.parametrize("size", [(80, 24), (200, 60)], ids=["80x24", "200x60"])
+@pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
 def test_replay_layout_snapshots(snap_compare, utc, tmp_path, size):
     path = tmp_path / "run.jsonl"
     base = demo_snapshot()
