@@ -28,28 +28,7 @@ from gputaskman.tui.replay_app import create_replay_app
 from gputaskman.tui.screens.help import HelpScreen, help_text
 from gputaskman.tui.screens.signal import SignalScreen
 from gputaskman.tui.widgets.process_table import ProcessTable
-
-
-class Fixed:
-    def __init__(self, snapshot: Snapshot) -> None:
-        self.snapshot = snapshot
-        self.calls = 0
-
-    def sample_with_system(self):
-        self.calls += 1
-        return self.snapshot, DemoSystem()
-
-    def close(self) -> None:
-        pass
-
-
-async def settle(pilot, app: GtmApp) -> None:
-    for _ in range(200):
-        await pilot.pause()
-        if app.samples:
-            return
-        await pilot.pause(0.01)
-    raise AssertionError("no sample arrived")
+from tui_support import Fixed, settle
 
 
 def pids(app: GtmApp) -> list[int]:

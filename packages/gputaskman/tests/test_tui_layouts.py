@@ -18,28 +18,14 @@ from gputaskman.core import report
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot, unavailable_snapshot
 from gputaskman.offline.playback import RecordSource
 from gputaskman.offline.record import encode_line
-from gputaskman.tui.app import GtmApp, create_app
+from gputaskman.tui.app import create_app
 from gputaskman.tui.history import sparkline
 from gputaskman.tui.replay_app import create_replay_app
 from gputaskman.tui.widgets.gpu_header import SPARK_WIDTH, GpuHeader
 from gputaskman.tui.widgets.process_table import ProcessTable, fit_columns
+from tui_support import Fixed, settle
 
 SIZES = [(60, 15), (80, 24), (120, 40), (200, 60)]
-
-
-class Fixed:
-    """A collector returning one snapshot and the demo's host sample."""
-
-    def __init__(self, snapshot: Snapshot) -> None:
-        self.snapshot = snapshot
-        self.calls = 0
-
-    def sample_with_system(self):
-        self.calls += 1
-        return self.snapshot, DemoSystem()
-
-    def close(self) -> None:
-        pass
 
 
 def markup_snapshot() -> Snapshot:
@@ -69,17 +55,6 @@ def drm_snapshot(root: Path) -> Snapshot:
     return dataclasses.replace(snap, taken=demo_snapshot().taken, notes=notes)
 
 
-async def settle(pilot, app: GtmApp) -> None:
-    for _ in range(200):
-        await pilot.pause()
-        if app.samples:
-            break
-        await pilot.pause(0.01)
-    app.last_elapsed_s = None  # wall-clock timing would make the layout flaky
-    app.render_status()
-    await pilot.pause()
-
-
 @pytest.fixture
 def utc(monkeypatch):
     monkeypatch.setenv("TZ", "UTC")
@@ -99,7 +74,9 @@ def test_layout_snapshots(snap_compare, utc, tmp_path, source, size):
         "markup": markup_snapshot,
     }[source]()
     app = create_app(collector_factory=lambda: Fixed(snap), interval=60.0)
-    assert snap_compare(app, terminal_size=size, run_before=lambda pilot: settle(pilot, app))
+    assert snap_compare(
+        app, terminal_size=size, run_before=lambda pilot: settle(pilot, app, steady=True)
+    )
 
 
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
@@ -116,7 +93,9 @@ def test_replay_layout_snapshots(snap_compare, utc, tmp_path, size):
                 )
             )
     app = create_replay_app(RecordSource.open(path), playing=False)
-    assert snap_compare(app, terminal_size=size, run_before=lambda pilot: settle(pilot, app))
+    assert snap_compare(
+        app, terminal_size=size, run_before=lambda pilot: settle(pilot, app, steady=True)
+    )
 
 
 # ------------------------------------------------------------ what every size keeps
@@ -129,7 +108,7 @@ async def test_every_size_keeps_pid_name_vram_and_the_model_with_its_marker(size
     evidence marker cut instead of the model's name."""
     app = create_app(collector_factory=lambda: Fixed(demo_snapshot()), interval=60.0)
     async with app.run_test(size=size) as pilot:
-        await settle(pilot, app)
+        await settle(pilot, app, steady=True)
         table = app.query_one(ProcessTable)
         assert {"PID", "NAME", "VRAM", "MODEL"} <= set(table.columns_shown)
         labels = [str(c.label) for c in table.columns.values()]
@@ -176,7 +155,7 @@ async def test_the_header_keeps_history_from_the_samples_already_taken():
     fake = Fixed(demo_snapshot())
     app = create_app(collector_factory=lambda: fake, interval=60.0)
     async with app.run_test(size=(200, 60)) as pilot:
-        await settle(pilot, app)
+        await settle(pilot, app, steady=True)
         for _ in range(3):
             app.action_refresh_now()
             for _ in range(100):
@@ -196,7 +175,7 @@ async def test_engine_load_columns_come_with_their_data_and_unknown_is_na():
     snap = demo_snapshot()
     app = create_app(collector_factory=lambda: Fixed(snap), interval=60.0)
     async with app.run_test(size=(200, 60)) as pilot:
-        await settle(pilot, app)
+        await settle(pilot, app, steady=True)
         table = app.query_one(ProcessTable)
         assert "GPU%" in table.columns_shown and "ENC%" not in table.columns_shown
         col = table.columns_shown.index("GPU%")
@@ -207,7 +186,7 @@ async def test_engine_load_columns_come_with_their_data_and_unknown_is_na():
     )
     app = create_app(collector_factory=lambda: Fixed(bare), interval=60.0)
     async with app.run_test(size=(200, 60)) as pilot:
-        await settle(pilot, app)
+        await settle(pilot, app, steady=True)
         assert "GPU%" not in app.query_one(ProcessTable).columns_shown
 
 
@@ -215,7 +194,7 @@ async def test_the_inspector_graphs_the_selected_process_vram_from_earlier_sampl
     fake = Fixed(demo_snapshot())
     app = create_app(collector_factory=lambda: fake, interval=60.0)
     async with app.run_test(size=(200, 60)) as pilot:
-        await settle(pilot, app)
+        await settle(pilot, app, steady=True)
         body = str(app.query_one("#inspector-body").render())
         assert "last 1 samples" not in body and "samples:" not in body  # one sample: no graph
         app.action_refresh_now()

@@ -26,30 +26,8 @@ from gputaskman.base.readings import Adapter, DeviceMetrics, Reading, Snapshot
 from gputaskman.core import report, text_report
 from gputaskman.tui.history import History, Series, sparkline
 
-BAR_WIDTH = 32
 SPARK_WIDTH = 20  # samples drawn per sparkline, when the line has room for them
 NAME_WIDTH = 32
-
-
-def memory_bar(
-    used: Reading, total: Reading, width: int = BAR_WIDTH, label: str = "memory "
-) -> Text:
-    """A bar of measured used/total memory, or n/a with the reason."""
-    if used.value is None or total.value is None or total.value <= 0:
-        missing = used if used.value is None else total
-        return Text(f"{label}{report.fmt_reading(missing, reason=True)}", style="yellow")
-    frac = max(0.0, min(1.0, used.value / total.value))
-    filled = round(frac * width)
-    style = "green" if frac < 0.75 else "yellow" if frac < 0.9 else "red"
-    text = Text(label)
-    text.append("█" * filled, style=style)
-    text.append("░" * (width - filled), style="grey37")
-    # fmt_reading keeps the provenance mark: an Intel card's used/total are inferred (~)
-    text.append(
-        f" {report.fmt_reading(used, as_bytes=True)} / {report.fmt_reading(total, as_bytes=True)}"
-        f" used ({frac * 100:.0f}%)"
-    )
-    return text
 
 
 def _clip(s: str, n: int) -> str:
