@@ -8,8 +8,9 @@ Without a subcommand it runs the TUI (or, when stdout is not a terminal, prints 
 (`collector.default_gpu_source`: NVML + DRM (+ Ascend) on Linux, DXGI/PDH (+ TCC) on
 Windows, NVML + host counters under WSL, IOKit on macOS), followed by one line per probe
 that found nothing, failed or answered only in part, so an empty successful probe never
-looks like a failed one. One-shot output scans every process (``scan_budget=None``); the
-TUI spreads scans across refreshes.
+looks like a failed one. ``--watch`` (`watch`) prints a compact per-GPU report every
+interval. One-shot output scans every process (``scan_budget=None``); the TUI and
+``--watch`` spread scans across refreshes.
 
 Subcommands (record, replay, diff, summary, ...) plug in through `SUBCOMMANDS`: each
 module exports ``add_arguments(parser)`` and ``run(args) -> int``, so adding one never
@@ -61,6 +62,16 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more: {text!r}")
+    return v
+
+
 def _gpu_index(text: str) -> int:
     try:
         v = int(text)
@@ -83,14 +94,25 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--once", action="store_true", help="print one text report and exit")
     mode.add_argument("--json", action="store_true", help="print one JSON snapshot and exit")
     mode.add_argument("--list-gpus", action="store_true", help="list GPUs and exit")
+    mode.add_argument(
+        "--watch",
+        action="store_true",
+        help="print one line per GPU and its top processes every --interval seconds, like "
+        "gpustat --watch (redrawn on a terminal, appended into a pipe); Ctrl-C stops",
+    )
     parser.add_argument("--gpu", type=_gpu_index, metavar="N", help="select GPU N (index)")
     parser.add_argument(
         "--interval",
         type=_positive_float,
         default=None,
         metavar="S",
-        help="TUI refresh interval in seconds (default 1.0; a value given here is kept in "
-        "the TUI's settings for next time)",
+        help="TUI and --watch refresh interval in seconds (default 1.0; a value given here "
+        "is kept in the TUI's settings for next time)",
+    )
+    # Hidden: --watch stops after N samples (tests, scripts that want a bounded run). Its
+    # own dest, since `record --count` fills the same namespace.
+    parser.add_argument(
+        "--count", dest="watch_count", type=_positive_int, metavar="N", help=argparse.SUPPRESS
     )
     parser.add_argument(
         "--readonly",
@@ -188,6 +210,29 @@ def _list_gpus(args: argparse.Namespace, source: GpuSource | None = None) -> int
     return 0
 
 
+def _watch(args: argparse.Namespace) -> int:
+    from gputaskman.cli.watch import watch
+    from gputaskman.core.collector import SCAN_BUDGET
+
+    collector = _collector(args, SCAN_BUDGET)
+    try:
+        return watch(
+            collector,
+            sys.stdout,
+            interval=args.interval or 1.0,
+            count=args.watch_count,
+            selected_gpu=args.gpu,
+            terminal=sys.stdout.isatty(),
+        )
+    except BrokenPipeError:  # the reader went away (`| head`): done, quietly
+        # Python flushes stdout once more at exit; point it at /dev/null so that flush
+        # cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+
+
 def _tui(args: argparse.Namespace) -> int:
     from gputaskman.tui.app import create_app
 
@@ -214,10 +259,14 @@ def _tui(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.watch_count is not None and not args.watch:
+        parser.error("--count needs --watch")
     if getattr(args, "command", None):
         return int(args._module.run(args) or 0)
     if args.list_gpus:
         return _list_gpus(args)
+    if args.watch:
+        return _watch(args)
     if args.once or args.json:
         return _one_shot(args)
     if not sys.stdout.isatty():
