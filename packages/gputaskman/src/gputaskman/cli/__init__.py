@@ -8,9 +8,10 @@ Without a subcommand it runs the TUI (or, when stdout is not a terminal, prints 
 (`collector.default_gpu_source`: NVML + DRM (+ Ascend) on Linux, DXGI/PDH (+ TCC) on
 Windows, NVML + host counters under WSL, IOKit on macOS), followed by one line per probe
 that found nothing, failed or answered only in part, so an empty successful probe never
-looks like a failed one. ``--watch`` (`watch`) prints a compact per-GPU report every
-interval. One-shot output scans every process (``scan_budget=None``); the TUI and
-``--watch`` spread scans across refreshes.
+looks like a failed one. ``--json --compact`` prints the object on one line, exactly as
+``record`` writes it, so ``>> FILE`` builds a record file. ``--watch`` (`watch`) prints a
+compact per-GPU report every interval. One-shot output scans every process
+(``scan_budget=None``); the TUI and ``--watch`` spread scans across refreshes.
 
 Subcommands (record, replay, diff, summary, ...) plug in through `SUBCOMMANDS`: each
 module exports ``add_arguments(parser)`` and ``run(args) -> int``, so adding one never
@@ -100,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one line per GPU and its top processes every --interval seconds, like "
         "gpustat --watch (redrawn on a terminal, appended into a pipe); Ctrl-C stops",
     )
+    parser.add_argument(
+        "--compact",
+        action="store_true",
+        help="with --json: one line, so `>> FILE` builds a record file for summary, diff "
+        "and replay",
+    )
     parser.add_argument("--gpu", type=_gpu_index, metavar="N", help="select GPU N (index)")
     parser.add_argument(
         "--interval",
@@ -145,7 +152,12 @@ def _one_shot(args: argparse.Namespace) -> int:
     rc = _check_gpu_index(snap, args.gpu)
     if args.json:
         doc = report.to_json_dict(snap, system, selected_gpu=args.gpu)
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        if args.compact:  # exactly a record line, so `>> FILE` builds a record file
+            from gputaskman.offline.record import encode_line
+
+            sys.stdout.write(encode_line(doc).decode("ascii"))
+        else:
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         sys.stdout.write(text_report.render_text(snap, system, selected_gpu=args.gpu))
     return rc
@@ -259,6 +271,8 @@ def _tui(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.compact and not args.json:
+        parser.error("--compact needs --json (it prints the JSON snapshot on one line)")
     if args.watch_count is not None and not args.watch:
         parser.error("--count needs --watch")
     if getattr(args, "command", None):
