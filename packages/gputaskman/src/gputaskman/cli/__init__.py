@@ -12,6 +12,8 @@ looks like a failed one. ``--json --compact`` prints the object on one line, exa
 ``record`` writes it, so ``>> FILE`` builds a record file. ``--watch`` (`watch`) prints a
 compact per-GPU report every interval. One-shot output scans every process
 (``scan_budget=None``); the TUI and ``--watch`` spread scans across refreshes.
+``--no-color`` (or a non-empty ``NO_COLOR``) turns colour off everywhere; the text outputs
+carry none in any case.
 
 Subcommands (record, replay, diff, summary, ...) plug in through `SUBCOMMANDS`: each
 module exports ``add_arguments(parser)`` and ``run(args) -> int``, so adding one never
@@ -27,6 +29,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from gputaskman import __version__
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from gputaskman.base.gpusource import GpuSource
     from gputaskman.base.readings import Snapshot
     from gputaskman.core.collector import Collector
+    from gputaskman.tui.app import GtmApp
 
 # subcommand -> (module, one-line help); the module exports add_arguments() and run().
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -47,6 +51,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("gputaskman.cli.replay", "play a record file in the TUI (offline, never samples)"),
     "serve": ("gputaskman.cli.serve", "serve Prometheus metrics (sampled like the TUI)"),
 }
+
+NO_COLOR_HELP = (
+    "no colour in the TUI (monochrome) or any output; the NO_COLOR environment variable, "
+    "set to any non-empty value, does the same"
+)
 
 # How long one-shot output waits between the priming host sample and the real one, so
 # CPU% (a rate) has two samples. Short enough not to be noticed.
@@ -116,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="TUI and --watch refresh interval in seconds (default 1.0; a value given here "
         "is kept in the TUI's settings for next time)",
     )
+    parser.add_argument("--no-color", action="store_true", help=NO_COLOR_HELP)
     # Hidden: --watch stops after N samples (tests, scripts that want a bounded run). Its
     # own dest, since `record --count` fills the same namespace.
     parser.add_argument(
@@ -135,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
             module = importlib.import_module(module_name)
             p = sub.add_parser(name, help=help_text, description=help_text)
             module.add_arguments(p)
+            # also after the subcommand; SUPPRESS keeps a --no-color given before it
+            p.add_argument(
+                "--no-color", action="store_true", default=argparse.SUPPRESS, help=NO_COLOR_HELP
+            )
             p.set_defaults(_module=module)
     return parser
 
@@ -245,7 +259,18 @@ def _watch(args: argparse.Namespace) -> int:
         return 0
 
 
-def _tui(args: argparse.Namespace) -> int:
+def apply_color_choice(no_color: bool, environ: MutableMapping[str, str]) -> None:
+    """--no-color sets NO_COLOR, which Textual reads when an app is created. no-color.org
+    counts only a non-empty NO_COLOR, while Textual takes an empty one as set too: an empty
+    one is dropped so that colour stays on."""
+    if no_color:
+        environ["NO_COLOR"] = "1"
+    elif environ.get("NO_COLOR") == "":
+        del environ["NO_COLOR"]
+
+
+def tui_app(args: argparse.Namespace) -> GtmApp:
+    """The TUI for these arguments (real collector, or the tree under --sysroot)."""
     from gputaskman.tui.app import create_app
 
     factory = None
@@ -257,13 +282,17 @@ def _tui(args: argparse.Namespace) -> int:
 
     from gputaskman.tui.settings import default_path
 
-    app = create_app(
+    return create_app(
         gpu=args.gpu,
         interval=args.interval,
         collector_factory=factory,
         readonly=args.readonly,
         settings_path=default_path(),
     )
+
+
+def _tui(args: argparse.Namespace) -> int:
+    app = tui_app(args)
     app.run()
     return int(app.return_code or 0)
 
@@ -275,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--compact needs --json (it prints the JSON snapshot on one line)")
     if args.watch_count is not None and not args.watch:
         parser.error("--count needs --watch")
+    apply_color_choice(args.no_color, os.environ)
     if getattr(args, "command", None):
         return int(args._module.run(args) or 0)
     if args.list_gpus:
