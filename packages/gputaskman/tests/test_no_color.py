@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from gputaskman.fixtures.drm_fixtures import write_demo_tree
 GTM = str(Path(sys.executable).parent / "gputaskman")
 ESC = "\x1b"
 RICH_DEFAULT_FG = "c5c8c6"
+NO_COLOR_AT_IMPORT = os.environ.get("NO_COLOR")
 
 
 @pytest.fixture
@@ -28,11 +30,18 @@ def tree(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No NO_COLOR to start with (restored afterwards, also when main() sets it) and a
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No NO_COLOR to start with, and as it was afterwards (the code under test sets it in
+    this process; left set, every later TUI test would render in monochrome), and a
     settings directory of the test's own."""
-    monkeypatch.delenv("NO_COLOR", raising=False)
+    saved = os.environ.pop("NO_COLOR", None)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    try:
+        yield
+    finally:
+        os.environ.pop("NO_COLOR", None)
+        if saved is not None:
+            os.environ["NO_COLOR"] = saved
 
 
 def colours_of(svg: str) -> set[str]:
@@ -80,6 +89,10 @@ async def test_the_no_color_variable_counts_only_when_not_empty(tree: Path, valu
     got, svg = await screenshot(["--sysroot", str(tree)])
     assert got is mono and bool(colours_of(svg)) is not mono
     assert os.environ.get("NO_COLOR") == (value or None)  # an empty one is dropped
+
+
+def test_no_color_is_left_as_it_was_for_the_tests_after_these():
+    assert os.environ.get("NO_COLOR") == NO_COLOR_AT_IMPORT
 
 
 def test_no_color_is_taken_before_and_after_a_subcommand():
