@@ -8,8 +8,12 @@ Without a subcommand it runs the TUI (or, when stdout is not a terminal, prints 
 (`collector.default_gpu_source`: NVML + DRM (+ Ascend) on Linux, DXGI/PDH (+ TCC) on
 Windows, NVML + host counters under WSL, IOKit on macOS), followed by one line per probe
 that found nothing, failed or answered only in part, so an empty successful probe never
-looks like a failed one. One-shot output scans every process (``scan_budget=None``); the
-TUI spreads scans across refreshes.
+looks like a failed one. ``--json --compact`` prints the object on one line, exactly as
+``record`` writes it, so ``>> FILE`` builds a record file. ``--watch`` (`watch`) prints a
+compact per-GPU report every interval. One-shot output scans every process
+(``scan_budget=None``); the TUI and ``--watch`` spread scans across refreshes.
+``--no-color`` (or a non-empty ``NO_COLOR``) turns colour off everywhere; the text outputs
+carry none in any case.
 
 Subcommands (record, replay, diff, summary, ...) plug in through `SUBCOMMANDS`: each
 module exports ``add_arguments(parser)`` and ``run(args) -> int``, so adding one never
@@ -25,6 +29,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from gputaskman import __version__
@@ -33,6 +38,7 @@ if TYPE_CHECKING:
     from gputaskman.base.gpusource import GpuSource
     from gputaskman.base.readings import Snapshot
     from gputaskman.core.collector import Collector
+    from gputaskman.tui.app import GtmApp
 
 # subcommand -> (module, one-line help); the module exports add_arguments() and run().
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -46,6 +52,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gputaskman.cli.serve", "serve Prometheus metrics (sampled like the TUI)"),
 }
 
+NO_COLOR_HELP = (
+    "no colour in the TUI (monochrome) or any output; the NO_COLOR environment variable, "
+    "set to any non-empty value, does the same"
+)
+
 # How long one-shot output waits between the priming host sample and the real one, so
 # CPU% (a rate) has two samples. Short enough not to be noticed.
 CPU_RATE_WINDOW_S = 0.25
@@ -58,6 +69,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not v > 0 or v != v or v == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more: {text!r}")
     return v
 
 
@@ -83,14 +104,32 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--once", action="store_true", help="print one text report and exit")
     mode.add_argument("--json", action="store_true", help="print one JSON snapshot and exit")
     mode.add_argument("--list-gpus", action="store_true", help="list GPUs and exit")
+    mode.add_argument(
+        "--watch",
+        action="store_true",
+        help="print one line per GPU and its top processes every --interval seconds, like "
+        "gpustat --watch (redrawn on a terminal, appended into a pipe); Ctrl-C stops",
+    )
+    parser.add_argument(
+        "--compact",
+        action="store_true",
+        help="with --json: one line, so `>> FILE` builds a record file for summary, diff "
+        "and replay",
+    )
     parser.add_argument("--gpu", type=_gpu_index, metavar="N", help="select GPU N (index)")
     parser.add_argument(
         "--interval",
         type=_positive_float,
         default=None,
         metavar="S",
-        help="TUI refresh interval in seconds (default 1.0; a value given here is kept in "
-        "the TUI's settings for next time)",
+        help="TUI and --watch refresh interval in seconds (default 1.0; a value given here "
+        "is kept in the TUI's settings for next time)",
+    )
+    parser.add_argument("--no-color", action="store_true", help=NO_COLOR_HELP)
+    # Hidden: --watch stops after N samples (tests, scripts that want a bounded run). Its
+    # own dest, since `record --count` fills the same namespace.
+    parser.add_argument(
+        "--count", dest="watch_count", type=_positive_int, metavar="N", help=argparse.SUPPRESS
     )
     parser.add_argument(
         "--readonly",
@@ -106,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
             module = importlib.import_module(module_name)
             p = sub.add_parser(name, help=help_text, description=help_text)
             module.add_arguments(p)
+            # also after the subcommand; SUPPRESS keeps a --no-color given before it
+            p.add_argument(
+                "--no-color", action="store_true", default=argparse.SUPPRESS, help=NO_COLOR_HELP
+            )
             p.set_defaults(_module=module)
     return parser
 
@@ -123,7 +166,12 @@ def _one_shot(args: argparse.Namespace) -> int:
     rc = _check_gpu_index(snap, args.gpu)
     if args.json:
         doc = report.to_json_dict(snap, system, selected_gpu=args.gpu)
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        if args.compact:  # exactly a record line, so `>> FILE` builds a record file
+            from gputaskman.offline.record import encode_line
+
+            sys.stdout.write(encode_line(doc).decode("ascii"))
+        else:
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         sys.stdout.write(text_report.render_text(snap, system, selected_gpu=args.gpu))
     return rc
@@ -188,7 +236,41 @@ def _list_gpus(args: argparse.Namespace, source: GpuSource | None = None) -> int
     return 0
 
 
-def _tui(args: argparse.Namespace) -> int:
+def _watch(args: argparse.Namespace) -> int:
+    from gputaskman.cli.watch import watch
+    from gputaskman.core.collector import SCAN_BUDGET
+
+    collector = _collector(args, SCAN_BUDGET)
+    try:
+        return watch(
+            collector,
+            sys.stdout,
+            interval=args.interval or 1.0,
+            count=args.watch_count,
+            selected_gpu=args.gpu,
+            terminal=sys.stdout.isatty(),
+        )
+    except BrokenPipeError:  # the reader went away (`| head`): done, quietly
+        # Python flushes stdout once more at exit; point it at /dev/null so that flush
+        # cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+
+
+def apply_color_choice(no_color: bool, environ: MutableMapping[str, str]) -> None:
+    """--no-color sets NO_COLOR, which Textual reads when an app is created. no-color.org
+    counts only a non-empty NO_COLOR, while Textual takes an empty one as set too: an empty
+    one is dropped so that colour stays on."""
+    if no_color:
+        environ["NO_COLOR"] = "1"
+    elif environ.get("NO_COLOR") == "":
+        del environ["NO_COLOR"]
+
+
+def tui_app(args: argparse.Namespace) -> GtmApp:
+    """The TUI for these arguments (real collector, or the tree under --sysroot)."""
     from gputaskman.tui.app import create_app
 
     factory = None
@@ -200,13 +282,17 @@ def _tui(args: argparse.Namespace) -> int:
 
     from gputaskman.tui.settings import default_path
 
-    app = create_app(
+    return create_app(
         gpu=args.gpu,
         interval=args.interval,
         collector_factory=factory,
         readonly=args.readonly,
         settings_path=default_path(),
     )
+
+
+def _tui(args: argparse.Namespace) -> int:
+    app = tui_app(args)
     app.run()
     return int(app.return_code or 0)
 
@@ -214,10 +300,17 @@ def _tui(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.compact and not args.json:
+        parser.error("--compact needs --json (it prints the JSON snapshot on one line)")
+    if args.watch_count is not None and not args.watch:
+        parser.error("--count needs --watch")
+    apply_color_choice(args.no_color, os.environ)
     if getattr(args, "command", None):
         return int(args._module.run(args) or 0)
     if args.list_gpus:
         return _list_gpus(args)
+    if args.watch:
+        return _watch(args)
     if args.once or args.json:
         return _one_shot(args)
     if not sys.stdout.isatty():

@@ -42,19 +42,26 @@ def describe_problem(p: Problem) -> str:
     return f"{p.where}{where}: {p.reason}{detail}"
 
 
-def _gpu_lines(snapshot: Snapshot, selected: str | None) -> list[str]:
-    lines: list[str] = []
+def no_gpu_lines(snapshot: Snapshot) -> list[str]:
+    """Why there is no GPU to show (the backend failed, or answered with none), with a hint
+    where one helps; empty when there are GPUs. Shared by ``--once`` and ``--watch``."""
     if not snapshot.available:
         bp = snapshot.backend_problem
         assert bp is not None
-        lines.append(f"GPU: none usable via {snapshot.backend} ({bp.reason})")
+        lines = [f"GPU: none usable via {snapshot.backend} ({bp.reason})"]
         if bp.detail:
             lines.append(f"  {snapshot.backend}: {bp.detail}")
         if bp.reason in BACKEND_HINTS:
             lines.append(f"  {BACKEND_HINTS[bp.reason]}")
         return lines
     if not snapshot.adapters:
-        lines.append(f"GPU: {snapshot.backend} answered but lists no GPU")
+        return [f"GPU: {snapshot.backend} answered but lists no GPU"]
+    return []
+
+
+def _gpu_lines(snapshot: Snapshot, selected: str | None) -> list[str]:
+    lines = no_gpu_lines(snapshot)
+    if lines:
         return lines
     for a in snapshot.adapters:
         if selected is not None and a.pci_bus_id != selected:
@@ -241,15 +248,22 @@ def system_lines(system: host.HostSample | None) -> list[str]:
     return lines
 
 
+def title_line(snapshot: Snapshot) -> str:
+    """The first line of ``--once`` and of each ``--watch`` sample: the version, when the
+    sample was taken (UTC), the backend and the driver."""
+    utc = utc_of(snapshot.taken)
+    when = NA if utc is None else utc.strftime("%Y-%m-%d %H:%M:%S")
+    line = f"gputaskman {__version__}  {when} UTC  backend {snapshot.backend}"
+    if snapshot.driver_version:
+        line += f"  driver {snapshot.driver_version}"
+    return line
+
+
 def render_text(
     snapshot: Snapshot, system: host.HostSample | None = None, selected_gpu: int | None = None
 ) -> str:
     """The ``--once`` report: GPUs, processes, problems, then the system panel."""
-    utc = utc_of(snapshot.taken)
-    when = NA if utc is None else utc.strftime("%Y-%m-%d %H:%M:%S")
-    out = [f"gputaskman {__version__}  {when} UTC  backend {snapshot.backend}"]
-    if snapshot.driver_version:
-        out[0] += f"  driver {snapshot.driver_version}"
+    out = [title_line(snapshot)]
     selected = None
     if selected_gpu is not None:
         sel = next((a for a in snapshot.adapters if a.index == selected_gpu), None)
