@@ -18,7 +18,7 @@ from gputaskman.core import report
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot, unavailable_snapshot
 from gputaskman.offline.playback import RecordSource
 from gputaskman.offline.record import encode_line
-from gputaskman.tui.app import create_app
+from gputaskman.tui.app import GtmApp, create_app
 from gputaskman.tui.history import sparkline
 from gputaskman.tui.replay_app import create_replay_app
 from gputaskman.tui.widgets.gpu_header import SPARK_WIDTH, GpuHeader
@@ -206,3 +206,50 @@ async def test_the_inspector_graphs_the_selected_process_vram_from_earlier_sampl
         body = str(app.query_one("#inspector-body").render())
         assert "VRAM last 2 samples: " + sparkline([9.5, 9.5], 2).strip() in body
         assert "(9.5 GiB–9.5 GiB)" in body
+
+
+async def test_a_refresh_updates_the_table_in_place_and_shows_what_a_fresh_table_would():
+    """Catches the in-place refresh (rows removed, added, updated, reordered without a
+    rebuild) leaving a stale cell, a gone row or the old order behind: after each change the
+    table reads as a freshly built one; and a refresh that changes nothing adds no row."""
+    base = demo_snapshot()
+    procs = list(base.processes)
+    vram = dataclasses.replace(
+        procs[1], dedicated=dataclasses.replace(procs[0].dedicated, value=20 << 30)
+    )
+    steps = [
+        base,
+        dataclasses.replace(base, processes=(procs[0], vram, *procs[2:])),  # 5151 now first
+        dataclasses.replace(base, processes=(procs[0], *procs[2:])),  # 5151 gone
+        dataclasses.replace(base, processes=(*procs, dataclasses.replace(procs[0], pid=4343))),
+    ]
+    feed = Fixed(steps[0])
+
+    def table_text(app: GtmApp) -> list[list[str]]:
+        t = app.query_one(ProcessTable)
+        return [[str(c) for c in t.get_row(r.key)] for r in t.ordered_rows]
+
+    app = create_app(collector_factory=lambda: feed, interval=60.0)
+    async with app.run_test(size=(200, 60)) as pilot:
+        await settle(pilot, app)
+        for step in steps[1:]:
+            feed.snapshot = step
+            app.action_refresh_now()
+            for _ in range(100):
+                await pilot.pause(0.01)
+                if app.samples == feed.calls and not app._busy.locked():
+                    break
+            fresh = create_app(collector_factory=lambda s=step: Fixed(s), interval=60.0)
+            async with fresh.run_test(size=(200, 60)) as fresh_pilot:
+                await settle(fresh_pilot, fresh)
+                assert table_text(app) == table_text(fresh)
+        table = app.query_one(ProcessTable)
+        added: list[object] = []
+        real_add = table.add_row
+        table.add_row = lambda *a, **k: added.append(k) or real_add(*a, **k)  # type: ignore[method-assign]
+        app.action_refresh_now()
+        for _ in range(100):
+            await pilot.pause(0.01)
+            if app.samples == feed.calls and not app._busy.locked():
+                break
+        assert added == []  # nothing changed: nothing rebuilt

@@ -21,6 +21,7 @@ from typing import Any
 
 from rich.text import Text
 from textual.widgets import DataTable
+from textual.widgets.data_table import ColumnKey, RowKey
 
 from gputaskman.base.fmt import NA, fmt_reading
 from gputaskman.base.readings import ProcGpu, Reading
@@ -108,12 +109,15 @@ def fit_columns(
     `rows` are the unclipped cells of every row, in `columns` order; `sort_label` is the sort
     column and its header label (with the arrow), whose width counts too."""
     limits = dict(CELL_LIMITS, MODEL=MODEL_ROOM)
+    # Each column's widest cell once; a clipped cell is at most its limit wide (`clip`).
+    widest = {c: max((len(r[i]) for r in rows), default=0) for i, c in enumerate(columns)}
 
     def need(col: str) -> int:
-        i = columns.index(col)
         label = sort_label[1] if col == sort_label[0] else col
-        cells = [len(clip((r[i],), (col,), limits)[0]) for r in rows]
-        return max([len(label), *cells]) + CELL_PAD
+        cell = widest[col]
+        if col in limits:
+            cell = min(cell, limits[col])
+        return max(len(label), cell) + CELL_PAD
 
     room = width - SCROLLBAR
     keep = [c for c in ALWAYS if c in columns]
@@ -260,6 +264,8 @@ class ProcessTable(DataTable):
         self.columns_shown: tuple[str, ...] = COLUMNS
         self.hidden: tuple[str, ...] = ()  # columns the user's settings leave out
         self.as_tree = False  # rows under their parent process (t)
+        self._cells: dict[str, tuple[str, ...]] = {}  # each row's cells as shown
+        self._cells_set = False  # cells written straight to the store: one refresh due
 
     def on_mount(self) -> None:
         for label in self.columns_shown:
@@ -313,21 +319,68 @@ class ProcessTable(DataTable):
         picks = [every.index(c) for c in offered]
         cells_offered = [tuple(c[i] for i in picks) for _, c in shown.values()]
         columns, limits = fit_columns(offered, cells_offered, width, sort)
+        rebuild = columns != self.columns_shown
         self._set_columns(columns)
-        self.clear()
         for key, col in zip(columns, self.columns.values(), strict=True):
             col.label = self.header_label(key)  # type: ignore[assignment]
         picks = [every.index(c) for c in columns]
-        self.rows_shown = {}
-        for k, (p, cells) in shown.items():
-            self.rows_shown[k] = p
-            kept = tuple(cells[i] for i in picks)
-            # Text, not str: names, command lines and model names come from outside and
-            # must show as typed, never be read as Rich markup ("[mapped✓]", "[bold]")
-            self.add_row(*(Text(c) for c in clip(kept, columns, limits)), key=k)
+        rows_now = {
+            k: (p, clip(tuple(cells[i] for i in picks), columns, limits))
+            for k, (p, cells) in shown.items()
+        }
+        if rebuild:
+            self.clear()
+            self._cells = {}
+        self._reconcile(rows_now, columns)
+        self.rows_shown = {k: p for k, (p, _) in rows_now.items()}
         self._refresh_header()
         if keep is not None and keep in self.rows_shown:
             self.move_cursor(row=self.get_row_index(keep))
+
+    def _reconcile(
+        self, rows: dict[str, tuple[ProcGpu, tuple[str, ...]]], columns: tuple[str, ...]
+    ) -> None:
+        """Make the table show `rows` in their order, touching only what changed: rows that
+        went are removed, new rows added, changed cells updated, and the rows reordered in
+        place. A full rebuild re-measures every cell, which at 1,000 rows took most of the
+        TUI's CPU (`benchmarks/gtm_tui_cost.py`)."""
+        cells_before = self._cells
+        for k in [k for k in cells_before if k not in rows]:
+            self.remove_row(k)
+            del cells_before[k]
+        for k, (_, cells) in rows.items():
+            before = cells_before.get(k)
+            if before is None:
+                # Text, not str: names, command lines and model names come from outside and
+                # must show as typed, never be read as Rich markup ("[mapped✓]", "[bold]")
+                self.add_row(*(Text(c) for c in cells), key=k)
+            elif before != cells:
+                for col, old, new in zip(columns, before, cells, strict=True):
+                    if old != new:
+                        self._set_cell(k, col, Text(new), len(new) > len(old))
+            cells_before[k] = cells
+        if self._cells_set:
+            self._cells_set = False
+            self.refresh()
+        wanted = list(rows)
+        if [r.key.value for r in self.ordered_rows] != wanted:
+            # DataTable.sort hands the key function a row's cells, not its key: the first
+            # cell's object (kept for the row's life, its PID never changes) stands for it.
+            place = {id(self.get_cell(k, columns[0])): i for i, k in enumerate(wanted)}
+            self.sort(key=lambda cells: place[id(cells[0])])
+
+    def _set_cell(self, row: str, column: str, value: Text, wider: bool) -> None:
+        """`update_cell` without its repaint per cell (one `refresh` after them all): with
+        1,000 rows changing each second, the per-cell repaint was half the TUI's CPU. Uses
+        DataTable's cell store where it is as Textual 8 has it, else `update_cell`."""
+        data = getattr(self, "_data", None)
+        cell = data.get(RowKey(row)) if isinstance(data, dict) else None
+        if cell is None or ColumnKey(column) not in cell or wider:
+            self.update_cell(row, column, value, update_width=wider)
+            return
+        cell[ColumnKey(column)] = value
+        self._update_count += 1
+        self._cells_set = True
 
     def _refresh_header(self) -> None:
         self._require_update_dimensions = True
