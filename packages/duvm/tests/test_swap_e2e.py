@@ -175,6 +175,9 @@ def _workload(cg: cgroup.MemoryCgroup, *extra: str) -> subprocess.Popen[str]:
     )
 
 
+FOREIGN_KB = 256  # other processes' pages the machine-wide top-priority device may hold
+
+
 def test_workload_swaps_through_nbd_and_every_byte_comes_back() -> None:
     with swap_stack() as stack:
         assert stack.server_data_bytes() == 0
@@ -205,11 +208,16 @@ def test_workload_swaps_through_nbd_and_every_byte_comes_back() -> None:
         assert after["pswpout"] - before["pswpout"] >= min_pages
         assert after["pswpin"] - before["pswpin"] >= min_pages
 
-        # the workload is gone: its slots were freed and discarded on the server
+        # the workload is gone: its slots were freed and discarded on the server. The device is
+        # the machine's top-priority swap, so a page of any other process may land on it while
+        # the test runs (a CI run once found one 4 KiB page there): allow a few, not the
+        # workload's hundreds of MiB.
         deadline = time.monotonic() + 10
-        while kernel_swap.swap_entry(att.device or "").used_kb and time.monotonic() < deadline:
+        while kernel_swap.swap_entry(att.device or "").used_kb > FOREIGN_KB:
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.1)
-        assert kernel_swap.swap_entry(att.device or "").used_kb == 0
+        assert kernel_swap.swap_entry(att.device or "").used_kb <= FOREIGN_KB
         # discard reached the server. Not to the last byte: the kernel discards whole free
         # 2 MiB swap clusters, and the few it keeps as per-CPU allocation clusters stay until
         # reuse or swapoff (seen: 32 KiB to 8 MiB left), so allow 16 MiB of ~200 MiB. The kernel
