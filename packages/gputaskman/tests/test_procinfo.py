@@ -580,8 +580,8 @@ def test_fuzz_maps_parsers_never_raise(text: str) -> None:
 
 
 def test_a_scan_names_the_user_and_the_parent(tmp_path: Path) -> None:
-    """The real user (status Uid) and parent PID of a real child process; a tree without a
-    status file gives an unknown user, never a made-up one."""
+    """The user (effective uid) and parent PID of a real child process; in a fixture tree the
+    effective uid of its status file, and without one an unknown user, never a made-up one."""
     import pwd
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -600,3 +600,5 @@ def test_a_scan_names_the_user_and_the_parent(tmp_path: Path) -> None:
     (tmp_path / "stat").write_text("btime 1700000000\n")
     fake = scan_process(4321, root=str(tmp_path))
     assert fake.ppid == 77 and fake.user is None
+    (pid_dir / "status").write_text("Name:\tx\nUid:\t0\t65534\t65534\t65534\n")
+    assert scan_process(4321, root=str(tmp_path)).user in ("nobody", "65534")

@@ -266,7 +266,7 @@ class ProcDetail:
     exe: str | None = None
     model_evidence: tuple[tuple[str, str | None], ...] = ()
     reason_detail: str | None = None
-    user: str | None = None  # the process's real user (name, or uid when unnamed)
+    user: str | None = None  # the user it runs as (name, or uid when unnamed)
     ppid: int | None = None  # its parent's PID
 
 
