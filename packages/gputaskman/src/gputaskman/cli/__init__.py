@@ -43,7 +43,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "summary": ("gputaskman.offline.summary", "averages and peaks per run of a record file"),
     "diff": ("gputaskman.offline.diff_report", "compare two saved --json snapshots"),
     "replay": ("gputaskman.cli.replay", "play a record file in the TUI (offline, never samples)"),
-    "serve": ("gputaskman.cli.serve", "serve Prometheus metrics (sampled like the TUI)"),
+    "serve": (
+        "gputaskman.cli.serve",
+        "serve Prometheus metrics and the snapshot document (sampled like the TUI)",
+    ),
 }
 
 # How long one-shot output waits between the priming host sample and the real one, so
