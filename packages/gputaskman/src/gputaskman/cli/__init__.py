@@ -47,6 +47,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "gputaskman.cli.serve",
         "serve Prometheus metrics and the snapshot document (sampled like the TUI)",
     ),
+    "fleet": ("gputaskman.cli.fleet", "every host's gputaskman serve in one view (TUI, --json)"),
 }
 
 # How long one-shot output waits between the priming host sample and the real one, so
