@@ -1,5 +1,6 @@
 """The fleet written out: the fleet document of the poller's states (``fleet --json``) and
-``fleet record FILE``, one fleet document per round appended to a JSON Lines file.
+``fleet record FILE``, one fleet document per round appended to a JSON Lines file; and such
+a document read back as host states (`states_of`), to show a saved fleet.
 
 Theory of operation
 -------------------
@@ -20,14 +21,49 @@ file that is not a fleet record is never appended to.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from gputaskman.core.fleetdoc import fleet_json, host_json
+from gputaskman.core import fleetdoc
+from gputaskman.core.document import SnapshotError, read_document
+from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
 from gputaskman.fleet.poller import HostState, Poller
+from gputaskman.fleet.targets import TargetError, parse_target
 from gputaskman.fleet.view import fleet_totals, totals_json
 from gputaskman.offline.record import RecordError, RecordResult, encode_line, write_line
+
+
+def states_of(doc: Mapping[str, Any]) -> tuple[HostState, ...]:
+    """The host states a fleet document holds, each snapshot read by `read_document` (to
+    show a saved fleet: screenshots, tests). `SnapshotError` when it is not one."""
+    fleetdoc.check_fleet(doc)
+    out = []
+    for i, h in enumerate(doc["hosts"]):
+        try:
+            target = dataclasses.replace(
+                parse_target(h.get("address") or h["name"]), name=h["name"]
+            )
+        except TargetError as exc:
+            raise SnapshotError(f"hosts[{i}].address: {exc}") from None
+        raw = h["snapshot"]
+        document = None if raw is None else read_document(raw)
+        status = HostStatus(h["status"])
+        out.append(
+            HostState(
+                target,
+                status,
+                h.get("reason"),
+                document,
+                raw,
+                h.get("answered"),
+                h.get("latency_s"),
+                seq=int(raw is not None),
+                polls=int(status is not HostStatus.WAITING),
+            )
+        )
+    return tuple(out)
 
 
 def fleet_document(
