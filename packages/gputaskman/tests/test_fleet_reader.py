@@ -370,3 +370,45 @@ def test_misbehaving_hosts_each_get_their_reason_and_none_holds_the_others():
         assert got[k].status is status and says in got[k].reason, (k, got[k])
         assert got[k].document is None
     assert got["good"].up and got["good"].latency_s < 1.0
+
+
+def test_a_sample_already_held_is_not_read_again_304_or_same_bytes():
+    """Catches a poller that reads (and a recorder that would write) one sample twice: a
+    real serve route answers 304 to the ETag of the sample the poller holds, and a host
+    without ETags that sends the same bytes again is not read again either."""
+    import time
+
+    from gputaskman.cli import httpserve, serve
+    from gputaskman.core.exporter import Cached
+
+    cached = Cached(demo_snapshot(), DemoSystem(), 1796000000.5, 0.01)  # type: ignore[arg-type]
+    route = serve.SnapshotDocument(lambda: cached, None)
+    statuses: list[int] = []
+
+    def counting(headers):
+        r = route(headers)
+        statuses.append(r.status)
+        return r
+
+    httpd, _ = httpserve.serve({"/snapshot.json": counting}, "127.0.0.1", 0)
+    same = Misbehaving(_then_close(_http(_body(DOCS[1]))))
+    targets = [
+        parse_target(f"127.0.0.1:{httpd.server_address[1]}"),
+        parse_target(f"127.0.0.1:{same.port}"),
+    ]
+    poller = Poller(targets, interval=0.1, timeout=2.0)
+    poller.start()
+    try:
+        deadline = time.monotonic() + 20
+        while min(s.polls for s in poller.states()) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        states = poller.states()
+    finally:
+        poller.stop()
+        httpd.shutdown()
+        httpd.server_close()
+        same.close()
+    assert all(s.up and s.seq == 1 for s in states), states
+    assert statuses[0] == 200 and set(statuses[1:]) == {304}
+    assert states[0].document is not None and states[0].document.taken == demo_snapshot().taken

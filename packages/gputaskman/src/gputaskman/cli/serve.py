@@ -17,7 +17,8 @@ Two read-only endpoints answer from that reference (`httpserve`, HTTP/1.1 with k
   what the names and labels mean is in `exporter`.
 * ``/snapshot.json``: the snapshot document, exactly what ``gputaskman --json`` prints
   (`report.to_json_dict`, compact), built once per sample however many clients ask; 503
-  until the first sample exists. `gputaskman fleet` polls it.
+  until the first sample exists. `gputaskman fleet` polls it, with ``If-None-Match``: a
+  sample it already has costs a bodiless 304.
 
 There is no write endpoint of any kind. SIGINT/SIGTERM stop the sampler, close the collector
 and the HTTP server, and exit 0.
@@ -169,7 +170,9 @@ class Sampler:
 
 
 class SnapshotDocument:
-    """``/snapshot.json``: the latest sample's document, encoded once per sample."""
+    """``/snapshot.json``: the latest sample's document, encoded once per sample. Its ETag
+    names the sample (when it finished), so a poller that already has it gets a bodiless
+    304 for ``If-None-Match``."""
 
     def __init__(self, latest: Callable[[], Cached | None], selected_gpu: int | None) -> None:
         self.latest = latest
@@ -177,8 +180,9 @@ class SnapshotDocument:
         self._lock = threading.Lock()
         self._for: Cached | None = None
         self._body = b""
+        self._etag = ""
 
-    def __call__(self, _headers: Mapping[str, str]) -> Response:
+    def __call__(self, headers: Mapping[str, str]) -> Response:
         c = self.latest()
         if c is None:
             return Response(503, b"no sample yet\n", headers=(("Retry-After", "1"),))
@@ -186,9 +190,12 @@ class SnapshotDocument:
             if c is not self._for:
                 doc = report.to_json_dict(c.snapshot, c.system, self.selected_gpu)
                 self._body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+                self._etag = f'"{c.sampled_at:.6f}"'
                 self._for = c
-            body = self._body
-        return Response(200, body, "application/json")
+            body, etag = self._body, self._etag
+        if headers.get("If-None-Match") == etag:
+            return Response(304, b"", "application/json", (("ETag", etag),))
+        return Response(200, body, "application/json", (("ETag", etag),))
 
 
 def metrics_route(registry: Any) -> Route:

@@ -11,10 +11,11 @@ of status line and headers plus `max_body` bytes of body: a Content-Length above
 refused before any of the body is read (`TooLarge`), and so is a body that outgrows it.
 
 Read: HTTP/1.0 and HTTP/1.1 status lines, headers (names case-insensitive), a body delimited
-by Content-Length or, without one, by the connection closing. Not read (refused with a
-reason, since `gputaskman serve` never sends them): chunked or any other transfer encoding,
-a content encoding (the request asks for none), interim 1xx answers, two Content-Lengths
-that disagree. ``keep_alive`` says whether the connection may carry the next request.
+by Content-Length or, without one, by the connection closing; 204 and 304 have none. Not
+read (refused with a reason, since `gputaskman serve` never sends them): chunked or any
+other transfer encoding, a content encoding (the request asks for none), interim 1xx
+answers, two Content-Lengths that disagree. ``keep_alive`` says whether the connection may
+carry the next request.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class HttpResponse:
     keep_alive: bool
 
 
-def request_bytes(host_header: str, path: str, token: str | None) -> bytes:
-    """A GET for `path` that keeps the connection open for the next poll."""
+def request_bytes(host_header: str, path: str, token: str | None, etag: str | None = None) -> bytes:
+    """A GET for `path` that keeps the connection open for the next poll; with `etag`, the
+    answer is a bodiless 304 when the document is still that one."""
     lines = [
         f"GET {path} HTTP/1.1",
         f"Host: {host_header}",
@@ -52,7 +54,14 @@ def request_bytes(host_header: str, path: str, token: str | None) -> bytes:
     ]
     if token is not None:
         lines.append(f"Authorization: Bearer {token}")
+    if etag is not None and _plain(etag):
+        lines.append(f"If-None-Match: {etag}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _plain(value: str) -> bool:
+    """A header value a host sent that is safe to send back (no line break, printable)."""
+    return len(value) <= 200 and all(32 <= ord(c) < 127 for c in value)
 
 
 def _head(raw: bytes) -> tuple[int, bool, dict[str, str]]:
@@ -136,6 +145,8 @@ class ResponseReader:
         if encoding != "identity":
             raise HttpError(f"content encoding {encoding[:30]!r} was not asked for")
         length = headers.get("content-length")
+        if status in (204, 304):  # never a body, whatever the headers say
+            length = "0"
         if length is not None:
             if not length.isdigit():
                 raise HttpError(f"Content-Length {length[:30]!r} is not a number")

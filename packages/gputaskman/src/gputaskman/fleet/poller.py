@@ -12,7 +12,11 @@ the size cap and takes well under a millisecond for a typical host.
 
 Each host keeps one HTTP/1.1 connection open between polls (`serve` keeps it), so a poll is
 one request and one answer, not a TCP and TLS handshake; a connection the host closed while
-idle is noticed before any byte of the answer and replaced once within the same poll.
+idle is noticed before any byte of the answer and replaced once within the same poll. A
+poll sends the ETag of the document it has (``If-None-Match``): a host whose sample has not
+changed answers a bodiless 304, and an answer whose bytes are those of the document already
+held is not read again either. Either way the host is up with the same document: `seq` does
+not move, so a recorder never writes one sample twice.
 
 Schedule: after an answer the next poll is due `interval` seconds after this one started
 (ticks missed by a slow answer are skipped, not made up). After a failure (no connection, no
@@ -23,8 +27,8 @@ one good answer resets it. `poll_now` wakes every host at once.
 What the UI reads: `states()`, one frozen `HostState` per host in the order given, replaced
 whole on every poll (never mutated, so a reader on another thread sees a consistent state).
 A host that goes down keeps its last document in `document`, with its status and reason
-saying it is not current: a view shows the reason, never zeros. `seq` counts the documents
-read, so a recorder knows which answers are new.
+saying it is not current: a view shows the reason, never zeros. `seq` counts the distinct
+documents read, so a recorder knows which answers are new.
 
 Bounded memory: each answer is capped (`reader.MAX_DOCUMENT_BYTES`), and the bytes buffered by
 all answers in flight together are capped at `MAX_BUFFERED_BYTES`; an answer that would pass
@@ -64,9 +68,9 @@ class HostState:
     reason: str | None = "not polled yet"
     document: Document | None = None  # the last document read (current only when up)
     raw: Any = None  # that document as parsed JSON (for --json and record)
-    answered_at: float | None = None  # time.time() when that document arrived
+    answered_at: float | None = None  # time.time() of the last answer with a document
     latency_s: float | None = None  # of the last poll that got an answer
-    seq: int = 0  # documents read so far
+    seq: int = 0  # distinct documents read so far (the same sample again is not counted)
     polls: int = 0
     failures: int = 0  # consecutive polls that read no document
     next_poll_in_s: float | None = None  # after a failure: the backoff delay
@@ -214,10 +218,16 @@ class Poller:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def thread_id(self) -> int | None:
+        """The polling thread's id for the OS (None before `start`): what to measure."""
+        return self._thread.native_id
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
         self._wake()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def poll_now(self) -> None:
         self._wake()
@@ -266,7 +276,18 @@ class Poller:
 
     def _publish(self, i: int, ans: Answer, latency: float | None) -> HostState:
         prev = self._states[i]
-        if ans.status is HostStatus.UP:
+        if ans.unchanged and prev.document is not None:
+            new = dataclasses.replace(
+                prev,
+                status=HostStatus.UP,
+                reason=None,
+                answered_at=time.time(),
+                latency_s=latency,
+                polls=prev.polls + 1,
+                failures=0,
+                next_poll_in_s=None,
+            )
+        elif ans.status is HostStatus.UP and ans.document is not None:
             new = dataclasses.replace(
                 prev,
                 status=ans.status,
@@ -281,6 +302,8 @@ class Poller:
                 next_poll_in_s=None,
             )
         else:
+            if ans.unchanged:  # a 304 for a document this state does not hold: no answer
+                ans = Answer(HostStatus.ERROR, "HTTP 304 without an earlier document")
             failures = prev.failures + (ans.status is not HostStatus.STARTING)
             new = dataclasses.replace(
                 prev,
@@ -305,15 +328,22 @@ class Poller:
     async def _host(self, i: int) -> None:
         t = self.targets[i]
         loop = asyncio.get_running_loop()
-        request = request_bytes(t.address, PATH, self.token)
         conn: _Connection | None = None
+        etag: str | None = None  # of the document this host's state holds
+        body = b""  # that document's bytes
         while not self._stopping:
             started = loop.time()
             latency = None
+            request = request_bytes(t.address, PATH, self.token, etag)
             try:
                 resp, conn = await self._fetch(t, conn, request, started + self.timeout)
                 latency = loop.time() - started
-                ans = read_answer(resp, self.token is not None)
+                if resp.status == 200 and resp.body == body:
+                    ans = Answer(HostStatus.UP, unchanged=True)  # the same sample again
+                else:
+                    ans = read_answer(resp, self.token is not None)
+                if ans.status is HostStatus.UP and not ans.unchanged:
+                    etag, body = resp.headers.get("etag"), resp.body
             except _Failed as f:
                 ans = Answer(f.status, f.reason)
             except HttpError as exc:

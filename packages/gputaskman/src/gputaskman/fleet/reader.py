@@ -5,7 +5,8 @@ one. Every document the fleet receives goes through `read_body`, and through it 
 Theory of operation
 -------------------
 A host's answer is not trusted. `read_answer` maps the HTTP status first: 401/403 is a
-refused token (`refused`), 404 no snapshot endpoint (`incompatible`: not `gputaskman serve`,
+refused token (`refused`), 304 the document the poller has (it asked with the ETag of that
+one: nothing to read), 404 no snapshot endpoint (`incompatible`: not `gputaskman serve`,
 or one older than this view), 503 a serve with no sample yet (`starting`), any other
 non-200 an `error`. A 200's body is then read by `read_body`, in bounded memory and time:
 
@@ -44,6 +45,7 @@ class Answer:
     reason: str | None = None
     document: Document | None = None
     raw: Mapping[str, Any] | None = None
+    unchanged: bool = False  # up, with the document the poller already has (HTTP 304)
 
 
 def _shorten(text: str, limit: int = 160) -> str:
@@ -78,6 +80,8 @@ def read_body(body: bytes) -> Answer:
 def read_answer(resp: HttpResponse, token_sent: bool) -> Answer:
     """A host's whole HTTP answer to ``GET /snapshot.json`` (see the module docstring)."""
     code = resp.status
+    if code == 304:
+        return Answer(HostStatus.UP, unchanged=True)
     if code in (401, 403):
         if token_sent:
             return Answer(HostStatus.REFUSED, f"the host did not accept the token (HTTP {code})")
