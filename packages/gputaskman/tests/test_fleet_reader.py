@@ -22,7 +22,7 @@ from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
 from gputaskman.fleet import reader
 from gputaskman.fleet.httpwire import HttpError, ResponseReader, TooLarge, request_bytes
 from gputaskman.fleet.poller import Poller
-from gputaskman.fleet.targets import TargetError, parse_target, parse_targets
+from gputaskman.fleet.targets import TargetError, parse_target, parse_targets, read_hosts_file
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -261,6 +261,18 @@ def test_bad_host_entries_are_refused(text):
 def test_a_host_listed_twice_is_an_error_naming_both_places():
     with pytest.raises(TargetError, match="listed twice"):
         parse_targets([("argument 1", "gpu1"), ("hosts:3", "GPU1:9835")])
+
+
+def test_a_hosts_file_may_name_its_hosts(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("# the fleet\n10.0.0.7:9900 gpu-node-07\n\nhttps://10.0.0.8  # over TLS\n")
+    got = parse_targets(read_hosts_file(f))
+    assert [(t.name, t.address, t.tls) for t in got] == [
+        ("gpu-node-07", "10.0.0.7:9900", False),
+        ("10.0.0.8", "10.0.0.8:9835", True),
+    ]
+    with pytest.raises(TargetError, match=r"hosts:2: the name x is given twice \(also hosts:1\)"):
+        parse_targets([("hosts:1", "h1 x"), ("hosts:2", "h2 x")])
 
 
 @given(st.text(max_size=60))

@@ -3,8 +3,9 @@ hosts file, read into `Target`s.
 
 Forms: ``gpu1`` (port 9835, `serve`'s default), ``gpu1:9900``, ``10.0.0.7:9900``,
 ``[fd00::7]:9900`` (IPv6 in brackets), ``http://gpu1:9900`` and ``https://gpu1:9900`` (TLS; a
-trailing ``/`` is allowed). A hosts file holds one such entry per line; blank lines and
-``#`` comments are skipped. A host listed twice is an error, not a second row.
+trailing ``/`` is allowed). A hosts file holds one such entry per line, optionally followed
+by the name to show for it (``10.0.0.7:9835 gpu-node-07``); blank lines and ``#`` comments
+are skipped. A host listed twice, or a name given twice, is an error, not a second row.
 """
 
 from __future__ import annotations
@@ -74,19 +75,28 @@ def parse_target(text: str) -> Target:
 
 
 def parse_targets(entries: Iterable[tuple[str, str]]) -> list[Target]:
-    """(where, text) pairs -> targets; a host listed twice, or a bad entry, is an error
-    naming where it was."""
+    """(where, text) pairs -> targets; text is ``HOST[:PORT]``, optionally followed by a
+    name. A host or name listed twice, or a bad entry, is an error naming where it was."""
     out: list[Target] = []
     seen: dict[tuple[str, int], str] = {}
+    names: dict[str, str] = {}
     for where, text in entries:
+        address, _, name = text.strip().partition(" ")
+        name = name.strip()
         try:
-            t = parse_target(text)
+            t = parse_target(address)
         except TargetError as exc:
             raise TargetError(f"{where}: {exc}") from None
+        if name:
+            if any(c.isspace() for c in name):
+                raise TargetError(f"{where}: a name is one word: {name!r}")
+            t = Target(name, t.host, t.port, t.tls)
         key = (t.host.lower(), t.port)
         if key in seen:
             raise TargetError(f"{where}: {t.address} is listed twice (also {seen[key]})")
-        seen[key] = where
+        if t.name in names:
+            raise TargetError(f"{where}: the name {t.name} is given twice (also {names[t.name]})")
+        seen[key] = names[t.name] = where
         out.append(t)
     return out
 
