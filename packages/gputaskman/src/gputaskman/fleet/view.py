@@ -69,10 +69,10 @@ def _clock(t: float | None) -> str:
         return NA
 
 
-def host_line(s: HostState) -> str:
+def host_line(s: HostState, next_try: bool = True) -> str:
     """A host that is not up, in one line: status, reason, next try, last answer."""
     parts = [f"{s.status}: {s.reason}" if s.reason else str(s.status)]
-    if s.next_poll_in_s is not None and s.status is not HostStatus.WAITING:
+    if next_try and s.next_poll_in_s is not None and s.status is not HostStatus.WAITING:
         parts.append(f"next try in {s.next_poll_in_s:g} s")
     if s.answered_at is not None:
         parts.append(f"last answer {_clock(s.answered_at)}")
@@ -128,14 +128,15 @@ def _gpu_rows(s: HostState, doc: Document) -> list[FleetRow]:
     return rows
 
 
-def fleet_rows(states: Iterable[HostState]) -> list[FleetRow]:
-    """Rows in host order, each host's GPUs in its document's order."""
+def fleet_rows(states: Iterable[HostState], live: bool = True) -> list[FleetRow]:
+    """Rows in host order, each host's GPUs in its document's order (`live`: a failing
+    host's row says when the next try is)."""
     out: list[FleetRow] = []
     for s in states:
         if s.up and s.document is not None:
             out += _gpu_rows(s, s.document)
         else:
-            out.append(FleetRow(f"{s.target.name}|", s, None, host_line(s)))
+            out.append(FleetRow(f"{s.target.name}|", s, None, host_line(s, live)))
     return out
 
 
@@ -343,7 +344,7 @@ def cells(row: FleetRow, first_of_host: bool = True) -> tuple[str, ...]:
 
 def render_text(states: Sequence[HostState]) -> str:
     """``fleet --once``: the summary line, then the rows as a table."""
-    rows = fleet_rows(states)
+    rows = fleet_rows(states, live=False)
     table = [COLUMNS]
     prev = None
     for r in rows:

@@ -10,7 +10,8 @@ number at all.
 
 Fitting: every column has a narrowest and a widest useful width (`MIN`, `MAX`); PROCESSES and
 then MODELS are left out when even the narrowest widths do not fit, and the room left is
-given out in `GROW` order up to each widest width. Text that does not fit is cut with "…"
+shared out in proportion to how much each column can grow (what rounding leaves, in `GROW`
+order), up to each widest width. Text that does not fit is cut with "…"
 (a host name at its start, where a cluster's names are alike).
 Rows are keyed by host and GPU address, so the cursor stays on the same GPU across refreshes.
 """
@@ -29,8 +30,8 @@ from gputaskman.fleet.view import COLUMNS, FleetRow, sorted_rows, util_text
 from gputaskman.tui.widgets.gpu_header import memory_cell
 
 SORT_MARKS = ("▼", "▲")
-MIN = {"HOST": 12, "GPU": 12, "MEMORY": 22, "UTIL": 4, "PROCESSES": 14, "MODELS": 14}
-MAX = {"HOST": 18, "GPU": 34, "MEMORY": 32, "UTIL": 5, "PROCESSES": 48, "MODELS": 44}
+MIN = {"HOST": 12, "GPU": 12, "MEMORY": 18, "UTIL": 4, "PROCESSES": 14, "MODELS": 14}
+MAX = {"HOST": 18, "GPU": 34, "MEMORY": 36, "UTIL": 5, "PROCESSES": 48, "MODELS": 44}
 GROW = ("GPU", "MODELS", "HOST", "PROCESSES", "MEMORY")
 DROP = ("PROCESSES", "MODELS")  # left out first when the narrowest widths do not fit
 CELL_PAD = 2
@@ -58,7 +59,14 @@ def fit(width: int) -> dict[str, int]:
         cols.remove(drop)
     widths = {c: MIN[c] for c in cols}
     room = width - SCROLLBAR - sum(w + CELL_PAD for w in widths.values())
-    for c in GROW:
+    span = sum(MAX[c] - MIN[c] for c in cols)
+    if room > 0 and span:
+        share = min(1.0, room / span)  # each column grows by the same share of its range
+        for c in cols:
+            extra = int((MAX[c] - MIN[c]) * share)
+            widths[c] += extra
+            room -= extra
+    for c in GROW:  # what rounding left over
         if c in widths and room > 0:
             extra = min(room, MAX[c] - widths[c])
             widths[c] += extra
@@ -98,23 +106,37 @@ def _cut(text: str, n: int) -> str:
 
 
 def _memory_text(row: FleetRow) -> str | None:
-    """The numbers after the bar (None: no bar to draw on this row)."""
+    """The numbers after the bar, the unit once when both share it: `` 12.0/16.0 GiB 75%``
+    (None: no bar to draw on this row)."""
     used, total = row.memory_used, row.memory_total
     if row.adapter is None or used is None or total is None:
         return None
     if used.value is None or total.value is None or not total.value:
         return None
-    f = fmt_reading
-    return f" {f(used, as_bytes=True)}/{f(total, as_bytes=True)} {used.value / total.value:.0%}"
+    u, t = fmt_reading(used, as_bytes=True), fmt_reading(total, as_bytes=True)
+    unit = t.rsplit(" ", 1)[-1]
+    if u.endswith(" " + unit):
+        u = u[: -len(unit) - 1]
+    return f" {u}/{t} {used.value / total.value:.0%}"
 
 
 def memory(row: FleetRow, bar: int) -> Text:
     """The MEMORY cell: a bar `bar` cells wide and the numbers, or n/a with the reason."""
     if row.adapter is None:
         return Text("")
-    if row.memory_used is None or row.memory_total is None:
+    used, total = row.memory_used, row.memory_total
+    if used is None or total is None:
         return Text("n/a (no metrics)", style="yellow")
-    return memory_cell(row.memory_used, row.memory_total, bar if _memory_text(row) else 0)
+    text = _memory_text(row)
+    if text is None:
+        return memory_cell(used, total, 0)  # n/a with the reason
+    frac = max(0.0, min(1.0, float(used.value) / float(total.value)))  # type: ignore[arg-type]
+    filled = round(frac * bar)
+    style = "green" if frac < 0.75 else "yellow" if frac < 0.9 else "red"
+    out = Text("█" * filled, style=style)
+    out.append("░" * (bar - filled), style="grey37")
+    out.append(text)
+    return out
 
 
 class FleetTable(DataTable):
