@@ -424,3 +424,49 @@ def test_a_sample_already_held_is_not_read_again_304_or_same_bytes():
     assert all(s.up and s.seq == 1 for s in states), states
     assert statuses[0] == 200 and set(statuses[1:]) == {304}
     assert states[0].document is not None and states[0].document.taken == demo_snapshot().taken
+
+
+def test_tls_hosts_are_read_with_a_client_certificate_and_refused_without(tmp_path):
+    """Catches a poller that cannot reach an https:// host, or that reports a refused client
+    certificate as anything but refused."""
+    import ssl
+    import sys
+    import time
+
+    from gputaskman.cli import httpserve, serve
+    from gputaskman.core.exporter import Cached
+
+    sys.path.insert(0, str(HERE))
+    from tls_files import make_pki
+
+    pki = make_pki(tmp_path)
+    cached = Cached(demo_snapshot(), DemoSystem(), 1796000000.5, 0.01)  # type: ignore[arg-type]
+    ctx = serve.server_tls_context(pki["server"], pki["server_key"], pki["ca"])
+    httpd, _ = httpserve.serve(
+        {"/snapshot.json": serve.SnapshotDocument(lambda: cached, None)}, "127.0.0.1", 0, tls=ctx
+    )
+    url = f"https://127.0.0.1:{httpd.server_address[1]}"
+    got = {}
+    try:
+        for who, cert in (("client", True), ("no-cert", False), ("untrusted", None)):
+            client = ssl.create_default_context(
+                cafile=str(pki["ca"] if cert is not None else pki["rogue_ca"])
+            )
+            if cert:
+                client.load_cert_chain(pki["client"], pki["client_key"])
+            poller = Poller([parse_target(url)], interval=0.2, timeout=2.0, tls=client)
+            poller.start()
+            try:
+                deadline = time.monotonic() + 10
+                while not poller.states()[0].polls:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                got[who] = poller.states()[0]
+            finally:
+                poller.stop()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert got["client"].up and got["client"].document is not None
+    for who in ("no-cert", "untrusted"):
+        assert got[who].status is HostStatus.REFUSED and got[who].reason.startswith("TLS"), got[who]

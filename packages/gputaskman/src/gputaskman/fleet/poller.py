@@ -50,7 +50,13 @@ from typing import Any
 
 from gputaskman.core.document import Document
 from gputaskman.core.fleetdoc import HostStatus
-from gputaskman.fleet.httpwire import HttpError, HttpResponse, ResponseReader, request_bytes
+from gputaskman.fleet.httpwire import (
+    HttpError,
+    HttpResponse,
+    ResponseReader,
+    TooLarge,
+    request_bytes,
+)
 from gputaskman.fleet.reader import MAX_DOCUMENT_BYTES, Answer, read_answer
 from gputaskman.fleet.targets import PATH, Target
 
@@ -346,6 +352,8 @@ class Poller:
                     etag, body = resp.headers.get("etag"), resp.body
             except _Failed as f:
                 ans = Answer(f.status, f.reason)
+            except TooLarge as exc:
+                ans = Answer(HostStatus.INCOMPATIBLE, str(exc))
             except HttpError as exc:
                 ans = Answer(HostStatus.INCOMPATIBLE, f"not HTTP this view reads: {exc}")
             except Exception as exc:  # a bug here must not stop this host's polling
