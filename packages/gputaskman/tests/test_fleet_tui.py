@@ -273,3 +273,18 @@ def test_rows_of_a_fleet_document_round_trip_through_states_of():
     assert states[2].status is HostStatus.UNREACHABLE and states[2].document is None
     rows = fleet_rows(states)
     assert sum(r.adapter is not None for r in rows) == 6
+
+
+async def test_a_host_document_the_live_view_cannot_show_is_said_not_crashed(utc):
+    """A document can be read and still not be a `Snapshot` (a GPU without an address): the
+    host view says so in its status line instead of taking the app down."""
+    doc = fleet_doc()
+    snap = doc["hosts"][0]["snapshot"]
+    snap["adapters"][0]["pci_bus_id"] = None
+    app = FleetApp(FixedFleet(states_of(doc)))
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        await pilot.press("enter")
+        await _settle(pilot)
+        assert app.host_name == "gpu-node-01" and app.snapshot is None
+        assert "gpu-node-01's document cannot be shown" in str(app.status.content)

@@ -32,6 +32,7 @@ from typing import Protocol
 from rich.text import Text
 from textual.binding import Binding
 
+from gputaskman.core.document import SnapshotError
 from gputaskman.fleet.poller import HostState
 from gputaskman.offline.recorded import replay_objects
 from gputaskman.tui.app import GtmApp, SampleReady
@@ -103,7 +104,12 @@ class FleetApp(GtmApp):
             self.render_status()
             return
         self._shown = key
-        snapshot, system = replay_objects(s.document)
+        try:
+            snapshot, system = replay_objects(s.document)
+        except SnapshotError as exc:  # read, but not showable (a GPU without an address)
+            self.last_error = f"{s.target.name}'s document cannot be shown: {exc}"
+            self.render_status()
+            return
         self.on_sample_ready(SampleReady(snapshot, system, s.latency_s or 0.0))
 
     # -- between the fleet and a host
