@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     registry.register(SnapshotCollector(sampler.latest))
     routes = {
         "/metrics": metrics_route(registry),
-        "/snapshot.json": SnapshotDocument(sampler.latest, getattr(args, "gpu", None)),
+        "/snapshot.json": SnapshotDocument(sampler.latest, args.gpu),
     }
     try:
         httpd, _thread = http_serve(routes, host, port, token=token, tls=tls)

@@ -50,10 +50,10 @@ def source_factory(args: argparse.Namespace) -> Any:
     from gputaskman.cli import _collector
     from gputaskman.core.collector import SCAN_BUDGET
 
-    gpu = getattr(args, "gpu", None)
-    if getattr(args, "demo", False):
+    gpu = args.gpu
+    if args.demo:
         return lambda: DemoSource(gpu)
-    replay = getattr(args, "replay", None)
+    replay = args.replay
     if replay:
         loop = RecordLoop(replay)  # opened here: a bad file is a usage error, not a log line
         return lambda: loop

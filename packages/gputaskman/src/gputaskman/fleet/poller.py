@@ -245,12 +245,6 @@ class Poller:
                 lambda: all(s.polls for s in self._states), timeout=timeout
             )
 
-    def wait_changed(self, version: int, timeout: float) -> int:
-        """Wait until a poll is published after `version` (or `timeout`); the new version."""
-        with self._changed:
-            self._changed.wait_for(lambda: self.version != version, timeout=timeout)
-            return self.version
-
     def _wake(self) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():

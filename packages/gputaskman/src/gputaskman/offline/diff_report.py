@@ -251,7 +251,7 @@ def _one(args: argparse.Namespace, host: str | None) -> tuple[int, str, dict[str
 
 
 def run(args: argparse.Namespace) -> int:
-    host = getattr(args, "host", None)
+    host = args.host
     hosts: list[str | None] = [host]
     if host is None:
         before, after = _hosts(args.before), _hosts(args.after)

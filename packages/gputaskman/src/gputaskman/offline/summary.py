@@ -532,7 +532,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    host = getattr(args, "host", None)
+    host = args.host
     try:
         if host is None and is_fleet_file(args.file):
             summaries = summarize_hosts(args.file)
