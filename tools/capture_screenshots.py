@@ -6,6 +6,7 @@ Usage (from the repository root)::
 
     uv run python tools/capture_screenshots.py RECORD.jsonl [--frame N ...] [--out docs/screenshots]
     uv run python tools/capture_screenshots.py --demo  # gputaskman.fixtures.demo's made-up data
+    uv run python tools/capture_screenshots.py --fleet FLEET.json [--label TEXT]  # fleet --json
 
 Theory of operation
 -------------------
@@ -24,6 +25,11 @@ says nothing about the machine it was made on.
 ``--demo`` records `gputaskman.fixtures.demo`'s hand-written snapshot (synthetic, not measured; the
 subtitle says so) for when no GPU recording is at hand. SVG only: GitHub renders it in a
 README, and PNG would need a browser or cairo.
+
+``--fleet FLEET.json`` renders the fleet TUI (`gputaskman.tui.fleet_app`) over a ``gputaskman
+fleet --json`` document: redacted the same way (every host's snapshot), read back as host
+states (`fleet.output.states_of`) and shown by a fixed source, never polling anything.
+``--label`` says what the hosts were (the SVG's title).
 """
 
 from __future__ import annotations
@@ -217,6 +223,51 @@ def capture(
         return asyncio.run(_render(clean, out_dir, frames, label, size, stem))
 
 
+async def _render_fleet(doc: Any, path: Path, label: str, size: tuple[int, int]) -> Path:
+    from gputaskman.fleet.output import states_of
+    from gputaskman.tui.fleet_app import FleetApp
+
+    class Fixed:
+        interval = float(doc.get("interval_s") or 1.0)
+        timeout = float(doc.get("timeout_s") or 2.0)
+        version = 1
+
+        def __init__(self) -> None:
+            self._states = states_of(doc)
+
+        def states(self) -> Any:
+            return self._states
+
+        def poll_now(self) -> None:
+            pass
+
+    app = FleetApp(Fixed())
+    async with app.run_test(size=size) as pilot:
+        app.sub_title = label
+        for _ in range(5):
+            await pilot.pause()
+        await pilot.pause(0.2)
+        path.write_text(
+            app.export_screenshot(title=f"gputaskman fleet · {label}"), encoding="utf-8"
+        )
+    return path
+
+
+def capture_fleet(
+    fleet: Path,
+    out_dir: Path,
+    label: str,
+    size: tuple[int, int] = SIZE,
+    stem: str = "gputaskman-fleet",
+) -> Path:
+    """Redact a ``fleet --json`` document and render the fleet TUI over it to one SVG."""
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = redact(json.loads(fleet.read_text(encoding="utf-8")))
+    return asyncio.run(_render_fleet(doc, out_dir / f"{stem}.svg", label, size))
+
+
 def _size(text: str) -> tuple[int, int]:
     m = re.fullmatch(r"(\d+)x(\d+)", text)
     if not m or not (40 <= int(m[1]) <= 400 and 10 <= int(m[2]) <= 200):
@@ -229,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("record", nargs="?", type=Path, help="record file (gputaskman record)")
     src.add_argument("--demo", action="store_true", help="render gputaskman.fixtures.demo's data")
+    src.add_argument("--fleet", type=Path, help="render the fleet TUI over a fleet --json file")
+    p.add_argument("--label", default="saved fleet", help="--fleet: what the hosts were")
     p.add_argument(
         "--frame",
         type=int,
@@ -243,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.record is not None and not args.record.is_file():
         print(f"capture_screenshots: {args.record} is not a file", file=sys.stderr)
         return 2
+    if args.fleet is not None:
+        print(
+            capture_fleet(
+                args.fleet, args.out, args.label, args.size, args.name or "gputaskman-fleet"
+            )
+        )
+        return 0
     stem = args.name or ("gputaskman-demo" if args.demo else "gputaskman")
     for path in capture(
         args.record, args.out, args.frame or [-1], demo=args.demo, size=args.size, stem=stem

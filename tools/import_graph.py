@@ -79,9 +79,10 @@ def layer_rules(src: Path) -> dict[str, set[str] | None]:
     rules: dict[str, set[str] | None] = {}
     for init in sorted(src.glob("*/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        m = re.search(r"^May import: (.+?)\.?$", doc, re.MULTILINE)
+        # the line may wrap: it runs to the next blank line or the docstring's end
+        m = re.search(r"^May import: (.+?)(?:\n\s*\n|\Z)", doc, re.MULTILINE | re.DOTALL)
         assert m, f"{init} does not say what it may import"
-        said = m.group(1).strip()
+        said = " ".join(m.group(1).split()).rstrip(".")
         if said == "any layer":
             rules[init.parent.name] = None
         elif said.startswith("nothing"):

@@ -96,3 +96,26 @@ def test_the_check_catches_what_grafana_would_reject():
     assert check.problems(broken, names) == [
         "variable $nowhere is used but not defined in templating"
     ]
+
+
+def test_fleet_dashboard_is_valid_filters_every_series_by_host_and_keeps_kinds_apart():
+    """dashboards/gputaskman-fleet.json: Grafana's schema, only metrics a real scrape has, a
+    host variable every selector filters on, per-model memory panels, and measured memory
+    never in one panel with an estimate."""
+    import re
+
+    check = _checker()
+    dash = json.loads((ROOT / "dashboards" / "gputaskman-fleet.json").read_text())
+    assert check.problems(dash, _exported_names()) == []
+    host = next(v for v in dash["templating"]["list"] if v["name"] == "host")
+    assert host["multi"] and host["includeAll"] and "instance" in host["definition"]
+    selector = re.compile(r"\b((?:gputaskman_|up\b)[a-z0-9_]*)(\{[^}]*\})?")
+    for p in dash["panels"]:
+        exprs = " ".join(t["expr"] for t in p["targets"])
+        for name, labels in selector.findall(exprs):
+            assert labels and 'instance=~"$host"' in labels, (p["title"], name)
+        assert not ("gputaskman_process_vram_bytes" in exprs and "_estimated_" in exprs)
+    model_panels = [p for p in dash["panels"] if "model" in p["title"].lower()]
+    used = check.metric_names({"panels": model_panels})
+    assert {"gputaskman_process_model_info", "gputaskman_process_vram_bytes"} <= used
+    assert "gputaskman_process_llm_part_estimated_bytes" in used

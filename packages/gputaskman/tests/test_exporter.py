@@ -341,21 +341,33 @@ def test_serve_real_gpu_less_machine_scrapes_cleanly():
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
-    assert "off loopback" not in err  # loopback: nothing to warn about
+    assert "off loopback" not in err  # loopback: nothing to refuse
 
 
-def test_serve_off_loopback_warns_that_labels_carry_command_line_text():
-    """Catches `serve` exposing process names and command-line text on a network without a
-    word. (Checked on the message `run` prints, not by binding a public address here.)"""
+def test_serve_off_loopback_refuses_to_start_without_a_token_or_client_certificates():
+    """Catches `serve` exposing process names, command-line text and the snapshot document on
+    a network where anyone may read them. (Checked on `exposure_refusal` and on a refusal
+    before binding, never by listening on a public address here.)"""
     from gputaskman.cli import serve
 
     assert serve.is_loopback("127.0.0.1") and serve.is_loopback("::1")
     assert serve.is_loopback("localhost") and not serve.is_loopback("0.0.0.0")
     assert not serve.is_loopback("10.0.0.2") and not serve.is_loopback("gpu-host-7")
-    assert serve.exposure_warning("127.0.0.1") is None
-    warning = serve.exposure_warning("0.0.0.0")
-    assert warning and "serving on 0.0.0.0, off loopback" in warning
-    assert "command-line text" in warning
+    assert serve.exposure_refusal("127.0.0.1") is None
+    refusal = serve.exposure_refusal("0.0.0.0")
+    assert refusal and "refusing to serve on 0.0.0.0, off loopback" in refusal
+    assert "command-line text" in refusal and "--token-file" in refusal
+    assert "--tls-client-ca" in refusal
+    assert serve.exposure_refusal("0.0.0.0", token=True) is None
+    assert serve.exposure_refusal("0.0.0.0", client_certs=True) is None
+    r = subprocess.run(
+        [sys.executable, "-m", "gputaskman.cli", "serve", "--listen", "0.0.0.0:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "refusing to serve on 0.0.0.0" in r.stderr
+    assert "serving" not in r.stdout and "Traceback" not in r.stderr
 
 
 def test_serve_port_in_use_is_a_clear_error():
@@ -459,8 +471,19 @@ def test_serve_refuses_a_token_file_it_cannot_trust(tmp_path, text, mode, says):
     assert "serving http://" not in r.stdout
 
 
-def test_serve_off_loopback_with_a_token_does_not_warn():
-    from gputaskman.cli import serve
-
-    assert serve.exposure_warning("0.0.0.0", token=True) is None
-    assert "--token-file" in (serve.exposure_warning("0.0.0.0") or "")
+def test_serve_refuses_two_sources_at_once(tmp_path):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gputaskman.cli",
+            "serve",
+            "--demo",
+            "--replay",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "two sources" in r.stderr and "Traceback" not in r.stderr

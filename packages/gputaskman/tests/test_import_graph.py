@@ -20,6 +20,8 @@ CORE = [
     "gputaskman.core.collector",
     "gputaskman.core.report",
     "gputaskman.fixtures.demo",
+    "gputaskman.fleet.poller",
+    "gputaskman.fleet.view",
     "gputaskman.cli",
 ]
 UI = ("textual", "rich")
@@ -79,6 +81,7 @@ def test_every_module_is_in_a_layer() -> None:
         "intel",
         "core",
         "offline",
+        "fleet",
         "tui",
         "fixtures",
         "cli",

@@ -116,6 +116,43 @@ def test_demo_mode_renders_and_says_synthetic(tmp_path: Path) -> None:
     assert "RTX 4080 SUPER" in text and "/dev/zram0" in text  # kernel paths are kept
 
 
+def test_fleet_mode_renders_the_fleet_table_without_any_host_private_text(tmp_path: Path) -> None:
+    """Catches --fleet showing a host's command line or paths, which are inside the host
+    snapshots of a fleet --json document. The fleet table shows neither today; the document is
+    redacted before it is read all the same (checked here too), in case a column would."""
+    from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
+
+    rec = private_recording(tmp_path / "one.jsonl")
+    snap = json.loads(rec.read_bytes().splitlines()[0])
+    hosts = [
+        host_json(
+            name=f"gpu-node-0{i}",
+            address=f"127.0.0.1:{9901 + i}",
+            url=f"http://127.0.0.1:{9901 + i}/snapshot.json",
+            status=HostStatus.UP if i < 2 else HostStatus.UNREACHABLE,
+            reason=None if i < 2 else "connection refused",
+            latency_s=0.01 if i < 2 else None,
+            answered=snap["taken"] if i < 2 else None,
+            snapshot=snap if i < 2 else None,
+        )
+        for i in range(3)
+    ]
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(
+        json.dumps(fleet_json(hosts, {}, taken=snap["taken"], interval_s=1, timeout_s=2))
+    )
+    assert MODEL.encode() in fleet.read_bytes()
+    redacted = json.dumps(cs.redact(json.loads(fleet.read_text())), ensure_ascii=False)
+    assert not [p for p in PRIVATE if p in redacted]
+    svg = cs.capture_fleet(fleet, tmp_path / "out", "three test hosts").read_text(encoding="utf-8")
+    leaked = [p for p in PRIVATE if p in svg or p.replace("/", "&#47;") in svg]
+    assert not leaked, leaked
+    text = svg.replace("&#160;", " ")
+    assert "gputaskman fleet · three test hosts" in text
+    assert "gpu-node-00" in text and "llama-3-8b.Q4_K_M" in text
+    assert "unreachable: connection" in text
+
+
 def test_redact_rules() -> None:
     doc = {
         "cmdline": ["x", "/a/b"],

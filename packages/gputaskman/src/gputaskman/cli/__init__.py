@@ -49,7 +49,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "summary": ("gputaskman.offline.summary", "averages and peaks per run of a record file"),
     "diff": ("gputaskman.offline.diff_report", "compare two saved --json snapshots"),
     "replay": ("gputaskman.cli.replay", "play a record file in the TUI (offline, never samples)"),
-    "serve": ("gputaskman.cli.serve", "serve Prometheus metrics (sampled like the TUI)"),
+    "serve": (
+        "gputaskman.cli.serve",
+        "serve Prometheus metrics and the snapshot document (sampled like the TUI)",
+    ),
+    "fleet": ("gputaskman.cli.fleet", "every host's gputaskman serve in one view (TUI, --json)"),
 }
 
 NO_COLOR_HELP = (

@@ -1,34 +1,28 @@
-"""`gputaskman serve`'s HTTP side: a small threaded WSGI server for the metrics app, and the
-bearer token that guards it.
+"""What `gputaskman serve` asks of a client: the bearer token, and TLS with client certificates.
 
 The token lives in a file of its own, readable by its owner only (mode 0600: a file that
 group or others may read is refused, like ssh refuses such a key). Every request must carry
 ``Authorization: Bearer <token>``; the token is compared in constant time
 (`hmac.compare_digest`). A refused request gets a bare 401 that says nothing about this
-host: no metrics, no software versions (the server header is just "gputaskman").
+host: no metrics, no document, no software versions (`httpserve`). With TLS, a CA named by
+``--tls-client-ca`` must have signed the client's certificate, or the handshake fails and no
+request is read at all.
 """
 
 from __future__ import annotations
 
 import hmac
 import os
-import socket
+import ssl
 import stat
-import threading
-from collections.abc import Callable, Iterable
 from pathlib import Path
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 MIN_TOKEN_CHARS = 16
 MAKE_TOKEN = "umask 077; head -c 32 /dev/urandom | base64 > FILE"
 
-App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
-
 
 class TokenError(Exception):
-    """The token file cannot be used; the message says why and what to do."""
+    """The token file (or a TLS file) cannot be used; the message says why and what to do."""
 
 
 def read_token(path: Path) -> str:
@@ -54,53 +48,22 @@ def read_token(path: Path) -> str:
     return token
 
 
-def bearer_required(app: App, token: str) -> App:
-    """`app`, answered only to requests that carry the token."""
-    want = f"Bearer {token}".encode()
-
-    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        got = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
-        if not hmac.compare_digest(got, want):
-            start_response(
-                "401 Unauthorized",
-                [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")],
-            )
-            return [b"unauthorized\n"]
-        return app(environ, start_response)
-
-    return guarded
+def bearer_ok(header: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header carries `token` (compared in constant time)."""
+    got = (header or "").encode("latin-1", "replace")
+    return hmac.compare_digest(got, f"Bearer {token}".encode())
 
 
-def _branded(app: App) -> App:
-    """`app` with "Server: gputaskman" (wsgiref otherwise names itself and this Python)."""
-
-    def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        def start(status: str, headers: list[tuple[str, str]], *exc: Any) -> Any:
-            return start_response(status, [*headers, ("Server", "gputaskman")], *exc)
-
-        return app(environ, start)
-
-    return wrapped
-
-
-class _Handler(WSGIRequestHandler):
-    server_version = "gputaskman"
-    sys_version = ""  # no Python version where the handler itself answers (bad requests)
-
-    def log_message(self, format: str, *args: Any) -> None:  # a scrape a second: no log
-        pass
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-def serve(app: App, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
-    """Serve `app` on host:port (IPv4 or IPv6, as the address is) from a daemon thread."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, _, _, _, addr = infos[0]
-    server_class = type("Server", (_Server,), {"address_family": family})
-    httpd = make_server(addr[0], port, _branded(app), server_class, handler_class=_Handler)
-    thread = threading.Thread(target=httpd.serve_forever, name="gtm-http", daemon=True)
-    thread.start()
-    return httpd, thread
+def server_tls_context(cert: Path, key: Path, client_ca: Path | None) -> ssl.SSLContext:
+    """TLS for `serve`: its certificate; with `client_ca`, every client must present a
+    certificate that CA signed, or the handshake fails before any HTTP is read."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+        if client_ca is not None:
+            ctx.load_verify_locations(client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as e:
+        raise TokenError(f"cannot use the TLS files: {e}") from None
+    return ctx

@@ -1,6 +1,8 @@
 """`gputaskman diff`: the command, and its text form of the comparison `diff.diff` returns
 (sections of measured, runtime-reported, estimated and inferred changes per GPU and per
-process). The comparison itself is `diff`'s, which knows nothing of terminals."""
+process). The comparison itself is `diff`'s, which knows nothing of terminals. Fleet files
+(``fleet --json``, ``fleet record``) are compared per host: ``--host NAME``, or a section
+for each host both files name."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from gputaskman.core import report
@@ -21,7 +24,12 @@ from gputaskman.offline.diff import (
     Value,
     diff,
 )
-from gputaskman.offline.recordfile import SnapshotError, load_snapshot_arg
+from gputaskman.offline.recordfile import (
+    SnapshotError,
+    fleet_hosts,
+    is_fleet_file,
+    load_snapshot_arg,
+)
 
 FIELD_LABELS = {
     "memory_used_bytes": "memory used",
@@ -196,36 +204,79 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("after", metavar="AFTER", help="the snapshot to compare with it, the same way")
     p.add_argument("--json", dest="diff_json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--host",
+        metavar="NAME",
+        help="fleet files (fleet --json, fleet record): compare this host (default: each host "
+        "in both)",
+    )
 
 
-def read_arg(arg: str) -> tuple[Document, str]:
-    """The snapshot a command-line argument names (FILE or FILE@N), read, and its name for
-    the user; `SnapshotError` says why it cannot be compared."""
-    doc, name = load_snapshot_arg(arg)
+def read_arg(arg: str, host: str | None = None) -> tuple[Document, str]:
+    """The snapshot a command-line argument names (FILE or FILE@N; with `host`, that host's
+    in a fleet file), read, and its name for the user; `SnapshotError` says why it cannot be
+    compared."""
+    doc, name = load_snapshot_arg(arg, host)
+    if host is not None:
+        name = f"{name} (host {host})"
     try:
         return read_document(doc), name
     except SnapshotError as exc:
         raise SnapshotError(f"{name}: {exc}") from None
 
 
-def run(args: argparse.Namespace) -> int:
+def _hosts(arg: str) -> list[str] | None:
+    """The hosts of the fleet file an argument names; None when it is not one."""
+    path, at, n_text = arg.rpartition("@")
+    if not at or Path(arg).exists() or not n_text.lstrip("-").isdigit():
+        path = arg
     try:
-        before, before_name = read_arg(args.before)
-        after, after_name = read_arg(args.after)
+        return fleet_hosts(path) if is_fleet_file(path) else None
+    except OSError:
+        return None  # load_snapshot_arg says why
+
+
+def _one(args: argparse.Namespace, host: str | None) -> tuple[int, str, dict[str, Any] | None]:
+    """(exit code, text or the error, the comparison) for one host (None: plain files)."""
+    try:
+        before, before_name = read_arg(args.before, host)
+        after, after_name = read_arg(args.after, host)
     except SnapshotError as exc:
-        print(f"gputaskman diff: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_BAD_INPUT, str(exc), None
     try:
         d = diff(before, after)
     except Refused as exc:  # the only error `diff` raises on documents read (fuzzed)
-        print(f"gputaskman diff: refused: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
-    sys.stdout.write(
-        json.dumps(d, indent=2) + "\n"
-        if args.diff_json
-        else render_text(d, before_name, after_name)
-    )
-    for w in d["warnings"]:
+        return EXIT_REFUSED, f"refused: {exc}", None
+    return 0, render_text(d, before_name, after_name), d
+
+
+def run(args: argparse.Namespace) -> int:
+    host = args.host
+    hosts: list[str | None] = [host]
+    if host is None:
+        before, after = _hosts(args.before), _hosts(args.after)
+        if before is not None and after is not None:
+            hosts = [h for h in before if h in after]  # a section per host in both
+            if not hosts:
+                print("gputaskman diff: the two fleet files share no host", file=sys.stderr)
+                return EXIT_BAD_INPUT
+    rc = 0
+    results: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for h in hosts:
+        code, text, d = _one(args, h)
+        if d is None:
+            print(f"gputaskman diff: {text}", file=sys.stderr)
+            rc = rc or code
+            continue
+        texts.append(text if h is None or len(hosts) == 1 else f"== host {h} ==\n{text}")
+        results.append(d if h is None else {"host": h, **d})
         if args.diff_json:
-            print(f"gputaskman diff: warning {w['code']}: {w['message']}", file=sys.stderr)
-    return 0
+            for w in d["warnings"]:
+                print(f"gputaskman diff: warning {w['code']}: {w['message']}", file=sys.stderr)
+    if args.diff_json and results:
+        out: Any = results[0] if len(hosts) == 1 else {"hosts": results}
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    elif texts:
+        sys.stdout.write("\n".join(texts))
+    return rc

@@ -197,8 +197,11 @@ class RecordSource:
 
     CACHE = 8
 
-    def __init__(self, path: str | Path, frames: list[FrameRef], report: LoadReport) -> None:
+    def __init__(
+        self, path: str | Path, frames: list[FrameRef], report: LoadReport, host: str | None = None
+    ) -> None:
         self.path = Path(path)
+        self.host = host  # in a fleet file: whose snapshots these are
         self.frames = frames
         self.report = report
         # frames whose JSON was a snapshot but whose content could not be shown, found
@@ -208,16 +211,20 @@ class RecordSource:
 
     @classmethod
     def open(
-        cls, path: str | Path, progress: Callable[[int, int], None] | None = None
+        cls,
+        path: str | Path,
+        progress: Callable[[int, int], None] | None = None,
+        host: str | None = None,
     ) -> RecordSource:
         """Scan the file (raises OSError when it cannot be read). `progress(bytes_read,
-        file_size)` is called now and then, for a long file."""
+        file_size)` is called now and then, for a long file. With `host`, the file is a
+        fleet record and the frames are that host's snapshots."""
         frames: list[FrameRef] = []
         malformed: list[tuple[int, str]] = []
         incomplete = None
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            for e in iter_record(f):
+            for e in iter_record(f, host):
                 if progress is not None and e.lineno % 500 == 0:
                     progress(e.offset, size)
                 if e.doc is None:
@@ -228,7 +235,7 @@ class RecordSource:
                     continue
                 frames.append(FrameRef(e.lineno, e.offset, e.length, e.taken))
         report = LoadReport(str(path), len(frames), tuple(malformed), incomplete)
-        return cls(path, frames, report)
+        return cls(path, frames, report, host)
 
     @property
     def malformed_count(self) -> int:
@@ -239,7 +246,7 @@ class RecordSource:
 
     def doc(self, index: int) -> dict[str, Any]:
         f = self.frames[index]
-        return read_entry(self.path, f.offset, f.length)
+        return read_entry(self.path, f.offset, f.length, self.host)
 
     def load(self, index: int) -> tuple[Snapshot, RecordedSystem]:
         """The snapshot and system of frame `index`. Raises SnapshotError (and remembers

@@ -49,6 +49,7 @@ from gputaskman.offline.recordfile import MAX_LINE_BYTES, parse_line
 
 # Every record line begins with this (to_json_dict's first keys, compact separators).
 LINE_PREFIX = b'{"schema":"gputaskman.snapshot"'
+FLEET_LINE_PREFIX = b'{"schema":"gputaskman.fleet"'  # and every fleet record line with this
 # Stop requests held back while a line is written.
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
@@ -75,18 +76,22 @@ def encode_line(doc: dict[str, Any]) -> bytes:
     return (json.dumps(doc, separators=(",", ":"), allow_nan=False) + "\n").encode("ascii")
 
 
-def _check_existing(path: Path, fd: int) -> None:
-    """Refuse a non-empty regular file that is not a record file; end a torn last line."""
+def _check_existing(path: Path, fd: int, prefix: bytes) -> None:
+    """Refuse a non-empty regular file that is not a record file of this kind (`prefix`:
+    snapshot lines, or fleet lines); end a torn last line."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
         return
     with open(path, "rb") as f:
         first = f.readline(MAX_LINE_BYTES)
-        doc, why = parse_line(first.rstrip(b"\n"))
-        if doc is None and not first.startswith(LINE_PREFIX):
-            raise RecordError(
-                f"{path} is not a gputaskman record file (line 1: {why}); not appending to it"
-            )
+        if not first.startswith(prefix):
+            doc, why = parse_line(first.rstrip(b"\n"))
+            if prefix != LINE_PREFIX or doc is None:
+                what = "fleet record" if prefix == FLEET_LINE_PREFIX else "record"
+                raise RecordError(
+                    f"{path} is not a gputaskman {what} file (line 1: "
+                    f"{why or 'a snapshot record line'}); not appending to it"
+                )
         f.seek(st.st_size - 1)
         last = f.read(1)
     if last != b"\n":
@@ -94,14 +99,15 @@ def _check_existing(path: Path, fd: int) -> None:
         os.write(fd, b"\n")
 
 
-def open_record(path: Path) -> int:
-    """An append-only descriptor for `path` (created 0644 when missing)."""
+def open_record(path: Path, prefix: bytes = LINE_PREFIX) -> int:
+    """An append-only descriptor for `path` (created 0644 when missing), a record file of
+    the kind whose lines begin with `prefix`."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise RecordError(f"cannot open {path} for appending: {exc.strerror or exc}") from None
     try:
-        _check_existing(path, fd)
+        _check_existing(path, fd, prefix)
     except BaseException:
         os.close(fd)
         raise

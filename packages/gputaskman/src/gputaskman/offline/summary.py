@@ -48,7 +48,7 @@ from typing import Any
 from gputaskman.base.readings import DeviceMetrics, Kind, Reading
 from gputaskman.core import report
 from gputaskman.core.document import AdapterDoc, Document, SnapshotError, SystemDoc, read_document
-from gputaskman.offline.recordfile import describe_lines, iter_record
+from gputaskman.offline.recordfile import Entry, describe_lines, is_fleet_file, iter_record
 
 RUN_GAP_FACTOR = 5.0
 RUN_GAP_MIN = 10.0  # seconds
@@ -244,25 +244,59 @@ def split_runs(samples: list[Sample]) -> tuple[list[Run], float | None, float]:
     return runs, median, limit
 
 
-def summarize(path: str | Path) -> Summary:
-    """Read a record file and split it into runs (raises OSError when unreadable)."""
-    out = Summary(str(path))
+def _take(out: Summary, samples: list[Sample], entry: Entry) -> None:
+    """One entry of the file into `out` (a bad line) or `samples`."""
+    if entry.doc is None:
+        out.unparseable.append(entry.lineno)
+        out.unparseable_why[entry.lineno] = entry.error or "?"
+        out.incomplete_last_line = entry.incomplete
+        return
+    try:
+        samples.append(sample_from_doc(read_document(entry.doc), entry.lineno))
+    except SnapshotError as exc:
+        out.unparseable.append(entry.lineno)
+        out.unparseable_why[entry.lineno] = f"bad snapshot ({exc})"
+
+
+def summarize(path: str | Path, host: str | None = None) -> Summary:
+    """Read a record file and split it into runs (raises OSError when unreadable). With
+    `host`, the file is a fleet record and the snapshots are that host's."""
+    out = Summary(str(path) if host is None else f"{path} (host {host})")
     samples: list[Sample] = []
     with open(path, "rb") as f:
-        for entry in iter_record(f):
-            out.lines += 1
-            if entry.doc is None:
-                out.unparseable.append(entry.lineno)
-                out.unparseable_why[entry.lineno] = entry.error or "?"
-                out.incomplete_last_line = entry.incomplete
-                continue
-            try:
-                samples.append(sample_from_doc(read_document(entry.doc), entry.lineno))
-            except SnapshotError as exc:
-                out.unparseable.append(entry.lineno)
-                out.unparseable_why[entry.lineno] = f"bad snapshot ({exc})"
+        for entry in iter_record(f, host):
+            out.lines = entry.lineno
+            _take(out, samples, entry)
     out.runs, out.median_interval, out.gap_limit = split_runs(samples)
     return out
+
+
+def summarize_hosts(path: str | Path) -> dict[str, Summary]:
+    """A fleet record summarised per host, in one pass: {host: its summary}, hosts in the
+    order first seen. A line no host can be read from counts against every host."""
+    per: dict[str, tuple[Summary, list[Sample]]] = {}
+    bad = Summary(str(path))
+    lines = 0
+    with open(path, "rb") as f:
+        for entry in iter_record(f, every_host=True):
+            lines = max(lines, entry.lineno)
+            if entry.host is None:
+                if entry.doc is not None:
+                    entry = Entry(
+                        entry.lineno, entry.offset, entry.length, None, "not a fleet line"
+                    )
+                _take(bad, [], entry)
+                continue
+            if entry.host not in per:
+                per[entry.host] = (Summary(f"{path} (host {entry.host})"), [])
+            _take(*per[entry.host], entry)
+    for out, samples in per.values():
+        out.lines = lines
+        out.unparseable = sorted(out.unparseable + bad.unparseable)
+        out.unparseable_why.update(bad.unparseable_why)
+        out.incomplete_last_line = out.incomplete_last_line or bad.incomplete_last_line
+        out.runs, out.median_interval, out.gap_limit = split_runs(samples)
+    return {host: out for host, (out, _) in per.items()}
 
 
 # ---------------------------------------------------------------------------- output
@@ -490,21 +524,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="record file written by gputaskman record")
     p.add_argument("--json", dest="summary_json", action="store_true", help="print JSON")
     p.add_argument("--plot", action="store_true", help="chart memory over time per run")
+    p.add_argument(
+        "--host",
+        metavar="NAME",
+        help="in a fleet record: this host only (default: a section per host)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    host = args.host
     try:
-        s = summarize(args.file)
+        if host is None and is_fleet_file(args.file):
+            summaries = summarize_hosts(args.file)
+        else:
+            summaries = {host: summarize(args.file, host)}
     except OSError as exc:
         print(
             f"gputaskman summary: cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr
         )
         return 2
     if args.summary_json:
-        sys.stdout.write(json.dumps(to_json_dict(s), indent=2) + "\n")
+        if host is None and None not in summaries:
+            doc: Any = {
+                "schema": "gputaskman.offline.fleet_summary",
+                "schema_version": 1,
+                "file": str(args.file),
+                "hosts": [{"host": h, **to_json_dict(s)} for h, s in summaries.items()],
+            }
+        else:
+            doc = to_json_dict(summaries[host])
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
-        sys.stdout.write(render_text(s, plot=args.plot))
-    if not s.runs:
-        print(f"gputaskman summary: no snapshot in {args.file}", file=sys.stderr)
+        sys.stdout.write("\n".join(render_text(s, plot=args.plot) for s in summaries.values()))
+    if not any(s.runs for s in summaries.values()):
+        whose = f" of host {host}" if host else ""
+        print(f"gputaskman summary: no snapshot{whose} in {args.file}", file=sys.stderr)
         return 1
     return 0

@@ -66,7 +66,7 @@ class ReplayApp(GtmApp):
         super().__init__(_no_collector, gpu=gpu, interval=TICK, readonly=True)  # type: ignore[arg-type]
         self.source = source
         self.playback = playback
-        self.sub_title = str(source.path)
+        self.sub_title = str(source.path) + (f" · host {source.host}" if source.host else "")
         self.frame_index: int | None = None
         self._last_tick = time.monotonic()
         self._reported = False

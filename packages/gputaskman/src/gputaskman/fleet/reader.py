@@ -1,0 +1,98 @@
+"""The fleet reader: one host's HTTP answer read as its snapshot, or as the reason it is not
+one. Every document the fleet receives goes through `read_body`, and through it through
+`document.read_document`, the one reader of the snapshot document.
+
+Theory of operation
+-------------------
+A host's answer is not trusted. `read_answer` maps the HTTP status first: 401/403 is a
+refused token (`refused`), 304 the document the poller has (it asked with the ETag of that
+one: nothing to read), 404 no snapshot endpoint (`incompatible`: not `gputaskman serve`,
+or one older than this view), 503 a serve with no sample yet (`starting`), any other
+non-200 an `error`. A 200's body is then read by `read_body`, in bounded memory and time:
+
+* its size is capped before it is read (`httpwire.ResponseReader`, `MAX_DOCUMENT_BYTES`);
+* the JSON containers are counted before parsing (``{`` and ``[`` bytes, an upper bound), so
+  a small body cannot expand into millions of objects (`MAX_CONTAINERS`); nesting deeper than
+  Python's recursion limit is refused by the JSON parser itself; NaN and Infinity are refused
+  (unknown is null);
+* the top-level shape and the ``schema_version`` are checked (`document.check_snapshot`):
+  another schema or version is `incompatible`, named;
+* `read_document` reads the rest into typed objects, and a wrong type anywhere is
+  `incompatible` with the place it was found.
+
+The result is an `Answer`: `up` with the `Document` and the parsed object (written out again
+by ``fleet --json`` and ``fleet record``), or a status and a reason, never zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gputaskman.core.document import Document, SnapshotError, check_snapshot, read_document
+from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.fleet.httpwire import HttpResponse
+from gputaskman.offline.recordfile import parse_json
+
+MAX_DOCUMENT_BYTES = 8 * 1024 * 1024  # a host with a thousand processes writes a few MB
+MAX_CONTAINERS = 400_000  # objects and lists: a real document has about one per 100 bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: HostStatus
+    reason: str | None = None
+    document: Document | None = None
+    raw: Mapping[str, Any] | None = None
+    unchanged: bool = False  # up, with the document the poller already has (HTTP 304)
+
+
+def _shorten(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def read_body(body: bytes) -> Answer:
+    """A 200's body read as a snapshot document (see the module docstring). Never raises."""
+    containers = body.count(b"{") + body.count(b"[")
+    if containers > MAX_CONTAINERS:
+        return Answer(
+            HostStatus.INCOMPATIBLE,
+            f"not a snapshot: {containers} JSON objects and lists, over {MAX_CONTAINERS}",
+        )
+    try:
+        obj = parse_json(body)
+    except RecursionError:
+        return Answer(HostStatus.INCOMPATIBLE, "not a snapshot: JSON nested too deep")
+    except ValueError as exc:  # bad JSON, bad UTF-8, NaN
+        return Answer(HostStatus.INCOMPATIBLE, _shorten(f"not JSON: {exc}"))
+    try:
+        check_snapshot(obj)
+    except SnapshotError as exc:
+        return Answer(HostStatus.INCOMPATIBLE, _shorten(str(exc)))
+    try:
+        doc = read_document(obj)
+    except SnapshotError as exc:
+        return Answer(HostStatus.INCOMPATIBLE, _shorten(f"unreadable snapshot: {exc}"))
+    return Answer(HostStatus.UP, None, doc, obj)
+
+
+def read_answer(resp: HttpResponse, token_sent: bool) -> Answer:
+    """A host's whole HTTP answer to ``GET /snapshot.json`` (see the module docstring)."""
+    code = resp.status
+    if code == 304:
+        return Answer(HostStatus.UP, unchanged=True)
+    if code in (401, 403):
+        if token_sent:
+            return Answer(HostStatus.REFUSED, f"the host did not accept the token (HTTP {code})")
+        return Answer(HostStatus.REFUSED, f"the host wants a token (HTTP {code}): --token-file")
+    if code == 404:
+        return Answer(
+            HostStatus.INCOMPATIBLE,
+            "no /snapshot.json (HTTP 404): not gputaskman serve, or one older than this view",
+        )
+    if code == 503:
+        return Answer(HostStatus.STARTING, "the host has no sample yet (HTTP 503)")
+    if code != 200:
+        return Answer(HostStatus.ERROR, f"HTTP {code}")
+    return read_body(resp.body)

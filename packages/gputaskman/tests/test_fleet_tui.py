@@ -1,0 +1,290 @@
+"""The fleet TUI: SVG snapshots of the fleet table and of a host's view at 80×24 and 200×60,
+and pilot tests of what the keys do: sort, reverse, filter, enter into a host's live view and
+esc back, a host that goes down while open, a host that never answered.
+
+The fleet is a fixed source of host states made from a fleet document (`output.states_of`):
+the demo snapshot, a DRM fixture recording and a demo recording as three hosts that are up
+(synthetic GPU numbers), and three that are not (unreachable, refused, another schema
+version). No network: the poller's own tests run real hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pytest
+from gputaskman.core import report
+from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
+from gputaskman.fixtures.demo import TAKEN, DemoSystem, demo_snapshot
+from gputaskman.fleet.output import states_of
+from gputaskman.fleet.poller import HostState
+from gputaskman.fleet.view import fleet_rows, sort_value
+from gputaskman.tui.fleet_app import FleetApp
+from gputaskman.tui.screens.fleet import FleetScreen
+from gputaskman.tui.screens.fleet_help import fleet_help_text
+
+HERE = Path(__file__).parent
+SIZES = [(80, 24), (200, 60)]
+
+
+def fleet_doc() -> dict:
+    demo = json.loads(json.dumps(report.to_json_dict(demo_snapshot(), DemoSystem())))
+    drm = json.loads((HERE / "recordings" / "drm.jsonl").read_text().splitlines()[0])
+    rec = json.loads((HERE / "recordings" / "demo.jsonl").read_text().splitlines()[-1])
+
+    def host(name, status, reason=None, snap=None, answered=TAKEN, latency=0.012):
+        return host_json(
+            name=name,
+            address=f"{name}:9835",
+            url=f"http://{name}:9835/snapshot.json",
+            status=status,
+            reason=reason,
+            latency_s=latency if snap is not None else None,
+            answered=answered if snap is not None else None,
+            snapshot=snap,
+        )
+
+    hosts = [
+        host("gpu-node-01", HostStatus.UP, snap=demo),
+        host("gpu-node-02", HostStatus.UP, snap=drm, latency=0.031),
+        host("gpu-node-03", HostStatus.UNREACHABLE, "connection refused"),
+        host("gpu-node-04", HostStatus.REFUSED, "the host did not accept the token (HTTP 401)"),
+        host("gpu-node-05", HostStatus.UP, snap=rec, latency=0.008),
+        host(
+            "gpu-node-06",
+            HostStatus.INCOMPATIBLE,
+            "schema_version 2 is not supported (this gputaskman reads 1)",
+        ),
+    ]
+    return fleet_json(hosts, {}, taken=TAKEN, interval_s=1.0, timeout_s=2.0)
+
+
+class FixedFleet:
+    """A poller stand-in: states a test sets (and a version it bumps)."""
+
+    interval = 60.0  # the timer never fires on its own during a test
+    timeout = 2.0
+
+    def __init__(self, states: tuple[HostState, ...]) -> None:
+        self._states = states
+        self.version = 1
+        self.polled = 0
+
+    def states(self) -> tuple[HostState, ...]:
+        return self._states
+
+    def set(self, states: tuple[HostState, ...]) -> None:
+        self._states = states
+        self.version += 1
+
+    def poll_now(self) -> None:
+        self.polled += 1
+
+
+@pytest.fixture
+def utc(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def _app() -> tuple[FleetApp, FixedFleet]:
+    src = FixedFleet(states_of(fleet_doc()))
+    return FleetApp(src), src
+
+
+async def _settle(pilot) -> None:
+    for _ in range(5):
+        await pilot.pause()
+
+
+def _table_text(app: FleetApp) -> list[str]:
+    t = app.fleet.table
+    return [" | ".join(str(c) for c in t.get_row_at(i)) for i in range(t.row_count)]
+
+
+# ------------------------------------------------------------------------- snapshots
+
+
+@pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+def test_fleet_layout_snapshots(snap_compare, utc, size):
+    app, _ = _app()
+    assert snap_compare(app, terminal_size=size, run_before=_settle)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+def test_host_view_layout_snapshots(snap_compare, utc, size):
+    app, _ = _app()
+
+    async def open_first_host(pilot) -> None:
+        await _settle(pilot)
+        await pilot.press("enter")
+        await _settle(pilot)
+
+    assert snap_compare(app, terminal_size=size, run_before=open_first_host)
+
+
+# ------------------------------------------------------------------------- pilot
+
+
+async def test_hosts_that_are_not_up_show_their_reason_and_no_number(utc):
+    """Catches a down host drawn with zeros or with its last numbers as if current."""
+    app, _ = _app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        rows = _table_text(app)
+        assert len(rows) == 2 + 2 + 1 + 1 + 2 + 1  # GPUs of the hosts up, one row per other
+        for name, says in (
+            ("gpu-node-03", "unreachable: connection refused"),
+            ("gpu-node-04", "refused: the host did not accept"),
+            ("gpu-node-06", "incompatible: schema_version 2 is not supported"),
+        ):
+            row = next(r for r in rows if r.startswith(name))
+            assert says in " ".join(row.replace(" | ", " ").split())  # read across the cells
+            assert "GiB" not in row and "%" not in row and "█" not in row
+            shown = next(r for r in app.fleet.table.rows_shown.values() if r.host == name)
+            assert shown.memory_used is None and shown.util is None
+        summary = str(app.fleet.summary.content)
+        assert summary.startswith("hosts 3/6 up (1 incompatible, 1 refused, 1 unreachable)")
+
+
+async def test_sort_and_reverse_keep_unknowns_last(utc):
+    """Catches a sort that puts a down host (no memory) first, or between known values."""
+    app, _ = _app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        await pilot.press("s")  # HOST -> MEMORY, descending
+        await _settle(pilot)
+        t = app.fleet.table
+        assert (t.sort_column, t.descending) == ("MEMORY", True)
+        shown = list(t.rows_shown.values())
+        used = [sort_value(r, "MEMORY") for r in shown]
+        known = [u for u in used if u is not None]
+        assert known == sorted(known, reverse=True) and used[len(known) :] == [None] * 3
+        assert "sort MEMORY ▼" in str(app.fleet.status.content)
+        await pilot.press("r")
+        await _settle(pilot)
+        used = [sort_value(r, "MEMORY") for r in t.rows_shown.values()]
+        known = [u for u in used if u is not None]
+        assert known == sorted(known) and used[len(known) :] == [None] * 3
+        assert "sort MEMORY ▲" in str(app.fleet.status.content)
+
+
+async def test_filter_narrows_the_rows_live_and_esc_clears_it(utc):
+    app, _ = _app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        everything = len(app.fleet.table.rows_shown)
+        await pilot.press("slash", *"qwen")
+        await _settle(pilot)
+        rows = list(app.fleet.table.rows_shown.values())
+        assert rows and all("qwen" in r.models for r in rows)
+        assert len(rows) < everything
+        await pilot.press("enter")  # keeps the filter, back to the table
+        await pilot.press("escape")
+        await _settle(pilot)
+        assert len(app.fleet.table.rows_shown) == everything
+        await pilot.press("slash", *"http 401")
+        await _settle(pilot)
+        assert [r.host for r in app.fleet.table.rows_shown.values()] == ["gpu-node-04"]
+
+
+async def test_enter_opens_the_host_live_view_and_esc_comes_back(utc):
+    """Catches a drill-down that shows the wrong host, stays on a stale document when a new
+    one arrives, or cannot get back to the fleet."""
+    app, src = _app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        assert isinstance(app.screen, FleetScreen)
+        await pilot.press("down", "down", "enter")  # the third row: gpu-node-02's first GPU
+        await _settle(pilot)
+        assert not isinstance(app.screen, FleetScreen) and app.host_name == "gpu-node-02"
+        state = next(s for s in src.states() if s.target.name == "gpu-node-02")
+        assert app.snapshot is not None
+        assert {a.pci_bus_id for a in app.snapshot.adapters} == {
+            a.pci_bus_id for a in state.document.adapters
+        }
+        assert "host gpu-node-02: up" in str(app.status.content)
+        assert app.samples == 1
+
+        newer = dataclasses.replace(state, seq=state.seq + 1, answered_at=TAKEN + 1)
+        src.set(tuple(newer if s is state else s for s in src.states()))
+        app.request_refresh()
+        await _settle(pilot)
+        assert app.samples == 2  # one sample per new document, not per tick
+        app.request_refresh()
+        await _settle(pilot)
+        assert app.samples == 2
+
+        down = dataclasses.replace(
+            newer, status=HostStatus.UNREACHABLE, reason="connection refused"
+        )
+        src.set(tuple(down if s is newer else s for s in src.states()))
+        app.request_refresh()
+        await _settle(pilot)
+        status = str(app.status.content)
+        assert "host gpu-node-02: unreachable (connection refused)" in status
+        assert "showing its answer of 00:53:21" in status
+
+        await pilot.press("escape")
+        await _settle(pilot)
+        assert isinstance(app.screen, FleetScreen) and app.host_name is None
+
+
+async def test_a_host_that_never_answered_has_no_view_to_open(utc):
+    app, _ = _app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        app.drill("gpu-node-03")
+        await _settle(pilot)
+        assert isinstance(app.screen, FleetScreen) and app.host_name is None
+
+
+async def test_the_fleet_table_has_its_own_keys_and_the_host_view_cannot_signal(utc):
+    """Catches the host view's keys (g, i, k) acting under the fleet table, and a signal key
+    on a remote host's processes."""
+    app, src = _app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        assert app.check_action("next_gpu", ()) is False
+        assert app.check_action("quit", ()) is not False
+        await pilot.press("u")
+        assert src.polled == 1
+        await pilot.press("enter")
+        await _settle(pilot)
+        assert app.check_action("signal", ()) is False  # read-only
+        assert app.check_action("next_gpu", ()) is not False
+
+
+def test_the_fleet_help_explains_every_column_and_status():
+    text = fleet_help_text(list(FleetScreen.BINDINGS))
+    for word in ("unreachable", "slow", "refused", "incompatible", "MODELS", "apart"):
+        assert word in text
+
+
+def test_rows_of_a_fleet_document_round_trip_through_states_of():
+    states = states_of(fleet_doc())
+    assert [s.target.name for s in states][:2] == ["gpu-node-01", "gpu-node-02"]
+    assert states[2].status is HostStatus.UNREACHABLE and states[2].document is None
+    rows = fleet_rows(states)
+    assert sum(r.adapter is not None for r in rows) == 6
+
+
+async def test_a_host_document_the_live_view_cannot_show_is_said_not_crashed(utc):
+    """A document can be read and still not be a `Snapshot` (a GPU without an address): the
+    host view says so in its status line instead of taking the app down."""
+    doc = fleet_doc()
+    snap = doc["hosts"][0]["snapshot"]
+    snap["adapters"][0]["pci_bus_id"] = None
+    app = FleetApp(FixedFleet(states_of(doc)))
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        await pilot.press("enter")
+        await _settle(pilot)
+        assert app.host_name == "gpu-node-01" and app.snapshot is None
+        assert "gpu-node-01's document cannot be shown" in str(app.status.content)

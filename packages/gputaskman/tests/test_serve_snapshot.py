@@ -1,0 +1,257 @@
+"""`gputaskman serve`'s snapshot endpoint and HTTP server: the document is `--json`'s, built
+once per sample; only GET and HEAD exist; a refusal is bare; keep-alive, the connection cap,
+TLS with client certificates, and the demo and replay sources fleet tests use.
+
+GPU numbers are synthetic (the demo, a recording from tests/recordings): no GPU here.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from gputaskman.base import schema
+from gputaskman.cli import httpserve, serve
+from gputaskman.cli.httpserve import Response
+from gputaskman.core import report
+from gputaskman.core.document import read_document
+from gputaskman.core.exporter import Cached
+from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from tls_files import make_pki  # noqa: E402
+
+TOKEN = "s3cr3t-token-0123456789abcdef"
+RECORDING = HERE / "recordings" / "drm.jsonl"
+
+
+def _cached() -> Cached:
+    return Cached(demo_snapshot(), DemoSystem(), time.time(), 0.01)  # type: ignore[arg-type]
+
+
+def test_the_document_is_the_json_output_built_once_per_sample():
+    """Catches a document that differs from --json, or one re-encoded for every client."""
+    holder = [None, _cached()]
+    route = serve.SnapshotDocument(lambda: holder[-1], None)
+    first = route({})
+    assert first.status == 200 and first.content_type == "application/json"
+    doc = json.loads(first.body)
+    c = holder[-1]
+    assert doc == json.loads(json.dumps(report.to_json_dict(c.snapshot, c.system)))
+    assert first.body == json.dumps(doc, separators=(",", ":")).encode()  # compact
+    assert route({}).body is first.body  # the same sample: the same bytes, not encoded again
+    holder.append(_cached())
+    assert route({}).body is not first.body
+    assert read_document(doc).backend == "nvml"
+
+
+def test_before_the_first_sample_the_answer_is_503_not_an_empty_document():
+    route = serve.SnapshotDocument(lambda: None, None)
+    r = route({})
+    assert r.status == 503 and dict(r.headers)["Retry-After"] == "1"
+
+
+def _routes() -> dict:
+    return {
+        "/snapshot.json": serve.SnapshotDocument(_cached, None),
+        "/x": lambda h: Response(200, b"x" * 10000),
+    }
+
+
+def _request(port: int, method: str, path: str, token: str | None = None, tls=None, **headers):
+    conn = (
+        http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=tls)
+        if tls is not None
+        else http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    )
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    conn.request(method, path, headers=headers)
+    r = conn.getresponse()
+    body = r.read()
+    conn.close()
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, body
+
+
+@pytest.fixture
+def server():
+    httpd, _ = httpserve.serve(_routes(), "127.0.0.1", 0, token=TOKEN)
+    try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_refused_request_learns_nothing(server):
+    """Catches a refusal that carries the document, a Python version or a server banner."""
+    for token in (None, "wrong-" + TOKEN, TOKEN + "x", ""):
+        for method in ("GET", "HEAD", "POST", "DELETE", "PUT"):
+            code, headers, body = _request(server, method, "/snapshot.json", token)
+            assert code == 401, (method, token)
+            assert body in (b"unauthorized\n", b"")
+            assert headers["server"] == "gputaskman"
+            assert headers["www-authenticate"] == "Bearer"
+    code, headers, body = _request(server, "GET", "/nowhere", None)
+    assert code == 401  # no token, no word on which paths exist
+
+
+def test_there_is_no_write_endpoint(server):
+    """Catches any method but GET and HEAD doing anything, with the right token too."""
+    for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
+        code, headers, body = _request(server, method, "/snapshot.json", TOKEN)
+        assert code == 405 and headers["allow"] == "GET, HEAD", method
+        assert b"gputaskman" not in body
+    with socket.create_connection(("127.0.0.1", server), timeout=10) as s:
+        s.sendall(b"BREW /snapshot.json HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 501") and b"Python" not in answer
+    assert b"<html" not in answer.lower() and b"schema" not in answer
+    code, _, body = _request(server, "GET", "/nowhere", TOKEN)
+    assert code == 404 and body == b"not found\n"
+    code, headers, body = _request(server, "HEAD", "/snapshot.json", TOKEN)
+    assert code == 200 and body == b"" and int(headers["content-length"]) > 1000
+
+
+def test_one_connection_carries_many_requests(server):
+    """Catches a server that closes after every answer (a poller would pay a handshake per
+    poll)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=10)
+    socks = set()
+    for _ in range(3):
+        conn.request("GET", "/snapshot.json", headers={"Authorization": f"Bearer {TOKEN}"})
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["schema"] == schema.NAME
+        socks.add(id(conn.sock))
+    assert len(socks) == 1 and conn.sock is not None
+    conn.close()
+
+
+def test_gzip_when_asked_and_large(server):
+    import gzip
+
+    code, headers, body = _request(server, "GET", "/x", TOKEN, **{"Accept-Encoding": "gzip"})
+    assert code == 200 and headers["content-encoding"] == "gzip"
+    assert gzip.decompress(body) == b"x" * 10000
+
+
+def test_connections_beyond_the_cap_are_closed_and_do_not_stop_the_server(server):
+    """Catches a server whose threads a client can exhaust by opening connections."""
+    held = [
+        socket.create_connection(("127.0.0.1", server), timeout=10)
+        for _ in range(httpserve.MAX_CONNECTIONS)
+    ]
+    try:
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", server), timeout=10)
+        extra.sendall(b"GET /snapshot.json HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert extra.recv(100) == b""  # closed unanswered
+        extra.close()
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 10
+    while True:  # the slots come back as the held connections close
+        try:
+            assert _request(server, "GET", "/snapshot.json", TOKEN)[0] == 200
+            break
+        except (ConnectionError, http.client.RemoteDisconnected):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+def test_tls_requires_a_certificate_the_ca_signed(tmp_path):
+    """Catches TLS that accepts a client without a certificate, or with a rogue CA's."""
+    pki = make_pki(tmp_path)
+    ctx = serve.server_tls_context(pki["server"], pki["server_key"], pki["ca"])
+    httpd, _ = httpserve.serve(_routes(), "127.0.0.1", 0, tls=ctx)
+    port = httpd.server_address[1]
+    try:
+        stalled = socket.create_connection(("127.0.0.1", port), timeout=10)  # never shakes hands
+
+        def client(cert: str | None) -> ssl.SSLContext:
+            c = ssl.create_default_context(cafile=str(pki["ca"]))
+            if cert:
+                c.load_cert_chain(pki[cert], pki[cert + "_key"])
+            return c
+
+        code, _, body = _request(port, "GET", "/snapshot.json", tls=client("client"))
+        assert code == 200 and json.loads(body)["schema"] == schema.NAME
+        for cert in (None, "rogue"):
+            with pytest.raises((ssl.SSLError, ConnectionError, http.client.RemoteDisconnected)):
+                _request(port, "GET", "/snapshot.json", tls=client(cert))
+        stalled.close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _serve(args: list[str]) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gputaskman.cli", "serve", "--listen", "127.0.0.1:0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "GTM_DUVM_SOCKETS": ""},
+    )
+    line = proc.stdout.readline()
+    if "serving" not in line:
+        proc.kill()
+        raise AssertionError(f"no serving line: {line!r} {proc.stderr.read()}")
+    return proc, int(line.split()[2].rsplit(":", 1)[1].split("/")[0])
+
+
+def _document(port: int, token: str | None = None) -> dict:
+    deadline = time.monotonic() + 30
+    while True:
+        code, _, body = _request(port, "GET", "/snapshot.json", token)
+        if code == 200:
+            return json.loads(body)
+        assert code == 503 and time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("source", ["demo", "replay"])
+def test_serve_demo_and_replay_answer_as_hosts_and_say_what_they_are(tmp_path, source):
+    """Catches a demo or replayed host whose document does not read back, or that passes for
+    a measurement of this machine."""
+    token = tmp_path / "t"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    args = ["--demo"] if source == "demo" else ["--replay", str(RECORDING)]
+    proc, port = _serve([*args, "--sample-interval", "0.1", "--token-file", str(token)])
+    try:
+        doc = _document(port, TOKEN)
+        assert schema.errors(doc) == []
+        d = read_document(doc)
+        assert abs(d.taken - time.time()) < 30  # a sample of now
+        note = "synthetic data, not measured" if source == "demo" else "replayed recording"
+        assert any(note in n for n in d.notes)
+        assert d.adapters and d.processes
+        assert _request(port, "GET", "/snapshot.json")[0] == 401
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+
+
+def test_serve_replay_of_a_file_that_holds_no_snapshot_is_a_usage_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "gputaskman.cli", "serve", "--replay", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "no snapshot to replay" in r.stderr and "Traceback" not in r.stderr
