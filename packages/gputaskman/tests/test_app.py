@@ -7,7 +7,6 @@ layouts are stable; one test runs the real `Collector` on this machine.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from gputaskman.fixtures.demo import BUS1, DemoSystem, demo_snapshot, unavailable_snapshot
@@ -334,15 +333,6 @@ async def test_drm_fixture_tree_through_the_real_collector(tmp_path):
 
 
 # ----------------------------------------------------------------- layout snapshots
-
-
-@pytest.fixture
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def _steady(app: GtmApp):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -82,15 +81,6 @@ class FixedFleet:
 
     def poll_now(self) -> None:
         self.polled += 1
-
-
-@pytest.fixture
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def _app() -> tuple[FleetApp, FixedFleet]:

@@ -4,23 +4,12 @@ Data: the demo snapshot (synthetic, not measured); the host sample is the demo's
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from gputaskman.fixtures.demo import demo_snapshot
 from gputaskman.tui.app import create_app
 from tui_support import Fixed, settle
 
 SIZES = [(80, 24), (120, 40)]
-
-
-@pytest.fixture
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 @pytest.mark.parametrize(

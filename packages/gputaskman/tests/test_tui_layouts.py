@@ -9,7 +9,6 @@ host sample is the demo's everywhere, so the snapshots do not depend on this mac
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import pytest
@@ -53,15 +52,6 @@ def drm_snapshot(root: Path) -> Snapshot:
         c.close()
     notes = tuple(n for n in snap.notes if "--sysroot" not in n)
     return dataclasses.replace(snap, taken=demo_snapshot().taken, notes=notes)
-
-
-@pytest.fixture
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 @pytest.mark.parametrize("source", ["demo", "drm", "no_gpu", "markup"])

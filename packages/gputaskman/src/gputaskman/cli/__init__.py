@@ -33,6 +33,7 @@ from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from gputaskman import __version__
+from gputaskman.base.argtypes import positive_count, positive_seconds
 
 if TYPE_CHECKING:
     from gputaskman.base.gpusource import GpuSource
@@ -64,26 +65,6 @@ NO_COLOR_HELP = (
 # How long one-shot output waits between the priming host sample and the real one, so
 # CPU% (a rate) has two samples. Short enough not to be noticed.
 CPU_RATE_WINDOW_S = 0.25
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 0 or v != v or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more: {text!r}")
-    return v
 
 
 def _gpu_index(text: str) -> int:
@@ -123,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu", type=_gpu_index, metavar="N", help="select GPU N (index)")
     parser.add_argument(
         "--interval",
-        type=_positive_float,
+        type=positive_seconds,
         default=None,
         metavar="S",
         help="TUI and --watch refresh interval in seconds (default 1.0; a value given here "
@@ -133,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Hidden: --watch stops after N samples (tests, scripts that want a bounded run). Its
     # own dest, since `record --count` fills the same namespace.
     parser.add_argument(
-        "--count", dest="watch_count", type=_positive_int, metavar="N", help=argparse.SUPPRESS
+        "--count", dest="watch_count", type=positive_count, metavar="N", help=argparse.SUPPRESS
     )
     parser.add_argument(
         "--readonly",

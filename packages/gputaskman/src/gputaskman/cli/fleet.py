@@ -22,6 +22,7 @@ import ssl
 import sys
 from pathlib import Path
 
+from gputaskman.base.argtypes import positive_count, positive_seconds
 from gputaskman.cli.httpauth import TokenError, read_token
 from gputaskman.fleet.output import FleetRecorder, fleet_document
 from gputaskman.fleet.poller import DEFAULT_BACKOFF_MAX, DEFAULT_TIMEOUT, Poller
@@ -36,22 +37,6 @@ from gputaskman.offline.record import (
 )
 
 DEFAULT_INTERVAL = 1.0
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (v > 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
-    return v
-
-
-def _count(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number, 1 or more: {text!r}")
-    return int(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,21 +54,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--interval",
         dest="fleet_interval",
-        type=_seconds,
+        type=positive_seconds,
         default=None,
         metavar="S",
         help=f"seconds between polls of a host (default {DEFAULT_INTERVAL:g})",
     )
     p.add_argument(
         "--timeout",
-        type=_seconds,
+        type=positive_seconds,
         default=DEFAULT_TIMEOUT,
         metavar="S",
         help=f"seconds one poll may take, connect included (default {DEFAULT_TIMEOUT:g})",
     )
     p.add_argument(
         "--backoff-max",
-        type=_seconds,
+        type=positive_seconds,
         default=DEFAULT_BACKOFF_MAX,
         metavar="S",
         help="longest wait between tries of a failing host (default "
@@ -94,8 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument(
         "--json", dest="fleet_json", action="store_true", help="print one fleet document"
     )
-    p.add_argument("--count", type=_count, metavar="N", help="record: stop after N rounds")
-    p.add_argument("--duration", type=_seconds, metavar="S", help="record: stop after S seconds")
+    p.add_argument("--count", type=positive_count, metavar="N", help="record: stop after N rounds")
+    p.add_argument(
+        "--duration", type=positive_seconds, metavar="S", help="record: stop after S seconds"
+    )
     p.add_argument("--tls-ca", type=Path, metavar="FILE", help="CA that signed the hosts' certs")
     p.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate (TLS)")
     p.add_argument("--tls-key", type=Path, metavar="FILE", help="the client certificate's key")

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from gputaskman.base.argtypes import positive_count, positive_seconds
 from gputaskman.core import report
 from gputaskman.offline.recordfile import MAX_LINE_BYTES, parse_line
 
@@ -257,40 +258,23 @@ class Recorder:
 # ---------------------------------------------------------------------------- CLI
 
 
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (v > 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
-    return v
-
-
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more: {text!r}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="record file to append to (JSON Lines)")
     # own dest: the top-level --interval (TUI refresh) still applies when this is not given
     p.add_argument(
         "--interval",
         dest="record_interval",
-        type=_positive,
+        type=positive_seconds,
         metavar="S",
         help="seconds between samples (default: the TUI's --interval, 1.0)",
     )
     p.add_argument(
-        "--duration", type=_positive, metavar="S", help="stop after S seconds (default: never)"
+        "--duration",
+        type=positive_seconds,
+        metavar="S",
+        help="stop after S seconds (default: never)",
     )
-    p.add_argument("--count", type=_count, metavar="N", help="stop after N samples")
+    p.add_argument("--count", type=positive_count, metavar="N", help="stop after N samples")
 
 
 class _Progress:
