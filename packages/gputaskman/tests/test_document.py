@@ -121,6 +121,62 @@ def test_a_number_no_float_holds_is_refused_not_a_crash(tmp_path) -> None:
     assert "taken" in s.unparseable_why[2] and "not a finite number" in s.unparseable_why[2]
 
 
+def test_is_number_decides_as_math_isfinite_on_every_kind_of_value() -> None:
+    """Catches the hot path of `is_number` (exact int and float types, decided without a
+    call) answering otherwise than the rule it stands for: a real number, not a bool, that
+    a float holds, finite; the boundaries are those of a float and of the fast int range."""
+    import enum
+    import math
+
+    from gputaskman.core.jsonfields import is_number
+
+    class Small(enum.IntEnum):
+        A = 1
+
+    class F(float):
+        pass
+
+    def rule(v: object) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return False
+        try:
+            return math.isfinite(v)
+        except OverflowError:
+            return False
+
+    edge = 2**1024 - 2**970  # the least integer a float cannot hold
+    values = [0, -0.0, 1, 1.5, 5e-324, 1.7976931348623157e308, math.inf, -math.inf, math.nan]
+    values += [True, False, None, "1", [1], Small.A, F(2.0), F(math.inf)]
+    values += [2**63 - 1, 2**63, -(2**63), -(2**63) - 1, edge - 1, edge, -edge, 10**400]
+    assert [is_number(v) for v in values] == [rule(v) for v in values]
+    assert not is_number(edge) and is_number(edge - 2**970)
+
+
+def test_a_reading_built_on_the_fast_path_is_the_reading_the_class_builds() -> None:
+    """Catches `checked_reading` (the reader's fast path, which skips the checks it has
+    already made) building a reading that differs from ``Reading(...)`` in any field, in
+    equality or in hash, and the reader taking the fast path for what is not a reading."""
+    from gputaskman.base.readings import Reading, checked_reading
+
+    for args in [
+        (5, Kind.MEASURED, "drm:fdinfo", None, None),
+        (2.5, Kind.ESTIMATED, "gguf", None, "n_ctx 4096"),
+        (None, Kind.RUNTIME, "llama.cpp", Reason.DENIED, "EACCES"),
+    ]:
+        fast, slow = checked_reading(*args), Reading(*args)
+        assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+        assert (fast.value, fast.kind, fast.source, fast.reason, fast.detail) == args
+    doc = _doc()
+    r = doc["adapters"][0]["metrics"]["memory_used_bytes"]
+    assert read_document(doc).adapters[0].metrics.memory_used_bytes == Reading(
+        r["value"], Kind(r["kind"]), r["source"], None, r["detail"]
+    )
+    for bad in [{**r, "value": float("nan")}, {**r, "value": False}, {**r, "reason": "denied"}]:
+        doc["adapters"][0]["metrics"]["memory_used_bytes"] = bad
+        with pytest.raises(SnapshotError, match="memory_used_bytes"):
+            read_document(doc)
+
+
 # ---------------------------------------------------------------------------- the strategy
 # Documents are drawn from the packaged schema itself. hypothesis-jsonschema, which would do
 # that in general, does not run on the Hypothesis this workspace locks (its latest release,

@@ -120,6 +120,34 @@ class Reading:
         return cls(None, kind, source, reason, detail)
 
 
+# the slots' own setters: they write a frozen instance's fields without its __setattr__
+_SET_VALUE = Reading.value.__set__  # type: ignore[attr-defined]
+_SET_KIND = Reading.kind.__set__  # type: ignore[attr-defined]
+_SET_SOURCE = Reading.source.__set__  # type: ignore[attr-defined]
+_SET_REASON = Reading.reason.__set__  # type: ignore[attr-defined]
+_SET_DETAIL = Reading.detail.__set__  # type: ignore[attr-defined]
+
+
+def checked_reading(
+    value: int | float | None,
+    kind: Kind,
+    source: str,
+    reason: Reason | None,
+    detail: str | None,
+) -> Reading:
+    """`Reading(value, kind, source, reason, detail)` for a caller that has already checked
+    what `Reading.__post_init__` checks (the snapshot reader's fast path, run for every
+    reading of every document): the same object, built without the frozen dataclass's
+    per-field ``object.__setattr__`` and without checking twice, at half the cost."""
+    r = object.__new__(Reading)
+    _SET_VALUE(r, value)
+    _SET_KIND(r, kind)
+    _SET_SOURCE(r, source)
+    _SET_REASON(r, reason)
+    _SET_DETAIL(r, detail)
+    return r
+
+
 @dataclass(frozen=True, slots=True)
 class Problem:
     """Something that reduced what a snapshot can show, with the reason.

@@ -14,10 +14,12 @@ import math
 from collections.abc import Mapping
 from typing import Any, NoReturn, TypeGuard
 
-from gputaskman.base.readings import Kind, Problem, Reading, Reason
+from gputaskman.base.readings import Kind, Problem, Reading, Reason, checked_reading
 
 KINDS = {k.value: k for k in Kind}
 REASONS = {r.value: r for r in Reason}
+_INFINITIES = (math.inf, -math.inf)
+_LONG = 2**63  # an integer within ±_LONG is finite as a float
 
 
 class SnapshotError(ValueError):
@@ -27,6 +29,11 @@ class SnapshotError(ValueError):
 def is_number(v: object) -> TypeGuard[int | float]:
     """A real JSON number (bool is not one) that a float holds, finite: a 400-digit integer
     is valid JSON but no count this document holds, and would break the arithmetic on it."""
+    t = type(v)  # what json.loads makes, decided without a call (the reader's hot path)
+    if t is float:
+        return v == v and v not in _INFINITIES
+    if t is int and -_LONG <= v < _LONG:
+        return True
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
     try:
@@ -55,7 +62,7 @@ class Fields:
     __slots__ = ("_key", "_up", "m")
 
     def __init__(self, value: object, up: Fields | None = None, key: Key = "") -> None:
-        if not isinstance(value, Mapping):
+        if type(value) is not dict and not isinstance(value, Mapping):
             raise SnapshotError(f"{place(up, key)}: expected an object, got {_type_name(value)}")
         self.m: Mapping[str, Any] = value
         self._up = up
@@ -154,10 +161,11 @@ class Fields:
             pass
         else:
             if isinstance(source, str) and (detail is None or isinstance(detail, str)):
+                # what Reading checks, checked here: it is built without checking again
                 if why is None and is_number(value):
-                    return Reading(value, kind, source, None, detail)
+                    return checked_reading(value, kind, source, None, detail)
                 if value is None and isinstance(why, str) and why in REASONS:
-                    return Reading(None, kind, source, REASONS[why], detail)
+                    return checked_reading(None, kind, source, REASONS[why], detail)
         return _reading(Fields(v, self, key))
 
     def need_reading(self, key: str) -> Reading:
