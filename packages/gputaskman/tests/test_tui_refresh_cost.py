@@ -1,13 +1,15 @@
 """What the TUI leaves out on a refresh, for its cost at 1 Hz (benchmarks/gtm_tui_cost.py),
-shows the same: column widths as DataTable's own measuring gives them."""
+shows the same: column widths as DataTable's own measuring gives them, and panels whose
+content did not change left as they are."""
 
 from __future__ import annotations
 
 import pytest
 from gputaskman.tui.widgets.process_table import ProcessTable
+from gputaskman.tui.widgets.unchanged import same_content, update_static
 from rich.text import Text
 from textual.app import App, ComposeResult
-from textual.widgets import DataTable
+from textual.widgets import DataTable, Static
 
 COLS = ("PID", "NAME")
 
@@ -16,6 +18,7 @@ class Tables(App):
     def compose(self) -> ComposeResult:
         yield ProcessTable()
         yield DataTable(id="plain")
+        yield Static("", id="s")
 
 
 def rows(cells: dict[str, tuple[str, str]]) -> dict:
@@ -69,3 +72,29 @@ async def test_a_refresh_that_widens_nothing_asks_no_new_layout():
         assert not table._require_update_dimensions  # as wide as NAME already was
         table._reconcile(rows({"a": ("1", "aaaaaa"), "b": ("2", "b" * 9)}), COLS)
         assert table._require_update_dimensions  # NAME widened: the table's size changes
+
+
+def test_same_content_compares_everything_that_renders():
+    assert same_content("x", "x") and not same_content("x", "y")
+    assert same_content(Text("ab", style="bold"), Text("ab", style="bold"))
+    assert not same_content(Text("ab"), Text("ab", style="bold"))
+    assert not same_content(Text("ab"), Text.assemble("a", ("b", "red")))
+    assert not same_content(Text("ab"), Text("ab", justify="right"))
+    assert not same_content(Text("ab"), Text("ab", no_wrap=True))
+    assert not same_content("ab", Text("ab"))
+
+
+async def test_an_identical_update_is_left_out_a_changed_one_shown():
+    app = Tables()
+    async with app.run_test() as pilot:
+        static = app.query_one("#s", Static)
+        first = Text("GPU 0 [mapped✓]")
+        update_static(static, first)
+        await pilot.pause()
+        update_static(static, Text("GPU 0 [mapped✓]"))
+        assert static.content is first  # the widget was not updated
+        changed = Text("GPU 0 [mapped✓]", style="bold")
+        update_static(static, changed)
+        assert static.content is changed
+        await pilot.pause()
+        assert str(static.render()) == "GPU 0 [mapped✓]"
