@@ -355,6 +355,7 @@ class ProcessTable(DataTable):
             self.remove_row(k)
             del cells_before[k]
         wider: dict[str, list[str]] = {}  # column -> texts of its cells that grew
+        keys = [ColumnKey(c) for c in columns]
         for k, (_, cells) in rows.items():
             before = cells_before.get(k)
             if before is None:
@@ -362,9 +363,7 @@ class ProcessTable(DataTable):
                 # must show as typed, never be read as Rich markup ("[mapped✓]", "[bold]")
                 self.add_row(*(Text(c) for c in cells), key=k)
             elif before != cells:
-                for col, old, new in zip(columns, before, cells, strict=True):
-                    if old != new:
-                        self._set_cell(k, col, new, len(new) > len(old), wider)
+                self._set_row(k, before, cells, keys, wider)
             cells_before[k] = cells
         if wider:
             self._grow_columns(wider, columns)
@@ -378,23 +377,34 @@ class ProcessTable(DataTable):
             place = {id(self.get_cell(k, columns[0])): i for i, k in enumerate(wanted)}
             self.sort(key=lambda cells: place[id(cells[0])])
 
-    def _set_cell(
-        self, row: str, column: str, text: str, grew: bool, wider: dict[str, list[str]]
+    def _set_row(
+        self,
+        row: str,
+        before: tuple[str, ...],
+        cells: tuple[str, ...],
+        keys: list[ColumnKey],
+        wider: dict[str, list[str]],
     ) -> None:
-        """`update_cell` without its repaint per cell (one `refresh` after them all) and
-        without measuring the whole column once per grown cell (`_grow_columns` does it once
-        per column): with 1,000 rows changing each second, those were most of the TUI's CPU.
-        Uses DataTable's cell store where it is as Textual 8 has it, else `update_cell`."""
+        """`update_cell` for each changed cell of `row`, without its repaint per cell (one
+        `refresh` after them all) and without measuring the whole column once per grown cell
+        (`_grow_columns` does it once per column): with 1,000 rows changing each second, those
+        were most of the TUI's CPU. Uses DataTable's cell store where it is as Textual 8 has
+        it, else `update_cell`."""
         data = getattr(self, "_data", None)
-        cell = data.get(RowKey(row)) if isinstance(data, dict) else None
-        if cell is None or ColumnKey(column) not in cell:
-            self.update_cell(row, column, Text(text), update_width=grew)
-            return
-        cell[ColumnKey(column)] = Text(text)
-        self._update_count += 1
-        self._cells_set = True
-        if grew:
-            wider.setdefault(column, []).append(text)
+        store = data.get(RowKey(row)) if isinstance(data, dict) else None
+        for key, old, new in zip(keys, before, cells, strict=True):
+            if old == new:
+                continue
+            grew = len(new) > len(old)
+            if store is None or key not in store:
+                self.update_cell(row, key, Text(new), update_width=grew)
+                continue
+            store[key] = Text(new)
+            self._cells_set = True
+            if grew:
+                wider.setdefault(key.value, []).append(new)
+        if self._cells_set:
+            self._update_count += 1
 
     def _grow_columns(self, wider: dict[str, list[str]], columns: tuple[str, ...]) -> None:
         """The column widths DataTable's `_update_column_widths` would give after the cells
