@@ -45,6 +45,7 @@ from gputaskman.tui.widgets.gpu_header import GpuHeader
 from gputaskman.tui.widgets.inspector import Inspector
 from gputaskman.tui.widgets.process_table import ProcessTable
 from gputaskman.tui.widgets.system_panel import SystemPanel
+from gputaskman.tui.widgets.unchanged import update_static
 
 # Below this many columns the process table needs the width: the inspector starts hidden.
 INSPECTOR_MIN_COLS = 140
@@ -306,7 +307,7 @@ class GtmApp(App[int]):
         if self.last_error:
             parts.append(f"refresh failed: {self.last_error}")
         parts.append("? help")
-        self.status.update(" · ".join(parts))
+        update_static(self.status, " · ".join(parts))
 
     # -- on-demand rescan of one process (inspector)
 

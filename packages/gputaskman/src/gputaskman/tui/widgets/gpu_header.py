@@ -25,6 +25,7 @@ from textual.widgets import Static
 from gputaskman.base.readings import Adapter, DeviceMetrics, Reading, Snapshot
 from gputaskman.core import report, text_report
 from gputaskman.tui.history import History, Series, sparkline
+from gputaskman.tui.widgets.unchanged import update_static
 
 SPARK_WIDTH = 20  # samples drawn per sparkline, when the line has room for them
 NAME_WIDTH = 32
@@ -204,4 +205,4 @@ class GpuHeader(VerticalScroll):
     ) -> None:
         width = max(20, (self.size.width or self.app.size.width) - 2)
         self.text = gpu_text(snapshot, adapter, history, width, compact)
-        self.body.update(self.text)
+        update_static(self.body, self.text)

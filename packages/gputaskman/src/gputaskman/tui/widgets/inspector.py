@@ -16,6 +16,7 @@ from gputaskman.base.readings import ProcGpu, Reading, Snapshot
 from gputaskman.core import report
 from gputaskman.core.host import HostSample
 from gputaskman.tui.history import History, Series, sparkline
+from gputaskman.tui.widgets.unchanged import update_static
 
 HISTORY_WIDTH = 30  # samples drawn in the VRAM history line
 MAX_CMDLINE = 600  # characters; a huge argv must not swamp the pane
@@ -124,4 +125,4 @@ class Inspector(VerticalScroll):
         system: HostSample | None,
         history: History | None = None,
     ) -> None:
-        self.body.update(inspect_text(p, snapshot, system, history))
+        update_static(self.body, inspect_text(p, snapshot, system, history))

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rich.text import Text
+from textual.render import measure
 from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey, RowKey
 
@@ -266,6 +267,9 @@ class ProcessTable(DataTable):
         self.as_tree = False  # rows under their parent process (t)
         self._cells: dict[str, tuple[str, ...]] = {}  # each row's cells as shown
         self._cells_set = False  # cells written straight to the store: one refresh due
+        self._labels: tuple[str, ...] = ()  # the header labels as last shown
+        self._widths: dict[str, int] = {}  # a cell text's measured width (`_width`)
+        self._widths_for = 0  # the console width `_widths` was measured at
 
     def on_mount(self) -> None:
         for label in self.columns_shown:
@@ -321,8 +325,9 @@ class ProcessTable(DataTable):
         columns, limits = fit_columns(offered, cells_offered, width, sort)
         rebuild = columns != self.columns_shown
         self._set_columns(columns)
-        for key, col in zip(columns, self.columns.values(), strict=True):
-            col.label = self.header_label(key)  # type: ignore[assignment]
+        labels = tuple(self.header_label(key) for key in columns)
+        for label, col in zip(labels, self.columns.values(), strict=True):
+            col.label = label  # type: ignore[assignment]
         picks = [every.index(c) for c in columns]
         rows_now = {
             k: (p, clip(tuple(cells[i] for i in picks), columns, limits))
@@ -333,7 +338,8 @@ class ProcessTable(DataTable):
             self._cells = {}
         self._reconcile(rows_now, columns)
         self.rows_shown = {k: p for k, (p, _) in rows_now.items()}
-        self._refresh_header()
+        self._refresh_header(rebuild or labels != self._labels)
+        self._labels = labels
         if keep is not None and keep in self.rows_shown:
             self.move_cursor(row=self.get_row_index(keep))
 
@@ -348,6 +354,8 @@ class ProcessTable(DataTable):
         for k in [k for k in cells_before if k not in rows]:
             self.remove_row(k)
             del cells_before[k]
+        wider: dict[str, list[str]] = {}  # column -> texts of its cells that grew
+        keys = [ColumnKey(c) for c in columns]
         for k, (_, cells) in rows.items():
             before = cells_before.get(k)
             if before is None:
@@ -355,10 +363,10 @@ class ProcessTable(DataTable):
                 # must show as typed, never be read as Rich markup ("[mapped✓]", "[bold]")
                 self.add_row(*(Text(c) for c in cells), key=k)
             elif before != cells:
-                for col, old, new in zip(columns, before, cells, strict=True):
-                    if old != new:
-                        self._set_cell(k, col, Text(new), len(new) > len(old))
+                self._set_row(k, before, cells, keys, wider)
             cells_before[k] = cells
+        if wider:
+            self._grow_columns(wider, columns)
         if self._cells_set:
             self._cells_set = False
             self.refresh()
@@ -369,21 +377,73 @@ class ProcessTable(DataTable):
             place = {id(self.get_cell(k, columns[0])): i for i, k in enumerate(wanted)}
             self.sort(key=lambda cells: place[id(cells[0])])
 
-    def _set_cell(self, row: str, column: str, value: Text, wider: bool) -> None:
-        """`update_cell` without its repaint per cell (one `refresh` after them all): with
-        1,000 rows changing each second, the per-cell repaint was half the TUI's CPU. Uses
-        DataTable's cell store where it is as Textual 8 has it, else `update_cell`."""
+    def _set_row(
+        self,
+        row: str,
+        before: tuple[str, ...],
+        cells: tuple[str, ...],
+        keys: list[ColumnKey],
+        wider: dict[str, list[str]],
+    ) -> None:
+        """`update_cell` for each changed cell of `row`, without its repaint per cell (one
+        `refresh` after them all) and without measuring the whole column once per grown cell
+        (`_grow_columns` does it once per column): with 1,000 rows changing each second, those
+        were most of the TUI's CPU. Uses DataTable's cell store where it is as Textual 8 has
+        it, else `update_cell`."""
         data = getattr(self, "_data", None)
-        cell = data.get(RowKey(row)) if isinstance(data, dict) else None
-        if cell is None or ColumnKey(column) not in cell or wider:
-            self.update_cell(row, column, value, update_width=wider)
-            return
-        cell[ColumnKey(column)] = value
-        self._update_count += 1
-        self._cells_set = True
+        store = data.get(RowKey(row)) if isinstance(data, dict) else None
+        for key, old, new in zip(keys, before, cells, strict=True):
+            if old == new:
+                continue
+            grew = len(new) > len(old)
+            if store is None or key not in store:
+                self.update_cell(row, key, Text(new), update_width=grew)
+                continue
+            store[key] = Text(new)
+            self._cells_set = True
+            if grew:
+                wider.setdefault(key.value, []).append(new)
+        if self._cells_set:
+            self._update_count += 1
 
-    def _refresh_header(self) -> None:
-        self._require_update_dimensions = True
+    def _grow_columns(self, wider: dict[str, list[str]], columns: tuple[str, ...]) -> None:
+        """The column widths DataTable's `_update_column_widths` would give after the cells
+        in `wider` grew: a column takes its widest grown cell when none is narrower than the
+        column, else it is measured again over all its cells (and may shrink)."""
+        at = {c: i for i, c in enumerate(columns)}
+        for key, texts in wider.items():
+            column = self.columns.get(ColumnKey(key))
+            if column is None:
+                continue
+            grown = [self._width(t) for t in texts]
+            if min(grown) >= column.content_width:
+                if max(grown) != column.content_width:
+                    column.content_width = max(grown)
+                    self._require_update_dimensions = True  # the table's width changed
+                continue
+            i = at[key]
+            label = measure(self.app.console, column.label, 1)
+            cells = (self._width(c[i]) for c in self._cells.values())
+            width = max(label, max(cells, default=0))
+            if width != column.content_width:
+                column.content_width = width
+                self._require_update_dimensions = True
+
+    def _width(self, text: str) -> int:
+        """The width DataTable measures for a cell of `text`, cached by text (the texts of
+        a column repeat from one refresh to the next)."""
+        console = self.app.console
+        if console.width != self._widths_for or len(self._widths) > 20_000:
+            self._widths = {}
+            self._widths_for = console.width
+        w = self._widths.get(text)
+        if w is None:
+            w = self._widths[text] = measure(console, Text(text), 1)
+        return w
+
+    def _refresh_header(self, relabelled: bool = True) -> None:
+        if relabelled:  # a label's width may change the columns'
+            self._require_update_dimensions = True
         self.refresh()
 
     def current_key(self) -> str | None:

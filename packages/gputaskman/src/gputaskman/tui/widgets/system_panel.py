@@ -8,6 +8,7 @@ from textual.widgets import Static
 
 from gputaskman.core import text_report
 from gputaskman.core.host import HostSample
+from gputaskman.tui.widgets.unchanged import update_static
 
 
 class SystemPanel(Static):
@@ -20,6 +21,8 @@ class SystemPanel(Static):
         # Text: swap device paths and the like come from the OS, never Rich markup
         label = "SYSTEM (OS-reported, not GPU)" if self.app.size.width >= 100 else "SYSTEM"
         if compact:  # one run of text: the aligned columns of the full panel would waste rows
-            self.update(Text(f"{label}: " + " · ".join(" ".join(ln.split()) for ln in lines)))
+            update_static(
+                self, Text(f"{label}: " + " · ".join(" ".join(ln.split()) for ln in lines))
+            )
         else:
-            self.update(Text(label + "\n" + "\n".join(lines)))
+            update_static(self, Text(label + "\n" + "\n".join(lines)))
