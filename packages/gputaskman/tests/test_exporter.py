@@ -487,3 +487,29 @@ def test_serve_refuses_two_sources_at_once(tmp_path):
         timeout=60,
     )
     assert r.returncode == 2 and "two sources" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_stops_on_a_sigterm_delivered_to_another_thread():
+    """Catches the main thread waiting without a timeout: the kernel may deliver SIGTERM to any
+    thread of the process, and one delivered to the HTTP or sampler thread left `serve`
+    running (seen in a full test run: the serve outlived the test). The signal is sent with
+    tgkill to a thread that is not the main one."""
+    import ctypes
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("tgkill's syscall number is x86-64's here")
+    proc, _url = _serve(
+        ["serve", "--listen", "127.0.0.1:0", "--sample-interval", "0.2"], {"GTM_DUVM_SOCKETS": ""}
+    )
+    try:
+        others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+        assert others, "serve runs its HTTP server and sampler on threads"
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(234, proc.pid, others[0], signal.SIGTERM) == 0  # SYS_tgkill
+        proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0

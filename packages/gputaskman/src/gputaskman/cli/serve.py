@@ -279,7 +279,11 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        stop.wait()
+        # Woken once a second, not only by the signal: a signal the kernel delivers to another
+        # of this process's threads (the HTTP or sampler thread) sets Python's flag but does
+        # not interrupt an untimed wait here, so `serve` slept on through SIGTERM.
+        while not stop.wait(1.0):
+            pass
     finally:
         sampler.stop()
         httpd.shutdown()
