@@ -41,6 +41,7 @@ from gputaskman.tui.history import History
 from gputaskman.tui.screens.help import HelpScreen
 from gputaskman.tui.screens.signal import SignalScreen
 from gputaskman.tui.settings import Settings
+from gputaskman.tui.widgets.filter_box import FilterBox
 from gputaskman.tui.widgets.gpu_header import GpuHeader
 from gputaskman.tui.widgets.inspector import Inspector
 from gputaskman.tui.widgets.process_table import ProcessTable
@@ -87,8 +88,6 @@ class GtmApp(App[int]):
     CSS = """
     #status { height: 1; padding: 0 1; background: $boost; }
     #main { height: 1fr; }
-    #filter { height: 1; border: none; padding: 0 1; }
-    #filter.-hidden { display: none; }
     """
     BINDINGS: ClassVar[list[Binding]] = [
         # The footer shows the first keys and "? all keys"; the rest are in the help screen.
@@ -155,8 +154,7 @@ class GtmApp(App[int]):
         self.inspector = Inspector(id="inspector")
         self.system_panel = SystemPanel(id="system")
         self.status = Static("", id="status")
-        self.filter_box = Input(placeholder="filter: name, pid, model, runtime", id="filter")
-        self.filter_box.add_class("-hidden")
+        self.filter_box = FilterBox("filter: name, pid, model, runtime", id="filter")
         yield self.header
         with Horizontal(id="main"):
             yield self.table
@@ -362,17 +360,11 @@ class GtmApp(App[int]):
     # -- filter
 
     def action_filter(self) -> None:
-        self.filter_box.remove_class("-hidden")
-        self.filter_box.value = self.filter_text
-        self.filter_box.focus()
+        self.filter_box.open()
 
     def action_clear_filter(self) -> None:
-        self.filter_box.add_class("-hidden")
+        self.filter_box.clear()  # the rows come back through _filter_changed
         self.table.focus()
-        if self.filter_text:
-            self.filter_text = ""
-            self.filter_box.value = ""
-            self.render_all()
 
     @on(Input.Changed, "#filter")
     def _filter_changed(self, event: Input.Changed) -> None:
@@ -382,7 +374,7 @@ class GtmApp(App[int]):
 
     @on(Input.Submitted, "#filter")
     def _filter_kept(self, _event: Input.Submitted) -> None:
-        self.filter_box.add_class("-hidden")
+        self.filter_box.close()
         self.table.focus()
 
     # -- signal

@@ -34,14 +34,13 @@ from gputaskman.fleet.view import (
     matches,
     summary_line,
 )
+from gputaskman.tui.widgets.filter_box import FilterBox
 from gputaskman.tui.widgets.fleet_table import FleetTable
 
 
 class FleetScreen(Screen[None]):
     CSS = """
     #fleet-summary { height: auto; max-height: 3; padding: 0 1; background: $boost; }
-    #fleet-filter { height: 1; border: none; padding: 0 1; }
-    #fleet-filter.-hidden { display: none; }
     #fleet-status { height: 1; padding: 0 1; background: $boost; }
     """
     BINDINGS: ClassVar[list[Binding]] = [
@@ -72,10 +71,7 @@ class FleetScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         self.summary = Static("", id="fleet-summary")
         self.table = FleetTable(id="fleet-table")
-        self.filter_box = Input(
-            placeholder="filter: host, status, GPU, process, model", id="fleet-filter"
-        )
-        self.filter_box.add_class("-hidden")
+        self.filter_box = FilterBox("filter: host, status, GPU, process, model", id="fleet-filter")
         self.status = Static("", id="fleet-status")
         yield self.summary
         yield self.table
@@ -151,17 +147,11 @@ class FleetScreen(Screen[None]):
         self.poll_now()
 
     def action_filter(self) -> None:
-        self.filter_box.remove_class("-hidden")
-        self.filter_box.value = self.filter_text
-        self.filter_box.focus()
+        self.filter_box.open()
 
     def action_clear_filter(self) -> None:
-        self.filter_box.add_class("-hidden")
+        self.filter_box.clear()  # the rows come back through _filter_changed
         self.table.focus()
-        if self.filter_text:
-            self.filter_text = ""
-            self.filter_box.value = ""
-            self.show(self.states)
 
     @on(Input.Changed, "#fleet-filter")
     def _filter_changed(self, event: Input.Changed) -> None:
@@ -172,7 +162,7 @@ class FleetScreen(Screen[None]):
     @on(Input.Submitted, "#fleet-filter")
     def _filter_kept(self, event: Input.Submitted) -> None:
         event.stop()
-        self.filter_box.add_class("-hidden")
+        self.filter_box.close()
         self.table.focus()
 
 
