@@ -78,8 +78,10 @@ async def test_header_table_inspector_and_system_panel_show_the_snapshot():
         # selected GPU's rows plus the candidate without a GPU context; not BUS1's whisper
         assert [p.pid for p in table.rows_shown.values()] == [4242, 5151, 777, 3131]
         vram = table.columns_shown.index("VRAM")
-        assert str(table.get_row_at(1)[vram]) == "~2.0 GiB"  # inferred value keeps its marker
-        assert str(table.get_row_at(3)[vram]) == "n/a"
+        assert (
+            str(table.get_row(table.keys[1])[vram]) == "~2.0 GiB"
+        )  # inferred value keeps its marker
+        assert str(table.get_row(table.keys[3])[vram]) == "n/a"
         assert "PID 4242" in text_of(app.query_one("#inspector-body"))
         assert "cpu 37.5%" in text_of(app.query_one(SystemPanel))
     assert fake.closed
@@ -318,7 +320,7 @@ async def test_drm_fixture_tree_through_the_real_collector(tmp_path):
         assert str(table.get_row("4100@00000000:03:00.0")[vram]) == "4.0 GiB"  # measured: no mark
         assert rows[4300].dedicated.reason is not None
         assert str(rows[4300].dedicated.reason) == "shared"
-        table.move_cursor(row=table.get_row_index("4300@00000000:03:00.0"))
+        table.move_cursor(row=table.row_index("4300@00000000:03:00.0"))
         await pilot.pause()
         body = text_of(app.query_one("#inspector-body"))
         assert "VRAM (driver): n/a (shared)" in body and "held by processes 4300, 4301" in body

@@ -193,7 +193,7 @@ async def test_tui_with_the_real_collector_shows_model_and_breakdown(llama_serve
                 break
         assert row is not None and row.breakdown is not None, "no breakdown within 60 s"
         assert row.model.confirmed and not row.model.pending
-        table.move_cursor(row=table.get_row_index(key))
+        table.move_cursor(row=table.row_index(key))
         await pilot.pause()
         app.render_inspector()
         await pilot.pause()

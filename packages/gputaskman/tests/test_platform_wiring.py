@@ -359,7 +359,7 @@ async def test_tui_iokit_mocked_shows_paged_column_and_drops_it_without_paged():
         table.show(list(demo_snapshot().processes), demo_snapshot(), DemoSystem(), 220)
         assert memory_columns() == text_report.PROCESS_COLUMNS
         assert table.sort_column == "VRAM"  # the PAGED sort went with its column
-        assert len(table.columns) == len(table.columns_shown)
+        assert len(table.labels) == len(table.widths) == len(table.columns_shown)
 
 
 # -- --list-gpus: empty vs failed ------------------------------------------------------------

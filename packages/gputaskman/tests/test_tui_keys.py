@@ -288,7 +288,7 @@ async def test_sort_theme_and_interval_persist_across_sessions(tmp_path: Path):
         table = again.query_one(ProcessTable)
         assert (table.sort_column, table.descending) == ("RAM", False)
         assert again.theme == "nord" and again.interval == 2.5
-        assert "RAM ▲" in [str(c.label) for c in table.columns.values()]
+        assert "RAM ▲" in table.labels
 
 
 async def test_hidden_columns_from_the_settings_file_are_left_out(tmp_path: Path):

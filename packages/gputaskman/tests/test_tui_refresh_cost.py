@@ -1,77 +1,88 @@
-"""What the TUI leaves out on a refresh, for its cost at 1 Hz (benchmarks/gtm_tui_cost.py),
-shows the same: column widths as DataTable's own measuring gives them, and panels whose
-content did not change left as they are."""
+"""What the TUI leaves out on a refresh, for its cost at 1 Hz (benchmarks/gtm_tui_cost.py):
+rows that are not drawn are not formatted, and panels whose content did not change are left
+as they are; what is shown stays the same."""
 
 from __future__ import annotations
 
-import pytest
-from gputaskman.tui.widgets.process_table import ProcessTable
+from gputaskman.tui.widgets.line_table import LineTable
 from gputaskman.tui.widgets.unchanged import same_content, update_static
 from rich.text import Text
 from textual.app import App, ComposeResult
-from textual.widgets import DataTable, Static
-
-COLS = ("PID", "NAME")
+from textual.widgets import Static
 
 
 class Tables(App):
     def compose(self) -> ComposeResult:
-        yield ProcessTable()
-        yield DataTable(id="plain")
+        yield LineTable()
         yield Static("", id="s")
 
 
-def rows(cells: dict[str, tuple[str, str]]) -> dict:
-    return {k: (None, c) for k, c in cells.items()}
+def numbered(n: int, wide: int | None = None) -> dict[str, tuple[str, str]]:
+    """Rows r0.. with a NAME as long as its number; row `wide` has a 30-cell name."""
+    return {f"r{i}": (str(i), "x" * 30 if i == wide else f"n{i}") for i in range(n)}
 
 
-# (first cells, next cells, NAME's width after): a grown cell narrower than the column makes
-# DataTable measure the column again (it shrinks to its widest cell); wider ones widen it.
-CASES = [
-    ({"a": ("1", "aaaaaa"), "b": ("2", "bb")}, {"a": ("1", "a"), "b": ("2", "bbb")}, 4),
-    ({"a": ("1", "aaaaaa"), "b": ("2", "bb")}, {"a": ("1", "a"), "b": ("2", "b" * 9)}, 9),
-    ({"a": ("1", "aaaaaa"), "b": ("2", "bb")}, {"a": ("1", "aaaaaa"), "b": ("2", "b")}, 6),
-]
-
-
-@pytest.mark.parametrize(("first", "after", "width"), CASES)
-async def test_grown_cells_size_columns_as_update_cell_does(first, after, width):
+async def test_only_the_rows_drawn_are_asked_for_and_wide_cells_are_cut():
+    """Catches a table that formats every row on each refresh (with 1,000 processes that was
+    most of the TUI's CPU), and a cell wider than its column that pushes the next one."""
     app = Tables()
-    async with app.run_test() as pilot:
-        table, plain = app.query_one(ProcessTable), app.query_one("#plain", DataTable)
-        table._set_columns(COLS)
-        for c in COLS:
-            plain.add_column(c, key=c)
-        for k, cells in first.items():
-            plain.add_row(*(Text(c) for c in cells), key=k)
-        table._reconcile(rows(first), COLS)
+    async with app.run_test(size=(40, 12)) as pilot:
+        table = app.query_one(LineTable)
+        rows = numbered(1000, wide=500)
+        asked: list[str] = []
+
+        def cells_of(key: str) -> tuple[str, str]:
+            asked.append(key)
+            return rows[key]
+
+        table.set_rows(list(rows))
+        table.set_columns(("PID", "NAME"), (3, 4), cells_of)
         await pilot.pause()
-        for k, cells in after.items():  # what DataTable's own update path does
-            for col, old, new in zip(COLS, first[k], cells, strict=True):
-                if old != new:
-                    plain.update_cell(k, col, Text(new), update_width=len(new) > len(old))
-        table._reconcile(rows(after), COLS)
-        assert not table._updated_cells  # no per-cell measuring queued for DataTable's idle
+        on_screen = len(table.visible_range())
+        assert 0 < on_screen < 12 and set(asked) == {f"r{i}" for i in range(on_screen)}
+        line = table.render_line(1).text
+        assert line.startswith(" 0    n0  ") and "x" not in line
+        asked.clear()
+        table.move_cursor(500)  # the view follows the cursor: the wide row is drawn now
         await pilot.pause()
-        want = [plain.columns[c].content_width for c in plain.columns]
-        assert [table.columns[c].content_width for c in table.columns] == want
-        assert want[1] == max(width, len("NAME"))
+        assert "r500" in asked and len(set(asked)) <= on_screen
+        assert table.visible_range().start <= 500 < table.visible_range().stop
+        cut = table.render_line(500 - table.visible_range().start + 1).text
+        assert " xxx" in cut and "…" in cut  # wider than its column: cut, not wrapped
 
 
-async def test_a_refresh_that_widens_nothing_asks_no_new_layout():
+async def test_the_cursor_keeps_its_row_and_the_view_stays_where_the_user_scrolled():
+    """Catches a refresh that moves the cursor to another process when the rows reorder, and
+    one that scrolls a view the user moved away from the cursor back to it every second."""
     app = Tables()
-    async with app.run_test() as pilot:
-        table = app.query_one(ProcessTable)
-        table._set_columns(COLS)
-        table._reconcile(rows({"a": ("1", "aaaaaa"), "b": ("2", "bb")}), COLS)
+    async with app.run_test(size=(40, 12)) as pilot:
+        table = app.query_one(LineTable)
+        rows = numbered(100)
+        table.set_rows(list(rows))
+        table.set_columns(("PID", "NAME"), (3, 4), lambda k: rows[k])
+        table.move_cursor(3)
         await pilot.pause()
-        assert not table._require_update_dimensions
-        table._reconcile(rows({"a": ("1", "aaaaaa"), "b": ("2", "bbb")}), COLS)
-        assert not table._require_update_dimensions  # bbb grew, NAME is as wide as before
-        table._reconcile(rows({"a": ("1", "aaaaaa"), "b": ("2", "bbbbbb")}), COLS)
-        assert not table._require_update_dimensions  # as wide as NAME already was
-        table._reconcile(rows({"a": ("1", "aaaaaa"), "b": ("2", "b" * 9)}), COLS)
-        assert table._require_update_dimensions  # NAME widened: the table's size changes
+        table.set_rows(list(reversed(rows)), keep="r3")  # the rows reordered
+        assert table.current_key() == "r3" and table.cursor_row == 96
+        await pilot.pause()
+        assert 96 in table.visible_range()  # the cursor moved: the view followed it
+        table.scroll_to(y=10, animate=False, immediate=True)  # the user scrolls away
+        await pilot.pause()
+        table.set_rows(list(reversed(rows)), keep="r3")  # the same order again
+        await pilot.pause()
+        assert table.visible_range().start == 10 and table.current_key() == "r3"
+
+
+async def test_text_from_outside_is_drawn_as_typed():
+    """Catches cells read as Rich markup: a process named "[bold]x[/bold]" or a model's
+    evidence marker "[mapped✓]" must show literally."""
+    app = Tables()
+    async with app.run_test(size=(60, 6)) as pilot:
+        table = app.query_one(LineTable)
+        table.set_rows(["a"])
+        table.set_columns(("NAME", "MODEL"), (14, 20), lambda _k: ("[bold]x[/bold]", "q [mapped✓]"))
+        await pilot.pause()
+        assert table.render_line(1).text.startswith(" [bold]x[/bold]  q [mapped✓] ")
 
 
 def test_same_content_compares_everything_that_renders():

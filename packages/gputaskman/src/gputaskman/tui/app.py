@@ -29,7 +29,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.message import Message
-from textual.widgets import DataTable, Footer, Input, Static
+from textual.widgets import Footer, Input, Static
 
 from gputaskman.base.readings import Adapter, ProcDetail, ProcGpu, Snapshot
 from gputaskman.core import text_report
@@ -333,20 +333,20 @@ class GtmApp(App[int]):
         if msg.detail is None:
             self.notify("this collector cannot rescan one process")
             return
-        for k, p in self.table.rows_shown.items():
+        for k, p in list(self.table.rows_shown.items()):
             if p.key == msg.key:
-                self.table.rows_shown[k] = dataclasses.replace(p, detail=msg.detail)
+                self.table.update_row(k, dataclasses.replace(p, detail=msg.detail))
         self.render_inspector()
         self.notify(f"rescanned {msg.key[0]}")
 
     # -- events and actions
 
-    @on(DataTable.RowSelected)
-    def _row_selected(self, _event: DataTable.RowSelected) -> None:
+    @on(ProcessTable.RowSelected)
+    def _row_selected(self, _event: ProcessTable.RowSelected) -> None:
         self.action_rescan()  # the table takes enter itself and reports it as a selection
 
-    @on(DataTable.RowHighlighted)
-    def _row_highlighted(self, _event: DataTable.RowHighlighted) -> None:
+    @on(ProcessTable.RowHighlighted)
+    def _row_highlighted(self, _event: ProcessTable.RowHighlighted) -> None:
         self.render_inspector()
 
     def action_help(self) -> None:

@@ -19,15 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rich.text import Text
-from textual.render import measure
-from textual.widgets import DataTable
-from textual.widgets.data_table import ColumnKey, RowKey
+from rich.cells import cell_len
+from textual import events
 
 from gputaskman.base.fmt import NA, fmt_reading
 from gputaskman.base.readings import ProcGpu, Reading
 from gputaskman.core import report, text_report
 from gputaskman.core.host import HostSample
+from gputaskman.tui.widgets.line_table import LineTable
 
 # column label, sort name (None: not a sort column)
 COLUMNS = text_report.PROCESS_COLUMNS
@@ -75,7 +74,7 @@ ALWAYS = PRIORITY[:4]
 MODEL_ROOM = 40
 # The narrowest the cut cells may get before the table scrolls sideways instead.
 MIN_LIMITS = {"MODEL": 14, "NAME": 8}
-CELL_PAD = 2  # DataTable's cell padding, one column each side
+CELL_PAD = 2  # a cell's padding, one column each side
 SCROLLBAR = 2  # room kept for the vertical scrollbar
 
 
@@ -244,7 +243,10 @@ def sorted_rows(
     descending: bool,
     lookup: Callable[[int, float | None], Mapping[str, Reading]],
 ) -> list[ProcGpu]:
-    keyed = [(sort_value(p, column, lookup(p.pid, p.create_time) or {}), p) for p in rows]
+    if column in ("RAM", "CPU%"):  # only these read the host's side of a process
+        keyed = [(sort_value(p, column, lookup(p.pid, p.create_time) or {}), p) for p in rows]
+    else:
+        keyed = [(sort_value(p, column, {}), p) for p in rows]
     known = [x for x in keyed if x[0][0] == 0]
     unknown = [x for x in keyed if x[0][0] == 1]
     known.sort(key=lambda x: (x[0][1], x[1].pid), reverse=descending)
@@ -252,37 +254,29 @@ def sorted_rows(
     return [p for _, p in known + unknown]
 
 
-class ProcessTable(DataTable):
+class ProcessTable(LineTable):
+    """The process rows of one refresh: sorted (and treed) in full, formatted only where
+    drawn. The columns and their widths fit the rows on screen, and are fitted again when the
+    view scrolls."""
+
     DEFAULT_CSS = """
     ProcessTable { height: 1fr; }
     """
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
+        super().__init__(**kwargs)
         self.sort_column = "VRAM"
         self.descending = True
         self.rows_shown: dict[str, ProcGpu] = {}
         self.columns_shown: tuple[str, ...] = COLUMNS
         self.hidden: tuple[str, ...] = ()  # columns the user's settings leave out
         self.as_tree = False  # rows under their parent process (t)
-        self._cells: dict[str, tuple[str, ...]] = {}  # each row's cells as shown
-        self._cells_set = False  # cells written straight to the store: one refresh due
-        self._labels: tuple[str, ...] = ()  # the header labels as last shown
-        self._widths: dict[str, int] = {}  # a cell text's measured width (`_width`)
-        self._widths_for = 0  # the console width `_widths` was measured at
-
-    def on_mount(self) -> None:
-        for label in self.columns_shown:
-            self.add_column(label, key=label)
-
-    def _set_columns(self, columns: tuple[str, ...]) -> None:
-        """Rebuild the columns (only when the fitted choice changes)."""
-        if columns == self.columns_shown:
-            return
-        self.clear(columns=True)
-        self.columns_shown = columns
-        for label in columns:
-            self.add_column(label, key=label)
+        self._every: tuple[str, ...] = COLUMNS  # every column this refresh could show
+        self._row_cells: Callable[[ProcGpu], tuple[str, ...]] = lambda _p: ()
+        self._full: dict[str, tuple[str, ...]] = {}  # rows formatted this refresh, unclipped
+        self._shown: dict[str, tuple[str, ...]] = {}  # rows formatted and clipped to the columns
+        self._room = 0  # the width the columns are fitted to
+        self._limits: Mapping[str, int] = CELL_LIMITS
 
     def header_label(self, label: str) -> str:
         if label != self.sort_column:
@@ -308,151 +302,74 @@ class ProcessTable(DataTable):
             ordered, branches = tree_order(ordered)
         name_at = every.index("NAME")
         taken = snapshot.taken if snapshot is not None else 0.0
-        shown: dict[str, tuple[ProcGpu, tuple[str, ...]]] = {}
+
+        def row_cells(p: ProcGpu) -> tuple[str, ...]:
+            cells = text_report.process_cells(p, lookup, snapshot, base)
+            loads = tuple(fmt_reading(p.engines.get(ENGINE_COLUMNS[c]), "%") for c in engines)
+            row = [*cells[:at], *loads, *cells[at:], *identity_cells(p, taken)]
+            branch = branches.get(row_key(p))
+            if branch:
+                row[name_at] = branch + row[name_at]
+            return tuple(row)
+
+        shown: dict[str, ProcGpu] = {}
         for p in ordered:
-            k = row_key(p)
-            if k not in shown:
-                cells = text_report.process_cells(p, lookup, snapshot, base)
-                loads = tuple(fmt_reading(p.engines.get(ENGINE_COLUMNS[c]), "%") for c in engines)
-                row = [*cells[:at], *loads, *cells[at:], *identity_cells(p, taken)]
-                if branches.get(k):
-                    row[name_at] = branches[k] + row[name_at]
-                shown[k] = (p, tuple(row))
+            shown.setdefault(row_key(p), p)
+        self.rows_shown = shown
+        self._every, self._row_cells, self._room = every, row_cells, width
+        self._full = {}
+        self.set_rows(list(shown), keep)
+        self._fit()
+
+    def _cells(self, key: str) -> tuple[str, ...]:
+        """Row `key`'s cells in every column this refresh offers, formatted once."""
+        cells = self._full.get(key)
+        if cells is None:
+            cells = self._full[key] = self._row_cells(self.rows_shown[key])
+        return cells
+
+    def _fit(self) -> None:
+        """Choose the columns and their widths for the rows on screen."""
+        every = self._every
+        window = [self.keys[i] for i in self.visible_range()]
         sort = (self.sort_column, self.header_label(self.sort_column))
         offered = tuple(c for c in every if c not in self.hidden)
         picks = [every.index(c) for c in offered]
-        cells_offered = [tuple(c[i] for i in picks) for _, c in shown.values()]
-        columns, limits = fit_columns(offered, cells_offered, width, sort)
-        rebuild = columns != self.columns_shown
-        self._set_columns(columns)
-        labels = tuple(self.header_label(key) for key in columns)
-        for label, col in zip(labels, self.columns.values(), strict=True):
-            col.label = label  # type: ignore[assignment]
-        picks = [every.index(c) for c in columns]
-        rows_now = {
-            k: (p, clip(tuple(cells[i] for i in picks), columns, limits))
-            for k, (p, cells) in shown.items()
-        }
-        if rebuild:
-            self.clear()
-            self._cells = {}
-        self._reconcile(rows_now, columns)
-        self.rows_shown = {k: p for k, (p, _) in rows_now.items()}
-        self._refresh_header(rebuild or labels != self._labels)
-        self._labels = labels
-        if keep is not None and keep in self.rows_shown:
-            self.move_cursor(row=self.get_row_index(keep))
+        cells = [tuple(self._cells(k)[i] for i in picks) for k in window]
+        columns, limits = fit_columns(offered, cells, self._room, sort)
+        self.columns_shown, self._limits = columns, limits
+        self._shown = {}
+        labels = tuple(self.header_label(c) for c in columns)
+        widths = [cell_len(label) for label in labels]
+        for k in window:
+            for i, cell in enumerate(self.get_row(k)):
+                widths[i] = max(widths[i], cell_len(cell))
+        self.set_columns(labels, widths, self.get_row)
 
-    def _reconcile(
-        self, rows: dict[str, tuple[ProcGpu, tuple[str, ...]]], columns: tuple[str, ...]
-    ) -> None:
-        """Make the table show `rows` in their order, touching only what changed: rows that
-        went are removed, new rows added, changed cells updated, and the rows reordered in
-        place. A full rebuild re-measures every cell, which at 1,000 rows took most of the
-        TUI's CPU (`benchmarks/gtm_tui_cost.py`)."""
-        cells_before = self._cells
-        for k in [k for k in cells_before if k not in rows]:
-            self.remove_row(k)
-            del cells_before[k]
-        wider: dict[str, list[str]] = {}  # column -> texts of its cells that grew
-        keys = [ColumnKey(c) for c in columns]
-        for k, (_, cells) in rows.items():
-            before = cells_before.get(k)
-            if before is None:
-                # Text, not str: names, command lines and model names come from outside and
-                # must show as typed, never be read as Rich markup ("[mapped✓]", "[bold]")
-                self.add_row(*(Text(c) for c in cells), key=k)
-            elif before != cells:
-                self._set_row(k, before, cells, keys, wider)
-            cells_before[k] = cells
-        if wider:
-            self._grow_columns(wider, columns)
-        if self._cells_set:
-            self._cells_set = False
-            self.refresh()
-        wanted = list(rows)
-        if [r.key.value for r in self.ordered_rows] != wanted:
-            # DataTable.sort hands the key function a row's cells, not its key: the first
-            # cell's object (kept for the row's life, its PID never changes) stands for it.
-            place = {id(self.get_cell(k, columns[0])): i for i, k in enumerate(wanted)}
-            self.sort(key=lambda cells: place[id(cells[0])])
+    def get_row(self, key: str) -> tuple[str, ...]:
+        """Row `key` as drawn: its cells in the columns shown, clipped to their limits."""
+        cells = self._shown.get(key)
+        if cells is None:
+            every, full = self._every, self._cells(key)
+            picked = tuple(full[every.index(c)] for c in self.columns_shown)
+            cells = self._shown[key] = clip(picked, self.columns_shown, self._limits)
+        return cells
 
-    def _set_row(
-        self,
-        row: str,
-        before: tuple[str, ...],
-        cells: tuple[str, ...],
-        keys: list[ColumnKey],
-        wider: dict[str, list[str]],
-    ) -> None:
-        """`update_cell` for each changed cell of `row`, without its repaint per cell (one
-        `refresh` after them all) and without measuring the whole column once per grown cell
-        (`_grow_columns` does it once per column): with 1,000 rows changing each second, those
-        were most of the TUI's CPU. Uses DataTable's cell store where it is as Textual 8 has
-        it, else `update_cell`."""
-        data = getattr(self, "_data", None)
-        store = data.get(RowKey(row)) if isinstance(data, dict) else None
-        for key, old, new in zip(keys, before, cells, strict=True):
-            if old == new:
-                continue
-            grew = len(new) > len(old)
-            if store is None or key not in store:
-                self.update_cell(row, key, Text(new), update_width=grew)
-                continue
-            store[key] = Text(new)
-            self._cells_set = True
-            if grew:
-                wider.setdefault(key.value, []).append(new)
-        if self._cells_set:
-            self._update_count += 1
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        if round(old_value) != round(new_value) and self.rows_shown:
+            self.call_later(self._fit)  # other rows on screen: fit the columns to them
 
-    def _grow_columns(self, wider: dict[str, list[str]], columns: tuple[str, ...]) -> None:
-        """The column widths DataTable's `_update_column_widths` would give after the cells
-        in `wider` grew: a column takes its widest grown cell when none is narrower than the
-        column, else it is measured again over all its cells (and may shrink)."""
-        at = {c: i for i, c in enumerate(columns)}
-        for key, texts in wider.items():
-            column = self.columns.get(ColumnKey(key))
-            if column is None:
-                continue
-            grown = [self._width(t) for t in texts]
-            if min(grown) >= column.content_width:
-                if max(grown) != column.content_width:
-                    column.content_width = max(grown)
-                    self._require_update_dimensions = True  # the table's width changed
-                continue
-            i = at[key]
-            label = measure(self.app.console, column.label, 1)
-            cells = (self._width(c[i]) for c in self._cells.values())
-            width = max(label, max(cells, default=0))
-            if width != column.content_width:
-                column.content_width = width
-                self._require_update_dimensions = True
+    def on_resize(self, _event: events.Resize) -> None:
+        if self.rows_shown:
+            self._fit()  # more or fewer rows on screen
 
-    def _width(self, text: str) -> int:
-        """The width DataTable measures for a cell of `text`, cached by text (the texts of
-        a column repeat from one refresh to the next)."""
-        console = self.app.console
-        if console.width != self._widths_for or len(self._widths) > 20_000:
-            self._widths = {}
-            self._widths_for = console.width
-        w = self._widths.get(text)
-        if w is None:
-            w = self._widths[text] = measure(console, Text(text), 1)
-        return w
-
-    def _refresh_header(self, relabelled: bool = True) -> None:
-        if relabelled:  # a label's width may change the columns'
-            self._require_update_dimensions = True
-        self.refresh()
-
-    def current_key(self) -> str | None:
-        if not self.rows_shown or self.cursor_row < 0 or self.cursor_row >= self.row_count:
-            return None
-        try:
-            return str(self.coordinate_to_cell_key((self.cursor_row, 0)).row_key.value)
-        except Exception:  # no row under the cursor
-            return None
+    def update_row(self, key: str, p: ProcGpu) -> None:
+        """Row `key` holds `p` now (a rescan's detail): formatted again when drawn."""
+        self.rows_shown[key] = p
+        self._full.pop(key, None)
+        self._shown.pop(key, None)
+        self.redraw()
 
     def current(self) -> ProcGpu | None:
         k = self.current_key()
