@@ -268,9 +268,7 @@ class LineTable(ScrollView, can_focus=True):
 
     def _line(self, texts: Sequence[str], style: Style) -> Strip:
         pad = " " * PAD
-        cells = [
-            pad + fit_cell(t, w) + pad for t, w in zip(texts, self.widths, strict=False)
-        ]
+        cells = [pad + fit_cell(t, w) + pad for t, w in zip(texts, self.widths, strict=False)]
         text = "".join(cells)
         return Strip([Segment(text, style)], cell_len(text))
 
