@@ -109,3 +109,34 @@ async def test_an_identical_update_is_left_out_a_changed_one_shown():
         assert static.content is changed
         await pilot.pause()
         assert str(static.render()) == "GPU 0 [mapped✓]"
+
+
+async def test_an_update_that_keeps_the_panel_size_lays_nothing_out():
+    """Catches every panel update laying the whole screen out (the inspector's and the status
+    line's, each second, were much of the TUI's CPU), and an update that changes the panel's
+    height without a layout (its new lines would be cut off)."""
+    app = Tables()
+    async with app.run_test(size=(40, 12)) as pilot:
+        static = app.query_one("#s", Static)
+        update_static(static, Text("one\ntwo"))
+        await pilot.pause()
+        layouts: list[bool] = []
+        real = static.refresh
+
+        def refresh(*args, **kwargs):
+            layouts.append(kwargs.get("layout", False))
+            return real(*args, **kwargs)
+
+        static.refresh = refresh  # type: ignore[method-assign]
+        update_static(static, Text("uno\ndos"))
+        assert layouts and not any(layouts)  # redrawn, not laid out
+        layouts.clear()
+        update_static(static, Text("1\n2\n3"))
+        assert any(layouts)
+        await pilot.pause()
+        assert static.size.height == 3
+        layouts.clear()
+        update_static(static, Text("x" * 60 + "\n2\n3"))  # wraps at 40 columns: 4 lines
+        assert any(layouts)
+        await pilot.pause()
+        assert static.size.height == 4
