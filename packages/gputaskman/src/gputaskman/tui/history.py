@@ -11,7 +11,8 @@ snapshot, so the memory used stays bounded by what is on screen.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
+from typing import TypeVar
 
 from gputaskman.base.fmt import KIND_MARK
 from gputaskman.base.readings import Kind, Reading, Snapshot
@@ -19,6 +20,7 @@ from gputaskman.base.readings import Kind, Reading, Snapshot
 KEEP = 120  # samples per series: two minutes at the default interval
 BLOCKS = "▁▂▃▄▅▆▇█"
 GAP = " "  # an unknown sample: a hole in the line, never the lowest block
+K = TypeVar("K", bound=Hashable)
 
 
 class Series:
@@ -64,6 +66,14 @@ def _value(r: Reading | None) -> tuple[float | None, Kind | None]:
     return float(r.value), r.kind
 
 
+def _series(table: dict[K, Series], key: K) -> Series:
+    """`table[key]`, made on first use (`setdefault` would build a Series every call)."""
+    s = table.get(key)
+    if s is None:
+        s = table[key] = Series()
+    return s
+
+
 class History:
     """The series of one TUI session, fed one snapshot at a time."""
 
@@ -79,14 +89,14 @@ class History:
             used, kind = _value(m.memory_used_bytes)
             total, _ = _value(m.memory_total_bytes)
             pct = None if used is None or not total else 100.0 * used / total
-            self.memory.setdefault(bus, Series()).add(pct, kind)
-            self.util.setdefault(bus, Series()).add(*_value(m.util_gpu_percent))
+            _series(self.memory, bus).add(pct, kind)
+            _series(self.util, bus).add(*_value(m.util_gpu_percent))
         seen = set()
         for p in snapshot.processes:
             if p.key in seen:
                 continue  # one process on two GPUs: its first row's VRAM
             seen.add(p.key)
-            self.vram.setdefault(p.key, Series()).add(*_value(p.shown_vram))
+            _series(self.vram, p.key).add(*_value(p.shown_vram))
         for key in [k for k in self.vram if k not in seen]:
             del self.vram[key]
 
