@@ -52,7 +52,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import psutil
 from gputaskman.base.readings import ModelRef, ProcDetail, ProcGpu, Reading, Snapshot
 from gputaskman.fixtures.demo import BUS0, BUS1, DemoSystem, demo_snapshot
 
@@ -175,6 +174,8 @@ class Terminal:
 
 
 def one_start(args: argparse.Namespace) -> StartResult:
+    import psutil  # the parent's only: the child (the TUI) must not pay for its import
+
     cols, rows = args.size
     term = Terminal(cols, rows)
     env = {**os.environ, "TERM": "xterm-256color"}
