@@ -92,13 +92,16 @@ class History:
             _series(self.memory, bus).add(pct, kind)
             _series(self.util, bus).add(*_value(m.util_gpu_percent))
         seen = set()
+        vram = self.vram
         for p in snapshot.processes:
-            if p.key in seen:
+            key = p.key
+            if key in seen:
                 continue  # one process on two GPUs: its first row's VRAM
-            seen.add(p.key)
-            _series(self.vram, p.key).add(*_value(p.shown_vram))
-        for key in [k for k in self.vram if k not in seen]:
-            del self.vram[key]
+            seen.add(key)
+            _series(vram, key).add(*_value(p.shown_vram))
+        if len(vram) > len(seen):
+            for key in [k for k in vram if k not in seen]:
+                del vram[key]
 
     def clear(self) -> None:
         """Forget everything (replay jumped: the frames before are not this one's past)."""
