@@ -118,6 +118,9 @@ class FakeCollector:
         self.calls += 1
         return dataclasses.replace(snap, taken=time.time()), system
 
+    def rescan(self, pid: int, create_time: float | None) -> None:
+        return None  # made-up processes: nothing to scan
+
     def close(self) -> None:
         pass
 

@@ -39,6 +39,9 @@ class FakeCollector:
         self.in_flight.clear()
         return self.snapshot, self.system
 
+    def rescan(self, pid, create_time):
+        return None  # fixed data: nothing to scan
+
     def close(self):
         self.closed = True
 

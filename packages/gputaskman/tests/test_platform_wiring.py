@@ -326,6 +326,9 @@ class FixedCollector:
     def sample_with_system(self):
         return self.results.pop(0) if len(self.results) > 1 else self.results[0]
 
+    def rescan(self, pid, create_time):
+        return None  # fixed data: nothing to scan
+
     def close(self):
         pass
 

@@ -19,6 +19,9 @@ class Fixed:
         self.calls += 1
         return self.snapshot, DemoSystem()
 
+    def rescan(self, pid: int, create_time: float | None) -> None:
+        return None  # fixed data: nothing to scan
+
     def close(self) -> None:
         pass
 

@@ -56,7 +56,13 @@ COMPACT_MAX_ROWS = 30
 
 
 class CollectorLike(Protocol):
+    """What the TUI needs of a collector (`core.collector.Collector` is the real one)."""
+
     def sample_with_system(self) -> tuple[Snapshot, HostSample | None]: ...
+
+    def rescan(self, pid: int, create_time: float | None) -> ProcDetail | None:
+        """One process scanned again now (enter); None when this collector cannot."""
+        ...
 
     def close(self) -> None: ...
 
@@ -321,8 +327,8 @@ class GtmApp(App[int]):
     @work(thread=True, group="collect")
     def rescan(self, pid: int, create_time: float | None) -> None:
         try:
-            rescan = getattr(self._collector, "rescan", None)
-            detail = rescan(pid, create_time) if rescan is not None else None
+            collector = self._collector  # None in replay: nothing live to scan
+            detail = collector.rescan(pid, create_time) if collector is not None else None
             self.post_message(RescanReady((pid, create_time), detail))
         except Exception as exc:  # a process that vanished or a denied read: say so
             self.post_message(SampleFailed(f"rescan of {pid}: {type(exc).__name__}: {exc}"))
