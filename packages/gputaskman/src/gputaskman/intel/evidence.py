@@ -33,9 +33,12 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gputaskman.base import procargs
+
+if TYPE_CHECKING:
+    from gputaskman.intel.procinfo import ModelEvidence
 
 __all__ = [
     "CORROBORATING",
@@ -71,7 +74,7 @@ def api_key_from_argv(argv: Sequence[str]) -> str | None:
     return procargs.flag_value(argv, ("--api-key",))
 
 
-def from_procinfo(models: Iterable[Any]) -> list[Evidence]:
+def from_procinfo(models: Iterable[ModelEvidence]) -> list[Evidence]:
     """Evidence from ``procinfo.ProcInfo.models`` (``ModelEvidence`` rows), paths resolved.
 
     A row without a path (relative argument, unknown cwd) is dropped; a mapped file that was
@@ -79,12 +82,11 @@ def from_procinfo(models: Iterable[Any]) -> list[Evidence]:
     """
     out: list[Evidence] = []
     for m in models:
-        path = getattr(m, "path", None)
-        kind = getattr(m, "evidence", None)
+        path, kind = m.path, m.evidence
         if not path or kind not in (Source.MAPPED, Source.CMDLINE, Source.PATH_ARG):
             continue
-        real = path if getattr(m, "deleted", False) else os.path.realpath(path)
-        detail = getattr(m, "flag", None) or ("(deleted)" if getattr(m, "deleted", False) else None)
+        real = path if m.deleted else os.path.realpath(path)
+        detail = m.flag or ("(deleted)" if m.deleted else None)
         out.append(Evidence(Source(kind), path=real, detail=detail))
     return out
 

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gputaskman.base import procfs
 from gputaskman.base.procargs import split_cmdline
@@ -45,6 +45,9 @@ from gputaskman.base.readings import ModelRef
 from gputaskman.intel import apps, evidence, gguf, llm, stores
 from gputaskman.intel.evidence import Evidence, ModelClaim, Source
 from gputaskman.intel.runtimes import LLM
+
+if TYPE_CHECKING:
+    from gputaskman.intel.procinfo import ProcInfo
 
 __all__ = ["Inputs", "ModelResolver", "Resolved", "gather"]
 
@@ -80,10 +83,10 @@ class Resolved:
     app: apps.AppModel | None = None
 
 
-def _runtime_hint(info: Any) -> str | None:
+def _runtime_hint(info: ProcInfo) -> str | None:
     """The API table to try, from the mapped runtime libraries (None: try every table)."""
-    keys = set(getattr(info, "runtime_keys", ()) or ())
-    name = (getattr(info, "name", None) or "").lower()
+    keys = set(info.runtime_keys)
+    name = (info.name or "").lower()
     if name.startswith("ollama"):
         return "ollama"
     if "llama" in keys or any(k.startswith("ggml") for k in keys) or name.startswith("llama"):
@@ -93,14 +96,14 @@ def _runtime_hint(info: Any) -> str | None:
     return None
 
 
-def _llm_by_libraries(info: Any) -> bool:
-    c = getattr(info, "classification", None)
+def _llm_by_libraries(info: ProcInfo) -> bool:
+    c = info.classification
     return c is not None and c.category == LLM and not c.heuristic
 
 
-def cheap_claims(info: Any) -> list[ModelClaim]:
+def cheap_claims(info: ProcInfo) -> list[ModelClaim]:
     """Claims from procinfo's evidence only (no I/O)."""
-    return evidence.assess(evidence.from_procinfo(getattr(info, "models", ()) or ()))
+    return evidence.assess(evidence.from_procinfo(info.models))
 
 
 def _raw_argv(pid: int, proc: str) -> tuple[str, ...]:
@@ -110,7 +113,7 @@ def _raw_argv(pid: int, proc: str) -> tuple[str, ...]:
         return ()
 
 
-def _store_blobs(info: Any, index: stores.StoreIndex, proc: str) -> list[Evidence]:
+def _store_blobs(info: ProcInfo, index: stores.StoreIndex, proc: str) -> list[Evidence]:
     """``mapped`` evidence for mapped store files without a model extension."""
     from gputaskman.intel.procinfo import mapped_paths
 
@@ -148,7 +151,7 @@ def _parent_ollama(pid: int, proc: str) -> int | None:
 
 
 def gather(
-    info: Any,
+    info: ProcInfo,
     index: stores.StoreIndex,
     *,
     proc: str = procfs.PROC,
@@ -158,12 +161,12 @@ def gather(
     """Do every costly look for one process (see the module docstring). Never raises for
     a process that vanished or refused a read: what could not be read is simply absent."""
     t0 = time.perf_counter()
-    pid, cwd = info.pid, getattr(info, "cwd", None)
+    pid, cwd = info.pid, info.cwd
     app = None
     spec = apps.spec_for_process(info.name or "")
     if spec is not None:
         app = apps.read_app_model(spec)
-    evs = evidence.from_procinfo(info.models or ())
+    evs = evidence.from_procinfo(info.models)
     name = (info.name or "").lower()
     has_mapped = any(e.source is Source.MAPPED for e in evs)
     if not has_mapped and (name.startswith(BLOB_PROCESS_NAMES) or _llm_by_libraries(info)):
@@ -270,7 +273,7 @@ def _ref(
 
 
 def build(
-    info: Any,
+    info: ProcInfo,
     inputs: Inputs | None,
     *,
     argv: Sequence[str] | None,
@@ -343,7 +346,7 @@ class ModelResolver:
             for t in self._pool:
                 t.start()
 
-    def _gather(self, info: Any) -> Inputs:
+    def _gather(self, info: ProcInfo) -> Inputs:
         return gather(
             info,
             self.index,
@@ -352,7 +355,7 @@ class ModelResolver:
             probe_deadline=self.probe_deadline,
         )
 
-    def inputs(self, info: Any) -> Inputs | None:
+    def inputs(self, info: ProcInfo) -> Inputs | None:
         """Gathered inputs for `info` (inline when not in background; else cached, with a
         job submitted when missing or older than `ttl`). Never blocks in background mode."""
         key = info.key
@@ -395,12 +398,12 @@ class ModelResolver:
             return self._idle.wait_for(lambda: not self._running, timeout)
 
     def resolve(
-        self, info: Any, *, measured_bytes: int | None = None, device: str | None = None
+        self, info: ProcInfo, *, measured_bytes: int | None = None, device: str | None = None
     ) -> Resolved:
         return build(
             info,
             self.inputs(info),
-            argv=getattr(info, "cmdline", None),
+            argv=info.cmdline,
             measured_bytes=measured_bytes,
             device=device,
         )
