@@ -111,6 +111,16 @@ class AdapterDoc:
     attributed_bytes: int | None = None
     attributed_complete: bool | None = None
 
+    def identity(self) -> dict[str, Any]:
+        """Which adapter this is, as summary and diff write it in their JSON."""
+        return {
+            "index": self.index,
+            "vendor": self.vendor,
+            "name": self.name,
+            "uuid": self.uuid,
+            "pci_bus_id": self.pci_bus_id,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class ProcessDoc:

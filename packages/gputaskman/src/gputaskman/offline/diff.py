@@ -224,14 +224,7 @@ UNPAIRED = "\0unpaired"  # the bus of a row whose adapter has no partner: pairs 
 
 
 def _ident(a: AdapterDoc) -> dict[str, Any]:
-    return {
-        "index": a.index,
-        "vendor": a.vendor,
-        "name": a.name,
-        "uuid": a.uuid,
-        "pci_bus_id": a.pci_bus_id,
-        "backend": a.backend,
-    }
+    return {**a.identity(), "backend": a.backend}  # diff also names the backend of each side
 
 
 def _label(a: AdapterDoc) -> str:

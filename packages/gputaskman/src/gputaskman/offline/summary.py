@@ -80,16 +80,6 @@ class Sample:
     proc_vram: dict[tuple[str | None, str], int]  # (host, name) -> measured bytes, summed
 
 
-def _adapter_ident(a: AdapterDoc) -> dict[str, Any]:
-    return {
-        "index": a.index,
-        "vendor": a.vendor,
-        "name": a.name,
-        "uuid": a.uuid,
-        "pci_bus_id": a.pci_bus_id,
-    }
-
-
 def _adapter_readings(a: AdapterDoc) -> Iterator[tuple[str, Reading]]:
     if a.metrics is not None:
         for name in DeviceMetrics.__slots__:
@@ -110,7 +100,7 @@ def sample_from_doc(doc: Document, lineno: int) -> Sample:
     values: dict[MetricKey, float] = {}
     adapters = []
     for a in doc.adapters:
-        adapters.append(_adapter_ident(a))
+        adapters.append(a.identity())
         scope = str(a.pci_bus_id)
         for name, r in _adapter_readings(a):
             if r.value is not None:
