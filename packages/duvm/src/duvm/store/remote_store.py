@@ -30,7 +30,7 @@ Theory of operation, and where each part lives:
 - `repair.Repairer`: a background task that restores R for degraded slabs; while a slab is
   being copied, writes and trims to it also go to the new replica, under a per-slab lock.
 - `readahead.Readahead`: sequential swap-in reads served from windows fetched early.
-- `replica_errors`: what counts as a replica failure, and the wait (`unreachable_wait`, 30 s)
+- `replica_errors`: what counts as a replica failure, and the wait (`unreachable_wait`, 50 s)
   while no replica of a slab answers: for swap a stall beats an error, up to a limit.
 - Requests arrive validated: the NBD layer advertises a 4096-byte minimum block and refuses
   anything unaligned or past the end with EINVAL (`nbdproto.validate`); here alignment is only

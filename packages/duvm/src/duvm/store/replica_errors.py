@@ -16,8 +16,14 @@ from duvm.store.storage import PAGE_SIZE, StorageError
 from duvm.wire.pageproto import ErrorCode
 
 # When no replica of a slab can be reached, requests wait this long for one to come back
-# (a restart, a flapping link) before failing: for swap, a stall beats an I/O error.
-DEFAULT_UNREACHABLE_WAIT = 30.0
+# (a restart, a flapping link, a memserver's host too busy to answer) before failing: for swap
+# a stall beats an I/O error, which kills the program whose page it was (SIGBUS). Waiting
+# longer stops helping at 60 s: the kernel's nbd client gives up a request after 60 s
+# (`node.attach.DEFAULT_NBD_TIMEOUT_S`), and a memserver frees a lost client's pages 60 s after
+# its connection died (`memserver.pagestore.DEFAULT_LEASE_S`). So 50 s: 60 less the 5 s a
+# stalled connection takes to be noticed (`remote_health.DEFAULT_OP_TIMEOUT`), less 5 s to
+# spare. tests/test_unreachable_wait.py holds these to each other.
+DEFAULT_UNREACHABLE_WAIT = 50.0
 RETRY_MIN_S, RETRY_MAX_S = 0.05, 1.0
 REPLICA_FAILURES = (PageServerError, MemserverUnreachable)
 _MASK = PAGE_SIZE - 1
