@@ -20,15 +20,14 @@ non-200 an `error`. A 200's body is then read by `read_body`, in bounded memory 
 * `read_document` reads the rest into typed objects, and a wrong type anywhere is
   `incompatible` with the place it was found.
 
-The result is an `Answer`: `up` with the `Document` and the parsed object (written out again
-by ``fleet --json`` and ``fleet record``), or a status and a reason, never zeros.
+The result is an `Answer`: `up` with the `Document` and the body it was read from (the
+validated bytes, written out again by ``fleet --json`` and ``fleet record``), or a status and
+a reason, never zeros.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from gputaskman.core.document import Document, SnapshotError, check_snapshot, read_document
 from gputaskman.core.fleetdoc import HostStatus
@@ -44,7 +43,7 @@ class Answer:
     status: HostStatus
     reason: str | None = None
     document: Document | None = None
-    raw: Mapping[str, Any] | None = None
+    body: bytes | None = None  # the bytes `document` was read from (valid JSON)
     unchanged: bool = False  # up, with the document the poller already has (HTTP 304)
 
 
@@ -74,7 +73,7 @@ def read_body(body: bytes) -> Answer:
         doc = read_document(obj)
     except SnapshotError as exc:
         return Answer(HostStatus.INCOMPATIBLE, _shorten(f"unreadable snapshot: {exc}"))
-    return Answer(HostStatus.UP, None, doc, obj)
+    return Answer(HostStatus.UP, None, doc, body)
 
 
 def read_answer(resp: HttpResponse, token_sent: bool) -> Answer:
