@@ -165,6 +165,8 @@ def test_hostile_bodies_are_refused_in_bounded_memory():
         tracemalloc.stop()
     assert ans.status is HostStatus.INCOMPATIBLE and "JSON objects and lists" in ans.reason
     assert peak < 1_000_000  # nothing parsed: the body is not copied, let alone expanded
+    over = b"[" * (reader.MAX_CONTAINERS + 1)  # the shortest body over the cap is counted
+    assert "JSON objects and lists" in reader.read_body(over).reason
     deep = b"[" * 100_000 + b"]" * 100_000
     assert "nested too deep" in reader.read_body(deep).reason
     cases = {

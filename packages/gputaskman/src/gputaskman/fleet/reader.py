@@ -11,8 +11,9 @@ or one older than this view), 503 a serve with no sample yet (`starting`), any o
 non-200 an `error`. A 200's body is then read by `read_body`, in bounded memory and time:
 
 * its size is capped before it is read (`httpwire.ResponseReader`, `MAX_DOCUMENT_BYTES`);
-* the JSON containers are counted before parsing (``{`` and ``[`` bytes, an upper bound), so
-  a small body cannot expand into millions of objects (`MAX_CONTAINERS`); nesting deeper than
+* the JSON containers are counted before parsing (``{`` and ``[`` bytes, an upper bound; a
+  body of at most `MAX_CONTAINERS` bytes cannot hold more), so a small body cannot expand
+  into millions of objects (`MAX_CONTAINERS`); nesting deeper than
   Python's recursion limit is refused by the JSON parser itself; NaN and Infinity are refused
   (unknown is null);
 * the top-level shape and the ``schema_version`` are checked (`document.check_snapshot`):
@@ -53,7 +54,8 @@ def _shorten(text: str, limit: int = 160) -> str:
 
 def read_body(body: bytes) -> Answer:
     """A 200's body read as a snapshot document (see the module docstring). Never raises."""
-    containers = body.count(b"{") + body.count(b"[")
+    # every container takes a byte: a body no longer than the cap needs no counting
+    containers = 0 if len(body) <= MAX_CONTAINERS else body.count(b"{") + body.count(b"[")
     if containers > MAX_CONTAINERS:
         return Answer(
             HostStatus.INCOMPATIBLE,
