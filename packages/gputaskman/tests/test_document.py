@@ -36,6 +36,10 @@ def _doc() -> dict[str, Any]:
         (("processes", 0, "model", "name"), None, "processes[0].model.name: expected a string"),
         (("system", "memory", "used_bytes"), "12 GiB", "system.memory.used_bytes: expected"),
         (("processes", 0, "vram_bytes", "value"), True, "vram_bytes.value: True is not a number"),
+        (("processes", 0, "runtimes"), ["CUDA", 3], "runtimes: expected a list of strings"),
+        (("processes", 0, "runtimes"), "CUDA", "runtimes: expected a list of strings"),
+        (("processes", 0, "vram_bytes", "source"), 7, "vram_bytes.source: expected a string"),
+        (("processes", 0, "vram_bytes", "detail"), [], "vram_bytes.detail: expected a string"),
     ],
 )
 def test_what_cannot_be_read_is_refused_naming_the_place(where, value, message) -> None:

@@ -20,7 +20,7 @@ from gputaskman.core import fleetdoc, report
 from gputaskman.core.document import read_document
 from gputaskman.core.fleetdoc import HostStatus
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
-from gputaskman.fleet.output import FleetRecorder, fleet_document
+from gputaskman.fleet.output import FleetRecorder, fleet_document, fleet_line
 from gputaskman.fleet.poller import HostState
 from gputaskman.fleet.targets import parse_target
 from gputaskman.offline import diff_report, summary
@@ -94,7 +94,7 @@ def _write_record(path: Path, rounds: int = 4) -> None:
                         HostStatus.UP,
                         None,
                         read_document(raw),
-                        raw,
+                        json.dumps(raw).encode(),
                         1000.0 + seqs[h],
                         0.01,
                         seqs[h],
@@ -164,7 +164,8 @@ def test_replay_summary_and_diff_read_one_host_of_a_fleet_record(tmp_path, capsy
 def test_a_fleet_json_document_is_read_per_host_by_diff(tmp_path):
     poller = FakePoller()
     raw = _doc(1000.0, 2.0)
-    up = HostState(poller.targets[0], HostStatus.UP, None, read_document(raw), raw, 1.0, 0.01, 1)
+    body = json.dumps(raw).encode()
+    up = HostState(poller.targets[0], HostStatus.UP, None, read_document(raw), body, 1.0, 0.01, 1)
     down = HostState(poller.targets[1], HostStatus.REFUSED, "the host wants a token")
     doc = fleet_document((up, down), interval=1.0, timeout=1.0)
     path = tmp_path / "fleet.json"
@@ -200,3 +201,29 @@ def test_a_torn_fleet_line_is_skipped_quietly(tmp_path):
     path.write_bytes(data + data.splitlines(keepends=True)[0][:100])
     entries = list(iter_record(io.BytesIO(path.read_bytes()), "gpu-a"))
     assert [e.ok for e in entries] == [True, True, False] and entries[-1].incomplete
+
+
+def test_a_record_line_holds_each_hosts_validated_bytes_as_one_ascii_line():
+    """Catches a recorder that parses and encodes every body again (200 a second in a big
+    fleet) and one whose line a body's newline or non-ASCII text would break: the bytes
+    are spliced in as the host sent them, CR/LF (only whitespace in JSON) become spaces,
+    and a non-ASCII body is encoded again as ASCII."""
+    poller = FakePoller()
+    raw = _doc(1000.0, 2.0)
+    spaced = json.dumps(raw).encode()  # ", " and ": ": not how encode_line writes
+    indented = json.dumps(raw, indent=1).replace("\n", "\r\n", 1).encode()
+    noted = dict(raw, notes=["Grüße"])
+    utf8 = json.dumps(noted, ensure_ascii=False).encode()
+    bodies = (spaced, indented, utf8)
+    states = tuple(
+        HostState(t, HostStatus.UP, None, read_document(json.loads(b)), b, 1.0, 0.01, 1)
+        for t, b in zip(poller.targets, bodies, strict=True)
+    )
+    line = fleet_line(states, interval=1.0, timeout=1.0, written={})
+    assert line.isascii() and line.endswith(b"\n") and line.count(b"\n") == 1 and b"\r" not in line
+    assert b'"snapshot":' + spaced + b"}" in line
+    doc = fleetdoc.check_fleet(json.loads(line))
+    assert [h["snapshot"] for h in doc["hosts"]] == [raw, raw, noted]
+    assert doc == fleet_document(states, interval=1.0, timeout=1.0, taken=doc["taken"])
+    again = fleet_line(states, interval=1.0, timeout=1.0, written=dict.fromkeys(HOSTS, 1))
+    assert [h["snapshot"] for h in json.loads(again)["hosts"]] == [None, None, None]

@@ -337,7 +337,7 @@ def _host_number(o: Fields, key: str) -> Reading | None:
     """One system number: a reading object, or (early files) a plain number, or null with
     its reason in the section's ``reasons`` object."""
     v = o.m.get(key)
-    if isinstance(v, Mapping):
+    if type(v) is dict or isinstance(v, Mapping):
         return o.reading(key)
     if is_number(v):
         return Reading.measured(v, RECORDED_SOURCE)
@@ -478,7 +478,7 @@ def _system(o: Fields) -> SystemDoc:
 def _metrics(o: Fields | None) -> DeviceMetrics | None:
     if o is None:
         return None
-    return DeviceMetrics(*(o.need_reading(n) for n in DeviceMetrics.__slots__))
+    return DeviceMetrics(*[o.need_reading(n) for n in DeviceMetrics.__slots__])
 
 
 def _adapter(o: Fields, backend: str) -> AdapterDoc:

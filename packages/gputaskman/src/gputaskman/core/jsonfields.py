@@ -20,6 +20,7 @@ KINDS = {k.value: k for k in Kind}
 REASONS = {r.value: r for r in Reason}
 _INFINITIES = (math.inf, -math.inf)
 _LONG = 2**63  # an integer within ±_LONG is finite as a float
+_STR = {str}
 
 
 class SnapshotError(ValueError):
@@ -127,6 +128,8 @@ class Fields:
         v = self.m.get(key)
         if v is None:
             return ()
+        if type(v) is list and set(map(type, v)) <= _STR:  # no Python frame per item
+            return tuple(v)
         if isinstance(v, list) and all(isinstance(x, str) for x in v):
             return tuple(v)
         self._wrong(key, "a list of strings", False)
@@ -149,35 +152,28 @@ class Fields:
             self._wrong(key, "a list", required)
         return [Fields(x, self, (key, i)) for i, x in enumerate(v)]
 
-    def reading(self, key: Key) -> Reading | None:
-        """The reading object at `key` (a key, or a key and an index into its list)."""
-        v = self.m.get(key) if isinstance(key, str) else self.m[key[0]][key[1]]
-        if v is None:
-            return None
-        try:  # the fast path: a well-formed reading object, as the writer wrote it
-            kind, source, detail = KINDS[v["kind"]], v["source"], v["detail"]
-            value, why = v["value"], v["reason"]
-        except (KeyError, TypeError, IndexError):
-            pass
-        else:
-            if isinstance(source, str) and (detail is None or isinstance(detail, str)):
-                # what Reading checks, checked here: it is built without checking again
-                if why is None and is_number(value):
-                    return checked_reading(value, kind, source, None, detail)
-                if value is None and isinstance(why, str) and why in REASONS:
-                    return checked_reading(None, kind, source, REASONS[why], detail)
-        return _reading(Fields(v, self, key))
+    def reading(self, key: str) -> Reading | None:
+        """The reading object at `key`; None when it is absent or null."""
+        v = self.m.get(key)
+        return None if v is None else _read(v, self, key)
 
     def need_reading(self, key: str) -> Reading:
-        r = self.reading(key)
-        if r is None:
+        v = self.m.get(key)
+        if v is None:
             self._wrong(key, "a reading", True)
-        return r
+        return _read(v, self, key)
 
     def readings(self, key: str) -> dict[str, Reading]:
         """An object of named readings (``engines``, ``extra_metrics``); {} when absent."""
         o = self.obj(key)
-        return {} if o is None else {str(k): o.need_reading(str(k)) for k in o.m}
+        if o is None:
+            return {}
+        out = {}
+        for k, v in o.m.items():
+            if v is None:
+                o._wrong(k, "a reading", True)
+            out[k] = _read(v, o, k)
+        return out
 
     def readings_in(self, key: str) -> tuple[Reading, ...]:
         """A list of readings (a breakdown part's ``alternatives``); () when absent."""
@@ -186,7 +182,27 @@ class Fields:
             return ()
         if not isinstance(v, list) or None in v:
             self._wrong(key, "a list of readings", False)
-        return tuple(self.reading((key, i)) for i in range(len(v)))  # type: ignore[misc]
+        return tuple(_read(x, self, (key, i)) for i, x in enumerate(v))
+
+
+def _read(v: Any, up: Fields, key: Key) -> Reading:
+    """The reading object `v` (not None) found at `key` of `up`."""
+    try:  # the fast path: a well-formed reading object, as the writer wrote it
+        kind, source, detail = KINDS[v["kind"]], v["source"], v["detail"]
+        value, why = v["value"], v["reason"]
+    except (KeyError, TypeError, IndexError):
+        pass
+    else:
+        # what Reading checks, checked here (is_number's exact-type test inlined): it is
+        # built without checking again; anything else takes the slow path, which decides
+        if type(source) is str and (detail is None or type(detail) is str):
+            if why is None:
+                t = type(value)
+                if (t is int and -_LONG <= value < _LONG) or (t is float and value - value == 0):
+                    return checked_reading(value, kind, source, None, detail)
+            elif value is None and type(why) is str and why in REASONS:
+                return checked_reading(None, kind, source, REASONS[why], detail)
+    return _reading(Fields(v, up, key))
 
 
 def _kind(v: object) -> Kind | None:

@@ -6,11 +6,17 @@ Theory of operation
 -------------------
 `fleet_document` is `core.fleetdoc.fleet_json` of the states: every host with its status,
 reason, latency and last answer time, the fleet totals (`view.totals_json`), and each
-host's snapshot exactly as its serve answered it. For ``--json`` that is the host's current
-document (null when it is not up). For a record line it is an answer that no earlier line
-holds (`FleetRecorder` keeps, per host, the `HostState.seq` it last wrote), so a host's
-snapshot is in the file once, and a round in which a host was down or had no new answer
-says so in its status, with a null snapshot, never a repeated or zeroed one.
+host's snapshot as its serve answered it (`HostState.body`, parsed again: ``--json`` runs
+once). There it is the host's current document (null when it is not up).
+
+`fleet_line` is the same document as one record line, written every round: each snapshot is
+the validated bytes spliced in, not parsed and encoded again (a raw CR or LF byte in valid
+JSON is only whitespace, so it becomes a space and the line stays one line; a body with
+non-ASCII bytes, which no serve writes, is encoded again to keep record lines ASCII). A
+record line holds only answers that no earlier line holds (`FleetRecorder` keeps, per host,
+the `HostState.seq` it last wrote), so a host's snapshot is in the file once, and a round in
+which a host was down or had no new answer says so in its status, with a null snapshot,
+never a repeated or zeroed one.
 
 `FleetRecorder` writes a line once every host has been polled (or the poll timeout has
 passed), then one line every `interval`, with the single-host recorder's guarantees
@@ -33,6 +39,7 @@ from gputaskman.fleet.poller import HostState, Poller
 from gputaskman.fleet.targets import TargetError, parse_target
 from gputaskman.fleet.view import fleet_totals, totals_json
 from gputaskman.offline.record import RecordError, RecordResult, encode_line, write_line
+from gputaskman.offline.recordfile import parse_json
 
 
 def states_of(doc: Mapping[str, Any]) -> tuple[HostState, ...]:
@@ -49,6 +56,7 @@ def states_of(doc: Mapping[str, Any]) -> tuple[HostState, ...]:
             raise SnapshotError(f"hosts[{i}].address: {exc}") from None
         raw = h["snapshot"]
         document = None if raw is None else read_document(raw)
+        body = None if raw is None else encode_line(raw).rstrip(b"\n")
         status = HostStatus(h["status"])
         out.append(
             HostState(
@@ -56,7 +64,7 @@ def states_of(doc: Mapping[str, Any]) -> tuple[HostState, ...]:
                 status,
                 h.get("reason"),
                 document,
-                raw,
+                body,
                 h.get("answered"),
                 h.get("latency_s"),
                 seq=int(raw is not None),
@@ -67,33 +75,69 @@ def states_of(doc: Mapping[str, Any]) -> tuple[HostState, ...]:
 
 
 def fleet_document(
+    states: Sequence[HostState], *, interval: float, timeout: float, taken: float | None = None
+) -> dict[str, Any]:
+    """The fleet document of `states`, each up host's snapshot parsed from its `body`."""
+    snaps = [parse_json(s.body) if s.up and s.body is not None else None for s in states]
+    return _document(states, snaps, interval, timeout, taken)
+
+
+def fleet_line(
     states: Sequence[HostState],
     *,
     interval: float,
     timeout: float,
-    written: Mapping[str, int] | None = None,
+    written: Mapping[str, int],
     taken: float | None = None,
+) -> bytes:
+    """The fleet document of `states` as one record line (see the module docstring): a
+    host's snapshot only when its `seq` is newer than `written` (host -> the `seq` already
+    in the file), its bytes spliced in."""
+    doc = _document(states, [None] * len(states), interval, timeout, taken)
+    hosts = doc.pop("hosts")
+    doc["hosts"] = []  # last, so its entries go just before the closing "]}"
+    parts = [encode_line(doc)[: -len(b"]}\n")]]
+    for i, (s, h) in enumerate(zip(states, hosts, strict=True)):
+        h.pop("snapshot")
+        h["snapshot"] = None  # last: its null is the last bytes before the closing "}"
+        entry = encode_line(h)[: -len(b"null}\n")]
+        snap = b"null"
+        if s.body is not None and s.seq > written.get(s.target.name, 0):
+            snap = _line_safe(s.body)
+        parts += [b"," if i else b"", entry, snap, b"}"]
+    parts.append(b"]}\n")
+    return b"".join(parts)
+
+
+def _line_safe(body: bytes) -> bytes:
+    """A validated JSON body as bytes fit for one ASCII record line."""
+    if not body.isascii():
+        return encode_line(parse_json(body)).rstrip(b"\n")
+    if b"\n" in body or b"\r" in body:
+        return body.replace(b"\n", b" ").replace(b"\r", b" ")  # only whitespace in JSON
+    return body
+
+
+def _document(
+    states: Sequence[HostState],
+    snapshots: Sequence[Mapping[str, Any] | None],
+    interval: float,
+    timeout: float,
+    taken: float | None,
 ) -> dict[str, Any]:
-    """The fleet document of `states`. With `written` (host -> the `seq` already in the
-    file), a host's snapshot is included only when it is newer than that."""
-    hosts = []
-    for s in states:
-        if written is None:
-            snap = s.raw if s.up else None
-        else:
-            snap = s.raw if s.raw is not None and s.seq > written.get(s.target.name, 0) else None
-        hosts.append(
-            host_json(
-                name=s.target.name,
-                address=s.target.address,
-                url=s.target.url,
-                status=s.status,
-                reason=s.reason,
-                latency_s=s.latency_s,
-                answered=s.answered_at,
-                snapshot=snap,
-            )
+    hosts = [
+        host_json(
+            name=s.target.name,
+            address=s.target.address,
+            url=s.target.url,
+            status=s.status,
+            reason=s.reason,
+            latency_s=s.latency_s,
+            answered=s.answered_at,
+            snapshot=snap,
         )
+        for s, snap in zip(states, snapshots, strict=True)
+    ]
     return fleet_json(
         hosts,
         totals_json(fleet_totals(states)),
@@ -132,10 +176,10 @@ class FleetRecorder:
 
     def write_round(self) -> None:
         states = self.poller.states()
-        doc = fleet_document(
+        line = fleet_line(
             states, interval=self.interval, timeout=self.poller.timeout, written=self.written
         )
-        write_line(self.fd, encode_line(doc))
+        write_line(self.fd, line)
         for s in states:
             self.written[s.target.name] = s.seq
         self.result.samples += 1

@@ -26,7 +26,8 @@ one good answer resets it. `poll_now` wakes every host at once.
 
 What the UI reads: `states()`, one frozen `HostState` per host in the order given, replaced
 whole on every poll (never mutated, so a reader on another thread sees a consistent state).
-A host that goes down keeps its last document in `document`, with its status and reason
+A host that goes down keeps its last document in `document` (and in `body` the bytes it was
+read from, which ``fleet --json`` and ``fleet record`` write out), with its status and reason
 saying it is not current: a view shows the reason, never zeros. `seq` counts the distinct
 documents read, so a recorder knows which answers are new.
 
@@ -46,7 +47,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from gputaskman.core.document import Document
 from gputaskman.core.fleetdoc import HostStatus
@@ -73,7 +73,7 @@ class HostState:
     status: HostStatus = HostStatus.WAITING
     reason: str | None = "not polled yet"
     document: Document | None = None  # the last document read (current only when up)
-    raw: Any = None  # that document as parsed JSON (for --json and record)
+    body: bytes | None = None  # the bytes it was read from, valid JSON (for --json and record)
     answered_at: float | None = None  # time.time() of the last answer with a document
     latency_s: float | None = None  # of the last poll that got an answer
     seq: int = 0  # distinct documents read so far (the same sample again is not counted)
@@ -293,7 +293,7 @@ class Poller:
                 status=ans.status,
                 reason=None,
                 document=ans.document,
-                raw=ans.raw,
+                body=ans.body,
                 answered_at=time.time(),
                 latency_s=latency,
                 seq=prev.seq + 1,

@@ -11,8 +11,9 @@ or one older than this view), 503 a serve with no sample yet (`starting`), any o
 non-200 an `error`. A 200's body is then read by `read_body`, in bounded memory and time:
 
 * its size is capped before it is read (`httpwire.ResponseReader`, `MAX_DOCUMENT_BYTES`);
-* the JSON containers are counted before parsing (``{`` and ``[`` bytes, an upper bound), so
-  a small body cannot expand into millions of objects (`MAX_CONTAINERS`); nesting deeper than
+* the JSON containers are counted before parsing (``{`` and ``[`` bytes, an upper bound; a
+  body of at most `MAX_CONTAINERS` bytes cannot hold more), so a small body cannot expand
+  into millions of objects (`MAX_CONTAINERS`); nesting deeper than
   Python's recursion limit is refused by the JSON parser itself; NaN and Infinity are refused
   (unknown is null);
 * the top-level shape and the ``schema_version`` are checked (`document.check_snapshot`):
@@ -20,15 +21,14 @@ non-200 an `error`. A 200's body is then read by `read_body`, in bounded memory 
 * `read_document` reads the rest into typed objects, and a wrong type anywhere is
   `incompatible` with the place it was found.
 
-The result is an `Answer`: `up` with the `Document` and the parsed object (written out again
-by ``fleet --json`` and ``fleet record``), or a status and a reason, never zeros.
+The result is an `Answer`: `up` with the `Document` and the body it was read from (the
+validated bytes, written out again by ``fleet --json`` and ``fleet record``), or a status and
+a reason, never zeros.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from gputaskman.core.document import Document, SnapshotError, check_snapshot, read_document
 from gputaskman.core.fleetdoc import HostStatus
@@ -44,7 +44,7 @@ class Answer:
     status: HostStatus
     reason: str | None = None
     document: Document | None = None
-    raw: Mapping[str, Any] | None = None
+    body: bytes | None = None  # the bytes `document` was read from (valid JSON)
     unchanged: bool = False  # up, with the document the poller already has (HTTP 304)
 
 
@@ -54,7 +54,8 @@ def _shorten(text: str, limit: int = 160) -> str:
 
 def read_body(body: bytes) -> Answer:
     """A 200's body read as a snapshot document (see the module docstring). Never raises."""
-    containers = body.count(b"{") + body.count(b"[")
+    # every container takes a byte: a body no longer than the cap needs no counting
+    containers = 0 if len(body) <= MAX_CONTAINERS else body.count(b"{") + body.count(b"[")
     if containers > MAX_CONTAINERS:
         return Answer(
             HostStatus.INCOMPATIBLE,
@@ -74,7 +75,7 @@ def read_body(body: bytes) -> Answer:
         doc = read_document(obj)
     except SnapshotError as exc:
         return Answer(HostStatus.INCOMPATIBLE, _shorten(f"unreadable snapshot: {exc}"))
-    return Answer(HostStatus.UP, None, doc, obj)
+    return Answer(HostStatus.UP, None, doc, body)
 
 
 def read_answer(resp: HttpResponse, token_sent: bool) -> Answer:
