@@ -227,3 +227,30 @@ def test_a_record_line_holds_each_hosts_validated_bytes_as_one_ascii_line():
     assert doc == fleet_document(states, interval=1.0, timeout=1.0, taken=doc["taken"])
     again = fleet_line(states, interval=1.0, timeout=1.0, written=dict.fromkeys(HOSTS, 1))
     assert [h["snapshot"] for h in json.loads(again)["hosts"]] == [None, None, None]
+
+
+def test_a_slow_fleet_round_skips_the_ticks_it_missed(tmp_path):
+    """Catches a fleet recorder that bursts to catch up after a slow round (lines written
+    back to back, each with the same states), as the single-host recorder never does."""
+    now = [0.0]
+    started: list[float] = []
+
+    class Slow(FleetRecorder):
+        def write_round(self) -> None:
+            started.append(now[0])
+            super().write_round()
+            if len(started) == 2:
+                now[0] += 2.5  # the second round takes 2.5 intervals
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    fd = open_record(tmp_path / "f.jsonl", FLEET_LINE_PREFIX)
+    try:
+        rec = Slow(fd, FakePoller(), interval=1.0, count=4, clock=lambda: now[0], sleep=sleep)  # type: ignore[arg-type]
+        result = rec.run()
+    finally:
+        os.close(fd)
+    assert started == [0.0, 1.0, 4.0, 5.0]  # the ticks at 2 and 3 skipped, not burst
+    assert result.samples == 4 and result.stopped_by == "count"
+    assert len((tmp_path / "f.jsonl").read_bytes().splitlines()) == 4

@@ -38,7 +38,7 @@ from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
 from gputaskman.fleet.poller import HostState, Poller
 from gputaskman.fleet.targets import TargetError, parse_target
 from gputaskman.fleet.view import fleet_totals, totals_json
-from gputaskman.offline.record import RecordError, RecordResult, encode_line, write_line
+from gputaskman.offline.record import RecordResult, encode_line, paced, write_line
 from gputaskman.offline.recordfile import parse_json
 
 
@@ -189,24 +189,16 @@ class FleetRecorder:
     def run(self) -> RecordResult:
         try:
             self.poller.wait_polled(self.poller.timeout + self.interval)
-            start = self.clock()  # the rounds count from the first line, not from the wait
-            tick = 0
-            while True:
-                self.write_round()
-                if self.count is not None and self.result.samples >= self.count:
-                    self.result.stopped_by = "count"
-                    break
-                tick += 1
-                next_at = start + tick * self.interval
-                if self.duration is not None and next_at - start >= self.duration:
-                    self.result.stopped_by = "duration"
-                    break
-                wait = next_at - self.clock()
-                if wait > 0:
-                    self.sleep(wait)
         except KeyboardInterrupt:
             self.result.stopped_by = "interrupt"
-        except RecordError as exc:
-            self.result.stopped_by = "error"
-            self.result.errors.append(str(exc))
-        return self.result
+            return self.result
+        # the rounds count from the first line, not from the wait
+        return paced(
+            self.write_round,
+            self.result,
+            interval=self.interval,
+            count=self.count,
+            duration=self.duration,
+            clock=self.clock,
+            sleep=self.sleep,
+        )

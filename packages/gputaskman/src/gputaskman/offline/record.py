@@ -225,34 +225,59 @@ class Recorder:
             self.on_sample(self.result)
 
     def run(self) -> RecordResult:
-        start = self.clock()
-        tick = 0
-        try:
-            while True:
-                if self.count is not None and self.result.samples >= self.count:
-                    self.result.stopped_by = "count"
-                    break
-                self.sample_once()
-                # Next start on the interval grid; a slow sample skips missed ticks
-                # instead of bursting to catch up.
-                elapsed = self.clock() - start
-                tick = max(tick + 1, int(elapsed / self.interval) + 1)
-                next_at = tick * self.interval
-                if self.duration is not None and next_at >= self.duration:
-                    self.result.stopped_by = "duration"
-                    break
-                if self.count is not None and self.result.samples >= self.count:
-                    self.result.stopped_by = "count"
-                    break
-                wait = next_at - (self.clock() - start)
-                if wait > 0:
-                    self.sleep(wait)
-        except KeyboardInterrupt:
-            self.result.stopped_by = "interrupt"
-        except RecordError as exc:
-            self.result.stopped_by = "error"
-            self.result.errors.append(str(exc))
-        return self.result
+        return paced(
+            self.sample_once,
+            self.result,
+            interval=self.interval,
+            count=self.count,
+            duration=self.duration,
+            clock=self.clock,
+            sleep=self.sleep,
+        )
+
+
+def paced(
+    step: Callable[[], None],
+    result: RecordResult,
+    *,
+    interval: float,
+    count: int | None = None,
+    duration: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> RecordResult:
+    """Call `step` (which writes one line, counted in `result.samples`, or counts a failure)
+    every `interval` seconds from the first call, until `count` lines are written, the next
+    call would start at or after `duration` seconds, KeyboardInterrupt (the caller maps
+    SIGTERM/SIGHUP to it) or a `RecordError` (the file cannot be written). A slow step skips
+    the ticks it missed instead of bursting to catch up. The recorder of one host and the
+    fleet's share it."""
+    start = clock()
+    tick = 0
+    try:
+        while True:
+            if count is not None and result.samples >= count:
+                result.stopped_by = "count"
+                break
+            step()
+            elapsed = clock() - start
+            tick = max(tick + 1, int(elapsed / interval) + 1)
+            next_at = tick * interval
+            if duration is not None and next_at >= duration:
+                result.stopped_by = "duration"
+                break
+            if count is not None and result.samples >= count:
+                result.stopped_by = "count"
+                break
+            wait = next_at - (clock() - start)
+            if wait > 0:
+                sleep(wait)
+    except KeyboardInterrupt:
+        result.stopped_by = "interrupt"
+    except RecordError as exc:
+        result.stopped_by = "error"
+        result.errors.append(str(exc))
+    return result
 
 
 # ---------------------------------------------------------------------------- CLI
