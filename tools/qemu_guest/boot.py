@@ -339,6 +339,7 @@ def run_guest(
     kill_memserver_at: int | None = None,
     reproduction: bool = False,
     sysctl: str = "",
+    method: str = "kernel-nbd",
     cache: Path = build_initramfs.DEFAULT_CACHE,
 ) -> GuestRun:
     """Boot the guest once; always cleans up what it started.
@@ -357,7 +358,8 @@ def run_guest(
     types exactly `duvm enable --peers ... --size ... --secret-file F` with a cluster secret
     made here, and the workload is a plain `python3 -c` holding os.urandom blocks, verified
     twice by SHA-256. `sysctl` ("kernel.sched_rt_runtime_us=-1 ...") is set in the guest at
-    boot. `python` must import duvm (the project's venv);
+    boot. `method` is how the guest's duvm attaches (`kernel-nbd`, or `nbdfuse-loop`: the
+    fallback for kernels without nbd). `python` must import duvm (the project's venv);
     the guest uses the same path. Raises GuestUnavailable when this host cannot boot it.
     """
     if why := problems():
@@ -409,6 +411,7 @@ def run_guest(
             "DUVM_SECRET_FILE": str(secret) if secret else "",
             "DUVM_URANDOM_WORKLOAD": "1" if reproduction else "",
             "DUVM_SYSCTL": sysctl,
+            "DUVM_METHOD": method,
             "DUVM_CHUNK_KIB": str(chunk_kib),
             "DUVM_PASSES": str(passes),
             "DUVM_GUEST_IP": net.guest_ip if net is not None else "10.0.2.15",
@@ -667,6 +670,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="'NAME=VALUE ...'",
         help="kernel settings for the guest at boot, e.g. 'kernel.sched_rt_runtime_us=-1'",
     )
+    p.add_argument(
+        "--method",
+        choices=("kernel-nbd", "nbdfuse-loop"),
+        default="kernel-nbd",
+        help="how the guest's duvm attaches (nbdfuse-loop: the fallback without kernel nbd)",
+    )
     p.add_argument("--keep", type=Path, help="keep logs in this folder")
     a = p.parse_args(argv)
     if a.keep:
@@ -692,6 +701,7 @@ def main(argv: list[str] | None = None) -> int:
             kill_memserver_at=a.kill_memserver_at,
             reproduction=a.reproduction,
             sysctl=a.sysctl,
+            method=a.method,
             workdir=a.keep,
         )
     except GuestUnavailable as exc:

@@ -18,7 +18,7 @@ is built for every run.
 
 Module order matters and ``modules.dep`` is not in the package (depmod makes it on install), so
 :data:`MODULES` spells it out: the 6.1 kernel's 9p needs netfs and fscache first, virtio's
-pieces come before the 9p and network transports, nbd has no dependencies.
+pieces come before the 9p and network transports; nbd, loop and fuse have no dependencies.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ MODULES = (
     "net_failover",
     "virtio_net",
     "nbd",
+    "loop",  # with fuse: the nbdfuse + loop path (boot.py --method nbdfuse-loop)
+    "fuse",
 )
 
 

@@ -547,7 +547,7 @@ def main() -> int:
     )
     config.write_text(
         f'peers = {json.dumps(peers.split(","))}\nsize = "{size}"\n'
-        f'method = "kernel-nbd"\nstate_dir = "{STATE_DIR}"\n'
+        f'method = "{os.environ.get("DUVM_METHOD") or "kernel-nbd"}"\nstate_dir = "{STATE_DIR}"\n'
         f"daemon_args = {json.dumps(daemon_args)}\n"
     )
     secret = os.environ.get("DUVM_SECRET_FILE")

@@ -47,7 +47,7 @@ OUTCOMES = ("verified", "oom-killed", "hung", "panicked", "bad-pages", "failed")
 # kernel messages worth keeping with a run's result
 _KERNEL = re.compile(
     r"(Kernel panic.*|block nbd\d+: .*|Out of memory: Killed process \d+ "
-    r"\(\S+\)|(?:Read|Write)-error on swap-device.*|I/O error, dev nbd.*)"
+    r"\(\S+\)|(?:Read|Write)-error on swap-device.*|I/O error, dev (?:nbd|loop).*)"
 )
 
 
@@ -118,11 +118,11 @@ def classify(run: boot.GuestRun) -> tuple[str, str]:
     result = (work or {}).get("result") or {}
     if result.get("bad_chunks"):
         return "bad-pages", f"{result['bad_chunks']} chunk(s) differ"
-    if re.search(r"(Read|Write)-error on swap-device|I/O error, dev nbd", console):
+    if re.search(r"(Read|Write)-error on swap-device|I/O error, dev (nbd|loop)", console):
         return "bad-pages", _first(
             console,
             r"(?:Read|Write)-error on swap-device[^\n]*"
-            r"|I/O error, dev nbd[^\n]*",
+            r"|I/O error, dev (?:nbd|loop)[^\n]*",
         )
     disabled = run.events.get("disable", {}).get("rc") == 0
     if work is None:
@@ -151,7 +151,14 @@ def _first(text: str, pattern: str) -> str:
 
 
 def run_one(
-    setup: Setup, out: Path, *, daemon_args: str, stall_s: float, timeout_s: float, sysctl: str = ""
+    setup: Setup,
+    out: Path,
+    *,
+    daemon_args: str,
+    stall_s: float,
+    timeout_s: float,
+    sysctl: str = "",
+    method: str = "kernel-nbd",
 ) -> dict[str, Any]:
     """Boot one guest for `setup`; its logs in OUT/NAME-TIME; one result record."""
     work = out / f"{setup.name.replace(':', '-')}-{time.strftime('%H%M%S')}"
@@ -164,6 +171,7 @@ def run_one(
         timeout_s=timeout_s,
         workdir=work,
         sysctl=sysctl,
+        method=method,
     )
     outcome, reason = classify(run)
     facts = boot.summary(run)
@@ -174,6 +182,7 @@ def run_one(
         "reason": reason,
         "daemon_args": daemon_args,
         "sysctl": sysctl,
+        "method": method,
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
         "seconds": run.seconds,
         "pages_out": facts["pages_out"],
@@ -217,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--timeout", type=float, default=900, metavar="S", help="per run")
     p.add_argument(
+        "--method",
+        choices=("kernel-nbd", "nbdfuse-loop"),
+        default="kernel-nbd",
+        help="how the guest's duvm attaches (nbdfuse-loop: the fallback without kernel nbd)",
+    )
+    p.add_argument(
         "--stop-on-bad",
         action="store_true",
         help="stop after the first run that hung, panicked or lost pages",
@@ -242,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 stall_s=a.stall,
                 timeout_s=a.timeout,
                 sysctl=a.sysctl,
+                method=a.method,
             )
         except boot.GuestUnavailable as exc:
             print(f"\nstress: cannot boot the guest here: {exc}", file=sys.stderr)
