@@ -114,3 +114,38 @@ def test_workload_in_cgroup_reports_intact(tmp_path: Path) -> None:
         )
     assert res.returncode == 0, res.stderr
     assert '"intact": true' in res.stdout.splitlines()[-1]
+
+
+def test_the_unswappable_group_forbids_swap_and_enables_the_controller(tmp_path: Path) -> None:
+    """Catches nbdfuse's group left swappable (memory.swap.max not 0: nbdfuse swapped out to
+    the device it serves waits for itself, seen hang a QEMU guest) or made without the memory
+    controller enabled for the root's children (the file would not exist). This machine's
+    memory controller is cgroup v1, so the v2 tree here is a stand-in of plain files; the
+    QEMU guests of tools/qemu_guest (`stress.py --method nbdfuse-loop`) use the real one."""
+    (tmp_path / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("cpu\n")
+    group = cgroup.unswappable_group(tmp_path)
+    assert group == tmp_path / cgroup.UNSWAPPABLE
+    assert (group / "memory.swap.max").read_text() == "0"
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+memory"
+    assert not (group / "memory.max").exists()  # no RAM limit: nbdfuse must never be OOM-killed
+    assert cgroup.unswappable_group(tmp_path) == group  # made once, found again
+
+
+def test_no_unswappable_group_without_cgroup_v2(tmp_path: Path) -> None:
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    with pytest.raises(cgroup.CgroupError, match="cgroup v1 cannot forbid swapping"):
+        cgroup.unswappable_group(tmp_path)
+
+
+def test_a_joined_child_writes_its_own_pid_before_it_runs(tmp_path: Path) -> None:
+    import subprocess
+
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text("")
+    child = subprocess.Popen(["sleep", "0"], preexec_fn=cgroup.joiner(tmp_path))
+    child.wait(10)
+    assert procs.read_text() == str(child.pid)
+    cgroup.remove_if_empty(tmp_path)  # not empty (a plain folder with files): left in place
+    assert tmp_path.exists()

@@ -198,7 +198,13 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         )  # ahead of any other swap here
         res = duvm(*enable)
         assert res.returncode == 0, res.stderr
-        assert "2 copies of each page" in res.stdout and "warning" not in res.stderr
+        assert "2 copies of each page" in res.stdout
+        warnings = [line for line in res.stderr.splitlines() if "warning" in line]
+        if "via nbdfuse-loop" in res.stdout and cgroup.detect_version() != 2:
+            # cgroup v1 cannot keep nbdfuse out of swap: enable says so, and nothing else
+            assert len(warnings) == 1 and "nbdfuse can be swapped out" in warnings[0]
+        else:
+            assert warnings == []
         # the daemon's state is on a ramfs of its own: a restarted daemon can read it back
         # even when everything else on /run was swapped out to this device (duvm.base.ramfs)
         ds = control.daemon_state_dir(state_dir)

@@ -31,11 +31,13 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+UNSWAPPABLE = "duvm-unswappable"  # the cgroup v2 group whose memory is never swapped out
 
 
 class CgroupError(Exception):
@@ -151,16 +153,7 @@ class MemoryCgroup:
 
     def popen(self, cmd: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `cmd` inside the group (it joins before exec, so no allocation escapes)."""
-        procs = str(self.path / "cgroup.procs")
-
-        def join() -> None:
-            fd = os.open(procs, os.O_WRONLY)
-            try:
-                os.write(fd, str(os.getpid()).encode())
-            finally:
-                os.close(fd)
-
-        return subprocess.Popen(cmd, preexec_fn=join, **kwargs)
+        return subprocess.Popen(cmd, preexec_fn=joiner(self.path), **kwargs)
 
     def run(
         self, cmd: list[str], timeout: float | None = None, **kwargs: Any
@@ -202,6 +195,52 @@ class MemoryCgroup:
             path.write_text(value)
         except OSError as exc:
             raise CgroupError(f"cannot write {value!r} to {path}: {exc}") from exc
+
+
+def joiner(group: Path) -> Callable[[], None]:
+    """What a forked child runs before exec to join `group` (a preexec function): the program
+    runs its first instruction inside it."""
+    procs = str(group / "cgroup.procs")
+
+    def join() -> None:
+        fd = os.open(procs, os.O_WRONLY)
+        try:
+            os.write(fd, str(os.getpid()).encode())
+        finally:
+            os.close(fd)
+
+    return join
+
+
+# --- memory that is never swapped out ---------------------------------------------------------
+
+
+def unswappable_group(root: Path = CGROUP_ROOT) -> Path:
+    """The cgroup v2 group `UNSWAPPABLE` below the root, made on first use: its memory is never
+    swapped out (``memory.swap.max`` 0) and has no RAM limit. It is for helpers on the swap
+    path that cannot lock themselves in memory: nbdfuse (mlockall does not survive exec) would
+    otherwise be swapped out to the device it serves, and then wait for itself.
+
+    CgroupError where there is no cgroup v2 memory controller: cgroup v1 cannot keep global
+    reclaim from swapping a group out (its swappiness 0 binds only the group's own limit)."""
+    if detect_version(root) != 2:
+        raise CgroupError("no cgroup v2 memory controller (cgroup v1 cannot forbid swapping)")
+    control = root / "cgroup.subtree_control"
+    if "memory" not in control.read_text().split():
+        MemoryCgroup._write(control, "+memory")
+    group = root / UNSWAPPABLE
+    try:
+        group.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise CgroupError(f"cannot create cgroup {group}: {exc}") from exc
+    MemoryCgroup._write(group / "memory.swap.max", "0")
+    return group
+
+
+def remove_if_empty(group: Path) -> None:
+    """rmdir the group when nothing runs in it any more (another duvm may still use it)."""
+    with contextlib.suppress(OSError):
+        group.rmdir()
 
 
 # --- would swapoff hurt someone? -------------------------------------------------------------

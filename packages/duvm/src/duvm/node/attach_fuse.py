@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from duvm.base import pressure
+from duvm.base import cgroup, pressure
 from duvm.node import processes, systools
 from duvm.node.attach_state import AttachError, Attachment, Saver
 
@@ -45,11 +45,30 @@ def attach(att: Attachment, run_dir: Path, save: Saver, realtime: bool = True) -
     pidfile = run_dir / f"{mountdir.name}.pid"
     logpath = run_dir / f"{mountdir.name}.log"
     # nbdfuse is on the swap path like the daemon: realtime and an I/O flusher from its first
-    # instruction (both survive exec; mlockall does not, so it cannot be locked from here)
+    # instruction (both survive exec). mlockall does not, so it cannot be locked from here:
+    # it runs in a cgroup whose memory is never swapped out instead, or, swapped out to the
+    # device it serves, it would wait for itself (seen hang a 256 MiB guest under pressure)
+    protect = pressure.inherited_protections if realtime else pressure.become_io_flusher
+    try:
+        group = cgroup.unswappable_group()
+    except cgroup.CgroupError as exc:
+        att.extra["swap_path_problem"] = (
+            f"nbdfuse can be swapped out to the device it serves ({exc}): under memory "
+            "pressure of the whole machine that can hang it; use kernel nbd, or cgroup v2"
+        )
+        preexec = protect
+    else:
+        att.nbdfuse_cgroup = str(group)
+        join = cgroup.joiner(group)
+
+        def preexec() -> None:
+            join()
+            protect()
+
     proc = processes.spawn_detached(
         [nbdfuse, "-P", str(pidfile), att.fuse_file, "--unix", att.socket],
         logpath,
-        preexec=pressure.inherited_protections if realtime else pressure.become_io_flusher,
+        preexec=preexec,
     )
     att.nbdfuse_pid = proc.pid
     save()
@@ -131,6 +150,9 @@ def detach(att: Attachment, errors: list[str]) -> None:
         errors.append(f"nbdfuse {att.nbdfuse_pid} still runs after unmount")
         return
     att.nbdfuse_pid = None
+    if att.nbdfuse_cgroup:
+        cgroup.remove_if_empty(Path(att.nbdfuse_cgroup))
+        att.nbdfuse_cgroup = None
     if att.mountdir:
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(att.mountdir)

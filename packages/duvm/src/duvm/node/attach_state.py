@@ -43,6 +43,7 @@ class Attachment:
     mountdir: str | None = None
     fuse_file: str | None = None
     nbdfuse_pid: int | None = None
+    nbdfuse_cgroup: str | None = None  # the unswappable cgroup nbdfuse runs in (cgroup v2)
     loop_device: str | None = None
     direct_io: bool | None = None
     min_free_before: int | None = None

@@ -147,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
         att.extra.get("supervisor_problem"),
         "restarts the daemon onto the live device if it crashes",
     )
-    for warning in (replica_warning(cfg), att.extra.get("state_problem")):
+    for warning in (
+        replica_warning(cfg),
+        att.extra.get("state_problem"),
+        att.extra.get("swap_path_problem"),
+    ):
         if warning:
             print(f"duvm enable: warning: {warning}", file=sys.stderr)
     return 0
