@@ -529,3 +529,25 @@ def test_swap_path_protection_reports_what_the_daemon_would_be_refused() -> None
     assert off.status == doctor_check.WARN and "turned off by --no-realtime" in off.detail
     assert "remove --no-realtime from daemon_args" in (off.fix or "")
     assert "remove --no-mlock from daemon_args" in (off.fix or "")
+
+
+def test_the_fallback_path_needs_cgroup_v2_to_keep_nbdfuse_out_of_swap(tmp_path):
+    """Catches doctor staying quiet where nbdfuse would be swappable: on a machine without
+    kernel nbd and with cgroup v1 only, the fallback can hang under whole-machine pressure."""
+    ok, bad = (True, None), (False, None)
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("1\n")
+    v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("cpu memory\n")
+
+    def check(method, nbd, root):
+        c = doctor_host.check_nbdfuse_unswappable(
+            method, nbd, ok, doctor_host.Probe(cgroup_root=root)
+        )
+        return c.status
+
+    assert check("auto", bad, v1) == doctor_check.WARN  # no kernel nbd: the fallback is taken
+    assert check("nbdfuse-loop", ok, v1) == doctor_check.WARN
+    assert check("auto", bad, v2) == doctor_check.OK
+    assert check("auto", ok, v1) == doctor_check.SKIP  # kernel nbd is taken: nbdfuse never runs

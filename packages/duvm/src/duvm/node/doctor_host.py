@@ -138,6 +138,32 @@ def check_block_device(method: str, nbd: tuple[bool, Check], fuse: tuple[bool, C
     )
 
 
+def check_nbdfuse_unswappable(
+    method: str, nbd: tuple[bool, Check], fuse: tuple[bool, Check], probe: Probe
+) -> Check:
+    """Where the nbdfuse + loop fallback is the path taken: whether nbdfuse can be kept out of
+    swap (a cgroup v2 memory controller); swapped out to the device it serves, it would wait
+    for itself once the whole machine runs short of memory."""
+    taken = fuse[0] and (method == attach_state.METHOD_FUSE or (method == "auto" and not nbd[0]))
+    if not taken:
+        return Check("nbdfuse-unswappable", SKIP, False, "the nbdfuse + loop path is not taken")
+    try:
+        version = cgroup.detect_version(probe.cgroup_root)
+    except OSError:
+        version = None
+    return verdict(
+        "nbdfuse-unswappable",
+        version != 2,
+        False,
+        "nbdfuse runs in a cgroup v2 group that is never swapped out"
+        if version == 2
+        else "no cgroup v2 memory controller: nbdfuse can be swapped out to the device it "
+        "serves, and hang the swap path when the whole machine runs short of memory",
+        "use kernel nbd (modprobe nbd), or boot with the unified cgroup hierarchy "
+        "(systemd.unified_cgroup_hierarchy=1)",
+    )
+
+
 def check_swap_tools(probe: Probe) -> Check:
     missing = [t for t in SWAP_TOOLS if probe.tool(t) is None]
     pkgs = sorted({_package(t) for t in missing})
