@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from duvm.base import cgroup, ramfs
 from duvm.cli import demo
-from duvm.node import attach, attach_state, control, kernel_swap, processes
+from duvm.node import attach, attach_fuse, attach_state, control, kernel_swap, processes
 
 LIMIT_MIB, WORKLOAD_MIB = 64, 256
 PAGE = 4096
@@ -200,9 +200,12 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         assert res.returncode == 0, res.stderr
         assert "2 copies of each page" in res.stdout
         warnings = [line for line in res.stderr.splitlines() if "warning" in line]
-        if "via nbdfuse-loop" in res.stdout and cgroup.detect_version() != 2:
-            # cgroup v1 cannot keep nbdfuse out of swap: enable says so, and nothing else
-            assert len(warnings) == 1 and "nbdfuse can be swapped out" in warnings[0]
+        if "via nbdfuse-loop" in res.stdout:
+            # the fallback says it is not for nodes that run out of memory (and, on cgroup
+            # v1, that nbdfuse can be swapped out), and nothing else
+            assert len(warnings) == 1 and attach_fuse.FALLBACK_UNDER_PRESSURE in warnings[0]
+            swappable = "nbdfuse can be swapped out" in warnings[0]
+            assert swappable == (cgroup.detect_version() != 2)
         else:
             assert warnings == []
         # the daemon's state is on a ramfs of its own: a restarted daemon can read it back

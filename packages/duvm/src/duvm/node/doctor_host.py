@@ -125,7 +125,7 @@ def check_block_device(method: str, nbd: tuple[bool, Check], fuse: tuple[bool, C
         if usable:
             via = "kernel nbd" if c.name == "kernel-nbd" else "nbdfuse + loop"
             if method == "auto" and c.name == "fuse-loop":
-                via += " (no kernel nbd; slower)"
+                via += " (no kernel nbd; slower, and can hang when the machine runs out of memory)"
             return Check("block-device", OK, True, f"method {method}: {via}")
     fixes = [c.fix for _, c in candidates if c.fix]
     return Check(
