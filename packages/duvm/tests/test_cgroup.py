@@ -118,7 +118,9 @@ def test_workload_in_cgroup_reports_intact(tmp_path: Path) -> None:
 
 def test_the_unswappable_group_forbids_swap_and_enables_the_controller(tmp_path: Path) -> None:
     """Catches nbdfuse's group left swappable (memory.swap.max not 0: nbdfuse swapped out to
-    the device it serves waits for itself, seen hang a QEMU guest) or made without the memory
+    the device it serves waits for itself, seen hang a QEMU guest), or left reclaimable
+    (memory.min not max: nbdfuse refaulting its evicted code needs a page only its own progress
+    would free, seen hang one too), or made without the memory
     controller enabled for the root's children (the file would not exist). This machine's
     memory controller is cgroup v1, so the v2 tree here is a stand-in of plain files; the
     QEMU guests of tools/qemu_guest (`stress.py --method nbdfuse-loop`) use the real one."""
@@ -127,6 +129,7 @@ def test_the_unswappable_group_forbids_swap_and_enables_the_controller(tmp_path:
     group = cgroup.unswappable_group(tmp_path)
     assert group == tmp_path / cgroup.UNSWAPPABLE
     assert (group / "memory.swap.max").read_text() == "0"
+    assert (group / "memory.min").read_text() == "max"  # its code is never evicted either
     assert (tmp_path / "cgroup.subtree_control").read_text() == "+memory"
     assert not (group / "memory.max").exists()  # no RAM limit: nbdfuse must never be OOM-killed
     assert cgroup.unswappable_group(tmp_path) == group  # made once, found again

@@ -234,6 +234,9 @@ def unswappable_group(root: Path = CGROUP_ROOT) -> Path:
     except OSError as exc:
         raise CgroupError(f"cannot create cgroup {group}: {exc}") from exc
     MemoryCgroup._write(group / "memory.swap.max", "0")
+    # and none of its pages reclaimed, file pages included: nbdfuse refaulting its own code
+    # under pressure needs a free page that only its own progress would make
+    MemoryCgroup._write(group / "memory.min", "max")
     return group
 
 
