@@ -120,10 +120,10 @@ def test_the_unswappable_group_forbids_swap_and_enables_the_controller(tmp_path:
     """Catches nbdfuse's group left swappable (memory.swap.max not 0: nbdfuse swapped out to
     the device it serves waits for itself, seen hang a QEMU guest), or left reclaimable
     (memory.min not max: nbdfuse refaulting its evicted code needs a page only its own progress
-    would free, seen hang one too), or made without the memory
-    controller enabled for the root's children (the file would not exist). This machine's
-    memory controller is cgroup v1, so the v2 tree here is a stand-in of plain files; the
-    QEMU guests of tools/qemu_guest (`stress.py --method nbdfuse-loop`) use the real one."""
+    would free, seen hang one too), or made without the memory controller enabled for the
+    root's children (those files would not exist). This machine's memory controller is cgroup
+    v1, so the v2 tree here is a stand-in of plain files; the QEMU guests of tools/qemu_guest
+    (`stress.py --method nbdfuse-loop`) use the real one."""
     (tmp_path / "cgroup.controllers").write_text("cpu io memory pids\n")
     (tmp_path / "cgroup.subtree_control").write_text("cpu\n")
     group = cgroup.unswappable_group(tmp_path)
