@@ -43,6 +43,19 @@ def fit_cell(text: str, width: int) -> str:
     return set_cell_size(text, width - 1) + "…"
 
 
+class RowMessage(Message):
+    """A message about the row `key` of `table`."""
+
+    def __init__(self, table: LineTable, key: str | None) -> None:
+        super().__init__()
+        self.table = table
+        self.key = key
+
+    @property
+    def control(self) -> LineTable:
+        return self.table
+
+
 class LineTable(ScrollView, can_focus=True):
     """Rows of text cells under a header line; see the module docstring."""
 
@@ -103,29 +116,12 @@ class LineTable(ScrollView, can_focus=True):
 
     cursor_row: reactive[int] = reactive(0, always_update=False, init=False)
 
-    class RowHighlighted(Message):
-        """The cursor moved to another row (or the rows under it changed)."""
+    class RowHighlighted(RowMessage):
+        """The cursor moved to another row (or the rows under it changed); `key` is None when
+        the table is empty."""
 
-        def __init__(self, table: LineTable, key: str | None) -> None:
-            super().__init__()
-            self.table = table
-            self.key = key
-
-        @property
-        def control(self) -> LineTable:
-            return self.table
-
-    class RowSelected(Message):
+    class RowSelected(RowMessage):
         """Enter (or a click on the highlighted row)."""
-
-        def __init__(self, table: LineTable, key: str) -> None:
-            super().__init__()
-            self.table = table
-            self.key = key
-
-        @property
-        def control(self) -> LineTable:
-            return self.table
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
