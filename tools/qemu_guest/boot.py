@@ -440,7 +440,7 @@ def run_guest(
             if sysrq_due and now >= t0 + sysrq_due[0]:  # diagnostics, see --sysrq-at
                 sysrq_due.pop(0)
                 assert monitor is not None
-                sysrq(monitor, "wm")
+                sysrq(monitor, "wmt")
             watch.poll(now)
             if watch.kill_due and killed_at is None and servers:
                 servers[-1].proc.kill()  # a memserver lost mid-run: its pages with it
@@ -534,7 +534,8 @@ class Watchdog:
 
 def sysrq(monitor: Path, keys: str) -> None:
     """Press Alt-SysRq-KEY in the guest for each key, through QEMU's monitor socket (the
-    guest's PS/2 keyboard): w = blocked tasks with their stacks, m = memory state; the kernel
+    guest's PS/2 keyboard): w = blocked tasks with their stacks, m = memory state, t = every
+    task with its stack (running ones too: a livelock in reclaim shows only there); the kernel
     prints them on the console even when no process in the guest can run any more."""
     import socket
 
@@ -622,8 +623,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         action="append",
         metavar="S",
-        help="S seconds after QEMU starts, print the guest's blocked tasks and "
-        "memory state on its console (SysRq w and m; repeatable)",
+        help="S seconds after QEMU starts, print the guest's blocked tasks, its "
+        "memory state and every task's stack on its console (SysRq w, m and t; repeatable)",
     )
     p.add_argument(
         "--daemon-args",
