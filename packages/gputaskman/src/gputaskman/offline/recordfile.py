@@ -116,9 +116,12 @@ def _parse_object(raw: bytes) -> tuple[Any, str | None]:
     if not text.strip():
         return None, "empty line"
     try:
-        return parse_json(text), None
+        value = parse_json(text)
     except (ValueError, RecursionError) as exc:
         return None, f"not JSON ({exc})"
+    if value is None:  # a JSON null: a line that must be reported, not taken for no line
+        return None, "not a JSON object but null"
+    return value, None
 
 
 def host_snapshot(fleet: dict[str, Any], host: str) -> tuple[dict[str, Any] | None, str | None]:
