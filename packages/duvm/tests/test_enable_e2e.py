@@ -114,6 +114,10 @@ def state_dir() -> Iterator[Path]:
             control.stop_daemon(path)
         if daemon is not None and processes.pid_alive(daemon.pid):
             os.kill(daemon.pid, signal.SIGKILL)
+        ds = control.daemon_state_dir(path)
+        if ramfs.is_mount_point(ds):  # disable unmounts it; a failed test never got there
+            with contextlib.suppress(Exception):
+                ramfs.release(ds)
         shutil.rmtree(path, ignore_errors=True)
 
 
