@@ -193,12 +193,11 @@ def _read(v: Any, up: Fields, key: Key) -> Reading:
     except (KeyError, TypeError, IndexError):
         pass
     else:
-        # what Reading checks, checked here (is_number's exact-type test inlined): it is
-        # built without checking again; anything else takes the slow path, which decides
+        # what Reading checks, checked here: it is built without checking again; anything
+        # else takes the slow path, which decides
         if type(source) is str and (detail is None or type(detail) is str):
             if why is None:
-                t = type(value)
-                if (t is int and -_LONG <= value < _LONG) or (t is float and value - value == 0):
+                if is_number(value):
                     return checked_reading(value, kind, source, None, detail)
             elif value is None and type(why) is str and why in REASONS:
                 return checked_reading(None, kind, source, REASONS[why], detail)
