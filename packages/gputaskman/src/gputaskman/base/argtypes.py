@@ -27,3 +27,14 @@ def positive_count(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more: {text!r}")
     return v
+
+
+def gpu_index(text: str) -> int:
+    """A GPU's index, 0 or more (`--gpu`)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a GPU index: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"GPU index must be 0 or more: {text!r}")
+    return v

@@ -33,7 +33,7 @@ from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from gputaskman import __version__
-from gputaskman.base.argtypes import positive_count, positive_seconds
+from gputaskman.base.argtypes import gpu_index, positive_count, positive_seconds
 
 if TYPE_CHECKING:
     from gputaskman.base.gpusource import GpuSource
@@ -67,16 +67,6 @@ NO_COLOR_HELP = (
 CPU_RATE_WINDOW_S = 0.25
 
 
-def _gpu_index(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a GPU index: {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"GPU index must be 0 or more: {text!r}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gputaskman",
@@ -101,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --json: one line, so `>> FILE` builds a record file for summary, diff "
         "and replay",
     )
-    parser.add_argument("--gpu", type=_gpu_index, metavar="N", help="select GPU N (index)")
+    parser.add_argument("--gpu", type=gpu_index, metavar="N", help="select GPU N (index)")
     parser.add_argument(
         "--interval",
         type=positive_seconds,
