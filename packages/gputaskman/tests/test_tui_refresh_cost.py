@@ -7,14 +7,23 @@ from __future__ import annotations
 from gputaskman.tui.widgets.line_table import LineTable
 from gputaskman.tui.widgets.unchanged import same_content, update_static
 from rich.text import Text
+from textual import on
 from textual.app import App, ComposeResult
 from textual.widgets import Static
 
 
 class Tables(App):
+    def __init__(self) -> None:
+        super().__init__()
+        self.highlighted: list[str | None] = []
+
     def compose(self) -> ComposeResult:
         yield LineTable()
         yield Static("", id="s")
+
+    @on(LineTable.RowHighlighted)
+    def _highlighted(self, event: LineTable.RowHighlighted) -> None:
+        self.highlighted.append(event.key)
 
 
 def numbered(n: int, wide: int | None = None) -> dict[str, tuple[str, str]]:
@@ -52,8 +61,10 @@ async def test_only_the_rows_drawn_are_asked_for_and_wide_cells_are_cut():
 
 
 async def test_the_cursor_keeps_its_row_and_the_view_stays_where_the_user_scrolled():
-    """Catches a refresh that moves the cursor to another process when the rows reorder, and
-    one that scrolls a view the user moved away from the cursor back to it every second."""
+    """Catches a refresh that moves the cursor to another process when the rows reorder, one
+    that says the highlighted row changed when only its place did (the inspector was drawn
+    twice each refresh), and one that scrolls a view the user moved away from the cursor back
+    to it every second."""
     app = Tables()
     async with app.run_test(size=(40, 12)) as pilot:
         table = app.query_one(LineTable)
@@ -62,9 +73,11 @@ async def test_the_cursor_keeps_its_row_and_the_view_stays_where_the_user_scroll
         table.set_columns(("PID", "NAME"), (3, 4), lambda k: rows[k])
         table.move_cursor(3)
         await pilot.pause()
+        app.highlighted.clear()
         table.set_rows(list(reversed(rows)), keep="r3")  # the rows reordered
         assert table.current_key() == "r3" and table.cursor_row == 96
         await pilot.pause()
+        assert app.highlighted == []  # the same process: the inspector needs no new render
         assert 96 in table.visible_range()  # the cursor moved: the view followed it
         table.scroll_to(y=10, animate=False, immediate=True)  # the user scrolls away
         await pilot.pause()

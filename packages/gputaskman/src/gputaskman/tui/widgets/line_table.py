@@ -150,7 +150,7 @@ class LineTable(ScrollView, can_focus=True):
         if row != before:
             self._scroll_to_cursor()
         self.refresh()
-        if row != before or self.current_key() != keep:
+        if self.current_key() != keep:  # another process under the cursor (not just moved)
             self.post_message(self.RowHighlighted(self, self.current_key()))
 
     def set_columns(self, labels: Sequence[str], widths: Sequence[int], cells_of: CellsOf) -> None:

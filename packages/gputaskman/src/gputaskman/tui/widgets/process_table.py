@@ -277,6 +277,7 @@ class ProcessTable(LineTable):
         self._shown: dict[str, tuple[str, ...]] = {}  # rows formatted and clipped to the columns
         self._room = 0  # the width the columns are fitted to
         self._limits: Mapping[str, int] = CELL_LIMITS
+        self._picks: list[int] = []  # where each shown column is in `_every`
 
     def header_label(self, label: str) -> str:
         if label != self.sort_column:
@@ -338,6 +339,7 @@ class ProcessTable(LineTable):
         cells = [tuple(self._cells(k)[i] for i in picks) for k in window]
         columns, limits = fit_columns(offered, cells, self._room, sort)
         self.columns_shown, self._limits = columns, limits
+        self._picks = [every.index(c) for c in columns]
         self._shown = {}
         labels = tuple(self.header_label(c) for c in columns)
         widths = [cell_len(label) for label in labels]
@@ -350,8 +352,8 @@ class ProcessTable(LineTable):
         """Row `key` as drawn: its cells in the columns shown, clipped to their limits."""
         cells = self._shown.get(key)
         if cells is None:
-            every, full = self._every, self._cells(key)
-            picked = tuple(full[every.index(c)] for c in self.columns_shown)
+            full = self._cells(key)
+            picked = tuple(full[i] for i in self._picks)
             cells = self._shown[key] = clip(picked, self.columns_shown, self._limits)
         return cells
 
