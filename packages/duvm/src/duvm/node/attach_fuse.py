@@ -78,7 +78,7 @@ def attach(att: Attachment, run_dir: Path, save: Saver, realtime: bool = True) -
         logpath,
         preexec=preexec,
     )
-    att.nbdfuse_pid = proc.pid
+    att.nbdfuse_pid, att.nbdfuse_start = proc.pid, processes.start_time(proc.pid)
     save()
     # nbdfuse sits on the swap path: if the OOM killer picked it, every swapped page would be
     # unreachable and the processes owning them would die on swap-in errors
@@ -152,12 +152,12 @@ def detach(att: Attachment, errors: list[str]) -> None:
                 time.sleep(0.1)
     if (
         att.nbdfuse_pid
-        and processes.pid_runs(att.nbdfuse_pid, "nbdfuse")
-        and not processes.wait_pid_exit(att.nbdfuse_pid, 30)
+        and processes.pid_runs(att.nbdfuse_pid, "nbdfuse", att.nbdfuse_start)
+        and not processes.wait_pid_exit(att.nbdfuse_pid, 30, att.nbdfuse_start)
     ):
         errors.append(f"nbdfuse {att.nbdfuse_pid} still runs after unmount")
         return
-    att.nbdfuse_pid = None
+    att.nbdfuse_pid = att.nbdfuse_start = None
     if att.nbdfuse_cgroup:
         cgroup.remove_if_empty(Path(att.nbdfuse_cgroup))
         att.nbdfuse_cgroup = None

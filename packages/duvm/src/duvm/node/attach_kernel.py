@@ -48,7 +48,7 @@ def attach(att: Attachment, run_dir: Path, timeout_s: int, save: Saver) -> None:
     proc = processes.spawn_detached(
         kernelnbd.holder_command(device, att.socket, timeout_s), logpath
     )
-    att.holder_pid = proc.pid
+    att.holder_pid, att.holder_start = proc.pid, processes.start_time(proc.pid)
     save()
     deadline = time.monotonic() + 30
     while not kernelnbd.device_started(device):
@@ -171,9 +171,9 @@ def detach(att: Attachment, errors: list[str]) -> None:
             errors.append(f"NBD_DISCONNECT on {att.nbd_device}: {exc}")
     if (
         att.holder_pid
-        and processes.pid_runs(att.holder_pid, "duvm.node.kernelnbd")
-        and not processes.wait_pid_exit(att.holder_pid, 30)
+        and processes.pid_runs(att.holder_pid, "duvm.node.kernelnbd", att.holder_start)
+        and not processes.wait_pid_exit(att.holder_pid, 30, att.holder_start)
     ):
         errors.append(f"nbd holder {att.holder_pid} still runs after disconnect")
         return
-    att.holder_pid = None
+    att.holder_pid = att.holder_start = None

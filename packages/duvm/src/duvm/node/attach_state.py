@@ -38,11 +38,13 @@ class Attachment:
     swap_active: bool = False
     nbd_device: str | None = None
     holder_pid: int | None = None
+    holder_start: int | None = None  # its start time: tells it from a recycled pid
     nbd_netlink: bool = False  # connected over netlink (no holder; can be reconfigured)
     dead_conn_timeout_s: int | None = None
     mountdir: str | None = None
     fuse_file: str | None = None
     nbdfuse_pid: int | None = None
+    nbdfuse_start: int | None = None
     nbdfuse_cgroup: str | None = None  # the unswappable cgroup nbdfuse runs in (cgroup v2)
     loop_device: str | None = None
     direct_io: bool | None = None

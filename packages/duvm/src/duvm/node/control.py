@@ -81,6 +81,9 @@ class DaemonInfo:
     client_id: str | None = None
     # the daemon's extra flags: `duvm status` authenticates to the peers with its security flags
     daemon_args: list[str] = field(default_factory=list)
+    # its start time (processes.start_time): with the pid, names this daemon and no later
+    # process on a recycled pid; None in records written before it was kept
+    start: int | None = None
 
 
 def state_path(state_dir: Path) -> Path:
@@ -129,7 +132,7 @@ def daemon_command(cfg: Config) -> list[str]:
 
 
 def daemon_alive(info: DaemonInfo | None) -> bool:
-    return info is not None and processes.duvm_runs(info.pid, "daemon")
+    return info is not None and processes.duvm_runs(info.pid, "daemon", info.start)
 
 
 def start_daemon(cfg: Config, timeout: float = 60.0) -> DaemonInfo:
@@ -149,6 +152,7 @@ def start_daemon(cfg: Config, timeout: float = 60.0) -> DaemonInfo:
         time.time(),
         client_id(cfg),
         list(cfg.daemon_args),
+        processes.start_time(proc.pid),
     )
     daemon_path(cfg.state_dir).write_text(json.dumps(asdict(info)) + "\n")
     deadline = time.monotonic() + timeout
@@ -166,12 +170,10 @@ def stop_daemon(state_dir: Path, timeout: float = 30.0) -> None:
     """SIGTERM the recorded daemon (SIGKILL after `timeout`), then forget it."""
     info = load_daemon(state_dir)
     if info is not None and daemon_alive(info):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(info.pid, signal.SIGTERM)
-        if not processes.wait_pid_exit(info.pid, timeout):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(info.pid, signal.SIGKILL)
-            processes.wait_pid_exit(info.pid, 10)
+        processes.send_signal(info.pid, signal.SIGTERM, info.start)
+        if not processes.wait_pid_exit(info.pid, timeout, info.start):
+            processes.send_signal(info.pid, signal.SIGKILL, info.start)
+            processes.wait_pid_exit(info.pid, 10, info.start)
     daemon_path(state_dir).unlink(missing_ok=True)
     if info is not None:
         with contextlib.suppress(FileNotFoundError):

@@ -1,27 +1,31 @@
 """The long-lived helper processes a node starts (the daemon, its supervisor, the nbd holder,
 nbdfuse): started in their own session so they outlive `duvm enable`, and told apart from a
-recycled PID before anyone waits for or signals them."""
+recycled PID before anyone waits for or signals them.
+
+A PID alone names no process for long: once a process is reaped the kernel hands its PID to
+the next fork. A process is therefore named by its PID and its start time (/proc/PID/stat,
+clock ticks after boot), which no later process shares. Nothing here caches what a PID was:
+each answer is read from /proc when asked, and a child is reaped only by its own Popen."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-# Children this process started and has not reaped: polling their Popen reaps them cleanly.
-_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
 def spawn_detached(
     cmd: list[str], log: Path, preexec: Callable[[], object] | None = None
 ) -> subprocess.Popen[bytes]:
     """Start a long-lived helper in its own session, so it outlives `duvm enable`; `preexec`
-    runs in the child before the program starts."""
+    runs in the child before the program starts. Record `start_time(proc.pid)` beside the pid:
+    it is what later tells this process from a recycled PID."""
     with open(log, "ab") as out:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -29,54 +33,85 @@ def spawn_detached(
             start_new_session=True,
             preexec_fn=preexec,
         )
-    _CHILDREN[proc.pid] = proc
-    return proc
 
 
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs; reaps it first if it is our own exited child."""
-    proc = _CHILDREN.get(pid)
-    if proc is not None:
-        if proc.poll() is None:
-            return True
-        del _CHILDREN[pid]
-        return False
-    with contextlib.suppress(ChildProcessError, OSError):
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (field 3, the state, first)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot); None when no process has `pid`.
+    With the pid it names one process for the machine's uptime."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
+
+
+def pid_alive(pid: int, start: int | None = None) -> bool:
+    """True while `pid` runs (an exited, unreaped one does not). With `start` (a recorded
+    `start_time`), only while `pid` is still that process and not a later one on its PID."""
+    fields = _stat(pid)
+    if fields is None or len(fields) <= 19 or fields[0] == "Z":
         return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    return start is None or int(fields[19]) == start
 
 
-def wait_pid_exit(pid: int, timeout: float) -> bool:
+def wait_pid_exit(pid: int, timeout: float, start: int | None = None) -> bool:
+    """Wait up to `timeout` s for `pid` (the process that started at `start`) to end."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not pid_alive(pid):
+        if not pid_alive(pid, start):
             return True
         time.sleep(0.05)
-    return not pid_alive(pid)
+    return not pid_alive(pid, start)
 
 
-def pid_runs(pid: int | None, name: str) -> bool:
-    """`pid` is alive and is still the program we started (guards against PID reuse)."""
-    if pid is None or not pid_alive(pid):
+def send_signal(pid: int, sig: int, start: int | None = None) -> bool:
+    """Signal `pid` if it is still the process that started at `start`; False when it is not
+    (gone, or a later process on its pid). Sent through a pidfd (Linux 5.3+), which names the
+    process checked, so a pid recycled between the check and the signal is never hit."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except (OSError, AttributeError):  # no pidfd here: check, then signal the number
+        if not pid_alive(pid, start):
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+            return True
         return False
     try:
-        return name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        if not pid_alive(pid, start):
+            return False
+        signal.pidfd_send_signal(pidfd, sig)
+        return True
+    except ProcessLookupError:
         return False
+    finally:
+        os.close(pidfd)
 
 
-def duvm_runs(pid: int, subcommand: str) -> bool:
-    """`pid` is alive and is `duvm SUBCOMMAND` (python -m duvm.cli), not a recycled PID."""
-    if not pid_alive(pid):
-        return False
+def _cmdline(pid: int) -> bytes:
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
+        return b""
+
+
+def pid_runs(pid: int | None, name: str, start: int | None = None) -> bool:
+    """`pid` is alive and is still the program we started: its start time is `start` (when
+    recorded; records from before start times were kept fall back to the name alone)."""
+    return pid is not None and pid_alive(pid, start) and name.encode() in _cmdline(pid)
+
+
+def duvm_runs(pid: int, subcommand: str, start: int | None = None) -> bool:
+    """`pid` is alive and is `duvm SUBCOMMAND` (python -m duvm.cli), started at `start`."""
+    if not pid_alive(pid, start):
         return False
+    cmd = _cmdline(pid).split(b"\0")
     return b"duvm.cli" in cmd and subcommand.encode() in cmd

@@ -140,6 +140,7 @@ def _resume(
         time.time(),
         old.client_id,
         list(old.daemon_args),
+        processes.start_time(proc.pid),
     )
     control.daemon_path(state_dir).write_text(json.dumps(asdict(info)) + "\n")
     try:
@@ -155,9 +156,8 @@ def _resume(
         attach_kernel.reattach(att)
     except BaseException:
         # never SIGTERM: a clean stop would RELEASE the pages the live device still needs
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, 9)
-        processes.wait_pid_exit(proc.pid, 10)
+        proc.kill()  # its own Popen: it reaps no one else's pid
+        proc.wait(10)
         raise
     att.extra["daemon_pid"] = proc.pid
     att.extra["resumed"] = int(att.extra.get("resumed", 0) or 0) + 1  # type: ignore[call-overload]

@@ -73,8 +73,9 @@ class _Stop:
     def _note(self, signum: int, frame: object) -> None:
         self.requested = True
 
-    def wait(self, pid: int | None, timeout: float | None) -> None:
-        """Until `pid` ends (None: only the timeout), a stop is requested or `timeout` s."""
+    def wait(self, pid: int | None, timeout: float | None, start: int | None = None) -> None:
+        """Until `pid` (the process that started at `start`) ends (None: only the timeout), a
+        stop is requested or `timeout` s."""
         poller = select.poll()
         poller.register(self._r, select.POLLIN)
         pidfd = -1
@@ -86,6 +87,9 @@ class _Stop:
             except (OSError, AttributeError):  # no pidfd here: look once a second
                 pidfd = -1
             else:
+                if not processes.pid_alive(pid, start):  # the pidfd names a later process
+                    os.close(pidfd)
+                    return
                 poller.register(pidfd, select.POLLIN)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -100,7 +104,7 @@ class _Stop:
                     os.read(self._r, 512)
                 if pidfd >= 0 and any(fd == pidfd for fd, _ in events):
                     return
-                if pid is not None and pidfd < 0 and not processes.pid_alive(pid):
+                if pid is not None and pidfd < 0 and not processes.pid_alive(pid, start):
                     return
         finally:
             if pidfd >= 0:
@@ -142,7 +146,7 @@ def _watch(
             return 0
         if control.daemon_alive(daemon):  # (a recorded pid that is no daemon any more: dead)
             say(f"watching daemon pid {daemon.pid} serving {att.device}")
-            stopper.wait(daemon.pid, None)
+            stopper.wait(daemon.pid, None, daemon.start)
             if stopper.requested:
                 break
             if control.daemon_alive(daemon):

@@ -5,9 +5,7 @@ control layer never imports the watcher (no import cycle)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import sys
 import time
@@ -54,9 +52,9 @@ def start(state_dir: Path, ready_timeout: float = 30.0) -> tuple[int, str | None
     proc = processes.spawn_detached(
         [sys.executable, "-m", "duvm.cli", "supervise", "--state-dir", str(state_dir)], log
     )
-    supervisor_path(state_dir).write_text(
-        json.dumps({"pid": proc.pid, "log": str(log), "started": time.time()}) + "\n"
-    )
+    record = {"pid": proc.pid, "start": processes.start_time(proc.pid), "log": str(log)}
+    record["started"] = time.time()
+    supervisor_path(state_dir).write_text(json.dumps(record) + "\n")
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         with open(log, "rb") as f:
@@ -81,7 +79,13 @@ def load(state_dir: Path) -> dict[str, Any] | None:
 
 
 def alive(info: dict[str, Any] | None) -> bool:
-    return info is not None and processes.duvm_runs(info["pid"], "supervise")
+    return info is not None and processes.duvm_runs(info["pid"], "supervise", _start(info))
+
+
+def _start(info: dict[str, Any]) -> int | None:
+    """The recorded start time (None in records from before it was kept)."""
+    start = info.get("start")
+    return start if isinstance(start, int) else None
 
 
 def stop(state_dir: Path, timeout: float = 180.0) -> None:
@@ -90,10 +94,9 @@ def stop(state_dir: Path, timeout: float = 180.0) -> None:
     info = load(state_dir)
     if alive(info):
         assert info is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(info["pid"], signal.SIGTERM)
-        if not processes.wait_pid_exit(info["pid"], timeout):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(info["pid"], signal.SIGKILL)
-            processes.wait_pid_exit(info["pid"], 10)
+        pid, start = info["pid"], _start(info)
+        processes.send_signal(pid, signal.SIGTERM, start)
+        if not processes.wait_pid_exit(pid, timeout, start):
+            processes.send_signal(pid, signal.SIGKILL, start)
+            processes.wait_pid_exit(pid, 10, start)
     supervisor_path(state_dir).unlink(missing_ok=True)
