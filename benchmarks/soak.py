@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from duvm.base import cgroup
+from duvm.cli import demo
 from duvm.node import attach
 from duvm.testing import netns_cluster
 from duvm.wire import control_socket
@@ -151,7 +152,11 @@ def main() -> int:
             # Highest priority: the kernel must not spread these pages over another swap
             # device (a test elsewhere on the machine) whose faults we did not inject.
             att = attach.attach(
-                sock, state, run_dir=c.dir / "run", method="auto", priority=PRIORITY
+                sock,
+                state,
+                run_dir=c.dir / "run",
+                method=demo.demo_method("auto"),
+                priority=PRIORITY,
             )
             result["device"] = att.device
             before = vmstat()

@@ -450,8 +450,16 @@ def test_neither_path_available_says_what_to_install(
     state = tmp_path / "state.json"
     with pytest.raises(attach_state.AttachError) as info:
         attach.attach(str(tmp_path / "x.sock"), state, run_dir=tmp_path / "run")
+    assert str(info.value) == attach_fuse.AUTO_REFUSES_FALLBACK  # auto: kernel nbd or nothing
+    with pytest.raises(attach_state.AttachError) as info:
+        attach.attach(
+            str(tmp_path / "x.sock"),
+            state,
+            run_dir=tmp_path / "run",
+            method=attach_state.METHOD_FUSE,
+        )
     msg = str(info.value)
-    assert "no way to attach: the kernel has no nbd module" in msg
+    assert msg.startswith("nbdfuse fallback cannot run: ")
     assert "nbdfuse missing (Debian package libnbd-bin" in msg and "losetup missing" in msg
     assert "(Debian package mount)" in msg
     assert not state.exists()

@@ -82,7 +82,9 @@ def attach_swap(c: netns_cluster.Cluster, sock: str, name: str) -> attach_state.
     run.mkdir()
     # Highest priority: the workload's pages must go to this device, not to another swap
     # device that something else on the machine attached.
-    return attach.attach(sock, state, run_dir=run, method="auto", priority=32767)
+    # The workload runs in a memory cgroup, so the fallback is safe here (demo_method).
+    method = demo.demo_method("auto")
+    return attach.attach(sock, state, run_dir=run, method=method, priority=32767)
 
 
 def start_workload(cg: cgroup.MemoryCgroup, seed: int) -> subprocess.Popen:

@@ -22,6 +22,7 @@ import pytest
 from duvm.node import (
     attach_fuse,
     attach_kernel,
+    attach_state,
     doctor,
     doctor_check,
     doctor_cluster,
@@ -156,9 +157,11 @@ def test_doctor_passes_on_this_machine_with_a_live_memserver(
     if not fuse_path_here() and not attach_kernel.available():
         pytest.skip("neither kernel nbd nor nbdfuse+loop on this machine")
     memserver = start_memserver("--secret-file", str(secret))
+    method = attach_state.METHOD_KERNEL if attach_kernel.available() else attach_state.METHOD_FUSE
     cfg = tmp_path / "duvm.toml"
     cfg.write_text(
-        f'peers = ["{memserver}"]\nsize = "16M"\ndaemon_args = ["--secret-file", "{secret}"]\n'
+        f'peers = ["{memserver}"]\nsize = "16M"\nmethod = "{method}"\n'
+        f'daemon_args = ["--secret-file", "{secret}"]\n'
     )
     res = duvm("doctor", "--config", str(cfg), "--json")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -532,8 +535,8 @@ def test_swap_path_protection_reports_what_the_daemon_would_be_refused() -> None
 
 
 def test_the_fallback_path_needs_cgroup_v2_to_keep_nbdfuse_out_of_swap(tmp_path):
-    """Catches doctor staying quiet where nbdfuse would be swappable: on a machine without
-    kernel nbd and with cgroup v1 only, the fallback can hang under whole-machine pressure."""
+    """Catches doctor staying quiet where nbdfuse would be swappable: where the fallback is
+    chosen and only cgroup v1 exists, it can hang under whole-machine pressure."""
     ok, bad = (True, None), (False, None)
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
     (v1 / "memory").mkdir(parents=True)
@@ -541,13 +544,11 @@ def test_the_fallback_path_needs_cgroup_v2_to_keep_nbdfuse_out_of_swap(tmp_path)
     v2.mkdir()
     (v2 / "cgroup.controllers").write_text("cpu memory\n")
 
-    def check(method, nbd, root):
-        c = doctor_host.check_nbdfuse_unswappable(
-            method, nbd, ok, doctor_host.Probe(cgroup_root=root)
-        )
+    def check(method, fuse, root):
+        c = doctor_host.check_nbdfuse_unswappable(method, fuse, doctor_host.Probe(cgroup_root=root))
         return c.status
 
-    assert check("auto", bad, v1) == doctor_check.WARN  # no kernel nbd: the fallback is taken
     assert check("nbdfuse-loop", ok, v1) == doctor_check.WARN
-    assert check("auto", bad, v2) == doctor_check.OK
-    assert check("auto", ok, v1) == doctor_check.SKIP  # kernel nbd is taken: nbdfuse never runs
+    assert check("nbdfuse-loop", ok, v2) == doctor_check.OK
+    assert check("nbdfuse-loop", bad, v1) == doctor_check.SKIP  # the fallback cannot run
+    assert check("auto", ok, v1) == doctor_check.SKIP  # auto never takes the fallback

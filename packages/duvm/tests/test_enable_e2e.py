@@ -183,12 +183,17 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         peers = ",".join(servers.addrs)
         size = 192 << 20
         # without the secret the daemon cannot reserve: enable fails cleanly and says why
-        res = duvm("enable", "--peers", peers, "--size", "192M", "--state-dir", str(state_dir))
+        # the workload runs in a memory cgroup: the fallback is safe here (demo_method)
+        method = ("--method", demo.demo_method("auto"))
+        res = duvm(
+            "enable", *method, "--peers", peers, "--size", "192M", "--state-dir", str(state_dir)
+        )
         assert res.returncode == 1 and "Traceback" not in res.stderr
         assert "secret" in res.stderr.lower(), res.stderr
         assert not (state_dir / "daemon.json").exists()
         enable = (
             "enable",
+            *method,
             "--peers",
             peers,
             "--size",
@@ -310,6 +315,8 @@ def test_enable_fails_cleanly_when_a_peer_is_unreachable(state_dir: Path) -> Non
         s.close()
         res = duvm(
             "enable",
+            "--method",
+            demo.demo_method("auto"),
             "--peers",
             f"{servers.addrs[0]},{dead}",
             "--size",

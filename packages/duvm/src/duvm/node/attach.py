@@ -10,7 +10,9 @@ The daemon is an NBD server on a Unix socket. The kernel needs a block device:
   restarted daemon can take the live device back with ``NBD_CMD_RECONFIGURE``, see
   :func:`duvm.node.attach_kernel.reattach`); on a kernel whose nbd has no netlink family, by
   the ioctl holder process of :mod:`duvm.node.kernelnbd` instead.
-* **nbdfuse + loop** (fallback where the kernel has no nbd, :mod:`duvm.node.attach_fuse`):
+* **nbdfuse + loop** (fallback where the kernel has no nbd, :mod:`duvm.node.attach_fuse`;
+  taken only when asked for by name, ``method = "nbdfuse-loop"``: it can hang under
+  whole-node memory pressure, so ``auto`` refuses it and says why):
   ``nbdfuse`` (libnbd) shows the export as one file on a FUSE mount; ``losetup --direct-io=on``
   puts a loop device on that file, so swap I/O goes straight to nbdfuse without a second copy
   in the page cache.
@@ -54,6 +56,23 @@ DEFAULT_RUN_DIR = Path("/run/duvm")
 DEFAULT_NBD_TIMEOUT_S = 60
 
 
+def resolve_method(method: str) -> str:
+    """The path `method` takes here (METHOD_KERNEL or METHOD_FUSE), or AttachError saying why
+    none. "auto" takes kernel nbd only: the nbdfuse + loop fallback is taken when asked for by
+    name, never by default (AUTO_REFUSES_FALLBACK says why)."""
+    if method == "auto":
+        if attach_kernel.available():
+            return METHOD_KERNEL
+        raise AttachError(attach_fuse.AUTO_REFUSES_FALLBACK)
+    if method == METHOD_KERNEL and not attach_kernel.available():
+        raise AttachError("the kernel has no nbd driver (modprobe nbd failed or kmod missing)")
+    if method == METHOD_FUSE and (problems := attach_fuse.problems()):
+        raise AttachError("nbdfuse fallback cannot run: " + "; ".join(problems))
+    if method not in (METHOD_KERNEL, METHOD_FUSE):
+        raise AttachError(f"unknown attach method {method!r}")
+    return method
+
+
 def attach(
     socket_path: str,
     state_path: Path,
@@ -67,9 +86,9 @@ def attach(
 ) -> Attachment:
     """Attach the NBD export at `socket_path` and activate it as swap. Root only.
 
-    `method` is "auto" (kernel nbd when present, else nbdfuse+loop), METHOD_KERNEL or
-    METHOD_FUSE. `realtime` runs nbdfuse at SCHED_RR like the daemon (duvm.base.pressure). On
-    failure everything done so far is undone and AttachError raised.
+    `method` is "auto" (kernel nbd; refused without it), METHOD_KERNEL or METHOD_FUSE.
+    `realtime` runs nbdfuse at SCHED_RR like the daemon (duvm.base.pressure). On failure
+    everything done so far is undone and AttachError raised.
     """
     systools.require_root()
     for tool in ("mkswap", "swapon", "swapoff", "blkdiscard"):
@@ -80,23 +99,7 @@ def attach(
             f"already attached ({existing.device or existing.method}, state in "
             f"{state_path}); detach first"
         )
-    if method == "auto":
-        if attach_kernel.available():
-            method = METHOD_KERNEL
-        else:
-            problems = attach_fuse.problems()
-            if problems:
-                raise AttachError(
-                    "no way to attach: the kernel has no nbd module, and the "
-                    "nbdfuse fallback cannot run: " + "; ".join(problems)
-                )
-            method = METHOD_FUSE
-    elif method == METHOD_KERNEL and not attach_kernel.available():
-        raise AttachError("the kernel has no nbd driver (modprobe nbd failed or kmod missing)")
-    elif method == METHOD_FUSE and (problems := attach_fuse.problems()):
-        raise AttachError("nbdfuse fallback cannot run: " + "; ".join(problems))
-    elif method not in (METHOD_KERNEL, METHOD_FUSE):
-        raise AttachError(f"unknown attach method {method!r}")
+    method = resolve_method(method)
     if not os.path.exists(socket_path):
         raise AttachError(f"no NBD server socket at {socket_path} (is the daemon running?)")
 

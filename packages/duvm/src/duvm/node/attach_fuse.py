@@ -17,11 +17,23 @@ from duvm.base import cgroup, pressure
 from duvm.node import processes, systools
 from duvm.node.attach_state import AttachError, Attachment, Saver
 
-# Said by enable on this path: QEMU guests pushed past their RAM (tools/qemu_guest/stress.py
-# --method nbdfuse-loop) still hang sometimes with nbdfuse kept in RAM (docs/BENCHMARKS.md).
+# QEMU guests pushed past their RAM (tools/qemu_guest/stress.py --method nbdfuse-loop) still
+# hang sometimes on this path with nbdfuse kept in RAM (docs/BENCHMARKS.md, D38).
+MEASURED_RISK = "2 of 8 stress runs in QEMU guests hung; kernel nbd: none of 20"
+
+# Said by enable when the fallback was asked for by name.
 FALLBACK_UNDER_PRESSURE = (
-    "the nbdfuse + loop fallback can hang when the whole machine runs short of memory (2 of 8 "
-    "stress runs in QEMU guests did; kernel nbd: none of 20): on such nodes use a kernel with nbd"
+    f"the nbdfuse + loop fallback can hang when the whole machine runs short of memory "
+    f"({MEASURED_RISK}): on such nodes use a kernel with nbd"
+)
+
+# Why `auto` never takes the fallback, and the two ways forward (enable's error, doctor's fix).
+AUTO_REFUSES_FALLBACK = (
+    "this kernel has no nbd driver, and method auto does not take the nbdfuse + loop fallback: "
+    f"it can hang the node when the whole machine runs short of memory ({MEASURED_RISK}). "
+    "Either run a kernel with nbd (modprobe nbd; on Debian/Ubuntu the module is in "
+    "linux-image-* or linux-modules-extra-$(uname -r)), or accept the risk with "
+    '--method nbdfuse-loop (method = "nbdfuse-loop" in the config)'
 )
 
 

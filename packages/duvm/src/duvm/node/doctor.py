@@ -65,7 +65,7 @@ def run_checks(opts: Options, probe: doctor_host.Probe | None = None) -> list[Ch
         nbd[1],
         fuse[1],
         doctor_host.check_block_device(opts.method, nbd, fuse),
-        doctor_host.check_nbdfuse_unswappable(opts.method, nbd, fuse, probe),
+        doctor_host.check_nbdfuse_unswappable(opts.method, fuse, probe),
         doctor_host.check_swap_tools(probe),
         doctor_host.check_cgroup(probe),
         doctor_host.check_min_free(probe),

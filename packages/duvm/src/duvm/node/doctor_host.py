@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from duvm.base import cgroup, pressure
-from duvm.node import attach_state, kernel_swap, systools
+from duvm.node import attach_fuse, attach_state, kernel_swap, systools
 from duvm.node.doctor_check import FAIL, OK, SKIP, WARN, Check, verdict
 
 SWAP_TOOLS = ("mkswap", "swapon", "swapoff", "blkdiscard")
@@ -74,7 +74,7 @@ def kernel_nbd(probe: Probe) -> tuple[bool, Check]:
         why = "this kernel has no nbd module"
         fix = (
             "install the kernel's extra modules (e.g. linux-modules-extra-$(uname -r)) or use "
-            'the nbdfuse+loop fallback (method = "nbdfuse-loop")'
+            'accept the nbdfuse+loop fallback\'s risk (method = "nbdfuse-loop")'
         )
     else:
         why = "nbd not loaded and modprobe is missing"
@@ -110,7 +110,7 @@ def check_block_device(method: str, nbd: tuple[bool, Check], fuse: tuple[bool, C
     paths = {
         attach_state.METHOD_KERNEL: [nbd],
         attach_state.METHOD_FUSE: [fuse],
-        "auto": [nbd, fuse],
+        "auto": [nbd],  # never the fallback: attach_fuse.AUTO_REFUSES_FALLBACK
     }
     if method not in paths:
         return Check(
@@ -124,9 +124,13 @@ def check_block_device(method: str, nbd: tuple[bool, Check], fuse: tuple[bool, C
     for usable, c in candidates:
         if usable:
             via = "kernel nbd" if c.name == "kernel-nbd" else "nbdfuse + loop"
-            if method == "auto" and c.name == "fuse-loop":
-                via += " (no kernel nbd; slower, and can hang when the machine runs out of memory)"
+            if c.name == "fuse-loop":
+                via += f" (chosen by name: {attach_fuse.FALLBACK_UNDER_PRESSURE})"
             return Check("block-device", OK, True, f"method {method}: {via}")
+    if method == "auto":
+        return Check(
+            "block-device", FAIL, True, attach_fuse.AUTO_REFUSES_FALLBACK, nbd[1].fix or None
+        )
     fixes = [c.fix for _, c in candidates if c.fix]
     return Check(
         "block-device",
@@ -138,13 +142,11 @@ def check_block_device(method: str, nbd: tuple[bool, Check], fuse: tuple[bool, C
     )
 
 
-def check_nbdfuse_unswappable(
-    method: str, nbd: tuple[bool, Check], fuse: tuple[bool, Check], probe: Probe
-) -> Check:
+def check_nbdfuse_unswappable(method: str, fuse: tuple[bool, Check], probe: Probe) -> Check:
     """Where the nbdfuse + loop fallback is the path taken: whether nbdfuse can be kept out of
     swap (a cgroup v2 memory controller); swapped out to the device it serves, it would wait
     for itself once the whole machine runs short of memory."""
-    taken = fuse[0] and (method == attach_state.METHOD_FUSE or (method == "auto" and not nbd[0]))
+    taken = fuse[0] and method == attach_state.METHOD_FUSE
     if not taken:
         return Check("nbdfuse-unswappable", SKIP, False, "the nbdfuse + loop path is not taken")
     try:

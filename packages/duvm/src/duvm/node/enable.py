@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--method",
         choices=("auto", attach_state.METHOD_KERNEL, attach_state.METHOD_FUSE),
         default="auto",
-        help="kernel nbd, or the nbdfuse+loop fallback",
+        help="auto (the default) takes kernel nbd and refuses to run without it; "
+        "nbdfuse-loop is the fallback for kernels without nbd, which can hang the node when "
+        "the whole machine runs short of memory",
     )
     parser.add_argument(
         "--state-dir",

@@ -1,0 +1,110 @@
+"""Which block-device path `duvm enable` takes (duvm.node.attach.resolve_method): `auto` takes
+kernel nbd and nothing else; the nbdfuse + loop fallback, which can hang a node short of memory
+as a whole, only when asked for by name. Enable, doctor and the demo say the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from duvm.cli import demo
+from duvm.node import attach, attach_fuse, attach_kernel, attach_state, control, doctor_host
+from duvm.node.doctor_check import FAIL, OK
+
+DUVM = [sys.executable, "-m", "duvm.cli"]
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="enable needs root")
+
+
+@pytest.fixture
+def no_kernel_nbd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This VM's kernel has no nbd; on one that has it, the answer is patched (a kernel
+    without nbd cannot be had there)."""
+    if attach_kernel.available():
+        monkeypatch.setattr(attach_kernel, "available", lambda: False)
+
+
+def _says_both_ways(text: str) -> None:
+    assert "no nbd driver" in text and "method auto does not take" in text
+    assert "--method nbdfuse-loop" in text and "modprobe nbd" in text
+    assert attach_fuse.MEASURED_RISK in text  # the measured reason, not a vague one
+
+
+def test_auto_never_resolves_to_the_fallback(no_kernel_nbd: None) -> None:
+    """Catches `auto` falling back to nbdfuse + loop on a kernel without nbd: that path hung
+    QEMU guests under whole-node memory pressure, and a node duvm hangs is the one outcome it
+    must never cause; taking it must be the user's explicit choice."""
+    with pytest.raises(attach_state.AttachError) as err:
+        attach.resolve_method("auto")
+    _says_both_ways(str(err.value))
+    if not attach_fuse.problems():  # the opt-in: by name it is taken
+        assert attach.resolve_method(attach_state.METHOD_FUSE) == attach_state.METHOD_FUSE
+    with pytest.raises(attach_state.AttachError, match="no nbd driver"):
+        attach.resolve_method(attach_state.METHOD_KERNEL)
+    with pytest.raises(attach_state.AttachError, match="unknown attach method"):
+        attach.resolve_method("floppy")
+
+
+@needs_root
+def test_enable_refuses_before_starting_anything(no_kernel_nbd: None, tmp_path: Path) -> None:
+    """Catches the refusal coming after the daemon started (or not at all): enable must stop
+    before any process, state file or mount exists."""
+    cfg = control.Config(peers=["127.0.0.1:1"], size=16 << 20, state_dir=tmp_path / "state")
+    with pytest.raises(attach_state.AttachError) as err:
+        control.enable(cfg)
+    _says_both_ways(str(err.value))
+    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
+
+
+@needs_root
+def test_enable_cli_says_why_in_one_line(tmp_path: Path) -> None:
+    if attach_kernel.available():
+        pytest.skip("this kernel has nbd: auto takes it (the refusal is tested in-process)")
+    state = tmp_path / "state"
+    res = subprocess.run(
+        [*DUVM, "enable", "--peers", "127.0.0.1:1", "--size", "16M", "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.startswith("duvm enable: ") and res.stderr.count("\n") == 1, res.stderr
+    _says_both_ways(res.stderr)
+    assert not state.exists() or not any(state.iterdir())
+
+
+def test_doctor_fails_auto_without_kernel_nbd_and_warns_on_the_opt_in() -> None:
+    nbd = (False, doctor_host.kernel_nbd(doctor_host.Probe())[1])
+    fuse = (True, doctor_host.fuse_loop(doctor_host.Probe())[1])
+    auto = doctor_host.check_block_device("auto", nbd, fuse)
+    assert (auto.status, auto.required) == (FAIL, True)
+    _says_both_ways(auto.detail)
+    chosen = doctor_host.check_block_device(attach_state.METHOD_FUSE, nbd, fuse)
+    assert chosen.status == OK and attach_fuse.MEASURED_RISK in chosen.detail
+    with_nbd = doctor_host.check_block_device("auto", (True, nbd[1]), fuse)
+    assert with_nbd.status == OK and with_nbd.detail == "method auto: kernel nbd"
+
+
+def test_doctor_cli_shows_the_refusal() -> None:
+    if attach_kernel.available():
+        pytest.skip("this kernel has nbd: auto takes it")
+    res = subprocess.run(
+        [*DUVM, "doctor", "--json", "--peers", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+    assert res.returncode == 1 and checks["block-device"]["status"] == "fail"
+    _says_both_ways(checks["block-device"]["detail"])
+
+
+def test_the_demo_names_its_method(no_kernel_nbd: None) -> None:
+    """The demo's workload runs in a memory cgroup, so it passes the fallback by name."""
+    assert demo.demo_method("auto") == attach_state.METHOD_FUSE
+    assert demo.demo_method(attach_state.METHOD_KERNEL) == attach_state.METHOD_KERNEL
