@@ -65,6 +65,7 @@ class GuestRun:
     memservers_after: list[dict[str, Any] | None] = field(default_factory=list)
     hung: bool = False  # the watchdog saw no page move and no guest progress for stall_s
     memserver_killed_at: float | None = None  # seconds after QEMU started (kill_memserver_at)
+    memserver_stopped_at: float | None = None  # seconds after QEMU started (stop_memserver_at)
 
     @property
     def guest_exit(self) -> int | None:
@@ -337,6 +338,8 @@ def run_guest(
     passes: int = 1,
     stall_s: float | None = None,
     kill_memserver_at: int | None = None,
+    stop_memserver_at: int | None = None,
+    stop_memserver_s: float = 20.0,
     reproduction: bool = False,
     sysctl: str = "",
     method: str = "kernel-nbd",
@@ -347,20 +350,22 @@ def run_guest(
     The guest starts `memservers` memservers of `capacity` each inside itself, on its loopback
     (the default), or with `host_memservers` they run here and the guest reaches them through
     QEMU's user network (known to stall, see docs/KERNEL_NBD_QEMU.md). The workload holds
-    `workload_mib` MiB, in a memory cgroup of `cgroup_mib` MiB (None: no cgroup, it outgrows
-    the guest's RAM). With `kill_at_pct` the guest SIGKILLs the daemon when the workload's
-    fill reaches that percentage and runs `duvm enable --resume`. The workload touches its
-    chunks of `chunk_kib` in `order` and verifies `passes` times. With `stall_s` a watchdog
-    ends the run as hung (after SysRq w and m for the console) once the workload has started
-    and neither the guest's swap counters nor its progress lines moved for that long. With
-    `kill_memserver_at` (25, 50 or 75) the last host memserver is SIGKILLed when the
-    workload's fill reaches that percentage. With `reproduction` (host memservers) the guest
-    types exactly `duvm enable --peers ... --size ... --secret-file F` with a cluster secret
-    made here, and the workload is a plain `python3 -c` holding os.urandom blocks, verified
-    twice by SHA-256. `sysctl` ("kernel.sched_rt_runtime_us=-1 ...") is set in the guest at
-    boot. `method` is how the guest's duvm attaches (`kernel-nbd`, or `nbdfuse-loop`: the
-    fallback for kernels without nbd). `python` must import duvm (the project's venv);
-    the guest uses the same path. Raises GuestUnavailable when this host cannot boot it.
+    `workload_mib` MiB, in a memory cgroup of `cgroup_mib` MiB (None: no cgroup, it outgrows the
+    guest's RAM). With `kill_at_pct` the guest SIGKILLs the daemon when the workload's fill
+    reaches that percentage and runs `duvm enable --resume`. The workload touches its chunks of
+    `chunk_kib` in `order` and verifies `passes` times. With `stall_s` a watchdog ends the run
+    as hung (after SysRq w and m for the console) once the workload has started and neither the
+    guest's swap counters nor its progress lines moved for that long. With `kill_memserver_at`
+    (25, 50 or 75) the last host memserver is SIGKILLed when the workload's fill reaches that
+    percentage; with `stop_memserver_at` it is SIGSTOPped then instead, and continued
+    `stop_memserver_s` later (a memserver that stops answering without losing its connections:
+    the last-replica wait, D36). With `reproduction` (host memservers) the guest types exactly
+    `duvm enable --peers ... --size ... --secret-file F` with a cluster secret made here, and
+    the workload is a plain `python3 -c` holding os.urandom blocks, verified twice by SHA-256.
+    `sysctl` ("kernel.sched_rt_runtime_us=-1 ...") is set in the guest at boot. `method` is how
+    the guest's duvm attaches (`kernel-nbd`, or `nbdfuse-loop`: the fallback for kernels without
+    nbd). `python` must import duvm (the project's venv); the guest uses the same path. Raises
+    GuestUnavailable when this host cannot boot it.
     """
     if why := problems():
         raise GuestUnavailable("; ".join(why))
@@ -431,9 +436,14 @@ def run_guest(
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
-        watch = Watchdog(console, stall_s, kill_memserver_at)
+        if kill_memserver_at is not None and stop_memserver_at is not None:
+            raise ValueError("kill_memserver_at and stop_memserver_at exclude each other")
+        act_at = kill_memserver_at if kill_memserver_at is not None else stop_memserver_at
+        watch = Watchdog(console, stall_s, act_at)
         sysrq_due = sorted(sysrq_at or [])
         killed_at: float | None = None
+        stopped_at: float | None = None
+        continue_at: float | None = None
         while qemu.poll() is None and time.monotonic() < t0 + timeout_s:
             time.sleep(1.0)
             now = time.monotonic()
@@ -442,9 +452,15 @@ def run_guest(
                 assert monitor is not None
                 sysrq(monitor, "wmt")
             watch.poll(now)
-            if watch.kill_due and killed_at is None and servers:
+            if watch.kill_due and kill_memserver_at is not None and killed_at is None and servers:
                 servers[-1].proc.kill()  # a memserver lost mid-run: its pages with it
                 killed_at = round(now - t0, 1)
+            if watch.kill_due and stop_memserver_at is not None and stopped_at is None and servers:
+                servers[-1].proc.send_signal(signal.SIGSTOP)  # alive, connected, silent
+                stopped_at, continue_at = round(now - t0, 1), now + stop_memserver_s
+            if continue_at is not None and now >= continue_at:
+                servers[-1].proc.send_signal(signal.SIGCONT)
+                continue_at = None
             if watch.hung:
                 assert monitor is not None
                 sysrq(monitor, "wm")  # the blocked tasks' stacks on the console, then stop
@@ -465,11 +481,14 @@ def run_guest(
             [memserver_status(s.port, net, python, secret) for s in servers],
             hung=watch.hung,
             memserver_killed_at=killed_at,
+            memserver_stopped_at=stopped_at,
         )
     finally:
         if qemu is not None:
             _kill_group(qemu)
         for s in servers:
+            with contextlib.suppress(OSError):
+                s.proc.send_signal(signal.SIGCONT)  # a stopped one would not hear SIGTERM
             stop_memserver(s)
         if net is not None:
             net.close()
@@ -660,6 +679,13 @@ def main(argv: list[str] | None = None) -> int:
         help="SIGKILL the last host memserver at PCT %% of the fill (25, 50, 75)",
     )
     p.add_argument(
+        "--stop-memserver-at",
+        type=int,
+        choices=(25, 50, 75),
+        metavar="PCT",
+        help="SIGSTOP the last host memserver at PCT %% of the fill, SIGCONT 20 s later",
+    )
+    p.add_argument(
         "--reproduction",
         action="store_true",
         help="with --host-memservers: plain `duvm enable --peers --size "
@@ -700,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
             passes=a.passes,
             stall_s=a.stall,
             kill_memserver_at=a.kill_memserver_at,
+            stop_memserver_at=a.stop_memserver_at,
             reproduction=a.reproduction,
             sysctl=a.sysctl,
             method=a.method,

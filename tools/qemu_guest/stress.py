@@ -5,8 +5,9 @@ default `duvm enable --config` (no extra daemon flags unless `--daemon-args`), a
 workload that is NOT in a memory cgroup, sized at a percentage of the guest's RAM, touching its
 chunks sequentially or in random order and verifying every byte. With ``kill`` in a run's
 set-up there are two memservers (two copies of each page) and the last one is SIGKILLed when
-the fill reaches half-way. A watchdog ends a run as hung when no page moved (and the guest
-script said nothing) for `--stall` seconds.
+the fill reaches half-way; with ``stop`` the only memserver is SIGSTOPped there and continued
+20 s later (every request waits on the last replica, D36). A watchdog ends a run as hung
+when no page moved (and the guest script said nothing) for `--stall` seconds.
 
 Every run ends as one of:
 
@@ -57,10 +58,12 @@ class Setup:
     pct: int  # workload size, % of the guest's RAM
     order: str  # sequential | random
     kill: bool = False  # two memservers, the last SIGKILLed half-way through the fill
+    stop: bool = False  # one memserver, SIGSTOPped half-way through the fill for 20 s
 
     @property
     def name(self) -> str:
-        return f"{self.mem_mib}:{self.pct}:{self.order}" + (":kill" if self.kill else "")
+        event = ":kill" if self.kill else ":stop" if self.stop else ""
+        return f"{self.mem_mib}:{self.pct}:{self.order}{event}"
 
     @property
     def workload_mib(self) -> int:
@@ -78,6 +81,7 @@ class Setup:
             "host_memservers": True,
             "memservers": 2 if self.kill else 1,
             "kill_memserver_at": 50 if self.kill else None,
+            "stop_memserver_at": 50 if self.stop else None,
             "order": self.order,
             "chunk_kib": 1024 if self.order == "sequential" else 64,
         }
@@ -85,23 +89,26 @@ class Setup:
     @classmethod
     def parse(cls, text: str) -> Setup:
         parts = text.split(":")
-        if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "kill"):
-            raise ValueError(f"a set-up is MEM:PCT:ORDER[:kill], not {text!r}")
+        if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in ("kill", "stop")):
+            raise ValueError(f"a set-up is MEM:PCT:ORDER[:kill|:stop], not {text!r}")
         order = parts[2]
         if order not in ("sequential", "random"):
             raise ValueError(f"order must be sequential or random, not {order!r}")
-        return cls(int(parts[0]), int(parts[1]), order, len(parts) == 4)
+        event = parts[3] if len(parts) == 4 else ""
+        return cls(int(parts[0]), int(parts[1]), order, event == "kill", event == "stop")
 
 
 def default_matrix() -> list[Setup]:
-    """20 runs: 256 and 384 MiB guests at 80/95/110 % in both orders, a 1 GiB guest at 95 and
-    110 %, and two memservers with one killed (384 MiB at 80/95 %, 256 MiB at 95 %)."""
+    """22 runs: 256 and 384 MiB guests at 80/95/110 % in both orders, a 1 GiB guest at 95 and
+    110 %, two memservers with one killed (384 MiB at 80/95 %, 256 MiB at 95 %), and the only
+    memserver stopped for 20 s (384 MiB at 95 %, both orders)."""
     runs = [
         Setup(m, p, o) for m in (256, 384) for p in (80, 95, 110) for o in ("sequential", "random")
     ]
     runs += [Setup(1024, 95, "sequential"), Setup(1024, 110, "random")]
     runs += [Setup(384, p, o, kill=True) for p in (80, 95) for o in ("sequential", "random")]
     runs += [Setup(256, 95, o, kill=True) for o in ("sequential", "random")]
+    runs += [Setup(384, 95, o, stop=True) for o in ("sequential", "random")]
     return runs
 
 
@@ -188,6 +195,7 @@ def run_one(
         "pages_out": facts["pages_out"],
         "pages_in": facts["pages_in"],
         "memserver_killed_at": run.memserver_killed_at,
+        "memserver_stopped_at": run.memserver_stopped_at,
         "kernel": sorted(set(_KERNEL.findall(run.console)))[:20],
         "logs": str(work),
     }
@@ -201,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         action="append",
-        metavar="MEM:PCT:ORDER[:kill]",
-        help="run only these set-ups (repeatable), e.g. 384:110:random:kill",
+        metavar="MEM:PCT:ORDER[:kill|:stop]",
+        help="run only these set-ups (repeatable), e.g. 384:110:random:kill, 384:95:random:stop",
     )
     p.add_argument("--repeat", type=int, default=1, help="run the whole list N times")
     p.add_argument(

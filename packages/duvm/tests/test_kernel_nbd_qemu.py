@@ -462,6 +462,16 @@ def test_stress_setups_parse_and_the_default_matrix_is_the_issues() -> None:
         "random",
     }
     assert any(m.kill for m in matrix)
+    stops = [m for m in matrix if m.stop]  # the only memserver silent for 20 s (D36's wait)
+    assert stops and all(not m.kill for m in stops)
+    stop = stress.Setup.parse("384:95:random:stop")
+    assert stop.stop and not stop.kill and stop.name == "384:95:random:stop"
+    kwargs = stop.guest_kwargs()
+    assert (kwargs["memservers"], kwargs["stop_memserver_at"], kwargs["kill_memserver_at"]) == (
+        1,
+        50,
+        None,
+    )
 
 
 def test_watchdog_fires_only_when_nothing_moves(tmp_path: Path) -> None:
