@@ -8,7 +8,9 @@ One run, servers interleaved, median of N repetitions (default 3):
 
 Targets, all on one Unix socket each:
 
-* `duvm`        duvm daemon + one memserver on loopback (two hops: the product's path);
+* `duvm-deployed` what `duvm enable` runs on a cluster: the daemon, two memservers on loopback,
+  two copies of each page, pages encrypted (AES-GCM), peers authenticated by a cluster secret;
+* `duvm`        duvm daemon + one memserver on loopback, one copy, plain (two hops);
 * `nbdkit`      `nbdkit memory` (reference);
 * `duvm-local`  duvm daemon over its in-RAM store (one hop: shows where the time goes);
 * `duvm-base`, `duvm-local-base`: the same, run from another checkout (`--baseline DIR`, e.g. a
@@ -21,7 +23,7 @@ wait4 rusage for the client). The client is pinned to one CPU and every server t
 
 Usage: uv run python benchmarks/bench_nbd.py [--reps 3] [--runtime 4] [--size 512M]
                                              [--json out.json] [--markdown out.md]
-                                             [--baseline DIR --targets duvm,duvm-base,nbdkit]
+                          [--baseline DIR --targets duvm-deployed,duvm-deployed-base,nbdkit]
 """
 
 from __future__ import annotations
@@ -116,36 +118,35 @@ def start_targets(
                 env=env,
             )
             wait_for_line(t.procs["daemon"], "serving")
-        elif name == "duvm":
-            ms = subprocess.Popen(
-                [
-                    "taskset",
-                    "-c",
-                    memserver_cpu,
-                    *py,
-                    "memserver",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--capacity",
-                    str(size + 64 * MiB),
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            t.procs["memserver"] = ms
-            port = wait_for_line(ms, r"listening on [\d.]+:(\d+)").group(1)
+        elif name in ("duvm", "duvm-deployed"):
+            # deployed: what `duvm enable` runs on a cluster (2 memservers, 2 copies, pages
+            # encrypted, peers authenticated by the cluster secret)
+            deployed = name == "duvm-deployed"
+            security: list[str] = []
+            if deployed:
+                secret = os.path.join(tmp, f"{full}.secret")
+                subprocess.run([*py, "secret", "generate", secret], check=True, env=env)
+                security = ["--secret-file", secret]
+            peers = []
+            for i in range(2 if deployed else 1):
+                ms = subprocess.Popen(
+                    [
+                        *("taskset", "-c", memserver_cpu, *py, "memserver"),
+                        *("--listen", "127.0.0.1:0", "--capacity", str(size + 64 * MiB)),
+                        *security,
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+                t.procs["memserver" if not deployed else f"memserver{i}"] = ms
+                port = wait_for_line(ms, r"listening on [\d.]+:(\d+)").group(1)
+                peers.append(f"127.0.0.1:{port}")
+            extra = ["--replicas", "2", "--encrypt", *security] if deployed else []
             t.procs["daemon"] = subprocess.Popen(
                 [
-                    *pin,
-                    *py,
-                    "daemon",
-                    "--peers",
-                    f"127.0.0.1:{port}",
-                    "--size",
-                    str(size),
-                    "--socket",
-                    sock,
+                    *(*pin, *py, "daemon", "--peers", ",".join(peers)),
+                    *("--size", str(size), "--socket", sock, *extra),
                 ],
                 stdout=subprocess.PIPE,
                 text=True,
@@ -298,7 +299,15 @@ def label(test: str, qd: int) -> str:
 
 
 def markdown(results: dict, info: dict, args: argparse.Namespace) -> str:
-    order = ("duvm", "duvm-base", "nbdkit", "duvm-local", "duvm-local-base")
+    order = (
+        "duvm-deployed",
+        "duvm-deployed-base",
+        "duvm",
+        "duvm-base",
+        "nbdkit",
+        "duvm-local",
+        "duvm-local-base",
+    )
     names = [n for n in order if n in results["targets"]]
     steal = "n/a" if info.get("steal_pct") is None else f"{info['steal_pct']}%"
     lines = [
@@ -354,7 +363,12 @@ def main() -> int:
         help="CPU of the memserver (default: --server-cpu; "
         "the client's CPU stands in for a memserver on another node)",
     )
-    ap.add_argument("--targets", default="duvm,nbdkit,duvm-local")
+    ap.add_argument(
+        "--targets",
+        default="duvm-deployed,duvm,nbdkit,duvm-local",
+        help="comma-separated, from duvm-deployed, duvm, nbdkit, duvm-local (and with "
+        "--baseline their -base twins)",
+    )
     names = [f"{t}{q or ''}" for t, q in TESTS]
     ap.add_argument(
         "--tests",
@@ -387,11 +401,11 @@ def main() -> int:
             )
             want.remove("duvm")
     asked = [t for t in args.tests.split(",") if t]
-    known = ["duvm", "nbdkit", "duvm-local"]
+    known = ["duvm-deployed", "duvm", "nbdkit", "duvm-local"]
     if args.baseline:
         if not os.path.isdir(os.path.join(args.baseline, "packages/duvm/src/duvm")):
             ap.error(f"--baseline {args.baseline} is not a checkout of this repository")
-        known += ["duvm-base", "duvm-local-base"]
+        known += ["duvm-deployed-base", "duvm-base", "duvm-local-base"]
     unknown = [t for t in asked if t not in names] + [t for t in want if t not in known]
     if unknown or not asked or not want:
         ap.error(
