@@ -3,11 +3,13 @@ net.core.[rw]mem_max when running as root), no Nagle delay and dead-peer detecti
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from pathlib import Path
 
 import pytest
+from duvm.base import sockets
 from duvm.base.sockets import SOCKET_BUFFER, set_buffers, tune_socket
 from duvm.node.nbdconnection import _tune_socket
 
@@ -45,8 +47,36 @@ def test_tcp_sockets_get_every_option_and_unix_ones_what_applies() -> None:
         )
 
 
+class _Refuses:
+    """A socket that takes no option: records each setsockopt, then refuses it."""
+
+    def __init__(self) -> None:
+        self.tried: list[tuple[int, int, int]] = []
+
+    def setsockopt(self, level: int, opt: int, value: int) -> None:
+        self.tried.append((level, opt, value))
+        raise OSError(errno.ENOPROTOOPT, "Protocol not available")
+
+
 def test_a_socket_that_takes_nothing_is_left_as_is() -> None:
-    s = socket.socket()
-    s.close()
-    set_buffers(s, 1 << 20)  # every setsockopt fails (closed): skipped, no exception
-    tune_socket(s)
+    """Catches an option refusal that escapes (a connection would fail to start on a kernel
+    or socket type without that option) and a refused forced buffer size that is not retried
+    with the plain option (the buffers would stay at their small defaults)."""
+    s = _Refuses()
+    set_buffers(s, 1 << 20)  # type: ignore[arg-type]
+    sol = socket.SOL_SOCKET
+    assert s.tried == [
+        (sol, sockets._SNDBUFFORCE, 1 << 20),
+        (sol, socket.SO_SNDBUF, 1 << 20),  # the plain option after the forced one
+        (sol, sockets._RCVBUFFORCE, 1 << 20),
+        (sol, socket.SO_RCVBUF, 1 << 20),
+    ]
+    s = _Refuses()
+    tune_socket(s)  # type: ignore[arg-type]
+    tried = {(level, opt) for level, opt, _ in s.tried}
+    assert {(socket.IPPROTO_TCP, socket.TCP_NODELAY), (sol, socket.SO_KEEPALIVE)} <= tried
+    assert (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) in tried
+    closed = socket.socket()
+    closed.close()
+    tune_socket(closed)  # every setsockopt fails with EBADF: skipped, no exception
+    assert closed.fileno() == -1
