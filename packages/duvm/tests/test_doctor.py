@@ -534,6 +534,21 @@ def test_swap_path_protection_reports_what_the_daemon_would_be_refused() -> None
     assert "remove --no-mlock from daemon_args" in (off.fix or "")
 
 
+def test_refused_protections_name_each_capability_once_and_how_to_grant_it() -> None:
+    """Catches the advice a sandboxed root got: "run duvm enable as root (...); run duvm
+    enable as root (...)", repeated per protection and telling root to be root."""
+    refused = ["io-flusher", "oom-score", "realtime"]
+    root = doctor_host.protection_fix(refused, as_root=True)
+    assert "run duvm enable as root" not in root
+    assert root.count("CAP_SYS_RESOURCE") == 2  # granted once: the list and AmbientCapabilities
+    assert "AmbientCapabilities=CAP_SYS_RESOURCE CAP_SYS_NICE" in root
+    assert "--cap-add SYS_RESOURCE --cap-add SYS_NICE" in root
+    assert "PR_SET_IO_FLUSHER needs Linux 5.6" in root and "RestrictRealtime" in root
+    user = doctor_host.protection_fix(refused, as_root=False)
+    assert user.startswith("run duvm enable as root (CAP_SYS_RESOURCE, CAP_SYS_NICE)")
+    assert user.count("run duvm enable as root") == 1 and "--cap-add" not in user
+
+
 def test_the_fallback_path_needs_cgroup_v2_to_keep_nbdfuse_out_of_swap(tmp_path):
     """Catches doctor staying quiet where nbdfuse would be swappable: where the fallback is
     chosen and only cgroup v1 exists, it can hang under whole-machine pressure."""

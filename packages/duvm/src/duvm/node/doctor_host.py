@@ -73,7 +73,7 @@ def kernel_nbd(probe: Probe) -> tuple[bool, Check]:
             )
         why = "this kernel has no nbd module"
         fix = (
-            "install the kernel's extra modules (e.g. linux-modules-extra-$(uname -r)) or use "
+            "install the kernel's extra modules (e.g. linux-modules-extra-$(uname -r)) or "
             'accept the nbdfuse+loop fallback\'s risk (method = "nbdfuse-loop")'
         )
     else:
@@ -219,15 +219,36 @@ def check_min_free(probe: Probe) -> Check:
     )
 
 
-_PROTECTION_FIX = {
-    "mlock": "run duvm enable as root (CAP_IPC_LOCK), or raise the locked-memory limit "
-    "(systemd: LimitMEMLOCK=infinity)",
-    "io-flusher": "run duvm enable as root (CAP_SYS_RESOURCE; PR_SET_IO_FLUSHER needs Linux 5.6)",
-    "realtime": "run duvm enable as root (CAP_SYS_NICE); under a cgroup v1 cpu controller with "
-    "RT group scheduling, give duvm's group cpu.rt_runtime_us; systemd units must "
-    "not set RestrictRealtime=yes",
-    "oom-score": "run duvm enable as root (CAP_SYS_RESOURCE)",
+# the capability each protection needs (duvm.base.pressure), and what else can refuse it
+_PROTECTION_CAP = {
+    "mlock": "CAP_IPC_LOCK",
+    "io-flusher": "CAP_SYS_RESOURCE",
+    "realtime": "CAP_SYS_NICE",
+    "oom-score": "CAP_SYS_RESOURCE",
 }
+_PROTECTION_NOTE = {
+    "mlock": "or raise the locked-memory limit (systemd: LimitMEMLOCK=infinity)",
+    "io-flusher": "PR_SET_IO_FLUSHER needs Linux 5.6",
+    "realtime": "under a cgroup v1 cpu controller with RT group scheduling, give duvm's group "
+    "cpu.rt_runtime_us; systemd units must not set RestrictRealtime=yes",
+}
+
+
+def protection_fix(refused: list[str], as_root: bool) -> str:
+    """What to do about the refused protections: each capability named once. Root that lacks
+    one runs in a container or sandbox that dropped it, so it is told how to grant it."""
+    caps = list(dict.fromkeys(_PROTECTION_CAP[k] for k in refused))
+    if as_root:
+        them = "it" if len(caps) == 1 else "them"
+        first = (
+            f"grant {', '.join(caps)} (root here runs without {them}: a container or sandbox "
+            f"dropped {them}; systemd: AmbientCapabilities={' '.join(caps)}, docker/podman: "
+            + " ".join(f"--cap-add {c.removeprefix('CAP_')}" for c in caps)
+            + ")"
+        )
+    else:
+        first = f"run duvm enable as root ({', '.join(caps)})"
+    return "; ".join([first, *(_PROTECTION_NOTE[k] for k in refused if k in _PROTECTION_NOTE)])
 
 
 # the daemon's flags that turn a protection off (duvm.node.daemon), by the name pressure.probe uses
@@ -257,10 +278,10 @@ def check_swap_path(daemon_args: list[str], python: str = sys.executable) -> Che
             "the daemon can lock itself in RAM, run realtime (SCHED_RR), be an I/O "
             "flusher and lower its OOM score",
         )
-    fixes = [
-        f"remove {opted_out[k]} from daemon_args" if k in opted_out else _PROTECTION_FIX[k]
-        for k in bad
-    ]
+    fixes = [f"remove {opted_out[k]} from daemon_args" for k in bad if k in opted_out]
+    refused = [k for k in bad if k not in opted_out]
+    if refused:
+        fixes.append(protection_fix(refused, os.geteuid() == 0))
     return Check(
         "swap-path-protection",
         WARN,
