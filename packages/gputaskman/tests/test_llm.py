@@ -602,15 +602,23 @@ def test_view_equal_candidates_get_a_star(model_file: Path) -> None:
     )
     w = v.part("weights")
     assert w.reading.kind is Kind.RUNTIME and w.marker == "*"
-    off_by_one = llm.ServedModel("q", None, True, weights_bytes=h.weights_bytes + 1)
-    v2 = llm.build_view(
-        _claim(model_file, Source.API, Source.MAPPED),
-        header=h,
-        served=off_by_one,
-        runtime="llama.cpp",
-        buffers=llm.parse_buffer_log("load_tensors: CPU model buffer size = 1.00 MiB\n"),
-    )
-    assert v2.part("weights").marker == ""  # near-equal is not enough; two reports differ
+
+
+def test_view_star_needs_exactly_equal_reports(model_file: Path) -> None:
+    """Catches a `*` given to reports that nearly agree (say, within 1 MiB): two runtime
+    reports of the weights one byte apart are two different answers, so no `*`."""
+    log = llm.parse_buffer_log("load_tensors: CPU model buffer size = 1.00 MiB\n")
+    for extra, marker in ((0, "*"), (1, ""), (-1, "")):
+        served = llm.ServedModel("q", None, True, weights_bytes=(1 << 20) + extra)
+        v = llm.build_view(
+            _claim(model_file, Source.API, Source.MAPPED),
+            served=served,
+            runtime="llama.cpp",
+            buffers=log,
+        )
+        w = v.part("weights")
+        assert w.reading.kind is Kind.RUNTIME and len(w.alternatives) == 1  # two runtime reports
+        assert w.marker == marker, (extra, w)
 
 
 def test_path_arg_only_gets_no_view(model_file: Path) -> None:
