@@ -196,6 +196,31 @@ def test_tls_requires_a_certificate_the_ca_signed(tmp_path):
         httpd.server_close()
 
 
+def test_a_refused_tls_client_reads_the_alert_not_a_reset(tmp_path):
+    """Catches the fleet TLS test's race (1 poll in 100 under load was "closed without
+    answering" instead of refused): with TLS 1.3 a client without a certificate finishes its
+    handshake and sends its request before the server refuses it; a server that then closes
+    with the request unread makes the kernel reset the connection, and the reset can destroy
+    the alert. Reading only after the server has closed makes the reset certain, not a race."""
+    pki = make_pki(tmp_path)
+    ctx = serve.server_tls_context(pki["server"], pki["server_key"], pki["ca"])
+    httpd, _ = httpserve.serve(_routes(), "127.0.0.1", 0, tls=ctx)
+    try:
+        for _ in range(3):
+            client = ssl.create_default_context(cafile=str(pki["ca"]))
+            client.minimum_version = ssl.TLSVersion.TLSv1_3
+            raw = socket.create_connection(httpd.server_address[:2], timeout=10)
+            with client.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                time.sleep(0.3)  # the server refuses the certificate meanwhile
+                tls.sendall(b"GET /snapshot.json HTTP/1.1\r\nHost: x\r\n\r\n")
+                time.sleep(0.3)  # a server that closed has answered the request with a reset
+                with pytest.raises(ssl.SSLError, match="CERTIFICATE_REQUIRED"):
+                    tls.recv(1024)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def _serve(args: list[str]) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "gputaskman.cli", "serve", "--listen", "127.0.0.1:0", *args],
