@@ -634,11 +634,8 @@ def test_connections_beyond_the_limit_are_refused_others_keep_working(serve):
         s.close()
 
 
-def test_client_that_never_negotiates_is_dropped(serve, monkeypatch):
-    from duvm.node import nbdconnection
-
-    monkeypatch.setattr(nbdconnection, "HANDSHAKE_TIMEOUT", 0.3)
-    srv = serve(MemoryStore(MiB))
+def test_client_that_never_negotiates_is_dropped(serve):
+    srv = serve(MemoryStore(MiB), handshake_timeout=0.3)
     s = socket.socket(socket.AF_UNIX)
     s.connect(srv.path)
     assert recv_exact(s, 18)[:8] == b"NBDMAGIC"

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("duvm.nbd")
 
-HANDSHAKE_TIMEOUT = 30.0  # seconds a client may take to negotiate
+DEFAULT_HANDSHAKE_TIMEOUT = 30.0  # seconds a client may take to negotiate
 _SOCK_BUF = 4 << 20  # whole large replies fit, so one send per batch
 _PACK_REPLY = C.SIMPLE_REPLY.pack
 _REPLY_MAGIC = C.SIMPLE_REPLY_MAGIC
@@ -134,12 +134,14 @@ class NBDConnection(asyncio.BufferedProtocol):
         assert self._hs is not None
         self.transport.write(self._hs.data_to_send())
         # A client that never finishes negotiating must not hold a connection slot forever.
-        self._hs_timer = self._loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_timeout)
+        self._hs_timer = self._loop.call_later(
+            self.server.handshake_timeout, self._handshake_timeout
+        )
 
     def _handshake_timeout(self) -> None:
         if self._dec is None and self.transport is not None:
             self.stats.protocol_errors += 1
-            self.abort(f"no NBD handshake within {HANDSHAKE_TIMEOUT:g} s")
+            self.abort(f"no NBD handshake within {self.server.handshake_timeout:g} s")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True

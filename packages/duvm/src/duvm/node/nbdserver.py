@@ -15,7 +15,7 @@ import os
 import stat
 from typing import Any
 
-from duvm.node.nbdconnection import NBDConnection
+from duvm.node.nbdconnection import DEFAULT_HANDSHAKE_TIMEOUT, NBDConnection
 from duvm.store.storage import BlockStore, Capabilities
 from duvm.wire import nbdconst as C
 from duvm.wire.nbdproto import BufferPool, ExportInfo
@@ -66,6 +66,7 @@ class NBDServer:
         max_in_flight: int = 512,
         max_in_flight_bytes: int = 64 << 20,
         max_connections: int = 64,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     ) -> None:
         self.store = store
         self.export = ExportInfo(
@@ -77,6 +78,7 @@ class NBDServer:
         self.max_in_flight = max_in_flight
         self.max_in_flight_bytes = max_in_flight_bytes
         self.max_connections = max_connections  # each holds a 256 KiB receive buffer
+        self.handshake_timeout = handshake_timeout  # seconds a client may take to negotiate
         self.stats = ServerStats()
         # duvm.wire.metrics.LatencyByKind when the daemon runs with --metrics, else None (no cost)
         self.latency: Any = None
