@@ -128,10 +128,7 @@ def test_a_killed_daemon_is_resumed_and_the_new_one_watched(node: Node) -> None:
     assert signal.getsignal(signal.SIGTERM) is before  # the process's handling is back
 
 
-def test_a_failing_resume_is_retried_then_given_up(
-    node: Node, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(supervise, "RETRY_DELAYS", (0.01, 0.02))
+def test_a_failing_resume_is_retried_then_given_up(node: Node) -> None:
     node.kill(node.start())
     calls: list[float] = []
 
@@ -140,20 +137,25 @@ def test_a_failing_resume_is_retried_then_given_up(
         raise control.ControlError("a memserver is unreachable")
 
     log: list[str] = []
-    assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=log.append) == 1
+    assert (
+        supervise.watch(
+            node.state_dir,
+            resume_fn=resume_fn,
+            say=log.append,
+            policy=supervise.RestartPolicy(retry_delays=(0.01, 0.02)),
+        )
+        == 1
+    )
     assert len(calls) == 3  # the first try and one per delay
     assert log.count("resume failed: a memserver is unreachable") == 3
     assert log[-1] == "could not resume the daemon: giving up"
 
 
-def test_tries_stop_at_the_kernels_dead_connection_timeout(
-    node: Node, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_tries_stop_at_the_kernels_dead_connection_timeout(node: Node) -> None:
     att = attach_state.load_state(control.state_path(node.state_dir))
     assert att is not None
     att.dead_conn_timeout_s = 1
     attach_state.save_state(control.state_path(node.state_dir), att)
-    monkeypatch.setattr(supervise, "RETRY_DELAYS", (0.4,) * 20)
     node.kill(node.start())
     calls: list[float] = []
 
@@ -163,30 +165,40 @@ def test_tries_stop_at_the_kernels_dead_connection_timeout(
 
     log: list[str] = []
     t = time.monotonic()
-    assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=log.append) == 1
+    assert (
+        supervise.watch(
+            node.state_dir,
+            resume_fn=resume_fn,
+            say=log.append,
+            policy=supervise.RestartPolicy(retry_delays=(0.4,) * 20),
+        )
+        == 1
+    )
     assert time.monotonic() - t < 5 and 2 <= len(calls) <= 4, calls  # not 20 tries
     assert "within the kernel's 1 s" in log[-1]
 
 
-def test_a_daemon_that_keeps_dying_is_not_restarted_forever(
-    node: Node, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(supervise, "MAX_RESTARTS", 2)
+def test_a_daemon_that_keeps_dying_is_not_restarted_forever(node: Node) -> None:
     node.kill(node.start())
 
     def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
         node.kill(node.start())  # crashes again at once
 
     log: list[str] = []
-    assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=log.append) == 1
+    assert (
+        supervise.watch(
+            node.state_dir,
+            resume_fn=resume_fn,
+            say=log.append,
+            policy=supervise.RestartPolicy(max_restarts=2),
+        )
+        == 1
+    )
     assert sum(m.startswith("resumed:") for m in log) == 2
     assert "after 2 restarts" in log[-1] and "giving up" in log[-1]
 
 
-def test_a_resume_done_by_hand_meanwhile_is_taken_as_done(
-    node: Node, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(supervise, "RETRY_DELAYS", (0.05,))
+def test_a_resume_done_by_hand_meanwhile_is_taken_as_done(node: Node) -> None:
     first = node.start()
     by_hand: list[int] = []
 
@@ -197,7 +209,15 @@ def test_a_resume_done_by_hand_meanwhile_is_taken_as_done(
 
     _later(0.2, lambda: node.kill(first))
     log: list[str] = []
-    assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=log.append) == 0
+    assert (
+        supervise.watch(
+            node.state_dir,
+            resume_fn=resume_fn,
+            say=log.append,
+            policy=supervise.RestartPolicy(retry_delays=(0.05,)),
+        )
+        == 0
+    )
     assert f"daemon pid {by_hand[0]} already serves it (resumed by hand)" in log
 
 

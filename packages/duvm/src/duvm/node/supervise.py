@@ -20,10 +20,11 @@ loses nothing; failed tries are repeated with backoff inside that time.
   daemon. SIGTERM is only noted: a resume under way finishes first, so the device is never
   left without a server because the supervisor was told to stop half-way through.
 - A daemon that keeps dying is not restarted forever: when it dies again after
-  ``MAX_RESTARTS`` restarts within ``RESTART_WINDOW`` seconds, the supervisor gives up and says
-  so in its log (and `duvm status` shows the daemon not running). Tries of one resume stop at
-  the kernel's dead-connection timeout: after it the held I/O has failed and the memservers'
-  lease on the namespaces has run out, so a later try would find nothing to serve.
+  ``RestartPolicy.max_restarts`` restarts within its ``restart_window`` seconds, the
+  supervisor gives up and says so in its log (and `duvm status` shows the daemon not
+  running). Tries of one resume stop at the kernel's dead-connection timeout: after it the
+  held I/O has failed and the memservers' lease on the namespaces has run out, so a later
+  try would find nothing to serve.
 - `duvm disable` stops it only after swapoff brought every page home and the device is gone
   (a daemon crash during that long swapoff is resumed like any other); a daemon that is dead
   when disable starts makes disable refuse (without --force) rather than fail the swapoff.
@@ -41,6 +42,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +50,15 @@ from duvm.base import pressure, quietlog
 from duvm.node import attach_kernel, attach_state, control, processes, resume, systools
 from duvm.node.supervisor_process import wanted
 
-MAX_RESTARTS = 5
-RESTART_WINDOW = 600.0  # seconds
-RETRY_DELAYS = (0.5, 1, 2, 4, 8, 15, 30)  # between failed resume attempts (~60 s in all)
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When the supervisor tries again and when it gives up."""
+
+    max_restarts: int = 5  # restarts within `restart_window` before it gives up
+    restart_window: float = 600.0  # seconds
+    # between failed resume attempts (~60 s in all, the kernel's dead-connection hold)
+    retry_delays: tuple[float, ...] = (0.5, 1, 2, 4, 8, 15, 30)
 
 
 class _Stop:
@@ -116,6 +124,7 @@ def watch(
     *,
     resume_fn: Callable[..., Any] | None = None,
     say: Callable[[str], None] | None = None,
+    policy: RestartPolicy | None = None,
 ) -> int:
     """The supervisor's loop (see the module docstring). Returns the exit code: 0 when told to
     stop or when duvm is no longer enabled, 1 when it gave up."""
@@ -123,13 +132,17 @@ def watch(
     say = say or (lambda m: print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {m}", flush=True))
     stopper = _Stop()
     try:
-        return _watch(state_dir, resume_fn, say, stopper)
+        return _watch(state_dir, resume_fn, say, stopper, policy or RestartPolicy())
     finally:
         stopper.close()
 
 
 def _watch(
-    state_dir: Path, resume_fn: Callable[..., Any], say: Callable[[str], None], stopper: _Stop
+    state_dir: Path,
+    resume_fn: Callable[..., Any],
+    say: Callable[[str], None],
+    stopper: _Stop,
+    policy: RestartPolicy,
 ) -> int:
     restarts: list[float] = []
     daemon_file = control.daemon_path(state_dir)
@@ -158,11 +171,11 @@ def _watch(
             say("duvm was disabled: supervisor exits")
             return 0
         died = time.monotonic()
-        restarts = [t for t in restarts if died - t < RESTART_WINDOW] + [died]
-        if len(restarts) > MAX_RESTARTS:
+        restarts = [t for t in restarts if died - t < policy.restart_window] + [died]
+        if len(restarts) > policy.max_restarts:
             say(
-                f"the daemon died again after {MAX_RESTARTS} restarts within "
-                f"{RESTART_WINDOW:.0f} s: giving up (see the daemon log); `duvm enable "
+                f"the daemon died again after {policy.max_restarts} restarts within "
+                f"{policy.restart_window:.0f} s: giving up (see the daemon log); `duvm enable "
                 "--resume` tries again by hand"
             )
             return 1
@@ -173,7 +186,7 @@ def _watch(
             f"daemon pid {daemon.pid} ended: resuming it onto {att.device} (the kernel holds "
             f"its I/O for {hold} s)"
         )
-        for delay in (*RETRY_DELAYS, None):
+        for delay in (*policy.retry_delays, None):
             if stopper.requested:
                 say("stopped")
                 return 0
