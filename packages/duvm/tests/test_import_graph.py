@@ -4,7 +4,10 @@ under `if TYPE_CHECKING:` do not (tools/import_graph.py)."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "duvm"
@@ -85,3 +88,24 @@ def test_no_module_is_longer_than_one_sitting() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert long == {}
+
+
+def test_importing_a_base_module_loads_no_other_layer() -> None:
+    """Catches a package root that imports its layers: `import duvm.base.units` loaded 14
+    modules (the store, the wire format) because duvm/__init__.py imported the Pool API."""
+    code = (
+        "import sys, duvm.base.units, duvm; "
+        "print(sorted(m for m in sys.modules if m == 'duvm' or m.startswith('duvm.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert ast.literal_eval(out) == ["duvm", "duvm.base", "duvm.base.units"]
+    pool = subprocess.run(
+        [sys.executable, "-c", "import duvm; print(duvm.Pool.__module__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert pool.strip() == "duvm.store.pool"  # the API is still there, loaded on first use
