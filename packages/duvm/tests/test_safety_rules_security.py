@@ -200,6 +200,18 @@ async def _degraded_store(memserver_pool, client_id: str):
     return servers, store, old, survivor, spare
 
 
+def _assert_replicas_hold(
+    servers: list[MemServer], replicas: tuple[int, ...], cid: str, want: bytes
+) -> None:
+    """Every page of the slab on each of `replicas` is the last written."""
+    for i in replicas:
+        got = _replica_bytes(servers[i], cid)
+        stale = [
+            p for p in range(SLAB) if got[p * PS : (p + 1) * PS] != want[p * PS : (p + 1) * PS]
+        ]
+        assert not stale, f"replica {i} holds other bytes than the last written at pages {stale}"
+
+
 def _replica_bytes(srv: MemServer, client_id: str) -> bytes:
     """The slab as this memserver holds it (straight from its page store)."""
     ps = srv.store
@@ -248,14 +260,7 @@ async def test_a_write_during_a_repair_chunk_copy_reaches_every_replica(memserve
         # outcome: both replicas hold the latest bytes of every page
         want = old[: HOT * PS] + new + old[(HOT + 1) * PS :]
         assert sorted(store.table.sets[0]) == sorted([survivor, spare])
-        for i in (survivor, spare):
-            got = _replica_bytes(servers[i], cid)
-            stale = [
-                p for p in range(SLAB) if got[p * PS : (p + 1) * PS] != want[p * PS : (p + 1) * PS]
-            ]
-            assert not stale, (
-                f"replica {i} holds other bytes than the last written at pages {stale}"
-            )
+        _assert_replicas_hold(servers, (survivor, spare), cid, want)
         # mechanism: the write waited for the chunk copy (it did not run inside it)
         assert not write_done_during_copy
         assert rep.stats["repairs_done"] == 1 and rep.stats["repair_pages_copied"] == SLAB
@@ -311,14 +316,7 @@ async def test_a_repair_copy_waits_for_a_write_already_in_flight(memserver_pool)
         # outcome: both replicas hold the latest bytes of every page
         want = old[: HOT * PS] + new + old[(HOT + 1) * PS :]
         assert sorted(store.table.sets[0]) == sorted([survivor, spare])
-        for i in (survivor, spare):
-            got = _replica_bytes(servers[i], cid)
-            stale = [
-                p for p in range(SLAB) if got[p * PS : (p + 1) * PS] != want[p * PS : (p + 1) * PS]
-            ]
-            assert not stale, (
-                f"replica {i} holds other bytes than the last written at pages {stale}"
-            )
+        _assert_replicas_hold(servers, (survivor, spare), cid, want)
         # mechanism: the copy read nothing until the write was through
         assert not read_while_in_flight and copy_loads == [0]
         assert rep.stats["repairs_done"] == 1 and rep.stats["repair_pages_copied"] == SLAB
