@@ -466,6 +466,8 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
     try:
         res = duvm(
             "enable",
+            "--method",  # the workload runs in a memory cgroup: the fallback is safe here
+            demo.demo_method("auto"),
             "--peers",
             ",".join(servers.addrs),
             "--size",
