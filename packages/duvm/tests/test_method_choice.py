@@ -49,13 +49,24 @@ def test_auto_never_resolves_to_the_fallback(no_kernel_nbd: None) -> None:
 
 
 @needs_root
-def test_enable_refuses_before_starting_anything(no_kernel_nbd: None, tmp_path: Path) -> None:
+def test_enable_refuses_before_starting_anything(
+    no_kernel_nbd: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Catches the refusal coming after the daemon started (or not at all): enable must stop
-    before any process, state file or mount exists."""
+    before any process, state file or mount exists, and with the same answer attach gives."""
     cfg = control.Config(peers=["127.0.0.1:1"], size=16 << 20, state_dir=tmp_path / "state")
+    calls: list[str] = []
+    resolve = attach.resolve_method
+
+    def counted(method: str) -> str:
+        calls.append(method)
+        return resolve(method)
+
+    monkeypatch.setattr(attach, "resolve_method", counted)
     with pytest.raises(attach_state.AttachError) as err:
         control.enable(cfg)
     _says_both_ways(str(err.value))
+    assert calls == ["auto"]
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
 
 
@@ -82,7 +93,8 @@ def test_doctor_fails_auto_without_kernel_nbd_and_warns_on_the_opt_in() -> None:
     fuse = (True, doctor_host.fuse_loop(doctor_host.Probe())[1])
     auto = doctor_host.check_block_device("auto", nbd, fuse)
     assert (auto.status, auto.required) == (FAIL, True)
-    _says_both_ways(auto.detail)
+    _says_both_ways(f"{auto.detail}; fix: {auto.fix}")
+    assert "--method nbdfuse-loop" not in auto.detail  # the advice once, in the fix
     chosen = doctor_host.check_block_device(attach_state.METHOD_FUSE, nbd, fuse)
     assert chosen.status == OK and attach_fuse.MEASURED_RISK in chosen.detail
     with_nbd = doctor_host.check_block_device("auto", (True, nbd[1]), fuse)
@@ -100,8 +112,9 @@ def test_doctor_cli_shows_the_refusal() -> None:
         check=False,
     )
     checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
-    assert res.returncode == 1 and checks["block-device"]["status"] == "fail"
-    _says_both_ways(checks["block-device"]["detail"])
+    block = checks["block-device"]
+    assert res.returncode == 1 and block["status"] == "fail"
+    _says_both_ways(f"{block['detail']}; fix: {block['fix']}")
 
 
 def test_the_demo_names_its_method(no_kernel_nbd: None) -> None:

@@ -27,14 +27,18 @@ FALLBACK_UNDER_PRESSURE = (
     f"({MEASURED_RISK}): on such nodes use a kernel with nbd"
 )
 
-# Why `auto` never takes the fallback, and the two ways forward (enable's error, doctor's fix).
-AUTO_REFUSES_FALLBACK = (
+# Why `auto` never takes the fallback (doctor's detail), the two ways forward (doctor's fix),
+# and both in enable's one error line.
+AUTO_REFUSAL_WHY = (
     "this kernel has no nbd driver, and method auto does not take the nbdfuse + loop fallback: "
-    f"it can hang the node when the whole machine runs short of memory ({MEASURED_RISK}). "
-    "Either run a kernel with nbd (modprobe nbd; on Debian/Ubuntu the module is in "
-    "linux-image-* or linux-modules-extra-$(uname -r)), or accept the risk with "
-    '--method nbdfuse-loop (method = "nbdfuse-loop" in the config)'
+    f"it can hang the node when the whole machine runs short of memory ({MEASURED_RISK})"
 )
+AUTO_REFUSAL_FIX = (
+    "run a kernel with nbd (modprobe nbd; on Debian/Ubuntu the module is in linux-image-* or "
+    "linux-modules-extra-$(uname -r)), or accept the risk with --method nbdfuse-loop "
+    '(method = "nbdfuse-loop" in the config)'
+)
+AUTO_REFUSES_FALLBACK = f"{AUTO_REFUSAL_WHY}. Either {AUTO_REFUSAL_FIX}"
 
 
 def problems() -> list[str]:

@@ -188,7 +188,7 @@ def stop_daemon(state_dir: Path, timeout: float = 30.0) -> None:
 def enable(cfg: Config) -> attach_state.Attachment:
     systools.require_root()
     cfg.validate()
-    attach.resolve_method(cfg.method)  # refused before anything starts
+    method = attach.resolve_method(cfg.method)  # refused before anything starts
     existing = attach_state.load_state(state_path(cfg.state_dir))
     if existing is not None or daemon_alive(load_daemon(cfg.state_dir)):
         where = existing.device if existing and existing.device else "daemon running"
@@ -209,7 +209,7 @@ def enable(cfg: Config) -> attach_state.Attachment:
             daemon.socket,
             state_path(cfg.state_dir),
             run_dir=cfg.state_dir,
-            method=cfg.method,
+            method=method,
             priority=cfg.priority,
             extra={"daemon_pid": daemon.pid, **extra},
             realtime=pressure.realtime_wanted(cfg.daemon_args),

@@ -129,7 +129,7 @@ def check_block_device(method: str, nbd: tuple[bool, Check], fuse: tuple[bool, C
             return Check("block-device", OK, True, f"method {method}: {via}")
     if method == "auto":
         return Check(
-            "block-device", FAIL, True, attach_fuse.AUTO_REFUSES_FALLBACK, nbd[1].fix or None
+            "block-device", FAIL, True, attach_fuse.AUTO_REFUSAL_WHY, attach_fuse.AUTO_REFUSAL_FIX
         )
     fixes = [c.fix for _, c in candidates if c.fix]
     return Check(
