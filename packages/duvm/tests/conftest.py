@@ -1,4 +1,6 @@
-"""Fixtures shared by the duvm tests."""
+"""Fixtures shared by the duvm tests. Their helper modules (memserver_raw) sit beside them and
+import by name; with `--import-mode=importlib` pytest does not put this folder on sys.path
+itself, so it is put there once, here."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import pytest
 from duvm.memserver.server import MemServer
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
 StartPool = Callable[..., Awaitable[tuple[list[MemServer], list[tuple[str, int]]]]]
 

@@ -28,8 +28,7 @@ from duvm.store.storage import PAGE_SIZE as PS
 from duvm.store.storage import StorageError
 from duvm.wire import auth
 from duvm.wire import pageproto as pp
-from duvm.wire.pagedecode import NEED_DATA, Decoder
-from duvm.wire.pageencode import encode_bytes
+from memserver_raw import raw_conn
 
 S1 = os.urandom(32)
 
@@ -48,29 +47,6 @@ async def secured():
         await srv.close()
 
 
-async def _raw_conn(addr):
-    """A raw connection to a memserver: `ask(msg)` sends one frame and returns the reply
-    (None once the server closed the connection)."""
-    reader, writer = await asyncio.open_connection(*addr)
-    dec = Decoder("client")
-
-    async def ask(msg: pp.Message) -> pp.Message | None:
-        writer.write(encode_bytes(msg))
-        while True:
-            m = dec.next_event()
-            if m is not NEED_DATA:
-                return m
-            try:
-                data = await asyncio.wait_for(reader.read(1 << 16), 10)
-            except ConnectionResetError:
-                return None
-            if not data:
-                return None
-            dec.receive_data(data)
-
-    return ask, writer
-
-
 # --- auth: role labels and namespace binding --------------------------------------------------
 
 
@@ -81,7 +57,7 @@ async def test_a_reflected_server_proof_is_refused_as_the_clients_proof(
     role labels made equal, or the role left out): an attacker without the cluster secret
     could then send the memserver's own CHALLENGE proof back as its AUTH and be let in."""
     # the attacker knows the key id (public, it travels in clear) but not the secret
-    ask, w = await _raw_conn(secured.addr)
+    ask, w = await raw_conn(secured.addr)
     hello = pp.Hello(1, "mallory", nonce=os.urandom(32), key_id=auth.key_id(S1), token=b"m" * 32)
     ch = await ask(hello)
     assert isinstance(ch, pp.Challenge) and ch.auth_required
@@ -97,7 +73,7 @@ async def test_a_reflected_server_proof_is_refused_as_the_clients_proof(
     want = auth.proof(S1, "client", hello.nonce, ch.nonce, "mallory", b"m" * 32)
     assert want != ch.proof
     assert ch.proof == auth.proof(S1, "server", hello.nonce, ch.nonce, "mallory", b"m" * 32)
-    ask, w = await _raw_conn(secured.addr)
+    ask, w = await raw_conn(secured.addr)
     hello2, st = auth.start_handshake("honest", _sec(S1), b"h" * 32)
     ch2 = await ask(hello2)
     assert isinstance(await ask(auth.answer_challenge(ch2, st, _sec(S1), "real")), pp.HelloReply)
@@ -115,7 +91,7 @@ async def test_a_proof_for_one_namespace_token_does_not_verify_for_another(
     # the honest client opens for namespace token A; the relay forwards the HELLO with token B
     hello_a, st_a = auth.start_handshake("victim/nbd0", _sec(S1), tok_a)
     hello_b = dataclasses.replace(hello_a, token=tok_b)
-    ask, w = await _raw_conn(secured.addr)
+    ask, w = await raw_conn(secured.addr)
     ch = await ask(hello_b)
     assert isinstance(ch, pp.Challenge) and ch.auth_required
     # the client's check: the server proved the secret for namespace B, not for A
@@ -132,7 +108,7 @@ async def test_a_proof_for_one_namespace_token_does_not_verify_for_another(
     assert secured.counters["auth_failures"] == 1
     # mechanism: the proofs differ only by the token, and the proof for B does open B
     assert proof_a != auth.proof(S1, "client", hello_a.nonce, ch.nonce, "victim/nbd0", tok_b)
-    ask, w = await _raw_conn(secured.addr)
+    ask, w = await raw_conn(secured.addr)
     hello_b2, st_b = auth.start_handshake("victim/nbd0", _sec(S1), tok_b)
     ch_b = await ask(hello_b2)
     assert isinstance(await ask(auth.answer_challenge(ch_b, st_b, _sec(S1), "real")), pp.HelloReply)

@@ -21,8 +21,9 @@ from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.memserver_status import query_status
 from duvm.wire import auth
 from duvm.wire import pageproto as pp
-from duvm.wire.pagedecode import HANDSHAKE_FRAME, NEED_DATA, Decoder
+from duvm.wire.pagedecode import HANDSHAKE_FRAME, Decoder
 from duvm.wire.pageencode import encode_bytes
+from memserver_raw import raw_conn
 
 PS = pp.PAGE_SIZE
 
@@ -202,28 +203,6 @@ async def test_client_refuses_an_impostor_with_a_forged_proof() -> None:
             await c.connect()
     finally:
         srv.close()
-
-
-async def raw_conn(addr):
-    reader, writer = await asyncio.open_connection(*addr)
-    dec = Decoder("client")
-
-    async def ask(msg_or_bytes) -> pp.Message | None:
-        wire = msg_or_bytes if isinstance(msg_or_bytes, bytes) else encode_bytes(msg_or_bytes)
-        writer.write(wire)
-        while True:
-            m = dec.next_event()
-            if m is not NEED_DATA:
-                return m
-            try:
-                data = await asyncio.wait_for(reader.read(1 << 16), 5)
-            except ConnectionResetError:  # closed with our bytes unread: a reset, not a FIN
-                return None
-            if not data:
-                return None
-            dec.receive_data(data)
-
-    return ask, writer
 
 
 async def _raw_login(addr, client_id: str, secret: bytes | None, token: bytes):
