@@ -489,14 +489,65 @@ async def test_fast_path_declines_what_it_does_not_handle(servers) -> None:
             raise AssertionError("declined requests must not complete")
 
         assert not store.start_read(0, buf, never, None)  # never written: zeros, no trip
-        assert not store.start_write(0, buf, never, None)  # two replicas: general path
+        assert not store.start_write(63 * PS, buf, never, None)  # crosses a slab boundary
         await store.write(0, buf)
         await store.write(64 * PS, buf)
         assert not store.start_read(63 * PS, buf, never, None)  # crosses a slab boundary
+        store.repairs[0] = object()  # type: ignore[assignment] # a copy of slab 0 running
+        assert not store.start_write(0, buf, never, None)  # under its lock: general path
+        del store.repairs[0]
         with pytest.raises(AssertionError, match="unaligned"):  # the NBD layer refuses it
             store.start_read(1, buf[:PS], never, None)
         await store.close()
         assert not store.start_read(0, buf, never, None)  # closed
+    finally:
+        await store.close()
+
+
+async def test_fast_write_stores_on_every_replica_before_it_is_acknowledged(servers, fast) -> None:
+    """Catches a replicated fast write acknowledged by the first replica's reply (a read of
+    the other one could then miss the write) or left registered as in flight afterwards."""
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs, MiB, "t:fan:1", replicas=2, slab_pages=64)
+    try:
+        data = os.urandom(4 * PS)
+        t = store.table
+        assert await fast(store.start_write, 8 * PS, memoryview(data)) == "fast"
+        assert t.pending_writes == [] and list(t.inflight) == [0] * t.nslabs
+        holders = t.sets[0]
+        assert len(holders) == 2
+        for i in holders:  # byte for byte on both replicas, where the keys say
+            ns, arena = srvs[i].store.namespaces["t:fan:1"], srvs[i].store.arena
+            got = b"".join(bytes(arena.view(ns.pages[k])) for k in range(8, 12))
+            assert got == data
+        assert store.stats["stores"] == 1 and store.stats["pages_stored"] == 4
+        out = bytearray(4 * PS)
+        assert await fast(store.start_read, 8 * PS, memoryview(out)) == "fast"
+        assert out == data
+    finally:
+        await store.close()
+
+
+async def test_fast_write_with_a_replica_gone_continues_on_the_general_path(servers, fast) -> None:
+    """Catches a replicated fast write that reports success (or fails) when one replica's
+    connection breaks: the general path must send it again, drop that replica and answer
+    from the survivor."""
+    srvs, addrs = servers
+    store = await RemoteStore.open(addrs, MiB, "t:fan:2", replicas=2, slab_pages=64)
+    try:
+        gone = store.table.sets[0][1]
+        data = os.urandom(2 * PS)
+        srvs[gone]._server.close()  # stops listening: the replica stays gone
+        for conn in list(srvs[gone].conns):
+            conn.transport.abort()  # the STORE on it fails after it was sent
+        assert await fast(store.start_write, 0, memoryview(data)) == "continued"
+        assert gone not in store.table.sets[0]  # dropped, the slab is degraded
+        assert store.stats["replicas_dropped"] == 1
+        t = store.table
+        assert t.pending_writes == [] and list(t.inflight) == [0] * t.nslabs
+        out = bytearray(2 * PS)
+        await store.read(0, memoryview(out))
+        assert out == data
     finally:
         await store.close()
 

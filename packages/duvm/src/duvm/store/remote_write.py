@@ -9,9 +9,10 @@
   Writes that reach no replica first wait (`unreachable_wait`) for one to come back.
 - While a slab is being copied to a new replica (`repairs`), writes to it also go to the
   target, under the copy's per-slab lock, so a copied chunk never overwrites a newer write.
-- The common write (one slab, one replica, no copy running) is one STORE; on the fast path
-  (`start_write`) its acknowledgement marks the pages from the receive callback. Any failure
-  continues in `_store`, which sends it again (STORE is idempotent) and decides what it means.
+- The common write (one slab, every replica connected, no copy running) is one STORE per
+  replica, sent at once; on the fast path (`start_write`) the last acknowledgement marks the
+  pages from the receive callback. Any failure continues in `_store`, which sends it again
+  (STORE is idempotent) and decides what it means.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ class RemoteWrites:
     drop_replica: Callable[[int, int, str], bool]
 
     def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
-        """The common write (one slab, one replica, no repair copying it): one STORE whose
-        acknowledgement marks the pages from the receive path. Any failure continues in
-        `_store`, which sends it again (STORE is idempotent) and decides what it means."""
+        """The common write (one slab, every replica connected, no repair copying it): one
+        STORE to each replica at once, acknowledged from the receive path when all stored
+        it. Any failure continues in `_store`, which sends it again (STORE is idempotent),
+        drops the replicas that failed and decides what it means."""
         n = len(data)
         assert not (offset | n) & _MASK, f"unaligned request ({offset}, {n})"
         if not self._open:
@@ -62,39 +64,66 @@ class RemoteWrites:
         t = self.table
         first, count = offset >> 12, n >> 12
         slab = first // t.slab_pages
-        c = self._lone_replica(slab, count)
-        if c is None or (first + count - 1) // t.slab_pages != slab:
+        clients = self._connected_replicas(slab, count)
+        if clients is None or (first + count - 1) // t.slab_pages != slab:
             return False
         inflight = t.inflight
         crcs: list[array] = []  # the pages' checksums, once computed (see below)
+        waiting = len(clients)
+        failures: list[BaseException] = []
+        # Until every replica answers, a read that races this write may already get the new
+        # bytes from one of them: not corruption (SlabTable.bad_pages). Registered first.
+        pending = t.pending_writes if waiting > 1 else None
+        entry = (first, count, data)
 
         def stored(exc: BaseException | None) -> None:
+            nonlocal waiting
+            if exc is not None:
+                failures.append(exc)
+            waiting -= 1
+            if waiting:
+                return
             inflight[slab] -= 1
-            if exc is None:
+            if pending is not None:  # by identity: another write may carry equal bytes
+                del pending[next(i for i, e in enumerate(pending) if e is entry)]
+            if not failures:
                 try:
                     t.mark_stored(first, count, data, crcs[0] if crcs else None)
                 except Exception as e:  # never leave the request unanswered
                     done(tag, e)
                     return
                 done(tag, None)
-            elif isinstance(exc, REPLICA_FAILURES):
+            elif all(isinstance(e, REPLICA_FAILURES) for e in failures):
                 done(tag, self._store(slab, first, count, data))
             else:
-                done(tag, exc)
+                done(tag, next(e for e in failures if not isinstance(e, REPLICA_FAILURES)))
 
         keys = (first,) if count == 1 else tuple(range(first, first + count))
         inflight[slab] += 1  # a repair starting now waits for this write to finish
-        if c.store_cb(keys, data, stored):
-            if count > 1:
-                # Needed only at the acknowledgement, so computed once the STORE has left
-                # (this callback normally runs right after the send), while the memserver
-                # copies the pages, instead of after it answered: for 512 KiB that is about
-                # 40% of the daemon's work per write taken off the write's latency. Should the
-                # acknowledgement come first, `stored` computes them itself (D29).
-                c.loop.call_soon(lambda: crcs.append(page_crcs(data, count)))
-            return True
-        inflight[slab] -= 1
-        return False
+        if pending is not None:
+            pending.append(entry)
+        for c in clients:
+            if not c.store_cb(keys, data, stored):  # not connected after all: a failure
+                stored(MemserverUnreachable(f"not connected to memserver {c.peer}"))
+        if count > 1:
+            # Needed only at the acknowledgement, so computed once the STOREs have left (this
+            # callback normally runs right after the send), while the memservers copy the
+            # pages, instead of after they answered: for 512 KiB that is about 40% of the
+            # daemon's work per write taken off the write's latency. Should the
+            # acknowledgements come first, `stored` computes them itself (D29).
+            clients[0].loop.call_soon(lambda: crcs.append(page_crcs(data, count)))
+        return True
+
+    def _connected_replicas(self, slab: int, count: int) -> list[MemClient] | None:
+        """The slab's replicas when one STORE of `count` pages can go straight to each (all
+        connected, no repair copying the slab), else None: the general path decides."""
+        clients = self.table.slab_clients[slab]
+        if slab in self.repairs:
+            return None
+        for c in clients:
+            if c.hello is None or count > c.max_batch:
+                return None
+        return clients
 
     def _lone_replica(self, slab: int, count: int) -> MemClient | None:
         """The slab's only replica when one STORE of `count` pages can go straight to it (no
