@@ -488,8 +488,8 @@ def test_the_fast_path_is_offered_only_to_a_store_that_declares_it(serve):
 
 def test_filters_forward_or_decline_the_fast_path(serve):
     """Catches a filter that hides its inner store's fast path (FaultStore forwards it, and
-    declines only a request it must fault) or offers one it cannot serve (CryptStore must
-    seal every page on the coroutine path)."""
+    declines only a request it must fault; CryptStore forwards it with the pages sealed) or
+    that takes a request the store below declined (it must then take the coroutine path)."""
     inner = SeeingStore(MiB)
     faults = FaultStore(inner, delay={"read": 0.01}, only=range(0, 4096))
     assert faults.fast_path and faults.describe() == "local RAM, faults injected"
@@ -502,9 +502,16 @@ def test_filters_forward_or_decline_the_fast_path(serve):
 
     inner = SeeingStore(MiB)
     sealed = CryptStore(inner)
-    assert not sealed.fast_path and sealed.describe() == "local RAM, pages encrypted"
+    assert sealed.fast_path and sealed.describe() == "local RAM, pages encrypted"
     _one_write_and_read(serve(sealed))
-    assert inner.seen == [("write", 0, 4096), ("read", 0, 4096)]  # never the fast path
+    # offered to the store below first, declined there, then the coroutine path
+    assert inner.seen == [
+        ("start_write", 0, 4096),
+        ("write", 0, 4096),
+        ("start_read", 0, 4096),
+        ("read", 0, 4096),
+    ]
+    assert bytes(inner._view[:4096]) != b"f" * 4096  # below it, only ciphertext
 
 
 def test_replies_come_out_of_order_as_requests_complete(serve):

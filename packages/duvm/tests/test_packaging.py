@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from duvm.base import accel
 
 ROOT = Path(__file__).resolve().parents[3]
 PKG = ROOT / "packages" / "duvm"
@@ -52,6 +53,8 @@ def test_sdist_has_readme_license_units_and_sources(dist: dict[str, Path]) -> No
         f"src/{NAME}/node/daemon.py",  # the layer folders too
         "systemd/duvm-node.service",
         "systemd/duvm-enable.service",
+        "setup.py",  # builds the compiled path, from the .pyx sources
+        *(f"src/{m.replace('.', '/')}.pyx" for m in accel.MODULES),
     ]
     missing = [f for f in wanted if f"{top}/{f}" not in names]
     assert not missing, f"not in the sdist: {missing}"
@@ -72,6 +75,11 @@ def test_wheel_metadata_and_entry_points(dist: dict[str, Path]) -> None:
     assert "duvm = duvm.cli:main" in eps
     assert f"{NAME}/node/doctor.py" in names
     assert all(n.startswith((f"{NAME}/", info)) for n in names), names
+    assert not [n for n in names if n.endswith(".c")]  # generated C stays out
+    if accel.report().path == "compiled":  # built here, so the wheel carries it too
+        for m in accel.MODULES:
+            stem = m.replace(".", "/")
+            assert any(n.startswith(stem + ".") and n.endswith(".so") for n in names), m
 
 
 @pytest.mark.slow
@@ -99,6 +107,10 @@ def test_installed_wheel_runs_version_help_doctor(venv: Path) -> None:
     doc = json.loads(res.stdout)
     assert doc["ok"] is (res.returncode == 0)
     assert {c["name"] for c in doc["checks"]} >= {"root", "block-device", "swap-tools"}
+    # the installed wheel runs the compiled path wherever the workspace build does
+    path = next(c for c in doc["checks"] if c["name"] == "request-path")
+    if accel.report().path == "compiled":
+        assert path["status"] == "ok" and path["detail"].startswith("compiled"), path
 
 
 def test_version_matches_package() -> None:

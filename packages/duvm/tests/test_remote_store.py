@@ -378,9 +378,9 @@ async def test_one_batching_object_per_store_shared_down_the_stack(servers) -> N
 
 
 async def test_each_stacking_takes_the_path_it_declares(servers) -> None:
-    """Catches a filter over a RemoteStore that hides its fast path (FaultStore must forward
-    it: the callback path serves the request) or offers one it cannot serve (CryptStore, and
-    CryptStore over FaultStore, must decline: pages are sealed on the coroutine path)."""
+    """Catches a filter over a RemoteStore that hides its fast path: FaultStore and CryptStore
+    (also stacked) must forward it, and the callback path then serves the request, opened
+    in place when the pages are sealed."""
     from duvm.store.crypt_store import CryptStore
     from duvm.store.storage import FaultStore
 
@@ -389,18 +389,20 @@ async def test_each_stacking_takes_the_path_it_declares(servers) -> None:
     try:
         page = memoryview(os.urandom(PS))
         await remote.write(0, page)
+        sealed = CryptStore(remote)
+        await sealed.write(PS, page)  # page 1: ciphertext below, the plain page above
         stacks = {
             "remote": remote,
             "fault over remote": FaultStore(remote),
-            "crypt over remote": CryptStore(remote),
+            "crypt over remote": sealed,
             "crypt over fault over remote": CryptStore(FaultStore(remote)),
         }
         declared = {name: s.fast_path for name, s in stacks.items()}
         assert declared == {
             "remote": True,
             "fault over remote": True,
-            "crypt over remote": False,
-            "crypt over fault over remote": False,
+            "crypt over remote": True,
+            "crypt over fault over remote": True,
         }
         # what the NBD server offers a declared fast path: a forwarding filter takes it
         done = asyncio.get_running_loop().create_future()
@@ -416,12 +418,21 @@ async def test_each_stacking_takes_the_path_it_declares(servers) -> None:
         elif isinstance(cont, memoryview):
             out[:] = cont
         assert bytes(out) == bytes(page)
-        # a declining filter takes nothing on the callback path
-        assert stacks["crypt over remote"].start_read(0, out, finished, "t") is False
+        # the encrypting filter forwards too, and opens what the store below loaded
+        done = asyncio.get_running_loop().create_future()
+        out[:] = bytes(PS)
+        assert sealed.start_read(PS, out, finished, "t") is True
+        assert await asyncio.wait_for(done, 5) is None
+        assert bytes(out) == bytes(page) and sealed.stats["pages_opened"] == 1
+        below = bytearray(PS)
+        await remote.read(PS, memoryview(below))
+        assert bytes(below) != bytes(page)  # the store below holds only ciphertext
+        # a page never written through the filter has nothing to load: declined (zeros)
+        assert sealed.start_read(2 * PS, out, finished, "t") is False
         # every stack reports the health of the store it wraps, per-peer pages included
-        # (one written page, on the one replica of slab 0)
+        # (two written pages, on the one replica of slab 0)
         want = remote.health()
-        assert sum(peer["pages"] for peer in want["peers"]) == 1
+        assert sum(peer["pages"] for peer in want["peers"]) == 2
         assert all(s.health() == want for s in stacks.values())
         assert all(
             s.describe() == f"2 memserver(s){extra}"

@@ -7,7 +7,8 @@ Each check is a small function that looks (never changes anything: no ``modprobe
 cannot work without it (``required``), what was found, and, when something is wrong, the fix
 (the Debian package to install or the command to run). A required check that fails makes the
 command exit 1; warnings (a slower fallback path, a low ``vm.min_free_kbytes`` that enable
-raises anyway, no uvloop) keep exit 0. ``--json`` prints the same list as data.
+raises anyway, no uvloop, the pure-Python request path) keep exit 0. ``--json`` prints the
+same list as data.
 
 What is checked is what `duvm enable` will need, found the way enable finds it. This
 machine's checks are in :mod:`duvm.node.doctor_host`: system tools in the fixed sbin/bin
@@ -75,6 +76,7 @@ def run_checks(opts: Options, probe: doctor_host.Probe | None = None) -> list[Ch
         peer_auth[1],
         doctor_cluster.check_peers(opts.peers, opts.peer_timeout, peer_auth[0]),
         doctor_host.check_uvloop(),
+        doctor_host.check_request_path(),
     ]
 
 

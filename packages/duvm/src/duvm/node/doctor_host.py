@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from duvm.base import cgroup, pressure
+from duvm.base import accel, cgroup, pressure
 from duvm.node import attach_fuse, attach_state, kernel_swap, systools
 from duvm.node.doctor_check import FAIL, OK, SKIP, WARN, Check, verdict
 
@@ -328,3 +328,21 @@ def check_uvloop() -> Check:
             "reinstall duvm with its dependencies (e.g. uv tool install --reinstall duvm)",
         )
     return Check("uvloop", OK, False, f"uvloop {getattr(uvloop, '__version__', 'n/a')}")
+
+
+def check_request_path() -> Check:
+    """Which request path the daemon and memservers run (duvm.base.accel): the compiled one,
+    the pure-Python reference chosen with DUVM_PURE_PYTHON, or the reference for want of a
+    build (a warning: several times the CPU per request)."""
+    rep = accel.report()
+    if rep.path == "compiled":
+        return Check("request-path", OK, False, "compiled (" + ", ".join(rep.modules) + ")")
+    if rep.chosen:
+        return Check("request-path", OK, False, f"pure Python: {rep.why}")
+    return Check(
+        "request-path",
+        WARN,
+        False,
+        f"pure Python, several times the CPU per request: {rep.why}",
+        accel.BUILD_FIX,
+    )

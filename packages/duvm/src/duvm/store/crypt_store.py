@@ -21,6 +21,11 @@ Theory of operation:
   that died with the kernel's swap map (a swap device is rebuilt by mkswap at every enable),
   so nothing after a restart ever needs to read them; and a key that was never on disk cannot
   be stolen from disk.
+- The sealing itself is `duvm.store.page_cipher` (compiled over OpenSSL's EVP interface, or
+  the pure-Python reference). The layer forwards the callback fast path: a write is sealed
+  into a new buffer and handed to the store below, its nonces and tags entering the table
+  only when the store acknowledged it; a read is opened in place when the store below
+  completes it.
 - Requests are page-aligned (the NBD layer advertises a 4096-byte minimum block); concurrent
   overlapping writes of one page are not ordered by NBD, and the kernel never issues them.
 """
@@ -28,97 +33,142 @@ Theory of operation:
 from __future__ import annotations
 
 import errno
-import struct
+from collections.abc import Coroutine
+from functools import partial
+from typing import Any
 
-from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from duvm.store.storage import PAGE_SIZE, BlockStore, StorageError, StoreFilter
+from duvm.store.page_cipher import META, NONCE, TAG, TagFailure, page_cipher
+from duvm.store.storage import PAGE_SIZE, BlockStore, Done, StorageError, StoreFilter
 
-NONCE = 12
-TAG = 16
-META = NONCE + TAG  # bytes of metadata per page
-_AAD = struct.Struct("<8sQ")  # label, page number; the nonce itself is the generation
-_LABEL = b"duvmpage"
-_NO_NONCE = bytes(NONCE)
+__all__ = ["META", "NONCE", "TAG", "CryptStore"]
 
 
 class CryptStore(StoreFilter):
-    """AES-256-GCM over `inner`, page by page; the key and the per-page nonce/tag table live
-    only in this object. It declines the fast path: sealing and opening run on the coroutine
-    path."""
+    """AES-256-GCM over `inner`, page by page; the key (inside the cipher) and the per-page
+    nonce/tag table live only in this object. Forwards the fast path."""
 
     def __init__(self, inner: BlockStore, *, key: bytes | None = None) -> None:
         if inner.size % PAGE_SIZE:
             raise ValueError(f"size must be a multiple of {PAGE_SIZE}")
         super().__init__(inner)
         self.pages = inner.size // PAGE_SIZE
-        self._aead = AESGCM(key if key is not None else AESGCM.generate_key(bit_length=256))
+        self.cipher = page_cipher(key if key is not None else AESGCM.generate_key(bit_length=256))
         self._meta = bytearray(self.pages * META)  # nonce | tag per page; zeros = unwritten
         self._meta_mv = memoryview(self._meta)
-        self._counter = 0  # last nonce used (as an integer)
+        self.fast_path = inner.fast_path
         self.stats = {"pages_sealed": 0, "pages_opened": 0, "tag_failures": 0}
 
-    def _next_nonce(self) -> bytes:
-        self._counter += 1
-        if self._counter >= 1 << 96:  # unreachable in practice (2**96 writes)
-            raise StorageError(errno.EIO, "nonce space exhausted; restart the daemon")
-        return self._counter.to_bytes(NONCE, "little")
+    # --- sealing and opening ---
+
+    def _reserve_nonces(self, n: int) -> None:
+        """Called before `n` nonces are used (PersistentCryptStore stores the counter)."""
+
+    def _seal(self, first: int, data: memoryview) -> tuple[bytearray, bytearray]:
+        """The pages sealed, and their nonce|tag entries (not yet in the table)."""
+        n = len(data) // PAGE_SIZE
+        sealed, metas = bytearray(len(data)), bytearray(n * META)
+        self._reserve_nonces(n)
+        try:
+            self.cipher.seal(first, data, memoryview(sealed), memoryview(metas))
+        except OverflowError:  # unreachable in practice (2**96 writes)
+            raise StorageError(errno.EIO, "nonce space exhausted; restart the daemon") from None
+        return sealed, metas
+
+    def _commit(self, first: int, metas: bytearray) -> None:
+        """The store below holds the new version: the table points at it from now on. (A
+        failed write leaves the old one, which the store below still holds: writes are all or
+        nothing per request there too, and a partly applied one fails its tag check, never
+        returning other bytes.)"""
+        m = first * META
+        self._meta[m : m + len(metas)] = metas
+        self.stats["pages_sealed"] += len(metas) // META
+
+    def _written(self, first: int, n: int) -> int:
+        return self.cipher.written(self._meta_mv[first * META : (first + n) * META])
+
+    def _open(self, first: int, out: memoryview) -> None:
+        """Decrypt `out` in place (unwritten pages as zeros); EIO on a failed tag, with `out`
+        zeroed: unauthenticated bytes are never handed back."""
+        n = len(out) // PAGE_SIZE
+        try:
+            opened = self.cipher.open(first, out, self._meta_mv[first * META : (first + n) * META])
+        except TagFailure as e:
+            self.stats["tag_failures"] += 1
+            out[:] = bytes(len(out))
+            raise StorageError(
+                errno.EIO,
+                f"page {first + e.index} failed authentication: the memserver returned bytes "
+                "this node did not write there",
+            ) from None
+        self.stats["pages_opened"] += opened
+
+    # --- the fast path ---
+
+    def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
+        first = offset // PAGE_SIZE
+        sealed, metas = self._seal(first, data)
+        cb = partial(self._write_done, first, metas, done)
+        # declined below: the coroutine path seals again (fresh nonces; these never left)
+        return self.inner.start_write(offset, memoryview(sealed), cb, tag)
+
+    def _write_done(self, first: int, metas: bytearray, done: Done, tag: object, cont: Any) -> None:
+        if cont is None:
+            self._commit(first, metas)
+            done(tag, None)
+        elif isinstance(cont, BaseException):
+            done(tag, cont)
+        else:
+            done(tag, self._write_after(first, metas, cont))
+
+    async def _write_after(
+        self, first: int, metas: bytearray, cont: Coroutine[Any, Any, None]
+    ) -> None:
+        await cont
+        self._commit(first, metas)
+
+    def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
+        first = offset // PAGE_SIZE
+        if not self._written(first, len(out) // PAGE_SIZE):
+            return False  # nothing to load: the coroutine path answers zeros
+        return self.inner.start_read(offset, out, partial(self._read_done, first, out, done), tag)
+
+    def _read_done(self, first: int, out: memoryview, done: Done, tag: object, cont: Any) -> None:
+        if isinstance(cont, BaseException):
+            done(tag, cont)
+            return
+        if cont is not None and not isinstance(cont, memoryview):
+            done(tag, self._read_after(first, out, cont))
+            return
+        if cont is not None:  # the store's own bytes (never changed again): open a copy
+            out[:] = cont
+        try:
+            self._open(first, out)
+        except StorageError as e:
+            done(tag, e)
+            return
+        done(tag, None)
+
+    async def _read_after(
+        self, first: int, out: memoryview, cont: Coroutine[Any, Any, None]
+    ) -> None:
+        await cont
+        self._open(first, out)
+
+    # --- the coroutine path ---
 
     async def write(self, offset: int, data: memoryview) -> None:
         first = offset // PAGE_SIZE
-        n = data.nbytes // PAGE_SIZE
-        seal = self._aead.encrypt
-        out = bytearray(data.nbytes)
-        metas = []
-        for i in range(n):
-            nonce = self._next_nonce()
-            a = i * PAGE_SIZE
-            sealed = seal(nonce, data[a : a + PAGE_SIZE], _AAD.pack(_LABEL, first + i) + nonce)
-            out[a : a + PAGE_SIZE] = sealed[:PAGE_SIZE]
-            metas.append(nonce + sealed[PAGE_SIZE:])
-        await self.inner.write(offset, memoryview(out))
-        # Only now does the table point at the new version: a failed write leaves the old one,
-        # which the store below still holds (writes are all or nothing per request there too,
-        # and a partly applied one fails its tag check, never returning other bytes).
-        m = first * META
-        self._meta[m : m + n * META] = b"".join(metas)
-        self.stats["pages_sealed"] += n
+        sealed, metas = self._seal(first, data)
+        await self.inner.write(offset, memoryview(sealed))
+        self._commit(first, metas)
 
     async def read(self, offset: int, out: memoryview) -> None:
         first = offset // PAGE_SIZE
-        n = out.nbytes // PAGE_SIZE
-        meta = self._meta_mv
-        written = [
-            meta[(first + i) * META : (first + i) * META + NONCE] != _NO_NONCE for i in range(n)
-        ]
-        if any(written):
+        if self._written(first, len(out) // PAGE_SIZE):
             await self.inner.read(offset, out)
-        opened = self._aead.decrypt
-        for i in range(n):
-            a = i * PAGE_SIZE
-            if not written[i]:
-                out[a : a + PAGE_SIZE] = bytes(PAGE_SIZE)
-                continue
-            m = (first + i) * META
-            nonce = bytes(meta[m : m + NONCE])
-            try:
-                plain = opened(
-                    nonce,
-                    bytes(out[a : a + PAGE_SIZE]) + meta[m + NONCE : m + META],
-                    _AAD.pack(_LABEL, first + i) + nonce,
-                )
-            except InvalidTag:
-                self.stats["tag_failures"] += 1
-                out[:] = bytes(out.nbytes)  # never hand back unauthenticated bytes
-                raise StorageError(
-                    errno.EIO,
-                    f"page {first + i} failed authentication: the "
-                    "memserver returned bytes this node did not write "
-                    "there",
-                ) from None
-            out[a : a + PAGE_SIZE] = plain
-        self.stats["pages_opened"] += sum(written)
+        self._open(first, out)
 
     def _forget(self, offset: int, length: int) -> None:
         m = offset // PAGE_SIZE * META
@@ -137,6 +187,6 @@ class CryptStore(StoreFilter):
 
     async def close(self) -> None:
         await self.inner.close()
-        # Best effort: drop the key object and the table (Python cannot promise to wipe).
-        self._aead = None  # type: ignore[assignment]
+        # Best effort: drop the cipher (its key) and the table (Python cannot promise to wipe).
+        self.cipher = None  # type: ignore[assignment]
         self._meta[:] = bytes(len(self._meta))

@@ -294,7 +294,8 @@ class PageTables:
 class PersistentCryptStore(CryptStore):
     """CryptStore whose nonce/tag table and nonce counter live in `tables` (daemon-pages.bin),
     with the key from daemon-state.json, so a restarted daemon can open its pages. The counter
-    is stored before each seal, so no nonce is ever used twice under the key."""
+    a request's seal will reach is stored before it seals, so no nonce is ever used twice
+    under the key."""
 
     def __init__(self, inner: BlockStore, key: bytes, tables: PageTables) -> None:
         super().__init__(inner, key=key)
@@ -303,12 +304,10 @@ class PersistentCryptStore(CryptStore):
         self._tables = tables
         self._meta = tables.meta  # type: ignore[assignment]
         self._meta_mv = memoryview(tables.meta)
-        self._counter = tables.nonce_counter
+        self.cipher.counter = tables.nonce_counter
 
-    def _next_nonce(self) -> bytes:
-        nonce = super()._next_nonce()
-        self._tables.nonce_counter = self._counter
-        return nonce
+    def _reserve_nonces(self, n: int) -> None:
+        self._tables.nonce_counter = self.cipher.counter + n
 
     async def close(self) -> None:
         await super().close()
