@@ -351,14 +351,19 @@ def peer_statuses(
     return asyncio.run(gather()) if peers else []
 
 
+def daemon_report(daemon: DaemonInfo | None) -> dict[str, Any]:
+    """What the daemon's control socket answers (empty when it cannot answer)."""
+    if daemon is None or not daemon_alive(daemon):
+        return {}
+    try:
+        return control_socket.query(control_socket.default_path(daemon.socket))
+    except (OSError, ValueError):
+        return {}
+
+
 def daemon_health(daemon: DaemonInfo | None) -> dict[str, Any] | None:
     """Replication health from the daemon's control socket (None when it cannot answer)."""
-    if daemon is None or not daemon_alive(daemon):
-        return None
-    try:
-        return control_socket.query(control_socket.default_path(daemon.socket)).get("store")
-    except (OSError, ValueError):
-        return None
+    return daemon_report(daemon).get("store")
 
 
 def node_status(path: Path = DEFAULT_NODE_CONTROL_SOCKET) -> dict[str, Any] | None:
@@ -416,6 +421,7 @@ def status(
         except (ValueError, OSError, auth.SecretError) as exc:  # said with each peer
             security_error = f"cannot authenticate as the daemon does: {exc}"
     peer_list = peer_statuses(peers, client=daemon.client_id if daemon else None, security=security)
+    report = daemon_report(daemon)
     if security_error:
         for p in peer_list:
             p["error"] = f"{p['error']} ({security_error})" if p["error"] else security_error
@@ -441,13 +447,14 @@ def status(
             "running": daemon_alive(daemon),
             "log": daemon.log,
             "replicas": daemon.replicas,
+            "request_path": report.get("request_path"),
         },
         "supervisor": _supervisor_status(state_dir),
         "min_free_kbytes": {"before": att.min_free_before, "set": att.min_free_set}
         if att
         else None,
         "client_id": daemon.client_id if daemon else None,
-        "replication": daemon_health(daemon),
+        "replication": report.get("store"),
         "peers": peer_list,
         "node": node_status(node_socket),
     }
@@ -471,7 +478,7 @@ def format_status(st: dict[str, Any]) -> str:
         d = st["daemon"]
         lines.append(
             f"daemon: pid {d['pid']} {'running' if d['running'] else 'NOT RUNNING'} "
-            f"(log {d['log']})"
+            f"(log {d['log']}), request path {d.get('request_path') or 'n/a'}"
         )
     sup = st.get("supervisor")
     if sup:

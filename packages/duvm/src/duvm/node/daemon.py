@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from duvm.base import pressure, quietlog
+from duvm.base import accel, pressure, quietlog
 from duvm.base.units import is_loopback, parse_hostport, parse_listen, parse_size
 from duvm.store import daemon_state, memclient
 from duvm.store.placement import default_replicas
@@ -350,10 +350,11 @@ async def _serve_store(args: argparse.Namespace, cfg: Settings, trace: RequestTr
         from duvm.wire import control_socket
 
         ctl_path = args.control_socket or control_socket.default_path(args.socket)
+        path = accel.announce(log).path
         ctl = await control_socket.start(
             ctl_path,
             lambda: control_socket.daemon_status(
-                store, server, None if args.memory else cfg.replicas
+                store, server, None if args.memory else cfg.replicas, path
             ),
         )
         print(

@@ -99,15 +99,19 @@ def query(path: str, timeout: float = 2.0) -> dict[str, Any]:
     return reply
 
 
-def daemon_status(store: Any, server: object, replicas: int | None) -> dict[str, Any]:
+def daemon_status(
+    store: Any, server: object, replicas: int | None, request_path: str | None = None
+) -> dict[str, Any]:
     """What the daemon answers: replication health of its store (through wrapping layers such
-    as encryption) and the NBD server's counters. Unknown parts are None."""
+    as encryption), the NBD server's counters and which request path it runs ("compiled" or
+    "pure", duvm.base.accel). Unknown parts are None."""
     health = store.health()  # through filters; each peer's written pages included
     stats = getattr(server, "stats", None)
     return {
         "pid": os.getpid(),
         "size_bytes": getattr(store, "size", None),
         "replicas": replicas,
+        "request_path": request_path,
         "store": health,
         "nbd": stats.as_dict() if stats is not None else None,
     }
