@@ -186,6 +186,12 @@ def test_pages_live_on_the_memserver_and_trim_frees_them(procs):
     assert p.returncode == 0 and "verification failed" not in p.stdout, p.stdout
     assert namespace(port, "test-trim")["stored_pages"] == 1
 
+    # `duvm status` learns from the daemon itself which request path it runs
+    from duvm.base import accel
+    from duvm.wire import control_socket
+
+    assert control_socket.query(sock + ".ctl")["request_path"] == accel.report().path
+
     # SIGTERM: clean exit, and the reservation and pages are released on the memserver.
     assert procs.stop(d) == 0
     assert not os.path.exists(sock)
