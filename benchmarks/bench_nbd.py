@@ -14,7 +14,9 @@ Targets, all on one Unix socket each:
 * `nbdkit`      `nbdkit memory` (reference);
 * `duvm-local`  duvm daemon over its in-RAM store (one hop: shows where the time goes);
 * `duvm-base`, `duvm-local-base`: the same, run from another checkout (`--baseline DIR`, e.g. a
-  `git worktree` of the commit before a change), side by side with this one in the same run.
+  `git worktree` of the commit before a change), side by side with this one in the same run;
+* `duvm-deployed-pure`: the deployed target on the pure-Python path (`DUVM_PURE_PYTHON=1`), to
+  compare the reference with the compiled path in one run.
 
 For each run it reports IOPS or MiB/s, the ratio to nbdkit, the mean latency (fio), and the
 CPU time each process spent per request (utime+stime deltas from /proc/PID/stat for servers,
@@ -105,6 +107,9 @@ def start_targets(
         if full.endswith("-base"):  # the other checkout's duvm comes first on the path
             name = full.removesuffix("-base")
             env = dict(os.environ, PYTHONPATH=os.path.join(baseline or "", "packages/duvm/src"))
+        elif full.endswith("-pure"):  # the reference path (duvm.base.accel)
+            name = full.removesuffix("-pure")
+            env = dict(os.environ, DUVM_PURE_PYTHON="1")
         if name == "nbdkit":
             t.procs["nbdkit"] = subprocess.Popen(
                 [*pin, "nbdkit", "-f", "-U", sock, "memory", str(size)]
@@ -301,6 +306,7 @@ def label(test: str, qd: int) -> str:
 def markdown(results: dict, info: dict, args: argparse.Namespace) -> str:
     order = (
         "duvm-deployed",
+        "duvm-deployed-pure",
         "duvm-deployed-base",
         "duvm",
         "duvm-base",
@@ -366,8 +372,8 @@ def main() -> int:
     ap.add_argument(
         "--targets",
         default="duvm-deployed,duvm,nbdkit,duvm-local",
-        help="comma-separated, from duvm-deployed, duvm, nbdkit, duvm-local (and with "
-        "--baseline their -base twins)",
+        help="comma-separated, from duvm-deployed, duvm-deployed-pure, duvm, nbdkit, "
+        "duvm-local (and with --baseline their -base twins)",
     )
     names = [f"{t}{q or ''}" for t, q in TESTS]
     ap.add_argument(
@@ -401,7 +407,7 @@ def main() -> int:
             )
             want.remove("duvm")
     asked = [t for t in args.tests.split(",") if t]
-    known = ["duvm-deployed", "duvm", "nbdkit", "duvm-local"]
+    known = ["duvm-deployed", "duvm-deployed-pure", "duvm", "nbdkit", "duvm-local"]
     if args.baseline:
         if not os.path.isdir(os.path.join(args.baseline, "packages/duvm/src/duvm")):
             ap.error(f"--baseline {args.baseline} is not a checkout of this repository")
