@@ -116,3 +116,32 @@ def test_a_zombie_is_not_alive_and_a_gone_pid_has_no_start_time() -> None:
     assert processes.wait_pid_exit(proc.pid, 1)
     proc.wait()
     assert processes.start_time(2**22 + 1) is None  # above any pid_max: never a process
+
+
+def test_a_process_still_inside_execve_is_read_again(monkeypatch) -> None:
+    """Catches a command line read once: right after Popen returns, a child can still be
+    inside execve with an empty /proc/PID/cmdline (the kernel releases a vfork parent before
+    it sets the new command line). `duvm_runs` then said a supervisor that had just started
+    was not running (a fresh-clone CI run failed on it under load)."""
+    proc = _stand_in("duvm.cli", "supervise")
+    try:
+        start = processes.start_time(proc.pid)
+        real = Path.read_bytes
+        empty = [2]  # the first two reads see the execve in progress
+
+        def read_bytes(self: Path) -> bytes:
+            if self.name == "cmdline" and empty[0]:
+                empty[0] -= 1
+                return b""
+            return real(self)
+
+        monkeypatch.setattr(Path, "read_bytes", read_bytes)
+        assert processes.duvm_runs(proc.pid, "supervise", start)
+        assert empty[0] == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    # a process that is gone is not waited for
+    t0 = time.monotonic()
+    assert not processes.duvm_runs(proc.pid, "supervise")
+    assert time.monotonic() - t0 < processes.CMDLINE_WAIT_S

@@ -96,11 +96,22 @@ def send_signal(pid: int, sig: int, start: int | None = None) -> bool:
         os.close(pidfd)
 
 
+CMDLINE_WAIT_S = 0.5
+
+
 def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
+    """/proc/PID/cmdline. A process still inside execve reads as empty for a moment (the
+    kernel lets a vfork parent, such as Popen, go on before it sets the new command line), so
+    an empty answer from a live process is read again for up to CMDLINE_WAIT_S."""
+    deadline = time.monotonic() + CMDLINE_WAIT_S
+    while True:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+        if cmd or not pid_alive(pid) or time.monotonic() > deadline:
+            return cmd
+        time.sleep(0.002)
 
 
 def pid_runs(pid: int | None, name: str, start: int | None = None) -> bool:
