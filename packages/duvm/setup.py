@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 # module -> C libraries it links against
 COMPILED = {
     "duvm.store._pagecipher": ["crypto"],
+    "duvm.memserver._hotloop": [],
 }
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from duvm.base import accel
 from duvm.memserver import connection
 from duvm.memserver.connection import Connection, _skip
 from duvm.memserver.pagestore import PageStore, Refused
@@ -237,6 +238,7 @@ async def test_a_reply_that_breaks_the_protocol_fails_its_request_not_hangs(
 ) -> None:
     """A memserver answering a LOAD with fewer pages than asked is cut off; the request that
     reply belonged to fails like on a lost connection instead of waiting forever."""
+    monkeypatch.setenv(accel.ENV, "1")  # the server's reference loop, where the bug is planted
     c = MemClient(*server.addr, "n/short")
     await c.connect()
     await c.reserve(8)

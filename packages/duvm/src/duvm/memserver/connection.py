@@ -26,6 +26,7 @@ import time
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
+from duvm.base import accel
 from duvm.base.sockets import tune_socket
 from duvm.memserver.pagestore import Namespace, Refused
 from duvm.wire import auth
@@ -48,6 +49,7 @@ _FREE_BODY = pp.FREE_REPLY_BODY.pack
 SUPPORTED_VERSIONS = (pp.MIN_VERSION, pp.PROTOCOL_VERSION)
 
 _IOV_MAX = 1024  # buffers per writev (Linux UIO_MAXIOV)
+_HOT_MODULE = "duvm.memserver._hotloop"
 
 
 def _skip(bufs: list, n: int) -> list:
@@ -85,6 +87,8 @@ class Connection(asyncio.BufferedProtocol):
         self._nonce_s = b""
         self._secret: bytes | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        # the compiled STORE/LOAD/FREE loop (duvm.memserver._hotloop), None on the pure path
+        self._hot = accel.load(_HOT_MODULE)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # uvloop: not a subclass
         self.transport = transport  # type: ignore[assignment]
@@ -137,8 +141,33 @@ class Connection(asyncio.BufferedProtocol):
         dec.buffer_updated(nbytes)
         if self.server.idle_timeout is not None:
             self.last_active = time.monotonic()
+        hot = self._hot if lat is None else None  # per-frame latency: the reference loop
         try:
             while not self.closing:
+                if hot is not None and self.ns is not None:
+                    # the compiled loop serves what it can; the frame it stops at (anything
+                    # to refuse included) is the reference loop's, below
+                    if arena_views:  # what a later STORE or FREE changes must not be sent
+                        out, arena_views = _own(out), False
+                    buf, start, end = dec.window()
+                    served = bytearray()
+                    to = hot.serve(
+                        buf,
+                        start,
+                        end,
+                        dec.limit(_STORE),
+                        dec.limit(_LOAD),
+                        self.ns.pages,
+                        self.ns.reserved,
+                        store.arena,
+                        store.arena.memory,
+                        store.counters,
+                        served,
+                    )
+                    if served:
+                        out.append(served)
+                    if to != start:
+                        dec.consume(to)
                 frame = dec.next_frame()
                 if frame is NEED_DATA:
                     break

@@ -191,6 +191,24 @@ class Decoder:
     def receive_eof(self) -> None:
         self._eof = True
 
+    def window(self) -> tuple[bytearray, int, int]:
+        """(buffer, start, end): the received bytes not decoded yet are buffer[start:end], for
+        a loop that decodes frames itself (the memserver's compiled one); it hands back what
+        it consumed with `consume`. Borrowed like a payload."""
+        return self._buf, self._start, self._end
+
+    def consume(self, start: int) -> None:
+        """The bytes before `start` (whole frames, from `window`) were decoded elsewhere."""
+        if not self._start <= start <= self._end:
+            raise LocalProtocolError(f"consume({start}) outside [{self._start}, {self._end}]")
+        if start != self._start:
+            self._start = start
+            self._need = HEADER_SIZE
+
+    def limit(self, mtype: int) -> int | None:
+        """The largest payload this decoder accepts for frame type `mtype` (as on the wire)."""
+        return self._limits.get(mtype)
+
     def take_pending(self) -> bytes:
         """The received bytes not decoded yet, removed (to move them to a new decoder)."""
         rest = bytes(self._mv[self._start : self._end])
