@@ -9,11 +9,13 @@ loop: an incomplete one, any other type, anything the decoder or the page store 
 larger than COPY_LOAD_PAGES (the reference sends those from the arena without a copy). So
 every error and refusal is produced by the reference code, with its messages and counters;
 what this loop serves, it serves with the same replies, the same slots and the same counters.
-Replies are appended to one bytearray (headers and LOADed pages copied in), no Python object
-per page besides the page-table entries.
+Replies go to the caller's list: the small ones (STORE and FREE) gathered in one bytearray,
+each LOAD reply as one bytes object with its pages copied in (built at its final size, never
+grown), so no Python object is made per page besides the page-table entries.
 """
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
@@ -84,9 +86,10 @@ def serve(
     object arena,
     unsigned char[::1] memory not None,
     dict counters not None,
-    bytearray out not None,
+    list out not None,
 ):
-    """Serve frames from buf[start:end]; the new start (== start when nothing was served).
+    """Serve frames from buf[start:end], appending the replies to `out`; the new start
+    (== start when nothing was served).
     `limit_store` and `limit_batch` are the decoder's payload limits for STORE and for
     LOAD/FREE; `pages` and `reserved` the namespace's; `memory` the arena's bytes."""
     cdef const unsigned char *p
@@ -99,6 +102,8 @@ def serve(
     cdef object key, got
     cdef list slots
     cdef set seen
+    cdef bytearray small = bytearray()  # STORE and FREE replies since the last LOAD reply
+    cdef bytes reply
     cdef long store_requests = 0, pages_stored = 0, load_requests = 0, pages_loaded = 0
     cdef long free_requests = 0, pages_freed = 0
     alloc, release = arena.alloc, arena.free
@@ -147,7 +152,7 @@ def serve(
                     memcpy(&memory[slot * PAGE], keys + 8 * n + <Py_ssize_t>i * PAGE, PAGE)
                 store_requests += 1
                 pages_stored += n
-                w = _grow(out, HEADER)
+                w = _grow(small, HEADER)
                 _header(w, STORE | REPLY, req_id, 0)
             elif mtype == LOAD:
                 if n > COPY_LOAD_PAGES:
@@ -156,11 +161,16 @@ def serve(
                 if None in slots:
                     break  # refused (not stored): the reference says so
                 total = <Py_ssize_t>n * PAGE
-                w = _grow(out, HEADER + total)
+                reply = PyBytes_FromStringAndSize(NULL, HEADER + total)
+                w = <unsigned char *>PyBytes_AS_STRING(reply)
                 _header(w, LOAD | REPLY, req_id, <uint32_t>total)
                 for i in range(n):
                     slot = slots[i]
                     memcpy(w + HEADER + <Py_ssize_t>i * PAGE, &memory[slot * PAGE], PAGE)
+                if PyByteArray_GET_SIZE(small):
+                    out.append(small)
+                    small = bytearray()
+                out.append(reply)
                 load_requests += 1
                 pages_loaded += n
             else:
@@ -174,12 +184,14 @@ def serve(
                     release(slots[j])
                 free_requests += 1
                 pages_freed += len(slots)
-                w = _grow(out, HEADER + 8)
+                w = _grow(small, HEADER + 8)
                 _header(w, FREE | REPLY, req_id, 8)
                 _put32(w + HEADER, <uint32_t>len(slots))
                 _put32(w + HEADER + 4, 0)
             start += HEADER + length
     finally:
+        if PyByteArray_GET_SIZE(small):
+            out.append(small)
         if store_requests:
             counters["store_requests"] += store_requests
             counters["pages_stored"] += pages_stored

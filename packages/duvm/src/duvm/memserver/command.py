@@ -19,6 +19,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from duvm.base import accel
 from duvm.base.units import is_loopback, parse_listen, parse_size
 from duvm.memserver.pagestore import DEFAULT_LEASE_S
 from duvm.memserver.server import (
@@ -271,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         if why := pressure.lock_in_memory():
             log.warning("cannot lock the memserver in RAM (%s): it may be swapped out", why)
         pressure.become_io_flusher()
+    accel.announce(log)  # a warning when the pure-Python loop runs for want of a build
     try:
         run_loop(
             _serve(

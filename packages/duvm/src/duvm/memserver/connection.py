@@ -150,7 +150,6 @@ class Connection(asyncio.BufferedProtocol):
                     if arena_views:  # what a later STORE or FREE changes must not be sent
                         out, arena_views = _own(out), False
                     buf, start, end = dec.window()
-                    served = bytearray()
                     to = hot.serve(
                         buf,
                         start,
@@ -162,10 +161,8 @@ class Connection(asyncio.BufferedProtocol):
                         store.arena,
                         store.arena.memory,
                         store.counters,
-                        served,
+                        out,
                     )
-                    if served:
-                        out.append(served)
                     if to != start:
                         dec.consume(to)
                 frame = dec.next_frame()
