@@ -38,6 +38,7 @@ from bench_memserver import timed
 from duvm.store.crypt_store import CryptStore
 from duvm.store.memclient import MemClient
 from duvm.store.memory_store import MemoryStore
+from duvm.store.page_cipher import PurePageCipher
 from duvm.store.remote_store import RemoteStore
 from duvm.wire import auth
 
@@ -110,14 +111,27 @@ async def protocol_cases(
 
 async def crypt_cases(addr, pid: int, seconds: float) -> list[dict]:
     res = []
-    # in process, no I/O: the cost of sealing and opening one page
-    mem = CryptStore(MemoryStore(1024 * PS))
+    # in process, no I/O: the cost of sealing and opening one page, on the path that runs
+    # here (compiled unless DUVM_PURE_PYTHON or no build) and on the pure-Python reference
     page = memoryview(os.urandom(PS))
     out = memoryview(bytearray(PS))
-    for label, fn in (
-        ("seal 4K (in process)", lambda i: mem.write((i % 1024) * PS, page)),
-        ("open 4K (in process)", lambda i: mem.read((i % 1024) * PS, out)),
-    ):
+    mems = {}
+    for path in ("compiled", "pure"):
+        mem = CryptStore(MemoryStore(1024 * PS))
+        if path == "pure":
+            mem.cipher = PurePageCipher(os.urandom(32))
+        elif isinstance(mem.cipher, PurePageCipher):
+            continue  # not built here (duvm doctor says why)
+        mems[path] = mem
+    cases = [
+        (f"{verb} 4K (in process, {path})", fn)
+        for path, mem in mems.items()
+        for verb, fn in (
+            ("seal", lambda i, mem=mem: mem.write((i % 1024) * PS, page)),
+            ("open", lambda i, mem=mem: mem.read((i % 1024) * PS, out)),
+        )
+    ]
+    for label, fn in cases:
         n, t0, c0 = 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < seconds:
             for i in range(1000):
