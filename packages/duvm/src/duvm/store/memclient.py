@@ -272,7 +272,7 @@ class MemClient:
         self.hello = None
         if self._flush_handle is not None:
             self._flush_handle.cancel()
-            self._flush()
+            self.send_queued()
         if proto is not None and proto.transport is not None:
             proto.transport.close()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -361,7 +361,7 @@ class MemClient:
             if self.batching.hold(self):
                 self._flush_handle = _CORKED
             else:
-                self._flush_handle = loop.call_soon(self._flush)
+                self._flush_handle = loop.call_soon(self.send_queued)
         return fut
 
     def _resend_each(self, batch: Batch) -> None:
@@ -377,9 +377,11 @@ class MemClient:
             self._outq.append(solo)
         self._open = None
         if self._flush_handle is None:
-            self._flush_handle = self._loop.call_soon(self._flush)
+            self._flush_handle = self._loop.call_soon(self.send_queued)
 
-    def _flush(self) -> None:
+    def send_queued(self) -> None:
+        """Send every request queued since the last send, in one writelines (the loop calls
+        it at the end of the iteration that queued them; `Batching.uncork` when corked)."""
         self._flush_handle = None
         self._open = None
         q, self._outq = self._outq, []
@@ -400,7 +402,7 @@ class MemClient:
         wire: list[bytes | memoryview] = []
         pending, prefix = self._pending, batch_prefix
         for item in q:
-            if type(item) is Batch:
+            if isinstance(item, Batch):
                 self._next_id += 1
                 pending[self._next_id] = item
                 wire.append(prefix(item.mtype, self._next_id, item.keys))
@@ -498,7 +500,7 @@ class MemClient:
         batch of max_batch pages. Refused with PageServerError(NO_SPACE) beyond the
         reservation. `data` must stay unchanged until this returns."""
         keys = pp.keys_tuple(keys)
-        mv = data if type(data) is memoryview and data.format == "B" else memoryview(data).cast("B")
+        mv = _bytes_view(data)
         n = len(keys)
         if mv.nbytes != n * PAGE_SIZE:
             raise ValueError(f"{n} pages need {n * PAGE_SIZE} bytes, got {mv.nbytes}")
@@ -524,7 +526,7 @@ class MemClient:
         ret = None
         if out is None:
             ret = out = bytearray(n * PAGE_SIZE)
-        mv = out if type(out) is memoryview and out.format == "B" else memoryview(out).cast("B")
+        mv = _bytes_view(out)
         if mv.readonly or mv.nbytes != n * PAGE_SIZE:
             raise ValueError(f"out must be writable and {n * PAGE_SIZE} bytes")
         mb = self.max_batch
@@ -577,3 +579,10 @@ def reload_client_keyring(clients: list[MemClient], path: str) -> str:
         if c.security is not None:
             c.security = dataclasses.replace(c.security, keyring=keyring)
     return f"SIGHUP: re-read {path}: current key id {keyring.current_id.hex()}"
+
+
+def _bytes_view(buf: bytes | bytearray | memoryview) -> memoryview:
+    """`buf` as a flat memoryview of bytes (itself when it already is one)."""
+    if isinstance(buf, memoryview) and buf.format == "B":
+        return buf
+    return memoryview(buf).cast("B")

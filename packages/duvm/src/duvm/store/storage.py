@@ -14,7 +14,7 @@ import errno
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from duvm.wire.pageproto import PAGE_SIZE as PAGE_SIZE  # the wire's page, defined once there
 
@@ -49,6 +49,12 @@ class Capabilities:
 Done = Callable[[object, "Coroutine[Any, Any, None] | BaseException | None"], None]
 
 
+class Holder(Protocol):
+    """What `Batching` holds while corked: a connection whose queued requests it sends."""
+
+    def send_queued(self) -> None: ...
+
+
 class Batching:
     """Request batching shared by a store's memserver connections and the NBD server in front
     of it, so that the server's requests merge into one frame per memserver and its replies
@@ -65,7 +71,7 @@ class Batching:
     __slots__ = ("_after", "_held")
 
     def __init__(self) -> None:
-        self._held: list[Any] | None = None  # connections with requests held while corked
+        self._held: list[Holder] | None = None  # connections with requests held while corked
         self._after: list[Callable[[], None]] | None = None
 
     def cork(self) -> bool:
@@ -77,13 +83,13 @@ class Batching:
         return True
 
     def uncork(self) -> None:
-        """Send every request held since `cork()`: each holder's `_flush()`."""
+        """Send every request held since `cork()`: each holder's `send_queued()`."""
         held, self._held = self._held, None
         if held:
             for conn in held:
-                conn._flush()
+                conn.send_queued()
 
-    def hold(self, conn: Any) -> bool:
+    def hold(self, conn: Holder) -> bool:
         """A connection's new requests wait for `uncork()`; False when not corked."""
         if self._held is None:
             return False
