@@ -64,7 +64,7 @@ def _skip(bufs: list, n: int) -> list:
 
 def _own(bufs: list) -> list:
     """Copies of the arena views in `bufs` (a queued reply must not see a slot reused)."""
-    return [b.tobytes() if type(b) is memoryview else b for b in bufs]
+    return [b.tobytes() if isinstance(b, memoryview) else b for b in bufs]
 
 
 class Connection(asyncio.BufferedProtocol):

@@ -108,9 +108,6 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._trace = server.trace  # or a trace is written
         self._timed = self._lat is not None or self._trace is not None
         self._t0: dict[Request, int] = {}
-        # uvloop already gathers all writes of one loop iteration into one writev, so replies
-        # can be handed over as they complete; plain asyncio sends at once, so batch them.
-        self._direct_flush = type(self._loop).__module__.startswith("uvloop")
 
     # ---------------------------------------------------------------- connection events
 
@@ -313,7 +310,7 @@ class NBDConnection(asyncio.BufferedProtocol):
             return
         if cont is None:
             self._done(req, 0)
-        elif type(cont) is memoryview:  # answered from the store's own buffer: no copy
+        elif isinstance(cont, memoryview):  # answered from the store's own buffer: no copy
             if req.buffer is not None:
                 self.pool.release(req.buffer)
                 req.buffer = None
@@ -396,9 +393,7 @@ class NBDConnection(asyncio.BufferedProtocol):
             self._suspend(req, coro, nxt)
             return
         self._done(req, err)
-        if self._direct_flush:
-            self._flush()
-        elif not self._flush_scheduled:
+        if not self._flush_scheduled:  # replies completed in this iteration leave together
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 

@@ -96,7 +96,7 @@ def fail_requests(entries: list, err: Exception) -> None:
     """Fail every waiter of these queued or pending entries (a Batch or a Future;
     encoded bytes, whose waiters are in the pending table, are skipped)."""
     for entry in entries:
-        if type(entry) is Batch:
+        if isinstance(entry, Batch):
             futs = [w[0] for w in entry.waiters]
         elif isinstance(entry, asyncio.Future):
             futs = [entry]
@@ -154,7 +154,7 @@ class ReplyProtocol(asyncio.BufferedProtocol):
                 entry = pending.pop(req_id, None)
                 if entry is None:
                     raise pp.RemoteProtocolError(f"reply to unknown request id {req_id}")
-                if type(entry) is Batch:
+                if isinstance(entry, Batch):
                     self._batch_reply(entry, mtype, frame)
                     continue
                 fut = entry
