@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,41 @@ def test_importing_a_base_module_loads_no_other_layer() -> None:
         timeout=60,
     ).stdout
     assert pool.strip() == "duvm.store.pool"  # the API is still there, loaded on first use
+
+
+# What the request path must not do (issue 28): reach into asyncio's private machinery, step
+# coroutines by hand, or choose behaviour by a class's identity or an event loop's module name
+# rather than through a declared interface. The compiled .pyx modules count too.
+FORBIDDEN = {
+    "_asyncio_future_blocking": "a private asyncio attribute (coroutines stepped by hand)",
+    ".send(None)": "a coroutine stepped by hand (run it as a Task)",
+    "__module__": "a module-name check (declare the capability instead)",
+}
+
+
+def _forbidden_uses(root: Path) -> list[str]:
+    found = []
+    for p in sorted([*root.rglob("*.py"), *root.rglob("*.pyx")]):
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            found += [f"{p.name}:{n}: {why}" for s, why in FORBIDDEN.items() if s in code]
+            if re.search(r"\btype\([^)]*\) is (?!not)(?!int\b)(?!tuple\b)", code):
+                found.append(f"{p.name}:{n}: a class-identity check (use isinstance)")
+    return found
+
+
+def test_no_private_asyncio_hand_stepping_or_identity_checks() -> None:
+    assert _forbidden_uses(SRC) == []
+
+
+def test_the_pattern_check_finds_each_pattern(tmp_path: Path) -> None:
+    """Catches a check that cannot fail: each pattern planted in a module is found."""
+    (tmp_path / "m.py").write_text(
+        "if getattr(f, '_asyncio_future_blocking', None):\n"
+        "    coro.send(None)\n"
+        "uv = type(loop).__module__\n"
+        "if type(x) is memoryview:\n"
+        "    pass\n"
+        "ok = type(k) is int  # a bool is not a key: the exact type is the rule\n"
+    )
+    assert len(_forbidden_uses(tmp_path)) == 4

@@ -456,8 +456,8 @@ def test_requests_that_run_past_the_end_are_refused_before_any_store_path(serve)
     assert store.seen == []  # refused before the store saw any of them
     # the connection is intact, and an in-range request takes the fast path first
     send_req(s, 1, cookie=5, offset=inside, length=4096, payload=b"y" * 4096)
-    send_req(s, 0, cookie=6, offset=inside, length=4096)
     assert recv_reply(s) == (5, 0, b"")
+    send_req(s, 0, cookie=6, offset=inside, length=4096)  # after the write (NBD orders none)
     assert recv_reply(s, 4096) == (6, 0, b"y" * 4096)
     assert store.seen == [
         ("start_write", inside, 4096),
@@ -471,8 +471,8 @@ def test_requests_that_run_past_the_end_are_refused_before_any_store_path(serve)
 def _one_write_and_read(srv) -> None:
     s = raw_connect(srv.path)
     send_req(s, 1, cookie=1, offset=0, length=4096, payload=b"f" * 4096)
-    send_req(s, 0, cookie=2, offset=0, length=4096)
     assert recv_reply(s) == (1, 0, b"")
+    send_req(s, 0, cookie=2, offset=0, length=4096)  # after the write (NBD orders none)
     assert recv_reply(s, 4096) == (2, 0, b"f" * 4096)
     s.close()
 

@@ -10,14 +10,10 @@ the store then receives). Requests arrive validated; invalid ones are answered a
 their error and never reach the store.
 
 Many requests are in flight per connection and replies go out in completion order. A store
-coroutine is driven by hand, not by an asyncio Task (a Task per request cost more than the
-rest of the request): it runs inline until it first awaits (`coro.send(None)`), so the in-RAM
-store finishes at once and a remote store gets its network request out in the same loop
-iteration as the NBD request came in; when it awaits a future, that future's done-callback
-resumes it. Store coroutines therefore run without a current Task: a store that needs one
-(`asyncio.timeout`) must create its own. A store that declares the callback fast path
-(`BlockStore.fast_path`) is handed READs and flagless WRITEs by `start_read`/`start_write`
-instead: its callback answers the request, or hands back a coroutine driven as above.
+that declares the callback fast path (`BlockStore.fast_path`) is handed READs and flagless
+WRITEs by `start_read`/`start_write`: its callback answers the request, or hands back a
+coroutine that finishes it. Every other request, and every coroutine handed back, runs as an
+asyncio Task; its done-callback answers the request.
 
 Replies are batched: completions append their header and (for reads) the pooled buffer the
 store filled to a list, written with one `writelines` (one writev) at the end of the loop
@@ -95,8 +91,8 @@ class NBDConnection(asyncio.BufferedProtocol):
         self._write_paused = False
         self._disconnecting = False  # DISC received or server shutting down
         self._closed = False
-        # store coroutines suspended inside the store, by request
-        self._waiting: dict[Request, Coroutine[Any, Any, None]] = {}
+        # the Tasks running store coroutines, by request
+        self._waiting: dict[Request, asyncio.Task] = {}
         self._aborted = False
         # the store's request batching (storage.Batching), looked up once per connection
         self._batching = self.store.batching
@@ -331,67 +327,29 @@ class NBDConnection(asyncio.BufferedProtocol):
                 self._loop.call_soon(self._flush)
 
     def _run(self, req: Request, coro: Coroutine[Any, Any, None]) -> None:
-        """Step a store coroutine until it first awaits (then `_suspend`) or finishes."""
-        try:
-            first = coro.send(None)
-        except StopIteration:
-            self._done(req, 0)
-            return
-        except StorageError as e:
-            self._done(req, e.errno)
-            return
-        except Exception:
-            log.exception("%s: store failed on %r", self.peer, req)
-            self._done(req, errno.EIO)
-            return
+        """Run a store coroutine as a Task; `_finished` answers the request."""
+        task = self._loop.create_task(coro)
+        self._waiting[req] = task
+        task.add_done_callback(partial(self._finished, req))
         if self._in_flight > self.stats.peak_in_flight:
             self.stats.peak_in_flight = self._in_flight
-        self._suspend(req, coro, first)
 
     async def _then_flush(self, coro: Coroutine[Any, Any, None]) -> None:
         await coro
         await self.store.flush()
 
-    def _suspend(self, req: Request, coro: Coroutine[Any, Any, None], fut: Any) -> None:
-        """The store coroutine awaits `fut`: resume it when that is done (a Task's job,
-        without the Task's cost)."""
-        self._waiting[req] = coro
-        if fut is None:  # a bare yield (asyncio.sleep(0)): run again on the next iteration
-            self._loop.call_soon(self._resume, req, coro, None)
-        elif getattr(fut, "_asyncio_future_blocking", None):
-            fut._asyncio_future_blocking = False
-            fut.add_done_callback(partial(self._resume, req, coro))
-        else:
-            self._loop.call_soon(
-                self._resume,
-                req,
-                coro,
-                None,
-                RuntimeError(f"store awaited {fut!r}, not an asyncio future"),
-            )
-
-    def _resume(
-        self,
-        req: Request,
-        coro: Coroutine[Any, Any, None],
-        fut: Any,
-        exc: BaseException | None = None,
-    ) -> None:
+    def _finished(self, req: Request, task: asyncio.Task) -> None:
         if self._waiting.pop(req, None) is None:
-            return  # the connection was aborted and the coroutine closed
-        try:
-            # Sending None resumes Future.__await__, which returns or raises its result.
-            nxt = coro.send(None) if exc is None else coro.throw(exc)
-        except StopIteration:
-            err = 0
-        except StorageError as e:
-            err = e.errno
-        except Exception:
-            log.exception("%s: store failed on %r", self.peer, req)
+            return  # the connection was aborted and the task cancelled
+        if task.cancelled():
             err = errno.EIO
+        elif (exc := task.exception()) is None:
+            err = 0
+        elif isinstance(exc, StorageError):
+            err = exc.errno
         else:
-            self._suspend(req, coro, nxt)
-            return
+            log.error("%s: store failed on %r", self.peer, req, exc_info=exc)
+            err = errno.EIO
         self._done(req, err)
         if not self._flush_scheduled:  # replies completed in this iteration leave together
             self._flush_scheduled = True
@@ -510,9 +468,8 @@ class NBDConnection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.abort()
         waiting, self._waiting = self._waiting, {}
-        for coro in waiting.values():
-            with contextlib.suppress(BaseException):
-                coro.close()
+        for task in waiting.values():
+            task.cancel()
 
 
 def _tune_socket(sock: socket.socket) -> None:
