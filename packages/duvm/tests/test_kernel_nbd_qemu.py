@@ -246,6 +246,10 @@ def test_pages_were_on_the_memserver_while_held(guest_run: Any) -> None:
     peers = st["peers"]
     assert peers and all(p["health"] == "ok" for p in peers), peers
     assert sum(p["our_pages"] for p in peers) > 0, peers
+    # the guest runs the host's tree over 9p: its daemon takes the path the host's build gives
+    from duvm.base import accel
+
+    assert st["daemon"]["request_path"] == accel.report().path, st["daemon"]
 
 
 @qemu
