@@ -214,3 +214,26 @@ def test_model_random_operations_match_a_plain_store(ops) -> None:
                 assert out == plain[a:b]
 
     asyncio.run(run())
+
+
+async def test_a_write_declined_on_the_fast_path_is_sealed_once() -> None:
+    """Catches the double seal: a write the store below declines on the fast path (a slab
+    under repair, a replica not connected) was sealed for it and then sealed again by the
+    coroutine write, twice the cipher's work exactly when the cluster is degraded. And a
+    sealed request is never reused for other bytes or another offset."""
+    cs = CryptStore(MemoryStore(16 * PS))  # the store below declines every fast-path request
+    data = memoryview(_page(b"declined then written;"))
+    assert not cs.start_write(2 * PS, data, lambda *a: None, "t")
+    assert cs.cipher.counter == 1
+    await cs.write(2 * PS, data)  # the caller's coroutine write of the same request
+    assert cs.cipher.counter == 1  # no second seal
+    out = bytearray(PS)
+    await cs.read(2 * PS, memoryview(out))
+    assert bytes(out) == bytes(data)
+    # the sealed bytes belong to that request only: another offset or buffer seals afresh
+    assert not cs.start_write(3 * PS, data, lambda *a: None, "t")
+    other = memoryview(bytes(data))
+    await cs.write(3 * PS, other)
+    assert cs.cipher.counter == 3
+    await cs.read(3 * PS, memoryview(out))
+    assert bytes(out) == bytes(data)

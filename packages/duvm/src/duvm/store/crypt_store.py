@@ -59,6 +59,9 @@ class CryptStore(StoreFilter):
         self._meta_mv = memoryview(self._meta)
         self.fast_path = inner.fast_path
         self.stats = {"pages_sealed": 0, "pages_opened": 0, "tag_failures": 0}
+        # a write the store below declined on the fast path, sealed: the coroutine `write`
+        # the caller makes next for it uses these bytes (their nonces were never used)
+        self._declined: tuple[int, memoryview, bytearray, bytearray] | None = None
 
     # --- sealing and opening ---
 
@@ -110,8 +113,11 @@ class CryptStore(StoreFilter):
         first = offset // PAGE_SIZE
         sealed, metas = self._seal(first, data)
         cb = partial(self._write_done, first, metas, done)
-        # declined below: the coroutine path seals again (fresh nonces; these never left)
-        return self.inner.start_write(offset, memoryview(sealed), cb, tag)
+        if self.inner.start_write(offset, memoryview(sealed), cb, tag):
+            self._declined = None
+            return True
+        self._declined = (offset, data, sealed, metas)
+        return False
 
     def _write_done(self, first: int, metas: bytearray, done: Done, tag: object, cont: Any) -> None:
         if cont is None:
@@ -160,7 +166,11 @@ class CryptStore(StoreFilter):
 
     async def write(self, offset: int, data: memoryview) -> None:
         first = offset // PAGE_SIZE
-        sealed, metas = self._seal(first, data)
+        declined, self._declined = self._declined, None
+        if declined is not None and declined[0] == offset and declined[1] is data:
+            sealed, metas = declined[2], declined[3]  # sealed once, for the fast path
+        else:
+            sealed, metas = self._seal(first, data)
         await self.inner.write(offset, memoryview(sealed))
         self._commit(first, metas)
 
