@@ -3,6 +3,7 @@ page it swaps, replays or alters reads as EIO, never as other bytes."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 
@@ -237,3 +238,13 @@ async def test_a_write_declined_on_the_fast_path_is_sealed_once() -> None:
     assert cs.cipher.counter == 3
     await cs.read(3 * PS, memoryview(out))
     assert bytes(out) == bytes(data)
+    # and only for the write that follows at once: a loop iteration later the same buffer
+    # (a pooled one, reused) holds other bytes, which are sealed afresh
+    buf = bytearray(data)
+    view = memoryview(buf)
+    assert not cs.start_write(4 * PS, view, lambda *a: None, "t")  # never written after
+    await asyncio.sleep(0)
+    buf[:] = _page(b"other bytes in the reused buffer;")
+    await cs.write(4 * PS, view)
+    await cs.read(4 * PS, memoryview(out))
+    assert bytes(out) == bytes(buf)

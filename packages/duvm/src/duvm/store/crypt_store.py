@@ -32,6 +32,7 @@ Theory of operation:
 
 from __future__ import annotations
 
+import asyncio
 import errno
 from collections.abc import Coroutine
 from functools import partial
@@ -116,8 +117,15 @@ class CryptStore(StoreFilter):
         if self.inner.start_write(offset, memoryview(sealed), cb, tag):
             self._declined = None
             return True
-        self._declined = (offset, data, sealed, metas)
+        self._declined = declined = (offset, data, sealed, metas)
+        # good for the write that follows at once only: gone at the next loop iteration, so
+        # a later request in a reused buffer is never given bytes sealed from older contents
+        asyncio.get_running_loop().call_soon(self._drop_declined, declined)
         return False
+
+    def _drop_declined(self, declined: tuple) -> None:
+        if self._declined is declined:
+            self._declined = None
 
     def _write_done(self, first: int, metas: bytearray, done: Done, tag: object, cont: Any) -> None:
         if cont is None:
