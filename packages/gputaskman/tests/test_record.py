@@ -417,3 +417,27 @@ def test_record_shows_a_live_sample_count_on_a_terminal(tmp_path: Path) -> None:
     for n in (1, 2, 3):
         assert f"\r\x1b[K{n} samples" in text
     assert "recorded 3 samples" in text
+
+
+def test_a_stop_during_the_write_still_counts_the_line(tmp_path: Path, monkeypatch) -> None:
+    """Catches a stop raised between writing a sample and counting it: the file held 4
+    samples and the recorder said "recorded 3" (a CI run under load)."""
+    out = tmp_path / "r.jsonl"
+    fd = record.open_record(out)
+    real_write = os.write
+
+    def signalled_write(f: int, data: bytes) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the line is being written
+        return real_write(f, data)
+
+    rec = record.Recorder(fd, Scripted([]), interval=0.01, count=5)
+    monkeypatch.setattr(record.os, "write", signalled_write)
+    try:
+        with record.stop_signals():
+            result = rec.run()
+    finally:
+        monkeypatch.undo()
+        os.close(fd)
+    assert result.stopped_by == "interrupt"
+    lines = out.read_bytes().splitlines()
+    assert result.samples == len(lines) == 1

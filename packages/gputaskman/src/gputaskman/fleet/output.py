@@ -38,7 +38,13 @@ from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
 from gputaskman.fleet.poller import HostState, Poller
 from gputaskman.fleet.targets import TargetError, parse_target
 from gputaskman.fleet.view import fleet_totals, totals_json
-from gputaskman.offline.record import RecordResult, encode_line, paced, write_line
+from gputaskman.offline.record import (
+    RecordResult,
+    encode_line,
+    paced,
+    stops_held,
+    write_line,
+)
 from gputaskman.offline.recordfile import parse_json
 
 
@@ -179,10 +185,11 @@ class FleetRecorder:
         line = fleet_line(
             states, interval=self.interval, timeout=self.poller.timeout, written=self.written
         )
-        write_line(self.fd, line)
-        for s in states:
-            self.written[s.target.name] = s.seq
-        self.result.samples += 1
+        with stops_held():  # a stop between the write and its bookkeeping would lose it
+            write_line(self.fd, line)
+            for s in states:
+                self.written[s.target.name] = s.seq
+            self.result.samples += 1
         if self.on_line:
             self.on_line(self.result)
 

@@ -116,7 +116,7 @@ def open_record(path: Path, prefix: bytes = LINE_PREFIX) -> int:
 
 
 class _Guard:
-    """Stop requests that arrive while a line is being written wait for the line."""
+    """Stop requests that arrive while a line is being written (and counted) wait for it."""
 
     writing = False
     pending: str | None = None
@@ -133,6 +133,23 @@ def _on_stop_signal(signum: int, _frame: object) -> None:
 
 
 @contextlib.contextmanager
+def stops_held() -> Iterator[None]:
+    """A stop signal that arrives inside the block waits until the block is done, then stops
+    (KeyboardInterrupt): a line is written and counted, or neither. Nests."""
+    outer = _Guard.writing
+    _Guard.writing = True
+    pending = None
+    try:
+        yield
+    finally:
+        _Guard.writing = outer
+        if not outer:
+            pending, _Guard.pending = _Guard.pending, None
+    if pending is not None:  # not reached when the block failed: that ends the run anyway
+        raise KeyboardInterrupt(pending)
+
+
+@contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
     """Ctrl+C, SIGTERM and SIGHUP stop recording between lines, never inside one."""
     previous = {sig: signal.signal(sig, _on_stop_signal) for sig in _STOP_SIGNALS}
@@ -144,9 +161,9 @@ def stop_signals() -> Iterator[None]:
 
 
 def write_line(fd: int, data: bytes) -> None:
-    """Append one whole line or nothing (see the module docstring)."""
-    _Guard.writing = True
-    try:
+    """Append one whole line or nothing (see the module docstring). A caller that counts the
+    line holds stops over both (`stops_held`), so a stop never falls between them."""
+    with stops_held():
         size = os.fstat(fd).st_size
         done = 0
         try:
@@ -158,11 +175,6 @@ def write_line(fd: int, data: bytes) -> None:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, size)
             raise RecordError(f"writing the record failed: {exc.strerror or exc}") from None
-    finally:
-        _Guard.writing = False
-    if _Guard.pending is not None:
-        name, _Guard.pending = _Guard.pending, None
-        raise KeyboardInterrupt(name)
 
 
 @dataclass
@@ -219,8 +231,9 @@ class Recorder:
                 if self.on_error:
                     self.on_error(msg)
             return
-        write_line(self.fd, data)
-        self.result.samples += 1
+        with stops_held():  # a stop between the write and the count would lose the count
+            write_line(self.fd, data)
+            self.result.samples += 1
         if self.on_sample:
             self.on_sample(self.result)
 
