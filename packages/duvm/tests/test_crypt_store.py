@@ -222,7 +222,12 @@ async def test_a_write_declined_on_the_fast_path_is_sealed_once() -> None:
     under repair, a replica not connected) was sealed for it and then sealed again by the
     coroutine write, twice the cipher's work exactly when the cluster is degraded. And a
     sealed request is never reused for other bytes or another offset."""
-    cs = CryptStore(MemoryStore(16 * PS))  # the store below declines every fast-path request
+
+    class Declining(MemoryStore):  # a store below that declines every fast-path request
+        def start_write(self, offset, data, done, tag) -> bool:
+            return False
+
+    cs = CryptStore(Declining(16 * PS))
     data = memoryview(_page(b"declined then written;"))
     assert not cs.start_write(2 * PS, data, lambda *a: None, "t")
     assert cs.cipher.counter == 1

@@ -653,3 +653,28 @@ def test_client_that_never_negotiates_is_dropped(serve):
     send_req(good, 0, cookie=4, offset=0, length=4096)
     assert recv_reply(good, 4096) == (4, 0, bytes(4096))
     good.close()
+
+
+def test_the_in_ram_store_answers_reads_and_writes_without_a_task(serve, monkeypatch):
+    """Catches the in-RAM store falling back to the coroutine path (a Task per request halved
+    `duvm daemon --memory`'s IOPS): its reads and writes are answered from `start_read` and
+    `start_write` at once; only the other commands run as Tasks."""
+    from duvm.node import nbdconnection
+
+    ran: list[int] = []
+    real = nbdconnection.NBDConnection._run
+
+    def counting_run(self, req, coro):
+        ran.append(req.cmd)
+        return real(self, req, coro)
+
+    monkeypatch.setattr(nbdconnection.NBDConnection, "_run", counting_run)
+    store = MemoryStore(MiB)
+    _one_write_and_read(serve(store))
+    assert ran == []
+    assert (store.stats["write"], store.stats["read"]) == (1, 1)
+    s = raw_connect(serve(store).path)
+    send_req(s, 4, cookie=9, offset=0, length=4096)  # TRIM: the coroutine path
+    assert recv_reply(s) == (9, 0, b"")
+    s.close()
+    assert ran == [4]

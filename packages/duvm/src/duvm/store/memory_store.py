@@ -4,20 +4,22 @@ Theory of operation: one private anonymous mapping of the export's size. The ker
 page only once it is written, so an untouched export costs nothing; TRIM and WRITE_ZEROES give
 whole pages back with madvise(MADV_DONTNEED), after which they read as zeros again (that is
 what a private anonymous mapping promises), and zero any partial pages at the edges. Every
-operation completes without suspending, so the NBD driver's synchronous fast path serves it.
+operation completes without suspending: reads and writes take the callback fast path and are
+answered before `start_read`/`start_write` return, with no coroutine or Task.
 """
 
 from __future__ import annotations
 
 import mmap
 
-from duvm.store.storage import PAGE_SIZE, BlockStore, Capabilities
+from duvm.store.storage import PAGE_SIZE, BlockStore, Capabilities, Done
 
 
 class MemoryStore(BlockStore):
     """`size` bytes of local RAM. Counters in `stats` count calls and bytes per operation."""
 
     capabilities = Capabilities()
+    fast_path = True  # answered at once (BlockStore.start_read)
 
     def describe(self) -> str:
         return "local RAM"
@@ -39,19 +41,35 @@ class MemoryStore(BlockStore):
             "bytes_freed": 0,
         }
 
-    async def read(self, offset: int, out: memoryview) -> None:
+    def _read(self, offset: int, out: memoryview) -> None:
         n = len(out)
         assert offset >= 0 and offset + n <= self.size
         out[:] = self._view[offset : offset + n]
         self.stats["read"] += 1
         self.stats["bytes_read"] += n
 
-    async def write(self, offset: int, data: memoryview) -> None:
+    def _write(self, offset: int, data: memoryview) -> None:
         n = len(data)
         assert offset >= 0 and offset + n <= self.size
         self._view[offset : offset + n] = data
         self.stats["write"] += 1
         self.stats["bytes_written"] += n
+
+    def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
+        self._read(offset, out)
+        done(tag, None)
+        return True
+
+    def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
+        self._write(offset, data)
+        done(tag, None)
+        return True
+
+    async def read(self, offset: int, out: memoryview) -> None:
+        self._read(offset, out)
+
+    async def write(self, offset: int, data: memoryview) -> None:
+        self._write(offset, data)
 
     def _discard(self, offset: int, length: int) -> None:
         assert offset >= 0 and offset + length <= self.size and length >= 0

@@ -121,9 +121,10 @@ class BlockStore(ABC):
     capabilities: Capabilities = Capabilities()
     # Optional callback fast path, declared: only a store whose `fast_path` is True is offered
     # requests through `start_read`/`start_write`. It takes one without a coroutine by
-    # returning True and later calling `done(tag, ...)` exactly once, from the event loop;
-    # False means it did nothing and the caller awaits `read`/`write` instead. The buffer
-    # stays the caller's until `done`. A filter forwards the fast path or declines it.
+    # returning True and calling `done(tag, ...)` exactly once, from the event loop: later,
+    # or already before it returns (a store in RAM answers at once); False means it did
+    # nothing and the caller awaits `read`/`write` instead. The buffer stays the caller's
+    # until `done`. A filter forwards the fast path or declines it.
     fast_path: bool = False
     # Shared with the store's memserver connections (RemoteStore sets its own). Stores without
     # connections share this one: nothing is ever held in it or delivered through it.
