@@ -33,15 +33,16 @@ def extension(module: str, libraries: list[str]) -> Extension:
         libraries=libraries,
         define_macros=[("DUVM_SOURCE_DIGEST", f'"{digest}"')],
         extra_compile_args=["-O2"],
-        optional=True,
     )
 
 
-setup(
-    ext_modules=cythonize(
-        [extension(m, libs) for m, libs in COMPILED.items()],
-        language_level=3,
-        compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
-        quiet=True,
-    )
+extensions = cythonize(
+    [extension(m, libs) for m, libs in COMPILED.items()],
+    language_level=3,
+    compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
+    quiet=True,
 )
+for ext in extensions:
+    ext.optional = True  # cythonize builds new Extension objects without it
+
+setup(ext_modules=extensions)

@@ -117,3 +117,45 @@ def test_version_matches_package() -> None:
     from duvm import __version__
 
     assert __version__ == VERSION, "bump [project].version and __init__.__version__ together"
+
+
+@pytest.mark.slow
+def test_without_a_c_compiler_duvm_installs_and_says_it_runs_the_pure_path(tmp_path: Path) -> None:
+    """Catches a build that fails, or a duvm that fails to start, where there is no C compiler
+    (the extensions are optional, D39), and a pure path taken silently: the wheel built with
+    a compiler that always fails carries no extension, installs, works, and doctor warns."""
+    import subprocess
+
+    why = wheel_check.index_reachable()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "dist"
+    env = wheel_check.clean_env() | {"CC": "/bin/false", "UV_NO_CACHE": "1"}
+    res = subprocess.run(
+        [wheel_check.UV, "build", "--package", NAME, "--wheel", "--out-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    (wheel,) = out.glob(f"{NAME}-{VERSION}-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        assert not [n for n in zf.namelist() if n.endswith(".so")]
+    venv = wheel_check.install_into_fresh_venv(wheel, tmp_path)
+    res = run_tool(venv, "duvm", "doctor", "--json")
+    check = next(c for c in json.loads(res.stdout)["checks"] if c["name"] == "request-path")
+    assert check["status"] == "warn" and "not built" in check["detail"], check
+    assert "libssl-dev" in check["fix"]
+    works = (
+        "import os\nfrom duvm.store.page_cipher import page_cipher, PurePageCipher\n"
+        "c = page_cipher(os.urandom(32)); assert isinstance(c, PurePageCipher)\n"
+        "p = os.urandom(4096); s = bytearray(4096); m = bytearray(28)\n"
+        "c.seal(5, memoryview(p), memoryview(s), memoryview(m))\n"
+        "assert c.open(5, memoryview(s), memoryview(bytes(m))) == 1 and bytes(s) == p\n"
+        "print('ok')"
+    )
+    res = run_tool(venv, "python", "-c", works)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
