@@ -52,14 +52,16 @@ def index_reachable(timeout: float = 5.0) -> str | None:
     return None
 
 
-def uv(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run uv with the clean environment; never raises on a non-zero exit."""
+def uv(
+    *args: str, cwd: Path = ROOT, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run uv with the clean environment (plus `env`); never raises on a non-zero exit."""
     if UV is None:
         raise RuntimeError("uv is not on PATH")
     return subprocess.run(
         [UV, *args],
         cwd=cwd,
-        env=clean_env(),
+        env=clean_env() | (env or {}),
         capture_output=True,
         text=True,
         timeout=timeout,

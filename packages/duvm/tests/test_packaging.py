@@ -124,21 +124,14 @@ def test_without_a_c_compiler_duvm_installs_and_says_it_runs_the_pure_path(tmp_p
     """Catches a build that fails, or a duvm that fails to start, where there is no C compiler
     (the extensions are optional, D39), and a pure path taken silently: the wheel built with
     a compiler that always fails carries no extension, installs, works, and doctor warns."""
-    import subprocess
-
     why = wheel_check.index_reachable()
     if why:
         pytest.skip(why)
     out = tmp_path / "dist"
-    env = wheel_check.clean_env() | {"CC": "/bin/false", "UV_NO_CACHE": "1"}
-    res = subprocess.run(
-        [wheel_check.UV, "build", "--package", NAME, "--wheel", "--out-dir", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    res = uv(
+        *("build", "--package", NAME, "--wheel", "--out-dir", str(out)),
         timeout=600,
-        check=False,
+        env={"CC": "/bin/false", "UV_NO_CACHE": "1"},  # a compiler that always fails
     )
     assert res.returncode == 0, res.stderr
     (wheel,) = out.glob(f"{NAME}-{VERSION}-*.whl")
