@@ -71,10 +71,7 @@ class RemoteWrites:
         crcs: list[array] = []  # the pages' checksums, once computed (see below)
         waiting = len(clients)
         failures: list[BaseException] = []
-        # Until every replica answers, a read that races this write may already get the new
-        # bytes from one of them: not corruption (SlabTable.bad_pages). Registered first.
-        pending = t.pending_writes if waiting > 1 else None
-        entry = (first, count, data)
+        entry: tuple | None = None  # a replicated write in flight (SlabTable.write_started)
 
         def stored(exc: BaseException | None) -> None:
             nonlocal waiting
@@ -84,8 +81,8 @@ class RemoteWrites:
             if waiting:
                 return
             inflight[slab] -= 1
-            if pending is not None:  # by identity: another write may carry equal bytes
-                del pending[next(i for i, e in enumerate(pending) if e is entry)]
+            if entry is not None:
+                t.write_ended(entry)
             if not failures:
                 try:
                     t.mark_stored(first, count, data, crcs[0] if crcs else None)
@@ -100,8 +97,8 @@ class RemoteWrites:
 
         keys = (first,) if count == 1 else tuple(range(first, first + count))
         inflight[slab] += 1  # a repair starting now waits for this write to finish
-        if pending is not None:
-            pending.append(entry)
+        if waiting > 1:  # registered before any STORE can leave
+            entry = t.write_started(first, count, data)
         for c in clients:
             if not c.store_cb(keys, data, stored):  # not connected after all: a failure
                 stored(MemserverUnreachable(f"not connected to memserver {c.peer}"))
@@ -223,12 +220,8 @@ class RemoteWrites:
             targets = list(clients)
             if rep is not None and not rep.aborted:
                 targets.append(self.clients[rep.target])
-            # Until every replica answers, a read that races this write may already get the
-            # new bytes from one of them: they are not corruption (see SlabTable.bad_pages).
-            # The pages are registered before any STORE can leave.
-            pending = t.pending_writes
-            entry = (first, count, data)
-            pending.append(entry)
+            # registered before any STORE can leave (SlabTable.write_started)
+            entry = t.write_started(first, count, data)
             started: list[Awaitable[Any] | None] = []
             try:
                 started = [_start_store(c, keys, data) for c in targets]
@@ -247,8 +240,8 @@ class RemoteWrites:
                         elif not f.cancelled():
                             f.exception()  # retrieved: no "never retrieved" warning
                 raise
-            finally:  # by identity: another write may carry equal bytes
-                del pending[next(i for i, e in enumerate(pending) if e is entry)]
+            finally:
+                t.write_ended(entry)
             if len(results) > len(members):
                 r = results.pop()
                 if isinstance(r, BaseException):

@@ -187,6 +187,18 @@ class SlabTable:
 
     # --- checking loaded bytes ---
 
+    def write_started(self, first: int, count: int, data: memoryview) -> tuple:
+        """A replicated write of `data` is about to leave: until `write_ended`, a read that
+        races it may get its bytes from one replica, which `bad_pages` does not judge bad.
+        Returns the entry to hand to `write_ended`."""
+        entry = (first, count, data)
+        self.pending_writes.append(entry)
+        return entry
+
+    def write_ended(self, entry: tuple) -> None:
+        pending = self.pending_writes  # by identity: another write may carry equal bytes
+        del pending[next(i for i, e in enumerate(pending) if e is entry)]
+
     def bad_pages(self, first: int, count: int, out: memoryview) -> list[int]:
         """The loaded pages that fail their checksum (pages not holding DATA any more,
         trimmed while the LOAD was in flight, are not judged; bytes of a replicated write
