@@ -47,14 +47,6 @@ class Report:
     chosen: bool  # the pure path was asked for (DUVM_PURE_PYTHON), not forced by the build
     modules: dict[str, str] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "path": self.path,
-            "why": self.why,
-            "chosen": self.chosen,
-            "modules": dict(self.modules),
-        }
-
 
 def pure_chosen() -> bool:
     return os.environ.get(ENV, "").strip() not in ("", "0")
