@@ -32,7 +32,6 @@ Theory of operation:
 
 from __future__ import annotations
 
-import asyncio
 import errno
 from collections.abc import Coroutine
 from functools import partial
@@ -60,9 +59,6 @@ class CryptStore(StoreFilter):
         self._meta_mv = memoryview(self._meta)
         self.fast_path = inner.fast_path
         self.stats = {"pages_sealed": 0, "pages_opened": 0, "tag_failures": 0}
-        # a write the store below declined on the fast path, sealed: the coroutine `write`
-        # the caller makes next for it uses these bytes (their nonces were never used)
-        self._declined: tuple[int, memoryview, bytearray, bytearray] | None = None
 
     # --- sealing and opening ---
 
@@ -114,18 +110,10 @@ class CryptStore(StoreFilter):
         first = offset // PAGE_SIZE
         sealed, metas = self._seal(first, data)
         cb = partial(self._write_done, first, metas, done)
-        if self.inner.start_write(offset, memoryview(sealed), cb, tag):
-            self._declined = None
-            return True
-        self._declined = declined = (offset, data, sealed, metas)
-        # good for the write that follows at once only: gone at the next loop iteration, so
-        # a later request in a reused buffer is never given bytes sealed from older contents
-        asyncio.get_running_loop().call_soon(self._drop_declined, declined)
-        return False
-
-    def _drop_declined(self, declined: tuple) -> None:
-        if self._declined is declined:
-            self._declined = None
+        if not self.inner.start_write(offset, memoryview(sealed), cb, tag):
+            # declined below: the coroutine path finishes it with these bytes, sealed once
+            done(tag, self._write_sealed(offset, first, sealed, metas))
+        return True
 
     def _write_done(self, first: int, metas: bytearray, done: Done, tag: object, cont: Any) -> None:
         if cont is None:
@@ -174,11 +162,11 @@ class CryptStore(StoreFilter):
 
     async def write(self, offset: int, data: memoryview) -> None:
         first = offset // PAGE_SIZE
-        declined, self._declined = self._declined, None
-        if declined is not None and declined[0] == offset and declined[1] is data:
-            sealed, metas = declined[2], declined[3]  # sealed once, for the fast path
-        else:
-            sealed, metas = self._seal(first, data)
+        await self._write_sealed(offset, first, *self._seal(first, data))
+
+    async def _write_sealed(
+        self, offset: int, first: int, sealed: bytearray, metas: bytearray
+    ) -> None:
         await self.inner.write(offset, memoryview(sealed))
         self._commit(first, metas)
 
