@@ -144,11 +144,11 @@ class Connection(asyncio.BufferedProtocol):
         hot = self._hot if lat is None else None  # per-frame latency: the reference loop
         try:
             while not self.closing:
-                if hot is not None and self.ns is not None:
+                if hot is not None and self.ns is not None and not arena_views:
                     # the compiled loop serves what it can; the frame it stops at (anything
-                    # to refuse included) is the reference loop's, below
-                    if arena_views:  # what a later STORE or FREE changes must not be sent
-                        out, arena_views = _own(out), False
+                    # to refuse included) is the reference loop's, below. Once the reference
+                    # loop has queued arena views (a large LOAD), it serves the rest of this
+                    # read itself, copying them only if a STORE or FREE follows
                     buf, start, end = dec.window()
                     to = hot.serve(
                         buf,
