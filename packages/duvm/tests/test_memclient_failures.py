@@ -118,7 +118,7 @@ def test_request_after_a_reconnect_that_drops_at_once_fails_not_hangs(loop: str)
                         await client.status()
                 # mechanism: both tries got through the handshake, and then lost the link
                 assert relay.connections == 2 and relay.cut == 2
-                assert client._pending == {}  # nothing left waiting for an answer
+                assert client.pending == {}  # nothing left waiting for an answer
                 assert not client.connected
             finally:
                 await client.close()
@@ -138,7 +138,7 @@ def test_pages_request_after_a_reconnect_that_drops_at_once_fails_not_hangs(loop
                     with pytest.raises(MemserverUnreachable):
                         await client.load([1, 2])
                 assert relay.connections == 2 and relay.cut == 2
-                assert client._pending == {}
+                assert client.pending == {}
             finally:
                 await client.close()
 
@@ -209,12 +209,12 @@ def test_connection_reset_before_connect_returns_fails_not_hangs(loop: str) -> N
                     async with asyncio.timeout(10):
                         with pytest.raises(MemserverUnreachable):
                             await client.connect()
-                    assert client._proto is None and client._pending == {}
+                    assert client._proto is None and client.pending == {}
                 async with asyncio.timeout(10):  # through a request, which reconnects
                     with pytest.raises(MemserverUnreachable):
                         await client.status()
                 assert srv.accepted >= 31  # the connections were made, then reset
-                assert client._pending == {} and not client.connected
+                assert client.pending == {} and not client.connected
             finally:
                 if busy:
                     busy[0].cancel()
@@ -247,7 +247,7 @@ def test_a_late_loss_report_of_a_replaced_connection_leaves_the_new_ones_request
             # a request in flight on the new connection when the old loss is reported again
             pending = asyncio.ensure_future(client.status())
             await asyncio.sleep(0)
-            client._connection_lost(old, ConnectionResetError("late report"))
+            client.reply_connection_lost(old, ConnectionResetError("late report"))
             async with asyncio.timeout(10):
                 reply = await pending
             assert reply["capacity_pages"] > 0  # answered, not failed by the old loss

@@ -121,7 +121,7 @@ class MemClient:
         self.namespace_losses = 0  # reconnects that found the namespace gone
         self._proto: ReplyProtocol | None = None
         # request id -> its future, or the merged Batch it answers
-        self._pending: dict[int, asyncio.Future | Batch] = {}
+        self.pending: dict[int, asyncio.Future | Batch] = {}  # ReplyOwner: replies pop from it
         self._open: Batch | None = None  # the batch at the tail of _outq, still growing
         self._next_id = 0
         self._max_batch = pp.MAX_BATCH
@@ -140,7 +140,7 @@ class MemClient:
         self.breaker_trips = 0  # times the breaker opened (status)
         self._breaker_until = 0.0  # monotonic time before which no connect is tried
         self._busy_since = 0.0  # when requests were last sent with none pending
-        self._last_rx = 0.0  # when bytes last arrived
+        self.last_rx = 0.0  # when bytes last arrived
 
     # --- connection ---
 
@@ -170,9 +170,9 @@ class MemClient:
 
     def stalled_for(self, now: float) -> float:
         """Seconds requests have been outstanding with no byte received (0 when idle)."""
-        if not self._pending or self._proto is None:
+        if not self.pending or self._proto is None:
             return 0.0
-        return now - max(self._busy_since, self._last_rx)
+        return now - max(self._busy_since, self.last_rx)
 
     def abort(self, reason: str) -> None:
         """Drop the connection now (a stalled peer): pending requests fail as on a lost
@@ -278,7 +278,7 @@ class MemClient:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proto.lost), 2.0)
 
-    def _connection_lost(self, proto: ReplyProtocol, exc: Exception | None) -> None:
+    def reply_connection_lost(self, proto: ReplyProtocol, exc: Exception | None) -> None:
         if self._proto is not None and self._proto is not proto:
             return  # an old connection, already failed when it was replaced: not ours to fail
         self._proto = None
@@ -288,8 +288,8 @@ class MemClient:
         )
         # The tables are emptied before anyone hears of the failure: a waiter that reacts by
         # sending again must find its new request kept, not wiped with the failed ones.
-        failed = [*self._pending.values(), *self._outq]
-        self._pending = {}
+        failed = [*self.pending.values(), *self._outq]
+        self.pending = {}
         self._outq = []
         self._open = None
         fail_requests(failed, err)
@@ -333,7 +333,7 @@ class MemClient:
         loop = self._loop
         if fut is None:
             fut = loop.create_future()
-        if not self._pending:  # the stall watchdog measures from here
+        if not self.pending:  # the stall watchdog measures from here
             self._busy_since = time.monotonic()
         if mtype in (_STORE, _LOAD):
             b = self._open
@@ -351,7 +351,7 @@ class MemClient:
         else:
             self._next_id += 1
             rid = self._next_id
-            self._pending[rid] = fut
+            self.pending[rid] = fut
             if msg is not None:
                 self._outq += encode(dataclasses.replace(msg, req_id=rid))
             else:
@@ -364,7 +364,7 @@ class MemClient:
                 self._flush_handle = loop.call_soon(self.send_queued)
         return fut
 
-    def _resend_each(self, batch: Batch) -> None:
+    def resend_each(self, batch: Batch) -> None:
         """Queue every still-waiting request of a refused merged batch on its own."""
         for fut, keys, data, out in batch.waiters:
             if fut.done():
@@ -390,17 +390,17 @@ class MemClient:
         proto = self._proto
         if proto is None or proto.transport is None or proto.transport.is_closing():
             err = MemserverUnreachable(f"not connected to memserver {self.peer}")
-            if proto is None and self._pending:
+            if proto is None and self.pending:
                 # Requests (not merged page requests: those are in q) queued after the lost
                 # connection had already failed its table: a caller that resumed after its
                 # reconnect, when that new connection was gone again. No connection is left
                 # to answer or fail them, so fail them here.
-                q = [*q, *self._pending.values()]
-                self._pending = {}
+                q = [*q, *self.pending.values()]
+                self.pending = {}
             fail_requests(q, err)
             return
         wire: list[bytes | memoryview] = []
-        pending, prefix = self._pending, batch_prefix
+        pending, prefix = self.pending, batch_prefix
         for item in q:
             if isinstance(item, Batch):
                 self._next_id += 1

@@ -80,16 +80,19 @@ class Batch:
 
 
 class ReplyOwner(Protocol):
-    """What `ReplyProtocol` needs from the client that owns the connection (`MemClient`)."""
+    """What `ReplyProtocol` needs from the client that owns the connection (`MemClient`): the
+    declared seam between the sending and the receiving half of one connection."""
 
     peer: str
     batching: Batching
-    _pending: dict[int, Any]  # request id -> Future, Callback or Batch
-    _last_rx: float
+    pending: dict[int, Any]  # request id -> Future, Callback or Batch; replies pop from it
+    last_rx: float  # when bytes last arrived (monotonic): the stall watchdog reads it
 
-    def _resend_each(self, batch: Batch) -> None: ...
+    def resend_each(self, batch: Batch) -> None:
+        """Queue each request of a merged batch refused with a per-key error on its own."""
 
-    def _connection_lost(self, proto: ReplyProtocol, exc: Exception | None) -> None: ...
+    def reply_connection_lost(self, proto: ReplyProtocol, exc: Exception | None) -> None:
+        """The connection `proto` received on is gone: fail what waits on it."""
 
 
 def fail_requests(entries: list, err: Exception) -> None:
@@ -101,7 +104,7 @@ def fail_requests(entries: list, err: Exception) -> None:
         elif isinstance(entry, asyncio.Future):
             futs = [entry]
         else:
-            continue  # encoded bytes: their futures are in _pending
+            continue  # encoded bytes: their futures are in pending
         for fut in futs:
             if not fut.done():
                 fut.set_exception(err)
@@ -109,7 +112,7 @@ def fail_requests(entries: list, err: Exception) -> None:
 
 class ReplyProtocol(asyncio.BufferedProtocol):
     """The receive side of one memserver connection: frames decoded in place, each reply
-    handed to the request that waits for it in its owner's `_pending` table."""
+    handed to the request that waits for it in its owner's `pending` table."""
 
     def __init__(self, client: ReplyOwner) -> None:
         self.client = client
@@ -127,8 +130,8 @@ class ReplyProtocol(asyncio.BufferedProtocol):
         return self.decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        dec, pending = self.decoder, self.client._pending
-        self.client._last_rx = time.monotonic()  # progress: the stall watchdog reads it
+        dec, pending = self.decoder, self.client.pending
+        self.client.last_rx = time.monotonic()  # progress: the stall watchdog reads it
         dec.buffer_updated(nbytes)
         batching = self.client.batching
         after = batching.delivering()
@@ -181,7 +184,7 @@ class ReplyProtocol(asyncio.BufferedProtocol):
             if len(waiters) > 1 and msg.code in _PER_KEY_ERRORS:
                 # Merged requests share the refusal; ask again one by one so that only the
                 # requests that are really refused fail.
-                self.client._resend_each(batch)
+                self.client.resend_each(batch)
                 return
             err = PageServerError(msg.code, msg.message, self.client.peer)
             for fut, _, _, _ in waiters:
@@ -208,4 +211,4 @@ class ReplyProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.lost.done():
             self.lost.set_result(None)
-        self.client._connection_lost(self, exc)
+        self.client.reply_connection_lost(self, exc)
