@@ -38,7 +38,7 @@ async def test_round_trip_and_the_store_below_sees_only_ciphertext() -> None:
     assert bytes(out) == secret
     raw = await _raw(inner, 3)
     assert len(raw) == PS and raw != secret and b"hunter2" not in raw
-    assert cs.stats["pages_sealed"] == 1 and cs.stats["pages_opened"] == 1
+    assert cs.counters()["pages_sealed"] == 1 and cs.counters()["pages_opened"] == 1
 
 
 async def test_multi_page_requests_and_unwritten_pages_read_zero() -> None:
@@ -66,7 +66,7 @@ async def test_every_page_of_a_multi_page_write_gets_its_own_nonce() -> None:
     out = bytearray(4 * PS)
     await cs.read(4 * PS, memoryview(out))
     assert bytes(out) == same * 4
-    assert cs.stats["pages_sealed"] == 4
+    assert cs.counters()["pages_sealed"] == 4
 
 
 async def test_swapped_pages_fail_authentication_with_eio() -> None:
@@ -83,7 +83,7 @@ async def test_swapped_pages_fail_authentication_with_eio() -> None:
     with pytest.raises(StorageError) as ei:
         await cs.read(0, memoryview(out))
     assert ei.value.errno == errno.EIO and bytes(out) == bytes(PS)  # nothing unverified leaks
-    assert cs.stats["tag_failures"] == 1
+    assert cs.counters()["tag_failures"] == 1
 
 
 async def test_replayed_old_version_and_flipped_bit_fail() -> None:
@@ -236,4 +236,4 @@ async def test_a_write_declined_on_the_fast_path_is_sealed_once() -> None:
     out = bytearray(PS)
     await cs.read(2 * PS, memoryview(out))
     assert bytes(out) == bytes(data)
-    assert cs.stats["pages_sealed"] == 1
+    assert cs.counters()["pages_sealed"] == 1

@@ -379,7 +379,7 @@ async def test_slab_map_changes_are_saved_coalesced(memserver_pool, tmp_path: Pa
     try:
         assert all(len(s) == 2 for s in sd.load().sets)
         for slab in range(store.table.nslabs):
-            assert store.drop_replica(slab, store.table.sets[slab][0], "test")
+            assert store.replication.drop_replica(slab, store.table.sets[slab][0], "test")
         assert saves == []  # not yet: once, at the end of this iteration
         await asyncio.sleep(0)
         assert saves == [1]

@@ -168,10 +168,10 @@ def test_qemu_io_scattered_patterns_read_back_and_discard_reads_zeros(serve):
     p = qemu_io(srv.uri, *checks)
     assert "Pattern verification failed" not in p.stdout, p.stdout
     assert p.returncode == 0 and p.stdout.count("read ") == len(checks), p.stdout + p.stderr
-    assert store.stats["write"] >= len(SCATTERED)
+    assert store.counters()["write"] >= len(SCATTERED)
 
     off, n, _ = SCATTERED[2]
-    freed_before = store.stats["bytes_freed"]
+    freed_before = store.counters()["bytes_freed"]
     p = qemu_io(
         srv.uri,
         f"discard {off} {n}",
@@ -179,13 +179,13 @@ def test_qemu_io_scattered_patterns_read_back_and_discard_reads_zeros(serve):
         f"read -P {SCATTERED[3][2]:#x} {SCATTERED[3][0]} 4096",
     )
     assert p.returncode == 0 and "Pattern verification failed" not in p.stdout, p.stdout
-    assert store.stats["trim"] == 1 and store.stats["bytes_freed"] - freed_before == n
+    assert store.counters()["trim"] == 1 and store.counters()["bytes_freed"] - freed_before == n
 
     # Writing zeroes (qemu-io's write -z) also reads back as zeros.
     off, n, _ = SCATTERED[1]
     p = qemu_io(srv.uri, f"write -z {off} {n}", f"read -P 0 {off} {n}")
     assert p.returncode == 0 and "Pattern verification failed" not in p.stdout, p.stdout
-    assert store.stats["zero"] == 1
+    assert store.counters()["zero"] == 1
 
 
 def test_qemu_io_detects_a_wrong_pattern(serve):
@@ -224,7 +224,7 @@ def test_nbdcopy_256mib_random_round_trip(serve, tmp_path):
             h_dst.update(chunk)
     assert dst.stat().st_size == size
     assert h_dst.hexdigest() == h_src.hexdigest()
-    assert store.stats["bytes_written"] >= size and store.stats["bytes_read"] >= size
+    assert store.counters()["bytes_written"] >= size and store.counters()["bytes_read"] >= size
 
 
 # ----------------------------------------------------------------------------- fio
@@ -266,7 +266,7 @@ def test_fio_64_in_flight_over_4_connections_verifies(serve, delayed, tmp_path):
     assert job["write"]["io_bytes"] == 4 * 8 * MiB
     assert job["read"]["io_bytes"] == 4 * 8 * MiB  # the verify pass read everything back
     assert srv.server.stats.connections >= 4
-    assert base.stats["bytes_written"] == 4 * 8 * MiB
+    assert base.counters()["bytes_written"] == 4 * 8 * MiB
     if delayed:
         assert srv.server.stats.peak_in_flight > 1
 
@@ -346,8 +346,8 @@ def test_libnbd_bad_requests_get_documented_errors_and_connection_survives(serve
     }
     # Validation errors never reached the store; the two injected faults did.
     assert srv.server.stats.errors == 12
-    assert base.stats["read"] == 1 + 15  # good_read + the check after every attempt
-    assert base.stats["flush"] == 2  # FUA is honoured by a flush after the write, then FLUSH
+    assert base.counters()["read"] == 1 + 15  # good_read + the check after every attempt
+    assert base.counters()["flush"] == 2  # FUA is honoured by a flush after the write, then FLUSH
 
 
 # ----------------------------------------------------------------------------- raw protocol
@@ -672,7 +672,7 @@ def test_the_in_ram_store_answers_reads_and_writes_without_a_task(serve, monkeyp
     store = MemoryStore(MiB)
     _one_write_and_read(serve(store))
     assert ran == []
-    assert (store.stats["write"], store.stats["read"]) == (1, 1)
+    assert (store.counters()["write"], store.counters()["read"]) == (1, 1)
     s = raw_connect(serve(store).path)
     send_req(s, 4, cookie=9, offset=0, length=4096)  # TRIM: the coroutine path
     assert recv_reply(s) == (9, 0, b"")

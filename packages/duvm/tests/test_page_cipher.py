@@ -231,4 +231,4 @@ async def test_crypt_store_behaves_alike_over_both_paths(key, ops) -> None:
             await cs.inner.read(0, memoryview(raw))
             below.append(bytes(raw))
         assert below[0] == below[1]
-    assert stores[0].stats == stores[1].stats
+    assert stores[0].counters() == stores[1].counters()

@@ -122,7 +122,7 @@ async def test_a_lost_memserver_logs_one_line_and_a_summary_not_one_per_slab(
     store = await RemoteStore.open(
         addrs, 4 * MiB, "t:quiet:1", replicas=2, slab_pages=16, op_timeout=0.4, repair=False, seed=1
     )
-    store.summary_every = 3600  # the test calls the summary itself
+    store.monitor.summary_every = 3600  # the test calls the summary itself
     try:
         await store.write(0, memoryview(os.urandom(4 * MiB)))
         with caplog.at_level(logging.WARNING, "duvm"):
@@ -133,10 +133,10 @@ async def test_a_lost_memserver_logs_one_line_and_a_summary_not_one_per_slab(
                 await asyncio.sleep(0.05)
             drops = [r for r in caplog.records if "dropping copies" in r.getMessage()]
             assert store.table.nslabs == 64 and len(drops) == 1
-            store.log_summary()
+            store.monitor.log_summary()
         msgs = [r.getMessage() for r in caplog.records]
         assert any("(and 63 more like it" in m for m in msgs), msgs
         assert any(m.startswith("degraded: 64 of 64 slabs below 2 replicas") for m in msgs)
-        assert store.stats["replicas_dropped"] == 64
+        assert store.counters()["replicas_dropped"] == 64
     finally:
         await store.close()

@@ -54,7 +54,7 @@ async def test_sequential_reads_are_served_from_windows_loaded_ahead(written, fa
     for i in range(n):
         assert await fast(store.start_read, i * READ, memoryview(out)) == "fast"
         assert out == data[i * READ : (i + 1) * READ], i
-    st = store.stats
+    st = store.counters()
     # two reads go to the memserver themselves; from then on windows are ahead of them
     assert st["ra_hits"] >= n - 3
     assert st["ra_loads"] >= (4 * MiB) // (WINDOW_PAGES * PS) - 2
@@ -75,12 +75,12 @@ async def test_the_next_window_is_fetched_after_the_reply_that_called_for_it(wri
         at_done: list[int] = []
 
         def done(tag: object, cont: object, fut=fut, at_done=at_done) -> None:
-            at_done.append(store.stats["ra_loads"])
+            at_done.append(store.counters()["ra_loads"])
             if type(cont) is memoryview:
                 out[:] = cont
             fut.set_result(cont)
 
-        before = store.stats["ra_loads"]
+        before = store.counters()["ra_loads"]
         assert store.start_read(i * READ, memoryview(out), done, None)
         cont = await fut
         assert cont is None or type(cont) is memoryview, cont
@@ -89,7 +89,7 @@ async def test_the_next_window_is_fetched_after_the_reply_that_called_for_it(wri
             hits += 1
             assert at_done == [before], i  # nothing was fetched before the reply
             await asyncio.sleep(0)
-            deferred += store.stats["ra_loads"] - before
+            deferred += store.counters()["ra_loads"] - before
         else:
             await asyncio.sleep(0)
     assert hits >= MiB // READ - 3 and deferred >= 2  # windows 3 and 4 came after replies
@@ -103,7 +103,7 @@ async def test_random_reads_fetch_nothing_ahead(written, fast) -> None:
         p = rng.randrange(1024 // 2) * 2  # never two in a row
         await fast(store.start_read, p * PS, memoryview(out))
         assert out == data[p * PS : (p + 1) * PS]
-    assert store.stats["ra_loads"] <= 3 and store.stats["ra_hits"] <= 3
+    assert store.counters()["ra_loads"] <= 3 and store.counters()["ra_hits"] <= 3
 
 
 async def test_writes_and_trims_never_leave_stale_bytes_in_a_window(memserver_pool, fast) -> None:
@@ -145,7 +145,7 @@ async def test_writes_and_trims_never_leave_stale_bytes_in_a_window(memserver_po
                         new = os.urandom(n * PS)
                         await store.write(p * PS, memoryview(new))
                 model[p * PS : (p + n) * PS] = new
-        assert store.stats["ra_hits"] > 50 and store.stats["ra_dropped"] > 0
+        assert store.counters()["ra_hits"] > 50 and store.counters()["ra_dropped"] > 0
         whole = bytearray(pages * PS)
         await store.read(0, memoryview(whole))
         assert whole == model
@@ -206,7 +206,7 @@ async def test_a_write_racing_a_window_in_flight_is_never_hidden(
         got = bytearray(READ)
         await fast(store.start_read, 2 * READ, memoryview(got))  # after the acknowledgement
         assert got == data[2 * READ : 3 * READ]
-        assert store.stats["ra_dropped"] >= 1
+        assert store.counters()["ra_dropped"] >= 1
     finally:
         await store.close()
 
@@ -220,7 +220,7 @@ async def test_a_corrupt_page_ahead_drops_the_window_and_reads_eio(written, fast
     for i in range(bad // 8):
         await fast(store.start_read, i * READ, memoryview(out))
         assert out == data[i * READ : (i + 1) * READ]
-    assert store.stats["ra_dropped"] >= 1  # the window with the bad page was not used
+    assert store.counters()["ra_dropped"] >= 1  # the window with the bad page was not used
     with pytest.raises(StorageError) as ei:
         await fast(store.start_read, (bad // 8) * READ, memoryview(out))
     assert ei.value.errno == errno.EIO  # never the corrupt bytes
@@ -259,8 +259,8 @@ async def test_a_real_nbd_client_reading_sequentially_gets_every_byte(
         assert proc.returncode == 0, err
         assert dst.read_bytes() == data
         reads = size // (32 << 10)
-        assert store.stats["ra_hits"] >= reads * 3 // 4  # most from windows
-        assert store.stats["ra_dropped"] == 0
+        assert store.counters()["ra_hits"] >= reads * 3 // 4  # most from windows
+        assert store.counters()["ra_dropped"] == 0
     finally:
         await server.close()
         await store.close()
@@ -281,13 +281,13 @@ async def test_a_read_across_two_ready_windows_is_served_from_both(written, fast
     assert all(w.ready for w in ws)
     assert p < ws[1].first - 3  # still in the first window: skip ahead to 3 pages before the
     p = ws[1].first - 3  # second one, so the next read spans both
-    hits, before = store.stats["ra_hits"], loads(srv)
+    hits, before = store.counters()["ra_hits"], loads(srv)
     assert await fast(store.start_read, p * PS, memoryview(out)) == "fast"
     assert out == data[p * PS : p * PS + READ]
-    assert store.stats["ra_hits"] == hits + 1 and loads(srv) == before  # no trip for it
+    assert store.counters()["ra_hits"] == hits + 1 and loads(srv) == before  # no trip for it
     # a read into a window that is not loaded (yet) is not answered from half of it
     ws[1].ready = False
     q = ws[1].first - 2
     assert await fast(store.start_read, q * PS, memoryview(out)) == "fast"
     assert out == data[q * PS : q * PS + READ]
-    assert store.stats["ra_hits"] == hits + 1
+    assert store.counters()["ra_hits"] == hits + 1

@@ -68,7 +68,7 @@ async def test_never_written_pages_read_as_zeros_without_a_network_trip(servers)
     await store.read(2 * PS, memoryview(out))
     assert out == bytes(2 * PS)
     await store.read(0, memoryview(out[:PS]))
-    assert store.stats["loads"] == 0 and store.stats["zero_reads"] == 2
+    assert store.counters()["loads"] == 0 and store.counters()["zero_reads"] == 2
     with pytest.raises(StorageError) as ei:  # the written page needs its memserver
         await store.read(PS, memoryview(bytearray(PS)))
     assert ei.value.errno == errno.EIO
@@ -87,9 +87,9 @@ async def test_trim_and_write_zeroes_free_remote_pages(servers) -> None:
     assert out == bytes(100 * PS)
     await store.write_zeroes(0, 4 * MiB)
     assert sum(await used(addrs)) == 0
-    frees = store.stats["frees"]
+    frees = store.counters()["frees"]
     await store.trim(0, 4 * MiB)  # nothing written: no request at all
-    assert store.stats["frees"] == frees
+    assert store.counters()["frees"] == frees
     await store.close()
 
 
@@ -283,7 +283,7 @@ async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
         ]
         out = bytearray(64 * PS)
         await store.read(8 * PS, memoryview(out))  # the checksums vouch for the bytes
-        assert out == data and store.stats["checksum_failures"] == 0
+        assert out == data and store.counters()["checksum_failures"] == 0
     finally:
         remote_write.page_crcs = real
         await store.close()
@@ -315,7 +315,7 @@ async def test_a_replicated_write_checksums_its_pages_after_its_stores_left(serv
         assert store.table.pending_writes == []  # nothing left registered for racing reads
         out = bytearray(32 * PS)
         await store.read(0, memoryview(out))
-        assert out == data and store.stats["checksum_failures"] == 0
+        assert out == data and store.counters()["checksum_failures"] == 0
     finally:
         remote_write.page_crcs = real
         await store.close()
@@ -423,17 +423,21 @@ async def test_each_stacking_takes_the_path_it_declares(servers) -> None:
         out[:] = bytes(PS)
         assert sealed.start_read(PS, out, finished, "t") is True
         assert await asyncio.wait_for(done, 5) is None
-        assert bytes(out) == bytes(page) and sealed.stats["pages_opened"] == 1
+        assert bytes(out) == bytes(page) and sealed.counters()["pages_opened"] == 1
         below = bytearray(PS)
         await remote.read(PS, memoryview(below))
         assert bytes(below) != bytes(page)  # the store below holds only ciphertext
         # a page never written through the filter has nothing to load: declined (zeros)
         assert sealed.start_read(2 * PS, out, finished, "t") is False
         # every stack reports the health of the store it wraps, per-peer pages included
-        # (two written pages, on the one replica of slab 0)
+        # (two written pages, on the one replica of slab 0), and its own layers' counters
         want = remote.health()
         assert sum(peer["pages"] for peer in want["peers"]) == 2
-        assert all(s.health() == want for s in stacks.values())
+        for s in stacks.values():
+            assert s.health() == {**want, **s.counters()}
+            assert s.counters().items() >= remote.counters().items()
+        assert sealed.health()["pages_sealed"] == 1  # the filter's own, beside the store's
+        assert "pages_sealed" not in want
         assert all(
             s.describe() == f"2 memserver(s){extra}"
             for s, extra in (

@@ -51,23 +51,28 @@ async def test_repair_onto_a_peer_holding_a_dropped_copy_frees_that_copy_first(
         s1 = next(y for y in range(s2 + 1, SLABS) if b in pl[y])
         before = await _namespace_pages(store, b)
         assert before == sum(SLAB for m in store.placement if b in m)  # b's pages fill it
-        assert before == store.reserved[b]  # exactly: no spare room there
+        assert before == store.replication.reserved[b]  # exactly: no spare room there
 
-        assert store.drop_replica(s1, b, "test: a write to it failed")
+        assert store.replication.drop_replica(s1, b, "test: a write to it failed")
         assert await _namespace_pages(store, b) == before  # the dropped copy is still there
         await servers[c].close()  # c dies: s2 needs a new replica, and only b can take it
-        assert store.drop_replica(s2, c, "test: its memserver died")
+        assert store.replication.drop_replica(s2, c, "test: its memserver died")
 
-        rep = Repairer(store)
+        rep = Repairer(store.replication, store.reads.load_verified)
         assert await rep.repair_all() == 2  # s2 onto b, then s1 back onto b (c is dead)
-        assert rep.stats["repair_failures"] == 0, rep.last_error
+        assert rep.counters.repair_failures == 0, rep.last_error
         assert b in store.table.sets[s2] and b in store.table.sets[s1]
         # mechanism: the dropped copy of s1 was freed on b before s2 was copied there
-        assert rep.stats["stale_freed"] == 1 and not store.stale - {(c, s2)}
+        assert rep.counters.stale_freed == 1 and not store.replication.stale - {(c, s2)}
         held = sum(store.table.slab_size(s) for s, m in enumerate(store.table.sets) if b in m)
-        assert await _namespace_pages(store, b) == held == store.assigned[b] == before + SLAB
+        assert (
+            await _namespace_pages(store, b)
+            == held
+            == store.replication.assigned[b]
+            == before + SLAB
+        )
         # outcome: s2 reads back intact from b alone
-        assert store.drop_replica(s2, a, "test: read from the repaired copy")
+        assert store.replication.drop_replica(s2, a, "test: read from the repaired copy")
         out = bytearray(SLAB * PAGE_SIZE)
         await store.read(s2 * SLAB * PAGE_SIZE, memoryview(out))
         assert out == data[s2 * SLAB * PAGE_SIZE : (s2 + 1) * SLAB * PAGE_SIZE]

@@ -103,16 +103,16 @@ async def test_corrupt_replica_is_detected_bypassed_and_repaired(servers) -> Non
         one = bytearray(PS)
         await store.read(5 * PS, memoryview(one))  # the single-page path checks too
         assert one == data[5 * PS : 6 * PS]  # served by the other replica
-        assert store.stats["checksum_failures"] == 1
+        assert store.counters()["checksum_failures"] == 1
         out = bytearray(MiB)
         with pytest.raises(StorageError, match="lost by every replica"):
             await store.read(0, memoryview(out))  # no good copy left of page 9: EIO
         await store.write(9 * PS, memoryview(data[9 * PS : 10 * PS]))
         await store.read(0, memoryview(out))
         assert out == data
-        assert store.stats["replicas_dropped"] >= 1  # the bad copy was no longer trusted ...
+        assert store.counters()["replicas_dropped"] >= 1  # the bad copy was no longer trusted ...
         await wait_for(lambda: len(store.table.sets[0]) == 2)  # ... and repair restored R=2
-        assert store.repairer.stats["repairs_done"] >= 1
+        assert store.repairer.counters.repairs_done >= 1
         new = store.table.sets[0][-1]
         assert await stored_keys(srvs[new], "t:crc:1") >= set(range(64))
         await store.read(0, memoryview(out))
@@ -166,7 +166,7 @@ async def test_memserver_death_during_io_loses_nothing_and_repair_restores_r(ser
         await srvs[victim].close()  # dies with requests in flight
         await task
         assert all(victim not in s for s in store.table.sets)
-        assert store.stats["replicas_dropped"] > 0
+        assert store.counters()["replicas_dropped"] > 0
         await wait_for(lambda: store.health()["degraded_slabs"] == 0, 20)
         assert all(len(set(s)) == 2 for s in store.table.sets)
         out = bytearray(PS)
@@ -318,7 +318,7 @@ async def test_frozen_memserver_is_cut_off_and_writes_continue(servers) -> None:
         t0 = time.monotonic()
         await asyncio.wait_for(store.write(0, memoryview(data[::-1])), 10)
         assert time.monotonic() - t0 < 5  # the watchdog, not TCP_USER_TIMEOUT (15 s)
-        assert store.stats["stalls_aborted"] >= 1 and store.table.sets[0] == [0]
+        assert store.counters()["stalls_aborted"] >= 1 and store.table.sets[0] == [0]
         out = bytearray(PS)
         await store.read(0, memoryview(out))
         assert out == data[::-1]
@@ -390,10 +390,10 @@ async def test_dead_peer_degrades_its_slabs_without_any_write(servers) -> None:
             ),
             20,
         )
-        assert store.repairer.stats["repairs_done"] >= 1
+        assert store.repairer.counters.repairs_done >= 1
         out = bytearray(MiB)
         await store.read(0, memoryview(out))
-        assert out == data and store.stats["failovers"] == 0  # nothing read the dead peer
+        assert out == data and store.counters()["failovers"] == 0  # nothing read the dead peer
     finally:
         await store.close()
 
@@ -414,7 +414,7 @@ async def test_slab_whose_replicas_outlive_their_lease_is_lost_then_replaced() -
         t0 = time.monotonic()
         await wait_for(lambda: all(m == [1] for m in store.table.sets), 20)
         assert time.monotonic() - t0 > 1.0  # not before the lease could have run out
-        assert store.repairer.stats["slabs_replaced"] == len(on_a)
+        assert store.repairer.counters.slabs_replaced == len(on_a)
         page = on_a[0] * 64
         with pytest.raises(StorageError, match="lost"):
             await store.read(page * PS, memoryview(bytearray(PS)))  # EIO, not zeros
@@ -444,8 +444,8 @@ async def test_r1_read_waits_for_a_restarting_memserver_instead_of_failing() -> 
         assert not read.done()  # waiting, not failing
         await srv.start(host, port)  # listening again, same namespace
         await asyncio.wait_for(read, 10)
-        assert out == b"w" * PS and store.stats["unreachable_waits"] > 0
-        assert store.stats["read_errors"] == 0
+        assert out == b"w" * PS and store.counters()["unreachable_waits"] > 0
+        assert store.counters()["read_errors"] == 0
     finally:
         await store.close()
         await srv.close()
@@ -469,8 +469,8 @@ async def test_fast_round_trip_completes_without_the_coroutine_path(servers, fas
         one = bytearray(PS)
         assert await fast(store.start_read, 100 * PS, memoryview(one)) == "fast"
         assert one == data[:PS]
-        assert store.stats["stores"] == 2 and store.stats["pages_stored"] == 9
-        assert store.stats["loads"] == 2 and store.stats["pages_loaded"] == 9
+        assert store.counters()["stores"] == 2 and store.counters()["pages_stored"] == 9
+        assert store.counters()["loads"] == 2 and store.counters()["pages_loaded"] == 9
         assert list(store.table.inflight) == [0] * store.table.nslabs  # every write accounted for
         # ... and the general path reads what the fast path wrote (same checksums)
         await store.read(3 * PS, memoryview(out))
@@ -493,9 +493,9 @@ async def test_fast_path_declines_what_it_does_not_handle(servers) -> None:
         await store.write(0, buf)
         await store.write(64 * PS, buf)
         assert not store.start_read(63 * PS, buf, never, None)  # crosses a slab boundary
-        store.repairs[0] = object()  # type: ignore[assignment] # a copy of slab 0 running
+        store.replication.repairs[0] = object()  # type: ignore[assignment] # a copy of slab 0 running
         assert not store.start_write(0, buf, never, None)  # under its lock: general path
-        del store.repairs[0]
+        del store.replication.repairs[0]
         with pytest.raises(AssertionError, match="unaligned"):  # the NBD layer refuses it
             store.start_read(1, buf[:PS], never, None)
         await store.close()
@@ -520,7 +520,7 @@ async def test_fast_write_stores_on_every_replica_before_it_is_acknowledged(serv
             ns, arena = srvs[i].store.namespaces["t:fan:1"], srvs[i].store.arena
             got = b"".join(bytes(arena.view(ns.pages[k])) for k in range(8, 12))
             assert got == data
-        assert store.stats["stores"] == 1 and store.stats["pages_stored"] == 4
+        assert store.counters()["stores"] == 1 and store.counters()["pages_stored"] == 4
         out = bytearray(4 * PS)
         assert await fast(store.start_read, 8 * PS, memoryview(out)) == "fast"
         assert out == data
@@ -542,7 +542,7 @@ async def test_fast_write_with_a_replica_gone_continues_on_the_general_path(serv
             conn.transport.abort()  # the STORE on it fails after it was sent
         assert await fast(store.start_write, 0, memoryview(data)) == "continued"
         assert gone not in store.table.sets[0]  # dropped, the slab is degraded
-        assert store.stats["replicas_dropped"] == 1
+        assert store.counters()["replicas_dropped"] == 1
         t = store.table
         assert t.pending_writes == [] and list(t.inflight) == [0] * t.nslabs
         out = bytearray(2 * PS)
@@ -562,8 +562,8 @@ async def test_fast_read_of_a_corrupt_replica_fails_over_to_the_good_one(servers
         out = bytearray(4 * PS)
         assert await fast(store.start_read, 0, memoryview(out)) == "continued"
         assert out == data  # never the rotten bytes
-        assert store.stats["checksum_failures"] == 1
-        assert store.stats["replicas_dropped"] == 1
+        assert store.counters()["checksum_failures"] == 1
+        assert store.counters()["replicas_dropped"] == 1
     finally:
         await store.close()
 
@@ -622,8 +622,8 @@ async def test_a_read_racing_a_replicated_write_is_neither_eio_nor_a_dropped_rep
         for conn in srvs[second].conns:
             conn.transport.resume_reading()
         await write
-        assert store.stats["checksum_failures"] == 0
-        assert store.stats["replicas_dropped"] == 0 and store.stats["pages_lost"] == 0
+        assert store.counters()["checksum_failures"] == 0
+        assert store.counters()["replicas_dropped"] == 0 and store.counters()["pages_lost"] == 0
         assert store.table.sets[0] == [first, second]
         await store.read(0, memoryview(out))
         assert bytes(out) == new
@@ -637,7 +637,7 @@ async def test_close_right_after_a_replica_is_dropped_does_not_hang(servers) -> 
     _, addrs = servers
     store = await RemoteStore.open(addrs[:2], MiB, "t:close:1", replicas=2, slab_pages=64)
     for slab in range(store.table.nslabs):
-        store.drop_replica(slab, store.table.sets[slab][0], "test")
+        store.replication.drop_replica(slab, store.table.sets[slab][0], "test")
     tasks = list(store._tasks)  # the watchdog and the repairer
     assert len(tasks) == 2
     await asyncio.sleep(0)

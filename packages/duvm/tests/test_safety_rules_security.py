@@ -144,7 +144,7 @@ async def test_swapping_two_pages_ciphertext_with_their_nonce_and_tag_is_eio() -
             await cs.read(page * PS, memoryview(out))
         assert ei.value.errno == errno.EIO and "failed authentication" in str(ei.value)
         assert bytes(out) != other and bytes(out) == bytes(PS)  # nothing unverified leaks
-    assert cs.stats["tag_failures"] == 2
+    assert cs.counters()["tag_failures"] == 2
     # mechanism: put both back and each page opens again (the swap alone made them fail)
     await inner.write(0, memoryview(ct))
     cs._meta[: 2 * META] = m0 + m1
@@ -171,7 +171,7 @@ async def _degraded_store(memserver_pool, client_id: str):
     await store.write(0, memoryview(old))
     survivor, dead = store.table.sets[0]
     spare = ({0, 1, 2} - {survivor, dead}).pop()
-    assert store.drop_replica(0, dead, "test: its memserver died")
+    assert store.replication.drop_replica(0, dead, "test: its memserver died")
     await servers[dead].close()
     return servers, store, old, survivor, spare
 
@@ -210,7 +210,7 @@ async def test_a_write_during_a_repair_chunk_copy_reaches_every_replica(memserve
     servers, store, old, survivor, spare = await _degraded_store(memserver_pool, cid)
     loaded, go = asyncio.Event(), asyncio.Event()
     try:
-        real_load = store.load_verified
+        real_load = store.reads.load_verified
 
         async def copier_load(slab: int, first: int, count: int, out: memoryview) -> None:
             await real_load(slab, first, count, out)
@@ -218,11 +218,10 @@ async def test_a_write_during_a_repair_chunk_copy_reaches_every_replica(memserve
                 loaded.set()
                 await go.wait()
 
-        store.load_verified = copier_load
-        rep = Repairer(store)
+        rep = Repairer(store.replication, copier_load)
         repair = asyncio.ensure_future(rep.repair_all())
         await asyncio.wait_for(loaded.wait(), 10)
-        chunk = store.repairs[0]
+        chunk = store.replication.repairs[0]
         assert chunk.target == spare
         new = os.urandom(PS)
         write = asyncio.ensure_future(store.write(HOT * PS, memoryview(new)))
@@ -239,10 +238,10 @@ async def test_a_write_during_a_repair_chunk_copy_reaches_every_replica(memserve
         _assert_replicas_hold(servers, (survivor, spare), cid, want)
         # mechanism: the write waited for the chunk copy (it did not run inside it)
         assert not write_done_during_copy
-        assert rep.stats["repairs_done"] == 1 and rep.stats["repair_pages_copied"] == SLAB
+        assert rep.counters.repairs_done == 1 and rep.counters.repair_pages_copied == SLAB
         out = bytearray(SLAB * PS)
         await store.read(0, memoryview(out))
-        assert out == want and store.stats["checksum_failures"] == 0
+        assert out == want and store.counters()["checksum_failures"] == 0
     finally:
         go.set()
         await store.close()
@@ -267,20 +266,21 @@ async def test_a_repair_copy_waits_for_a_write_already_in_flight(memserver_pool)
 
         c.store_batch = held_store_batch
         copy_loads: list[int] = []
-        real_load = store.load_verified
+        real_load = store.reads.load_verified
 
         async def copier_load(slab: int, first: int, count: int, out: memoryview) -> None:
             copy_loads.append(first)
             await real_load(slab, first, count, out)
 
-        store.load_verified = copier_load
         new = os.urandom(PS)
         write = asyncio.ensure_future(store.write(HOT * PS, memoryview(new)))
         await asyncio.wait_for(sending.wait(), 10)
         assert store.table.inflight[0] == 1  # the write is in flight, the slab not in repair
-        rep = Repairer(store)
+        rep = Repairer(store.replication, copier_load)
         repair = asyncio.ensure_future(rep.repair_all())
-        await _until(lambda: 0 in store.repairs or repair.done())  # the copy is registered
+        await _until(
+            lambda: 0 in store.replication.repairs or repair.done()
+        )  # the copy is registered
         # give a copy that does not wait every chance to read (it needs a few round trips);
         # one that waits reads nothing until the write is released below
         with contextlib.suppress(TimeoutError):
@@ -295,7 +295,7 @@ async def test_a_repair_copy_waits_for_a_write_already_in_flight(memserver_pool)
         _assert_replicas_hold(servers, (survivor, spare), cid, want)
         # mechanism: the copy read nothing until the write was through
         assert not read_while_in_flight and copy_loads == [0]
-        assert rep.stats["repairs_done"] == 1 and rep.stats["repair_pages_copied"] == SLAB
+        assert rep.counters.repairs_done == 1 and rep.counters.repair_pages_copied == SLAB
     finally:
         release.set()
         await store.close()

@@ -34,14 +34,14 @@ async def test_a_never_written_page_read_into_a_reused_buffer_is_zeros(memserver
         assert buf == written
         for garbage in (written, b"\xa5" * PS):
             buf[:] = garbage
-            loads, zero_reads = store.stats["loads"], store.stats["zero_reads"]
+            loads, zero_reads = store.counters()["loads"], store.counters()["zero_reads"]
             # the callback fast path declines a never-written page: the general path answers
             assert not store.start_read(7 * PS, view, lambda tag, cont: None, None)
             await store.read(7 * PS, view)  # exactly one page: the single-page branch
             assert buf == bytes(PS)
             # zeros made locally, no LOAD sent
-            assert store.stats["zero_reads"] == zero_reads + 1
-            assert store.stats["loads"] == loads
+            assert store.counters()["zero_reads"] == zero_reads + 1
+            assert store.counters()["loads"] == loads
     finally:
         await store.close()
 
@@ -62,11 +62,11 @@ async def test_a_write_to_any_page_of_a_readahead_window_drops_it(memserver_pool
             assert await fast(store.start_read, i * READ, memoryview(out)) == "fast"
             assert out == data[i * READ : (i + 1) * READ]
         ra = store.readahead
-        assert store.stats["ra_hits"] == 1
+        assert store.counters()["ra_hits"] == 1
         (w,) = [w for w in ra.windows if w.first == 16]
         assert w.ready and w.count > 24
         target = w.first + 20  # inside the window, far from its first page
-        dropped = store.stats["ra_dropped"]
+        dropped = store.counters()["ra_dropped"]
 
         new = os.urandom(PS)
         await store.write(target * PS, memoryview(new))
@@ -76,7 +76,7 @@ async def test_a_write_to_any_page_of_a_readahead_window_drops_it(memserver_pool
         # because the window holding the old bytes was dropped by the write (and counted)
         assert w not in ra.windows
         assert not any(x.first <= target < x.first + x.count for x in ra.windows)
-        assert store.stats["ra_dropped"] == dropped + 1
+        assert store.counters()["ra_dropped"] == dropped + 1
         # the neighbours still read as written, the old bytes nowhere
         assert await fast(store.start_read, (target + 1) * PS, memoryview(page)) == "fast"
         assert page == data[(target + 1) * PS : (target + 2) * PS]

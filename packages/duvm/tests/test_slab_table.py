@@ -14,8 +14,7 @@ PS = 4096
 
 
 def table(pages: int = 10, slab_pages: int = 4) -> tuple[SlabTable, list[tuple[int, int]]]:
-    stats = {"stores": 0, "pages_stored": 0, "pages_lost": 0}
-    t = SlabTable(pages, slab_pages, ["peer-a", "peer-b", "peer-c"], stats)  # type: ignore[list-item]
+    t = SlabTable(pages, slab_pages, ["peer-a", "peer-b", "peer-c"])  # type: ignore[list-item]
     changes: list[tuple[int, int]] = []
     t.on_change = lambda first, count: changes.append((first, count))
     t.assign([[0, 1], [1, 2], [2, 0]])
@@ -40,7 +39,7 @@ def test_every_change_of_page_state_tells_on_change_first() -> None:
     t.clear(3, 2)
     assert changes == [(1, 3), (5, 1), (2, 1), (3, 2)]
     assert list(t.state[:6]) == [EMPTY, DATA, LOST, EMPTY, EMPTY, DATA]
-    assert t.stats == {"stores": 1, "pages_stored": 3, "pages_lost": 1}
+    assert t.counters.snapshot() == {"pages_lost": 1}
     assert t.crc[1] == crc32c(data[:PS]) and t.crc[5] == crc32c(bytes(PS))
 
 
@@ -48,7 +47,7 @@ def test_only_written_pages_become_lost() -> None:
     t, _ = table()
     t.mark_stored(0, 1, memoryview(bytes(PS)), None)
     t.mark_lost(0, 4)
-    assert list(t.state[:4]) == [LOST, EMPTY, EMPTY, EMPTY] and t.stats["pages_lost"] == 1
+    assert list(t.state[:4]) == [LOST, EMPTY, EMPTY, EMPTY] and t.counters.pages_lost == 1
 
 
 def test_a_trim_frees_the_keys_of_pages_that_are_not_empty_by_slab() -> None:
@@ -85,4 +84,4 @@ def test_a_replica_set_change_is_reported_and_counted_per_peer() -> None:
 
 def test_persisted_tables_of_the_wrong_size_are_refused() -> None:
     with pytest.raises(ValueError, match="10 entries"):
-        SlabTable(10, 4, ["a"], {}, (bytearray(9), bytearray(40)))  # type: ignore[list-item]
+        SlabTable(10, 4, ["a"], (bytearray(9), bytearray(40)))  # type: ignore[list-item]

@@ -34,15 +34,24 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from duvm.store.counters import Counters, merge
 from duvm.store.page_cipher import META, NONCE, TAG, TagFailure, page_cipher
 from duvm.store.storage import PAGE_SIZE, BlockStore, Done, StorageError, StoreFilter
 
 __all__ = ["META", "NONCE", "TAG", "CryptStore"]
+
+
+@dataclass(slots=True)
+class CryptCounters(Counters):
+    pages_sealed: int = 0
+    pages_opened: int = 0
+    tag_failures: int = 0
 
 
 class CryptStore(StoreFilter):
@@ -58,7 +67,10 @@ class CryptStore(StoreFilter):
         self._meta = bytearray(self.pages * META)  # nonce | tag per page; zeros = unwritten
         self._meta_mv = memoryview(self._meta)
         self.fast_path = inner.fast_path
-        self.stats = {"pages_sealed": 0, "pages_opened": 0, "tag_failures": 0}
+        self.own_counters = CryptCounters()
+
+    def counters(self) -> dict[str, int]:
+        return merge(self.inner.counters(), self.own_counters.snapshot())
 
     # --- sealing and opening ---
 
@@ -83,7 +95,7 @@ class CryptStore(StoreFilter):
         returning other bytes.)"""
         m = first * META
         self._meta[m : m + len(metas)] = metas
-        self.stats["pages_sealed"] += len(metas) // META
+        self.own_counters.pages_sealed += len(metas) // META
 
     def _written(self, first: int, n: int) -> int:
         return self.cipher.written(self._meta_mv[first * META : (first + n) * META])
@@ -95,14 +107,14 @@ class CryptStore(StoreFilter):
         try:
             opened = self.cipher.open(first, out, self._meta_mv[first * META : (first + n) * META])
         except TagFailure as e:
-            self.stats["tag_failures"] += 1
+            self.own_counters.tag_failures += 1
             out[:] = bytes(len(out))
             raise StorageError(
                 errno.EIO,
                 f"page {first + e.index} failed authentication: the memserver returned bytes "
                 "this node did not write there",
             ) from None
-        self.stats["pages_opened"] += opened
+        self.own_counters.pages_opened += opened
 
     # --- the fast path ---
 

@@ -11,12 +11,26 @@ answered before `start_read`/`start_write` return, with no coroutine or Task.
 from __future__ import annotations
 
 import mmap
+from dataclasses import dataclass
 
+from duvm.store.counters import Counters
 from duvm.store.storage import PAGE_SIZE, BlockStore, Capabilities, Done
 
 
+@dataclass(slots=True)
+class MemoryCounters(Counters):
+    read: int = 0
+    write: int = 0
+    trim: int = 0
+    zero: int = 0
+    flush: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    bytes_freed: int = 0
+
+
 class MemoryStore(BlockStore):
-    """`size` bytes of local RAM. Counters in `stats` count calls and bytes per operation."""
+    """`size` bytes of local RAM; `own_counters` count calls and bytes per operation."""
 
     capabilities = Capabilities()
     fast_path = True  # answered at once (BlockStore.start_read)
@@ -30,30 +44,24 @@ class MemoryStore(BlockStore):
         self.size = size
         self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view = memoryview(self._map)
-        self.stats = {
-            "read": 0,
-            "write": 0,
-            "trim": 0,
-            "zero": 0,
-            "flush": 0,
-            "bytes_read": 0,
-            "bytes_written": 0,
-            "bytes_freed": 0,
-        }
+        self.own_counters = MemoryCounters()
+
+    def counters(self) -> dict[str, int]:
+        return self.own_counters.snapshot()
 
     def _read(self, offset: int, out: memoryview) -> None:
         n = len(out)
         assert offset >= 0 and offset + n <= self.size
         out[:] = self._view[offset : offset + n]
-        self.stats["read"] += 1
-        self.stats["bytes_read"] += n
+        self.own_counters.read += 1
+        self.own_counters.bytes_read += n
 
     def _write(self, offset: int, data: memoryview) -> None:
         n = len(data)
         assert offset >= 0 and offset + n <= self.size
         self._view[offset : offset + n] = data
-        self.stats["write"] += 1
-        self.stats["bytes_written"] += n
+        self.own_counters.write += 1
+        self.own_counters.bytes_written += n
 
     def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
         self._read(offset, out)
@@ -78,7 +86,7 @@ class MemoryStore(BlockStore):
         last = end // PAGE_SIZE * PAGE_SIZE
         if first < last:
             self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
-            self.stats["bytes_freed"] += last - first
+            self.own_counters.bytes_freed += last - first
             if offset < first:
                 self._view[offset:first] = bytes(first - offset)
             if last < end:
@@ -88,14 +96,14 @@ class MemoryStore(BlockStore):
 
     async def trim(self, offset: int, length: int) -> None:
         self._discard(offset, length)
-        self.stats["trim"] += 1
+        self.own_counters.trim += 1
 
     async def write_zeroes(self, offset: int, length: int) -> None:
         self._discard(offset, length)
-        self.stats["zero"] += 1
+        self.own_counters.zero += 1
 
     async def flush(self) -> None:
-        self.stats["flush"] += 1
+        self.own_counters.flush += 1
 
     async def close(self) -> None:
         self._view.release()

@@ -40,8 +40,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
+from duvm.store.counters import Counters
 from duvm.store.slab_table import SlabTable
 from duvm.store.storage import DATA, EMPTY, LOST, Done
 
@@ -62,13 +64,19 @@ class _Window:
         self.waiters: list[tuple[int, int, memoryview, Done, object]] = []
 
 
+@dataclass(slots=True)
+class ReadaheadCounters(Counters):
+    ra_loads: int = 0
+    ra_hits: int = 0
+    ra_dropped: int = 0
+
+
 class Readahead:
     """The readahead windows of one store (see the module docstring)."""
 
     def __init__(
         self,
         table: SlabTable,
-        stats: dict[str, int],
         read: Callable[[int, memoryview], Coroutine[Any, Any, None]],
         window_pages: int = WINDOW_PAGES,
     ) -> None:
@@ -79,7 +87,7 @@ class Readahead:
         self.next_page = -1  # where a sequential reader's next read starts
         self._scheduled: int | None = None  # first page of a fetch due after this reply
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.stats = stats  # ra_loads, ra_hits, ra_dropped are counted there
+        self.counters = ReadaheadCounters()
 
     def hit(self, first: int, count: int, out: memoryview, done: Done, tag: object) -> bool:
         """Serve a read that lies inside a window (now, or when the window arrives) and keep
@@ -110,7 +118,7 @@ class Readahead:
         n = (mid - first) << 12
         out[:n] = memoryview(a.buf)[(first - a.first) << 12 :]
         out[n:] = memoryview(b.buf)[: (end - mid) << 12]
-        self.stats["ra_hits"] += 1
+        self.counters.ra_hits += 1
         done(tag, None)  # answered last, as in hit()
         return True
 
@@ -192,7 +200,7 @@ class Readahead:
         keys = tuple(range(first, first + count))
         if c.load_cb(keys, memoryview(w.buf), lambda exc: self._arrived(w, exc)):
             self.windows.append(w)
-            self.stats["ra_loads"] += 1
+            self.counters.ra_loads += 1
 
     def _arrived(self, w: _Window, exc: BaseException | None) -> None:
         try:
@@ -207,7 +215,7 @@ class Readahead:
             w.ready = True
         elif w in self.windows:  # (a window invalidate() dropped is counted there)
             self.windows.remove(w)
-            self.stats["ra_dropped"] += 1
+            self.counters.ra_dropped += 1
         waiters, w.waiters = w.waiters, []
         for first, count, out, done, tag in waiters:
             if good:
@@ -217,7 +225,7 @@ class Readahead:
 
     def _serve(self, w: _Window, first: int, count: int, done: Done, tag: object) -> None:
         """Answer a read from a ready window with a view of it (no copy)."""
-        self.stats["ra_hits"] += 1
+        self.counters.ra_hits += 1
         a = (first - w.first) << 12
         done(tag, memoryview(w.buf)[a : a + (count << 12)])
 
@@ -228,7 +236,7 @@ class Readahead:
         end = first + count
         keep = [w for w in self.windows if w.first + w.count <= first or end <= w.first]
         if len(keep) != len(self.windows):
-            self.stats["ra_dropped"] += len(self.windows) - len(keep)
+            self.counters.ra_dropped += len(self.windows) - len(keep)
             self.windows = keep
 
     def clear(self) -> None:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from duvm.base.quietlog import QuietLog
-from duvm.store.memclient import MemClient
-from duvm.store.repair import Repairer, SlabRepair
-from duvm.store.slab_table import SlabTable
+from duvm.store.counters import Counters
+from duvm.store.repair import Repairer
+from duvm.store.replication import Replication
 from duvm.store.storage import DATA, LOST
 
 log = logging.getLogger(__name__)
@@ -29,34 +29,34 @@ DEFAULT_SUMMARY_EVERY = 30.0  # seconds between failover summaries in the log
 DEFAULT_OP_TIMEOUT = 5.0  # seconds without progress before a memserver connection is dropped
 
 
+@dataclass(slots=True)
+class HealthCounters(Counters):
+    stalls_aborted: int = 0
+
+
 class RemoteHealth:
-    """The health part of `RemoteStore` (a mixin: these are the parts of the store it uses)."""
+    """The watchdog, log summary and health report of a `RemoteStore` over `replication`."""
 
-    table: SlabTable
-    clients: list[MemClient]
-    replicas: int
-    repairs: dict[int, SlabRepair]
-    repairer: Repairer | None
-    reserved: list[int]
-    stats: dict[str, int]
-    events: QuietLog
-    op_timeout: float
-    summary_every: float
-    _probes: set[asyncio.Task]
-    _was_degraded: bool
-    drop_replica: Callable[[int, int, str], bool]
+    def __init__(
+        self,
+        replication: Replication,
+        *,
+        op_timeout: float = DEFAULT_OP_TIMEOUT,
+        summary_every: float = DEFAULT_SUMMARY_EVERY,
+    ) -> None:
+        self.replication = replication
+        self.op_timeout = op_timeout
+        self.summary_every = summary_every
+        self.repairer: Repairer | None = None  # set when the store repairs
+        self.counters = HealthCounters()
+        self.probes: set[asyncio.Task] = set()  # background reconnect attempts
+        self._was_degraded = False
 
-    def degraded_slabs(self) -> list[int]:
-        """Slabs with fewer live replicas than wanted."""
-        return self.table.degraded_slabs(self.replicas)
-
-    def pages_per_peer(self) -> list[int]:
-        """Written pages held by each peer (a page counts once per replica)."""
-        return self.table.pages_per_peer()
-
-    async def _watchdog(self) -> None:
+    async def watchdog(self) -> None:
+        """Runs until cancelled: stalled connections aborted, dropped peers probed."""
+        r = self.replication
         period = max(0.05, self.op_timeout / 4)
-        probes = self._probes
+        probes = self.probes
         next_summary = time.monotonic() + self.summary_every
         while True:
             await asyncio.sleep(period)
@@ -64,17 +64,17 @@ class RemoteHealth:
             if now >= next_summary:
                 next_summary = now + self.summary_every
                 self.log_summary()
-            for i, c in enumerate(self.clients):
+            for i, c in enumerate(r.clients):
                 stalled = c.stalled_for(now)
                 if stalled > self.op_timeout:
-                    self.stats["stalls_aborted"] += 1
+                    self.counters.stalls_aborted += 1
                     c.abort(f"no reply for {stalled:.1f} s")
                 if c.connected:
                     continue
                 if c.circuit_open:
-                    for slab, members in enumerate(self.table.sets):
+                    for slab, members in enumerate(r.table.sets):
                         if i in members:
-                            self.drop_replica(slab, i, "its memserver is unreachable")
+                            r.drop_replica(slab, i, "its memserver is unreachable")
                 elif not probes:  # one reconnect attempt at a time, off the I/O path
                     t = asyncio.ensure_future(c.probe())
                     probes.add(t)
@@ -82,37 +82,39 @@ class RemoteHealth:
 
     def log_summary(self) -> None:
         """The counted repeats since the last summary, and one line while degraded or lost."""
-        self.events.flush()
-        degraded = len(self.degraded_slabs())
-        lost = self.table.state.count(LOST)
+        r = self.replication
+        r.events.flush()
+        degraded = len(r.degraded_slabs())
+        lost = r.table.state.count(LOST)
         if degraded or lost:
             self._was_degraded = True
             log.warning(
                 "degraded: %d of %d slabs below %d replicas, %d repairing, %d pages "
                 "lost (reads of them fail with EIO)",
                 degraded,
-                self.table.nslabs,
-                self.replicas,
-                len(self.repairs),
+                r.table.nslabs,
+                r.want,
+                len(r.repairs),
                 lost,
             )
         elif self._was_degraded:
             self._was_degraded = False
-            log.warning("every slab has %d replicas again", self.replicas)
+            log.warning("every slab has %d replicas again", r.want)
 
-    def health(self) -> dict:
+    def health(self, counters: dict[str, int]) -> dict[str, Any]:
         """Replication state for `duvm status` and metrics (JSON-ready), with each peer's
-        written pages."""
-        t = self.table
-        degraded = self.degraded_slabs()
-        per_peer = [0] * len(self.clients)
+        written pages and the store's `counters` (`BlockStore.counters`)."""
+        r = self.replication
+        t = r.table
+        degraded = r.degraded_slabs()
+        per_peer = [0] * len(r.clients)
         for m in t.sets:
             for i in m:
                 per_peer[i] += 1
         pages = t.pages_per_peer()
         rep = self.repairer
         return {
-            "replicas": self.replicas,
+            "replicas": r.want,
             "slabs": t.nslabs,
             "slab_pages": t.slab_pages,
             "degraded_slabs": len(degraded),
@@ -120,16 +122,16 @@ class RemoteHealth:
             "repairing": [
                 {
                     "slab": s,
-                    "target": self.clients[r.target].peer,
-                    "copied_pages": r.copied,
-                    "total_pages": r.total,
+                    "target": r.clients[copy.target].peer,
+                    "copied_pages": copy.copied,
+                    "total_pages": copy.total,
                 }
-                for s, r in self.repairs.items()
+                for s, copy in r.repairs.items()
             ],
-            "repair": rep.stats if rep is not None else None,
+            "repair": rep.counters.snapshot() if rep is not None else None,
             "pages_written": t.state.count(DATA),
             "pages_lost_now": t.state.count(LOST),
-            **self.stats,
+            **counters,
             "peers": [
                 {
                     "peer": c.peer,
@@ -139,9 +141,9 @@ class RemoteHealth:
                     "breaker_trips": c.breaker_trips,
                     "namespace_losses": c.namespace_losses,
                     "slabs": per_peer[i],
-                    "reserved_pages": self.reserved[i],
+                    "reserved_pages": r.reserved[i],
                     "pages": pages[i],
                 }
-                for i, c in enumerate(self.clients)
+                for i, c in enumerate(r.clients)
             ],
         }

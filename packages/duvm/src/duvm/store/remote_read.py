@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
+from dataclasses import dataclass
 
+from duvm.store.counters import Counters
 from duvm.store.memclient import MemClient
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.readahead import Readahead
@@ -27,7 +28,7 @@ from duvm.store.replica_errors import (
     all_parts,
     check_request,
 )
-from duvm.store.slab_table import SlabTable
+from duvm.store.replication import Replication
 from duvm.store.storage import DATA, EMPTY, LOST, PAGE_SIZE, Done, StorageError
 from duvm.wire.pageproto import ErrorCode
 
@@ -38,15 +39,28 @@ _ZEROS = bytes(256 * PAGE_SIZE)
 _ZERO_PAGE = _ZEROS[:PAGE_SIZE]
 
 
-class RemoteReads:
-    """The read half of `RemoteStore` (a mixin: these are the parts of the store it uses)."""
+@dataclass(slots=True)
+class ReadCounters(Counters):
+    loads: int = 0
+    pages_loaded: int = 0
+    zero_reads: int = 0
+    failovers: int = 0
+    checksum_failures: int = 0
+    read_errors: int = 0
+    unreachable_waits: int = 0
 
-    table: SlabTable
-    stats: dict[str, int]
-    readahead: Readahead
-    unreachable_wait: float
-    _open: bool
-    drop_replica: Callable[[int, int, str], bool]
+
+class RemoteReads:
+    """The read path of a `RemoteStore` over `replication`, with its readahead."""
+
+    def __init__(self, replication: Replication, unreachable_wait: float) -> None:
+        self.replication = replication
+        self.table = replication.table
+        self.unreachable_wait = unreachable_wait
+        self.counters = ReadCounters()
+        self.readahead = Readahead(self.table, self.read)
+        # every change to a page drops the windows that hold it before a read can look
+        self.table.on_change = self.readahead.invalidate
 
     def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
         """The common read (written pages of one slab, preferred replica connected): one LOAD
@@ -54,7 +68,7 @@ class RemoteReads:
         else, or any failure, continues in `load_verified` (failover, judging replicas)."""
         n = len(out)
         assert not (offset | n) & _MASK, f"unaligned request ({offset}, {n})"
-        if not self._open:
+        if not self.replication.open:
             return False
         t = self.table
         first, count, st = offset >> 12, n >> 12, t.state
@@ -79,9 +93,9 @@ class RemoteReads:
             except Exception as e:  # never leave the request unanswered
                 ok, exc = False, e
             if ok:
-                stats = self.stats
-                stats["loads"] += 1
-                stats["pages_loaded"] += count
+                counters = self.counters
+                counters.loads += 1
+                counters.pages_loaded += count
                 done(tag, None)
             elif exc is None or isinstance(exc, REPLICA_FAILURES):
                 done(tag, self.load_verified(slab, first, count, out))
@@ -99,8 +113,8 @@ class RemoteReads:
 
     async def read(self, offset: int, out: memoryview) -> None:
         n = len(out)
-        if (offset | n) & _MASK or not self._open:
-            check_request(offset, n, self._open)
+        if (offset | n) & _MASK or not self.replication.open:
+            check_request(offset, n, self.replication.open)
         t = self.table
         first, count, st = offset >> 12, n >> 12, t.state
         slab = first // t.slab_pages
@@ -121,9 +135,9 @@ class RemoteReads:
                     pass
                 else:
                     if not t.bad_pages(first, count, out):
-                        stats = self.stats
-                        stats["loads"] += 1
-                        stats["pages_loaded"] += count
+                        counters = self.counters
+                        counters.loads += 1
+                        counters.pages_loaded += count
                         return
             await self.load_verified(slab, first, count, out)
             return
@@ -131,7 +145,7 @@ class RemoteReads:
             s = st[first]
             if s == EMPTY:
                 out[:] = _ZERO_PAGE
-                self.stats["zero_reads"] += 1
+                self.counters.zero_reads += 1
             else:
                 self._lost_error(first, 1)
             return
@@ -154,7 +168,7 @@ class RemoteReads:
             await all_parts(parts)
 
     def _lost_error(self, first: int, count: int) -> None:
-        self.stats["read_errors"] += 1
+        self.counters.read_errors += 1
         raise StorageError(
             errno.EIO,
             f"pages in {first}..{first + count - 1} were lost by "
@@ -163,7 +177,7 @@ class RemoteReads:
 
     def _zero(self, out: memoryview, a: int, b: int) -> None:
         if a < b:
-            self.stats["zero_reads"] += 1
+            self.counters.zero_reads += 1
         while a < b:
             n = min(b - a, len(_ZEROS))
             out[a : a + n] = _ZEROS[:n]
@@ -172,19 +186,19 @@ class RemoteReads:
     async def load_verified(self, slab: int, first: int, count: int, out: memoryview) -> None:
         """LOAD pages from the slab's replicas until one returns bytes matching every page's
         checksum. Drops replicas with missing or bad pages; raises EIO if none is good."""
-        self.stats["loads"] += 1
-        self.stats["pages_loaded"] += count
+        self.counters.loads += 1
+        self.counters.pages_loaded += count
         keys = (first,) if count == 1 else tuple(range(first, first + count))
-        wait = UnreachableWait(self.unreachable_wait, self.stats)
+        wait = UnreachableWait(self.unreachable_wait, self.counters)
         while True:
             unreachable, bad, bad_everywhere = await self._load_round(slab, first, count, keys, out)
             if unreachable is None:
                 return
             # a replica may come back: wait, then try again
-            if unreachable and self._open and await wait.again():
+            if unreachable and self.replication.open and await wait.again():
                 continue
             break
-        self.stats["read_errors"] += 1
+        self.counters.read_errors += 1
         what = f"reading pages {first}..{first + count - 1}"
         if not unreachable:  # every replica answered and none had good bytes: gone for good
             for p in sorted(bad_everywhere):
@@ -212,26 +226,26 @@ class RemoteReads:
             try:
                 await _load_one(client, keys, out)
             except MemserverUnreachable as e:
-                self.stats["failovers"] += 1
+                self.counters.failovers += 1
                 unreachable.append(str(e))
                 continue
             except PageServerError as e:
                 if e.code != ErrorCode.NOT_FOUND:
-                    self.stats["failovers"] += 1
+                    self.counters.failovers += 1
                     unreachable.append(str(e))
                     continue
                 bad.append(f"{client.peer}: pages missing")
-                self.drop_replica(slab, idx, "pages missing")
+                self.replication.drop_replica(slab, idx, "pages missing")
                 continue
             bad_pages = t.bad_pages(first, count, out)
             if not bad_pages:
                 return None, None, None
             nbad = len(bad_pages)
             bad_everywhere.intersection_update(bad_pages)
-            self.stats["checksum_failures"] += nbad
+            self.counters.checksum_failures += nbad
             bad.append(f"{client.peer}: {nbad} page(s) with bad checksums")
             log.error("slab %d: %d page(s) from %s failed their checksum", slab, nbad, client.peer)
-            self.drop_replica(slab, idx, "bad checksum")
+            self.replication.drop_replica(slab, idx, "bad checksum")
         return unreachable, bad, bad_everywhere
 
 

@@ -8,27 +8,30 @@ copied to a new replica, the FREE also goes to the target, under the copy's lock
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from dataclasses import dataclass
 
-from duvm.store.memclient import MemClient
-from duvm.store.repair import SlabRepair
+from duvm.store.counters import Counters
 from duvm.store.replica_errors import REPLICA_FAILURES, check_request
-from duvm.store.slab_table import SlabTable
+from duvm.store.replication import Replication, SlabRepair
 from duvm.store.storage import PAGE_SIZE
 
 
-class RemoteTrims:
-    """The trim part of `RemoteStore` (a mixin: these are the parts of the store it uses)."""
+@dataclass(slots=True)
+class TrimCounters(Counters):
+    frees: int = 0
+    pages_freed: int = 0
 
-    table: SlabTable
-    clients: list[MemClient]
-    repairs: dict[int, SlabRepair]
-    stats: dict[str, int]
-    _open: bool
-    drop_replica: Callable[[int, int, str], bool]
+
+class RemoteTrims:
+    """The trim path of a `RemoteStore` over `replication`."""
+
+    def __init__(self, replication: Replication) -> None:
+        self.replication = replication
+        self.table = replication.table
+        self.counters = TrimCounters()
 
     async def trim(self, offset: int, length: int) -> None:
-        check_request(offset, length, self._open)
+        check_request(offset, length, self.replication.open)
         t = self.table
         first, count = offset // PAGE_SIZE, length // PAGE_SIZE
         slabs = t.trimmed_slabs(first, count)
@@ -39,10 +42,10 @@ class RemoteTrims:
         # A STORE sent before this FREE on the same connection was acknowledged before it;
         # clear again so such a write's mark does not outlive the page it refers to.
         t.clear(first, count)
-        self.stats["pages_freed"] += sum(len(k) for k in slabs.values())
+        self.counters.pages_freed += sum(len(k) for k in slabs.values())
 
     async def _free_slab(self, slab: int, keys: list[int]) -> None:
-        rep = self.repairs.get(slab)
+        rep = self.replication.repairs.get(slab)
         if rep is not None:
             async with rep.lock:
                 await self._free_replicas(slab, keys, rep)
@@ -58,9 +61,9 @@ class RemoteTrims:
         members = list(self.table.sets[slab])
         targets = [*members, rep.target] if rep is not None and not rep.aborted else members
         res = await asyncio.gather(
-            *(self.clients[i].free(keys) for i in targets), return_exceptions=True
+            *(self.replication.clients[i].free(keys) for i in targets), return_exceptions=True
         )
-        self.stats["frees"] += len(targets)
+        self.counters.frees += len(targets)
         for i, r in zip(targets, res, strict=True):
             if isinstance(r, BaseException):
                 if not isinstance(r, REPLICA_FAILURES):
@@ -68,4 +71,4 @@ class RemoteTrims:
                 if rep is not None and i == rep.target:
                     rep.aborted = f"freeing on the new replica failed: {r}"
                 else:
-                    self.drop_replica(slab, i, f"free failed: {r}")
+                    self.replication.drop_replica(slab, i, f"free failed: {r}")

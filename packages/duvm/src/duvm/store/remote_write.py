@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import asyncio
 from array import array
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 from crc32c import crc32c as _crc32
 
+from duvm.store.counters import Counters
 from duvm.store.memclient import MemClient
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
-from duvm.store.repair import SlabRepair
 from duvm.store.replica_errors import (
     REPLICA_FAILURES,
     UnreachableWait,
@@ -34,23 +35,31 @@ from duvm.store.replica_errors import (
     check_request,
     storage_error,
 )
-from duvm.store.slab_table import SlabTable, page_crcs
+from duvm.store.replication import Replication, SlabRepair
+from duvm.store.slab_table import page_crcs
 from duvm.store.storage import PAGE_SIZE, Done
 from duvm.wire.pageproto import ErrorCode
 
 _MASK = PAGE_SIZE - 1
 
 
-class RemoteWrites:
-    """The write half of `RemoteStore` (a mixin: these are the parts of the store it uses)."""
+@dataclass(slots=True)
+class WriteCounters(Counters):
+    stores: int = 0
+    pages_stored: int = 0
+    write_errors: int = 0
+    unreachable_waits: int = 0
 
-    table: SlabTable
-    clients: list[MemClient]
-    repairs: dict[int, SlabRepair]
-    stats: dict[str, int]
-    unreachable_wait: float
-    _open: bool
-    drop_replica: Callable[[int, int, str], bool]
+
+class RemoteWrites:
+    """The write path of a `RemoteStore` over `replication`."""
+
+    def __init__(self, replication: Replication, unreachable_wait: float) -> None:
+        self.replication = replication
+        self.table = replication.table
+        self.repairs = replication.repairs  # the dict is Replication's; only read here
+        self.unreachable_wait = unreachable_wait
+        self.counters = WriteCounters()
 
     def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
         """The common write (one slab, every replica connected, no repair copying it): one
@@ -59,7 +68,7 @@ class RemoteWrites:
         drops the replicas that failed and decides what it means."""
         n = len(data)
         assert not (offset | n) & _MASK, f"unaligned request ({offset}, {n})"
-        if not self._open:
+        if not self.replication.open:
             return False
         t = self.table
         first, count = offset >> 12, n >> 12
@@ -89,6 +98,9 @@ class RemoteWrites:
                 except Exception as e:  # never leave the request unanswered
                     done(tag, e)
                     return
+                counters = self.counters
+                counters.stores += 1
+                counters.pages_stored += count
                 done(tag, None)
             elif all(isinstance(e, REPLICA_FAILURES) for e in failures):
                 done(tag, self._store(slab, first, count, data))
@@ -132,8 +144,8 @@ class RemoteWrites:
 
     async def write(self, offset: int, data: memoryview) -> None:
         n = len(data)
-        if (offset | n) & _MASK or not self._open:
-            check_request(offset, n, self._open)
+        if (offset | n) & _MASK or not self.replication.open:
+            check_request(offset, n, self.replication.open)
         t = self.table
         first, count = offset >> 12, n >> 12
         slab = first // t.slab_pages
@@ -156,6 +168,9 @@ class RemoteWrites:
                     inflight[slab] -= 1
                 if ok:
                     t.mark_stored(first, count, data, None)
+                    counters = self.counters
+                    counters.stores += 1
+                    counters.pages_stored += count
                     return
             await self._store(slab, first, count, data)
             return
@@ -181,18 +196,19 @@ class RemoteWrites:
     async def _store_replicas(
         self, slab: int, first: int, count: int, data: memoryview, rep: SlabRepair | None
     ) -> None:
-        self.stats["stores"] += 1
-        self.stats["pages_stored"] += count
-        wait = UnreachableWait(self.unreachable_wait, self.stats)
+        self.counters.stores += 1
+        self.counters.pages_stored += count
+        wait = UnreachableWait(self.unreachable_wait, self.counters)
         while True:
             err = await self._store_round(slab, first, count, data, rep)
             if err is None:
                 return
             # a replica may come back: wait, then try again
-            if isinstance(err, MemserverUnreachable) and self._open and await wait.again():
+            unreachable = isinstance(err, MemserverUnreachable)
+            if unreachable and self.replication.open and await wait.again():
                 continue
             break
-        self.stats["write_errors"] += 1
+        self.counters.write_errors += 1
         what = f"writing pages {first}..{first + count - 1}"
         if isinstance(err, PageServerError) and err.code == ErrorCode.NO_SPACE:
             raise storage_error(err, what) from None  # refused everywhere: old bytes remain
@@ -219,7 +235,7 @@ class RemoteWrites:
         else:
             targets = list(clients)
             if rep is not None and not rep.aborted:
-                targets.append(self.clients[rep.target])
+                targets.append(self.replication.clients[rep.target])
             # registered before any STORE can leave (SlabTable.write_started)
             entry = t.write_started(first, count, data)
             started: list[Awaitable[Any] | None] = []
@@ -254,7 +270,7 @@ class RemoteWrites:
                 raise r  # a bug or cancellation, not a replica failure
         if len(failed) < len(members):  # stored by at least one replica: those are the truth
             for i, r in failed:
-                self.drop_replica(slab, i, f"write failed: {r}")
+                self.replication.drop_replica(slab, i, f"write failed: {r}")
             t.record(first, count, crcs)
             return None
         errs = [r for _, r in failed]

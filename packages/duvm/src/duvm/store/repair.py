@@ -1,7 +1,8 @@
 """Background re-replication: bring degraded slabs back to R copies.
 
-Theory of operation: `Repairer.run` is one task per `RemoteStore`. It sleeps until a replica is
-dropped (`wake`) or a retry period passes, then walks the degraded slabs one at a time:
+Theory of operation: `Repairer.run` is one task per `RemoteStore`, acting on its `Replication`.
+It sleeps until a replica is dropped (`wake`) or a retry period passes, then walks the degraded
+slabs one at a time:
 
 1. Pick a target: a peer not already holding the slab, reachable (its breaker lets a probe
    through and HELLO succeeds), with room: what we reserved there and have not assigned, plus
@@ -9,7 +10,7 @@ dropped (`wake`) or a retry period passes, then walks the degraded slabs one at 
    reservation there is short, RESERVE more first (absolute, so a retry is harmless); a refusal
    excludes the peer for this round. No target: wait and retry later (a pool with no room
    stays degraded and says so; it never over-commits a memserver).
-2. Register the copy in `store.repairs`: from now on writes and trims to the slab also go to
+2. Register the copy in `Replication.repairs`: from now on writes and trims to the slab also go to
    the target, under the slab's lock.
 3. FREE the slab's keys on the target (it may hold stale copies from before it was dropped),
    then copy the slab in chunks: under the lock, LOAD the chunk's written pages from a good
@@ -21,8 +22,8 @@ dropped (`wake`) or a retry period passes, then walks the degraded slabs one at 
 
 A replica dropped from a slab while its memserver lives on (a failed write, an aborted stall)
 keeps its pages there, inside our reservation, so its room stays counted as assigned
-(`store.stale`) until each pass first FREEs such copies on the peers it can reach; only then is
-that room spare for a copy. A copy that fails leaves its partial pages stale the same way.
+(`Replication.stale`) until each pass first FREEs such copies on the peers it can reach; only
+then is that room spare for a copy. A copy that fails leaves its partial pages stale the same way.
 
 A slab whose every replica has been unreachable for longer than the memservers' namespace lease
 has lost its pages for certain (the lease has freed them even if the peer returns): its written
@@ -42,14 +43,18 @@ import contextlib
 import errno
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
 
+from duvm.store.counters import Counters
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.placement import choose
+from duvm.store.replication import Replication, SlabRepair
 from duvm.store.storage import DATA, PAGE_SIZE, StorageError
 
-if TYPE_CHECKING:
-    from duvm.store.remote_store import RemoteStore
+# the read path's verified load (RemoteReads.load_verified): slab, first page, pages, into
+LoadVerified = Callable[[int, int, int, memoryview], Coroutine[Any, Any, None]]
 
 log = logging.getLogger(__name__)
 
@@ -59,33 +64,25 @@ AVOID_S = 5.0  # a target that failed a copy is not chosen again for this long
 GRACE_S = 1.0  # beyond a memserver's lease before its pages are taken as gone
 
 
-class SlabRepair:
-    """A copy of one slab to a new replica in progress: writes to the slab take `lock` while
-    it runs and also go to `target`; `aborted` says why it must not become a replica."""
-
-    __slots__ = ("aborted", "copied", "lock", "target", "total")
-
-    def __init__(self, target: int, total: int) -> None:
-        self.target = target
-        self.lock = asyncio.Lock()
-        self.total = total
-        self.copied = 0
-        self.aborted: str | None = None
+@dataclass(slots=True)
+class RepairCounters(Counters):
+    repairs_done: int = 0
+    repair_failures: int = 0
+    repair_pages_copied: int = 0
+    no_target: int = 0
+    slabs_replaced: int = 0
+    stale_freed: int = 0
 
 
 class Repairer:
-    def __init__(self, store: RemoteStore) -> None:
-        self.store = store
+    """Restores `replication.want` copies of every slab; copies through `load_verified`."""
+
+    def __init__(self, replication: Replication, load_verified: LoadVerified) -> None:
+        self.replication = replication
+        self._load_verified = load_verified
         self._wake = asyncio.Event()
         self._avoid: dict[int, float] = {}  # peer -> monotonic time it may be chosen again
-        self.stats = {
-            "repairs_done": 0,
-            "repair_failures": 0,
-            "repair_pages_copied": 0,
-            "no_target": 0,
-            "slabs_replaced": 0,
-            "stale_freed": 0,
-        }
+        self.counters = RepairCounters()
         self.last_error: str | None = None
         # one copy buffer for the repairer's lifetime (slabs are copied one at a time): a
         # repair under memory pressure allocates nothing per slab
@@ -107,13 +104,13 @@ class Repairer:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # never let the task die: log, count, try again later
-                self.stats["repair_failures"] += 1
+                self.counters.repair_failures += 1
                 self.last_error = str(e)
                 log.exception("repair pass failed")
 
     async def repair_all(self) -> int:
         """One pass over the degraded slabs; returns how many were repaired."""
-        s = self.store
+        s = self.replication
         done = 0
         await self.free_stale()
         now = time.monotonic()
@@ -124,19 +121,19 @@ class Repairer:
                 continue
             target = await self._pick_target(slab)
             if target is None:
-                self.stats["no_target"] += 1
+                self.counters.no_target += 1
                 break
             self._charge(target, slab)
             s.replace_lost_slab(slab, target)
-            self.stats["slabs_replaced"] += 1
+            self.counters.slabs_replaced += 1
         for slab in range(s.table.nslabs):
             if slab in s.repairs or self._gone(s.table.sets[slab], now):
                 continue
-            if len(s.table.sets[slab]) >= s.replicas:
+            if len(s.table.sets[slab]) >= s.want:
                 continue
             target = await self._pick_target(slab)
             if target is None:
-                self.stats["no_target"] += 1
+                self.counters.no_target += 1
                 return done
             if await self.copy_slab(slab, target):
                 done += 1
@@ -144,7 +141,7 @@ class Repairer:
 
     def _charge(self, target: int, slab: int) -> None:
         """Count the slab's room on `target` as assigned (a stale copy there already is)."""
-        s = self.store
+        s = self.replication
         if (target, slab) in s.stale:
             s.stale.discard((target, slab))
         else:
@@ -153,7 +150,7 @@ class Repairer:
     async def free_stale(self) -> None:
         """FREE the pages of dropped copies on reachable peers, so their reservation is
         spare room again (until then it stays counted in `assigned`)."""
-        s = self.store
+        s = self.replication
         for peer, slab in sorted(s.stale):
             c = s.clients[peer]
             if not c.connected or slab in s.repairs or peer in s.table.sets[slab]:
@@ -169,13 +166,13 @@ class Repairer:
             if (peer, slab) in s.stale and peer not in s.table.sets[slab]:  # (still) stale: room
                 s.stale.discard((peer, slab))
                 s.assigned[peer] -= s.table.slab_size(slab)
-                self.stats["stale_freed"] += 1
+                self.counters.stale_freed += 1
 
     def _gone(self, members: list[int], now: float) -> bool:
         """Every replica has been unreachable for longer than its memserver's lease: even if
         it comes back, it will have dropped our pages."""
         for i in members:
-            c = self.store.clients[i]
+            c = self.replication.clients[i]
             if c.connected or c.down_since is None or c.lease_s is None:
                 return False
             if now - c.down_since < c.lease_s + GRACE_S:
@@ -183,7 +180,7 @@ class Repairer:
         return True
 
     async def _pick_target(self, slab: int) -> int | None:
-        s = self.store
+        s = self.replication
         need = s.table.slab_size(slab)
         now = time.monotonic()
         exclude = set(s.table.sets[slab]) | {i for i, t in self._avoid.items() if t > now}
@@ -223,7 +220,7 @@ class Repairer:
 
     async def copy_slab(self, slab: int, target: int) -> bool:
         """Copy the slab's written pages to `target` and make it a replica. True on success."""
-        s = self.store
+        s = self.replication
         n = s.table.slab_size(slab)
         first = slab * s.table.slab_pages
         state = s.table.state
@@ -252,7 +249,7 @@ class Repairer:
                         r = next((x for x in range(q, c1) if state[x] != DATA), c1)
                         out = buf[: (r - q) * PAGE_SIZE]
                         try:
-                            await s.load_verified(slab, q, r - q, out)
+                            await self._load_verified(slab, q, r - q, out)
                         except StorageError as e:
                             if e.errno != errno.EIO or state.count(DATA, q, r):
                                 raise  # a good replica is out of reach: try again later
@@ -260,7 +257,7 @@ class Repairer:
                             continue
                         await client.store(range(q, r), out)
                         rep.copied += r - q
-                        self.stats["repair_pages_copied"] += r - q
+                        self.counters.repair_pages_copied += r - q
                         p = r
                 await asyncio.sleep(0)  # let the kernel's requests in between chunks
             if rep.aborted:
@@ -271,7 +268,7 @@ class Repairer:
         except (StorageError, PageServerError, MemserverUnreachable) as e:
             s.stale.add((target, slab))  # what was copied fills room there until freed
             self._avoid[target] = time.monotonic() + AVOID_S
-            self.stats["repair_failures"] += 1
+            self.counters.repair_failures += 1
             self.last_error = f"slab {slab} to {client.peer}: {e}"
             s.events.event(
                 ("repair failed", target),
@@ -284,7 +281,7 @@ class Repairer:
             return False
         finally:
             del s.repairs[slab]
-        self.stats["repairs_done"] += 1
+        self.counters.repairs_done += 1
         log.info(
             "slab %d repaired onto %s (%d pages in %.2f s); %d of %d replicas",
             slab,
@@ -292,6 +289,6 @@ class Repairer:
             rep.copied,
             time.monotonic() - t0,
             len(s.table.sets[slab]),
-            s.replicas,
+            s.want,
         )
         return True

@@ -9,7 +9,7 @@ import asyncio
 import errno
 import time
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.storage import PAGE_SIZE, StorageError
@@ -45,12 +45,18 @@ def check_request(offset: int, length: int, is_open: bool) -> None:
         raise StorageError(errno.EIO, "store is not open")
 
 
+class CountsWaits(Protocol):
+    """The counters of a request path that waits while no replica answers."""
+
+    unreachable_waits: int
+
+
 class UnreachableWait:
     """Backoff for one request while no replica answers, up to `limit` seconds in all."""
 
-    def __init__(self, limit: float, stats: dict[str, int]) -> None:
+    def __init__(self, limit: float, counters: CountsWaits) -> None:
         self._limit = limit
-        self._stats = stats  # unreachable_waits is counted there
+        self._counters = counters  # each wait is counted there
         self._deadline: float | None = None
         self._delay = RETRY_MIN_S
 
@@ -61,7 +67,7 @@ class UnreachableWait:
             self._deadline = now + self._limit
         if now >= self._deadline:
             return False
-        self._stats["unreachable_waits"] += 1
+        self._counters.unreachable_waits += 1
         await asyncio.sleep(self._delay)
         self._delay = min(2 * self._delay, RETRY_MAX_S)
         return True

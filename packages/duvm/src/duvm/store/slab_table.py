@@ -24,10 +24,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from crc32c import crc32c as crc32
 
+from duvm.store.counters import Counters
 from duvm.store.memclient import MemClient
 from duvm.store.storage import DATA, EMPTY, LOST, PAGE_SIZE
 from duvm.wire.pageproto import MAX_BATCH
@@ -52,6 +54,11 @@ def _ignore(first: int, count: int) -> None:
     pass
 
 
+@dataclass(slots=True)
+class TableCounters(Counters):
+    pages_lost: int = 0
+
+
 class SlabTable:
     """Pages, slabs and replica sets of one export of `pages` pages over `clients`."""
 
@@ -60,14 +67,13 @@ class SlabTable:
         pages: int,
         slab_pages: int,
         clients: Sequence[MemClient],
-        stats: dict[str, int],
         tables: tuple[Any, Any] | None = None,
     ) -> None:
         self.pages = pages
         self.slab_pages = slab_pages
         self.nslabs = -(-pages // slab_pages)
         self.clients = tuple(clients)
-        self.stats = stats  # stores, pages_stored, pages_lost are counted here
+        self.counters = TableCounters()
         self.state = bytearray(pages)  # EMPTY / DATA / LOST per page
         self.crc = array("I", bytes(4 * pages))
         if tables is not None:  # persisted tables (daemon_state.PageTables: mmap on a ramfs)
@@ -130,9 +136,6 @@ class SlabTable:
         """Every live replica acknowledged one STORE of these pages: they hold `data` (whose
         page checksums are `crcs`, when already computed) from now on."""
         self.on_change(first, count)
-        stats = self.stats
-        stats["stores"] += 1
-        stats["pages_stored"] += count
         st, crc = self.state, self.crc
         if count == 1:
             crc[first] = crc32(data)
@@ -156,7 +159,7 @@ class SlabTable:
         for p in range(first, first + count):
             if st[p] == DATA:
                 st[p] = LOST
-                self.stats["pages_lost"] += 1
+                self.counters.pages_lost += 1
 
     def clear(self, first: int, count: int) -> None:
         """The pages are trimmed: they read as zeros."""

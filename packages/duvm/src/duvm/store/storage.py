@@ -144,6 +144,11 @@ class BlockStore(ABC):
         without replicas."""
         return None
 
+    def counters(self) -> dict[str, int]:
+        """The counters of this store and the layers below it, by name (`store.counters`):
+        what status and metrics read. Each component owns and increments its own."""
+        return {}
+
     def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
         return False
 
@@ -191,7 +196,12 @@ class StoreFilter(BlockStore):
         return self.inner.memserver_clients()
 
     def health(self) -> dict[str, Any] | None:
-        return self.inner.health()
+        """The health of the store below, with this layer's counters beside its own."""
+        health = self.inner.health()
+        return None if health is None else {**health, **self.counters()}
+
+    def counters(self) -> dict[str, int]:
+        return self.inner.counters()
 
     async def flush(self) -> None:
         await self.inner.flush()

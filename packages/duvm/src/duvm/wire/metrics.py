@@ -6,7 +6,7 @@ Nothing here runs unless `--metrics` is given. Then `prometheus_client.start_htt
 serves `/metrics` from its own thread, and a custom `Collector` builds the metric families at
 scrape time, so gauges and counters cost the hot path nothing: they are read from the state the
 servers keep anyway (`PageStore`, `MemServer.counters`, `NBDServer.stats`,
-`RemoteStore.health()`).
+`BlockStore.counters()` and `health()`).
 
 That state belongs to the asyncio loop, which mutates it between awaits, so a scrape never
 reads it from the HTTP thread: `_on_loop` hands a snapshot function to the loop
@@ -322,6 +322,10 @@ _DAEMON_COUNTERS = (
     ("read_errors", "duvm_daemon_read_errors", "Reads that failed with an error"),
     ("write_errors", "duvm_daemon_write_errors", "Writes that failed with an error"),
     ("stalls_aborted", "duvm_daemon_stalls_aborted", "Memserver connections aborted as stalled"),
+    ("tag_failures", "duvm_daemon_tag_failures", "Encrypted pages that failed authentication"),
+    ("repairs_done", "duvm_daemon_repairs", "Slab repairs completed"),
+    ("repair_failures", "duvm_daemon_repair_failures", "Slab repairs that failed"),
+    ("repair_pages_copied", "duvm_daemon_repair_pages_copied", "Pages copied by repairs"),
 )
 
 
@@ -366,23 +370,12 @@ class DaemonCollector(Collector):
             "NBD connections dropped for breaking the protocol",
             nbd.get("protocol_errors"),
         )
+        counters = snap["counters"]  # a counter the store does not keep is left out
+        for key, name, doc in _DAEMON_COUNTERS:
+            yield from _counter(name, doc, counters.get(key))
         h = snap["health"]
         if h is None:  # --memory: no pool, so nothing below is known
             return
-        for key, name, doc in _DAEMON_COUNTERS:
-            yield from _counter(name, doc, h.get(key))
-        rep = h.get("repair") or {}
-        yield from _counter(
-            "duvm_daemon_repairs", "Slab repairs completed", rep.get("repairs_done")
-        )
-        yield from _counter(
-            "duvm_daemon_repair_failures", "Slab repairs that failed", rep.get("repair_failures")
-        )
-        yield from _counter(
-            "duvm_daemon_repair_pages_copied",
-            "Pages copied by repairs",
-            rep.get("repair_pages_copied"),
-        )
         yield from _gauge(
             "duvm_daemon_degraded_slabs",
             "Slabs with fewer live replicas than wanted",

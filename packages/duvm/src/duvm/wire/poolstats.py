@@ -16,4 +16,5 @@ def daemon_snapshot(server: Any) -> dict[str, Any]:
         "nbd_connections": server.connections,
         "store": server.store.describe(),
         "health": server.store.health(),  # through filters (BlockStore.health)
+        "counters": server.store.counters(),  # every layer's (BlockStore.counters)
     }
