@@ -9,7 +9,10 @@ process: the NBD layer, the store, the memory client, the page codec, uvloop and
 user space only (syscalls' kernel time is not counted). Start-up is excluded by the zeroing.
 
     uv run python benchmarks/daemon_instructions.py [--rw randread] [--bs 4k] [--qd 16]
-                                                    [--requests 4000] [--local]
+                                                    [--requests 4000] [--local | --deployed]
+
+`--deployed` measures what `duvm enable` runs on a cluster: two memservers, two copies of each
+page, pages encrypted, peers authenticated by a cluster secret.
 
 Needs valgrind (apt install valgrind) and fio. About a minute per run on the development VM.
 """
@@ -77,8 +80,14 @@ def main() -> int:
         metavar="DIR",
         help="copy the callgrind files here (read them with callgrind_annotate)",
     )
-    ap.add_argument(
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument(
         "--local", action="store_true", help="duvm daemon --memory: the NBD layer alone"
+    )
+    how.add_argument(
+        "--deployed",
+        action="store_true",
+        help="two memservers, --replicas 2, --encrypt, a cluster secret",
     )
     args = ap.parse_args()
     for tool in ("valgrind", "callgrind_control", "fio"):
@@ -103,21 +112,26 @@ def main() -> int:
 
         try:
             peers = ["--memory"]
+            security: list[str] = []
+            if args.deployed:
+                secret = d / "cluster.secret"
+                subprocess.run([*py, "secret", "generate", str(secret)], check=True)
+                security = ["--secret-file", str(secret)]
             if not args.local:
-                ms = start(
-                    "memserver",
-                    [
-                        *py,
-                        "memserver",
-                        "--listen",
-                        "127.0.0.1:0",
-                        "--capacity",
-                        "64M",
-                        "--no-mlock",
-                    ],
-                )
-                port = wait_for(d / "memserver.log", r"listening on [\d.]+:(\d+)", ms)
-                peers = ["--peers", f"127.0.0.1:{port}"]
+                ports = []
+                for i in range(2 if args.deployed else 1):
+                    name = f"memserver{i}"
+                    ms = start(
+                        name,
+                        [
+                            *(*py, "memserver", "--listen", "127.0.0.1:0"),
+                            *("--capacity", "64M", "--no-mlock", *security),
+                        ],
+                    )
+                    ports.append(wait_for(d / f"{name}.log", r"listening on [\d.]+:(\d+)", ms))
+                peers = ["--peers", ",".join(f"127.0.0.1:{p}" for p in ports)]
+            if args.deployed:
+                peers += ["--replicas", "2", "--encrypt", *security]
             daemon = start(
                 "daemon", [*py, "daemon", *peers, "--size", "32M", "--socket", str(d / "nbd.sock")]
             )
@@ -144,9 +158,10 @@ def main() -> int:
             time.sleep(1)
             print(
                 f"{args.rw} {args.bs} QD{args.qd}, {args.requests} requests"
-                f"{' (daemon --memory)' if args.local else ''}:"
+                f"{' (daemon --memory)' if args.local else ''}"
+                f"{' (deployed: 2 memservers, 2 copies, encrypted)' if args.deployed else ''}:"
             )
-            for name in ("daemon", "memserver"):
+            for name in ("daemon", "memserver0", "memserver1"):
                 files = list(d.glob(f"{name}.*.cg*"))
                 if files:
                     n = instructions(files) // args.requests
