@@ -154,6 +154,33 @@ def start_memserver(
     raise RuntimeError(f"memserver did not start: {log.read_text(errors='replace')[-800:]}")
 
 
+def start_nbdkit(size: str, workdir: Path, timeout: float = 60) -> Memserver:
+    """`nbdkit memory` on 127.0.0.1, the baseline's stand-in for the memservers (an NBD server
+    in C holding the pages in this host's RAM)."""
+    import socket
+
+    with socket.socket() as probe:  # a free port (nbdkit cannot report one it picked)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = workdir / "nbdkit.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            ["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(port), "memory", f"size={size}"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with socket.socket() as c:
+            if c.connect_ex(("127.0.0.1", port)) == 0:
+                return Memserver(proc, port, log)
+        time.sleep(0.05)
+    stop_memserver(Memserver(proc, port, log))
+    raise RuntimeError(f"nbdkit did not start: {log.read_text(errors='replace')[-800:]}")
+
+
 def stop_memserver(ms: Memserver) -> None:
     if ms.proc.poll() is None:
         ms.proc.send_signal(signal.SIGTERM)
@@ -336,6 +363,9 @@ def run_guest(
     order: str = "sequential",
     chunk_kib: int = 1024,
     passes: int = 1,
+    runs: int = 1,
+    baseline_nbdkit: bool = False,
+    swap_no_discard: bool = False,
     stall_s: float | None = None,
     kill_memserver_at: int | None = None,
     stop_memserver_at: int | None = None,
@@ -353,19 +383,22 @@ def run_guest(
     `workload_mib` MiB, in a memory cgroup of `cgroup_mib` MiB (None: no cgroup, it outgrows the
     guest's RAM). With `kill_at_pct` the guest SIGKILLs the daemon when the workload's fill
     reaches that percentage and runs `duvm enable --resume`. The workload touches its chunks of
-    `chunk_kib` in `order` and verifies `passes` times. With `stall_s` a watchdog ends the run
-    as hung (after SysRq w and m for the console) once the workload has started and neither the
-    guest's swap counters nor its progress lines moved for that long. With `kill_memserver_at`
-    (25, 50 or 75) the last host memserver is SIGKILLed when the workload's fill reaches that
-    percentage; with `stop_memserver_at` it is SIGSTOPped then instead, and continued
-    `stop_memserver_s` later (a memserver that stops answering without losing its connections:
-    the last-replica wait, D36). With `reproduction` (host memservers) the guest types exactly
-    `duvm enable --peers ... --size ... --secret-file F` with a cluster secret made here, and
-    the workload is a plain `python3 -c` holding os.urandom blocks, verified twice by SHA-256.
-    `sysctl` ("kernel.sched_rt_runtime_us=-1 ...") is set in the guest at boot. `method` is how
-    the guest's duvm attaches (`kernel-nbd`, or `nbdfuse-loop`: the fallback for kernels without
-    nbd). `python` must import duvm (the project's venv); the guest uses the same path. Raises
-    GuestUnavailable when this host cannot boot it.
+    `chunk_kib` in `order` and verifies `passes` times, `runs` times over against the same
+    daemon (a long-lived one). With `baseline_nbdkit` nbdkit stands in for duvm: `nbdkit memory`
+    here, `nbdkit nbd` in the guest relaying to it, attached as duvm attaches. `swap_no_discard`
+    swaps on again without discard after `duvm enable` (an experiment). With `stall_s` a
+    watchdog ends the run as hung (after SysRq w and m for the console) once the workload has
+    started and neither the guest's swap counters nor its progress lines moved for that long.
+    With `kill_memserver_at` (25, 50 or 75) the last host memserver is SIGKILLed when the
+    workload's fill reaches that percentage; with `stop_memserver_at` it is SIGSTOPped then
+    instead, and continued `stop_memserver_s` later (a memserver that stops answering without
+    losing its connections: the last-replica wait, D36). With `reproduction` (host memservers)
+    the guest types exactly `duvm enable --peers ... --size ... --secret-file F` with a cluster
+    secret made here, and the workload is a plain `python3 -c` holding os.urandom blocks,
+    verified twice by SHA-256. `sysctl` ("kernel.sched_rt_runtime_us=-1 ...") is set in the
+    guest at boot. `method` is how the guest's duvm attaches (`kernel-nbd`, or `nbdfuse-loop`:
+    the fallback for kernels without nbd). `python` must import duvm (the project's venv); the
+    guest uses the same path. Raises GuestUnavailable when this host cannot boot it.
     """
     if why := problems():
         raise GuestUnavailable("; ".join(why))
@@ -392,13 +425,15 @@ def run_guest(
                 capture_output=True,
                 timeout=60,
             )
-        if host_memservers:
+        if baseline_nbdkit:
+            servers.append(start_nbdkit(swap_size, work))
+        elif host_memservers:
             for i in range(memservers):
                 servers.append(
                     start_memserver(python, capacity, work, i, net=net, secret_file=secret)
                 )
         host = net.host_ip if net is not None else HOST_FROM_GUEST
-        peers = ",".join(f"{host}:{s.port}" for s in servers)
+        peers = "" if baseline_nbdkit else ",".join(f"{host}:{s.port}" for s in servers)
         env = {
             "DUVM_PYTHON": python,
             "DUVM_SCRIPT": str(GUEST_SCRIPT),
@@ -419,6 +454,9 @@ def run_guest(
             "DUVM_METHOD": method,
             "DUVM_CHUNK_KIB": str(chunk_kib),
             "DUVM_PASSES": str(passes),
+            "DUVM_RUNS": str(runs),
+            "DUVM_SWAP_NO_DISCARD": "1" if swap_no_discard else "",
+            "DUVM_NBDKIT_ADDR": f"{host}:{servers[0].port}" if baseline_nbdkit else "",
             "DUVM_GUEST_IP": net.guest_ip if net is not None else "10.0.2.15",
             "DUVM_GATEWAY": net.host_ip if net is not None else HOST_FROM_GUEST,
         }
@@ -607,6 +645,19 @@ def summary(run: GuestRun) -> dict[str, Any]:
             None if s is None else s.get("used_pages") for s in run.memservers_after
         ]
         or [m.get("used_pages") for m in ev.get("detached", {}).get("memservers", [])],
+        "runs": [
+            {
+                "seconds": r.get("seconds"),
+                "fill_seconds": (r.get("result") or {}).get("fill_s"),
+                "verify_seconds": (r.get("result") or {}).get("verify_s"),
+                "bad_chunks": (r.get("result") or {}).get("bad_chunks"),
+                "pages_out": r.get("pages_out"),
+                "pages_in": r.get("pages_in"),
+                "memservers_used_pages": [m.get("used_pages") for m in r.get("memservers", [])],
+                "swap_used": (r.get("proc_swaps") or "").splitlines()[1:],
+            }
+            for r in (ev[k] for k in sorted(ev) if re.fullmatch(r"run\d+", k))
+        ],
     }
 
 
@@ -666,6 +717,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-kib", type=int, default=1024, help="the workload's chunk (KiB)")
     p.add_argument("--passes", type=int, default=1, help="verification passes")
     p.add_argument(
+        "--baseline-nbdkit",
+        action="store_true",
+        help="nbdkit in duvm's place (nbdkit memory here, nbdkit nbd relaying in the guest), "
+        "for the same workload's time against duvm's",
+    )
+    p.add_argument(
+        "--swap-no-discard",
+        action="store_true",
+        help="an experiment: swap on again without --discard after `duvm enable`, so freed "
+        "swap slots are never trimmed (what a long-lived daemon costs without discard)",
+    )
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="run the workload this many times against the same daemon (a long-lived one)",
+    )
+    p.add_argument(
         "--stall",
         type=float,
         metavar="S",
@@ -724,6 +793,9 @@ def main(argv: list[str] | None = None) -> int:
             order=a.order,
             chunk_kib=a.chunk_kib,
             passes=a.passes,
+            runs=a.runs,
+            baseline_nbdkit=a.baseline_nbdkit,
+            swap_no_discard=a.swap_no_discard,
             stall_s=a.stall,
             kill_memserver_at=a.kill_memserver_at,
             stop_memserver_at=a.stop_memserver_at,

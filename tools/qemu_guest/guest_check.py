@@ -507,10 +507,97 @@ def start_local_memservers(n: int, capacity: str) -> str:
     return ",".join(peers)
 
 
+def run_workloads(mib: int, cgroup_mib: int | None, peers: str) -> dict[str, Any]:
+    """The workload DUVM_RUNS times against the same swap device (a long-lived daemon), each
+    run reported with what the device and the memservers held after it; the last run's
+    result."""
+    runs = int(os.environ.get("DUVM_RUNS") or "1")
+    work: dict[str, Any] = {}
+    for i in range(1, runs + 1):
+        before = vmstat()
+        work = (
+            run_urandom_workload(mib)
+            if os.environ.get("DUVM_URANDOM_WORKLOAD")
+            else run_workload(mib, cgroup_mib)
+        )
+        if runs > 1:
+            after = vmstat()
+            time.sleep(2)  # the kernel's discards of the freed swap slots go out
+            emit(
+                f"run{i}",
+                seconds=work["seconds"],
+                result=work["result"],
+                pages_out=after["pswpout"] - before["pswpout"],
+                pages_in=after["pswpin"] - before["pswpin"],
+                proc_swaps=_read("/proc/swaps"),
+                memservers=memserver_pages(peers) if peers else [],
+                status=status() if peers else None,
+            )
+    return work
+
+
+def swap_without_discard(device: str) -> None:
+    """Swap on `device` again without --discard (the experiment behind --swap-no-discard):
+    freed swap slots are then never trimmed, so their pages stay on the memservers."""
+    line = next(x for x in Path("/proc/swaps").read_text().splitlines() if x.startswith(device))
+    priority = line.split()[-1]
+    subprocess.run(["swapoff", device], check=True)
+    subprocess.run(["swapon", "-p", priority, device], check=True)
+    emit("swap-without-discard", proc_swaps=_read("/proc/swaps"))
+
+
+NBDKIT_SOCKET = "/run/nbdkit.sock"
+
+
+def nbdkit_baseline(mib: int, cgroup_mib: int | None) -> int:
+    """The same swap path with nbdkit in duvm's place: `nbdkit nbd` in the guest relays the
+    kernel's requests to `nbdkit memory` on the host (DUVM_NBDKIT_ADDR), the way the daemon
+    relays them to memservers there, attached and swapped on by the same `attach` call as
+    `duvm enable` (kernel nbd, same priority, same discard)."""
+    from duvm.node import attach
+
+    host, _, port = os.environ["DUVM_NBDKIT_ADDR"].rpartition(":")
+    relay = subprocess.Popen(
+        [
+            "nbdkit",
+            *("-f", "--exit-with-parent", "-U", NBDKIT_SOCKET),
+            *("nbd", f"hostname={host}", f"port={port}"),
+        ]
+    )
+    deadline = time.monotonic() + 60
+    while not os.path.exists(NBDKIT_SOCKET):
+        if relay.poll() is not None or time.monotonic() > deadline:
+            emit("enable", rc=1, error="nbdkit did not start")
+            return 1
+        time.sleep(0.1)
+    state = Path(STATE_DIR) / "nbdkit-attach.json"
+    os.makedirs(STATE_DIR, exist_ok=True)
+    t = time.monotonic()
+    attach.attach(NBDKIT_SOCKET, state, method="kernel-nbd")
+    emit("enable", rc=0, seconds=round(time.monotonic() - t, 2), target="nbdkit")
+    try:
+        emit("attached", **device_facts(), vmstat=vmstat(), meminfo=meminfo())
+        work = run_workloads(mib, cgroup_mib, "")
+        emit("workload", **work, vmstat=vmstat(), proc_swaps=_read("/proc/swaps"))
+    finally:
+        t = time.monotonic()
+        attach.detach(state, force=True)
+        emit("disable", rc=0, seconds=round(time.monotonic() - t, 2))
+        relay.terminate()
+        relay.wait(30)
+    emit("detached", **device_facts())
+    return 0
+
+
 def main() -> int:
     os.chdir("/run")
     lock_self()
     stop = threading.Event()
+    if os.environ.get("DUVM_NBDKIT_ADDR"):
+        mib = int(os.environ["DUVM_MIB"])
+        cgroup = os.environ.get("DUVM_CGROUP_MIB")
+        emit("start", kernel=os.uname().release, vmstat=vmstat(), workload_mib=mib, peers="")
+        return nbdkit_baseline(mib, int(cgroup) if cgroup else None)
     peers = os.environ.get("DUVM_PEERS") or start_local_memservers(
         int(os.environ["DUVM_LOCAL_MEMSERVERS"]), os.environ["DUVM_CAPACITY"]
     )
@@ -562,11 +649,9 @@ def main() -> int:
     disabled = False
     try:
         emit("attached", **device_facts(), vmstat=vmstat(), meminfo=meminfo())
-        work = (
-            run_urandom_workload(mib)
-            if os.environ.get("DUVM_URANDOM_WORKLOAD")
-            else run_workload(mib, cgroup_mib)
-        )
+        if os.environ.get("DUVM_SWAP_NO_DISCARD"):
+            swap_without_discard("/dev/nbd0")
+        work = run_workloads(mib, cgroup_mib, peers)
         emit(
             "workload",
             **work,
