@@ -312,7 +312,7 @@ async def test_a_replicated_write_checksums_its_pages_after_its_stores_left(serv
         assert seen == [(before, True)]  # once, with both STOREs sent and not yet handled
         after = [s.store.counters["store_requests"] for s in srvs]
         assert sorted(a - b for a, b in zip(after, before, strict=True))[-2:] == [1, 1]
-        assert store.table.pending_writes == []  # nothing left registered for racing reads
+        assert store.table.pending_writes == {}  # nothing left registered for racing reads
         out = bytearray(32 * PS)
         await store.read(0, memoryview(out))
         assert out == data and store.counters()["checksum_failures"] == 0
@@ -332,14 +332,14 @@ async def test_a_replicated_write_registers_its_bytes_before_any_store_leaves(se
         data = os.urandom(8 * PS)
         coro = store.write(0, memoryview(data))
         assert coro.send(None) is None  # driven by hand, as nbdconnection does: the first yield
-        [(first, count, held)] = store.table.pending_writes
+        [(first, count, held)] = store.table.pending_writes.values()
         assert (first, count) == (0, 8) and bytes(held) == data
         bad = bytearray(data[:PS])
         bad[9] ^= 1  # not the write's bytes: still bad
         assert store.table.bad_pages(0, 1, memoryview(data[:PS])) == []  # the write's: not bad
         assert store.table.bad_pages(0, 1, memoryview(bad)) == [0]
         coro.close()
-        assert store.table.pending_writes == [] and store.table.inflight[0] == 0
+        assert store.table.pending_writes == {} and store.table.inflight[0] == 0
     finally:
         await store.close()
 

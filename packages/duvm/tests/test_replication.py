@@ -513,7 +513,7 @@ async def test_fast_write_stores_on_every_replica_before_it_is_acknowledged(serv
         data = os.urandom(4 * PS)
         t = store.table
         assert await fast(store.start_write, 8 * PS, memoryview(data)) == "fast"
-        assert t.pending_writes == [] and list(t.inflight) == [0] * t.nslabs
+        assert t.pending_writes == {} and list(t.inflight) == [0] * t.nslabs
         holders = t.sets[0]
         assert len(holders) == 2
         for i in holders:  # byte for byte on both replicas, where the keys say
@@ -544,7 +544,7 @@ async def test_fast_write_with_a_replica_gone_continues_on_the_general_path(serv
         assert gone not in store.table.sets[0]  # dropped, the slab is degraded
         assert store.counters()["replicas_dropped"] == 1
         t = store.table
-        assert t.pending_writes == [] and list(t.inflight) == [0] * t.nslabs
+        assert t.pending_writes == {} and list(t.inflight) == [0] * t.nslabs
         out = bytearray(2 * PS)
         await store.read(0, memoryview(out))
         assert out == data

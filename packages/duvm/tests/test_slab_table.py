@@ -64,7 +64,7 @@ def test_bad_pages_judges_written_pages_only_and_spares_a_write_in_flight() -> N
     assert t.bad_pages(4, 2, memoryview(old)) == [] and t.pages_match(4, 2, memoryview(old))
     new = os.urandom(2 * PS)
     assert t.bad_pages(4, 2, memoryview(new)) == [4, 5]
-    t.pending_writes.append((5, 1, memoryview(new[PS:])))  # page 5's new bytes are on their way
+    t.pending_writes[0] = (5, 1, memoryview(new[PS:]))  # page 5's new bytes are on their way
     assert t.bad_pages(4, 2, memoryview(new)) == [4]
     t.clear(5, 1)
     assert not t.pages_match(4, 2, memoryview(old))  # page 5 holds no data any more

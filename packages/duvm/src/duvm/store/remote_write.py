@@ -80,7 +80,7 @@ class RemoteWrites:
         crcs: list[array] = []  # the pages' checksums, once computed (see below)
         waiting = len(clients)
         failures: list[BaseException] = []
-        entry: tuple | None = None  # a replicated write in flight (SlabTable.write_started)
+        token: int | None = None  # a replicated write in flight (SlabTable.write_started)
 
         def stored(exc: BaseException | None) -> None:
             nonlocal waiting
@@ -90,8 +90,8 @@ class RemoteWrites:
             if waiting:
                 return
             inflight[slab] -= 1
-            if entry is not None:
-                t.write_ended(entry)
+            if token is not None:
+                t.write_ended(token)
             if not failures:
                 try:
                     t.mark_stored(first, count, data, crcs[0] if crcs else None)
@@ -110,7 +110,7 @@ class RemoteWrites:
         keys = (first,) if count == 1 else tuple(range(first, first + count))
         inflight[slab] += 1  # a repair starting now waits for this write to finish
         if waiting > 1:  # registered before any STORE can leave
-            entry = t.write_started(first, count, data)
+            token = t.write_started(first, count, data)
         for c in clients:
             if not c.store_cb(keys, data, stored):  # not connected after all: a failure
                 stored(MemserverUnreachable(f"not connected to memserver {c.peer}"))
@@ -237,7 +237,7 @@ class RemoteWrites:
             if rep is not None and not rep.aborted:
                 targets.append(self.replication.clients[rep.target])
             # registered before any STORE can leave (SlabTable.write_started)
-            entry = t.write_started(first, count, data)
+            token = t.write_started(first, count, data)
             started: list[Awaitable[Any] | None] = []
             try:
                 started = [_start_store(c, keys, data) for c in targets]
@@ -257,7 +257,7 @@ class RemoteWrites:
                             f.exception()  # retrieved: no "never retrieved" warning
                 raise
             finally:
-                t.write_ended(entry)
+                t.write_ended(token)
             if len(results) > len(members):
                 r = results.pop()
                 if isinstance(r, BaseException):

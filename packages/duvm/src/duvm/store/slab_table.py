@@ -83,8 +83,10 @@ class SlabTable:
         self.sets: list[list[int]] = []  # slab -> live replica peer indices, preferred first
         self.slab_clients: list[tuple[MemClient, ...]] = []  # the same, as connections
         self.inflight = array("i", bytes(4 * self.nslabs))  # unlocked writes/trims per slab
-        # replicated writes in flight, (first page, pages, bytes): a racing read may see them
-        self.pending_writes: list[tuple[int, int, memoryview]] = []
+        # replicated writes in flight, by token: (first page, pages, bytes); a racing read may
+        # see their bytes on one replica
+        self.pending_writes: dict[int, tuple[int, int, memoryview]] = {}
+        self._next_token = 0
         self.on_change: Callable[[int, int], None] = _ignore  # pages [first, first+count)
         self.on_placement_change: Callable[[], None] | None = None
 
@@ -190,17 +192,16 @@ class SlabTable:
 
     # --- checking loaded bytes ---
 
-    def write_started(self, first: int, count: int, data: memoryview) -> tuple:
+    def write_started(self, first: int, count: int, data: memoryview) -> int:
         """A replicated write of `data` is about to leave: until `write_ended`, a read that
         races it may get its bytes from one replica, which `bad_pages` does not judge bad.
-        Returns the entry to hand to `write_ended`."""
-        entry = (first, count, data)
-        self.pending_writes.append(entry)
-        return entry
+        Returns the token to hand to `write_ended` (another write may carry equal bytes)."""
+        self._next_token += 1
+        self.pending_writes[self._next_token] = (first, count, data)
+        return self._next_token
 
-    def write_ended(self, entry: tuple) -> None:
-        pending = self.pending_writes  # by identity: another write may carry equal bytes
-        del pending[next(i for i, e in enumerate(pending) if e is entry)]
+    def write_ended(self, token: int) -> None:
+        del self.pending_writes[token]
 
     def bad_pages(self, first: int, count: int, out: memoryview) -> list[int]:
         """The loaded pages that fail their checksum (pages not holding DATA any more,
@@ -230,7 +231,7 @@ class SlabTable:
         """`got` is page `page` as a replicated write still in flight writes it."""
         return any(
             f <= page < f + n and got == d[(page - f) << 12 : (page - f + 1) << 12]
-            for f, n, d in self.pending_writes
+            for f, n, d in self.pending_writes.values()
         )
 
     def pages_match(self, first: int, count: int, buf: memoryview) -> bool:
