@@ -116,6 +116,7 @@ def _start(args: list[str], ready: str, log: Path, pure: bool) -> subprocess.Pop
     while ready not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
+            proc.wait()
             raise AssertionError(f"duvm {args[0]} did not start: {log.read_text()[-2000:]}")
         time.sleep(0.05)
     return proc
@@ -156,6 +157,9 @@ def _stacks(tmp: Path) -> Iterator[list[Stack]]:
         capture_output=True,
     )
     stacks: list[Stack] = []
+    started: list[
+        subprocess.Popen
+    ] = []  # each process as soon as it runs: none outlives a failed set-up
     try:
         for daemon_path, ms_path in PAIRINGS:
             name = f"{daemon_path}-daemon-{ms_path}-memservers"
@@ -171,6 +175,7 @@ def _stacks(tmp: Path) -> Iterator[list[Stack]]:
                     log,
                     ms_path == "pure",
                 )
+                started.append(ms)
                 memservers.append(ms)
                 peers.append(re.search(r"listening on ([\d.]+:\d+)", log.read_text()).group(1))
                 assert _path_logged(log) == ms_path
@@ -185,6 +190,7 @@ def _stacks(tmp: Path) -> Iterator[list[Stack]]:
                 log,
                 daemon_path == "pure",
             )
+            started.append(daemon)
             assert _path_logged(log) == daemon_path  # mechanism: each runs the path it should
             stacks.append(Stack(name, sock, memservers, daemon))
         yield stacks
@@ -192,14 +198,14 @@ def _stacks(tmp: Path) -> Iterator[list[Stack]]:
         for s in stacks:
             if s.client is not None:
                 s.client.sock.close()
-            for p in [s.daemon, *s.memservers]:  # the daemon first: it RELEASEs its pages
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        for p in reversed(started):  # each daemon before its memservers: it RELEASEs its pages
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 @pytest.fixture(scope="module")
