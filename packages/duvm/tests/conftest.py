@@ -1,6 +1,6 @@
-"""Fixtures shared by the duvm tests. Their helper modules (memserver_raw) sit beside them and
-import by name; with `--import-mode=importlib` pytest does not put this folder on sys.path
-itself, so it is put there once, here."""
+"""Fixtures shared by the duvm tests. Their helper modules (memserver_raw, duvm_processes)
+sit beside them and import by name; with `--import-mode=importlib` pytest does not put this
+folder on sys.path itself, so it is put there once, here."""
 
 from __future__ import annotations
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from duvm.wire import metrics, nbdconst, pageproto
+from duvm_processes import start as _start
+from duvm_processes import stop as _stop
 from prometheus_client.parser import text_string_to_metric_families
 
 PAGE = 4096
@@ -33,36 +33,6 @@ def _dashboard_checker():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def _start(args: list[str], ready: str, log: Path) -> subprocess.Popen:
-    f = open(log, "w")  # noqa: SIM115 (closed in _stop)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "duvm.cli", *args],
-        stdout=f,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    proc._log = f  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 30
-    while ready not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop(proc)
-            raise AssertionError(f"duvm {args[0]} did not start: {log.read_text()}")
-        time.sleep(0.05)
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    proc._log.close()  # type: ignore[attr-defined]
-    return proc.returncode
 
 
 def _url(log: Path) -> str:

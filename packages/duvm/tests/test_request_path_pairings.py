@@ -25,7 +25,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 import pytest
 from duvm.base import accel
 from duvm.wire import nbdconst as C
+from duvm_processes import start, stop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -101,25 +101,11 @@ class RawNbd:
 
 
 def _start(args: list[str], ready: str, log: Path, pure: bool) -> subprocess.Popen:
+    """`duvm ARGS` on the pure path when `pure`, else on whatever path the build gives."""
     env = {k: v for k, v in os.environ.items() if k != accel.ENV}
     if pure:
         env[accel.ENV] = "1"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "duvm.cli", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + 60
-    while ready not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise AssertionError(f"duvm {args[0]} did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.05)
-    return proc
+    return start(args, ready, log, env=env, timeout=60)
 
 
 def _path_logged(log: Path) -> str:
@@ -199,13 +185,7 @@ def _stacks(tmp: Path) -> Iterator[list[Stack]]:
             if s.client is not None:
                 s.client.sock.close()
         for p in reversed(started):  # each daemon before its memservers: it RELEASEs its pages
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            stop(p)
 
 
 @pytest.fixture(scope="module")
