@@ -217,10 +217,8 @@ def main() -> int:
                     "failovers": h["failovers"],
                     "replicas_dropped": h["replicas_dropped"],
                     "stalls_aborted": h["stalls_aborted"],
-                    "repairs": h["repair"]["repairs_done"] if h["repair"] else None,
-                    "repair_pages_copied": h["repair"]["repair_pages_copied"]
-                    if h["repair"]
-                    else None,
+                    "repairs": h.get("repairs_done"),  # absent: no repairer
+                    "repair_pages_copied": h.get("repair_pages_copied"),
                     "checksum_failures": h["checksum_failures"],
                     "read_errors": h["read_errors"],
                     "write_errors": h["write_errors"],

@@ -14,6 +14,7 @@ from duvm.store.memserver_status import query_status
 from duvm.store.remote_store import RemoteStore
 from duvm.store.storage import PAGE_SIZE as PS
 from duvm.store.storage import StorageError
+from duvm.wire.control_socket import daemon_status
 
 MiB = 1 << 20
 
@@ -430,14 +431,19 @@ async def test_each_stacking_takes_the_path_it_declares(servers) -> None:
         # a page never written through the filter has nothing to load: declined (zeros)
         assert sealed.start_read(2 * PS, out, finished, "t") is False
         # every stack reports the health of the store it wraps, per-peer pages included
-        # (two written pages, on the one replica of slab 0), and its own layers' counters
+        # (two written pages, on the one replica of slab 0); counters are apart from it, each
+        # stack's its own layers' beside the store's
         want = remote.health()
         assert sum(peer["pages"] for peer in want["peers"]) == 2
+        assert "pages_stored" not in want and "repair" not in want
         for s in stacks.values():
-            assert s.health() == {**want, **s.counters()}
+            assert s.health() == want
             assert s.counters().items() >= remote.counters().items()
-        assert sealed.health()["pages_sealed"] == 1  # the filter's own, beside the store's
-        assert "pages_sealed" not in want
+        assert sealed.counters()["pages_sealed"] == 1  # the filter's own, beside the store's
+        assert "pages_sealed" not in remote.counters()
+        # what `duvm status` reads: health and every layer's counters, flat, once
+        shown = daemon_status(sealed, None, 1)["store"]
+        assert shown == {**want, **sealed.counters()} and shown["pages_sealed"] == 1
         assert all(
             s.describe() == f"2 memserver(s){extra}"
             for s, extra in (

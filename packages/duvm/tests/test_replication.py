@@ -187,16 +187,14 @@ async def test_degraded_without_spare_peer_keeps_serving_and_reports_it(servers)
         await srvs[1].close()
         await store.write(0, memoryview(data[::-1]))  # writes continue on the survivor
         h = store.health()
-        assert (
-            h["degraded_slabs"] == store.table.nslabs
-            and h["replicas_dropped"] == store.table.nslabs
-        )
+        assert h["degraded_slabs"] == store.table.nslabs
+        assert store.counters()["replicas_dropped"] == store.table.nslabs
         assert h["peers"][1]["connected"] is False
         out = bytearray(MiB)
         await store.read(0, memoryview(out))
         assert out == data[::-1]
         await asyncio.sleep(1.5)  # a repair pass finds no target and says so
-        assert store.health()["repair"]["no_target"] >= 1
+        assert store.counters()["no_target"] >= 1
     finally:
         await store.close()
 

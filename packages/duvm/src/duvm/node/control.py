@@ -495,7 +495,7 @@ def format_status(st: dict[str, Any]) -> str:
             )
             or "none running"
         )
-        done = r["repair"]["repairs_done"] if r["repair"] else "n/a"
+        done = r.get("repairs_done", "n/a")
         lines.append(
             f"replication: R={r['replicas']}, {r['degraded_slabs']} of {r['slabs']} "
             f"slabs degraded, repairs done {done} "

@@ -101,9 +101,9 @@ class RemoteHealth:
             self._was_degraded = False
             log.warning("every slab has %d replicas again", r.want)
 
-    def health(self, counters: dict[str, int]) -> dict[str, Any]:
+    def health(self) -> dict[str, Any]:
         """Replication state for `duvm status` and metrics (JSON-ready), with each peer's
-        written pages and the store's `counters` (`BlockStore.counters`)."""
+        written pages. The counters are not here: `BlockStore.counters()` has them."""
         r = self.replication
         t = r.table
         degraded = r.degraded_slabs()
@@ -112,7 +112,6 @@ class RemoteHealth:
             for i in m:
                 per_peer[i] += 1
         pages = t.pages_per_peer()
-        rep = self.repairer
         return {
             "replicas": r.want,
             "slabs": t.nslabs,
@@ -128,10 +127,8 @@ class RemoteHealth:
                 }
                 for s, copy in r.repairs.items()
             ],
-            "repair": rep.counters.snapshot() if rep is not None else None,
             "pages_written": t.state.count(DATA),
             "pages_lost_now": t.state.count(LOST),
-            **counters,
             "peers": [
                 {
                     "peer": c.peer,

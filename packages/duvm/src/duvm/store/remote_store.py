@@ -321,8 +321,8 @@ class RemoteStore(BlockStore):
         return merge(*(c.snapshot() for c in parts))
 
     def health(self) -> dict[str, Any]:
-        """Replication state and counters for `duvm status` and metrics (JSON-ready)."""
-        return self.monitor.health(self.counters())
+        """Replication state for `duvm status` and metrics (JSON-ready)."""
+        return self.monitor.health()
 
     def degraded_slabs(self) -> list[int]:
         """Slabs with fewer live replicas than wanted."""

@@ -196,9 +196,7 @@ class StoreFilter(BlockStore):
         return self.inner.memserver_clients()
 
     def health(self) -> dict[str, Any] | None:
-        """The health of the store below, with this layer's counters beside its own."""
-        health = self.inner.health()
-        return None if health is None else {**health, **self.counters()}
+        return self.inner.health()
 
     def counters(self) -> dict[str, int]:
         return self.inner.counters()

@@ -106,6 +106,8 @@ def daemon_status(
     as encryption), the NBD server's counters and which request path it runs ("compiled" or
     "pure", duvm.base.accel). Unknown parts are None."""
     health = store.health()  # through filters; each peer's written pages included
+    if health is not None:  # every layer's counters beside it, flat (BlockStore.counters)
+        health = {**health, **store.counters()}
     stats = getattr(server, "stats", None)
     return {
         "pid": os.getpid(),
