@@ -105,7 +105,6 @@ class RemoteStore(BlockStore):
             raise ValueError(f"replicas must be 1..{len(peers)} (the number of peers)")
         self.size = size
         self.client_id = client_id
-        self.replicas = replicas
         self.batching = Batching()  # shared by its connections and the NBD server
         self.clients = [
             MemClient(
@@ -296,6 +295,11 @@ class RemoteStore(BlockStore):
         await self.trims.trim(offset, length)
 
     # --- what status and metrics read ---
+
+    @property
+    def replicas(self) -> int:
+        """Copies wanted per slab (`Replication.want`)."""
+        return self.replication.want
 
     @property
     def readahead(self) -> Readahead:

@@ -57,7 +57,6 @@ class RemoteWrites:
     def __init__(self, replication: Replication, unreachable_wait: float) -> None:
         self.replication = replication
         self.table = replication.table
-        self.repairs = replication.repairs  # the dict is Replication's; only read here
         self.unreachable_wait = unreachable_wait
         self.counters = WriteCounters()
 
@@ -127,7 +126,7 @@ class RemoteWrites:
         """The slab's replicas when one STORE of `count` pages can go straight to each (all
         connected, no repair copying the slab), else None: the general path decides."""
         clients = self.table.slab_clients[slab]
-        if slab in self.repairs:
+        if slab in self.replication.repairs:
             return None
         for c in clients:
             if c.hello is None or count > c.max_batch:
@@ -138,7 +137,7 @@ class RemoteWrites:
         """The slab's only replica when one STORE of `count` pages can go straight to it (no
         replication, no repair copying the slab), else None: the general path decides."""
         clients = self.table.slab_clients[slab]
-        if len(clients) != 1 or slab in self.repairs or count > clients[0].max_batch:
+        if len(clients) != 1 or slab in self.replication.repairs or count > clients[0].max_batch:
             return None
         return clients[0]
 
@@ -181,7 +180,7 @@ class RemoteWrites:
         await all_parts(parts)
 
     async def _store(self, slab: int, first: int, count: int, data: memoryview) -> None:
-        rep = self.repairs.get(slab)
+        rep = self.replication.repairs.get(slab)
         if rep is None:
             inflight = self.table.inflight
             inflight[slab] += 1  # a repair starting now waits for this write to finish
