@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 COMPILED = {
     "duvm.store._pagecipher": ["crypto"],
     "duvm.memserver._hotloop": [],
+    "duvm.wire._nbdcodec": [],
 }
 
 

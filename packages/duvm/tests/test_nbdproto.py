@@ -1,15 +1,24 @@
-"""Unit and fuzz tests of the sans-io NBD codec (duvm.wire.nbdproto): bytes in, events/bytes out."""
+"""Unit and fuzz tests of the sans-io NBD codec (duvm.wire.nbdproto): bytes in, events/bytes out.
+
+The transmission tests run against both decoders: the reference in nbdproto and its compiled
+twin (duvm.wire._nbdcodec), and a differential test feeds both the same streams. Without the
+compiled module its runs skip, except where DUVM_REQUIRE_COMPILED=1 (CI) makes that a failure.
+"""
 
 from __future__ import annotations
 
 import errno
 import itertools
+import os
 import struct
+from types import SimpleNamespace
 
 import pytest
+from duvm.base import accel
 from duvm.node.nbdserver import transmission_flags
 from duvm.store.storage import Capabilities
 from duvm.wire import nbdconst as C
+from duvm.wire import nbdproto
 from duvm.wire.nbdproto import (
     MAX_OPTION_DATA,
     BufferPool,
@@ -247,9 +256,38 @@ def test_garbage_during_handshake_never_crashes_and_stays_bounded(garbage, prefi
 
 # ----------------------------------------------------------------------------- transmission
 
+COMPILED = accel.state("duvm.wire._nbdcodec")
+if COMPILED != "compiled" and os.environ.get("DUVM_REQUIRE_COMPILED") == "1":
+    raise AssertionError(f"the compiled path is required here: {COMPILED}")
 
-def test_read_request_decodes():
-    dec = TransmissionDecoder(EXPORT)
+
+def _codecs() -> dict[str, SimpleNamespace]:
+    out = {"pure": SimpleNamespace(TransmissionDecoder=TransmissionDecoder, BufferPool=BufferPool)}
+    if COMPILED == "compiled":
+        c = accel._found("duvm.wire._nbdcodec")[0]
+        out["compiled"] = SimpleNamespace(
+            TransmissionDecoder=c.TransmissionDecoder, BufferPool=c.BufferPool
+        )
+    return out
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "pure",
+        pytest.param(
+            "compiled",
+            marks=pytest.mark.skipif(COMPILED != "compiled", reason=f"compiled: {COMPILED}"),
+        ),
+    ],
+)
+def codec(request) -> SimpleNamespace:
+    """The decoder and pool classes of one path."""
+    return _codecs()[request.param]
+
+
+def test_read_request_decodes(codec):
+    dec = codec.TransmissionDecoder(EXPORT)
     dec.receive_data(request(C.CMD_READ, 8192, 4096, cookie=0xDEADBEEFCAFEF00D))
     (r,) = drain(dec)
     assert (r.cmd, r.offset, r.length, r.cookie, r.error) == (
@@ -262,9 +300,9 @@ def test_read_request_decodes():
     assert r.payload is None and not dec.mid_request
 
 
-def test_write_payload_arrives_in_pooled_buffer():
-    pool = BufferPool()
-    dec = TransmissionDecoder(EXPORT, pool)
+def test_write_payload_arrives_in_pooled_buffer(codec):
+    pool = codec.BufferPool()
+    dec = codec.TransmissionDecoder(EXPORT, pool)
     data = bytes(range(256)) * 16
     dec.receive_data(request(C.CMD_WRITE, 4096, 4096, payload=data) + request(C.CMD_FLUSH))
     w, f = drain(dec)
@@ -274,8 +312,8 @@ def test_write_payload_arrives_in_pooled_buffer():
     assert pool.acquire(4000) is w.buffer  # reused, not reallocated
 
 
-def test_large_write_is_received_straight_into_its_payload_buffer():
-    dec = TransmissionDecoder(EXPORT, buffer_size=4096)
+def test_large_write_is_received_straight_into_its_payload_buffer(codec):
+    dec = codec.TransmissionDecoder(EXPORT, buffer_size=4096)
     data = bytes([7]) * (256 << 10)
     dec.receive_data(request(C.CMD_WRITE, 0, len(data)) + data[:100])
     assert dec.next_request() is None
@@ -300,6 +338,7 @@ NOTRIM = ExportInfo("nt", SIZE, transmission_flags(Capabilities(can_trim=False))
         (E, C.CMD_TRIM, SIZE - 4096, 8192, 0, errno.EINVAL),
         (E, C.CMD_WRITE_ZEROES, SIZE, 4096, 0, errno.ENOSPC),  # write-ish -> ENOSPC
         (E, C.CMD_READ, 2**64 - 4096, 4096, 0, errno.EINVAL),  # no wrap-around
+        (E, C.CMD_READ, 2**64 - 4096, 8192, 0, errno.EINVAL),  # ... even onto a valid range
         (E, C.CMD_READ, 512, 4096, 0, errno.EINVAL),  # unaligned offset
         (E, C.CMD_TRIM, 0, 1000, 0, errno.EINVAL),  # unaligned length
         (E, C.CMD_READ, 0, 4096, C.CMD_FLAG_FUA, 0),  # FUA is valid on every command
@@ -321,9 +360,9 @@ NOTRIM = ExportInfo("nt", SIZE, transmission_flags(Capabilities(can_trim=False))
     ],
 )
 def test_requests_are_validated_once_with_the_documented_errors(
-    export, cmd, offset, length, flags, expect
+    codec, export, cmd, offset, length, flags, expect
 ):
-    dec = TransmissionDecoder(export)
+    dec = codec.TransmissionDecoder(export)
     dec.receive_data(request(cmd, offset, length, flags))
     (r,) = drain(dec)
     assert r.error == expect
@@ -333,8 +372,8 @@ def test_requests_are_validated_once_with_the_documented_errors(
     ("export", "offset", "expect"),
     [(E, SIZE, errno.ENOSPC), (E, 100, errno.EINVAL), (RO, 0, errno.EPERM)],
 )
-def test_refused_write_payload_is_skipped_and_stream_stays_in_step(export, offset, expect):
-    dec = TransmissionDecoder(export, buffer_size=1024)
+def test_refused_write_payload_is_skipped_and_stream_stays_in_step(codec, export, offset, expect):
+    dec = codec.TransmissionDecoder(export, buffer_size=1024)
     stream = request(C.CMD_WRITE, offset, 8192, payload=b"\xaa" * 8192) + request(
         C.CMD_READ, 0, 4096, cookie=99
     )
@@ -349,9 +388,9 @@ def test_refused_write_payload_is_skipped_and_stream_stays_in_step(export, offse
     assert out[1].cookie == 99
 
 
-def test_oversized_write_is_refused_and_its_payload_skipped():
+def test_oversized_write_is_refused_and_its_payload_skipped(codec):
     small = ExportInfo("s", SIZE, FLAGS, max_payload=8192)
-    dec = TransmissionDecoder(small, buffer_size=4096)
+    dec = codec.TransmissionDecoder(small, buffer_size=4096)
     dec.receive_data(request(C.CMD_WRITE, 0, 12288))
     out = drain(dec)
     for _ in range(3):  # the payload arrives in pieces and is thrown away, not buffered
@@ -363,15 +402,15 @@ def test_oversized_write_is_refused_and_its_payload_skipped():
     assert [(r.cmd, r.error) for r in out] == [(C.CMD_WRITE, errno.EINVAL), (C.CMD_READ, 0)]
 
 
-def test_bad_request_magic_is_a_protocol_error():
-    dec = TransmissionDecoder(EXPORT)
+def test_bad_request_magic_is_a_protocol_error(codec):
+    dec = codec.TransmissionDecoder(EXPORT)
     dec.receive_data(b"\x00" * 28)
     with pytest.raises(NbdProtocolError, match="magic"):
         dec.next_request()
 
 
-def test_receive_data_refuses_to_overflow_the_buffer():
-    dec = TransmissionDecoder(EXPORT, buffer_size=64)
+def test_receive_data_refuses_to_overflow_the_buffer(codec):
+    dec = codec.TransmissionDecoder(EXPORT, buffer_size=64)
     with pytest.raises(UsageError):
         dec.receive_data(request(C.CMD_FLUSH) * 4)
 
@@ -400,7 +439,11 @@ def oracle(cmd: int, flags: int, offset: int, length: int) -> int:
 req_strategy = st.tuples(
     st.sampled_from([0, 1, 3, 4, 5, 6, 7, 42]),
     st.sampled_from([0, 1, 2, 4, 16, 0x8000]),
-    st.one_of(st.integers(0, SIZE // 4096).map(lambda p: p * 4096), st.integers(0, 2**64 - 1)),
+    st.one_of(
+        st.integers(0, SIZE // 4096).map(lambda p: p * 4096),
+        st.integers(0, 2**64 - 1),
+        st.integers(1, 16).map(lambda p: 2**64 - p * 4096),  # where offset + length wraps
+    ),
     st.one_of(st.sampled_from([0, 4096, 8192, 65536]), st.integers(0, 20000)),
     st.integers(0, 2**64 - 1),
 )
@@ -412,7 +455,7 @@ req_strategy = st.tuples(
     chunk=st.integers(1, 5000),
     bufsize=st.sampled_from([64, 1000, 65536]),
 )
-def test_generated_request_streams_decode_exactly(reqs, chunk, bufsize):
+def test_generated_request_streams_decode_exactly(codec, reqs, chunk, bufsize):
     stream = b""
     expected = []
     for cmd, flags, offset, length, cookie in reqs:
@@ -431,7 +474,7 @@ def test_generated_request_streams_decode_exactly(reqs, chunk, bufsize):
                 payload if cmd == C.CMD_WRITE and length and not err else None,
             )
         )
-    dec = TransmissionDecoder(EXPORT, buffer_size=bufsize)
+    dec = codec.TransmissionDecoder(EXPORT, buffer_size=bufsize)
     got = []
     view = memoryview(stream)
     while view:  # recv_into style, as the driver does it
@@ -458,8 +501,8 @@ def test_generated_request_streams_decode_exactly(reqs, chunk, bufsize):
 
 @settings(max_examples=300, deadline=None)
 @given(garbage=st.binary(min_size=1, max_size=2000))
-def test_garbage_requests_raise_protocol_error_or_wait_never_crash(garbage):
-    dec = TransmissionDecoder(EXPORT, buffer_size=4096)
+def test_garbage_requests_raise_protocol_error_or_wait_never_crash(codec, garbage):
+    dec = codec.TransmissionDecoder(EXPORT, buffer_size=4096)
     try:
         dec.receive_data(garbage[:4096])
         drain(dec)
@@ -468,15 +511,100 @@ def test_garbage_requests_raise_protocol_error_or_wait_never_crash(garbage):
     assert dec.buffered < C.REQUEST_SIZE or dec.mid_request
 
 
-def test_truncated_request_waits_for_the_rest():
+def test_truncated_request_waits_for_the_rest(codec):
     frame = request(C.CMD_WRITE, 0, 4096, payload=b"z" * 4096)
     for cut in (1, 27, 28, 29, len(frame) - 1):
-        dec = TransmissionDecoder(EXPORT)
+        dec = codec.TransmissionDecoder(EXPORT)
         dec.receive_data(frame[:cut])
         assert dec.next_request() is None and dec.mid_request
         dec.receive_data(frame[cut:])
         (w,) = drain(dec)
         assert bytes(w.payload) == b"z" * 4096
+
+
+@pytest.mark.skipif(COMPILED != "compiled", reason=f"compiled: {COMPILED}")
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(req_strategy, max_size=10),
+    tail=st.binary(max_size=64),
+    chunks=st.lists(st.integers(1, 70000), min_size=1, max_size=8),
+    bufsize=st.sampled_from([64, 1000, 65536]),
+)
+def test_compiled_decoder_matches_the_reference(reqs, tail, chunks, bufsize):
+    """The same bytes, cut the same way, give the same requests, payload bytes, pooled
+    buffer sizes, progress (`buffered`, `mid_request`) and errors on both paths. Catches a
+    compiled rule that drifts from the reference: an unchecked u64 wrap-around in the range
+    check, a payload copied from the wrong place, a refused write whose payload is not
+    skipped."""
+    stream = b"".join(
+        request(
+            cmd, offset, length, flags, cookie, bytes([cookie & 0xFF]) * length if cmd == 1 else b""
+        )
+        for cmd, flags, offset, length, cookie in reqs
+    )
+    stream += tail  # garbage: a bad magic, or a request cut short
+    decs = [c.TransmissionDecoder(EXPORT, c.BufferPool(), bufsize) for c in _codecs().values()]
+    trails: list[list[object]] = [[], []]
+    for dec, trail in zip(decs, trails, strict=True):
+        view, i = memoryview(stream), 0
+        try:
+            while view:
+                dst = dec.get_buffer()
+                n = min(len(dst), len(view), chunks[i % len(chunks)])
+                i += 1
+                dst[:n] = view[:n]
+                dec.buffer_updated(n)
+                view = view[n:]
+                while (r := dec.next_request()) is not None:
+                    trail.append(
+                        (
+                            r.cmd,
+                            r.flags,
+                            r.cookie,
+                            r.offset,
+                            r.length,
+                            r.error,
+                            None if r.payload is None else bytes(r.payload),
+                            None if r.buffer is None else len(r.buffer),
+                        )
+                    )
+                trail.append((dec.buffered, dec.mid_request))
+        except NbdProtocolError as e:
+            trail.append(str(e))
+    assert trails[0] == trails[1]
+
+
+def test_compiled_pool_keeps_the_reference_rules():
+    """Sizes, reuse and the cap on free buffers per size class are the reference's."""
+    if COMPILED != "compiled":
+        pytest.skip(f"compiled: {COMPILED}")
+    pools = [c.BufferPool(keep_bytes=64 << 10) for c in _codecs().values()]
+    for pool in pools:
+        got = [pool.acquire(n) for n in (1, 4096, 4097, 70000, 1 << 20)]
+        assert [len(b) for b in got] == [4096, 4096, 8192, 131072, 1 << 20]
+        for b in got:
+            pool.release(b)
+        assert pool.acquire(3000) is got[1] and pool.acquire(5000) is got[2]
+        many = [pool.acquire(8192) for _ in range(30)]
+        for b in many:
+            pool.release(b)
+        ids = {id(b) for b in many}
+        kept = 0
+        while id(pool.acquire(8192)) in ids:  # the kept ones, then a new buffer
+            kept += 1
+        assert kept == (64 << 10) // 8192 + 4
+
+
+def test_the_factories_follow_the_chosen_path(monkeypatch):
+    """DUVM_PURE_PYTHON=1 gives the reference classes; otherwise the compiled ones where built."""
+    monkeypatch.setenv(accel.ENV, "1")
+    assert type(nbdproto.buffer_pool()) is BufferPool
+    assert type(nbdproto.transmission_decoder(EXPORT, BufferPool())) is TransmissionDecoder
+    monkeypatch.delenv(accel.ENV)
+    if COMPILED == "compiled":
+        assert type(nbdproto.transmission_decoder(EXPORT, BufferPool())).__module__ == (
+            "duvm.wire._nbdcodec"
+        )
 
 
 # ----------------------------------------------------------------------------- small pieces

@@ -47,6 +47,7 @@ from duvm.wire.nbdproto import (
     NbdProtocolError,
     Request,
     TransmissionDecoder,
+    transmission_decoder,
     wire_error,
 )
 
@@ -192,7 +193,7 @@ class NBDConnection(asyncio.BufferedProtocol):
             self.transport.close()
         elif hs.state is HandshakeState.TRANSMISSION:
             assert hs.export is not None
-            self._dec = TransmissionDecoder(hs.export, self.pool)
+            self._dec = transmission_decoder(hs.export, self.pool)
             self._hs = None
             if self._hs_timer is not None:
                 self._hs_timer.cancel()

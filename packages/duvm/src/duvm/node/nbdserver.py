@@ -18,7 +18,7 @@ from typing import Any
 from duvm.node.nbdconnection import DEFAULT_HANDSHAKE_TIMEOUT, NBDConnection
 from duvm.store.storage import BlockStore, Capabilities
 from duvm.wire import nbdconst as C
-from duvm.wire.nbdproto import BufferPool, ExportInfo
+from duvm.wire.nbdproto import ExportInfo, buffer_pool
 
 
 def transmission_flags(caps: Capabilities) -> int:
@@ -84,7 +84,7 @@ class NBDServer:
         self.latency: Any = None
         # duvm.wire.nbdtrace.RequestTrace when the daemon runs with --trace, else None
         self.trace: Any = None
-        self.pool = BufferPool()
+        self.pool = buffer_pool()
         self._servers: list[asyncio.Server] = []
         self._connections: set[NBDConnection] = set()
         self._unix_paths: list[str] = []

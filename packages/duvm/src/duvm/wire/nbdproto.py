@@ -23,6 +23,11 @@ Buffering is capped: the handshake holds at most one option, the decoder one rec
 plus the payload of the request being received; everything else is the driver's choice of how
 many requests to keep in flight.
 
+The transmission phase has a compiled twin (`duvm.wire._nbdcodec`: the same decoder, pool and
+request in Cython, reading headers by pointer); `transmission_decoder()` and `buffer_pool()`
+return it unless it is not built or DUVM_PURE_PYTHON=1 (duvm.base.accel). The classes here stay
+the reference.
+
 Errors inside are errno values; `wire_error` is the one place that maps them to the values the
 document allows on the wire.
 """
@@ -35,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from duvm.base import accel
 from duvm.wire import nbdconst as C
 from duvm.wire.pageproto import PAGE_SIZE
 
@@ -380,7 +386,7 @@ _unpack_request = C.REQUEST.unpack_from
 _RANGE_CMDS = (C.CMD_READ, *_WRITE_CMDS)
 
 
-def _allowed_flags(flags: int) -> dict[int, int]:
+def allowed_flags(flags: int) -> dict[int, int]:
     """Command -> the command flags a client may set on it, given the transmission flags."""
     fua = C.CMD_FLAG_FUA if flags & C.FLAG_SEND_FUA else 0
     allowed = {C.CMD_READ: fua, C.CMD_DISC: fua}
@@ -433,7 +439,7 @@ class TransmissionDecoder:
             raise UsageError("receive buffer too small")
         self.export = export
         self.pool = pool if pool is not None else BufferPool()
-        self._allowed = _allowed_flags(export.flags)
+        self._allowed = allowed_flags(export.flags)
         self._align = export.min_block - 1
         self._max_payload = export.max_payload
         # READ (0) always; WRITE (1) only on a writable export
@@ -573,3 +579,18 @@ class TransmissionDecoder:
     def mid_request(self) -> bool:
         """True while a request header or payload is only partly received."""
         return bool(self._pending or self._skip or self._end != self._start)
+
+
+def buffer_pool() -> BufferPool:
+    """The compiled pool when the compiled path runs here, else the reference."""
+    compiled = accel.load("duvm.wire._nbdcodec")
+    return compiled.BufferPool() if compiled is not None else BufferPool()
+
+
+def transmission_decoder(export: ExportInfo, pool: BufferPool) -> TransmissionDecoder:
+    """The compiled decoder when the compiled path runs here, else the reference (both take
+    either pool)."""
+    compiled = accel.load("duvm.wire._nbdcodec")
+    if compiled is not None:
+        return compiled.TransmissionDecoder(export, pool)
+    return TransmissionDecoder(export, pool)
