@@ -22,6 +22,7 @@ COMPILED = {
     "duvm.store._pagecipher": ["crypto"],
     "duvm.memserver._hotloop": [],
     "duvm.wire._nbdcodec": [],
+    "duvm.store._replies": [],
 }
 
 

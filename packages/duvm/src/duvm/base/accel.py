@@ -27,7 +27,12 @@ from types import ModuleType
 
 ENV = "DUVM_PURE_PYTHON"
 # The compiled modules setup.py builds (COMPILED there; a test keeps the two lists equal).
-MODULES = ("duvm.store._pagecipher", "duvm.memserver._hotloop", "duvm.wire._nbdcodec")
+MODULES = (
+    "duvm.store._pagecipher",
+    "duvm.memserver._hotloop",
+    "duvm.wire._nbdcodec",
+    "duvm.store._replies",
+)
 BUILD_FIX = (
     "install a C compiler and the OpenSSL headers (Debian: apt install gcc libssl-dev), then "
     "rebuild duvm (uv sync --reinstall-package duvm)"

@@ -46,7 +46,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from duvm.store.memclient_replies import Batch, Callback, ReplyProtocol, fail_requests
+from duvm.store.memclient_replies import Batch, ReplyProtocol, callback_type, fail_requests
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.storage import Batching
 from duvm.wire import pageproto as pp
@@ -127,6 +127,7 @@ class MemClient:
         self._max_batch = pp.MAX_BATCH
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment] - set by connect
         self._outq: list[bytes | memoryview | Batch] = []
+        self._callback = callback_type()  # the fast path's stand-in for a Future
         self._flush_handle: asyncio.Handle | _Corked | None = None
         self._reserved: int | None = None  # last reservation we asked for
         self._reconnecting: asyncio.Task | None = None
@@ -484,7 +485,7 @@ class MemClient:
     ) -> bool:
         if self.hello is None:
             return False
-        self._send(_STORE, keys, data, None, None, Callback(cb))
+        self._send(_STORE, keys, data, None, None, self._callback(cb))
         return True
 
     def load_cb(
@@ -492,7 +493,7 @@ class MemClient:
     ) -> bool:
         if self.hello is None:
             return False
-        self._send(_LOAD, keys, None, out, None, Callback(cb))
+        self._send(_LOAD, keys, None, out, None, self._callback(cb))
         return True
 
     async def store(self, keys: Iterable[int], data: bytes | bytearray | memoryview) -> None:

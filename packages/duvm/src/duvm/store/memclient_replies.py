@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from duvm.base import accel
 from duvm.base.sockets import tune_socket
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.storage import Batching
@@ -58,6 +59,13 @@ class Callback:
             self.cb(exc)
         except Exception:  # a caller's bug must not break this connection's other replies
             log.exception("memserver request callback failed")
+
+
+def callback_type() -> type[Callback]:
+    """The compiled `Callback` (duvm.store._replies) when the compiled path runs here, else
+    this one, the reference."""
+    compiled = accel.load("duvm.store._replies")
+    return compiled.Callback if compiled is not None else Callback
 
 
 class Batch:
