@@ -127,6 +127,10 @@ class ReplyProtocol(asyncio.BufferedProtocol):
         self.decoder = Decoder("client")
         self.transport: asyncio.Transport | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # the compiled loop that completes the plain replies (duvm.store._replies), or None
+        compiled = accel.load("duvm.store._replies")
+        self._hot = compiled.deliver if compiled is not None else None
+        self._load_limit = self.decoder.limit(_LOAD_REPLY)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # uvloop: not a subclass
         self.transport = transport  # type: ignore[assignment]
@@ -155,9 +159,14 @@ class ReplyProtocol(asyncio.BufferedProtocol):
 
     def _deliver(self, dec: Decoder, pending: dict) -> None:
         entry = None
+        hot = self._hot
         try:
             while True:
                 entry = None
+                if hot is not None:
+                    # the compiled loop completes the plain replies at the front; the frame
+                    # it stops at (any error or refusal among them) is this loop's, below
+                    hot(dec, pending, Batch, self._load_limit)
                 frame = dec.next_frame()
                 if frame is NEED_DATA:
                     return
