@@ -8,6 +8,7 @@ compiled module its runs skip, except where DUVM_REQUIRE_COMPILED=1 (CI) makes t
 from __future__ import annotations
 
 import errno
+import importlib
 import itertools
 import os
 import struct
@@ -264,7 +265,7 @@ if COMPILED != "compiled" and os.environ.get("DUVM_REQUIRE_COMPILED") == "1":
 def _codecs() -> dict[str, SimpleNamespace]:
     out = {"pure": SimpleNamespace(TransmissionDecoder=TransmissionDecoder, BufferPool=BufferPool)}
     if COMPILED == "compiled":
-        c = accel._found("duvm.wire._nbdcodec")[0]
+        c = importlib.import_module("duvm.wire._nbdcodec")  # whatever DUVM_PURE_PYTHON says
         out["compiled"] = SimpleNamespace(
             TransmissionDecoder=c.TransmissionDecoder, BufferPool=c.BufferPool
         )
