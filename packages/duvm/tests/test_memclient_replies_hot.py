@@ -101,7 +101,7 @@ def _build(spec: list, hot: object) -> tuple[ReplyProtocol, _Owner, list, list]:
 def _frame(spec: list, choice: tuple) -> bytes:
     """One reply frame as drawn: (request id, what, seed)."""
     rid, what, seed = choice
-    kind, sizes, _ = spec[(rid - 1) % len(spec)] if spec else ("store", [1], ())
+    kind, sizes, _ = spec[(rid - 1) % len(spec)]
     mtype = (STORE if kind == "store" else LOAD) | pp.REPLY_BIT
     pages = sum(sizes) if kind != "future" else 1
     if what == "ok":
