@@ -17,8 +17,6 @@ tests/test_memclient_callback.py and tests/test_memclient_replies_hot.py hold bo
 behaviour.
 """
 
-import logging
-
 from cpython.buffer cimport PyBuffer_IsContiguous
 from cpython.memoryview cimport PyMemoryView_Check, PyMemoryView_GET_BUFFER
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
@@ -36,7 +34,7 @@ cdef enum:
     STORE_REPLY = 0x8004
     LOAD_REPLY = 0x8005
 
-log = logging.getLogger("duvm.store.memclient_replies")
+from duvm.store.memclient_replies import Batch, log  # the reference's batch type and logger
 
 
 cdef class Callback:
@@ -75,10 +73,10 @@ cdef inline uint64_t _u64(const unsigned char *p) noexcept:
     return _u32(p) | (<uint64_t>_u32(p + 4) << 32)
 
 
-def deliver(decoder, dict pending not None, type batch_type not None, Py_ssize_t load_limit):
+def deliver(decoder, dict pending not None, Py_ssize_t load_limit):
     """Complete the plain replies at the front of `decoder`'s window (see the module doc),
     consuming each frame as it is delivered; the number delivered. `pending` is the owner's
-    table, `batch_type` the reference's `Batch`, `load_limit` the decoder's LOAD reply limit."""
+    table, `load_limit` the decoder's LOAD reply limit."""
     cdef unsigned char[::1] buf
     cdef const unsigned char *p
     cdef Py_ssize_t start, end, total, off, n
@@ -110,7 +108,7 @@ def deliver(decoder, dict pending not None, type batch_type not None, Py_ssize_t
                 break
             req_id = _u64(p + 8)
             entry = pending.get(req_id)
-            if not isinstance(entry, batch_type):
+            if not isinstance(entry, Batch):
                 break
             waiters = entry.waiters
             if mtype == LOAD_REPLY:

@@ -166,7 +166,7 @@ class ReplyProtocol(asyncio.BufferedProtocol):
                 if hot is not None:
                     # the compiled loop completes the plain replies at the front; the frame
                     # it stops at (any error or refusal among them) is this loop's, below
-                    hot(dec, pending, Batch, self._load_limit)
+                    hot(dec, pending, self._load_limit)
                 frame = dec.next_frame()
                 if frame is NEED_DATA:
                     return
