@@ -255,6 +255,61 @@ def test_path_arg_alone_is_informational_and_never_probed(tmp_path: Path):
         proc.stdout.close()
 
 
+MAP_AND_WAIT = textwrap.dedent("""
+    import mmap, sys
+    with open(sys.argv[-1], "rb") as f:
+        held = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    print("mapped", flush=True)
+    sys.stdin.read()
+""")
+
+
+def _safetensors_bytes() -> bytes:
+    """A real safetensors file: little-endian u64 header length, JSON header, tensor data."""
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [4, 8], "data_offsets": [0, 64]}}).encode()
+    return len(header).to_bytes(8, "little") + header + bytes(64)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "error"),
+    [
+        ("model.safetensors", _safetensors_bytes(), None),
+        ("model.gguf", _safetensors_bytes(), "NotGGUFError: not GGUF: magic"),
+    ],
+)
+def test_a_model_in_another_format_is_named_without_a_gguf_error(
+    tmp_path: Path, name: str, content: bytes, error: str | None
+):
+    """A PyTorch process holding a safetensors file (seen on an H200: mapped, and named by
+    --model) showed "GGUF header: GGUFError: not GGUF" because every confirmed model file was
+    read as GGUF. Only a file named .gguf that is not one is an error worth showing."""
+    model = tmp_path / name
+    model.write_bytes(content)
+    script = tmp_path / "map_and_wait.py"
+    script.write_text(MAP_AND_WAIT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "--model", str(model)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().startswith("mapped")
+        resolver = ModelResolver(background=False, index=StoreIndex(StoreRoots()))
+        res = resolver.resolve(scan_process(proc.pid))
+        resolver.close()
+        assert res.ref is not None and res.ref.path == str(model.resolve())
+        assert res.ref.confirmed and res.ref.sources == ("cmdline", "mapped")
+        if error is None:
+            assert res.ref.header_error is None
+        else:
+            assert res.ref.header_error is not None and res.ref.header_error.startswith(error)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+
+
 OLLAMA_SERVE = textwrap.dedent("""
     import json, subprocess, sys
     from http.server import BaseHTTPRequestHandler, HTTPServer

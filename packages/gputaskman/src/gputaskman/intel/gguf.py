@@ -74,6 +74,7 @@ __all__ = [
     "GGUFError",
     "GGUFHeader",
     "KvEstimate",
+    "NotGGUFError",
     "TensorInfo",
     "clear_cache",
     "file_type_name",
@@ -200,6 +201,10 @@ _STRING, _ARRAY = 8, 9
 
 class GGUFError(ValueError):
     """The file is not a GGUF header this reader accepts; ``str()`` says why."""
+
+
+class NotGGUFError(GGUFError):
+    """The file does not begin with the GGUF magic: another format, not a damaged GGUF."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,10 +436,10 @@ def parse_header(
     try:
         magic = bytes(r.buf[r._need(4) :][:4])
     except GGUFError as e:
-        raise GGUFError(f"not GGUF: {e}") from None
+        raise NotGGUFError(f"not GGUF: {e}") from None
     r.pos += 4
     if magic != GGUF_MAGIC:
-        raise GGUFError(f"not GGUF: magic {magic!r}")
+        raise NotGGUFError(f"not GGUF: magic {magic!r}")
     version = r.u32()
     if version not in SUPPORTED_VERSIONS:
         swapped = struct.unpack("<I", struct.pack(">I", version))[0]
@@ -504,7 +509,7 @@ def read_header_cached(path: str | os.PathLike[str]) -> GGUFHeader:
                 _cache.pop(next(iter(_cache)))
             _cache[key] = hit
     if isinstance(hit, GGUFError):
-        raise GGUFError(str(hit))
+        raise type(hit)(str(hit))
     return hit
 
 

@@ -217,6 +217,11 @@ def gather(
     if best is not None and best.allows_detail and best.path is not None:
         try:
             header = gguf.read_header_cached(best.path)
+        except gguf.NotGGUFError as e:
+            # safetensors, ONNX, PyTorch files have no GGUF header to read; only a file
+            # named .gguf that does not begin like one is worth an error
+            if best.path.lower().endswith(".gguf"):
+                header_error = f"{type(e).__name__}: {e}"
         except (OSError, gguf.GGUFError) as e:
             header_error = f"{type(e).__name__}: {e}"
         for p in llm.log_files(pid, raw, cwd, proc=proc):
