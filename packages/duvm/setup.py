@@ -23,6 +23,7 @@ COMPILED = {
     "duvm.memserver._hotloop": [],
     "duvm.wire._nbdcodec": [],
     "duvm.store._replies": [],
+    "duvm.store._fanout": [],
 }
 
 

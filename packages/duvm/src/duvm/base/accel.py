@@ -32,6 +32,7 @@ MODULES = (
     "duvm.memserver._hotloop",
     "duvm.wire._nbdcodec",
     "duvm.store._replies",
+    "duvm.store._fanout",
 )
 BUILD_FIX = (
     "install a C compiler and the OpenSSL headers (Debian: apt install gcc libssl-dev), then "

@@ -283,7 +283,7 @@ class RemoteStore(BlockStore):
         return self.reads.start_read(offset, out, done, tag)
 
     def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
-        return self.writes.start_write(offset, data, done, tag)
+        return self.writes.fan_out.start_write(offset, data, done, tag)
 
     async def read(self, offset: int, out: memoryview) -> None:
         await self.reads.read(offset, out)

@@ -10,9 +10,10 @@
 - While a slab is being copied to a new replica (`repairs`), writes to it also go to the
   target, under the copy's per-slab lock, so a copied chunk never overwrites a newer write.
 - The common write (one slab, every replica connected, no copy running) is one STORE per
-  replica, sent at once; on the fast path (`start_write`) the last acknowledgement marks the
-  pages from the receive callback. Any failure continues in `_store`, which sends it again
-  (STORE is idempotent) and decides what it means.
+  replica, sent at once; on the fast path (`WriteFanOut`, compiled in `duvm.store._fanout`)
+  the last acknowledgement marks the pages from the receive callback. Any failure continues
+  in `RemoteWrites.store_slab`, which sends it again (STORE is idempotent) and decides what it
+  means.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from crc32c import crc32c as _crc32
 
+from duvm.base import accel
 from duvm.store.counters import Counters
 from duvm.store.memclient import MemClient
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
@@ -51,22 +53,25 @@ class WriteCounters(Counters):
     unreachable_waits: int = 0
 
 
-class RemoteWrites:
-    """The write path of a `RemoteStore` over `replication`."""
+class WriteFanOut:
+    """The fast path of `RemoteWrites`: the common write (one slab, every replica connected,
+    no repair copying it) as one STORE to each replica at once, acknowledged from the receive
+    path when all stored it. Any failure continues in `RemoteWrites.store_slab`, which sends it
+    again (STORE is idempotent), drops the replicas that failed and decides what it means.
+    Compiled twin: `duvm.store._fanout` (see `fan_out_type`)."""
 
-    def __init__(self, replication: Replication, unreachable_wait: float) -> None:
-        self.replication = replication
-        self.table = replication.table
-        self.unreachable_wait = unreachable_wait
-        self.counters = WriteCounters()
+    __slots__ = ("replication", "table", "writes")
+
+    def __init__(self, writes: RemoteWrites) -> None:
+        self.writes = writes
+        self.replication = writes.replication
+        self.table = writes.table
 
     def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
-        """The common write (one slab, every replica connected, no repair copying it): one
-        STORE to each replica at once, acknowledged from the receive path when all stored
-        it. Any failure continues in `_store`, which sends it again (STORE is idempotent),
-        drops the replicas that failed and decides what it means."""
         n = len(data)
         assert not (offset | n) & _MASK, f"unaligned request ({offset}, {n})"
+        if offset < 0:
+            raise ValueError(f"negative offset {offset}")
         if not self.replication.open:
             return False
         t = self.table
@@ -75,13 +80,15 @@ class RemoteWrites:
         clients = self._connected_replicas(slab, count)
         if clients is None or (first + count - 1) // t.slab_pages != slab:
             return False
-        inflight = t.inflight
+        writes = self.writes
         crcs: list[array] = []  # the pages' checksums, once computed (see below)
         waiting = len(clients)
         failures: list[BaseException] = []
         token: int | None = None  # a replicated write in flight (SlabTable.write_started)
 
         def stored(exc: BaseException | None) -> None:
+            """Called once per replica: None (stored) or the failure; the last call
+            finishes the write."""
             nonlocal waiting
             if exc is not None:
                 failures.append(exc)
@@ -97,16 +104,17 @@ class RemoteWrites:
                 except Exception as e:  # never leave the request unanswered
                     done(tag, e)
                     return
-                counters = self.counters
+                counters = writes.counters
                 counters.stores += 1
                 counters.pages_stored += count
                 done(tag, None)
             elif all(isinstance(e, REPLICA_FAILURES) for e in failures):
-                done(tag, self._store(slab, first, count, data))
+                done(tag, writes.store_slab(slab, first, count, data))
             else:
                 done(tag, next(e for e in failures if not isinstance(e, REPLICA_FAILURES)))
 
         keys = (first,) if count == 1 else tuple(range(first, first + count))
+        inflight = t.inflight
         inflight[slab] += 1  # a repair starting now waits for this write to finish
         if waiting > 1:  # registered before any STORE can leave
             token = t.write_started(first, count, data)
@@ -118,11 +126,11 @@ class RemoteWrites:
             # callback normally runs right after the send), while the memservers copy the
             # pages, instead of after they answered: for 512 KiB that is about 40% of the
             # daemon's work per write taken off the write's latency. Should the
-            # acknowledgements come first, `stored` computes them itself (D29).
+            # acknowledgements come first, `mark_stored` computes them itself (D29).
             clients[0].loop.call_soon(lambda: crcs.append(page_crcs(data, count)))
         return True
 
-    def _connected_replicas(self, slab: int, count: int) -> list[MemClient] | None:
+    def _connected_replicas(self, slab: int, count: int) -> tuple[MemClient, ...] | None:
         """The slab's replicas when one STORE of `count` pages can go straight to each (all
         connected, no repair copying the slab), else None: the general path decides."""
         clients = self.table.slab_clients[slab]
@@ -132,6 +140,24 @@ class RemoteWrites:
             if c.hello is None or count > c.max_batch:
                 return None
         return clients
+
+
+def fan_out_type() -> type[WriteFanOut]:
+    """The compiled `WriteFanOut` (duvm.store._fanout) when the compiled path runs here, else
+    this one, the reference."""
+    compiled = accel.load("duvm.store._fanout")
+    return compiled.WriteFanOut if compiled is not None else WriteFanOut
+
+
+class RemoteWrites:
+    """The write path of a `RemoteStore` over `replication`; `fan_out` its fast path."""
+
+    def __init__(self, replication: Replication, unreachable_wait: float) -> None:
+        self.replication = replication
+        self.table = replication.table
+        self.unreachable_wait = unreachable_wait
+        self.counters = WriteCounters()
+        self.fan_out = fan_out_type()(self)
 
     def _lone_replica(self, slab: int, count: int) -> MemClient | None:
         """The slab's only replica when one STORE of `count` pages can go straight to it (no
@@ -171,15 +197,17 @@ class RemoteWrites:
                     counters.stores += 1
                     counters.pages_stored += count
                     return
-            await self._store(slab, first, count, data)
+            await self.store_slab(slab, first, count, data)
             return
         parts = []
         for slab, s, k in t.runs(first, count):
             a = (s - first) * PAGE_SIZE
-            parts.append(self._store(slab, s, k, data[a : a + k * PAGE_SIZE]))
+            parts.append(self.store_slab(slab, s, k, data[a : a + k * PAGE_SIZE]))
         await all_parts(parts)
 
-    async def _store(self, slab: int, first: int, count: int, data: memoryview) -> None:
+    async def store_slab(self, slab: int, first: int, count: int, data: memoryview) -> None:
+        """The general path for pages within one slab: every replica, the repair target too,
+        again until one stored it or none can."""
         rep = self.replication.repairs.get(slab)
         if rep is None:
             inflight = self.table.inflight
