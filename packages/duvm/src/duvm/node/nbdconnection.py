@@ -98,9 +98,8 @@ class NBDConnection(asyncio.BufferedProtocol):
         # the store's request batching (storage.Batching), looked up once per connection
         self._batching = self.store.batching
         # the store's callback fast path, when it declares one (BlockStore.fast_path)
-        fast = self.store.fast_path
-        self._start_read = self.store.start_read if fast else None
-        self._start_write = self.store.start_write if fast else None
+        entries = self.store.fast_entries() if self.store.fast_path else (None, None)
+        self._start_read, self._start_write = entries
         self._lat = server.latency  # request start times only when metrics are on
         self._trace = server.trace  # or a trace is written
         self._timed = self._lat is not None or self._trace is not None

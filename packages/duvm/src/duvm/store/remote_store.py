@@ -63,7 +63,15 @@ from duvm.store.repair import Repairer
 from duvm.store.replica_errors import DEFAULT_UNREACHABLE_WAIT, REPLICA_FAILURES, storage_error
 from duvm.store.replication import Replication
 from duvm.store.slab_table import SlabTable
-from duvm.store.storage import PAGE_SIZE, Batching, BlockStore, Capabilities, Done, StorageError
+from duvm.store.storage import (
+    PAGE_SIZE,
+    Batching,
+    BlockStore,
+    Capabilities,
+    Done,
+    FastEntry,
+    StorageError,
+)
 from duvm.wire.auth import PeerSecurity
 
 log = logging.getLogger(__name__)
@@ -284,6 +292,9 @@ class RemoteStore(BlockStore):
 
     def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
         return self.writes.fan_out.start_write(offset, data, done, tag)
+
+    def fast_entries(self) -> tuple[FastEntry, FastEntry]:
+        return self.reads.start_read, self.writes.fan_out.start_write
 
     async def read(self, offset: int, out: memoryview) -> None:
         await self.reads.read(offset, out)

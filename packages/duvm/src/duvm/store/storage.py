@@ -47,6 +47,8 @@ class Capabilities:
 # for a read, `done(tag, memoryview)` finished with the data in that view instead of `out`
 # (bytes the store never changes again, so the reply can be sent from them without a copy).
 Done = Callable[[object, "Coroutine[Any, Any, None] | BaseException | None"], None]
+# start_read / start_write: (offset, buffer, done, tag) -> taken
+FastEntry = Callable[[int, memoryview, Done, object], bool]
 
 
 class Holder(Protocol):
@@ -154,6 +156,12 @@ class BlockStore(ABC):
 
     def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
         return False
+
+    def fast_entries(self) -> tuple[FastEntry, FastEntry]:
+        """`start_read` and `start_write` as the callables to call per request. A store whose
+        fast path is a component of its own returns that component's, so a request does not
+        pass through a frame that only forwards it."""
+        return self.start_read, self.start_write
 
     @abstractmethod
     async def read(self, offset: int, out: memoryview) -> None:
