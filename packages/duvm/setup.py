@@ -24,6 +24,7 @@ COMPILED = {
     "duvm.wire._nbdcodec": [],
     "duvm.store._replies": [],
     "duvm.store._fanout": [],
+    "duvm.store._cryptpath": [],
 }
 
 

@@ -33,6 +33,7 @@ MODULES = (
     "duvm.wire._nbdcodec",
     "duvm.store._replies",
     "duvm.store._fanout",
+    "duvm.store._cryptpath",
 )
 BUILD_FIX = (
     "install a C compiler and the OpenSSL headers (Debian: apt install gcc libssl-dev), then "

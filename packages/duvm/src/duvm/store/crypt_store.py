@@ -40,9 +40,10 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from duvm.base import accel
 from duvm.store.counters import Counters, merge
 from duvm.store.page_cipher import META, NONCE, TAG, TagFailure, page_cipher
-from duvm.store.storage import PAGE_SIZE, BlockStore, Done, StorageError, StoreFilter
+from duvm.store.storage import PAGE_SIZE, BlockStore, Done, FastEntry, StorageError, StoreFilter
 
 __all__ = ["META", "NONCE", "TAG", "CryptStore"]
 
@@ -58,37 +59,40 @@ class CryptStore(StoreFilter):
     """AES-256-GCM over `inner`, page by page; the key (inside the cipher) and the per-page
     nonce/tag table live only in this object. Forwards the fast path."""
 
-    def __init__(self, inner: BlockStore, *, key: bytes | None = None) -> None:
+    def __init__(self, inner: BlockStore, *, key: bytes | None = None, meta: Any = None) -> None:
+        """`meta`: the nonce/tag table to use (a writable buffer of META bytes per page, all
+        zeros for a new export), else a new one in this process's memory."""
         if inner.size % PAGE_SIZE:
             raise ValueError(f"size must be a multiple of {PAGE_SIZE}")
         super().__init__(inner)
         self.pages = inner.size // PAGE_SIZE
         self.cipher = page_cipher(key if key is not None else AESGCM.generate_key(bit_length=256))
-        self._meta = bytearray(self.pages * META)  # nonce | tag per page; zeros = unwritten
-        self._meta_mv = memoryview(self._meta)
+        self._meta = bytearray(self.pages * META) if meta is None else meta
+        self._meta_mv = memoryview(self._meta)  # nonce | tag per page; zeros = unwritten
         self.fast_path = inner.fast_path
         self.own_counters = CryptCounters()
+        self.fast = crypt_path_type()(self)  # the callback fast path
 
     def counters(self) -> dict[str, int]:
         return merge(self.inner.counters(), self.own_counters.snapshot())
 
     # --- sealing and opening ---
 
-    def _reserve_nonces(self, n: int) -> None:
+    def reserve_nonces(self, n: int) -> None:
         """Called before `n` nonces are used (PersistentCryptStore stores the counter)."""
 
-    def _seal(self, first: int, data: memoryview) -> tuple[bytearray, bytearray]:
+    def seal(self, first: int, data: memoryview) -> tuple[bytearray, bytearray]:
         """The pages sealed, and their nonce|tag entries (not yet in the table)."""
         n = len(data) // PAGE_SIZE
         sealed, metas = bytearray(len(data)), bytearray(n * META)
-        self._reserve_nonces(n)
+        self.reserve_nonces(n)
         try:
             self.cipher.seal(first, data, memoryview(sealed), memoryview(metas))
         except OverflowError:  # unreachable in practice (2**96 writes)
             raise StorageError(errno.EIO, "nonce space exhausted; restart the daemon") from None
         return sealed, metas
 
-    def _commit(self, first: int, metas: bytearray) -> None:
+    def commit(self, first: int, metas: bytearray) -> None:
         """The store below holds the new version: the table points at it from now on. (A
         failed write leaves the old one, which the store below still holds: writes are all or
         nothing per request there too, and a partly applied one fails its tag check, never
@@ -97,10 +101,10 @@ class CryptStore(StoreFilter):
         self._meta[m : m + len(metas)] = metas
         self.own_counters.pages_sealed += len(metas) // META
 
-    def _written(self, first: int, n: int) -> int:
+    def written(self, first: int, n: int) -> int:
         return self.cipher.written(self._meta_mv[first * META : (first + n) * META])
 
-    def _open(self, first: int, out: memoryview) -> None:
+    def open_pages(self, first: int, out: memoryview) -> None:
         """Decrypt `out` in place (unwritten pages as zeros); EIO on a failed tag, with `out`
         zeroed: unauthenticated bytes are never handed back."""
         n = len(out) // PAGE_SIZE
@@ -116,77 +120,49 @@ class CryptStore(StoreFilter):
             ) from None
         self.own_counters.pages_opened += opened
 
-    # --- the fast path ---
+    # --- the fast path (CryptFastPath, or its compiled twin) ---
 
     def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
-        first = offset // PAGE_SIZE
-        sealed, metas = self._seal(first, data)
-        cb = partial(self._write_done, first, metas, done)
-        if not self.inner.start_write(offset, memoryview(sealed), cb, tag):
-            # declined below: the coroutine path finishes it with these bytes, sealed once
-            done(tag, self._write_sealed(offset, first, sealed, metas))
-        return True
-
-    def _write_done(self, first: int, metas: bytearray, done: Done, tag: object, cont: Any) -> None:
-        if cont is None:
-            self._commit(first, metas)
-            done(tag, None)
-        elif isinstance(cont, BaseException):
-            done(tag, cont)
-        else:
-            done(tag, self._write_after(first, metas, cont))
-
-    async def _write_after(
-        self, first: int, metas: bytearray, cont: Coroutine[Any, Any, None]
-    ) -> None:
-        await cont
-        self._commit(first, metas)
+        return self.fast.start_write(offset, data, done, tag)
 
     def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
-        first = offset // PAGE_SIZE
-        if not self._written(first, len(out) // PAGE_SIZE):
-            return False  # nothing to load: the coroutine path answers zeros
-        return self.inner.start_read(offset, out, partial(self._read_done, first, out, done), tag)
+        return self.fast.start_read(offset, out, done, tag)
 
-    def _read_done(self, first: int, out: memoryview, done: Done, tag: object, cont: Any) -> None:
-        if isinstance(cont, BaseException):
-            done(tag, cont)
-            return
-        if cont is not None and not isinstance(cont, memoryview):
-            done(tag, self._read_after(first, out, cont))
-            return
-        if cont is not None:  # the store's own bytes (never changed again): open a copy
-            out[:] = cont
-        try:
-            self._open(first, out)
-        except StorageError as e:
-            done(tag, e)
-            return
-        done(tag, None)
+    def fast_entries(self) -> tuple[FastEntry, FastEntry]:
+        return self.fast.start_read, self.fast.start_write
 
-    async def _read_after(
+    async def write_after(
+        self, first: int, metas: bytearray, cont: Coroutine[Any, Any, None]
+    ) -> None:
+        """A fast write the store below continues on its coroutine path."""
+        await cont
+        self.commit(first, metas)
+
+    async def read_after(
         self, first: int, out: memoryview, cont: Coroutine[Any, Any, None]
     ) -> None:
+        """A fast read the store below continues on its coroutine path."""
         await cont
-        self._open(first, out)
+        self.open_pages(first, out)
 
     # --- the coroutine path ---
 
     async def write(self, offset: int, data: memoryview) -> None:
         first = offset // PAGE_SIZE
-        await self._write_sealed(offset, first, *self._seal(first, data))
+        await self.write_sealed(offset, first, *self.seal(first, data))
 
-    async def _write_sealed(
+    async def write_sealed(
         self, offset: int, first: int, sealed: bytearray, metas: bytearray
     ) -> None:
+        """Write pages already sealed (`seal`), then commit their nonces and tags."""
         await self.inner.write(offset, memoryview(sealed))
-        self._commit(first, metas)
+        self.commit(first, metas)
 
     async def read(self, offset: int, out: memoryview) -> None:
         first = offset // PAGE_SIZE
-        if self._written(first, len(out) // PAGE_SIZE):
+        if self.written(first, len(out) // PAGE_SIZE):
             await self.inner.read(offset, out)
-        self._open(first, out)
+        self.open_pages(first, out)
 
     def _forget(self, offset: int, length: int) -> None:
         m = offset // PAGE_SIZE * META
@@ -207,4 +183,71 @@ class CryptStore(StoreFilter):
         await self.inner.close()
         # Best effort: drop the cipher (its key) and the table (Python cannot promise to wipe).
         self.cipher = None  # type: ignore[assignment]
+        self.fast = None  # type: ignore[assignment]  # it holds the cipher too
         self._meta[:] = bytes(len(self._meta))
+
+
+class CryptFastPath:
+    """The callback fast path of `store` (see BlockStore.start_write): a write is sealed into a
+    new buffer and handed to the store below, its nonces and tags entering the table only
+    when the store acknowledged it; a read of written pages is opened in place when the store
+    below completes it. Compiled twin: `duvm.store._cryptpath` (see `crypt_path_type`)."""
+
+    __slots__ = ("inner_read", "inner_write", "store")
+
+    def __init__(self, store: CryptStore) -> None:
+        self.store = store
+        self.inner_read, self.inner_write = store.inner.fast_entries()
+
+    def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
+        store = self.store
+        first = offset // PAGE_SIZE
+        if offset < 0 or first + len(data) // PAGE_SIZE > store.pages:  # never from NBD
+            raise ValueError(f"pages {first}.. are outside the export")
+        sealed, metas = store.seal(first, data)
+        cb = partial(self._write_done, first, metas, done)
+        if not self.inner_write(offset, memoryview(sealed), cb, tag):
+            # declined below: the coroutine path finishes it with these bytes, sealed once
+            done(tag, store.write_sealed(offset, first, sealed, metas))
+        return True
+
+    def _write_done(self, first: int, metas: bytearray, done: Done, tag: object, cont: Any) -> None:
+        if cont is None:
+            self.store.commit(first, metas)
+            done(tag, None)
+        elif isinstance(cont, BaseException):
+            done(tag, cont)
+        else:
+            done(tag, self.store.write_after(first, metas, cont))
+
+    def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
+        store = self.store
+        first = offset // PAGE_SIZE
+        if offset < 0 or first + len(out) // PAGE_SIZE > store.pages:  # never from NBD
+            raise ValueError(f"pages {first}.. are outside the export")
+        if not store.written(first, len(out) // PAGE_SIZE):
+            return False  # nothing to load: the coroutine path answers zeros
+        return self.inner_read(offset, out, partial(self._read_done, first, out, done), tag)
+
+    def _read_done(self, first: int, out: memoryview, done: Done, tag: object, cont: Any) -> None:
+        if isinstance(cont, BaseException):
+            done(tag, cont)
+            return
+        if cont is not None and not isinstance(cont, memoryview):
+            done(tag, self.store.read_after(first, out, cont))
+            return
+        if cont is not None:  # the store's own bytes (never changed again): open a copy
+            out[:] = cont
+        try:
+            self.store.open_pages(first, out)
+        except StorageError as e:
+            done(tag, e)
+            return
+        done(tag, None)
+
+
+def crypt_path_type() -> type[CryptFastPath]:
+    """The compiled `CryptFastPath` (duvm.store._cryptpath) when the compiled path runs here,
+    else this one, the reference."""
+    compiled = accel.load("duvm.store._cryptpath")
+    return compiled.CryptFastPath if compiled is not None else CryptFastPath

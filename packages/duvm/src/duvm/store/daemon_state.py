@@ -298,15 +298,13 @@ class PersistentCryptStore(CryptStore):
     under the key."""
 
     def __init__(self, inner: BlockStore, key: bytes, tables: PageTables) -> None:
-        super().__init__(inner, key=key)
         if tables.meta is None:
             raise ValueError("the page tables were created without encryption")
+        super().__init__(inner, key=key, meta=tables.meta)
         self._tables = tables
-        self._meta = tables.meta  # type: ignore[assignment]
-        self._meta_mv = memoryview(tables.meta)
         self.cipher.counter = tables.nonce_counter
 
-    def _reserve_nonces(self, n: int) -> None:
+    def reserve_nonces(self, n: int) -> None:
         self._tables.nonce_counter = self.cipher.counter + n
 
     async def close(self) -> None:
