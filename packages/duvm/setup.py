@@ -25,7 +25,6 @@ COMPILED = {
     "duvm.store._replies": [],
     "duvm.store._fanout": [],
     "duvm.store._cryptpath": [],
-    "duvm.store._readpath": [],
 }
 
 
