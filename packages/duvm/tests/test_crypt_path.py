@@ -228,3 +228,20 @@ def test_a_write_outside_the_export_never_touches_the_table() -> None:
             with pytest.raises(ValueError, match="outside the export"):
                 start((PAGES - 1) * PS, memoryview(bytearray(2 * PS)), done_calls.append, 0)
         assert done_calls == [] and bytes(store._meta) == bytes(PAGES * 28)
+
+
+async def test_a_persistent_store_closes_while_a_connection_holds_its_fast_path(
+    tmp_path,
+) -> None:
+    """An NBD connection keeps the fast path's callables (`fast_entries`) until it is gone. The
+    compiled path held a typed view of the table's memoryview, so closing the store failed
+    with "memoryview has 1 exported buffer" (PersistentCryptStore releases that view)."""
+    from duvm.store import daemon_state as ds
+    from duvm.store.memory_store import MemoryStore
+
+    tables = ds.PageTables.create(tmp_path / "pages.bin", PAGES, encrypted=True)
+    store = ds.PersistentCryptStore(MemoryStore(PAGES * PS), KEY, tables)
+    held = store.fast_entries()  # as a connection holds them
+    await store.close()
+    tables.close()
+    assert callable(held[0]) and store.fast is None

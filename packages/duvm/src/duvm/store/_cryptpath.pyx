@@ -91,7 +91,10 @@ cdef class CryptFastPath:
         self.cipher = store.cipher
         self.counters = store.own_counters
         self.inner_read, self.inner_write = store.inner.fast_entries()
-        self.meta = store._meta_mv  # the store's table, never replaced while it is open
+        # The store's table itself, never replaced while it is open; not its memoryview,
+        # which a PersistentCryptStore releases at close while a connection may still hold
+        # this object through its fast entries.
+        self.meta = store._meta
 
     cdef int commit(self, Py_ssize_t first, bytearray metas) except -1:
         cdef Py_ssize_t n = len(metas)
