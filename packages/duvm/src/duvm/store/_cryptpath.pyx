@@ -23,7 +23,6 @@ SOURCE_DIGEST = DUVM_SOURCE_DIGEST.decode()
 
 import errno
 
-from duvm.store.page_cipher import TagFailure
 from duvm.store.storage import StorageError
 
 cdef enum:

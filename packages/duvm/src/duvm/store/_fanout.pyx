@@ -6,10 +6,9 @@ stays the reference and documents them.
 Per replicated 4 KiB write the reference runs the fan-out, the choice of replicas and one
 completion per replica as interpreted frames over a closure; here they are typed C over one
 `ReplicatedWrite`, with the slab's in-flight counter written through a typed view of the
-table's array. What
-they touch outside (the table's `mark_stored`, `write_started` and `write_ended`, each
-memory client's `store_cb`, the general path `RemoteWrites.store_slab`) is the same Python
-code the reference calls, so every rule stays in one place.
+table's array. What they touch outside (the table's `mark_stored`, `write_started` and
+`write_ended`, each memory client's `store_cb`, the general path `RemoteWrites.store_slab`)
+is the same Python code the reference calls, so every rule stays in one place.
 
 tests/test_remote_write_fanout.py holds both to the same behaviour.
 """

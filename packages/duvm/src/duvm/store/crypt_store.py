@@ -222,10 +222,10 @@ class CryptFastPath:
 
     def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
         store = self.store
-        first = offset // PAGE_SIZE
-        if offset < 0 or first + len(out) // PAGE_SIZE > store.pages:  # never from NBD
+        first, n = offset // PAGE_SIZE, len(out) // PAGE_SIZE
+        if offset < 0 or first + n > store.pages:  # never from NBD
             raise ValueError(f"pages {first}.. are outside the export")
-        if not store.written(first, len(out) // PAGE_SIZE):
+        if not store.written(first, n):
             return False  # nothing to load: the coroutine path answers zeros
         return self.inner_read(offset, out, partial(self._read_done, first, out, done), tag)
 
