@@ -261,6 +261,35 @@ def test_min_free_raised_restored_and_never_lowered(tmp_path: Path) -> None:
     assert int(sysctl.read_text()) == floor + 1
 
 
+def test_watermark_boost_stopped_restored_and_absent_on_old_kernels(tmp_path: Path) -> None:
+    """Guards the hang of the stop set-up (docs/BENCHMARKS.md): a boost left on lifts the min
+    watermark above free memory while the memserver is away, below the daemon's reserve."""
+    sysctl = tmp_path / "watermark_boost_factor"
+    sysctl.write_text("15000\n")
+    before, we_set = kernel_swap.stop_watermark_boost(sysctl)
+    assert (before, we_set) == (15000, 0)
+    assert sysctl.read_text() == "0"
+    kernel_swap.restore_sysctl(before, we_set, sysctl)
+    assert sysctl.read_text() == "15000"
+
+    # someone changed it after us: theirs stands
+    kernel_swap.stop_watermark_boost(sysctl)
+    sysctl.write_text("500")
+    kernel_swap.restore_sysctl(15000, 0, sysctl)
+    assert sysctl.read_text() == "500"
+
+    # already 0: nothing set, nothing to restore
+    sysctl.write_text("0")
+    assert kernel_swap.stop_watermark_boost(sysctl) == (0, None)
+    kernel_swap.restore_sysctl(0, None, sysctl)
+    assert sysctl.read_text() == "0"
+
+    # a kernel before 5.0 has no such setting: nothing done, nothing recorded
+    assert kernel_swap.stop_watermark_boost(tmp_path / "absent") == (None, None)
+    kernel_swap.restore_sysctl(None, None, tmp_path / "absent")
+    assert not (tmp_path / "absent").exists()
+
+
 # --- /proc/swaps -----------------------------------------------------------------------------
 
 
@@ -356,6 +385,7 @@ def test_attach_refuses_without_root(tmp_path: Path) -> None:
 @needs_root
 def test_attach_without_server_leaves_nothing(tmp_path: Path) -> None:
     before = Path("/proc/sys/vm/min_free_kbytes").read_text()
+    boost_before = kernel_swap.WATERMARK_BOOST_SYSCTL.read_text()
     state = tmp_path / "state.json"
     with pytest.raises(attach_state.AttachError):
         attach.attach(
@@ -366,6 +396,7 @@ def test_attach_without_server_leaves_nothing(tmp_path: Path) -> None:
         )
     assert not state.exists()
     assert Path("/proc/sys/vm/min_free_kbytes").read_text() == before
+    assert kernel_swap.WATERMARK_BOOST_SYSCTL.read_text() == boost_before
 
 
 @needs_root

@@ -184,6 +184,8 @@ def test_enable_attached_dev_nbd0_through_the_kernel_driver(guest_run: Any) -> N
     assert att["nbd_module_loaded"]
     # enable raised the reserve that keeps swap over the network from freezing (FACTS.md)
     assert att["min_free_kbytes"] >= 8192 > _event(guest_run, "start")["min_free_kbytes"]
+    # and stopped watermark boosting, which can lift the min watermark above free memory
+    assert att["watermark_boost_factor"] == 0 < _event(guest_run, "start")["watermark_boost_factor"]
 
 
 @qemu
@@ -262,6 +264,7 @@ def test_disable_swapped_off_detached_and_cleaned_up(guest_run: Any) -> None:
     assert det["holder_pids"] == [] and det["daemon_pids"] == [], det
     assert det["supervisor_pids"] == [] and det["supervisor_left"] is False, det
     assert det["min_free_kbytes"] == _event(guest_run, "start")["min_free_kbytes"]
+    assert det["watermark_boost_factor"] == _event(guest_run, "start")["watermark_boost_factor"]
     assert "state.json" not in det["state_files"] and "daemon.json" not in det["state_files"]
     assert "cleanup" not in guest_run.events  # the forced fallback disable never ran
     pages = [m["used_pages"] for m in det["memservers"]]

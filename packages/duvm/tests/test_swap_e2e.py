@@ -62,6 +62,9 @@ def vmstat() -> dict[str, int]:
     return out
 
 
+BOOST = kernel_swap.WATERMARK_BOOST_SYSCTL
+
+
 @dataclass
 class Stack:
     base: Path
@@ -69,6 +72,7 @@ class Stack:
     state: Path
     server: subprocess.Popen[bytes]
     min_free_before: str
+    boost_before: str | None
     pids: list[int] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)
     cgroups: list[Path] = field(default_factory=list)
@@ -118,6 +122,8 @@ class Stack:
             left.append(f"state file {self.state}")
         if Path("/proc/sys/vm/min_free_kbytes").read_text() != self.min_free_before:
             left.append("vm.min_free_kbytes not restored")
+        if BOOST.exists() and BOOST.read_text() != self.boost_before:
+            left.append("vm.watermark_boost_factor not restored")
         return left
 
 
@@ -137,6 +143,7 @@ def swap_stack() -> Iterator[Stack]:
         base / "state.json",
         server,
         Path("/proc/sys/vm/min_free_kbytes").read_text(),
+        BOOST.read_text() if BOOST.exists() else None,
         pids=[server.pid],
     )
     try:
@@ -188,6 +195,7 @@ def test_workload_swaps_through_nbd_and_every_byte_comes_back() -> None:
         assert att.size_bytes == SERVER_MIB << 20
         floor = kernel_swap.safe_min_free_kbytes(kernel_swap.mem_total_kb())
         assert int(Path("/proc/sys/vm/min_free_kbytes").read_text()) >= floor
+        assert not BOOST.exists() or BOOST.read_text().strip() == "0"
 
         before = vmstat()
         with stack.cgroup() as cg:

@@ -23,8 +23,9 @@ slots as it frees them, which reaches the daemon as NBD_CMD_TRIM and frees remot
 pool holds 0 pages of ours once detached.
 
 Swapping over a network block device needs memory on the I/O path (socket buffers, FUSE
-requests), so ``vm.min_free_kbytes`` is raised (never lowered) on attach and restored on
-detach if nobody changed it meanwhile (:mod:`duvm.node.kernel_swap`).
+requests), so ``vm.min_free_kbytes`` is raised (never lowered) on attach and
+``vm.watermark_boost_factor`` set to 0, both restored on detach if nobody changed them meanwhile
+(:mod:`duvm.node.kernel_swap`).
 
 Every step is recorded in a small JSON state file (written atomically after each step,
 :mod:`duvm.node.attach_state`), so ``detach`` — also after a crash half-way through
@@ -113,6 +114,8 @@ def attach(
     try:
         att.min_free_before, att.min_free_set = kernel_swap.raise_min_free()
         save()
+        att.watermark_boost_before, att.watermark_boost_set = kernel_swap.stop_watermark_boost()
+        save()
         if method == METHOD_KERNEL:
             attach_kernel.attach(att, run_dir, nbd_timeout_s, save)
         else:
@@ -184,6 +187,14 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
         kernel_swap.restore_min_free(att.min_free_before, att.min_free_set)
     except (OSError, ValueError) as exc:
         errors.append(f"could not restore vm.min_free_kbytes={att.min_free_before}: {exc}")
+    try:
+        kernel_swap.restore_sysctl(
+            att.watermark_boost_before, att.watermark_boost_set, kernel_swap.WATERMARK_BOOST_SYSCTL
+        )
+    except (OSError, ValueError) as exc:
+        errors.append(
+            f"could not restore vm.watermark_boost_factor={att.watermark_boost_before}: {exc}"
+        )
     if errors:
         attach_state.save_state(state_path, att)
         raise AttachError("detach incomplete: " + "; ".join(errors))

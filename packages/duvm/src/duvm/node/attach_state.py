@@ -50,6 +50,8 @@ class Attachment:
     direct_io: bool | None = None
     min_free_before: int | None = None
     min_free_set: int | None = None
+    watermark_boost_before: int | None = None  # vm.watermark_boost_factor (kernel_swap)
+    watermark_boost_set: int | None = None
     extra: dict[str, object] = field(default_factory=dict)  # for the control layer (daemon pid)
 
 

@@ -453,6 +453,12 @@ def status(
         "min_free_kbytes": {"before": att.min_free_before, "set": att.min_free_set}
         if att
         else None,
+        "watermark_boost_factor": {
+            "before": att.watermark_boost_before,
+            "set": att.watermark_boost_set,
+        }
+        if att
+        else None,
         "client_id": daemon.client_id if daemon else None,
         "replication": report.get("store"),
         "peers": peer_list,

@@ -1,11 +1,18 @@
 """The kernel's swap and memory, as attach and detach need them: the ``vm.min_free_kbytes``
-reserve, ``/proc/swaps``, and whether a swapoff can bring the pages home.
+reserve, watermark boosting, ``/proc/swaps``, and whether a swapoff can bring the pages home.
 
 Swapping over a network block device needs memory on the I/O path (socket buffers, FUSE
 requests). If free memory runs out, the kernel cannot allocate for the request that would free
 memory, and the machine freezes. ``vm.min_free_kbytes`` is the reserve the allocator keeps for
 such atomic/reclaim allocations; see :func:`safe_min_free_kbytes` for the floor we set. It is
 raised (never lowered) on attach and restored on detach if nobody changed it meanwhile.
+
+``vm.watermark_boost_factor`` is set to 0 the same way (and put back on detach). A boost
+raises every zone watermark, ``min`` included, by up to 150 % of ``high`` after a
+fragmentation event, until kswapd has reclaimed that much; but kswapd reclaims by swapping out
+through the daemon. In a QEMU guest with its only memserver stopped for 20 s, a boost of 20 MB
+put ``min`` at 29 MB with 14 MB free: the daemon's socket buffers for the resumed memserver were
+below even its realtime reserve, and the node hung (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from duvm.base import cgroup
 from duvm.node.attach_state import AttachError
 
 MIN_FREE_SYSCTL = Path("/proc/sys/vm/min_free_kbytes")
+WATERMARK_BOOST_SYSCTL = Path("/proc/sys/vm/watermark_boost_factor")  # Linux 5.0 and later
 
 
 # --- vm.min_free_kbytes ----------------------------------------------------------------------
@@ -66,6 +74,27 @@ def restore_min_free(
     before: int | None, we_set: int | None, sysctl: Path = MIN_FREE_SYSCTL
 ) -> None:
     """Put back the old value, unless someone changed it after we did (then theirs stands)."""
+    restore_sysctl(before, we_set, sysctl)
+
+
+def stop_watermark_boost(
+    sysctl: Path = WATERMARK_BOOST_SYSCTL,
+) -> tuple[int | None, int | None]:
+    """Set ``vm.watermark_boost_factor`` to 0 (see the module docstring). Returns (value
+    before, 0 or None when it was 0 already); (None, None) on a kernel without the setting."""
+    try:
+        before = int(sysctl.read_text())
+    except FileNotFoundError:
+        return None, None
+    if before == 0:
+        return before, None
+    sysctl.write_text("0")
+    return before, 0
+
+
+def restore_sysctl(before: int | None, we_set: int | None, sysctl: Path) -> None:
+    """Put back the value a sysctl had before we set it, unless someone changed it after we did
+    (then theirs stands). Nothing to do when we set nothing."""
     if before is None or we_set is None:
         return
     if int(sysctl.read_text()) == we_set:
