@@ -501,7 +501,7 @@ def run_guest(
                 continue_at = None
             if watch.hung:
                 assert monitor is not None
-                sysrq(monitor, "wm")  # the blocked tasks' stacks on the console, then stop
+                sysrq(monitor, "wmt")  # the tasks' stacks and memory on the console, then stop
                 time.sleep(3)
                 break
         rc = qemu.poll()
@@ -599,7 +599,9 @@ def sysrq(monitor: Path, keys: str) -> None:
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
         s.settimeout(5)
         s.connect(str(monitor))
-        for key in keys:
+        # The guest boots with loglevel=4, and the dumps are printed at KERN_INFO: console
+        # log level 9 first, or only their headers reach the console.
+        for key in "9" + keys:
             s.sendall(f"sendkey alt-sysrq-{key}\n".encode())
             time.sleep(2)
 
