@@ -25,6 +25,7 @@ COMPILED = {
     "duvm.store._replies": [],
     "duvm.store._fanout": [],
     "duvm.store._cryptpath": [],
+    "duvm.store._readpath": [],
 }
 
 

@@ -34,6 +34,7 @@ MODULES = (
     "duvm.store._replies",
     "duvm.store._fanout",
     "duvm.store._cryptpath",
+    "duvm.store._readpath",
 )
 BUILD_FIX = (
     "install a C compiler and the OpenSSL headers (Debian: apt install gcc libssl-dev), then "

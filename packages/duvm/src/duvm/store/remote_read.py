@@ -3,8 +3,9 @@
 - Never-written (EMPTY) pages are zeros made here, with no network trip; LOST pages fail with
   EIO until they are written again.
 - The common read (written pages of one slab, its preferred replica connected) is one LOAD
-  whose reply is checked against the slab table's CRC-32C; on the fast path (`start_read`)
-  that happens in the receive callback, with no coroutine.
+  whose reply is checked against the slab table's CRC-32C; on the fast path (`ReadFastPath`,
+  compiled in `duvm.store._readpath`) that happens in the receive callback, with no
+  coroutine.
 - Anything else, or any failure, goes through `load_verified`: each replica in turn. A replica
   that is unreachable is skipped (a failover); one that answers NOT_FOUND or bad bytes is
   dropped from the slab. If no replica has good bytes, the pages are lost (EIO from now on); if
@@ -18,6 +19,7 @@ import errno
 import logging
 from dataclasses import dataclass
 
+from duvm.base import accel
 from duvm.store.counters import Counters
 from duvm.store.memclient import MemClient
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
@@ -61,55 +63,7 @@ class RemoteReads:
         self.readahead = Readahead(self.table, self.read)
         # every change to a page drops the windows that hold it before a read can look
         self.table.on_change = self.readahead.invalidate
-
-    def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
-        """The common read (written pages of one slab, preferred replica connected): one LOAD
-        whose reply is checked and answered from the receive path, with no coroutine. Anything
-        else, or any failure, continues in `load_verified` (failover, judging replicas)."""
-        n = len(out)
-        assert not (offset | n) & _MASK, f"unaligned request ({offset}, {n})"
-        if not self.replication.open:
-            return False
-        t = self.table
-        first, count, st = offset >> 12, n >> 12, t.state
-        slab = first // t.slab_pages
-        if count == 1:
-            if st[first] != DATA:
-                return False
-        elif (first + count - 1) // t.slab_pages != slab or st.count(
-            DATA, first, first + count
-        ) != count:
-            return False
-        c = t.slab_clients[slab][0]
-        if count > c.max_batch:
-            return False
-        ra = self.readahead
-        if ra.windows and ra.hit(first, count, out, done, tag):
-            return True
-
-        def loaded(exc: BaseException | None) -> None:
-            try:
-                ok = exc is None and not t.bad_pages(first, count, out)
-            except Exception as e:  # never leave the request unanswered
-                ok, exc = False, e
-            if ok:
-                counters = self.counters
-                counters.loads += 1
-                counters.pages_loaded += count
-                done(tag, None)
-            elif exc is None or isinstance(exc, REPLICA_FAILURES):
-                done(tag, self.load_verified(slab, first, count, out))
-            else:
-                done(tag, exc)
-
-        keys = (first,) if count == 1 else tuple(range(first, first + count))
-        if not c.load_cb(keys, out, loaded):
-            return False
-        try:  # the request is on its way: fetching ahead must not fail it
-            ra.missed(first, count)
-        except Exception:
-            log.exception("readahead failed; reading on without it")
-        return True
+        self.fast = read_path_type()(self)  # the callback fast path
 
     async def read(self, offset: int, out: memoryview) -> None:
         n = len(out)
@@ -257,3 +211,75 @@ async def _load_one(client: MemClient, keys: tuple[int, ...], out: memoryview) -
         except MemserverUnreachable:
             pass  # load() below reconnects (if the breaker allows) and retries
     await client.load(keys, out)
+
+
+class ReadFastPath:
+    """The fast path of `RemoteReads`. Compiled twin: `duvm.store._readpath` (see
+    `read_path_type`)."""
+
+    __slots__ = ("reads", "replication", "table")
+
+    def __init__(self, reads: RemoteReads) -> None:
+        self.reads = reads
+        self.replication = reads.replication
+        self.table = reads.table
+
+    def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
+        """The common read (written pages of one slab, preferred replica connected): one LOAD
+        whose reply is checked and answered from the receive path, with no coroutine. Anything
+        else, or any failure, continues in `RemoteReads.load_verified` (failover, judging
+        replicas)."""
+        n = len(out)
+        assert not (offset | n) & _MASK, f"unaligned request ({offset}, {n})"
+        if offset < 0:
+            raise ValueError(f"negative offset {offset}")
+        reads = self.reads
+        if not self.replication.open:
+            return False
+        t = self.table
+        first, count, st = offset >> 12, n >> 12, t.state
+        slab = first // t.slab_pages
+        if count == 1:
+            if st[first] != DATA:
+                return False
+        elif (first + count - 1) // t.slab_pages != slab or st.count(
+            DATA, first, first + count
+        ) != count:
+            return False
+        c = t.slab_clients[slab][0]
+        if count > c.max_batch:
+            return False
+        ra = reads.readahead
+        if ra.windows and ra.hit(first, count, out, done, tag):
+            return True
+
+        def loaded(exc: BaseException | None) -> None:
+            try:
+                ok = exc is None and not t.bad_pages(first, count, out)
+            except Exception as e:  # never leave the request unanswered
+                ok, exc = False, e
+            if ok:
+                counters = reads.counters
+                counters.loads += 1
+                counters.pages_loaded += count
+                done(tag, None)
+            elif exc is None or isinstance(exc, REPLICA_FAILURES):
+                done(tag, reads.load_verified(slab, first, count, out))
+            else:
+                done(tag, exc)
+
+        keys = (first,) if count == 1 else tuple(range(first, first + count))
+        if not c.load_cb(keys, out, loaded):
+            return False
+        try:  # the request is on its way: fetching ahead must not fail it
+            ra.missed(first, count)
+        except Exception:
+            log.exception("readahead failed; reading on without it")
+        return True
+
+
+def read_path_type() -> type[ReadFastPath]:
+    """The compiled `ReadFastPath` (duvm.store._readpath) when the compiled path runs here,
+    else this one, the reference."""
+    compiled = accel.load("duvm.store._readpath")
+    return compiled.ReadFastPath if compiled is not None else ReadFastPath

@@ -288,13 +288,13 @@ class RemoteStore(BlockStore):
     # --- the BlockStore interface: each request path is its own component ---
 
     def start_read(self, offset: int, out: memoryview, done: Done, tag: object) -> bool:
-        return self.reads.start_read(offset, out, done, tag)
+        return self.reads.fast.start_read(offset, out, done, tag)
 
     def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
         return self.writes.fan_out.start_write(offset, data, done, tag)
 
     def fast_entries(self) -> tuple[FastEntry, FastEntry]:
-        return self.reads.start_read, self.writes.fan_out.start_write
+        return self.reads.fast.start_read, self.writes.fan_out.start_write
 
     async def read(self, offset: int, out: memoryview) -> None:
         await self.reads.read(offset, out)
