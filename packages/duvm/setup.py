@@ -26,6 +26,7 @@ COMPILED = {
     "duvm.store._fanout": [],
     "duvm.store._cryptpath": [],
     "duvm.store._readpath": [],
+    "duvm.store._sendqueue": [],
 }
 
 

@@ -303,7 +303,7 @@ async def test_a_replicated_write_checksums_its_pages_after_its_stores_left(serv
     real = remote_write.page_crcs
 
     def spy(buf: memoryview, count: int) -> object:
-        sent = all(c._flush_handle is None and not c._outq for c in store.clients)
+        sent = all(c.queue.idle for c in store.clients)
         seen.append(([s.store.counters["store_requests"] for s in srvs], sent))
         return real(buf, count)
 

@@ -35,6 +35,7 @@ MODULES = (
     "duvm.store._fanout",
     "duvm.store._cryptpath",
     "duvm.store._readpath",
+    "duvm.store._sendqueue",
 )
 BUILD_FIX = (
     "install a C compiler and the OpenSSL headers (Debian: apt install gcc libssl-dev), then "

@@ -2,19 +2,18 @@
 
 Theory of operation:
 
-- `MemClient` owns one connection (an asyncio BufferedProtocol around `pagedecode.Decoder`) and
-  a table of pending requests keyed by request id. Callers `await` a method; the request is
-  queued, and every request queued in one event-loop iteration leaves in a single `writelines`
-  (a `call_soon` flush), so a burst of NBD requests costs one syscall. The NBD server instead
-  brackets the requests of one read with its store's `batching.cork()`/`uncork()`
-  (`storage.Batching`, shared by one store's connections): they leave at `uncork()`, in the
-  same iteration, which spares each request an extra loop iteration of latency.
-  Replies may arrive in any order; each completes its own future. LOAD replies are copied
-  straight from the receive buffer into the caller's buffer (`load(keys, out)`): one copy
-  from socket to destination.
-- Consecutive STOREs (or LOADs) queued in one iteration merge into one frame (`Batch`): the
-  memserver then handles one request for many pages. If a merged request is refused, its parts
-  are sent again one by one, so only the parts that are really refused fail.
+- `MemClient` owns one connection: its receive side (`memclient_replies.ReplyProtocol`, an
+  asyncio BufferedProtocol around `pagedecode.Decoder`) and its send side
+  (`memclient_send.SendQueue`: the queue and the table of pending requests keyed by request
+  id). Callers `await` a method; every request queued in one event-loop iteration leaves in a
+  single `writelines`, so a burst of NBD requests costs one syscall, and consecutive STOREs (or
+  LOADs) merge into one frame. The NBD server brackets the requests of one read with its
+  store's `batching.cork()`/`uncork()` (`storage.Batching`, shared by one store's
+  connections): they leave at `uncork()`, in the same iteration, which spares each request an
+  extra loop iteration of latency. Replies may arrive in any order; each completes its own
+  future. LOAD replies are copied straight from the receive buffer into the caller's buffer
+  (`load(keys, out)`): one copy from socket to destination. If a merged request is refused,
+  its parts are sent again one by one, so only the parts that are really refused fail.
 - Batches larger than the server's `max_batch` are split and sent concurrently.
 - Every request is idempotent (STORE of the same bytes, LOAD, FREE, absolute RESERVE, RELEASE),
   so when the connection drops the client reconnects with the same client id and retries once.
@@ -46,7 +45,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from duvm.store.memclient_replies import Batch, ReplyProtocol, callback_type, fail_requests
+from duvm.store.memclient_replies import Batch, ReplyProtocol
+from duvm.store.memclient_send import LOAD as _LOAD
+from duvm.store.memclient_send import STORE as _STORE
+from duvm.store.memclient_send import send_queue_type
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.store.storage import Batching
 from duvm.wire import pageproto as pp
@@ -59,31 +61,14 @@ from duvm.wire.auth import (
     default_token,
     start_handshake,
 )
-from duvm.wire.pageencode import batch_prefix, encode
 from duvm.wire.pageproto import PAGE_SIZE
 
 log = logging.getLogger(__name__)
 
-# Requests merge into one frame up to this many pages: enough to spare the memserver its
-# per-request cost for small requests, small enough that a reply can be delivered (and the
-# next frame received) while others are still in flight.
-MERGE_PAGES = 64
 BACKOFF_MIN = 0.1  # seconds the breaker stays open after the first failure
 BACKOFF_MAX = 5.0  # ... and at most, however many failures follow
 
-_STORE, _LOAD, _FREE = int(pp.MsgType.STORE), int(pp.MsgType.LOAD), int(pp.MsgType.FREE)
-
-
-class _Corked:
-    """Stands in for the flush handle of a client whose requests are held (`Batching.hold`)."""
-
-    __slots__ = ()
-
-    def cancel(self) -> None:  # close() flushes at once anyway
-        pass
-
-
-_CORKED = _Corked()
+_FREE = int(pp.MsgType.FREE)
 
 
 class MemClient:
@@ -120,15 +105,8 @@ class MemClient:
         self.hello: pp.HelloReply | None = None
         self.namespace_losses = 0  # reconnects that found the namespace gone
         self._proto: ReplyProtocol | None = None
-        # request id -> its future, or the merged Batch it answers
-        self.pending: dict[int, asyncio.Future | Batch] = {}  # ReplyOwner: replies pop from it
-        self._open: Batch | None = None  # the batch at the tail of _outq, still growing
-        self._next_id = 0
-        self._max_batch = pp.MAX_BATCH
+        self.queue = send_queue_type()(self.peer, self.batching)  # the send side
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment] - set by connect
-        self._outq: list[bytes | memoryview | Batch] = []
-        self._callback = callback_type()  # the fast path's stand-in for a Future
-        self._flush_handle: asyncio.Handle | _Corked | None = None
         self._reserved: int | None = None  # last reservation we asked for
         self._reconnecting: asyncio.Task | None = None
         self._closed = False
@@ -140,10 +118,15 @@ class MemClient:
         self.lease_s: float | None = None  # the memserver's namespace lease (from HELLO)
         self.breaker_trips = 0  # times the breaker opened (status)
         self._breaker_until = 0.0  # monotonic time before which no connect is tried
-        self._busy_since = 0.0  # when requests were last sent with none pending
         self.last_rx = 0.0  # when bytes last arrived
 
     # --- connection ---
+
+    @property
+    def pending(self) -> dict[int, Any]:
+        """Request id -> its Future, `Callback` or merged `Batch` (ReplyOwner: replies pop
+        from it); the send side's table."""
+        return self.queue.pending
 
     @property
     def connected(self) -> bool:
@@ -171,9 +154,9 @@ class MemClient:
 
     def stalled_for(self, now: float) -> float:
         """Seconds requests have been outstanding with no byte received (0 when idle)."""
-        if not self.pending or self._proto is None:
+        if not self.queue.pending or self._proto is None:
             return 0.0
-        return now - max(self._busy_since, self.last_rx)
+        return now - max(self.queue.busy_since, self.last_rx)
 
     def abort(self, reason: str) -> None:
         """Drop the connection now (a stalled peer): pending requests fail as on a lost
@@ -200,7 +183,7 @@ class MemClient:
     @property
     def max_batch(self) -> int:
         """Pages per request the memserver accepts (protocol maximum before HELLO)."""
-        return self._max_batch
+        return self.queue.max_batch
 
     async def connect(self) -> pp.HelloReply:
         """Connect and say HELLO. Raises MemserverUnreachable or PageServerError (VERSION)."""
@@ -230,6 +213,7 @@ class MemClient:
                 f"cannot reach memserver {self.peer}: the connection was closed as it opened"
             )
         self._proto = proto
+        self.queue.connected(loop, proto.transport)  # type: ignore[arg-type]
         try:
             hello, state = start_handshake(self.client_id, self.security, self.token)
             challenge = await self._request(hello)
@@ -238,16 +222,16 @@ class MemClient:
             )
         except AuthError as e:
             proto.transport.abort()
-            self._proto = None
+            self._proto = self.queue.transport = None
             raise PageServerError(pp.ErrorCode.AUTH, str(e)) from None
         except BaseException:
             proto.transport.abort()
-            self._proto = None
+            self._proto = self.queue.transport = None
             raise
         self.hello = reply
         # pages per request: what the server accepts, and what fits its largest frame
         fit = (reply.max_frame - pp.HEADER_SIZE - 8) // (8 + PAGE_SIZE)
-        self._max_batch = max(1, min(reply.max_batch, pp.MAX_BATCH, fit))
+        self.queue.max_batch = max(1, min(reply.max_batch, pp.MAX_BATCH, fit))
         if not reply.resumed and self._reserved:
             self.namespace_losses += 1
             log.error(
@@ -271,9 +255,8 @@ class MemClient:
         self._closed = True
         proto, self._proto = self._proto, None
         self.hello = None
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self.send_queued()
+        self.queue.transport = None
+        self.queue.flush()  # what is queued fails now: no connection is left to send it
         if proto is not None and proto.transport is not None:
             proto.transport.close()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -284,16 +267,11 @@ class MemClient:
             return  # an old connection, already failed when it was replaced: not ours to fail
         self._proto = None
         self.hello = None
-        err = MemserverUnreachable(
-            f"connection to memserver {self.peer} lost" + (f": {exc}" if exc else "")
+        self.queue.fail_all(
+            MemserverUnreachable(
+                f"connection to memserver {self.peer} lost" + (f": {exc}" if exc else "")
+            )
         )
-        # The tables are emptied before anyone hears of the failure: a waiter that reacts by
-        # sending again must find its new request kept, not wiped with the failed ones.
-        failed = [*self.pending.values(), *self._outq]
-        self.pending = {}
-        self._outq = []
-        self._open = None
-        fail_requests(failed, err)
 
     async def _ensure_connected(self) -> None:
         if self._closed:
@@ -325,93 +303,13 @@ class MemClient:
         data: memoryview | None,
         out: memoryview | None,
         msg: pp.Request | None = None,
-        fut: Any = None,
     ) -> asyncio.Future:
-        """Queue one request; everything queued in this loop iteration leaves in one
-        writelines, and consecutive STOREs (or LOADs) merge into one frame. `fut` (a
-        `Callback`) replaces the Future the caller would otherwise await."""
-        # The loop is cached: get_running_loop() costs a getpid() syscall on Python 3.11.
-        loop = self._loop
-        if fut is None:
-            fut = loop.create_future()
-        if not self.pending:  # the stall watchdog measures from here
-            self._busy_since = time.monotonic()
-        if mtype in (_STORE, _LOAD):
-            b = self._open
-            if (
-                b is None
-                or b.mtype != mtype
-                or len(b.keys) + len(keys) > min(MERGE_PAGES, self._max_batch)
-            ):
-                b = self._open = Batch(mtype)
-                self._outq.append(b)
-            b.keys += keys
-            if data is not None:
-                b.parts.append(data)
-            b.waiters.append((fut, keys, data, out))
-        else:
-            self._next_id += 1
-            rid = self._next_id
-            self.pending[rid] = fut
-            if msg is not None:
-                self._outq += encode(dataclasses.replace(msg, req_id=rid))
-            else:
-                self._outq.append(batch_prefix(mtype, rid, keys))
-            self._open = None
-        if self._flush_handle is None:
-            if self.batching.hold(self):
-                self._flush_handle = _CORKED
-            else:
-                self._flush_handle = loop.call_soon(self.send_queued)
-        return fut
+        """Queue one request on the send side; its Future."""
+        return self.queue.queue(mtype, keys, data, out, msg)
 
     def resend_each(self, batch: Batch) -> None:
-        """Queue every still-waiting request of a refused merged batch on its own."""
-        for fut, keys, data, out in batch.waiters:
-            if fut.done():
-                continue
-            solo = Batch(batch.mtype)
-            solo.keys += keys
-            if data is not None:
-                solo.parts.append(data)
-            solo.waiters.append((fut, keys, data, out))
-            self._outq.append(solo)
-        self._open = None
-        if self._flush_handle is None:
-            self._flush_handle = self._loop.call_soon(self.send_queued)
-
-    def send_queued(self) -> None:
-        """Send every request queued since the last send, in one writelines (the loop calls
-        it at the end of the iteration that queued them; `Batching.uncork` when corked)."""
-        self._flush_handle = None
-        self._open = None
-        q, self._outq = self._outq, []
-        if not q:
-            return
-        proto = self._proto
-        if proto is None or proto.transport is None or proto.transport.is_closing():
-            err = MemserverUnreachable(f"not connected to memserver {self.peer}")
-            if proto is None and self.pending:
-                # Requests (not merged page requests: those are in q) queued after the lost
-                # connection had already failed its table: a caller that resumed after its
-                # reconnect, when that new connection was gone again. No connection is left
-                # to answer or fail them, so fail them here.
-                q = [*q, *self.pending.values()]
-                self.pending = {}
-            fail_requests(q, err)
-            return
-        wire: list[bytes | memoryview] = []
-        pending, prefix = self.pending, batch_prefix
-        for item in q:
-            if isinstance(item, Batch):
-                self._next_id += 1
-                pending[self._next_id] = item
-                wire.append(prefix(item.mtype, self._next_id, item.keys))
-                if item.parts:
-                    wire += item.parts
-            else:
-                wire.append(item)
-        proto.transport.writelines(wire)
+        """ReplyOwner: queue every still-waiting request of a refused merged batch on its own."""
+        self.queue.resend_each(batch)
 
     async def _request(self, msg: pp.Request) -> Any:
         """One request on the current connection, no retry (HELLO and setup)."""
@@ -485,7 +383,7 @@ class MemClient:
     ) -> bool:
         if self.hello is None:
             return False
-        self._send(_STORE, keys, data, None, None, self._callback(cb))
+        self.queue.store_cb(keys, data, cb)
         return True
 
     def load_cb(
@@ -493,7 +391,7 @@ class MemClient:
     ) -> bool:
         if self.hello is None:
             return False
-        self._send(_LOAD, keys, None, out, None, self._callback(cb))
+        self.queue.load_cb(keys, out, cb)
         return True
 
     async def store(self, keys: Iterable[int], data: bytes | bytearray | memoryview) -> None:
