@@ -296,17 +296,6 @@ class MemClient:
 
     # --- requests ---
 
-    def _send(
-        self,
-        mtype: int,
-        keys: tuple[int, ...] | None,
-        data: memoryview | None,
-        out: memoryview | None,
-        msg: pp.Request | None = None,
-    ) -> asyncio.Future:
-        """Queue one request on the send side; its Future."""
-        return self.queue.queue(mtype, keys, data, out, msg)
-
     def resend_each(self, batch: Batch) -> None:
         """ReplyOwner: queue every still-waiting request of a refused merged batch on its own."""
         self.queue.resend_each(batch)
@@ -315,7 +304,7 @@ class MemClient:
         """One request on the current connection, no retry (HELLO and setup)."""
         if self._proto is None:
             raise MemserverUnreachable(f"not connected to memserver {self.peer}")
-        return await self._send(0, None, None, None, msg)
+        return await self.queue.queue(0, None, None, None, msg)
 
     async def _call(
         self,
@@ -328,7 +317,7 @@ class MemClient:
         """Send a request; on a lost connection reconnect and retry (requests are idempotent)."""
         if self.hello is not None:  # connected: the fast path
             try:
-                return await self._send(mtype, keys, data, out, msg)
+                return await self.queue.queue(mtype, keys, data, out, msg)
             except MemserverUnreachable:
                 if not self.retries:
                     raise
@@ -341,7 +330,7 @@ class MemClient:
         for attempt in range(self.retries + 1):
             await self._ensure_connected()
             try:
-                return await self._send(mtype, keys, data, out, msg)
+                return await self.queue.queue(mtype, keys, data, out, msg)
             except MemserverUnreachable:
                 if attempt == self.retries:
                     raise
@@ -366,12 +355,12 @@ class MemClient:
     def store_batch(self, keys: tuple[int, ...], data: memoryview) -> Awaitable[Any]:
         if self.hello is None:
             return self._call(_STORE, keys, data)
-        return self._send(_STORE, keys, data, None)
+        return self.queue.queue(_STORE, keys, data, None)
 
     def load_batch(self, keys: tuple[int, ...], out: memoryview) -> Awaitable[Any]:
         if self.hello is None:
             return self._call(_LOAD, keys, None, out)
-        return self._send(_LOAD, keys, None, out)
+        return self.queue.queue(_LOAD, keys, None, out)
 
     # The callback fast path (the NBD daemon's hot path): as store_batch/load_batch, but the
     # completion calls `cb(None)` on success or `cb(exc)` on failure (PageServerError,
