@@ -164,7 +164,7 @@ async def _run_async(queue_type: type, ops: list) -> list:
         elif op == "fail_all":
             q.fail_all(MemserverUnreachable("connection lost"))
         elif op == "lose":
-            q.transport = None
+            q.disconnected()
         elif op == "closing":
             t.closing = True
         elif op == "reconnect":

@@ -121,6 +121,9 @@ cdef class SendQueue:
     def connected(self, loop, transport):
         self._loop, self.transport = loop, transport
 
+    def disconnected(self):
+        self.transport = None
+
     @property
     def idle(self):
         return self._flush_handle is None and not self._outq

@@ -222,11 +222,13 @@ class MemClient:
             )
         except AuthError as e:
             proto.transport.abort()
-            self._proto = self.queue.transport = None
+            self._proto = None
+            self.queue.disconnected()
             raise PageServerError(pp.ErrorCode.AUTH, str(e)) from None
         except BaseException:
             proto.transport.abort()
-            self._proto = self.queue.transport = None
+            self._proto = None
+            self.queue.disconnected()
             raise
         self.hello = reply
         # pages per request: what the server accepts, and what fits its largest frame
@@ -255,7 +257,7 @@ class MemClient:
         self._closed = True
         proto, self._proto = self._proto, None
         self.hello = None
-        self.queue.transport = None
+        self.queue.disconnected()
         self.queue.flush()  # what is queued fails now: no connection is left to send it
         if proto is not None and proto.transport is not None:
             proto.transport.close()

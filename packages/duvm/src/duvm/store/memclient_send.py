@@ -87,6 +87,10 @@ class SendQueue:
         """Requests go out on `transport` from now on."""
         self._loop, self.transport = loop, transport
 
+    def disconnected(self) -> None:
+        """No connection from now on: what is sent fails (`fail_all` fails what waits)."""
+        self.transport = None
+
     @property
     def idle(self) -> bool:
         """Nothing queued and no flush due."""
