@@ -156,7 +156,7 @@ async def _run_async(path_type: type, sc: dict) -> list:
     for p in sc["lost"]:
         table.mark_lost(p, 1)
 
-    async def answer(r: dict) -> None:
+    async def answer(r: dict, pending: bytes | None) -> None:
         """Answer every LOAD waiting (readahead windows too), in client order, each with the
         next answer of this read's list; then let the due fetches run."""
         if r["run_due_first"]:
@@ -193,7 +193,7 @@ async def _run_async(path_type: type, sc: dict) -> list:
             taken = (type(e).__name__, str(e))
         log.append(("taken", i, taken))
         if r["answer_now"]:
-            await answer(r)
+            await answer(r, pending)
         if token is not None:
             table.write_ended(token)
         log.append(
@@ -210,7 +210,7 @@ async def _run_async(path_type: type, sc: dict) -> list:
         )
     last = {"answers": ["good"], "run_due_first": False}
     for _ in range(3):  # whatever is still waiting, answered with its bytes
-        await answer(last)
+        await answer(last, None)
     log.append(("end", [len(c.waiting) for c in clients], reads.counters.snapshot()))
     return log
 
