@@ -27,6 +27,7 @@ COMPILED = {
     "duvm.store._cryptpath": [],
     "duvm.store._readpath": [],
     "duvm.store._sendqueue": [],
+    "duvm.node._transmission": [],
 }
 
 

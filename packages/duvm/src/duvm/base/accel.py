@@ -36,6 +36,7 @@ MODULES = (
     "duvm.store._cryptpath",
     "duvm.store._readpath",
     "duvm.store._sendqueue",
+    "duvm.node._transmission",
 )
 BUILD_FIX = (
     "install a C compiler and the OpenSSL headers (Debian: apt install gcc libssl-dev), then "

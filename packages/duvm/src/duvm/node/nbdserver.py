@@ -2,7 +2,8 @@
 sockets, the driver of the `duvm.wire.nbdproto` codec.
 
 It accepts connections (each a `duvm.node.nbdconnection.NBDConnection`, which runs the
-handshake and the requests; its docstring explains the request path), offers the transmission
+handshake, then a `duvm.node.nbd_transmission.Transmission`, which runs the requests; its
+docstring explains the request path), owns the set of open connections, offers the transmission
 flags the store's capabilities allow, and on close lets in-flight requests finish and their
 replies go out before the sockets close.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import stat
 from typing import Any
@@ -19,6 +21,8 @@ from duvm.node.nbdconnection import DEFAULT_HANDSHAKE_TIMEOUT, NBDConnection
 from duvm.store.storage import BlockStore, Capabilities
 from duvm.wire import nbdconst as C
 from duvm.wire.nbdproto import ExportInfo, buffer_pool
+
+log = logging.getLogger("duvm.nbd")
 
 
 def transmission_flags(caps: Capabilities) -> int:
@@ -106,6 +110,20 @@ class NBDServer:
         server = await loop.create_server(lambda: NBDConnection(self), host, port, backlog=128)
         self._servers.append(server)
         return server.sockets[0].getsockname()[:2]
+
+    def admit(self, conn: NBDConnection) -> bool:
+        """Count a new connection in; False (refuse it) while closing or when full."""
+        if self._closing:
+            return False
+        if len(self._connections) >= self.max_connections:
+            log.warning("refusing connection: already %d connections", self.max_connections)
+            return False
+        self._connections.add(conn)
+        return True
+
+    def forget(self, conn: NBDConnection) -> None:
+        """A connection is gone."""
+        self._connections.discard(conn)
 
     @property
     def connections(self) -> int:
