@@ -28,6 +28,7 @@ COMPILED = {
     "duvm.store._readpath": [],
     "duvm.store._sendqueue": [],
     "duvm.node._transmission": [],
+    "duvm.store._slabtable": [],
 }
 
 

@@ -37,6 +37,7 @@ MODULES = (
     "duvm.store._readpath",
     "duvm.store._sendqueue",
     "duvm.node._transmission",
+    "duvm.store._slabtable",
 )
 BUILD_FIX = (
     "install a C compiler and the OpenSSL headers (Debian: apt install gcc libssl-dev), then "

@@ -62,7 +62,7 @@ from duvm.store.remote_write import RemoteWrites
 from duvm.store.repair import Repairer
 from duvm.store.replica_errors import DEFAULT_UNREACHABLE_WAIT, REPLICA_FAILURES, storage_error
 from duvm.store.replication import Replication
-from duvm.store.slab_table import SlabTable
+from duvm.store.slab_table import slab_table_type
 from duvm.store.storage import (
     PAGE_SIZE,
     Batching,
@@ -125,7 +125,7 @@ class RemoteStore(BlockStore):
             )
             for h, p in peers
         ]
-        self.table = SlabTable(size // PAGE_SIZE, slab_pages, self.clients, tables)
+        self.table = slab_table_type()(size // PAGE_SIZE, slab_pages, self.clients, tables)
         self.replication = Replication(self.table, self.clients, replicas, random.Random(seed))
         for c in self.clients:
             c.on_namespace_lost = self.replication.namespace_lost

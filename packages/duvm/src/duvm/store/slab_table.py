@@ -15,6 +15,11 @@ or `clear`, which first tell `on_change` (the readahead's `invalidate`), so no w
 bytes outlives a change. Every change of a slab's replica set goes through `set_replicas`,
 which tells `on_placement_change` (the daemon persists the map).
 
+The per-request calls (a replicated write's `write_started`, `mark_stored` and `write_ended`,
+a read's `bad_pages`) run compiled where the compiled path is built: `SlabTable` has a twin in
+`duvm.store._slabtable` (`slab_table_type` chooses), held to the same behaviour by
+tests/test_slab_table.py. This module stays the reference.
+
 The checksum is CRC-32C (the `crc32c` package, SSE4.2 where the CPU has it: about 2.7k
 instructions per 4 KiB page against 17k for `zlib.crc32`): it detects corruption; it is no
 defence against a malicious memserver, which encryption with authentication covers.
@@ -29,6 +34,7 @@ from typing import Any
 
 from crc32c import crc32c as crc32
 
+from duvm.base import accel
 from duvm.store.counters import Counters
 from duvm.store.memclient import MemClient
 from duvm.store.storage import DATA, EMPTY, LOST, PAGE_SIZE
@@ -239,3 +245,10 @@ class SlabTable:
         if self.state.count(DATA, first, first + count) != count:
             return False
         return not self.bad_pages(first, count, buf)
+
+
+def slab_table_type() -> type[SlabTable]:
+    """The compiled `SlabTable` (duvm.store._slabtable) when the compiled path runs here, else
+    this one, the reference."""
+    compiled = accel.load("duvm.store._slabtable")
+    return compiled.SlabTable if compiled is not None else SlabTable
