@@ -120,6 +120,7 @@ cdef class WriteFanOut:
         if slab in self.replication.repairs:
             return None
         for c in clients:
-            if c.hello is None or count > c.max_batch:
+            # a client's max_batch is at least 1: a one-page write fits without asking it
+            if c.hello is None or (count > 1 and count > c.max_batch):
                 return None
         return clients

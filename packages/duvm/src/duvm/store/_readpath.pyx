@@ -84,7 +84,7 @@ cdef class ReadFastPath:
         elif (first + count - 1) // sp != slab or st.count(DATA, first, first + count) != count:
             return False
         c = t.slab_clients[slab][0]
-        if count > c.max_batch:
+        if count > 1 and count > c.max_batch:  # at least 1: a one-page read fits, unasked
             return False
         ra = self.reads.readahead
         if ra.windows and ra.hit(first, count, out, done, tag):

@@ -182,7 +182,7 @@ class MemClient:
 
     @property
     def max_batch(self) -> int:
-        """Pages per request the memserver accepts (protocol maximum before HELLO)."""
+        """Pages per request the memserver accepts (protocol maximum before HELLO); at least 1."""
         return self.queue.max_batch
 
     async def connect(self) -> pp.HelloReply:
