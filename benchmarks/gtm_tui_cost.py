@@ -4,6 +4,7 @@ Usage::
 
     uv run python benchmarks/gtm_tui_cost.py                 # 1,000 processes, 30 s, 2 starts
     uv run python benchmarks/gtm_tui_cost.py -n 200 --seconds 10 --starts 3
+    uv run python benchmarks/gtm_tui_cost.py --fleet 200 2000 --against HEAD  # the fleet table
 
 What it does
 ------------
@@ -31,31 +32,54 @@ without a GPU they have nothing to show, so there is no side-by-side figure here
 
 The machine is shared (other work running), so every figure is wall time or CPU time of
 the child on this machine, with the load average printed beside it.
+
+Fleet table (``--fleet N ...``)
+-------------------------------
+The fleet TUI's table (`tui.widgets.fleet_table.FleetTable`) refreshed in this process, in a
+headless Textual app of ``--size``: N made-up rows (not measured), N/2 hosts of the demo's
+two GPUs (every 25th host unreachable: one row with its reason instead), whose GPU memory
+used differs between four variants shown in turn, so every refresh changes every row's
+numbers. Per refresh: ``show(rows, width)``'s own wall time, and the process's CPU time from
+before ``show`` until the screen has been drawn (Textual's compositor asks the table for the
+lines on screen): medians over ``--rounds`` rounds of ``--refreshes`` refreshes (each round a
+new app, after two warm-up refreshes), with the rows built per refresh where the table counts
+them (`rows_built`). Making the rows (`fleet.view.fleet_rows`, the fleet screen's part of a
+refresh) is outside both figures and printed apart. With ``--against REF`` REF's
+fleet_table.py (``git show``, loaded as a module beside the working tree's) is measured too,
+its rounds alternating with the working tree's.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import dataclasses
 import fcntl
+import json
 import os
 import pstats
 import pty
 import select
 import signal
+import statistics
 import struct
 import subprocess
 import sys
 import termios
 import time
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from gputaskman.base.readings import ModelRef, ProcDetail, ProcGpu, Reading, Snapshot
 from gputaskman.fixtures.demo import BUS0, BUS1, DemoSystem, demo_snapshot
 
 MIB = 1024**2
+ROOT = Path(__file__).resolve().parents[1]
+FLEET_TABLE = "packages/gputaskman/src/gputaskman/tui/widgets/fleet_table.py"
 VARIANTS = 4  # snapshots served in turn, so consecutive refreshes differ
 TOP_NAME = "bench-top"  # the process with the most VRAM: the first row once data is painted
 FOOTER_TEXT = b"quit"  # in the footer of every frame
@@ -228,6 +252,132 @@ def one_start(args: argparse.Namespace) -> StartResult:
         term.close()
 
 
+# ---------------------------------------------------------------------------- fleet table
+
+
+def fleet_variants(n: int) -> list[list[Any]]:
+    """`VARIANTS` lists of about `n` fleet rows (see the module docstring)."""
+    from gputaskman.core import report
+    from gputaskman.core.document import read_document
+    from gputaskman.core.fleetdoc import HostStatus
+    from gputaskman.fleet.poller import HostState
+    from gputaskman.fleet.targets import parse_target
+    from gputaskman.fleet.view import fleet_rows
+
+    doc = read_document(json.loads(json.dumps(report.to_json_dict(demo_snapshot(), DemoSystem()))))
+    out = []
+    for v in range(VARIANTS):
+        states = []
+        for h in range(n // 2 + n // 50 + 1):  # enough hosts for n rows, cut to n below
+            target = dataclasses.replace(parse_target(f"node-{h:05d}"), name=f"node-{h:05d}")
+            if h % 25 == 24:
+                states.append(HostState(target, HostStatus.UNREACHABLE, "connection refused"))
+                continue
+            adapters = tuple(
+                dataclasses.replace(
+                    a,
+                    metrics=dataclasses.replace(
+                        a.metrics,
+                        memory_used_bytes=Reading.measured(
+                            (h * 37 + g * 11 + v * 5) % 97 * 160 * MIB, "bench"
+                        ),
+                    ),
+                )
+                if a.metrics is not None
+                else a
+                for g, a in enumerate(doc.adapters)
+            )
+            answer = dataclasses.replace(doc, adapters=adapters)
+            states.append(HostState(target, HostStatus.UP, None, answer, seq=v + 1))
+        out.append(fleet_rows(states)[:n])
+    return out
+
+
+def table_class(ref: str | None) -> type:
+    """The working tree's FleetTable, or `ref`'s (its file from ``git show``, as a module)."""
+    if ref is None:
+        from gputaskman.tui.widgets.fleet_table import FleetTable
+
+        return FleetTable
+    text = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{ref}:{FLEET_TABLE}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    module = types.ModuleType(f"fleet_table_at_{ref}")
+    sys.modules[module.__name__] = module
+    exec(compile(text, f"{ref}:{FLEET_TABLE}", "exec"), module.__dict__)
+    return module.FleetTable
+
+
+async def fleet_refreshes(
+    cls: type, variants: list[list[Any]], size: tuple[int, int], refreshes: int
+) -> tuple[list[float], list[float], list[int]]:
+    """`refreshes` refreshes of a `cls` table: show's wall time and show-to-drawn CPU time
+    (seconds), and rows built per refresh where the table counts them (`rows_built`)."""
+    from textual.app import App, ComposeResult
+
+    class Bench(App[None]):
+        def compose(self) -> ComposeResult:
+            yield cls()
+
+    shown, cpu, built = [], [], []
+    app = Bench()
+    async with app.run_test(size=size) as pilot:
+        table = app.query_one(cls)
+        table.focus()
+        for i in range(refreshes + 2):
+            rows = variants[i % len(variants)]
+            c0, w0 = time.process_time(), time.perf_counter()
+            table.show(rows, app.size.width)
+            w1 = time.perf_counter()
+            await pilot.pause()  # ends with the screen drawn
+            c1 = time.process_time()
+            if i >= 2:  # two warm-ups
+                shown.append(w1 - w0)
+                cpu.append(c1 - c0)
+                if hasattr(table, "rows_built"):
+                    built.append(table.rows_built)
+    return shown, cpu, built
+
+
+def fleet_main(args: argparse.Namespace) -> int:
+    tables = [("working tree", table_class(None))]
+    if args.against:
+        tables.append((args.against, table_class(args.against)))
+    cols, rows = args.size
+    print(
+        f"fleet table refresh, {cols}x{rows} headless, {args.refreshes} refreshes a round, "
+        f"{args.rounds} round(s); {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"  {'rows':>6}  {'table':<14} {'show() median':>14} {'show+draw CPU median':>21}"
+        f" {'rows built':>11}"
+    )
+    for n in args.fleet:
+        t0 = time.perf_counter()
+        variants = fleet_variants(n)
+        made = (time.perf_counter() - t0) / VARIANTS
+        results: dict[str, tuple[list[float], list[float], list[int]]] = {
+            name: ([], [], []) for name, _ in tables
+        }
+        for _ in range(args.rounds):
+            for name, cls in tables:
+                got = asyncio.run(fleet_refreshes(cls, variants, args.size, args.refreshes))
+                for into, part in zip(results[name], got, strict=True):
+                    into.extend(part)  # type: ignore[arg-type]
+        for name, (shown, cpu, built) in results.items():
+            nb = f"{statistics.median(built):.0f}" if built else "all"
+            print(
+                f"  {len(variants[0]):>6}  {name:<14} {statistics.median(shown) * 1e3:>11.1f} ms"
+                f" {statistics.median(cpu) * 1e3:>18.1f} ms {nb:>11}"
+            )
+        print(f"  {'':>6}  (making the rows, fleet_rows, outside these: {made * 1e3:.1f} ms)")
+    print(f"  load {os.getloadavg()[0]:.2f}")
+    return 0
+
+
 def _size(text: str) -> tuple[int, int]:
     cols, _, rows = text.partition("x")
     return int(cols), int(rows)
@@ -248,10 +398,18 @@ def main() -> int:
     ap.add_argument(
         "--profile", metavar="FILE", help="cProfile the (last) TUI start into FILE, print its top"
     )
+    ap.add_argument(
+        "--fleet", type=int, nargs="+", metavar="N", help="the fleet table with N rows instead"
+    )
+    ap.add_argument("--against", metavar="REF", help="--fleet: REF's fleet table too (git)")
+    ap.add_argument("--refreshes", type=int, default=15, help="--fleet: refreshes a round")
+    ap.add_argument("--rounds", type=int, default=2, help="--fleet: rounds of each table")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args.n, args.profile)
+    if args.fleet:
+        return fleet_main(args)
     cols, rows = args.size
     print(
         f"gputaskman TUI at 1 Hz, {args.n} processes, {cols}x{rows} pseudo-terminal; "

@@ -1,6 +1,8 @@
 """The fleet TUI: SVG snapshots of the fleet table and of a host's view at 80×24 and 200×60,
 and pilot tests of what the keys do: sort, reverse, filter, enter into a host's live view and
-esc back, a host that goes down while open, a host that never answered.
+esc back, a host that goes down while open, a host that never answered; and of a refresh: it
+builds the cells of the rows on screen only (2,000 rows), and the cursor stays on its GPU when
+the rows reorder.
 
 The fleet is a fixed source of host states made from a fleet document (`output.states_of`):
 the demo snapshot, a DRM fixture recording and a demo recording as three hosts that are up
@@ -15,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+from gputaskman.base.readings import Reading
 from gputaskman.core import report
 from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
 from gputaskman.fixtures.demo import TAKEN, DemoSystem, demo_snapshot
@@ -95,7 +98,7 @@ async def _settle(pilot) -> None:
 
 def _table_text(app: FleetApp) -> list[str]:
     t = app.fleet.table
-    return [" | ".join(str(c) for c in t.get_row_at(i)) for i in range(t.row_count)]
+    return [" | ".join(str(c) for c in t.get_row(k)) for k in t.keys]
 
 
 # ------------------------------------------------------------------------- snapshots
@@ -249,6 +252,78 @@ async def test_the_fleet_table_has_its_own_keys_and_the_host_view_cannot_signal(
         await _settle(pilot)
         assert app.check_action("signal", ()) is False  # read-only
         assert app.check_action("next_gpu", ()) is not False
+
+
+def _renamed(s: HostState, name: str) -> HostState:
+    return dataclasses.replace(s, target=dataclasses.replace(s.target, name=name))
+
+
+def _with_used(s: HostState, bus: str, used: int) -> HostState:
+    """`s` with GPU `bus` using `used` bytes (a newer document, as the poller would hold)."""
+    doc = s.document
+    assert doc is not None
+    adapters = tuple(
+        dataclasses.replace(
+            a,
+            metrics=dataclasses.replace(a.metrics, memory_used_bytes=Reading.measured(used, "t")),
+        )
+        if a.pci_bus_id == bus and a.metrics is not None
+        else a
+        for a in doc.adapters
+    )
+    return dataclasses.replace(
+        s, document=dataclasses.replace(doc, adapters=adapters), seq=s.seq + 1
+    )
+
+
+async def test_a_refresh_builds_the_cells_of_the_rows_on_screen_only(utc):
+    """Catches a fleet table that builds every row's cells on each refresh (a DataTable did:
+    with 2,000 GPUs that was most of a refresh's cost), counted by the table's `rows_built`;
+    and a table that does not draw the rows the cursor scrolls to."""
+    one = states_of(fleet_doc())[0]  # gpu-node-01: two GPUs
+    states = tuple(_renamed(one, f"node-{i:04d}") for i in range(1000))
+    src = FixedFleet(states)
+    app = FleetApp(src)
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        t = app.fleet.table
+        assert t.row_count == 2000
+        src.set(tuple(_with_used(s, "00000000:01:00.0", 2**30) for s in reversed(states)))
+        app.request_refresh()
+        await _settle(pilot)
+        on_screen = len(t.visible_range())
+        assert 20 < on_screen < 60  # a screenful was drawn ...
+        assert 0 < t.rows_built <= on_screen  # ... and only its rows were built
+        assert " 1.0/16.0 GiB 6%" in t.render_line(1).text
+        await pilot.press("end")  # the view follows the cursor to the last row
+        await _settle(pilot)
+        assert t.current_key() == "node-0999|00000000:41:00.0"
+        assert t.rows_built <= 2 * on_screen
+        y = t.cursor_row - t.visible_range().start + 1  # the header is line 0
+        assert "node-0999" in t.render_line(y - 1).text  # the host, on its first GPU's row
+
+
+async def test_the_cursor_stays_on_its_gpu_when_a_refresh_reorders_the_rows(utc):
+    """Catches a refresh that leaves the cursor at its place in the table, on another host's
+    GPU, when new numbers move the highlighted GPU's row."""
+    app, src = _app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        await pilot.press("s", "down")  # by MEMORY used, most first; one row down
+        await _settle(pilot)
+        t = app.fleet.table
+        row = t.current()
+        assert row is not None and row.adapter is not None and row.adapter.pci_bus_id
+        key, before = row.key, t.cursor_row
+        # that GPU now uses the least memory: its row moves down past the others
+        newer = _with_used(row.state, row.adapter.pci_bus_id, 2**20)
+        src.set(tuple(newer if s is row.state else s for s in src.states()))
+        app.request_refresh()
+        await _settle(pilot)
+        assert t.current_key() == key and t.cursor_row > before
+        assert t.current() is not None and t.current().memory_used.value == 2**20
+        assert " 1.0 MiB/16.0 GiB 0%" in t.render_line(t.cursor_row + 1).text  # highlighted
+        assert str(app.fleet.status.content).startswith(f"{row.host}: up")
 
 
 def test_the_fleet_help_explains_every_column_and_status():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from gputaskman.tui.widgets.line_table import LineTable
 from gputaskman.tui.widgets.unchanged import same_content, update_static
+from rich.color import Color
 from rich.text import Text
 from textual import on
 from textual.app import App, ComposeResult
@@ -96,6 +97,33 @@ async def test_text_from_outside_is_drawn_as_typed():
         table.set_columns(("NAME", "MODEL"), (14, 20), lambda _k: ("[bold]x[/bold]", "q [mapped✓]"))
         await pilot.pause()
         assert table.render_line(1).text.startswith(" [bold]x[/bold]  q [mapped✓] ")
+
+
+async def test_a_text_cell_is_drawn_in_its_colours_and_the_cursor_colour_wins_on_its_row():
+    """Catches a Text cell drawn without its own style (Rich's Text.render leaves it out when
+    the text has no spans: a down host's status lost its red), a coloured cell that is not
+    cut to its column, and one that keeps its colour on the highlighted row (the cursor's
+    colour wins there, as in DataTable)."""
+    app = Tables()
+    async with app.run_test(size=(40, 6)) as pilot:
+        table = app.query_one(LineTable)
+        cells = {
+            "a": ("x", Text("unreachable", style="red")),
+            "b": ("y", Text.assemble(("██", "green"), " 5%")),
+        }
+        table.set_rows(["a", "b"])
+        table.set_columns(("K", "V"), (1, 6), lambda k: cells[k])
+        table.move_cursor(1)
+        await pilot.pause()
+
+        def color_of(y: int, text: str) -> Color | None:
+            return next(s.style for s in table.render_line(y) if text in s.text).color
+
+        assert table.render_line(1).text.startswith(" x  unrea…  ")
+        assert color_of(1, "unrea…") == Color.parse("red")
+        assert table.render_line(2).text.startswith(" y  ██ 5%  ")
+        cursor = table.get_component_rich_style("line-table--cursor").color
+        assert color_of(2, "██") == cursor != Color.parse("green")
 
 
 def test_same_content_compares_everything_that_renders():

@@ -22,7 +22,7 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Input, Static
+from textual.widgets import Footer, Input, Static
 
 from gputaskman.fleet.poller import HostState
 from gputaskman.fleet.view import (
@@ -122,13 +122,13 @@ class FleetScreen(Screen[None]):
         if row is not None:
             self.drill(row.host)
 
-    @on(DataTable.RowSelected, "#fleet-table")
-    def _selected(self, event: DataTable.RowSelected) -> None:
+    @on(FleetTable.RowSelected, "#fleet-table")
+    def _selected(self, event: FleetTable.RowSelected) -> None:
         event.stop()  # the live app's own handler (rescan) is not for this table
         self.action_drill()
 
-    @on(DataTable.RowHighlighted, "#fleet-table")
-    def _highlighted(self, event: DataTable.RowHighlighted) -> None:
+    @on(FleetTable.RowHighlighted, "#fleet-table")
+    def _highlighted(self, event: FleetTable.RowHighlighted) -> None:
         event.stop()
         self.render_status()
 

@@ -13,7 +13,13 @@ then MODELS are left out when even the narrowest widths do not fit, and the room
 shared out in proportion to how much each column can grow (what rounding leaves, in `GROW`
 order), up to each widest width. Text that does not fit is cut with "…"
 (a host name at its start, where a cluster's names are alike).
-Rows are keyed by host and GPU address, so the cursor stays on the same GPU across refreshes.
+
+Drawing: the table is a `LineTable`, which asks for a row's cells only when it draws that row.
+A refresh (`show`) sorts every row and formats every GPU's memory numbers (all bars are one
+length, what the widest numbers leave); a row's cells, Rich `Text` where they are coloured,
+are built the first time the row is drawn after a refresh and kept until the next one, so a
+refresh of 2,000 rows builds a screenful (`rows_built` counts them). Rows are keyed by host
+and GPU address, so the cursor stays on the same GPU across refreshes.
 """
 
 from __future__ import annotations
@@ -22,12 +28,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.text import Text
-from textual.widgets import DataTable
 
 from gputaskman.base.fmt import fmt_reading
 from gputaskman.core.fleetdoc import HostStatus
 from gputaskman.fleet.view import COLUMNS, FleetRow, sorted_rows, util_text
 from gputaskman.tui.widgets.gpu_header import memory_cell
+from gputaskman.tui.widgets.line_table import Cell, LineTable
 
 SORT_MARKS = ("▼", "▲")
 MIN = {"HOST": 12, "GPU": 12, "MEMORY": 18, "UTIL": 4, "PROCESSES": 14, "MODELS": 14}
@@ -120,14 +126,16 @@ def _memory_text(row: FleetRow) -> str | None:
     return f" {u}/{t} {used.value / total.value:.0%}"
 
 
-def memory(row: FleetRow, bar: int) -> Text:
-    """The MEMORY cell: a bar `bar` cells wide and the numbers, or n/a with the reason."""
+def memory(row: FleetRow, bar: int, text: str | None = None) -> Text:
+    """The MEMORY cell: a bar `bar` cells wide and the numbers (`text`: `_memory_text(row)`
+    when already made), or n/a with the reason."""
     if row.adapter is None:
         return Text("")
     used, total = row.memory_used, row.memory_total
     if used is None or total is None:
         return Text("n/a (no metrics)", style="yellow")
-    text = _memory_text(row)
+    if text is None:
+        text = _memory_text(row)
     if text is None:
         return memory_cell(used, total, 0)  # n/a with the reason
     frac = max(0.0, min(1.0, float(used.value) / float(total.value)))  # type: ignore[arg-type]
@@ -139,17 +147,24 @@ def memory(row: FleetRow, bar: int) -> Text:
     return out
 
 
-class FleetTable(DataTable):
+class FleetTable(LineTable):
+    """The fleet's rows, sorted in full on each `show`, their cells built only where drawn."""
+
     DEFAULT_CSS = """
     FleetTable { height: 1fr; }
     """
+    FILL_ROWS = True  # the header, zebra stripes and cursor run to the right edge
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
+        super().__init__(**kwargs)
         self.sort_column = "HOST"
         self.descending = False
-        self.rows_shown: dict[str, FleetRow] = {}
-        self.widths: dict[str, int] = {}
+        self.rows_shown: dict[str, FleetRow] = {}  # in the order shown
+        self.fitted: dict[str, int] = {}  # column -> content width (`fit`)
+        self.rows_built = 0  # rows whose cells were built since the last `show` (tests read it)
+        self._bar = 0  # the memory bar's length, one for all rows
+        self._numbers: dict[str, str | None] = {}  # row key -> `_memory_text`
+        self._built: dict[str, tuple[Cell, ...]] = {}
 
     def header_label(self, column: str) -> str:
         if SORT_ON[self.sort_column] != column:
@@ -158,57 +173,57 @@ class FleetTable(DataTable):
         return f"{column} %{mark}" if self.sort_column == "MEM%" else f"{column} {mark}"
 
     def show(self, rows: Sequence[FleetRow], width: int) -> None:
-        """Replace the rows, keeping the cursor on the same host and GPU."""
+        """Replace the rows, keeping the cursor on the same host and GPU; `width` is the
+        table's room in cells (the columns are fitted to it)."""
         keep = self.current_key()
-        widths = fit(width)
-        if widths != self.widths:
-            self.clear(columns=True)
-            for c, w in widths.items():
-                self.add_column(self.header_label(c), key=c, width=w)
-            self.widths = widths
-        else:
-            self.clear()
-            for key, col in self.columns.items():
-                col.label = Text(self.header_label(str(key.value)))
-        self.rows_shown = {}
-        prev_host = None
-        texts = [len(t) for r in rows if (t := _memory_text(r)) is not None]
-        bar = max(0, widths["MEMORY"] - max(texts, default=0))  # one bar length for all rows
+        widths = self.fitted = fit(width)
+        shown: dict[str, FleetRow] = {}
         for r in sorted_rows(rows, self.sort_column, self.descending):
-            self.rows_shown[r.key] = r
-            host = Text(_cut_start(r.host, widths["HOST"]) if r.host != prev_host else "")
-            if r.adapter is None:  # a row about the host: its words run on across the cells
-                style = STATUS_STYLE.get(r.status, "")
-                rest = [c for c in widths if c != "HOST"]
-                parts = flow(r.gpu, [widths[c] for c in rest])
-                cells = {"HOST": host} | {
-                    c: Text(t, style=style) for c, t in zip(rest, parts, strict=True)
-                }
-            else:
-                cells = {
-                    "HOST": host,
-                    "GPU": Text(_cut(r.gpu, widths["GPU"])),
-                    "MEMORY": memory(r, bar),
-                    "UTIL": Text(util_text(r)),
-                    "PROCESSES": Text(_cut(r.processes, widths.get("PROCESSES", 0))),
-                    "MODELS": Text(_cut(r.models, widths.get("MODELS", 0))),
-                }
-            # Text, not str: host names, process and model names come from the hosts and
-            # must show as sent, never be read as markup ("[mapped✓]", "[::1]:9835")
-            self.add_row(*(cells[c] for c in widths), key=r.key)
-            prev_host = r.host
-        self._require_update_dimensions = True
-        self.refresh()
-        if keep is not None and keep in self.rows_shown:
-            self.move_cursor(row=self.get_row_index(keep))
+            shown.setdefault(r.key, r)
+        self.rows_shown = shown
+        # every row's numbers, not only the drawn ones': the bars line up down the whole table
+        self._numbers = {k: _memory_text(r) for k, r in shown.items()}
+        longest = max((len(t) for t in self._numbers.values() if t is not None), default=0)
+        self._bar = max(0, widths["MEMORY"] - longest)
+        self._built = {}
+        self.rows_built = 0
+        self.set_rows(list(shown), keep)
+        labels = [self.header_label(c) for c in widths]
+        self.set_columns(labels, list(widths.values()), self.get_row)
 
-    def current_key(self) -> str | None:
-        if not self.rows_shown or not 0 <= self.cursor_row < self.row_count:
-            return None
-        try:
-            return str(self.coordinate_to_cell_key((self.cursor_row, 0)).row_key.value)
-        except Exception:  # no row under the cursor
-            return None
+    def get_row(self, key: str) -> tuple[Cell, ...]:
+        """Row `key`'s cells in the columns shown, built on the first ask after `show`."""
+        cells = self._built.get(key)
+        if cells is None:
+            cells = self._built[key] = self._cells(key)
+            self.rows_built += 1
+        return cells
+
+    def _cells(self, key: str) -> tuple[Cell, ...]:
+        r, widths = self.rows_shown[key], self.fitted
+        i = self.row_index(key)
+        first = i == 0 or self.rows_shown[self.keys[i - 1]].host != r.host
+        host = _cut_start(r.host, widths["HOST"]) if first else ""  # on its first row only
+        # str cells are drawn as typed, never as markup: host, process and model names come
+        # from the hosts ("[mapped✓]", "[::1]:9835"); Text where a cell is coloured
+        cells: dict[str, Cell]
+        if r.adapter is None:  # a row about the host: its words run on across the cells
+            style = STATUS_STYLE.get(r.status, "")
+            rest = [c for c in widths if c != "HOST"]
+            parts = flow(r.gpu, [widths[c] for c in rest])
+            cells = {"HOST": host} | {
+                c: Text(t, style=style) for c, t in zip(rest, parts, strict=True)
+            }
+        else:
+            cells = {
+                "HOST": host,
+                "GPU": _cut(r.gpu, widths["GPU"]),
+                "MEMORY": memory(r, self._bar, self._numbers.get(key)),
+                "UTIL": util_text(r),
+                "PROCESSES": _cut(r.processes, widths.get("PROCESSES", 0)),
+                "MODELS": _cut(r.models, widths.get("MODELS", 0)),
+            }
+        return tuple(cells[c] for c in widths)
 
     def current(self) -> FleetRow | None:
         k = self.current_key()

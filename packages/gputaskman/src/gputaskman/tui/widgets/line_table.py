@@ -5,13 +5,17 @@ Why not DataTable: it keeps every row's cells as Rich renderables and renders ea
 cell through Rich's console, so a refresh of a thousand processes costs the formatting of a
 thousand rows plus a Rich render per visible cell (most of the TUI's CPU,
 `benchmarks/gtm_tui_cost.py`). Here the owner hands over the row keys in order and a function
-that gives a row's cells, and `render_line` asks it only for the rows it draws, writing each
-cell as one plain segment: text from outside (process names, command lines, model names) is
-never read as markup.
+that gives a row's cells, and `render_line` asks it only for the rows it draws. A cell is a
+`str`, written as one plain segment in the row's style, or a Rich `Text` whose own styles
+(a coloured bar, a status in red) are laid over the row's, as DataTable lays them: on the
+cursor's row the cursor's colour wins. Text from outside (process names, command lines,
+model names) is never read as markup either way.
 
 Cells are left-aligned, padded by one column each side, cut by terminal cells (wide
-characters count as two) with "…" when wider than their column. The cursor stays on the same
-row key when the rows are replaced; the view scrolls to keep it in sight.
+characters count as two) with "…" when wider than their column. Room right of the last
+column takes the widget's background, or with `FILL_ROWS` the row's own style (zebra,
+cursor, header), as DataTable fills it. The cursor stays on the same row key when the rows
+are replaced; the view scrolls to keep it in sight.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import ClassVar
 from rich.cells import cell_len, set_cell_size
 from rich.segment import Segment
 from rich.style import Style
+from rich.text import Text
 from textual import events
 from textual.binding import Binding, BindingType
 from textual.geometry import Size
@@ -31,7 +36,8 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 PAD = 1  # columns of padding each side of a cell, as DataTable's default
-CellsOf = Callable[[str], Sequence[str]]
+Cell = str | Text
+CellsOf = Callable[[str], Sequence[Cell]]
 
 
 def fit_cell(text: str, width: int) -> str:
@@ -59,6 +65,7 @@ class RowMessage(Message):
 class LineTable(ScrollView, can_focus=True):
     """Rows of text cells under a header line; see the module docstring."""
 
+    FILL_ROWS: ClassVar[bool] = False  # the row's style right of the last column
     COMPONENT_CLASSES: ClassVar[set[str]] = {
         "line-table--header",
         "line-table--cursor",
@@ -262,28 +269,56 @@ class LineTable(ScrollView, can_focus=True):
             style = self._styles[name] = self.get_component_rich_style(name)
         return style
 
-    def _line(self, texts: Sequence[str], style: Style) -> Strip:
+    def _line(self, cells: Sequence[Cell], style: Style, cursor: bool = False) -> Strip:
         pad = " " * PAD
-        cells = [pad + fit_cell(t, w) + pad for t, w in zip(texts, self.widths, strict=False)]
-        text = "".join(cells)
-        return Strip([Segment(text, style)], cell_len(text))
+        segments: list[Segment] = []
+        plain = ""  # the str cells since the last Text cell: one segment
+        for cell, width in zip(cells, self.widths, strict=False):
+            if isinstance(cell, str):
+                plain += pad + fit_cell(cell, width) + pad
+                continue
+            segments.append(Segment(plain + pad, style))
+            segments += self._styled(cell, width, style, cursor)
+            plain = pad
+        if plain:
+            segments.append(Segment(plain, style))
+        return Strip(segments, sum(w + 2 * PAD for w in self.widths[: len(cells)]))
+
+    def _styled(self, text: Text, width: int, style: Style, cursor: bool) -> list[Segment]:
+        """A Text cell in `width` cells: its styles over the row's `style` (on the cursor's
+        row the cursor's foreground over both, as DataTable draws it), padded in `style`."""
+        size = cell_len(text.plain)
+        if size > width:
+            text = text.copy()
+            text.truncate(width, overflow="ellipsis")
+            size = width
+        console = self.app.console
+        # Text.render leaves the text's own style out when it has no spans: added here
+        under = style + console.get_style(text.style, default=Style.null())
+        over = Style.from_color(self._style("line-table--cursor").color) if cursor else None
+        out = [Segment(s.text, under + s.style + over) for s in text.render(console)]
+        if size < width:
+            out.append(Segment(" " * (width - size), style))
+        return out
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width
         scroll_x, scroll_y = self.scroll_offset
         base = self.rich_style
         if y == 0:
-            strip = self._line(self.labels, base + self._style("line-table--header"))
+            style = base + self._style("line-table--header")
+            strip = self._line(self.labels, style)
         else:
             i = int(scroll_y) + y - 1
             if i >= len(self.keys):
                 return Strip.blank(width, base)
             key, cursor = self.keys[i], i == self.cursor_row
+            style = base + self._style("line-table--odd-row" if i % 2 else "line-table--even-row")
+            if cursor:
+                style += self._style("line-table--cursor")
             strip = self._strips.get((key, cursor))
             if strip is None:
-                zebra = "line-table--odd-row" if i % 2 else "line-table--even-row"
-                style = base + self._style(zebra)
-                if cursor:
-                    style += self._style("line-table--cursor")
-                strip = self._strips[(key, cursor)] = self._line(self._cells_of(key), style)
-        return strip.crop(int(scroll_x), int(scroll_x) + width).extend_cell_length(width, base)
+                cells = self._cells_of(key)
+                strip = self._strips[(key, cursor)] = self._line(cells, style, cursor)
+        fill = style if self.FILL_ROWS else base
+        return strip.crop(int(scroll_x), int(scroll_x) + width).extend_cell_length(width, fill)
