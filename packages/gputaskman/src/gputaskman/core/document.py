@@ -2,20 +2,33 @@
 
 Theory of operation
 -------------------
-`read_document` turns a ``--json`` object (one line of a record file) into a `Document` of
-frozen, typed objects. Every tool that reads saved snapshots goes through it (replay and its
-TUI, diff, summary and its charts), so the format is known in one writer (`report`, with
-`report_models`) and this reader; none of them touches the raw dict.
+`read_document` turns a ``--json`` object (one line of a record file, or a host's answer;
+its bytes or the parsed object) into a `Document` of frozen, typed objects. Every tool that
+reads snapshots goes through it (the fleet, replay and its TUI, diff, summary and its
+charts), so the format is known in one writer (`report`, with `report_models`) and this
+reader; none of them touches the raw dict.
 
 It reads into the model's own types wherever they describe the document exactly: `Reading`
 for every reading object, `Problem`, `ProcGpu` (with `ProcDetail` and `ModelRef`) for a
 process row, `llm.LlmView` for a weights / KV / compute breakdown, `apps.AppModel` for an
 app's model and `duvmpool.PoolInfo` for ``system.duvm``; so replay shows a recorded process
 exactly as a live one. Where the document holds something the model does not, it has its own
-type: `AdapterDoc` (a GPU may lack an address, and carries its metrics and recorded sums),
-`ProcessDoc` (a row and the host's RAM/CPU readings for it), `SystemDoc` (RAM, swap and CPU
-as recorded, whichever keys were written). `Document.snapshot` is the model's `Snapshot` of
-a document, for replay.
+type (`doctypes`): `AdapterDoc`, `ProcessDoc`, `SystemDoc`. `Document.snapshot` is the
+model's `Snapshot` of a document, for replay.
+
+Two readers, one result. The document's shape is declared once, as msgspec Structs
+(`docshape`). Bytes are decoded into them in C, every type checked on the way; a parsed
+object (a dict) is converted into them (`msgspec.convert`). The objects are then built from
+the Structs' attributes here, with the checks types cannot make (a number a float holds, a
+value or a reason). A document this path does not take goes to the reference reader over
+the parsed object (`docfields.read_parsed`), which reads it or raises the `SnapshotError`
+naming the place; so every refusal, and its words, is the reference reader's. Besides
+refusals, that path reads JSON that msgspec refuses and `json.loads` reads (a lone
+surrogate such as ``"\\udcff"``, a byte-order mark, UTF-16), a number beyond a float's
+range (``1e400``) in a key the reader uses (refused either way), and early files' system
+numbers (bare numbers, or null with a ``reasons`` object). One input reads on the typed
+path that the reference refuses: bytes with an integer of over 4300 digits in a key the
+reader skips (msgspec skips it; `json.loads` refuses it).
 
 Compatibility (``schema_version`` 1, additive changes only; `base.schema`'s JSON Schema):
 
@@ -23,7 +36,9 @@ Compatibility (``schema_version`` 1, additive changes only; `base.schema`'s JSON
   or empty, so files written before a key existed still read;
 * a key the schema requires, or a value of the wrong type, raises `SnapshotError` naming
   the place (``processes[3].gpu: expected a string or null, got list``); readers report the
-  line as malformed rather than guess;
+  line as malformed rather than guess; a top level that is not a schema-1 snapshot raises
+  `NotASnapshot`, a `SnapshotError`;
+* integers read exactly, up to a float's range; NaN and Infinity are refused (unknown is null);
 * derived fields (``shown_vram``, ``process_list``, ``available``) are not read: the model
   derives them again from the same readings. The recorded sums (``attributed_bytes``,
   ``attributed_complete``) and ``taken_iso`` are kept as recorded, since diff and summary
@@ -36,12 +51,13 @@ Compatibility (``schema_version`` 1, additive changes only; `base.schema`'s JSON
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
 
 from gputaskman.base import schema
 from gputaskman.base.readings import (
-    Adapter,
     DeviceMetrics,
     Kind,
     ModelRef,
@@ -50,474 +66,407 @@ from gputaskman.base.readings import (
     ProcGpu,
     Reading,
     Reason,
-    Snapshot,
+    checked_reading,
 )
 from gputaskman.core import duvmpool
+from gputaskman.core.docfields import check_snapshot, read_parsed
+from gputaskman.core.docshape import (
+    DOC_DECODER,
+    AdapterShape,
+    AppShape,
+    BreakdownShape,
+    DocShape,
+    ModelShape,
+    PoolShape,
+    ProblemShape,
+    ProcessShape,
+    ReadingShape,
+    SwapShape,
+    SystemShape,
+)
+from gputaskman.core.doctypes import (
+    RECORDED_SOURCE,
+    AdapterDoc,
+    Document,
+    ProcessDoc,
+    SwapDeviceDoc,
+    SwapDoc,
+    SystemDoc,
+    value_of,
+)
 from gputaskman.core.jsonfields import (
-    Fields,
+    REASONS,
+    NotASnapshot,
     SnapshotError,
     is_number,
-    problem_from_json,
-    reason_from_json,
+    parse_json,
 )
 from gputaskman.intel.apps import AppModel
 from gputaskman.intel.llm import LlmView, ViewPart
 
-RECORDED_SOURCE = "recorded"  # the source of a system number an early file held bare
+__all__ = [
+    "RECORDED_SOURCE",
+    "AdapterDoc",
+    "Document",
+    "NotASnapshot",
+    "ProcessDoc",
+    "SnapshotError",
+    "SwapDeviceDoc",
+    "SwapDoc",
+    "SystemDoc",
+    "check_snapshot",
+    "read_document",
+]
 
 
-def check_snapshot(doc: object) -> dict[str, Any]:
-    """The document when it has the top-level shape of a schema-1 ``--json`` object, else
-    `SnapshotError` saying what is wrong. Cheap: record files check every line with it and
-    leave the rest to `read_document` when a line is used."""
-    if not isinstance(doc, dict):
-        raise SnapshotError(f"not a JSON object but {type(doc).__name__}")
-    if doc.get("schema") != schema.NAME:
-        raise SnapshotError(f"not a {schema.NAME} object (schema {doc.get('schema')!r})")
-    version = doc.get("schema_version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise SnapshotError(f"schema_version {version!r} is not an integer")
-    if version != schema.VERSION:
-        raise SnapshotError(
-            f"schema_version {version} is not supported (this gputaskman reads {schema.VERSION})"
+class _Refused(Exception):
+    """Something the Structs' types allow but a reading does not: the reference reader
+    decides (and words the refusal)."""
+
+
+# what sends a document to the reference reader: msgspec's refusals, `_Refused`, and the
+# ValueError msgspec raises on a lone surrogate in a str (UnicodeEncodeError)
+_OFF_PATH = (msgspec.MsgspecError, RecursionError, _Refused, ValueError)
+
+
+def read_document(obj: bytes | bytearray | memoryview | Mapping[str, Any]) -> Document:
+    """The `Document` a ``--json`` object describes, given as its JSON bytes or as the parsed
+    object (anything else, a str included, is a parsed value: `NotASnapshot`); `SnapshotError`
+    says why not. For bytes that are not JSON, the parser's `ValueError` (or `RecursionError`,
+    nested too deep) is raised as it is."""
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        try:
+            return _document(DOC_DECODER.decode(obj))
+        except _OFF_PATH:
+            pass  # read, or refused with its place, by the reference reader
+        return read_parsed(parse_json(bytes(obj) if isinstance(obj, memoryview) else obj))
+    try:
+        return _document(msgspec.convert(obj, DocShape))
+    except _OFF_PATH:
+        return read_parsed(obj)
+
+
+# ---------------------------------------------------------------------------- values
+
+
+def _num(v: Any) -> Any:
+    """A recorded number (or None) that a float holds; else the reference reader decides."""
+    if v is None or is_number(v):
+        return v
+    raise _Refused
+
+
+def _recorded(detail: str | None, why: str) -> str:
+    """The detail of a reason this version does not know: the recorded words kept."""
+    extra = f"recorded reason: {why}"
+    return extra if detail is None else f"{detail} ({extra})"
+
+
+def _reading(s: ReadingShape) -> Reading:
+    v, why = s.value, s.reason
+    if why is None:
+        if v is not None and is_number(v):
+            return checked_reading(v, s.kind, s.source, None, s.detail)
+    elif v is None:
+        reason = REASONS.get(why)
+        if reason is not None:
+            return checked_reading(None, s.kind, s.source, reason, s.detail)
+        detail = s.detail
+        extra = f"recorded reason: {why}"
+        return Reading(
+            None,
+            s.kind,
+            s.source,
+            Reason.UNAVAILABLE,
+            extra if detail is None else f"{detail} ({extra})",
         )
-    if not is_number(doc.get("taken")):
-        raise SnapshotError(f"taken {doc.get('taken')!r} is not a finite number")
-    if not isinstance(doc.get("backend"), str):
-        raise SnapshotError("backend is missing or not a string")
-    for key in ("adapters", "processes"):
-        if not isinstance(doc.get(key), list):
-            raise SnapshotError(f"{key} is missing or not a list")
-    return doc
+    raise _Refused  # no value and no reason, both, or a number beyond a float
 
 
-# ---------------------------------------------------------------------------- types
+def _maybe(s: ReadingShape | None) -> Reading | None:
+    return None if s is None else _reading(s)
 
 
-@dataclass(frozen=True, slots=True)
-class AdapterDoc:
-    """One ``adapters[]`` entry. `pci_bus_id` may be None (a backend with no address);
-    `attributed_bytes` / `attributed_complete` are the sums as recorded (None: not
-    recorded, or nothing measured)."""
-
-    index: int
-    vendor: str
-    name: str | None
-    uuid: str | None
-    pci_bus_id: str | None
-    backend: str
-    metrics: DeviceMetrics | None = None
-    extra_metrics: Mapping[str, Reading] = field(default_factory=dict)
-    attributed_bytes: int | None = None
-    attributed_complete: bool | None = None
-
-    def identity(self) -> dict[str, Any]:
-        """Which adapter this is, as summary and diff write it in their JSON."""
-        return {
-            "index": self.index,
-            "vendor": self.vendor,
-            "name": self.name,
-            "uuid": self.uuid,
-            "pci_bus_id": self.pci_bus_id,
-        }
+def _readings(m: dict[str, ReadingShape] | None) -> dict[str, Reading]:
+    return {} if m is None else {k: _reading(v) for k, v in m.items()}
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessDoc:
-    """One ``processes[]`` row: the process as the model has it, and the host's RAM and CPU
-    readings written beside it (None when the row has none)."""
-
-    proc: ProcGpu
-    ram_bytes: Reading | None = None
-    cpu_percent: Reading | None = None
+def _texts(v: list[str] | None) -> tuple[str, ...]:
+    return () if v is None else tuple(v)
 
 
-@dataclass(frozen=True, slots=True)
-class SwapDeviceDoc:
-    filename: str | None
-    type: str | None
-    size_bytes: Reading | None = None
-    used_bytes: Reading | None = None
-    priority: Reading | None = None
-    deleted: bool = False
+def _or(v: str | None, default: str) -> str:
+    return default if v is None else v
 
 
-@dataclass(frozen=True, slots=True)
-class SwapDoc:
-    """``system.swap``: totals (None when not written), the devices (None: unreadable, with
-    `devices_reason`), and lines of /proc/swaps that did not parse."""
-
-    total_bytes: Reading | None = None
-    free_bytes: Reading | None = None
-    used_bytes: Reading | None = None
-    devices: tuple[SwapDeviceDoc, ...] | None = None
-    devices_reason: str | None = None
-    problems: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class SystemDoc:
-    """The ``system`` object: the OS's numbers, by the key they were written under (a host
-    sampler writes every `host.MemoryInfo` field; the demo and early files fewer)."""
-
-    taken: float | None
-    memory: Mapping[str, Reading] = field(default_factory=dict)
-    swap: SwapDoc | None = None
-    cpu: Mapping[str, Reading] = field(default_factory=dict)
-    processes_reason: str | None = None
-    duvm: duvmpool.PoolInfo | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Document:
-    """One snapshot document (see the module docstring)."""
-
-    taken: float
-    backend: str
-    adapters: tuple[AdapterDoc, ...] = ()
-    processes: tuple[ProcessDoc, ...] = ()
-    problems: tuple[Problem, ...] = ()
-    notes: tuple[str, ...] = ()
-    driver_version: str | None = None
-    unavailable: Problem | None = None  # the backend as a whole could not answer
-    selected_gpu: int | None = None
-    system: SystemDoc | None = None
-    taken_iso: str | None = None  # as recorded
-    attributed_bytes: int | None = None  # as recorded
-    attributed_complete: bool | None = None  # as recorded; None: not recorded
-
-    def snapshot(self) -> Snapshot:
-        """The model's `Snapshot` of this document (replay shows it). The model keys a GPU
-        by its address, so a document with an adapter that has none cannot be one."""
-        adapters: list[Adapter] = []
-        metrics: dict[str, DeviceMetrics] = {}
-        extra: dict[str, Mapping[str, Reading]] = {}
-        for i, a in enumerate(self.adapters):
-            if a.pci_bus_id is None:
-                raise SnapshotError(f"adapters[{i}].pci_bus_id: null (replay needs an address)")
-            adapters.append(Adapter(a.index, a.vendor, a.name, a.uuid, a.pci_bus_id, a.backend))
-            if a.metrics is not None:
-                metrics[a.pci_bus_id] = a.metrics
-            if a.extra_metrics:
-                extra[a.pci_bus_id] = a.extra_metrics
-        return Snapshot(
-            taken=self.taken,
-            backend=self.backend,
-            adapters=tuple(adapters),
-            metrics=metrics,
-            processes=tuple(p.proc for p in self.processes),
-            problems=self.problems,
-            notes=self.notes,
-            driver_version=self.driver_version,
-            backend_problem=self.unavailable,
-            extra_metrics=extra,
-        )
-
-
-def _value_of(r: Reading | None) -> int | None:
-    """A recorded count or total (a reading the writer derives from an integer)."""
-    return None if r is None or r.value is None else int(r.value)
+def _problem(s: ProblemShape) -> Problem:
+    reason = REASONS.get(s.reason)
+    if reason is not None:
+        return Problem(s.where, reason, s.detail, s.adapter)
+    return Problem(s.where, Reason.UNAVAILABLE, _recorded(s.detail, s.reason), s.adapter)
 
 
 # ---------------------------------------------------------------------------- processes
 
 
-def _model(o: Fields | None) -> ModelRef | None:
-    if o is None:
+def _model(s: ModelShape | None) -> ModelRef | None:
+    if s is None:
         return None
-    api = o.obj("api")
+    api = s.api
     return ModelRef(
-        name=o.need_text("name"),
-        evidence=o.need_text("evidence"),
-        confirmed=bool(o.flag("confirmed")),
-        path=o.text("path"),
-        store=o.text("store"),
-        status=o.text("status"),
-        sources=o.texts("sources"),
-        pending=bool(o.flag("pending")),
-        api_runtime=None if api is None else api.text("runtime"),
-        api_endpoint=None if api is None else api.text("endpoint"),
-        api_errors=() if api is None else api.texts("errors"),
-        header_error=o.text("header_error"),
+        name=s.name,
+        evidence=s.evidence,
+        confirmed=bool(s.confirmed),
+        path=s.path,
+        store=s.store,
+        status=s.status,
+        sources=_texts(s.sources),
+        pending=bool(s.pending),
+        api_runtime=None if api is None else api.runtime,
+        api_endpoint=None if api is None else api.endpoint,
+        api_errors=() if api is None else _texts(api.errors),
+        header_error=s.header_error,
     )
 
 
-def _part(name: str, o: Fields) -> ViewPart:
-    return ViewPart(
-        name,
-        o.need_reading("reading"),
-        o.readings_in("alternatives"),
-        o.text_or("marker", ""),
-    )
-
-
-def _breakdown(o: Fields | None) -> LlmView | None:
-    if o is None:
+def _breakdown(s: BreakdownShape | None) -> LlmView | None:
+    if s is None:
         return None
-    parts = o.need_obj("parts")
+    parts = tuple(
+        ViewPart(
+            name,
+            _reading(p.reading),
+            () if p.alternatives is None else tuple(map(_reading, p.alternatives)),
+            _or(p.marker, ""),
+        )
+        for name, p in s.parts.items()
+    )
     return LlmView(
-        model=o.text("model"),
-        path=o.text("path"),
-        evidence=o.text_or("evidence", ""),
-        status=o.text_or("status", ""),
-        owner_marker=o.text_or("owner_marker", ""),
-        runtime=o.text("runtime"),
-        architecture=o.text("architecture"),
-        file_type=o.text("file_type"),
-        parameter_count=o.integer("parameter_count"),
-        n_ctx=o.integer("n_ctx"),
-        n_ctx_source=o.text("n_ctx_source"),
-        parts=tuple(_part(str(k), parts.need_obj(str(k))) for k in parts.m),
-        reported_total=_value_of(o.reading("reported_total")),
-        estimated_total=_value_of(o.reading("estimated_total")),
-        notes=o.texts("notes"),
+        model=s.model,
+        path=s.path,
+        evidence=_or(s.evidence, ""),
+        status=_or(s.status, ""),
+        owner_marker=_or(s.owner_marker, ""),
+        runtime=s.runtime,
+        architecture=s.architecture,
+        file_type=s.file_type,
+        parameter_count=_num(s.parameter_count),
+        n_ctx=_num(s.n_ctx),
+        n_ctx_source=s.n_ctx_source,
+        parts=parts,
+        reported_total=value_of(_maybe(s.reported_total)),
+        estimated_total=value_of(_maybe(s.estimated_total)),
+        notes=_texts(s.notes),
     )
 
 
-def _app(o: Fields | None) -> AppModel | None:
-    if o is None:
+def _app(s: AppShape | None) -> AppModel | None:
+    if s is None:
         return None
     return AppModel(
-        app=o.need_text("app"),
-        selected=o.text("selected"),
+        app=s.app,
+        selected=s.selected,
         settings_path=None,  # not written: the app's own files stay on the machine
-        last_event=o.text("last_event"),
-        last_event_model=o.text("last_event_model"),
-        last_event_time=o.text("last_event_time"),
+        last_event=s.last_event,
+        last_event_model=s.last_event_model,
+        last_event_time=s.last_event_time,
         log_path=None,
-        reasons=o.texts("reasons"),
+        reasons=_texts(s.reasons),
     )
 
 
-def _evidence(o: Fields) -> tuple[str, str | None]:
-    return (o.need_text("evidence"), o.text("path"))
-
-
-def _process(o: Fields) -> ProcessDoc:
-    scan = o.m.get("scan_reason")
+def _process(s: ProcessShape) -> ProcessDoc:
+    scan = s.scan_reason
     detail = ProcDetail(
-        cmdline=o.texts("cmdline") if o.m.get("cmdline") is not None else None,
-        runtimes=o.texts("runtimes"),
-        model_files=o.texts("model_files"),
-        category=o.text("category"),
-        scanned=bool(o.flag("scanned")),
-        reason=None if scan is None else reason_from_json(scan, o.where("scan_reason"))[0],
-        exe=o.text("exe"),
-        model_evidence=tuple(_evidence(e) for e in o.objs("model_evidence")),
-        reason_detail=o.text("scan_detail"),
-        user=o.text("user"),
-        ppid=o.integer("ppid"),
+        cmdline=None if s.cmdline is None else tuple(s.cmdline),
+        runtimes=_texts(s.runtimes),
+        model_files=_texts(s.model_files),
+        category=s.category,
+        scanned=bool(s.scanned),
+        reason=None if scan is None else REASONS.get(scan, Reason.UNAVAILABLE),
+        exe=s.exe,
+        model_evidence=()
+        if s.model_evidence is None
+        else tuple((e.evidence, e.path) for e in s.model_evidence),
+        reason_detail=s.scan_detail,
+        user=s.user,
+        ppid=_num(s.ppid),
     )
     proc = ProcGpu(
-        pid=o.need_integer("pid"),
-        create_time=o.number("started_at"),
-        name=o.text("name"),
-        adapter=o.text("gpu"),
-        contexts=o.texts("contexts"),
-        dedicated=o.need_reading("vram_bytes"),
-        inferred=o.reading("vram_inferred_bytes"),
-        engines=o.readings("engines"),
+        pid=_num(s.pid),
+        create_time=_num(s.started_at),
+        name=s.name,
+        adapter=s.gpu,
+        contexts=_texts(s.contexts),
+        dedicated=_reading(s.vram_bytes),
+        inferred=_maybe(s.vram_inferred_bytes),
+        engines=_readings(s.engines),
         detail=detail,
-        model=_model(o.obj("model")),
-        breakdown=_breakdown(o.obj("breakdown")),
-        app_model=_app(o.obj("app_model")),
-        paged=o.reading("paged_bytes"),
-        footprint=o.reading("footprint_bytes"),
-        host=o.text("host"),
-        parent_pid=o.integer("parent_pid"),
-        unique=bool(o.flag("inferred_unique")),
+        model=_model(s.model),
+        breakdown=_breakdown(s.breakdown),
+        app_model=_app(s.app_model),
+        paged=_maybe(s.paged_bytes),
+        footprint=_maybe(s.footprint_bytes),
+        host=s.host,
+        parent_pid=_num(s.parent_pid),
+        unique=bool(s.inferred_unique),
     )
-    return ProcessDoc(proc, o.reading("ram_bytes"), o.reading("cpu_percent"))
+    return ProcessDoc(proc, _maybe(s.ram_bytes), _maybe(s.cpu_percent))
 
 
 # ---------------------------------------------------------------------------- system
 
 
-def _host_number(o: Fields, key: str) -> Reading | None:
-    """One system number: a reading object, or (early files) a plain number, or null with
-    its reason in the section's ``reasons`` object."""
-    v = o.m.get(key)
-    if type(v) is dict or isinstance(v, Mapping):
-        return o.reading(key)
-    if is_number(v):
-        return Reading.measured(v, RECORDED_SOURCE)
-    if v is not None:
-        raise SnapshotError(f"{o.where(key)}: expected a reading, got {type(v).__name__}")
-    if key not in o.m:
-        return None
-    reasons = o.obj("reasons")
-    why = None if reasons is None else reasons.text(key)
-    if why is None:
-        raise SnapshotError(f"{o.where(key)}: null without a reason")
-    text, _, detail = why.partition(": ")
-    reason, extra = reason_from_json(text, o.where(key))
-    return Reading.missing(reason, RECORDED_SOURCE, detail or extra)
-
-
-def _host_numbers(o: Fields | None) -> dict[str, Reading]:
-    if o is None:
-        return {}
-    out = {}
-    for key in o.m:
-        if key != "reasons" and (r := _host_number(o, str(key))) is not None:
-            out[str(key)] = r
-    return out
-
-
-def _swap(o: Fields | None) -> SwapDoc | None:
-    if o is None:
-        return None
-    devices = None
-    if o.m.get("devices") is not None:
-        devices = tuple(
-            SwapDeviceDoc(
-                d.text("filename"),
-                d.text("type"),
-                _host_number(d, "size_bytes"),
-                _host_number(d, "used_bytes"),
-                _host_number(d, "priority"),
-                bool(d.flag("deleted")),
-            )
-            for d in o.objs("devices")
-        )
-    devices_reason = o.text("devices_reason")
-    reasons = o.obj("reasons")  # early files: the devices' reason was kept there
-    if devices_reason is None and reasons is not None:
-        devices_reason = reasons.text("devices")
-    return SwapDoc(
-        total_bytes=_host_number(o, "total_bytes"),
-        free_bytes=_host_number(o, "free_bytes"),
-        used_bytes=_host_number(o, "used_bytes"),
-        devices=devices,
-        devices_reason=devices_reason,
-        problems=o.texts("problems"),
-    )
-
-
-def _runtime(o: Fields, key: str) -> Reading:
+def _runtime(s: ReadingShape | None) -> Reading:
     """A duvm number; one a file does not hold is unknown, never 0."""
-    r = o.reading(key)
-    if r is None:
+    if s is None:
         return Reading.missing(Reason.UNAVAILABLE, RECORDED_SOURCE, "not recorded", Kind.RUNTIME)
-    return r
+    return _reading(s)
 
 
-def _count(o: Fields, key: str) -> int | None:
-    return _value_of(o.reading(key))
-
-
-def _pool(o: Fields | None) -> duvmpool.PoolInfo | None:
-    if o is None:
+def _pool(s: PoolShape | None) -> duvmpool.PoolInfo | None:
+    if s is None:
         return None
     daemons = tuple(
         duvmpool.DaemonPool(
-            socket=d.need_text("socket"),
-            pid=d.integer("pid"),
-            size_bytes=_runtime(d, "size_bytes"),
-            replicas=_runtime(d, "replicas"),
-            pages_written=_runtime(d, "pages_written"),
-            degraded_slabs=_runtime(d, "degraded_slabs"),
-            pages_lost=_runtime(d, "pages_lost"),
-            health=d.text_or("health", "unknown"),
-            reasons=d.texts("reasons"),
+            socket=d.socket,
+            pid=_num(d.pid),
+            size_bytes=_runtime(d.size_bytes),
+            replicas=_runtime(d.replicas),
+            pages_written=_runtime(d.pages_written),
+            degraded_slabs=_runtime(d.degraded_slabs),
+            pages_lost=_runtime(d.pages_lost),
+            health=_or(d.health, "unknown"),
+            reasons=_texts(d.reasons),
             peers=tuple(
                 duvmpool.PeerPages(
-                    p.text_or("peer", "?"),
-                    p.flag("connected"),
-                    _runtime(p, "pages"),
-                    _runtime(p, "reserved_pages"),
-                    _runtime(p, "slabs"),
+                    _or(p.peer, "?"),
+                    p.connected,
+                    _runtime(p.pages),
+                    _runtime(p.reserved_pages),
+                    _runtime(p.slabs),
                 )
-                for p in d.objs("peers")
+                for p in d.peers or ()
             ),
         )
-        for d in o.objs("daemons", required=True)
+        for d in s.daemons
     )
     lending = tuple(
         duvmpool.Lending(
-            socket=m.need_text("socket"),
-            capacity_bytes=_runtime(m, "capacity_bytes"),
-            used_bytes=_runtime(m, "used_bytes"),
-            reserved_bytes=_runtime(m, "reserved_bytes"),
+            socket=m.socket,
+            capacity_bytes=_runtime(m.capacity_bytes),
+            used_bytes=_runtime(m.used_bytes),
+            reserved_bytes=_runtime(m.reserved_bytes),
             borrowers=tuple(
                 duvmpool.Borrower(
-                    b.text_or("client_id", "?"),
-                    _runtime(b, "stored_bytes"),
-                    _runtime(b, "reserved_bytes"),
-                    _count(b, "connections"),
+                    _or(b.client_id, "?"),
+                    _runtime(b.stored_bytes),
+                    _runtime(b.reserved_bytes),
+                    value_of(_maybe(b.connections)),
                 )
-                for b in m.objs("borrowers")
+                for b in m.borrowers or ()
             ),
-            borrowers_total=_count(m, "borrowers_listed_of"),
+            borrowers_total=value_of(_maybe(m.borrowers_listed_of)),
         )
-        for m in o.objs("lending", required=True)
+        for m in s.lending
     )
-    errors = o.obj("errors")
+    errors = s.errors
     return duvmpool.PoolInfo(
         daemons=daemons,
         lending=lending,
-        errors={} if errors is None else {str(k): errors.text_or(str(k), "") for k in errors.m},
-        looked=o.text_or("looked", duvmpool.DEFAULT_GLOB),
+        errors={} if errors is None else {k: _or(v, "") for k, v in errors.items()},
+        looked=_or(s.looked, duvmpool.DEFAULT_GLOB),
     )
 
 
-def _system(o: Fields) -> SystemDoc:
+def _host_numbers(m: dict[str, ReadingShape] | None) -> dict[str, Reading]:
+    # "reasons" names an early file's object of reasons, never a number
+    return {} if m is None else {k: _reading(v) for k, v in m.items() if k != "reasons"}
+
+
+def _set(s: ReadingShape | UnsetType) -> Reading | None:
+    return None if s is UNSET else _reading(s)  # type: ignore[arg-type]
+
+
+def _swap(s: SwapShape | None) -> SwapDoc | None:
+    if s is None:
+        return None
+    devices = None
+    if s.devices is not None:
+        devices = tuple(
+            SwapDeviceDoc(
+                d.filename,
+                d.type,
+                _set(d.size_bytes),
+                _set(d.used_bytes),
+                _set(d.priority),
+                bool(d.deleted),
+            )
+            for d in s.devices
+        )
+    devices_reason = s.devices_reason
+    if devices_reason is None and s.reasons is not None:
+        devices_reason = s.reasons.get("devices")
+    return SwapDoc(
+        total_bytes=_set(s.total_bytes),
+        free_bytes=_set(s.free_bytes),
+        used_bytes=_set(s.used_bytes),
+        devices=devices,
+        devices_reason=devices_reason,
+        problems=_texts(s.problems),
+    )
+
+
+def _system(s: SystemShape) -> SystemDoc:
     return SystemDoc(
-        taken=o.number("taken"),
-        memory=_host_numbers(o.obj("memory")),
-        swap=_swap(o.obj("swap")),
-        cpu=_host_numbers(o.obj("cpu")),
-        processes_reason=o.text("processes_reason"),
-        duvm=_pool(o.obj("duvm")),
+        taken=_num(s.taken),
+        memory=_host_numbers(s.memory),
+        swap=_swap(s.swap),
+        cpu=_host_numbers(s.cpu),
+        processes_reason=s.processes_reason,
+        duvm=_pool(s.duvm),
     )
 
 
 # ---------------------------------------------------------------------------- document
 
 
-def _metrics(o: Fields | None) -> DeviceMetrics | None:
-    if o is None:
-        return None
-    return DeviceMetrics(*[o.need_reading(n) for n in DeviceMetrics.__slots__])
-
-
-def _adapter(o: Fields, backend: str) -> AdapterDoc:
+def _adapter(s: AdapterShape, backend: str) -> AdapterDoc:
+    m = s.metrics
     return AdapterDoc(
-        index=o.need_integer("index"),
-        vendor=o.need_text("vendor"),
-        name=o.text("name"),
-        uuid=o.text("uuid"),
-        pci_bus_id=o.text("pci_bus_id"),
-        backend=o.text_or("backend", backend),  # files before per-adapter backends
-        metrics=_metrics(o.obj("metrics")),
-        extra_metrics=o.readings("extra_metrics"),
-        attributed_bytes=o.integer("attributed_bytes"),
-        attributed_complete=o.flag("attributed_complete"),
+        index=_num(s.index),
+        vendor=s.vendor,
+        name=s.name,
+        uuid=s.uuid,
+        pci_bus_id=s.pci_bus_id,
+        backend=_or(s.backend, backend),  # files before per-adapter backends
+        metrics=None if m is None else DeviceMetrics(*map(_reading, msgspec.structs.astuple(m))),
+        extra_metrics=_readings(s.extra_metrics),
+        attributed_bytes=_num(s.attributed_bytes),
+        attributed_complete=s.attributed_complete,
     )
 
 
-def read_document(obj: object) -> Document:
-    """The `Document` a ``--json`` object describes; `SnapshotError` says why not."""
-    o = Fields(check_snapshot(obj))
-    backend = o.need_text("backend")
-    problems = tuple(problem_from_json(p) for p in o.objs("problems"))
-    got = o.obj("unavailable")
-    unavailable = None if got is None else problem_from_json(got)
+def _document(s: DocShape) -> Document:
+    if s.schema != schema.NAME or s.schema_version != schema.VERSION or not is_number(s.taken):
+        raise _Refused
+    backend = s.backend
+    problems = () if s.problems is None else tuple(map(_problem, s.problems))
+    unavailable = None if s.unavailable is None else _problem(s.unavailable)
     # the same object as in `problems`, as the collector builds it
     unavailable = next((p for p in problems if p == unavailable), unavailable)
-    system = o.obj("system")
     return Document(
-        taken=o.m["taken"],  # checked above
+        taken=s.taken,
         backend=backend,
-        adapters=tuple(_adapter(a, backend) for a in o.objs("adapters")),
-        processes=tuple(_process(p) for p in o.objs("processes")),
+        adapters=tuple(_adapter(a, backend) for a in s.adapters),
+        processes=tuple(map(_process, s.processes)),
         problems=problems,
-        notes=o.texts("notes"),
-        driver_version=o.text("driver_version"),
+        notes=_texts(s.notes),
+        driver_version=s.driver_version,
         unavailable=unavailable,
-        selected_gpu=o.integer("selected_gpu"),
-        system=None if system is None else _system(system),
-        taken_iso=o.text("taken_iso"),
-        attributed_bytes=o.integer("attributed_bytes"),
-        attributed_complete=o.flag("attributed_complete"),
+        selected_gpu=_num(s.selected_gpu),
+        system=None if s.system is None else _system(s.system),
+        taken_iso=s.taken_iso,
+        attributed_bytes=_num(s.attributed_bytes),
+        attributed_complete=s.attributed_complete,
     )

@@ -10,6 +10,7 @@ of `Fields.reading` (a well-formed reading object) without building a string.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any, NoReturn, TypeGuard
@@ -25,6 +26,20 @@ _STR = {str}
 
 class SnapshotError(ValueError):
     """A document that is not a gputaskman snapshot this version can read."""
+
+
+class NotASnapshot(SnapshotError):
+    """A document whose top level is not a schema-1 snapshot (another schema or version,
+    not an object): the fleet calls such a host incompatible by name, not unreadable."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (unknown is null)")
+
+
+def parse_json(text: str | bytes) -> Any:
+    """`json.loads` that refuses NaN and Infinity."""
+    return json.loads(text, parse_constant=_reject_constant)
 
 
 def is_number(v: object) -> TypeGuard[int | float]:

@@ -1,6 +1,7 @@
 """The fleet reader: one host's HTTP answer read as its snapshot, or as the reason it is not
 one. Every document the fleet receives goes through `read_body`, and through it through
-`document.read_document`, the one reader of the snapshot document.
+`document.read_document`, the one reader of the snapshot document, given the body's bytes
+(it decodes them straight into the document's declared shape, `core/docshape.py`).
 
 Theory of operation
 -------------------
@@ -14,12 +15,12 @@ non-200 an `error`. A 200's body is then read by `read_body`, in bounded memory 
 * the JSON containers are counted before parsing (``{`` and ``[`` bytes, an upper bound; a
   body of at most `MAX_CONTAINERS` bytes cannot hold more), so a small body cannot expand
   into millions of objects (`MAX_CONTAINERS`); nesting deeper than
-  Python's recursion limit is refused by the JSON parser itself; NaN and Infinity are refused
-  (unknown is null);
-* the top-level shape and the ``schema_version`` are checked (`document.check_snapshot`):
-  another schema or version is `incompatible`, named;
-* `read_document` reads the rest into typed objects, and a wrong type anywhere is
-  `incompatible` with the place it was found.
+  Python's recursion limit is refused by the JSON decoders themselves; NaN and Infinity are
+  refused (unknown is null);
+* `read_document` reads the body into typed objects: another schema or version is
+  `incompatible`, named (`document.NotASnapshot`); a wrong type anywhere is `incompatible`
+  with the place it was found; JSON that does not parse is `incompatible` with the parser's
+  words.
 
 The result is an `Answer`: `up` with the `Document` and the body it was read from (the
 validated bytes, written out again by ``fleet --json`` and ``fleet record``), or a status and
@@ -30,10 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gputaskman.core.document import Document, SnapshotError, check_snapshot, read_document
+from gputaskman.core.document import Document, NotASnapshot, SnapshotError, read_document
 from gputaskman.core.fleetdoc import HostStatus
 from gputaskman.fleet.httpwire import HttpResponse
-from gputaskman.offline.recordfile import parse_json
 
 MAX_DOCUMENT_BYTES = 8 * 1024 * 1024  # a host with a thousand processes writes a few MB
 MAX_CONTAINERS = 400_000  # objects and lists: a real document has about one per 100 bytes
@@ -62,19 +62,15 @@ def read_body(body: bytes) -> Answer:
             f"not a snapshot: {containers} JSON objects and lists, over {MAX_CONTAINERS}",
         )
     try:
-        obj = parse_json(body)
+        doc = read_document(body)
     except RecursionError:
         return Answer(HostStatus.INCOMPATIBLE, "not a snapshot: JSON nested too deep")
-    except ValueError as exc:  # bad JSON, bad UTF-8, NaN
-        return Answer(HostStatus.INCOMPATIBLE, _shorten(f"not JSON: {exc}"))
-    try:
-        check_snapshot(obj)
-    except SnapshotError as exc:
+    except NotASnapshot as exc:  # another schema or version, or not an object
         return Answer(HostStatus.INCOMPATIBLE, _shorten(str(exc)))
-    try:
-        doc = read_document(obj)
     except SnapshotError as exc:
         return Answer(HostStatus.INCOMPATIBLE, _shorten(f"unreadable snapshot: {exc}"))
+    except ValueError as exc:  # bad JSON, bad UTF-8, NaN (SnapshotError is caught above)
+        return Answer(HostStatus.INCOMPATIBLE, _shorten(f"not JSON: {exc}"))
     return Answer(HostStatus.UP, None, doc, body)
 
 

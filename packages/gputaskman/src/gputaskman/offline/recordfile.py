@@ -36,7 +36,6 @@ sections, in one pass). Read with neither, a fleet line is reported as needing a
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,19 +45,11 @@ from typing import IO, Any
 from gputaskman.base import schema
 from gputaskman.core import fleetdoc
 from gputaskman.core.document import SnapshotError, check_snapshot
+from gputaskman.core.jsonfields import parse_json
 
 # A snapshot of a thousand processes with long command lines is a few MB; anything far
 # beyond that is not a line record wrote, and must not be loaded whole.
 MAX_LINE_BYTES = 64 * 1024 * 1024
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON (unknown is null)")
-
-
-def parse_json(text: str | bytes) -> Any:
-    """`json.loads` that refuses NaN and Infinity."""
-    return json.loads(text, parse_constant=_reject_constant)
 
 
 @dataclass(frozen=True, slots=True)
