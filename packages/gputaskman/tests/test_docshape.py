@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from doc_paths import json_paths
 from gputaskman.core import report
 from gputaskman.core.docfields import read_parsed
 from gputaskman.core.docshape import DOC_DECODER
@@ -107,17 +108,6 @@ HOSTILE = st.one_of(
 DELETE = object()
 
 
-def _paths(node: Any, at: tuple = ()) -> list[tuple]:
-    out = [at]
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _paths(v, (*at, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _paths(v, (*at, i))
-    return out
-
-
 def _replace(doc: Any, path: tuple, value: Any) -> Any:
     if not path:
         return doc if value is DELETE else value
@@ -140,7 +130,7 @@ def test_a_wrong_value_anywhere_is_read_or_refused_as_the_reference_does(which, 
     otherwise than the reference words it (`read_document` on bytes and on a dict)."""
     doc = parse_json(LINES[which])
     for _ in range(data.draw(st.integers(1, 3))):
-        path = data.draw(st.sampled_from(_paths(doc)))
+        path = data.draw(st.sampled_from(json_paths(doc)))
         doc = _replace(doc, path, data.draw(st.one_of(HOSTILE, st.just(DELETE))))
     body = json.dumps(doc).encode()
     want = _reference(body)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from doc_paths import json_paths
 from gputaskman.core import report
 from gputaskman.core.fleetdoc import HostStatus
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
@@ -197,17 +198,6 @@ HOSTILE = st.one_of(
 )
 
 
-def _paths(node: Any, at: tuple = ()) -> list[tuple]:
-    out = [at]
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _paths(v, (*at, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _paths(v, (*at, i))
-    return out
-
-
 def _replace(doc: Any, path: tuple, value: Any) -> Any:
     if not path:
         return value
@@ -225,11 +215,11 @@ def test_a_wrong_type_anywhere_is_read_or_refused_never_raised(which, data):
     """Catches a document reader that crashes on a value of the wrong type in a place the
     fixtures never vary; each refusal names the place."""
     doc = DOCS[which]
-    paths = _paths(doc)
+    paths = json_paths(doc)
     for _ in range(data.draw(st.integers(1, 3))):
         path = data.draw(st.sampled_from(paths))
         doc = _replace(doc, path, data.draw(HOSTILE))
-        paths = _paths(doc)
+        paths = json_paths(doc)
     ans = reader.read_body(_body(doc))
     assert ans.status in (HostStatus.UP, HostStatus.INCOMPATIBLE)
     assert (ans.document is not None) == (ans.status is HostStatus.UP)
