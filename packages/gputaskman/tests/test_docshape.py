@@ -171,6 +171,30 @@ def test_what_msgspec_does_not_take_is_read_by_the_reference_reader() -> None:
         read_document(over.replace(b"1e400", b"NaN"))
 
 
+LIMITS = ["0", "-0.0", "1", "1.0", "5e-324", "1.7976931348623157e308", "-1.7976931348623157e308"]
+LIMITS += ["1e400", "-1e400", str(2**63 - 1), str(2**63), str(-(2**63)), str(-(2**63) - 1)]
+LIMITS += [str(2**1024 - 2**970), str(-(2**1024 - 2**970)), str(2**1024 - 2**970 - 1)]
+
+
+@pytest.mark.parametrize("number", LIMITS)
+def test_a_reading_at_a_numbers_limits_reads_as_the_reference_reads_it(number: str) -> None:
+    """Catches the typed path's inline number check (`document._reading`: an int within
+    ±2**63, a float between ±the largest float) taking what `is_number` refuses or reading
+    it otherwise (planted: the float's lower bound dropped, so -1e400 reads as -inf), from
+    bytes and from a parsed object (msgspec refuses 1e400 in bytes; ``json.loads`` makes
+    it an infinity, which `msgspec.convert` passes on)."""
+    body = re.sub(
+        rb'("memory_used_bytes": \{"value": )\d+', rb"\g<1>" + number.encode(), LINES[0], count=1
+    )
+    assert body != LINES[0]
+    want = _reference(body)
+    fast = _fast(body)
+    if fast is not None:
+        assert repr(fast) == want
+    assert _outcome(read_document, body) == want
+    assert _outcome(read_document, parse_json(body)) == want
+
+
 def test_a_top_level_that_is_no_snapshot_is_not_a_snapshot() -> None:
     """Catches the fleet calling another tool's JSON or another schema version "unreadable"
     instead of naming it: `NotASnapshot`, with `check_snapshot`'s words, from bytes too."""

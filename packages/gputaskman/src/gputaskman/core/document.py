@@ -20,15 +20,17 @@ Two readers, one result. The document's shape is declared once, as msgspec Struc
 (`docshape`). Bytes are decoded into them in C, every type checked on the way; a parsed
 object (a dict) is converted into them (`msgspec.convert`). The objects are then built from
 the Structs' attributes here, with the checks types cannot make (a number a float holds, a
-value or a reason). A document this path does not take goes to the reference reader over
-the parsed object (`docfields.read_parsed`), which reads it or raises the `SnapshotError`
-naming the place; so every refusal, and its words, is the reference reader's. Besides
-refusals, that path reads JSON that msgspec refuses and `json.loads` reads (a lone
-surrogate such as ``"\\udcff"``, a byte-order mark, UTF-16), a number beyond a float's
-range (``1e400``) in a key the reader uses (refused either way), and early files' system
-numbers (bare numbers, or null with a ``reasons`` object). One input reads on the typed
-path that the reference refuses: bytes with an integer of over 4300 digits in a key the
-reader skips (msgspec skips it; `json.loads` refuses it).
+value or a reason), each by a `frozen.builder` (the class's object without the frozen
+dataclass's per-field ``object.__setattr__``: a third to a seventh of the cost). A document
+this path does not take goes to the reference reader over the parsed object
+(`docfields.read_parsed`), which reads it or raises the `SnapshotError` naming the place; so
+every refusal, and its words, is the reference reader's. Besides refusals, that path reads
+JSON that msgspec refuses and `json.loads` reads (a lone surrogate such as ``"\\udcff"``, a
+byte-order mark, UTF-16), a number beyond a float's range (``1e400``) in a key the reader
+uses (refused either way), and early files' system numbers (bare numbers, or null with a
+``reasons`` object). One input reads on the typed path that the reference refuses: bytes
+with an integer of over 4300 digits in a key the reader skips (msgspec skips it;
+`json.loads` refuses it).
 
 Compatibility (``schema_version`` 1, additive changes only; `base.schema`'s JSON Schema):
 
@@ -50,6 +52,7 @@ Compatibility (``schema_version`` 1, additive changes only; `base.schema`'s JSON
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,6 +60,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from gputaskman.base import schema
+from gputaskman.base.frozen import builder
 from gputaskman.base.readings import (
     DeviceMetrics,
     Kind,
@@ -127,6 +131,8 @@ class _Refused(Exception):
 # what sends a document to the reference reader: msgspec's refusals, `_Refused`, and the
 # ValueError msgspec raises on a lone surrogate in a str (UnicodeEncodeError)
 _OFF_PATH = (msgspec.MsgspecError, RecursionError, _Refused, ValueError)
+_LONG = 2**63  # an int within ±_LONG is one a float holds
+_FLOAT_MAX = sys.float_info.max
 
 
 def read_document(obj: bytes | bytearray | memoryview | Mapping[str, Any]) -> Document:
@@ -165,21 +171,18 @@ def _recorded(detail: str | None, why: str) -> str:
 def _reading(s: ReadingShape) -> Reading:
     v, why = s.value, s.reason
     if why is None:
+        t = type(v)
+        # `is_number`'s two common cases inline (run for every reading): an int within
+        # ±2**63, a finite float (NaN and infinities fail both comparisons)
+        if (t is int and -_LONG <= v < _LONG) or (t is float and -_FLOAT_MAX <= v <= _FLOAT_MAX):
+            return checked_reading(v, s.kind, s.source, None, s.detail)
         if v is not None and is_number(v):
             return checked_reading(v, s.kind, s.source, None, s.detail)
     elif v is None:
         reason = REASONS.get(why)
         if reason is not None:
             return checked_reading(None, s.kind, s.source, reason, s.detail)
-        detail = s.detail
-        extra = f"recorded reason: {why}"
-        return Reading(
-            None,
-            s.kind,
-            s.source,
-            Reason.UNAVAILABLE,
-            extra if detail is None else f"{detail} ({extra})",
-        )
+        return checked_reading(None, s.kind, s.source, Reason.UNAVAILABLE, _recorded(s.detail, why))
     raise _Refused  # no value and no reason, both, or a number beyond a float
 
 
@@ -202,30 +205,32 @@ def _or(v: str | None, default: str) -> str:
 def _problem(s: ProblemShape) -> Problem:
     reason = REASONS.get(s.reason)
     if reason is not None:
-        return Problem(s.where, reason, s.detail, s.adapter)
-    return Problem(s.where, Reason.UNAVAILABLE, _recorded(s.detail, s.reason), s.adapter)
+        return _Problem(s.where, reason, s.detail, s.adapter)
+    return _Problem(s.where, Reason.UNAVAILABLE, _recorded(s.detail, s.reason), s.adapter)
 
 
 # ---------------------------------------------------------------------------- processes
+# The objects are built by `frozen.builder`s, positionally in each class's field order (the
+# comments name a field where the key differs): keyword arguments cost twice the build.
 
 
 def _model(s: ModelShape | None) -> ModelRef | None:
     if s is None:
         return None
     api = s.api
-    return ModelRef(
-        name=s.name,
-        evidence=s.evidence,
-        confirmed=bool(s.confirmed),
-        path=s.path,
-        store=s.store,
-        status=s.status,
-        sources=_texts(s.sources),
-        pending=bool(s.pending),
-        api_runtime=None if api is None else api.runtime,
-        api_endpoint=None if api is None else api.endpoint,
-        api_errors=() if api is None else _texts(api.errors),
-        header_error=s.header_error,
+    return _ModelRef(
+        s.name,
+        s.evidence,
+        bool(s.confirmed),
+        s.path,
+        s.store,
+        s.status,
+        _texts(s.sources),
+        bool(s.pending),
+        None if api is None else api.runtime,  # api_runtime
+        None if api is None else api.endpoint,  # api_endpoint
+        () if api is None else _texts(api.errors),  # api_errors
+        s.header_error,
     )
 
 
@@ -233,7 +238,7 @@ def _breakdown(s: BreakdownShape | None) -> LlmView | None:
     if s is None:
         return None
     parts = tuple(
-        ViewPart(
+        _ViewPart(
             name,
             _reading(p.reading),
             () if p.alternatives is None else tuple(map(_reading, p.alternatives)),
@@ -241,77 +246,77 @@ def _breakdown(s: BreakdownShape | None) -> LlmView | None:
         )
         for name, p in s.parts.items()
     )
-    return LlmView(
-        model=s.model,
-        path=s.path,
-        evidence=_or(s.evidence, ""),
-        status=_or(s.status, ""),
-        owner_marker=_or(s.owner_marker, ""),
-        runtime=s.runtime,
-        architecture=s.architecture,
-        file_type=s.file_type,
-        parameter_count=_num(s.parameter_count),
-        n_ctx=_num(s.n_ctx),
-        n_ctx_source=s.n_ctx_source,
-        parts=parts,
-        reported_total=value_of(_maybe(s.reported_total)),
-        estimated_total=value_of(_maybe(s.estimated_total)),
-        notes=_texts(s.notes),
+    return _LlmView(
+        s.model,
+        s.path,
+        _or(s.evidence, ""),
+        _or(s.status, ""),
+        _or(s.owner_marker, ""),
+        s.runtime,
+        s.architecture,
+        s.file_type,
+        _num(s.parameter_count),
+        _num(s.n_ctx),
+        s.n_ctx_source,
+        parts,
+        value_of(_maybe(s.reported_total)),
+        value_of(_maybe(s.estimated_total)),
+        _texts(s.notes),
     )
 
 
 def _app(s: AppShape | None) -> AppModel | None:
     if s is None:
         return None
-    return AppModel(
-        app=s.app,
-        selected=s.selected,
-        settings_path=None,  # not written: the app's own files stay on the machine
-        last_event=s.last_event,
-        last_event_model=s.last_event_model,
-        last_event_time=s.last_event_time,
-        log_path=None,
-        reasons=_texts(s.reasons),
+    return _AppModel(
+        s.app,
+        s.selected,
+        None,  # settings_path, not written: the app's own files stay on the machine
+        s.last_event,
+        s.last_event_model,
+        s.last_event_time,
+        None,  # log_path
+        _texts(s.reasons),
     )
 
 
 def _process(s: ProcessShape) -> ProcessDoc:
     scan = s.scan_reason
-    detail = ProcDetail(
-        cmdline=None if s.cmdline is None else tuple(s.cmdline),
-        runtimes=_texts(s.runtimes),
-        model_files=_texts(s.model_files),
-        category=s.category,
-        scanned=bool(s.scanned),
-        reason=None if scan is None else REASONS.get(scan, Reason.UNAVAILABLE),
-        exe=s.exe,
-        model_evidence=()
-        if s.model_evidence is None
-        else tuple((e.evidence, e.path) for e in s.model_evidence),
-        reason_detail=s.scan_detail,
-        user=s.user,
-        ppid=_num(s.ppid),
+    evidence = s.model_evidence
+    detail = _ProcDetail(
+        None if s.cmdline is None else tuple(s.cmdline),
+        _texts(s.runtimes),
+        _texts(s.model_files),
+        s.category,
+        bool(s.scanned),
+        None if scan is None else REASONS.get(scan, Reason.UNAVAILABLE),  # reason
+        s.exe,
+        () if evidence is None else tuple((e.evidence, e.path) for e in evidence),
+        s.scan_detail,  # reason_detail
+        s.user,
+        _num(s.ppid),
     )
-    proc = ProcGpu(
-        pid=_num(s.pid),
-        create_time=_num(s.started_at),
-        name=s.name,
-        adapter=s.gpu,
-        contexts=_texts(s.contexts),
-        dedicated=_reading(s.vram_bytes),
-        inferred=_maybe(s.vram_inferred_bytes),
-        engines=_readings(s.engines),
-        detail=detail,
-        model=_model(s.model),
-        breakdown=_breakdown(s.breakdown),
-        app_model=_app(s.app_model),
-        paged=_maybe(s.paged_bytes),
-        footprint=_maybe(s.footprint_bytes),
-        host=s.host,
-        parent_pid=_num(s.parent_pid),
-        unique=bool(s.inferred_unique),
+    engines = s.engines
+    proc = _ProcGpu(
+        _num(s.pid),
+        _num(s.started_at),  # create_time
+        s.name,
+        s.gpu,  # adapter
+        _texts(s.contexts),
+        _reading(s.vram_bytes),  # dedicated
+        _maybe(s.vram_inferred_bytes),  # inferred
+        {} if engines is None else {k: _reading(v) for k, v in engines.items()},
+        detail,
+        _model(s.model),
+        _breakdown(s.breakdown),
+        _app(s.app_model),
+        _maybe(s.paged_bytes),  # paged
+        _maybe(s.footprint_bytes),  # footprint
+        s.host,
+        _num(s.parent_pid),
+        bool(s.inferred_unique),  # unique
     )
-    return ProcessDoc(proc, _maybe(s.ram_bytes), _maybe(s.cpu_percent))
+    return _ProcessDoc(proc, _maybe(s.ram_bytes), _maybe(s.cpu_percent))
 
 
 # ---------------------------------------------------------------------------- system
@@ -328,18 +333,18 @@ def _pool(s: PoolShape | None) -> duvmpool.PoolInfo | None:
     if s is None:
         return None
     daemons = tuple(
-        duvmpool.DaemonPool(
-            socket=d.socket,
-            pid=_num(d.pid),
-            size_bytes=_runtime(d.size_bytes),
-            replicas=_runtime(d.replicas),
-            pages_written=_runtime(d.pages_written),
-            degraded_slabs=_runtime(d.degraded_slabs),
-            pages_lost=_runtime(d.pages_lost),
-            health=_or(d.health, "unknown"),
-            reasons=_texts(d.reasons),
-            peers=tuple(
-                duvmpool.PeerPages(
+        _DaemonPool(
+            d.socket,
+            _num(d.pid),
+            _runtime(d.size_bytes),
+            _runtime(d.replicas),
+            _runtime(d.pages_written),
+            _runtime(d.degraded_slabs),
+            _runtime(d.pages_lost),
+            _or(d.health, "unknown"),
+            _texts(d.reasons),
+            tuple(
+                _PeerPages(
                     _or(p.peer, "?"),
                     p.connected,
                     _runtime(p.pages),
@@ -352,13 +357,13 @@ def _pool(s: PoolShape | None) -> duvmpool.PoolInfo | None:
         for d in s.daemons
     )
     lending = tuple(
-        duvmpool.Lending(
-            socket=m.socket,
-            capacity_bytes=_runtime(m.capacity_bytes),
-            used_bytes=_runtime(m.used_bytes),
-            reserved_bytes=_runtime(m.reserved_bytes),
-            borrowers=tuple(
-                duvmpool.Borrower(
+        _Lending(
+            m.socket,
+            _runtime(m.capacity_bytes),
+            _runtime(m.used_bytes),
+            _runtime(m.reserved_bytes),
+            tuple(
+                _Borrower(
                     _or(b.client_id, "?"),
                     _runtime(b.stored_bytes),
                     _runtime(b.reserved_bytes),
@@ -366,16 +371,16 @@ def _pool(s: PoolShape | None) -> duvmpool.PoolInfo | None:
                 )
                 for b in m.borrowers or ()
             ),
-            borrowers_total=value_of(_maybe(m.borrowers_listed_of)),
+            value_of(_maybe(m.borrowers_listed_of)),  # borrowers_total
         )
         for m in s.lending
     )
     errors = s.errors
-    return duvmpool.PoolInfo(
-        daemons=daemons,
-        lending=lending,
-        errors={} if errors is None else {k: _or(v, "") for k, v in errors.items()},
-        looked=_or(s.looked, duvmpool.DEFAULT_GLOB),
+    return _PoolInfo(
+        daemons,
+        lending,
+        {} if errors is None else {k: _or(v, "") for k, v in errors.items()},
+        _or(s.looked, duvmpool.DEFAULT_GLOB),
     )
 
 
@@ -394,7 +399,7 @@ def _swap(s: SwapShape | None) -> SwapDoc | None:
     devices = None
     if s.devices is not None:
         devices = tuple(
-            SwapDeviceDoc(
+            _SwapDeviceDoc(
                 d.filename,
                 d.type,
                 _set(d.size_bytes),
@@ -407,24 +412,24 @@ def _swap(s: SwapShape | None) -> SwapDoc | None:
     devices_reason = s.devices_reason
     if devices_reason is None and s.reasons is not None:
         devices_reason = s.reasons.get("devices")
-    return SwapDoc(
-        total_bytes=_set(s.total_bytes),
-        free_bytes=_set(s.free_bytes),
-        used_bytes=_set(s.used_bytes),
-        devices=devices,
-        devices_reason=devices_reason,
-        problems=_texts(s.problems),
+    return _SwapDoc(
+        _set(s.total_bytes),
+        _set(s.free_bytes),
+        _set(s.used_bytes),
+        devices,
+        devices_reason,
+        _texts(s.problems),
     )
 
 
 def _system(s: SystemShape) -> SystemDoc:
-    return SystemDoc(
-        taken=_num(s.taken),
-        memory=_host_numbers(s.memory),
-        swap=_swap(s.swap),
-        cpu=_host_numbers(s.cpu),
-        processes_reason=s.processes_reason,
-        duvm=_pool(s.duvm),
+    return _SystemDoc(
+        _num(s.taken),
+        _host_numbers(s.memory),
+        _swap(s.swap),
+        _host_numbers(s.cpu),
+        s.processes_reason,
+        _pool(s.duvm),
     )
 
 
@@ -433,17 +438,18 @@ def _system(s: SystemShape) -> SystemDoc:
 
 def _adapter(s: AdapterShape, backend: str) -> AdapterDoc:
     m = s.metrics
-    return AdapterDoc(
-        index=_num(s.index),
-        vendor=s.vendor,
-        name=s.name,
-        uuid=s.uuid,
-        pci_bus_id=s.pci_bus_id,
-        backend=_or(s.backend, backend),  # files before per-adapter backends
-        metrics=None if m is None else DeviceMetrics(*map(_reading, msgspec.structs.astuple(m))),
-        extra_metrics=_readings(s.extra_metrics),
-        attributed_bytes=_num(s.attributed_bytes),
-        attributed_complete=s.attributed_complete,
+    extra = s.extra_metrics
+    return _AdapterDoc(
+        _num(s.index),
+        s.vendor,
+        s.name,
+        s.uuid,
+        s.pci_bus_id,
+        _or(s.backend, backend),  # files before per-adapter backends
+        None if m is None else _DeviceMetrics(*map(_reading, msgspec.structs.astuple(m))),
+        {} if extra is None else {k: _reading(v) for k, v in extra.items()},
+        _num(s.attributed_bytes),
+        s.attributed_complete,
     )
 
 
@@ -455,18 +461,39 @@ def _document(s: DocShape) -> Document:
     unavailable = None if s.unavailable is None else _problem(s.unavailable)
     # the same object as in `problems`, as the collector builds it
     unavailable = next((p for p in problems if p == unavailable), unavailable)
-    return Document(
-        taken=s.taken,
-        backend=backend,
-        adapters=tuple(_adapter(a, backend) for a in s.adapters),
-        processes=tuple(map(_process, s.processes)),
-        problems=problems,
-        notes=_texts(s.notes),
-        driver_version=s.driver_version,
-        unavailable=unavailable,
-        selected_gpu=_num(s.selected_gpu),
-        system=None if s.system is None else _system(s.system),
-        taken_iso=s.taken_iso,
-        attributed_bytes=_num(s.attributed_bytes),
-        attributed_complete=s.attributed_complete,
+    return _Document(
+        s.taken,
+        backend,
+        tuple(_adapter(a, backend) for a in s.adapters),
+        tuple(map(_process, s.processes)),
+        problems,
+        _texts(s.notes),
+        s.driver_version,
+        unavailable,
+        _num(s.selected_gpu),
+        None if s.system is None else _system(s.system),
+        s.taken_iso,
+        _num(s.attributed_bytes),
+        s.attributed_complete,
     )
+
+
+_Problem = builder(Problem)
+_ModelRef = builder(ModelRef)
+_ViewPart = builder(ViewPart)
+_LlmView = builder(LlmView)
+_AppModel = builder(AppModel)
+_ProcDetail = builder(ProcDetail)
+_ProcGpu = builder(ProcGpu)
+_ProcessDoc = builder(ProcessDoc)
+_DaemonPool = builder(duvmpool.DaemonPool)
+_PeerPages = builder(duvmpool.PeerPages)
+_Lending = builder(duvmpool.Lending)
+_Borrower = builder(duvmpool.Borrower)
+_PoolInfo = builder(duvmpool.PoolInfo)
+_SwapDeviceDoc = builder(SwapDeviceDoc)
+_SwapDoc = builder(SwapDoc)
+_SystemDoc = builder(SystemDoc)
+_AdapterDoc = builder(AdapterDoc)
+_DeviceMetrics = builder(DeviceMetrics)
+_Document = builder(Document)
