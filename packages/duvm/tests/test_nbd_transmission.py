@@ -219,7 +219,7 @@ OPS = st.one_of(
 )
 
 
-def _encode(reqs: list, cookie0: int) -> tuple[bytes, dict[int, tuple[int, int]]]:
+def _encode(reqs: list, cookie0: int) -> tuple[bytes, dict[int, tuple[int, int, int]]]:
     out, sent = bytearray(), {}
     for i, (cmd, flags, page, pages, unaligned) in enumerate(reqs):
         cookie = ((cookie0 + i) * 0x9E3779B97F4A7C15) & (2**64 - 1)  # every bit of the field
@@ -230,7 +230,7 @@ def _encode(reqs: list, cookie0: int) -> tuple[bytes, dict[int, tuple[int, int]]
         out += struct.pack(">IHHQQI", C.REQUEST_MAGIC, flags, cmd, cookie, offset, length)
         if cmd == C.CMD_WRITE:
             out += bytes([cookie & 0xFF]) * length
-        sent[cookie] = (cmd, length)
+        sent[cookie] = (cmd, length, offset)
     return bytes(out), sent
 
 
@@ -240,7 +240,7 @@ async def _run_async(tx_type: type, ops: list, fast: bool, limits: tuple[int, in
     server = _Server(store, limits[0], limits[1], timed, log)
     t = _Transport(log)
     tx = tx_type(server, t, transmission_decoder(EXPORT, server.pool), "peer")
-    sent: dict[int, tuple[int, int]] = {}
+    sent: dict[int, tuple[int, int, int]] = {}
     pending = b""
     ended = broken = False
     for op, a, b in ops:
@@ -313,7 +313,16 @@ def _run(tx_type: type, ops: list, fast: bool, limits: tuple[int, int], timed: b
     return asyncio.run(_run_async(tx_type, ops, fast, limits, timed))
 
 
-def _replies(wire: bytes, sent: dict[int, tuple[int, int]]) -> dict[int, tuple[int, bytes]]:
+def _read_fill(page: int, fast: bool) -> bytes:
+    """The byte the scripted store fills a successful READ starting at `page` with."""
+    how = page % 7 if fast else DECLINE
+    if how == OWN:
+        return b"O"
+    factor = {NOW: 1, LATER: 3, CONTINUE: 5}.get(how, 1)  # DECLINE: the coroutine path's
+    return bytes([(page * factor) & 0xFF])
+
+
+def _replies(wire: bytes, sent: dict[int, tuple[int, int, int]]) -> dict[int, tuple[int, bytes]]:
     """The replies on the wire: cookie -> (NBD error, read payload)."""
     out: dict[int, tuple[int, bytes]] = {}
     i = 0
@@ -321,7 +330,7 @@ def _replies(wire: bytes, sent: dict[int, tuple[int, int]]) -> dict[int, tuple[i
         magic, err, cookie = C.SIMPLE_REPLY.unpack_from(wire, i)
         assert magic == C.SIMPLE_REPLY_MAGIC
         i += 16
-        cmd, length = sent[cookie]
+        cmd, length, _ = sent[cookie]
         payload = b""
         if cmd == C.CMD_READ and not err:
             payload = wire[i : i + length]
@@ -361,12 +370,11 @@ def test_every_request_is_answered_once_with_the_stores_result(ops, fast, limits
     if not broken and not any(op == "finish" for op, _, _ in ops):
         assert set(replies) == set(sent)  # (finish: requests not yet read are never read)
     for cookie, (err, payload) in replies.items():
-        cmd, length = sent[cookie]
+        cmd, length, offset = sent[cookie]
         if cmd == 9:
             assert err == C.EINVAL
         if cmd == C.CMD_READ and not err:
-            assert len(payload) == length
-            assert len(set(payload)) <= 1  # one fill per request, never a mix of requests
+            assert payload == _read_fill(offset // PS, fast) * length
     starts = [e for e in log if e[0] in ("start", "coro")]
     for e in starts:
         assert e[2] + e[3] <= PAGES * PS and e[2] % PS == 0  # only valid ranges reach it
