@@ -35,6 +35,7 @@ from typing import Any
 from gputaskman.core import fleetdoc
 from gputaskman.core.document import SnapshotError, read_document
 from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
+from gputaskman.core.jsonfields import parse_json
 from gputaskman.fleet.poller import HostState, Poller
 from gputaskman.fleet.targets import TargetError, parse_target
 from gputaskman.fleet.view import fleet_totals, totals_json
@@ -45,7 +46,6 @@ from gputaskman.offline.record import (
     stops_held,
     write_line,
 )
-from gputaskman.offline.recordfile import parse_json
 
 
 def states_of(doc: Mapping[str, Any]) -> tuple[HostState, ...]:
