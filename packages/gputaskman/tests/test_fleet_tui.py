@@ -23,10 +23,13 @@ from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
 from gputaskman.fixtures.demo import TAKEN, DemoSystem, demo_snapshot
 from gputaskman.fleet.output import states_of
 from gputaskman.fleet.poller import HostState
+from gputaskman.fleet.promapi import PromClient, parse_url
+from gputaskman.fleet.promfleet import PromFleet
 from gputaskman.fleet.view import fleet_rows, sort_value
 from gputaskman.tui.fleet_app import FleetApp
 from gputaskman.tui.screens.fleet import FleetScreen
 from gputaskman.tui.screens.fleet_help import fleet_help_text
+from prom_helpers import fake_prometheus, recorded
 
 HERE = Path(__file__).parent
 SIZES = [(80, 24), (200, 60)]
@@ -85,6 +88,12 @@ class FixedFleet:
     def poll_now(self) -> None:
         self.polled += 1
 
+    origin = ""
+    error = None
+
+    def focus(self, name: str | None) -> None:
+        self.focused = name
+
 
 def _app() -> tuple[FleetApp, FixedFleet]:
     src = FixedFleet(states_of(fleet_doc()))
@@ -108,6 +117,23 @@ def _table_text(app: FleetApp) -> list[str]:
 def test_fleet_layout_snapshots(snap_compare, utc, size):
     app, _ = _app()
     assert snap_compare(app, terminal_size=size, run_before=_settle)
+
+
+def _prometheus_app() -> FleetApp:
+    """The fleet as a real Prometheus answered it (recorded: test_fleet_promapi.py), read by
+    the real client from a loopback server; the server's address in the status line is
+    named as a user would see it, not by the test's random port."""
+    answers = json.loads((HERE / "recordings" / "prometheus_answers.json").read_text())
+    with fake_prometheus(recorded(answers)) as fake:
+        source = PromFleet(PromClient(fake.url), interval=60.0)
+        source.refresh()
+    source.client.endpoint = parse_url("http://prometheus.example:9090")
+    return FleetApp(source)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+def test_fleet_from_prometheus_layout_snapshots(snap_compare, utc, size):
+    assert snap_compare(_prometheus_app(), terminal_size=size, run_before=_settle)
 
 
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])

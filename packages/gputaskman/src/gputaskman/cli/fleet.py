@@ -26,6 +26,9 @@ from gputaskman.base.argtypes import positive_count, positive_seconds
 from gputaskman.cli.httpauth import TokenError, read_token
 from gputaskman.fleet.output import FleetRecorder, fleet_document
 from gputaskman.fleet.poller import DEFAULT_BACKOFF_MAX, DEFAULT_TIMEOUT, Poller
+from gputaskman.fleet.promapi import PromClient, PromError, exposure_refusal
+from gputaskman.fleet.promfleet import DEFAULT_JOB, PromFleet
+from gputaskman.fleet.source import FleetSource
 from gputaskman.fleet.targets import Target, TargetError, parse_targets, read_hosts_file
 from gputaskman.fleet.view import render_text
 from gputaskman.offline.record import (
@@ -86,6 +89,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", type=Path, metavar="FILE", help="CA that signed the hosts' certs")
     p.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate (TLS)")
     p.add_argument("--tls-key", type=Path, metavar="FILE", help="the client certificate's key")
+    prom = p.add_argument_group(
+        "reading the fleet from Prometheus",
+        "every host Prometheus scrapes for the job, from its HTTP API (instant queries), "
+        "instead of polling each host; --token-file and --tls-* still reach a host's own "
+        "serve when you open it in the TUI",
+    )
+    prom.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="Prometheus's URL, e.g. http://prometheus:9090 (off loopback it needs "
+        "--prometheus-token-file or https:// with a client certificate)",
+    )
+    prom.add_argument(
+        "--job",
+        default=DEFAULT_JOB,
+        help=f"the scrape job of the gputaskman serve hosts (default {DEFAULT_JOB})",
+    )
+    prom.add_argument(
+        "--prometheus-token-file",
+        type=Path,
+        metavar="FILE",
+        help="bearer token for Prometheus (mode 0600)",
+    )
+    prom.add_argument("--prometheus-ca", type=Path, metavar="FILE", help="CA of Prometheus's cert")
+    prom.add_argument(
+        "--prometheus-cert", type=Path, metavar="FILE", help="client certificate for Prometheus"
+    )
+    prom.add_argument("--prometheus-key", type=Path, metavar="FILE", help="its key")
 
 
 class UsageError(Exception):
@@ -102,17 +133,40 @@ def targets_of(texts: list[str], hosts_file: Path | None) -> list[Target]:
 
 
 def client_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
-    if args.tls_ca is None and args.tls_cert is None and args.tls_key is None:
+    return _tls(args.tls_ca, args.tls_cert, args.tls_key, "--tls")
+
+
+def _tls(ca: Path | None, cert: Path | None, key: Path | None, flag: str) -> ssl.SSLContext | None:
+    if ca is None and cert is None and key is None:
         return None
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise UsageError("--tls-cert and --tls-key go together")
+    if (cert is None) != (key is None):
+        raise UsageError(f"{flag}-cert and {flag}-key go together")
     try:
-        ctx = ssl.create_default_context(cafile=args.tls_ca)
-        if args.tls_cert is not None:
-            ctx.load_cert_chain(args.tls_cert, args.tls_key)
+        ctx = ssl.create_default_context(cafile=ca)
+        if cert is not None:
+            ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as exc:
         raise UsageError(f"cannot use the TLS files: {exc}") from None
     return ctx
+
+
+def make_prometheus(args: argparse.Namespace) -> PromFleet:
+    """The fleet from Prometheus (``--prometheus URL``), or `UsageError` / `PromError`."""
+    tls = _tls(args.prometheus_ca, args.prometheus_cert, args.prometheus_key, "--prometheus")
+    token = None
+    if args.prometheus_token_file is not None:
+        token = read_token(args.prometheus_token_file)
+    client = PromClient(args.prometheus, token=token, tls=tls, timeout=args.timeout)
+    refusal = exposure_refusal(client.endpoint, token is not None, args.prometheus_cert is not None)
+    if refusal is not None:
+        raise UsageError(refusal)
+    return PromFleet(
+        client,
+        job=args.job,
+        interval=args.fleet_interval or DEFAULT_INTERVAL,
+        token=None if args.token_file is None else read_token(args.token_file),
+        tls=client_tls(args),
+    )
 
 
 def make_poller(args: argparse.Namespace, targets: list[Target]) -> Poller:
@@ -136,8 +190,13 @@ def run(args: argparse.Namespace) -> int:
             return 2
         record_to, texts = Path(texts[1]), texts[2:]
     try:
-        poller = make_poller(args, targets_of(texts, args.hosts))
-    except (UsageError, TargetError, TokenError) as exc:
+        if args.prometheus is not None:
+            if texts or args.hosts is not None:
+                raise UsageError("--prometheus reads the hosts from Prometheus: name no HOST")
+            poller: FleetSource = make_prometheus(args)
+        else:
+            poller = make_poller(args, targets_of(texts, args.hosts))
+    except (UsageError, TargetError, TokenError, PromError) as exc:
         print(f"gputaskman fleet: {exc}", file=sys.stderr)
         return 2
     if record_to is not None:
@@ -147,13 +206,17 @@ def run(args: argparse.Namespace) -> int:
     return _tui(args, poller)
 
 
-def _once(args: argparse.Namespace, poller: Poller) -> int:
+def _once(args: argparse.Namespace, poller: FleetSource) -> int:
     poller.start()
     try:
-        poller.wait_polled(poller.timeout + 1.0)
+        poller.wait_polled(poller.timeout * 4 + 1.0)  # Prometheus: a few queries in a round
         states = poller.states()
+        error = poller.error
     finally:
         poller.stop()
+    if error is not None:
+        print(f"gputaskman fleet: {error}", file=sys.stderr)
+        return 1
     if args.fleet_json:
         doc = fleet_document(states, interval=poller.interval, timeout=poller.timeout)
         sys.stdout.write(json.dumps(doc, indent=2, allow_nan=False) + "\n")
@@ -162,7 +225,7 @@ def _once(args: argparse.Namespace, poller: Poller) -> int:
     return 0
 
 
-def _tui(args: argparse.Namespace, poller: Poller) -> int:
+def _tui(args: argparse.Namespace, poller: FleetSource) -> int:
     from gputaskman.tui.fleet_app import FleetApp
 
     app = FleetApp(poller)
@@ -174,7 +237,7 @@ def _tui(args: argparse.Namespace, poller: Poller) -> int:
     return int(app.return_code or 0)
 
 
-def _record(args: argparse.Namespace, poller: Poller, path: Path) -> int:
+def _record(args: argparse.Namespace, poller: FleetSource, path: Path) -> int:
     err = sys.stderr
     try:
         fd = open_record(path, FLEET_LINE_PREFIX)
@@ -182,7 +245,8 @@ def _record(args: argparse.Namespace, poller: Poller, path: Path) -> int:
         print(f"gputaskman fleet record: {exc}", file=err)
         return 2
     err.write(
-        f"recording {len(poller.targets)} hosts to {path} every {poller.interval:g}s "
+        f"recording {poller.origin or f'{len(poller.targets)} hosts'} to {path} every "
+        f"{poller.interval:g}s "
         "(Ctrl+C stops)\n"
     )
     err.flush()

@@ -33,7 +33,6 @@ a bearer token (``--token-file``, `httpauth`) or TLS with client certificates
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import logging
 import signal
@@ -45,6 +44,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from gputaskman.base.netaddr import is_loopback
 from gputaskman.cli import serve_sources
 from gputaskman.cli.httpauth import MAKE_TOKEN, TokenError, read_token, server_tls_context
 from gputaskman.cli.httpserve import Response, Route
@@ -67,16 +67,6 @@ def parse_listen(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(f"port out of range: {text!r}")
     host = host.strip("[]") or "0.0.0.0"
     return host, port
-
-
-def is_loopback(host: str) -> bool:
-    """True for a loopback address or "localhost"; a name that is not an address is not."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def exposure_refusal(host: str, token: bool = False, client_certs: bool = False) -> str | None:

@@ -55,6 +55,7 @@ class HostStatus(StrEnum):
     REFUSED = "refused"  # the token or the TLS certificate was not accepted
     INCOMPATIBLE = "incompatible"  # not a snapshot this version reads (schema, version, size)
     ERROR = "error"  # any other failed answer (an HTTP error status, a broken answer)
+    STALE = "stale"  # read from Prometheus, whose last sample of it is too old
 
 
 STATUSES = frozenset(s.value for s in HostStatus)

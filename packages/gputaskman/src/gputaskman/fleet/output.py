@@ -36,7 +36,8 @@ from gputaskman.core import fleetdoc
 from gputaskman.core.document import SnapshotError, read_document
 from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
 from gputaskman.core.jsonfields import parse_json
-from gputaskman.fleet.poller import HostState, Poller
+from gputaskman.fleet.poller import HostState
+from gputaskman.fleet.source import FleetSource
 from gputaskman.fleet.targets import TargetError, parse_target
 from gputaskman.fleet.view import fleet_totals, totals_json
 from gputaskman.offline.record import (
@@ -160,7 +161,7 @@ class FleetRecorder:
     def __init__(
         self,
         fd: int,
-        poller: Poller,
+        poller: FleetSource,
         *,
         interval: float,
         count: int | None = None,

@@ -80,6 +80,7 @@ class HostState:
     polls: int = 0
     failures: int = 0  # consecutive polls that read no document
     next_poll_in_s: float | None = None  # after a failure: the backoff delay
+    from_series: bool = False  # `document` was built from Prometheus's series, not answered
 
     @property
     def up(self) -> bool:
@@ -237,6 +238,17 @@ class Poller:
 
     def poll_now(self) -> None:
         self._wake()
+
+    def focus(self, name: str | None) -> None:
+        """A host opened in the TUI: every host here is polled directly already."""
+
+    @property
+    def origin(self) -> str:
+        return ""  # the hosts themselves
+
+    @property
+    def error(self) -> str | None:
+        return None  # each host fails on its own, never the poller as a whole
 
     def wait_polled(self, timeout: float) -> bool:
         """Wait until every host has been polled at least once (True), or `timeout`."""

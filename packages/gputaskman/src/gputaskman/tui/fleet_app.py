@@ -13,10 +13,11 @@ The seam is `GtmApp.request_refresh`, which the live app's timer calls every pol
 the poller has published since the last tick, and, while a host is open, hands that host's
 newest document to the live app's `on_sample_ready` as replay's objects
 (`recorded.replay_objects`), once per document (`HostState.seq`), so the sparklines grow one
-point per answer. The poller (`fleet.poller.Poller`, or anything with its `states()`,
-`version`, `poll_now()`, `interval` and `timeout`) runs on its own thread, started and
-stopped by the caller; the collector factory given to the base class raises, so the fleet
-view never samples this machine.
+point per answer. The source (`fleet.source.FleetSource`: the direct poller, or Prometheus,
+which also polls the open host directly through `focus`) runs on its own thread, started
+and stopped by the caller; the collector factory given to the base class raises, so the
+fleet view never samples this machine. A source that fails as a whole (Prometheus down) is
+notified once per new failure.
 
 A host that goes down while open keeps its last document on screen, and the status line says
 so: the host, its status and reason, and when that document arrived. The app is read-only
@@ -27,13 +28,13 @@ a process does not rescan it (the host's own serve scans).
 from __future__ import annotations
 
 import time
-from typing import Protocol
 
 from rich.text import Text
 from textual.binding import Binding
 
 from gputaskman.core.document import SnapshotError
 from gputaskman.fleet.poller import HostState
+from gputaskman.fleet.source import FleetSource
 from gputaskman.offline.recorded import replay_objects
 from gputaskman.tui.app import GtmApp, SampleReady
 from gputaskman.tui.screens.fleet import FleetScreen
@@ -43,16 +44,6 @@ from gputaskman.tui.screens.help import HelpScreen
 BACK = "clear the filter, else back to the fleet"
 # the live app's actions that stay meaningful over the fleet table
 FLEET_ACTIONS = {"quit", "fleet_help", "help"}
-
-
-class FleetSource(Protocol):
-    interval: float
-    timeout: float
-    version: int
-
-    def states(self) -> tuple[HostState, ...]: ...
-
-    def poll_now(self) -> None: ...
 
 
 def _no_collector() -> object:
@@ -66,14 +57,16 @@ class FleetApp(GtmApp):
         # redrawn as often as the hosts are polled ("every N s" in the host view is right)
         super().__init__(_no_collector, interval=source.interval, readonly=True)  # type: ignore[arg-type]
         self.source = source
+        origin = f"{source.origin}, " if source.origin else ""
         self.fleet = FleetScreen(
-            f"every {source.interval:g} s, timeout {source.timeout:g} s",
+            f"{origin}every {source.interval:g} s, timeout {source.timeout:g} s",
             self.drill,
             source.poll_now,
         )
         self.host_name: str | None = None
-        self._shown: tuple[str, int] | None = None  # (host, seq) on the host view
+        self._shown: tuple[str, int, bool] | None = None  # (host, seq, from_series) shown
         self._version: int | None = None
+        self._error: str | None = None  # the source's last failure, notified once
 
     def on_mount(self) -> None:
         super().on_mount()
@@ -88,6 +81,10 @@ class FleetApp(GtmApp):
         if version != self._version:
             self._version = version
             self.fleet.show(self.source.states())
+            error = self.source.error
+            if error is not None and error != self._error:
+                self.notify(error, title="the fleet's source", severity="error")
+            self._error = error
         if self.host_name is not None:
             self._show_host()
 
@@ -99,7 +96,7 @@ class FleetApp(GtmApp):
         if s is None or s.document is None:
             self.render_status()
             return
-        key = (s.target.name, s.seq)
+        key = (s.target.name, s.seq, s.from_series)
         if key == self._shown:
             self.render_status()
             return
@@ -122,6 +119,7 @@ class FleetApp(GtmApp):
             self.notify(f"{name} has not answered yet{why}", severity="warning")
             return
         self.host_name = name
+        self.source.focus(name)
         self._shown = None
         self.snapshot = None
         self.adapter_pos = 0
@@ -133,6 +131,7 @@ class FleetApp(GtmApp):
 
     def action_fleet(self) -> None:
         self.host_name = None
+        self.source.focus(None)
         self.sub_title = ""
         if self.screen is not self.fleet:
             self.push_screen(self.fleet)
@@ -179,6 +178,8 @@ class FleetApp(GtmApp):
             when = "" if s.answered_at is None else f", answered {_clock(s.answered_at)}"
             took = "" if s.latency_s is None else f" in {s.latency_s * 1000:.0f} ms"
             host = f"host {s.target.name}: up{when}{took}"
+            if s.from_series:
+                host += " (built from Prometheus's series: its own /snapshot.json did not answer)"
         else:
             old = (
                 "" if s.answered_at is None else f"; showing its answer of {_clock(s.answered_at)}"

@@ -30,7 +30,9 @@ COLUMN_HELP: dict[str, str] = {
 }
 
 STATUS_HELP: dict[HostStatus, str] = {
-    HostStatus.UP: "its last poll read a snapshot document",
+    HostStatus.UP: "its last poll read a snapshot document (from Prometheus: its last "
+    "scrape worked and is recent; unreachable, slow, refused and error then carry "
+    "Prometheus's own reason)",
     HostStatus.WAITING: "not polled yet",
     HostStatus.STARTING: "its serve has no sample yet (HTTP 503)",
     HostStatus.UNREACHABLE: "no connection (refused, no route, no such name, or timed out); "
@@ -39,7 +41,10 @@ STATUS_HELP: dict[HostStatus, str] = {
     HostStatus.REFUSED: "the token (or the TLS client certificate) was not accepted",
     HostStatus.INCOMPATIBLE: "not a snapshot this gputaskman reads: another schema_version, "
     "no /snapshot.json, too large, or malformed (the reason names the place)",
-    HostStatus.ERROR: "any other failed answer (an HTTP error status)",
+    HostStatus.ERROR: "any other failed answer (an HTTP error status); from Prometheus: a "
+    "scrape that fails for another reason, or Prometheus itself not answering",
+    HostStatus.STALE: "from Prometheus: its last scrape of the host is older than three "
+    "scrape intervals",
 }
 
 

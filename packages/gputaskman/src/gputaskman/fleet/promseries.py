@@ -1,0 +1,306 @@
+"""One host's snapshot rebuilt from the series its ``gputaskman serve`` exported and
+Prometheus stored (`core.exporter` writes them): the fleet's rows and a host's view, when
+the fleet is read from Prometheus instead of from each host.
+
+Theory of operation
+-------------------
+`host_snapshot` takes every ``gputaskman_*`` series of one host from one instant query and
+builds the model's `Snapshot`, which `host_document` turns into a snapshot document with the
+writer every other document comes from (`report.to_json_dict`) and reads back with the one
+reader (`document.read_document`). So the fleet view, ``--json`` and ``fleet record`` see the
+same typed objects and the same JSON as when they poll hosts directly.
+
+What the series carry, and so what comes back:
+
+* GPUs from ``gputaskman_gpu_info`` (index, address, UUID, name, vendor, backend), and their
+  device readings from the names `exporter.DEVICE_FIELDS` gives each kind (a measured value
+  under the base name, any other kind under a name that carries it): the kind survives the
+  trip. Clocks come back from hertz to MHz.
+* Processes from ``gputaskman_process_*`` by their labels (PID, name, GPU): measured and
+  inferred VRAM, paged and footprint memory, engine shares, and the model from
+  ``gputaskman_process_model_info`` (name, evidence, confirmed).
+* The sample's time (``gputaskman_sample_timestamp_seconds``), the backend's state
+  (``gputaskman_backend_up``) and its problems (``gputaskman_sample_problems``).
+
+A reading without a series is unknown with a reason (``unavailable``, "no series in
+Prometheus"), never 0: `serve` exports no series for an unknown value, and Prometheus cannot
+say which of the two it was. A value no host can have (negative bytes or percent, memory used
+over the total, NaN or infinity) is unknown too, with the value in its reason, and a problem
+saying so. Command lines, process details, the weights / KV cache / compute split and the
+host's RAM and CPU per process are not exported and stay unknown; the document's notes say
+that it was built from series, from which server and query.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gputaskman.base.readings import (
+    Adapter,
+    DeviceMetrics,
+    Kind,
+    ModelRef,
+    Problem,
+    ProcGpu,
+    Reading,
+    Reason,
+    Snapshot,
+)
+from gputaskman.core import report
+from gputaskman.core.document import Document, read_document
+from gputaskman.core.exporter import DEVICE_FIELDS, metric_name
+from gputaskman.fleet.promapi import Sample
+
+SOURCE = "prometheus"
+NO_SERIES = "no series in Prometheus"
+WHERE = "prometheus"
+TIMESTAMP = "gputaskman_sample_timestamp_seconds"
+KINDS = {k.value: k for k in Kind}
+REASONS = {r.value: r for r in Reason}
+# a series name -> (DeviceMetrics field, its kind, what its value is divided by)
+DEVICE_SERIES: dict[str, tuple[str, Kind, float]] = {
+    metric_name(base, unit, kind): (fld, kind, scale)
+    for fld, (base, unit, scale, _doc) in DEVICE_FIELDS.items()
+    for kind in Kind
+}
+_MEASURED_NAME = {
+    fld: metric_name(base, unit, Kind.MEASURED)
+    for fld, (base, unit, _scale, _doc) in DEVICE_FIELDS.items()
+}
+_PROC_MEMORY = {"vram": "dedicated", "paged": "paged", "footprint": "footprint"}
+_PROC_NAME = re.compile(
+    r"gputaskman_process_(\w+?)(?:_(inferred|estimated|runtime))?_(bytes|percent)"
+)
+NOTE = (
+    "built from Prometheus's series ({url}, {query}): the numbers its serve exported, "
+    "not the host's own document (no command lines, process details or memory split)"
+)
+
+
+@dataclass(slots=True)
+class _Proc:
+    pid: int
+    host: str | None
+    name: str | None
+    adapter: str | None
+    readings: dict[str, Reading] = field(default_factory=dict)
+    engines: dict[str, Reading] = field(default_factory=dict)
+    model: ModelRef | None = None
+
+
+def _kind(labels: Mapping[str, str], fallback: Kind) -> Kind:
+    return KINDS.get(labels.get("provenance", ""), fallback)
+
+
+def _number(v: float) -> int | float:
+    return int(v) if v.is_integer() and abs(v) < 2**63 else v
+
+
+class _Builder:
+    """One host's readings, checked as they are read (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def reading(
+        self, name: str, value: float, kind: Kind, scale: float = 1, adapter: str | None = None
+    ) -> Reading:
+        source = f"{SOURCE}:{name}"
+        if not math.isfinite(value) or value < 0:
+            return self.impossible(name, value, kind, adapter)
+        return Reading(_number(value / scale), kind, source)
+
+    def impossible(
+        self, name: str, value: float, kind: Kind, adapter: str | None, why: str = ""
+    ) -> Reading:
+        detail = f"impossible value {value:g} in Prometheus{why}"
+        self.problems.append(Problem(WHERE, Reason.QUERY_FAILED, f"{name}: {detail}", adapter))
+        return Reading.missing(Reason.QUERY_FAILED, f"{SOURCE}:{name}", detail, kind)
+
+
+def _absent(fld: str) -> Reading:
+    return Reading.missing(Reason.UNAVAILABLE, f"{SOURCE}:{_MEASURED_NAME[fld]}", NO_SERIES)
+
+
+def _pid(text: str) -> tuple[int, str | None] | None:
+    host, _, pid = text.rpartition(":")  # another OS's process: "windows:1234"
+    return (int(pid), host or None) if pid.isdigit() else None
+
+
+def host_snapshot(samples: Iterable[Sample], *, note: str) -> Snapshot:
+    """The `Snapshot` one host's series describe (see the module docstring)."""
+    b = _Builder()
+    adapters: dict[str, Adapter] = {}
+    devices: dict[str, dict[str, Reading]] = {}
+    extra: dict[str, dict[str, Reading]] = {}
+    procs: dict[tuple[str, str, str], _Proc] = {}
+    taken: float | None = None
+    backend_up: float | None = None
+    problems: list[tuple[str, str, float]] = []
+    for s in samples:
+        labels = s.labels
+        name = labels.get("__name__", "")
+        if name == TIMESTAMP:
+            taken = s.value
+        elif name == "gputaskman_backend_up":
+            backend_up = s.value
+        elif name == "gputaskman_sample_problems":
+            problems.append((labels.get("where", ""), labels.get("reason", ""), s.value))
+        elif name == "gputaskman_gpu_info":
+            pci = labels.get("pci_bus_id", "")
+            index = labels.get("gpu", "")
+            if pci and index.isdigit():
+                adapters[pci] = Adapter(
+                    int(index),
+                    labels.get("vendor") or "unknown",
+                    labels.get("gpu_name") or None,
+                    labels.get("uuid") or None,
+                    pci,
+                    labels.get("backend") or SOURCE,
+                )
+        elif name.startswith("gputaskman_gpu_"):
+            pci = labels.get("pci_bus_id", "")
+            known = DEVICE_SERIES.get(name)
+            if known is not None:
+                fld, kind, scale = known
+                devices.setdefault(pci, {})[fld] = b.reading(name, s.value, kind, scale, pci)
+            elif name not in (
+                "gputaskman_gpu_attributed_bytes",
+                "gputaskman_gpu_attributed_complete",
+            ):
+                kind = _kind(labels, Kind.MEASURED)
+                key = name.removeprefix("gputaskman_gpu_").replace(f"_{kind.value}_", "_")
+                extra.setdefault(pci, {})[key] = b.reading(name, s.value, kind, 1, pci)
+        elif name.startswith("gputaskman_process_"):
+            _process_series(b, procs, name, labels, s.value)
+    metrics = {pci: _device_metrics(b, pci, rs) for pci, rs in devices.items() if pci in adapters}
+    for pci in adapters:
+        metrics.setdefault(pci, _device_metrics(b, pci, {}))
+    backend = next(iter(adapters.values())).backend if adapters else SOURCE
+    backend_problem = None
+    if backend_up is not None and backend_up == 0:
+        backend_problem = Problem("backend", Reason.UNAVAILABLE, "gputaskman_backend_up is 0")
+    listed = [
+        Problem(
+            where or WHERE,
+            REASONS.get(reason, Reason.QUERY_FAILED),
+            None if reason in REASONS else reason,
+        )
+        for where, reason, n in problems
+        for _ in range(min(int(n), 100) if math.isfinite(n) and n > 0 else 0)
+    ]
+    return Snapshot(
+        taken=taken if taken is not None and math.isfinite(taken) and taken > 0 else 0.0,
+        backend=backend,
+        adapters=tuple(sorted(adapters.values(), key=lambda a: a.index)),
+        metrics=metrics,
+        processes=tuple(_proc_gpu(p) for p in procs.values()),
+        problems=(*listed, *b.problems),
+        notes=(note,),
+        backend_problem=backend_problem,
+        extra_metrics=extra,
+    )
+
+
+def _device_metrics(b: _Builder, pci: str, rs: dict[str, Reading]) -> DeviceMetrics:
+    used, total = rs.get("memory_used_bytes"), rs.get("memory_total_bytes")
+    if (
+        used is not None
+        and total is not None
+        and used.value is not None
+        and total.value is not None
+        and used.value > total.value
+    ):
+        rs["memory_used_bytes"] = b.impossible(
+            used.source.removeprefix(f"{SOURCE}:"),
+            float(used.value),
+            used.kind,
+            pci,
+            f": over the total of {total.value:g}",
+        )
+    return DeviceMetrics(**{fld: rs.get(fld) or _absent(fld) for fld in DEVICE_FIELDS})
+
+
+def _process_series(
+    b: _Builder,
+    procs: dict[tuple[str, str, str], _Proc],
+    name: str,
+    labels: Mapping[str, str],
+    value: float,
+) -> None:
+    pid = _pid(labels.get("pid", ""))
+    if pid is None:
+        return
+    pci = labels.get("pci_bus_id", "")
+    key = (labels.get("pid", ""), labels.get("name", ""), pci)
+    p = procs.get(key)
+    if p is None:
+        p = procs[key] = _Proc(pid[0], pid[1], labels.get("name") or None, pci or None)
+    if name == "gputaskman_process_model_info":
+        model = labels.get("model_name")
+        if model:
+            confirmed = labels.get("confirmed") == "true"
+            p.model = ModelRef(
+                model,
+                labels.get("evidence") or "unknown",
+                confirmed,
+                status="confirmed" if confirmed else None,
+            )
+        return
+    m = _PROC_NAME.fullmatch(name)
+    if m is None:
+        return
+    what, kind_word, unit = m.groups()
+    kind = KINDS.get(kind_word or "measured", Kind.MEASURED)
+    if unit == "percent" and what.endswith("_utilization"):
+        p.engines[what.removesuffix("_utilization")] = b.reading(name, value, kind, 1, pci or None)
+    elif unit == "bytes" and what in _PROC_MEMORY:
+        slot = _PROC_MEMORY[what]
+        if what == "vram" and kind is Kind.INFERRED:
+            slot = "inferred"
+        elif what == "vram" and kind is not Kind.MEASURED:
+            return  # a model's estimated or runtime total: not the process's VRAM reading
+        p.readings[slot] = b.reading(name, value, kind, 1, pci or None)
+
+
+def _proc_gpu(p: _Proc) -> ProcGpu:
+    dedicated = p.readings.get("dedicated") or Reading.missing(
+        Reason.UNAVAILABLE, f"{SOURCE}:gputaskman_process_vram_bytes", NO_SERIES
+    )
+    return ProcGpu(
+        pid=p.pid,
+        create_time=None,
+        name=p.name,
+        adapter=p.adapter,
+        contexts=(),
+        dedicated=dedicated,
+        inferred=p.readings.get("inferred"),
+        engines=dict(sorted(p.engines.items())),
+        model=p.model,
+        paged=p.readings.get("paged"),
+        footprint=p.readings.get("footprint"),
+        host=p.host,
+    )
+
+
+def host_document(snapshot: Snapshot) -> tuple[Document, bytes]:
+    """`snapshot` as a snapshot document: the typed `Document` and the JSON bytes it was
+    read from (what ``fleet --json`` and ``fleet record`` write)."""
+    body = json.dumps(report.to_json_dict(snapshot), allow_nan=False, separators=(",", ":"))
+    raw = body.encode()
+    return read_document(raw), raw
+
+
+def by_instance(samples: Sequence[Sample], label: str = "instance") -> dict[str, list[Sample]]:
+    """The samples of each host, keyed by `label`'s value (samples without it are left
+    out)."""
+    out: dict[str, list[Sample]] = {}
+    for s in samples:
+        key = s.labels.get(label)
+        if key:
+            out.setdefault(key, []).append(s)
+    return out

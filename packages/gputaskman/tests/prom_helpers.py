@@ -1,0 +1,181 @@
+"""A real Prometheus server for the fleet tests (Debian's ``prometheus``, installed by
+.ci/run), and a loopback HTTP server that answers as a Prometheus would, or as a broken one
+does: recorded answers, garbage, an error status, a huge body, a stall."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prometheus:
+    """One ``prometheus`` process on loopback with its own data directory, scraping
+    `targets` every second as the job ``gputaskman`` (extra YAML: `web_config` for TLS)."""
+
+    def __init__(
+        self,
+        d: Path,
+        targets: list[str],
+        token_file: Path | None = None,
+        web_config: str | None = None,
+    ) -> None:
+        if PROMETHEUS is None:
+            pytest.skip("prometheus is not installed (apt install prometheus; .ci/run does)")
+        self.dir = d
+        self.port = free_port()
+        auth = (
+            ""
+            if token_file is None
+            else f"    authorization:\n      credentials_file: {token_file}\n"
+        )
+        (d / "prometheus.yml").write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+            "scrape_configs:\n  - job_name: gputaskman\n"
+            f"{auth}"
+            f"    static_configs:\n      - targets: {json.dumps(targets)}\n"
+        )
+        args = [
+            PROMETHEUS,
+            f"--config.file={d / 'prometheus.yml'}",
+            f"--storage.tsdb.path={d / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--log.level=warn",
+        ]
+        if web_config is not None:
+            (d / "web.yml").write_text(web_config)
+            args.append(f"--web.config.file={d / 'web.yml'}")
+        self.tls = web_config is not None and "tls_server_config" in web_config
+        self.log = open(d / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 30.0) -> Prometheus:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"prometheus exited: {(self.dir / 'prometheus.log').read_text()}"
+                )
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            time.sleep(0.1)
+        raise AssertionError("prometheus did not listen")
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """An instant query straight from the HTTP API (plain HTTP only)."""
+        q = urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=5) as r:
+            return json.loads(r.read())["data"]["result"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+Handler = Callable[[BaseHTTPRequestHandler, str, Mapping[str, list[str]]], None]
+
+
+class FakePrometheus:
+    """A loopback HTTP server whose every request goes to `handler(request, path, params)`
+    (the query string's or the POSTed form's parameters). `requests` records
+    (path, params, Authorization header)."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.requests: list[tuple[str, dict[str, list[str]], str | None]] = []
+        fake = self
+
+        class _H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                path, _, query = self.path.partition("?")
+                if self.command == "POST":
+                    n = int(self.headers.get("Content-Length") or 0)
+                    query = self.rfile.read(n).decode()
+                params = urllib.parse.parse_qs(query)
+                fake.requests.append((path, params, self.headers.get("Authorization")))
+                handler(self, path, params)
+
+            do_GET = do_POST = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _H)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def answer(
+    h: BaseHTTPRequestHandler, status: int, body: bytes, ctype: str = "application/json"
+) -> None:
+    h.send_response(status)
+    h.send_header("Content-Type", ctype)
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    with contextlib.suppress(OSError):
+        h.wfile.write(body)
+
+
+def recorded(answers: Mapping[str, Any]) -> Handler:
+    """A handler answering the recorded queries and targets (`answers` as
+    tests/recordings/prometheus_answers.json holds them); any other query gets the
+    empty vector."""
+
+    def handle(h: BaseHTTPRequestHandler, path: str, params: Mapping[str, list[str]]) -> None:
+        if path == "/api/v1/targets":
+            return answer(h, 200, json.dumps(answers["targets"]).encode())
+        q = params.get("query", [""])[0]
+        empty = {"status": "success", "data": {"resultType": "vector", "result": []}}
+        answer(h, 200, json.dumps(answers["queries"].get(q, empty)).encode())
+
+    return handle
+
+
+@contextlib.contextmanager
+def fake_prometheus(handler: Handler) -> Iterator[FakePrometheus]:
+    f = FakePrometheus(handler)
+    try:
+        yield f
+    finally:
+        f.close()

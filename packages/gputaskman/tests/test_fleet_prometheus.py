@@ -1,0 +1,205 @@
+"""``gputaskman fleet --prometheus``: the fleet read from a real Prometheus (Debian's 2.42,
+installed by .ci/run) that scrapes five real ``gputaskman serve`` instances on loopback
+every second: the DRM fixture tree through ``--sysroot``, the demo, a replayed recording,
+one killed during the test, and one that expects a token Prometheus does not have.
+
+What is checked: every measured number agrees with polling the same hosts directly (each
+serve samples once, so both read the same sample); each host that is down says why, in
+Prometheus's words; ``fleet record`` writes each sample once; over TLS, Prometheus's own
+client-certificate protection (``--web.config.file``) lets the fleet in with its
+certificate and keeps it out without one, in one line.
+
+GPU numbers are synthetic (the demo, a DRM fixture tree, recordings of both): no GPU here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from gputaskman.core import fleetdoc
+from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.fixtures.drm_fixtures import write_demo_tree
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from fleet_helpers import TOKEN_A, TOKEN_B, Serve, token_file, wait_for  # noqa: E402
+from prom_helpers import Prometheus  # noqa: E402
+
+pytestmark = pytest.mark.slow  # five serve processes and two Prometheus servers: about 30 s
+
+RECORDING = HERE / "recordings" / "demo.jsonl"
+ONE_SAMPLE = ("--sample-interval", "3600")  # each serve samples once: both ways read it
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prom-fleet")
+    tree = d / "tree"
+    write_demo_tree(tree)
+    a, b = token_file(d, TOKEN_A, "a.token"), token_file(d, TOKEN_B, "b.token")
+    serves = {
+        "drm": Serve(["--token-file", str(a), *ONE_SAMPLE], before=("--sysroot", str(tree))),
+        "demo": Serve(["--demo", "--token-file", str(a), *ONE_SAMPLE]),
+        "replay": Serve(["--replay", str(RECORDING), "--token-file", str(a), *ONE_SAMPLE]),
+        "killed": Serve(["--demo", "--token-file", str(a), *ONE_SAMPLE]),
+        "other-token": Serve(["--demo", "--token-file", str(b), *ONE_SAMPLE]),
+    }
+    prom = None
+    try:
+        for s in serves.values():
+            s.start()
+        for s in serves.values():
+            s.ready()
+        names = {f"127.0.0.1:{s.port}": k for k, s in serves.items()}
+        prom = Prometheus(d, list(names), token_file=a).wait_ready()
+
+        def scraped() -> bool:
+            up = {r["metric"]["instance"]: r["value"][1] for r in prom.query("up")}
+            return len(up) == 5 and sorted(up.values()) == ["0", "1", "1", "1", "1"]
+
+        wait_for(scraped, 30, "Prometheus to scrape the five hosts")
+        yield SimpleNamespace(serves=serves, names=names, prom=prom, token=a)
+    finally:
+        if prom is not None:
+            prom.stop()
+        for s in serves.values():
+            s.stop()
+
+
+def _fleet(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gputaskman.cli", "fleet", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _measured(doc: dict) -> dict[tuple, object]:
+    """Every measured number in a fleet document's snapshots, by host and place."""
+    out: dict[tuple, object] = {}
+    for h in doc["hosts"]:
+        s = h["snapshot"]
+        if s is None:
+            continue
+        for a in s["adapters"]:
+            for k, r in (a["metrics"] or {}).items():
+                if r and r["kind"] == "measured" and r["value"] is not None:
+                    out[(h["name"], a["pci_bus_id"], k)] = r["value"]
+        for p in s["processes"]:
+            readings = {k: p[k] for k in ("vram_bytes", "paged_bytes", "footprint_bytes")}
+            readings.update(p["engines"])
+            for k, r in readings.items():
+                if r and r["kind"] == "measured" and r["value"] is not None:
+                    out[(h["name"], p["pid"], p["gpu"], k)] = r["value"]
+    return out
+
+
+def test_prometheus_agrees_with_direct_polling_on_every_measured_number(cluster):
+    """Catches a measured number lost, changed or moved to another GPU or process on its
+    way through Prometheus, and a down host shown without Prometheus's reason."""
+    serves, names, prom, a = cluster.serves, cluster.names, cluster.prom, cluster.token
+    via = _fleet("--prometheus", prom.url, "--json")
+    assert via.returncode == 0, via.stderr
+    direct = _fleet("--token-file", str(a), *names, "--json")
+    assert direct.returncode == 0, direct.stderr
+    pdoc, ddoc = json.loads(via.stdout), json.loads(direct.stdout)
+    fleetdoc.check_fleet(pdoc)
+    p, q = _measured(pdoc), _measured(ddoc)
+    assert len(p) > 40 and p == q
+    hosts = {names[h["name"]]: h for h in pdoc["hosts"]}
+    assert sorted(hosts) == sorted(serves)
+    for k in ("drm", "demo", "replay", "killed"):
+        assert hosts[k]["status"] == "up" and hosts[k]["snapshot"] is not None
+        assert any("Prometheus's series" in n for n in hosts[k]["snapshot"]["notes"])
+    refused = hosts["other-token"]
+    assert refused["status"] == "refused" and refused["snapshot"] is None
+    assert "401 Unauthorized" in refused["reason"]
+    # the fleet totals count the same measured memory both ways
+    for key in ("memory_used_bytes", "memory_total_bytes", "memory_used_inferred_bytes", "gpus"):
+        assert pdoc["summary"][key] == ddoc["summary"][key], key
+
+
+def test_a_host_killed_mid_run_says_why_and_the_others_stay_up(cluster):
+    """Catches a dead host shown with its last numbers as if current, or with zeros."""
+    serves, names, prom = cluster.serves, cluster.names, cluster.prom
+    serves["killed"].kill()
+    killed = f"127.0.0.1:{serves['killed'].port}"
+    wait_for(
+        lambda: any(
+            r["metric"]["instance"] == killed and r["value"][1] == "0" for r in prom.query("up")
+        ),
+        30,
+        "Prometheus to see the killed host down",
+    )
+    r = _fleet("--prometheus", prom.url, "--json")
+    assert r.returncode == 0, r.stderr
+    hosts = {names[h["name"]]: h for h in json.loads(r.stdout)["hosts"]}
+    dead = hosts["killed"]
+    assert dead["status"] == HostStatus.UNREACHABLE and dead["snapshot"] is None
+    assert "connection refused" in dead["reason"]
+    assert [hosts[k]["status"] for k in ("drm", "demo", "replay")] == ["up"] * 3
+    text = _fleet("--prometheus", prom.url, "--once").stdout
+    line = next(ln for ln in text.splitlines() if ln.startswith(killed))
+    assert "unreachable: Prometheus cannot scrape it" in line and "GiB" not in line
+
+
+def test_record_writes_each_sample_once(cluster, tmp_path):
+    names, prom = cluster.names, cluster.prom
+    out = tmp_path / "fleet.jsonl"
+    r = _fleet("--prometheus", prom.url, "record", str(out), "--count", "3", "--interval", "0.3")
+    assert r.returncode == 0, r.stderr
+    assert "from Prometheus" in r.stderr
+    lines = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert len(lines) == 3
+    seen: dict[str, int] = {}
+    for doc in lines:
+        fleetdoc.check_fleet(doc)
+        for h in doc["hosts"]:
+            seen[h["name"]] = seen.get(h["name"], 0) + (h["snapshot"] is not None)
+    # one sample per serve (each sampled once): written in the first line only
+    assert sorted(seen.values()) == sorted(
+        [1 if names[n] in ("drm", "demo", "replay") else 0 for n in seen]
+    )
+
+
+def test_tls_with_a_client_certificate_against_prometheus_own_web_config(cluster, tmp_path):
+    """Catches a client that cannot present its certificate, or one that falls back to
+    plain HTTP (the refusal must be one line, not a traceback)."""
+    from tls_files import make_pki
+
+    serves, a = cluster.serves, cluster.token
+    pki = make_pki(tmp_path)
+    web = (
+        "tls_server_config:\n"
+        f"  cert_file: {pki['server']}\n  key_file: {pki['server_key']}\n"
+        f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki['ca']}\n"
+    )
+    demo = f"127.0.0.1:{serves['demo'].port}"
+    tls_prom = Prometheus(tmp_path, [demo], token_file=a, web_config=web).wait_ready()
+    try:
+        ca = ("--prometheus-ca", str(pki["ca"]))
+        cert = ("--prometheus-cert", str(pki["client"]), "--prometheus-key", str(pki["client_key"]))
+
+        def has_demo() -> bool:
+            r = _fleet("--prometheus", tls_prom.url, *ca, *cert, "--json")
+            return (
+                r.returncode == 0
+                and json.loads(r.stdout)["hosts"][:1] != []
+                and (json.loads(r.stdout)["hosts"][0]["status"] == "up")
+            )
+
+        wait_for(has_demo, 30, "the TLS Prometheus to scrape the demo")
+        no_cert = _fleet("--prometheus", tls_prom.url, *ca, "--json")
+        assert no_cert.returncode == 1 and no_cert.stdout == ""
+        assert no_cert.stderr.count("\n") == 1 and "Traceback" not in no_cert.stderr
+        rogue = ("--prometheus-cert", str(pki["rogue"]), "--prometheus-key", str(pki["rogue_key"]))
+        refused = _fleet("--prometheus", tls_prom.url, *ca, *rogue, "--json")
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1
+    finally:
+        tls_prom.stop()
