@@ -1,7 +1,9 @@
 """The snapshot document's JSON Schema (gputaskman/snapshot.schema.json, draft 2020-12): it is a
-valid schema shipped in the package, it accepts what gputaskman writes (the live `--json` of
-this machine, every `record` line, the demo, the mocked NVML documents; the platform tests check
-their own backends' documents), and it is strict where the rules are."""
+valid schema shipped in the package, generated from the msgspec Structs the reader decodes into
+(core/docshape.py, by tools/snapshot_schema.py), it accepts what gputaskman writes (the live
+`--json` of this machine, every `record` line, the demo, the mocked NVML documents; the platform
+tests check their own backends' documents), every key the writer writes is declared there and
+every key declared there is written, and it is strict where the rules are."""
 
 from __future__ import annotations
 
@@ -71,6 +73,41 @@ def test_the_schema_is_valid_and_ships_in_the_package() -> None:
     Draft202012Validator.check_schema(s)
     assert s["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert Path(schema.__file__).with_name(schema.SCHEMA_FILE).is_file()
+
+
+ROOT = Path(__file__).resolve().parents[3]
+_tspec = importlib.util.spec_from_file_location(
+    "snapshot_schema", ROOT / "tools" / "snapshot_schema.py"
+)
+generator = importlib.util.module_from_spec(_tspec)
+_tspec.loader.exec_module(generator)
+
+
+def test_the_schema_is_the_one_the_structs_generate() -> None:
+    """Catches the schema and the reader's Structs drifting apart: a field added to, renamed
+    in or retyped in a `docshape` Struct, or a writer's promise annotated there (`ALWAYS`,
+    `SET`, a list of values), without the file written again by tools/snapshot_schema.py, and
+    a hand edit of the file (planted: a Struct field added; ``cpu_percent`` renamed in the
+    file)."""
+    assert schema.schema_text().splitlines() == generator.text().splitlines(), (
+        "run: uv run python tools/snapshot_schema.py"
+    )
+
+
+def _refs(node: Any) -> set[str]:
+    if isinstance(node, dict):
+        found = {node["$ref"]} if "$ref" in node else set()
+        return found.union(*(_refs(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_refs(v) for v in node))
+    return set()
+
+
+def test_every_reference_is_defined_and_every_definition_used() -> None:
+    """Catches a ``$ref`` to a definition the generator did not write (a validator fails only
+    on a document that reaches it) and a definition nothing refers to."""
+    s = schema.load()
+    assert {f"#/$defs/{name}" for name in s["$defs"]} == _refs(s)
 
 
 def test_its_enumerations_are_the_codes() -> None:
@@ -186,3 +223,119 @@ def test_replay_loses_no_field_that_is_set(demo_doc: dict[str, Any]) -> None:
     assert unset == [], unset  # every optional field of the row is set
     back = json.loads(json.dumps(report.to_json_dict(*snapshot_from_json(doc))))
     assert back == doc
+
+
+# ---------------------------------------------------------------------------- the writer's keys
+
+
+def _node(s: dict[str, Any], owner: str) -> tuple[dict[str, Any], str]:
+    """`s` with a ``$ref`` followed, and the name of the object it declares: the definition's
+    name, else the path of keys from the nearest one."""
+    if "$ref" in s:
+        name = s["$ref"].removeprefix("#/$defs/")
+        return schema.load()["$defs"][name], name
+    return s, owner
+
+
+def _declared(s: dict[str, Any], owner: str, out: set[str]) -> None:
+    """Adds ``object.key`` for every key the schema declares below `s`."""
+    s, owner = _node(s, owner)
+    for alt in s.get("oneOf", ()):
+        _declared(alt, owner, out)
+    for key, sub in s.get("properties", {}).items():
+        out.add(f"{owner}.{key}")
+        _declared(sub, f"{owner}.{key}", out)
+    if isinstance(s.get("additionalProperties"), dict):
+        _declared(s["additionalProperties"], f"{owner}.*", out)
+    if "items" in s:
+        _declared(s["items"], f"{owner}[]", out)
+
+
+def _container(s: dict[str, Any], node: Any) -> bool:
+    kinds = s.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds or []
+    return ("object" in kinds or "properties" in s) if isinstance(node, dict) else "array" in kinds
+
+
+def _written(
+    s: dict[str, Any], owner: str, node: Any, out: set[str], stray: list[str], where: str
+) -> None:
+    """Adds ``object.key`` for every key `node` holds where `s` declares it, and the path
+    of every other key to `stray`."""
+    if not isinstance(node, (dict, list)):
+        return
+    s, owner = _node(s, owner)
+    if "oneOf" in s:
+        for alt in s["oneOf"]:
+            if _container(_node(alt, owner)[0], node):
+                _written(alt, owner, node, out, stray, where)
+        return
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            _written(s["items"], f"{owner}[]", v, out, stray, f"{where}[{i}]")
+        return
+    props, more = s.get("properties", {}), s.get("additionalProperties")
+    for key, v in node.items():
+        if key in props:
+            out.add(f"{owner}.{key}")
+            _written(props[key], f"{owner}.{key}", v, out, stray, f"{where}.{key}")
+        elif isinstance(more, dict):
+            _written(more, f"{owner}.*", v, out, stray, f"{where}.{key}")
+        else:
+            stray.append(f"{where}.{key}")
+
+
+def _writer_documents(tmp_path: Path, demo_doc: dict[str, Any]) -> dict[str, Any]:
+    """Documents from every writer path the fixtures reach: the recordings (the demo with a
+    breakdown, an app model, every optional process field and a duvm pool; the DRM fixture
+    tree) as recorded and as the writer writes them again in replay, the demo with and
+    without a host sample, no backend, mocked NVML, and the DRM fixture tree sampled now."""
+    from gputaskman.core.collector import sysroot_collector
+    from gputaskman.fixtures.drm_fixtures import write_demo_tree
+    from gputaskman.offline.recorded import snapshot_from_json
+
+    docs: dict[str, Any] = {}
+    for path in sorted((Path(__file__).parent / "recordings").glob("*.jsonl")):
+        for i, line in enumerate(path.read_text().splitlines()):
+            doc = json.loads(line)
+            docs[f"{path.name}:{i + 1}"] = doc
+            again = report.to_json_dict(*snapshot_from_json(doc), selected_gpu=doc["selected_gpu"])
+            docs[f"{path.name}:{i + 1} replayed"] = again
+    docs["demo with a breakdown"] = demo_doc
+    docs["demo, no host sample"] = report.to_json_dict(demo_snapshot(), None)
+    docs["no backend"] = report.to_json_dict(unavailable_snapshot(), DemoSystem())
+    docs["mocked NVML"] = ms.doc(
+        ms.snapshot(ms.T0, procs=[ms.proc(10, 3 * ms.GIB), ms.proc(11, None)])
+    )
+    write_demo_tree(tmp_path)
+    collector = sysroot_collector(str(tmp_path), scan_budget=None)
+    try:
+        docs["DRM fixture tree"] = report.to_json_dict(*collector.sample_with_system())
+    finally:
+        collector.close()
+    return {name: json.loads(json.dumps(doc)) for name, doc in docs.items()}
+
+
+# Declared keys no fixture's writer path writes, and why each may stay.
+NOT_WRITTEN_BY_THE_FIXTURES = {
+    "system.processes_reason": "written only when the host sample could not read the process"
+    " list itself (`host.SystemInfo.processes_reason`), which no fixture's host sample lacks",
+}
+
+
+def test_every_key_written_is_declared_and_every_declared_key_written(
+    tmp_path: Path, demo_doc: dict[str, Any]
+) -> None:
+    """Catches the writer and the Structs drifting apart: a key the writer writes that no
+    Struct declares (the reader would skip it, the schema would not describe it; planted:
+    a process key added to `report.process_json` only) and a key a Struct declares that no
+    writer path writes (planted: a field added to a Struct only), outside the listed ones."""
+    written: set[str] = set()
+    stray: list[str] = []
+    for name, doc in _writer_documents(tmp_path, demo_doc).items():
+        assert schema.errors(doc) == [], name
+        _written(schema.load(), "document", doc, written, stray, name)
+    assert stray == []
+    declared: set[str] = set()
+    _declared(schema.load(), "document", declared)
+    assert sorted(declared - written) == sorted(NOT_WRITTEN_BY_THE_FIXTURES)

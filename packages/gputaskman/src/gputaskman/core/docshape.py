@@ -1,13 +1,25 @@
 """The snapshot document's shape (``schema_version`` 1) as msgspec Structs, one per JSON
 object, each field named as its key: `DOC_DECODER` turns a document's bytes into them in C,
-checking every type on the way, and `document` builds the model's objects from them.
+checking every type on the way, and `document` builds the model's objects from them. The
+packaged JSON Schema (``base/snapshot.schema.json``) is generated from them by
+``tools/snapshot_schema.py``, and a test requires the checked-in file to be what it generates.
 
 The Structs hold what a reader may rely on; what they cannot say is checked after decoding
 (`document.read_document`): that a number is finite and within a float's range, that a
 reading has a value or a reason, and which reasons this version knows (reasons are read as
-`str`, so one a later version writes still decodes). Keys not declared here are skipped
-(the derived ``shown_vram``, ``process_list`` and ``available``, and keys of later
-versions). An optional key is ``None`` when absent or null.
+`str`, so one a later version writes still decodes). Keys not declared as fields are skipped
+(those of later versions, and the keys the writer derives, declared in each Struct's
+`DERIVED`: ``tool``, ``available``, ``shown_vram``, ``process_list``, an app's
+``evidence``, the ``kind`` of ``system`` and of its duvm pool). An optional key is ``None``
+when absent or null.
+
+What the writer promises beyond what a reader takes (files of older writers lack keys, later
+ones may add values) is said in `msgspec.Meta` annotations, which decoding ignores and the
+schema keeps: `ALWAYS` (the key is in every object written), `SET` (never null where
+written), `EARLY` (only early files hold it: not in the schema), `code` (one of the codes in
+`CODES`), and ``extra_json_schema`` for the non-null value's schema where the type's own is
+too wide (a short list of values, a constant); each Struct's `RULES` adds keywords to its
+object's schema.
 
 ``system.memory`` and ``system.cpu`` (open-ended keys) and ``system.swap``'s numbers are
 declared as the current writer writes them: readings, a number that is not there absent.
@@ -18,13 +30,42 @@ a document does not decode into these Structs and is read by the reference reade
 
 from __future__ import annotations
 
-import msgspec
-from msgspec import UNSET, UnsetType
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar, Literal
 
-from gputaskman.base.readings import DeviceMetrics, Kind
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+from gputaskman.base.readings import DeviceMetrics, Kind, Reason
+from gputaskman.base.schema import NAME, VERSION
+from gputaskman.intel.evidence import Source
 
 Number = int | float
 Texts = list[str] | None
+
+ALWAYS = Meta(extra={"always": True})
+SET = Meta(extra={"null": False})
+EARLY = Meta(extra={"early": True})
+
+CODES: dict[str, type[StrEnum]] = {"kind": Kind, "reason": Reason, "evidence_source": Source}
+"""The closed value sets the schema names (``$defs``), each the values of a code enum."""
+
+
+def code(name: str) -> Meta:
+    """A string that is one of `CODES[name]` as written (read as `str`: a later version's
+    value still decodes)."""
+    return Meta(extra_json_schema={"$ref": f"#/$defs/{name}"})
+
+
+def one_of(*values: str) -> Meta:
+    """A string the writer writes as one of `values` (read as any `str`)."""
+    return Meta(extra_json_schema={"enum": list(values)})
+
+
+STATUS = one_of("confirmed", "single source", "informational")
+# the parts `report_models.breakdown_json` writes (it imports the reader, so not from there;
+# test_schema's writer check fails on a part written but not named here)
+BREAKDOWN_PARTS = ("weights", "kv_cache", "compute", "other")
 
 
 # gc=False: decoded JSON holds no cycles, and a Struct the collector does not track costs
@@ -32,21 +73,36 @@ Texts = list[str] | None
 class Shape(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False):
     """A JSON object of the document (unknown keys skipped)."""
 
+    DERIVED: ClassVar[dict[str, Any]] = {}  # key: type, written but not read
+    RULES: ClassVar[dict[str, Any]] = {}  # more JSON Schema keywords for this object
+
 
 class ReadingShape(Shape):
+    """One number and where it came from. `value` is null exactly when `reason` says why; a
+    measured zero is 0."""
+
+    RULES: ClassVar[dict[str, Any]] = {
+        "additionalProperties": False,
+        "if": {"properties": {"value": {"type": "null"}}},
+        "then": {"properties": {"reason": {"$ref": "#/$defs/reason"}}},
+        "else": {"properties": {"reason": {"type": "null"}}},
+    }
+
     kind: Kind
     source: str
-    value: Number | None = None
-    reason: str | None = None
-    detail: str | None = None
+    value: Annotated[Number | None, ALWAYS] = None
+    reason: Annotated[str | None, ALWAYS, code("reason")] = None
+    detail: Annotated[str | None, ALWAYS] = None
 
 
 Readings = dict[str, ReadingShape] | None
+SetReadings = Annotated[Readings, SET]
+SetTexts = Annotated[Texts, SET]
 
 
 class ProblemShape(Shape):
     where: str
-    reason: str
+    reason: Annotated[str, code("reason")]
     detail: str | None = None
     adapter: str | None = None
 
@@ -61,50 +117,63 @@ MetricsShape = msgspec.defstruct(
 
 
 class AdapterShape(Shape):
+    DERIVED: ClassVar[dict[str, Any]] = {
+        "process_list": dict[str, Literal["ok"] | ProblemShape],
+    }
+
     index: int
     vendor: str
     name: str | None = None
     uuid: str | None = None
     pci_bus_id: str | None = None
-    backend: str | None = None
-    metrics: MetricsShape | None = None  # type: ignore[valid-type]
-    extra_metrics: Readings = None
+    backend: Annotated[str | None, ALWAYS, SET] = None
+    metrics: Annotated[MetricsShape | None, ALWAYS] = None  # type: ignore[valid-type]
+    extra_metrics: SetReadings = None
     attributed_bytes: int | None = None
-    attributed_complete: bool | None = None
+    attributed_complete: Annotated[bool | None, SET] = None
 
 
 class ApiShape(Shape):
     runtime: str | None = None
     endpoint: str | None = None
-    errors: Texts = None
+    errors: SetTexts = None
 
 
 class ModelShape(Shape):
     name: str
-    evidence: str
-    confirmed: bool | None = None
+    evidence: Annotated[str, code("evidence_source")]
+    confirmed: Annotated[bool | None, ALWAYS, SET] = None
     path: str | None = None
     store: str | None = None
-    status: str | None = None
-    sources: Texts = None
-    pending: bool | None = None
+    status: Annotated[str | None, STATUS] = None
+    sources: Annotated[list[Annotated[str, code("evidence_source")]] | None, SET] = None
+    pending: Annotated[bool | None, SET] = None
     api: ApiShape | None = None
     header_error: str | None = None
 
 
 class PartShape(Shape):
     reading: ReadingShape
-    alternatives: list[ReadingShape] | None = None
-    marker: str | None = None
+    alternatives: Annotated[list[ReadingShape] | None, SET] = None
+    marker: Annotated[str | None, one_of("*")] = None
 
 
 class BreakdownShape(Shape):
-    parts: dict[str, PartShape]
+    parts: Annotated[
+        dict[str, PartShape],
+        Meta(
+            extra_json_schema={
+                "type": "object",
+                "required": list(BREAKDOWN_PARTS),
+                "properties": {p: {"$ref": "#/$defs/part"} for p in BREAKDOWN_PARTS},
+            }
+        ),
+    ]
     model: str | None = None
     path: str | None = None
-    evidence: str | None = None
-    status: str | None = None
-    owner_marker: str | None = None
+    evidence: Annotated[str | None, SET] = None
+    status: Annotated[str | None, STATUS] = None
+    owner_marker: Annotated[str | None, one_of("?", "")] = None
     runtime: str | None = None
     architecture: str | None = None
     file_type: str | None = None
@@ -113,40 +182,44 @@ class BreakdownShape(Shape):
     n_ctx_source: str | None = None
     reported_total: ReadingShape | None = None
     estimated_total: ReadingShape | None = None
-    notes: Texts = None
+    notes: SetTexts = None
 
 
 class AppShape(Shape):
+    DERIVED: ClassVar[dict[str, Any]] = {"evidence": str | None}
+
     app: str
     selected: str | None = None
     last_event: str | None = None
     last_event_model: str | None = None
     last_event_time: str | None = None
-    reasons: Texts = None
+    reasons: SetTexts = None
 
 
 class EvidenceShape(Shape):
-    evidence: str
+    evidence: Annotated[str, code("evidence_source")]
     path: str | None = None
 
 
 class ProcessShape(Shape):
+    DERIVED: ClassVar[dict[str, Any]] = {"shown_vram": ReadingShape | None}
+
     pid: int
     vram_bytes: ReadingShape
     started_at: Number | None = None
     name: str | None = None
     gpu: str | None = None
-    contexts: Texts = None
+    contexts: SetTexts = None
     vram_inferred_bytes: ReadingShape | None = None
-    engines: Readings = None
+    engines: SetReadings = None
     cmdline: Texts = None
-    runtimes: Texts = None
-    model_files: Texts = None
+    runtimes: SetTexts = None
+    model_files: SetTexts = None
     category: str | None = None
-    scanned: bool | None = None
-    scan_reason: str | None = None
+    scanned: Annotated[bool | None, SET] = None
+    scan_reason: Annotated[str | None, code("reason")] = None
     exe: str | None = None
-    model_evidence: list[EvidenceShape] | None = None
+    model_evidence: Annotated[list[EvidenceShape] | None, SET] = None
     scan_detail: str | None = None
     user: str | None = None
     ppid: int | None = None
@@ -157,63 +230,65 @@ class ProcessShape(Shape):
     footprint_bytes: ReadingShape | None = None
     host: str | None = None
     parent_pid: int | None = None
-    inferred_unique: bool | None = None
+    inferred_unique: Annotated[bool | None, SET] = None
     ram_bytes: ReadingShape | None = None
     cpu_percent: ReadingShape | None = None
 
 
 class PeerShape(Shape):
-    peer: str | None = None
+    peer: Annotated[str | None, SET] = None
     connected: bool | None = None
-    pages: ReadingShape | None = None
-    reserved_pages: ReadingShape | None = None
-    slabs: ReadingShape | None = None
+    pages: Annotated[ReadingShape | None, SET] = None
+    reserved_pages: Annotated[ReadingShape | None, SET] = None
+    slabs: Annotated[ReadingShape | None, SET] = None
 
 
 class DaemonShape(Shape):
     socket: str
     pid: int | None = None
-    size_bytes: ReadingShape | None = None
-    replicas: ReadingShape | None = None
-    pages_written: ReadingShape | None = None
-    degraded_slabs: ReadingShape | None = None
-    pages_lost: ReadingShape | None = None
-    health: str | None = None
-    reasons: Texts = None
-    peers: list[PeerShape] | None = None
+    size_bytes: Annotated[ReadingShape | None, SET] = None
+    replicas: Annotated[ReadingShape | None, SET] = None
+    pages_written: Annotated[ReadingShape | None, SET] = None
+    degraded_slabs: Annotated[ReadingShape | None, SET] = None
+    pages_lost: Annotated[ReadingShape | None, SET] = None
+    health: Annotated[str | None, SET, one_of("ok", "degraded", "failing")] = None
+    reasons: SetTexts = None
+    peers: Annotated[list[PeerShape] | None, SET] = None
 
 
 class BorrowerShape(Shape):
-    client_id: str | None = None
-    stored_bytes: ReadingShape | None = None
-    reserved_bytes: ReadingShape | None = None
-    connections: ReadingShape | None = None
+    client_id: Annotated[str | None, SET] = None
+    stored_bytes: Annotated[ReadingShape | None, SET] = None
+    reserved_bytes: Annotated[ReadingShape | None, SET] = None
+    connections: Annotated[ReadingShape | None, SET] = None
 
 
 class LendingShape(Shape):
     socket: str
-    capacity_bytes: ReadingShape | None = None
-    used_bytes: ReadingShape | None = None
-    reserved_bytes: ReadingShape | None = None
-    borrowers: list[BorrowerShape] | None = None
-    borrowers_listed_of: ReadingShape | None = None
+    capacity_bytes: Annotated[ReadingShape | None, SET] = None
+    used_bytes: Annotated[ReadingShape | None, SET] = None
+    reserved_bytes: Annotated[ReadingShape | None, SET] = None
+    borrowers: Annotated[list[BorrowerShape] | None, SET] = None
+    borrowers_listed_of: Annotated[ReadingShape | None, SET] = None
 
 
 class PoolShape(Shape):
+    DERIVED: ClassVar[dict[str, Any]] = {"kind": Annotated[Literal["runtime"], ALWAYS]}
+
     daemons: list[DaemonShape]
     lending: list[LendingShape]
-    errors: dict[str, str | None] | None = None
-    looked: str | None = None
+    errors: Annotated[dict[str, Annotated[str | None, SET]] | None, SET] = None
+    looked: Annotated[str | None, SET] = None
 
 
 class SwapDeviceShape(Shape):
-    filename: str | None = None
-    type: str | None = None
+    filename: Annotated[str | None, SET] = None
+    type: Annotated[str | None, SET] = None
     # null (an early file's "see reasons") does not decode: the reference reader reads it
     size_bytes: ReadingShape | UnsetType = UNSET
     used_bytes: ReadingShape | UnsetType = UNSET
     priority: ReadingShape | UnsetType = UNSET
-    deleted: bool | None = None
+    deleted: Annotated[bool | None, SET] = None
 
 
 class SwapShape(Shape):
@@ -222,37 +297,52 @@ class SwapShape(Shape):
     used_bytes: ReadingShape | UnsetType = UNSET
     devices: list[SwapDeviceShape] | None = None
     devices_reason: str | None = None
-    problems: Texts = None
-    reasons: dict[str, str | None] | None = None  # early files: the devices' reason
+    problems: SetTexts = None
+    reasons: Annotated[dict[str, str | None] | None, EARLY] = None  # the devices' reason
 
 
 class SystemShape(Shape):
+    DERIVED: ClassVar[dict[str, Any]] = {"kind": Annotated[Literal["measured"], ALWAYS]}
+
     taken: Number | None = None
-    memory: Readings = None
-    swap: SwapShape | None = None
-    cpu: Readings = None
-    processes_reason: str | None = None
-    duvm: PoolShape | None = None
+    memory: SetReadings = None
+    swap: Annotated[SwapShape | None, SET] = None
+    cpu: SetReadings = None
+    processes_reason: Annotated[str | None, SET] = None
+    duvm: Annotated[PoolShape | None, SET] = None
+
+
+class ToolShape(Shape):
+    name: str
+    version: str
 
 
 class DocShape(Shape):
-    """The ``--json`` object (the top level)."""
+    """One `gputaskman --json` document; a record file holds one per line. Every number is a
+    reading: value, kind, source, reason, detail; the value is null exactly when a reason is
+    given. New keys may be added within schema_version 1, so objects other than readings
+    accept keys not listed here."""
 
-    schema: str
-    schema_version: int
+    DERIVED: ClassVar[dict[str, Any]] = {
+        "tool": ToolShape,
+        "available": Annotated[bool, ALWAYS],
+    }
+
+    schema: Annotated[str, Meta(extra_json_schema={"const": NAME})]
+    schema_version: Annotated[int, Meta(extra_json_schema={"const": VERSION})]
     taken: Number
     backend: str
     adapters: list[AdapterShape]
     processes: list[ProcessShape]
-    problems: list[ProblemShape] | None = None
+    problems: Annotated[list[ProblemShape] | None, ALWAYS, SET] = None
     unavailable: ProblemShape | None = None
-    notes: Texts = None
+    notes: SetTexts = None
     driver_version: str | None = None
     selected_gpu: int | None = None
     system: SystemShape | None = None
     taken_iso: str | None = None
     attributed_bytes: int | None = None
-    attributed_complete: bool | None = None
+    attributed_complete: Annotated[bool | None, SET] = None
 
 
 DOC_DECODER = msgspec.json.Decoder(DocShape)
