@@ -8,6 +8,7 @@ Documents are the demo's and the DRM and demo recordings (synthetic GPU numbers)
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import socket
 import threading
@@ -15,6 +16,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import h11
 import pytest
 from doc_paths import json_paths
 from gputaskman.core import report
@@ -74,6 +76,13 @@ def test_an_answer_reads_in_any_chunking_and_keeps_the_connection():
         (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", "two different"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "not a number"),
         (b"HTTP/1.1 100 Continue\r\n\r\n", "interim"),
+        (b"HTTP/1.1 099 Odd\r\n\r\n", "not an HTTP status"),
+        (b"HTTP/1.1 200 OK\r\nX-A\x01: b\r\n\r\n", "not an HTTP header line"),
+        (b"HTTP/1.1 200 OK\r\nX: a\x00b\r\n\r\n", "not an HTTP header line"),
+        # latin-1 digits ("²".isdigit() is True, int("²") raises ValueError): found by
+        # comparing with h11, each once a ValueError out of the reader
+        (b"HTTP/1.1 2\xb20 OK\r\n\r\n", "not an HTTP status"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n", "not a number"),
     ],
 )
 def test_what_is_not_http_this_reader_takes_is_refused_with_a_reason(raw, says):
@@ -119,6 +128,133 @@ def test_any_bytes_give_an_answer_or_an_http_error(data, chunk):
     except HttpError:
         pass
     assert len(r._buf) <= 100 + 200 + chunk
+
+
+class H11Reference:
+    """The same answer read by h11, the maintained HTTP/1.1 library (the reference the
+    hand-written reader is held to, DECISIONS.md D45): (status, headers, body, keep_alive),
+    or None where h11 refuses it. Caps are left to the reader's own tests."""
+
+    def __init__(self) -> None:
+        self.conn = h11.Connection(h11.CLIENT)
+        self.conn.send(h11.Request(method="GET", target="/snapshot.json", headers=[("Host", "h")]))
+        self.conn.send(h11.EndOfMessage())
+        self.head: Any = None
+        self.body = b""
+
+    def read(self, pieces: list[bytes], eof: bool) -> tuple[int, dict, bytes, bool] | None:
+        conn = self.conn
+        try:
+            for piece in [*pieces, *([b""] if eof else [])]:
+                conn.receive_data(piece)
+                while (event := conn.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
+                    if isinstance(event, h11.Response):
+                        self.head = event
+                    elif isinstance(event, h11.Data):
+                        self.body += event.data
+                    elif isinstance(event, h11.EndOfMessage):
+                        return self._answer()
+                    elif not isinstance(event, h11.ConnectionClosed):
+                        return None  # an interim answer
+        except h11.RemoteProtocolError:
+            return None
+        return None
+
+    def _answer(self) -> tuple[int, dict, bytes, bool]:
+        conn = self.conn
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.head.headers}
+        trailing, closed = conn.trailing_data
+        keep = conn.their_state is h11.DONE and not trailing and not closed
+        return self.head.status_code, headers, self.body, keep
+
+
+def _hand(pieces: list[bytes], eof: bool) -> tuple[int, dict, bytes, bool] | None:
+    r = ResponseReader(1 << 20)
+    try:
+        for piece in pieces:
+            if (got := r.feed(piece)) is not None:
+                return got.status, dict(got.headers), got.body, got.keep_alive
+        got = r.eof() if eof else None
+    except HttpError:
+        return None
+    return None if got is None else (got.status, dict(got.headers), got.body, got.keep_alive)
+
+
+TOKEN_CHARS = "!#$%&'*+-.^_`|~" + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+FIELD_VALUES = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=12)
+
+
+@st.composite
+def answers(draw: st.DrawFn) -> tuple[bytes, bool]:
+    """An answer as a host might write it: HTTP/1.0 or 1.1, any final status, a body framed
+    by Content-Length or by the connection closing, Connection tokens, any other headers."""
+    version = draw(st.sampled_from(["1.0", "1.1"]))
+    status = draw(st.integers(200, 599))
+    reason = draw(st.sampled_from(["", " ", " OK", " Not Modified", " x\ty"]))
+    body = draw(st.binary(max_size=60))
+    headers = draw(
+        st.lists(
+            st.tuples(st.text(TOKEN_CHARS, min_size=1, max_size=8), FIELD_VALUES)
+            .filter(lambda h: h[0].lower() not in ("content-length", "transfer-encoding"))
+            .filter(lambda h: h[0].lower() not in ("content-encoding", "connection")),
+            max_size=4,
+        )
+    )
+    if draw(st.booleans()):
+        headers.append(("Connection", draw(st.sampled_from(["close", "keep-alive", "x, Close"]))))
+    framed = draw(st.booleans())
+    if framed:
+        headers.append(("Content-Length", str(len(body))))
+    lines = [f"HTTP/{version} {status}{reason}", *(f"{n}:{v}" for n, v in headers)]
+    raw = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+    if status in (204, 304) or (framed and draw(st.booleans())):  # bytes after the answer
+        raw += draw(st.binary(max_size=8))
+    return raw, not framed or status in (204, 304) or draw(st.booleans())
+
+
+def _pieces(raw: bytes, cuts: list[int]) -> list[bytes]:
+    at = sorted({0, len(raw), *(c % (len(raw) + 1) for c in cuts)})
+    return [raw[a:b] for a, b in itertools.pairwise(at)]
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(answers(), st.lists(st.integers(0, 10_000), max_size=4))
+def test_answers_read_as_h11_reads_them(answer, cuts):
+    """Catches the hand-written reader (kept for its speed, D45) meaning anything but what
+    h11 means by an answer: status, headers, body and whether the connection is reused."""
+    raw, eof = answer
+    pieces = _pieces(raw, cuts)
+    assert _hand(pieces, eof) == H11Reference().read(pieces, eof), raw
+
+
+MUTATIONS = st.sampled_from(
+    [b"\r\n", b"\n", b"\r", b" ", b"\t", b":", b"\x00", b"\x7f", b"\xb2", b"\xff", b"0", b"1",
+     b"HTTP/1.1 ", b"Content-Length: 3", b"Connection: close"]
+)  # fmt: skip
+
+
+@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow])
+@given(answers(), st.lists(st.tuples(st.integers(0, 10_000), MUTATIONS), min_size=1, max_size=3))
+def test_what_the_reader_takes_from_damaged_answers_h11_reads_the_same(answer, edits):
+    """Catches the hand-written reader taking bytes h11 refuses, or reading them otherwise:
+    answers with bytes put in anywhere, and it either refuses them or agrees with h11."""
+    raw, eof = answer
+    for at, piece in edits:
+        at %= len(raw) + 1
+        raw = raw[:at] + piece + raw[at:]
+    got = _hand([raw], eof)
+    if got is not None:
+        assert got == H11Reference().read([raw], eof), raw
+
+
+def test_an_http_1_0_answer_never_keeps_the_connection():
+    """As h11 reads it: HTTP/1.0 keep-alive is not spoken (``serve`` answers HTTP/1.1)."""
+    raw = b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok"
+    got = ResponseReader(100).feed(raw)
+    assert got is not None and got.body == b"ok" and not got.keep_alive
+    raw = b"HTTP/1.1 200 OK\r\nConnection: Upgrade, CLOSE\r\nContent-Length: 2\r\n\r\nok"
+    got = ResponseReader(100).feed(raw)
+    assert got is not None and not got.keep_alive
 
 
 def test_the_request_is_a_get_and_carries_the_token_only_when_given():

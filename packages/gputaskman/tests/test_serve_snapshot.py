@@ -16,6 +16,7 @@ import ssl
 import subprocess
 import sys
 import time
+from http import HTTPStatus
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ from gputaskman.core import report
 from gputaskman.core.document import read_document
 from gputaskman.core.exporter import Cached
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -168,6 +171,128 @@ def test_connections_beyond_the_cap_are_closed_and_do_not_stop_the_server(server
         except (ConnectionError, http.client.RemoteDisconnected):
             assert time.monotonic() < deadline
             time.sleep(0.1)
+
+
+def _exchange(raw: bytes, routes: dict | None = None, token: str | None = TOKEN):
+    """What `HttpConnection` answers to `raw` arriving in 4 KiB reads (sans-io): the answers,
+    and whether it closes."""
+    conn = httpserve.HttpConnection(routes if routes is not None else _routes(), token)
+    out = []
+    for i in range(0, len(raw), 4096):
+        conn.receive_data(raw[i : i + 4096])
+        while not conn.closing and (answer := conn.next_answer()):
+            out.append(answer)
+    return out, conn.closing
+
+
+AUTH = f"Authorization: Bearer {TOKEN}\r\n".encode()
+
+
+def test_pipelined_requests_are_answered_in_order_one_at_a_time():
+    """Catches a server that drops or reorders pipelined requests, or answers them all at
+    once (a client could pipeline thousands of requests for the document into one read)."""
+    one = b"GET /x HTTP/1.1\r\nHost: h\r\n" + AUTH + b"\r\n"
+    two = b"GET /nowhere HTTP/1.1\r\nhost: h\r\nauthorization" + AUTH[13:] + b"\r\n"
+    out, closing = _exchange(one + two + one)
+    assert [a.split(b" ", 2)[1] for a in out] == [b"200", b"404", b"200"] and not closing
+    assert all(a.count(b"HTTP/1.1 ") == 1 for a in out)
+
+
+def test_header_names_reach_the_routes_in_any_case():
+    """Catches the ETag's 304 lost to a client that writes ``if-none-match`` in lower case."""
+    c = _cached()
+    route = serve.SnapshotDocument(lambda: c, None)
+    etag = dict(route({}).headers)["ETag"]
+    raw = f"GET /snapshot.json HTTP/1.1\r\nHost: h\r\nif-none-match: {etag}\r\n\r\n"
+    out, _ = _exchange(raw.encode(), {"/snapshot.json": route}, None)
+    assert out[0].startswith(b"HTTP/1.1 304 ") and out[0].endswith(b"\r\n\r\n")
+
+
+@pytest.mark.parametrize(
+    "raw,status",
+    [
+        (b"garbage\r\n\r\n", b"400"),
+        (b"GET /x HTTP/1.1\r\n\r\n", b"400"),  # no Host
+        (b"GET /x HTTP/1.1\r\nHost: h\r\n" + b"X-Pad: " + b"y" * 40000 + b"\r\n\r\n", b"431"),
+        (b"BREW /x HTTP/1.1\r\nHost: h\r\n\r\n", b"501"),
+        (b"GET /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip\r\n\r\n", b"501"),
+        (b"POST /x HTTP/1.1\r\nHost: h\r\n" + AUTH + b"Content-Length: 9\r\n\r\nab", b"405"),
+        (b"GET /x HTTP/1.0\r\n" + AUTH + b"\r\n", b"200"),  # HTTP/1.0: no keep-alive
+        (b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: close\r\n" + AUTH + b"\r\n", b"200"),
+    ],
+)
+def test_requests_the_connection_cannot_carry_on_from_are_answered_and_closed(raw, status):
+    """Catches a malformed, oversized or body-carrying request answered with anything but a
+    bare status (or not at all), or a connection kept after one."""
+    out, closing = _exchange(raw)
+    assert len(out) == 1 and out[0].split(b" ", 2)[1] == status and closing
+    head, _, body = out[0].partition(b"\r\n\r\n")
+    if status != b"200":
+        assert body == HTTPStatus(int(status)).phrase.lower().encode() + b"\n"
+        assert b"\r\nServer: gputaskman\r\n" in head and b"Python" not in out[0]
+
+
+def test_a_route_that_fails_gets_a_bare_500_and_the_server_goes_on(server):
+    """Catches a route's exception reaching the client as a traceback, or stopping serve."""
+
+    def broken(headers):
+        raise RuntimeError("a bug with /secret/path in it")
+
+    raw = b"GET /x HTTP/1.1\r\nHost: h\r\n" + AUTH + b"\r\n"
+    out, closing = _exchange(raw, {"/x": broken})
+    assert out[0].startswith(b"HTTP/1.1 500 ") and closing and b"secret" not in out[0]
+    assert out[0].endswith(b"\r\n\r\ninternal server error\n")
+    assert _request(server, "GET", "/x", TOKEN)[0] == 200
+
+
+REQUEST_PARTS = st.sampled_from(
+    [b"GET /x HTTP/1.1\r\nHost: h\r\n", b"HEAD /snapshot.json HTTP/1.1\r\nHost: h\r\n",
+     b"POST /x HTTP/1.1\r\n", b"GET /x HTTP/1.0\r\n", AUTH, b"Content-Length: 3\r\n",
+     b"Transfer-Encoding: chunked\r\n", b"Connection: close\r\n", b"\r\n", b"\n", b"3\r\nabc",
+     b"0\r\n\r\n", b" ", b":", b"\x00", b"\xff"]
+)  # fmt: skip
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.one_of(REQUEST_PARTS, st.binary(max_size=20)), max_size=12),
+    st.integers(1, 64),
+    st.booleans(),
+)
+def test_any_bytes_get_whole_bare_answers_and_nothing_raises(parts, chunk, eof):
+    """Catches the server raising on what a client sends, or answering it with anything but
+    whole HTTP/1.1 answers; after one that closes, nothing more is answered."""
+    data = b"".join(parts)
+    conn = httpserve.HttpConnection(_routes(), TOKEN)
+    answers = []
+    for piece in [data[i : i + chunk] for i in range(0, len(data), chunk)] + [b""] * eof:
+        conn.receive_data(piece)
+        while not conn.closing and (answer := conn.next_answer()):
+            answers.append(answer)
+        if conn.closing:
+            break
+    for answer in answers:
+        head, sep, _ = answer.partition(b"\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 ") and sep and b"\r\nServer: gputaskman\r\n" in head
+    assert conn.next_answer() == b"" or not conn.closing
+
+
+def test_an_idle_connection_is_dropped(monkeypatch):
+    """Catches a keep-alive connection that holds one of the server's slots for ever."""
+    monkeypatch.setattr(httpserve, "IDLE_TIMEOUT_S", 0.3)
+    httpd, _ = httpserve.serve(_routes(), "127.0.0.1", 0)
+    try:
+        with socket.create_connection(httpd.server_address[:2], timeout=10) as s:
+            s.sendall(b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")
+            got = b""
+            started = time.monotonic()
+            while chunk := s.recv(65536):
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"x" * 10000)
+            assert 0.2 < time.monotonic() - started < 5
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_tls_requires_a_certificate_the_ca_signed(tmp_path):

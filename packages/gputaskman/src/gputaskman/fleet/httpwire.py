@@ -10,16 +10,26 @@ closing. Whatever a host sends, the reader either returns a response or raises `
 of status line and headers plus `max_body` bytes of body: a Content-Length above the cap is
 refused before any of the body is read (`TooLarge`), and so is a body that outgrows it.
 
+Hand-written, not h11 (the server's HTTP library, `cli/httpserve`): it is the poller's
+per-answer work, and h11 took 7-9 times as long per answer (DECISIONS.md D45,
+benchmarks/gtm_http_parse.py). h11 is its reference instead: the head is matched against
+HTTP/1.1's grammar as h11 reads it (status line, header names as tokens, field values without
+control characters, ASCII digits), never more leniently, and tests hold the two to the same
+reading of generated answers, whole and damaged: status, headers, body and keep-alive.
+
 Read: HTTP/1.0 and HTTP/1.1 status lines, headers (names case-insensitive), a body delimited
 by Content-Length or, without one, by the connection closing; 204 and 304 have none. Not
 read (refused with a reason, since `gputaskman serve` never sends them): chunked or any
 other transfer encoding, a content encoding (the request asks for none), interim 1xx
 answers, two Content-Lengths that disagree. ``keep_alive`` says whether the connection may
-carry the next request.
+carry the next request: as h11 decides, an HTTP/1.1 answer whose Connection header has no
+``close`` token, whose length was known and after which nothing more arrived; an HTTP/1.0
+answer never.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -64,29 +74,41 @@ def _plain(value: str) -> bool:
     return len(value) <= 200 and all(32 <= ord(c) < 127 for c in value)
 
 
+# HTTP/1.1's grammar (RFC 9112, as h11 reads it), never more lenient than h11: whatever this
+# reader takes, h11 reads the same (tests/test_fleet_reader.py checks it on generated answers)
+_STATUS_LINE = rb"HTTP/1\.([01]) ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*)?"
+_FIELD = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*"
+_HEAD = re.compile(_STATUS_LINE + rb"((?:\r\n" + _FIELD + rb")*)")
+
+
 def _head(raw: bytes) -> tuple[int, bool, dict[str, str]]:
     """(status, HTTP/1.1?, headers) of a head without its blank line."""
-    try:
-        text = raw.decode("latin-1")
-    except UnicodeDecodeError:  # latin-1 decodes any byte; kept for clarity of intent
-        raise HttpError("the answer's head is not text") from None
-    status_line, *header_lines = text.split("\r\n")
-    parts = status_line.split(" ", 2)
-    if len(parts) < 2 or parts[0] not in ("HTTP/1.0", "HTTP/1.1"):
-        raise HttpError(f"not an HTTP/1.x answer: {status_line[:60]!r}")
-    if len(parts[1]) != 3 or not parts[1].isdigit():
-        raise HttpError(f"not an HTTP status: {parts[1][:20]!r}")
+    m = _HEAD.fullmatch(raw)
+    if m is None or m[2] < b"100":
+        raise _head_refusal(raw)
     headers: dict[str, str] = {}
-    for line in header_lines:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip() or " " in name:
-            raise HttpError(f"not an HTTP header line: {line[:60]!r}")
-        key = name.lower()
-        value = value.strip()
+    for line in m[3].decode("latin-1").split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        key, value = name.lower(), value.strip(" \t")
         if key == "content-length" and key in headers and headers[key] != value:
             raise HttpError("two different Content-Length headers")
         headers[key] = value
-    return int(parts[1]), parts[0] == "HTTP/1.1", headers
+    return int(m[2]), m[1] == b"1", headers
+
+
+def _head_refusal(raw: bytes) -> HttpError:
+    """Why `raw` is not an answer's head: its first line that HTTP/1.1 does not allow."""
+    status_line, *header_lines = raw.split(b"\r\n")
+    m = re.fullmatch(_STATUS_LINE, status_line)
+    if m is None or m[2] < b"100":
+        shown = status_line[:60].decode("latin-1")
+        if status_line[:9] not in (b"HTTP/1.0 ", b"HTTP/1.1 "):
+            return HttpError(f"not an HTTP/1.x answer: {shown!r}")
+        return HttpError(f"not an HTTP status line: {shown!r}")
+    for line in header_lines:
+        if re.fullmatch(_FIELD, line) is None:
+            return HttpError(f"not an HTTP header line: {line[:60].decode('latin-1')!r}")
+    return HttpError("not an HTTP head")  # not reached: each line is allowed, so the head is
 
 
 class ResponseReader:
@@ -148,15 +170,14 @@ class ResponseReader:
         if status in (204, 304):  # never a body, whatever the headers say
             length = "0"
         if length is not None:
-            if not length.isdigit():
+            if not (length.isascii() and length.isdigit()):  # "²".isdigit() is True
                 raise HttpError(f"Content-Length {length[:30]!r} is not a number")
             if int(length) > self.max_body:
                 raise TooLarge(f"the document is {int(length)} bytes, over {self.max_body}")
             self._length = int(length)
-        connection = headers.get("connection", "").lower()
-        self._keep_alive = length is not None and (
-            "keep-alive" in connection if not http11 else "close" not in connection
-        )
+        # as h11 decides: HTTP/1.1 without a "close" token; an HTTP/1.0 answer never
+        connection = {t.strip(" \t") for t in headers.get("connection", "").lower().split(",")}
+        self._keep_alive = length is not None and http11 and "close" not in connection
         self._status, self._headers = status, headers
 
     def _done(self, body: bytes, clean_end: bool) -> HttpResponse:
