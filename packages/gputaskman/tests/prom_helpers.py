@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -157,17 +158,40 @@ def answer(
         h.wfile.write(body)
 
 
+_MATCHER = re.compile(r'(\w+)(=~|=)"((?:[^"\\]|\\.)*)"')
+
+
+def select(series: list[dict[str, Any]], selector: str) -> list[dict[str, Any]]:
+    """The series a ``{label="v",label=~"re",...}`` selector picks (the forms the fleet
+    sends; Python's regular expressions standing in for RE2's, anchored as Prometheus's)."""
+    out = series
+    for label, op, raw in _MATCHER.findall(selector):
+        value = raw.encode().decode("unicode_escape")
+        if op == "=":
+            out = [s for s in out if s["metric"].get(label, "") == value]
+        else:
+            rx = re.compile(value)
+            out = [s for s in out if rx.fullmatch(s["metric"].get(label, ""))]
+    return out
+
+
 def recorded(answers: Mapping[str, Any]) -> Handler:
     """A handler answering the recorded queries and targets (`answers` as
-    tests/recordings/prometheus_answers.json holds them); any other query gets the
-    empty vector."""
+    tests/recordings/prometheus_answers.json holds them). A series selector that was not
+    recorded is answered from the recorded answer to the widest one (every ``gputaskman_*``
+    series of the job), as Prometheus would select; any other query gets the empty vector."""
+    widest = next(v for k, v in answers["queries"].items() if k.startswith("{"))
 
     def handle(h: BaseHTTPRequestHandler, path: str, params: Mapping[str, list[str]]) -> None:
         if path == "/api/v1/targets":
             return answer(h, 200, json.dumps(answers["targets"]).encode())
         q = params.get("query", [""])[0]
         empty = {"status": "success", "data": {"resultType": "vector", "result": []}}
-        answer(h, 200, json.dumps(answers["queries"].get(q, empty)).encode())
+        got = answers["queries"].get(q)
+        if got is None and q.startswith("{"):
+            picked = select(widest["data"]["result"], q)
+            got = {**widest, "data": {**widest["data"], "result": picked}}
+        answer(h, 200, json.dumps(got or empty).encode())
 
     return handle
 

@@ -11,6 +11,7 @@ status, a huge body, a stall. The real server's own tests are in test_fleet_prom
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -79,15 +80,39 @@ def test_recorded_answers_give_each_host_its_state_and_prometheus_reason():
 
 def test_a_host_whose_sample_did_not_change_is_not_read_again():
     """Catches a refresh that fetches every host's series every second (the cost would
-    grow with the fleet, not with what changed), or one that counts the same sample twice."""
+    grow with the fleet, not with what changed), one that counts the same sample twice, or
+    one that replaces unchanged states (the views would rebuild every host's rows)."""
     with fake_prometheus(recorded(ANSWERS)) as fake:
         fleet = _fleet(fake.url)
         fleet.refresh()
+        first = fleet.states()
         before = len(fake.requests)
         fleet.refresh()
         again = [p["query"][0] for _, p, _ in fake.requests[before:] if "query" in p]
-    assert len(again) == 3 and not any("__name__" in q for q in again)
+    assert again == [UP, 'gputaskman_sample_timestamp_seconds{job="gputaskman"}']
     assert [s.seq for s in fleet.states()] == [1, 1, 0, 0]
+    assert all(a is b for a, b in zip(first, fleet.states(), strict=True))
+
+
+def test_values_prometheus_writes_as_words_are_read():
+    """Catches an answer with an infinite value ("+Inf", which msgspec's lax floats do not
+    take) refused whole, or a value that is no number accepted."""
+    inf = (
+        b'{"status":"success","data":{"resultType":"vector","result":['
+        b'{"metric":{"__name__":"a"},"value":[1.5,"+Inf"]},'
+        b'{"metric":{"__name__":"b"},"value":[1.5,"NaN"]},'
+        b'{"metric":{"__name__":"c"},"value":[1.5,"42"]}]}}'
+    )
+    with fake_prometheus(_broken(200, inf)) as fake:
+        v = PromClient(fake.url).query("x")
+    assert v.at == 1.5 and [s.labels["__name__"] for s in v.samples] == ["a", "b", "c"]
+    assert v.samples[0].number == float("inf") and v.samples[2].number == 42.0
+    assert v.samples[1].number != v.samples[1].number  # NaN
+    with (
+        fake_prometheus(_broken(200, inf.replace(b"42", b"many"))) as fake,
+        pytest.raises(PromError, match="'many' is not a number"),
+    ):
+        PromClient(fake.url).query("x")
 
 
 def _broken(status: int, body: bytes, ctype: str = "application/json"):
@@ -230,3 +255,45 @@ def test_urls_durations_and_scrape_errors_are_read_as_prometheus_writes_them():
 def test_naming_hosts_with_prometheus_is_a_usage_error():
     r = _cli("--prometheus", "http://127.0.0.1:9", "gpu1", "--once")
     assert r.returncode == 2 and "name no HOST" in r.stderr
+
+
+def test_the_table_reads_only_its_series_and_an_open_host_reads_all_of_its_own():
+    """Catches a table-only refresh that reads every series (the fleet view's cost), rows
+    that differ from the whole documents', or an open host whose view lacks what its serve
+    exported."""
+    # the hosts renamed to closed loopback ports: opening one polls it directly, and that
+    # must reach nobody
+    answers = json.loads(re.sub(r"gpu-node-0(\d):9835", r"127.0.0.1:\1", json.dumps(ANSWERS)))
+    with fake_prometheus(recorded(answers)) as fake:
+        whole = _fleet(fake.url)
+        whole.refresh()
+        before = len(fake.requests)
+        table = PromFleet(PromClient(fake.url), interval=60.0, table_only=True)
+        table.refresh()
+        asked = [p["query"][0] for _, p, _ in fake.requests[before:] if "query" in p]
+        name = table.states()[0].target.name
+        table.focus(name)
+        table.refresh()
+        opened = [p["query"][0] for _, p, _ in fake.requests[before:] if "query" in p]
+        opened = opened[len(asked) :]
+        table.stop()
+    key = [
+        (r.key, r.gpu, r.memory_used, r.memory_total, r.util, r.processes, r.models)
+        for r in fleet_rows(whole.states())
+    ]
+    first = [
+        (r.key, r.gpu, r.memory_used, r.memory_total, r.util, r.processes, r.models)
+        for r in fleet_rows(table.states()[1:])
+    ]
+    assert first == key[len(key) - len(first) :]
+    series_query = next(q for q in asked if q.startswith("{"))
+    assert "gputaskman_gpu_info|" in series_query and "gputaskman_.+" not in series_query
+    assert [q for q in opened if q.startswith("{")] == [
+        f'{{__name__=~"gputaskman_.+",job="gputaskman",instance="{name}"}}'
+    ]
+    doc = table.states()[0].document
+    assert any("Prometheus's series" in n for n in doc.notes)
+    assert doc.adapters[0].metrics.temperature_c.value is not None
+    other = table.states()[1].document
+    assert any("fleet table's series" in n for n in other.notes)
+    assert other.adapters[0].metrics.temperature_c.value is None

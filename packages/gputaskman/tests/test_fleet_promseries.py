@@ -13,7 +13,12 @@ from gputaskman.core.document import read_document
 from gputaskman.core.exporter import Cached, snapshot_families
 from gputaskman.fixtures.demo import TAKEN, demo_snapshot
 from gputaskman.fleet.promapi import Sample
-from gputaskman.fleet.promseries import NO_SERIES, host_document, host_snapshot
+from gputaskman.fleet.promseries import (
+    NO_SERIES,
+    host_document,
+    host_snapshot,
+    snapshot_document,
+)
 from test_fleet_tui import HERE
 
 
@@ -22,7 +27,7 @@ def _series(snapshot, instance: str = "gpu-node-01:9835") -> list[Sample]:
     for fam in snapshot_families(Cached(snapshot, None, snapshot.taken, 0.01), now=snapshot.taken):
         for s in fam.samples:
             labels = {**s.labels, "__name__": s.name, "instance": instance, "job": "gputaskman"}
-            out.append(Sample(labels, float(s.value)))
+            out.append(Sample(labels, (0.0, float(s.value))))
     return out
 
 
@@ -103,7 +108,7 @@ def test_impossible_values_are_refused_with_a_reason_and_a_problem(name, value, 
     the fleet's totals)."""
     series = _series(demo_snapshot())
     hit = next(i for i, s in enumerate(series) if s.labels["__name__"] == name)
-    series[hit] = Sample(series[hit].labels, value)
+    series[hit] = Sample(series[hit].labels, (0.0, value))
     snap = host_snapshot(series, note="test")
     pci = series[hit].labels["pci_bus_id"]
     if name.startswith("gputaskman_process_"):
@@ -123,3 +128,17 @@ def test_impossible_values_are_refused_with_a_reason_and_a_problem(name, value, 
 def test_the_document_says_it_was_built_from_series():
     doc, _ = host_document(host_snapshot(_series(demo_snapshot()), note="built from X"))
     assert doc.notes == ("built from X",) and doc.taken == TAKEN
+
+
+@pytest.mark.parametrize("make", [demo_snapshot, _drm_snapshot], ids=["demo", "drm"])
+@pytest.mark.parametrize("damage", [None, "gputaskman_gpu_memory_used_bytes"])
+def test_the_table_s_document_is_the_one_the_reader_reads_from_the_json(make, damage):
+    """Catches the document built without JSON (the fleet table's, every second) drifting
+    from the one the reader reads from the written document (what --json and record show):
+    a sum, a time, a host reading or a problem that differs."""
+    series = _series(make())
+    if damage is not None:
+        hit = next(i for i, s in enumerate(series) if s.labels["__name__"] == damage)
+        series[hit] = Sample(series[hit].labels, (0.0, -1.0))
+    snap = host_snapshot(series, note="test")
+    assert snapshot_document(snap) == host_document(snap)[0]

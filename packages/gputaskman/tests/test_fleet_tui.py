@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from gputaskman.fleet.output import states_of
 from gputaskman.fleet.poller import HostState
 from gputaskman.fleet.promapi import PromClient, parse_url
 from gputaskman.fleet.promfleet import PromFleet
-from gputaskman.fleet.view import fleet_rows, sort_value
+from gputaskman.fleet.view import ViewCache, fleet_rows, fleet_totals, sort_value
 from gputaskman.tui.fleet_app import FleetApp
 from gputaskman.tui.screens.fleet import FleetScreen
 from gputaskman.tui.screens.fleet_help import fleet_help_text
@@ -129,6 +130,36 @@ def _prometheus_app() -> FleetApp:
         source.refresh()
     source.client.endpoint = parse_url("http://prometheus.example:9090")
     return FleetApp(source)
+
+
+async def test_enter_on_a_prometheus_host_reads_it_whole_and_says_where_it_came_from(utc):
+    """Catches a drill-down that keeps showing the table's few series (no temperature, no
+    clocks), or one that does not say the view was built from Prometheus's series."""
+    # the hosts renamed to closed loopback ports: the direct poll of the opened host must
+    # reach nobody (and fail, so the view stays the one from Prometheus)
+    text = (HERE / "recordings" / "prometheus_answers.json").read_text()
+    answers = json.loads(re.sub(r"gpu-node-0(\d):9835", r"127.0.0.1:\1", text))
+    with fake_prometheus(recorded(answers)) as fake:
+        source = PromFleet(PromClient(fake.url), interval=60.0, table_only=True)
+        source.refresh()
+        app = FleetApp(source)
+        try:
+            async with app.run_test(size=(200, 60)) as pilot:
+                await _settle(pilot)
+                await pilot.press("enter")
+                await _settle(pilot)
+                assert app.host_name == "127.0.0.1:1"
+                source.refresh()  # the round the focus woke
+                app.request_refresh()
+                await _settle(pilot)
+                state = app.host_state()
+                assert state.from_series and state.document.adapters[0].metrics.temperature_c.value
+                assert "built from Prometheus's series" in str(app.status.content)
+                await pilot.press("escape")
+                await _settle(pilot)
+                assert app.host_name is None and source._focus_name is None
+        finally:
+            source.stop()
 
 
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
@@ -379,3 +410,35 @@ async def test_a_host_document_the_live_view_cannot_show_is_said_not_crashed(utc
         await _settle(pilot)
         assert app.host_name == "gpu-node-01" and app.snapshot is None
         assert "gpu-node-01's document cannot be shown" in str(app.status.content)
+
+
+def test_the_row_cache_rebuilds_only_changed_hosts_and_never_serves_stale_rows():
+    """Catches a cache that rebuilds every host on every refresh (2,000 hosts a second), or
+    one that keeps a host's rows after its state changed (a host that went down would still
+    show its numbers)."""
+    states = states_of(fleet_doc())
+    cache = ViewCache()
+    first = fleet_rows(states, cache=cache)
+    assert first == fleet_rows(states)
+    again = fleet_rows(states, cache=cache)
+    assert all(a is b for a, b in zip(first, again, strict=True))
+    down = dataclasses.replace(states[0], status=HostStatus.UNREACHABLE, reason="gone")
+    changed = fleet_rows((down, *states[1:]), cache=cache)
+    assert changed[0].status is HostStatus.UNREACHABLE and "gone" in changed[0].gpu
+    assert changed[0].memory_used is None
+    n0 = len([r for r in first if r.host == states[0].target.name])
+    assert all(a is b for a, b in zip(first[n0:], changed[1:], strict=True))
+    assert fleet_rows(states[1:], cache=cache) == fleet_rows(states[1:])
+    assert set(cache.rows) == {s.target.name for s in states[1:]}
+
+
+def test_cached_totals_follow_every_change():
+    """Catches cached sums kept after a host's state changed (a host gone down would still
+    count in the fleet's memory)."""
+    states = states_of(fleet_doc())
+    cache = ViewCache()
+    assert fleet_totals(states, cache) == fleet_totals(states)
+    down = dataclasses.replace(states[0], status=HostStatus.UNREACHABLE, reason="gone")
+    changed = (down, *states[1:])
+    assert fleet_totals(changed, cache) == fleet_totals(changed) != fleet_totals(states)
+    assert fleet_totals(states[2:], cache) == fleet_totals(states[2:])

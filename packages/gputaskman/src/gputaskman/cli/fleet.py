@@ -150,8 +150,9 @@ def _tls(ca: Path | None, cert: Path | None, key: Path | None, flag: str) -> ssl
     return ctx
 
 
-def make_prometheus(args: argparse.Namespace) -> PromFleet:
-    """The fleet from Prometheus (``--prometheus URL``), or `UsageError` / `PromError`."""
+def make_prometheus(args: argparse.Namespace, table_only: bool) -> PromFleet:
+    """The fleet from Prometheus (``--prometheus URL``), or `UsageError` / `PromError`;
+    `table_only`: read only the series the fleet table shows (the TUI and ``--once``)."""
     tls = _tls(args.prometheus_ca, args.prometheus_cert, args.prometheus_key, "--prometheus")
     token = None
     if args.prometheus_token_file is not None:
@@ -166,6 +167,7 @@ def make_prometheus(args: argparse.Namespace) -> PromFleet:
         interval=args.fleet_interval or DEFAULT_INTERVAL,
         token=None if args.token_file is None else read_token(args.token_file),
         tls=client_tls(args),
+        table_only=table_only,
     )
 
 
@@ -193,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
         if args.prometheus is not None:
             if texts or args.hosts is not None:
                 raise UsageError("--prometheus reads the hosts from Prometheus: name no HOST")
-            poller: FleetSource = make_prometheus(args)
+            whole = args.fleet_json or record_to is not None  # they write every document
+            poller: FleetSource = make_prometheus(args, table_only=not whole)
         else:
             poller = make_poller(args, targets_of(texts, args.hosts))
     except (UsageError, TargetError, TokenError, PromError) as exc:

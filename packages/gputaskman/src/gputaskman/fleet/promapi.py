@@ -51,19 +51,49 @@ class PromError(Exception):
     """Prometheus could not answer this request; the message says why, in one line."""
 
 
-class _Sample(msgspec.Struct, gc=False):
+class Sample(msgspec.Struct, gc=False):
+    """One series of an instant vector as Prometheus writes it: its labels (``__name__``
+    among them) and ``[evaluation time, value]``, the value a float (NaN and ±Inf as
+    Python floats: the caller decides what they mean). Decoded straight from the answer."""
+
+    metric: dict[str, str]
+    value: tuple[float, float]
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return self.metric
+
+    @property
+    def number(self) -> float:
+        return self.value[1]
+
+
+class _TextSample(msgspec.Struct, gc=False):
     metric: dict[str, str]
     value: tuple[float, str]
 
 
 class _Vector(msgspec.Struct, gc=False):
     resultType: str
-    result: list[_Sample]
+    result: list[Sample]
+
+
+class _TextVector(msgspec.Struct, gc=False):
+    resultType: str
+    result: list[_TextSample]
 
 
 class _QueryAnswer(msgspec.Struct, gc=False):
     status: str
     data: _Vector | None = None
+    error: str | None = None
+    errorType: str | None = None
+    warnings: list[str] = []
+
+
+class _TextQueryAnswer(msgspec.Struct, gc=False):
+    status: str
+    data: _TextVector | None = None
     error: str | None = None
     errorType: str | None = None
     warnings: list[str] = []
@@ -93,18 +123,12 @@ class _ErrorAnswer(msgspec.Struct, gc=False):
     error: str | None = None
 
 
-_QUERY = msgspec.json.Decoder(_QueryAnswer)
+# values are strings in the JSON: read as floats by msgspec's lax mode, which takes "NaN"
+# but not "+Inf"; an answer holding one is read again with the strings kept
+_QUERY = msgspec.json.Decoder(_QueryAnswer, strict=False)
+_QUERY_TEXT = msgspec.json.Decoder(_TextQueryAnswer)
 _TARGETS = msgspec.json.Decoder(_TargetsAnswer)
 _ERROR = msgspec.json.Decoder(_ErrorAnswer)
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One series of an instant vector: its labels (``__name__`` among them) and its value
-    (NaN and ±Inf as Python floats: the caller decides what they mean)."""
-
-    labels: Mapping[str, str]
-    value: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,23 +253,21 @@ class PromClient:
         """An instant query's vector, or `PromError`."""
         body = self._request("/api/v1/query", {"query": expr})
         try:
-            ans = _QUERY.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise PromError(f"{self.url} answered a query with {_what(body, exc)}") from None
+            ans: _QueryAnswer | _TextQueryAnswer = _QUERY.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            try:
+                ans = _QUERY_TEXT.decode(body)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise PromError(f"{self.url} answered a query with {_what(body, exc)}") from None
         if ans.status != "success" or ans.data is None:
             raise PromError(f"{self.url}: query failed: {_one_line(ans.error or ans.status)}")
         if ans.data.resultType != "vector":
             raise PromError(f"{self.url}: expected an instant vector, got {ans.data.resultType}")
-        samples = []
-        at = math.nan
-        for s in ans.data.result:
-            at = s.value[0]
-            try:
-                value = float(s.value[1])
-            except ValueError:
-                raise PromError(f"{self.url}: {s.value[1][:40]!r} is not a number") from None
-            samples.append(Sample(s.metric, value))
-        return Vector(at, samples, tuple(ans.warnings))
+        result = ans.data.result
+        if isinstance(ans, _TextQueryAnswer):
+            result = [_number(s, self.url) for s in ans.data.result]
+        at = result[0].value[0] if result else math.nan
+        return Vector(at, result, tuple(ans.warnings))  # type: ignore[arg-type]
 
     def targets(self) -> list[ScrapeTarget]:
         """The active scrape targets, or `PromError` (a query front end such as Thanos
@@ -362,6 +384,13 @@ class PromClient:
             raise
         finally:
             timer.cancel()
+
+
+def _number(s: _TextSample, url: str) -> Sample:
+    try:
+        return Sample(s.metric, (s.value[0], float(s.value[1])))
+    except ValueError:
+        raise PromError(f"{url}: {s.value[1][:40]!r} is not a number") from None
 
 
 class _Deadline(Exception):

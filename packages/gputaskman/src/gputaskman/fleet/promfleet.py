@@ -51,7 +51,16 @@ from collections.abc import Sequence
 from gputaskman.core.fleetdoc import HostStatus
 from gputaskman.fleet.poller import HostState, Poller
 from gputaskman.fleet.promapi import PromClient, PromError, Sample, ScrapeTarget
-from gputaskman.fleet.promseries import NOTE, TIMESTAMP, by_instance, host_document, host_snapshot
+from gputaskman.fleet.promseries import (
+    NOTE,
+    TABLE_NOTE,
+    TABLE_REGEX,
+    TIMESTAMP,
+    by_instance,
+    host_document,
+    host_snapshot,
+    snapshot_document,
+)
 from gputaskman.fleet.targets import DEFAULT_PORT, Target, TargetError, parse_target
 
 DEFAULT_JOB = "gputaskman"
@@ -106,8 +115,10 @@ class PromFleet:
         interval: float = 1.0,
         token: str | None = None,
         tls: ssl.SSLContext | None = None,
+        table_only: bool = False,
     ) -> None:
         self.client = client
+        self.table_only = table_only  # read only the table's series (but the open host's all)
         self.job = job
         self.interval = interval
         self.timeout = client.timeout
@@ -120,15 +131,20 @@ class PromFleet:
         self._sample_at: dict[str, float] = {}
         self._scrape: dict[str, ScrapeTarget] = {}
         self._targets_read = -TARGETS_EVERY
+        self._scraped: dict[str, float] = {}  # instance -> Prometheus's last scrape of it
+        self._scraped_read = -TARGETS_EVERY
         self._targets_ok = True
         self._changed = threading.Condition()
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gtm-fleet-prom", daemon=True)
         self._focus: Poller | None = None
+        self._focus_name: str | None = None
+        self._full_of: tuple[str, float | None] | None = None  # (host, sample) read whole
         sel = f"job={_quote(job)}"
         self.selector = sel
         self.note = NOTE.format(url=client.url, query=f"{{{sel}}}")
+        self.table_note = TABLE_NOTE.format(url=client.url, query=f"{{{sel}}}")
 
     @property
     def targets(self) -> tuple[Target, ...]:
@@ -180,7 +196,10 @@ class PromFleet:
             return self._changed.wait_for(lambda: self.rounds > 0, timeout=timeout)
 
     def focus(self, name: str | None) -> None:
-        """Poll host `name` directly as well (None: stop), see the module docstring."""
+        """Poll host `name` directly as well, and read all its series (None: stop), see the
+        module docstring."""
+        self._focus_name = name
+        self._wake.set()
         old, self._focus = self._focus, None
         if old is not None:
             old.stop()
@@ -230,32 +249,51 @@ class PromFleet:
 
     def _round(self) -> dict[str, HostState]:
         c, sel = self.client, self.selector
-        up = {s.labels.get("instance", ""): s.value for s in c.query(f"up{{{sel}}}").samples}
+        up = {s.labels.get("instance", ""): s.number for s in c.query(f"up{{{sel}}}").samples}
         up.pop("", None)
-        scraped = by_instance(c.query(f"timestamp(up{{{sel}}})").samples)
         stamps = c.query(f"{TIMESTAMP}{{{sel}}}")
         now = stamps.at if stamps.at == stamps.at else time.time()
-        sample_at = {k: v[0].value for k, v in by_instance(stamps.samples).items()}
+        if time.monotonic() - self._scraped_read >= self._scraped_every() or any(
+            i not in self._scraped for i in up
+        ):
+            self._scraped_read = time.monotonic()
+            self._scraped = {
+                s.labels.get("instance", ""): s.number
+                for s in c.query(f"timestamp(up{{{sel}}})").samples
+            }
+        sample_at = {s.labels.get("instance", ""): s.number for s in stamps.samples}
         changed = [i for i in up if i in sample_at and sample_at[i] != self._sample_at.get(i)]
         series: dict[str, list[Sample]] = {}
+        everything = f'__name__=~"gputaskman_.+",{sel}'
         if changed:
-            names = f'__name__=~"gputaskman_.+",{sel}'
+            names = f"__name__=~{_quote(TABLE_REGEX)},{sel}" if self.table_only else everything
             if len(changed) < len(sample_at):  # else every host that has series
                 names += f",instance=~{_quote(_regex_alternatives(changed))}"
             series = by_instance(c.query(f"{{{names}}}").samples)
+        full: set[str] = set() if self.table_only else set(changed)
+        name = self._focus_name
+        if (
+            self.table_only
+            and name in sample_at
+            and (name in changed or self._full_of != (name, sample_at[name]))
+        ):
+            series[name] = list(c.query(f"{{{everything},instance={_quote(name)}}}").samples)
+            self._full_of = (name, sample_at[name])
+            full.add(name)
         if (any(v != 1 for v in up.values()) or not self._scrape) and self._targets_due():
             self._read_targets()
-        out: dict[str, HostState] = {}
-        for instance in sorted(up):
-            out[instance] = self._host(
-                instance,
-                up[instance],
-                scraped.get(instance, [None])[0],
-                series.get(instance),
-                sample_at.get(instance),
-                now,
-            )
-        return out
+        return {
+            i: self._host(i, up[i], series.get(i), i in full, sample_at.get(i), now)
+            for i in sorted(up)
+        }
+
+    def _scraped_every(self) -> float:
+        """How often the hosts' last scrape times are read again: often enough that one read
+        late never makes a host look stale (a third of the shortest stale limit)."""
+        shortest = min(
+            (t.interval_s or DEFAULT_SCRAPE_INTERVAL for t in self._scrape.values()), default=0.0
+        )
+        return min(TARGETS_EVERY, STALE_SCRAPES * shortest / 3)
 
     def _targets_due(self) -> bool:
         return self._targets_ok and time.monotonic() - self._targets_read >= TARGETS_EVERY
@@ -275,55 +313,59 @@ class PromFleet:
         self,
         instance: str,
         up: float,
-        scraped: Sample | None,
         series: list[Sample] | None,
+        whole: bool,
         sample_at: float | None,
         now: float,
     ) -> HostState:
+        """The host's new state; the same object when nothing about it changed, so that
+        views can keep what they built from it."""
         info = self._scrape.get(instance)
         prev = self._states.get(instance) or HostState(
             target_of(instance, info.scrape_url if info else "")
         )
-        polls = prev.polls + 1
-        last_scrape = None if scraped is None else scraped.value
+        new = prev
+        if up == 1 and series is not None:
+            note = self.note if whole else self.table_note
+            snap = host_snapshot(series, note=note)
+            # the table needs the typed document only; --json and record write the bytes
+            doc, body = (snapshot_document(snap), None) if self.table_only else host_document(snap)
+            self._sample_at[instance] = sample_at if sample_at is not None else 0.0
+            new = dataclasses.replace(
+                prev,
+                document=doc,
+                body=body,
+                seq=prev.seq + 1,
+                from_series=True,
+                answered_at=sample_at,
+            )
+        status, why = self._status(instance, up, info, new, now)
+        if (status, why) == (prev.status, prev.reason) and new is prev:
+            return prev
+        return dataclasses.replace(
+            new, status=status, reason=why, polls=prev.polls + 1, next_poll_in_s=None
+        )
+
+    def _status(
+        self, instance: str, up: float, info: ScrapeTarget | None, s: HostState, now: float
+    ) -> tuple[HostStatus, str | None]:
         if up != 1:
             if info is not None and info.last_error:
-                status = scrape_failure(info.last_error)
                 why = f"Prometheus cannot scrape it: {info.last_error}"
-            else:
-                status, why = HostStatus.ERROR, "Prometheus's scrape fails (up == 0)"
-            return dataclasses.replace(
-                prev, status=status, reason=why, polls=polls, next_poll_in_s=None
-            )
-        if series is not None:
-            doc, body = host_document(host_snapshot(series, note=self.note))
-            self._sample_at[instance] = sample_at if sample_at is not None else 0.0
-            prev = dataclasses.replace(
-                prev, document=doc, body=body, seq=prev.seq + 1, from_series=True
-            )
-        elif sample_at is None or prev.document is None:
-            return dataclasses.replace(
-                prev,
-                status=HostStatus.INCOMPATIBLE,
-                reason="scraped, but it exports no gputaskman series (not gputaskman serve?)",
-                polls=polls,
+                return scrape_failure(info.last_error), why
+            return HostStatus.ERROR, "Prometheus's scrape fails (up == 0)"
+        if s.document is None:
+            return (
+                HostStatus.INCOMPATIBLE,
+                "scraped, but it exports no gputaskman series (not gputaskman serve?)",
             )
         limit = STALE_SCRAPES * (
             info.interval_s if info and info.interval_s else DEFAULT_SCRAPE_INTERVAL
         )
-        if last_scrape is not None and now - last_scrape > limit:
-            age = now - last_scrape
-            why = f"Prometheus's last scrape of it is {age:.0f} s old (over {limit:g} s)"
-            return dataclasses.replace(
-                prev, status=HostStatus.STALE, reason=why, polls=polls, answered_at=last_scrape
+        last = self._scraped.get(instance)
+        if last is not None and now - last > limit:
+            return (
+                HostStatus.STALE,
+                f"Prometheus's last scrape of it is {now - last:.0f} s old (over {limit:g} s)",
             )
-        return dataclasses.replace(
-            prev,
-            status=HostStatus.UP,
-            reason=None,
-            answered_at=last_scrape,
-            latency_s=None,
-            polls=polls,
-            failures=0,
-            next_poll_in_s=None,
-        )
+        return HostStatus.UP, None

@@ -128,15 +128,42 @@ def _gpu_rows(s: HostState, doc: Document) -> list[FleetRow]:
     return rows
 
 
-def fleet_rows(states: Iterable[HostState], live: bool = True) -> list[FleetRow]:
+class ViewCache:
+    """Each host's rows and sums, kept while its state is the same object: a source replaces
+    a host's state only when something about it changed (the poller on every answer,
+    Prometheus when a sample or a status did), so a refresh builds the rows and sums of the
+    changed hosts only."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[HostState, bool, list[FleetRow]]] = {}
+        self.sums: dict[str, tuple[HostState, _HostSums]] = {}  # for `fleet_totals`
+
+
+def _host_rows(s: HostState, live: bool) -> list[FleetRow]:
+    if s.up and s.document is not None:
+        return _gpu_rows(s, s.document)
+    return [FleetRow(f"{s.target.name}|", s, None, host_line(s, live))]
+
+
+def fleet_rows(
+    states: Iterable[HostState], live: bool = True, cache: ViewCache | None = None
+) -> list[FleetRow]:
     """Rows in host order, each host's GPUs in its document's order (`live`: a failing
-    host's row says when the next try is)."""
+    host's row says when the next try is); with a `cache`, unchanged hosts' rows are
+    reused."""
     out: list[FleetRow] = []
+    if cache is None:
+        for s in states:
+            out += _host_rows(s, live)
+        return out
+    kept: dict[str, tuple[HostState, bool, list[FleetRow]]] = {}
     for s in states:
-        if s.up and s.document is not None:
-            out += _gpu_rows(s, s.document)
-        else:
-            out.append(FleetRow(f"{s.target.name}|", s, None, host_line(s, live)))
+        hit = cache.rows.get(s.target.name)
+        if hit is None or hit[0] is not s or hit[1] != live:
+            hit = (s, live, _host_rows(s, live))
+        kept[s.target.name] = hit
+        out += hit[2]
+    cache.rows = kept
     return out
 
 
@@ -162,40 +189,81 @@ def _known(r: Reading | None, kind: Kind) -> bool:
     return r is not None and r.value is not None and r.kind is kind
 
 
-def fleet_totals(states: Sequence[HostState]) -> FleetTotals:
-    by_status: dict[str, int] = {}
+@dataclass(frozen=True, slots=True)
+class _HostSums:
+    gpus: int = 0
+    measured: int = 0
+    used: float = 0.0
+    total: float = 0.0
+    inferred_n: int = 0
+    inferred: float = 0.0
+    estimated: float | None = None
+    runtime: float | None = None
+
+
+def _host_sums(s: HostState) -> _HostSums:
+    if not s.up or s.document is None:
+        return _HostSums()
     gpus = measured = inferred_n = 0
+    used = total = inferred = 0.0
+    estimated: float | None = None
+    runtime: float | None = None
+    for a in s.document.adapters:
+        gpus += 1
+        m = a.metrics
+        if m is None:
+            continue
+        if _known(m.memory_used_bytes, Kind.MEASURED) and _known(
+            m.memory_total_bytes, Kind.MEASURED
+        ):
+            measured += 1
+            used += float(m.memory_used_bytes.value)  # type: ignore[arg-type]
+            total += float(m.memory_total_bytes.value)  # type: ignore[arg-type]
+        elif _known(m.memory_used_bytes, Kind.INFERRED):
+            inferred_n += 1
+            inferred += float(m.memory_used_bytes.value)  # type: ignore[arg-type]
+    for row in s.document.processes:
+        view = row.proc.breakdown
+        if view is None:
+            continue
+        if view.estimated_total is not None:
+            estimated = (estimated or 0.0) + view.estimated_total
+        if view.reported_total is not None:
+            runtime = (runtime or 0.0) + view.reported_total
+    return _HostSums(gpus, measured, used, total, inferred_n, inferred, estimated, runtime)
+
+
+def fleet_totals(states: Sequence[HostState], cache: ViewCache | None = None) -> FleetTotals:
+    """The fleet's totals (see the module docstring); with a `cache`, an unchanged host's
+    sums are reused."""
+    by_status: dict[str, int] = {}
+    gpus = measured = inferred_n = up = 0
     used = total = inferred = estimated = runtime = 0.0
     any_est = any_rt = False
+    kept: dict[str, tuple[HostState, _HostSums]] = {}
     for s in states:
         by_status[str(s.status)] = by_status.get(str(s.status), 0) + 1
-        if not s.up or s.document is None:
-            continue
-        for a in s.document.adapters:
-            gpus += 1
-            m = a.metrics
-            if m is None:
-                continue
-            if _known(m.memory_used_bytes, Kind.MEASURED) and _known(
-                m.memory_total_bytes, Kind.MEASURED
-            ):
-                measured += 1
-                used += float(m.memory_used_bytes.value)  # type: ignore[arg-type]
-                total += float(m.memory_total_bytes.value)  # type: ignore[arg-type]
-            elif _known(m.memory_used_bytes, Kind.INFERRED):
-                inferred_n += 1
-                inferred += float(m.memory_used_bytes.value)  # type: ignore[arg-type]
-        for row in s.document.processes:
-            view = row.proc.breakdown
-            if view is None:
-                continue
-            if view.estimated_total is not None:
-                estimated += view.estimated_total
-                any_est = True
-            if view.reported_total is not None:
-                runtime += view.reported_total
-                any_rt = True
-    up = sum(1 for s in states if s.up)
+        up += s.up
+        if cache is None:
+            h = _host_sums(s)
+        else:
+            hit = cache.sums.get(s.target.name)
+            h = hit[1] if hit is not None and hit[0] is s else _host_sums(s)
+            kept[s.target.name] = (s, h)
+        gpus += h.gpus
+        measured += h.measured
+        used += h.used
+        total += h.total
+        inferred_n += h.inferred_n
+        inferred += h.inferred
+        if h.estimated is not None:
+            estimated += h.estimated
+            any_est = True
+        if h.runtime is not None:
+            runtime += h.runtime
+            any_rt = True
+    if cache is not None:
+        cache.sums = kept
     return FleetTotals(
         hosts=len(states),
         up=up,

@@ -28,6 +28,7 @@ from gputaskman.fleet.poller import HostState
 from gputaskman.fleet.view import (
     SORT_COLUMNS,
     FleetRow,
+    ViewCache,
     fleet_rows,
     fleet_totals,
     host_line,
@@ -66,6 +67,7 @@ class FleetScreen(Screen[None]):
         self.drill = drill  # open a host's full view, by name
         self.poll_now = poll_now
         self.states: tuple[HostState, ...] = ()
+        self._rows = ViewCache()  # each host's rows, rebuilt only when its state changes
         self.filter_text = ""
 
     def compose(self) -> ComposeResult:
@@ -90,10 +92,10 @@ class FleetScreen(Screen[None]):
         self.states = tuple(states)
         if not self.is_mounted:
             return
-        rows = fleet_rows(self.states)
+        rows = fleet_rows(self.states, cache=self._rows)
         if self.filter_text:
             rows = [r for r in rows if matches(r, self.filter_text)]
-        self.summary.update(Text(summary_line(fleet_totals(self.states))))
+        self.summary.update(Text(summary_line(fleet_totals(self.states, self._rows))))
         self.table.show(rows, self.size.width)
         self.render_status()
 
