@@ -40,18 +40,18 @@ class Prometheus:
         targets: list[str],
         token_file: Path | None = None,
         web_config: str | None = None,
+        config: str | None = None,
     ) -> None:
         if PROMETHEUS is None:
             pytest.skip("prometheus is not installed (apt install prometheus; .ci/run does)")
         self.dir = d
         self.port = free_port()
-        auth = (
-            ""
-            if token_file is None
-            else f"    authorization:\n      credentials_file: {token_file}\n"
-        )
+        auth = ""
+        if token_file is not None:
+            auth = f"    authorization:\n      credentials_file: {token_file}\n"
         (d / "prometheus.yml").write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+            config
+            or "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
             "scrape_configs:\n  - job_name: gputaskman\n"
             f"{auth}"
             f"    static_configs:\n      - targets: {json.dumps(targets)}\n"

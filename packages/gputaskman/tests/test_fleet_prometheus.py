@@ -3,11 +3,14 @@ installed by .ci/run) that scrapes five real ``gputaskman serve`` instances on l
 every second: the DRM fixture tree through ``--sysroot``, the demo, a replayed recording,
 one killed during the test, and one that expects a token Prometheus does not have.
 
-What is checked: every measured number agrees with polling the same hosts directly (each
-serve samples once, so both read the same sample); each host that is down says why, in
-Prometheus's words; ``fleet record`` writes each sample once; over TLS, Prometheus's own
-client-certificate protection (``--web.config.file``) lets the fleet in with its
-certificate and keeps it out without one, in one line.
+Prometheus runs the shipped examples as written (prometheus/scrape.yml with rules.yml;
+prometheus/federation.yml for a second, global server), only pointed at these hosts and
+made faster. What is checked: every measured number agrees with polling the same hosts
+directly (each serve samples once, so both read the same sample); each host that is down
+says why, in Prometheus's words; the recording rules sum measured memory as the fleet's
+totals do; the global server shows the same fleet; ``fleet record`` writes each sample once;
+over TLS, Prometheus's own client-certificate protection (``--web.config.file``) lets the
+fleet in with its certificate and keeps it out without one, in one line.
 
 GPU numbers are synthetic (the demo, a DRM fixture tree, recordings of both): no GPU here.
 """
@@ -34,6 +37,7 @@ pytestmark = pytest.mark.slow  # five serve processes and two Prometheus servers
 
 RECORDING = HERE / "recordings" / "demo.jsonl"
 ONE_SAMPLE = ("--sample-interval", "3600")  # each serve samples once: both ways read it
+TIMESTAMP_SERIES = 'gputaskman_sample_timestamp_seconds{job="gputaskman"}'
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,7 @@ def cluster(tmp_path_factory):
         for s in serves.values():
             s.ready()
         names = {f"127.0.0.1:{s.port}": k for k, s in serves.items()}
-        prom = Prometheus(d, list(names), token_file=a).wait_ready()
+        prom = Prometheus(d, list(names), config=_example_scrape(list(names), a)).wait_ready()
 
         def scraped() -> bool:
             up = {r["metric"]["instance"]: r["value"][1] for r in prom.query("up")}
@@ -69,6 +73,21 @@ def cluster(tmp_path_factory):
             prom.stop()
         for s in serves.values():
             s.stop()
+
+
+EXAMPLES = HERE.parent / "prometheus"
+
+
+def _example_scrape(targets: list[str], token: Path) -> str:
+    """The shipped scrape example (prometheus/scrape.yml, with its rules.yml) as written,
+    pointed at these hosts, and every second instead of every 15."""
+    text = (EXAMPLES / "scrape.yml").read_text()
+    text = text.replace("scrape_interval: 15s", "scrape_interval: 1s\n  evaluation_interval: 1s")
+    text = text.replace("scrape_timeout: 10s", "scrape_timeout: 1s")
+    text = text.replace("- rules.yml", f"- {EXAMPLES / 'rules.yml'}")
+    text = text.replace("/etc/prometheus/gputaskman.token", str(token))
+    hosts = "".join(f"          - {t}\n" for t in targets)
+    return text.replace("          - gpu-node-01:9835\n          - gpu-node-02:9835\n", hosts)
 
 
 def _fleet(*args: str) -> subprocess.CompletedProcess:
@@ -123,6 +142,70 @@ def test_prometheus_agrees_with_direct_polling_on_every_measured_number(cluster)
     # the fleet totals count the same measured memory both ways
     for key in ("memory_used_bytes", "memory_total_bytes", "memory_used_inferred_bytes", "gpus"):
         assert pdoc["summary"][key] == ddoc["summary"][key], key
+
+
+def _value(prom: Prometheus, expr: str) -> float | None:
+    got = prom.query(expr)
+    return float(got[0]["value"][1]) if got else None
+
+
+def test_the_shipped_recording_rules_sum_measured_memory_as_the_fleet_does(cluster):
+    """Catches a recording rule (prometheus/rules.yml) that sums other than the fleet's
+    totals: an estimate added to measured memory, or a down host counted as up."""
+    prom, a = cluster.prom, cluster.token
+    names = list(cluster.names)
+    r = _fleet("--token-file", str(a), *names, "--json")
+    summary = json.loads(r.stdout)["summary"]
+    wait_for(
+        lambda: _value(prom, "job:gputaskman_gpu_memory_used_bytes:sum") is not None,
+        30,
+        "the rules to be evaluated",
+    )
+    used = _value(prom, "job:gputaskman_gpu_memory_used_bytes:sum")
+    total = _value(prom, "job:gputaskman_gpu_memory_total_bytes:sum")
+    assert used == summary["memory_used_bytes"]["value"]
+    assert total == summary["memory_total_bytes"]["value"]
+    assert _value(prom, "job:gputaskman_hosts_up:count") == 4
+    assert _value(prom, "job:gputaskman_hosts_down:count") == 1
+    unmeasured = summary["gpus"] - summary["gpus_measured"]
+    assert _value(prom, "job:gputaskman_gpus_memory_unmeasured:count") == unmeasured > 0
+    per_host = prom.query("instance:gputaskman_gpu_memory_used_bytes:sum")
+    assert len(per_host) == 4
+
+
+def test_a_global_prometheus_federating_the_site_shows_the_same_fleet(cluster, tmp_path):
+    """Catches a federation example (prometheus/federation.yml) that loses the hosts'
+    labels or their `up` series: the global fleet would miss hosts, or show a down host
+    as up."""
+    prom = cluster.prom
+    text = (EXAMPLES / "federation.yml").read_text()
+    text = text.replace("scrape_interval: 15s", "scrape_interval: 1s")
+    text = text.replace("scrape_timeout: 10s", "scrape_timeout: 1s")
+    text = text.replace(
+        "          - prometheus-site-a:9090\n          - prometheus-site-b:9090\n",
+        f"          - 127.0.0.1:{prom.port}\n",
+    )
+    world = Prometheus(tmp_path, [], config=text).wait_ready()
+    try:
+
+        def federated() -> bool:
+            up = world.query('up{job="gputaskman"}')
+            return len(up) == 5 and len(world.query(TIMESTAMP_SERIES)) == 4
+
+        wait_for(federated, 30, "the global Prometheus to federate the site's series")
+        site = _fleet("--prometheus", prom.url, "--json")
+        glob = _fleet("--prometheus", world.url, "--json")
+        assert site.returncode == glob.returncode == 0, glob.stderr
+        sdoc, gdoc = json.loads(site.stdout), json.loads(glob.stdout)
+        assert _measured(gdoc) == _measured(sdoc) and len(_measured(gdoc)) > 40
+        up = {h["name"] for h in sdoc["hosts"] if h["status"] == "up"}
+        assert {h["name"] for h in gdoc["hosts"] if h["status"] == "up"} == up and len(up) == 4
+        # the refused host: down there too, in the bare words (lastError stays at the site)
+        (down,) = [h for h in gdoc["hosts"] if h["name"] not in up]
+        assert down["status"] == "error" and down["snapshot"] is None
+        assert down["reason"] == "Prometheus's scrape fails (up == 0)"
+    finally:
+        world.stop()
 
 
 def test_a_host_killed_mid_run_says_why_and_the_others_stay_up(cluster):
