@@ -144,6 +144,36 @@ def test_prometheus_agrees_with_direct_polling_on_every_measured_number(cluster)
         assert pdoc["summary"][key] == ddoc["summary"][key], key
 
 
+def test_an_open_host_is_its_live_view_while_its_serve_answers(cluster):
+    """Catches a drill-down that stays on the view built from series when the host's own
+    serve answers (no command lines, no memory split), or one that shows another host."""
+    from gputaskman.fleet.promapi import PromClient
+    from gputaskman.fleet.promfleet import PromFleet
+
+    serves, names, prom = cluster.serves, cluster.names, cluster.prom
+    demo = f"127.0.0.1:{serves['demo'].port}"
+    fleet = PromFleet(PromClient(prom.url), interval=0.5, token=TOKEN_A, table_only=True)
+    try:
+        fleet.refresh()
+
+        def state(name: str):
+            return next(s for s in fleet.states() if s.target.name == name)
+
+        assert state(demo).from_series
+        fleet.focus(demo)
+        wait_for(lambda: not state(demo).from_series, 20, "the open host's live answer")
+        live = state(demo)
+        assert live.up and live.document is not None and live.body is not None
+        assert not any("Prometheus" in n for n in live.document.notes)
+        assert live.document.system is not None  # the host's own document, whole
+        others = [s for s in fleet.states() if s.target.name != demo]
+        assert all(s.from_series or not s.up for s in others) and len(others) == len(names) - 1
+        fleet.focus(None)
+        assert state(demo).from_series
+    finally:
+        fleet.stop()
+
+
 def _value(prom: Prometheus, expr: str) -> float | None:
     got = prom.query(expr)
     return float(got[0]["value"][1]) if got else None
