@@ -22,12 +22,15 @@ from gputaskman.core.fleetdoc import HostStatus
 from gputaskman.fleet.promapi import (
     PromClient,
     PromError,
+    decode_vector,
     exposure_refusal,
     parse_duration,
     parse_url,
 )
 from gputaskman.fleet.promfleet import PromFleet, scrape_failure
 from gputaskman.fleet.view import fleet_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prom_helpers import answer, fake_prometheus, recorded
 
 HERE = Path(__file__).parent
@@ -297,3 +300,30 @@ def test_the_table_reads_only_its_series_and_an_open_host_reads_all_of_its_own()
     other = table.states()[1].document
     assert any("fleet table's series" in n for n in other.notes)
     assert other.adapters[0].metrics.temperature_c.value is None
+
+
+_GOOD = (
+    b'{"status":"success","data":{"resultType":"vector","result":['
+    b'{"metric":{"__name__":"up","instance":"h:1"},"value":[1.5,"1"]},'
+    b'{"metric":{"__name__":"up","instance":"h:2"},"value":[1.5,"+Inf"]}]},"warnings":["w"]}'
+)
+
+
+@given(
+    st.binary(max_size=300)
+    | st.builds(
+        lambda i, b: _GOOD[:i] + b + _GOOD[i + len(b) :],
+        st.integers(0, len(_GOOD)),
+        st.binary(max_size=8),
+    )
+)
+@settings(max_examples=500, deadline=None)
+def test_any_answer_is_a_vector_or_one_line_error(body):
+    """Catches an answer that raises anything but `PromError` (a traceback in the fleet),
+    or an error message that spans lines."""
+    try:
+        v = decode_vector(body, "http://p:9090")
+    except PromError as exc:
+        assert "\n" not in str(exc)
+    else:
+        assert all(isinstance(s.number, float) for s in v.samples)

@@ -6,6 +6,7 @@ families for the demo and DRM fixture snapshots, labelled as Prometheus stores t
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from gputaskman.base.readings import Kind, Reason
@@ -19,6 +20,8 @@ from gputaskman.fleet.promseries import (
     host_snapshot,
     snapshot_document,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_fleet_tui import HERE
 
 
@@ -142,3 +145,71 @@ def test_the_table_s_document_is_the_one_the_reader_reads_from_the_json(make, da
         series[hit] = Sample(series[hit].labels, (0.0, -1.0))
     snap = host_snapshot(series, note="test")
     assert snapshot_document(snap) == host_document(snap)[0]
+
+
+_NAMES = sorted(
+    {s.labels["__name__"] for s in _series(demo_snapshot())}
+    | {"gputaskman_gpu_gtt_used_bytes", "gputaskman_process_x_utilization_runtime_percent"}
+)
+_LABEL = st.sampled_from(
+    [
+        "pid",
+        "name",
+        "pci_bus_id",
+        "gpu",
+        "model_name",
+        "evidence",
+        "confirmed",
+        "provenance",
+        "where",
+        "reason",
+        "vendor",
+        "backend",
+    ]
+)
+_TEXT = st.sampled_from(
+    [
+        "",
+        "0",
+        "1",
+        "42",
+        "windows:7",
+        "x:",
+        "00000000:01:00.0",
+        "true",
+        "measured",
+        "estimated",
+        "denied",
+        "llama",
+        "ü",
+        "-3",
+    ]
+)
+_VALUE = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, 1.0, -1.0, 1e15, 2.0**64, 0.5]),
+)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(_NAMES), st.dictionaries(_LABEL, _TEXT, max_size=6), _VALUE),
+        max_size=40,
+    )
+)
+@settings(max_examples=300, deadline=None)
+def test_any_series_make_a_document_both_ways_alike_and_never_raise(raw):
+    """Catches series that crash the fleet (a label missing, a PID that is not a number,
+    NaN where a count goes), or a document built without JSON that differs from the
+    reader's on any of them."""
+    series = [
+        Sample({**labels, "__name__": name, "instance": "h:1"}, (0.0, value))
+        for name, labels, value in raw
+    ]
+    snap = host_snapshot(series, note="fuzz")
+    doc, body = host_document(snap)
+    assert snapshot_document(snap) == doc
+    assert json.loads(body)["schema"] == "gputaskman.snapshot"
+    for m in (a.metrics for a in doc.adapters):
+        for r in (m.memory_used_bytes, m.memory_total_bytes, m.util_gpu_percent):
+            assert r.value is None or (r.value >= 0 and math.isfinite(r.value))

@@ -251,23 +251,7 @@ class PromClient:
 
     def query(self, expr: str) -> Vector:
         """An instant query's vector, or `PromError`."""
-        body = self._request("/api/v1/query", {"query": expr})
-        try:
-            ans: _QueryAnswer | _TextQueryAnswer = _QUERY.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            try:
-                ans = _QUERY_TEXT.decode(body)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                raise PromError(f"{self.url} answered a query with {_what(body, exc)}") from None
-        if ans.status != "success" or ans.data is None:
-            raise PromError(f"{self.url}: query failed: {_one_line(ans.error or ans.status)}")
-        if ans.data.resultType != "vector":
-            raise PromError(f"{self.url}: expected an instant vector, got {ans.data.resultType}")
-        result = ans.data.result
-        if isinstance(ans, _TextQueryAnswer):
-            result = [_number(s, self.url) for s in ans.data.result]
-        at = result[0].value[0] if result else math.nan
-        return Vector(at, result, tuple(ans.warnings))  # type: ignore[arg-type]
+        return decode_vector(self._request("/api/v1/query", {"query": expr}), self.url)
 
     def targets(self) -> list[ScrapeTarget]:
         """The active scrape targets, or `PromError` (a query front end such as Thanos
@@ -384,6 +368,27 @@ class PromClient:
             raise
         finally:
             timer.cancel()
+
+
+def decode_vector(body: bytes, url: str) -> Vector:
+    """An instant query's answer, or `PromError` saying what is wrong with it (`url`
+    names the server in the message)."""
+    try:
+        ans: _QueryAnswer | _TextQueryAnswer = _QUERY.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        try:
+            ans = _QUERY_TEXT.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise PromError(f"{url} answered a query with {_what(body, exc)}") from None
+    if ans.status != "success" or ans.data is None:
+        raise PromError(f"{url}: query failed: {_one_line(ans.error or ans.status)}")
+    if ans.data.resultType != "vector":
+        raise PromError(f"{url}: expected an instant vector, got {_one_line(ans.data.resultType)}")
+    result = ans.data.result
+    if isinstance(ans, _TextQueryAnswer):
+        result = [_number(s, url) for s in ans.data.result]
+    at = result[0].value[0] if result else math.nan
+    return Vector(at, result, tuple(ans.warnings))  # type: ignore[arg-type]
 
 
 def _number(s: _TextSample, url: str) -> Sample:
