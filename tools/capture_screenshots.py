@@ -225,23 +225,16 @@ def capture(
 
 async def _render_fleet(doc: Any, path: Path, label: str, size: tuple[int, int]) -> Path:
     from gputaskman.fleet.output import states_of
+    from gputaskman.fleet.source import FixedSource
     from gputaskman.tui.fleet_app import FleetApp
 
-    class Fixed:
-        interval = float(doc.get("interval_s") or 1.0)
-        timeout = float(doc.get("timeout_s") or 2.0)
-        version = 1
-
-        def __init__(self) -> None:
-            self._states = states_of(doc)
-
-        def states(self) -> Any:
-            return self._states
-
-        def poll_now(self) -> None:
-            pass
-
-    app = FleetApp(Fixed())
+    app = FleetApp(
+        FixedSource(
+            states_of(doc),
+            interval=float(doc.get("interval_s") or 1.0),
+            timeout=float(doc.get("timeout_s") or 2.0),
+        )
+    )
     async with app.run_test(size=size) as pilot:
         app.sub_title = label
         for _ in range(5):

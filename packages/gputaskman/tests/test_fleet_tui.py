@@ -26,6 +26,7 @@ from gputaskman.fleet.output import states_of
 from gputaskman.fleet.poller import HostState
 from gputaskman.fleet.promapi import PromClient, parse_url
 from gputaskman.fleet.promfleet import PromFleet
+from gputaskman.fleet.source import FixedSource
 from gputaskman.fleet.view import ViewCache, fleet_rows, fleet_totals, sort_value
 from gputaskman.tui.fleet_app import FleetApp
 from gputaskman.tui.screens.fleet import FleetScreen
@@ -68,32 +69,11 @@ def fleet_doc() -> dict:
     return fleet_json(hosts, {}, taken=TAKEN, interval_s=1.0, timeout_s=2.0)
 
 
-class FixedFleet:
-    """A poller stand-in: states a test sets (and a version it bumps)."""
-
-    interval = 60.0  # the timer never fires on its own during a test
-    timeout = 2.0
+class FixedFleet(FixedSource):
+    """A saved fleet whose timer never fires on its own during a test."""
 
     def __init__(self, states: tuple[HostState, ...]) -> None:
-        self._states = states
-        self.version = 1
-        self.polled = 0
-
-    def states(self) -> tuple[HostState, ...]:
-        return self._states
-
-    def set(self, states: tuple[HostState, ...]) -> None:
-        self._states = states
-        self.version += 1
-
-    def poll_now(self) -> None:
-        self.polled += 1
-
-    origin = ""
-    error = None
-
-    def focus(self, name: str | None) -> None:
-        self.focused = name
+        super().__init__(states, interval=60.0)
 
 
 def _app() -> tuple[FleetApp, FixedFleet]:

@@ -45,3 +45,47 @@ class FleetSource(Protocol):
     def start(self) -> None: ...
 
     def stop(self, timeout: float = 10.0) -> None: ...
+
+
+class FixedSource:
+    """Host states that do not change by themselves (a saved fleet document shown in the
+    TUI: screenshots, tests); `set` replaces them."""
+
+    origin = ""
+    error: str | None = None
+
+    def __init__(
+        self, states: tuple[HostState, ...], interval: float = 1.0, timeout: float = 2.0
+    ) -> None:
+        self._states = states
+        self.interval = interval
+        self.timeout = timeout
+        self.version = 1
+        self.polled = 0  # poll_now calls
+        self.focused: str | None = None
+
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        return tuple(s.target for s in self._states)
+
+    def states(self) -> tuple[HostState, ...]:
+        return self._states
+
+    def set(self, states: tuple[HostState, ...]) -> None:
+        self._states = states
+        self.version += 1
+
+    def poll_now(self) -> None:
+        self.polled += 1
+
+    def focus(self, name: str | None) -> None:
+        self.focused = name
+
+    def wait_polled(self, timeout: float) -> bool:
+        return True
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        pass
