@@ -120,12 +120,14 @@ def thread_cpu(tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
-def measure(ports: list[int], seconds: float, warmup: float, timeout: float) -> dict:
+def measure(
+    ports: list[int], seconds: float, warmup: float, timeout: float, whole: bool = False
+) -> dict:
     from gputaskman.fleet.poller import Poller
     from gputaskman.fleet.targets import parse_target
 
     targets = [parse_target(f"127.0.0.1:{p}") for p in ports]
-    poller = Poller(targets, interval=1.0, timeout=timeout, backoff_max=30.0)
+    poller = Poller(targets, interval=1.0, timeout=timeout, backoff_max=30.0, table_only=not whole)
     poller.start()
     tid = poller.thread_id
     time.sleep(warmup)
@@ -181,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="seconds between a host's samples (default: 1, then 5)",
     )
+    p.add_argument(
+        "--whole",
+        action="store_true",
+        help="read every document whole, as --json and record do (default: the table's part, "
+        "as the TUI and --once do)",
+    )
     args = p.parse_args(argv)
     for change in args.change_every or [1.0, 5.0]:
         run_scenario(args, change)
@@ -202,10 +210,11 @@ def run_scenario(args: argparse.Namespace, change: float) -> None:
             f"every {change:g} s), host 0 answers after {args.slow:g} s; poll interval 1 s; "
             f"{args.seconds:g} s measured "
             f"after {args.warmup:g} s; load average {os.getloadavg()[0]:.1f}, "
-            f"{os.cpu_count()} CPUs"
+            f"{os.cpu_count()} CPUs; documents read "
+            f"{'whole' if args.whole else 'for the table (the TUI)'}"
         )
         for timeout in (2.0, args.slow + 3.0):
-            r = measure(ports, args.seconds, args.warmup, timeout)
+            r = measure(ports, args.seconds, args.warmup, timeout, args.whole)
             print(
                 f"timeout {r['timeout_s']:g} s: poller thread {r['poller_cpu_pct']:.2f}% of a "
                 f"core (process {r['process_cpu_pct']:.2f}%), {r['docs_per_s']:.1f} documents/s; "

@@ -171,7 +171,9 @@ def make_prometheus(args: argparse.Namespace, table_only: bool) -> PromFleet:
     )
 
 
-def make_poller(args: argparse.Namespace, targets: list[Target]) -> Poller:
+def make_poller(
+    args: argparse.Namespace, targets: list[Target], table_only: bool = False
+) -> Poller:
     token = None if args.token_file is None else read_token(args.token_file)
     return Poller(
         targets,
@@ -180,6 +182,7 @@ def make_poller(args: argparse.Namespace, targets: list[Target]) -> Poller:
         token=token,
         tls=client_tls(args),
         backoff_max=args.backoff_max,
+        table_only=table_only,
     )
 
 
@@ -191,14 +194,14 @@ def run(args: argparse.Namespace) -> int:
             print("gputaskman fleet record: name the FILE to append to", file=sys.stderr)
             return 2
         record_to, texts = Path(texts[1]), texts[2:]
+    whole = args.fleet_json or record_to is not None  # they write every document out
     try:
         if args.prometheus is not None:
             if texts or args.hosts is not None:
                 raise UsageError("--prometheus reads the hosts from Prometheus: name no HOST")
-            whole = args.fleet_json or record_to is not None  # they write every document
             poller: FleetSource = make_prometheus(args, table_only=not whole)
         else:
-            poller = make_poller(args, targets_of(texts, args.hosts))
+            poller = make_poller(args, targets_of(texts, args.hosts), table_only=not whole)
     except (UsageError, TargetError, TokenError, PromError) as exc:
         print(f"gputaskman fleet: {exc}", file=sys.stderr)
         return 2

@@ -346,3 +346,40 @@ class DocShape(Shape):
 
 
 DOC_DECODER = msgspec.json.Decoder(DocShape)
+
+
+# ---------------------------------------------------------------------------- the fleet table
+# What the fleet table and its totals read of a host's document (`fleet.view`): a poller that
+# shows only the table decodes these, a fraction of the document, and the whole document
+# only for a host that is open. Not part of the schema: the document is `DocShape`.
+
+
+class TotalsShape(Shape):
+    """A breakdown's totals (the fleet's "apart" sums)."""
+
+    reported_total: ReadingShape | None = None
+    estimated_total: ReadingShape | None = None
+
+
+class TableProcessShape(Shape):
+    pid: int
+    vram_bytes: ReadingShape
+    name: str | None = None
+    gpu: str | None = None
+    vram_inferred_bytes: ReadingShape | None = None
+    model: ModelShape | None = None
+    breakdown: TotalsShape | None = None
+    host: str | None = None
+
+
+class TableDocShape(Shape):
+    schema: str
+    schema_version: int
+    taken: Number
+    backend: str
+    adapters: list[AdapterShape]
+    processes: list[TableProcessShape]
+    unavailable: ProblemShape | None = None
+
+
+TABLE_DECODER = msgspec.json.Decoder(TableDocShape)

@@ -76,6 +76,7 @@ from gputaskman.core import duvmpool
 from gputaskman.core.docfields import check_snapshot, read_parsed
 from gputaskman.core.docshape import (
     DOC_DECODER,
+    TABLE_DECODER,
     AdapterShape,
     AppShape,
     BreakdownShape,
@@ -87,6 +88,7 @@ from gputaskman.core.docshape import (
     ReadingShape,
     SwapShape,
     SystemShape,
+    TableProcessShape,
 )
 from gputaskman.core.doctypes import (
     RECORDED_SOURCE,
@@ -150,6 +152,80 @@ def read_document(obj: bytes | bytearray | memoryview | Mapping[str, Any]) -> Do
         return _document(msgspec.convert(obj, DocShape))
     except _OFF_PATH:
         return read_parsed(obj)
+
+
+def read_table_document(body: bytes | bytearray | memoryview) -> Document:
+    """The part of the document in `body` that the fleet table shows (`docshape`'s
+    `TableDocShape`): the adapters whole; of each process its identity, VRAM, model and its
+    breakdown's totals; nothing else (no problems, notes, system section or process
+    details: the table's MODELS cell names only models a process holds). A body this cannot
+    read is read by `read_document`, whole, or refused in its words. Only the table reads
+    such a document: a host's view reads the whole one."""
+    try:
+        s = TABLE_DECODER.decode(body)
+        if s.schema != schema.NAME or s.schema_version != schema.VERSION or not is_number(s.taken):
+            raise _Refused
+        backend = s.backend
+        return _Document(
+            s.taken,
+            backend,
+            tuple(_adapter(a, backend) for a in s.adapters),
+            tuple(map(_table_process, s.processes)),
+            (),  # problems
+            (),  # notes
+            None,  # driver_version
+            None if s.unavailable is None else _problem(s.unavailable),
+            None,  # selected_gpu
+            None,  # system
+            None,  # taken_iso
+            None,  # attributed_bytes
+            None,  # attributed_complete
+        )
+    except _OFF_PATH:
+        return read_document(body)
+
+
+def _table_process(s: TableProcessShape) -> ProcessDoc:
+    breakdown = None
+    if s.breakdown is not None:
+        b = s.breakdown
+        breakdown = _LlmView(
+            None,
+            None,
+            "",
+            "",
+            "",
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            (),
+            value_of(_maybe(b.reported_total)),
+            value_of(_maybe(b.estimated_total)),
+            (),
+        )
+    proc = _ProcGpu(
+        _num(s.pid),
+        None,  # create_time
+        s.name,
+        s.gpu,  # adapter
+        (),  # contexts
+        _reading(s.vram_bytes),  # dedicated
+        _maybe(s.vram_inferred_bytes),  # inferred
+        {},  # engines
+        _ProcDetail(None, (), (), None, False, None, None, (), None, None, None),
+        _model(s.model),
+        breakdown,
+        None,  # app_model
+        None,  # paged
+        None,  # footprint
+        s.host,
+        None,  # parent_pid
+        False,  # unique
+    )
+    return _ProcessDoc(proc, None, None)
 
 
 # ---------------------------------------------------------------------------- values

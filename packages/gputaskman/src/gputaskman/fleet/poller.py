@@ -57,7 +57,7 @@ from gputaskman.fleet.httpwire import (
     TooLarge,
     request_bytes,
 )
-from gputaskman.fleet.reader import MAX_DOCUMENT_BYTES, Answer, read_answer
+from gputaskman.fleet.reader import MAX_DOCUMENT_BYTES, Answer, read_answer, read_body
 from gputaskman.fleet.targets import PATH, Target
 
 DEFAULT_TIMEOUT = 2.0  # seconds for one whole poll, connect included
@@ -81,6 +81,7 @@ class HostState:
     failures: int = 0  # consecutive polls that read no document
     next_poll_in_s: float | None = None  # after a failure: the backoff delay
     from_series: bool = False  # `document` was built from Prometheus's series, not answered
+    whole: bool = True  # False: `document` holds only what the fleet table shows
 
     @property
     def up(self) -> bool:
@@ -200,8 +201,11 @@ class Poller:
         tls: ssl.SSLContext | None = None,
         backoff_max: float = DEFAULT_BACKOFF_MAX,
         max_document_bytes: int = MAX_DOCUMENT_BYTES,
+        table_only: bool = False,
     ) -> None:
         self.targets = tuple(targets)
+        self.table_only = table_only  # read only the table's part (but the open host whole)
+        self._focus_name: str | None = None
         self.interval = interval
         self.timeout = timeout
         self.token = token
@@ -240,7 +244,31 @@ class Poller:
         self._wake()
 
     def focus(self, name: str | None) -> None:
-        """A host opened in the TUI: every host here is polled directly already."""
+        """Host `name` is open in the TUI: read its answers whole (when `table_only`), the
+        one it holds at once, on the polling thread."""
+        self._focus_name = name
+        loop = self._loop
+        if name is not None and self.table_only and loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._read_whole, name)
+
+    def _read_whole(self, name: str) -> None:
+        i = next((i for i, t in enumerate(self.targets) if t.name == name), None)
+        if i is None:
+            return
+        prev = self._states[i]
+        if prev.whole or prev.body is None:
+            return
+        ans = read_body(prev.body)
+        new = dataclasses.replace(prev, whole=True)
+        if ans.document is not None:
+            new = dataclasses.replace(new, document=ans.document)
+        else:  # the whole document is refused where the table's part was not
+            new = dataclasses.replace(new, status=ans.status, reason=ans.reason)
+        with self._changed:
+            self._states[i] = new
+            self.version += 1
+            self._changed.notify_all()
 
     @property
     def origin(self) -> str:
@@ -306,6 +334,7 @@ class Poller:
                 reason=None,
                 document=ans.document,
                 body=ans.body,
+                whole=ans.whole,
                 answered_at=time.time(),
                 latency_s=latency,
                 seq=prev.seq + 1,
@@ -347,13 +376,15 @@ class Poller:
             started = loop.time()
             latency = None
             request = request_bytes(t.address, PATH, self.token, etag)
+            whole = not self.table_only or t.name == self._focus_name
             try:
                 resp, conn = await self._fetch(t, conn, request, started + self.timeout)
                 latency = loop.time() - started
-                if resp.status == 200 and resp.body == body:
+                held = self._states[i]
+                if resp.status == 200 and resp.body == body and (held.whole or not whole):
                     ans = Answer(HostStatus.UP, unchanged=True)  # the same sample again
                 else:
-                    ans = read_answer(resp, self.token is not None)
+                    ans = read_answer(resp, self.token is not None, whole)
                 if ans.status is HostStatus.UP and not ans.unchanged:
                     etag, body = resp.headers.get("etag"), resp.body
             except _Failed as f:
@@ -368,6 +399,9 @@ class Poller:
                 conn.close()  # whatever happened, start clean
                 conn = None
             state = self._publish(i, ans, latency)
+            if state.up and not state.whole and t.name == self._focus_name:
+                self._read_whole(t.name)  # read before the host was opened, or a 304
+                state = self._states[i]
             if state.up:
                 due = started + self.interval
                 now = loop.time()

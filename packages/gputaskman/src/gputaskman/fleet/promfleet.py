@@ -337,6 +337,7 @@ class PromFleet:
                 body=body,
                 seq=prev.seq + 1,
                 from_series=True,
+                whole=whole,
                 answered_at=sample_at,
             )
         status, why = self._status(instance, up, info, new, now)

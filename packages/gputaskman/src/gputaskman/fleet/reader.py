@@ -17,7 +17,9 @@ non-200 an `error`. A 200's body is then read by `read_body`, in bounded memory 
   into millions of objects (`MAX_CONTAINERS`); nesting deeper than
   Python's recursion limit is refused by the JSON decoders themselves; NaN and Infinity are
   refused (unknown is null);
-* `read_document` reads the body into typed objects: another schema or version is
+* `read_document` reads the body into typed objects (a poller that shows only the fleet
+  table asks `read_table_document` for the table's part, and the whole document only of the
+  host that is open): another schema or version is
   `incompatible`, named (`document.NotASnapshot`); a wrong type anywhere is `incompatible`
   with the place it was found; JSON that does not parse is `incompatible` with the parser's
   words.
@@ -31,7 +33,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gputaskman.core.document import Document, NotASnapshot, SnapshotError, read_document
+from gputaskman.core.document import (
+    Document,
+    NotASnapshot,
+    SnapshotError,
+    read_document,
+    read_table_document,
+)
 from gputaskman.core.fleetdoc import HostStatus
 from gputaskman.fleet.httpwire import HttpResponse
 
@@ -46,14 +54,16 @@ class Answer:
     document: Document | None = None
     body: bytes | None = None  # the bytes `document` was read from (valid JSON)
     unchanged: bool = False  # up, with the document the poller already has (HTTP 304)
+    whole: bool = True  # False: only the fleet table's part was read (`read_table_document`)
 
 
 def _shorten(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def read_body(body: bytes) -> Answer:
-    """A 200's body read as a snapshot document (see the module docstring). Never raises."""
+def read_body(body: bytes, whole: bool = True) -> Answer:
+    """A 200's body read as a snapshot document (see the module docstring), or only the part
+    the fleet table shows (not `whole`). Never raises."""
     # every container takes a byte: a body no longer than the cap needs no counting
     containers = 0 if len(body) <= MAX_CONTAINERS else body.count(b"{") + body.count(b"[")
     if containers > MAX_CONTAINERS:
@@ -62,7 +72,7 @@ def read_body(body: bytes) -> Answer:
             f"not a snapshot: {containers} JSON objects and lists, over {MAX_CONTAINERS}",
         )
     try:
-        doc = read_document(body)
+        doc = read_document(body) if whole else read_table_document(body)
     except RecursionError:
         return Answer(HostStatus.INCOMPATIBLE, "not a snapshot: JSON nested too deep")
     except NotASnapshot as exc:  # another schema or version, or not an object
@@ -71,10 +81,10 @@ def read_body(body: bytes) -> Answer:
         return Answer(HostStatus.INCOMPATIBLE, _shorten(f"unreadable snapshot: {exc}"))
     except ValueError as exc:  # bad JSON, bad UTF-8, NaN (SnapshotError is caught above)
         return Answer(HostStatus.INCOMPATIBLE, _shorten(f"not JSON: {exc}"))
-    return Answer(HostStatus.UP, None, doc, body)
+    return Answer(HostStatus.UP, None, doc, body, whole=whole)
 
 
-def read_answer(resp: HttpResponse, token_sent: bool) -> Answer:
+def read_answer(resp: HttpResponse, token_sent: bool, whole: bool = True) -> Answer:
     """A host's whole HTTP answer to ``GET /snapshot.json`` (see the module docstring)."""
     code = resp.status
     if code == 304:
@@ -92,4 +102,4 @@ def read_answer(resp: HttpResponse, token_sent: bool) -> Answer:
         return Answer(HostStatus.STARTING, "the host has no sample yet (HTTP 503)")
     if code != 200:
         return Answer(HostStatus.ERROR, f"HTTP {code}")
-    return read_body(resp.body)
+    return read_body(resp.body, whole)

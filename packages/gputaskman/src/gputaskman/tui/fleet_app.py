@@ -93,7 +93,7 @@ class FleetApp(GtmApp):
 
     def _show_host(self) -> None:
         s = self.host_state()
-        if s is None or s.document is None:
+        if s is None or s.document is None or not s.whole:  # the table's part is no view
             self.render_status()
             return
         key = (s.target.name, s.seq, s.from_series)
