@@ -19,11 +19,19 @@ is built for every run.
 Module order matters and ``modules.dep`` is not in the package (depmod makes it on install), so
 :data:`MODULES` spells it out: the 6.1 kernel's 9p needs netfs and fscache first, virtio's
 pieces come before the 9p and network transports; nbd, loop and fuse have no dependencies.
+
+:data:`RDMA_MODULES` is the Soft-RoCE stack (``rdma_rxe`` and what it and rdma-cm need, in the
+order of their ``modinfo -F depends``), loaded only by guests that ask for it
+(``ensure_kernel(extra=RDMA_MODULES)``, ``tools/qemu_guest/rdma_check.py``): the other guests'
+initramfs stays as it was. A cache made before they were wanted gets them added from the same
+kernel package. ``crc32_generic`` is in the list because rxe asks the crypto API for "crc32"
+when a device is added, and the guest has no modprobe to load it on demand.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import shutil
@@ -60,6 +68,22 @@ MODULES = (
     "fuse",
 )
 
+# Soft-RoCE (issue 31), only when asked: each after what `modinfo -F depends` names for it
+RDMA_MODULES = (
+    "configfs",
+    "udp_tunnel",
+    "ip6_udp_tunnel",
+    "crc32_generic",  # the "crc32" shash rxe allocates per device (no modprobe in the guest)
+    "ib_core",
+    "ib_uverbs",  # ib_core
+    "rdma_rxe",  # ib_uverbs, ib_core, udp_tunnel, ip6_udp_tunnel
+    "iw_cm",  # ib_core
+    "ib_cm",  # ib_core
+    "rdma_cm",  # ib_cm, ib_core, iw_cm, configfs
+    "rdma_ucm",  # rdma_cm, ib_core, ib_uverbs
+    "veth",  # rxe on both ends of a veth pair (rdma_check.py --veth)
+)
+
 
 class KernelUnavailable(Exception):
     """The guest kernel cannot be had here (no apt, no package, download failed)."""
@@ -69,29 +93,29 @@ class KernelUnavailable(Exception):
 class GuestKernel:
     package: str  # e.g. linux-image-6.1.0-57-amd64
     vmlinuz: Path
-    modules: dict[str, Path]  # module name -> .ko
+    modules: dict[str, Path]  # module name -> .ko, in insmod order
 
     @property
     def release(self) -> str:
         return self.vmlinuz.name.removeprefix("vmlinuz-")
 
 
-def _cached(folder: Path) -> GuestKernel | None:
+def _cached(folder: Path, extra: tuple[str, ...] = ()) -> GuestKernel | None:
     kernels = sorted(folder.glob("vmlinuz-*"))
-    mods = {m: folder / "modules" / f"{m}.ko" for m in MODULES}
+    mods = {m: folder / "modules" / f"{m}.ko" for m in (*MODULES, *extra)}
     if len(kernels) != 1 or not all(p.is_file() for p in mods.values()):
         return None
     return GuestKernel(folder.name, kernels[0], mods)
 
 
-def find_cached(cache: Path = DEFAULT_CACHE) -> GuestKernel | None:
-    """The newest complete extracted kernel in `cache`, or None."""
+def find_cached(cache: Path = DEFAULT_CACHE, extra: tuple[str, ...] = ()) -> GuestKernel | None:
+    """The newest complete extracted kernel in `cache` (with the `extra` modules), or None."""
     if not cache.is_dir():
         return None
     found = [
         k
         for d in sorted(cache.glob("linux-image-*"), reverse=True)
-        if d.is_dir() and (k := _cached(d)) is not None
+        if d.is_dir() and (k := _cached(d, extra)) is not None
     ]
     return found[0] if found else None
 
@@ -117,9 +141,9 @@ def _apt_package_name() -> str:
     )
 
 
-def _extract(deb: Path, dest: Path) -> None:
-    """Stream the package's data tar and keep vmlinuz and the modules we load."""
-    wanted = {f"{m}.ko": m for m in MODULES}
+def _extract(deb: Path, dest: Path, names: tuple[str, ...] = MODULES) -> None:
+    """Stream the package's data tar and keep vmlinuz and the modules `names`."""
+    wanted = {f"{m}.ko": m for m in names}
     (dest / "modules").mkdir(parents=True)
     proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE)
     assert proc.stdout is not None
@@ -143,40 +167,76 @@ def _extract(deb: Path, dest: Path) -> None:
             raise KernelUnavailable(f"dpkg-deb --fsys-tarfile {deb} failed")
 
 
-def ensure_kernel(cache: Path = DEFAULT_CACHE) -> GuestKernel:
-    """The cached guest kernel; downloads and extracts it first when there is none."""
-    if (k := find_cached(cache)) is not None:
-        return k
+def _download(package: str, folder: Path) -> Path:
+    """`apt-get download` one package into `folder`; the .deb."""
+    # apt's sandbox user cannot write into root's temp folder; it falls back and warns
+    res = subprocess.run(
+        ["apt-get", "download", "-q", package],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    debs = list(folder.glob(f"{package}_*.deb"))
+    if res.returncode != 0 or len(debs) != 1:
+        raise KernelUnavailable(
+            f"apt-get download {package} failed: {(res.stderr or res.stdout).strip()[-500:]}"
+        )
+    return debs[0]
+
+
+def _need_tools() -> None:
     for tool in ("apt-get", "apt-cache", "dpkg-deb"):
         if shutil.which(tool) is None:
             raise KernelUnavailable(f"{tool} not found: the guest kernel comes from Debian apt")
+
+
+def _add_modules(kernel: GuestKernel, cache: Path, extra: tuple[str, ...]) -> GuestKernel:
+    """Extract the `extra` modules from the cached kernel's own package into its folder; each
+    file appears whole (renamed into place) or not at all."""
+    _need_tools()
+    folder = kernel.vmlinuz.parent
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        deb = _download(kernel.package, Path(tmp))
+        staging = Path(tmp) / "extra"
+        _extract(deb, staging, extra)
+        missing = [m for m in extra if not (staging / "modules" / f"{m}.ko").is_file()]
+        if missing:
+            raise KernelUnavailable(f"{kernel.package} lacks modules {missing}")
+        for m in extra:
+            (staging / "modules" / f"{m}.ko").rename(folder / "modules" / f"{m}.ko")
+    k = _cached(folder, extra)
+    assert k is not None
+    return k
+
+
+def ensure_kernel(cache: Path = DEFAULT_CACHE, extra: tuple[str, ...] = ()) -> GuestKernel:
+    """The cached guest kernel with :data:`MODULES` and the `extra` ones (e.g.
+    :data:`RDMA_MODULES`, loaded after them); downloads and extracts what is missing first."""
+    if (k := find_cached(cache, extra)) is not None:
+        return k
+    if extra and (base := find_cached(cache)) is not None:
+        # the same kernel, so the modules match it; when the archive no longer has that
+        # version, the current kernel package is fetched whole below (a new cache folder)
+        with contextlib.suppress(KernelUnavailable):
+            return _add_modules(base, cache, extra)
+    _need_tools()
     package = _apt_package_name()
     cache.mkdir(parents=True, exist_ok=True)
+    names = (*MODULES, *extra)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
-        # apt's sandbox user cannot write into root's temp folder; it falls back and warns
-        res = subprocess.run(
-            ["apt-get", "download", "-q", package],
-            cwd=tmp,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        debs = list(Path(tmp).glob(f"{package}_*.deb"))
-        if res.returncode != 0 or len(debs) != 1:
-            raise KernelUnavailable(
-                f"apt-get download {package} failed: {(res.stderr or res.stdout).strip()[-500:]}"
-            )
+        deb = _download(package, Path(tmp))
         staging = Path(tmp) / package
-        _extract(debs[0], staging)
-        if _cached(staging) is None:
-            missing = [m for m in MODULES if not (staging / "modules" / f"{m}.ko").exists()]
+        _extract(deb, staging, names)
+        if _cached(staging, extra) is None:
+            missing = [m for m in names if not (staging / "modules" / f"{m}.ko").exists()]
             raise KernelUnavailable(f"{package} lacks vmlinuz or modules {missing}")
         final = cache / package
         if final.exists():
             shutil.rmtree(final)
         staging.rename(final)  # atomic: a half-extracted kernel is never found by find_cached
-    k = _cached(final)
+    k = _cached(final, extra)
     assert k is not None
     return k
 
@@ -252,7 +312,7 @@ def build_initramfs(
     c.file("bin/busybox", bb, 0o755)
     c.symlink("bin/sh", "busybox")
     c.file("init", (HERE / "init.sh").read_bytes(), 0o755)
-    c.file("modules/order", ("\n".join(MODULES) + "\n").encode())
+    c.file("modules/order", ("\n".join(kernel.modules) + "\n").encode())
     for name, path in kernel.modules.items():
         c.file(f"modules/{name}.ko", path.read_bytes())
     c.file("duvm.env", "".join(f"{k}={shlex.quote(v)}\n" for k, v in env.items()).encode())
@@ -263,9 +323,10 @@ def build_initramfs(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="fetch the guest kernel into the cache and say where")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--rdma", action="store_true", help="also the Soft-RoCE modules (RDMA_MODULES)")
     a = p.parse_args(argv)
     try:
-        k = ensure_kernel(a.cache)
+        k = ensure_kernel(a.cache, RDMA_MODULES if a.rdma else ())
     except KernelUnavailable as exc:
         print(f"build_initramfs: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,214 @@
+"""A real verbs stack in the QEMU test guest: Soft-RoCE (rdma_rxe) on its virtio NIC (issue 31's
+groundwork; no duvm code on the RDMA path yet).
+
+`tools/qemu_guest/rdma_check.py` boots the guest of test_kernel_nbd_qemu.py (Debian 12's kernel
+under QEMU/TCG, the host's / read-only over 9p) with the RDMA modules loaded
+(`build_initramfs.RDMA_MODULES`), runs `rdma link add rxe0 type rxe netdev eth0`, then
+`ibv_rc_pingpong` (server and client on rxe0, with completion events and busy-polling) and
+`rping` (rdma-cm) with this host's rdma-core userspace. About 20 s on this 2-core VM.
+
+Needs root, qemu-system-x86, busybox-static, the verbs userspace (ibverbs-providers,
+ibverbs-utils, rdmacm-utils; iproute2's `rdma`) and the cached kernel or apt; anything missing
+is a SKIP with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+REPO = Path(__file__).resolve().parents[3]
+TOOLS = REPO / "tools" / "qemu_guest"
+# the run takes about 20 s here (boot 3 s, the busy-polling pingpong 8 s of it); the deadline
+# only catches a hang
+DEADLINE_S = 240
+
+# what ibv_rc_pingpong printed on both ends in the guest (rdma_check.py, 2026-12-04)
+SERVER_OUT = (
+    "  local address:  LID 0x0000, QPN 0x000011, PSN 0x5d21ae, GID ::ffff:10.0.2.15\n"
+    "  remote address: LID 0x0000, QPN 0x000012, PSN 0xe225c3, GID ::ffff:10.0.2.15\n"
+    "8192000 bytes in 0.39 seconds = 165.93 Mbit/sec\n"
+    "1000 iters in 0.39 seconds = 394.96 usec/iter\n"
+)
+# a client whose queue pair could not reach the other end (rxe across two network namespaces)
+FAILED_OUT = (
+    "  local address:  LID 0x0000, QPN 0x000011, PSN 0x2bbe96, GID ::ffff:10.77.0.2\n"
+    "  remote address: LID 0x0000, QPN 0x000011, PSN 0x52c472, GID ::ffff:10.77.0.1\n"
+    "Failed status local QP operation error (2) for wr_id 2\nparse WC failed 2\n"
+)
+
+# perftest's result tables on rxe0 in the guest (rdma_check.py with perftest, 2026-12-04)
+READ_LAT_OUT = (
+    " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    "
+    "t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] \n"
+    " 4096    1000          48.23          495.14       56.01    \t       65.36       \t25.07  "
+    "\t\t202.72  \t\t495.14 \n"
+    "---------------------------------------------------------------------------------------\n"
+)
+WRITE_BW_OUT = (
+    " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]\n"
+    " 4096       1000             77.10              70.49  \t\t   0.018046\n"
+)
+
+
+@functools.cache
+def _load_check() -> ModuleType:
+    sys.path.insert(0, str(TOOLS))  # rdma_check.py imports its siblings boot, build_initramfs
+    spec = importlib.util.spec_from_file_location("duvm_qemu_rdma_check", TOOLS / "rdma_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.timeout(DEADLINE_S + 120)
+def test_rxe_verbs_pingpong_and_rping_in_the_guest() -> None:
+    check = _load_check()
+    if why := check.problems():
+        pytest.skip("cannot run the RDMA guest: " + "; ".join(why))
+    try:
+        run = check.run_check(timeout_s=DEADLINE_S)
+    except check.boot.GuestUnavailable as exc:
+        pytest.skip(f"cannot run the RDMA guest: {exc}")
+    s = check.summary(run)
+    why = f"{s}\n{run.events}\n{run.console_tail()}"
+    assert not run.timed_out and run.guest_exit == 0, why
+    assert s["link_add"]["rc"] == 0, why
+    assert "rxe0" in (s["ibv_devices"] or "") and "state ACTIVE" in (s["rdma_link"] or ""), why
+    assert {"uverbs0", "rdma_cm"} <= set(s["dev_infiniband"] or ()), why
+    for name in check.PINGPONGS:  # both ends ran all iterations and moved every byte
+        p = s[name]
+        assert p["ok"], why
+        assert p["server"]["iters"] == p["client"]["iters"] == 1000, why
+        assert p["server"]["bytes"] == p["client"]["bytes"] == 1000 * 4096 * 2, why
+    assert s["rping"]["ok"] and s["rping"]["ping_lines"] == 10, why
+    assert s["ok"]
+
+
+# --- the host-side pieces, without booting anything ----------------------------------------
+
+
+def test_pingpong_figures_are_read_from_its_output() -> None:
+    check = _load_check()
+    assert check.pingpong_numbers(SERVER_OUT) == {
+        "bytes": 8192000,
+        "seconds": 0.39,
+        "mbit_s": 165.93,
+        "iters": 1000,
+        "usec_per_iter": 394.96,
+    }
+    assert check.pingpong_numbers(FAILED_OUT) is None
+    mangled = "1 bytes in 1.2.3 seconds = . Mbit/sec\n1 iters in 1 seconds = 2 usec/iter\n"
+    assert check.pingpong_numbers(mangled) is None  # no float() of a malformed number
+    assert check.pingpong_numbers("") is None
+
+
+def test_perftest_figures_are_read_from_its_tables() -> None:
+    check = _load_check()
+    assert check.perftest_numbers(READ_LAT_OUT) == {
+        "bytes": 4096,
+        "iters": 1000,
+        "t_min_usec": 48.23,
+        "t_max_usec": 495.14,
+        "t_typical_usec": 56.01,
+        "t_avg_usec": 65.36,
+        "t_stdev_usec": 25.07,
+        "p99_usec": 202.72,
+        "p99_9_usec": 495.14,
+    }
+    assert check.perftest_numbers(WRITE_BW_OUT) == {
+        "bytes": 4096,
+        "iters": 1000,
+        "bw_peak_mb_s": 77.1,
+        "bw_avg_mb_s": 70.49,
+        "msg_rate_mpps": 0.018046,
+    }
+    assert check.perftest_numbers(READ_LAT_OUT.splitlines()[0]) is None  # header, no row
+    assert check.perftest_numbers(" #bytes #iterations t_avg[usec]\n 4096 oops\n") is None
+    inf = " #bytes t_avg[usec]\n inf 1 2 3 4 5 6 7 8\n"  # float() reads it, int() cannot
+    assert check.perftest_numbers(inf) is None
+    assert check.perftest_numbers("") is None
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.text(),
+            st.sampled_from(
+                [*SERVER_OUT.splitlines(), *READ_LAT_OUT.splitlines(), *WRITE_BW_OUT.splitlines()]
+            ),
+            st.just(" #bytes #iterations t_avg[usec]"),
+        )
+    )
+)
+def test_the_output_readers_never_crash(lines: list[str]) -> None:
+    check = _load_check()
+    text = "\n".join(lines)
+    for figures in (check.pingpong_numbers(text), check.perftest_numbers(text)):
+        assert figures is None or all(isinstance(v, int | float) for v in figures.values())
+
+
+def _pingpong(server: str, client: str, server_rc: Any = 0, client_rc: Any = 0) -> dict:
+    return {
+        "listening": True,
+        "server": {"rc": server_rc, "out": server},
+        "client": {"rc": client_rc, "out": client},
+    }
+
+
+def test_a_pingpong_passes_only_when_both_ends_did() -> None:
+    ok = _load_check().pingpong_ok
+    assert ok(_pingpong(SERVER_OUT, SERVER_OUT))
+    assert not ok(_pingpong(SERVER_OUT, FAILED_OUT, client_rc=1))
+    assert not ok(_pingpong(SERVER_OUT, SERVER_OUT, server_rc=None))  # killed: still running
+    assert not ok(_pingpong(SERVER_OUT, SERVER_OUT, client_rc=1))
+    assert not ok({**_pingpong(SERVER_OUT, SERVER_OUT), "listening": False})
+    assert not ok({**_pingpong(SERVER_OUT, SERVER_OUT), "client": None})  # never started
+    assert not ok(None) and not ok({})
+
+
+def _fake_kernel(folder: Path, names: tuple[str, ...]) -> None:
+    (folder / "modules").mkdir(parents=True)
+    (folder / "vmlinuz-6.1.0-57-amd64").write_bytes(b"kernel")
+    for m in names:
+        (folder / "modules" / f"{m}.ko").write_bytes(m.encode())
+
+
+def test_rdma_modules_only_when_asked(tmp_path: Path) -> None:
+    """The other guests' kernel and initramfs stay as they were; the RDMA guest's loads the
+    Soft-RoCE modules after them, in their dependency order."""
+    b = _load_check().build_initramfs
+    _fake_kernel(tmp_path / "linux-image-6.1.0-57-amd64", b.MODULES)
+    base = b.find_cached(tmp_path)
+    assert base is not None and list(base.modules) == list(b.MODULES)
+    assert b.find_cached(tmp_path, b.RDMA_MODULES) is None  # ensure_kernel adds them first
+    for m in b.RDMA_MODULES:
+        (tmp_path / "linux-image-6.1.0-57-amd64" / "modules" / f"{m}.ko").write_bytes(b"x")
+    rdma = b.find_cached(tmp_path, b.RDMA_MODULES)
+    assert rdma is not None and list(rdma.modules) == [*b.MODULES, *b.RDMA_MODULES]
+    again = b.find_cached(tmp_path)
+    assert again is not None and list(again.modules) == list(b.MODULES)
+    order = b.RDMA_MODULES
+    for before, after in (  # `modinfo -F depends` of the 6.1.0-57 modules
+        ("ib_core", "ib_uverbs"),
+        ("udp_tunnel", "rdma_rxe"),
+        ("ip6_udp_tunnel", "rdma_rxe"),
+        ("ib_uverbs", "rdma_rxe"),
+        ("crc32_generic", "rdma_rxe"),
+        ("configfs", "rdma_cm"),
+        ("iw_cm", "rdma_cm"),
+        ("ib_cm", "rdma_cm"),
+        ("rdma_cm", "rdma_ucm"),
+    ):
+        assert order.index(before) < order.index(after), (before, after)
