@@ -327,3 +327,23 @@ def test_any_answer_is_a_vector_or_one_line_error(body):
         assert "\n" not in str(exc)
     else:
         assert all(isinstance(s.number, float) for s in v.samples)
+
+
+def test_a_host_prometheus_has_not_scraped_lately_is_stale_with_its_last_numbers_apart():
+    """Catches a host whose last scrape is minutes old shown as up (Prometheus keeps
+    answering with its last samples for five minutes), or one whose age is not said."""
+    answers = json.loads(json.dumps(ANSWERS))
+    scraped = answers["queries"]['timestamp(up{job="gputaskman"})']["data"]["result"]
+    for r in scraped:
+        if r["metric"]["instance"] == "gpu-node-01:9835":
+            r["value"][1] = str(float(r["value"][1]) - 120)  # two minutes before the others
+    with fake_prometheus(recorded(answers)) as fake:
+        fleet = _fleet(fake.url)
+        fleet.refresh()
+    states = {s.target.name: s for s in fleet.states()}
+    old = states["gpu-node-01:9835"]
+    assert old.status is HostStatus.STALE and not old.up
+    assert "last scrape of it is 12" in old.reason and "over 3 s" in old.reason
+    assert states["gpu-node-02:9835"].status is HostStatus.UP
+    rows = [r for r in fleet_rows(fleet.states()) if r.host == "gpu-node-01:9835"]
+    assert len(rows) == 1 and rows[0].memory_used is None and "stale" in rows[0].gpu
