@@ -349,11 +349,11 @@ def test_state_roundtrip_and_corruption(tmp_path: Path) -> None:
 # --- refusals --------------------------------------------------------------------------------
 
 
-def test_missing_tool_names_debian_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(systools, "TOOL_DIRS", (str(tmp_path),))
+def test_missing_tool_names_debian_package(tmp_path: Path) -> None:
+    tools = systools.Tools((str(tmp_path),))
     with pytest.raises(attach_state.AttachError, match="install the Debian package util-linux"):
-        systools.require_tool("mkswap")
-    assert any("libnbd-bin" in p for p in attach_fuse.problems())
+        tools.require("mkswap")
+    assert any("libnbd-bin" in p for p in attach_fuse.problems(tools))
 
 
 @needs_root
@@ -465,9 +465,7 @@ def test_holder_reports_a_dead_server(tmp_path: Path) -> None:
 
 
 @needs_root
-def test_neither_path_available_says_what_to_install(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_neither_path_available_says_what_to_install(tmp_path: Path) -> None:
     """Swap tools present, but no nbd module, no modprobe and no nbdfuse/losetup."""
     if kernelnbd.kernel_has_nbd():
         pytest.skip("this kernel has nbd; the fallback message is not reached")
@@ -478,10 +476,10 @@ def test_neither_path_available_says_what_to_install(
         if real is None:
             pytest.skip(f"{name} missing")
         (tools / name).symlink_to(real)
-    monkeypatch.setattr(systools, "TOOL_DIRS", (str(tools),))
+    only = systools.Tools((str(tools),))
     state = tmp_path / "state.json"
     with pytest.raises(attach_state.AttachError) as info:
-        attach.attach(str(tmp_path / "x.sock"), state, run_dir=tmp_path / "run")
+        attach.attach(str(tmp_path / "x.sock"), state, run_dir=tmp_path / "run", tools=only)
     assert str(info.value) == attach_fuse.AUTO_REFUSES_FALLBACK  # auto: kernel nbd or nothing
     with pytest.raises(attach_state.AttachError) as info:
         attach.attach(
@@ -489,6 +487,7 @@ def test_neither_path_available_says_what_to_install(
             state,
             run_dir=tmp_path / "run",
             method=attach_state.METHOD_FUSE,
+            tools=only,
         )
     msg = str(info.value)
     assert msg.startswith("nbdfuse fallback cannot run: ")
@@ -544,7 +543,7 @@ def test_device_problem_loop_device_backed_by_another_file(tmp_path: Path) -> No
     for f in (ours, theirs):
         f.write_bytes(bytes(1 << 20))
     (tmp_path / "link").symlink_to(ours)
-    loop = systools.run_tool("losetup", "--find", "--show", str(ours)).strip()
+    loop = systools.SYSTEM_TOOLS.run("losetup", "--find", "--show", str(ours)).strip()
     att = attach_state.Attachment(
         socket="s",
         method=attach_state.METHOD_FUSE,
@@ -559,7 +558,7 @@ def test_device_problem_loop_device_backed_by_another_file(tmp_path: Path) -> No
             f"{loop} is now backed by {ours}, not by duvm's {theirs}"
         )
     finally:
-        systools.run_tool("losetup", "-d", loop)
+        systools.SYSTEM_TOOLS.run("losetup", "-d", loop)
     deadline = time.monotonic() + 10
     while attach.device_problem(att) != f"{loop} is no longer a loop device":
         assert time.monotonic() < deadline, attach.device_problem(att)

@@ -156,9 +156,11 @@ def _rival_swap(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "rival.swap"
     path.write_bytes(bytes(16 << 20))
     path.chmod(0o600)
-    subprocess.run([systools.require_tool("mkswap"), str(path)], check=True, capture_output=True)
     subprocess.run(
-        [systools.require_tool("swapon"), "-p", str(demo.MAX_PRIORITY), str(path)],
+        [systools.SYSTEM_TOOLS.require("mkswap"), str(path)], check=True, capture_output=True
+    )
+    subprocess.run(
+        [systools.SYSTEM_TOOLS.require("swapon"), "-p", str(demo.MAX_PRIORITY), str(path)],
         check=True,
         capture_output=True,
     )
@@ -166,7 +168,7 @@ def _rival_swap(tmp_path: Path) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(
-            [systools.require_tool("swapoff"), str(path)], check=True, capture_output=True
+            [systools.SYSTEM_TOOLS.require("swapoff"), str(path)], check=True, capture_output=True
         )
 
 

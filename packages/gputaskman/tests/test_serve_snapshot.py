@@ -277,10 +277,9 @@ def test_any_bytes_get_whole_bare_answers_and_nothing_raises(parts, chunk, eof):
     assert conn.next_answer() == b"" or not conn.closing
 
 
-def test_an_idle_connection_is_dropped(monkeypatch):
+def test_an_idle_connection_is_dropped():
     """Catches a keep-alive connection that holds one of the server's slots for ever."""
-    monkeypatch.setattr(httpserve, "IDLE_TIMEOUT_S", 0.3)
-    httpd, _ = httpserve.serve(_routes(), "127.0.0.1", 0)
+    httpd, _ = httpserve.serve(_routes(), "127.0.0.1", 0, idle_timeout=0.3)
     try:
         with socket.create_connection(httpd.server_address[:2], timeout=10) as s:
             s.sendall(b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")

@@ -52,22 +52,23 @@ from duvm.node.attach_state import (
     Attachment,
     SwapoffFailed,
 )
+from duvm.node.systools import SYSTEM_TOOLS, Tools
 
 DEFAULT_RUN_DIR = Path("/run/duvm")
 DEFAULT_NBD_TIMEOUT_S = 60
 
 
-def resolve_method(method: str) -> str:
+def resolve_method(method: str, tools: Tools = SYSTEM_TOOLS) -> str:
     """The path `method` takes here (METHOD_KERNEL or METHOD_FUSE), or AttachError saying why
     none. "auto" takes kernel nbd only: the nbdfuse + loop fallback is taken when asked for by
     name, never by default (AUTO_REFUSES_FALLBACK says why)."""
     if method == "auto":
-        if attach_kernel.available():
+        if attach_kernel.available(tools):
             return METHOD_KERNEL
         raise AttachError(attach_fuse.AUTO_REFUSES_FALLBACK)
-    if method == METHOD_KERNEL and not attach_kernel.available():
+    if method == METHOD_KERNEL and not attach_kernel.available(tools):
         raise AttachError("the kernel has no nbd driver (modprobe nbd failed or kmod missing)")
-    if method == METHOD_FUSE and (problems := attach_fuse.problems()):
+    if method == METHOD_FUSE and (problems := attach_fuse.problems(tools)):
         raise AttachError("nbdfuse fallback cannot run: " + "; ".join(problems))
     if method not in (METHOD_KERNEL, METHOD_FUSE):
         raise AttachError(f"unknown attach method {method!r}")
@@ -84,23 +85,25 @@ def attach(
     nbd_timeout_s: int = DEFAULT_NBD_TIMEOUT_S,
     extra: dict[str, object] | None = None,
     realtime: bool = True,
+    tools: Tools = SYSTEM_TOOLS,
 ) -> Attachment:
     """Attach the NBD export at `socket_path` and activate it as swap. Root only.
 
     `method` is "auto" (kernel nbd; refused without it), METHOD_KERNEL or METHOD_FUSE.
-    `realtime` runs nbdfuse at SCHED_RR like the daemon (duvm.base.pressure). On failure
-    everything done so far is undone and AttachError raised.
+    `realtime` runs nbdfuse at SCHED_RR like the daemon (duvm.base.pressure); `tools` is
+    where the system tools are found. On failure everything done so far is undone and
+    AttachError raised.
     """
     systools.require_root()
     for tool in ("mkswap", "swapon", "swapoff", "blkdiscard"):
-        systools.require_tool(tool)
+        tools.require(tool)
     existing = attach_state.load_state(state_path)
     if existing is not None:
         raise AttachError(
             f"already attached ({existing.device or existing.method}, state in "
             f"{state_path}); detach first"
         )
-    method = resolve_method(method)
+    method = resolve_method(method, tools)
     if not os.path.exists(socket_path):
         raise AttachError(f"no NBD server socket at {socket_path} (is the daemon running?)")
 
@@ -119,23 +122,25 @@ def attach(
         if method == METHOD_KERNEL:
             attach_kernel.attach(att, run_dir, nbd_timeout_s, save)
         else:
-            attach_fuse.attach(att, run_dir, save, realtime)
+            attach_fuse.attach(att, run_dir, save, realtime, tools)
         save()
         assert att.device is not None
-        systools.run_tool("mkswap", att.device)
-        systools.run_tool("swapon", "-p", str(priority), "--discard=pages", att.device)
+        tools.run("mkswap", att.device)
+        tools.run("swapon", "-p", str(priority), "--discard=pages", att.device)
         att.swap_active = True
         save()
     except BaseException as exc:
         try:
-            detach(state_path, force=True)  # only just activated: nothing to protect yet
+            detach(state_path, force=True, tools=tools)  # only just activated: nothing to protect
         except AttachError as undo:
             raise AttachError(f"{exc}; undoing the partial attach also failed: {undo}") from exc
         raise
     return att
 
 
-def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
+def detach(
+    state_path: Path, *, force: bool = False, tools: Tools = SYSTEM_TOOLS
+) -> Attachment | None:
     """Undo what the state file records: swapoff first, then the device, then the sysctl.
 
     Returns the attachment that was removed, or None when nothing was attached. Raises
@@ -165,7 +170,7 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
                 "still refuses when RAM is short, and the kernel may OOM-kill such a group)."
             )
         try:
-            systools.run_tool("swapoff", att.device, timeout=3600)
+            tools.run("swapoff", att.device, timeout=3600)
         except AttachError as exc:
             raise SwapoffFailed(kernel_swap.swapoff_failure(att.device, str(exc))) from exc
     att.swap_active = False
@@ -176,13 +181,13 @@ def detach(state_path: Path, *, force: bool = False) -> Attachment | None:
         # pool's RAM is given back even before the daemon releases its reservation
         # (not fatal: stopping the daemon releases the reservation anyway)
         try:
-            systools.run_tool("blkdiscard", "-f", att.device, timeout=600)
+            tools.run("blkdiscard", "-f", att.device, timeout=600)
         except AttachError as exc:
             att.extra["discard_error"] = str(exc)
     if att.method == METHOD_KERNEL:
         attach_kernel.detach(att, errors)
     else:
-        attach_fuse.detach(att, errors)
+        attach_fuse.detach(att, errors, tools)
     try:
         kernel_swap.restore_min_free(att.min_free_before, att.min_free_set)
     except (OSError, ValueError) as exc:

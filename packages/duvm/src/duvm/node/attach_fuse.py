@@ -16,6 +16,7 @@ from pathlib import Path
 from duvm.base import cgroup, pressure
 from duvm.node import processes, systools
 from duvm.node.attach_state import AttachError, Attachment, Saver
+from duvm.node.systools import SYSTEM_TOOLS, Tools
 
 # QEMU guests pushed past their RAM (tools/qemu_guest/stress.py --method nbdfuse-loop) still
 # hang sometimes on this path with nbdfuse kept in RAM (docs/BENCHMARKS.md, D38).
@@ -41,12 +42,12 @@ AUTO_REFUSAL_FIX = (
 AUTO_REFUSES_FALLBACK = f"{AUTO_REFUSAL_WHY}. Either {AUTO_REFUSAL_FIX}"
 
 
-def problems() -> list[str]:
+def problems(tools: Tools = SYSTEM_TOOLS) -> list[str]:
     """Why the nbdfuse+loop path cannot work here (empty list: it can)."""
     found = [
         f"{t} missing (Debian package {systools.TOOL_PACKAGES[t]})"
         for t in ("nbdfuse", "fusermount3", "losetup")
-        if systools.find_tool(t) is None
+        if tools.find(t) is None
     ]
     if not Path("/dev/fuse").exists():
         found.append("/dev/fuse missing (kernel without FUSE; try modprobe fuse)")
@@ -55,11 +56,17 @@ def problems() -> list[str]:
     return found
 
 
-def attach(att: Attachment, run_dir: Path, save: Saver, realtime: bool = True) -> None:
+def attach(
+    att: Attachment,
+    run_dir: Path,
+    save: Saver,
+    realtime: bool = True,
+    tools: Tools = SYSTEM_TOOLS,
+) -> None:
     """Start nbdfuse on a new mount under `run_dir` and a loop device on its file;
     `att.device` is the loop device."""
-    nbdfuse = systools.require_tool("nbdfuse")
-    systools.require_tool("fusermount3")
+    nbdfuse = tools.require("nbdfuse")
+    tools.require("fusermount3")
     mountdir = run_dir.resolve() / f"fuse-{uuid.uuid4().hex[:8]}"  # as the kernel names it
     mountdir.mkdir(parents=True)
     att.mountdir = str(mountdir)
@@ -109,7 +116,7 @@ def attach(att: Attachment, run_dir: Path, save: Saver, realtime: bool = True) -
         time.sleep(0.05)
     pidfile.unlink(missing_ok=True)
     att.size_bytes = os.stat(att.fuse_file).st_size
-    loop = systools.run_tool("losetup", "--find", "--show", "--direct-io=on", att.fuse_file).strip()
+    loop = tools.run("losetup", "--find", "--show", "--direct-io=on", att.fuse_file).strip()
     att.loop_device = loop
     save()
     dio = Path("/sys/block", Path(loop).name, "loop", "dio")
@@ -144,13 +151,13 @@ def _same_path(kernel_path: str, ours: str | None) -> bool:
     return ours is not None and os.path.realpath(kernel_path) == os.path.realpath(ours)
 
 
-def detach(att: Attachment, errors: list[str]) -> None:
+def detach(att: Attachment, errors: list[str], tools: Tools = SYSTEM_TOOLS) -> None:
     """Loop device, mount, nbdfuse, mount directory; what failed is appended to `errors`."""
     if att.loop_device:
         found = _loop_backing(att.loop_device)
         if found is not None and _same_path(found, att.fuse_file):
             try:
-                systools.run_tool("losetup", "-d", att.loop_device)
+                tools.run("losetup", "-d", att.loop_device)
             except AttachError as exc:
                 errors.append(str(exc))
                 return
@@ -159,7 +166,7 @@ def detach(att: Attachment, errors: list[str]) -> None:
         # the loop driver drops its file reference asynchronously after losetup -d
         for attempt in range(50):
             try:
-                systools.run_tool("fusermount3", "-u", att.mountdir)
+                tools.run("fusermount3", "-u", att.mountdir)
                 break
             except AttachError as exc:
                 if attempt == 49:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from duvm.node import kernelnbd, processes, systools
 from duvm.node.attach_state import METHOD_KERNEL, AttachError, Attachment, Saver
+from duvm.node.systools import SYSTEM_TOOLS, Tools
 from duvm.wire import nbdnetlink
 
 # How long the kernel holds requests for a restarted daemon after the connection died. The
@@ -24,11 +25,11 @@ from duvm.wire import nbdnetlink
 DEFAULT_DEAD_CONN_TIMEOUT_S = 60
 
 
-def available() -> bool:
+def available(tools: Tools = SYSTEM_TOOLS) -> bool:
     """The kernel has nbd, loading the module first when it is not loaded."""
     if kernelnbd.kernel_has_nbd():
         return True
-    modprobe = systools.find_tool("modprobe")
+    modprobe = tools.find("modprobe")
     if modprobe is None:
         return False
     subprocess.run([modprobe, "nbd"], capture_output=True, check=False, timeout=30)

@@ -1,12 +1,16 @@
 """The system tools attaching needs (losetup, mkswap, swapon, ...), found and run by absolute
 path: in the standard sbin/bin directories, never via $PATH (this runs as root, and `duvm doctor`
 must find exactly what `duvm enable` will run). A missing tool is reported with the Debian
-package that provides it."""
+package that provides it.
+
+`Tools` is where they are looked for: `SYSTEM_TOOLS` (the standard directories) unless a
+caller passes others (tests: a directory with only some tools in it)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+from dataclasses import dataclass
 
 from duvm.node.attach_state import AttachError
 
@@ -33,27 +37,38 @@ def find_tool(name: str, dirs: tuple[str, ...] | None = None) -> str | None:
     return None
 
 
-def require_tool(name: str) -> str:
-    path = find_tool(name)
-    if path is None:
-        raise AttachError(f"{name} not found; install the Debian package {TOOL_PACKAGES[name]}")
-    return path
+@dataclass(frozen=True)
+class Tools:
+    """The system tools in `dirs`: found, required (with the package to install) and run."""
+
+    dirs: tuple[str, ...] = TOOL_DIRS
+
+    def find(self, name: str) -> str | None:
+        return find_tool(name, self.dirs)
+
+    def require(self, name: str) -> str:
+        path = self.find(name)
+        if path is None:
+            raise AttachError(f"{name} not found; install the Debian package {TOOL_PACKAGES[name]}")
+        return path
+
+    def run(self, tool: str, *args: str, timeout: float = 120) -> str:
+        """Run `tool` to completion and return its stdout; AttachError with its message if
+        it fails or outlives `timeout` seconds."""
+        cmd = [self.require(tool), *args]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise AttachError(f"{' '.join(cmd)} did not finish in {timeout:.0f} s") from exc
+        if res.returncode != 0:
+            msg = (res.stderr or res.stdout).strip()
+            raise AttachError(f"{' '.join(cmd)} failed (exit {res.returncode}): {msg}")
+        return res.stdout
+
+
+SYSTEM_TOOLS = Tools()
 
 
 def require_root() -> None:
     if os.geteuid() != 0:
         raise AttachError("attaching swap needs root (loop/nbd devices, swapon): run with sudo")
-
-
-def run_tool(tool: str, *args: str, timeout: float = 120) -> str:
-    """Run `tool` to completion and return its stdout; AttachError with its message if it
-    fails or outlives `timeout` seconds."""
-    cmd = [require_tool(tool), *args]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise AttachError(f"{' '.join(cmd)} did not finish in {timeout:.0f} s") from exc
-    if res.returncode != 0:
-        msg = (res.stderr or res.stdout).strip()
-        raise AttachError(f"{' '.join(cmd)} failed (exit {res.returncode}): {msg}")
-    return res.stdout

@@ -237,7 +237,7 @@ class _Handler(socketserver.BaseRequestHandler):
         sock = self.request
         # a client that went away, timed out or failed its TLS handshake: nothing to answer
         with contextlib.suppress(OSError):
-            sock.settimeout(IDLE_TIMEOUT_S)
+            sock.settimeout(self.server.idle_timeout)
             if isinstance(sock, ssl.SSLSocket):
                 try:
                     sock.do_handshake()  # under the timeout
@@ -266,8 +266,10 @@ class _Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
         token: str | None,
         tls: ssl.SSLContext | None,
         family: socket.AddressFamily,
+        idle_timeout: float,
     ) -> None:
         self.address_family = family
+        self.idle_timeout = idle_timeout
         self.routes = dict(routes)
         self.token = token
         self.tls = tls
@@ -307,12 +309,14 @@ def serve(
     *,
     token: str | None = None,
     tls: ssl.SSLContext | None = None,
+    idle_timeout: float = IDLE_TIMEOUT_S,
 ) -> tuple[socketserver.TCPServer, threading.Thread]:
-    """Serve `routes` on host:port (IPv4 or IPv6, as the address is) from a daemon thread.
-    Raises OSError when the address cannot be bound."""
+    """Serve `routes` on host:port (IPv4 or IPv6, as the address is) from a daemon thread;
+    a connection is dropped after `idle_timeout` seconds without a byte. Raises OSError when
+    the address cannot be bound."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, addr = infos[0]
-    httpd = _Server(addr, routes, token, tls, family)
+    httpd = _Server(addr, routes, token, tls, family, idle_timeout)
     thread = threading.Thread(target=httpd.serve_forever, name="gtm-http", daemon=True)
     thread.start()
     return httpd, thread
