@@ -33,6 +33,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 from gputaskman.base.frozen import builder
 
@@ -282,6 +283,27 @@ class ProcDetail:
     ppid: int | None = None  # its parent's PID
 
 
+class Breakdown(Protocol):
+    """What the model layer's breakdown of a process's memory (`intel.llm.LlmView`) gives
+    every layer: its totals, each of one kind, never added to a measured total."""
+
+    @property
+    def reported_total(self) -> int | None: ...  # runtime-reported
+
+    @property
+    def estimated_total(self) -> int | None: ...  # estimated from the model file
+
+
+class AppSelection(Protocol):
+    """An app's own choice of model (`intel.apps.AppModel`): a setting, not residency."""
+
+    @property
+    def app(self) -> str: ...
+
+    @property
+    def selected(self) -> str | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ProcGpu:
     """One process as seen on one adapter (or on none: a runtime candidate with no context).
@@ -312,10 +334,10 @@ class ProcGpu:
     engines: Mapping[str, Reading] = field(default_factory=dict)
     detail: ProcDetail = field(default_factory=ProcDetail)
     model: ModelRef | None = None  # which model (modelinfo: evidence ladder + store names)
-    # the weights / KV cache / compute view (`llm.LlmView`, or its recorded JSON in replay);
-    # estimates in it are never added to any measured total
-    breakdown: object | None = None
-    app_model: object | None = None  # an app adapter's selected model (`apps.AppModel`)
+    # the weights / KV cache / compute view (`llm.LlmView`); estimates in it are never added
+    # to any measured total
+    breakdown: Breakdown | None = None
+    app_model: AppSelection | None = None  # an app adapter's selected model (`apps.AppModel`)
     paged: Reading | None = None
     footprint: Reading | None = None
     host: str | None = None

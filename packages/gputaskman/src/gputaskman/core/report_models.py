@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gputaskman.base.fmt import NA, fmt_bytes, fmt_reading, reading_json
-from gputaskman.base.readings import Kind, ModelRef, ProcGpu, Reading, Reason
+from gputaskman.base.readings import Breakdown, Kind, ModelRef, ProcGpu, Reading, Reason
 from gputaskman.core import duvmpool, host
 from gputaskman.core.document import SwapDeviceDoc, SwapDoc, SystemDoc
 from gputaskman.intel.apps import AppModel
@@ -137,7 +137,7 @@ def app_json(app: object | None) -> dict[str, object] | None:
 BREAKDOWN_PARTS = ("weights", "kv_cache", "compute", "other")
 
 
-def breakdown_view(view: object | None) -> LlmView | None:
+def breakdown_view(view: Breakdown | None) -> LlmView | None:
     """`ProcGpu.breakdown` as the `llm.LlmView` it holds (live or read back), None when the
     process has none."""
     if view is None:
@@ -170,7 +170,7 @@ def breakdown_totals(view: LlmView) -> tuple[Reading, Reading]:
     return reported, estimated
 
 
-def breakdown_json(view: object | None) -> dict[str, Any] | None:
+def breakdown_json(view: Breakdown | None) -> dict[str, Any] | None:
     """An `llm.LlmView` (live, or read back from a recording) as reading objects."""
     view = breakdown_view(view)
     if view is None:
@@ -236,7 +236,7 @@ def model_cell(p: ProcGpu) -> str:
     model (a setting, not residency), else mapped model file names."""
     if p.model is not None:
         return f"{p.model.name} {model_mark(p.model)}"
-    selected = getattr(p.app_model, "selected", None)
+    selected = None if p.app_model is None else p.app_model.selected
     if selected:
         return f"{selected} {SELECTED_TAG}"
     return ",".join(f.rsplit("/", 1)[-1] for f in p.detail.model_files)
@@ -275,8 +275,8 @@ def model_lines(p: ProcGpu) -> list[str]:
         elif m.status == "informational":
             lines.append("  path-arg only: informational, no breakdown")
     app = p.app_model
-    if app is not None and getattr(app, "selected", None) is not None:
-        lines.append(f"{app.app}: selected model {app.selected} (a setting, not residency)")  # type: ignore[attr-defined]
+    if app is not None and app.selected is not None:
+        lines.append(f"{app.app}: selected model {app.selected} (a setting, not residency)")
     if vv is None:
         return lines
     lines.append(

@@ -288,7 +288,9 @@ def render_text(
     with_models = [
         p
         for p in procs
-        if p.model is not None or p.breakdown is not None or getattr(p.app_model, "selected", None)
+        if p.model is not None
+        or p.breakdown is not None
+        or (p.app_model is not None and p.app_model.selected)
     ]
     if with_models:
         out += [

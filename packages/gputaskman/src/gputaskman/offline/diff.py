@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gputaskman.base.readings import DeviceMetrics, ProcGpu, Reading
+from gputaskman.base.readings import Breakdown, DeviceMetrics, ProcGpu, Reading
 from gputaskman.core import report
 from gputaskman.core.document import AdapterDoc, Document, ProcessDoc
 from gputaskman.core.report_models import breakdown_totals, breakdown_view
@@ -126,7 +126,7 @@ def system_fields(doc: Document) -> dict[str, Value] | None:
     return out
 
 
-def _breakdown_readings(view: object) -> Iterator[tuple[str, Value]]:
+def _breakdown_readings(view: Breakdown | None) -> Iterator[tuple[str, Value]]:
     """The weights / KV / compute parts (each part's chosen reading, not its alternatives)
     and the runtime-reported and estimated totals of a breakdown."""
     view = breakdown_view(view)
