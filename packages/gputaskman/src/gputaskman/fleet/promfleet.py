@@ -249,7 +249,7 @@ class PromFleet:
 
     def _round(self) -> dict[str, HostState]:
         c, sel = self.client, self.selector
-        up = {s.labels.get("instance", ""): s.number for s in c.query(f"up{{{sel}}}").samples}
+        up = {s.metric.get("instance", ""): s.value[1] for s in c.query(f"up{{{sel}}}").samples}
         up.pop("", None)
         stamps = c.query(f"{TIMESTAMP}{{{sel}}}")
         now = stamps.at if stamps.at == stamps.at else time.time()
@@ -261,7 +261,7 @@ class PromFleet:
                 s.labels.get("instance", ""): s.number
                 for s in c.query(f"timestamp(up{{{sel}}})").samples
             }
-        sample_at = {s.labels.get("instance", ""): s.number for s in stamps.samples}
+        sample_at = {s.metric.get("instance", ""): s.value[1] for s in stamps.samples}
         changed = [i for i in up if i in sample_at and sample_at[i] != self._sample_at.get(i)]
         series: dict[str, list[Sample]] = {}
         everything = f'__name__=~"gputaskman_.+",{sel}'

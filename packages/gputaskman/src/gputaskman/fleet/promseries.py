@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -120,8 +121,30 @@ def _kind(labels: Mapping[str, str], fallback: Kind) -> Kind:
     return KINDS.get(labels.get("provenance", ""), fallback)
 
 
-def _number(v: float) -> int | float:
-    return int(v) if v.is_integer() else v  # callers pass finite values only
+_FLOAT_MAX = sys.float_info.max
+_SOURCES: dict[str, str] = {}  # series name -> a reading's source (a bounded memo)
+_PARSED: dict[str, tuple[str, Kind, str] | None] = {}  # process series name -> its parts
+
+
+def _source(name: str) -> str:
+    source = f"{SOURCE}:{name}"
+    if len(_SOURCES) < 4096:
+        _SOURCES[name] = source
+    return source
+
+
+def _parsed(name: str) -> tuple[str, Kind, str] | None:
+    """A process series' name as (what, kind, unit), or None when it is no reading."""
+    if name in _PARSED:
+        return _PARSED[name]
+    m = _PROC_NAME.fullmatch(name)
+    got = None
+    if m is not None:
+        what, kind_word, unit = m.groups()
+        got = (what, KINDS.get(kind_word or "measured", Kind.MEASURED), unit)
+    if len(_PARSED) < 4096:
+        _PARSED[name] = got
+    return got
 
 
 class _Builder:
@@ -133,10 +156,15 @@ class _Builder:
     def reading(
         self, name: str, value: float, kind: Kind, scale: float = 1, adapter: str | None = None
     ) -> Reading:
-        source = f"{SOURCE}:{name}"
-        if not math.isfinite(value) or value < 0:
+        # NaN fails both comparisons; every reading of every changed host comes through here
+        if not 0 <= value <= _FLOAT_MAX:
             return self.impossible(name, value, kind, adapter)
-        return checked_reading(_number(value / scale), kind, source, None, None)
+        if scale != 1:
+            value /= scale
+        source = _SOURCES.get(name) or _source(name)
+        return checked_reading(
+            int(value) if value.is_integer() else value, kind, source, None, None
+        )
 
     def impossible(
         self, name: str, value: float, kind: Kind, adapter: str | None, why: str = ""
@@ -279,11 +307,10 @@ def _process_series(
                 status="confirmed" if confirmed else None,
             )
         return
-    m = _PROC_NAME.fullmatch(name)
-    if m is None:
+    parsed = _parsed(name)
+    if parsed is None:
         return
-    what, kind_word, unit = m.groups()
-    kind = KINDS.get(kind_word or "measured", Kind.MEASURED)
+    what, kind, unit = parsed
     if unit == "percent" and what.endswith("_utilization"):
         p.engines[what.removesuffix("_utilization")] = b.reading(name, value, kind, 1, pci or None)
     elif unit == "bytes" and what in _PROC_MEMORY:
