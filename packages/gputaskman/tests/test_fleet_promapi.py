@@ -347,3 +347,21 @@ def test_a_host_prometheus_has_not_scraped_lately_is_stale_with_its_last_numbers
     assert states["gpu-node-02:9835"].status is HostStatus.UP
     rows = [r for r in fleet_rows(fleet.states()) if r.host == "gpu-node-01:9835"]
     assert len(rows) == 1 and rows[0].memory_used is None and "stale" in rows[0].gpu
+
+
+def test_an_up_host_turns_stale_in_a_later_round_when_prometheus_stops_scraping_it():
+    """Catches a refresh that keeps an unchanged host's state without asking whether its
+    last scrape has grown too old (a Prometheus that stopped scraping would show its hosts
+    up, with numbers minutes old)."""
+    answers = json.loads(json.dumps(ANSWERS))
+    with fake_prometheus(recorded(answers)) as fake:
+        fleet = _fleet(fake.url)
+        fleet.refresh()
+        assert [s.status for s in fleet.states()][:2] == [HostStatus.UP, HostStatus.UP]
+        # two minutes later by Prometheus's clock, and no scrape since
+        stamps = answers["queries"]['gputaskman_sample_timestamp_seconds{job="gputaskman"}']
+        for r in stamps["data"]["result"]:
+            r["value"][0] += 120
+        fleet.refresh()
+    assert [s.status for s in fleet.states()][:2] == [HostStatus.STALE, HostStatus.STALE]
+    assert all("s old (over 3 s)" in s.reason for s in fleet.states()[:2])

@@ -42,6 +42,7 @@ TUI); while it does not, the state built from Prometheus's series, which says so
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import ssl
 import threading
@@ -133,6 +134,7 @@ class PromFleet:
         self._targets_read = -TARGETS_EVERY
         self._scraped: dict[str, float] = {}  # instance -> Prometheus's last scrape of it
         self._scraped_read = -TARGETS_EVERY
+        self._fresh_until: dict[str, float] = {}  # instance -> when an up host turns stale
         self._targets_ok = True
         self._changed = threading.Condition()
         self._wake = threading.Event()
@@ -282,10 +284,21 @@ class PromFleet:
             full.add(name)
         if (any(v != 1 for v in up.values()) or not self._scrape) and self._targets_due():
             self._read_targets()
-        return {
-            i: self._host(i, up[i], series.get(i), i in full, sample_at.get(i), now)
-            for i in sorted(up)
-        }
+        out: dict[str, HostState] = {}
+        states, fresh_until = self._states, self._fresh_until
+        for i in sorted(up):
+            prev = states.get(i)
+            if (
+                prev is not None
+                and up[i] == 1
+                and i not in series
+                and prev.status is HostStatus.UP
+                and now <= fresh_until.get(i, -math.inf)
+            ):
+                out[i] = prev  # nothing about it changed: most hosts, most rounds
+            else:
+                out[i] = self._host(i, up[i], series.get(i), i in full, sample_at.get(i), now)
+        return out
 
     def _scraped_every(self) -> float:
         """How often the hosts' last scrape times are read again: often enough that one read
@@ -369,4 +382,6 @@ class PromFleet:
                 HostStatus.STALE,
                 f"Prometheus's last scrape of it is {now - last:.0f} s old (over {limit:g} s)",
             )
+        # up until then at least, unless a round brings it something new
+        self._fresh_until[instance] = math.inf if last is None else last + limit
         return HostStatus.UP, None
