@@ -16,9 +16,9 @@ Once every host is up in Prometheus, this process measures:
   after its first round, which reads every host's series (median of `--first-runs`);
 * **1 Hz**: a `PromFleet` refreshing every second (each round reads the series of only the
   hosts whose sample changed) and, every second, the rows and totals the fleet table is made
-  of, for `--seconds`: the refresh thread's CPU, the whole process's, rounds per second and
-  hosts read per second. The table's drawing is not here: it draws only the rows on screen
-  (`gtm_tui_cost.py --fleet` measures that);
+  of, for `--seconds`: the refresh thread's CPU, the rows' and totals' (this thread's), the
+  whole process's, rounds per second and hosts read per second. The table's drawing is not
+  here: it draws only the rows on screen (`gtm_tui_cost.py --fleet` measures that);
 * Prometheus's own CPU (share of one core over the same window) and resident memory, and
   the simulated hosts' CPU, beside it.
 
@@ -227,11 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         rss = []
         cache = ViewCache()  # as the fleet table keeps one
+        table_cpu = 0.0
         while time.monotonic() - t0 < args.seconds:
             time.sleep(1.0)
+            started = time.thread_time()
             states = fleet.states()
             fleet_rows(states, cache=cache)
             fleet_totals(states, cache)
+            table_cpu += time.thread_time() - started
             rss.append(rss_mib(prom.pid))
         wall = time.monotonic() - t0
         results.update(
@@ -239,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": wall,
                 "fleet_thread_core_pct": 100 * (proc_cpu(me, tid) - c_thread) / wall,
                 "fleet_process_core_pct": 100 * (proc_cpu(me) - c_proc) / wall,
+                "table_rows_and_totals_core_pct": 100 * table_cpu / wall,
                 "rounds_per_s": (fleet.rounds - rounds) / wall,
                 "hosts_read_per_s": (sum(s.seq for s in fleet.states()) - seqs) / wall,
                 "prometheus_core_pct": 100 * (proc_cpu(prom.pid) - c_prom) / wall,

@@ -156,15 +156,23 @@ def fleet_rows(
         for s in states:
             out += _host_rows(s, live)
         return out
-    kept: dict[str, tuple[HostState, bool, list[FleetRow]]] = {}
+    rows = cache.rows
     for s in states:
-        hit = cache.rows.get(s.target.name)
+        hit = rows.get(s.target.name)
         if hit is None or hit[0] is not s or hit[1] != live:
-            hit = (s, live, _host_rows(s, live))
-        kept[s.target.name] = hit
+            hit = rows[s.target.name] = (s, live, _host_rows(s, live))
         out += hit[2]
-    cache.rows = kept
+    _forget_gone(rows, states)
     return out
+
+
+def _forget_gone(kept: dict[str, Any], states: Sequence[HostState]) -> None:
+    """Drop the cached hosts `states` no longer has (every one it has was just stored, so
+    the sizes differ exactly when some are gone)."""
+    if len(kept) != len(states):
+        names = {s.target.name for s in states}
+        for name in [n for n in kept if n not in names]:
+            del kept[name]
 
 
 # ---------------------------------------------------------------------------- totals
@@ -240,16 +248,17 @@ def fleet_totals(states: Sequence[HostState], cache: ViewCache | None = None) ->
     gpus = measured = inferred_n = up = 0
     used = total = inferred = estimated = runtime = 0.0
     any_est = any_rt = False
-    kept: dict[str, tuple[HostState, _HostSums]] = {}
+    sums = cache.sums if cache is not None else {}
     for s in states:
         by_status[str(s.status)] = by_status.get(str(s.status), 0) + 1
         up += s.up
         if cache is None:
             h = _host_sums(s)
         else:
-            hit = cache.sums.get(s.target.name)
-            h = hit[1] if hit is not None and hit[0] is s else _host_sums(s)
-            kept[s.target.name] = (s, h)
+            hit = sums.get(s.target.name)
+            if hit is None or hit[0] is not s:
+                hit = sums[s.target.name] = (s, _host_sums(s))
+            h = hit[1]
         gpus += h.gpus
         measured += h.measured
         used += h.used
@@ -263,7 +272,7 @@ def fleet_totals(states: Sequence[HostState], cache: ViewCache | None = None) ->
             runtime += h.runtime
             any_rt = True
     if cache is not None:
-        cache.sums = kept
+        _forget_gone(sums, states)
     return FleetTotals(
         hosts=len(states),
         up=up,
