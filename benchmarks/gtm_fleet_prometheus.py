@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         me = os.getpid()
         c_thread, c_proc = proc_cpu(me, tid), proc_cpu(me)
         c_prom, c_hosts = proc_cpu(prom.pid), proc_cpu(hosts_proc.pid)
-        rounds, seqs = fleet.rounds, sum(s.seq for s in fleet.states())
+        rounds, seqs = fleet.version, sum(s.seq for s in fleet.states())
         t0 = time.monotonic()
         rss = []
         cache = ViewCache()  # as the fleet table keeps one
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 "fleet_thread_core_pct": 100 * (proc_cpu(me, tid) - c_thread) / wall,
                 "fleet_process_core_pct": 100 * (proc_cpu(me) - c_proc) / wall,
                 "table_rows_and_totals_core_pct": 100 * table_cpu / wall,
-                "rounds_per_s": (fleet.rounds - rounds) / wall,
+                "rounds_per_s": (fleet.version - rounds) / wall,
                 "hosts_read_per_s": (sum(s.seq for s in fleet.states()) - seqs) / wall,
                 "prometheus_core_pct": 100 * (proc_cpu(prom.pid) - c_prom) / wall,
                 "prometheus_rss_mib": max(rss),

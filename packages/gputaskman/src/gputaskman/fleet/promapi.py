@@ -36,6 +36,7 @@ import threading
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import msgspec
 
@@ -73,40 +74,25 @@ class _TextSample(msgspec.Struct, gc=False):
     value: tuple[float, str]
 
 
-class _Vector(msgspec.Struct, gc=False):
+S = TypeVar("S", Sample, _TextSample)
+
+
+class _Vector(msgspec.Struct, Generic[S], gc=False):
     resultType: str
-    result: list[Sample]
+    result: list[S]
 
 
-class _TextVector(msgspec.Struct, gc=False):
-    resultType: str
-    result: list[_TextSample]
-
-
-class _QueryAnswer(msgspec.Struct, gc=False):
+class _QueryAnswer(msgspec.Struct, Generic[S], gc=False):
     status: str
-    data: _Vector | None = None
+    data: _Vector[S] | None = None
     error: str | None = None
-    errorType: str | None = None
-    warnings: list[str] = []
-
-
-class _TextQueryAnswer(msgspec.Struct, gc=False):
-    status: str
-    data: _TextVector | None = None
-    error: str | None = None
-    errorType: str | None = None
-    warnings: list[str] = []
 
 
 class _Target(msgspec.Struct, gc=False):
     labels: dict[str, str]
-    health: str = "unknown"
     lastError: str = ""
     scrapeUrl: str = ""
-    scrapePool: str = ""
     scrapeInterval: str = ""
-    lastScrape: str = ""
 
 
 class _Targets(msgspec.Struct, gc=False):
@@ -125,8 +111,8 @@ class _ErrorAnswer(msgspec.Struct, gc=False):
 
 # values are strings in the JSON: read as floats by msgspec's lax mode, which takes "NaN"
 # but not "+Inf"; an answer holding one is read again with the strings kept
-_QUERY = msgspec.json.Decoder(_QueryAnswer, strict=False)
-_QUERY_TEXT = msgspec.json.Decoder(_TextQueryAnswer)
+_QUERY = msgspec.json.Decoder(_QueryAnswer[Sample], strict=False)
+_QUERY_TEXT = msgspec.json.Decoder(_QueryAnswer[_TextSample])
 _TARGETS = msgspec.json.Decoder(_TargetsAnswer)
 _ERROR = msgspec.json.Decoder(_ErrorAnswer)
 
@@ -135,7 +121,6 @@ _ERROR = msgspec.json.Decoder(_ErrorAnswer)
 class Vector:
     at: float  # the evaluation time Prometheus answered for (Unix seconds)
     samples: Sequence[Sample]
-    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +128,8 @@ class ScrapeTarget:
     """One of Prometheus's active scrape targets, as ``/api/v1/targets`` lists it."""
 
     labels: Mapping[str, str]
-    health: str  # "up", "down" or "unknown"
     last_error: str
     scrape_url: str
-    pool: str
     interval_s: float | None  # its scrape interval (None: not given, or unreadable)
 
 
@@ -268,10 +251,8 @@ class PromClient:
         return [
             ScrapeTarget(
                 t.labels,
-                t.health,
                 t.lastError,
                 t.scrapeUrl,
-                t.scrapePool,
                 parse_duration(t.scrapeInterval),
             )
             for t in ans.data.activeTargets
@@ -373,22 +354,23 @@ class PromClient:
 def decode_vector(body: bytes, url: str) -> Vector:
     """An instant query's answer, or `PromError` saying what is wrong with it (`url`
     names the server in the message)."""
+    words = False  # the values kept as Prometheus's strings
     try:
-        ans: _QueryAnswer | _TextQueryAnswer = _QUERY.decode(body)
+        ans: _QueryAnswer[Sample] | _QueryAnswer[_TextSample] = _QUERY.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError):
         try:
-            ans = _QUERY_TEXT.decode(body)
+            ans, words = _QUERY_TEXT.decode(body), True
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise PromError(f"{url} answered a query with {_what(body, exc)}") from None
     if ans.status != "success" or ans.data is None:
         raise PromError(f"{url}: query failed: {_one_line(ans.error or ans.status)}")
     if ans.data.resultType != "vector":
         raise PromError(f"{url}: expected an instant vector, got {_one_line(ans.data.resultType)}")
-    result = ans.data.result
-    if isinstance(ans, _TextQueryAnswer):
-        result = [_number(s, url) for s in ans.data.result]
+    result: list[Sample] = ans.data.result  # type: ignore[assignment]
+    if words:
+        result = [_number(s, url) for s in ans.data.result]  # type: ignore[arg-type]
     at = result[0].value[0] if result else math.nan
-    return Vector(at, result, tuple(ans.warnings))  # type: ignore[arg-type]
+    return Vector(at, result)
 
 
 def _number(s: _TextSample, url: str) -> Sample:

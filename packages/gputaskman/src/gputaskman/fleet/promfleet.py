@@ -126,7 +126,6 @@ class PromFleet:
         self.token = token  # for `focus`: the hosts' own serve
         self.tls = tls
         self.error: str | None = None  # why Prometheus did not answer the last round
-        self.rounds = 0
         self.version = 0
         self._states: dict[str, HostState] = {}
         self._sample_at: dict[str, float] = {}
@@ -134,6 +133,7 @@ class PromFleet:
         self._targets_read = -TARGETS_EVERY
         self._scraped: dict[str, float] = {}  # instance -> Prometheus's last scrape of it
         self._scraped_read = -TARGETS_EVERY
+        self._scraped_every = 0.0  # seconds between reads of them (set with the targets)
         self._fresh_until: dict[str, float] = {}  # instance -> when an up host turns stale
         self._targets_ok = True
         self._changed = threading.Condition()
@@ -195,7 +195,7 @@ class PromFleet:
     def wait_polled(self, timeout: float) -> bool:
         """Wait until Prometheus has answered (or failed) once (True), or `timeout`."""
         with self._changed:
-            return self._changed.wait_for(lambda: self.rounds > 0, timeout=timeout)
+            return self._changed.wait_for(lambda: self.version > 0, timeout=timeout)
 
     def focus(self, name: str | None) -> None:
         """Poll host `name` directly as well, and read all its series (None: stop), see the
@@ -237,7 +237,6 @@ class PromFleet:
         with self._changed:
             self._states = states
             self.error = error
-            self.rounds += 1
             self.version += 1
             self._changed.notify_all()
 
@@ -255,7 +254,7 @@ class PromFleet:
         up.pop("", None)
         stamps = c.query(f"{TIMESTAMP}{{{sel}}}")
         now = stamps.at if stamps.at == stamps.at else time.time()
-        if time.monotonic() - self._scraped_read >= self._scraped_every() or any(
+        if time.monotonic() - self._scraped_read >= self._scraped_every or any(
             i not in self._scraped for i in up
         ):
             self._scraped_read = time.monotonic()
@@ -300,14 +299,6 @@ class PromFleet:
                 out[i] = self._host(i, up[i], series.get(i), i in full, sample_at.get(i), now)
         return out
 
-    def _scraped_every(self) -> float:
-        """How often the hosts' last scrape times are read again: often enough that one read
-        late never makes a host look stale (a third of the shortest stale limit)."""
-        shortest = min(
-            (t.interval_s or DEFAULT_SCRAPE_INTERVAL for t in self._scrape.values()), default=0.0
-        )
-        return min(TARGETS_EVERY, STALE_SCRAPES * shortest / 3)
-
     def _targets_due(self) -> bool:
         return self._targets_ok and time.monotonic() - self._targets_read >= TARGETS_EVERY
 
@@ -321,6 +312,12 @@ class PromFleet:
         self._scrape = {
             t.labels.get("instance", ""): t for t in found if t.labels.get("job") == self.job
         }
+        # the hosts' last scrape times are read again often enough that one read late never
+        # makes a host look stale: a third of the shortest stale limit
+        shortest = min(
+            (t.interval_s or DEFAULT_SCRAPE_INTERVAL for t in self._scrape.values()), default=0.0
+        )
+        self._scraped_every = min(TARGETS_EVERY, STALE_SCRAPES * shortest / 3)
 
     def _host(
         self,
