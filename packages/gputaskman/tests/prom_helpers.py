@@ -110,10 +110,11 @@ Handler = Callable[[BaseHTTPRequestHandler, str, Mapping[str, list[str]]], None]
 class FakePrometheus:
     """A loopback HTTP server whose every request goes to `handler(request, path, params)`
     (the query string's or the POSTed form's parameters). `requests` records
-    (path, params, Authorization header)."""
+    (path, params, Authorization header), `methods` each one's method."""
 
     def __init__(self, handler: Handler) -> None:
         self.requests: list[tuple[str, dict[str, list[str]], str | None]] = []
+        self.methods: list[str] = []  # each request's, in order
         fake = self
 
         class _H(BaseHTTPRequestHandler):
@@ -129,6 +130,7 @@ class FakePrometheus:
                     query = self.rfile.read(n).decode()
                 params = urllib.parse.parse_qs(query)
                 fake.requests.append((path, params, self.headers.get("Authorization")))
+                fake.methods.append(self.command)
                 handler(self, path, params)
 
             do_GET = do_POST = _any

@@ -208,6 +208,7 @@ def test_the_bearer_token_goes_with_every_request_and_long_queries_are_posted():
         client.targets()
     assert [a for _, _, a in fake.requests] == ["Bearer s3cret-token-0123456789"] * 3
     assert fake.requests[1][1]["query"][0].startswith("up{instance=~")
+    assert fake.methods == ["GET", "POST", "GET"]  # the long one as a form
 
 
 def test_off_loopback_plain_http_without_credentials_is_refused():
