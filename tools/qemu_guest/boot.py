@@ -465,15 +465,7 @@ def run_guest(
         monitor = work / "monitor.sock" if sysrq_at or stall_s else None
         cmd = qemu_command(kernel, initrd, mem_mib, console, results, net, monitor)
         t0 = time.monotonic()
-        with open(work / "qemu.log", "wb") as qlog:
-            qemu = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=qlog,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+        qemu = start_qemu(cmd, work / "qemu.log")
         if kill_memserver_at is not None and stop_memserver_at is not None:
             raise ValueError("kill_memserver_at and stop_memserver_at exclude each other")
         act_at = kill_memserver_at if kill_memserver_at is not None else stop_memserver_at
@@ -507,15 +499,15 @@ def run_guest(
         rc = qemu.poll()
         timed_out = rc is None and not watch.hung
         seconds = round(time.monotonic() - t0, 1)
-        _kill_group(qemu)
-        events, markers = parse_results(_read(results))
+        kill_group(qemu)
+        events, markers = parse_results(read_text(results))
         return GuestRun(
             rc,
             timed_out,
             seconds,
             events,
             markers,
-            _read(console) + _read(work / "qemu.log"),
+            read_text(console) + read_text(work / "qemu.log"),
             [memserver_status(s.port, net, python, secret) for s in servers],
             hung=watch.hung,
             memserver_killed_at=killed_at,
@@ -523,7 +515,7 @@ def run_guest(
         )
     finally:
         if qemu is not None:
-            _kill_group(qemu)
+            kill_group(qemu)
         for s in servers:
             with contextlib.suppress(OSError):
                 s.proc.send_signal(signal.SIGCONT)  # a stopped one would not hear SIGTERM
@@ -606,14 +598,29 @@ def sysrq(monitor: Path, keys: str) -> None:
             time.sleep(2)
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def start_qemu(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """QEMU started in its own process group (`kill_group` ends it and anything it started),
+    its output in `log`, and killed by the kernel if this process dies first."""
+    with open(log, "wb") as qlog:
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=qlog,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
 
 
-def _read(path: Path) -> str:
+def read_text(path: Path) -> str:
+    """A guest's log, or "" when it was never written."""
     try:
         return path.read_text(errors="replace")
     except OSError:

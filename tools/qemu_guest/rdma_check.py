@@ -161,33 +161,25 @@ def run_check(
         console, results = work / "console.log", work / "results.log"
         cmd = boot.qemu_command(kernel, initrd, mem_mib, console, results)
         t0 = time.monotonic()
-        with open(work / "qemu.log", "wb") as qlog:
-            qemu = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=qlog,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=boot._die_with_parent,
-            )
+        qemu = boot.start_qemu(cmd, work / "qemu.log")
         try:
             rc: int | None = qemu.wait(timeout_s)
         except subprocess.TimeoutExpired:
             rc = None
         seconds = round(time.monotonic() - t0, 1)
-        boot._kill_group(qemu)
-        events, markers = boot.parse_results(boot._read(results))
+        boot.kill_group(qemu)
+        events, markers = boot.parse_results(boot.read_text(results))
         return boot.GuestRun(
             rc,
             rc is None,
             seconds,
             events,
             markers,
-            boot._read(console) + boot._read(work / "qemu.log"),
+            boot.read_text(console) + boot.read_text(work / "qemu.log"),
         )
     finally:
         if qemu is not None:
-            boot._kill_group(qemu)
+            boot.kill_group(qemu)
         if own_tmp:
             shutil.rmtree(work, ignore_errors=True)
 
