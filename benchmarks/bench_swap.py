@@ -21,13 +21,13 @@ Targets, one swap device each at the highest swap priority (32767), so the workl
 to the device under test and nowhere else:
 
 * ``duvm-1``, ``duvm-3``: ``duvm enable`` (daemon + 1 or 3 memservers on loopback, one copy of
-  each page), through duvm's own attach (:mod:`duvm.node.attach`);
+  each page), through duvm's own attach (:mod:`duvm.node.attach.attach`);
 * ``duvm-3r2``: the same with 3 memservers and two copies of each page, the default of
   ``duvm enable`` and ``duvm demo`` with 3 peers (every swapped-out page is sent twice);
 * ``nbdkit``: ``nbdkit memory`` (the C reference NBD server) on a Unix socket, attached by the
-  SAME :func:`duvm.node.attach.attach` call, so it goes through the same frontend as duvm: kernel
-  nbd where the kernel has it, else nbdfuse + a loop device with direct I/O (this project's VM:
-  no nbd module). ``duvm-3 / nbdkit`` is the issue's target ratio (<= 1.15x);
+  SAME :func:`duvm.node.attach.attach.attach` call, so it goes through the same frontend as duvm:
+  kernel nbd where the kernel has it, else nbdfuse + a loop device with direct I/O (this project's
+  VM: no nbd module). ``duvm-3 / nbdkit`` is the issue's target ratio (<= 1.15x);
 * ``duvm-local``: ``duvm daemon --memory``, the same NBD server over its in-RAM store (one hop,
   no memserver), attached the same way: it separates what the Python NBD layer costs from
   what the second hop to the memservers costs;
@@ -82,7 +82,8 @@ from cpusteal import cpu_times, steal_percent  # benchmarks/, next to this scrip
 from duvm.base import cgroup
 from duvm.base.units import parse_size
 from duvm.cli import demo
-from duvm.node import attach, attach_kernel, attach_state, control, kernel_swap, processes, systools
+from duvm.node.attach import attach, attach_kernel, attach_state, kernel_swap, processes, systools
+from duvm.node.lifecycle import control
 
 PRIORITY = demo.MAX_PRIORITY  # the highest: the kernel uses the device under test first
 MiB = 1 << 20

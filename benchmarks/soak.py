@@ -39,7 +39,7 @@ from pathlib import Path
 
 from duvm.base import cgroup
 from duvm.cli import demo
-from duvm.node import attach
+from duvm.node.attach import attach
 from duvm.testing import netns_cluster
 from duvm.wire import control_socket
 

@@ -73,31 +73,65 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def may_import(doc: str) -> str | None:
+    """A docstring's "May import:" line as one line, without the label and its final full stop
+    (None when it has none). The line may wrap: it runs to the next blank line or the
+    docstring's end. tools/module_map.py prints it as written."""
+    m = re.search(r"^May import: (.+?)(?:\n\s*\n|\Z)", doc, re.MULTILINE | re.DOTALL)
+    return " ".join(m.group(1).split()).rstrip(".") if m else None
+
+
 def layer_rules(src: Path) -> dict[str, set[str] | None]:
     """Layer -> the layers it may import, from each subpackage docstring's "May import:" line
-    (None: any layer)."""
+    (None: any layer). Every top-level subpackage is a layer and must have the line; a deeper
+    subpackage whose docstring has one is a layer of its own, named by its dotted path below
+    the package ("node.daemon"), and one without belongs to the layer around it. The line names
+    layers by their module path ("duvm.base, duvm.node.attach")."""
+    pkg = src.name
     rules: dict[str, set[str] | None] = {}
-    for init in sorted(src.glob("*/__init__.py")):
-        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        # the line may wrap: it runs to the next blank line or the docstring's end
-        m = re.search(r"^May import: (.+?)(?:\n\s*\n|\Z)", doc, re.MULTILINE | re.DOTALL)
-        assert m, f"{init} does not say what it may import"
-        said = " ".join(m.group(1).split()).rstrip(".")
+    for init in sorted(src.rglob("*/__init__.py")):
+        rel = init.parent.relative_to(src).parts
+        said = may_import(ast.get_docstring(ast.parse(init.read_text())) or "")
+        if len(rel) > 1 and said is None:
+            continue
+        assert said is not None, f"{init} does not say what it may import"
+        name = ".".join(rel)
         if said == "any layer":
-            rules[init.parent.name] = None
+            rules[name] = None
         elif said.startswith("nothing"):
-            rules[init.parent.name] = set()
+            rules[name] = set()
         else:
-            rules[init.parent.name] = {x.strip().split(".")[-1] for x in said.split(",")}
+            rules[name] = {x.strip().removeprefix(f"{pkg}.") for x in said.split(",")}
     return rules
 
 
+def _within(layer: str, other: str) -> bool:
+    """`layer` is `other` or one of its sub-layers."""
+    return layer == other or layer.startswith(f"{other}.")
+
+
 def layer_violations(graph: dict[str, set[str]], rules: dict[str, set[str] | None]) -> list[str]:
+    """Each import from one layer into another that the importer's rule does not allow
+    (allowing a layer allows its sub-layers), and each sub-layer rule that allows a layer
+    outside its parent that its parent's rule does not."""
+
     def layer(mod: str) -> str | None:
-        parts = mod.split(".")
-        return parts[1] if len(parts) > 1 and parts[1] in rules else None
+        rest = mod.split(".", 1)[1] if "." in mod else ""
+        inside = [k for k in rules if _within(rest, k)]
+        return max(inside, key=len) if inside else None
+
+    def allows(allowed: set[str] | None, other: str) -> bool:
+        return allowed is None or any(_within(other, a) for a in allowed)
 
     bad = []
+    for sub, allowed in sorted(rules.items()):
+        parents = [k for k in rules if k != sub and _within(sub, k)]
+        if not parents:
+            continue
+        parent = max(parents, key=len)
+        for other in sorted(allowed) if allowed is not None else ["any layer"]:
+            if not _within(other, parent) and not allows(rules[parent], other):
+                bad.append(f"{sub} may import {other}, which {parent} may not")
     for mod, deps in sorted(graph.items()):
         own = layer(mod)
         if own is None:
@@ -105,8 +139,7 @@ def layer_violations(graph: dict[str, set[str]], rules: dict[str, set[str] | Non
         allowed = rules[own]
         for dep in sorted(deps):
             other = layer(dep)
-            if other is None or other == own or allowed is None:
+            if other is None or other == own or allows(allowed, other):
                 continue
-            if other not in allowed:
-                bad.append(f"{mod} imports {dep} ({own} may import {sorted(allowed)})")
+            bad.append(f"{mod} imports {dep} ({own} may import {sorted(allowed or ())})")
     return bad

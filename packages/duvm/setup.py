@@ -27,7 +27,7 @@ COMPILED = {
     "duvm.store._cryptpath": [],
     "duvm.store._readpath": [],
     "duvm.store._sendqueue": [],
-    "duvm.node._transmission": [],
+    "duvm.node.daemon._transmission": [],
     "duvm.store._slabtable": [],
 }
 

@@ -92,7 +92,7 @@ def duvm(*args: str, timeout: float = 300) -> dict[str, Any]:
 def status() -> dict[str, Any] | None:
     """What `duvm status --json` prints, computed in this process: a new interpreter costs
     5-25 s under TCG, the call itself well under one."""
-    from duvm.node import control
+    from duvm.node.lifecycle import control
 
     try:
         return control.status(Path(STATE_DIR))
@@ -117,7 +117,7 @@ def device_facts(nbd: str = "nbd0") -> dict[str, Any]:
         "watermark_boost_factor": int(Path("/proc/sys/vm/watermark_boost_factor").read_text()),
         "state_files": sorted(os.listdir(STATE_DIR)) if os.path.isdir(STATE_DIR) else [],
         "daemon_pids": _pids_with("duvm.cli\0daemon"),
-        "holder_pids": _pids_with("duvm.node.kernelnbd"),
+        "holder_pids": _pids_with("duvm.node.attach.kernelnbd"),
         "supervisor_pids": _pids_with("duvm.cli\0supervise"),
         "daemon_policies": [_policy(p) for p in _pids_with("duvm.cli\0daemon")],
         "daemon_state_mount": _mount_type(STATE_DIR + "/daemon-state"),
@@ -336,8 +336,8 @@ def run_urandom_workload(mib: int) -> dict[str, Any]:
 
 def kill_and_resume() -> None:
     """SIGKILL the daemon in the middle of the workload: the supervisor `duvm enable` started
-    must restart it (`duvm.node.resume`), the new daemon take the live /dev/nbd0 back and serve
-    every page it had; a `duvm enable --resume` by hand afterwards must find nothing to do."""
+    must restart it (`duvm.node.lifecycle.resume`), the new daemon take the live /dev/nbd0 back and
+    serve every page it had; a `duvm enable --resume` by hand afterwards must find nothing to do."""
     info = json.loads(Path(STATE_DIR, "daemon.json").read_text())
     old_pid = info["pid"]
     before = vmstat()
@@ -555,7 +555,7 @@ def nbdkit_baseline(mib: int, cgroup_mib: int | None) -> int:
     kernel's requests to `nbdkit memory` on the host (DUVM_NBDKIT_ADDR), the way the daemon
     relays them to memservers there, attached and swapped on by the same `attach` call as
     `duvm enable` (kernel nbd, same priority, same discard)."""
-    from duvm.node import attach
+    from duvm.node.attach import attach
 
     host, _, port = os.environ["DUVM_NBDKIT_ADDR"].rpartition(":")
     relay = subprocess.Popen(

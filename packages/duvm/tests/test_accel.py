@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from duvm.base import accel
-from duvm.node import doctor_host
-from duvm.node.doctor_check import OK, WARN
+from duvm.node.doctor import doctor_host
+from duvm.node.doctor.doctor_check import OK, WARN
 
 PKG = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def test_without_a_build_the_pure_path_runs_and_says_so() -> None:
         "sys.modules['duvm.store._pagecipher'] = None\n"  # as if never built
         "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
         "from duvm.base import accel\n"
-        "from duvm.node import doctor_host\n"
+        "from duvm.node.doctor import doctor_host\n"
         "from duvm.store.page_cipher import page_cipher\n"
         "c = doctor_host.check_request_path()\n"
         "accel.announce(logging.getLogger('t')); accel.announce(logging.getLogger('t'))\n"
@@ -67,7 +67,7 @@ def test_without_a_build_the_pure_path_runs_and_says_so() -> None:
 
 def test_the_switch_chooses_the_reference_without_a_warning() -> None:
     res = _python(
-        "import json\nfrom duvm.node import doctor_host\n"
+        "import json\nfrom duvm.node.doctor import doctor_host\n"
         "c = doctor_host.check_request_path(); print(json.dumps([c.status, c.detail]))",
         DUVM_PURE_PYTHON="1",
     )

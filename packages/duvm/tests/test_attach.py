@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from duvm.node import (
+from duvm.node.attach import (
     attach,
     attach_fuse,
     attach_kernel,
@@ -28,7 +28,7 @@ from duvm.node import (
     kernelnbd,
     systools,
 )
-from duvm.node.kernelnbd import NbdHandshakeError
+from duvm.node.attach.kernelnbd import NbdHandshakeError
 from duvm.wire import nbdconst as C
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from duvm.cli import demo
-from duvm.node import kernel_swap, processes, systools
+from duvm.node.attach import kernel_swap, processes, systools
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_swap.py"
 TINY = ["--reps", "1", "--mib", "64", "--limit-mib", "24"]

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from duvm.node import control
+from duvm.node.lifecycle import control
 from duvm.testing import netns_cluster
 from duvm.wire import control_socket
 

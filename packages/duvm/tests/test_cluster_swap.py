@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from duvm.base import cgroup
 from duvm.cli import demo
-from duvm.node import attach, attach_state, kernel_swap
+from duvm.node.attach import attach, attach_state, kernel_swap
 from duvm.testing import netns_cluster
 from duvm.wire import control_socket
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from duvm.node import config, control
+from duvm.node.lifecycle import config, control
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -70,7 +70,7 @@ def _example_with_secret(tmp_path: Path, secret: str | None) -> Path:
 def test_example_config_passes_doctors_parse_and_peer_auth(tmp_path: Path) -> None:
     """doctor reads the example as enable would, and its off-loopback peers are authenticated by
     the secret_file line; without that line the daemon's rule refuses them."""
-    from duvm.node import doctor, doctor_check, doctor_cluster
+    from duvm.node.doctor import doctor, doctor_check, doctor_cluster
 
     secret = tmp_path / "cluster.secret"
     res = run_cli("secret", "generate", str(secret))
@@ -259,7 +259,7 @@ def test_node_config_without_node_table_says_what_to_add(tmp_path: Path) -> None
     ],
 )
 def test_is_own_memserver(peer: str, listen: str, own: bool) -> None:
-    from duvm.node.config import is_own_memserver
+    from duvm.node.lifecycle.config import is_own_memserver
 
     assert is_own_memserver(peer, listen) is own
 
@@ -440,7 +440,7 @@ def test_replicas_default_to_two_when_the_peers_allow(
     cmd = control.daemon_command(cfg)
     assert cmd[cmd.index("--replicas") + 1] == str(expected)
     # the command line's own defaults agree with the config file's
-    from duvm.node import enable
+    from duvm.node.lifecycle import enable
 
     parser = argparse.ArgumentParser()
     enable.add_arguments(parser)

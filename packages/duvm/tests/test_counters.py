@@ -10,7 +10,7 @@ from pathlib import Path
 
 import duvm.store as store_pkg
 import pytest
-from duvm.node.nbdserver import NBDServer
+from duvm.node.daemon.nbdserver import NBDServer
 from duvm.store.counters import Counters, merge
 from duvm.store.crypt_store import CryptStore
 from duvm.store.memory_store import MemoryStore

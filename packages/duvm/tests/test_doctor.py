@@ -19,17 +19,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from duvm.node import (
-    attach_fuse,
-    attach_kernel,
-    attach_state,
-    doctor,
-    doctor_check,
-    doctor_cluster,
-    doctor_host,
-    kernel_swap,
-    systools,
-)
+from duvm.node.attach import attach_fuse, attach_kernel, attach_state, kernel_swap, systools
+from duvm.node.doctor import doctor, doctor_check, doctor_cluster, doctor_host
 
 NOBODY = 65534
 PY = sys.executable
@@ -417,7 +408,7 @@ def test_uvloop_absent_is_a_warning() -> None:
     # sys.modules[name] = None makes `import name` raise ImportError: uvloop as if uninstalled
     code = (
         "import sys; sys.modules['uvloop'] = None\n"
-        "from duvm.node import doctor_host\n"
+        "from duvm.node.doctor import doctor_host\n"
         "c = doctor_host.check_uvloop(); print(c.status, c.required, c.fix)"
     )
     res = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, check=False)
@@ -432,7 +423,8 @@ def test_not_root_fails_after_a_real_drop_to_nobody(tmp_path: Path) -> None:
     # argparse loads lazily), then the process really drops to nobody and runs the doctor.
     code = (
         "import os, shutil, sys, uvloop\n"
-        "from duvm import cli\nfrom duvm.node import doctor\nfrom duvm.store import memclient\n"
+        "from duvm import cli\nfrom duvm.node.doctor import doctor\n"
+        "from duvm.store import memclient\n"
         "cli.build_parser().format_help()\n"
         f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
         "sys.exit(cli.main(['doctor', '--json']))\n"

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 from duvm.base import cgroup, ramfs
 from duvm.cli import demo
-from duvm.node import attach, attach_fuse, attach_state, control, kernel_swap, processes
+from duvm.node.attach import attach, attach_fuse, attach_state, kernel_swap, processes
+from duvm.node.lifecycle import control
 
 LIMIT_MIB, WORKLOAD_MIB = 64, 256
 PAGE = 4096

@@ -23,9 +23,9 @@ layer_rules, layer_violations = ig.layer_rules, ig.layer_violations
 
 def test_duvm_has_no_import_cycles() -> None:
     graph = module_graph(SRC)
-    assert "duvm.node.daemon" in graph and "duvm.store.remote_store" in graph[
-        "duvm.node.daemon"
-    ] | {m for d in graph["duvm.node.daemon"] for m in graph[d]}
+    assert "duvm.node.daemon.daemon" in graph and "duvm.store.remote_store" in graph[
+        "duvm.node.daemon.daemon"
+    ] | {m for d in graph["duvm.node.daemon.daemon"] for m in graph[d]}
     assert cycles(graph) == []
 
 
@@ -48,9 +48,23 @@ def test_the_checker_finds_a_cycle_hidden_in_a_function(tmp_path: Path) -> None:
 
 def test_every_module_is_in_a_layer() -> None:
     rules = layer_rules(SRC)
-    assert set(rules) == {"base", "wire", "store", "memserver", "node", "cli", "testing"}
+    assert set(rules) == {"base", "wire", "store", "memserver", "node", "cli", "testing"} | {
+        "node.daemon",
+        "node.attach",
+        "node.lifecycle",
+        "node.doctor",
+    }
     loose = sorted(f.name for f in SRC.glob("*.py") if f.name != "__init__.py")
     assert loose == [], f"modules outside a layer: {loose}"
+    # a layer split into sub-layers by job keeps no modules of its own beside them
+    split = {k.rsplit(".", 1)[0] for k in rules if "." in k}
+    loose = sorted(
+        str(f.relative_to(SRC))
+        for layer in split
+        for f in (SRC / layer.replace(".", "/")).glob("*.py")
+        if f.name != "__init__.py"
+    )
+    assert loose == [], f"modules beside their layer's sub-layers: {loose}"
 
 
 def test_each_layer_imports_only_what_its_docstring_allows() -> None:
@@ -73,6 +87,45 @@ def test_the_layer_checker_finds_an_upward_import(tmp_path: Path) -> None:
     assert layer_violations(module_graph(pkg), rules) == [
         "pkg.base.b imports pkg.store (base may import [])",
         "pkg.base.b imports pkg.store.s (base may import [])",
+    ]
+
+
+def test_the_layer_checker_reads_sub_layers(tmp_path: Path) -> None:
+    """Catches a checker that stops at the top-level folders (node/ was one layer until its
+    four jobs became sub-layers): a sub-layer is held to its own rule, also against its
+    siblings, a folder without a rule belongs to the layer around it, and a sub-layer's rule
+    cannot allow more outside its parent than the parent's rule does."""
+    pkg = tmp_path / "pkg"
+    for sub, rule in (
+        ("base", "nothing else of pkg"),
+        ("store", "pkg.base"),
+        ("node", "pkg.base"),
+        ("node/a", "pkg.base"),
+        ("node/b", "pkg.base, pkg.node.a"),
+        ("node/c", "pkg.base, pkg.store"),
+        ("node/a/inner", None),
+    ):
+        (pkg / sub).mkdir(parents=True)
+        said = f"\n\nMay import: {rule}.\n" if rule else ""
+        (pkg / sub / "__init__.py").write_text(f'"""Layer.{said}"""\n')
+    (pkg / "__init__.py").write_text("")
+    (pkg / "base" / "u.py").write_text("")
+    (pkg / "node" / "a" / "inner" / "m.py").write_text("from pkg.node.b import n\n")
+    (pkg / "node" / "b" / "n.py").write_text("from pkg.node.a.inner import m\n")
+    (pkg / "node" / "c" / "k.py").write_text("from pkg.base import u\n")
+    rules = layer_rules(pkg)
+    assert rules == {
+        "base": set(),
+        "store": {"base"},
+        "node": {"base"},
+        "node.a": {"base"},
+        "node.b": {"base", "node.a"},
+        "node.c": {"base", "store"},
+    }
+    assert layer_violations(module_graph(pkg), rules) == [
+        "node.c may import store, which node may not",
+        "pkg.node.a.inner.m imports pkg.node.b (node.a may import ['base'])",
+        "pkg.node.a.inner.m imports pkg.node.b.n (node.a may import ['base'])",
     ]
 
 

@@ -1,6 +1,6 @@
-"""Which block-device path `duvm enable` takes (duvm.node.attach.resolve_method): `auto` takes
-kernel nbd and nothing else; the nbdfuse + loop fallback, which can hang a node short of memory
-as a whole, only when asked for by name. Enable, doctor and the demo say the same."""
+"""Which block-device path `duvm enable` takes (duvm.node.attach.attach.resolve_method): `auto`
+takes kernel nbd and nothing else; the nbdfuse + loop fallback, which can hang a node short of
+memory as a whole, only when asked for by name. Enable, doctor and the demo say the same."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 from duvm.cli import demo
-from duvm.node import attach, attach_fuse, attach_kernel, attach_state, control, doctor_host
-from duvm.node.doctor_check import FAIL, OK
+from duvm.node.attach import attach, attach_fuse, attach_kernel, attach_state
+from duvm.node.doctor import doctor_host
+from duvm.node.doctor.doctor_check import FAIL, OK
+from duvm.node.lifecycle import control
 
 DUVM = [sys.executable, "-m", "duvm.cli"]
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="enable needs root")

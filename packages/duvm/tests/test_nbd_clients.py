@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from duvm.node.nbdserver import NBDServer
+from duvm.node.daemon.nbdserver import NBDServer
 from duvm.store.memory_store import MemoryStore
 from duvm.store.storage import BlockStore, FaultStore
 

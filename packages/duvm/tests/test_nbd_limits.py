@@ -9,7 +9,7 @@ import shutil
 import stat
 
 import pytest
-from duvm.node.nbdserver import NBDServer
+from duvm.node.daemon.nbdserver import NBDServer
 from duvm.store.memory_store import MemoryStore
 
 

@@ -1,5 +1,5 @@
-"""The NBD connection's transmission phase: the compiled twin (`duvm.node._transmission`)
-against the reference (`duvm.node.nbd_transmission`), differential, and the reference's own
+"""The NBD connection's transmission phase: the compiled twin (`duvm.node.daemon._transmission`)
+against the reference (`duvm.node.daemon.nbd_transmission`), differential, and the reference's own
 rules.
 
 Both get the same operations drawn by Hypothesis on a real event loop, with the real decoder
@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 from duvm.base import accel
-from duvm.node import nbd_transmission
-from duvm.node.nbdserver import ServerStats, transmission_flags
+from duvm.node.daemon import nbd_transmission
+from duvm.node.daemon.nbdserver import ServerStats, transmission_flags
 from duvm.store.storage import Batching, Capabilities, StorageError
 from duvm.wire import nbdconst as C
 from duvm.wire.nbdproto import ExportInfo, buffer_pool, transmission_decoder
@@ -37,8 +37,10 @@ from hypothesis import strategies as st
 
 PS = 4096
 PAGES = 64  # the export: 64 pages
-BUILT = accel.state("duvm.node._transmission")
-compiled = importlib.import_module("duvm.node._transmission") if BUILT == "compiled" else None
+BUILT = accel.state("duvm.node.daemon._transmission")
+compiled = (
+    importlib.import_module("duvm.node.daemon._transmission") if BUILT == "compiled" else None
+)
 if compiled is None and os.environ.get("DUVM_REQUIRE_COMPILED") == "1":
     raise AssertionError(f"the compiled path is required here: {BUILT}")
 needs_compiled = pytest.mark.skipif(compiled is None, reason=f"compiled path: {BUILT}")

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 from duvm.base import accel
-from duvm.node.nbdserver import transmission_flags
+from duvm.node.daemon.nbdserver import transmission_flags
 from duvm.store.storage import Capabilities
 from duvm.wire import nbdconst as C
 from duvm.wire import nbdproto

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from duvm.node import control
+from duvm.node.lifecycle import control
 from duvm.store.memclient import MemClient
 from duvm.store.memserver_errors import PageServerError
 from duvm.store.memserver_status import query_status

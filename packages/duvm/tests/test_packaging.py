@@ -50,7 +50,7 @@ def test_sdist_has_readme_license_units_and_sources(dist: dict[str, Path]) -> No
         "pyproject.toml",
         "duvm.example.toml",
         f"src/{NAME}/cli/__init__.py",
-        f"src/{NAME}/node/daemon.py",  # the layer folders too
+        f"src/{NAME}/node/daemon/daemon.py",  # the layer folders too
         "systemd/duvm-node.service",
         "systemd/duvm-enable.service",
         "setup.py",  # builds the compiled path, from the .pyx sources
@@ -73,7 +73,7 @@ def test_wheel_metadata_and_entry_points(dist: dict[str, Path]) -> None:
         names = zf.namelist()
     assert "License-Expression: MIT" in meta
     assert "duvm = duvm.cli:main" in eps
-    assert f"{NAME}/node/doctor.py" in names
+    assert f"{NAME}/node/doctor/doctor.py" in names
     assert all(n.startswith((f"{NAME}/", info)) for n in names), names
     assert not [n for n in names if n.endswith(".c")]  # generated C stays out
     if accel.report().path == "compiled":  # built here, so the wheel carries it too

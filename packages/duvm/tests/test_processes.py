@@ -1,6 +1,6 @@
-"""Telling our helper processes apart from whatever later holds their PID (duvm.node.processes):
-the kernel hands a reaped process's PID to the next process that needs one, so a PID alone
-names no process for long."""
+"""Telling our helper processes apart from whatever later holds their PID
+(duvm.node.attach.processes): the kernel hands a reaped process's PID to the next process that needs
+one, so a PID alone names no process for long."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from duvm.node import control, processes, supervisor_process
+from duvm.node.attach import processes
+from duvm.node.lifecycle import control, supervisor_process
 
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 

@@ -11,7 +11,7 @@ import random
 import shutil
 
 import pytest
-from duvm.node.nbdserver import NBDServer
+from duvm.node.daemon.nbdserver import NBDServer
 from duvm.store.readahead import WINDOW_PAGES
 from duvm.store.remote_store import RemoteStore
 from duvm.store.storage import PAGE_SIZE as PS

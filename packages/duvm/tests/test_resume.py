@@ -1,6 +1,6 @@
-"""`duvm enable --resume` (duvm.node.resume): what it refuses, with which words, before it touches
-anything; the successful path runs under QEMU (test_kernel_nbd_qemu.py), where the kernel has
-nbd."""
+"""`duvm enable --resume` (duvm.node.lifecycle.resume): what it refuses, with which words, before it
+touches anything; the successful path runs under QEMU (test_kernel_nbd_qemu.py), where the kernel
+has nbd."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from duvm.cli import main
-from duvm.node import attach_state, control, resume
+from duvm.node.attach import attach_state
+from duvm.node.lifecycle import control, resume
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="resume needs root")
 

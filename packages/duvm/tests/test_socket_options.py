@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from duvm.base import sockets
 from duvm.base.sockets import SOCKET_BUFFER, set_buffers, tune_socket
-from duvm.node.nbdconnection import _tune_socket
+from duvm.node.daemon.nbdconnection import _tune_socket
 
 
 def _cap(name: str) -> int:

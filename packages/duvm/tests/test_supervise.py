@@ -3,8 +3,8 @@
 Real processes stand in for the daemon (a sleeping Python whose command line reads like
 `duvm.cli daemon`, so the PID checks accept it) and are SIGKILLed. Resuming for real needs a
 kernel nbd device, which this machine lacks: the loop tests pass a `resume_fn` that starts a
-new stand-in and records it, as `duvm.node.resume.resume` does; the process tests run the real
-`duvm supervise` with the real resume, which here can only fail (its daemon finds no
+new stand-in and records it, as `duvm.node.lifecycle.resume.resume` does; the process tests run the
+real `duvm supervise` with the real resume, which here can only fail (its daemon finds no
 memserver), to check retries and stopping. The whole path, resume included, runs under the
 real supervisor in the QEMU guest (test_kernel_nbd_qemu.py).
 """
@@ -24,15 +24,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from duvm.node import (
-    attach,
-    attach_state,
-    control,
-    processes,
-    resume,
-    supervise,
-    supervisor_process,
-)
+from duvm.node.attach import attach, attach_state, processes
+from duvm.node.lifecycle import control, resume, supervise, supervisor_process
 
 STAND_IN = "import time; time.sleep(120)"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="duvm supervise and resume run as root")
@@ -371,7 +364,7 @@ def test_disable_keeps_the_supervisor_through_swapoff_and_refuses_with_a_dead_da
 
 
 def test_enable_tells_how_starting_the_supervisor_went(capsys: pytest.CaptureFixture[str]) -> None:
-    from duvm.node.enable import say_supervisor
+    from duvm.node.lifecycle.enable import say_supervisor
 
     say_supervisor(4321, None, "watches the daemon again")
     say_supervisor(None, "no pidfd support", "unused")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from duvm.base import cgroup
-from duvm.node import attach, attach_fuse, attach_state, kernel_swap, processes, systools
+from duvm.node.attach import attach, attach_fuse, attach_state, kernel_swap, processes, systools
 
 NBDKIT = shutil.which("nbdkit")
 NBDINFO = shutil.which("nbdinfo")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from duvm import cli
-from duvm.node import control
+from duvm.node.lifecycle import control
 
 PKG = Path(__file__).resolve().parents[1]
 UNITS = PKG / "systemd"
@@ -61,7 +61,7 @@ def test_example_config_is_what_the_enable_unit_reads() -> None:
 
 
 def test_node_unit_runs_duvm_node_with_the_example_config() -> None:
-    from duvm.node import node_command as node
+    from duvm.node.lifecycle import node_command as node
 
     u = unit("duvm-node.service")
     s = u["Service"]

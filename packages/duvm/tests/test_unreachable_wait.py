@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from duvm.memserver.pagestore import DEFAULT_LEASE_S
-from duvm.node.attach import DEFAULT_NBD_TIMEOUT_S
-from duvm.node.attach_kernel import DEFAULT_DEAD_CONN_TIMEOUT_S
+from duvm.node.attach.attach import DEFAULT_NBD_TIMEOUT_S
+from duvm.node.attach.attach_kernel import DEFAULT_DEAD_CONN_TIMEOUT_S
 from duvm.store.remote_health import DEFAULT_OP_TIMEOUT
 from duvm.store.remote_store import RemoteStore
 from duvm.store.replica_errors import DEFAULT_UNREACHABLE_WAIT

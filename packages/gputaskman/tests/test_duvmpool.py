@@ -439,7 +439,8 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
 
     from duvm.base import cgroup
     from duvm.cli import demo
-    from duvm.node import attach, attach_state, control
+    from duvm.node.attach import attach, attach_state
+    from duvm.node.lifecycle import control
 
     # Swap is machine-wide: with another device at the top priority, or another cgroup whose
     # swapped pages could not come home, this test could neither place nor free its pages.

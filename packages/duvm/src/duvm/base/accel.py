@@ -36,7 +36,7 @@ MODULES = (
     "duvm.store._cryptpath",
     "duvm.store._readpath",
     "duvm.store._sendqueue",
-    "duvm.node._transmission",
+    "duvm.node.daemon._transmission",
     "duvm.store._slabtable",
 )
 BUILD_FIX = (

@@ -22,28 +22,34 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "serve this node's spare RAM to the pool (page server)",
     ),
     "node": (
-        "duvm.node.node_command",
+        "duvm.node.lifecycle.node_command",
         "run this node's memserver and control socket from the config file "
         "(the provider side; systemd: duvm-node.service)",
     ),
     "daemon": (
-        "duvm.node.daemon",
+        "duvm.node.daemon.daemon",
         "NBD server for the local kernel; its blocks live on memservers",
     ),
     "enable": (
-        "duvm.node.enable",
+        "duvm.node.lifecycle.enable",
         "start the daemon, attach its device and swap to the pool (root)",
     ),
     "supervise": (
-        "duvm.node.supervise",
+        "duvm.node.lifecycle.supervise",
         "restart a crashed daemon onto its live kernel nbd device (started by enable)",
     ),
     "disable": (
-        "duvm.node.disable",
+        "duvm.node.lifecycle.disable",
         "swapoff, detach, stop the daemon; refuses if pages can't go home",
     ),
-    "status": ("duvm.node.status", "enabled or not, device, swap used, pages and health per peer"),
-    "doctor": ("duvm.node.doctor", "check this node's prerequisites and say how to fix each gap"),
+    "status": (
+        "duvm.node.lifecycle.status",
+        "enabled or not, device, swap used, pages and health per peer",
+    ),
+    "doctor": (
+        "duvm.node.doctor.doctor",
+        "check this node's prerequisites and say how to fix each gap",
+    ),
     "demo": ("duvm.cli.demo", "a whole pool on this machine: 3 memservers, a workload, verified"),
     "secret": ("duvm.cli.secret", "create, show and rotate the cluster secret file (0600)"),
 }

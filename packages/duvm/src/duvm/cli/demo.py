@@ -43,16 +43,16 @@ from typing import Any, TextIO
 
 from duvm.base import cgroup
 from duvm.base.units import parse_size
-from duvm.node import (
+from duvm.node.attach import (
     attach_fuse,
     attach_kernel,
     attach_state,
-    control,
     kernel_swap,
     kernelnbd,
     systools,
 )
-from duvm.node.config import with_secret
+from duvm.node.lifecycle import control
+from duvm.node.lifecycle.config import with_secret
 from duvm.wire import auth
 
 PAGE = 4096

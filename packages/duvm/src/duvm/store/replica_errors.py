@@ -19,8 +19,8 @@ from duvm.wire.pageproto import ErrorCode
 # (a restart, a flapping link, a memserver's host too busy to answer) before failing: for swap
 # a stall beats an I/O error, which kills the program whose page it was (SIGBUS). Waiting
 # longer stops helping at 60 s: the kernel's nbd client gives up a request after 60 s
-# (`node.attach.DEFAULT_NBD_TIMEOUT_S`), and a memserver frees a lost client's pages 60 s after
-# its connection died (`memserver.pagestore.DEFAULT_LEASE_S`). So 50 s: 60 less the 5 s a
+# (`node.attach.attach.DEFAULT_NBD_TIMEOUT_S`), and a memserver frees a lost client's pages 60 s
+# after its connection died (`memserver.pagestore.DEFAULT_LEASE_S`). So 50 s: 60 less the 5 s a
 # stalled connection takes to be noticed (`remote_health.DEFAULT_OP_TIMEOUT`), less 5 s to
 # spare. tests/test_unreachable_wait.py holds these to each other.
 DEFAULT_UNREACHABLE_WAIT = 50.0

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from duvm.node.systools import find_tool
+from duvm.node.attach.systools import find_tool
 
 SUBNET = "10.77.0"
 PORT = 7070

@@ -4,13 +4,13 @@ Theory of operation
 -------------------
 The daemon is an NBD server on a Unix socket. The kernel needs a block device:
 
-* **kernel nbd** (production, :mod:`duvm.node.attach_kernel`): ``/dev/nbdN``, tried first,
+* **kernel nbd** (production, :mod:`duvm.node.attach.attach_kernel`): ``/dev/nbdN``, tried first,
   after ``modprobe nbd`` when the module is not loaded. Connected over generic netlink
   (:mod:`duvm.wire.nbdnetlink`: ``NBD_CMD_CONNECT`` with a dead-connection timeout, so a
   restarted daemon can take the live device back with ``NBD_CMD_RECONFIGURE``, see
-  :func:`duvm.node.attach_kernel.reattach`); on a kernel whose nbd has no netlink family, by
-  the ioctl holder process of :mod:`duvm.node.kernelnbd` instead.
-* **nbdfuse + loop** (fallback where the kernel has no nbd, :mod:`duvm.node.attach_fuse`;
+  :func:`duvm.node.attach.attach_kernel.reattach`); on a kernel whose nbd has no netlink family, by
+  the ioctl holder process of :mod:`duvm.node.attach.kernelnbd` instead.
+* **nbdfuse + loop** (fallback where the kernel has no nbd, :mod:`duvm.node.attach.attach_fuse`;
   taken only when asked for by name, ``method = "nbdfuse-loop"``: it can hang under
   whole-node memory pressure, so ``auto`` refuses it and says why):
   ``nbdfuse`` (libnbd) shows the export as one file on a FUSE mount; ``losetup --direct-io=on``
@@ -25,17 +25,17 @@ pool holds 0 pages of ours once detached.
 Swapping over a network block device needs memory on the I/O path (socket buffers, FUSE
 requests), so ``vm.min_free_kbytes`` is raised (never lowered) on attach and
 ``vm.watermark_boost_factor`` set to 0, both restored on detach if nobody changed them meanwhile
-(:mod:`duvm.node.kernel_swap`).
+(:mod:`duvm.node.attach.kernel_swap`).
 
 Every step is recorded in a small JSON state file (written atomically after each step,
-:mod:`duvm.node.attach_state`), so ``detach`` — also after a crash half-way through
+:mod:`duvm.node.attach.attach_state`), so ``detach`` — also after a crash half-way through
 ``attach`` — knows exactly what to undo.
 Detach order is the reverse of attach, and ``swapoff`` comes first: if the kernel cannot bring
 the swapped pages home (not enough free RAM), nothing else is torn down and the error says so.
 
 System tools are called by absolute path (found in the standard sbin/bin directories, never via
 $PATH), and each missing tool is reported with the Debian package that provides it
-(:mod:`duvm.node.systools`).
+(:mod:`duvm.node.attach.systools`).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from duvm.node import attach_fuse, attach_kernel, attach_state, kernel_swap, systools
-from duvm.node.attach_state import (
+from duvm.node.attach import attach_fuse, attach_kernel, attach_state, kernel_swap, systools
+from duvm.node.attach.attach_state import (
     DEFAULT_PRIORITY,
     METHOD_FUSE,
     METHOD_KERNEL,
@@ -52,7 +52,7 @@ from duvm.node.attach_state import (
     Attachment,
     SwapoffFailed,
 )
-from duvm.node.systools import SYSTEM_TOOLS, Tools
+from duvm.node.attach.systools import SYSTEM_TOOLS, Tools
 
 DEFAULT_RUN_DIR = Path("/run/duvm")
 DEFAULT_NBD_TIMEOUT_S = 60

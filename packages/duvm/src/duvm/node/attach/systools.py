@@ -12,7 +12,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 
-from duvm.node.attach_state import AttachError
+from duvm.node.attach.attach_state import AttachError
 
 TOOL_DIRS = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
 # tool -> Debian package (bookworm; trixie splits nbdfuse into its own package)

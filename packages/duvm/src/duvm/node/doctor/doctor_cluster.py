@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from duvm.base.units import parse_hostport
-from duvm.node import control
-from duvm.node.doctor_check import FAIL, OK, SKIP, WARN, Check, Options, verdict
+from duvm.node.doctor.doctor_check import FAIL, OK, SKIP, WARN, Check, Options, verdict
+from duvm.node.lifecycle import control
 from duvm.wire import auth
 
 

@@ -4,20 +4,21 @@ Theory of operation
 -------------------
 ``enable`` starts the daemon (the NBD server whose blocks live on memservers) as a detached
 child in its own session, records it in ``STATE_DIR/daemon.json``, waits for its Unix socket,
-then hands over to :mod:`duvm.node.attach`, which attaches the export as a block device and
+then hands over to :mod:`duvm.node.attach.attach`, which attaches the export as a block device and
 activates swap (``STATE_DIR/state.json``). The daemon reserves capacity on the peers before it
 opens its socket, so the device the kernel sees only has slots that have somewhere to go.
 
-``disable`` is the reverse, and it is safe: :func:`duvm.node.attach.detach` turns swap off first; if
-the kernel cannot bring the pages home, the device stays attached, the daemon keeps running and
-the command explains. Only after a clean detach is the daemon stopped (SIGTERM), which ends its
-memserver sessions and so releases the reservations.
+``disable`` is the reverse, and it is safe: :func:`duvm.node.attach.attach.detach` turns swap off
+first; if the kernel cannot bring the pages home, the device stays attached, the daemon keeps
+running and the command explains. Only after a clean detach is the daemon stopped (SIGTERM), which
+ends its memserver sessions and so releases the reservations.
 
 ``status`` reads the two state files, ``/proc/swaps``, each peer's STATUS, the daemon's control
 socket and, when `duvm node` runs here, the node's control socket (what this node lends). What
 cannot be known (a peer that does not answer, a daemon without a status socket) is None, never 0.
 
-The config file (`duvm.node.config`) is shared by enable (top-level keys) and `duvm node` ([node]).
+The config file (`duvm.node.lifecycle.config`) is shared by enable (top-level keys) and `duvm node`
+([node]).
 """
 
 from __future__ import annotations
@@ -36,26 +37,21 @@ from typing import Any
 
 from duvm.base import pressure, ramfs
 from duvm.base.units import parse_hostport
-from duvm.node import (
-    attach,
-    attach_state,
-    kernel_swap,
-    processes,
-    supervisor_process,
-    systools,
-)
+from duvm.node.attach import attach, attach_state, kernel_swap, processes, systools
+from duvm.node.lifecycle import supervisor_process
 
-# The config file lives in duvm.node.config; its names are re-exported here for the commands.
-from duvm.node.config import (
+# The config file lives in duvm.node.lifecycle.config; its names are re-exported here for the
+# commands.
+from duvm.node.lifecycle.config import (
     DEFAULT_NODE_CONTROL_SOCKET,
     DEFAULT_STATE_DIR,
     MEMSERVER_PORT,
     Config,
     ControlError,
 )
-from duvm.node.config import NodeConfig as NodeConfig
-from duvm.node.config import load_config as load_config
-from duvm.node.config import load_node_config as load_node_config
+from duvm.node.lifecycle.config import NodeConfig as NodeConfig
+from duvm.node.lifecycle.config import load_config as load_config
+from duvm.node.lifecycle.config import load_node_config as load_node_config
 from duvm.wire import auth, control_socket
 
 # --- daemon process --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The supervisor (`duvm supervise`) seen from outside: start it, find it, stop it, and whether
 a device wants one. `duvm enable`/`disable`/`status` use these; the watcher itself is
-`duvm.node.supervise`, which imports the daemon's control and resume code. Kept apart so that the
-control layer never imports the watcher (no import cycle)."""
+`duvm.node.lifecycle.supervise`, which imports the daemon's control and resume code. Kept apart so
+that the control layer never imports the watcher (no import cycle)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from duvm.node import attach_state, processes
+from duvm.node.attach import attach_state, processes
 
 
 def state_dir_arg(daemon_args: list[str]) -> Path | None:

@@ -1,4 +1,4 @@
-"""The nbdfuse + loop path of `duvm.node.attach`, the fallback where the kernel has no nbd.
+"""The nbdfuse + loop path of `duvm.node.attach.attach`, the fallback where the kernel has no nbd.
 
 ``nbdfuse`` (libnbd) shows the daemon's export as one file on a FUSE mount; ``losetup
 --direct-io=on`` puts a loop device on that file, so swap I/O goes straight to nbdfuse without
@@ -14,9 +14,9 @@ import uuid
 from pathlib import Path
 
 from duvm.base import cgroup, pressure
-from duvm.node import processes, systools
-from duvm.node.attach_state import AttachError, Attachment, Saver
-from duvm.node.systools import SYSTEM_TOOLS, Tools
+from duvm.node.attach import processes, systools
+from duvm.node.attach.attach_state import AttachError, Attachment, Saver
+from duvm.node.attach.systools import SYSTEM_TOOLS, Tools
 
 # QEMU guests pushed past their RAM (tools/qemu_guest/stress.py --method nbdfuse-loop) still
 # hang sometimes on this path with nbdfuse kept in RAM (docs/BENCHMARKS.md, D38).

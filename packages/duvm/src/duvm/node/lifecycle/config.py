@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from duvm.base.units import parse_hostport, parse_listen, parse_size
-from duvm.node import attach_state
+from duvm.node.attach import attach_state
 from duvm.store.placement import default_replicas
 
 DEFAULT_STATE_DIR = Path("/run/duvm")

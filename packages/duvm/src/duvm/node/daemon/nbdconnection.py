@@ -1,5 +1,5 @@
-"""One NBD client connection of `duvm.node.nbdserver`: the handshake, then the transmission
-phase (`duvm.node.nbd_transmission`), the hot path of every swap request.
+"""One NBD client connection of `duvm.node.daemon.nbdserver`: the handshake, then the transmission
+phase (`duvm.node.daemon.nbd_transmission`), the hot path of every swap request.
 
 Each connection is an `asyncio.BufferedProtocol`. During the handshake it feeds bytes to a
 `nbdproto.Handshake` (a client that does not finish within the server's handshake timeout is
@@ -16,11 +16,11 @@ import socket
 from typing import TYPE_CHECKING
 
 from duvm.base.sockets import set_buffers
-from duvm.node.nbd_transmission import Transmission, transmission_type
+from duvm.node.daemon.nbd_transmission import Transmission, transmission_type
 from duvm.wire.nbdproto import Handshake, HandshakeState, NbdProtocolError, transmission_decoder
 
 if TYPE_CHECKING:
-    from duvm.node.nbdserver import NBDServer
+    from duvm.node.daemon.nbdserver import NBDServer
 
 log = logging.getLogger("duvm.nbd")
 

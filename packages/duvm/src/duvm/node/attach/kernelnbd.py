@@ -7,16 +7,16 @@ connection, negotiate the export (fixed newstyle, ``C.OPT_GO``), and then hand t
 socket to the kernel. From then on the kernel sends transmission-phase requests on that socket
 by itself. The handshake below serves both ways of handing it over:
 
-* generic netlink (:mod:`duvm.wire.nbdnetlink`, Linux 4.12+), which :mod:`duvm.node.attach` uses
-  whenever the kernel's nbd family answers: no process has to stay, and a restarted daemon
+* generic netlink (:mod:`duvm.wire.nbdnetlink`, Linux 4.12+), which :mod:`duvm.node.attach.attach`
+  uses whenever the kernel's nbd family answers: no process has to stay, and a restarted daemon
   can be given the live device back (``NBD_CMD_RECONFIGURE``);
 * the ioctls, below, kept only as the fallback for an nbd driver without the netlink family.
 
 The ioctl interface needs one process to sit inside ``NBD_DO_IT`` for as long as the device is
 connected (the ioctl returns only on disconnect). ``duvm enable`` exits, so attaching spawns a
-small *holder* process (``python -m duvm.node.kernelnbd``), detached into its own session, that does
-the handshake, configures the device, locks itself in RAM, makes itself the last choice of the
-OOM killer, and blocks in ``NBD_DO_IT``. The parent waits until ``/sys/block/nbdN/pid`` appears
+small *holder* process (``python -m duvm.node.attach.kernelnbd``), detached into its own session,
+that does the handshake, configures the device, locks itself in RAM, makes itself the last choice of
+the OOM killer, and blocks in ``NBD_DO_IT``. The parent waits until ``/sys/block/nbdN/pid`` appears
 (the kernel creates it when the device starts), so nothing touches the device before it works.
 
 Detach: ``NBD_DISCONNECT`` then ``NBD_CLEAR_SOCK`` on the device; ``NBD_DO_IT`` returns in the
@@ -297,7 +297,7 @@ def holder_command(device: str, socket_path: str, timeout_s: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "duvm.node.kernelnbd",
+        "duvm.node.attach.kernelnbd",
         "--device",
         device,
         "--socket",
@@ -309,7 +309,7 @@ def holder_command(device: str, socket_path: str, timeout_s: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m duvm.node.kernelnbd",
+        prog="python -m duvm.node.attach.kernelnbd",
         description="hold a kernel NBD device connected (internal)",
     )
     p.add_argument("--device", required=True)

@@ -1,5 +1,5 @@
-"""The transmission phase of one NBD connection (`duvm.node.nbdconnection`): requests decoded,
-handed to the store, answered, their replies batched; the per-request work of every swap
+"""The transmission phase of one NBD connection (`duvm.node.daemon.nbdconnection`): requests
+decoded, handed to the store, answered, their replies batched; the per-request work of every swap
 request.
 
 Theory of operation
@@ -25,7 +25,7 @@ NBD_CMD_DISC, end of input and server shutdown (`finish`) let in-flight requests
 their replies go out before the socket closes; `abort` drops them.
 
 The per-request work runs compiled where the compiled path is built: `Transmission` has a
-twin in `duvm.node._transmission` (`transmission_type` chooses), held to the same behaviour
+twin in `duvm.node.daemon._transmission` (`transmission_type` chooses), held to the same behaviour
 by tests/test_nbd_transmission.py. This module stays the reference.
 """
 
@@ -46,7 +46,7 @@ from duvm.wire import nbdconst as C
 from duvm.wire.nbdproto import NbdProtocolError, Request, TransmissionDecoder, wire_error
 
 if TYPE_CHECKING:
-    from duvm.node.nbdserver import NBDServer
+    from duvm.node.daemon.nbdserver import NBDServer
 
 log = logging.getLogger("duvm.nbd")
 
@@ -430,7 +430,7 @@ class Transmission:
 
 
 def transmission_type() -> type[Transmission]:
-    """The compiled `Transmission` (duvm.node._transmission) when the compiled path runs here,
-    else this one, the reference."""
-    compiled = accel.load("duvm.node._transmission")
+    """The compiled `Transmission` (duvm.node.daemon._transmission) when the compiled path runs
+    here, else this one, the reference."""
+    compiled = accel.load("duvm.node.daemon._transmission")
     return compiled.Transmission if compiled is not None else Transmission

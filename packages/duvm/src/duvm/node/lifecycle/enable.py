@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 from duvm.base.units import parse_size
-from duvm.node import attach_state, control, resume, supervisor_process
-from duvm.node.config import with_secret
+from duvm.node.attach import attach_state
+from duvm.node.lifecycle import control, resume, supervisor_process
+from duvm.node.lifecycle.config import with_secret
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         cfg = config_from_args(args)
-        # the daemon keeps its state on files so `--resume` can restart it (duvm.node.resume)
+        # the daemon keeps its state on files so `--resume` can restart it
+        # (duvm.node.lifecycle.resume)
         cfg.daemon_args = resume.with_state_dir(cfg.daemon_args, cfg.state_dir)
         att = control.enable(cfg)
     except (control.ControlError, attach_state.AttachError) as exc:

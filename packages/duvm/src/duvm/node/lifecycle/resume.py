@@ -31,8 +31,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from duvm.node import attach_kernel, attach_state, control, processes, systools
-from duvm.node.supervisor_process import keeps_state
+from duvm.node.attach import attach_kernel, attach_state, processes, systools
+from duvm.node.lifecycle import control
+from duvm.node.lifecycle.supervisor_process import keeps_state
 
 RESUME_LOCK = ".resume.lock"
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from duvm.base import accel, cgroup, pressure
-from duvm.node import attach_fuse, attach_state, kernel_swap, systools
-from duvm.node.doctor_check import FAIL, OK, SKIP, WARN, Check, verdict
+from duvm.node.attach import attach_fuse, attach_state, kernel_swap, systools
+from duvm.node.doctor.doctor_check import FAIL, OK, SKIP, WARN, Check, verdict
 
 SWAP_TOOLS = ("mkswap", "swapon", "swapoff", "blkdiscard")
 FUSE_TOOLS = ("nbdfuse", "fusermount3", "losetup")
@@ -251,7 +251,8 @@ def protection_fix(refused: list[str], as_root: bool) -> str:
     return "; ".join([first, *(_PROTECTION_NOTE[k] for k in refused if k in _PROTECTION_NOTE)])
 
 
-# the daemon's flags that turn a protection off (duvm.node.daemon), by the name pressure.probe uses
+# the daemon's flags that turn a protection off (duvm.node.daemon.daemon), by the name
+# pressure.probe uses
 _OPT_OUTS = {"--no-realtime": "realtime", "--no-mlock": "mlock", "--no-io-flusher": "io-flusher"}
 
 

@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from duvm.base.units import parse_size
-from duvm.node import config
+from duvm.node.lifecycle import config
 from duvm.wire import control_socket
 
 DEFAULT_CONFIG = Path("/etc/duvm/duvm.toml")

@@ -1,5 +1,5 @@
-"""The attachment record: what `duvm.node.attach` has done, step by step, saved as a small JSON
-file (written atomically after each step) so that detach, also after a crash half-way through
+"""The attachment record: what `duvm.node.attach.attach` has done, step by step, saved as a small
+JSON file (written atomically after each step) so that detach, also after a crash half-way through
 attach, knows exactly what to undo; and the errors attaching and detaching raise."""
 
 from __future__ import annotations

@@ -11,19 +11,19 @@ raises anyway, no uvloop, the pure-Python request path) keep exit 0. ``--json`` 
 same list as data.
 
 What is checked is what `duvm enable` will need, found the way enable finds it. This
-machine's checks are in :mod:`duvm.node.doctor_host`: system tools in the fixed sbin/bin
-directories `duvm.node.systools` uses (never $PATH, so a doctor verdict cannot differ from
+machine's checks are in :mod:`duvm.node.doctor.doctor_host`: system tools in the fixed sbin/bin
+directories `duvm.node.attach.systools` uses (never $PATH, so a doctor verdict cannot differ from
 enable's), the kernel nbd device or the nbdfuse + FUSE + loop fallback for the configured
 method, the swap tools, a memory cgroup, the network reserve, the protections the daemon takes
 against memory pressure (tried in a throwaway child) and the RT throttling that bounds its
-realtime class. The cluster's are in :mod:`duvm.node.doctor_cluster`: the cluster secret file
+realtime class. The cluster's are in :mod:`duvm.node.doctor.doctor_cluster`: the cluster secret file
 (root-owned, no group/other access, lines that are secrets), how the daemon will authenticate
 to its peers (decided by the daemon's own rule, `auth.client_security_from_args`, over the
 security flags in the config's ``daemon_args``), and each peer: a TCP connect with a timeout,
 then a page-protocol STATUS under that same authentication, so a port that answers but is not
 a memserver, or a memserver that refuses our secret, is caught. This module reads the command
-line and the config into `Options` (:mod:`duvm.node.doctor_check`), runs the checks in a fixed
-order and reports them.
+line and the config into `Options` (:mod:`duvm.node.doctor.doctor_check`), runs the checks in a
+fixed order and reports them.
 
 Where it looks is a `Probe` (tool directories, /dev, /sys/module, the cgroup root, the sysctl
 file), so tests point checks at directories that lack one piece and see the real check fail.
@@ -40,8 +40,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from duvm.node import attach_state, control, doctor_cluster, doctor_host
-from duvm.node.doctor_check import FAIL, OK, PEER_TIMEOUT_S, SKIP, WARN, Check, Options, verdict
+from duvm.node.attach import attach_state
+from duvm.node.doctor import doctor_cluster, doctor_host
+from duvm.node.doctor.doctor_check import (
+    FAIL,
+    OK,
+    PEER_TIMEOUT_S,
+    SKIP,
+    WARN,
+    Check,
+    Options,
+    verdict,
+)
+from duvm.node.lifecycle import control
 
 
 def check_config(opts: Options) -> Check:

@@ -1,8 +1,8 @@
 """The NBD server of the daemon: one `BlockStore` served as one NBD export on Unix and/or TCP
 sockets, the driver of the `duvm.wire.nbdproto` codec.
 
-It accepts connections (each a `duvm.node.nbdconnection.NBDConnection`, which runs the
-handshake, then a `duvm.node.nbd_transmission.Transmission`, which runs the requests; its
+It accepts connections (each a `duvm.node.daemon.nbdconnection.NBDConnection`, which runs the
+handshake, then a `duvm.node.daemon.nbd_transmission.Transmission`, which runs the requests; its
 docstring explains the request path), owns the set of open connections, offers the transmission
 flags the store's capabilities allow, and on close lets in-flight requests finish and their
 replies go out before the sockets close.
@@ -17,7 +17,7 @@ import os
 import stat
 from typing import Any
 
-from duvm.node.nbdconnection import DEFAULT_HANDSHAKE_TIMEOUT, NBDConnection
+from duvm.node.daemon.nbdconnection import DEFAULT_HANDSHAKE_TIMEOUT, NBDConnection
 from duvm.store.storage import BlockStore, Capabilities
 from duvm.wire import nbdconst as C
 from duvm.wire.nbdproto import ExportInfo, buffer_pool

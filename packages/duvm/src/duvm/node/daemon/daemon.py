@@ -36,7 +36,7 @@ from duvm.wire import auth
 from duvm.wire.nbdtrace import RequestTrace
 from duvm.wire.pageproto import PAGE_SIZE  # the one definition: the wire's page
 
-log = logging.getLogger("duvm.node.daemon")
+log = logging.getLogger("duvm.node.daemon.daemon")
 
 
 class DaemonError(Exception):
@@ -313,7 +313,7 @@ async def _serve(args: argparse.Namespace, cfg: Settings) -> int:
 
 
 async def _serve_store(args: argparse.Namespace, cfg: Settings, trace: RequestTrace | None) -> int:
-    from duvm.node.nbdserver import NBDServer
+    from duvm.node.daemon.nbdserver import NBDServer
 
     store, persisted = await open_store(args, cfg)
     server = NBDServer(store, args.export_name)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from duvm.base import cgroup
-from duvm.node.attach_state import AttachError
+from duvm.node.attach.attach_state import AttachError
 
 MIN_FREE_SYSCTL = Path("/proc/sys/vm/min_free_kbytes")
 WATERMARK_BOOST_SYSCTL = Path("/proc/sys/vm/watermark_boost_factor")  # Linux 5.0 and later

@@ -1,10 +1,10 @@
-"""The kernel nbd path of `duvm.node.attach`: the daemon's export as ``/dev/nbdN``.
+"""The kernel nbd path of `duvm.node.attach.attach`: the daemon's export as ``/dev/nbdN``.
 
 ``modprobe nbd`` first when the module is not loaded. The device is connected over generic
 netlink (:mod:`duvm.wire.nbdnetlink`: ``NBD_CMD_CONNECT`` with a dead-connection timeout, so a
 restarted daemon can take the live device back with ``NBD_CMD_RECONFIGURE``, see
 :func:`reattach`); on a kernel whose nbd has no netlink family, by the ioctl holder process of
-:mod:`duvm.node.kernelnbd` instead. Detach disconnects the device the way it was connected.
+:mod:`duvm.node.attach.kernelnbd` instead. Detach disconnects the device the way it was connected.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from duvm.node import kernelnbd, processes, systools
-from duvm.node.attach_state import METHOD_KERNEL, AttachError, Attachment, Saver
-from duvm.node.systools import SYSTEM_TOOLS, Tools
+from duvm.node.attach import kernelnbd, processes, systools
+from duvm.node.attach.attach_state import METHOD_KERNEL, AttachError, Attachment, Saver
+from duvm.node.attach.systools import SYSTEM_TOOLS, Tools
 from duvm.wire import nbdnetlink
 
 # How long the kernel holds requests for a restarted daemon after the connection died. The
@@ -172,7 +172,7 @@ def detach(att: Attachment, errors: list[str]) -> None:
             errors.append(f"NBD_DISCONNECT on {att.nbd_device}: {exc}")
     if (
         att.holder_pid
-        and processes.pid_runs(att.holder_pid, "duvm.node.kernelnbd", att.holder_start)
+        and processes.pid_runs(att.holder_pid, "duvm.node.attach.kernelnbd", att.holder_start)
         and not processes.wait_pid_exit(att.holder_pid, 30, att.holder_start)
     ):
         errors.append(f"nbd holder {att.holder_pid} still runs after disconnect")

@@ -5,8 +5,8 @@ Theory of operation
 `duvm enable` on kernel nbd over netlink starts this small watcher beside the daemon (state in
 ``STATE_DIR/supervisor.json``, log in ``STATE_DIR/supervisor.log``). It waits for the daemon
 process to end, event-driven (a pidfd; a 1 s check where the kernel has none), and then does
-exactly what ``duvm enable --resume`` does (:func:`duvm.node.resume.resume`): a new daemon from the
-saved state, handed the live device with ``NBD_CMD_RECONFIGURE``. The kernel holds the swap
+exactly what ``duvm enable --resume`` does (:func:`duvm.node.lifecycle.resume.resume`): a new daemon
+from the saved state, handed the live device with ``NBD_CMD_RECONFIGURE``. The kernel holds the swap
 device's requests for the dead-connection timeout (60 s), so a resume that succeeds within it
 loses nothing; failed tries are repeated with backoff inside that time.
 
@@ -47,8 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from duvm.base import pressure, quietlog
-from duvm.node import attach_kernel, attach_state, control, processes, resume, systools
-from duvm.node.supervisor_process import wanted
+from duvm.node.attach import attach_kernel, attach_state, processes, systools
+from duvm.node.lifecycle import control, resume
+from duvm.node.lifecycle.supervisor_process import wanted
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,6 @@ def run(args: Any) -> int:
     # Its log is on /run too: a write waiting for a swapped-out page must not delay a resume.
     writer = quietlog.start_background(logging.INFO, "%(asctime)s %(message)s", sys.stdout)
     try:
-        return watch(args.state_dir, say=logging.getLogger("duvm.node.supervise").info)
+        return watch(args.state_dir, say=logging.getLogger("duvm.node.lifecycle.supervise").info)
     finally:
         writer.stop()

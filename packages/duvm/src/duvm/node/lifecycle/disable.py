@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from duvm.node import attach_state, control
+from duvm.node.attach import attach_state
+from duvm.node.lifecycle import control
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

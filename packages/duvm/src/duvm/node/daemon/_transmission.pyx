@@ -1,6 +1,6 @@
 # cython: language_level=3
 """The transmission phase of one NBD connection in C: the compiled twin of `Transmission` in
-`duvm.node.nbd_transmission`, which stays the reference and documents the rules.
+`duvm.node.daemon.nbd_transmission`, which stays the reference and documents the rules.
 
 Per request the reference runs four interpreted frames (dispatch, hand to the store, the
 store's callback, completion) and packs each reply header with `struct`; here the connection
@@ -27,7 +27,7 @@ import os
 from functools import partial
 from time import perf_counter_ns
 
-from duvm.node.nbd_transmission import QUIET_ERRORS, log
+from duvm.node.daemon.nbd_transmission import QUIET_ERRORS, log
 from duvm.store.storage import StorageError
 from duvm.wire import nbdconst as C
 from duvm.wire.nbdproto import NbdProtocolError, wire_error

@@ -8,8 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from duvm.node import attach_state, control
-from duvm.node.config import DEFAULT_NODE_CONTROL_SOCKET
+from duvm.node.attach import attach_state
+from duvm.node.lifecycle import control
+from duvm.node.lifecycle.config import DEFAULT_NODE_CONTROL_SOCKET
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,7 @@
+"""The daemon: the NBD server the kernel's block device talks to (the handshake, then the
+transmission phase, with its compiled twin `_transmission.pyx`), in front of a store whose
+pages live on memservers or in local RAM. It runs as its own process (`duvm daemon`), started
+by the lifecycle commands through the command line, never imported by the rest of the node.
+
+May import: duvm.base, duvm.wire, duvm.store.
+"""
