@@ -30,6 +30,9 @@ COMPILED = {
     "duvm.node.daemon._transmission": [],
     "duvm.store._slabtable": [],
 }
+# The RDMA transport's verbs calls: built when the verbs headers are here (Debian:
+# libibverbs-dev, librdmacm-dev). It has no pure-Python twin: without it peers use TCP.
+RDMA = {"duvm.rdma._verbs": ["ibverbs", "rdmacm"]}
 
 
 def extension(module: str, libraries: list[str]) -> Extension:
@@ -39,13 +42,14 @@ def extension(module: str, libraries: list[str]) -> Extension:
         module,
         [str(rel)],
         libraries=libraries,
+        include_dirs=[str((HERE / rel).parent)],
         define_macros=[("DUVM_SOURCE_DIGEST", f'"{digest}"')],
         extra_compile_args=["-O2"],
     )
 
 
 extensions = cythonize(
-    [extension(m, libs) for m, libs in COMPILED.items()],
+    [extension(m, libs) for m, libs in (COMPILED | RDMA).items()],
     language_level=3,
     compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
     quiet=True,

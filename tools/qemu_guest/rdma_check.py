@@ -39,6 +39,7 @@ import build_initramfs
 
 HERE = Path(__file__).resolve().parent
 GUEST_SCRIPT = HERE / "rdma_guest.py"
+DUVM_SCRIPT = HERE / "rdma_duvm_guest.py"  # duvm's RDMA transport (`--duvm`)
 PINGPONGS = ("pingpong_events", "pingpong_poll")
 EXPERIMENTS = ("veth_netns", "veth_init_ns")
 PERFTESTS = ("ib_read_lat", "ib_read_bw", "ib_write_bw")  # when the host has perftest
@@ -135,6 +136,8 @@ def run_check(
     veth: bool = False,
     workdir: Path | None = None,
     cache: Path = build_initramfs.DEFAULT_CACHE,
+    script: Path = GUEST_SCRIPT,
+    env: dict[str, str] | None = None,
 ) -> boot.GuestRun:
     """Boot the RDMA guest once; always kills QEMU and removes its own temp folder."""
     if why := problems():
@@ -149,13 +152,14 @@ def run_check(
     try:
         env = {
             "DUVM_PYTHON": python,
-            "DUVM_SCRIPT": str(GUEST_SCRIPT),
+            "DUVM_SCRIPT": str(script),
             "DUVM_GUEST_IP": "10.0.2.15",
             "DUVM_GATEWAY": boot.HOST_FROM_GUEST,
             "DUVM_RDMA_NETDEV": "eth0",
             "DUVM_RDMA_ITERS": str(iters),
             "DUVM_RDMA_SIZE": str(size),
             "DUVM_RDMA_VETH": "1" if veth else "",
+            **(env or {}),
         }
         initrd = build_initramfs.build_initramfs(kernel, env, work / "initramfs.cpio")
         console, results = work / "console.log", work / "results.log"

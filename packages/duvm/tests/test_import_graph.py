@@ -48,7 +48,16 @@ def test_the_checker_finds_a_cycle_hidden_in_a_function(tmp_path: Path) -> None:
 
 def test_every_module_is_in_a_layer() -> None:
     rules = layer_rules(SRC)
-    assert set(rules) == {"base", "wire", "store", "memserver", "node", "cli", "testing"} | {
+    assert set(rules) == {
+        "base",
+        "wire",
+        "rdma",
+        "store",
+        "memserver",
+        "node",
+        "cli",
+        "testing",
+    } | {
         "node.daemon",
         "node.attach",
         "node.lifecycle",

@@ -87,6 +87,7 @@ async def test_store_load_free_round_trip_with_batches(server: MemServer) -> Non
             "reserved_pages": 100,
             "stored_pages": 62,
             "connections": 1,
+            "rdma_chunk_pages": None,
             "lease_expires_in": None,
         }
     ]

@@ -24,6 +24,8 @@ def requests() -> list[pp.Request]:
         pp.make_load(6, [1, 2, 3]),
         pp.make_free(7, range(pp.MAX_BATCH)),
         pp.Status(2**64 - 1),
+        pp.RdmaOpen(8, 256),
+        pp.RdmaMap(9, 2**64 - 1),
     ]
 
 
@@ -37,6 +39,9 @@ def replies() -> list[pp.Reply]:
         pp.FreeReply(7, 1000),
         pp.StatusReply(8, b'{"capacity_pages": 1}'),
         pp.ErrorReply(9, pp.MsgType.STORE, pp.ErrorCode.NO_SPACE, "full: 10 of 10 pages"),
+        pp.RdmaOpenReply(10, 7070, 16, os.urandom(32)),
+        pp.RdmaMapReply(11, 0x7F00_0000_0000, 0xDEADBEEF, 256),
+        pp.ErrorReply(12, pp.MsgType.RDMA_MAP, pp.ErrorCode.INVALID, "no RDMA connection"),
     ]
 
 
@@ -173,6 +178,17 @@ def _frame(
             "unknown flags",
         ),
         ("server", _frame(pp.MsgType.AUTH, 31) + b"\0" * 31, "expected 32"),
+        ("server", _frame(pp.MsgType.RDMA_OPEN, 8) + struct.pack("<II", 0, 0), "chunk pages"),
+        ("server", _frame(pp.MsgType.RDMA_OPEN, 8) + struct.pack("<II", 256, 1), "reserved"),
+        ("server", _frame(pp.MsgType.RDMA_OPEN, 4) + b"\0" * 4, "expected 8"),
+        ("server", _frame(pp.MsgType.RDMA_MAP, 4) + b"\0" * 4, "expected 8"),
+        ("server", _frame(pp.MsgType.RDMA_MAP, 9) + b"\0" * 9, "exceeds the limit"),
+        (
+            "client",
+            _frame(pp.MsgType.RDMA_OPEN | pp.REPLY_BIT, 40) + b"\0\0\1\0" + b"\0" * 36,
+            "reserved",
+        ),
+        ("client", _frame(pp.MsgType.RDMA_MAP | pp.REPLY_BIT, 15) + b"\0" * 15, "expected 16"),
         (
             "server",
             _frame(pp.MsgType.HELLO, 9) + struct.pack("<HHHH", 1, 2, 1, 0) + b"x",

@@ -1,11 +1,12 @@
-"""A real verbs stack in the QEMU test guest: Soft-RoCE (rdma_rxe) on its virtio NIC (issue 31's
-groundwork; no duvm code on the RDMA path yet).
+"""A real verbs stack in the QEMU test guest: Soft-RoCE (rdma_rxe) on its virtio NIC, first with
+rdma-core's own tools, then with duvm's RDMA transport between memory clients and memservers.
 
 `tools/qemu_guest/rdma_check.py` boots the guest of test_kernel_nbd_qemu.py (Debian 12's kernel
 under QEMU/TCG, the host's / read-only over 9p) with the RDMA modules loaded
 (`build_initramfs.RDMA_MODULES`), runs `rdma link add rxe0 type rxe netdev eth0`, then
 `ibv_rc_pingpong` (server and client on rxe0, with completion events and busy-polling) and
-`rping` (rdma-cm) with this host's rdma-core userspace. About 20 s on this 2-core VM.
+`rping` (rdma-cm) with this host's rdma-core userspace. About 20 s on this 2-core VM. The duvm
+guest (`rdma_duvm_guest.py`) takes about 40 s.
 
 Needs root, qemu-system-x86, busybox-static, the verbs userspace (ibverbs-providers,
 ibverbs-utils, rdmacm-utils; iproute2's `rdma`) and the cached kernel or apt; anything missing
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -212,3 +214,54 @@ def test_rdma_modules_only_when_asked(tmp_path: Path) -> None:
         ("rdma_cm", "rdma_ucm"),
     ):
         assert order.index(before) < order.index(after), (before, after)
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.timeout(DEADLINE_S + 120)
+def test_duvm_pages_move_by_one_sided_rdma_and_forged_keys_are_refused() -> None:
+    """duvm's RDMA transport over rxe0 in the guest (tools/qemu_guest/rdma_duvm_guest.py): two
+    memservers with `--rdma on` and a cluster secret, memory clients with transport "rdma".
+    Catches pages that do not round-trip, a memserver spending CPU per page (its STORE/LOAD
+    counters must stay 0), a region a foreign rkey or an out-of-region address could reach
+    (a leak of the other namespace's bytes, or anything but a broken link), a key still
+    honoured after RELEASE, a made-up ticket accepted, and `auto` not falling back to TCP."""
+    check = _load_check()
+    if why := check.problems():
+        pytest.skip("cannot run the RDMA guest: " + "; ".join(why))
+    from duvm.rdma import verbs
+
+    if verbs.state() != "compiled":
+        if os.environ.get("DUVM_REQUIRE_COMPILED"):
+            pytest.fail(f"DUVM_REQUIRE_COMPILED is set but the RDMA transport is {verbs.state()}")
+        pytest.skip(f"the RDMA transport is {verbs.state()}: {verbs.BUILD_FIX}")
+    try:
+        run = check.run_check(mem_mib=768, timeout_s=DEADLINE_S, script=check.DUVM_SCRIPT)
+    except check.boot.GuestUnavailable as exc:
+        pytest.skip(f"cannot boot the RDMA guest: {exc}")
+    ev = run.events
+    tail = run.console_tail()
+    assert not run.timed_out, tail
+    assert "crash" not in ev, ev["crash"]
+    rt = ev["roundtrip"]
+    assert (rt["transport"], rt["equal"], rt["tcp_reads_same"]) == ("rdma", True, True), rt
+    assert (rt["cb_store"], rt["cb_load"]) == ("None", "None"), rt
+    counters = rt["server_counters"]
+    assert counters["store_requests"] == counters["load_requests"] == 0, counters
+    assert (rt["server_rdma"]["device"], rt["server_rdma"]["sessions"]) == ("rxe0", 1), rt
+    assert rt["chunks_mapped"] == [0, 1, 2], rt
+    fg = ev["forged"]
+    assert fg["distinct_rkeys"] and fg["a_intact"] and not fg["foreign_rkey_leaked"], fg
+    for attempt in ("foreign_rkey", "own_rkey_foreign_address"):
+        assert fg[attempt].startswith("MemserverUnreachable("), (attempt, fg)
+    assert fg["b_reconnected"] and fg["b_reconnected_again"], fg
+    assert ev["stale"]["stale_rkey"].startswith("MemserverUnreachable("), ev["stale"]
+    assert ev["ticket"]["forged_ticket"].startswith("refused:"), ev["ticket"]
+    assert "REJECTED" in ev["ticket"]["forged_ticket"], ev["ticket"]
+    fb = ev["fallback"]
+    assert (fb["transport"], fb["equal"]) == ("tcp", True), fb
+    assert "does not serve RDMA" in fb["rdma_error"], fb
+    cpu = ev["cpu"]
+    assert (cpu["rdma_in_use"], cpu["tcp_in_use"]) == ("rdma", "tcp"), cpu
+    logs = ev["memserver_logs"]["logs"]
+    assert "unknown or used ticket" in logs["7071"], logs

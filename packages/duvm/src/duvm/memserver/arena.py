@@ -102,6 +102,56 @@ class Arena:
         taken.reverse()
         return taken.tolist()
 
+    def alloc_runs(self, n: int, unit: int, max_runs: int = 64) -> list[tuple[int, int]]:
+        """Take `n` free slots (a multiple of `unit`) as runs of consecutive slots, each a
+        multiple of `unit` long, the longest first: [(first slot, slots), ...]. For memory
+        registered with a NIC, where each run is one region. O(free slots log free slots):
+        a control-plane call (a reservation), never per page. Raises ArenaFull when the free
+        slots cannot make `n` in at most `max_runs` runs (too fragmented)."""
+        if n % unit:
+            raise ValueError(f"{n} slots is not a multiple of {unit}")
+        free = sorted(self._free)
+        runs: list[tuple[int, int]] = []  # (length, first) of each maximal run of free slots
+        start = prev = -2
+        for s in free:
+            if s != prev + 1:
+                if start >= 0:
+                    runs.append((prev + 1 - start, start))
+                start = s
+            prev = s
+        if start >= 0:
+            runs.append((prev + 1 - start, start))
+        runs.sort(key=lambda r: (-r[0], r[1]))
+        taken: list[tuple[int, int]] = []
+        left = n
+        for length, first in runs:
+            if not left or len(taken) == max_runs:
+                break
+            use = min(length - length % unit, left)
+            if use:
+                taken.append((first, use))
+                left -= use
+        if left:
+            raise ArenaFull(
+                f"{n} slots asked in runs of {unit}: {len(free)} free of {self.slots}, "
+                "but not in few enough runs (fragmented)"
+            )
+        gone = bytearray(self.slots)
+        for first, count in taken:
+            gone[first : first + count] = b"\x01" * count
+        # the rest stays free, lowest slot on top as in a fresh arena
+        self._free = array("I", (s for s in reversed(free) if not gone[s]))
+        return taken
+
+    def free_run(self, first: int, count: int) -> None:
+        """Return a run taken by `alloc_runs` (pushed so its lowest slot comes out first)."""
+        self._free.extend(range(first + count - 1, first - 1, -1))
+
+    @property
+    def address(self) -> int:
+        """The mapping's virtual address (for registering it with a NIC)."""
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+
     def free(self, slot: int) -> None:
         """Return a slot. The caller guarantees it was allocated and is freed once."""
         self._free.append(slot)

@@ -60,6 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"how long a disconnected client's pages are kept (default {DEFAULT_LEASE_S:g})",
     )
     parser.add_argument("--no-mlock", action="store_true", help="do not lock the arena in RAM")
+    parser.add_argument(
+        "--rdma",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="also serve one-sided RDMA on the same address and port (rdma-cm): auto when a "
+        "verbs device and the compiled transport are here (default), on to fail without "
+        "them, off for TCP only",
+    )
     sec = parser.add_argument_group("security (see README: Security)")
     sec.add_argument(
         "--secret-file",
@@ -165,6 +173,7 @@ async def _serve(
     secret_file: str | None = None,
     metrics: str | None = None,
     control: str | None = None,
+    rdma: str = "off",
 ) -> None:
     if metrics:  # Prometheus exposition; request latencies observed from here on
         from duvm.wire import metrics as m
@@ -184,12 +193,24 @@ async def _serve(
             control, lambda: {"role": "memserver", **server.store.status()}
         )
     bound = await server.start(host, port)
+    if rdma != "off":
+        server.start_rdma(bound[0], bound[1], required=rdma == "on")
+    rdma_note = (
+        f"rdma {server.rdma.device or 'yes'}"
+        if server.rdma is not None
+        else "rdma off"
+        if rdma == "off"
+        else "rdma no"
+    )
+    if server.rdma is None and rdma == "auto":
+        log.info("serving TCP only: %s", server.rdma_error)
     st = server.store
     print(
         f"duvm memserver listening on {bound[0]}:{bound[1]} "
         f"capacity {st.capacity_pages} pages ({st.capacity_pages * PAGE_SIZE >> 20} MiB) "
         f"locked {'yes' if st.arena.locked else 'no'} lease {st.lease_s:g}s "
-        f"auth {server.security_status()['auth']} tls {'yes' if server.tls else 'no'}",
+        f"auth {server.security_status()['auth']} tls {'yes' if server.tls else 'no'} "
+        f"{rdma_note}",
         flush=True,
     )
     stop = asyncio.Event()
@@ -282,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
                 args.secret_file,
                 metrics=args.metrics,
                 control=args.control_socket,
+                rdma=args.rdma,
             )
         )
     except MetricsError as e:

@@ -116,6 +116,8 @@ class Connection(asyncio.BufferedProtocol):
         self.server.pending.pop(self, None)
         if self._deadline is not None:
             self._deadline.cancel()
+        if self.server.rdma is not None:
+            self.server.rdma.closed(self)  # its regions go before its namespace can
         if self.ns is not None:
             self.store.detach(self.ns, asyncio.get_running_loop())
             self.ns = None
@@ -144,7 +146,12 @@ class Connection(asyncio.BufferedProtocol):
         hot = self._hot if lat is None else None  # per-frame latency: the reference loop
         try:
             while not self.closing:
-                if hot is not None and self.ns is not None and not arena_views:
+                if (
+                    hot is not None
+                    and self.ns is not None
+                    and not arena_views
+                    and not self.ns.chunk_pages  # RDMA namespaces map slots by chunk
+                ):
                     # the compiled loop serves what it can; the frame it stops at (anything
                     # to refuse included) is the reference loop's, below. Once the reference
                     # loop has queued arena views (a large LOAD), it serves the rest of this
@@ -295,11 +302,22 @@ class Connection(asyncio.BufferedProtocol):
         if ns is None:
             self.server.counters["unauthenticated_requests"] += 1
             raise pp.RemoteProtocolError(f"{type(msg).__name__} before authentication")
+        rdma = self.server.rdma
         if isinstance(msg, pp.Reserve):
             stored = store.reserve(ns, msg.pages)
+            if rdma is not None:
+                rdma.sync_regions(ns)
             return pp.ReserveReply(msg.req_id, msg.pages, stored)
         if isinstance(msg, pp.Release):
+            if rdma is not None:
+                rdma.drop_regions(ns)  # no rkey may outlive the slots it reaches
             return pp.ReleaseReply(msg.req_id, store.release(ns))
+        if isinstance(msg, (pp.RdmaOpen, pp.RdmaMap)):
+            if rdma is None:
+                raise Refused(pp.ErrorCode.INVALID, "this memserver does not serve RDMA")
+            if isinstance(msg, pp.RdmaOpen):
+                return rdma.open(self, ns, msg.chunk_pages, msg.req_id)
+            return rdma.map(self, ns, msg.chunk, msg.req_id)
         raise AssertionError(f"unhandled request {msg!r}")
 
     def _refuse(

@@ -10,6 +10,12 @@ client id, mapping the client's page numbers to slots, and the requests on them.
   token with DENIED), and outlives its connections for a lease (default 60 s): a client that
   reconnects with the same client id within the lease finds its pages and reservation; when
   the lease runs out both are freed.
+- An RDMA namespace (`open_rdma`) owns its slots: its reservation is held as runs of whole
+  chunks of consecutive slots (`extents`, each registered with the NIC by the RDMA service)
+  and a chunk of `chunk_pages` consecutive keys maps to one chunk of slots (`map_chunk`), so
+  the client reads and writes them by address. Its slots return to the arena only when the
+  namespace is released or its lease expires, never page by page: a FREE changes nothing, and
+  no slot a client can still address is ever given to another namespace.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from duvm.memserver.arena import PAGE_SIZE, Arena
+from duvm.memserver.arena import PAGE_SIZE, Arena, ArenaFull
 from duvm.wire import auth
 from duvm.wire import pageproto as pp
 
@@ -41,6 +47,11 @@ class Namespace:
     connections: int = 0
     expires_at: float | None = None  # monotonic time; set while no connection holds it
     timer: asyncio.TimerHandle | None = None
+    # RDMA namespaces only (chunk_pages > 0): runs of slots held, chunks mapped, chunks free
+    chunk_pages: int = 0
+    extents: list[tuple[int, int]] = field(default_factory=list)  # (first slot, slots)
+    chunks: dict[int, int] = field(default_factory=dict)  # chunk index -> first slot
+    spare: list[int] = field(default_factory=list)  # first slots of unmapped chunks held
 
 
 class Refused(Exception):
@@ -71,7 +82,7 @@ class PageStore:
         self.reserved_total = 0
         self.connections = 0
         self.started = time.monotonic()
-        self.extra_status: Any = None  # callable adding the server's fields to STATUS
+        self.extra_status: Any = None  # callable returning the server's fields of STATUS
         # requests and pages served, by kind (STATUS reports them)
         self.counters = {
             "store_requests": 0,
@@ -125,10 +136,17 @@ class PageStore:
         log.info("lease of %r expired: freed %d pages", ns.client_id, freed)
 
     def _release(self, ns: Namespace) -> int:
-        free = self.arena.free
-        for slot in sorted(ns.pages.values(), reverse=True):  # reused in ascending order
-            free(slot)
         n = len(ns.pages)
+        if ns.chunk_pages:
+            for first, count in reversed(ns.extents):
+                self.arena.free_run(first, count)
+            ns.extents.clear()
+            ns.chunks.clear()
+            ns.spare.clear()
+        else:
+            free = self.arena.free
+            for slot in sorted(ns.pages.values(), reverse=True):  # reused in ascending order
+                free(slot)
         ns.pages.clear()
         self.reserved_total -= ns.reserved
         ns.reserved = 0
@@ -137,6 +155,10 @@ class PageStore:
     # --- requests (hot ones first). Refusals raise Refused; nothing changes then. ---
 
     def store(self, ns: Namespace, keys: tuple[int, ...], data: memoryview) -> None:
+        if ns.chunk_pages:  # every key's slot exists once its chunk is mapped
+            cp = ns.chunk_pages
+            for chunk in {k // cp for k in keys}:
+                self.map_chunk(ns, chunk)
         pages, mem, c = ns.pages, self.arena.memory, self.counters
         c["store_requests"] += 1
         c["pages_stored"] += len(keys)
@@ -214,6 +236,9 @@ class PageStore:
         return views[0].tobytes() if len(views) == 1 else b"".join(views)
 
     def free(self, ns: Namespace, keys: tuple[int, ...]) -> int:
+        if ns.chunk_pages:  # slots stay with the namespace (its client may address them)
+            self.counters["free_requests"] += 1
+            return sum(1 for k in keys if k in ns.pages)
         pages, freed = ns.pages, []
         for k in keys:
             slot = pages.pop(k, None)
@@ -230,6 +255,8 @@ class PageStore:
         return n
 
     def reserve(self, ns: Namespace, want: int) -> int:
+        if ns.chunk_pages:
+            return self._reserve_chunks(ns, want)
         stored = len(ns.pages)
         if want < stored:
             raise Refused(
@@ -250,6 +277,78 @@ class PageStore:
 
     def release(self, ns: Namespace) -> int:
         return self._release(ns)
+
+    # --- RDMA namespaces ---
+
+    def open_rdma(self, ns: Namespace, chunk_pages: int) -> None:
+        """Make `ns` an RDMA namespace addressed in chunks of `chunk_pages` keys (again, on a
+        resume: the same size). Refused when it holds pages stored the other way."""
+        if ns.chunk_pages == chunk_pages:
+            return
+        if ns.chunk_pages:
+            raise Refused(
+                pp.ErrorCode.INVALID,
+                f"namespace {ns.client_id!r} is addressed in chunks of {ns.chunk_pages} "
+                f"pages, not {chunk_pages}",
+            )
+        if ns.pages or ns.reserved:
+            raise Refused(
+                pp.ErrorCode.BUSY,
+                f"namespace {ns.client_id!r} holds a reservation made without RDMA; "
+                "RELEASE it first",
+            )
+        if chunk_pages > self.capacity_pages:
+            raise Refused(
+                pp.ErrorCode.INVALID,
+                f"chunks of {chunk_pages} pages exceed the arena ({self.capacity_pages})",
+            )
+        ns.chunk_pages = chunk_pages
+
+    def _reserve_chunks(self, ns: Namespace, want: int) -> int:
+        """Hold at least `want` pages as whole chunks; an RDMA namespace never shrinks (its
+        client may still address what it holds) until it is released."""
+        cp = ns.chunk_pages
+        held = len(ns.chunks) + len(ns.spare)
+        need = -(-want // cp)
+        if need > held:
+            add = (need - held) * cp
+            available = self.capacity_pages - self.reserved_total
+            if add > available:
+                raise Refused(
+                    pp.ErrorCode.NO_SPACE,
+                    f"cannot reserve {want} pages ({need} chunks of {cp}): "
+                    f"{available} pages available of {self.capacity_pages}",
+                )
+            try:
+                runs = self.arena.alloc_runs(add, cp)
+            except ArenaFull as e:
+                raise Refused(pp.ErrorCode.NO_SPACE, str(e)) from None
+            for first, count in runs:
+                ns.extents.append((first, count))
+                ns.spare.extend(range(first + count - cp, first - 1, -cp))  # lowest on top
+            self.reserved_total += add
+            ns.reserved += add
+        return len(ns.pages)
+
+    def map_chunk(self, ns: Namespace, chunk: int) -> int:
+        """The first slot of chunk `chunk` of RDMA namespace `ns`, mapping it from the held
+        chunks when it is new (its keys then count as stored: the client may write them at
+        any moment). Refused NO_SPACE beyond the reservation."""
+        first = ns.chunks.get(chunk)
+        if first is not None:
+            return first
+        if not ns.spare:
+            raise Refused(
+                pp.ErrorCode.NO_SPACE,
+                f"chunk {chunk} is beyond the reservation ({len(ns.chunks)} chunks of "
+                f"{ns.chunk_pages} pages mapped)",
+            )
+        first = ns.chunks[chunk] = ns.spare.pop()
+        cp = ns.chunk_pages
+        ns.pages.update(
+            zip(range(chunk * cp, (chunk + 1) * cp), range(first, first + cp), strict=True)
+        )
+        return first
 
     def status(self) -> dict:
         now = time.monotonic()
@@ -273,6 +372,7 @@ class PageStore:
                     "reserved_pages": ns.reserved,
                     "stored_pages": len(ns.pages),
                     "connections": ns.connections,
+                    "rdma_chunk_pages": ns.chunk_pages or None,
                     "lease_expires_in": None
                     if ns.expires_at is None
                     else round(max(0.0, ns.expires_at - now), 3),
@@ -280,7 +380,7 @@ class PageStore:
                 for ns in list(self.namespaces.values())[:1000]
             ],
             "namespaces_total": len(self.namespaces),
-            **({"security": self.extra_status()} if self.extra_status else {}),
+            **(self.extra_status() if self.extra_status else {}),
         }
 
     def close(self) -> None:

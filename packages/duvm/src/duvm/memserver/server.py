@@ -21,6 +21,8 @@ from typing import Any
 
 from duvm.memserver.connection import Connection
 from duvm.memserver.pagestore import DEFAULT_LEASE_S, PageStore
+from duvm.memserver.rdma_service import RdmaService
+from duvm.rdma import verbs
 from duvm.wire import auth
 from duvm.wire.pageproto import PAGE_SIZE
 
@@ -73,15 +75,25 @@ class MemServer:
             "unauthenticated_requests": 0,
             "idle_closed": 0,
         }
-        self.store.extra_status = self.security_status
+        self.store.extra_status = self.server_status
         # duvm.wire.metrics.LatencyByKind when serving --metrics, else None (no cost per frame)
         self.latency: Any = None
+        # the RDMA listener (start_rdma), None when this memserver serves TCP only
+        self.rdma: RdmaService | None = None
+        self.rdma_error: str | None = None  # why not, when RDMA was asked for
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
     @property
     def auth_required(self) -> bool:
         return self.keyring is not None or self.tls_client_auth
+
+    def server_status(self) -> dict:
+        """The server's own fields of STATUS: security and RDMA."""
+        rdma = self.rdma.status() if self.rdma is not None else {"listening": False}
+        if self.rdma_error:
+            rdma["error"] = self.rdma_error
+        return {"security": self.security_status(), "rdma": rdma}
 
     def security_status(self) -> dict:
         return {
@@ -139,6 +151,23 @@ class MemServer:
         addr = self._server.sockets[0].getsockname()
         return addr[0], addr[1]
 
+    def start_rdma(self, host: str, port: int, *, required: bool) -> bool:
+        """Listen with rdma-cm on `host`:`port` beside TCP. True when listening; otherwise
+        `rdma_error` says why, and OSError is raised when `required`."""
+        v = verbs.load()
+        try:
+            if v is None:
+                raise OSError(f"the RDMA transport is not built ({verbs.state()})")
+            service = RdmaService(self.store, v)
+            service.start(host, port)
+        except OSError as e:
+            self.rdma_error = str(e)
+            if required:
+                raise
+            return False
+        self.rdma = service
+        return True
+
     async def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -150,4 +179,7 @@ class MemServer:
             await self._server.wait_closed()
             self._server = None
         await asyncio.sleep(0)  # let connection_lost callbacks run before the arena goes
+        if self.rdma is not None:
+            self.rdma.close()  # every region before the arena it covers
+            self.rdma = None
         self.store.close()

@@ -5,5 +5,5 @@ supervise and node commands, resume) and `doctor` (this node's prerequisites, ch
 enable will need them). Each sub-package's "May import:" line says which of the others it uses;
 this folder has no modules of its own.
 
-May import: duvm.base, duvm.wire, duvm.store, duvm.memserver.
+May import: duvm.base, duvm.wire, duvm.rdma, duvm.store, duvm.memserver.
 """

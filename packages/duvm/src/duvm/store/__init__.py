@@ -3,5 +3,5 @@ whose pages live on memservers (placement, replicas, read-ahead, repair, the mem
 the encryption filter and the state a restarted daemon needs. Also `Pool`, the explicit API to
 the same memservers.
 
-May import: duvm.base, duvm.wire.
+May import: duvm.base, duvm.wire, duvm.rdma.
 """

@@ -31,6 +31,12 @@ Theory of operation:
   after the backoff is the half-open trial; a successful HELLO closes the breaker.
 - `on_namespace_lost(client)` (optional) is called when a reconnect finds the namespace gone,
   before the reservation is restored, so the owner can mark the pages it held as lost.
+- Transport (`transport`): "tcp" moves pages in STORE/LOAD frames; "rdma" and "auto" open an
+  RDMA connection after each handshake (`rdma_link`): STOREs and LOADs then move by one-sided
+  RDMA WRITE/READ into the memserver's arena, and the TCP connection carries the rest (RESERVE,
+  chunk maps, FREE, STATUS) and tells a dead peer. "rdma" fails the connection when RDMA cannot
+  be had; "auto" then uses TCP and says why (`rdma_error`). A broken RDMA connection drops
+  the TCP one too, so the store fails over exactly as for a lost TCP connection.
 """
 
 from __future__ import annotations
@@ -45,11 +51,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from duvm.rdma import verbs
 from duvm.store.memclient_replies import Batch, ReplyProtocol
 from duvm.store.memclient_send import LOAD as _LOAD
 from duvm.store.memclient_send import STORE as _STORE
 from duvm.store.memclient_send import send_queue_type
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
+from duvm.store.rdma_link import LinkError, RdmaLink, RdmaOwner, open_link
 from duvm.store.storage import Batching
 from duvm.wire import pageproto as pp
 from duvm.wire.auth import (
@@ -69,6 +77,7 @@ BACKOFF_MIN = 0.1  # seconds the breaker stays open after the first failure
 BACKOFF_MAX = 5.0  # ... and at most, however many failures follow
 
 _FREE = int(pp.MsgType.FREE)
+TRANSPORTS = ("tcp", "rdma", "auto")
 
 
 class MemClient:
@@ -90,8 +99,17 @@ class MemClient:
         security: PeerSecurity | None = None,
         token: bytes | None = None,
         batching: Batching | None = None,
+        transport: str = "tcp",
+        chunk_pages: int = 256,
     ) -> None:
         pp.Hello(0, client_id)  # validates the id early
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
+        pp.RdmaOpen(0, chunk_pages)  # validates the chunk size early
+        self.transport = transport
+        self.chunk_pages = chunk_pages  # keys per RDMA chunk: the store's slab
+        self._rdma: RdmaLink | None = None
+        self.rdma_error: str | None = None  # why the last connect did not get RDMA
         self.host, self.port, self.client_id = host, port, client_id
         # shared with the other connections of one store and the NBD server in front of it
         self.batching = batching if batching is not None else Batching()
@@ -153,10 +171,13 @@ class MemClient:
         self._breaker_until = time.monotonic() + delay * random.uniform(0.75, 1.25)
 
     def stalled_for(self, now: float) -> float:
-        """Seconds requests have been outstanding with no byte received (0 when idle)."""
+        """Seconds requests have been outstanding with no byte (or RDMA completion) received
+        (0 when idle)."""
+        link = self._rdma
+        rdma = now - max(link.busy_since, link.last_completion) if link and link.in_flight else 0.0
         if not self.queue.pending or self._proto is None:
-            return 0.0
-        return now - max(self.queue.busy_since, self.last_rx)
+            return rdma
+        return max(rdma, now - max(self.queue.busy_since, self.last_rx))
 
     def abort(self, reason: str) -> None:
         """Drop the connection now (a stalled peer): pending requests fail as on a lost
@@ -234,6 +255,8 @@ class MemClient:
         # pages per request: what the server accepts, and what fits its largest frame
         fit = (reply.max_frame - pp.HEADER_SIZE - 8) // (8 + PAGE_SIZE)
         self.queue.max_batch = max(1, min(reply.max_batch, pp.MAX_BATCH, fit))
+        if self.transport != "tcp":
+            await self._open_rdma(proto)
         if not reply.resumed and self._reserved:
             self.namespace_losses += 1
             log.error(
@@ -252,9 +275,73 @@ class MemClient:
         self.lease_s = reply.lease_ms / 1000
         return reply
 
+    @property
+    def transport_in_use(self) -> str | None:
+        """ "rdma" or "tcp" while connected, else None."""
+        if not self.connected:
+            return None
+        return "rdma" if self._rdma is not None else "tcp"
+
+    async def _open_rdma(self, proto: ReplyProtocol) -> None:
+        """After the handshake: get an RDMA connection, or say why not (see module doc)."""
+        why = None
+        v = verbs.load()
+        if v is None:
+            why = f"the RDMA transport is not built ({verbs.state()})"
+        else:
+            try:
+                reply = await self._request(pp.RdmaOpen(0, self.chunk_pages))
+                self._rdma = await open_link(
+                    v,
+                    self.host,
+                    reply,
+                    self.chunk_pages,
+                    self.peer,
+                    RdmaOwner(self._request, self._tcp_cb, self._tcp_batch, self._rdma_broken),
+                )
+            except PageServerError as e:
+                why = f"the memserver refused RDMA: {e}"
+            except LinkError as e:
+                why = str(e)
+        if why is None:
+            self.rdma_error = None
+            log.info("memserver %s: pages move by RDMA (%s)", self.peer, self._rdma.device)
+            return
+        if self.transport == "rdma":
+            self.rdma_error = why
+            proto.transport.abort()
+            self._proto = None
+            self.hello = None
+            self.queue.disconnected()
+            raise MemserverUnreachable(f"memserver {self.peer}: no RDMA connection: {why}")
+        if why != self.rdma_error:
+            log.warning("memserver %s: pages move by TCP, not RDMA: %s", self.peer, why)
+        self.rdma_error = why
+
+    def _tcp_cb(self, write: bool, keys: tuple[int, ...], buf: memoryview, cb: Callable) -> None:
+        (self.queue.store_cb if write else self.queue.load_cb)(keys, buf, cb)
+
+    def _tcp_batch(self, write: bool, keys: tuple[int, ...], buf: memoryview) -> Awaitable[Any]:
+        if write:
+            return self.queue.queue(_STORE, keys, buf, None)
+        return self.queue.queue(_LOAD, keys, None, buf)
+
+    def _rdma_broken(self, why: str) -> None:
+        """The RDMA connection broke: drop the TCP one too (the store fails over as for any
+        lost connection; the reconnect tries RDMA again)."""
+        self._rdma = None
+        self.rdma_error = why
+        self.abort(f"RDMA connection broken ({why})")
+
+    def _close_rdma(self) -> None:
+        link, self._rdma = self._rdma, None
+        if link is not None:
+            link.close()  # its requests in flight fail as on a lost connection
+
     async def close(self) -> None:
         """Close the connection (the namespace stays on the server for its lease)."""
         self._closed = True
+        self._close_rdma()
         proto, self._proto = self._proto, None
         self.hello = None
         self.queue.disconnected()
@@ -269,6 +356,7 @@ class MemClient:
             return  # an old connection, already failed when it was replaced: not ours to fail
         self._proto = None
         self.hello = None
+        self._close_rdma()
         self.queue.fail_all(
             MemserverUnreachable(
                 f"connection to memserver {self.peer} lost" + (f": {exc}" if exc else "")
@@ -319,6 +407,10 @@ class MemClient:
         """Send a request; on a lost connection reconnect and retry (requests are idempotent)."""
         if self.hello is not None:  # connected: the fast path
             try:
+                if self._rdma is not None and msg is None and mtype != _FREE:
+                    return await self._rdma.call(
+                        mtype == _STORE, keys, data if mtype == _STORE else out
+                    )  # type: ignore[arg-type]
                 return await self.queue.queue(mtype, keys, data, out, msg)
             except MemserverUnreachable:
                 if not self.retries:
@@ -332,6 +424,10 @@ class MemClient:
         for attempt in range(self.retries + 1):
             await self._ensure_connected()
             try:
+                if self._rdma is not None and msg is None and mtype != _FREE:
+                    return await self._rdma.call(
+                        mtype == _STORE, keys, data if mtype == _STORE else out
+                    )  # type: ignore[arg-type]
                 return await self.queue.queue(mtype, keys, data, out, msg)
             except MemserverUnreachable:
                 if attempt == self.retries:
@@ -357,11 +453,15 @@ class MemClient:
     def store_batch(self, keys: tuple[int, ...], data: memoryview) -> Awaitable[Any]:
         if self.hello is None:
             return self._call(_STORE, keys, data)
+        if self._rdma is not None:
+            return self._rdma.call(True, keys, data)
         return self.queue.queue(_STORE, keys, data, None)
 
     def load_batch(self, keys: tuple[int, ...], out: memoryview) -> Awaitable[Any]:
         if self.hello is None:
             return self._call(_LOAD, keys, None, out)
+        if self._rdma is not None:
+            return self._rdma.call(False, keys, out)
         return self.queue.queue(_LOAD, keys, None, out)
 
     # The callback fast path (the NBD daemon's hot path): as store_batch/load_batch, but the
@@ -374,7 +474,9 @@ class MemClient:
     ) -> bool:
         if self.hello is None:
             return False
-        self.queue.store_cb(keys, data, cb)
+        link = self._rdma
+        if link is None or not link.send(True, keys, data, cb):
+            self.queue.store_cb(keys, data, cb)
         return True
 
     def load_cb(
@@ -382,7 +484,9 @@ class MemClient:
     ) -> bool:
         if self.hello is None:
             return False
-        self.queue.load_cb(keys, out, cb)
+        link = self._rdma
+        if link is None or not link.send(False, keys, out, cb):
+            self.queue.load_cb(keys, out, cb)
         return True
 
     async def store(self, keys: Iterable[int], data: bytes | bytearray | memoryview) -> None:

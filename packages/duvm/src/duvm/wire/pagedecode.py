@@ -38,6 +38,9 @@ from duvm.wire.pageproto import (
     NONCE_SIZE,
     PAGE_SIZE,
     PROOF_SIZE,
+    RDMA_MAP_REPLY_BODY,
+    RDMA_OPEN_BODY,
+    RDMA_OPEN_REPLY_BODY,
     REPLY_BIT,
     RESUMED,
     U64,
@@ -55,6 +58,10 @@ from duvm.wire.pageproto import (
     LocalProtocolError,
     Message,
     MsgType,
+    RdmaMap,
+    RdmaMapReply,
+    RdmaOpen,
+    RdmaOpenReply,
     Release,
     ReleaseReply,
     RemoteProtocolError,
@@ -98,6 +105,8 @@ _REQUEST_LIMITS = {
     MsgType.LOAD: 8 + MAX_BATCH * 8,
     MsgType.FREE: 8 + MAX_BATCH * 8,
     MsgType.STATUS: 0,
+    MsgType.RDMA_OPEN: RDMA_OPEN_BODY.size,
+    MsgType.RDMA_MAP: 8,
 }
 _REPLY_LIMITS = {
     MsgType.HELLO: CHALLENGE_BODY.size,
@@ -108,6 +117,8 @@ _REPLY_LIMITS = {
     MsgType.LOAD: MAX_BATCH * PAGE_SIZE,
     MsgType.FREE: 8,
     MsgType.STATUS: MAX_STATUS,
+    MsgType.RDMA_OPEN: RDMA_OPEN_REPLY_BODY.size,
+    MsgType.RDMA_MAP: RDMA_MAP_REPLY_BODY.size,
 }
 
 
@@ -415,6 +426,35 @@ def _d_status_reply(req_id: int, body: memoryview) -> StatusReply:
     return StatusReply(req_id, bytes(body))
 
 
+def _d_rdma_open(req_id: int, body: memoryview) -> RdmaOpen:
+    _expect(body, RDMA_OPEN_BODY.size, "RDMA_OPEN")
+    chunk_pages, reserved = RDMA_OPEN_BODY.unpack(body)
+    if reserved:
+        raise RemoteProtocolError(f"RDMA_OPEN reserved field is {reserved}, expected 0")
+    try:
+        return RdmaOpen(req_id, chunk_pages)
+    except LocalProtocolError as e:
+        raise RemoteProtocolError(str(e)) from None
+
+
+def _d_rdma_open_reply(req_id: int, body: memoryview) -> RdmaOpenReply:
+    _expect(body, RDMA_OPEN_REPLY_BODY.size, "RDMA_OPEN reply")
+    port, reserved, depth, ticket = RDMA_OPEN_REPLY_BODY.unpack(body)
+    if reserved:
+        raise RemoteProtocolError(f"RDMA_OPEN reply reserved field is {reserved}, expected 0")
+    return RdmaOpenReply(req_id, port, depth, ticket)
+
+
+def _d_rdma_map(req_id: int, body: memoryview) -> RdmaMap:
+    _expect(body, 8, "RDMA_MAP")
+    return RdmaMap(req_id, U64.unpack(body)[0])
+
+
+def _d_rdma_map_reply(req_id: int, body: memoryview) -> RdmaMapReply:
+    _expect(body, RDMA_MAP_REPLY_BODY.size, "RDMA_MAP reply")
+    return RdmaMapReply(req_id, *RDMA_MAP_REPLY_BODY.unpack(body))
+
+
 _CODES = frozenset(int(c) for c in ErrorCode if c)
 _NAMES = {int(t): t.name for t in MsgType}
 _DECODERS = {
@@ -434,4 +474,8 @@ _DECODERS = {
     MsgType.LOAD | REPLY_BIT: _d_load_reply,
     MsgType.FREE | REPLY_BIT: _d_free_reply,
     MsgType.STATUS | REPLY_BIT: _d_status_reply,
+    MsgType.RDMA_OPEN: _d_rdma_open,
+    MsgType.RDMA_MAP: _d_rdma_map,
+    MsgType.RDMA_OPEN | REPLY_BIT: _d_rdma_open_reply,
+    MsgType.RDMA_MAP | REPLY_BIT: _d_rdma_map_reply,
 }

@@ -21,6 +21,9 @@ from duvm.wire.pageproto import (
     MAX_ERROR_MESSAGE,
     MAX_STATUS,
     PAGE_SIZE,
+    RDMA_MAP_REPLY_BODY,
+    RDMA_OPEN_BODY,
+    RDMA_OPEN_REPLY_BODY,
     REPLY_BIT,
     RESUMED,
     U64,
@@ -37,6 +40,10 @@ from duvm.wire.pageproto import (
     LocalProtocolError,
     Message,
     MsgType,
+    RdmaMap,
+    RdmaMapReply,
+    RdmaOpen,
+    RdmaOpenReply,
     Release,
     ReleaseReply,
     Reserve,
@@ -129,6 +136,17 @@ def encode(msg: Message) -> list[bytes | memoryview]:
             if len(body) > MAX_STATUS:
                 raise LocalProtocolError(f"STATUS reply over {MAX_STATUS} bytes")
             return [frame_header(MsgType.STATUS | REPLY_BIT, req_id, len(body)) + body]
+        case RdmaOpen(req_id, chunk_pages):
+            body = RDMA_OPEN_BODY.pack(chunk_pages, 0)
+            return [frame_header(MsgType.RDMA_OPEN, req_id, len(body)) + body]
+        case RdmaOpenReply(req_id, port, depth, ticket):
+            body = RDMA_OPEN_REPLY_BODY.pack(port, 0, depth, ticket)
+            return [frame_header(MsgType.RDMA_OPEN | REPLY_BIT, req_id, len(body)) + body]
+        case RdmaMap(req_id, chunk):
+            return [frame_header(MsgType.RDMA_MAP, req_id, 8) + U64.pack(chunk)]
+        case RdmaMapReply(req_id, address, rkey, pages):
+            body = RDMA_MAP_REPLY_BODY.pack(address, rkey, pages)
+            return [frame_header(MsgType.RDMA_MAP | REPLY_BIT, req_id, len(body)) + body]
         case ErrorReply(req_id, mtype, code, message):
             raw = message.encode("utf-8", "replace")[:MAX_ERROR_MESSAGE]
             return [frame_header(mtype | REPLY_BIT, req_id, len(raw), code) + raw]

@@ -59,6 +59,11 @@ RESUMED: Final = 1
 U64 = struct.Struct("<Q")
 U64X2 = struct.Struct("<QQ")
 FREE_REPLY_BODY = struct.Struct("<II")  # freed, reserved (0)
+RDMA_OPEN_BODY = struct.Struct("<II")  # chunk pages, reserved (0)
+RDMA_OPEN_REPLY_BODY = struct.Struct(f"<HHI{NONCE_SIZE}s")  # rdma-cm port, reserved (0),
+# RDMA READs the server takes in flight, ticket
+RDMA_MAP_REPLY_BODY = struct.Struct("<QII")  # remote address, rkey, pages
+MAX_CHUNK_PAGES: Final = 1 << 20  # 4 GiB: the largest chunk an RDMA_OPEN may ask for
 
 
 class MsgType(IntEnum):
@@ -70,6 +75,8 @@ class MsgType(IntEnum):
     FREE = 6
     STATUS = 7
     AUTH = 8
+    RDMA_OPEN = 9
+    RDMA_MAP = 10
 
 
 class ErrorCode(IntEnum):
@@ -308,6 +315,56 @@ class StatusReply:
 
 
 @dataclass(frozen=True, slots=True)
+class RdmaOpen:
+    """Ask for an RDMA connection to this namespace's pages, addressed in chunks of
+    `chunk_pages` consecutive keys (the daemon's slab). Only after authentication."""
+
+    req_id: int
+    chunk_pages: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.chunk_pages <= MAX_CHUNK_PAGES:
+            raise LocalProtocolError(f"chunk pages must be in [1, {MAX_CHUNK_PAGES}]")
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaOpenReply:
+    """Where to connect with rdma-cm (the server's address, `port`) and the one-time `ticket`
+    to send as the connect request's private data; `read_depth` RDMA READs in flight."""
+
+    req_id: int
+    port: int
+    read_depth: int
+    ticket: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        _check_bytes(self.ticket, NONCE_SIZE, "ticket")
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaMap:
+    """Give chunk `chunk` of this namespace its arena slots (idempotent) and say where."""
+
+    req_id: int
+    chunk: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.chunk < 1 << 64:
+            raise LocalProtocolError("chunk must be in [0, 2**64)")
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaMapReply:
+    """Chunk's `pages` slots start at remote `address`, reachable with `rkey` on this
+    connection's queue pair only."""
+
+    req_id: int
+    address: int
+    rkey: int
+    pages: int
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorReply:
     """A refused request. `type` is the request's type; the request had no effect."""
 
@@ -321,7 +378,7 @@ class ErrorReply:
             raise LocalProtocolError("an error reply needs a non-zero code")
 
 
-Request = Hello | Auth | Reserve | Release | Store | Load | Free | Status
+Request = Hello | Auth | Reserve | Release | Store | Load | Free | Status | RdmaOpen | RdmaMap
 Reply = (
     Challenge
     | HelloReply
@@ -331,6 +388,8 @@ Reply = (
     | LoadReply
     | FreeReply
     | StatusReply
+    | RdmaOpenReply
+    | RdmaMapReply
     | ErrorReply
 )
 Message = Request | Reply

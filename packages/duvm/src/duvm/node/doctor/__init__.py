@@ -4,5 +4,5 @@ file, peers answering under that secret), each with how to fix a gap. It checks 
 will need the way enable finds it, so it reads the attach and lifecycle code; neither imports
 it.
 
-May import: duvm.base, duvm.wire, duvm.store, duvm.node.attach, duvm.node.lifecycle.
+May import: duvm.base, duvm.wire, duvm.rdma, duvm.store, duvm.node.attach, duvm.node.lifecycle.
 """
