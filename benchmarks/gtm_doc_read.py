@@ -26,10 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gputaskman.core.docfields import read_parsed
-from gputaskman.core.docshape import DOC_DECODER
-from gputaskman.core.document import read_document
-from gputaskman.core.jsonfields import parse_json
+from gputaskman.document.docfields import read_parsed
+from gputaskman.document.docshape import DOC_DECODER
+from gputaskman.document.jsonfields import parse_json
+from gputaskman.document.reader import read_document
 
 RECORDINGS = Path(__file__).resolve().parents[1] / "packages/gputaskman/tests/recordings"
 

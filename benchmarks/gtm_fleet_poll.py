@@ -15,7 +15,7 @@ This process runs the real `fleet.poller.Poller` over them (interval 1 s) and me
 
 * CPU: the poller thread's own user+system time (``/proc/self/task/TID/stat``), as a share of
   one core, and the whole process's (the poller plus this measuring loop);
-* documents read per second (each one through `document.read_document`);
+* documents read per second (each one through `reader.read_document`);
 * the slow host's effect on the others: for every other host, the gaps between successive
   answers (a poll held behind the slow host would show a gap of about `--slow` seconds) and
   the answers' latency.

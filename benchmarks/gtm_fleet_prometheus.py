@@ -2,7 +2,7 @@
 Prometheus, the fleet read from it at 1 Hz.
 
 A child process plays the hosts: one loopback HTTP server answering ``/metrics?host=N`` with
-what ``gputaskman serve`` exports (`core.exporter`'s families in Prometheus's text format)
+what ``gputaskman serve`` exports (`render.exporter`'s families in Prometheus's text format)
 for the recorded snapshots of tests/recordings (the demo and a DRM fixture tree: synthetic
 GPU numbers), host N at each scrape the next recorded line, stamped with the time of the
 scrape as a new sample (as a serve sampling every second is). A real ``prometheus``
@@ -52,8 +52,8 @@ STAMP = b"gputaskman_sample_timestamp_seconds "
 
 def _expositions() -> list[bytes]:
     """Each recorded snapshot as serve's /metrics text (its sample time a placeholder)."""
-    from gputaskman.core.document import read_document
-    from gputaskman.core.exporter import Cached, snapshot_families
+    from gputaskman.document.reader import read_document
+    from gputaskman.render.exporter import Cached, snapshot_families
     from prometheus_client import CollectorRegistry, generate_latest
 
     out = []

@@ -50,8 +50,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import h11
-from gputaskman.cli.httpauth import bearer_ok
-from gputaskman.cli.httpserve import HttpConnection, Response, Route
 from gputaskman.fleet.httpwire import (
     MAX_HEAD_BYTES,
     HttpError,
@@ -61,6 +59,8 @@ from gputaskman.fleet.httpwire import (
     request_bytes,
 )
 from gputaskman.fleet.reader import MAX_DOCUMENT_BYTES
+from gputaskman.serve.httpauth import bearer_ok
+from gputaskman.serve.httpserve import HttpConnection, Response, Route
 
 RECORDINGS = Path(__file__).resolve().parents[1] / "packages/gputaskman/tests/recordings"
 TOKEN = "s3cr3t-token-0123456789abcdef"

@@ -32,9 +32,9 @@ from gputaskman.base.readings import (
     Reading,
     Snapshot,
 )
-from gputaskman.core import report
 from gputaskman.offline import record, summary
 from gputaskman.offline.playback import RecordSource
+from gputaskman.render import report
 
 GIB = 1024**3
 BUSES = ("00000000:01:00.0", "00000000:41:00.0")

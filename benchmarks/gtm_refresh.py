@@ -18,8 +18,8 @@ What it does
    runtime detection, ``cmdline`` read + redaction + model arguments, ``cwd``/``exe``
    readlinks, and one full ``procinfo.scan_process``. Machine-wide probes (meminfo, swaps,
    /proc/stat, loadavg) are timed ``--repeat`` x 20 times each.
-3. Refreshes: with ``gputaskman.core.collector.Collector`` when it exists (its ``last_timing``
-   splits GPU, host and scan time), otherwise ``HostSampler`` + ``procinfo.Scanner``:
+3. Refreshes: with ``gputaskman.sampling.collector.Collector`` when it exists (its ``last_timing``
+   splits GPU, host and scan time), otherwise ``HostSampler`` + ``procscan.Scanner``:
    a cold refresh (empty cache, budget 0.150 s), the refreshes until every process is
    scanned, a warm refresh (everything cached), and a one-shot refresh (budget None).
 
@@ -45,8 +45,8 @@ from typing import Any
 
 import psutil
 from gputaskman.base import procargs, procfs
-from gputaskman.core import host
-from gputaskman.intel import procinfo
+from gputaskman.intel import procinfo, procscan
+from gputaskman.sampling import host
 
 MAPPER = r"""
 import mmap, sys, time
@@ -296,7 +296,7 @@ def run(procs: list[subprocess.Popen[bytes]], args: argparse.Namespace) -> None:
 def refreshes(args: argparse.Namespace) -> None:
     budget = args.budget
     try:
-        from gputaskman.core.collector import Collector
+        from gputaskman.sampling.collector import Collector
     except ImportError:
         Collector = None  # type: ignore[assignment,misc]
     print(f"\nrefreshes (budget {budget * 1000:.0f} ms for maps scanning; milliseconds)")
@@ -311,7 +311,7 @@ def refreshes(args: argparse.Namespace) -> None:
             if res is None or not res.pending or len(results) > 200:
                 break
         cold, cold_res = results[0]
-        print(f"  using gputaskman.core.collector.Collector (backend {col.backend})")
+        print(f"  using gputaskman.sampling.collector.Collector (backend {col.backend})")
         _print_timing("cold refresh (empty cache)", cold, cold_res)
         print(f"  refreshes until every process was scanned: {len(results)}")
         col.sample_with_system()
@@ -352,7 +352,7 @@ def refreshes(args: argparse.Namespace) -> None:
         one.close()
         return
     sampler = host.HostSampler()
-    scanner = procinfo.Scanner(budget)
+    scanner = procscan.Scanner(budget)
     n = 0
     while True:
         t0 = time.perf_counter()

@@ -257,12 +257,12 @@ def one_start(args: argparse.Namespace) -> StartResult:
 
 def fleet_variants(n: int) -> list[list[Any]]:
     """`VARIANTS` lists of about `n` fleet rows (see the module docstring)."""
-    from gputaskman.core import report
-    from gputaskman.core.document import read_document
-    from gputaskman.core.fleetdoc import HostStatus
+    from gputaskman.document.fleetdoc import HostStatus
+    from gputaskman.document.reader import read_document
     from gputaskman.fleet.poller import HostState
     from gputaskman.fleet.targets import parse_target
     from gputaskman.fleet.view import fleet_rows
+    from gputaskman.render import report
 
     doc = read_document(json.loads(json.dumps(report.to_json_dict(demo_snapshot(), DemoSystem()))))
     out = []

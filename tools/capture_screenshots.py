@@ -115,8 +115,8 @@ def demo_system(snapshot: Any) -> Any:
     from types import MappingProxyType
 
     from gputaskman.base.readings import Reading
-    from gputaskman.core import host
     from gputaskman.fixtures.demo import GIB, DemoSystem
+    from gputaskman.sampling import host
 
     def r(v: float) -> Reading:
         return Reading.measured(v, "demo:synthetic")
@@ -154,9 +154,9 @@ def write_demo_record(path: Path, frames: int = 3) -> None:
     """A short recording of gputaskman.fixtures.demo's synthetic snapshot (not measured)."""
     import dataclasses
 
-    from gputaskman.core import report
     from gputaskman.fixtures.demo import demo_snapshot
     from gputaskman.offline.record import encode_line
+    from gputaskman.render import report
 
     base = demo_snapshot()
     with open(path, "wb") as f:

@@ -1,5 +1,5 @@
 """Writes gputaskman's JSON Schema of the snapshot document (``base/snapshot.schema.json``,
-draft 2020-12) from the msgspec Structs that declare the document (``core/docshape.py``), so
+draft 2020-12) from the msgspec Structs that declare the document (``document/docshape.py``), so
 the schema cannot say other than the reader: a field added to a Struct is in the schema when
 this is run again, and test_schema.py fails until it is.
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec.inspect as mi
 from gputaskman.base import schema as packaged
-from gputaskman.core import docshape
+from gputaskman.document import docshape
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "packages" / "gputaskman" / "src" / "gputaskman" / "base" / packaged.SCHEMA_FILE

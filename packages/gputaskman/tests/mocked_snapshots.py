@@ -25,8 +25,8 @@ from gputaskman.base.readings import (
     Reason,
     Snapshot,
 )
-from gputaskman.core import report
 from gputaskman.offline.record import encode_line
+from gputaskman.render import report
 
 GIB = 1024**3
 MIB = 1024**2

@@ -304,8 +304,8 @@ async def test_drm_fixture_tree_through_the_real_collector(tmp_path):
     """Issue 8 in the TUI: the real `Collector` over a DRM fixture tree (kernel formats,
     not measured on hardware) shows the AMD and the Intel adapter, their processes with
     the right provenance, the GTT line and the Intel memory note."""
-    from gputaskman.core.collector import sysroot_collector
     from gputaskman.fixtures.drm_fixtures import write_demo_tree
+    from gputaskman.sampling.collector import sysroot_collector
 
     write_demo_tree(tmp_path)
     app = create_app(interval=60.0, collector_factory=lambda: sysroot_collector(str(tmp_path)))

@@ -30,8 +30,8 @@ from gputaskman.backends.linux import LinuxGpus
 from gputaskman.base import schema
 from gputaskman.base.gpusource import GpuSample, GpuSource
 from gputaskman.base.readings import Problem, Reason
-from gputaskman.core import report
-from gputaskman.core.collector import Collector, NullScanner
+from gputaskman.render import report
+from gputaskman.sampling.collector import Collector, NullScanner
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -38,6 +38,7 @@ from gputaskman.backends.drm import DrmBackend
 from gputaskman.backends.linux import LinuxGpus, NotAsked
 from gputaskman.backends.macos import MacCounters
 from gputaskman.backends.nvml import NvmlBackend
+from gputaskman.backends.registry import sysroot_gpu_source
 from gputaskman.backends.win.backend import WddmBackend
 from gputaskman.backends.win.dxgi import AdapterDesc
 from gputaskman.backends.win.tcc import NVML_DRIVER_MCDM, TccCounters
@@ -45,9 +46,9 @@ from gputaskman.backends.wsl import Interop, WslBackend
 from gputaskman.base import schema
 from gputaskman.base.gpusource import GpuProcess, GpuSample, GpuSource, ProbeResult
 from gputaskman.base.readings import Adapter, DeviceMetrics, Kind, Problem, Reading, Reason
-from gputaskman.core import report
-from gputaskman.core.collector import Collector, NullScanner, sysroot_gpu_source
 from gputaskman.fixtures.drm_fixtures import AMD_PDEV, write_demo_tree
+from gputaskman.render import report
+from gputaskman.sampling.collector import Collector, NullScanner
 
 HERE = Path(__file__).parent
 GIB = 1024**3

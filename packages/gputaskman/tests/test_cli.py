@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 import pytest
 from gputaskman import __version__
-from gputaskman.core import report
+from gputaskman.render import report
 
 BIN = Path(sys.executable).parent
 GTM = str(BIN / "gputaskman")

@@ -23,13 +23,13 @@ import pytest
 from gputaskman.base import schema
 from gputaskman.base.gpusource import GpuProcess, GpuSample, GpuSource
 from gputaskman.base.readings import Adapter, Kind, ProcGpu, Reading, Snapshot
-from gputaskman.core import report, text_report
-from gputaskman.core.collector import Collector, ProcinfoScanner
 from gputaskman.intel import gguf, llm
 from gputaskman.intel.evidence import Evidence, Source, assess
 from gputaskman.intel.modelinfo import ModelResolver
 from gputaskman.intel.procinfo import scan_process
 from gputaskman.intel.stores import StoreIndex, StoreRoots
+from gputaskman.render import report, text_report
+from gputaskman.sampling.collector import Collector, ProcinfoScanner
 
 HERE = Path(__file__).resolve().parent
 MIB = 1024 * 1024
@@ -199,14 +199,23 @@ def test_background_looks_never_block_a_refresh(server):
         resolver.close()
 
 
-def test_collector_models_only_with_the_procinfo_scanner():
-    from gputaskman.core.collector import NullScanner
+def test_collector_models_only_with_a_scanner_that_gives_procinfo():
+    """Catches the collector deciding by the scanner's class instead of what the scanner
+    declares (`ProcScanner.gives_procinfo`): a scanner of another class that declares it
+    gets model resolution too."""
+    from gputaskman.sampling.collector import NullScanner
+
+    class Declaring(NullScanner):
+        gives_procinfo = True
 
     seam = Collector(scanner=NullScanner(), source=MockNvml(1, 1))
     assert seam.models is None
     real = Collector(scanner=ProcinfoScanner(), source=MockNvml(1, 1))
+    other = Collector(scanner=Declaring(), source=MockNvml(1, 1), scan_budget=None)
     try:
         assert isinstance(real.models, ModelResolver) and real.models.background
+        assert isinstance(other.models, ModelResolver) and not other.models.background
     finally:
         real.close()
         seam.close()
+        other.close()

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from gputaskman.core import duvmpool
-from gputaskman.core.exporter import Cached
-from gputaskman.core.host import HostSampler
+from gputaskman.render.exporter import Cached
+from gputaskman.sampling import duvmpool
+from gputaskman.sampling.host import HostSampler
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]

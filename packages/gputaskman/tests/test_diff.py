@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from gputaskman.base.readings import Reason
-from gputaskman.core.document import SnapshotError, read_document
+from gputaskman.document.reader import SnapshotError, read_document
 from gputaskman.offline import diff, diff_report
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -1,5 +1,5 @@
 """The typed decoder of the snapshot document (`docshape` Structs, built into a `Document` by
-`document.read_document`) against the reference reader over the parsed object
+`reader.read_document`) against the reference reader over the parsed object
 (`docfields.read_parsed`): the same `Document` (compared by repr, so 1 and 1.0 differ) for
 every recording and fixture and for drawn documents, and the same refusal, word for word,
 for documents with a wrong value anywhere."""
@@ -15,10 +15,10 @@ from typing import Any
 import msgspec
 import pytest
 from doc_paths import json_paths
-from gputaskman.core import report
-from gputaskman.core.docfields import read_parsed
-from gputaskman.core.docshape import DOC_DECODER
-from gputaskman.core.document import (
+from gputaskman.document.docfields import read_parsed
+from gputaskman.document.docshape import DOC_DECODER
+from gputaskman.document.jsonfields import parse_json
+from gputaskman.document.reader import (
     Document,
     NotASnapshot,
     SnapshotError,
@@ -26,8 +26,8 @@ from gputaskman.core.document import (
     _Refused,
     read_document,
 )
-from gputaskman.core.jsonfields import parse_json
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
+from gputaskman.render import report
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_document import DOCUMENTS
@@ -178,7 +178,7 @@ LIMITS += [str(2**1024 - 2**970), str(-(2**1024 - 2**970)), str(2**1024 - 2**970
 
 @pytest.mark.parametrize("number", LIMITS)
 def test_a_reading_at_a_numbers_limits_reads_as_the_reference_reads_it(number: str) -> None:
-    """Catches the typed path's inline number check (`document._reading`: an int within
+    """Catches the typed path's inline number check (`reader._reading`: an int within
     ±2**63, a float between ±the largest float) taking what `is_number` refuses or reading
     it otherwise (planted: the float's lower bound dropped, so -1e400 reads as -inf), from
     bytes and from a parsed object (msgspec refuses 1e400 in bytes; ``json.loads`` makes

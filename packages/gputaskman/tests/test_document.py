@@ -1,4 +1,4 @@
-"""The snapshot document's one reader (`core.document`): what cannot be read is refused with
+"""The snapshot document's one reader (`document.reader`): what cannot be read is refused with
 the place named, while what an older or newer writer left out or added is not; and documents
 drawn from the packaged JSON Schema with every optional field set come back whole through
 replay."""
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from gputaskman.base import schema
 from gputaskman.base.readings import DeviceMetrics, Kind, Reason
-from gputaskman.core import report
-from gputaskman.core.document import SnapshotError, read_document
+from gputaskman.document.reader import SnapshotError, read_document
 from gputaskman.offline.recorded import snapshot_from_json
+from gputaskman.render import report
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -132,7 +132,7 @@ def test_is_number_decides_as_math_isfinite_on_every_kind_of_value() -> None:
     import enum
     import math
 
-    from gputaskman.core.jsonfields import is_number
+    from gputaskman.document.jsonfields import is_number
 
     class Small(enum.IntEnum):
         A = 1

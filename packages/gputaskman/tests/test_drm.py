@@ -51,7 +51,6 @@ from gputaskman.backends.linux import LinuxGpus, NotAsked
 from gputaskman.base import schema
 from gputaskman.base.gpusource import GpuProcess, GpuSample
 from gputaskman.base.readings import Adapter, Kind, Problem, Reading, Reason
-from gputaskman.core import report, text_report
 from gputaskman.fixtures.drm_fixtures import (
     AMD_PDEV,
     GIB,
@@ -67,6 +66,7 @@ from gputaskman.fixtures.drm_fixtures import (
     write_demo_tree,
     xe_fdinfo,
 )
+from gputaskman.render import report, text_report
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -663,8 +663,8 @@ def test_backend_for_selected_adapter() -> None:
 def _drm_collector(root: Path, clock_ns=None):
     """The real collector over a fixture tree: DRM backend, host sample and names from the
     tree's /proc (as ``--sysroot`` builds it), with a clock seam for engine rates."""
-    from gputaskman.core.collector import Collector, NullScanner
-    from gputaskman.core.host import HostSampler
+    from gputaskman.sampling.collector import Collector, NullScanner
+    from gputaskman.sampling.host import HostSampler
 
     source = LinuxGpus(NotAsked("nvml", "not asked"), DrmBackend(str(root), clock_ns=clock_ns))
     return Collector(
@@ -821,7 +821,7 @@ def test_names_from_product_name_else_pci_ids(tmp_path: Path) -> None:
 
 def test_collector_with_nvml_with_drm_source(tmp_path: Path) -> None:
     from gputaskman.backends.nvml import NvmlBackend
-    from gputaskman.core.collector import Collector, NullScanner
+    from gputaskman.sampling.collector import Collector, NullScanner
 
     write_demo_tree(tmp_path)
     source = LinuxGpus(NvmlBackend(), DrmBackend(str(tmp_path)))

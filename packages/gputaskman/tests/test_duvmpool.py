@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gputaskman.core import duvmpool
-from gputaskman.core.report import null_rule_violations
+from gputaskman.render.report import null_rule_violations
+from gputaskman.sampling import duvmpool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -196,7 +196,7 @@ def test_gtm_json_and_once_show_pages_per_peer_and_what_a_memserver_lends(pool: 
         assert m["used_bytes"]["value"] == 272 * PAGE
         assert m["capacity_bytes"]["value"] == 32 << 20
     # the offline tools (replay, diff) read a document with system.duvm as they read others
-    from gputaskman.core.document import read_document
+    from gputaskman.document.reader import read_document
     from gputaskman.offline import diff, recorded
 
     recorded.snapshot_from_json(doc)
@@ -307,7 +307,7 @@ def test_owner_only_socket_read_by_another_user_is_permission_denied(tmp_path: P
     os.chmod(tmp_path, 0o755)
     try:
         code = (
-            "from gputaskman.core import duvmpool; "
+            "from gputaskman.sampling import duvmpool; "
             f"print(duvmpool.sample([{path!r}]).errors[{path!r}])"
         )
         r = subprocess.run(

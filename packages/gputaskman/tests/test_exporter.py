@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 from gputaskman.base.readings import Kind, ModelRef, Reading, Reason
 from gputaskman.cli import serve
-from gputaskman.core.exporter import Cached, SnapshotCollector, metric_name
-from gputaskman.core.host import HostSampler
 from gputaskman.intel.llm import LlmView, ViewPart
+from gputaskman.render.exporter import Cached, SnapshotCollector, metric_name
+from gputaskman.sampling.host import HostSampler
+from gputaskman.serve import server
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
@@ -256,7 +257,7 @@ class _Counting:
     """A real collector, counting the samples taken (to show scrapes never sample)."""
 
     def __init__(self) -> None:
-        from gputaskman.core.collector import SCAN_BUDGET, Collector
+        from gputaskman.sampling.collector import SCAN_BUDGET, Collector
 
         self.inner = Collector(scan_budget=SCAN_BUDGET)
         self.samples = 0
@@ -279,7 +280,7 @@ def test_scrapes_read_the_cache_and_never_sample():
         holder.append(_Counting())
         return holder[0]
 
-    sampler = serve.Sampler(factory, interval=3600)
+    sampler = server.Sampler(factory, interval=3600)
     sampler.start()
     try:
         deadline = time.monotonic() + 30
@@ -348,18 +349,16 @@ def test_serve_off_loopback_refuses_to_start_without_a_token_or_client_certifica
     """Catches `serve` exposing process names, command-line text and the snapshot document on
     a network where anyone may read them. (Checked on `exposure_refusal` and on a refusal
     before binding, never by listening on a public address here.)"""
-    from gputaskman.cli import serve
-
-    assert serve.is_loopback("127.0.0.1") and serve.is_loopback("::1")
-    assert serve.is_loopback("localhost") and not serve.is_loopback("0.0.0.0")
-    assert not serve.is_loopback("10.0.0.2") and not serve.is_loopback("gpu-host-7")
-    assert serve.exposure_refusal("127.0.0.1") is None
-    refusal = serve.exposure_refusal("0.0.0.0")
+    assert server.is_loopback("127.0.0.1") and server.is_loopback("::1")
+    assert server.is_loopback("localhost") and not server.is_loopback("0.0.0.0")
+    assert not server.is_loopback("10.0.0.2") and not server.is_loopback("gpu-host-7")
+    assert server.exposure_refusal("127.0.0.1") is None
+    refusal = server.exposure_refusal("0.0.0.0")
     assert refusal and "refusing to serve on 0.0.0.0, off loopback" in refusal
     assert "command-line text" in refusal and "--token-file" in refusal
     assert "--tls-client-ca" in refusal
-    assert serve.exposure_refusal("0.0.0.0", token=True) is None
-    assert serve.exposure_refusal("0.0.0.0", client_certs=True) is None
+    assert server.exposure_refusal("0.0.0.0", token=True) is None
+    assert server.exposure_refusal("0.0.0.0", client_certs=True) is None
     r = subprocess.run(
         [sys.executable, "-m", "gputaskman.cli", "serve", "--listen", "0.0.0.0:0"],
         capture_output=True,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 from gputaskman.base import schema
-from gputaskman.core import fleetdoc
-from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.document import fleetdoc
+from gputaskman.document.fleetdoc import HostStatus
 from gputaskman.fixtures.drm_fixtures import write_demo_tree
 from gputaskman.fleet.poller import Poller
 from gputaskman.fleet.targets import parse_target

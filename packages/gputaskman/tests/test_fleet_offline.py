@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from gputaskman.base import schema
-from gputaskman.core import fleetdoc, report
-from gputaskman.core.document import read_document
-from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.document import fleetdoc
+from gputaskman.document.fleetdoc import HostStatus
+from gputaskman.document.reader import read_document
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
 from gputaskman.fleet.output import FleetRecorder, fleet_document, fleet_line
 from gputaskman.fleet.poller import HostState
@@ -32,6 +32,7 @@ from gputaskman.offline.recordfile import (
     iter_record,
     load_snapshot_arg,
 )
+from gputaskman.render import report
 
 HOSTS = ("gpu-a", "gpu-b", "gpu-c")
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.document.fleetdoc import HostStatus
 from gputaskman.fleet.promapi import (
     PromClient,
     PromError,

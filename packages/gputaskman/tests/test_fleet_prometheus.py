@@ -24,8 +24,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from gputaskman.core import fleetdoc
-from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.document import fleetdoc
+from gputaskman.document.fleetdoc import HostStatus
 from gputaskman.fixtures.drm_fixtures import write_demo_tree
 
 HERE = Path(__file__).parent

@@ -10,8 +10,7 @@ import math
 
 import pytest
 from gputaskman.base.readings import Kind, Reason
-from gputaskman.core.document import read_document
-from gputaskman.core.exporter import Cached, snapshot_families
+from gputaskman.document.reader import read_document
 from gputaskman.fixtures.demo import TAKEN, demo_snapshot
 from gputaskman.fleet.promapi import Sample
 from gputaskman.fleet.promseries import (
@@ -20,6 +19,7 @@ from gputaskman.fleet.promseries import (
     host_snapshot,
     snapshot_document,
 )
+from gputaskman.render.exporter import Cached, snapshot_families
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fleet_tui import HERE

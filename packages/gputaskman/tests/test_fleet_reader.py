@@ -19,13 +19,13 @@ from typing import Any
 import h11
 import pytest
 from doc_paths import json_paths
-from gputaskman.core import report
-from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.document.fleetdoc import HostStatus
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
 from gputaskman.fleet import reader
 from gputaskman.fleet.httpwire import HttpError, ResponseReader, TooLarge, request_bytes
 from gputaskman.fleet.poller import Poller
 from gputaskman.fleet.targets import TargetError, parse_target, parse_targets, read_hosts_file
+from gputaskman.render import report
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -519,11 +519,11 @@ def test_a_sample_already_held_is_not_read_again_304_or_same_bytes():
     without ETags that sends the same bytes again is not read again either."""
     import time
 
-    from gputaskman.cli import httpserve, serve
-    from gputaskman.core.exporter import Cached
+    from gputaskman.render.exporter import Cached
+    from gputaskman.serve import httpserve, server
 
     cached = Cached(demo_snapshot(), DemoSystem(), 1796000000.5, 0.01)  # type: ignore[arg-type]
-    route = serve.SnapshotDocument(lambda: cached, None)
+    route = server.SnapshotDocument(lambda: cached, None)
     statuses: list[int] = []
 
     def counting(headers):
@@ -562,17 +562,17 @@ def test_tls_hosts_are_read_with_a_client_certificate_and_refused_without(tmp_pa
     import sys
     import time
 
-    from gputaskman.cli import httpserve, serve
-    from gputaskman.core.exporter import Cached
+    from gputaskman.render.exporter import Cached
+    from gputaskman.serve import httpauth, httpserve, server
 
     sys.path.insert(0, str(HERE))
     from tls_files import make_pki
 
     pki = make_pki(tmp_path)
     cached = Cached(demo_snapshot(), DemoSystem(), 1796000000.5, 0.01)  # type: ignore[arg-type]
-    ctx = serve.server_tls_context(pki["server"], pki["server_key"], pki["ca"])
+    ctx = httpauth.server_tls_context(pki["server"], pki["server_key"], pki["ca"])
     httpd, _ = httpserve.serve(
-        {"/snapshot.json": serve.SnapshotDocument(lambda: cached, None)}, "127.0.0.1", 0, tls=ctx
+        {"/snapshot.json": server.SnapshotDocument(lambda: cached, None)}, "127.0.0.1", 0, tls=ctx
     )
     url = f"https://127.0.0.1:{httpd.server_address[1]}"
     got = {}

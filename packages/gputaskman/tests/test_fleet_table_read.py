@@ -1,4 +1,4 @@
-"""The fleet table's part of a document (`document.read_table_document`): what a poller
+"""The fleet table's part of a document (`reader.read_table_document`): what a poller
 that shows only the table reads of every host, and the whole document of the host that is
 open. The table's rows and totals must be those of the whole document, for every recording
 and fixture and for documents drawn from the schema with every field set; and a poller
@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from gputaskman.core import report
-from gputaskman.core.document import read_document, read_table_document
-from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.document.fleetdoc import HostStatus
+from gputaskman.document.reader import read_document, read_table_document
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
 from gputaskman.fleet.poller import HostState, Poller
 from gputaskman.fleet.targets import parse_target
 from gputaskman.fleet.view import fleet_rows, fleet_totals, render_text
+from gputaskman.render import report
 from hypothesis import HealthCheck, given, settings
 from test_document import DOCUMENTS
 

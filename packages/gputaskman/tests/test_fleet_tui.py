@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 from gputaskman.base.readings import Reading
-from gputaskman.core import report
-from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
+from gputaskman.document.fleetdoc import HostStatus, fleet_json, host_json
 from gputaskman.fixtures.demo import TAKEN, DemoSystem, demo_snapshot
 from gputaskman.fleet.output import states_of
 from gputaskman.fleet.poller import HostState
@@ -28,6 +27,7 @@ from gputaskman.fleet.promapi import PromClient, parse_url
 from gputaskman.fleet.promfleet import PromFleet
 from gputaskman.fleet.source import FixedSource
 from gputaskman.fleet.view import ViewCache, fleet_rows, fleet_totals, sort_value
+from gputaskman.render import report
 from gputaskman.tui.fleet_app import FleetApp
 from gputaskman.tui.screens.fleet import FleetScreen
 from gputaskman.tui.screens.fleet_help import fleet_help_text

@@ -9,11 +9,12 @@ import itertools
 import pytest
 from gputaskman.base import readings
 from gputaskman.base.frozen import builder
-from gputaskman.core import doctypes, duvmpool
+from gputaskman.document import doctypes
 from gputaskman.intel.apps import AppModel
 from gputaskman.intel.llm import LlmView, ViewPart
+from gputaskman.sampling import duvmpool
 
-# every class `document` builds with a builder
+# every class `reader` builds with a builder
 CLASSES = [
     readings.Reading,
     readings.Problem,

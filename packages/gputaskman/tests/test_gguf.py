@@ -14,6 +14,7 @@ from types import ModuleType
 import gguf as ggufpkg
 import pytest
 from gputaskman.intel import gguf as g
+from gputaskman.intel import kvcache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -58,13 +59,13 @@ def test_llama_header_params_weights_and_kv(tmp_path: Path) -> None:
     assert h.bytes_by_type["Q4_0"] == 2 * (64 * 64 // 32) * 18
     assert h.header_bytes < h.file_size
     # head = 64/4 = 16, n_embd_k_gqa = 4*16 = 64 elements per cell per layer for K and for V.
-    kv = {t: g.kv_cache_estimate(h, cache_type_k=t) for t in g.KV_CACHE_TYPES}
+    kv = {t: kvcache.kv_cache_estimate(h, cache_type_k=t) for t in kvcache.KV_CACHE_TYPES}
     assert kv["f16"].bytes == 2 * 256 * 2 * 64 * 2
     assert kv["q8_0"].bytes == 2 * 256 * 2 * (64 // 32) * 34
     assert kv["q4_0"].bytes == 2 * 256 * 2 * (64 // 32) * 18
     assert kv["f16"].n_ctx_source == "header context_length"
     assert (kv["f16"].full_layers, kv["f16"].swa_layers, kv["f16"].swa_cells) == (2, 0, None)
-    mixed = g.kv_cache_estimate(h, 100, "q8_0", "f16")
+    mixed = kvcache.kv_cache_estimate(h, 100, "q8_0", "f16")
     assert mixed.bytes == 2 * 100 * ((64 // 32) * 34 + 64 * 2)
     assert mixed.n_ctx_source == "runtime"
 
@@ -74,9 +75,9 @@ def test_qwen2_gqa_kv_uses_head_count_kv(tmp_path: Path) -> None:
     write_model(p, "qwen2", n_layer=3, n_embd=128, n_head=8, n_head_kv=2, ctx=512)
     h = g.read_header(p)
     # head 16, 2 KV heads -> 32 elements per cell per layer.
-    assert g.kv_cache_estimate(h, cache_type_k="f16").bytes == 3 * 512 * 2 * 32 * 2
-    assert g.kv_cache_estimate(h, cache_type_k="q8_0").bytes == 3 * 512 * 2 * 34
-    assert g.kv_cache_estimate(h, cache_type_k="q4_0").bytes == 3 * 512 * 2 * 18
+    assert kvcache.kv_cache_estimate(h, cache_type_k="f16").bytes == 3 * 512 * 2 * 32 * 2
+    assert kvcache.kv_cache_estimate(h, cache_type_k="q8_0").bytes == 3 * 512 * 2 * 34
+    assert kvcache.kv_cache_estimate(h, cache_type_k="q4_0").bytes == 3 * 512 * 2 * 18
 
 
 def test_gemma2_sliding_window_layers(tmp_path: Path) -> None:
@@ -93,30 +94,30 @@ def test_gemma2_sliding_window_layers(tmp_path: Path) -> None:
         sliding_window=1024,
     )
     h = g.read_header(p)
-    kv = g.kv_cache_estimate(h)
+    kv = kvcache.kv_cache_estimate(h)
     row = 2 * 32 * 2  # 2 KV heads of 32, f16
     swa_cells = 1536  # GGML_PAD(min(8192, 1024 + 512), 256)
     assert (kv.full_layers, kv.swa_layers, kv.swa_cells) == (2, 2, swa_cells)
     assert kv.bytes == 2 * 8192 * 2 * row + 2 * swa_cells * 2 * row
-    small = g.kv_cache_estimate(h, 1000)
+    small = kvcache.kv_cache_estimate(h, 1000)
     assert small.swa_cells == 1024  # padded to 256, as llama.cpp does
     assert small.bytes == 2 * 1000 * 2 * row + 2 * 1024 * 2 * row
-    full = g.kv_cache_estimate(h, 8192, swa_full=True)
+    full = kvcache.kv_cache_estimate(h, 8192, swa_full=True)
     assert full.bytes == 4 * 8192 * 2 * row
-    q4 = g.kv_cache_estimate(h, cache_type_k="q4_0")
+    q4 = kvcache.kv_cache_estimate(h, cache_type_k="q4_0")
     assert q4.bytes == 2 * 8192 * 2 * (2 * 18) + 2 * swa_cells * 2 * (2 * 18)
 
 
 def test_gemma2_default_window_and_gemma3_pattern(tmp_path: Path) -> None:
     p = tmp_path / "g2.gguf"
     write_model(p, "gemma2", n_layer=2, n_embd=64, n_head=4, n_head_kv=4, ctx=16384)
-    kv = g.kv_cache_estimate(g.read_header(p))
+    kv = kvcache.kv_cache_estimate(g.read_header(p))
     assert kv.swa_cells == 4096 + 512  # gemma2's default window, already a multiple of 256
     p3 = tmp_path / "g3.gguf"
     write_model(
         p3, "gemma3", n_layer=6, n_embd=64, n_head=4, n_head_kv=1, ctx=4096, sliding_window=512
     )
-    kv3 = g.kv_cache_estimate(g.read_header(p3))
+    kv3 = kvcache.kv_cache_estimate(g.read_header(p3))
     assert (kv3.swa_layers, kv3.full_layers, kv3.swa_cells) == (5, 1, 1024)
     assert kv3.bytes == (5 * 1024 + 1 * 4096) * 2 * 16 * 2
 
@@ -126,7 +127,7 @@ def test_per_layer_head_count_kv_array_skips_kv_less_layers(tmp_path: Path) -> N
     write_model(p, "llama", n_layer=3, n_embd=64, n_head=4, n_head_kv=[4, 0, 2], ctx=128)
     h = g.read_header(p)
     assert h.arch_value("attention.head_count_kv") == [4, 0, 2]
-    kv = g.kv_cache_estimate(h)
+    kv = kvcache.kv_cache_estimate(h)
     assert kv.bytes == 128 * 2 * (64 + 32) * 2
     assert kv.full_layers == 2
 
@@ -140,10 +141,10 @@ def test_missing_shape_gives_none_not_zero(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     h = g.read_header(p)
-    assert g.kv_cache_estimate(h) is None
+    assert kvcache.kv_cache_estimate(h) is None
     assert h.parameter_count == 0 and h.weights_bytes == 0 and h.file_type is None
     with pytest.raises(ValueError, match="KV cache type"):
-        g.kv_cache_estimate(h, cache_type_k="q5_1")
+        kvcache.kv_cache_estimate(h, cache_type_k="q5_1")
 
 
 def test_every_metadata_value_type_and_nested_arrays_agree_with_gguf_reader(tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 from gputaskman.base.readings import Kind, ModelRef, ProcDetail, Reading, Reason
-from gputaskman.core import report, report_models, text_report
 from gputaskman.intel import runtimes
 from gputaskman.intel.evidence import Source
+from gputaskman.render import report, report_models, text_report
 from gputaskman.tui.app import GtmApp
 from gputaskman.tui.screens import help as help_mod
 from gputaskman.tui.widgets.process_table import ProcessTable

@@ -15,8 +15,8 @@ import psutil
 import pytest
 from gputaskman.base import procfs
 from gputaskman.base.readings import Kind, Reason
-from gputaskman.core import report_models
-from gputaskman.core.host import (
+from gputaskman.render import report_models
+from gputaskman.sampling.host import (
     FIRST_SAMPLE,
     HostSampler,
     parse_cpu_line,

@@ -20,9 +20,10 @@ from gputaskman.backends.win.pdh import CounterRead
 from gputaskman.base import schema
 from gputaskman.base.gpusource import GpuSample, GpuSource
 from gputaskman.base.readings import Reason
-from gputaskman.core import collector, host, hostplat, report, text_report
-from gputaskman.core.exporter import system_families
-from gputaskman.core.report_models import system_json
+from gputaskman.render import report, text_report
+from gputaskman.render.exporter import system_families
+from gputaskman.render.report_models import system_json
+from gputaskman.sampling import collector, host, hostplat
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_win_pdh import FakePdh  # the WDDM tests' mocked PDH
@@ -159,6 +160,8 @@ def test_default_sampler_picks_by_platform_and_the_collector_uses_it(monkeypatch
             pass
 
     class NoScan:
+        gives_procinfo = False
+
         def scan(self, keys, budget):
             return {}
 

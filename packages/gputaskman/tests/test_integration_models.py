@@ -23,12 +23,12 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from gputaskman.core import report
-from gputaskman.core.collector import Collector
 from gputaskman.intel import gguf
 from gputaskman.intel.modelinfo import ModelResolver
 from gputaskman.intel.procinfo import scan_process
 from gputaskman.intel.stores import StoreIndex, StoreRoots
+from gputaskman.render import report
+from gputaskman.sampling.collector import Collector
 from gputaskman.tui.app import create_app
 
 HERE = Path(__file__).resolve().parent

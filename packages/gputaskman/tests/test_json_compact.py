@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from gputaskman.base import schema
-from gputaskman.core import report
 from gputaskman.fixtures.drm_fixtures import write_demo_tree
 from gputaskman.offline import record
 from gputaskman.offline.playback import RecordSource
+from gputaskman.render import report
 from jsonschema import Draft202012Validator
 
 GTM = str(Path(sys.executable).parent / "gputaskman")

@@ -23,7 +23,7 @@ from types import ModuleType
 
 import pytest
 from gputaskman.base.readings import Kind
-from gputaskman.intel import gguf, llm, procinfo
+from gputaskman.intel import gguf, kvcache, llm, procinfo
 from gputaskman.intel.evidence import Evidence, Source, api_key_from_argv, assess, from_procinfo
 from gputaskman.intel.serverprobe import ListenSocket, ServerProber, listening_sockets, probe
 from hypothesis import given, settings
@@ -524,7 +524,7 @@ def test_view_estimates_only_are_labelled_and_not_summed_into_measured(model_fil
     w, kv, comp, other = (v.part(n) for n in ("weights", "kv_cache", "compute", "other"))
     assert w.reading.kind is Kind.ESTIMATED and w.reading.value == h.weights_bytes
     assert kv.reading.kind is Kind.ESTIMATED
-    assert kv.reading.value == gguf.kv_cache_estimate(h, 512).bytes
+    assert kv.reading.value == kvcache.kv_cache_estimate(h, 512).bytes
     assert kv.marker == "*"  # n_ctx and cache types known from the argv: one explanation
     assert comp.reading.value is None and comp.reading.reason is not None
     assert other.reading.value is None  # never measured minus estimates

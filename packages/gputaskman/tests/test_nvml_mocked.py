@@ -18,8 +18,8 @@ import pytest
 from gputaskman.backends.nvml import NOT_AVAILABLE_UINT, NOT_AVAILABLE_ULL, NvmlBackend, reason_for
 from gputaskman.base import schema
 from gputaskman.base.readings import Kind, Reason
-from gputaskman.core import report
-from gputaskman.core.collector import Collector, NullScanner
+from gputaskman.render import report
+from gputaskman.sampling.collector import Collector, NullScanner
 
 GIB = 1024**3
 BUS_A = "00000000:01:00.0"

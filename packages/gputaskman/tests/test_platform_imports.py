@@ -8,13 +8,19 @@ import subprocess
 import sys
 
 import pytest
-from gputaskman.backends.platforms import PLATFORM_TABLE, detect_backend, is_wsl
+from gputaskman.backends.registry import (
+    BACKENDS,
+    PLATFORM_TABLE,
+    detect_backend,
+    gpu_source,
+    is_wsl,
+)
 from gputaskman.base.gpusource import GpuSample, ProbeResult
 from gputaskman.base.readings import Problem, Reason
-from gputaskman.core.collector import Collector, NullScanner, gpu_source
+from gputaskman.sampling.collector import Collector, NullScanner
 
 PLATFORM_MODULES = [
-    "gputaskman.backends.platforms",
+    "gputaskman.backends.registry",
     "gputaskman.backends.win",
     "gputaskman.backends.win.dxgi",
     "gputaskman.backends.win.pdh",
@@ -38,7 +44,7 @@ def spy(self, name, *a, **k):
 ctypes.CDLL.__init__ = spy
 for m in MODULES:
     importlib.import_module(m)
-from gputaskman.core.collector import gpu_source
+from gputaskman.backends.registry import gpu_source
 built = [type(gpu_source(b)).__name__ for b in ("wddm", "metal")]
 print(json.dumps({"loaded": loaded, "built": built,
                   "modules": sorted(m for m in sys.modules if m.split(".")[0] in
@@ -89,7 +95,8 @@ def test_is_wsl_needs_a_sign():
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="unknown backend"):
         gpu_source("cuda")
-    assert gpu_source("nvml") is None  # the collector keeps its own Linux default
+    facts = [("win32", ""), ("darwin", ""), ("linux", "5.15-microsoft"), ("linux", "6.1")]
+    assert {detect_backend(p, r, {}) for p, r in facts} == set(BACKENDS)  # all registered
 
 
 def test_probe_result_keeps_empty_and_failed_apart():

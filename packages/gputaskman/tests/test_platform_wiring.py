@@ -25,16 +25,17 @@ from pathlib import Path
 
 import pytest
 from gputaskman import cli
+from gputaskman.backends import registry
 from gputaskman.backends.macos import Accelerator, MacCounters
 from gputaskman.backends.wsl import Interop, WslBackend, dxg_holders
 from gputaskman.backends.wslhost import StreamParser
 from gputaskman.base import schema
 from gputaskman.base.gpusource import GpuSample, GpuSource
 from gputaskman.base.readings import Problem, Reason
-from gputaskman.core import collector, report, text_report
-from gputaskman.core.collector import Collector, NullScanner
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
 from gputaskman.offline.recorded import snapshot_from_json
+from gputaskman.render import report, text_report
+from gputaskman.sampling.collector import Collector, NullScanner
 
 GIB = 1024**3
 MIB = 1024**2
@@ -79,7 +80,7 @@ class NoNvml(GpuSource):
     [("wddm", "WddmBackend"), ("wsl", "WslBackend"), ("metal", "MacCounters")],
 )
 def test_mocked_platform_selects_its_backend_and_loads_nothing(backend, kind):
-    src = collector.default_gpu_source(backend)
+    src = registry.gpu_source(backend)
     try:
         assert type(src).__name__ == kind
     finally:
@@ -91,16 +92,16 @@ def test_mocked_linux_appends_ascend_only_when_npu_smi_is_installed(monkeypatch)
     from gputaskman.backends.linux import LinuxGpus
 
     monkeypatch.setattr(ascend, "find_npu_smi", lambda which=None: None)
-    plain = collector.default_gpu_source("nvml")
+    plain = registry.gpu_source("nvml")
     assert isinstance(plain, LinuxGpus) and plain.ascend is None
     monkeypatch.setattr(ascend, "find_npu_smi", lambda which=None: "/usr/local/bin/npu-smi")
-    both = collector.default_gpu_source("nvml")
+    both = registry.gpu_source("nvml")
     assert isinstance(both, LinuxGpus) and isinstance(both.ascend, ascend.AscendBackend)
     plain.close()
     both.close()
 
 
-DETECT = "import sys; PATCH; from gputaskman.core import collector; print(collector.BACKEND)"
+DETECT = "import sys; PATCH; from gputaskman.backends import registry; print(registry.BACKEND)"
 
 
 @pytest.mark.parametrize(
@@ -216,7 +217,7 @@ def test_wsl_replay_rows_end_to_end_through_collector_json_and_replay(dxg_child)
     assert dwm["ram_bytes"]["value"] is None and "windows process" in dwm["ram_bytes"]["detail"]
     assert dwm["paged_bytes"]["value"] == MIB and vm["paged_bytes"]["value"] == MIB
     assert report.null_rule_violations(doc) == []
-    # replay gives the same object back (core/document.py reads the new fields)
+    # replay gives the same object back (document/reader.py reads the new fields)
     again = report.to_json_dict(*snapshot_from_json(doc))
     assert again == doc
     text = text_report.render_text(snap, system)

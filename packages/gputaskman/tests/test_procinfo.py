@@ -28,7 +28,6 @@ from gputaskman.intel.procinfo import (
     LLM,
     RUNTIMES,
     Runtime,
-    Scanner,
     classify,
     detect_runtimes,
     mapped_models,
@@ -36,6 +35,7 @@ from gputaskman.intel.procinfo import (
     parse_maps_line,
     scan_process,
 )
+from gputaskman.intel.procscan import Scanner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

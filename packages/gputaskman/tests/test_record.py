@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 from gputaskman.backends.nvml import NvmlBackend
-from gputaskman.core import report
-from gputaskman.core.collector import SCAN_BUDGET, Collector
 from gputaskman.offline import record
 from gputaskman.offline.recorded import snapshot_from_json
 from gputaskman.offline.recordfile import check_snapshot, iter_record
+from gputaskman.render import report
+from gputaskman.sampling.collector import SCAN_BUDGET, Collector
 
 HERE = Path(__file__).parent
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 from gputaskman import cli
-from gputaskman.core import report, text_report
 from gputaskman.offline.playback import RecordSource
 from gputaskman.offline.recorded import snapshot_from_json
+from gputaskman.render import report, text_report
 from gputaskman.tui.widgets.inspector import inspect_text
 
 HERE = Path(__file__).parent / "recordings"

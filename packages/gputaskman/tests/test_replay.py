@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from gputaskman.core import report
 from gputaskman.offline import record
 from gputaskman.offline.playback import SPEEDS, Playback, RecordSource
 from gputaskman.offline.recordfile import SnapshotError, iter_record
+from gputaskman.render import report
 from gputaskman.tui.replay_app import create_replay_app
 from gputaskman.tui.widgets.gpu_header import GpuHeader
 from gputaskman.tui.widgets.process_table import ProcessTable

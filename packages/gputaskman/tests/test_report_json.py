@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gputaskman.core import report, text_report
 from gputaskman.fixtures.demo import BUS0, BUS1, DemoSystem, demo_snapshot, unavailable_snapshot
+from gputaskman.render import report, text_report
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -148,7 +148,7 @@ def test_null_rule_checker_catches_each_violation():
 
 
 def test_json_of_a_live_sample_on_this_machine_keeps_null_rules():
-    from gputaskman.core.collector import Collector
+    from gputaskman.sampling.collector import Collector
 
     c = Collector(scan_budget=None)
     try:

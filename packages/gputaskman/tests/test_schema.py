@@ -1,6 +1,6 @@
 """The snapshot document's JSON Schema (gputaskman/snapshot.schema.json, draft 2020-12): it is a
 valid schema shipped in the package, generated from the msgspec Structs the reader decodes into
-(core/docshape.py, by tools/snapshot_schema.py), it accepts what gputaskman writes (the live
+(document/docshape.py, by tools/snapshot_schema.py), it accepts what gputaskman writes (the live
 `--json` of this machine, every `record` line, the demo, the mocked NVML documents; the platform
 tests check their own backends' documents), every key the writer writes is declared there and
 every key declared there is written, and it is strict where the rules are."""
@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from gputaskman.base import schema
 from gputaskman.base.readings import Kind, Reason
-from gputaskman.core import report
-from gputaskman.core.report_models import breakdown_json
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot, unavailable_snapshot
 from gputaskman.intel import gguf, llm
 from gputaskman.intel.evidence import Evidence, Source, assess
+from gputaskman.render import report
+from gputaskman.render.report_models import breakdown_json
 from jsonschema import Draft202012Validator
 
 _spec = importlib.util.spec_from_file_location(
@@ -184,7 +184,7 @@ def _r(v: float, kind: str = "measured") -> dict[str, Any]:
 
 
 def test_replay_loses_no_field_that_is_set(demo_doc: dict[str, Any]) -> None:
-    """Catches a reader (core/document.py) that drops a field which is null in every fixture,
+    """Catches a reader (document/reader.py) that drops a field which is null in every fixture,
     such as `scan_detail` or `header_error`: here every optional field of one process is set, the
     breakdown and an app model included, and reading the document back for replay must give
     the same document. (Host rows, `host` and `parent_pid`, round-trip in test_platform_wiring
@@ -290,9 +290,9 @@ def _writer_documents(tmp_path: Path, demo_doc: dict[str, Any]) -> dict[str, Any
     breakdown, an app model, every optional process field and a duvm pool; the DRM fixture
     tree) as recorded and as the writer writes them again in replay, the demo with and
     without a host sample, no backend, mocked NVML, and the DRM fixture tree sampled now."""
-    from gputaskman.core.collector import sysroot_collector
     from gputaskman.fixtures.drm_fixtures import write_demo_tree
     from gputaskman.offline.recorded import snapshot_from_json
+    from gputaskman.sampling.collector import sysroot_collector
 
     docs: dict[str, Any] = {}
     for path in sorted((Path(__file__).parent / "recordings").glob("*.jsonl")):

@@ -16,9 +16,9 @@ from pathlib import Path
 from types import ModuleType
 
 from gputaskman.base.readings import ModelRef
-from gputaskman.core import report
 from gputaskman.fixtures.demo import demo_snapshot
 from gputaskman.offline.record import encode_line
+from gputaskman.render import report
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -120,7 +120,7 @@ def test_fleet_mode_renders_the_fleet_table_without_any_host_private_text(tmp_pa
     """Catches --fleet showing a host's command line or paths, which are inside the host
     snapshots of a fleet --json document. The fleet table shows neither today; the document is
     redacted before it is read all the same (checked here too), in case a column would."""
-    from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
+    from gputaskman.document.fleetdoc import HostStatus, fleet_json, host_json
 
     rec = private_recording(tmp_path / "one.jsonl")
     snap = json.loads(rec.read_bytes().splitlines()[0])

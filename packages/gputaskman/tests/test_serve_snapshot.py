@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 from gputaskman.base import schema
-from gputaskman.cli import httpserve, serve
-from gputaskman.cli.httpserve import Response
-from gputaskman.core import report
-from gputaskman.core.document import read_document
-from gputaskman.core.exporter import Cached
+from gputaskman.document.reader import read_document
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
+from gputaskman.render import report
+from gputaskman.render.exporter import Cached
+from gputaskman.serve import httpauth, httpserve
+from gputaskman.serve.httpserve import Response
+from gputaskman.serve.server import SnapshotDocument
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -45,7 +46,7 @@ def _cached() -> Cached:
 def test_the_document_is_the_json_output_built_once_per_sample():
     """Catches a document that differs from --json, or one re-encoded for every client."""
     holder = [None, _cached()]
-    route = serve.SnapshotDocument(lambda: holder[-1], None)
+    route = SnapshotDocument(lambda: holder[-1], None)
     first = route({})
     assert first.status == 200 and first.content_type == "application/json"
     doc = json.loads(first.body)
@@ -59,14 +60,14 @@ def test_the_document_is_the_json_output_built_once_per_sample():
 
 
 def test_before_the_first_sample_the_answer_is_503_not_an_empty_document():
-    route = serve.SnapshotDocument(lambda: None, None)
+    route = SnapshotDocument(lambda: None, None)
     r = route({})
     assert r.status == 503 and dict(r.headers)["Retry-After"] == "1"
 
 
 def _routes() -> dict:
     return {
-        "/snapshot.json": serve.SnapshotDocument(_cached, None),
+        "/snapshot.json": SnapshotDocument(_cached, None),
         "/x": lambda h: Response(200, b"x" * 10000),
     }
 
@@ -201,7 +202,7 @@ def test_pipelined_requests_are_answered_in_order_one_at_a_time():
 def test_header_names_reach_the_routes_in_any_case():
     """Catches the ETag's 304 lost to a client that writes ``if-none-match`` in lower case."""
     c = _cached()
-    route = serve.SnapshotDocument(lambda: c, None)
+    route = SnapshotDocument(lambda: c, None)
     etag = dict(route({}).headers)["ETag"]
     raw = f"GET /snapshot.json HTTP/1.1\r\nHost: h\r\nif-none-match: {etag}\r\n\r\n"
     out, _ = _exchange(raw.encode(), {"/snapshot.json": route}, None)
@@ -297,7 +298,7 @@ def test_an_idle_connection_is_dropped():
 def test_tls_requires_a_certificate_the_ca_signed(tmp_path):
     """Catches TLS that accepts a client without a certificate, or with a rogue CA's."""
     pki = make_pki(tmp_path)
-    ctx = serve.server_tls_context(pki["server"], pki["server_key"], pki["ca"])
+    ctx = httpauth.server_tls_context(pki["server"], pki["server_key"], pki["ca"])
     httpd, _ = httpserve.serve(_routes(), "127.0.0.1", 0, tls=ctx)
     port = httpd.server_address[1]
     try:
@@ -327,7 +328,7 @@ def test_a_refused_tls_client_reads_the_alert_not_a_reset(tmp_path):
     with the request unread makes the kernel reset the connection, and the reset can destroy
     the alert. Reading only after the server has closed makes the reset certain, not a race."""
     pki = make_pki(tmp_path)
-    ctx = serve.server_tls_context(pki["server"], pki["server_key"], pki["ca"])
+    ctx = httpauth.server_tls_context(pki["server"], pki["server_key"], pki["ca"])
     httpd, _ = httpserve.serve(_routes(), "127.0.0.1", 0, tls=ctx)
     try:
         for _ in range(3):

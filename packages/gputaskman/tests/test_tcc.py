@@ -27,8 +27,8 @@ from gputaskman.backends.win.tcc import (
 )
 from gputaskman.base import schema
 from gputaskman.base.readings import Reason
-from gputaskman.core import report
-from gputaskman.core.collector import Collector, NullScanner
+from gputaskman.render import report
+from gputaskman.sampling.collector import Collector, NullScanner
 
 GIB = 1024**3
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import psutil
 import pytest
 from gputaskman.base.readings import ProcGpu, Snapshot
-from gputaskman.core import report
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
 from gputaskman.offline.playback import RecordSource
 from gputaskman.offline.record import encode_line
+from gputaskman.render import report
 from gputaskman.tui import signalling
 from gputaskman.tui.app import GtmApp, create_app
 from gputaskman.tui.replay_app import create_replay_app

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 from gputaskman.base.readings import ModelRef, Snapshot
-from gputaskman.core import report
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot, unavailable_snapshot
 from gputaskman.offline.playback import RecordSource
 from gputaskman.offline.record import encode_line
+from gputaskman.render import report
 from gputaskman.tui.app import GtmApp, create_app
 from gputaskman.tui.history import sparkline
 from gputaskman.tui.replay_app import create_replay_app
@@ -41,8 +41,8 @@ def markup_snapshot() -> Snapshot:
 def drm_snapshot(root: Path) -> Snapshot:
     """The DRM fixture tree through the real collector, with a fixed time and without the
     note naming the (temporary) tree."""
-    from gputaskman.core.collector import sysroot_collector
     from gputaskman.fixtures.drm_fixtures import write_demo_tree
+    from gputaskman.sampling.collector import sysroot_collector
 
     write_demo_tree(root)
     c = sysroot_collector(str(root), scan_budget=None)

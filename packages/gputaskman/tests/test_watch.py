@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 from gputaskman.cli import watch as watch_mod
-from gputaskman.core.collector import sysroot_collector
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot, unavailable_snapshot
 from gputaskman.fixtures.drm_fixtures import write_demo_tree
+from gputaskman.sampling.collector import sysroot_collector
 
 GTM = str(Path(sys.executable).parent / "gputaskman")
 SGR = re.compile(r"\x1b\[[0-9;]*m")  # a colour / style escape

@@ -29,8 +29,8 @@ from gputaskman.backends.win.pdh import (
 )
 from gputaskman.base import schema
 from gputaskman.base.readings import Kind, Reason
-from gputaskman.core import report
-from gputaskman.core.collector import Collector, NullScanner
+from gputaskman.render import report
+from gputaskman.sampling.collector import Collector, NullScanner
 from hypothesis import given
 from hypothesis import strategies as st
 

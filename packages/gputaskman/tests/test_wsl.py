@@ -28,8 +28,8 @@ from gputaskman.backends.wslhost import (
 from gputaskman.base import schema
 from gputaskman.base.gpusource import GpuSample, GpuSource
 from gputaskman.base.readings import Kind, Reason
-from gputaskman.core import report
-from gputaskman.core.collector import Collector, NullScanner
+from gputaskman.render import report
+from gputaskman.sampling.collector import Collector, NullScanner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

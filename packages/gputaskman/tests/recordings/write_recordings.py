@@ -30,14 +30,14 @@ from types import MappingProxyType
 from typing import Any
 
 from gputaskman.base.readings import Kind, ModelRef, ProcDetail, ProcGpu, Reading, Reason
-from gputaskman.core import duvmpool, host
-from gputaskman.core.collector import sysroot_collector
 from gputaskman.fixtures.demo import GIB, MIB, demo_snapshot
 from gputaskman.fixtures.drm_fixtures import write_demo_tree
 from gputaskman.intel import gguf, llm
 from gputaskman.intel.apps import AppModel
 from gputaskman.intel.evidence import Evidence, Source, assess
 from gputaskman.offline.record import Recorder, open_record
+from gputaskman.sampling import duvmpool, host
+from gputaskman.sampling.collector import sysroot_collector
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent

@@ -1,6 +1,6 @@
 """The snapshot document's JSON Schema (draft 2020-12), shipped in the package beside this
 module as ``snapshot.schema.json``. The file is generated from the msgspec Structs the reader
-decodes into (`core/docshape.py`) by ``tools/snapshot_schema.py``; edit those, not the file.
+decodes into (`document/docshape.py`) by ``tools/snapshot_schema.py``; edit those, not the file.
 
 It describes what `report.to_json_dict` writes (``--json``, each line of a record file, the
 documents `serve` and the offline tools read): every number a reading whose ``kind`` is one of

@@ -5,7 +5,7 @@ May import: any layer.
 Without a subcommand it runs the TUI (or, when stdout is not a terminal, prints the
 ``--once`` report). ``--once`` prints a text report, ``--json`` the JSON object of
 `report.to_json_dict`, ``--list-gpus`` the adapters this platform's backend enumerates
-(`collector.default_gpu_source`: NVML + DRM (+ Ascend) on Linux, DXGI/PDH (+ TCC) on
+(`registry.gpu_source`: NVML + DRM (+ Ascend) on Linux, DXGI/PDH (+ TCC) on
 Windows, NVML + host counters under WSL, IOKit on macOS), followed by one line per probe
 that found nothing, failed or answered only in part, so an empty successful probe never
 looks like a failed one. ``--json --compact`` prints the object on one line, exactly as
@@ -38,7 +38,7 @@ from gputaskman.base.argtypes import gpu_index, positive_count, positive_seconds
 if TYPE_CHECKING:
     from gputaskman.base.gpusource import GpuSource
     from gputaskman.base.readings import Snapshot
-    from gputaskman.core.collector import Collector
+    from gputaskman.sampling.collector import Collector
     from gputaskman.tui.app import GtmApp
 
 # subcommand -> (module, one-line help); the module exports add_arguments() and run().
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_shot(args: argparse.Namespace) -> int:
-    from gputaskman.core import report, text_report
+    from gputaskman.render import report, text_report
 
     collector = _collector(args, scan_budget=None)
     try:
@@ -154,7 +154,7 @@ def _one_shot(args: argparse.Namespace) -> int:
 
 def _collector(args: argparse.Namespace, scan_budget: float | None) -> Collector:
     """The real collector, or one reading the tree under ``--sysroot``."""
-    from gputaskman.core.collector import Collector, sysroot_collector
+    from gputaskman.sampling.collector import Collector, sysroot_collector
 
     if getattr(args, "sysroot", None):
         if not os.path.isdir(args.sysroot):
@@ -178,15 +178,16 @@ def _check_gpu_index(snap: Snapshot, gpu: int | None) -> int:
 def _list_gpus(args: argparse.Namespace, source: GpuSource | None = None) -> int:
     """Print the adapters, then a line for every probe that is not a plain success.
 
-    `source` replaces `collector.default_gpu_source()` (tests pass a mocked backend).
+    `source` replaces `registry.gpu_source()` (tests pass a mocked backend).
     """
-    from gputaskman.core import collector, report, text_report
+    from gputaskman.backends import registry
+    from gputaskman.render import report, text_report
 
     if source is None and getattr(args, "sysroot", None):
         if not os.path.isdir(args.sysroot):
             raise SystemExit(f"gputaskman: --sysroot {args.sysroot}: not a directory")
-        source = collector.sysroot_gpu_source(args.sysroot)
-    src = source if source is not None else collector.default_gpu_source()
+        source = registry.sysroot_gpu_source(args.sysroot)
+    src = source if source is not None else registry.gpu_source()
     try:
         s = src.sample()
     finally:
@@ -213,7 +214,7 @@ def _list_gpus(args: argparse.Namespace, source: GpuSource | None = None) -> int
 
 def _watch(args: argparse.Namespace) -> int:
     from gputaskman.cli.watch import watch
-    from gputaskman.core.collector import SCAN_BUDGET
+    from gputaskman.sampling.collector import SCAN_BUDGET
 
     collector = _collector(args, SCAN_BUDGET)
     try:
@@ -250,7 +251,7 @@ def tui_app(args: argparse.Namespace) -> GtmApp:
 
     factory = None
     if args.sysroot:
-        from gputaskman.core.collector import SCAN_BUDGET
+        from gputaskman.sampling.collector import SCAN_BUDGET
 
         def factory() -> Any:
             return _collector(args, SCAN_BUDGET)

@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 from gputaskman.base.argtypes import positive_count, positive_seconds
-from gputaskman.cli.httpauth import TokenError, read_token
 from gputaskman.fleet.output import FleetRecorder, fleet_document
 from gputaskman.fleet.poller import DEFAULT_BACKOFF_MAX, DEFAULT_TIMEOUT, Poller
 from gputaskman.fleet.promapi import PromClient, PromError, exposure_refusal
@@ -38,6 +37,7 @@ from gputaskman.offline.record import (
     open_record,
     stop_signals,
 )
+from gputaskman.serve.httpauth import TokenError, read_token
 
 DEFAULT_INTERVAL = 1.0
 

@@ -27,9 +27,9 @@ from typing import Protocol, TextIO
 
 from gputaskman.base.fmt import NA, fmt_reading
 from gputaskman.base.readings import Adapter, ProcGpu, Snapshot
-from gputaskman.core import text_report
-from gputaskman.core.host import HostSample
-from gputaskman.core.report import proc_host_lookup
+from gputaskman.render import text_report
+from gputaskman.render.report import proc_host_lookup
+from gputaskman.sampling.host import HostSample
 
 TOP_PROCESSES = 5  # per GPU; the rest are counted on one line
 # Terminal control (cursor, erase), never colour.

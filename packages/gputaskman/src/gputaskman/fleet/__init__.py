@@ -4,5 +4,5 @@ as the reason it is not one (`reader`), the concurrent poller with per-host time
 backoff (`poller`), the rows and fleet totals the TUI and the text output show (`view`), and
 the fleet document and record lines (`output`). Nothing here imports Textual or Rich.
 
-May import: gputaskman.base, gputaskman.core, gputaskman.offline.
+May import: gputaskman.base, gputaskman.document, gputaskman.render, gputaskman.offline.
 """

@@ -10,7 +10,7 @@ closing. Whatever a host sends, the reader either returns a response or raises `
 of status line and headers plus `max_body` bytes of body: a Content-Length above the cap is
 refused before any of the body is read (`TooLarge`), and so is a body that outgrows it.
 
-Hand-written, not h11 (the server's HTTP library, `cli/httpserve`): it is the poller's
+Hand-written, not h11 (the server's HTTP library, `serve/httpserve`): it is the poller's
 per-answer work, and h11 took 7-9 times as long per answer (DECISIONS.md D45,
 benchmarks/gtm_http_parse.py). h11 is its reference instead: the head is matched against
 HTTP/1.1's grammar as h11 reads it (status line, header names as tokens, field values without

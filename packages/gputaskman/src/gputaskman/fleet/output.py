@@ -4,7 +4,7 @@ a document read back as host states (`states_of`), to show a saved fleet.
 
 Theory of operation
 -------------------
-`fleet_document` is `core.fleetdoc.fleet_json` of the states: every host with its status,
+`fleet_document` is `document.fleetdoc.fleet_json` of the states: every host with its status,
 reason, latency and last answer time, the fleet totals (`view.totals_json`), and each
 host's snapshot as its serve answered it (`HostState.body`, parsed again: ``--json`` runs
 once). There it is the host's current document (null when it is not up).
@@ -32,10 +32,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from gputaskman.core import fleetdoc
-from gputaskman.core.document import SnapshotError, read_document
-from gputaskman.core.fleetdoc import HostStatus, fleet_json, host_json
-from gputaskman.core.jsonfields import parse_json
+from gputaskman.document import fleetdoc
+from gputaskman.document.fleetdoc import HostStatus, fleet_json, host_json
+from gputaskman.document.jsonfields import parse_json
+from gputaskman.document.reader import SnapshotError, read_document
 from gputaskman.fleet.poller import HostState
 from gputaskman.fleet.source import FleetSource
 from gputaskman.fleet.targets import TargetError, parse_target

@@ -48,8 +48,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gputaskman.core.document import Document
-from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.document.fleetdoc import HostStatus
+from gputaskman.document.reader import Document
 from gputaskman.fleet.httpwire import (
     HttpError,
     HttpResponse,

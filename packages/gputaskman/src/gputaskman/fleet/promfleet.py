@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.document.fleetdoc import HostStatus
 from gputaskman.fleet.poller import HostState, Poller
 from gputaskman.fleet.promapi import PromClient, PromError, Sample, ScrapeTarget
 from gputaskman.fleet.promseries import (

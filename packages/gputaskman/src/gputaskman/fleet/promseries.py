@@ -1,5 +1,5 @@
 """One host's snapshot rebuilt from the series its ``gputaskman serve`` exported and
-Prometheus stored (`core.exporter` writes them): the fleet's rows and a host's view, when
+Prometheus stored (`render.exporter` writes them): the fleet's rows and a host's view, when
 the fleet is read from Prometheus instead of from each host.
 
 Theory of operation
@@ -7,7 +7,7 @@ Theory of operation
 `host_snapshot` takes every ``gputaskman_*`` series of one host from one instant query and
 builds the model's `Snapshot`, which `host_document` turns into a snapshot document with the
 writer every other document comes from (`report.to_json_dict`) and reads back with the one
-reader (`document.read_document`). So the fleet view, ``--json`` and ``fleet record`` see the
+reader (`reader.read_document`). So the fleet view, ``--json`` and ``fleet record`` see the
 same typed objects and the same JSON as when they poll hosts directly.
 
 What the series carry, and so what comes back:
@@ -52,11 +52,11 @@ from gputaskman.base.readings import (
     Snapshot,
     checked_reading,
 )
-from gputaskman.core import report
-from gputaskman.core.doctypes import AdapterDoc, ProcessDoc
-from gputaskman.core.document import Document, read_document
-from gputaskman.core.exporter import DEVICE_FIELDS, metric_name
+from gputaskman.document.doctypes import AdapterDoc, ProcessDoc
+from gputaskman.document.reader import Document, read_document
 from gputaskman.fleet.promapi import Sample
+from gputaskman.render import report
+from gputaskman.render.exporter import DEVICE_FIELDS, metric_name
 
 SOURCE = "prometheus"
 NO_SERIES = "no series in Prometheus"

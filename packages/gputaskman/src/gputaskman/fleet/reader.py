@@ -1,7 +1,7 @@
 """The fleet reader: one host's HTTP answer read as its snapshot, or as the reason it is not
 one. Every document the fleet receives goes through `read_body`, and through it through
-`document.read_document`, the one reader of the snapshot document, given the body's bytes
-(it decodes them straight into the document's declared shape, `core/docshape.py`).
+`reader.read_document`, the one reader of the snapshot document, given the body's bytes
+(it decodes them straight into the document's declared shape, `document/docshape.py`).
 
 Theory of operation
 -------------------
@@ -20,7 +20,7 @@ non-200 an `error`. A 200's body is then read by `read_body`, in bounded memory 
 * `read_document` reads the body into typed objects (a poller that shows only the fleet
   table asks `read_table_document` for the table's part, and the whole document only of the
   host that is open): another schema or version is
-  `incompatible`, named (`document.NotASnapshot`); a wrong type anywhere is `incompatible`
+  `incompatible`, named (`reader.NotASnapshot`); a wrong type anywhere is `incompatible`
   with the place it was found; JSON that does not parse is `incompatible` with the parser's
   words.
 
@@ -33,14 +33,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gputaskman.core.document import (
+from gputaskman.document.fleetdoc import HostStatus
+from gputaskman.document.reader import (
     Document,
     NotASnapshot,
     SnapshotError,
     read_document,
     read_table_document,
 )
-from gputaskman.core.fleetdoc import HostStatus
 from gputaskman.fleet.httpwire import HttpResponse
 
 MAX_DOCUMENT_BYTES = 8 * 1024 * 1024  # a host with a thousand processes writes a few MB

@@ -28,10 +28,10 @@ from typing import Any
 
 from gputaskman.base.fmt import NA, fmt_bytes, fmt_reading, reading_json
 from gputaskman.base.readings import Kind, ProcGpu, Reading, Reason
-from gputaskman.core.document import AdapterDoc, Document
-from gputaskman.core.fleetdoc import HostStatus
-from gputaskman.core.report_models import model_cell
+from gputaskman.document.fleetdoc import HostStatus
+from gputaskman.document.reader import AdapterDoc, Document
 from gputaskman.fleet.poller import HostState
+from gputaskman.render.report_models import model_cell
 
 TOP_PROCESSES = 3
 COLUMNS = ("HOST", "GPU", "MEMORY", "UTIL", "PROCESSES", "MODELS")

@@ -45,7 +45,8 @@ from gputaskman.base.filecache import ParsedFiles, read_tail
 from gputaskman.base.procargs import flag_value
 from gputaskman.base.readings import Kind, Reading, Reason
 from gputaskman.intel.evidence import ModelClaim
-from gputaskman.intel.gguf import KV_CACHE_TYPES, GGUFHeader, kv_cache_estimate
+from gputaskman.intel.gguf import GGUFHeader
+from gputaskman.intel.kvcache import KV_CACHE_TYPES, kv_cache_estimate
 from gputaskman.intel.serverprobe import (
     ListenSocket,
     ProbeResult,

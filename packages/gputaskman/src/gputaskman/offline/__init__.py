@@ -2,5 +2,5 @@
 frames and clock, diff, summary and its charts. None of them samples a GPU except `record`,
 through the collector.
 
-May import: gputaskman.base, gputaskman.core.
+May import: gputaskman.base, gputaskman.sampling, gputaskman.document, gputaskman.render.
 """

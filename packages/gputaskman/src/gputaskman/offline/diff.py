@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Works on saved ``--json`` objects only, never on live state, as `core.document` reads them
+Works on saved ``--json`` objects only, never on live state, as `document.reader` reads them
 (`Document`). Three steps:
 
 1. **Pair adapters.** By UUID when both sides have one, else by (vendor, PCI address).
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gputaskman.base.readings import Breakdown, DeviceMetrics, ProcGpu, Reading
-from gputaskman.core import report
-from gputaskman.core.document import AdapterDoc, Document, ProcessDoc
-from gputaskman.core.report_models import breakdown_totals, breakdown_view
+from gputaskman.document.reader import AdapterDoc, Document, ProcessDoc
+from gputaskman.render import report
+from gputaskman.render.report_models import breakdown_totals, breakdown_view
 
 SAME_PROCESS_SECS = report.SAME_PROCESS_SECS
 

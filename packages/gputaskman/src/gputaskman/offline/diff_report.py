@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gputaskman.core import report
-from gputaskman.core.document import Document, read_document
+from gputaskman.document.reader import Document, read_document
 from gputaskman.offline.diff import (
     EXIT_BAD_INPUT,
     EXIT_REFUSED,
@@ -30,6 +29,7 @@ from gputaskman.offline.recordfile import (
     is_fleet_file,
     load_snapshot_arg,
 )
+from gputaskman.render import report
 
 FIELD_LABELS = {
     "memory_used_bytes": "memory used",

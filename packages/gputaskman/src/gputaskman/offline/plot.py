@@ -24,7 +24,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from gputaskman.core import report
+from gputaskman.render import report
 
 if TYPE_CHECKING:  # summary draws its charts here; plot needs its Run only as a type
     from gputaskman.offline.summary import Run

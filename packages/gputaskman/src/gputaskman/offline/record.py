@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from gputaskman.base.argtypes import positive_count, positive_seconds
-from gputaskman.core import report
 from gputaskman.offline.recordfile import MAX_LINE_BYTES, parse_line
+from gputaskman.render import report
 
 # Every record line begins with this (to_json_dict's first keys, compact separators).
 LINE_PREFIX = b'{"schema":"gputaskman.snapshot"'
@@ -67,7 +67,7 @@ class Sampler(Protocol):
 
 def make_collector(gpu: int | None) -> Sampler:
     """The collector the TUI uses: budgeted scanning, one instance for the whole run."""
-    from gputaskman.core.collector import SCAN_BUDGET, Collector
+    from gputaskman.sampling.collector import SCAN_BUDGET, Collector
 
     return Collector(gpu=gpu, scan_budget=SCAN_BUDGET)
 

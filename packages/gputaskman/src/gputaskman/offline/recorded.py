@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-`core.document` reads the document (the one reader of the format); `replay_objects` turns
+`document.reader` reads the document (the one reader of the format); `replay_objects` turns
 its `Document` into what the live TUI and the report take: the `Snapshot`
 (`Document.snapshot`) and a `RecordedSystem`, the recorded ``system`` object with the
 surface the report and the TUI use for a host sample (`to_json_dict`, `process_readings`,
@@ -25,8 +25,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gputaskman.base.readings import Reading, Reason, Snapshot
-from gputaskman.core import host, text_report
-from gputaskman.core.document import (
+from gputaskman.document.reader import (
     RECORDED_SOURCE,
     Document,
     SnapshotError,
@@ -34,7 +33,9 @@ from gputaskman.core.document import (
     SystemDoc,
     read_document,
 )
-from gputaskman.core.report_models import system_json
+from gputaskman.render import text_report
+from gputaskman.render.report_models import system_json
+from gputaskman.sampling import host
 
 __all__ = ["RecordedSystem", "SnapshotError", "replay_objects", "snapshot_from_json"]
 

@@ -19,14 +19,14 @@ go through `iter_record`, which classifies every line:
 Lines are read as bytes and decoded one at a time, so one bad byte spoils one line, never
 the file; a line longer than `MAX_LINE_BYTES` is skipped without being held in memory.
 JSON's non-standard ``NaN``/``Infinity`` are rejected: unknown is ``null``, never a
-sentinel. Each line's top-level shape is checked here (`document.check_snapshot`); the rest
-is read by `document.read_document` when a line is used. `load_snapshot_file` reads a single
+sentinel. Each line's top-level shape is checked here (`reader.check_snapshot`); the rest
+is read by `reader.read_document` when a line is used. `load_snapshot_file` reads a single
 saved snapshot (``--json`` output, indented or compact) for `diff`; `iter_record` reads one
 too, as a record of one sample (an indented document is parsed whole when its first line
 is a lone ``{``).
 
 Fleet files. A line of ``gputaskman fleet record`` (or the output of ``fleet --json``) is a
-fleet document (`core.fleetdoc`) holding one snapshot per host. Read with ``host=NAME``, each
+fleet document (`document.fleetdoc`) holding one snapshot per host. Read with ``host=NAME``, each
 such line is that host's snapshot: a line where the host has none (it was down, or had no
 new answer) is passed over quietly (it is not malformed: the host simply has no sample
 there), and a host no line names yields nothing. Read with ``every_host=True``, each host's
@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from gputaskman.base import schema
-from gputaskman.core import fleetdoc
-from gputaskman.core.document import SnapshotError, check_snapshot
-from gputaskman.core.jsonfields import parse_json
+from gputaskman.document import fleetdoc
+from gputaskman.document.jsonfields import parse_json
+from gputaskman.document.reader import SnapshotError, check_snapshot
 
 # A snapshot of a thousand processes with long command lines is a few MB; anything far
 # beyond that is not a line record wrote, and must not be loaded whole.

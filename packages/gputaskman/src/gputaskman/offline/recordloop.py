@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 `RecordLoop` has the collector's surface (`prime`, `sample_with_system`, `close`): each sample
 is the record file's next good snapshot, from the first again after the last, read through
-`playback.RecordSource` (lines located once, each read when used by `document.read_document`).
+`playback.RecordSource` (lines located once, each read when used by `reader.read_document`).
 So a recording stands in for a host: tests and demos run `serve` instances that answer like
 GPU hosts on a machine without one.
 
@@ -24,10 +24,10 @@ from pathlib import Path
 from types import MappingProxyType
 
 from gputaskman.base.readings import Snapshot
-from gputaskman.core import host
-from gputaskman.core.document import Document, SnapshotError, read_document
+from gputaskman.document.reader import Document, SnapshotError, read_document
 from gputaskman.offline.playback import RecordSource
 from gputaskman.offline.recorded import system_info
+from gputaskman.sampling import host
 
 
 class RecordLoop:

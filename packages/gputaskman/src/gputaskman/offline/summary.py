@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 One pass over the file (`recordfile.iter_record`) reads every snapshot line
-(`document.read_document`) into a compact `Sample`: its time, its GPU identity, and the
+(`reader.read_document`) into a compact `Sample`: its time, its GPU identity, and the
 readings worth summarising, keyed by (scope, metric, kind). Lines that cannot be read are
 skipped and counted with their line numbers; nothing else is held, so a day-long
 recording summarises in bounded memory.
@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from gputaskman.base.readings import DeviceMetrics, Kind, Reading
-from gputaskman.core import report
-from gputaskman.core.document import AdapterDoc, Document, SnapshotError, SystemDoc, read_document
+from gputaskman.document.reader import AdapterDoc, Document, SnapshotError, SystemDoc, read_document
 from gputaskman.offline.recordfile import Entry, describe_lines, is_fleet_file, iter_record
+from gputaskman.render import report
 
 RUN_GAP_FACTOR = 5.0
 RUN_GAP_MIN = 10.0  # seconds

@@ -1,6 +1,6 @@
 """The Textual TUI: the live app, the replay app, the fleet app, their widgets and screens.
 Nothing below this layer imports Textual or Rich.
 
-May import: gputaskman.base, gputaskman.intel, gputaskman.core, gputaskman.offline,
-gputaskman.fleet.
+May import: gputaskman.base, gputaskman.intel, gputaskman.sampling, gputaskman.document,
+gputaskman.render, gputaskman.offline, gputaskman.fleet.
 """

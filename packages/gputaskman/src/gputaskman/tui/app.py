@@ -32,9 +32,9 @@ from textual.message import Message
 from textual.widgets import Footer, Input, Static
 
 from gputaskman.base.readings import Adapter, ProcDetail, ProcGpu, Snapshot
-from gputaskman.core import text_report
-from gputaskman.core.host import HostSample
-from gputaskman.core.text_report import PROCESS_COLUMNS
+from gputaskman.render import text_report
+from gputaskman.render.text_report import PROCESS_COLUMNS
+from gputaskman.sampling.host import HostSample
 from gputaskman.tui import settings as settings_mod
 from gputaskman.tui import signalling
 from gputaskman.tui.history import History
@@ -56,7 +56,7 @@ COMPACT_MAX_ROWS = 30
 
 
 class CollectorLike(Protocol):
-    """What the TUI needs of a collector (`core.collector.Collector` is the real one)."""
+    """What the TUI needs of a collector (`sampling.collector.Collector` is the real one)."""
 
     def sample_with_system(self) -> tuple[Snapshot, HostSample | None]: ...
 
@@ -481,7 +481,7 @@ def create_app(
     if collector_factory is None:
 
         def collector_factory() -> CollectorLike:
-            from gputaskman.core.collector import Collector
+            from gputaskman.sampling.collector import Collector
 
             return Collector(gpu=gpu)
 

@@ -32,7 +32,7 @@ import time
 from rich.text import Text
 from textual.binding import Binding
 
-from gputaskman.core.document import SnapshotError
+from gputaskman.document.reader import SnapshotError
 from gputaskman.fleet.poller import HostState
 from gputaskman.fleet.source import FleetSource
 from gputaskman.offline.recorded import replay_objects

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import platformdirs
 
-from gputaskman.core.text_report import PAGED_COLUMNS
+from gputaskman.render.text_report import PAGED_COLUMNS
 from gputaskman.tui.widgets.process_table import ALWAYS, SORTS
 
 FILE_NAME = "tui.json"

@@ -15,7 +15,7 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.document.fleetdoc import HostStatus
 from gputaskman.fleet.view import COLUMNS
 from gputaskman.tui.screens.help import WIDTH, HelpScreen, key_lines, mark_lines, model_lines
 

@@ -24,9 +24,9 @@ from textual.widgets import Static
 
 from gputaskman.base.fmt import KIND_MARK
 from gputaskman.base.readings import Kind, Reason
-from gputaskman.core import report, report_models, text_report
 from gputaskman.intel import runtimes
 from gputaskman.intel.evidence import Source
+from gputaskman.render import report, report_models, text_report
 from gputaskman.tui.widgets.process_table import ENGINE_COLUMNS, IDENTITY_COLUMNS, SORT_MARKS
 
 COLUMN_HELP: dict[str, str] = {

@@ -30,7 +30,7 @@ from typing import Any
 from rich.text import Text
 
 from gputaskman.base.fmt import fmt_reading
-from gputaskman.core.fleetdoc import HostStatus
+from gputaskman.document.fleetdoc import HostStatus
 from gputaskman.fleet.view import COLUMNS, FleetRow, sorted_rows, util_text
 from gputaskman.tui.widgets.gpu_header import memory_cell
 from gputaskman.tui.widgets.line_table import Cell, LineTable

@@ -23,7 +23,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from gputaskman.base.readings import Adapter, DeviceMetrics, Reading, Snapshot
-from gputaskman.core import report, text_report
+from gputaskman.render import report, text_report
 from gputaskman.tui.history import History, Series, sparkline
 from gputaskman.tui.widgets.unchanged import update_static
 

@@ -13,8 +13,8 @@ from textual.widgets import Static
 
 from gputaskman.base.fmt import fmt_bytes
 from gputaskman.base.readings import ProcGpu, Reading, Snapshot
-from gputaskman.core import report
-from gputaskman.core.host import HostSample
+from gputaskman.render import report
+from gputaskman.sampling.host import HostSample
 from gputaskman.tui.history import History, Series, sparkline
 from gputaskman.tui.widgets.unchanged import update_static
 

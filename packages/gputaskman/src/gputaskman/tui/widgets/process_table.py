@@ -24,8 +24,8 @@ from textual import events
 
 from gputaskman.base.fmt import NA, fmt_reading
 from gputaskman.base.readings import ProcGpu, Reading
-from gputaskman.core import report, text_report
-from gputaskman.core.host import HostSample
+from gputaskman.render import report, text_report
+from gputaskman.sampling.host import HostSample
 from gputaskman.tui.widgets.line_table import LineTable
 
 # column label, sort name (None: not a sort column)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from gputaskman.core import text_report
-from gputaskman.core.host import HostSample
+from gputaskman.render import text_report
+from gputaskman.sampling.host import HostSample
 from gputaskman.tui.widgets.unchanged import update_static
 
 

@@ -4,9 +4,9 @@ Theory of operation
 -------------------
 `Collector.sample_with_system()` does, in order:
 
-1. **GPU backend**, a `gpusource.GpuSource` (chosen once at construction by
-   `default_gpu_source`; the collector knows backends only through that contract).
-   `BACKEND` is `platforms.current_backend()`: ``wddm`` on Windows (DXGI + PDH, TCC/MCDM
+1. **GPU backend**, a `gpusource.GpuSource` (built once at construction by
+   `registry.gpu_source`; the collector knows backends only through that contract).
+   `registry.BACKEND` is chosen from the platform: ``wddm`` on Windows (DXGI + PDH, TCC/MCDM
    GPUs from NVML), ``metal`` on macOS (IOKit), ``wsl`` under WSL (NVML + the Windows
    host's counters), else ``nvml``: on Linux `linux.LinuxGpus` (NVML for NVIDIA plus DRM
    sysfs/fdinfo for amdgpu, i915 and xe, merged by PCI address, with Huawei Ascend NPUs
@@ -27,9 +27,9 @@ Theory of operation
    name and create time, so ``(pid, create_time)`` identifies a process everywhere.
    On Windows and macOS (no /proc) `hostplat.default_sampler` gives a
    `hostplat.PlatformHostSampler` instead: what PDH / sysctl can read, the rest unknown.
-3. **Process scan** (`procinfo`): runtime libraries and mapped model files from
-   ``/proc/PID/maps``, the redacted command line and a category. Scans are cached per
-   ``(pid, create_time)`` inside the scanner and bounded by `scan_budget` seconds per
+3. **Process scan** (`procinfo`, budgeted by `procscan`): runtime libraries and mapped model
+   files from ``/proc/PID/maps``, the redacted command line and a category. Scans are cached
+   per ``(pid, create_time)`` inside the scanner and bounded by `scan_budget` seconds per
    refresh; GPU-listed processes go first (largest shown VRAM first), then the rest. With
    ``scan_budget=None`` (one-shot output) everything is scanned.
 
@@ -55,14 +55,12 @@ at a time.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gputaskman.backends import platforms
-from gputaskman.backends.nvml import NvmlBackend
+from gputaskman.backends import registry
 from gputaskman.base.gpusource import GpuProcess, GpuSource
 from gputaskman.base.readings import (
     Adapter,
@@ -74,66 +72,25 @@ from gputaskman.base.readings import (
     Reason,
     Snapshot,
 )
-from gputaskman.core import host as host_mod
-from gputaskman.core import hostplat
+from gputaskman.sampling import host as host_mod
+from gputaskman.sampling import hostplat
 
 if TYPE_CHECKING:
     from gputaskman.intel.procinfo import ProcInfo
 
 SCAN_BUDGET = 0.150  # seconds of /proc/PID/maps scanning per refresh (TUI, record)
 
-# The backend for this machine, chosen once from platform facts (platforms.detect_backend);
-# `Collector.backend` becomes "drm" / "ascend" when the selected GPU is an amdgpu or Intel
-# card or an Ascend NPU (see linux.LinuxGpus.backend_for).
-BACKEND = platforms.current_backend()
-
 ScanKey = tuple[int, float | None]
 
 _DEFAULT_MODELS: Any = object()  # "build the default ModelResolver" (None means none)
 
 
-def gpu_source(backend: str) -> GpuSource | None:
-    """A sampling source for `backend`, importing its platform module only now.
-
-    ``nvml`` returns None: the collector keeps its own Linux default (NVML + DRM).
-    """
-    if backend == "wddm":
-        from gputaskman.backends.win.backend import WddmBackend
-
-        return WddmBackend()
-    if backend == "wsl":
-        from gputaskman.backends.wsl import WslBackend
-
-        return WslBackend()
-    if backend == "metal":
-        from gputaskman.backends.macos import MacCounters
-
-        return MacCounters()
-    if backend == "nvml":
-        return None
-    raise ValueError(f"unknown backend {backend!r}; expected one of {platforms.BACKENDS}")
-
-
-def default_gpu_source(backend: str | None = None) -> GpuSource:
-    """The source for `backend` (default `BACKEND`): the platform's own backend on
-    Windows, WSL and macOS (imported only then); on Linux NVML plus DRM (amdgpu, i915,
-    xe) merged by PCI address, with Ascend NPUs appended when npu-smi is installed."""
-    name = BACKEND if backend is None else backend
-    src = gpu_source(name)
-    if src is not None:
-        return src
-    if not sys.platform.startswith("linux"):
-        return NvmlBackend()
-    from gputaskman.backends.ascend import AscendBackend
-    from gputaskman.backends.drm import DrmBackend
-    from gputaskman.backends.linux import LinuxGpus
-
-    npu = AscendBackend()
-    return LinuxGpus(NvmlBackend(), DrmBackend(), npu if npu.available() else None)
-
-
 class ProcScanner(Protocol):
     """What the collector needs from procinfo's scanner."""
+
+    #: True when `info` gives the `procinfo.ProcInfo` behind a scan, which model resolution
+    #: reads: the collector builds its default `ModelResolver` only for such a scanner.
+    gives_procinfo: bool
 
     def scan(self, keys: Sequence[ScanKey], budget: float | None) -> Mapping[ScanKey, ProcDetail]:
         """Details of the processes the budget reached (cached per key)."""
@@ -152,6 +109,8 @@ class ProcScanner(Protocol):
 class NullScanner:
     """No process scanning: every process reads as not scanned (a seam for tests)."""
 
+    gives_procinfo = False
+
     def scan(self, keys: Sequence[ScanKey], budget: float | None) -> Mapping[ScanKey, ProcDetail]:
         return {}
 
@@ -163,13 +122,14 @@ class NullScanner:
 
 
 class ProcinfoScanner:
-    """`procinfo.Scanner` (budgeted, cached per (pid, create_time)) seen as a `ProcScanner`."""
+    """`procscan.Scanner` (budgeted, cached per (pid, create_time)) seen as a `ProcScanner`."""
+
+    gives_procinfo = True
 
     def __init__(self, root: str | None = None) -> None:
-        from gputaskman.intel import procinfo
+        from gputaskman.intel import procscan
 
-        self._procinfo = procinfo
-        self.scanner = procinfo.Scanner() if root is None else procinfo.Scanner(root=root)
+        self.scanner = procscan.Scanner() if root is None else procscan.Scanner(root=root)
         self.last_result: Any = None
         # key -> (the ProcInfo object converted, its ProcDetail): a cached scan returns the
         # same object every refresh, so the conversion is done once per scan, not per refresh.
@@ -256,19 +216,19 @@ class Collector:
     ) -> None:
         self.gpu = gpu
         self.scan_budget = scan_budget
-        self._source = source if source is not None else default_gpu_source()
+        self._source = source if source is not None else registry.gpu_source()
         self._host = host if host is not None else hostplat.default_sampler()
         self._scanner = scanner if scanner is not None else default_scanner()
         if models is _DEFAULT_MODELS:
             # Model resolution needs procinfo's ProcInfo; a test's scanner seam has none.
             models = None
-            if isinstance(self._scanner, ProcinfoScanner):
+            if self._scanner.gives_procinfo:
                 from gputaskman.intel.modelinfo import ModelResolver
 
                 models = ModelResolver(background=scan_budget is not None)
         self.models = models
         self.extra_notes: tuple[str, ...] = ()  # shown in every snapshot (e.g. --sysroot)
-        self.backend = BACKEND
+        self.backend = registry.BACKEND
         self.last_timing: dict[str, float] = {}
 
     def close(self) -> None:
@@ -352,7 +312,7 @@ class Collector:
         notes: list[str] = [*self.extra_notes, *gpu.notes]
         # a part that answered and found nothing says what it looked for (DRM: no card)
         notes.extend(n for p in gpu.parts if (n := p.note()) is not None)
-        if gpu.backend_problem is None and not gpu.adapters and BACKEND == "nvml":
+        if gpu.backend_problem is None and not gpu.adapters and registry.BACKEND == "nvml":
             notes.append("NVML answered but lists no GPU")
         self.backend = self._source.backend_for(gpu, self.gpu)
         self.last_timing = {
@@ -405,15 +365,6 @@ class Collector:
         return out
 
 
-def sysroot_gpu_source(root: str) -> GpuSource:
-    """DRM cards under ``root/sys`` and ``root/proc``; NVML is not asked (``--sysroot``)."""
-    from gputaskman.backends.drm import DrmBackend
-    from gputaskman.backends.linux import LinuxGpus, NotAsked
-
-    nvml = NotAsked("nvml", f"NVML not asked: reading the tree under --sysroot {root}")
-    return LinuxGpus(nvml, DrmBackend(root))
-
-
 def sysroot_collector(
     root: str, gpu: int | None = None, scan_budget: float | None = SCAN_BUDGET
 ) -> Collector:
@@ -431,7 +382,7 @@ def sysroot_collector(
     c = Collector(
         gpu,
         scan_budget,
-        source=sysroot_gpu_source(root),
+        source=registry.sysroot_gpu_source(root),
         host=host_mod.HostSampler(proc_root=proc),
         scanner=scanner,
         models=models,
@@ -471,7 +422,7 @@ def _row(r: GpuProcess, name: str | None, ct: float | None, d: ProcDetail | None
         # and macOS have no /proc: the process scanner is Linux-only, and their host
         # sampler (hostplat) lists no processes yet.
         why = "no /proc entry for this PID here (another PID namespace, or exited)"
-        if BACKEND in ("wddm", "metal"):
+        if registry.BACKEND in ("wddm", "metal"):
             why = "process details come from /proc, which this OS does not have"
         d = ProcDetail(scanned=False, reason=Reason.UNAVAILABLE, reason_detail=why)
     elif d is None:

@@ -72,9 +72,8 @@ from gputaskman.base.readings import (
     Reason,
     checked_reading,
 )
-from gputaskman.core import duvmpool
-from gputaskman.core.docfields import check_snapshot, read_parsed
-from gputaskman.core.docshape import (
+from gputaskman.document.docfields import check_snapshot, read_parsed
+from gputaskman.document.docshape import (
     DOC_DECODER,
     TABLE_DECODER,
     AdapterShape,
@@ -90,7 +89,7 @@ from gputaskman.core.docshape import (
     SystemShape,
     TableProcessShape,
 )
-from gputaskman.core.doctypes import (
+from gputaskman.document.doctypes import (
     RECORDED_SOURCE,
     AdapterDoc,
     Document,
@@ -100,7 +99,7 @@ from gputaskman.core.doctypes import (
     SystemDoc,
     value_of,
 )
-from gputaskman.core.jsonfields import (
+from gputaskman.document.jsonfields import (
     REASONS,
     NotASnapshot,
     SnapshotError,
@@ -109,6 +108,7 @@ from gputaskman.core.jsonfields import (
 )
 from gputaskman.intel.apps import AppModel
 from gputaskman.intel.llm import LlmView, ViewPart
+from gputaskman.sampling import duvmpool
 
 __all__ = [
     "RECORDED_SOURCE",

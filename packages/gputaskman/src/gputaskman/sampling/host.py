@@ -504,7 +504,7 @@ class HostSampler:
             procs, preason = {}, f"cannot list processes: {exc.strerror or exc}"
         pool = None
         if self._duvm:
-            from gputaskman.core import duvmpool
+            from gputaskman.sampling import duvmpool
 
             pool = duvmpool.sample()
         return SystemInfo(taken, memory, swap, cpu, MappingProxyType(procs), preason, pool)

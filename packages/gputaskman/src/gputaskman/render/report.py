@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 `to_json_dict` is the single source of the ``--json`` object; record files store exactly
 this object, one per line, and replay/diff/summary read it back through its one reader,
-`document.read_document`. `render_text` is the
+`reader.read_document`. `render_text` is the
 ``--once`` report. Neither function samples anything or imports a UI library.
 
 JSON shape (``schema_version`` 1)
@@ -171,8 +171,7 @@ from gputaskman.base.readings import (
     Reason,
     Snapshot,
 )
-from gputaskman.core import host
-from gputaskman.core.report_models import (
+from gputaskman.render.report_models import (
     BREAKDOWN_PARTS,
     app_json,
     breakdown_json,
@@ -183,6 +182,7 @@ from gputaskman.core.report_models import (
     model_mark,
     system_json,
 )
+from gputaskman.sampling import host
 
 SCHEMA = schema.NAME
 SCHEMA_VERSION = schema.VERSION

@@ -49,7 +49,7 @@ from urllib.parse import urlsplit
 
 import h11
 
-from gputaskman.cli.httpauth import bearer_ok
+from gputaskman.serve.httpauth import bearer_ok
 
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 15.0

@@ -1,11 +1,11 @@
 """The snapshot document's shape (``schema_version`` 1) as msgspec Structs, one per JSON
 object, each field named as its key: `DOC_DECODER` turns a document's bytes into them in C,
-checking every type on the way, and `document` builds the model's objects from them. The
+checking every type on the way, and `reader` builds the model's objects from them. The
 packaged JSON Schema (``base/snapshot.schema.json``) is generated from them by
 ``tools/snapshot_schema.py``, and a test requires the checked-in file to be what it generates.
 
 The Structs hold what a reader may rely on; what they cannot say is checked after decoding
-(`document.read_document`): that a number is finite and within a float's range, that a
+(`reader.read_document`): that a number is finite and within a float's range, that a
 reading has a value or a reason, and which reasons this version knows (reasons are read as
 `str`, so one a later version writes still decodes). Keys not declared as fields are skipped
 (those of later versions, and the keys the writer derives, declared in each Struct's

@@ -1,4 +1,4 @@
-"""The types a snapshot document is read into (`document.read_document`), where the
+"""The types a snapshot document is read into (`reader.read_document`), where the
 model's own types (`Reading`, `ProcGpu`, `LlmView`, `AppModel`, `duvmpool.PoolInfo`) do not
 describe the document exactly: an adapter as recorded, a process row with the host's readings
 beside it, the ``system`` section as written, and the `Document` holding them."""
@@ -17,8 +17,8 @@ from gputaskman.base.readings import (
     Reading,
     Snapshot,
 )
-from gputaskman.core import duvmpool
-from gputaskman.core.jsonfields import SnapshotError
+from gputaskman.document.jsonfields import SnapshotError
+from gputaskman.sampling import duvmpool
 
 RECORDED_SOURCE = "recorded"  # the source of a system number an early file held bare
 

@@ -4,7 +4,7 @@ exports.
 Theory of operation
 -------------------
 `SnapshotCollector.collect()` reads the latest cached sample (a callable returning it; the
-sampling thread in `serve.py` refreshes it) and turns it into metric families. A scrape never
+sampling thread in `serve.server` refreshes it) and turns it into metric families. A scrape never
 samples anything.
 
 The provenance rule carries over to metric names: a value measured by a driver or the OS is
@@ -40,8 +40,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gputaskman.base.readings import Adapter, Kind, ProcGpu, Reading, Snapshot
-from gputaskman.core.host import SystemInfo
-from gputaskman.core.report_models import breakdown_totals, breakdown_view
+from gputaskman.render.report_models import breakdown_totals, breakdown_view
+from gputaskman.sampling.host import SystemInfo
 
 GPU_LABELS = ("gpu", "pci_bus_id", "uuid", "gpu_name")
 PROC_LABELS = ("pid", "name", "model", *GPU_LABELS)
@@ -213,7 +213,7 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
                 1 if snap.attributed_complete_on(a.pci_bus_id) else 0,
             )
 
-    from gputaskman.core.report import proc_host_lookup
+    from gputaskman.render.report import proc_host_lookup
 
     lookup = proc_host_lookup(system)
     seen_model: set[tuple[str, ...]] = set()

@@ -31,7 +31,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gputaskman.base.readings import Reading, Reason
-from gputaskman.core import host
+from gputaskman.sampling import host
 
 OS_NAMES = {"win32": "Windows", "darwin": "macOS"}
 NO_PROCESSES = "per-process RAM and CPU are read from /proc, which {os} does not have"

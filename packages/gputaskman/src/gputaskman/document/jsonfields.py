@@ -1,4 +1,4 @@
-"""Typed access to a parsed JSON object, for the snapshot document's reader (`document`).
+"""Typed access to a parsed JSON object, for the snapshot document's reader (`reader`).
 
 `Fields` wraps one object with its place in the document (``processes[3].model``): each
 accessor checks the value's type and returns it, None for an optional key that is absent

@@ -1,6 +1,6 @@
 """The fleet document: what ``gputaskman fleet --json`` prints and each line of
 ``gputaskman fleet record`` holds; the names of a host's states, the envelope's writer, and
-the reading of the envelope back (the snapshots inside are read by `document.read_document`).
+the reading of the envelope back (the snapshots inside are read by `reader.read_document`).
 
 Shape (``schema_version`` 1; new keys are additive)::
 
@@ -40,7 +40,7 @@ from enum import StrEnum
 from typing import Any
 
 from gputaskman import __version__
-from gputaskman.core.jsonfields import SnapshotError, is_number
+from gputaskman.document.jsonfields import SnapshotError, is_number
 
 NAME = "gputaskman.fleet"
 VERSION = 1

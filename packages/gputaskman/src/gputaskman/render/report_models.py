@@ -8,7 +8,7 @@ Theory of operation
 object, so estimates carry kind ``estimated`` and runtime reports kind ``runtime``, and none
 of them is ever part of a measured sum. `model_lines` is the same information as text for
 ``--once`` and the TUI inspector; `model_cell` the table's MODEL column. `system_json` writes
-host.py's `SystemInfo` (or the `document.SystemDoc` replay read back) with reading objects
+host.py's `SystemInfo` (or the `reader.SystemDoc` replay read back) with reading objects
 (kind ``measured``: the OS's own counters, the source naming the file), so the whole
 document follows one null rule.
 """
@@ -20,10 +20,10 @@ from typing import Any
 
 from gputaskman.base.fmt import NA, fmt_bytes, fmt_reading, reading_json
 from gputaskman.base.readings import Breakdown, Kind, ModelRef, ProcGpu, Reading, Reason
-from gputaskman.core import duvmpool, host
-from gputaskman.core.document import SwapDeviceDoc, SwapDoc, SystemDoc
+from gputaskman.document.reader import SwapDeviceDoc, SwapDoc, SystemDoc
 from gputaskman.intel.apps import AppModel
 from gputaskman.intel.llm import LlmView
+from gputaskman.sampling import duvmpool, host
 
 
 def system_doc(info: host.SystemInfo) -> SystemDoc:
@@ -57,7 +57,7 @@ def system_doc(info: host.SystemInfo) -> SystemDoc:
 
 def system_json(system: host.SystemInfo | SystemDoc) -> dict[str, Any]:
     """The ``system`` object: every number a reading object (OS-reported, kind measured),
-    from a host sample or from a recorded one (`document.SystemDoc`, in replay)."""
+    from a host sample or from a recorded one (`reader.SystemDoc`, in replay)."""
     doc = system_doc(system) if isinstance(system, host.SystemInfo) else system
     out: dict[str, Any] = {
         "taken": doc.taken,

@@ -18,13 +18,13 @@ from gputaskman.base.readings import (
     Reason,
     Snapshot,
 )
-from gputaskman.core import host
-from gputaskman.core.report import ProcHostLookup, proc_host_lookup, utc_of
-from gputaskman.core.report_models import (
+from gputaskman.render.report import ProcHostLookup, proc_host_lookup, utc_of
+from gputaskman.render.report_models import (
     gtt_text,
     model_cell,
     model_lines,
 )
+from gputaskman.sampling import host
 
 # What a backend-wide failure means for a user, beside NVML's own words.
 BACKEND_HINTS: dict[Reason, str] = {
@@ -242,7 +242,7 @@ def system_lines(system: host.HostSample | None) -> list[str]:
         + f"  cpus {fmt_reading(c.logical_cpus)}"
     )
     if system.duvm is not None:  # duvm pool (runtime-reported, from duvm's status sockets)
-        from gputaskman.core import duvmpool
+        from gputaskman.sampling import duvmpool
 
         lines += duvmpool.pool_lines(system.duvm)
     return lines

@@ -1,6 +1,6 @@
 """The snapshot reader over a parsed JSON object (`Fields`): the reference reader, which
-decides every refusal and its message, and reads what the typed decoder (`document`) does not
-take (see `document.read_document`). `check_snapshot` checks a parsed line's top-level shape.
+decides every refusal and its message, and reads what the typed decoder (`reader`) does not
+take (see `reader.read_document`). `check_snapshot` checks a parsed line's top-level shape.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from gputaskman.base.readings import (
     Reading,
     Reason,
 )
-from gputaskman.core import duvmpool
-from gputaskman.core.doctypes import (
+from gputaskman.document.doctypes import (
     RECORDED_SOURCE,
     AdapterDoc,
     Document,
@@ -29,7 +28,7 @@ from gputaskman.core.doctypes import (
     SystemDoc,
     value_of,
 )
-from gputaskman.core.jsonfields import (
+from gputaskman.document.jsonfields import (
     Fields,
     NotASnapshot,
     SnapshotError,
@@ -39,6 +38,7 @@ from gputaskman.core.jsonfields import (
 )
 from gputaskman.intel.apps import AppModel
 from gputaskman.intel.llm import LlmView, ViewPart
+from gputaskman.sampling import duvmpool
 
 
 def check_snapshot(doc: object) -> dict[str, Any]:
