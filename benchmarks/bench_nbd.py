@@ -16,7 +16,10 @@ Targets, all on one Unix socket each:
 * `duvm-base`, `duvm-local-base`: the same, run from another checkout (`--baseline DIR`, e.g. a
   `git worktree` of the commit before a change), side by side with this one in the same run;
 * `duvm-deployed-pure`: the deployed target on the pure-Python path (`DUVM_PURE_PYTHON=1`), to
-  compare the reference with the compiled path in one run.
+  compare the reference with the compiled path in one run;
+* `duvm-deployed-rdma`: the deployed target with its pages moved by RDMA: both memservers
+  listen on `--rdma-host IP` (an address of a verbs device's netdev) with `--rdma on`, and the
+  daemon names them `rdma://`. On an RDMA NIC, run it beside `duvm-deployed` and `nbdkit`.
 
 For each run it reports IOPS or MiB/s, the ratio to nbdkit, the mean latency (fio), and the
 CPU time each process spent per request (utime+stime deltas from /proc/PID/stat for servers,
@@ -26,6 +29,7 @@ wait4 rusage for the client). The client is pinned to one CPU and every server t
 Usage: uv run python benchmarks/bench_nbd.py [--reps 3] [--runtime 4] [--size 512M]
                                              [--json out.json] [--markdown out.md]
                           [--baseline DIR --targets duvm-deployed,duvm-deployed-base,nbdkit]
+                          [--rdma-host IP --targets duvm-deployed,duvm-deployed-rdma,nbdkit]
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ def start_targets(
     memserver_cpu: str,
     want: list[str],
     baseline: str | None = None,
+    rdma_host: str | None = None,
 ) -> list[Target]:
     py = [sys.executable, "-m", "duvm.cli"]
     pin = ["taskset", "-c", server_cpu]
@@ -103,8 +108,10 @@ def start_targets(
     for full in want:
         sock = os.path.join(tmp, f"{full}.sock")
         t = Target(full, f"nbd+unix:///?socket={sock}")
-        name, env = full, None
-        if full.endswith("-base"):  # the other checkout's duvm comes first on the path
+        name, env, rdma = full, None, False
+        if full.endswith("-rdma"):  # memservers on an RDMA netdev's address, peers rdma://
+            name, rdma = full.removesuffix("-rdma"), True
+        elif full.endswith("-base"):  # the other checkout's duvm comes first on the path
             name = full.removesuffix("-base")
             env = dict(os.environ, PYTHONPATH=os.path.join(baseline or "", "packages/duvm/src"))
         elif full.endswith("-pure"):  # the reference path (duvm.base.accel)
@@ -133,11 +140,13 @@ def start_targets(
                 subprocess.run([*py, "secret", "generate", secret], check=True, env=env)
                 security = ["--secret-file", secret]
             peers = []
+            host = rdma_host if rdma else "127.0.0.1"
             for i in range(2 if deployed else 1):
                 ms = subprocess.Popen(
                     [
                         *("taskset", "-c", memserver_cpu, *py, "memserver"),
-                        *("--listen", "127.0.0.1:0", "--capacity", str(size + 64 * MiB)),
+                        *("--listen", f"{host}:0", "--capacity", str(size + 64 * MiB)),
+                        *(("--rdma", "on") if rdma else ()),
                         *security,
                     ],
                     stdout=subprocess.PIPE,
@@ -146,7 +155,7 @@ def start_targets(
                 )
                 t.procs["memserver" if not deployed else f"memserver{i}"] = ms
                 port = wait_for_line(ms, r"listening on [\d.]+:(\d+)").group(1)
-                peers.append(f"127.0.0.1:{port}")
+                peers.append(f"{'rdma://' if rdma else ''}{host}:{port}")
             extra = ["--replicas", "2", "--encrypt", *security] if deployed else []
             t.procs["daemon"] = subprocess.Popen(
                 [
@@ -373,7 +382,13 @@ def main() -> int:
         "--targets",
         default="duvm-deployed,duvm,nbdkit,duvm-local",
         help="comma-separated, from duvm-deployed, duvm-deployed-pure, duvm, nbdkit, "
-        "duvm-local (and with --baseline their -base twins)",
+        "duvm-local (and with --baseline their -base twins, with --rdma-host "
+        "duvm-deployed-rdma)",
+    )
+    ap.add_argument(
+        "--rdma-host",
+        metavar="IP",
+        help="an address of this machine's RDMA netdev: enables the target duvm-deployed-rdma",
     )
     names = [f"{t}{q or ''}" for t, q in TESTS]
     ap.add_argument(
@@ -412,6 +427,8 @@ def main() -> int:
         if not os.path.isdir(os.path.join(args.baseline, "packages/duvm/src/duvm")):
             ap.error(f"--baseline {args.baseline} is not a checkout of this repository")
         known += ["duvm-deployed-base", "duvm-base", "duvm-local-base"]
+    if args.rdma_host:
+        known.append("duvm-deployed-rdma")
     unknown = [t for t in asked if t not in names] + [t for t in want if t not in known]
     if unknown or not asked or not want:
         ap.error(
@@ -438,6 +455,7 @@ def main() -> int:
             args.memserver_cpu or args.server_cpu,
             want,
             args.baseline,
+            args.rdma_host,
         )
         for t in targets:  # prefill: reads must not hit never-written (zero) blocks
             copy_test(t, "write", src, args)

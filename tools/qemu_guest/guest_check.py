@@ -396,11 +396,21 @@ def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
     held: dict[str, Any] = {}
     last_shown = -1
     kill_at = int(os.environ.get("DUVM_KILL_AT_PCT") or -1)  # of the fill phase
+    # SIGKILL the last in-guest memserver at this % of the fill
+    kill_memserver_at = int(os.environ.get("DUVM_KILL_LOCAL_MEMSERVER_AT_PCT") or -1)
     killer: threading.Thread | None = None
     for line in proc.stderr:
         parts = line.split()
         if parts[:1] == ["progress"] and len(parts) == 4:
             pct = int(parts[2]) * 100 // max(1, int(parts[3]))
+            if (
+                parts[1] == "fill"
+                and 0 <= kill_memserver_at <= pct
+                and LOCAL_MEMSERVERS
+                and LOCAL_MEMSERVERS[-1].poll() is None
+            ):
+                LOCAL_MEMSERVERS[-1].kill()  # a node's RAM lost mid-run: its pages with it
+                emit("memserver_killed", pct=pct)
             if killer is None and parts[1] == "fill" and 0 <= kill_at <= pct:
                 # a thread: this loop must keep draining the workload's progress pipe
                 killer = threading.Thread(target=_guarded(kill_and_resume), daemon=True)
@@ -455,12 +465,15 @@ def memserver_pages(peers: str) -> list[dict[str, Any]]:
     import asyncio
 
     from duvm.store.memserver_status import query_status
+    from duvm.wire import auth
 
+    secret = os.environ.get("DUVM_SECRET_FILE")
+    security = auth.PeerSecurity(auth.Keyring.from_file(secret)) if secret else None
     out = []
     for peer in peers.split(","):
-        host, _, port = peer.rpartition(":")
+        host, _, port = peer.partition("://")[2 if "://" in peer else 0].rpartition(":")
         try:
-            st = asyncio.run(query_status(host, int(port), timeout=10))
+            st = asyncio.run(query_status(host, int(port), timeout=10, security=security))
             out.append(
                 {
                     "peer": peer,
@@ -473,8 +486,16 @@ def memserver_pages(peers: str) -> list[dict[str, Any]]:
     return out
 
 
+LOCAL_MEMSERVERS: list[subprocess.Popen[bytes]] = []  # started here, the last one killable
+
+
 def start_local_memservers(n: int, capacity: str) -> str:
-    """Memservers inside the guest, on loopback (no QEMU network on the page path)."""
+    """Memservers inside the guest, on loopback (no QEMU network on the page path); with
+    DUVM_RDMA on the guest's address with `--rdma on` and the cluster secret, named
+    `rdma://` (rxe0 carries the pages: the RC traffic is rxe0 to itself)."""
+    rdma = bool(os.environ.get("DUVM_RDMA"))
+    host = os.environ.get("DUVM_GUEST_IP", "10.0.2.15") if rdma else "127.0.0.1"
+    extra = ["--rdma", "on", "--secret-file", os.environ["DUVM_SECRET_FILE"]] if rdma else []
     peers = []
     for i in range(n):
         log = Path(f"/run/memserver{i}.log")
@@ -486,9 +507,10 @@ def start_local_memservers(n: int, capacity: str) -> str:
                     "duvm.cli",
                     "memserver",
                     "--listen",
-                    "127.0.0.1:0",
+                    f"{host}:0",
                     "--capacity",
                     capacity,
+                    *extra,
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -496,11 +518,13 @@ def start_local_memservers(n: int, capacity: str) -> str:
             )
         # it stands in for another machine's RAM: the guest's OOM killer must not pick it
         Path(f"/proc/{proc.pid}/oom_score_adj").write_text("-1000")
+        LOCAL_MEMSERVERS.append(proc)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             text = log.read_text()
             if "listening on " in text:
-                peers.append(text.split("listening on ", 1)[1].split()[0])
+                addr = text.split("listening on ", 1)[1].split()[0]
+                peers.append(f"rdma://{addr}" if rdma else addr)
                 break
             time.sleep(0.2)
         else:
@@ -599,6 +623,14 @@ def main() -> int:
         cgroup = os.environ.get("DUVM_CGROUP_MIB")
         emit("start", kernel=os.uname().release, vmstat=vmstat(), workload_mib=mib, peers="")
         return nbdkit_baseline(mib, int(cgroup) if cgroup else None)
+    if os.environ.get("DUVM_RDMA"):  # Soft-RoCE on the guest's NIC, before any memserver
+        link = subprocess.run(
+            ["rdma", "link", "add", "rxe0", "type", "rxe", "netdev", "eth0"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        emit("rdma_link", rc=link.returncode, out=link.stdout + link.stderr)
     peers = os.environ.get("DUVM_PEERS") or start_local_memservers(
         int(os.environ["DUVM_LOCAL_MEMSERVERS"]), os.environ["DUVM_CAPACITY"]
     )

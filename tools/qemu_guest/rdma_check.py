@@ -188,6 +188,62 @@ def run_check(
             shutil.rmtree(work, ignore_errors=True)
 
 
+def run_swap(
+    *,
+    python: str = sys.executable,
+    mem_mib: int = 768,
+    workload_mib: int = 96,
+    cgroup_mib: int | None = 48,
+    swap_size: str = "192M",
+    capacity: str = "192M",
+    kill_memserver_at: int | None = None,
+    timeout_s: float = 600,
+    workdir: Path | None = None,
+) -> boot.GuestRun:
+    """Kernel-nbd swap over duvm's RDMA transport: `guest_check.py` (the kernel-nbd guest's
+    script) with DUVM_RDMA, so two memservers run in the guest on its eth0 address with
+    `--rdma on` and a cluster secret made here, and `duvm enable --peers rdma://...,rdma://...
+    --size ... --secret-file F` runs with the defaults (two copies, pages encrypted). The
+    workload fills `workload_mib` MiB in a memory cgroup of `cgroup_mib` (None: none, it
+    outgrows the guest) and verifies every byte; with `kill_memserver_at` the guest SIGKILLs
+    the second memserver when the fill reaches that percentage."""
+    own_tmp = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="duvm-rdma-swap-")) if workdir is None else workdir
+    try:
+        secret = work / "cluster.secret"  # the guest sees it at the same path (9p)
+        subprocess.run(
+            [python, "-m", "duvm.cli", "secret", "generate", str(secret)],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        env = {
+            "DUVM_RDMA": "1",
+            "DUVM_PEERS": "",
+            "DUVM_LOCAL_MEMSERVERS": "2",
+            "DUVM_CAPACITY": capacity,
+            "DUVM_SIZE": swap_size,
+            "DUVM_MIB": str(workload_mib),
+            "DUVM_CGROUP_MIB": "" if cgroup_mib is None else str(cgroup_mib),
+            "DUVM_SECRET_FILE": str(secret),
+            "DUVM_HUNG_TASK_S": "30",
+            "DUVM_KILL_LOCAL_MEMSERVER_AT_PCT": ""
+            if kill_memserver_at is None
+            else str(kill_memserver_at),
+        }
+        return run_check(
+            python=python,
+            mem_mib=mem_mib,
+            timeout_s=timeout_s,
+            workdir=work,
+            script=boot.GUEST_SCRIPT,
+            env=env,
+        )
+    finally:
+        if own_tmp:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def summary(run: boot.GuestRun) -> dict[str, Any]:
     """What was measured, for people and for the test."""
     ev = run.events

@@ -20,6 +20,7 @@ a `MemClient` per namespace connects with ``transport="rdma"``. Steps, each one 
 - ``fallback``: ``transport="auto"`` against a third memserver started with ``--rdma off``
   moves its pages by TCP and says why.
 - ``cpu``: the daemon-side CPU per 4 KiB request over RDMA and over TCP, same guest.
+- ``doctor``: `duvm doctor` with an ``rdma://`` peer that listens and one that does not.
 """
 
 from __future__ import annotations
@@ -243,6 +244,14 @@ async def cpu() -> dict[str, Any]:
     return out
 
 
+def doctor() -> dict[str, Any]:
+    """`duvm doctor` naming one memserver with an RDMA listener and one without."""
+    peers = f"rdma://{IP}:{PORTS[0]},rdma://{IP}:{TCP_ONLY_PORT}"
+    res = run(sys.executable, "-m", "duvm.cli", "doctor", "--peers", peers, "--secret-file", SECRET)
+    lines = [line for line in res["out"].splitlines() if " rdma" in line or "memlock" in line]
+    return {"rc": res["rc"], "rdma_lines": lines}
+
+
 async def checks() -> None:
     r = await roundtrip()
     a, data, keys = r.pop("_client"), r.pop("_data"), r.pop("_keys")
@@ -252,6 +261,7 @@ async def checks() -> None:
     emit("ticket", **await ticket())
     emit("fallback", **await fallback())
     emit("cpu", **await cpu())
+    emit("doctor", **doctor())
 
 
 def main() -> int:

@@ -168,6 +168,7 @@ def test_memserver_and_daemon_endpoints_scrape_cleanly(tmp_path: Path, procs):
         assert one(d, "duvm_daemon_peer_up", peer=peer) == 1
         assert one(d, "duvm_daemon_peer_pages", peer=peer) == 128 - 16
         assert one(d, "duvm_daemon_peer_reserved_pages", peer=peer) == 1024
+        assert one(d, "duvm_daemon_peer_transport", peer=peer, transport="tcp") == 1
     assert one(d, "duvm_daemon_failovers_total") == 0
     assert one(d, "duvm_daemon_repairs_total") == 0
     for op in ("read", "write", "trim"):

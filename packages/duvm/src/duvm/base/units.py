@@ -51,6 +51,25 @@ def parse_hostport(
     return host, int(port_text)
 
 
+TRANSPORTS = ("tcp", "rdma", "auto")
+
+
+def parse_peer(text: str, default_port: int | None = None) -> tuple[str, int, str]:
+    """A memserver address, '[tcp|rdma|auto://]HOST:PORT' -> (host, port, transport).
+
+    No scheme is TCP. "rdma" moves pages by RDMA or not at all; "auto" by RDMA when both ends
+    can, else by TCP (saying why)."""
+    transport, sep, rest = text.strip().partition("://")
+    if not sep:
+        transport, rest = "tcp", text
+    elif transport.lower() not in TRANSPORTS:
+        raise ValueError(
+            f"bad peer {text!r}: unknown transport {transport!r} (use {', '.join(TRANSPORTS)})"
+        )
+    host, port = parse_hostport(rest, default_port)
+    return host, port, transport.lower()
+
+
 def parse_listen(text: str) -> tuple[str, int]:
     """HOST:PORT to listen on; unlike a peer address, port 0 (pick a free one) is allowed."""
     return parse_hostport(text, allow_zero=True)

@@ -34,6 +34,7 @@ from types import ModuleType
 from typing import Any
 
 from duvm.memserver.pagestore import Namespace, PageStore, Refused
+from duvm.rdma.verbs import PROBE_TICKET
 from duvm.wire import pageproto as pp
 from duvm.wire.pageproto import PAGE_SIZE
 
@@ -69,7 +70,7 @@ class RdmaService:
         self._arena_address = store.arena.address
         self._tickets: dict[bytes, tuple[object, Namespace, float]] = {}
         self._sessions: dict[object, Session] = {}  # by owner (its TCP connection)
-        self.counters = {"rdma_accepted": 0, "rdma_rejected": 0, "rdma_failed": 0}
+        self.counters = {"rdma_accepted": 0, "rdma_rejected": 0, "rdma_failed": 0, "rdma_probes": 0}
 
     def start(self, host: str, port: int) -> None:
         """Listen on `host`:`port` with rdma-cm. Raises OSError (VerbsError) when it cannot."""
@@ -222,6 +223,11 @@ class RdmaService:
 
     def _on_connect_request(self, cm: Any, data: bytes) -> None:
         ticket = bytes(data[: pp.NONCE_SIZE])
+        if ticket == PROBE_TICKET:  # `duvm doctor` asking whether we listen: no, politely
+            self.counters["rdma_probes"] += 1
+            cm.reject()
+            cm.close()
+            return
         found = self._tickets.pop(ticket, None)
         owner, ns, until = found if found is not None else (None, None, 0.0)
         why = ""

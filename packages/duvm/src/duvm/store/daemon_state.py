@@ -360,6 +360,7 @@ async def open_store(
     export_name: str = "",
     repair: bool = True,
     security: PeerSecurity | None = None,
+    transports: list[str] | None = None,
 ) -> tuple[BlockStore, Persisted]:
     """The daemon's store on persisted state in `state_dir`.
 
@@ -413,6 +414,7 @@ async def open_store(
             tables=tables.tables,
             repair=repair,
             security=security,
+            transports=transports,
         )
         for c in store.clients:
             c.token = token  # the same owner across restarts (memserver namespace isolation)

@@ -276,6 +276,11 @@ class MemClient:
         return reply
 
     @property
+    def rdma_device(self) -> str | None:
+        """The verbs device of the RDMA connection (None without one)."""
+        return self._rdma.device if self._rdma is not None else None
+
+    @property
     def transport_in_use(self) -> str | None:
         """ "rdma" or "tcp" while connected, else None."""
         if not self.connected:

@@ -137,6 +137,10 @@ class RemoteHealth:
                     "consecutive_failures": c.failures,
                     "breaker_trips": c.breaker_trips,
                     "namespace_losses": c.namespace_losses,
+                    "transport": c.transport,  # asked for: tcp, rdma or auto
+                    "transport_in_use": c.transport_in_use,  # rdma or tcp; None unconnected
+                    "rdma_device": c.rdma_device,
+                    "rdma_error": c.rdma_error,
                     "slabs": per_peer[i],
                     "reserved_pages": r.reserved[i],
                     "pages": pages[i],

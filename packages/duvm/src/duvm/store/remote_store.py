@@ -101,6 +101,7 @@ class RemoteStore(BlockStore):
         seed: int | None = None,
         tables: tuple[Any, Any] | None = None,
         security: PeerSecurity | None = None,
+        transports: list[str] | None = None,
     ) -> None:
         if size <= 0 or size & _MASK:
             raise ValueError(f"size must be a positive multiple of {PAGE_SIZE}, not {size}")
@@ -109,6 +110,9 @@ class RemoteStore(BlockStore):
         peers = normalize_peers(peers)
         if slab_pages < 1:
             raise ValueError("slab_pages must be positive")
+        transports = transports or ["tcp"] * len(peers)
+        if len(transports) != len(peers):
+            raise ValueError("one transport per peer")
         if not 1 <= replicas <= len(peers):
             raise ValueError(f"replicas must be 1..{len(peers)} (the number of peers)")
         self.size = size
@@ -122,8 +126,10 @@ class RemoteStore(BlockStore):
                 connect_timeout=connect_timeout,
                 security=security,
                 batching=self.batching,
+                transport=t,
+                chunk_pages=slab_pages,  # an RDMA chunk is a slab: one region run per slab
             )
-            for h, p in peers
+            for (h, p), t in zip(peers, transports, strict=True)
         ]
         self.table = slab_table_type()(size // PAGE_SIZE, slab_pages, self.clients, tables)
         self.replication = Replication(self.table, self.clients, replicas, random.Random(seed))

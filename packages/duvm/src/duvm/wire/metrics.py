@@ -417,6 +417,11 @@ class DaemonCollector(Collector):
             "trips": CounterMetricFamily(
                 "duvm_daemon_peer_breaker_trips", "Times the breaker opened", labels=["peer"]
             ),
+            "transport": GaugeMetricFamily(
+                "duvm_daemon_peer_transport",
+                "1 for the transport the memserver's pages move by now (tcp or rdma)",
+                labels=["peer", "transport"],
+            ),
         }
         for p in peers:
             lbl = [str(p.get("peer"))]
@@ -431,6 +436,8 @@ class DaemonCollector(Collector):
             for key, fam_key in (("connected", "up"), ("circuit_open", "circuit")):
                 if p.get(key) is not None:
                     fams[fam_key].add_metric(lbl, 1 if p[key] else 0)
+            if p.get("transport_in_use") is not None:
+                fams["transport"].add_metric([*lbl, str(p["transport_in_use"])], 1)
         yield from fams.values()
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from duvm.base import accel, pressure, quietlog
-from duvm.base.units import is_loopback, parse_hostport, parse_listen, parse_size
+from duvm.base.units import is_loopback, parse_listen, parse_peer, parse_size
 from duvm.store import daemon_state, memclient
 from duvm.store.placement import default_replicas
 from duvm.store.storage import BlockStore, StorageError
@@ -45,7 +45,10 @@ class DaemonError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--peers", metavar="HOST:PORT,...", help="memservers holding the pages (comma-separated)"
+        "--peers",
+        metavar="[rdma://|auto://]HOST:PORT,...",
+        help="memservers holding the pages (comma-separated); rdma:// moves a peer's pages by "
+        "RDMA, auto:// by RDMA when both ends can (else TCP, saying why), none by TCP",
     )
     parser.add_argument(
         "--size",
@@ -191,6 +194,7 @@ class Settings:
 
     size: int
     peers: list[tuple[str, int]]
+    transports: list[str]  # each peer's: tcp, rdma or auto (base.units.parse_peer)
     tcp: tuple[str, int] | None
     replicas: int
     client_id: str
@@ -202,7 +206,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     size = parse_size(args.size)
     if size <= 0 or size % PAGE_SIZE:
         raise ValueError(f"--size must be a positive multiple of {PAGE_SIZE} bytes")
-    peers = [parse_hostport(p) for p in (args.peers or "").split(",") if p.strip()]
+    parsed = [parse_peer(p) for p in (args.peers or "").split(",") if p.strip()]
+    peers = [(h, p) for h, p, _ in parsed]
     if not peers and not args.memory:
         raise ValueError("--peers is required (or --memory for a local in-RAM store)")
     tcp = parse_listen(args.tcp) if args.tcp else None
@@ -220,6 +225,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
         size=size,
         peers=peers,
+        transports=[t for _, _, t in parsed],
         tcp=tcp,
         replicas=replicas,
         client_id=args.client_id or f"{socket.gethostname()}:{os.path.abspath(args.socket)}",
@@ -278,6 +284,7 @@ async def open_store(
                 resume=args.resume,
                 export_name=args.export_name,
                 security=cfg.security,
+                transports=cfg.transports,
             )
         except (StorageError, ValueError, daemon_state.StateError) as e:
             raise DaemonError(getattr(e, "reason", None) or str(e)) from None
@@ -285,7 +292,12 @@ async def open_store(
             raise DaemonError(f"cannot keep state in {args.state_dir}: {e}") from None
     try:
         store = await RemoteStore.open(
-            cfg.peers, cfg.size, cfg.client_id, replicas=cfg.replicas, security=cfg.security
+            cfg.peers,
+            cfg.size,
+            cfg.client_id,
+            replicas=cfg.replicas,
+            security=cfg.security,
+            transports=cfg.transports,
         )
     except (StorageError, ValueError) as e:  # unreachable peer, pool full: one clear line
         raise DaemonError(getattr(e, "reason", None) or str(e)) from None

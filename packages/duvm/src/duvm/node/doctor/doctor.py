@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from duvm.node.attach import attach_state
-from duvm.node.doctor import doctor_cluster, doctor_host
+from duvm.node.doctor import doctor_cluster, doctor_host, doctor_rdma
 from duvm.node.doctor.doctor_check import (
     FAIL,
     OK,
@@ -86,6 +86,7 @@ def run_checks(opts: Options, probe: doctor_host.Probe | None = None) -> list[Ch
         doctor_cluster.check_secret(doctor_cluster.secret_path(opts)),
         peer_auth[1],
         doctor_cluster.check_peers(opts.peers, opts.peer_timeout, peer_auth[0]),
+        *doctor_rdma.check_rdma(opts),
         doctor_host.check_uvloop(),
         doctor_host.check_request_path(),
     ]

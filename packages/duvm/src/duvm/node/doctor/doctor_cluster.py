@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from duvm.base.units import parse_hostport
+from duvm.base.units import parse_peer
 from duvm.node.doctor.doctor_check import FAIL, OK, SKIP, WARN, Check, Options, verdict
 from duvm.node.lifecycle import control
 from duvm.wire import auth
@@ -48,7 +48,7 @@ def check_peer_auth(opts: Options) -> tuple[auth.PeerSecurity | None, Check]:
     if not opts.peers:
         return None, Check("peer-auth", SKIP, True, "no peers given")
     try:
-        addrs = [parse_hostport(p, control.MEMSERVER_PORT) for p in opts.peers]
+        addrs = [parse_peer(p, control.MEMSERVER_PORT)[:2] for p in opts.peers]
         ns = daemon_security(opts)
         security = auth.client_security_from_args(ns, addrs)
     except (ValueError, OSError, auth.SecretError) as exc:
@@ -97,7 +97,7 @@ def check_peers(
     problems, good, addrs = [], [], {}
     for p in peers:
         try:
-            addrs[p] = parse_hostport(p, control.MEMSERVER_PORT)
+            addrs[p] = parse_peer(p, control.MEMSERVER_PORT)[:2]
         except ValueError as exc:
             problems.append(f"{p}: {exc}")
     # Connect to all peers at once, so N dead peers cost one timeout, not N.

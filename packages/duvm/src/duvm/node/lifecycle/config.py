@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duvm.base.units import parse_hostport, parse_listen, parse_size
+from duvm.base.units import parse_listen, parse_peer, parse_size
 from duvm.node.attach import attach_state
 from duvm.store.placement import default_replicas
 
@@ -125,7 +125,7 @@ class Config:
             )
         for p in self.peers:
             try:
-                parse_hostport(p, MEMSERVER_PORT)
+                parse_peer(p, MEMSERVER_PORT)
             except ValueError as exc:
                 raise ControlError(f"bad peer address: {exc}") from exc
         if self.size < 1 << 20 or self.size % 4096:
@@ -302,7 +302,7 @@ def load_config(path: Path) -> Config:
     peers = r.strings("peers", comma=True)
     for p in peers:
         try:
-            parse_hostport(p, MEMSERVER_PORT)
+            parse_peer(p, MEMSERVER_PORT)
         except ValueError as exc:
             raise ControlError(f"config {path}: bad peer address: {exc}") from None
     own = [p for p in peers if node is not None and is_own_memserver(p, node.listen)]
@@ -363,7 +363,7 @@ def _is_local_ip(ip: str) -> bool:
 def is_own_memserver(peer: str, listen: str) -> bool:
     """Whether `peer` reaches the memserver this node runs on `listen` (no DNS lookups)."""
     try:
-        phost, pport = parse_hostport(peer, MEMSERVER_PORT)
+        phost, pport, _ = parse_peer(peer, MEMSERVER_PORT)
         lhost, lport = parse_listen(listen)
     except ValueError:
         return False

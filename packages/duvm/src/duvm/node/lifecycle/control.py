@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from duvm.base import pressure, ramfs
-from duvm.base.units import parse_hostport
+from duvm.base.units import parse_peer
 from duvm.node.attach import attach, attach_state, kernel_swap, processes, systools
 from duvm.node.lifecycle import supervisor_process
 
@@ -297,7 +297,7 @@ def peer_security(daemon_args: list[str], peers: list[str]) -> Any:
     parser = argparse.ArgumentParser(add_help=False)
     auth.add_client_arguments(parser)
     ns, _ = parser.parse_known_args(daemon_args)
-    return auth.client_security_from_args(ns, [parse_hostport(p, MEMSERVER_PORT) for p in peers])
+    return auth.client_security_from_args(ns, [parse_peer(p, MEMSERVER_PORT)[:2] for p in peers])
 
 
 async def _peer_status(
@@ -305,7 +305,7 @@ async def _peer_status(
 ) -> dict[str, Any]:
     from duvm.store.memserver_status import query_status  # the page protocol is only needed here
 
-    host, port = parse_hostport(peer, MEMSERVER_PORT)
+    host, port, _ = parse_peer(peer, MEMSERVER_PORT)
     try:
         st = await query_status(host, port, timeout=timeout, security=security)
     except Exception as exc:  # unreachable, refused, or a peer that speaks something else
@@ -421,6 +421,7 @@ def status(
     if security_error:
         for p in peer_list:
             p["error"] = f"{p['error']} ({security_error})" if p["error"] else security_error
+    _add_transports(peer_list, (report.get("store") or {}).get("peers") or [])
     return {
         "enabled": att is not None and entry is not None,
         "state_dir": str(state_dir),
@@ -460,6 +461,29 @@ def status(
         "peers": peer_list,
         "node": node_status(node_socket),
     }
+
+
+def _add_transports(peer_list: list[dict[str, Any]], daemon_peers: list[Any]) -> None:
+    """Each peer's transport as the daemon reports it (None where the daemon does not say)."""
+    by_addr = {p.get("peer"): p for p in daemon_peers if isinstance(p, dict)}
+    for p in peer_list:
+        host, port, asked = parse_peer(p["peer"], MEMSERVER_PORT)
+        d = by_addr.get(f"{host}:{port}", {})
+        p["transport"] = {
+            "asked": asked,
+            "in_use": d.get("transport_in_use"),
+            "rdma_device": d.get("rdma_device"),
+            "rdma_error": d.get("rdma_error"),
+        }
+
+
+def _transport_text(t: dict[str, Any] | None) -> str:
+    if not t or t.get("in_use") is None:
+        return ""
+    if t["in_use"] == "rdma":
+        return f", by RDMA ({t.get('rdma_device')})"
+    why = f" (RDMA: {t['rdma_error']})" if t.get("asked") != "tcp" and t.get("rdma_error") else ""
+    return f", by TCP{why}"
 
 
 def format_status(st: dict[str, Any]) -> str:
@@ -513,7 +537,8 @@ def format_status(st: dict[str, Any]) -> str:
 
         extra = f" ({p['error']})" if p["error"] else ""
         lines.append(
-            f"peer {p['peer']}: {p['health']}, ours {n(p['our_pages'])} pages "
+            f"peer {p['peer']}: {p['health']}{_transport_text(p.get('transport'))}, "
+            f"ours {n(p['our_pages'])} pages "
             f"({n(p['our_reserved_pages'])} reserved), all clients "
             f"{n(p['pages'])} of {n(p['capacity_pages'])}{extra}"
         )
