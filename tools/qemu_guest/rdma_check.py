@@ -196,17 +196,23 @@ def run_swap(
     cgroup_mib: int | None = 48,
     swap_size: str = "192M",
     capacity: str = "192M",
+    memservers: int = 2,
+    order: str = "sequential",
+    chunk_kib: int = 1024,
     kill_memserver_at: int | None = None,
+    kill_daemon_at: int | None = None,
     timeout_s: float = 600,
     workdir: Path | None = None,
 ) -> boot.GuestRun:
     """Kernel-nbd swap over duvm's RDMA transport: `guest_check.py` (the kernel-nbd guest's
     script) with DUVM_RDMA, so two memservers run in the guest on its eth0 address with
     `--rdma on` and a cluster secret made here, and `duvm enable --peers rdma://...,rdma://...
-    --size ... --secret-file F` runs with the defaults (two copies, pages encrypted). The
-    workload fills `workload_mib` MiB in a memory cgroup of `cgroup_mib` (None: none, it
-    outgrows the guest) and verifies every byte; with `kill_memserver_at` the guest SIGKILLs
-    the second memserver when the fill reaches that percentage."""
+    --size ... --secret-file F` runs with the defaults (two copies, pages encrypted; one with
+    `memservers=1`). The workload fills `workload_mib` MiB in a memory cgroup of `cgroup_mib`
+    (None: none, it outgrows the guest), touching chunks of `chunk_kib` in `order`, and
+    verifies every byte; with `kill_memserver_at` the guest SIGKILLs
+    the second memserver when the fill reaches that percentage, with `kill_daemon_at` the
+    daemon (its supervisor must resume it onto the live device, over RDMA again)."""
     own_tmp = workdir is None
     work = Path(tempfile.mkdtemp(prefix="duvm-rdma-swap-")) if workdir is None else workdir
     try:
@@ -220,7 +226,9 @@ def run_swap(
         env = {
             "DUVM_RDMA": "1",
             "DUVM_PEERS": "",
-            "DUVM_LOCAL_MEMSERVERS": "2",
+            "DUVM_LOCAL_MEMSERVERS": str(memservers),
+            "DUVM_ORDER": order,
+            "DUVM_CHUNK_KIB": str(chunk_kib),
             "DUVM_CAPACITY": capacity,
             "DUVM_SIZE": swap_size,
             "DUVM_MIB": str(workload_mib),
@@ -230,6 +238,7 @@ def run_swap(
             "DUVM_KILL_LOCAL_MEMSERVER_AT_PCT": ""
             if kill_memserver_at is None
             else str(kill_memserver_at),
+            "DUVM_KILL_AT_PCT": "" if kill_daemon_at is None else str(kill_daemon_at),
         }
         return run_check(
             python=python,

@@ -193,7 +193,8 @@ async def ticket() -> dict[str, Any]:
     v = verbs.load()
     fake = pp.RdmaOpenReply(0, PORTS[1], 1, os.urandom(32))
     try:
-        link = await rdma_link.open_link(v, IP, fake, 256, "forger", lambda why: None)
+        staging = rdma_link.new_staging(v, 16)
+        link = await rdma_link.open_link(v, IP, fake, 256, "forger", None, staging)
     except rdma_link.LinkError as e:
         return {"forged_ticket": f"refused: {e}"}
     link.close()

@@ -7,7 +7,9 @@ chunks sequentially or in random order and verifying every byte. With ``kill`` i
 set-up there are two memservers (two copies of each page) and the last one is SIGKILLed when
 the fill reaches half-way; with ``stop`` the only memserver is SIGSTOPped there and continued
 20 s later (every request waits on the last replica, D36). A watchdog ends a run as hung
-when no page moved (and the guest script said nothing) for `--stall` seconds.
+when no page moved (and the guest script said nothing) for `--stall` seconds. With ``rdma``
+the memservers run in the guest on Soft-RoCE and pages move by RDMA (``rdma_check.run_swap``;
+the guest gets their arenas on top of its RAM; no watchdog: a hang ends at the deadline).
 
 Every run ends as one of:
 
@@ -59,11 +61,12 @@ class Setup:
     order: str  # sequential | random
     kill: bool = False  # two memservers, the last SIGKILLed half-way through the fill
     stop: bool = False  # one memserver, SIGSTOPped half-way through the fill for 20 s
+    rdma: bool = False  # memservers in the guest, pages over RDMA (Soft-RoCE), not on the host
 
     @property
     def name(self) -> str:
         event = ":kill" if self.kill else ":stop" if self.stop else ""
-        return f"{self.mem_mib}:{self.pct}:{self.order}{event}"
+        return f"{self.mem_mib}:{self.pct}:{self.order}{event}{':rdma' if self.rdma else ''}"
 
     @property
     def workload_mib(self) -> int:
@@ -86,16 +89,39 @@ class Setup:
             "chunk_kib": 1024 if self.order == "sequential" else 64,
         }
 
+    def rdma_kwargs(self) -> dict[str, Any]:
+        """`rdma_check.run_swap` arguments: the memservers live in the guest, so it gets their
+        arenas on top of `mem_mib` (its programs keep about the RAM of the host-memserver
+        set-up) and the workload stays a percentage of `mem_mib`."""
+        swap_mib = max(256, 2 * self.mem_mib)
+        memservers = 2 if self.kill else 1
+        return {
+            "mem_mib": self.mem_mib + memservers * swap_mib + 96,
+            "workload_mib": self.workload_mib,
+            "cgroup_mib": None,
+            "swap_size": f"{swap_mib}M",
+            "capacity": f"{swap_mib}M",
+            "memservers": memservers,
+            "kill_memserver_at": 50 if self.kill else None,
+            "order": self.order,
+            "chunk_kib": 1024 if self.order == "sequential" else 64,
+        }
+
     @classmethod
     def parse(cls, text: str) -> Setup:
         parts = text.split(":")
+        rdma = parts[-1:] == ["rdma"]
+        if rdma:
+            parts = parts[:-1]
         if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in ("kill", "stop")):
-            raise ValueError(f"a set-up is MEM:PCT:ORDER[:kill|:stop], not {text!r}")
+            raise ValueError(f"a set-up is MEM:PCT:ORDER[:kill|:stop][:rdma], not {text!r}")
         order = parts[2]
         if order not in ("sequential", "random"):
             raise ValueError(f"order must be sequential or random, not {order!r}")
         event = parts[3] if len(parts) == 4 else ""
-        return cls(int(parts[0]), int(parts[1]), order, event == "kill", event == "stop")
+        if rdma and event == "stop":
+            raise ValueError("a set-up over RDMA cannot stop its memserver (it runs in the guest)")
+        return cls(int(parts[0]), int(parts[1]), order, event == "kill", event == "stop", rdma)
 
 
 def default_matrix() -> list[Setup]:
@@ -171,15 +197,22 @@ def run_one(
     work = out / f"{setup.name.replace(':', '-')}-{time.strftime('%H%M%S')}"
     work.mkdir(parents=True)
     started = time.time()
-    run = boot.run_guest(
-        **setup.guest_kwargs(),
-        daemon_args=daemon_args,
-        stall_s=stall_s,
-        timeout_s=timeout_s,
-        workdir=work,
-        sysctl=sysctl,
-        method=method,
-    )
+    if setup.rdma:  # no watchdog there: a hang ends at the deadline
+        import rdma_check  # sibling module
+
+        run = rdma_check.run_swap(**setup.rdma_kwargs(), timeout_s=timeout_s, workdir=work)
+        killed = run.events.get("memserver_killed")
+        run.memserver_killed_at = killed["t"] if killed else None
+    else:
+        run = boot.run_guest(
+            **setup.guest_kwargs(),
+            daemon_args=daemon_args,
+            stall_s=stall_s,
+            timeout_s=timeout_s,
+            workdir=work,
+            sysctl=sysctl,
+            method=method,
+        )
     outcome, reason = classify(run)
     facts = boot.summary(run)
     return {
@@ -209,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         action="append",
-        metavar="MEM:PCT:ORDER[:kill|:stop]",
-        help="run only these set-ups (repeatable), e.g. 384:110:random:kill, 384:95:random:stop",
+        metavar="MEM:PCT:ORDER[:kill|:stop][:rdma]",
+        help="run only these set-ups (repeatable), e.g. 384:110:random:kill, 384:95:random:stop; "
+        ":rdma runs the memservers in the guest and moves pages over Soft-RoCE (rdma_check.py)",
     )
     p.add_argument("--repeat", type=int, default=1, help="run the whole list N times")
     p.add_argument(

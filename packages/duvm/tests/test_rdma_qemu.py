@@ -279,21 +279,30 @@ def _require_verbs_build() -> None:
 @pytest.mark.slow
 @pytest.mark.root
 @pytest.mark.timeout(600 + 120)
-def test_kernel_nbd_swap_over_rdma_keeps_every_page_with_a_memserver_killed() -> None:
+def test_kernel_nbd_swap_over_rdma_survives_a_killed_daemon_and_a_killed_memserver() -> None:
     """The deployed configuration over rxe0 in the guest: `duvm enable --peers
     rdma://A,rdma://B --size 192M --secret-file F` (two copies, pages encrypted), kernel nbd,
     under whole-node memory pressure (a 220 MiB workload in no cgroup, with about 140 MiB
     available beside the two memservers' locked arenas), verified byte for byte, with the
-    second memserver SIGKILLed half-way through the fill. Catches pages lost or corrupted on
-    the RDMA path (seen failing with writes planted one page off), a replica whose broken RDMA
-    connection is not dropped like a broken TCP one (the workload would stall or fail), and a
-    daemon that silently used TCP (the status names the transport)."""
+    daemon SIGKILLed at a quarter of the fill (its supervisor resumes it onto the live device,
+    over RDMA again: the namespaces, their chunks and their pages outlive the dead daemon's
+    queue pairs for the lease) and the second memserver SIGKILLed at 60 %. Catches pages lost
+    or corrupted on the RDMA path (seen failing with writes planted one page off), a replica
+    whose broken RDMA connection is not dropped like a broken TCP one (the workload would stall
+    or fail), a daemon that cannot come back over RDMA, and a daemon that silently used TCP
+    (the status names the transport)."""
     check = _load_check()
     if why := check.problems():
         pytest.skip("cannot run the RDMA guest: " + "; ".join(why))
     _require_verbs_build()
     try:
-        run = check.run_swap(workload_mib=220, cgroup_mib=None, kill_memserver_at=50, timeout_s=600)
+        run = check.run_swap(
+            workload_mib=220,
+            cgroup_mib=None,
+            kill_daemon_at=25,
+            kill_memserver_at=60,
+            timeout_s=600,
+        )
     except check.boot.GuestUnavailable as exc:
         pytest.skip(f"cannot boot the RDMA guest: {exc}")
     ev, tail = run.events, run.console_tail()
@@ -302,7 +311,10 @@ def test_kernel_nbd_swap_over_rdma_keeps_every_page_with_a_memserver_killed() ->
     assert ev["enable"]["rc"] == 0, ev["enable"]
     assert "2 copies of each page" in ev["enable"]["stdout"], ev["enable"]
     assert "memserver_killed" in ev, tail
-    peers = ev["filled"]["status"]["replication"]["peers"]
+    res = ev["resumed"]
+    assert res["new_pid"] is not None and res["new_pid"] != ev["killed"]["pid"], res
+    assert f"resumed: daemon pid {res['new_pid']} serves /dev/nbd0" in res["supervisor_log"]
+    peers = ev["filled"]["status"]["replication"]["peers"]  # the resumed daemon's
     assert peers[0]["transport_in_use"] == "rdma" and peers[0]["rdma_device"] == "rxe0", peers
     assert peers[1]["connected"] is False, peers  # the killed one, dropped
     work = ev["workload"]

@@ -12,9 +12,13 @@ Theory of operation
   `register(addr, length, remote)` returns a `Region` (lkey, rkey). A queue pair can only touch
   regions of its own domain: the memserver gives each client its own domain, so one client's
   rkeys are refused on another's queue pair by the NIC itself.
-- `Queue` is the daemon's side of one queue pair: a registered staging buffer of page slots,
-  `post(write, keys, data_or_out, cb, map)` copies and posts a chain of work requests (one per
-  run of consecutive keys in one chunk), `poll()` completes them (`cb(None)` or `cb(error)`).
+- `Staging` is the daemon's buffer of page slots for one memserver, mapped, populated and locked
+  once, before swap needs it: a reconnect registers the same memory again instead of
+  allocating under memory pressure.
+- `Queue` is the daemon's side of one queue pair: its `Staging` registered in the queue pair's
+  domain, `post(write, keys, data_or_out, cb, map)` copies and posts a chain of work requests
+  (one per run of consecutive keys in one chunk), `poll()` completes them (`cb(None)`, or the
+  failure's status for `fail_all`).
 
 Nothing here blocks: connection steps are driven by events, completions by the completion
 channel's fd. Every pointer is owned by exactly one object and freed in its `close()`.
@@ -536,17 +540,42 @@ cdef class _Request:
     cdef int npages
 
 
+cdef class Staging:
+    """`slots` pages of memory for RDMA transfers: mapped, populated and locked (when the
+    process may) once, and kept across connections (each registers it in its own domain)."""
+
+    cdef char *buf
+    cdef readonly size_t nbytes
+    cdef readonly int slots
+    cdef readonly bint locked
+
+    def __cinit__(self, int slots):
+        self.slots = slots
+        self.nbytes = <size_t>slots * PAGE
+        self.buf = <char *>mmap(NULL, self.nbytes, PROT_READ | PROT_WRITE,
+                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0)
+        if <void *>self.buf == MAP_FAILED:
+            self.buf = NULL
+            _fail("mmap of the staging buffer")
+        self.locked = mlock(self.buf, self.nbytes) == 0
+
+    def __dealloc__(self):
+        if self.buf != NULL:
+            munmap(self.buf, self.nbytes)
+
+
 cdef class Queue:
     """The daemon's one-sided requests on one connected queue pair.
 
-    A staging buffer of `slots` pages, mapped, locked when it may be, registered for local
-    access, carries every request's bytes: a STORE is copied in and RDMA-written out, a LOAD
-    is RDMA-read in and copied out at completion. Remote addresses come from `chunks`
-    (chunk index -> (remote address, rkey)), each chunk `chunk_pages` consecutive keys.
+    Its `Staging`, registered for local access in the queue pair's domain, carries every
+    request's bytes: a STORE is copied in and RDMA-written out, a LOAD is RDMA-read in and
+    copied out at completion. Remote addresses come from `chunks` (chunk index -> (remote
+    address, rkey)), each chunk `chunk_pages` consecutive keys.
     """
 
     cdef CmId cm
     cdef Domain dom
+    cdef Staging mem  # kept alive as long as the queue (the NIC may use it until then)
     cdef Region staging
     cdef char *buf
     cdef size_t nbytes
@@ -556,34 +585,27 @@ cdef class Queue:
     cdef uint64_t next_id
     cdef readonly int chunk_pages
     cdef readonly int in_flight
-    cdef readonly int locked
     cdef readonly uint64_t posted
     cdef readonly uint64_t completed
     cdef public object missing  # the chunk `post` found unmapped
 
-    def __cinit__(self, CmId cm, int slots, int chunk_pages):
+    def __cinit__(self, CmId cm, Staging mem, int chunk_pages):
         self.cm = cm
         self.dom = cm.domain
+        self.mem = mem
         self.chunk_pages = chunk_pages
-        self.nslots = slots
-        self.nbytes = <size_t>slots * PAGE
-        self.buf = <char *>mmap(NULL, self.nbytes, PROT_READ | PROT_WRITE,
-                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0)
-        if <void *>self.buf == MAP_FAILED:
-            self.buf = NULL
-            _fail("mmap of the staging buffer")
-        self.locked = mlock(self.buf, self.nbytes) == 0
-        self.used = <unsigned char *>malloc(slots)
+        self.nslots = mem.slots
+        self.nbytes = mem.nbytes
+        self.buf = mem.buf
+        self.used = <unsigned char *>malloc(self.nslots)
         if self.used == NULL:
             raise MemoryError()
-        memset(self.used, 0, slots)
+        memset(self.used, 0, self.nslots)
         self.pending = {}
         self.next_id = 1
         self.staging = self.dom.register(<uintptr_t>self.buf, self.nbytes, False)
 
     def __dealloc__(self):
-        if self.buf != NULL:
-            munmap(self.buf, self.nbytes)
         if self.used != NULL:
             free(self.used)
 

@@ -57,7 +57,7 @@ from duvm.store.memclient_send import LOAD as _LOAD
 from duvm.store.memclient_send import STORE as _STORE
 from duvm.store.memclient_send import send_queue_type
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
-from duvm.store.rdma_link import LinkError, RdmaLink, RdmaOwner, open_link
+from duvm.store.rdma_link import LinkError, RdmaLink, RdmaOwner, new_staging, open_link
 from duvm.store.storage import Batching
 from duvm.wire import pageproto as pp
 from duvm.wire.auth import (
@@ -109,6 +109,7 @@ class MemClient:
         self.transport = transport
         self.chunk_pages = chunk_pages  # keys per RDMA chunk: the store's slab
         self._rdma: RdmaLink | None = None
+        self._staging: Any = None  # the RDMA staging buffer, kept across reconnects
         self.rdma_error: str | None = None  # why the last connect did not get RDMA
         self.host, self.port, self.client_id = host, port, client_id
         # shared with the other connections of one store and the NBD server in front of it
@@ -295,6 +296,8 @@ class MemClient:
             why = f"the RDMA transport is not built ({verbs.state()})"
         else:
             try:
+                if self._staging is None:
+                    self._staging = new_staging(v)
                 reply = await self._request(pp.RdmaOpen(0, self.chunk_pages))
                 self._rdma = await open_link(
                     v,
@@ -303,6 +306,7 @@ class MemClient:
                     self.chunk_pages,
                     self.peer,
                     RdmaOwner(self._request, self._tcp_cb, self._tcp_batch, self._rdma_broken),
+                    self._staging,
                 )
             except PageServerError as e:
                 why = f"the memserver refused RDMA: {e}"

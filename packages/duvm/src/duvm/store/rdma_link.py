@@ -6,8 +6,11 @@ Theory of operation
 - `open_link` runs after the TCP handshake (the memserver has proved the cluster secret and
   so has this client): RDMA_OPEN gets a one-time ticket, rdma-cm resolves the memserver's
   address and route, the queue pair is created (its own protection domain, a completion
-  channel, a locked and registered staging buffer) and connects with the ticket as private
-  data. Every step has a deadline; any failure closes what was made and raises `LinkError`.
+  channel, the client's staging buffer registered in it) and connects with the ticket as
+  private data. Every step has a deadline; any failure closes what was made and raises
+  `LinkError`. The staging buffer (`new_staging`) is the memory client's: mapped, populated
+  and locked at its first RDMA connection, before swap runs through it, and registered again
+  by each reconnect, which so allocates no page memory under memory pressure.
 - `post` hands a STORE or LOAD to the compiled queue (`duvm.rdma._verbs.Queue`): one chain of
   work requests per request, the bytes through the staging buffer. A chunk not yet mapped
   (the first write to a slab, or any access after a reconnect: rkeys belong to one queue pair)
@@ -43,6 +46,21 @@ SETUP_TIMEOUT_S = 5.0
 
 class LinkError(Exception):
     """The RDMA connection could not be made; the message says which step and why."""
+
+
+def new_staging(verbs: ModuleType, pages: int = STAGING_PAGES) -> Any:
+    """A memory client's staging buffer (`duvm.rdma._verbs.Staging`), warning when it could
+    not be locked. Raises LinkError when it cannot be mapped."""
+    try:
+        staging = verbs.Staging(pages)
+    except OSError as e:
+        raise LinkError(f"no staging buffer: {e}") from None
+    if not staging.locked:
+        log.warning(
+            "the RDMA staging buffer is not locked in RAM (raise the memlock limit: "
+            "LimitMEMLOCK=infinity, or CAP_IPC_LOCK)"
+        )
+    return staging
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +214,7 @@ async def open_link(
     chunk_pages: int,
     peer: str,
     owner: RdmaOwner,
+    staging: Any,
     timeout: float = SETUP_TIMEOUT_S,
 ) -> RdmaLink:
     """Connect a queue pair to the memserver that answered RDMA_OPEN with `reply`."""
@@ -236,7 +255,7 @@ async def open_link(
             cm.resolve_route(int(timeout * 1000))
             await expect(verbs.ROUTE_RESOLVED, "route resolution")
             cm.create_domain(QUEUE_DEPTH, True)
-            queue = verbs.Queue(cm, STAGING_PAGES, chunk_pages)
+            queue = verbs.Queue(cm, staging, chunk_pages)
             depth = max(1, min(reply.read_depth, cm.max_read_depth()))
             cm.connect(reply.ticket, depth)
             await expect(verbs.ESTABLISHED, "connect")
@@ -248,10 +267,4 @@ async def open_link(
         channel.close()
         raise
     loop.remove_reader(channel.fd)
-    if not queue.locked:
-        log.warning(
-            "memserver %s: the RDMA staging buffer is not locked in RAM (raise the memlock "
-            "limit: LimitMEMLOCK=infinity)",
-            peer,
-        )
     return RdmaLink(verbs, channel, cm, queue, peer, owner)
