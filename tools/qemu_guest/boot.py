@@ -418,13 +418,7 @@ def run_guest(
             raise ValueError(f"network must be 'user' or 'tap', not {network!r}")
         secret: Path | None = None
         if reproduction:
-            secret = work / "cluster.secret"  # the guest sees it at the same path (9p)
-            subprocess.run(
-                [python, "-m", "duvm.cli", "secret", "generate", str(secret)],
-                check=True,
-                capture_output=True,
-                timeout=60,
-            )
+            secret = cluster_secret(python, work)
         if baseline_nbdkit:
             servers.append(start_nbdkit(swap_size, work))
         elif host_memservers:
@@ -596,6 +590,18 @@ def sysrq(monitor: Path, keys: str) -> None:
         for key in "9" + keys:
             s.sendall(f"sendkey alt-sysrq-{key}\n".encode())
             time.sleep(2)
+
+
+def cluster_secret(python: str, work: Path) -> Path:
+    """A new cluster secret in `work` (the guest sees it at the same path, over 9p)."""
+    secret = work / "cluster.secret"
+    subprocess.run(
+        [python, "-m", "duvm.cli", "secret", "generate", str(secret)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return secret
 
 
 def start_qemu(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:

@@ -216,13 +216,7 @@ def run_swap(
     own_tmp = workdir is None
     work = Path(tempfile.mkdtemp(prefix="duvm-rdma-swap-")) if workdir is None else workdir
     try:
-        secret = work / "cluster.secret"  # the guest sees it at the same path (9p)
-        subprocess.run(
-            [python, "-m", "duvm.cli", "secret", "generate", str(secret)],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
+        secret = boot.cluster_secret(python, work)
         env = {
             "DUVM_RDMA": "1",
             "DUVM_PEERS": "",
