@@ -14,13 +14,14 @@ from gputaskman.base.procargs import REDACTED, redact_argv, resolve
 from gputaskman.intel.evidence import (
     CORROBORATING,
     Evidence,
+    ModelEvidence,
     Source,
     api_key_from_argv,
     assess,
     from_procinfo,
     mapped_store_files,
 )
-from gputaskman.intel.procinfo import ModelEvidence, scan_process
+from gputaskman.intel.procinfo import scan_process
 from gputaskman.intel.stores import StoreIndex, StoreRoots
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -1,5 +1,6 @@
 """`frozen.builder`, the snapshot reader's constructor for frozen, slotted dataclasses: the
-object it builds is the one the class builds, for every class the reader builds with it."""
+object it builds is the one the class builds, for every class the reader builds with it; and
+`frozen.fields_of`, the writers' read of a record's fields by name."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import itertools
 
 import pytest
 from gputaskman.base import readings
-from gputaskman.base.frozen import builder
+from gputaskman.base.frozen import builder, fields_of
 from gputaskman.document import doctypes
 from gputaskman.intel.apps import AppModel
 from gputaskman.intel.llm import LlmView, ViewPart
@@ -104,3 +105,12 @@ def test_a_class_the_twin_cannot_stand_for_is_refused(cls: type) -> None:
     document instead of at import (planted: the slots check removed)."""
     with pytest.raises(TypeError):
         builder(cls)
+
+
+def test_fields_of_gives_every_declared_field_in_order() -> None:
+    m = readings.DeviceMetrics.partial(
+        "test", "not published", temperature_c=readings.Reading.measured(61, "test")
+    )
+    got = fields_of(m)
+    assert list(got) == [f.name for f in dataclasses.fields(readings.DeviceMetrics)]
+    assert got["temperature_c"] is m.temperature_c and got["power_w"] is m.power_w

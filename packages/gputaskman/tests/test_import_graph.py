@@ -1,6 +1,7 @@
 """The non-UI modules never import Textual or Rich (checked in a fresh interpreter), and no two
-modules import each other, directly or round a cycle, counting imports inside functions
-(tools/import_graph.py reads the source)."""
+modules import each other, directly or round a cycle, counting imports inside functions and,
+in a second check, those under ``if TYPE_CHECKING:`` (tools/import_graph.py reads the
+source)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,42 @@ def test_no_import_cycles() -> None:
     and its backends, plot and summary, replay and its app were tied)."""
     graph = ig.module_graph(SRC)
     assert "gputaskman.sampling.collector" in graph and "gputaskman.backends.win.backend" in graph
+    assert ig.cycles(graph) == []
+
+
+def _type_checking_imports(src: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports under ``if TYPE_CHECKING:``, which
+    `ig.module_graph` leaves out (they do not run)."""
+    out: dict[str, set[str]] = {}
+    for f in src.rglob("*.py"):
+        parts = f.relative_to(src.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)):
+                continue
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Import):
+                    found |= {a.name for a in sub.names}
+                elif isinstance(sub, ast.ImportFrom) and sub.module and not sub.level:
+                    found |= {sub.module, *(f"{sub.module}.{a.name}" for a in sub.names)}
+        out[name] = found
+    mods = set(out)
+    return {m: {d for d in deps if d in mods and d not in (m, src.name)} for m, deps in out.items()}
+
+
+def test_no_import_cycles_counting_type_checking_imports() -> None:
+    """Catches two modules that reach into each other both ways with one way behind
+    ``if TYPE_CHECKING:`` (issue 32: runtimes and procinfo over ``ModelEvidence``, plot and
+    summary over ``Run``). An import for annotations is still a dependency: a type both need
+    lives below both (``ModelEvidence`` in evidence), or the consumer declares the Protocol
+    it reads (plot's ``ChartRun``). A TYPE_CHECKING import of a module that does not import
+    back (cli's of the collector and the TUI, kept lazy for start-up time) is no cycle."""
+    typing_only = _type_checking_imports(SRC)
+    assert "gputaskman.tui.app" in typing_only["gputaskman.cli"]  # the reader sees them
+    graph = ig.module_graph(SRC)
+    for mod, deps in typing_only.items():
+        graph[mod] |= deps
     assert ig.cycles(graph) == []
 
 

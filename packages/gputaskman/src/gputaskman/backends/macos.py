@@ -459,6 +459,7 @@ class CtypesIOKit:
                 "CFDictionaryGetCount",
                 "CFArrayGetCount",
             ):
+                # ctypes.CDLL attribute lookup: CoreFoundation's function `fn` (cached by name)
                 getattr(cf, fn).restype = ctypes.c_long
             for fn in (
                 "CFGetTypeID",
@@ -468,7 +469,7 @@ class CtypesIOKit:
                 "CFBooleanGetValue",
                 "CFNumberIsFloatType",
             ):
-                getattr(cf, fn).argtypes = (vp,)
+                getattr(cf, fn).argtypes = (vp,)  # ctypes.CDLL lookup, as above
             cf.CFArrayGetValueAtIndex.restype = vp
             cf.CFArrayGetValueAtIndex.argtypes = (vp, ctypes.c_long)
             cf.CFStringGetCString.argtypes = (vp, ctypes.c_char_p, ctypes.c_long, u32)

@@ -345,7 +345,7 @@ class NvmlBackend(GpuSource):
                 continue
             for info in listed or ():
                 pid = int(info.pid)
-                used = getattr(info, "usedGpuMemory", None)
+                used = info.usedGpuMemory  # pynvml makes NVML's "not available" None
                 if used is None or used in (NOT_AVAILABLE_ULL, NOT_AVAILABLE_UINT):
                     r = Reading.missing(
                         Reason.HIDDEN,
@@ -384,19 +384,18 @@ class NvmlBackend(GpuSource):
             ):
                 latest[int(s.pid)] = s
             self._util_ts[bus] = max(self._util_ts.get(bus, 0), int(s.timeStamp))
-        fields = (
-            ("gpu_percent", "smUtil"),
-            ("memory_percent", "memUtil"),
-            ("encoder_percent", "encUtil"),
-            ("decoder_percent", "decUtil"),
-        )
         for pid in pids:
             s = latest.get(pid)
             if s is None:
                 gone = Reading.missing(Reason.UNAVAILABLE, f"nvml:{api}", "no sample this period")
                 out[pid] = _engine_missing(gone)
                 continue
-            out[pid] = {name: _number(getattr(s, attr), api) for name, attr in fields}
+            out[pid] = {
+                "gpu_percent": _number(s.smUtil, api),
+                "memory_percent": _number(s.memUtil, api),
+                "encoder_percent": _number(s.encUtil, api),
+                "decoder_percent": _number(s.decUtil, api),
+            }
         return out
 
 

@@ -49,12 +49,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import subprocess
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, cast
 
 from gputaskman.backends.win import pdh
 from gputaskman.base.readings import Kind, Reading, Reason
@@ -287,8 +288,9 @@ class HostStream:
     def _pump(self) -> None:
         proc = self._proc
         assert proc is not None and proc.stdout is not None
-        # read1: whatever has arrived (up to 64 KiB), so a frame is seen as soon as it ends
-        read = getattr(proc.stdout, "read1", proc.stdout.read)
+        # read1: whatever has arrived (up to 64 KiB), so a frame is seen as soon as it ends;
+        # Popen's default bufsize makes the pipe an io.BufferedReader, which has it
+        read = cast(io.BufferedReader, proc.stdout).read1
         for chunk in iter(lambda: read(65536), b""):
             frames = self.parser.feed(chunk)
             if frames:

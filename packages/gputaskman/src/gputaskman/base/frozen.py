@@ -12,6 +12,11 @@ classes of the same layout. The result is an ordinary instance of `cls`, equal t
 and printing as ``cls(...)`` with the same fields. It skips ``__post_init__``: use it only
 where the caller has already checked what that checks.
 
+`fields_of(obj)` reads a dataclass's fields by name, in declared order: the one place the
+writers that walk a record's fields (report, exporter, diff, summary, the server probe's
+merge) read attributes by name. Every name is a field the class declares, so it reflects
+over the class's own fields and probes nothing.
+
 This module imports only the standard library.
 """
 
@@ -24,12 +29,19 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def fields_of(obj: Any) -> dict[str, Any]:
+    """Each field of the dataclass instance `obj` by name, in declared order."""
+    # each name is a field the class declares: reflection, not probing
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
 def builder(cls: type[T]) -> Callable[..., T]:
     """``build(*fields) -> cls``: see the module docstring. `cls` must be a frozen dataclass
     with ``slots=True`` and no base other than `object`; else `TypeError`."""
     if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
         raise TypeError(f"{cls.__name__} is not a frozen dataclass")
     names = tuple(f.name for f in dataclasses.fields(cls))
+    # a class has __slots__ only when declared with them (the language's data model)
     if cls.__bases__ != (object,) or getattr(cls, "__slots__", None) != names:
         raise TypeError(f"{cls.__name__} is not slotted on its fields alone")
     twin = dataclasses.make_dataclass(

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from gputaskman.base.readings import Reason
 
 PROC = "/proc"
+# os.sysconf: Unix only (the fallbacks are Linux's usual values, for imports on Windows)
 CLOCK_TICKS: int = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PAGE_SIZE: int = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 PF_KTHREAD = 0x00200000  # include/linux/sched.h: "I am a kernel thread"

@@ -114,17 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     # Hidden: read /sys and /proc below DIR instead of the machine's (a fixture tree from
     # `python -m gputaskman.fixtures.drm_fixtures DIR`); NVML is not asked. For demos and tests.
     parser.add_argument("--sysroot", metavar="DIR", help=argparse.SUPPRESS)
-    if SUBCOMMANDS:
-        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-        for name, (module_name, help_text) in SUBCOMMANDS.items():
-            module = importlib.import_module(module_name)
-            p = sub.add_parser(name, help=help_text, description=help_text)
-            module.add_arguments(p)
-            # also after the subcommand; SUPPRESS keeps a --no-color given before it
-            p.add_argument(
-                "--no-color", action="store_true", default=argparse.SUPPRESS, help=NO_COLOR_HELP
-            )
-            p.set_defaults(_module=module)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        # also after the subcommand; SUPPRESS keeps a --no-color given before it
+        p.add_argument(
+            "--no-color", action="store_true", default=argparse.SUPPRESS, help=NO_COLOR_HELP
+        )
+        p.set_defaults(_module=module)
     return parser
 
 
@@ -156,7 +155,7 @@ def _collector(args: argparse.Namespace, scan_budget: float | None) -> Collector
     """The real collector, or one reading the tree under ``--sysroot``."""
     from gputaskman.sampling.collector import Collector, sysroot_collector
 
-    if getattr(args, "sysroot", None):
+    if args.sysroot:
         if not os.path.isdir(args.sysroot):
             raise SystemExit(f"gputaskman: --sysroot {args.sysroot}: not a directory")
         return sysroot_collector(args.sysroot, args.gpu, scan_budget)
@@ -183,7 +182,7 @@ def _list_gpus(args: argparse.Namespace, source: GpuSource | None = None) -> int
     from gputaskman.backends import registry
     from gputaskman.render import report, text_report
 
-    if source is None and getattr(args, "sysroot", None):
+    if source is None and args.sysroot:
         if not os.path.isdir(args.sysroot):
             raise SystemExit(f"gputaskman: --sysroot {args.sysroot}: not a directory")
         source = registry.sysroot_gpu_source(args.sysroot)
@@ -281,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.watch_count is not None and not args.watch:
         parser.error("--count needs --watch")
     apply_color_choice(args.no_color, os.environ)
-    if getattr(args, "command", None):
+    if args.command:
         return int(args._module.run(args) or 0)
     if args.list_gpus:
         return _list_gpus(args)

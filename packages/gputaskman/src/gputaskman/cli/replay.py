@@ -91,8 +91,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from gputaskman.tui.replay_app import create_replay_app
 
-    app = create_replay_app(
-        source, speed=args.speed, gpu=getattr(args, "gpu", None), playing=not args.paused
-    )
+    app = create_replay_app(source, speed=args.speed, gpu=args.gpu, playing=not args.paused)
     app.run()
     return int(app.return_code or 0)

@@ -21,8 +21,8 @@ process classification, no API probing, no full GGUF header read and no estimate
 
 Secrets: redaction and model-argument discovery are ``gputaskman.base.procargs`` (one list of
 secret flags for the whole tool), run by ``procinfo`` on every scanned process; its rows
-(redacted argv, resolved paths) become evidence through :func:`from_procinfo`, so a secret
-value can never become a model path.
+(`ModelEvidence`: redacted argv, resolved paths) become evidence through
+:func:`from_procinfo`, so a secret value can never become a model path.
 The API key itself, needed to probe a llama-server that was started with one, is taken from
 the raw argv by :func:`api_key_from_argv` and handed only to the prober, never shown.
 """
@@ -33,17 +33,14 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from gputaskman.base import procargs
-
-if TYPE_CHECKING:
-    from gputaskman.intel.procinfo import ModelEvidence
 
 __all__ = [
     "CORROBORATING",
     "Evidence",
     "ModelClaim",
+    "ModelEvidence",
     "Source",
     "api_key_from_argv",
     "assess",
@@ -67,6 +64,29 @@ class Source(StrEnum):
 
 _RANK = {s: i for i, s in enumerate(Source)}
 CORROBORATING = frozenset({Source.API, Source.MAPPED, Source.CMDLINE})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEvidence:
+    """One reason to think the process holds a model file: a row of ``procinfo``'s scan
+    (``ProcInfo.models``), which `runtimes.classify` and `from_procinfo` read. It is defined
+    here, below both procinfo and runtimes, so each imports it one way.
+
+    `evidence` is ``mapped`` (the file is in the memory map), ``cmdline`` (the value of a
+    model flag) or ``path-arg`` (a model-looking argument; informational only).
+    `path` is the absolute path as the process sees it (None when relative and the cwd is
+    unknown); `raw` is the argument as written (None for mapped). `deleted` means the maps
+    line ended in ``(deleted)``. `exists` / `size_bytes` come from a stat through
+    ``/proc/PID/root`` (mapped and cmdline evidence only) and are None when not checked.
+    """
+
+    evidence: str
+    path: str | None
+    raw: str | None = None
+    flag: str | None = None
+    deleted: bool = False
+    exists: bool | None = None
+    size_bytes: int | None = None
 
 
 def api_key_from_argv(argv: Sequence[str]) -> str | None:

@@ -7,7 +7,8 @@ API
   that is gone or protected: the `ProcInfo` says so in `gone` / `reasons`.
 * `procscan.Scanner` is the budgeted, cached version for refreshes.
 * ``classify(...)``, `Classification`, `Runtime`, `RUNTIMES`, `detect_runtimes` and the
-  category names are defined in `runtimes` and re-exported here; `MODEL_EXTENSIONS` comes
+  category names are defined in `runtimes` and re-exported here, as is `ModelEvidence`
+  (a row of `ProcInfo.models`, defined in `evidence`); `MODEL_EXTENSIONS` comes
   from `procargs` (command-line redaction and model arguments).
 * ``parse_maps_line`` / ``mapped_paths`` / ``mapped_models``: sans-io helpers over the
   text of ``/proc/PID/maps``.
@@ -47,6 +48,7 @@ from gputaskman.base.procargs import (
     split_cmdline,
 )
 from gputaskman.base.readings import Reason
+from gputaskman.intel.evidence import ModelEvidence
 from gputaskman.intel.runtimes import (
     BROWSER,
     CATEGORIES,
@@ -95,27 +97,6 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------- data
-
-
-@dataclass(frozen=True, slots=True)
-class ModelEvidence:
-    """One reason to think the process holds a model file.
-
-    `evidence` is ``mapped`` (the file is in the memory map), ``cmdline`` (the value of a
-    model flag) or ``path-arg`` (a model-looking argument; informational only).
-    `path` is the absolute path as the process sees it (None when relative and the cwd is
-    unknown); `raw` is the argument as written (None for mapped). `deleted` means the maps
-    line ended in ``(deleted)``. `exists` / `size_bytes` come from a stat through
-    ``/proc/PID/root`` (mapped and cmdline evidence only) and are None when not checked.
-    """
-
-    evidence: str
-    path: str | None
-    raw: str | None = None
-    flag: str | None = None
-    deleted: bool = False
-    exists: bool | None = None
-    size_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,10 +29,8 @@ import posixpath
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gputaskman.intel.procinfo import ModelEvidence
+from gputaskman.intel.evidence import ModelEvidence
 
 _DELETED = " (deleted)"
 

@@ -41,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gputaskman.base.frozen import fields_of
 from gputaskman.intel.evidence import Evidence, Source
 
 __all__ = [
@@ -361,14 +362,9 @@ def _merge(models: list[ServedModel], new: list[ServedModel]) -> None:
                 or (m.path and m.path == n.path)
                 or (m.path and n.name and os.path.basename(m.path) == os.path.basename(n.name))
             ):
-                models[i] = replace(
-                    m,
-                    **{
-                        k: getattr(n, k)
-                        for k in n.__slots__
-                        if getattr(m, k) is None and getattr(n, k) is not None
-                    },
-                )
+                have = fields_of(m)
+                fill = {k: v for k, v in fields_of(n).items() if have[k] is None and v is not None}
+                models[i] = replace(m, **fill)
                 break
         else:
             models.append(n)

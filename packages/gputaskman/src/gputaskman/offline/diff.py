@@ -37,7 +37,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gputaskman.base.readings import Breakdown, DeviceMetrics, ProcGpu, Reading
+from gputaskman.base.frozen import fields_of
+from gputaskman.base.readings import Breakdown, ProcGpu, Reading
 from gputaskman.document.reader import AdapterDoc, Document, ProcessDoc
 from gputaskman.render import report
 from gputaskman.render.report_models import breakdown_totals, breakdown_view
@@ -104,9 +105,7 @@ def _byte_values(readings: Iterable[tuple[str, Reading | None]]) -> dict[str, Va
 
 
 def adapter_fields(a: AdapterDoc) -> dict[str, Value]:
-    m = a.metrics
-    names = () if m is None else DeviceMetrics.__slots__
-    out = _byte_values((n, getattr(m, n)) for n in names)
+    out = {} if a.metrics is None else _byte_values(fields_of(a.metrics).items())
     out.update(_byte_values(a.extra_metrics.items()))
     out["attributed_bytes"] = _sum_value(a.attributed_bytes)
     return out

@@ -21,18 +21,39 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from gputaskman.render import report
-
-if TYPE_CHECKING:  # summary draws its charts here; plot needs its Run only as a type
-    from gputaskman.offline.summary import Run
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 NO_READING = "·"
 DEFAULT_HEIGHT = 8
 LABEL_WIDTH = 10
+
+_Key = tuple[str, str, str]  # summary's MetricKey: (scope, metric, kind)
+
+
+class _Peak(Protocol):
+    @property
+    def peak(self) -> float | None: ...
+
+
+class _Sample(Protocol):
+    @property
+    def adapters(self) -> Sequence[Mapping[str, Any]]: ...
+
+
+class ChartRun(Protocol):
+    """What `run_charts` reads of a run. `summary.Run` is one; plot does not import summary
+    (summary imports plot to draw its charts)."""
+
+    @property
+    def samples(self) -> Sequence[_Sample]: ...
+
+    def stats(self) -> Mapping[_Key, _Peak]: ...
+
+    def series(self, key: _Key) -> list[tuple[float, float | None]]: ...
 
 
 def chart(
@@ -94,8 +115,8 @@ def default_width() -> int:
     return max(20, min(160, cols - LABEL_WIDTH - 4))
 
 
-def run_charts(run: Run, *, width: int | None = None) -> list[str]:
-    """Memory charts for one `summary.Run`: each GPU's measured memory used (scaled to its
+def run_charts(run: ChartRun, *, width: int | None = None) -> list[str]:
+    """Memory charts for one run (a `summary.Run`): each GPU's measured memory used (scaled to its
     recorded total), then system RAM used (scaled to RAM total)."""
     width = width or default_width()
     stats = run.stats()

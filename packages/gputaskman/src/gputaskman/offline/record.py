@@ -352,8 +352,8 @@ class _Progress:
 
 def run(args: argparse.Namespace) -> int:
     path = Path(args.file)
-    interval = args.record_interval or getattr(args, "interval", None) or 1.0
-    gpu = getattr(args, "gpu", None)
+    interval = args.record_interval or args.interval or 1.0  # the TUI's --interval is top-level
+    gpu = args.gpu
     err = sys.stderr
     try:
         fd = open_record(path)

@@ -45,8 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gputaskman.base.frozen import fields_of
 from gputaskman.base.readings import DeviceMetrics, Kind, Reading
 from gputaskman.document.reader import AdapterDoc, Document, SnapshotError, SystemDoc, read_document
+from gputaskman.offline.plot import run_charts
 from gputaskman.offline.recordfile import Entry, describe_lines, is_fleet_file, iter_record
 from gputaskman.render import report
 
@@ -82,8 +84,7 @@ class Sample:
 
 def _adapter_readings(a: AdapterDoc) -> Iterator[tuple[str, Reading]]:
     if a.metrics is not None:
-        for name in DeviceMetrics.__slots__:
-            yield name, getattr(a.metrics, name)
+        yield from fields_of(a.metrics).items()
     yield from a.extra_metrics.items()
 
 
@@ -504,9 +505,7 @@ def render_text(s: Summary, *, plot: bool = False, width: int | None = None) -> 
         else:
             out.append("  PROCESS VRAM PEAKS: no measured per-process VRAM in this run")
         if plot:
-            from gputaskman.offline import plot as plot_mod
-
-            out += ["", *plot_mod.run_charts(run, width=width)]
+            out += ["", *run_charts(run, width=width)]
     return "\n".join(out) + "\n"
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gputaskman.base.frozen import fields_of
 from gputaskman.base.readings import Adapter, Kind, ProcGpu, Reading, Snapshot
 from gputaskman.render.report_models import breakdown_totals, breakdown_view
 from gputaskman.sampling.host import SystemInfo
@@ -191,8 +192,9 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
         info.add_metric([*gv, a.vendor, a.backend], 1)
         m = snap.metrics.get(a.pci_bus_id)
         if m is not None:
+            readings = fields_of(m)
             for fld, (base, unit, scale, doc) in DEVICE_FIELDS.items():
-                f.reading(base, unit, doc, GPU_LABELS, gv, getattr(m, fld), scale)
+                f.reading(base, unit, doc, GPU_LABELS, gv, readings[fld], scale)
         for key, r in (snap.extra_metrics.get(a.pci_bus_id) or {}).items():
             base, _, unit = key.rpartition("_")
             f.reading(f"gputaskman_gpu_{base}", unit, f"Backend-specific: {key}", GPU_LABELS, gv, r)
@@ -312,24 +314,16 @@ def system_families(system: SystemInfo) -> Iterator[Metric]:
     """RAM, swap devices, CPU (OS-measured) and the duvm pool (runtime) of the host sample."""
     f = _Families()
     m, s, c = system.memory, system.swap, system.cpu
-    for fld in ("total_bytes", "available_bytes", "used_bytes", "cached_bytes"):
-        f.reading(
-            f"gputaskman_system_memory_{fld[:-6]}",
-            "bytes",
-            f"System RAM {fld[:-6]}",
-            (),
-            (),
-            getattr(m, fld),
-        )
-    for fld in ("total_bytes", "used_bytes"):
-        f.reading(
-            f"gputaskman_system_swap_{fld[:-6]}",
-            "bytes",
-            f"Swap {fld[:-6]}",
-            (),
-            (),
-            getattr(s, fld),
-        )
+    memory = (
+        ("total", m.total_bytes),
+        ("available", m.available_bytes),
+        ("used", m.used_bytes),
+        ("cached", m.cached_bytes),
+    )
+    for name, r in memory:
+        f.reading(f"gputaskman_system_memory_{name}", "bytes", f"System RAM {name}", (), (), r)
+    for name, r in (("total", s.total_bytes), ("used", s.used_bytes)):
+        f.reading(f"gputaskman_system_swap_{name}", "bytes", f"Swap {name}", (), (), r)
     f.reading("gputaskman_system_cpu", "percent", "CPU busy, all CPUs", (), (), c.percent)
     for d in s.devices or ():
         lv = (d.filename, d.type)

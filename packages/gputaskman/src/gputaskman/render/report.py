@@ -162,6 +162,7 @@ from typing import Any
 from gputaskman import __version__
 from gputaskman.base import schema
 from gputaskman.base.fmt import KIND_MARK, NA, fmt_bytes, fmt_reading, reading_json
+from gputaskman.base.frozen import fields_of
 from gputaskman.base.readings import (
     DeviceMetrics,
     Kind,
@@ -203,7 +204,7 @@ def problem_json(p: Problem) -> dict[str, Any]:
 def _metrics_json(m: DeviceMetrics | None) -> dict[str, Any] | None:
     if m is None:
         return None
-    return {name: reading_json(getattr(m, name)) for name in DeviceMetrics.__slots__}
+    return {name: reading_json(r) for name, r in fields_of(m).items()}
 
 
 def system_document(system: host.HostSample | None) -> Any:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gputaskman.base.fmt import NA, fmt_bytes, fmt_reading, reading_json
+from gputaskman.base.frozen import fields_of
 from gputaskman.base.readings import Breakdown, Kind, ModelRef, ProcGpu, Reading, Reason
 from gputaskman.document.reader import SwapDeviceDoc, SwapDoc, SystemDoc
 from gputaskman.intel.apps import AppModel
@@ -45,11 +46,11 @@ def system_doc(info: host.SystemInfo) -> SystemDoc:
         )
     return SystemDoc(
         taken=info.taken,
-        memory={n: getattr(info.memory, n) for n in host.MemoryInfo.__slots__},
+        memory=fields_of(info.memory),
         swap=SwapDoc(
             s.total_bytes, s.free_bytes, s.used_bytes, devices, s.devices_reason, s.problems
         ),
-        cpu={n: getattr(info.cpu, n) for n in host.CpuInfo.__slots__},
+        cpu=fields_of(info.cpu),
         processes_reason=info.processes_reason or None,
         duvm=info.duvm,
     )

@@ -18,6 +18,7 @@ from gputaskman.base.readings import ProcGpu
 CHOICES: tuple[tuple[str, int], ...] = (
     ("TERM", int(signal.SIGTERM)),
     ("INT", int(signal.SIGINT)),
+    # signal.SIGKILL: POSIX only (Windows has none; TERM stands in)
     ("KILL", int(getattr(signal, "SIGKILL", signal.SIGTERM))),
 )
 

@@ -225,6 +225,7 @@ class CtypesDxgi:
 
     def _ft(self) -> Callable[..., Any]:
         if self._functype is None:
+            # ctypes.WINFUNCTYPE (stdcall) exists on Windows only; CFUNCTYPE elsewhere (tests)
             self._functype = getattr(ctypes, "WINFUNCTYPE", ctypes.CFUNCTYPE)
         assert self._functype is not None
         return self._functype

@@ -73,6 +73,7 @@ def load_windows_nvml(
         raise FileNotFoundError(f"nvml.dll not found at {dll_path} (no NVIDIA driver)")
     import pynvml
 
+    # pynvml.nvmlLib: the binding's module global holding the loaded library (None or unset)
     if getattr(pynvml, "nvmlLib", None) is None:
         # pynvml loads the library lazily into this global; setting it first means the
         # absolute path above is the only one ever tried.
