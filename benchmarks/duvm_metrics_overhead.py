@@ -32,14 +32,15 @@ import tempfile
 import time
 import timeit
 
-from duvm.wire import metrics
+from duvm.base import metrics
+from duvm.memserver.metrics import MEMSERVER_KINDS
 from prometheus_client import CollectorRegistry, Histogram
 
 
 def micro(n: int = 1_000_000) -> dict[str, float]:
     """Nanoseconds per call of each variant (best of 5 runs of n)."""
-    lat = metrics.LatencyByKind(metrics.MEMSERVER_KINDS)
-    kind = next(iter(metrics.MEMSERVER_KINDS))
+    lat = metrics.LatencyByKind(MEMSERVER_KINDS)
+    kind = next(iter(MEMSERVER_KINDS))
     hist = Histogram(
         "x_seconds", "x", ["op"], registry=CollectorRegistry(), buckets=metrics.LATENCY_BOUNDS_S
     )

@@ -37,11 +37,10 @@ import threading
 import time
 from pathlib import Path
 
-from duvm.base import cgroup
+from duvm.base import cgroup, control_socket
 from duvm.cli import demo
 from duvm.node.attach import attach
 from duvm.testing import netns_cluster
-from duvm.wire import control_socket
 
 PRIORITY = 32767
 

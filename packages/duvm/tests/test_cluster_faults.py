@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from duvm.base import control_socket
 from duvm.node.lifecycle import control
 from duvm.testing import netns_cluster
-from duvm.wire import control_socket
 
 SYS_PY = "/usr/bin/python3"
 WORKLOAD = str(Path(__file__).parents[1] / "src" / "duvm" / "testing" / "nbd_workload.py")

@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from duvm.base import cgroup
+from duvm.base import cgroup, control_socket
 from duvm.cli import demo
 from duvm.node.attach import attach, attach_state, kernel_swap
 from duvm.testing import netns_cluster
-from duvm.wire import control_socket
 
 LIMIT_MIB, WORKLOAD_MIB = 48, 160
 

@@ -10,14 +10,15 @@ from pathlib import Path
 
 import duvm.store as store_pkg
 import pytest
+from duvm.base.metrics import LatencyByKind
+from duvm.node.daemon.metrics import NBD_KINDS, DaemonCollector
 from duvm.node.daemon.nbdserver import NBDServer
+from duvm.node.daemon.status import daemon_status
 from duvm.store.counters import Counters, merge
 from duvm.store.crypt_store import CryptStore
 from duvm.store.memory_store import MemoryStore
 from duvm.store.remote_store import RemoteStore
 from duvm.store.storage import PAGE_SIZE, BlockStore, StorageError
-from duvm.wire import poolstats
-from duvm.wire.metrics import NBD_KINDS, DaemonCollector, LatencyByKind
 
 STORE_DIR = Path(store_pkg.__file__).parent
 PS = PAGE_SIZE
@@ -116,8 +117,8 @@ async def test_a_tag_failure_is_counted_and_reaches_the_metrics() -> None:
     assert c["write"] == 2 and c["read"] == 2  # MemoryStore's own, through the filter
     # mechanism: the daemon's snapshot and its Prometheus collector read them from there
     server = NBDServer(cs)
-    snap = poolstats.daemon_snapshot(server)
-    assert snap["counters"] == c and snap["health"] is None
+    snap = daemon_status(cs, server)
+    assert snap.counters == c and snap.replication is None
     families = {
         m.name: m for m in DaemonCollector(server, None, LatencyByKind(NBD_KINDS)).collect()
     }

@@ -187,8 +187,7 @@ def test_pages_live_on_the_memserver_and_trim_frees_them(procs):
     assert namespace(port, "test-trim")["stored_pages"] == 1
 
     # `duvm status` learns from the daemon itself which request path it runs
-    from duvm.base import accel
-    from duvm.wire import control_socket
+    from duvm.base import accel, control_socket
 
     assert control_socket.query(sock + ".ctl")["request_path"] == accel.report().path
 

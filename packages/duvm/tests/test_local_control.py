@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from duvm.wire import control_socket
+from duvm.base import control_socket
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "duvm"
 _SUBPROCESS = {"run", "Popen", "call", "check_call", "check_output"}

@@ -169,7 +169,7 @@ async def test_a_load_answers_with_the_bytes_of_its_turn(server: MemServer) -> N
     old, other, new, x = (os.urandom(PS) for _ in range(4))
     await c.store([1], old)
     await c.store([2], other)
-    conns = list(server.conns)
+    conns = server.open_connections()
     assert [conn.fd is not None for conn in conns] == [True]  # the writev path is on
     for conn in conns:  # hold: everything below arrives in one read
         conn.transport.pause_reading()
@@ -443,7 +443,7 @@ async def test_client_reconnects_and_retries_after_a_dropped_connection(server: 
     await c.connect()
     await c.reserve(4)
     await c.store([1], b"r" * PS)
-    for conn in list(server.conns):  # the server drops the connection
+    for conn in server.open_connections():  # the server drops the connection
         conn.transport.abort()
     await asyncio.sleep(0.05)
     assert not c.connected

@@ -15,7 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from duvm.wire import metrics, nbdconst, pageproto
+from duvm.base import metrics
+from duvm.memserver.metrics import MEMSERVER_KINDS
+from duvm.node.daemon.metrics import NBD_KINDS
+from duvm.wire import nbdconst, pageproto
 from duvm_processes import start as _start
 from duvm_processes import stop as _stop
 from prometheus_client.parser import text_string_to_metric_families
@@ -332,15 +335,15 @@ def test_latency_histogram_buckets_are_cumulative_with_le_semantics():
 
 
 def test_request_kinds_match_the_protocols():
-    assert metrics.MEMSERVER_KINDS == {
+    assert MEMSERVER_KINDS == {
         pageproto.MsgType.STORE: "store",
         pageproto.MsgType.LOAD: "load",
         pageproto.MsgType.FREE: "free",
     }
-    assert metrics.NBD_KINDS[nbdconst.CMD_READ] == "read"
-    assert metrics.NBD_KINDS[nbdconst.CMD_WRITE] == "write"
-    lat = metrics.LatencyByKind(metrics.NBD_KINDS)
+    assert NBD_KINDS[nbdconst.CMD_READ] == "read"
+    assert NBD_KINDS[nbdconst.CMD_WRITE] == "write"
+    lat = metrics.LatencyByKind(NBD_KINDS)
     lat.observe_ns(nbdconst.CMD_DISC, 5)  # not a timed kind: ignored, no crash
-    assert all(lat.count(code) == 0 for code in metrics.NBD_KINDS)
+    assert all(lat.count(code) == 0 for code in NBD_KINDS)
     lat.observe_ns(nbdconst.CMD_READ, 1_000_000)
     assert lat.count(nbdconst.CMD_READ) == 1 and lat.count(nbdconst.CMD_WRITE) == 0

@@ -578,7 +578,7 @@ def test_server_close_finishes_in_flight_request_then_disconnects(serve):
     assert recv_reply(s, 4096) == (5, 0, bytes(4096))
     assert closed_by_server(s)
     fut.result(10)
-    assert srv.server.connections == 0
+    assert srv.server.open_connections == 0
 
 
 @pytest.mark.parametrize(
@@ -624,7 +624,7 @@ def test_abort_with_requests_in_flight_closes_their_coroutines(serve, caplog):
     srv.call(base.read(0, memoryview(out)))
     assert out == bytes(4096)  # the write never reached the store
     assert "store failed" not in caplog.text
-    assert srv.server.connections == 0
+    assert srv.server.open_connections == 0
     s.close()
 
 

@@ -84,7 +84,7 @@ class _Transport:
 
 
 class _Recorder:
-    """Latency and trace records, as duvm.wire.metrics and nbdtrace take them."""
+    """Latency and trace records, as duvm.base.metrics and nbdtrace take them."""
 
     def __init__(self, log: list) -> None:
         self.log = log

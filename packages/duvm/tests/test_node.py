@@ -23,11 +23,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from duvm.base import control_socket
 from duvm.node.lifecycle import control
 from duvm.store.memclient import MemClient
 from duvm.store.memserver_errors import PageServerError
 from duvm.store.memserver_status import query_status
-from duvm.wire import auth, control_socket
+from duvm.wire import auth
 
 
 def duvm(*args: str) -> subprocess.CompletedProcess[str]:

@@ -155,12 +155,12 @@ async def test_writes_and_trims_never_leave_stale_bytes_in_a_window(memserver_po
 
 def hold(srv) -> None:
     """Stop the memserver reading its connections: requests queue up in the sockets."""
-    for conn in srv.conns:
+    for conn in srv.open_connections():
         conn.transport.pause_reading()
 
 
 def release(srv) -> None:
-    for conn in srv.conns:
+    for conn in srv.open_connections():
         conn.transport.resume_reading()
 
 

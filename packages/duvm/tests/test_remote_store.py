@@ -10,12 +10,12 @@ import random
 
 import pytest
 from duvm.memserver.server import MemServer
+from duvm.node.daemon.status import daemon_status
 from duvm.store.memclient import MemClient
 from duvm.store.memserver_status import query_status
 from duvm.store.remote_store import RemoteStore
 from duvm.store.storage import PAGE_SIZE as PS
 from duvm.store.storage import StorageError
-from duvm.wire.control_socket import daemon_status
 
 MiB = 1 << 20
 
@@ -184,13 +184,13 @@ async def test_dropped_connection_is_restored_transparently(servers) -> None:
     srvs, addrs = servers
     store = await RemoteStore.open(addrs[:1], MiB, "n:drop:1")
     await store.write(0, memoryview(b"d" * PS))
-    for conn in list(srvs[0].conns):
+    for conn in srvs[0].open_connections():
         conn.transport.abort()  # the memserver side drops it; the lease keeps the namespace
     await asyncio.sleep(0.05)
     out = bytearray(PS)
     await store.read(0, memoryview(out))  # fast path fails, the retrying path reconnects
     assert out == b"d" * PS
-    for conn in list(srvs[0].conns):
+    for conn in srvs[0].open_connections():
         conn.transport.abort()
     await asyncio.sleep(0.05)
     await store.write(PS, memoryview(b"e" * PS))
@@ -444,7 +444,7 @@ async def test_each_stacking_takes_the_path_it_declares(servers) -> None:
         assert sealed.counters()["pages_sealed"] == 1  # the filter's own, beside the store's
         assert "pages_sealed" not in remote.counters()
         # what `duvm status` reads: health and every layer's counters, flat, once
-        shown = daemon_status(sealed, None, 1)["store"]
+        shown = daemon_status(sealed, None, 1).to_json()["store"]
         assert shown == {**want, **sealed.counters()} and shown["pages_sealed"] == 1
         assert all(
             s.describe() == f"2 memserver(s){extra}"

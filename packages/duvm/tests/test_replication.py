@@ -345,12 +345,13 @@ async def test_statuses_agree_with_health(servers) -> None:
 
 
 async def test_control_socket_answers_status_owner_only(tmp_path, servers) -> None:
-    from duvm.wire import control_socket
+    from duvm.base import control_socket
+    from duvm.node.daemon.status import daemon_status
 
     _, addrs = servers
     store = await RemoteStore.open(addrs[:2], MiB, "t:ctl:1", replicas=2, slab_pages=64)
     path = str(tmp_path / "d.sock.ctl")
-    srv = await control_socket.start(path, lambda: control_socket.daemon_status(store, None, 2))
+    srv = await control_socket.start(path, lambda: daemon_status(store, None, 2).to_json())
     try:
         assert os.stat(path).st_mode & 0o777 == 0o600
         st = await asyncio.to_thread(control_socket.query, path)
@@ -368,6 +369,44 @@ async def test_control_socket_answers_status_owner_only(tmp_path, servers) -> No
         assert b"unknown request" in await asyncio.to_thread(bad_request)
     finally:
         srv.close()
+        await store.close()
+
+
+async def test_daemon_status_is_its_declared_shape_and_the_json_readers_know(servers) -> None:
+    """Catches a status whose JSON drifts from what its readers parse (gputaskman's system
+    panel reads "pid", "size_bytes", "replicas", "store" with its peers and "nbd"; `duvm
+    status` reads "store" and "request_path") or whose replication report drifts from the
+    declared `ReplicationHealth`, which the metrics collector indexes key by key."""
+    import typing
+
+    from duvm.node.daemon.nbdserver import NbdCounts, NBDServer
+    from duvm.node.daemon.status import daemon_status
+    from duvm.store.storage import PeerReplication, ReplicationHealth
+
+    _, addrs = servers
+    store = await RemoteStore.open(addrs[:2], MiB, "t:shape:1", replicas=2, slab_pages=64)
+    try:
+        await store.write(0, memoryview(os.urandom(8 * PS)))
+        server = NBDServer(store)
+        st = daemon_status(store, server, 2, "pure")
+        assert st.replication is not None and st.nbd is not None
+        assert set(st.replication) == set(typing.get_type_hints(ReplicationHealth))
+        for p in st.replication["peers"]:
+            assert set(p) == set(typing.get_type_hints(PeerReplication))
+        assert set(st.nbd) == set(typing.get_type_hints(NbdCounts))
+        assert (st.size_bytes, st.open_connections, st.counters) == (MiB, 0, store.counters())
+        js = st.to_json()
+        assert set(js) == {"pid", "size_bytes", "replicas", "request_path", "store", "nbd"}
+        assert (js["pid"], js["size_bytes"], js["replicas"]) == (os.getpid(), MiB, 2)
+        assert js["request_path"] == "pure" and js["nbd"] == dict(st.nbd)
+        # "store": the replication report with every layer's counters beside it, flat
+        assert js["store"] == {**st.replication, **st.counters}
+        assert js["store"]["pages_written"] == 8 and js["store"]["pages_lost_now"] == 0
+        assert js["store"]["degraded_slabs"] == 0 and js["store"]["replicas"] == 2
+        read_by_gputaskman = {"peer", "connected", "pages", "reserved_pages", "slabs"}
+        assert all(read_by_gputaskman <= set(p) for p in js["store"]["peers"])
+        assert sum(p["pages"] for p in js["store"]["peers"]) == 16  # 8 pages, 2 replicas
+    finally:
         await store.close()
 
 
@@ -433,7 +472,7 @@ async def test_r1_read_waits_for_a_restarting_memserver_instead_of_failing() -> 
     try:
         await store.write(0, memoryview(b"w" * PS))
         srv._server.close()  # stops listening for a while; the namespace stays (lease)
-        for conn in list(srv.conns):
+        for conn in srv.open_connections():
             conn.transport.abort()
         await asyncio.sleep(0.05)
         out = bytearray(PS)
@@ -536,7 +575,7 @@ async def test_fast_write_with_a_replica_gone_continues_on_the_general_path(serv
         gone = store.table.sets[0][1]
         data = os.urandom(2 * PS)
         srvs[gone]._server.close()  # stops listening: the replica stays gone
-        for conn in list(srvs[gone].conns):
+        for conn in srvs[gone].open_connections():
             conn.transport.abort()  # the STORE on it fails after it was sent
         assert await fast(store.start_write, 0, memoryview(data)) == "continued"
         assert gone not in store.table.sets[0]  # dropped, the slab is degraded
@@ -609,7 +648,7 @@ async def test_a_read_racing_a_replicated_write_is_neither_eio_nor_a_dropped_rep
         old, new = os.urandom(PS), os.urandom(PS)
         await store.write(0, memoryview(old))
         first, second = store.table.sets[0]
-        for conn in srvs[second].conns:  # the second replica is slow to answer
+        for conn in srvs[second].open_connections():  # the second replica is slow to answer
             conn.transport.pause_reading()
         write = asyncio.ensure_future(store.write(0, memoryview(new)))
         ns = srvs[first].store.namespaces["t:race:1"]
@@ -617,7 +656,7 @@ async def test_a_read_racing_a_replicated_write_is_neither_eio_nor_a_dropped_rep
         out = bytearray(PS)
         await store.read(0, memoryview(out))  # served by the first replica, mid-write
         assert bytes(out) == new
-        for conn in srvs[second].conns:
+        for conn in srvs[second].open_connections():
             conn.transport.resume_reading()
         await write
         assert store.counters()["checksum_failures"] == 0

@@ -524,10 +524,10 @@ async def test_flood_and_slowloris_do_not_stop_service(caplog) -> None:
         late = MemClient(*addr, "late", security=_sec(S1))
         await asyncio.wait_for(late.connect(), 5)
         await late.close()
-        assert len(srv.pending) <= srv.max_handshakes
-        assert all(c.decoder._buf.__len__() <= HANDSHAKE_FRAME for c in srv.pending)
+        assert len(srv.pending_connections()) <= srv.max_handshakes
+        assert all(c.decoder._buf.__len__() <= HANDSHAKE_FRAME for c in srv.pending_connections())
         await asyncio.sleep(1.5)  # past the handshake timeout
-        assert len(srv.pending) == 0
+        assert len(srv.pending_connections()) == 0
         assert srv.counters["handshakes_evicted"] >= 90
         assert srv.counters["handshake_timeouts"] >= 1
         for s in slow:

@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics",
         metavar="HOST:PORT",
         help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
-        "one; see duvm.wire.metrics)",
+        "one; see duvm.memserver.metrics)",
     )
     parser.add_argument(
         "--control-socket",
@@ -176,22 +176,18 @@ async def _serve(
     rdma: str = "off",
 ) -> None:
     if metrics:  # Prometheus exposition; request latencies observed from here on
-        from duvm.wire import metrics as m
+        from duvm.memserver import metrics as m
 
         try:
-            server.latency, mb = m.start_for_loop(
-                m.MemserverCollector, server, m.MEMSERVER_KINDS, metrics
-            )
+            mb = m.start(server, metrics)
         except OSError as e:
             raise MetricsError(f"cannot serve metrics on {metrics}: {e.strerror or e}") from None
         print(f"duvm memserver metrics on http://{mb[0]}:{mb[1]}/metrics", flush=True)
     ctl = None
     if control:  # what this node lends, to whom: for local readers such as gputaskman
-        from duvm.wire import control_socket
+        from duvm.base import control_socket
 
-        ctl = await control_socket.start(
-            control, lambda: {"role": "memserver", **server.store.status()}
-        )
+        ctl = await control_socket.start(control, server.local_status)
     bound = await server.start(host, port)
     if rdma != "off":
         server.start_rdma(bound[0], bound[1], required=rdma == "on")
@@ -204,11 +200,11 @@ async def _serve(
     )
     if server.rdma is None and rdma == "auto":
         log.info("serving TCP only: %s", server.rdma_error)
-    st = server.store
+    use = server.usage()
     print(
         f"duvm memserver listening on {bound[0]}:{bound[1]} "
-        f"capacity {st.capacity_pages} pages ({st.capacity_pages * PAGE_SIZE >> 20} MiB) "
-        f"locked {'yes' if st.arena.locked else 'no'} lease {st.lease_s:g}s "
+        f"capacity {use.capacity_pages} pages ({use.capacity_pages * PAGE_SIZE >> 20} MiB) "
+        f"locked {'yes' if use.arena_locked else 'no'} lease {server.store.lease_s:g}s "
         f"auth {server.security_status()['auth']} tls {'yes' if server.tls else 'no'} "
         f"{rdma_note}",
         flush=True,
@@ -282,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     except (MemoryError, ValueError) as e:
         print(f"duvm memserver: {e}", file=sys.stderr)
         return 1
-    if not args.no_mlock and server.store.arena.locked:
+    if not args.no_mlock and server.usage().arena_locked:
         # Every node of a symmetric cluster swaps too: a memserver whose own pages went out to
         # this node's duvm device would wait on other nodes' memservers to serve its peers,
         # which may be waiting on it. Locked (and an I/O flusher), it never waits on swap.

@@ -102,22 +102,18 @@ class Connection(asyncio.BufferedProtocol):
             ):
                 self.fd = sock.fileno()  # plain socket: replies may go out by writev
         self.tls_verified = transport.get_extra_info("peercert") is not None
-        self.store.connections += 1
-        self.server.conns.add(self)
+        self.store.connection_opened()
         self.last_active = time.monotonic()
-        self.server.add_pending(self)
+        self.server.connection_opened(self)
         self._deadline = asyncio.get_running_loop().call_later(
             self.server.handshake_timeout, self._handshake_expired
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.store.connections -= 1
-        self.server.conns.discard(self)
-        self.server.pending.pop(self, None)
+        self.store.connection_closed()
         if self._deadline is not None:
             self._deadline.cancel()
-        if self.server.rdma is not None:
-            self.server.rdma.closed(self)  # its regions go before its namespace can
+        self.server.connection_closed(self)  # its RDMA regions go before its namespace can
         if self.ns is not None:
             self.store.detach(self.ns, asyncio.get_running_loop())
             self.ns = None
@@ -129,8 +125,27 @@ class Connection(asyncio.BufferedProtocol):
                 self.peer,
                 self.server.handshake_timeout,
             )
-            self.server.counters["handshake_timeouts"] += 1
+            self.server.count("handshake_timeouts")
             self.closing = True
+            self.transport.abort()
+
+    def evict(self) -> None:
+        """The server drops this unauthenticated connection (its handshake slots are full)."""
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close_if_idle(self, cutoff: float) -> bool:
+        """Close this authenticated connection if it was last active before `cutoff`
+        (monotonic seconds); whether it was closed."""
+        if self.authed and self.last_active < cutoff and self.transport is not None:
+            self.transport.close()
+            return True
+        return False
+
+    def abort(self) -> None:
+        """The server is closing: drop the connection now."""
+        if self.transport is not None:
             self.transport.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -208,7 +223,7 @@ class Connection(asyncio.BufferedProtocol):
                         if self.authed and dec.max_frame == HANDSHAKE_FRAME:
                             dec = self._grow_decoder()
                 except Refused as e:
-                    store.counters["refused"] += 1
+                    store.refused()
                     out += encode(pp.ErrorReply(req_id, pp.MsgType(mtype), e.code, str(e)))
                 if lat is not None:
                     lat.observe_ns(mtype, perf_counter_ns() - t0)
@@ -300,7 +315,7 @@ class Connection(asyncio.BufferedProtocol):
                 raise pp.RemoteProtocolError("AUTH without a pending HELLO")
             return self._on_auth(msg)
         if ns is None:
-            self.server.counters["unauthenticated_requests"] += 1
+            self.server.count("unauthenticated_requests")
             raise pp.RemoteProtocolError(f"{type(msg).__name__} before authentication")
         rdma = self.server.rdma
         if isinstance(msg, pp.Reserve):
@@ -341,14 +356,13 @@ class Connection(asyncio.BufferedProtocol):
             )
         self._hello = msg
         self._nonce_s = auth.new_nonce()
-        kr = self.server.keyring
-        if kr is None:
+        if not self.server.checks_secret:
             return pp.Challenge(
                 msg.req_id, version, False, self._nonce_s, auth.NO_KEY, bytes(pp.PROOF_SIZE)
             )
-        secret = kr.lookup(msg.key_id)
+        secret = self.server.secret_for(msg.key_id)
         if secret is None:
-            self.server.counters["auth_failures"] += 1
+            self.server.count("auth_failures")
             why = (
                 "authentication required: no secret offered"
                 if msg.key_id == auth.NO_KEY
@@ -373,7 +387,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._secret, "client", hello.nonce, self._nonce_s, hello.client_id, hello.token
             )
             if not auth.verify(want, msg.proof):
-                server.counters["auth_failures"] += 1
+                server.count("auth_failures")
                 return self._refuse(
                     msg.req_id,
                     pp.MsgType.AUTH,
@@ -388,7 +402,7 @@ class Connection(asyncio.BufferedProtocol):
                 pp.ErrorCode.AUTH,
                 "authentication failed: no client certificate",
             )
-        if sum(1 for c in server.conns if c.authed) >= server.max_connections:
+        if not server.authenticated(self):
             return self._refuse(
                 msg.req_id,
                 pp.MsgType.AUTH,
@@ -398,7 +412,6 @@ class Connection(asyncio.BufferedProtocol):
         ns, resumed = self.store.attach(hello.client_id, auth.token_digest(hello.token))
         self.ns, self.authed = ns, True
         self._secret = None
-        server.pending.pop(self, None)
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None

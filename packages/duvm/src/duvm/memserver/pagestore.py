@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,29 @@ class Namespace:
     spare: list[int] = field(default_factory=list)  # first slots of unmapped chunks held
 
 
+@dataclass(frozen=True, slots=True)
+class NamespaceUsage:
+    """One client namespace's share of the arena, as metrics report it."""
+
+    client_id: str
+    stored_pages: int
+    reserved_pages: int
+    connections: int  # 0: the namespace is in its lease
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    """What a `PageStore` holds and has served (`PageStore.usage`), read on its loop."""
+
+    capacity_pages: int
+    used_pages: int  # arena slots holding pages
+    reserved_pages: int  # promised to namespaces
+    arena_locked: bool
+    connections: int  # open client connections
+    counters: dict[str, int]  # requests and pages served, by kind
+    namespaces: tuple[NamespaceUsage, ...]
+
+
 class Refused(Exception):
     """A request the server declines (the reply carries `code`); it changed nothing."""
 
@@ -82,7 +106,8 @@ class PageStore:
         self.reserved_total = 0
         self.connections = 0
         self.started = time.monotonic()
-        self.extra_status: Any = None  # callable returning the server's fields of STATUS
+        # the server's fields of STATUS (security, RDMA), set by the server that owns this store
+        self.extra_status: Callable[[], dict[str, Any]] | None = None
         # requests and pages served, by kind (STATUS reports them)
         self.counters = {
             "store_requests": 0,
@@ -97,6 +122,17 @@ class PageStore:
     @property
     def capacity_pages(self) -> int:
         return self.arena.slots
+
+    def connection_opened(self) -> None:
+        """A client connection opened (counted for STATUS and metrics)."""
+        self.connections += 1
+
+    def connection_closed(self) -> None:
+        self.connections -= 1
+
+    def refused(self) -> None:
+        """A request was refused (`Refused`), having changed nothing."""
+        self.counters["refused"] += 1
 
     def attach(self, client_id: str, owner: bytes = b"") -> tuple[Namespace, bool]:
         """An authenticated connection joins its namespace: found (resumed=True) or created.
@@ -349,6 +385,21 @@ class PageStore:
             zip(range(chunk * cp, (chunk + 1) * cp), range(first, first + cp), strict=True)
         )
         return first
+
+    def usage(self) -> StoreUsage:
+        """The arena's use, the counters and every namespace's share (for metrics)."""
+        return StoreUsage(
+            self.capacity_pages,
+            self.arena.used_slots,
+            self.reserved_total,
+            self.arena.locked,
+            self.connections,
+            dict(self.counters),
+            tuple(
+                NamespaceUsage(ns.client_id, len(ns.pages), ns.reserved, ns.connections)
+                for ns in self.namespaces.values()
+            ),
+        )
 
     def status(self) -> dict:
         now = time.monotonic()

@@ -16,12 +16,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from duvm.store.counters import Counters
 from duvm.store.repair import Repairer
 from duvm.store.replication import Replication
-from duvm.store.storage import DATA, LOST
+from duvm.store.storage import DATA, LOST, ReplicationHealth
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class RemoteHealth:
             self._was_degraded = False
             log.warning("every slab has %d replicas again", r.want)
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> ReplicationHealth:
         """Replication state for `duvm status` and metrics (JSON-ready), with each peer's
         written pages. The counters are not here: `BlockStore.counters()` has them."""
         r = self.replication

@@ -70,6 +70,7 @@ from duvm.store.storage import (
     Capabilities,
     Done,
     FastEntry,
+    ReplicationHealth,
     StorageError,
 )
 from duvm.wire.auth import PeerSecurity
@@ -341,7 +342,7 @@ class RemoteStore(BlockStore):
             parts.append(self.monitor.repairer.counters)
         return merge(*(c.snapshot() for c in parts))
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> ReplicationHealth:
         """Replication state for `duvm status` and metrics (JSON-ready)."""
         return self.monitor.health()
 

@@ -14,7 +14,7 @@ import errno
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from duvm.wire.pageproto import PAGE_SIZE as PAGE_SIZE  # the wire's page, defined once there
 
@@ -116,6 +116,48 @@ class Batching:
         self._after = None
 
 
+class SlabRepair(TypedDict):
+    """One slab being copied to a new replica."""
+
+    slab: int
+    target: str  # the memserver it is copied to
+    copied_pages: int
+    total_pages: int
+
+
+class PeerReplication(TypedDict):
+    """One memserver as the replicated store sees it."""
+
+    peer: str
+    connected: bool
+    circuit_open: bool  # the breaker keeps requests away
+    consecutive_failures: int
+    breaker_trips: int
+    namespace_losses: int  # reconnects that found the namespace gone
+    transport: str  # asked for: tcp, rdma or auto
+    transport_in_use: str | None  # rdma or tcp; None unconnected
+    rdma_device: str | None
+    rdma_error: str | None
+    slabs: int  # slabs with a replica there
+    reserved_pages: int  # pages this node reserved there
+    pages: int  # this node's written pages held there (one count per replica)
+
+
+class ReplicationHealth(TypedDict):
+    """A replicated store's health (`BlockStore.health`), JSON-ready: what `duvm status`,
+    the daemon's control socket and its metrics report."""
+
+    replicas: int  # wanted per slab
+    slabs: int
+    slab_pages: int
+    degraded_slabs: int  # slabs with fewer live replicas than wanted
+    degraded: list[int]  # the first of them
+    repairing: list[SlabRepair]
+    pages_written: int
+    pages_lost_now: int  # reads of these return EIO
+    peers: list[PeerReplication]
+
+
 class BlockStore(ABC):
     """A byte-addressed device of `size` bytes. Offsets and lengths arrive already validated."""
 
@@ -141,7 +183,7 @@ class BlockStore(ABC):
         SIGHUP); none for a store in local RAM."""
         return []
 
-    def health(self) -> dict[str, Any] | None:
+    def health(self) -> ReplicationHealth | None:
         """Replication health for `duvm status` and metrics (JSON-ready), None for a store
         without replicas."""
         return None
@@ -203,7 +245,7 @@ class StoreFilter(BlockStore):
     def memserver_clients(self) -> list[Any]:
         return self.inner.memserver_clients()
 
-    def health(self) -> dict[str, Any] | None:
+    def health(self) -> ReplicationHealth | None:
         return self.inner.health()
 
     def counters(self) -> dict[str, int]:

@@ -22,7 +22,6 @@ Theory of operation:
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import os
@@ -32,8 +31,6 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from duvm.base.units import is_loopback
 
 SECRET_BYTES = 32
 NONCE_BYTES = 32
@@ -281,65 +278,3 @@ _PROCESS_TOKEN_KEY = secrets.token_bytes(TOKEN_BYTES)
 
 def default_token(client_id: str) -> bytes:
     return hmac.new(_PROCESS_TOKEN_KEY, client_id.encode("utf-8"), hashlib.sha256).digest()
-
-
-# --- client side command-line options (the daemon; shared so they read the same everywhere) ---
-
-
-def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    sec = parser.add_argument_group("security (see README: Security)")
-    sec.add_argument(
-        "--secret-file",
-        metavar="PATH",
-        help="cluster secret file (mode 0600, `duvm secret generate`); its first "
-        "secret proves this node, memservers must prove one of its secrets",
-    )
-    sec.add_argument(
-        "--tls-ca",
-        metavar="PEM",
-        help="connect to memservers over TLS, verifying them against this CA",
-    )
-    sec.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
-    sec.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
-    sec.add_argument(
-        "--encrypt",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="seal pages with AES-GCM before they leave this node (default: on "
-        "when any memserver is not on loopback)",
-    )
-    sec.add_argument(
-        "--insecure",
-        action="store_true",
-        help="allow memservers off loopback with no secret and no TLS",
-    )
-
-
-def all_loopback(peers: list[tuple[str, int]]) -> bool:
-    return all(is_loopback(h) for h, _ in peers)
-
-
-def client_security_from_args(
-    args: argparse.Namespace, peers: list[tuple[str, int]]
-) -> PeerSecurity | None:
-    """PeerSecurity from the daemon's flags. ValueError/SecretError/OSError with a reason;
-    refuses memservers off loopback without a secret or TLS unless --insecure."""
-    keyring = Keyring.from_file(args.secret_file) if args.secret_file else None
-    if (args.tls_cert or args.tls_key) and not (args.tls_cert and args.tls_key):
-        raise ValueError("--tls-cert and --tls-key go together")
-    if args.tls_cert and not args.tls_ca:
-        raise ValueError("--tls-cert needs --tls-ca (the CA that signed the memservers)")
-    tls = client_tls_context(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
-    if keyring is None and tls is None:
-        if peers and not all_loopback(peers) and not args.insecure:
-            raise ValueError(
-                "memservers off loopback need --secret-file or --tls-ca "
-                "(or --insecure to send pages to unauthenticated peers)"
-            )
-        return None
-    return PeerSecurity(keyring, tls, require_server_auth=True)
-
-
-def encryption_wanted(args: argparse.Namespace, peers: list[tuple[str, int]]) -> bool:
-    """--encrypt/--no-encrypt, else on exactly when a memserver is not on loopback."""
-    return args.encrypt if args.encrypt is not None else not all_loopback(peers)

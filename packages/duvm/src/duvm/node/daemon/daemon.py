@@ -29,7 +29,7 @@ from pathlib import Path
 
 from duvm.base import accel, pressure, quietlog
 from duvm.base.units import is_loopback, parse_listen, parse_peer, parse_size
-from duvm.store import daemon_state, memclient
+from duvm.store import client_flags, daemon_state, memclient
 from duvm.store.placement import default_replicas
 from duvm.store.storage import BlockStore, StorageError
 from duvm.wire import auth
@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics",
         metavar="HOST:PORT",
         help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0 picks "
-        "one; see duvm.wire.metrics)",
+        "one; see duvm.node.daemon.metrics)",
     )
     parser.add_argument(
         "--state-dir",
@@ -156,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(benchmarks/nbd_trace.py summarises it; about 1.5 µs per request)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log connections and errors")
-    auth.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
+    client_flags.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
 
 
 def _fail(msg: str, code: int = 1) -> int:
@@ -229,7 +229,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         tcp=tcp,
         replicas=replicas,
         client_id=args.client_id or f"{socket.gethostname()}:{os.path.abspath(args.socket)}",
-        security=auth.client_security_from_args(args, peers),
+        security=client_flags.client_security_from_args(args, peers),
     )
 
 
@@ -280,7 +280,7 @@ async def open_store(
                 cfg.size,
                 cfg.client_id,
                 cfg.replicas,
-                encrypt=auth.encryption_wanted(args, cfg.peers),
+                encrypt=client_flags.encryption_wanted(args, cfg.peers),
                 resume=args.resume,
                 export_name=args.export_name,
                 security=cfg.security,
@@ -301,7 +301,7 @@ async def open_store(
         )
     except (StorageError, ValueError) as e:  # unreachable peer, pool full: one clear line
         raise DaemonError(getattr(e, "reason", None) or str(e)) from None
-    if auth.encryption_wanted(args, cfg.peers):
+    if client_flags.encryption_wanted(args, cfg.peers):
         from duvm.store.crypt_store import CryptStore
 
         return CryptStore(store), None  # pages leave this node sealed; the key never does
@@ -342,12 +342,10 @@ async def _serve_store(args: argparse.Namespace, cfg: Settings, trace: RequestTr
         )
     try:
         if args.metrics:  # Prometheus exposition; NBD latencies observed from here on
-            from duvm.wire import metrics
+            from duvm.node.daemon import metrics
 
             try:
-                server.latency, bound = metrics.start_for_loop(
-                    metrics.DaemonCollector, server, metrics.NBD_KINDS, args.metrics
-                )
+                bound = metrics.start(server, args.metrics)
             except OSError as e:
                 raise DaemonError(
                     f"cannot serve metrics on {args.metrics}: {e.strerror or e}"
@@ -359,15 +357,14 @@ async def _serve_store(args: argparse.Namespace, cfg: Settings, trace: RequestTr
             host, port = await server.start_tcp(*cfg.tcp)
             where += f" tcp:{host}:{port}"
         backend = store.describe()
-        from duvm.wire import control_socket
+        from duvm.base import control_socket
+        from duvm.node.daemon.status import daemon_status
 
         ctl_path = args.control_socket or control_socket.default_path(args.socket)
         path = accel.announce(log).path
+        replicas = None if args.memory else cfg.replicas
         ctl = await control_socket.start(
-            ctl_path,
-            lambda: control_socket.daemon_status(
-                store, server, None if args.memory else cfg.replicas, path
-            ),
+            ctl_path, lambda: daemon_status(store, server, replicas, path).to_json()
         )
         print(
             f"duvm daemon serving export {args.export_name!r} ({cfg.size} bytes, {backend}) "

@@ -45,7 +45,6 @@ class NBDConnection(asyncio.BufferedProtocol):
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self.transport = transport  # type: ignore[assignment]
         server = self.server
-        server.stats.connections += 1
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self.peer = str(sock.getpeername() or "unix")
@@ -63,7 +62,7 @@ class NBDConnection(asyncio.BufferedProtocol):
 
     def _handshake_timeout(self) -> None:
         if self._tx is None and self.transport is not None:
-            self.server.stats.protocol_errors += 1
+            self.server.protocol_error()
             self.abort(f"no NBD handshake within {self.server.handshake_timeout:g} s")
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -109,7 +108,7 @@ class NBDConnection(asyncio.BufferedProtocol):
         try:
             hs.receive_data(data)
         except NbdProtocolError as e:
-            self.server.stats.protocol_errors += 1
+            self.server.protocol_error()
             self.transport.write(hs.data_to_send())
             self.abort(f"handshake: {e}")
             return

@@ -15,12 +15,16 @@ import contextlib
 import logging
 import os
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from duvm.node.daemon.nbdconnection import DEFAULT_HANDSHAKE_TIMEOUT, NBDConnection
 from duvm.store.storage import BlockStore, Capabilities
 from duvm.wire import nbdconst as C
 from duvm.wire.nbdproto import ExportInfo, buffer_pool
+
+if TYPE_CHECKING:
+    from duvm.base.metrics import LatencyByKind
+    from duvm.wire.nbdtrace import RequestTrace
 
 log = logging.getLogger("duvm.nbd")
 
@@ -42,20 +46,39 @@ def transmission_flags(caps: Capabilities) -> int:
     return flags
 
 
+class NbdCounts(TypedDict):
+    """The NBD server's counters since it started (`ServerStats.as_dict`), as the status
+    socket reports them under "nbd"."""
+
+    connections: int  # accepted (refused ones included), not open now
+    errors: int  # requests answered with an error
+    peak_in_flight: int  # most requests of one connection inside the store at once
+    protocol_errors: int  # connections dropped for breaking the protocol
+    requests: int  # requests received
+
+
 class ServerStats:
-    """Counters for tests and the status socket."""
+    """Counters for tests and the status socket. The NBD server counts connections and
+    protocol errors (`NBDServer.admit`, `protocol_error`); a connection's `Transmission`
+    counts its requests, errors, protocol errors and in-flight peak here on the hot path."""
 
     __slots__ = ("connections", "errors", "peak_in_flight", "protocol_errors", "requests")
 
     def __init__(self) -> None:
-        self.peak_in_flight = 0  # most requests of one connection inside the store at once
+        self.peak_in_flight = 0
         self.connections = 0
         self.requests = 0
         self.errors = 0
         self.protocol_errors = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in self.__slots__}
+    def as_dict(self) -> NbdCounts:
+        return NbdCounts(
+            connections=self.connections,
+            errors=self.errors,
+            peak_in_flight=self.peak_in_flight,
+            protocol_errors=self.protocol_errors,
+            requests=self.requests,
+        )
 
 
 class NBDServer:
@@ -84,10 +107,11 @@ class NBDServer:
         self.max_connections = max_connections  # each holds a 256 KiB receive buffer
         self.handshake_timeout = handshake_timeout  # seconds a client may take to negotiate
         self.stats = ServerStats()
-        # duvm.wire.metrics.LatencyByKind when the daemon runs with --metrics, else None (no cost)
-        self.latency: Any = None
-        # duvm.wire.nbdtrace.RequestTrace when the daemon runs with --trace, else None
-        self.trace: Any = None
+        # NBD request times when the daemon runs with --metrics
+        # (duvm.node.daemon.metrics.start), else None (no cost)
+        self.latency: LatencyByKind | None = None
+        # the request trace when the daemon runs with --trace, else None
+        self.trace: RequestTrace | None = None
         self.pool = buffer_pool()
         self._servers: list[asyncio.Server] = []
         self._connections: set[NBDConnection] = set()
@@ -113,6 +137,7 @@ class NBDServer:
 
     def admit(self, conn: NBDConnection) -> bool:
         """Count a new connection in; False (refuse it) while closing or when full."""
+        self.stats.connections += 1
         if self._closing:
             return False
         if len(self._connections) >= self.max_connections:
@@ -125,8 +150,18 @@ class NBDServer:
         """A connection is gone."""
         self._connections.discard(conn)
 
+    def time_requests(self, latency: LatencyByKind) -> None:
+        """Observe each request's time into `latency` on connections opened from now on
+        (--metrics, set before serving)."""
+        self.latency = latency
+
+    def protocol_error(self) -> None:
+        """A connection broke the protocol (or never finished its handshake) and is dropped."""
+        self.stats.protocol_errors += 1
+
     @property
-    def connections(self) -> int:
+    def open_connections(self) -> int:
+        """Connections open now (`stats.connections` counts every one accepted)."""
         return len(self._connections)
 
     async def close(self, timeout: float = 10.0) -> None:

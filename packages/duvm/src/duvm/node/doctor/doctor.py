@@ -18,7 +18,7 @@ method, the swap tools, a memory cgroup, the network reserve, the protections th
 against memory pressure (tried in a throwaway child) and the RT throttling that bounds its
 realtime class. The cluster's are in :mod:`duvm.node.doctor.doctor_cluster`: the cluster secret file
 (root-owned, no group/other access, lines that are secrets), how the daemon will authenticate
-to its peers (decided by the daemon's own rule, `auth.client_security_from_args`, over the
+to its peers (decided by the daemon's own rule, `client_flags.client_security_from_args`, over the
 security flags in the config's ``daemon_args``), and each peer: a TCP connect with a timeout,
 then a page-protocol STATUS under that same authentication, so a port that answers but is not
 a memserver, or a memserver that refuses our secret, is caught. This module reads the command

@@ -17,6 +17,7 @@ from typing import Any
 from duvm.base.units import parse_peer
 from duvm.node.doctor.doctor_check import FAIL, OK, SKIP, WARN, Check, Options, verdict
 from duvm.node.lifecycle import control
+from duvm.store import client_flags
 from duvm.wire import auth
 
 
@@ -34,7 +35,7 @@ def daemon_security(opts: Options) -> argparse.Namespace:
     """The daemon's security flags as its own parser reads them (other flags ignored);
     doctor's --secret-file, when given, stands in for the daemon's."""
     parser = argparse.ArgumentParser(add_help=False)
-    auth.add_client_arguments(parser)
+    client_flags.add_client_arguments(parser)
     ns, _ = parser.parse_known_args(opts.daemon_args)
     if opts.secret_file is not None:
         ns.secret_file = str(opts.secret_file)
@@ -50,13 +51,13 @@ def check_peer_auth(opts: Options) -> tuple[auth.PeerSecurity | None, Check]:
     try:
         addrs = [parse_peer(p, control.MEMSERVER_PORT)[:2] for p in opts.peers]
         ns = daemon_security(opts)
-        security = auth.client_security_from_args(ns, addrs)
+        security = client_flags.client_security_from_args(ns, addrs)
     except (ValueError, OSError, auth.SecretError) as exc:
         return None, Check("peer-auth", FAIL, True, str(exc), _AUTH_FIX)
     if security is None:
         how = (
             "--insecure: pages go to unauthenticated peers"
-            if ns.insecure and not auth.all_loopback(addrs)
+            if ns.insecure and not client_flags.all_loopback(addrs)
             else "all peers on loopback, no authentication needed"
         )
         return None, Check(

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duvm.base import pressure, ramfs
+from duvm.base import control_socket, pressure, ramfs
 from duvm.base.units import parse_peer
 from duvm.node.attach import attach, attach_state, kernel_swap, processes, systools
 from duvm.node.lifecycle import supervisor_process
@@ -52,7 +52,8 @@ from duvm.node.lifecycle.config import (
 from duvm.node.lifecycle.config import NodeConfig as NodeConfig
 from duvm.node.lifecycle.config import load_config as load_config
 from duvm.node.lifecycle.config import load_node_config as load_node_config
-from duvm.wire import auth, control_socket
+from duvm.store import client_flags
+from duvm.wire import auth
 
 # --- daemon process --------------------------------------------------------------------------
 
@@ -290,14 +291,17 @@ def disable(
 
 
 def peer_security(daemon_args: list[str], peers: list[str]) -> Any:
-    """The `auth.PeerSecurity` the daemon uses with these flags (its own rule, duvm.wire.auth), so
-    STATUS requests authenticate like it does. ValueError/OSError/SecretError with a reason."""
+    """The `auth.PeerSecurity` the daemon uses with these flags (its own rule,
+    `duvm.store.client_flags`), so STATUS requests authenticate like it does.
+    ValueError/OSError/SecretError with a reason."""
     import argparse
 
     parser = argparse.ArgumentParser(add_help=False)
-    auth.add_client_arguments(parser)
+    client_flags.add_client_arguments(parser)
     ns, _ = parser.parse_known_args(daemon_args)
-    return auth.client_security_from_args(ns, [parse_peer(p, MEMSERVER_PORT)[:2] for p in peers])
+    return client_flags.client_security_from_args(
+        ns, [parse_peer(p, MEMSERVER_PORT)[:2] for p in peers]
+    )
 
 
 async def _peer_status(

@@ -15,7 +15,7 @@ is the command's. The settings become the memserver's own command line and are p
 parser, so `duvm node` and `duvm memserver` cannot drift apart. What the node adds:
 
 - the config file (``--config``; flags override its values);
-- a control socket by default (``/run/duvm/memserver.ctl``; `duvm.wire.control_socket`'s protocol:
+- a control socket by default (``/run/duvm/memserver.ctl``; `duvm.base.control_socket`'s protocol:
   owner-only 0600, only root and the owner answered, JSON lines, ``{"cmd": "status"}`` returns
   the memserver's STATUS with ``"role": "memserver"``: capacity, used and reserved pages,
   counters, connections and each namespace's reserved and stored pages). `duvm status` and
@@ -37,9 +37,9 @@ import signal
 import sys
 from pathlib import Path
 
+from duvm.base import control_socket
 from duvm.base.units import parse_size
 from duvm.node.lifecycle import config
-from duvm.wire import control_socket
 
 DEFAULT_CONFIG = Path("/etc/duvm/duvm.toml")
 

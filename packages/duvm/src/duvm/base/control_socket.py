@@ -1,12 +1,15 @@
-"""The daemon's local status/control socket: JSON lines over a Unix socket, owner-only.
+"""The local status socket of a duvm process (the daemon's, a memserver's): JSON lines over
+a Unix socket, owner-only; what each answers is its own (`duvm.node.daemon.status`,
+`MemServer.local_status`).
 
-Theory of operation: the daemon listens on a Unix socket (by default its NBD socket path plus
-".ctl") created with mode 0600, and additionally checks each client's credentials
-(SO_PEERCRED): only root and the daemon's own user are answered, since replication state names
-peers and page counts. A client writes one JSON object per line, `{"cmd": "status"}`, and reads
-one JSON object per line back: the provider's dict, or `{"error": "..."}` for anything else.
-Requests are tiny and answered from memory (no I/O on the hot path's behalf), so the socket
-serves `duvm status` and gputaskman's system panel at any rate they poll.
+Theory of operation: the process listens on a Unix socket (the daemon's by default its NBD
+socket path plus ".ctl", `default_path`) created with mode 0600, and additionally checks each
+client's credentials (SO_PEERCRED): only root and the process's own user are answered, since
+its status names peers and page counts. A client writes one JSON object per line,
+`{"cmd": "status"}`, and reads one JSON object per line back: the provider's dict, or
+`{"error": "..."}` for anything else. Requests are tiny and answered from memory (no I/O on the
+hot path's behalf), so the socket serves `duvm status` and gputaskman's system panel at any
+rate they poll.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 def default_path(nbd_socket: str) -> str:
+    """Where the daemon serving `nbd_socket` answers (also where `duvm status` asks)."""
     return f"{nbd_socket}.ctl"
 
 
@@ -80,7 +84,7 @@ async def start(path: str, provider: Callable[[], dict[str, Any]]) -> asyncio.Ab
 
 
 def query(path: str, timeout: float = 2.0) -> dict[str, Any]:
-    """Ask a daemon for its status (blocking). Raises OSError or ValueError on failure."""
+    """Ask a process for its status (blocking). Raises OSError or ValueError on failure."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
@@ -93,27 +97,7 @@ def query(path: str, timeout: float = 2.0) -> dict[str, Any]:
             buf += chunk
     reply = json.loads(buf)
     if not isinstance(reply, dict):
-        raise ValueError("the daemon's control socket answered something other than an object")
+        raise ValueError("the control socket answered something other than an object")
     if "error" in reply and len(reply) == 1:
-        raise ValueError(f"the daemon refused: {reply['error']}")
+        raise ValueError(f"the control socket refused: {reply['error']}")
     return reply
-
-
-def daemon_status(
-    store: Any, server: object, replicas: int | None, request_path: str | None = None
-) -> dict[str, Any]:
-    """What the daemon answers: replication health of its store (through wrapping layers such
-    as encryption), the NBD server's counters and which request path it runs ("compiled" or
-    "pure", duvm.base.accel). Unknown parts are None."""
-    health = store.health()  # through filters; each peer's written pages included
-    if health is not None:  # every layer's counters beside it, flat (BlockStore.counters)
-        health = {**health, **store.counters()}
-    stats = getattr(server, "stats", None)
-    return {
-        "pid": os.getpid(),
-        "size_bytes": getattr(store, "size", None),
-        "replicas": replicas,
-        "request_path": request_path,
-        "store": health,
-        "nbd": stats.as_dict() if stats is not None else None,
-    }
