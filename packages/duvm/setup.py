@@ -51,6 +51,7 @@ def extension(module: str, libraries: list[str]) -> Extension:
 extensions = cythonize(
     [extension(m, libs) for m, libs in (COMPILED | RDMA).items()],
     language_level=3,
+    include_path=[str(HERE / "src")],  # cimports of .pxd files by package path
     compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
     quiet=True,
 )
