@@ -147,8 +147,9 @@ async def forged(a: Any, data: bytes, keys: tuple[int, ...]) -> dict[str, Any]:
     # b claims a's chunk 0 with a's address and rkey: another domain's key
     b._rdma.chunks[1] = (a_addr, a_rkey)
     buf = bytearray(PS)
-    out["foreign_rkey"] = repr(await _cb(b, False, (256,), memoryview(buf)))
-    out["foreign_rkey_leaked"] = bytes(buf) == data[PS * (256 - keys[0]) : PS * (257 - keys[0])]
+    # b's key 256 + k would be a's key k: 356 is a's key 100, the first page a wrote
+    out["foreign_rkey"] = repr(await _cb(b, False, (356,), memoryview(buf)))
+    out["foreign_rkey_leaked"] = bytes(buf) == data[:PS]
     await asyncio.sleep(0.5)
     out["b_link_after"] = b.transport_in_use
     # reconnected, b tries its own rkey at a's address (outside its regions)

@@ -226,7 +226,10 @@ def test_duvm_pages_move_by_one_sided_rdma_and_forged_keys_are_refused() -> None
     Catches pages that do not round-trip, a memserver spending CPU per page (its STORE/LOAD
     counters must stay 0), a region a foreign rkey or an out-of-region address could reach
     (a leak of the other namespace's bytes, or anything but a broken link), a key still
-    honoured after RELEASE, a made-up ticket accepted, and `auto` not falling back to TCP."""
+    honoured after RELEASE, a made-up ticket accepted, and `auto` not falling back to TCP.
+    Seen failing with each of these planted: one protection domain shared by all clients (the
+    foreign rkey read), each client's region over the whole arena (its own rkey reached the
+    other's pages), regions kept after RELEASE, and an unknown ticket accepted."""
     check = _load_check()
     if why := check.problems():
         pytest.skip("cannot run the RDMA guest: " + "; ".join(why))
