@@ -110,8 +110,9 @@ class RdmaLink:
             posted = self.queue.post(write, keys, buf, cb, self.chunks)
         except ValueError:
             return False
-        if posted == 0:
-            task = asyncio.ensure_future(self._map_then_send(write, keys, buf, cb))
+        if posted == 0:  # the chunk is read now: another post may set `missing` before it runs
+            chunk = self.queue.missing
+            task = asyncio.ensure_future(self._map_then_send(chunk, write, keys, buf, cb))
             self._tasks.add(task)  # kept until done (the loop holds tasks weakly)
             task.add_done_callback(self._tasks.discard)
             return True
@@ -133,10 +134,10 @@ class RdmaLink:
         return fut
 
     async def _map_then_send(
-        self, write: bool, keys: tuple[int, ...], buf: Any, cb: Callable
+        self, chunk: int, write: bool, keys: tuple[int, ...], buf: Any, cb: Callable
     ) -> None:
         try:
-            await self.map(self.queue.missing)
+            await self.map(chunk)
         except (PageServerError, MemserverUnreachable) as e:
             cb(e)
             return
