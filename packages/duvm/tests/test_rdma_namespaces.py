@@ -7,8 +7,6 @@ why, `rdma` refuses to). The verbs path itself runs in the QEMU guest (test_rdma
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from duvm.memserver.arena import Arena, ArenaFull
 from duvm.memserver.pagestore import PageStore, Refused
@@ -208,4 +206,3 @@ async def test_an_rdma_namespace_over_tcp_takes_the_reference_path(server: MemSe
     assert server.store.arena.used_slots == used == CP
     assert _slots_of(server.store, "a") == set(range(CP))
     await c.close()
-    await asyncio.sleep(0)

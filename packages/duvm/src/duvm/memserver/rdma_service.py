@@ -109,8 +109,7 @@ class RdmaService:
                 pp.ErrorCode.INVALID,
                 "no RDMA connection belongs to this connection: RDMA_OPEN and connect first",
             )
-        first = self.store.map_chunk(ns, chunk)
-        self.sync_regions(ns)
+        first = self.store.map_chunk(ns, chunk)  # from extents already registered (RESERVE)
         for start, count in ns.extents:
             if start <= first < start + count:
                 region = s.regions[start]

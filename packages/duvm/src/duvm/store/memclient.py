@@ -405,6 +405,20 @@ class MemClient:
             raise MemserverUnreachable(f"not connected to memserver {self.peer}")
         return await self.queue.queue(0, None, None, None, msg)
 
+    def _send(
+        self,
+        mtype: int,
+        keys: tuple[int, ...] | None,
+        data: memoryview | None,
+        out: memoryview | None,
+        msg: pp.Request | None,
+    ) -> Awaitable[Any]:
+        """One request on the current connection: a STORE or LOAD by RDMA when there is an
+        RDMA connection, anything else by TCP."""
+        if self._rdma is not None and msg is None and mtype != _FREE:
+            return self._rdma.call(mtype == _STORE, keys, data if mtype == _STORE else out)  # type: ignore[arg-type]
+        return self.queue.queue(mtype, keys, data, out, msg)
+
     async def _call(
         self,
         mtype: int,
@@ -416,11 +430,7 @@ class MemClient:
         """Send a request; on a lost connection reconnect and retry (requests are idempotent)."""
         if self.hello is not None:  # connected: the fast path
             try:
-                if self._rdma is not None and msg is None and mtype != _FREE:
-                    return await self._rdma.call(
-                        mtype == _STORE, keys, data if mtype == _STORE else out
-                    )  # type: ignore[arg-type]
-                return await self.queue.queue(mtype, keys, data, out, msg)
+                return await self._send(mtype, keys, data, out, msg)
             except MemserverUnreachable:
                 if not self.retries:
                     raise
@@ -433,11 +443,7 @@ class MemClient:
         for attempt in range(self.retries + 1):
             await self._ensure_connected()
             try:
-                if self._rdma is not None and msg is None and mtype != _FREE:
-                    return await self._rdma.call(
-                        mtype == _STORE, keys, data if mtype == _STORE else out
-                    )  # type: ignore[arg-type]
-                return await self.queue.queue(mtype, keys, data, out, msg)
+                return await self._send(mtype, keys, data, out, msg)
             except MemserverUnreachable:
                 if attempt == self.retries:
                     raise
