@@ -515,9 +515,11 @@ def test_swapoff_failure_names_the_cause_it_saw(
     assert expected in msg and not_expected not in msg and said in msg
 
 
-def test_device_problem_kernel_nbd_mocked_sysfs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No kernel nbd here: /sys/block/nbdN/pid is stood in for (the QEMU guest test runs the
-    real one through enable, resume and disable)."""
+def test_device_problem_kernel_nbd_fake_sysfs(tmp_path: Path) -> None:
+    """Catches a detach that would swapoff and disconnect an nbd device whose number someone
+    else connected after ours went away (the kernel nbd path's check, reached through
+    attach.device_problem). No kernel nbd here: a sysfs tree under tmp_path holds
+    block/nbd3/pid (the QEMU guest test runs the real one through enable, resume and disable)."""
     att = attach_state.Attachment(
         socket="s",
         method=attach_state.METHOD_KERNEL,
@@ -526,12 +528,22 @@ def test_device_problem_kernel_nbd_mocked_sysfs(monkeypatch: pytest.MonkeyPatch)
         nbd_netlink=True,
         extra={"nbd_pid": "812"},
     )
-    for now, problem in (("812", None), (None, None), ("977", "connected by someone else")):
-        monkeypatch.setattr(attach_kernel, "nbd_pid", lambda device, now=now: now)
-        found = attach.device_problem(att)
+    pid = tmp_path / "block" / "nbd3" / "pid"
+    pid.parent.mkdir(parents=True)
+    for now, problem in (
+        ("812\n", None),
+        (None, None),  # not connected at all: still ours to clean up
+        ("", None),
+        ("977\n", "connected by someone else now (pid 977, duvm's connection was pid 812)"),
+    ):
+        pid.unlink(missing_ok=True)
+        if now is not None:
+            pid.write_text(now)
+        found = attach.device_problem(att, sys_root=tmp_path)
         assert (found is None) if problem is None else (problem in (found or "")), (now, found)
+    assert attach_kernel.nbd_pid("/dev/nbd3", tmp_path) == "977"
     att.extra.pop("nbd_pid")  # a state file from before the pid was recorded: trusted
-    assert attach.device_problem(att) is None
+    assert attach.device_problem(att, sys_root=tmp_path) is None
 
 
 @needs_root

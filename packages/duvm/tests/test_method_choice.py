@@ -21,55 +21,50 @@ DUVM = [sys.executable, "-m", "duvm.cli"]
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="enable needs root")
 
 
-@pytest.fixture
-def no_kernel_nbd(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This VM's kernel has no nbd; on one that has it, the answer is patched (a kernel
-    without nbd cannot be had there)."""
-    if attach_kernel.available():
-        monkeypatch.setattr(attach_kernel, "available", lambda: False)
-
-
 def _says_both_ways(text: str) -> None:
     assert "no nbd driver" in text and "method auto does not take" in text
     assert "--method nbdfuse-loop" in text and "modprobe nbd" in text
     assert attach_fuse.MEASURED_RISK in text  # the measured reason, not a vague one
 
 
-def test_auto_never_resolves_to_the_fallback(no_kernel_nbd: None) -> None:
+def test_auto_never_resolves_to_the_fallback() -> None:
     """Catches `auto` falling back to nbdfuse + loop on a kernel without nbd: that path hung
     QEMU guests under whole-node memory pressure, and a node duvm hangs is the one outcome it
-    must never cause; taking it must be the user's explicit choice."""
-    with pytest.raises(attach_state.AttachError) as err:
-        attach.resolve_method("auto")
-    _says_both_ways(str(err.value))
-    if not attach_fuse.problems():  # the opt-in: by name it is taken
-        assert attach.resolve_method(attach_state.METHOD_FUSE) == attach_state.METHOD_FUSE
-    with pytest.raises(attach_state.AttachError, match="no nbd driver"):
-        attach.resolve_method(attach_state.METHOD_KERNEL)
-    with pytest.raises(attach_state.AttachError, match="unknown attach method"):
-        attach.resolve_method("floppy")
+    must never cause; taking it must be the user's explicit choice. Asked of a kernel without
+    nbd (`kernel_nbd=False`), and of this one's own answer where it has none."""
+    said = [False] if attach_kernel.available() else [False, None]
+    for kernel_nbd in said:
+        with pytest.raises(attach_state.AttachError) as err:
+            attach.resolve_method("auto", kernel_nbd=kernel_nbd)
+        _says_both_ways(str(err.value))
+        if not attach_fuse.problems():  # the opt-in: by name it is taken
+            fuse = attach.resolve_method(attach_state.METHOD_FUSE, kernel_nbd=kernel_nbd)
+            assert fuse == attach_state.METHOD_FUSE
+        with pytest.raises(attach_state.AttachError, match="no nbd driver"):
+            attach.resolve_method(attach_state.METHOD_KERNEL, kernel_nbd=kernel_nbd)
+        with pytest.raises(attach_state.AttachError, match="unknown attach method"):
+            attach.resolve_method("floppy", kernel_nbd=kernel_nbd)
+    for method in ("auto", attach_state.METHOD_KERNEL):  # with nbd, auto takes it
+        assert attach.resolve_method(method, kernel_nbd=True) == attach_state.METHOD_KERNEL
 
 
 @needs_root
-def test_enable_refuses_before_starting_anything(
-    no_kernel_nbd: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_enable_refuses_before_starting_anything(tmp_path: Path) -> None:
     """Catches the refusal coming after the daemon started (or not at all): enable must stop
     before any process, state file or mount exists, and with the same answer attach gives."""
-    cfg = control.Config(peers=["127.0.0.1:1"], size=16 << 20, state_dir=tmp_path / "state")
-    calls: list[str] = []
-    resolve = attach.resolve_method
+    state = tmp_path / "state"
+    cfg = control.Config(peers=["127.0.0.1:1"], size=16 << 20, state_dir=state)
+    calls: list[tuple[str, list[Path]]] = []
 
-    def counted(method: str) -> str:
-        calls.append(method)
-        return resolve(method)
+    def without_nbd(method: str) -> str:  # attach's answer on a kernel without nbd
+        calls.append((method, sorted(state.iterdir()) if state.exists() else []))
+        return attach.resolve_method(method, kernel_nbd=False)
 
-    monkeypatch.setattr(attach, "resolve_method", counted)
     with pytest.raises(attach_state.AttachError) as err:
-        control.enable(cfg)
+        control.enable(cfg, resolve_method=without_nbd)
     _says_both_ways(str(err.value))
-    assert calls == ["auto"]
-    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
+    assert calls == [("auto", [])]  # resolved once, before anything was written
+    assert not state.exists() or not any(state.iterdir())
 
 
 @needs_root
@@ -119,7 +114,10 @@ def test_doctor_cli_shows_the_refusal() -> None:
     _says_both_ways(f"{block['detail']}; fix: {block['fix']}")
 
 
-def test_the_demo_names_its_method(no_kernel_nbd: None) -> None:
-    """The demo's workload runs in a memory cgroup, so it passes the fallback by name."""
-    assert demo.demo_method("auto") == attach_state.METHOD_FUSE
+def test_the_demo_names_its_method() -> None:
+    """The demo's workload runs in a memory cgroup, so it passes the fallback by name where
+    the kernel has no nbd (this one's own answer: a kernel without nbd cannot be had where it
+    has one)."""
+    auto = attach_state.METHOD_KERNEL if attach_kernel.available() else attach_state.METHOD_FUSE
+    assert demo.demo_method("auto") == auto
     assert demo.demo_method(attach_state.METHOD_KERNEL) == attach_state.METHOD_KERNEL

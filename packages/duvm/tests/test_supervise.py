@@ -12,10 +12,12 @@ real supervisor in the QEMU guest (test_kernel_nbd_qemu.py).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -24,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from duvm.node.attach import attach, attach_state, processes
+from duvm.node.attach import attach_state, processes
 from duvm.node.lifecycle import control, resume, supervise, supervisor_process
 
 STAND_IN = "import time; time.sleep(120)"
@@ -333,8 +335,17 @@ def _catch(fn, *args) -> BaseException | None:
 
 @root_only
 def test_disable_keeps_the_supervisor_through_swapoff_and_refuses_with_a_dead_daemon(
-    node: Node, monkeypatch: pytest.MonkeyPatch
+    node: Node,
 ) -> None:
+    seen: list[bool] = []
+
+    def detach(path: Path, force: bool = False) -> attach_state.Attachment | None:
+        """attach.detach's part here: swapoff is when the supervisor must still watch."""
+        seen.append(supervisor_process.alive(supervisor_process.load(node.state_dir)))
+        att = attach_state.load_state(path)
+        path.unlink()
+        return att
+
     daemon = node.start()
     pid, _ = supervisor_process.start(node.state_dir)
     try:
@@ -343,19 +354,11 @@ def test_disable_keeps_the_supervisor_through_swapoff_and_refuses_with_a_dead_da
         node.kill(daemon)
         processes.wait_pid_exit(daemon, 10)
         with pytest.raises(control.ControlError, match="enable --resume` first"):
-            control.disable(node.state_dir)
+            control.disable(node.state_dir, detach=detach)
+        assert seen == [] and control.state_path(node.state_dir).exists()  # nothing undone
         daemon = node.start()
         pid, _ = supervisor_process.start(node.state_dir)
-        seen: list[bool] = []
-
-        def detach(path: Path, force: bool = False) -> attach_state.Attachment | None:
-            seen.append(supervisor_process.alive(supervisor_process.load(node.state_dir)))
-            att = attach_state.load_state(path)
-            path.unlink()
-            return att
-
-        monkeypatch.setattr(attach, "detach", detach)
-        assert control.disable(node.state_dir) is True
+        assert control.disable(node.state_dir, detach=detach) is True
         assert seen == [True]  # the supervisor watched through the swapoff
         assert not processes.pid_alive(pid) and not processes.pid_alive(daemon)
         assert "resuming" not in (node.state_dir / "supervisor.log").read_text()
@@ -391,45 +394,77 @@ def test_the_supervisor_follows_the_daemons_no_realtime_opt_out(node: Node) -> N
         supervisor_process.stop(node.state_dir)
 
 
-def test_no_record_is_read_between_the_death_and_the_resume(
-    node: Node, monkeypatch: pytest.MonkeyPatch
-) -> None:
+class _Opens:
+    """The names of the files opened in one directory, as the kernel reports them (inotify
+    IN_OPEN): every reader is seen, whichever function it reads through."""
+
+    IN_OPEN = 0x20
+    HEADER = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
+
+    def __init__(self, directory: Path) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        if libc.inotify_add_watch(self.fd, os.fsencode(directory), self.IN_OPEN) < 0:
+            os.close(self.fd)
+            raise OSError(ctypes.get_errno(), f"inotify_add_watch {directory}")
+
+    def take(self) -> list[str]:
+        """The opens reported since the last take ("." for the directory itself)."""
+        names: list[str] = []
+        while True:
+            try:
+                buf = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return names
+            at = 0
+            while at < len(buf):
+                _wd, _mask, _cookie, size = self.HEADER.unpack_from(buf, at)
+                at += self.HEADER.size
+                names.append(buf[at : at + size].rstrip(b"\0").decode() or ".")
+                at += size
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def test_no_record_is_read_between_the_death_and_the_resume(node: Node) -> None:
     """Catches a supervisor that rereads state.json or daemon.json after the daemon died: on a
     node under pressure their pages may be on the device whose server is dead, and the read
     waits out the kernel's dead-connection timeout, so the resume comes too late (seen in CI:
-    swap I/O errors, then a kernel panic)."""
+    swap I/O errors, then a kernel panic). The kernel reports every open in the state
+    directory (inotify), whichever function reads it."""
     first = node.start()
+    try:
+        opens = _Opens(node.state_dir)
+    except OSError as exc:
+        pytest.skip(f"no inotify here to see the reads: {exc}")
     dead = threading.Event()
+    read_while_alive: list[str] = []
     reads_while_dead: list[str] = []
-    real_state, real_daemon = attach_state.load_state, control.load_daemon
-
-    def spy_state(path: Path) -> object:
-        if dead.is_set():
-            reads_while_dead.append(path.name)
-        return real_state(path)
-
-    def spy_daemon(state_dir: Path) -> object:
-        if dead.is_set():
-            reads_while_dead.append("daemon.json")
-        return real_daemon(state_dir)
-
-    monkeypatch.setattr(attach_state, "load_state", spy_state)
-    monkeypatch.setattr(control, "load_daemon", spy_daemon)
     handed: list[object] = []
     resumed: list[int] = []
 
     def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
+        if dead.is_set():
+            reads_while_dead.extend(opens.take())
         handed.append(known)
         resumed.append(node.start())
         dead.clear()  # a daemon serves again
         _later(0.2, lambda: node.disable(resumed[0]))
 
     def kill() -> None:
+        read_while_alive.extend(opens.take())
         dead.set()
         node.kill(first)
 
     _later(0.2, kill)
-    assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=lambda m: None) == 0
+    try:
+        assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=lambda m: None) == 0
+    finally:
+        opens.close()
+    assert {"state.json", "daemon.json"} <= set(read_while_alive)  # the opens are seen
     assert reads_while_dead == []
     att, daemon = handed[0]  # type: ignore[misc]
     assert daemon.pid == first and att.device == "/dev/nbd7"

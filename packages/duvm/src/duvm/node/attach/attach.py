@@ -58,15 +58,20 @@ DEFAULT_RUN_DIR = Path("/run/duvm")
 DEFAULT_NBD_TIMEOUT_S = 60
 
 
-def resolve_method(method: str, tools: Tools = SYSTEM_TOOLS) -> str:
+def resolve_method(method: str, tools: Tools = SYSTEM_TOOLS, kernel_nbd: bool | None = None) -> str:
     """The path `method` takes here (METHOD_KERNEL or METHOD_FUSE), or AttachError saying why
     none. "auto" takes kernel nbd only: the nbdfuse + loop fallback is taken when asked for by
-    name, never by default (AUTO_REFUSES_FALLBACK says why)."""
+    name, never by default (AUTO_REFUSES_FALLBACK says why). `kernel_nbd` is whether the
+    kernel has nbd (None: ask it, attach_kernel.available)."""
+
+    def has_nbd() -> bool:
+        return attach_kernel.available(tools) if kernel_nbd is None else kernel_nbd
+
     if method == "auto":
-        if attach_kernel.available(tools):
+        if has_nbd():
             return METHOD_KERNEL
         raise AttachError(attach_fuse.AUTO_REFUSES_FALLBACK)
-    if method == METHOD_KERNEL and not attach_kernel.available(tools):
+    if method == METHOD_KERNEL and not has_nbd():
         raise AttachError("the kernel has no nbd driver (modprobe nbd failed or kmod missing)")
     if method == METHOD_FUSE and (problems := attach_fuse.problems(tools)):
         raise AttachError("nbdfuse fallback cannot run: " + "; ".join(problems))
@@ -207,12 +212,13 @@ def detach(
     return att
 
 
-def device_problem(att: Attachment) -> str | None:
+def device_problem(att: Attachment, sys_root: Path = Path("/sys")) -> str | None:
     """Why `att.device` is no longer the device this attachment made, or None. Device numbers
     are reused as soon as they are free: a loop device must still be backed by our FUSE file,
-    and a connected nbd device must still carry the connection pid seen at attach."""
+    and a connected nbd device must still carry the connection pid seen at attach (both read
+    from sysfs, mounted at `sys_root`)."""
     if not att.device:
         return None
     if att.method == METHOD_KERNEL:
-        return attach_kernel.device_problem(att)
-    return attach_fuse.device_problem(att)
+        return attach_kernel.device_problem(att, sys_root)
+    return attach_fuse.device_problem(att, sys_root)

@@ -124,13 +124,14 @@ def attach(
     att.device = loop
 
 
-def device_problem(att: Attachment) -> str | None:
+def device_problem(att: Attachment, sys_root: Path = Path("/sys")) -> str | None:
     """Why `att.device` is no longer the loop device this attachment made, or None: the number
-    is reused as soon as it is free, so it must still be backed by our FUSE file."""
+    is reused as soon as it is free, so it must still be backed by our FUSE file (as sysfs
+    under `sys_root` reports it)."""
     assert att.device is not None
     if att.device != att.loop_device:
         return None
-    found = _loop_backing(att.device)
+    found = _loop_backing(att.device, sys_root)
     if found is None:
         return f"{att.device} is no longer a loop device"
     if not _same_path(found, att.fuse_file):
@@ -138,9 +139,10 @@ def device_problem(att: Attachment) -> str | None:
     return None
 
 
-def _loop_backing(device: str) -> str | None:
+def _loop_backing(device: str, sys_root: Path = Path("/sys")) -> str | None:
+    backing = sys_root / "block" / Path(device).name / "loop" / "backing_file"
     try:
-        return Path("/sys/block", Path(device).name, "loop", "backing_file").read_text().strip()
+        return backing.read_text().strip()
     except OSError:
         return None
 

@@ -62,11 +62,12 @@ def attach(att: Attachment, run_dir: Path, timeout_s: int, save: Saver) -> None:
     att.extra["nbd_pid"] = nbd_pid(device)
 
 
-def nbd_pid(device: str) -> str | None:
+def nbd_pid(device: str, sys_root: Path = Path("/sys")) -> str | None:
     """/sys/block/nbdN/pid: set when the device is connected, kept across a reconfigure, so
-    it tells our connection from someone else's on the same device number."""
+    it tells our connection from someone else's on the same device number. `sys_root` is
+    where sysfs is mounted."""
     try:
-        return Path("/sys/block", Path(device).name, "pid").read_text().strip() or None
+        return (sys_root / "block" / Path(device).name / "pid").read_text().strip() or None
     except OSError:
         return None
 
@@ -136,11 +137,12 @@ def reattach(att: Attachment) -> None:
         sock.close()
 
 
-def device_problem(att: Attachment) -> str | None:
+def device_problem(att: Attachment, sys_root: Path = Path("/sys")) -> str | None:
     """Why the connected `att.device` is no longer ours, or None: the number is reused as soon
-    as it is free, so a connected device must still carry the connection pid seen at attach."""
+    as it is free, so a connected device must still carry the connection pid seen at attach
+    (read under `sys_root`, where sysfs is mounted)."""
     assert att.device is not None
-    recorded, now = att.extra.get("nbd_pid"), nbd_pid(att.device)
+    recorded, now = att.extra.get("nbd_pid"), nbd_pid(att.device, sys_root)
     if recorded and now and now != recorded:  # (not connected at all: still ours to clean)
         return (
             f"{att.device} is connected by someone else now (pid {now}, duvm's "

@@ -6,6 +6,7 @@ pages move by RDMA or not at all); warnings for `auto://` ones (they fall back t
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable
 
 from duvm.base.units import parse_peer
 from duvm.node.doctor.doctor_check import FAIL, OK, SKIP, WARN, Check, Options
@@ -95,14 +96,25 @@ def has_ipc_lock(status: str = "/proc/self/status") -> bool:
     return False
 
 
-def check_memlock(npeers: int, required: bool) -> Check:
+def memlock_limit() -> int:
+    """This process's soft locked-memory limit in bytes (`resource.RLIM_INFINITY`: none)."""
+    return resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+
+
+def check_memlock(
+    npeers: int,
+    required: bool,
+    limit: Callable[[], int] = memlock_limit,
+    ipc_lock: Callable[[], bool] = has_ipc_lock,
+) -> Check:
     """Registering memory pins it: the daemon's staging buffers (one per RDMA peer) must fit
-    its locked-memory limit, unless it may lock any amount (root, CAP_IPC_LOCK)."""
+    its locked-memory limit, unless it may lock any amount (root, CAP_IPC_LOCK). `limit` and
+    `ipc_lock` read the two facts judged (this process's, by default)."""
     need = npeers * STAGING_PAGES * 4096
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    soft = limit()
     if soft == resource.RLIM_INFINITY:
         return Check("memlock", OK, required, "no locked-memory limit")
-    if has_ipc_lock():
+    if ipc_lock():
         return Check("memlock", OK, required, "CAP_IPC_LOCK: memory may be locked without limit")
     return _check(
         "memlock",

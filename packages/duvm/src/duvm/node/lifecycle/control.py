@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,10 +183,14 @@ def stop_daemon(state_dir: Path, timeout: float = 30.0) -> None:
 # --- enable / disable ------------------------------------------------------------------------
 
 
-def enable(cfg: Config) -> attach_state.Attachment:
+def enable(
+    cfg: Config, *, resolve_method: Callable[[str], str] = attach.resolve_method
+) -> attach_state.Attachment:
+    """Start the daemon and attach its export as swap; `resolve_method` picks the block-device
+    path for `cfg.method` (attach.resolve_method), before anything starts."""
     systools.require_root()
     cfg.validate()
-    method = attach.resolve_method(cfg.method)  # refused before anything starts
+    method = resolve_method(cfg.method)  # refused before anything starts
     existing = attach_state.load_state(state_path(cfg.state_dir))
     if existing is not None or daemon_alive(load_daemon(cfg.state_dir)):
         where = existing.device if existing and existing.device else "daemon running"
@@ -243,10 +248,15 @@ def _unswappable_state(cfg: Config) -> tuple[Path | None, str | None]:
 
 
 def disable(
-    state_dir: Path = DEFAULT_STATE_DIR, *, force: bool = False, notes: list[str] | None = None
+    state_dir: Path = DEFAULT_STATE_DIR,
+    *,
+    force: bool = False,
+    notes: list[str] | None = None,
+    detach: Callable[..., attach_state.Attachment | None] = attach.detach,
 ) -> bool:
     """Swap off, detach, stop the daemon. False when nothing was enabled. What the user should
-    know about a device left alone goes to `notes`."""
+    know about a device left alone goes to `notes`; `detach` does the swapoff and detach
+    (attach.detach)."""
     systools.require_root()
     current = attach_state.load_state(state_path(state_dir))
     daemon = load_daemon(state_dir)
@@ -271,7 +281,7 @@ def disable(
         )
     # The supervisor stays on during the swapoff (a daemon crash then is resumed too) and is
     # stopped before the daemon, whose stop it must not take for a crash.
-    att = attach.detach(state_path(state_dir), force=force)  # SwapoffFailed: nothing done
+    att = detach(state_path(state_dir), force=force)  # SwapoffFailed: nothing done
     supervisor_process.stop(state_dir)
     if att is not None and notes is not None and att.extra.get("device_problem"):
         notes.append(
