@@ -16,7 +16,7 @@ import os
 
 import pytest
 from duvm.base import accel
-from duvm.memserver.connection import Connection
+from duvm.memserver.connection import Connection, compiled_loop
 from duvm.memserver.server import MemServer
 from duvm.wire import pageproto as pp
 from duvm.wire.pageencode import encode_bytes
@@ -165,7 +165,8 @@ def test_both_loops_answer_every_stream_alike(frames, reserve, chunk) -> None:
 
 def test_the_compiled_loop_serves_the_hot_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     """Catches a compiled loop that never serves anything (every frame left to the reference,
-    so the differential test above would pass with it doing nothing)."""
+    so the differential test above would pass with it doing nothing), and a `Connection` that
+    does not serve with the compiled loop by default."""
     from duvm.memserver import _hotloop
 
     calls: list[int] = []
@@ -178,13 +179,13 @@ def test_the_compiled_loop_serves_the_hot_requests(monkeypatch: pytest.MonkeyPat
             calls.append(to - start)
             return to
 
+    monkeypatch.delenv(accel.ENV, raising=False)
+    assert compiled_loop() is _hotloop  # what a Connection serves with by default
     stream = _wire([("store", [1, 2], 5), ("load", [2, 1], 0), ("free", [1], 0)], 4)
     loop = asyncio.new_event_loop()
     try:
         server = MemServer(16 * PS, lease_s=60, lock=False)
-        monkeypatch.delenv(accel.ENV, raising=False)
-        conn = Connection(server)
-        conn._hot = Spy
+        conn = Connection(server, hot_loop=lambda: Spy)
         t = _Transport()
 
         loop.run_until_complete(_feed(conn, t, stream, 1 << 20))

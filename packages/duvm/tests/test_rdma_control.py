@@ -76,7 +76,10 @@ def test_doctor_fails_rdma_peers_without_a_device_and_warns_for_auto_ones() -> N
     assert next(c for c in loose if c.name == "rdma").status == WARN
 
 
-def test_memlock_is_checked_against_the_staging_buffers(tmp_path, monkeypatch) -> None:
+def test_memlock_is_checked_against_the_staging_buffers(tmp_path) -> None:
+    """Catches a memlock check that passes a limit too small for the staging buffers (one
+    16 MiB buffer per RDMA peer), fails a process that may lock without limit (no limit,
+    CAP_IPC_LOCK), or misreads the capability from /proc/self/status."""
     no_cap = tmp_path / "status"
     no_cap.write_text("Name:\tx\nCapEff:\t0000000000000000\n")
     with_cap = tmp_path / "status_cap"
@@ -84,13 +87,22 @@ def test_memlock_is_checked_against_the_staging_buffers(tmp_path, monkeypatch) -
     assert doctor_rdma.has_ipc_lock(str(with_cap))
     assert not doctor_rdma.has_ipc_lock(str(no_cap))
     assert not doctor_rdma.has_ipc_lock(str(tmp_path / "missing"))
-    monkeypatch.setattr(doctor_rdma, "has_ipc_lock", lambda: False)
-    monkeypatch.setattr(resource, "getrlimit", lambda _: (8 << 20, 8 << 20))
-    c = doctor_rdma.check_memlock(2, required=True)
+    c = doctor_rdma.check_memlock(2, True, limit=lambda: 8 << 20, ipc_lock=lambda: False)
     assert (c.status, c.required) == (FAIL, True)
     assert "8 MiB" in c.detail and "32 MiB" in c.detail and "LimitMEMLOCK" in c.fix
-    monkeypatch.setattr(resource, "getrlimit", lambda _: (64 << 20, 64 << 20))
-    assert doctor_rdma.check_memlock(2, required=True).status == OK
+    loose = doctor_rdma.check_memlock(2, False, limit=lambda: 8 << 20, ipc_lock=lambda: False)
+    assert loose.status == WARN
+    assert doctor_rdma.check_memlock(2, True, lambda: 32 << 20, lambda: False).status == OK
+    assert doctor_rdma.check_memlock(2, True, lambda: 64 << 20, lambda: False).status == OK
+    capped = doctor_rdma.check_memlock(2, True, lambda: 8 << 20, lambda: True)
+    assert (capped.status, capped.detail.split(":")[0]) == (OK, "CAP_IPC_LOCK")
+    unlimited = doctor_rdma.check_memlock(2, True, lambda: resource.RLIM_INFINITY, lambda: False)
+    assert (unlimited.status, unlimited.detail) == (OK, "no locked-memory limit")
+    # by default it judges this process's own limit and capability
+    assert doctor_rdma.memlock_limit() == resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    assert doctor_rdma.check_memlock(2, True) == doctor_rdma.check_memlock(
+        2, True, doctor_rdma.memlock_limit, doctor_rdma.has_ipc_lock
+    )
 
 
 def test_status_says_how_each_peers_pages_move() -> None:

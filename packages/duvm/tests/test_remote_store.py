@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import importlib
 import os
 import random
+from array import array
 
 import pytest
+from duvm.base import accel
 from duvm.memserver.server import MemServer
 from duvm.node.daemon.status import daemon_status
 from duvm.store.memclient import MemClient
@@ -256,24 +257,34 @@ def test_page_crcs_are_each_pages_crc32c() -> None:
     assert list(page_crcs(buf, 3)) == [crc32c(bytes(PS))] * 3  # only the first pages
 
 
+@pytest.mark.parametrize("path", ["reference", "compiled"])
 async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
-    servers, fast
+    servers, fast, monkeypatch, path: str
 ) -> None:
+    """Catches a fast write (reference `WriteFanOut` or its compiled twin) that checksums its
+    pages only after the memserver answered (on the write's latency), checksums them twice
+    (again at the acknowledgement), or records checksums that do not vouch for the bytes."""
     from crc32c import crc32c
+    from duvm.store.slab_table import page_crcs
 
+    if path == "reference":
+        monkeypatch.setenv(accel.ENV, "1")
+    elif (why := accel.state("duvm.store._fanout")) != "compiled":
+        pytest.skip(f"compiled path: {why}")
+    else:
+        monkeypatch.delenv(accel.ENV, raising=False)
     srvs, addrs = servers
-    store = await RemoteStore.open(addrs[:1], MiB, "t:crc-overlap", replicas=1)
     seen: list[tuple[int, int]] = []  # (STOREs the memserver had handled, pages) at each call
-    # the module of the fast path that runs here: remote_write, or its compiled twin
-    fan_out = importlib.import_module(type(store.writes.fan_out).__module__)
-    real = fan_out.page_crcs
 
-    def spy(buf: memoryview, count: int) -> object:
+    def spy(buf: memoryview, count: int) -> array:
         seen.append((srvs[0].store.counters["store_requests"], count))
-        return real(buf, count)
+        return page_crcs(buf, count)
 
-    fan_out.page_crcs = spy
+    store = await RemoteStore.open(addrs[:1], MiB, "t:crc-overlap", replicas=1, write_crcs=spy)
     try:
+        # the fast path of the asked-for kind runs here
+        module = "remote_write" if path == "reference" else "_fanout"
+        assert type(store.writes.fan_out).__module__ == f"duvm.store.{module}"
         data = os.urandom(64 * PS)
         before = srvs[0].store.counters["store_requests"]
         assert await fast(store.start_write, 8 * PS, memoryview(data)) == "fast"
@@ -288,26 +299,27 @@ async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
         await store.read(8 * PS, memoryview(out))  # the checksums vouch for the bytes
         assert out == data and store.counters()["checksum_failures"] == 0
     finally:
-        fan_out.page_crcs = real
         await store.close()
 
 
 async def test_a_replicated_write_checksums_its_pages_after_its_stores_left(servers) -> None:
-    from duvm.store import remote_write
+    """Catches the general (coroutine) write path checksumming its pages before its STOREs
+    left (the checksums then delay every replica's copy) or more than once."""
+    from duvm.store.slab_table import page_crcs
 
     srvs, addrs = servers
-    store = await RemoteStore.open(addrs, MiB, "t:crc-overlap-2", replicas=2, slab_pages=64)
     # when the checksums were taken: STOREs each memserver had handled, and whether every
     # client had sent what it had queued
     seen: list[tuple[list[int], bool]] = []
-    real = remote_write.page_crcs
 
-    def spy(buf: memoryview, count: int) -> object:
+    def spy(buf: memoryview, count: int) -> array:
         sent = all(c.queue.idle for c in store.clients)
         seen.append(([s.store.counters["store_requests"] for s in srvs], sent))
-        return real(buf, count)
+        return page_crcs(buf, count)
 
-    remote_write.page_crcs = spy
+    store = await RemoteStore.open(
+        addrs, MiB, "t:crc-overlap-2", replicas=2, slab_pages=64, write_crcs=spy
+    )
     try:
         data = os.urandom(32 * PS)
         before = [s.store.counters["store_requests"] for s in srvs]
@@ -320,7 +332,6 @@ async def test_a_replicated_write_checksums_its_pages_after_its_stores_left(serv
         await store.read(0, memoryview(out))
         assert out == data and store.counters()["checksum_failures"] == 0
     finally:
-        remote_write.page_crcs = real
         await store.close()
 
 

@@ -23,8 +23,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from time import perf_counter_ns
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from duvm.base import accel
 from duvm.base.sockets import tune_socket
@@ -52,6 +53,30 @@ _IOV_MAX = 1024  # buffers per writev (Linux UIO_MAXIOV)
 _HOT_MODULE = "duvm.memserver._hotloop"
 
 
+class HotLoop(Protocol):
+    """What a `Connection` calls of its compiled STORE/LOAD/FREE loop (`_hotloop.serve`)."""
+
+    def serve(
+        self,
+        buf: memoryview,
+        start: int,
+        end: int,
+        limit_store: int,
+        limit_batch: int,
+        pages: dict,
+        reserved: int,
+        arena: Any,
+        memory: memoryview,
+        counters: dict,
+        out: list,
+    ) -> int: ...
+
+
+def compiled_loop() -> HotLoop | None:
+    """The compiled STORE/LOAD/FREE loop when the compiled path runs here, else None."""
+    return accel.load(_HOT_MODULE)
+
+
 def _skip(bufs: list, n: int) -> list:
     """`bufs` without its first `n` bytes."""
     for i, b in enumerate(bufs):
@@ -70,7 +95,10 @@ def _own(bufs: list) -> list:
 class Connection(asyncio.BufferedProtocol):
     """One client connection: authenticate, then decode requests, handle them, batch replies."""
 
-    def __init__(self, server: MemServer) -> None:
+    def __init__(
+        self, server: MemServer, hot_loop: Callable[[], HotLoop | None] = compiled_loop
+    ) -> None:
+        """`hot_loop` gives the compiled loop to serve with (None: the reference loop only)."""
         self.server = server
         self.store = server.store
         # Small until authenticated: an unauthenticated peer costs HANDSHAKE_FRAME bytes.
@@ -88,7 +116,7 @@ class Connection(asyncio.BufferedProtocol):
         self._secret: bytes | None = None
         self._deadline: asyncio.TimerHandle | None = None
         # the compiled STORE/LOAD/FREE loop (duvm.memserver._hotloop), None on the pure path
-        self._hot = accel.load(_HOT_MODULE)
+        self._hot = hot_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # uvloop: not a subclass
         self.transport = transport  # type: ignore[assignment]

@@ -20,7 +20,6 @@ SOURCE_DIGEST = DUVM_SOURCE_DIGEST.decode()
 
 from duvm.store.memserver_errors import MemserverUnreachable
 from duvm.store.replica_errors import REPLICA_FAILURES
-from duvm.store.slab_table import page_crcs
 
 cdef enum:
     PAGE_SHIFT = 12
@@ -37,7 +36,7 @@ cdef class ReplicatedWrite:
     cdef Py_ssize_t slab, first, count, waiting
 
     def compute_crcs(self):
-        self.crcs = page_crcs(self.data, self.count)
+        self.crcs = self.owner.page_crcs(self.data, self.count)
 
     def __call__(self, exc):
         if exc is not None:
@@ -74,13 +73,14 @@ cdef class ReplicatedWrite:
 cdef class WriteFanOut:
     """The fast path of `RemoteWrites` (see the reference)."""
 
-    cdef readonly object writes, replication, table
+    cdef readonly object writes, replication, table, page_crcs
     cdef int[::1] inflight
 
     def __init__(self, writes):
         self.writes = writes
         self.replication = writes.replication
         self.table = writes.table
+        self.page_crcs = writes.page_crcs  # the writes' checksum function (see the reference)
         self.inflight = self.table.inflight  # the table's own array, never replaced
 
     def start_write(self, Py_ssize_t offset, data, done, tag):

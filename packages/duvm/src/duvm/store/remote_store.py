@@ -58,11 +58,11 @@ from duvm.store.readahead import Readahead
 from duvm.store.remote_health import DEFAULT_OP_TIMEOUT, RemoteHealth
 from duvm.store.remote_read import RemoteReads
 from duvm.store.remote_trim import RemoteTrims
-from duvm.store.remote_write import RemoteWrites
+from duvm.store.remote_write import PageCrcs, RemoteWrites
 from duvm.store.repair import Repairer
 from duvm.store.replica_errors import DEFAULT_UNREACHABLE_WAIT, REPLICA_FAILURES, storage_error
 from duvm.store.replication import Replication
-from duvm.store.slab_table import slab_table_type
+from duvm.store.slab_table import page_crcs, slab_table_type
 from duvm.store.storage import (
     PAGE_SIZE,
     Batching,
@@ -103,7 +103,9 @@ class RemoteStore(BlockStore):
         tables: tuple[Any, Any] | None = None,
         security: PeerSecurity | None = None,
         transports: list[str] | None = None,
+        write_crcs: PageCrcs = page_crcs,
     ) -> None:
+        """`write_crcs` checksums the pages of a write of several pages (see RemoteWrites)."""
         if size <= 0 or size & _MASK:
             raise ValueError(f"size must be a positive multiple of {PAGE_SIZE}, not {size}")
         if not peers:
@@ -137,7 +139,7 @@ class RemoteStore(BlockStore):
         for c in self.clients:
             c.on_namespace_lost = self.replication.namespace_lost
         self.reads = RemoteReads(self.replication, unreachable_wait)
-        self.writes = RemoteWrites(self.replication, unreachable_wait)
+        self.writes = RemoteWrites(self.replication, unreachable_wait, write_crcs)
         self.trims = RemoteTrims(self.replication)
         self.monitor = RemoteHealth(self.replication, op_timeout=op_timeout)
         self._tasks: list[asyncio.Task] = []

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from array import array
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,8 @@ from duvm.wire.pageproto import ErrorCode
 
 _MASK = PAGE_SIZE - 1
 
+PageCrcs = Callable[[memoryview, int], array]  # (buffer, pages) -> each page's CRC-32C
+
 
 @dataclass(slots=True)
 class WriteCounters(Counters):
@@ -60,12 +62,13 @@ class WriteFanOut:
     again (STORE is idempotent), drops the replicas that failed and decides what it means.
     Compiled twin: `duvm.store._fanout` (see `fan_out_type`)."""
 
-    __slots__ = ("replication", "table", "writes")
+    __slots__ = ("page_crcs", "replication", "table", "writes")
 
     def __init__(self, writes: RemoteWrites) -> None:
         self.writes = writes
         self.replication = writes.replication
         self.table = writes.table
+        self.page_crcs = writes.page_crcs
 
     def start_write(self, offset: int, data: memoryview, done: Done, tag: object) -> bool:
         n = len(data)
@@ -127,7 +130,8 @@ class WriteFanOut:
             # pages, instead of after they answered: for 512 KiB that is about 40% of the
             # daemon's work per write taken off the write's latency. Should the
             # acknowledgements come first, `mark_stored` computes them itself (D29).
-            clients[0].loop.call_soon(lambda: crcs.append(page_crcs(data, count)))
+            checksum = self.page_crcs
+            clients[0].loop.call_soon(lambda: crcs.append(checksum(data, count)))
         return True
 
     def _connected_replicas(self, slab: int, count: int) -> tuple[MemClient, ...] | None:
@@ -152,7 +156,14 @@ def fan_out_type() -> type[WriteFanOut]:
 class RemoteWrites:
     """The write path of a `RemoteStore` over `replication`; `fan_out` its fast path."""
 
-    def __init__(self, replication: Replication, unreachable_wait: float) -> None:
+    def __init__(
+        self,
+        replication: Replication,
+        unreachable_wait: float,
+        page_crcs: PageCrcs = page_crcs,
+    ) -> None:
+        """`page_crcs` checksums a write's pages (both paths, for writes of several pages)."""
+        self.page_crcs = page_crcs
         self.replication = replication
         self.table = replication.table
         self.unreachable_wait = unreachable_wait
@@ -253,7 +264,7 @@ class RemoteWrites:
         members = list(t.sets[slab])
         clients = t.slab_clients[slab]
         if len(clients) == 1 and rep is None:
-            crcs = (_crc32(data),) if count == 1 else page_crcs(data, count)
+            crcs = (_crc32(data),) if count == 1 else self.page_crcs(data, count)
             try:
                 await _store_one(clients[0], keys, data)
                 results: list = [None]
@@ -270,7 +281,7 @@ class RemoteWrites:
                 started = [_start_store(c, keys, data) for c in targets]
                 if count > 1 and any(s is not None for s in started):
                     await asyncio.sleep(0)  # the STOREs leave: checksum while they are copied
-                crcs = (_crc32(data),) if count == 1 else page_crcs(data, count)
+                crcs = (_crc32(data),) if count == 1 else self.page_crcs(data, count)
                 results = await asyncio.gather(
                     *[_store_one(c, keys, data, s) for c, s in zip(targets, started, strict=True)],
                     return_exceptions=True,
