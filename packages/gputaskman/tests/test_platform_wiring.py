@@ -16,6 +16,7 @@ import ctypes.util
 import json
 import os
 import platform
+import shutil
 import stat
 import subprocess
 import sys
@@ -87,16 +88,26 @@ def test_mocked_platform_selects_its_backend_and_loads_nothing(backend, kind):
         src.close()
 
 
-def test_mocked_linux_appends_ascend_only_when_npu_smi_is_installed(monkeypatch):
+def test_mocked_linux_appends_ascend_only_when_npu_smi_is_installed(tmp_path, monkeypatch):
+    """Catches the NPU being appended whether or not ``npu-smi`` is installed (or never): PATH
+    names an empty folder, then one holding a mocked ``npu-smi`` script (no NPU here)."""
     from gputaskman.backends import ascend
     from gputaskman.backends.linux import LinuxGpus
 
-    monkeypatch.setattr(ascend, "find_npu_smi", lambda which=None: None)
+    if any(os.access(p, os.X_OK) for p in ascend.SEARCH):
+        pytest.skip("npu-smi is installed on this machine")
+    cat = shutil.which("cat")  # the script's, found before PATH is narrowed
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
     plain = registry.gpu_source("nvml")
     assert isinstance(plain, LinuxGpus) and plain.ascend is None
-    monkeypatch.setattr(ascend, "find_npu_smi", lambda which=None: "/usr/local/bin/npu-smi")
+    bindir = write_tool(tmp_path, f"{cat} {NPU_FIXTURE}\n")
+    monkeypatch.setenv("PATH", str(bindir))
     both = registry.gpu_source("nvml")
     assert isinstance(both, LinuxGpus) and isinstance(both.ascend, ascend.AscendBackend)
+    npus = both.ascend.sample().adapters  # found on PATH and run: the script's two NPUs
+    assert [a.pci_bus_id for a in npus] == ["00000000:5a:00.0", "00000000:19:00.0"]
     plain.close()
     both.close()
 

@@ -233,28 +233,22 @@ def test_the_signal_choices_are_term_first():
     assert isinstance(demo_snapshot().processes[0], ProcGpu)
 
 
-def test_the_cli_readonly_flag_reaches_the_app(monkeypatch):
-    """`gputaskman --readonly` builds the TUI read-only (the flag is not parsed and dropped)."""
+def test_the_cli_readonly_flag_reaches_the_app(tmp_path: Path, monkeypatch) -> None:
+    """`gputaskman --readonly` builds the TUI read-only (the flag is not parsed and dropped):
+    `_tui` runs a real app that has no signal key, and without the flag one that has it."""
     from gputaskman import cli
-    from gputaskman.tui import app as app_module
 
-    seen: dict[str, object] = {}
-
-    class Ran:
-        return_code = 0
-
-        def run(self) -> None:
-            seen["ran"] = True
-
-    def fake_create_app(**kwargs: object) -> Ran:
-        seen.update(kwargs)
-        return Ran()
-
-    monkeypatch.setattr(app_module, "create_app", fake_create_app)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # a settings file of the test's own
     parse = cli.build_parser().parse_args
-    assert cli._tui(parse(["--readonly"])) == 0
-    assert seen["readonly"] is True and seen["ran"] is True
-    assert cli._tui(parse([])) == 0 and seen["readonly"] is False
+    ran: list[GtmApp] = []
+    assert cli._tui(parse(["--readonly"]), run=ran.append) == 0
+    assert cli._tui(parse([]), run=ran.append) == 0
+    readonly, plain = ran
+    assert readonly.settings_path is not None and readonly.settings_path.is_relative_to(tmp_path)
+    assert isinstance(readonly, GtmApp) and readonly.readonly is True
+    assert readonly.check_action("signal", ()) is False  # k does not exist
+    assert isinstance(plain, GtmApp) and plain.readonly is False
+    assert plain.check_action("signal", ()) is True
 
 
 # ---------------------------------------------------------------------- settings

@@ -29,7 +29,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from gputaskman import __version__
@@ -266,9 +266,16 @@ def tui_app(args: argparse.Namespace) -> GtmApp:
     )
 
 
-def _tui(args: argparse.Namespace) -> int:
-    app = tui_app(args)
+def run_app(app: GtmApp) -> None:
+    """Run `app` in this terminal until it exits."""
     app.run()
+
+
+def _tui(args: argparse.Namespace, run: Callable[[GtmApp], object] = run_app) -> int:
+    """Build the TUI for `args` (`tui_app`), run it and return its exit code; `run` runs the
+    built app (tests pass one that keeps the app instead of taking the terminal)."""
+    app = tui_app(args)
+    run(app)
     return int(app.return_code or 0)
 
 

@@ -82,14 +82,16 @@ def _row(mark: str, text: str, width: int = 24) -> str:
     return textwrap.fill(text, WIDTH, initial_indent=first, subsequent_indent=" " * len(first))
 
 
-def column_lines() -> list[str]:
-    """One line per column the process table can show (KeyError: one is unexplained)."""
-    labels = [*text_report.PAGED_COLUMNS, *ENGINE_COLUMNS, *IDENTITY_COLUMNS]
+def column_lines(columns: tuple[str, ...] = text_report.PAGED_COLUMNS) -> list[str]:
+    """One line per column the process table can show (KeyError: one is unexplained).
+    `columns` is the widest memory table's (tests add one the help does not know)."""
+    labels = [*columns, *ENGINE_COLUMNS, *IDENTITY_COLUMNS]
     return [_row(label, COLUMN_HELP[label], 9) for label in labels]
 
 
-def mark_lines() -> list[str]:
-    """Every mark a table cell can carry, with its meaning (KeyError: one is unexplained)."""
+def mark_lines(loud_reasons: tuple[Reason, ...] = text_report.LOUD_REASONS) -> list[str]:
+    """Every mark a table cell can carry, with its meaning (KeyError: one is unexplained).
+    `loud_reasons` are the reasons a VRAM cell spells out (tests add one)."""
     size = "1.2 GiB"
     lines = [_row(f"{mark}{size}", KIND_HELP[kind]) for kind, mark in KIND_MARK.items()]
     lines += [
@@ -98,10 +100,7 @@ def mark_lines() -> list[str]:
             f"{text_report.UNIQUE_MARK} only one explanation fits the inference",
         ),
         _row(report.NA, "unknown (the inspector says why); never 0"),
-        *(
-            _row(f"{report.NA} ({reason})", LOUD_HELP[reason])
-            for reason in text_report.LOUD_REASONS
-        ),
+        *(_row(f"{report.NA} ({reason})", LOUD_HELP[reason]) for reason in loud_reasons),
         _row("windows:PID", "a process of another OS (HOST:PID), see PID"),
         _row(
             f"RUNTIMES {text_report.NOT_SCANNED_MARK}",
@@ -160,18 +159,24 @@ def screen_lines() -> list[str]:
     ]
 
 
-def help_text(bindings: list[Binding]) -> str:
-    """The whole help text (the keys of `bindings`, then columns, marks and notes)."""
+def help_text(
+    bindings: list[Binding],
+    *,
+    columns: tuple[str, ...] = text_report.PAGED_COLUMNS,
+    loud_reasons: tuple[Reason, ...] = text_report.LOUD_REASONS,
+) -> str:
+    """The whole help text (the keys of `bindings`, then columns, marks and notes);
+    `columns` and `loud_reasons` go to `column_lines` and `mark_lines`."""
     return "\n".join(
         [
             "gputaskman keys",
             *key_lines(bindings),
             "",
             "Process table columns",
-            *column_lines(),
+            *column_lines(columns),
             "",
             "Marks in the table",
-            *mark_lines(),
+            *mark_lines(loud_reasons),
             "",
             "MODEL evidence, strongest first, and its tags",
             *model_lines(),
