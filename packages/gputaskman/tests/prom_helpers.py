@@ -75,17 +75,30 @@ class Prometheus:
         return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 30.0) -> Prometheus:
+        """Until `/-/ready` answers 200: Prometheus listens before its storage is open and
+        answers queries 503 until then, which a loaded machine makes long enough to hit. A
+        TLS server asks for a client certificate, so only its listening socket is awaited
+        (its tests wait for their answer through gputaskman, which retries)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(
                     f"prometheus exited: {(self.dir / 'prometheus.log').read_text()}"
                 )
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return self
+            if self._ready():
+                return self
             time.sleep(0.1)
-        raise AssertionError("prometheus did not listen")
+        raise AssertionError("prometheus did not become ready")
+
+    def _ready(self) -> bool:
+        if self.tls:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", self.port)) == 0
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=5) as r:
+                return r.status == 200
+        except OSError:  # refused while starting, or HTTPError 503 until the storage is open
+            return False
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant query straight from the HTTP API (plain HTTP only)."""
