@@ -1,6 +1,6 @@
-"""Fixtures shared by the duvm tests. Their helper modules (memserver_raw, duvm_processes)
-sit beside them and import by name; with `--import-mode=importlib` pytest does not put this
-folder on sys.path itself, so it is put there once, here."""
+"""Fixtures shared by the duvm tests. Their helper modules (memserver_raw, memserver_relay,
+duvm_processes) sit beside them and import by name; with `--import-mode=importlib` pytest does
+not put this folder on sys.path itself, so it is put there once, here."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from duvm.base import accel
 from duvm.memserver.server import MemServer
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
@@ -91,6 +92,23 @@ async def _fast(start: Callable[..., bool], offset: int, buf: memoryview) -> str
 def fast() -> FastPath:
     """`await fast(store.start_read, offset, buf)`: see `_fast`."""
     return _fast
+
+
+@pytest.fixture
+def pick_path(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str], None]:
+    """`pick_path(path, module)`: what is built from now on takes the pure-Python reference
+    ("reference") or the compiled `module` ("compiled"; skipped, with the reason, where that
+    module is not built)."""
+
+    def pick(path: str, module: str) -> None:
+        if path == "reference":
+            monkeypatch.setenv(accel.ENV, "1")
+        elif (why := accel.state(module)) != "compiled":
+            pytest.skip(f"compiled path: {why}")
+        else:
+            monkeypatch.delenv(accel.ENV, raising=False)
+
+    return pick
 
 
 def _load_benchmark(name: str) -> ModuleType:

@@ -25,6 +25,7 @@ from duvm.store.memclient import MemClient
 from duvm.store.memserver_errors import MemserverUnreachable
 from duvm.wire import pageproto as pp
 from duvm.wire.pagedecode import NEED_DATA, Decoder
+from memserver_relay import Relay
 
 LOOPS = ["asyncio", "uvloop"]
 
@@ -37,58 +38,22 @@ def run(loop: str, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
         asyncio.run(main())
 
 
-class CutAfterWelcome:
-    """A TCP relay in front of a memserver that closes each connection as soon as it has
-    forwarded the memserver's WELCOME (HelloReply) to the client."""
+class CutAfterWelcome(Relay):
+    """Closes each connection as soon as it has forwarded the memserver's WELCOME
+    (HelloReply) to the client."""
 
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.connections = 0
-        self.cut = 0
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task] = set()
+    cut = 0
 
-    async def start(self) -> tuple[str, int]:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return self._server.sockets[0].getsockname()[:2]
-
-    async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._server.wait_closed()
-
-    async def _relay(self, c_r: asyncio.StreamReader, c_w: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        s_r, s_w = await asyncio.open_connection(*self.target)
-
-        async def up() -> None:  # client -> memserver, as is
-            while data := await c_r.read(1 << 16):
-                s_w.write(data)
-
-        async def down() -> None:  # memserver -> client, until WELCOME has passed
-            dec = Decoder("client")
-            while data := await s_r.read(1 << 16):
-                dec.receive_data(data)
-                c_w.write(data)
-                while (msg := dec.next_event()) is not NEED_DATA:
-                    if isinstance(msg, pp.HelloReply):
-                        c_w.close()  # at once: the FIN follows the WELCOME
-                        self.cut += 1
-                        return
-
-        tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
-        self._tasks.update(tasks)
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in tasks:
-                t.cancel()
-            self._tasks.difference_update(tasks)
-            for w in (c_w, s_w):
-                w.close()
+    async def down(self, s_r: asyncio.StreamReader, c_w: asyncio.StreamWriter) -> None:
+        dec = Decoder("client")
+        while data := await s_r.read(1 << 16):
+            dec.receive_data(data)
+            c_w.write(data)
+            while (msg := dec.next_event()) is not NEED_DATA:
+                if isinstance(msg, pp.HelloReply):
+                    c_w.close()  # at once: the FIN follows the WELCOME
+                    self.cut += 1
+                    return
 
 
 @contextlib.asynccontextmanager

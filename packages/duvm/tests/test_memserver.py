@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-from duvm.base import accel
 from duvm.memserver.connection import Connection, _skip
 from duvm.memserver.pagestore import PageStore, Refused
 from duvm.memserver.server import MemServer
@@ -24,6 +23,7 @@ from duvm.wire.pagedecode import NEED_DATA, Decoder
 from duvm.wire.pageencode import encode_bytes, frame_header
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from memserver_relay import Relay
 
 PS = pp.PAGE_SIZE
 
@@ -233,29 +233,12 @@ async def wait_until(cond, timeout: float = 5.0) -> None:
             await asyncio.sleep(0.01)
 
 
-class ShortLoads:
-    """A TCP relay in front of a memserver that forwards every byte as is, except that it cuts
-    the last page off each successful LOAD reply of more than one page (and its length in the
-    header): a memserver answering a LOAD with fewer pages than asked, as its client sees it."""
+class ShortLoads(Relay):
+    """Cuts the last page off each successful LOAD reply of more than one page (and its length
+    in the header): a memserver answering a LOAD with fewer pages than asked, as its client
+    sees it."""
 
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.connections = 0
-        self.shortened = 0
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task] = set()
-
-    async def start(self) -> tuple[str, int]:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return self._server.sockets[0].getsockname()[:2]
-
-    async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._server.wait_closed()
+    shortened = 0
 
     def _pass(self, buf: bytearray) -> bytes:
         """The whole frames at the front of `buf` (taken out of it), LOAD replies cut short."""
@@ -274,45 +257,21 @@ class ShortLoads:
             del buf[:end]
         return bytes(out)
 
-    async def _relay(self, c_r: asyncio.StreamReader, c_w: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        s_r, s_w = await asyncio.open_connection(*self.target)
-
-        async def up() -> None:  # client -> memserver, as is
-            while data := await c_r.read(1 << 16):
-                s_w.write(data)
-
-        async def down() -> None:  # memserver -> client, frame by frame
-            buf = bytearray()
-            while data := await s_r.read(1 << 16):
-                buf += data
-                c_w.write(self._pass(buf))
-
-        tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
-        self._tasks.update(tasks)
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in tasks:
-                t.cancel()
-            self._tasks.difference_update(tasks)
-            for w in (c_w, s_w):
-                w.close()
+    async def down(self, s_r: asyncio.StreamReader, c_w: asyncio.StreamWriter) -> None:
+        buf = bytearray()  # frame by frame
+        while data := await s_r.read(1 << 16):
+            buf += data
+            c_w.write(self._pass(buf))
 
 
 @pytest.mark.parametrize("path", ["reference", "compiled"])
 async def test_a_reply_that_breaks_the_protocol_fails_its_request_not_hangs(
-    server: MemServer, monkeypatch, path: str
+    server: MemServer, pick_path, path: str
 ) -> None:
     """A memserver answering a LOAD with fewer pages than asked (a relay cuts its reply
     short) is cut off; the request that reply belonged to fails like on a lost connection
     instead of waiting forever, on the client's reference reply loop and its compiled one."""
-    if path == "reference":
-        monkeypatch.setenv(accel.ENV, "1")
-    elif (why := accel.state("duvm.store._replies")) != "compiled":
-        pytest.skip(f"compiled path: {why}")
-    else:
-        monkeypatch.delenv(accel.ENV, raising=False)
+    pick_path(path, "duvm.store._replies")
     relay = ShortLoads(server.addr)
     c = MemClient(*await relay.start(), "n/short")
     try:

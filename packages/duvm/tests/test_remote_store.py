@@ -9,7 +9,6 @@ import random
 from array import array
 
 import pytest
-from duvm.base import accel
 from duvm.memserver.server import MemServer
 from duvm.node.daemon.status import daemon_status
 from duvm.store.memclient import MemClient
@@ -259,7 +258,7 @@ def test_page_crcs_are_each_pages_crc32c() -> None:
 
 @pytest.mark.parametrize("path", ["reference", "compiled"])
 async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
-    servers, fast, monkeypatch, path: str
+    servers, fast, pick_path, path: str
 ) -> None:
     """Catches a fast write (reference `WriteFanOut` or its compiled twin) that checksums its
     pages only after the memserver answered (on the write's latency), checksums them twice
@@ -267,12 +266,7 @@ async def test_a_fast_write_checksums_its_pages_while_the_memserver_stores_them(
     from crc32c import crc32c
     from duvm.store.slab_table import page_crcs
 
-    if path == "reference":
-        monkeypatch.setenv(accel.ENV, "1")
-    elif (why := accel.state("duvm.store._fanout")) != "compiled":
-        pytest.skip(f"compiled path: {why}")
-    else:
-        monkeypatch.delenv(accel.ENV, raising=False)
+    pick_path(path, "duvm.store._fanout")
     srvs, addrs = servers
     seen: list[tuple[int, int]] = []  # (STOREs the memserver had handled, pages) at each call
 
