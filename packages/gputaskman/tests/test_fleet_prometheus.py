@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -99,19 +100,40 @@ def _fleet(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+# the system object's numbers serve exports (the rest are not in its series)
+SYSTEM_EXPORTED = {
+    "memory": ("total_bytes", "available_bytes", "used_bytes", "cached_bytes"),
+    "swap": ("total_bytes", "used_bytes"),
+    "cpu": ("percent",),
+}
+
+
 def _measured(doc: dict) -> dict[tuple, object]:
-    """Every measured number in a fleet document's snapshots, by host and place."""
+    """Every measured number in a fleet document's snapshots that serve exports, by host
+    and place: GPUs, processes (with their RAM and CPU) and the system panel."""
     out: dict[tuple, object] = {}
     for h in doc["hosts"]:
         s = h["snapshot"]
         if s is None:
             continue
+        system = s["system"] or {}
+        places = [
+            ((section, k), (system.get(section) or {}).get(k))
+            for section, keys in SYSTEM_EXPORTED.items()
+            for k in keys
+        ]
+        for d in (system.get("swap") or {}).get("devices") or ():
+            places += [(("device", d["filename"], k), d[k]) for k in ("size_bytes", "used_bytes")]
+        for place, r in places:
+            if r and r["kind"] == "measured" and r["value"] is not None:
+                out[(h["name"], *place)] = r["value"]
         for a in s["adapters"]:
             for k, r in (a["metrics"] or {}).items():
                 if r and r["kind"] == "measured" and r["value"] is not None:
                     out[(h["name"], a["pci_bus_id"], k)] = r["value"]
         for p in s["processes"]:
-            readings = {k: p[k] for k in ("vram_bytes", "paged_bytes", "footprint_bytes")}
+            keys = ("vram_bytes", "paged_bytes", "footprint_bytes", "ram_bytes", "cpu_percent")
+            readings = {k: p[k] for k in keys}
             readings.update(p["engines"])
             for k, r in readings.items():
                 if r and r["kind"] == "measured" and r["value"] is not None:
@@ -121,7 +143,8 @@ def _measured(doc: dict) -> dict[tuple, object]:
 
 def test_prometheus_agrees_with_direct_polling_on_every_measured_number(cluster):
     """Catches a measured number lost, changed or moved to another GPU or process on its
-    way through Prometheus, and a down host shown without Prometheus's reason."""
+    way through Prometheus (the system panel and each process's RAM and CPU included), and
+    a down host shown without Prometheus's reason."""
     serves, names, prom, a = cluster.serves, cluster.names, cluster.prom, cluster.token
     via = _fleet("--prometheus", prom.url, "--json")
     assert via.returncode == 0, via.stderr
@@ -131,6 +154,11 @@ def test_prometheus_agrees_with_direct_polling_on_every_measured_number(cluster)
     fleetdoc.check_fleet(pdoc)
     p, q = _measured(pdoc), _measured(ddoc)
     assert len(p) > 40 and p == q
+    # the system panel and the processes' RAM and CPU came through (the demo's at least)
+    count = Counter(k[-1] for k in p)
+    assert len([k for k in p if k[1:] == ("memory", "total_bytes")]) == 4
+    assert count["percent"] >= 2 and count["size_bytes"] >= 3
+    assert count["ram_bytes"] >= 6 and count["cpu_percent"] >= 6
     hosts = {names[h["name"]]: h for h in pdoc["hosts"]}
     assert sorted(hosts) == sorted(serves)
     for k in ("drm", "demo", "replay", "killed"):

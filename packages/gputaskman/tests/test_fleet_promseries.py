@@ -1,33 +1,44 @@
 """A host's snapshot rebuilt from its series (`fleet.promseries`): what `serve` exports comes
 back with its kind, an absent series is unknown with a reason (never 0), and values no host
 can have are refused with a reason and a problem. The series are the exporter's own
-families for the demo and DRM fixture snapshots, labelled as Prometheus stores them."""
+families for the demo and DRM fixture snapshots (with the host sample `serve` takes beside
+them: the demo's, and the DRM recording's), labelled as Prometheus stores them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
-from gputaskman.base.readings import Kind, Reason
+from gputaskman.base.readings import Kind, Reading, Reason
 from gputaskman.document.reader import read_document
 from gputaskman.fixtures.demo import TAKEN, demo_snapshot
 from gputaskman.fleet.promapi import Sample
 from gputaskman.fleet.promseries import (
+    CPU_KEYS,
+    MEMORY_KEYS,
     NO_SERIES,
+    NOT_EXPORTED,
     host_document,
+    host_sample,
     host_snapshot,
     snapshot_document,
 )
-from gputaskman.render.exporter import Cached, snapshot_families
+from gputaskman.offline.recordloop import as_served
+from gputaskman.render import report
+from gputaskman.render.exporter import Cached, metric_name, snapshot_families
+from gputaskman.sampling import host
+from gputaskman.serve.sources import DemoSource
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fleet_tui import HERE
 
 
-def _series(snapshot, instance: str = "gpu-node-01:9835") -> list[Sample]:
+def _series(snapshot, instance: str = "gpu-node-01:9835", system=None) -> list[Sample]:
     out = []
-    for fam in snapshot_families(Cached(snapshot, None, snapshot.taken, 0.01), now=snapshot.taken):
+    cached = Cached(snapshot, system, snapshot.taken, 0.01)
+    for fam in snapshot_families(cached, now=snapshot.taken):
         for s in fam.samples:
             labels = {**s.labels, "__name__": s.name, "instance": instance, "job": "gputaskman"}
             out.append(Sample(labels, (0.0, float(s.value))))
@@ -133,23 +144,216 @@ def test_the_document_says_it_was_built_from_series():
     assert doc.notes == ("built from X",) and doc.taken == TAKEN
 
 
-@pytest.mark.parametrize("make", [demo_snapshot, _drm_snapshot], ids=["demo", "drm"])
-@pytest.mark.parametrize("damage", [None, "gputaskman_gpu_memory_used_bytes"])
+def _served_demo():
+    """The demo as `serve --demo` samples it: the snapshot and host.py's `SystemInfo`."""
+    return DemoSource().sample_with_system()
+
+
+def _served_drm():
+    """The DRM recording as `serve --replay` samples it (its host sample included)."""
+    line = (HERE / "recordings" / "drm.jsonl").read_text().splitlines()[0]
+    return as_served(read_document(line.encode()), "test")
+
+
+@pytest.mark.parametrize("make", [_served_demo, _served_drm], ids=["demo", "drm"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        None,
+        "gputaskman_gpu_memory_used_bytes",
+        "gputaskman_system_memory_used_bytes",
+        "gputaskman_process_ram_bytes",
+    ],
+)
 def test_the_table_s_document_is_the_one_the_reader_reads_from_the_json(make, damage):
     """Catches the document built without JSON (the fleet table's, every second) drifting
     from the one the reader reads from the written document (what --json and record show):
-    a sum, a time, a host reading or a problem that differs."""
-    series = _series(make())
+    a sum, a time, a host reading, the system panel or a problem that differs."""
+    snapshot, system = make()
+    series = _series(snapshot, system=system)
     if damage is not None:
         hit = next(i for i, s in enumerate(series) if s.labels["__name__"] == damage)
         series[hit] = Sample(series[hit].labels, (0.0, -1.0))
-    snap = host_snapshot(series, note="test")
+    snap, sample = host_sample(series, note="test")
     assert snapshot_document(snap) == host_document(snap)[0]
+    assert snapshot_document(snap, sample) == host_document(snap, sample)[0]
+    assert host_document(snap, sample)[0].system is not None
 
 
+# the system object's readings `serve` exports, by (section, key)
+EXPORTED = {
+    ("memory", "total_bytes"),
+    ("memory", "available_bytes"),
+    ("memory", "used_bytes"),
+    ("memory", "cached_bytes"),
+    ("swap", "total_bytes"),
+    ("swap", "used_bytes"),
+    ("cpu", "percent"),
+}
+
+
+def _system_readings(doc) -> dict[tuple, Reading]:
+    """Every reading of a document's system panel and of its processes' RAM and CPU."""
+    s = doc.system
+    out: dict[tuple, Reading] = {}
+    out.update({("memory", k): r for k, r in s.memory.items()})
+    out.update({("cpu", k): r for k, r in s.cpu.items()})
+    for k in ("total_bytes", "free_bytes", "used_bytes"):
+        out[("swap", k)] = getattr(s.swap, k)
+    for d in s.swap.devices or ():
+        for k in ("size_bytes", "used_bytes", "priority"):
+            out[("device", d.filename, d.type, k)] = getattr(d, k)
+    for row in doc.processes:
+        if row.proc.host is None:
+            out[("process", row.proc.pid, row.proc.adapter, "ram")] = row.ram_bytes
+            out[("process", row.proc.pid, row.proc.adapter, "cpu")] = row.cpu_percent
+    return out
+
+
+def _exported(key: tuple) -> bool:
+    return (key[0] in ("process", "device") and key[-1] != "priority") or key in EXPORTED
+
+
+@pytest.mark.parametrize("make", [_served_demo, _served_drm], ids=["demo", "drm"])
+def test_the_system_panel_and_process_ram_cpu_come_back_as_polling_has_them(make):
+    """Catches the system panel or a process's RAM / CPU lost on the way through
+    Prometheus, read under the wrong key, process or kind, or shown as a number that was
+    not exported (RAM free, load averages) instead of unknown."""
+    snapshot, system = make()
+    direct = read_document(report.to_json_dict(snapshot, system))
+    doc, _ = host_document(*host_sample(_series(snapshot, system=system), note="test"))
+    was, now = _system_readings(direct), _system_readings(doc)
+    known = 0
+    for key, r in was.items():
+        got = now.get(key)
+        if r is not None and r.value is not None and _exported(key):
+            assert got is not None and (got.value, got.kind) == (r.value, r.kind), key
+            known += 1
+        elif got is not None:
+            assert got.value is None and got.reason is Reason.UNAVAILABLE, key
+            assert got.detail == (NO_SERIES if _exported(key) else NOT_EXPORTED), key
+    assert known >= 8
+    assert not [k for k in now if k not in was]  # no device or process made up
+    assert doc.system.taken is None  # the host sample's own time is not exported
+    if not direct.system.swap.devices:  # none listed: Prometheus cannot tell it from unknown
+        assert doc.system.swap.devices is None and doc.system.swap.devices_reason == NO_SERIES
+
+
+def test_the_system_object_keeps_every_key_a_host_sampler_writes():
+    """Catches a key of host.py's samples missing from a host's view built from series
+    (its panel would say "not recorded" instead of "not exported")."""
+    assert tuple(f.name for f in dataclasses.fields(host.MemoryInfo)) == MEMORY_KEYS
+    assert tuple(f.name for f in dataclasses.fields(host.CpuInfo)) == CPU_KEYS
+
+
+def test_a_system_or_process_reading_of_another_kind_comes_back_with_it():
+    """Catches a kind lost on the system panel or a process's host readings: an estimated
+    RAM figure or a runtime-reported CPU load shown as measured. The system readings are
+    the exporter's for a host sample carrying them (a replayed recording can); a process's
+    are renamed as the exporter names such a reading (`metric_name`), since host.py
+    measures every process reading it has."""
+    snapshot, system = _served_demo()
+    memory = dataclasses.replace(system.memory, cached_bytes=Reading.estimated(5 << 30, "x"))
+    cpu = dataclasses.replace(system.cpu, percent=Reading.runtime(12.5, "x"))
+    system = dataclasses.replace(system, memory=memory, cpu=cpu)
+    series = _series(snapshot, system=system)
+    ram = "gputaskman_process_ram_bytes"
+    renamed = metric_name("gputaskman_process_ram", "bytes", Kind.ESTIMATED)
+    series = [
+        Sample({**s.labels, "__name__": renamed}, s.value)
+        if s.labels["__name__"] == ram and s.labels["pid"] == "4242"
+        else s
+        for s in series
+    ]
+    doc, _ = host_document(*host_sample(series, note="test"))
+    got = doc.system.memory["cached_bytes"]
+    assert (got.value, got.kind) == (5 << 30, Kind.ESTIMATED)
+    assert got.source == "prometheus:gputaskman_system_memory_cached_estimated_bytes"
+    got = doc.system.cpu["percent"]
+    assert (got.value, got.kind) == (12.5, Kind.RUNTIME)
+    (row,) = [r for r in doc.processes if r.proc.pid == 4242]
+    assert (row.ram_bytes.value, row.ram_bytes.kind) == (6 << 30, Kind.ESTIMATED)
+
+
+def test_a_system_series_prometheus_does_not_have_is_unknown_with_a_reason_never_zero():
+    """Catches an absent system or process series read as 0 (0 B of RAM used, a process
+    at 0 % CPU), or a host without any shown with a system panel of unknowns."""
+    snapshot, system = _served_demo()
+    gone = {
+        "gputaskman_system_memory_used_bytes",
+        "gputaskman_system_cpu_percent",
+        "gputaskman_system_swap_device_size_bytes",
+        "gputaskman_system_swap_device_used_bytes",
+    }
+    series = [
+        s
+        for s in _series(snapshot, system=system)
+        if s.labels["__name__"] not in gone
+        and not (
+            s.labels["__name__"] == "gputaskman_process_cpu_percent" and s.labels["pid"] == "4242"
+        )
+    ]
+    doc, body = host_document(*host_sample(series, note="test"))
+    for r in (doc.system.memory["used_bytes"], doc.system.cpu["percent"]):
+        assert r.value is None and r.reason is Reason.UNAVAILABLE and r.detail == NO_SERIES
+    assert doc.system.swap.devices is None and doc.system.swap.devices_reason == NO_SERIES
+    (row,) = [r for r in doc.processes if r.proc.pid == 4242]
+    assert row.cpu_percent.value is None and row.cpu_percent.detail == NO_SERIES
+    assert row.ram_bytes.value == 6 << 30
+    assert json.loads(body)["system"]["memory"]["used_bytes"]["value"] is None
+    # a host that exported no system series has no system object
+    bare = [s for s in series if not s.labels["__name__"].startswith("gputaskman_system_")]
+    assert host_document(*host_sample(bare, note="test"))[0].system is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("gputaskman_system_memory_total_bytes", -1.0, "impossible value -1"),
+        ("gputaskman_system_memory_used_bytes", 1e15, "over the total"),
+        ("gputaskman_system_swap_used_bytes", 1e15, "over the total"),
+        ("gputaskman_system_swap_device_used_bytes", 1e15, "over the size"),
+        ("gputaskman_system_cpu_percent", float("nan"), "impossible value nan"),
+        ("gputaskman_system_cpu_percent", 150.0, "over 100 percent"),
+        ("gputaskman_process_ram_bytes", -4096.0, "impossible value -4096"),
+        ("gputaskman_process_cpu_percent", float("inf"), "impossible value inf"),
+    ],
+)
+def test_impossible_system_and_process_values_are_refused_with_a_reason_and_a_problem(
+    name, value, says
+):
+    """Catches negative RAM, used over total, NaN or a CPU load no host can have shown as a
+    number on the system panel or a process's row."""
+    snapshot, system = _served_demo()
+    series = _series(snapshot, system=system)
+    hit = next(i for i, s in enumerate(series) if s.labels["__name__"] == name)
+    series[hit] = Sample(series[hit].labels, (0.0, value))
+    doc, _ = host_document(*host_sample(series, note="test"))
+    labels = series[hit].labels
+    if name.startswith("gputaskman_process_"):
+        (row,) = [r for r in doc.processes if r.proc.pid == int(labels["pid"])]
+        r = row.ram_bytes if "ram" in name else row.cpu_percent
+    elif "device" in name:
+        (d,) = doc.system.swap.devices
+        r = d.used_bytes
+    else:
+        section = name.split("_")[2]
+        key = "percent" if section == "cpu" else name.split("_")[3] + "_bytes"
+        r = getattr(doc.system, section)
+        r = r[key] if isinstance(r, dict) else getattr(r, key)
+    assert r.value is None and r.reason is Reason.QUERY_FAILED and says in r.detail
+    assert any(says in (p.detail or "") for p in doc.problems)
+
+
+_DEMO, _DEMO_SYSTEM = _served_demo()
 _NAMES = sorted(
-    {s.labels["__name__"] for s in _series(demo_snapshot())}
-    | {"gputaskman_gpu_gtt_used_bytes", "gputaskman_process_x_utilization_runtime_percent"}
+    {s.labels["__name__"] for s in _series(_DEMO, system=_DEMO_SYSTEM)}
+    | {
+        "gputaskman_gpu_gtt_used_bytes",
+        "gputaskman_process_x_utilization_runtime_percent",
+        "gputaskman_system_memory_cached_estimated_bytes",
+        "gputaskman_process_cpu_runtime_percent",
+    }
 )
 _LABEL = st.sampled_from(
     [
@@ -165,6 +369,8 @@ _LABEL = st.sampled_from(
         "reason",
         "vendor",
         "backend",
+        "device",
+        "type",
     ]
 )
 _TEXT = st.sampled_from(
@@ -206,10 +412,23 @@ def test_any_series_make_a_document_both_ways_alike_and_never_raise(raw):
         Sample({**labels, "__name__": name, "instance": "h:1"}, (0.0, value))
         for name, labels, value in raw
     ]
-    snap = host_snapshot(series, note="fuzz")
-    doc, body = host_document(snap)
-    assert snapshot_document(snap) == doc
+    snap, system = host_sample(series, note="fuzz")
+    doc, body = host_document(snap, system)
+    assert snapshot_document(snap, system) == doc
+    assert snapshot_document(snap) == host_document(snap)[0]
     assert json.loads(body)["schema"] == "gputaskman.snapshot"
     for m in (a.metrics for a in doc.adapters):
         for r in (m.memory_used_bytes, m.memory_total_bytes, m.util_gpu_percent):
             assert r.value is None or (r.value >= 0 and math.isfinite(r.value))
+    readings = [r for row in doc.processes for r in (row.ram_bytes, row.cpu_percent)]
+    if doc.system is not None:
+        s = doc.system
+        readings += [*s.memory.values(), *s.cpu.values(), s.swap.total_bytes, s.swap.used_bytes]
+        for total, used in [
+            (s.memory["total_bytes"], s.memory["used_bytes"]),
+            (s.swap.total_bytes, s.swap.used_bytes),
+            *((d.size_bytes, d.used_bytes) for d in s.swap.devices or ()),
+        ]:
+            assert None in (total.value, used.value) or used.value <= total.value
+    for r in readings:
+        assert r.value is None or (r.value >= 0 and math.isfinite(r.value))

@@ -59,7 +59,7 @@ from gputaskman.fleet.promseries import (
     TIMESTAMP,
     by_instance,
     host_document,
-    host_snapshot,
+    host_sample,
     snapshot_document,
 )
 from gputaskman.fleet.targets import DEFAULT_PORT, Target, TargetError, parse_target
@@ -337,9 +337,14 @@ class PromFleet:
         new = prev
         if up == 1 and series is not None:
             note = self.note if whole else self.table_note
-            snap = host_snapshot(series, note=note)
+            snap, system = host_sample(series, note=note)
+            # the table's series are not the host sample's: only a host read whole has one
+            host = system if whole else None
             # the table needs the typed document only; --json and record write the bytes
-            doc, body = (snapshot_document(snap), None) if self.table_only else host_document(snap)
+            if self.table_only:
+                doc, body = snapshot_document(snap, host), None
+            else:
+                doc, body = host_document(snap, host)
             self._sample_at[instance] = sample_at if sample_at is not None else 0.0
             new = dataclasses.replace(
                 prev,

@@ -4,8 +4,9 @@ the fleet is read from Prometheus instead of from each host.
 
 Theory of operation
 -------------------
-`host_snapshot` takes every ``gputaskman_*`` series of one host from one instant query and
-builds the model's `Snapshot`, which `host_document` turns into a snapshot document with the
+`host_sample` takes every ``gputaskman_*`` series of one host from one instant query and
+builds the model's `Snapshot` and the host sample beside it (a `recorded.RecordedSystem`, the
+host sample a document holds), which `host_document` turns into a snapshot document with the
 writer every other document comes from (`report.to_json_dict`) and reads back with the one
 reader (`reader.read_document`). So the fleet view, ``--json`` and ``fleet record`` see the
 same typed objects and the same JSON as when they poll hosts directly.
@@ -17,18 +18,31 @@ What the series carry, and so what comes back:
   under the base name, any other kind under a name that carries it): the kind survives the
   trip. Clocks come back from hertz to MHz.
 * Processes from ``gputaskman_process_*`` by their labels (PID, name, GPU): measured and
-  inferred VRAM, paged and footprint memory, engine shares, and the model from
-  ``gputaskman_process_model_info`` (name, evidence, confirmed).
+  inferred VRAM, paged and footprint memory, engine shares, the model from
+  ``gputaskman_process_model_info`` (name, evidence, confirmed), and the host's RAM and CPU
+  of each process (``gputaskman_process_ram_bytes``, ``gputaskman_process_cpu_percent``), each
+  with its kind as its name carries it.
+* The system panel (the document's ``system`` object) from ``gputaskman_system_*``: RAM total,
+  available, used and cached, swap total and used, CPU busy percent (each named by its kind,
+  as `exporter.SYSTEM_MEMORY` and `exporter.SYSTEM_SWAP` list them), and each swap device's
+  size and used bytes (``gputaskman_system_swap_device_*``, by file name and type, in name
+  order: the exporter does not keep /proc/swaps's; without a device series the list is
+  ``null``, "no series in Prometheus", since no swap and unknown look alike). A host that
+  exported none of these has no ``system`` object (``null``), as when its serve had none.
 * The sample's time (``gputaskman_sample_timestamp_seconds``), the backend's state
   (``gputaskman_backend_up``) and its problems (``gputaskman_sample_problems``).
 
 A reading without a series is unknown with a reason (``unavailable``, "no series in
 Prometheus"), never 0: `serve` exports no series for an unknown value, and Prometheus cannot
 say which of the two it was. A value no host can have (negative bytes or percent, memory used
-over the total, NaN or infinity) is unknown too, with the value in its reason, and a problem
-saying so. Command lines, process details, the weights / KV cache / compute split and the
-host's RAM and CPU per process are not exported and stay unknown; the document's notes say
-that it was built from series, from which server and query.
+over the total, all CPUs over 100 percent busy, NaN or infinity) is unknown too, with the
+value in its reason, and a problem saying so. Command lines, process details and the weights /
+KV cache / compute split are not exported; nor are RAM free, buffers and shared, swap free,
+the CPU count and load averages, a swap device's priority, the host sample's own time and the
+duvm pool: those readings are unknown ("not exported to Prometheus"), the time is ``null``
+and there is no ``duvm`` object. Whether a swap file was deleted while in use is not exported
+either, and the document's field for it cannot say unknown: it reads ``false``. The
+document's notes say that it was built from series, from which server and query.
 """
 
 from __future__ import annotations
@@ -52,14 +66,16 @@ from gputaskman.base.readings import (
     Snapshot,
     checked_reading,
 )
-from gputaskman.document.doctypes import AdapterDoc, ProcessDoc
+from gputaskman.document.doctypes import AdapterDoc, ProcessDoc, SwapDeviceDoc, SwapDoc, SystemDoc
 from gputaskman.document.reader import Document, read_document
 from gputaskman.fleet.promapi import Sample
+from gputaskman.offline.recorded import RecordedSystem
 from gputaskman.render import report
-from gputaskman.render.exporter import DEVICE_FIELDS, metric_name
+from gputaskman.render.exporter import DEVICE_FIELDS, SYSTEM_MEMORY, SYSTEM_SWAP, metric_name
 
 SOURCE = "prometheus"
 NO_SERIES = "no series in Prometheus"
+NOT_EXPORTED = "not exported to Prometheus"
 WHERE = "prometheus"
 TIMESTAMP = "gputaskman_sample_timestamp_seconds"
 KINDS = {k.value: k for k in Kind}
@@ -75,6 +91,37 @@ _MEASURED_NAME = {
     for fld, (base, unit, _scale, _doc) in DEVICE_FIELDS.items()
 }
 _PROC_MEMORY = {"vram": "dedicated", "paged": "paged", "footprint": "footprint"}
+# a process's host readings: the series' word -> (the document's key, the series' unit)
+_PROC_HOST = {"ram": ("ram_bytes", "bytes"), "cpu": ("cpu_percent", "percent")}
+# the system object's keys, as a host sampler writes them (`host.MemoryInfo`, `host.CpuInfo`)
+MEMORY_KEYS = (
+    "total_bytes",
+    "available_bytes",
+    "used_bytes",
+    "free_bytes",
+    "cached_bytes",
+    "buffers_bytes",
+    "shared_bytes",
+)
+CPU_KEYS = ("logical_cpus", "load_1", "load_5", "load_15", "percent")
+SWAP_KEYS = ("total_bytes", "free_bytes", "used_bytes")
+# a system series' name -> (the system object's section, its key there, the kind)
+_SYSTEM_BYTES = [("memory", n) for n in SYSTEM_MEMORY] + [("swap", n) for n in SYSTEM_SWAP]
+SYSTEM_SERIES: dict[str, tuple[str, str, Kind]] = {
+    metric_name(f"gputaskman_system_{sec}_{n}", "bytes", k): (sec, f"{n}_bytes", k)
+    for sec, n in _SYSTEM_BYTES
+    for k in Kind
+} | {metric_name("gputaskman_system_cpu", "percent", k): ("cpu", "percent", k) for k in Kind}
+_SYSTEM_MEASURED = {
+    (section, key): name
+    for name, (section, key, kind) in SYSTEM_SERIES.items()
+    if kind is Kind.MEASURED
+}
+# a swap device's series (always measured: the exporter writes /proc/swaps's numbers)
+SWAP_DEVICE_SERIES = {
+    "gputaskman_system_swap_device_size_bytes": "size_bytes",
+    "gputaskman_system_swap_device_used_bytes": "used_bytes",
+}
 _PROC_NAME = re.compile(
     r"gputaskman_process_(\w+?)(?:_(inferred|estimated|runtime))?_(bytes|percent)"
 )
@@ -115,6 +162,7 @@ class _Proc:
     readings: dict[str, Reading] = field(default_factory=dict)
     engines: dict[str, Reading] = field(default_factory=dict)
     model: ModelRef | None = None
+    host_readings: dict[str, Reading] = field(default_factory=dict)  # ram_bytes, cpu_percent
 
 
 def _kind(labels: Mapping[str, str], fallback: Kind) -> Kind:
@@ -188,7 +236,16 @@ def _pid(text: str) -> tuple[int, str | None] | None:
 
 def host_snapshot(samples: Iterable[Sample], *, note: str) -> Snapshot:
     """The `Snapshot` one host's series describe (see the module docstring)."""
+    return host_sample(samples, note=note)[0]
+
+
+def host_sample(samples: Iterable[Sample], *, note: str) -> tuple[Snapshot, RecordedSystem]:
+    """The `Snapshot` one host's series describe and its host sample: the system object
+    (None when the host exported none of its series) and each process's RAM and CPU, as a
+    document's host sample is (`recorded.RecordedSystem`); see the module docstring."""
     b = _Builder()
+    system: dict[str, dict[str, Reading]] = {}
+    swap_devices: dict[tuple[str, str], dict[str, Reading]] = {}
     adapters: dict[str, Adapter] = {}
     devices: dict[str, dict[str, Reading]] = {}
     extra: dict[str, dict[str, Reading]] = {}
@@ -233,6 +290,14 @@ def host_snapshot(samples: Iterable[Sample], *, note: str) -> Snapshot:
                 extra.setdefault(pci, {})[key] = b.reading(name, value, kind, 1, pci)
         elif name.startswith("gputaskman_process_"):
             _process_series(b, procs, name, labels, value)
+        elif name in SYSTEM_SERIES:
+            section, key, kind = SYSTEM_SERIES[name]
+            system.setdefault(section, {})[key] = b.reading(name, value, kind)
+        elif name in SWAP_DEVICE_SERIES:
+            dev = (labels.get("device", ""), labels.get("type", ""))
+            swap_devices.setdefault(dev, {})[SWAP_DEVICE_SERIES[name]] = b.reading(
+                name, value, Kind.MEASURED
+            )
     metrics = {pci: _device_metrics(b, pci, rs) for pci, rs in devices.items() if pci in adapters}
     for pci in adapters:
         metrics.setdefault(pci, _device_metrics(b, pci, {}))
@@ -249,17 +314,102 @@ def host_snapshot(samples: Iterable[Sample], *, note: str) -> Snapshot:
         for where, reason, n in problems
         for _ in range(min(int(n), 100) if math.isfinite(n) and n > 0 else 0)
     ]
-    return Snapshot(
+    processes = tuple(_proc_gpu(p) for p in procs.values())
+    host = RecordedSystem(_system_doc(b, system, swap_devices), _host_readings(procs))
+    snapshot = Snapshot(
         taken=taken if taken is not None and math.isfinite(taken) and taken > 0 else 0.0,
         backend=backend,
         adapters=tuple(sorted(adapters.values(), key=lambda a: a.index)),
         metrics=metrics,
-        processes=tuple(_proc_gpu(p) for p in procs.values()),
+        processes=processes,
         problems=(*listed, *b.problems),
         notes=(note,),
         backend_problem=backend_problem,
         extra_metrics=extra,
     )
+    return snapshot, host
+
+
+def _not_over(
+    b: _Builder, rs: dict[str, Reading], used: str, total: str, what: str = "the total"
+) -> None:
+    """Refuses ``rs[used]`` when it is over ``rs[total]`` (memory no host can have used)."""
+    u, t = rs.get(used), rs.get(total)
+    if u is None or t is None or u.value is None or t.value is None or u.value <= t.value:
+        return
+    name = u.source.removeprefix(f"{SOURCE}:")
+    rs[used] = b.impossible(name, float(u.value), u.kind, None, f": over {what} of {t.value:g}")
+
+
+_NOT_EXPORTED = Reading.missing(Reason.UNAVAILABLE, SOURCE, NOT_EXPORTED)
+
+
+def _absent(name: str) -> Reading:
+    return Reading.missing(Reason.UNAVAILABLE, f"{SOURCE}:{name}", NO_SERIES)
+
+
+def _section(got: dict[str, Reading], section: str, keys: tuple[str, ...]) -> dict[str, Reading]:
+    """Every key of a system section: its series' reading, unknown without one."""
+    out = {}
+    for key in keys:
+        r = got.get(key)
+        if r is None:
+            name = _SYSTEM_MEASURED.get((section, key))
+            r = _NOT_EXPORTED if name is None else _absent(name)
+        out[key] = r
+    return out
+
+
+def _system_doc(
+    b: _Builder,
+    parts: dict[str, dict[str, Reading]],
+    devices: dict[tuple[str, str], dict[str, Reading]],
+) -> SystemDoc | None:
+    if not parts and not devices:
+        return None
+    memory, swap, cpu = parts.get("memory", {}), parts.get("swap", {}), parts.get("cpu", {})
+    _not_over(b, memory, "used_bytes", "total_bytes")
+    _not_over(b, swap, "used_bytes", "total_bytes")
+    busy = cpu.get("percent")
+    if busy is not None and busy.value is not None and busy.value > 100:
+        name = busy.source.removeprefix(f"{SOURCE}:")
+        why = ": over 100 percent of all CPUs"
+        cpu["percent"] = b.impossible(name, float(busy.value), busy.kind, None, why)
+    listed = []
+    for (filename, swap_type), rs in sorted(devices.items()):
+        _not_over(b, rs, "used_bytes", "size_bytes", "the size")
+        size = rs.get("size_bytes") or _absent("gputaskman_system_swap_device_size_bytes")
+        used = rs.get("used_bytes") or _absent("gputaskman_system_swap_device_used_bytes")
+        listed.append(SwapDeviceDoc(filename, swap_type, size, used, _NOT_EXPORTED))
+    return SystemDoc(
+        None,  # the host sample's own time is not exported
+        _section(memory, "memory", MEMORY_KEYS),
+        SwapDoc(
+            *_section(swap, "swap", SWAP_KEYS).values(),
+            tuple(listed) if devices else None,
+            None if devices else NO_SERIES,
+        ),
+        _section(cpu, "cpu", CPU_KEYS),
+    )
+
+
+def _host_readings(procs: Mapping[tuple[str, str, str], _Proc]) -> dict[tuple, dict[str, Reading]]:
+    """Each of this host's processes' RAM and CPU readings (a process on two GPUs has the
+    same ones in both rows), unknown without a series; by (PID, start time) as a host
+    sample's lookup takes them (no start time is exported)."""
+    out: dict[tuple, dict[str, Reading]] = {}
+    for p in procs.values():
+        if p.host is not None:
+            continue  # another OS's process: this machine's host sample knows nothing of it
+        got = out.setdefault((p.pid, None), {})
+        for key, r in p.host_readings.items():
+            if key not in got or (got[key].value is None and r.value is not None):
+                got[key] = r
+    for got in out.values():
+        for what, (key, unit) in _PROC_HOST.items():
+            if key not in got:
+                got[key] = _absent(f"gputaskman_process_{what}_{unit}")
+    return out
 
 
 def _device_metrics(b: _Builder, pci: str, rs: dict[str, Reading]) -> DeviceMetrics:
@@ -311,7 +461,12 @@ def _process_series(
     if parsed is None:
         return
     what, kind, unit = parsed
-    if unit == "percent" and what.endswith("_utilization"):
+    host = _PROC_HOST.get(what)
+    if host is not None:
+        key, host_unit = host
+        if unit == host_unit:
+            p.host_readings[key] = b.reading(name, value, kind, 1, pci or None)
+    elif unit == "percent" and what.endswith("_utilization"):
         p.engines[what.removesuffix("_utilization")] = b.reading(name, value, kind, 1, pci or None)
     elif unit == "bytes" and what in _PROC_MEMORY:
         slot = _PROC_MEMORY[what]
@@ -342,15 +497,21 @@ def _proc_gpu(p: _Proc) -> ProcGpu:
     )
 
 
-def host_document(snapshot: Snapshot) -> tuple[Document, bytes]:
-    """`snapshot` as a snapshot document: the typed `Document` and the JSON bytes it was
-    read from (what ``fleet --json`` and ``fleet record`` write)."""
-    body = json.dumps(report.to_json_dict(snapshot), allow_nan=False, separators=(",", ":"))
+def host_document(
+    snapshot: Snapshot, system: RecordedSystem | None = None
+) -> tuple[Document, bytes]:
+    """`snapshot` with its host sample `system` (`host_sample`'s) as a snapshot document: the
+    typed `Document` and the JSON bytes it was read from (what ``fleet --json`` and ``fleet
+    record`` write)."""
+    body = json.dumps(report.to_json_dict(snapshot, system), allow_nan=False, separators=(",", ":"))
     raw = body.encode()
     return read_document(raw), raw
 
 
 _NOT_SAMPLED = Reading.missing(Reason.UNAVAILABLE, report.HOST_SOURCE, "host not sampled")
+_NOT_IN_SAMPLE = Reading.missing(
+    Reason.UNAVAILABLE, report.HOST_SOURCE, "process not in host sample"
+)
 
 
 def _iso(taken: float) -> str | None:
@@ -358,7 +519,7 @@ def _iso(taken: float) -> str | None:
     return None if when is None else when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def snapshot_document(snapshot: Snapshot) -> Document:
+def snapshot_document(snapshot: Snapshot, system: RecordedSystem | None = None) -> Document:
     """`snapshot` as the `Document` `host_document` reads from its JSON, built without
     writing and reading it: what the fleet table needs, several hundred times a second in a
     large fleet (a differential test holds the two equal)."""
@@ -379,13 +540,16 @@ def snapshot_document(snapshot: Snapshot) -> Document:
     )
     processes = []
     for p in snapshot.processes:
-        # the writer's words for a process without the host's readings (none are read back)
+        # the writer's words for a process without the host's readings
         if p.host is None:
-            none = _NOT_SAMPLED
+            none = _NOT_SAMPLED if system is None else _NOT_IN_SAMPLE
+            got = {} if system is None else system.process_readings(p.pid, p.create_time)
         else:
             why = f"a {p.host} process: not in this machine's host sample"
             none = Reading.missing(Reason.UNAVAILABLE, report.HOST_SOURCE, why)
-        processes.append(ProcessDoc(p, none, none))
+            got = {}
+        ram, cpu = got.get("ram_bytes"), got.get("cpu_percent")
+        processes.append(ProcessDoc(p, none if ram is None else ram, none if cpu is None else cpu))
     return Document(
         snapshot.taken,
         snapshot.backend,
@@ -396,7 +560,7 @@ def snapshot_document(snapshot: Snapshot) -> Document:
         snapshot.driver_version,
         snapshot.backend_problem,
         None,
-        None,
+        None if system is None else system.doc,
         _iso(snapshot.taken),
         snapshot.attributed,
         snapshot.attributed_complete,

@@ -75,6 +75,12 @@ DEVICE_FIELDS: dict[str, tuple[str, str, float, str]] = {
 }
 
 
+# the host sample's numbers `system_families` exports, by the system object's section: the
+# series ``gputaskman_system_<section>_<name>_bytes`` (and ``gputaskman_system_cpu_percent``)
+SYSTEM_MEMORY = ("total", "available", "used", "cached")
+SYSTEM_SWAP = ("total", "used")
+
+
 def metric_name(base: str, unit: str, kind: Kind) -> str:
     """``base_unit`` for measured values, ``base_<kind>_unit`` for every other kind."""
     if kind is Kind.MEASURED:
@@ -314,15 +320,12 @@ def system_families(system: SystemInfo) -> Iterator[Metric]:
     """RAM, swap devices, CPU (OS-measured) and the duvm pool (runtime) of the host sample."""
     f = _Families()
     m, s, c = system.memory, system.swap, system.cpu
-    memory = (
-        ("total", m.total_bytes),
-        ("available", m.available_bytes),
-        ("used", m.used_bytes),
-        ("cached", m.cached_bytes),
-    )
-    for name, r in memory:
+    memory, swap = fields_of(m), fields_of(s)
+    for name in SYSTEM_MEMORY:
+        r = memory[f"{name}_bytes"]
         f.reading(f"gputaskman_system_memory_{name}", "bytes", f"System RAM {name}", (), (), r)
-    for name, r in (("total", s.total_bytes), ("used", s.used_bytes)):
+    for name in SYSTEM_SWAP:
+        r = swap[f"{name}_bytes"]
         f.reading(f"gputaskman_system_swap_{name}", "bytes", f"Swap {name}", (), (), r)
     f.reading("gputaskman_system_cpu", "percent", "CPU busy, all CPUs", (), (), c.percent)
     for d in s.devices or ():
