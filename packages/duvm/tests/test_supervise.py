@@ -442,6 +442,7 @@ def test_no_record_is_read_between_the_death_and_the_resume(node: Node) -> None:
         pytest.skip(f"no inotify here to see the reads: {exc}")
     dead = threading.Event()
     read_while_alive: list[str] = []
+    records = {"state.json", "daemon.json"}
     reads_while_dead: list[str] = []
     handed: list[object] = []
     resumed: list[int] = []
@@ -455,7 +456,12 @@ def test_no_record_is_read_between_the_death_and_the_resume(node: Node) -> None:
         _later(0.2, lambda: node.disable(resumed[0]))
 
     def kill() -> None:
-        read_while_alive.extend(opens.take())
+        # only once the supervisor has read both records: on a loaded machine its first
+        # reads may come after 0.2 s, and would then count as reads of the dead
+        deadline = time.monotonic() + 30
+        while not records <= set(read_while_alive) and time.monotonic() < deadline:
+            read_while_alive.extend(opens.take())
+            time.sleep(0.01)
         dead.set()
         node.kill(first)
 
@@ -464,7 +470,7 @@ def test_no_record_is_read_between_the_death_and_the_resume(node: Node) -> None:
         assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=lambda m: None) == 0
     finally:
         opens.close()
-    assert {"state.json", "daemon.json"} <= set(read_while_alive)  # the opens are seen
+    assert records <= set(read_while_alive)  # the opens are seen
     assert reads_while_dead == []
     att, daemon = handed[0]  # type: ignore[misc]
     assert daemon.pid == first and att.device == "/dev/nbd7"
