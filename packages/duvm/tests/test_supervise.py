@@ -96,6 +96,23 @@ def _later(delay: float, fn) -> threading.Thread:
     return t
 
 
+def _when_watched(log: list[str], pid: int, fn) -> threading.Thread:
+    """Runs `fn` once the supervisor says it watches `pid` (a fixed delay would race its
+    first read on a loaded machine, and the daemon would die unwatched)."""
+
+    def wait_then_run() -> None:
+        deadline = time.monotonic() + 30
+        while f"watching daemon pid {pid} serving /dev/nbd7" not in log:
+            if time.monotonic() > deadline:
+                break  # then the assertions say what was not watched
+            time.sleep(0.01)
+        fn()
+
+    t = threading.Thread(target=wait_then_run, daemon=True)
+    t.start()
+    return t
+
+
 def test_a_killed_daemon_is_resumed_and_the_new_one_watched(node: Node) -> None:
     first = node.start()
     resumed: list[int] = []
@@ -105,12 +122,12 @@ def test_a_killed_daemon_is_resumed_and_the_new_one_watched(node: Node) -> None:
     def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
         timeouts.append(timeout)
         resumed.append(node.start())
-        if len(resumed) == 1:  # the second daemon dies too, later
-            _later(0.3, lambda: node.kill(resumed[0]))
+        if len(resumed) == 1:  # the second daemon dies too, once watched
+            _when_watched(log, resumed[0], lambda: node.kill(resumed[0]))
         else:
-            _later(0.3, lambda: node.disable(resumed[1]))
+            _when_watched(log, resumed[1], lambda: node.disable(resumed[1]))
 
-    _later(0.3, lambda: node.kill(first))
+    _when_watched(log, first, lambda: node.kill(first))
     before = signal.getsignal(signal.SIGTERM)
     assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=log.append) == 0
     assert len(resumed) == 2
