@@ -347,11 +347,10 @@ def test_status_when_nothing_is_enabled(tmp_path: Path) -> None:
 
 
 def test_unreachable_peer_is_unknown_not_zero() -> None:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
-    (st,) = control.peer_statuses([f"127.0.0.1:{port}"], timeout=2)
+    with socket.socket() as s:  # bound, not listening (held: nothing else can take it)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        (st,) = control.peer_statuses([f"127.0.0.1:{port}"], timeout=2)
     assert st["health"] == "unreachable" and st["pages"] is None and st["error"]
 
 

@@ -288,22 +288,22 @@ def test_nbdinfo_sees_the_daemon_export(procs):
 
 
 def test_unreachable_peer_is_a_clear_error(procs):
-    with socket.socket() as s:  # a port nobody listens on
+    with socket.socket() as s:  # bound, nobody listens (held until the daemon gave up)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p = procs.start(
-        [
-            *PY,
-            "daemon",
-            "--peers",
-            f"127.0.0.1:{port}",
-            "--size",
-            "8M",
-            "--socket",
-            os.path.join(procs.dir, "x.sock"),
-        ]
-    )
-    assert p.wait(30) == 1
+        p = procs.start(
+            [
+                *PY,
+                "daemon",
+                "--peers",
+                f"127.0.0.1:{port}",
+                "--size",
+                "8M",
+                "--socket",
+                os.path.join(procs.dir, "x.sock"),
+            ]
+        )
+        assert p.wait(30) == 1
     err = p.stderr.read()
     assert f"127.0.0.1:{port}" in err and "unreachable" in err and "Traceback" not in err
     assert not os.path.exists(os.path.join(procs.dir, "x.sock"))

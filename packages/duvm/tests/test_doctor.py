@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,13 +88,12 @@ def memserver(start_memserver) -> str:
 
 
 @pytest.fixture
-def dead_port() -> int:
-    """A loopback port that was just free: connecting to it is refused."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+def dead_port() -> Iterator[int]:
+    """A loopback port bound here but not listening: connecting to it is refused (held for
+    the test, so no other socket, nor a connect's own source port, can take it meanwhile)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
 
 
 @pytest.fixture

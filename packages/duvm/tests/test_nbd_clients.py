@@ -573,7 +573,11 @@ def test_server_close_finishes_in_flight_request_then_disconnects(serve):
     srv = serve(FaultStore(base, delay={"read": 0.3}))
     s = raw_connect(srv.path)
     send_req(s, 0, cookie=5, offset=0, length=4096)
-    time.sleep(0.05)
+    # in flight before the close (a fixed delay could let the close come first on a loaded
+    # machine: an unread request is rightly never answered)
+    deadline = time.monotonic() + 30
+    while srv.server.stats.requests < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     fut = asyncio.run_coroutine_threadsafe(srv.server.close(timeout=5), srv.loop)
     assert recv_reply(s, 4096) == (5, 0, bytes(4096))
     assert closed_by_server(s)
@@ -642,14 +646,16 @@ def test_connections_beyond_the_limit_are_refused_others_keep_working(serve):
 
 
 def test_client_that_never_negotiates_is_dropped(serve):
-    srv = serve(MemoryStore(MiB), handshake_timeout=0.3)
+    # the good client below must negotiate within the timeout too: 1 s, not 0.3 s, leaves
+    # room for its thread to be scheduled late on a loaded machine
+    srv = serve(MemoryStore(MiB), handshake_timeout=1.0)
     s = socket.socket(socket.AF_UNIX)
     s.connect(srv.path)
     assert recv_exact(s, 18)[:8] == b"NBDMAGIC"
     assert closed_by_server(s, timeout=5)  # said nothing: dropped after the timeout
     s.close()
     good = raw_connect(srv.path)  # a negotiating client is not affected
-    time.sleep(0.5)
+    time.sleep(1.5)  # past the handshake timeout
     send_req(good, 0, cookie=4, offset=0, length=4096)
     assert recv_reply(good, 4096) == (4, 0, bytes(4096))
     good.close()

@@ -4,6 +4,7 @@ driven by real clients and by raw frames on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -551,7 +553,11 @@ async def test_connection_cap_and_idle_timeout() -> None:
         with pytest.raises(PageServerError) as ei:
             await c.connect()
         assert ei.value.code == pp.ErrorCode.BUSY and "too many connections" in str(ei.value)
-        await asyncio.sleep(0.8)  # both idle: closed by the server
+        # both idle: closed by the server, and the client sees it (waited for, not a fixed
+        # 0.8 s: after a stall the sweep's close and the test's wake-up share a loop turn)
+        deadline = time.monotonic() + 30
+        while (srv.counters["idle_closed"] < 2 or a.connected) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         assert srv.counters["idle_closed"] >= 2
         assert not a.connected
         await a.reserve(1)  # the client reconnects on its own and finds its namespace
@@ -599,12 +605,20 @@ async def test_no_secret_in_memserver_logs_or_status(tmp_path: Path) -> None:
         with pytest.raises(PageServerError):
             await bad.connect()
         status = json.dumps(await query_status(*addr, security=_sec(S2)))
+        seen: list[bytes] = []
         proc.send_signal(signal.SIGHUP)  # re-read: logs the count, not the secrets
-        await asyncio.sleep(0.3)
+
+        async def until_reread() -> None:  # not a fixed delay: the SIGTERM could come first
+            while (got := await proc.stderr.readline()) and b"re-read" not in got:
+                seen.append(got)
+            seen.append(got)
+
+        with contextlib.suppress(asyncio.TimeoutError):  # then the assertions below say it
+            await asyncio.wait_for(until_reread(), 30)
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = await asyncio.wait_for(proc.communicate(), 20)
-    logs = line + out.decode() + err.decode()
+    logs = line + b"".join(seen).decode() + out.decode() + err.decode()
     assert "authentication failed" in logs and "re-read" in logs
     for s in (S1, S2):
         for text in (logs, status):

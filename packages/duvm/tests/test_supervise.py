@@ -166,7 +166,7 @@ def test_a_failing_resume_is_retried_then_given_up(node: Node) -> None:
 def test_tries_stop_at_the_kernels_dead_connection_timeout(node: Node) -> None:
     att = attach_state.load_state(control.state_path(node.state_dir))
     assert att is not None
-    att.dead_conn_timeout_s = 1
+    att.dead_conn_timeout_s = 2  # 5 or 6 tries 0.4 s apart: 2 even after a 1.5 s stall
     attach_state.save_state(control.state_path(node.state_dir), att)
     node.kill(node.start())
     calls: list[float] = []
@@ -186,8 +186,8 @@ def test_tries_stop_at_the_kernels_dead_connection_timeout(node: Node) -> None:
         )
         == 1
     )
-    assert time.monotonic() - t < 5 and 2 <= len(calls) <= 4, calls  # not 20 tries
-    assert "within the kernel's 1 s" in log[-1]
+    assert time.monotonic() - t < 30 and 2 <= len(calls) <= 6, calls  # not 20 tries
+    assert "within the kernel's 2 s" in log[-1]
 
 
 def test_a_daemon_that_keeps_dying_is_not_restarted_forever(node: Node) -> None:
@@ -213,14 +213,23 @@ def test_a_daemon_that_keeps_dying_is_not_restarted_forever(node: Node) -> None:
 def test_a_resume_done_by_hand_meanwhile_is_taken_as_done(node: Node) -> None:
     first = node.start()
     by_hand: list[int] = []
+    log: list[str] = []
+
+    def disable_once_seen() -> None:
+        # not after a fixed delay: on a loaded machine the supervisor's next look (0.05 s
+        # after the failed try) may come later, find no daemon and give up
+        deadline = time.monotonic() + 30
+        while not any("resumed by hand" in m for m in log) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        node.disable(by_hand[0])
 
     def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
         by_hand.append(node.start())  # `duvm enable --resume` won the lock first
-        _later(0.2, lambda: node.disable(by_hand[0]))
+        if len(by_hand) == 1:
+            threading.Thread(target=disable_once_seen, daemon=True).start()
         raise control.ControlError(f"the daemon (pid {by_hand[0]}) still runs")
 
-    _later(0.2, lambda: node.kill(first))
-    log: list[str] = []
+    _when_watched(log, first, lambda: node.kill(first))
     assert (
         supervise.watch(
             node.state_dir,

@@ -56,18 +56,25 @@ class Prometheus:
             f"{auth}"
             f"    static_configs:\n      - targets: {json.dumps(targets)}\n"
         )
+        if web_config is not None:
+            (d / "web.yml").write_text(web_config)
+        self.web_config = web_config
+        self.tls = web_config is not None and "tls_server_config" in web_config
+        self.log = open(d / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop)
+        self._spawn()
+
+    def _spawn(self) -> None:
         args = [
             PROMETHEUS,
-            f"--config.file={d / 'prometheus.yml'}",
-            f"--storage.tsdb.path={d / 'data'}",
+            f"--config.file={self.dir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={self.dir / 'data'}",
             f"--web.listen-address=127.0.0.1:{self.port}",
             "--log.level=warn",
         ]
-        if web_config is not None:
-            (d / "web.yml").write_text(web_config)
-            args.append(f"--web.config.file={d / 'web.yml'}")
-        self.tls = web_config is not None and "tls_server_config" in web_config
-        self.log = open(d / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop)
+        if self.web_config is not None:
+            args.append(f"--web.config.file={self.dir / 'web.yml'}")
+        self.log.flush()
+        self._log_from = (self.dir / "prometheus.log").stat().st_size  # this run's lines
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
 
     @property
@@ -80,11 +87,17 @@ class Prometheus:
         TLS server asks for a client certificate, so only its listening socket is awaited
         (its tests wait for their answer through gputaskman, which retries)."""
         deadline = time.monotonic() + timeout
+        retries = 5
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"prometheus exited: {(self.dir / 'prometheus.log').read_text()}"
-                )
+                log = (self.dir / "prometheus.log").read_bytes()[self._log_from :].decode()
+                # the port was free when picked, but another socket may have taken it since
+                if "address already in use" in log and retries > 0:
+                    retries -= 1
+                    self.port = free_port()
+                    self._spawn()
+                    continue
+                raise AssertionError(f"prometheus exited: {log}")
             if self._ready():
                 return self
             time.sleep(0.1)

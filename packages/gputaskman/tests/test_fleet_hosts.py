@@ -111,10 +111,11 @@ def test_five_hosts_each_show_what_they_are_and_a_dead_or_slow_one_slows_no_othe
         assert any("replayed recording" in n for n in st["replay"].document.notes)
 
         # the slow host delays no one: the others keep answering every interval (a poll
-        # that waited for the slow one would leave a gap of the timeout, 1.5 s)
+        # that waited for the slow one would leave a gap of the timeout, 1.5 s, each time: at
+        # most 3 in 6 s). Bounds with room for a loaded machine, whose serves may answer late.
         quick = ("drm", "demo", "replay")
         seen = {k: [states()[k].answered_at] for k in quick}
-        end = time.monotonic() + 3.0
+        end = time.monotonic() + 6.0
         while time.monotonic() < end:
             for k in quick:
                 if states()[k].answered_at != seen[k][-1]:
@@ -122,7 +123,7 @@ def test_five_hosts_each_show_what_they_are_and_a_dead_or_slow_one_slows_no_othe
             time.sleep(0.02)
         for k in quick:
             gaps = [b - a for a, b in zip(seen[k], seen[k][1:], strict=False)]
-            assert len(gaps) >= 6 and max(gaps) < 1.0, (k, gaps)
+            assert len(gaps) >= 6 and max(gaps) < TIMEOUT, (k, gaps)
         assert states()["slow"].status is HostStatus.SLOW
         for k in ("drm", "demo", "replay"):
             assert states()[k].latency_s < TIMEOUT

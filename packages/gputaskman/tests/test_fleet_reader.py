@@ -488,10 +488,12 @@ def test_misbehaving_hosts_each_get_their_reason_and_none_holds_the_others():
     }
     ports = {k: s.port for k, s in servers.items()}
     targets = [parse_target(f"127.0.0.1:{p}") for p in ports.values()]
-    poller = Poller(targets, interval=0.2, timeout=1.0, max_document_bytes=256 * 1024)
+    # a timeout with room for a loaded machine: eight servers answer at once, and any late
+    # answer (past the timeout) would read as SLOW
+    poller = Poller(targets, interval=0.2, timeout=5.0, max_document_bytes=256 * 1024)
     poller.start()
     try:
-        assert poller.wait_polled(10)
+        assert poller.wait_polled(30)
         names = {f"127.0.0.1:{p}": k for k, p in ports.items()}
         got = {names[s.target.name]: s for s in poller.states()}
     finally:
@@ -500,7 +502,7 @@ def test_misbehaving_hosts_each_get_their_reason_and_none_holds_the_others():
             s.close()
     expect = {
         "endless": (HostStatus.INCOMPATIBLE, "over 262144 bytes"),
-        "silent": (HostStatus.SLOW, "no whole answer within 1 s"),
+        "silent": (HostStatus.SLOW, "no whole answer within 5 s"),
         "garbage": (HostStatus.INCOMPATIBLE, "not an HTTP/1.x answer"),
         "schema2": (HostStatus.INCOMPATIBLE, "schema_version 2 is not supported"),
         "404": (HostStatus.INCOMPATIBLE, "no /snapshot.json (HTTP 404)"),
@@ -510,7 +512,7 @@ def test_misbehaving_hosts_each_get_their_reason_and_none_holds_the_others():
     for k, (status, says) in expect.items():
         assert got[k].status is status and says in got[k].reason, (k, got[k])
         assert got[k].document is None
-    assert got["good"].up and got["good"].latency_s < 1.0
+    assert got["good"].up and got["good"].latency_s < 5.0
 
 
 def test_a_sample_already_held_is_not_read_again_304_or_same_bytes():

@@ -288,13 +288,18 @@ def test_reused_pid_real_child_gets_no_rate() -> None:
     if os.geteuid() != 0:
         pytest.skip("reusing a PID on purpose needs root (ns_last_pid)")
     sampler = HostSampler()
-    spin = "import time\nt=time.time()\nwhile time.time()-t<0.25: pass\ntime.sleep(30)"
-    old = subprocess.Popen([sys.executable, "-c", spin])
+    # spins until killed: a loaded machine may give it no CPU tick (10 ms) in a short window,
+    # so a second sample is taken until one shows its use (each a rate over the last one)
+    old = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     new = None
     try:
         sampler.sample()
-        time.sleep(0.3)
-        rate = sampler.sample().processes[old.pid]
+        deadline = time.monotonic() + 30
+        while True:
+            time.sleep(0.3)
+            rate = sampler.sample().processes[old.pid]
+            if rate.cpu_percent or time.monotonic() > deadline:
+                break
         assert rate.cpu_percent is not None and rate.cpu_percent > 0  # history works
         old_key = rate.key
         pid = old.pid

@@ -329,11 +329,10 @@ def test_slow_server_timeout_is_respected(imitation: Callable[..., Imitation]) -
 
 
 def test_closed_port_is_a_reason_not_a_crash() -> None:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    r = probe([ListenSocket("127.0.0.1", port, "tcp")], "ollama", timeout=0.5)
+    with socket.socket() as s:  # bound, not listening (held: nothing else can take it)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        r = probe([ListenSocket("127.0.0.1", port, "tcp")], "ollama", timeout=0.5)
     assert not r.ok and any("ConnectionRefused" in e for e in r.errors)
 
 
