@@ -92,8 +92,7 @@ def _build(spec: list, hot: object) -> tuple[ReplyProtocol, _Owner, list, list]:
             batch.keys += keys
             batch.waiters.append((cb, keys, None, out))
         owner.pending[rid] = batch
-    proto = ReplyProtocol(owner)
-    proto._hot = hot
+    proto = ReplyProtocol(owner, lambda: hot)
     proto.transport = _Transport(outcomes)  # type: ignore[assignment]
     return proto, owner, outcomes, outs
 
@@ -190,6 +189,24 @@ def test_plain_replies_are_completed_by_the_compiled_loop() -> None:
     outcomes, outs, pending = asyncio.run(run())
     assert [tag for tag, err in outcomes if err is None] == [(1, 0), (1, 1), (2, 0)]
     assert outs == [bytearray(b"\x07" * PS), bytearray(b"\x07" * 2 * PS)] and pending == {}
+
+
+def test_a_protocol_given_no_compiled_loop_runs_the_reference_alone() -> None:
+    """Catches a `ReplyProtocol` that ignores the loop it is given (`deliver`) and takes the
+    compiled one anyway: the differential test above would then compare the compiled loop
+    with itself."""
+
+    async def run() -> None:
+        spec = [("store", [1], ())]
+        proto, _owner, outcomes, _outs = _build(spec, None)
+        proto.decoder.next_frame = _need_data_only(proto.decoder)
+        stream = _frame(spec, (1, "ok", 0))
+        proto.get_buffer(-1)[: len(stream)] = stream
+        with pytest.raises(AssertionError, match="the reference loop was left a plain reply"):
+            proto.buffer_updated(len(stream))
+        assert outcomes == []
+
+    asyncio.run(run())
 
 
 def _need_data_only(decoder):

@@ -118,18 +118,28 @@ def fail_requests(entries: list, err: Exception) -> None:
                 fut.set_exception(err)
 
 
+def compiled_deliver() -> Callable[..., Any] | None:
+    """The compiled loop that completes the plain replies (`duvm.store._replies.deliver`)
+    when the compiled path runs here, else None."""
+    compiled = accel.load("duvm.store._replies")
+    return compiled.deliver if compiled is not None else None
+
+
 class ReplyProtocol(asyncio.BufferedProtocol):
     """The receive side of one memserver connection: frames decoded in place, each reply
     handed to the request that waits for it in its owner's `pending` table."""
 
-    def __init__(self, client: ReplyOwner) -> None:
+    def __init__(
+        self,
+        client: ReplyOwner,
+        deliver: Callable[[], Callable[..., Any] | None] = compiled_deliver,
+    ) -> None:
+        """`deliver` gives the compiled reply loop to use (None: the reference loop only)."""
         self.client = client
         self.decoder = Decoder("client")
         self.transport: asyncio.Transport | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        # the compiled loop that completes the plain replies (duvm.store._replies), or None
-        compiled = accel.load("duvm.store._replies")
-        self._hot = compiled.deliver if compiled is not None else None
+        self._hot = deliver()
         self._load_limit = self.decoder.limit(_LOAD_REPLY)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # uvloop: not a subclass
