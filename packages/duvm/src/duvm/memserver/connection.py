@@ -25,7 +25,8 @@ import os
 import time
 from collections.abc import Callable
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from duvm.base import accel
 from duvm.base.sockets import tune_socket
@@ -53,27 +54,9 @@ _IOV_MAX = 1024  # buffers per writev (Linux UIO_MAXIOV)
 _HOT_MODULE = "duvm.memserver._hotloop"
 
 
-class HotLoop(Protocol):
-    """What a `Connection` calls of its compiled STORE/LOAD/FREE loop (`_hotloop.serve`)."""
-
-    def serve(
-        self,
-        buf: memoryview,
-        start: int,
-        end: int,
-        limit_store: int,
-        limit_batch: int,
-        pages: dict,
-        reserved: int,
-        arena: Any,
-        memory: memoryview,
-        counters: dict,
-        out: list,
-    ) -> int: ...
-
-
-def compiled_loop() -> HotLoop | None:
-    """The compiled STORE/LOAD/FREE loop when the compiled path runs here, else None."""
+def compiled_loop() -> ModuleType | None:
+    """The compiled STORE/LOAD/FREE loop (`_hotloop`, its `serve`) when the compiled path runs
+    here, else None."""
     return accel.load(_HOT_MODULE)
 
 
@@ -96,7 +79,7 @@ class Connection(asyncio.BufferedProtocol):
     """One client connection: authenticate, then decode requests, handle them, batch replies."""
 
     def __init__(
-        self, server: MemServer, hot_loop: Callable[[], HotLoop | None] = compiled_loop
+        self, server: MemServer, hot_loop: Callable[[], ModuleType | None] = compiled_loop
     ) -> None:
         """`hot_loop` gives the compiled loop to serve with (None: the reference loop only)."""
         self.server = server
