@@ -22,7 +22,6 @@ from gputaskman.fleet.promseries import (
     NOT_EXPORTED,
     host_document,
     host_sample,
-    host_snapshot,
     snapshot_document,
 )
 from gputaskman.offline.recordloop import as_served
@@ -73,7 +72,7 @@ def test_every_exported_measured_number_comes_back_with_its_kind(make):
     """Catches a series read under the wrong field or kind (an inferred value read as
     measured, a clock left in hertz), or a process merged with another GPU's."""
     original = make()
-    rebuilt = host_snapshot(_series(original), note="test")
+    rebuilt = host_sample(_series(original), note="test")[0]
     assert _measured(rebuilt) == pytest.approx(_measured(original))
     assert len(_measured(rebuilt)) > 10
     for pci, m in original.metrics.items():
@@ -99,7 +98,7 @@ def test_a_series_prometheus_does_not_have_is_unknown_with_a_reason_never_zero()
         for s in _series(demo_snapshot())
         if s.labels["__name__"] not in ("gputaskman_gpu_memory_used_bytes",)
     ]
-    snap = host_snapshot(series, note="test")
+    snap = host_sample(series, note="test")[0]
     for m in snap.metrics.values():
         r = m.memory_used_bytes
         assert r.value is None and r.reason is Reason.UNAVAILABLE and r.detail == NO_SERIES
@@ -123,7 +122,7 @@ def test_impossible_values_are_refused_with_a_reason_and_a_problem(name, value, 
     series = _series(demo_snapshot())
     hit = next(i for i, s in enumerate(series) if s.labels["__name__"] == name)
     series[hit] = Sample(series[hit].labels, (0.0, value))
-    snap = host_snapshot(series, note="test")
+    snap = host_sample(series, note="test")[0]
     pci = series[hit].labels["pci_bus_id"]
     if name.startswith("gputaskman_process_"):
         pid = int(series[hit].labels["pid"])
@@ -140,7 +139,7 @@ def test_impossible_values_are_refused_with_a_reason_and_a_problem(name, value, 
 
 
 def test_the_document_says_it_was_built_from_series():
-    doc, _ = host_document(host_snapshot(_series(demo_snapshot()), note="built from X"))
+    doc, _ = host_document(host_sample(_series(demo_snapshot()), note="built from X")[0])
     assert doc.notes == ("built from X",) and doc.taken == TAKEN
 
 

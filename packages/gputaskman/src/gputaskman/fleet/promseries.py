@@ -234,11 +234,6 @@ def _pid(text: str) -> tuple[int, str | None] | None:
     return (int(pid), host or None) if pid.isdigit() else None
 
 
-def host_snapshot(samples: Iterable[Sample], *, note: str) -> Snapshot:
-    """The `Snapshot` one host's series describe (see the module docstring)."""
-    return host_sample(samples, note=note)[0]
-
-
 def host_sample(samples: Iterable[Sample], *, note: str) -> tuple[Snapshot, RecordedSystem]:
     """The `Snapshot` one host's series describe and its host sample: the system object
     (None when the host exported none of its series) and each process's RAM and CPU, as a
@@ -548,8 +543,7 @@ def snapshot_document(snapshot: Snapshot, system: RecordedSystem | None = None) 
             why = f"a {p.host} process: not in this machine's host sample"
             none = Reading.missing(Reason.UNAVAILABLE, report.HOST_SOURCE, why)
             got = {}
-        ram, cpu = got.get("ram_bytes"), got.get("cpu_percent")
-        processes.append(ProcessDoc(p, none if ram is None else ram, none if cpu is None else cpu))
+        processes.append(ProcessDoc(p, got.get("ram_bytes", none), got.get("cpu_percent", none)))
     return Document(
         snapshot.taken,
         snapshot.backend,
