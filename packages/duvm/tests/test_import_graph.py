@@ -175,6 +175,46 @@ def test_importing_a_base_module_loads_no_other_layer() -> None:
     assert pool.strip() == "duvm.store.pool"  # the API is still there, loaded on first use
 
 
+def _modules_after(argv: list[str]) -> set[str]:
+    code = (
+        "import contextlib, io, sys\n"
+        "from duvm import cli\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    cli.main({argv!r})\n"
+        "print(sorted(sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    return set(ast.literal_eval(out.splitlines()[-1]))
+
+
+def test_starting_one_command_imports_only_that_commands_module() -> None:
+    """Catches a `duvm` command line that imports every subcommand's module to start one: the
+    supervisor restarts the daemon under memory pressure, and each extra module read from disk
+    then delays the kernel's held swap I/O (in the QEMU guest `duvm daemon --help` took 5 s)."""
+    from duvm.cli import SUBCOMMANDS
+
+    commands = {name: module for name, (module, _) in SUBCOMMANDS.items()}
+    loaded = _modules_after(["daemon", "--help"])
+    assert {m for m in commands.values() if m in loaded} == {commands["daemon"]}
+    assert not any(m.startswith("duvm.memserver.") for m in loaded), sorted(loaded)
+    assert _modules_after(["--help"]).isdisjoint(commands.values())
+    # the whole command line is still there for whoever builds it all (the tests, the docs)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from duvm import cli; cli.build_parser(); print(sorted(sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert set(commands.values()) <= set(ast.literal_eval(out))
+
+
 # What the request path must not do (issue 28): reach into asyncio's private machinery, step
 # coroutines by hand, or choose behaviour by a class's identity or an event loop's module name
 # rather than through a declared interface. The compiled .pyx modules count too.

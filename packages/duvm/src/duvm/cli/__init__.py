@@ -55,7 +55,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `duvm` command line. With `only`, just that subcommand gets its arguments (its module
+    is imported); the others are listed by name and help alone. Starting one command then
+    imports only its own layers: the supervisor restarts the daemon under memory pressure, when
+    every module read from disk costs time the kernel's held swap I/O is waiting for."""
     parser = argparse.ArgumentParser(
         prog="duvm",
         description="Pool RAM across a cluster: the kernel swaps cold pages to a duvm block "
@@ -64,15 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"duvm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
-        p.set_defaults(_module=module)
+        if only is None or name == only:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # duvm's own options (--help, --version) take no value: the first word is the command
+    command = next((a for a in argv if not a.startswith("-")), "")
+    parser = build_parser(command if command in SUBCOMMANDS else "")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
