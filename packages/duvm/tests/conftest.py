@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -131,3 +132,12 @@ def _load_benchmark(name: str) -> ModuleType:
 def benchmark() -> Callable[[str], ModuleType]:
     """`benchmark("nbd_trace")`: a script of benchmarks/ as a module, to call its functions."""
     return _load_benchmark
+
+
+@pytest.fixture
+def dead_port() -> Iterator[int]:
+    """A loopback port bound here but not listening: connecting to it is refused (held for
+    the test, so no other socket, nor a connect's own source port, can take it meanwhile)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]

@@ -7,7 +7,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -346,11 +345,8 @@ def test_status_when_nothing_is_enabled(tmp_path: Path) -> None:
     assert "to enable: sudo duvm enable --config" in text.stdout and "duvm doctor" in text.stdout
 
 
-def test_unreachable_peer_is_unknown_not_zero() -> None:
-    with socket.socket() as s:  # bound, not listening (held: nothing else can take it)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        (st,) = control.peer_statuses([f"127.0.0.1:{port}"], timeout=2)
+def test_unreachable_peer_is_unknown_not_zero(dead_port: int) -> None:
+    (st,) = control.peer_statuses([f"127.0.0.1:{dead_port}"], timeout=2)
     assert st["health"] == "unreachable" and st["pages"] is None and st["error"]
 
 

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -287,25 +286,22 @@ def test_nbdinfo_sees_the_daemon_export(procs):
     assert e["block_size_minimum"] == 4096
 
 
-def test_unreachable_peer_is_a_clear_error(procs):
-    with socket.socket() as s:  # bound, nobody listens (held until the daemon gave up)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        p = procs.start(
-            [
-                *PY,
-                "daemon",
-                "--peers",
-                f"127.0.0.1:{port}",
-                "--size",
-                "8M",
-                "--socket",
-                os.path.join(procs.dir, "x.sock"),
-            ]
-        )
-        assert p.wait(30) == 1
+def test_unreachable_peer_is_a_clear_error(procs, dead_port):
+    p = procs.start(
+        [
+            *PY,
+            "daemon",
+            "--peers",
+            f"127.0.0.1:{dead_port}",
+            "--size",
+            "8M",
+            "--socket",
+            os.path.join(procs.dir, "x.sock"),
+        ]
+    )
+    assert p.wait(30) == 1
     err = p.stderr.read()
-    assert f"127.0.0.1:{port}" in err and "unreachable" in err and "Traceback" not in err
+    assert f"127.0.0.1:{dead_port}" in err and "unreachable" in err and "Traceback" not in err
     assert not os.path.exists(os.path.join(procs.dir, "x.sock"))
 
 

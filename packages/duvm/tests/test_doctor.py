@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -85,15 +84,6 @@ def start_memserver():
 @pytest.fixture
 def memserver(start_memserver) -> str:
     return start_memserver()
-
-
-@pytest.fixture
-def dead_port() -> Iterator[int]:
-    """A loopback port bound here but not listening: connecting to it is refused (held for
-    the test, so no other socket, nor a connect's own source port, can take it meanwhile)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield s.getsockname()[1]
 
 
 @pytest.fixture
