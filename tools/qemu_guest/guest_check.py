@@ -151,14 +151,20 @@ def logs() -> dict[str, str | None]:
     }
 
 
-def meminfo() -> dict[str, int]:
-    keep = ("MemTotal", "MemFree", "MemAvailable", "SwapTotal", "SwapFree", "Mlocked")
+def _kib_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    """The `Key:   N kB` lines of a /proc file that `keys` names, in KiB ({} when unreadable)."""
     out = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
+    for line in (_read(path) or "").splitlines():
         key, _, rest = line.partition(":")
-        if key in keep:
+        if key in keys:
             out[key] = int(rest.split()[0])
     return out
+
+
+def meminfo() -> dict[str, int]:
+    return _kib_fields(
+        "/proc/meminfo", ("MemTotal", "MemFree", "MemAvailable", "SwapTotal", "SwapFree", "Mlocked")
+    )
 
 
 def _pids_with(needle: str) -> list[int]:
@@ -193,13 +199,7 @@ def _task(pid: int) -> str:
 
 def _memory(pid: int) -> dict[str, int]:
     """A process's resident and locked memory in KiB (/proc/PID/status)."""
-    keys = ("VmRSS", "RssAnon", "RssFile", "VmLck", "VmPin")
-    out = {}
-    for line in (_read(f"/proc/{pid}/status") or "").splitlines():
-        key, _, value = line.partition(":")
-        if key in keys:
-            out[key] = int(value.split()[0])
-    return out
+    return _kib_fields(f"/proc/{pid}/status", ("VmRSS", "RssAnon", "RssFile", "VmLck", "VmPin"))
 
 
 def _state_pids(name: str, key: str) -> list[int]:

@@ -175,18 +175,25 @@ def test_importing_a_base_module_loads_no_other_layer() -> None:
     assert pool.strip() == "duvm.store.pool"  # the API is still there, loaded on first use
 
 
-def _modules_after(argv: list[str]) -> set[str]:
-    code = (
-        "import contextlib, io, sys\n"
-        "from duvm import cli\n"
-        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-        f"    cli.main({argv!r})\n"
-        "print(sorted(sys.modules))"
-    )
+def _modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after running `code`."""
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+        [sys.executable, "-c", f"{code}\nimport sys; print(sorted(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     ).stdout
     return set(ast.literal_eval(out.splitlines()[-1]))
+
+
+def _after_command(argv: list[str]) -> set[str]:
+    return _modules_after(
+        "import contextlib, io\n"
+        "from duvm import cli\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    cli.main({argv!r})"
+    )
 
 
 def test_starting_one_command_imports_only_that_commands_module() -> None:
@@ -196,23 +203,13 @@ def test_starting_one_command_imports_only_that_commands_module() -> None:
     from duvm.cli import SUBCOMMANDS
 
     commands = {name: module for name, (module, _) in SUBCOMMANDS.items()}
-    loaded = _modules_after(["daemon", "--help"])
+    loaded = _after_command(["daemon", "--help"])
     assert {m for m in commands.values() if m in loaded} == {commands["daemon"]}
     assert not any(m.startswith("duvm.memserver.") for m in loaded), sorted(loaded)
-    assert _modules_after(["--help"]).isdisjoint(commands.values())
+    assert _after_command(["--help"]).isdisjoint(commands.values())
     # the whole command line is still there for whoever builds it all (the tests, the docs)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from duvm import cli; cli.build_parser(); print(sorted(sys.modules))",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-    assert set(commands.values()) <= set(ast.literal_eval(out))
+    built = _modules_after("from duvm import cli; cli.build_parser()")
+    assert set(commands.values()) <= built
 
 
 # What the request path must not do (issue 28): reach into asyncio's private machinery, step
