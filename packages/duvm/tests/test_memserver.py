@@ -188,6 +188,55 @@ async def test_a_load_answers_with_the_bytes_of_its_turn(server: MemServer) -> N
     await c.close()
 
 
+@pytest.mark.parametrize("path", ["reference", "compiled"])
+async def test_a_large_load_answers_with_the_bytes_of_its_turn(pick_path, path: str) -> None:
+    """Catches, on the compiled memserver loop, a LOAD of more than `COPY_LOAD_PAGES` pages
+    (sent as arena views, not copied) left uncopied when a STORE follows it in the same read:
+    the compiled loop taking the frames after it again (its `not arena_views` guard dropped),
+    or the copy made before a FREE but not before a STORE. The reply would then carry the
+    overwritten page, or a freed slot's new page, instead of the bytes of its turn."""
+    pick_path(path, "duvm.memserver._hotloop")
+    srv = MemServer(4 << 20, lease_s=60, lock=False)
+    addr = await srv.start()
+    c = MemClient(*addr, "n/large-turn")
+    try:
+        await c.connect()
+        await c.reserve(64)
+        n = 32  # more than COPY_LOAD_PAGES: the reference loop answers it from the arena
+        old = [os.urandom(PS) for _ in range(n)]
+        await c.store(range(n), b"".join(old))
+        new5, x = os.urandom(PS), os.urandom(PS)
+        conns = srv.open_connections()
+        assert [conn.fd is not None for conn in conns] == [True]  # the writev path is on
+        assert (conns[0]._hot is not None) == (path == "compiled")
+        for conn in conns:  # hold: everything below arrives in one read
+            conn.transport.pause_reading()
+        ops = []
+        for op in (
+            c.load(range(n)),
+            c.store([5], new5),  # overwrites a slot the first reply still points into
+            c.load(range(n)),
+            c.free([7]),
+            c.store([100], x),  # takes the slot key 7 just gave back
+        ):
+            ops.append(asyncio.ensure_future(op))
+            await asyncio.sleep(0.01)  # sent in this order (FREE takes an extra task hop)
+        assert not any(op.done() for op in ops)
+        for conn in conns:
+            conn.transport.resume_reading()
+        first, _, second, freed, _ = await asyncio.gather(*ops)
+        assert bytes(first) == b"".join(old)
+        assert bytes(second) == b"".join(new5 if k == 5 else old[k] for k in range(n))
+        assert freed == 1
+        assert bytes(await c.load([5, 100])) == new5 + x
+        # mechanism: the new page reused the freed slot, so the views really were at risk
+        ns = srv.store.namespaces["n/large-turn"]
+        assert ns.pages[100] == 7 and 7 not in ns.pages
+    finally:
+        await c.close()
+        await srv.close()
+
+
 class _FullSocketTransport:
     """Stands in for a transport whose socket is full (a peer that does not read): the kernel
     side of that cannot be held still deterministically on loopback, so the test sees what

@@ -116,6 +116,38 @@ async def test_a_proof_for_one_namespace_token_does_not_verify_for_another(
     assert secured.store.namespaces["victim/nbd0"].owner == auth.token_digest(tok_b)
 
 
+async def test_status_is_refused_until_the_proof_is_checked(secured: MemServer) -> None:
+    """Catches STATUS being answered once a HELLO has arrived rather than once AUTH verified
+    (`Connection._dispatch` testing `_hello` instead of `authed`): the key id travels in clear,
+    so anyone who saw one could send HELLO then STATUS and list every client's namespace
+    and its size without ever proving the secret."""
+    ask, w = await raw_conn(secured.addr)
+    hello, st = auth.start_handshake("victim/nbd0", _sec(S1), b"v" * 32)
+    ch = await ask(hello)
+    assert isinstance(await ask(auth.answer_challenge(ch, st, _sec(S1), "real")), pp.HelloReply)
+    assert "victim/nbd0" in secured.store.namespaces  # a namespace STATUS would name
+    probes = {
+        "before HELLO": [],
+        "between HELLO and AUTH": [
+            pp.Hello(1, "mallory", nonce=os.urandom(32), key_id=auth.key_id(S1), token=b"m" * 32)
+        ],
+    }
+    for when, before in probes.items():
+        ask2, w2 = await raw_conn(secured.addr)
+        for msg in before:
+            assert isinstance(await ask2(msg), pp.Challenge)
+        reply = await ask2(pp.Status(7))
+        assert isinstance(reply, pp.ErrorReply), f"STATUS {when} answered: {reply!r}"
+        assert reply.code == pp.ErrorCode.AUTH and "victim" not in reply.message
+        assert await ask2(pp.Status(8)) is None, f"the connection stayed open {when}"
+        w2.close()
+    assert "mallory" not in secured.store.namespaces
+    # the authenticated connection still gets it: the refusal is about who asks
+    status = await ask(pp.Status(9))
+    assert isinstance(status, pp.StatusReply) and b"victim/nbd0" in status.json
+    w.close()
+
+
 # --- crypt_store: the page number is bound into the AAD ---------------------------------------
 
 
