@@ -2,14 +2,17 @@
 in the page store (slots held as runs of whole chunks, mapped by chunk, never returned page by
 page), the arena's runs, the protocol's RDMA_OPEN and RDMA_MAP on a real memserver without an
 RDMA listener, and a memory client's choice of transport (`auto` falls back to TCP and says
-why, `rdma` refuses to). The verbs path itself runs in the QEMU guest (test_rdma_qemu.py).
+why, `rdma` refuses to). The RDMA service on a fake device is test_rdma_service.py; the verbs
+path itself runs in the QEMU guest (test_rdma_qemu.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from duvm.memserver.arena import Arena, ArenaFull
-from duvm.memserver.pagestore import PageStore, Refused
+from duvm.memserver.pagestore import Namespace, PageStore, Refused
 from duvm.memserver.server import MemServer
 from duvm.store.memclient import MemClient
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
@@ -68,6 +71,73 @@ def test_tcp_requests_on_an_rdma_namespace_reach_the_same_slots_and_free_returns
     assert (store.arena.free_slots, store.reserved_total) == (16, 48)
 
 
+def test_a_new_rdma_namespace_never_loads_the_bytes_of_released_slots() -> None:
+    """Catches the runs an RDMA reservation takes handed over uncleared: mapping a chunk
+    counts its keys as stored, so a LOAD of one never written returned what another namespace
+    (TCP or RDMA) left in the slot."""
+    secret = b"SECRET-A" * (PS // 8)
+    store = PageStore(64, lock=False)
+    a, _ = store.attach("client-a")
+    store.reserve(a, 64)
+    store.store(a, tuple(range(64)), memoryview(secret * 64))
+    store.release(a)
+    b, _ = store.attach("client-b")
+    store.open_rdma(b, CP)
+    store.reserve(b, 2 * CP)
+    store.map_chunk(b, 0)
+    assert store.load(b, tuple(range(CP))) == bytes(CP * PS)
+    store.store(b, tuple(range(CP, 2 * CP)), memoryview(secret * CP))  # its own, chunk 1
+    store.release(b)
+    c, _ = store.attach("client-c")
+    store.open_rdma(c, CP)
+    store.reserve(c, 4 * CP)
+    for chunk in range(4):
+        store.map_chunk(c, chunk)
+    assert store.load(c, tuple(range(4 * CP))) == bytes(4 * CP * PS)
+
+
+def test_a_refused_store_on_an_rdma_namespace_maps_nothing() -> None:
+    """Catches a STORE refused for lack of room on its second new chunk that leaves the first
+    one mapped (a refusal must change nothing): its keys would count as stored."""
+    store = PageStore(64, lock=False)
+    ns, _ = store.attach("a")
+    store.open_rdma(ns, CP)
+    store.reserve(ns, CP)
+    keys = (0, 1, CP, CP + 1)  # chunks 0 and 1: only one fits
+    with pytest.raises(Refused) as ei:
+        store.store(ns, keys, memoryview(bytes(4 * PS)))
+    assert ei.value.code == pp.ErrorCode.NO_SPACE
+    assert (ns.chunks, ns.pages, len(ns.spare)) == ({}, {}, 1)
+    assert store.counters["pages_stored"] == 0
+
+
+async def test_a_lease_expiry_runs_the_release_hooks_before_freeing_slots() -> None:
+    """Catches a release path (here the lease running out) that returns slots to the arena
+    before the release hooks ran: the RDMA service drops its regions in that hook."""
+    store = PageStore(64, lease_s=0.01, lock=False)
+    seen: list[tuple[str, int]] = []
+
+    def hook(ns: Namespace) -> None:
+        seen.append((ns.client_id, store.arena.free_slots))
+
+    store.add_release_hook(hook)
+    ns, _ = store.attach("a")
+    store.open_rdma(ns, CP)
+    store.reserve(ns, 2 * CP)
+    store.detach(ns, asyncio.get_running_loop())
+    for _ in range(200):
+        if "a" not in store.namespaces:
+            break
+        await asyncio.sleep(0.005)
+    assert seen == [("a", 64 - 2 * CP)] and store.arena.free_slots == 64
+    store.remove_release_hook(hook)
+    store.remove_release_hook(hook)  # gone already: nothing happens
+    other, _ = store.attach("b")
+    store.release(other)
+    assert len(seen) == 1
+    store.close()
+
+
 def test_rdma_namespaces_never_shrink_and_refuse_mixed_use() -> None:
     store = PageStore(64, lock=False)
     ns, _ = store.attach("a")
@@ -98,6 +168,12 @@ def test_arena_runs_take_the_longest_free_runs_and_refuse_when_too_fragmented() 
         arena.alloc_runs(16, 8)  # 8 + 4 free in runs: only one chunk of 8 fits
     assert arena.free_slots == 12  # a refusal takes nothing
     assert arena.alloc_runs(8, 8) == [(0, 8)]
+    arena.memory[0:PS] = b"x" * PS
+    arena.zero(0, 8)
+    assert arena.memory[0 : 8 * PS] == bytes(8 * PS)
+    for first, count in ((-1, 1), (60, 5)):
+        with pytest.raises(ValueError, match="outside"):
+            arena.zero(first, count)  # never a memset past the mapping
     arena.free_run(16, 24)
     assert sorted(arena.alloc_many(24)) == list(range(16, 40))  # lowest first again
     assert len(taken) == 64

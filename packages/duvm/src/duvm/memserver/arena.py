@@ -7,6 +7,10 @@ and how to allow it, and the arena still works. A slot is a page-sized window of
 addressed by its index; free slots sit on a stack (`array('I')`, preallocated) so allocating and
 freeing are O(1) and never touch the allocator. Callers copy bytes in and out through
 `view(slot)` memoryviews; the arena never interprets page contents.
+
+A freed slot keeps its bytes: the arena does not clear it. Whoever hands a slot to a reader
+that may see it before writing it clears it first (`zero`): the page store does so for the
+runs an RDMA reservation takes (duvm.memserver.pagestore says why there, and not on free).
 """
 
 from __future__ import annotations
@@ -146,6 +150,12 @@ class Arena:
     def free_run(self, first: int, count: int) -> None:
         """Return a run taken by `alloc_runs` (pushed so its lowest slot comes out first)."""
         self._free.extend(range(first + count - 1, first - 1, -1))
+
+    def zero(self, first: int, count: int) -> None:
+        """Clear `count` slots from `first` (memset over the mapping: nothing allocated)."""
+        if first < 0 or count < 0 or first + count > self.slots:
+            raise ValueError(f"slots {first}..{first + count} are outside the arena")
+        ctypes.memset(self.address + first * PAGE_SIZE, 0, count * PAGE_SIZE)
 
     @property
     def address(self) -> int:

@@ -334,9 +334,7 @@ class Connection(asyncio.BufferedProtocol):
             if rdma is not None:
                 rdma.sync_regions(ns)
             return pp.ReserveReply(msg.req_id, msg.pages, stored)
-        if isinstance(msg, pp.Release):
-            if rdma is not None:
-                rdma.drop_regions(ns)  # no rkey may outlive the slots it reaches
+        if isinstance(msg, pp.Release):  # the store's release hook drops RDMA regions first
             return pp.ReleaseReply(msg.req_id, store.release(ns))
         if isinstance(msg, (pp.RdmaOpen, pp.RdmaMap)):
             if rdma is None:

@@ -17,10 +17,13 @@ Theory of operation
 - RDMA_MAP on the TCP connection maps a chunk (`PageStore.map_chunk`) and answers its address
   and the rkey of the region holding it, for this connection's session only.
 - Regions go before their slots can: a session's regions are deregistered when its TCP
-  connection closes, when its queue pair disconnects or fails, and before a RELEASE returns
-  the namespace's slots to the arena (`drop_regions`). A lease expires only with no connection,
-  hence no session, left.
+  connection closes, when its queue pair disconnects or fails, and whenever the namespace is
+  released (RELEASE, lease expiry), by the page store itself before any slot goes back to the
+  arena (`drop_regions` is its release hook). A lease expires only with no connection, hence
+  no session, left.
 - Everything runs on the memserver's event loop: the event channel's fd is an asyncio reader.
+- The verbs calls are a parameter (`VerbsApi`: the compiled `duvm.rdma._verbs` in production,
+  duvm.testing.fake_verbs in tests), and so is the clock tickets expire by.
 """
 
 from __future__ import annotations
@@ -29,12 +32,18 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any
 
 from duvm.memserver.pagestore import Namespace, PageStore, Refused
-from duvm.rdma.verbs import PROBE_TICKET
+from duvm.rdma.verbs import (
+    PROBE_TICKET,
+    CmIdApi,
+    DomainApi,
+    EventChannelApi,
+    RegionApi,
+    VerbsApi,
+)
 from duvm.wire import pageproto as pp
 from duvm.wire.pageproto import PAGE_SIZE
 
@@ -48,29 +57,34 @@ SEND_DEPTH = 4  # the memserver posts nothing; its queue pair needs a few entrie
 class Session:
     """One accepted RDMA connection of one authenticated TCP connection (`owner`)."""
 
-    cm: Any  # duvm.rdma._verbs.CmId
-    domain: Any  # duvm.rdma._verbs.Domain
+    cm: CmIdApi
+    domain: DomainApi
     owner: object
     ns: Namespace
-    regions: dict[int, Any] = field(default_factory=dict)  # extent's first slot -> Region
+    regions: dict[int, RegionApi] = field(default_factory=dict)  # extent's first slot -> it
     ready: bool = False
 
 
 class RdmaService:
     """The rdma-cm listener and the sessions of one memserver's `PageStore`."""
 
-    def __init__(self, store: PageStore, verbs: ModuleType) -> None:
+    def __init__(
+        self, store: PageStore, verbs: VerbsApi, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """`verbs`: the verbs module (or a fake device); `clock`: monotonic seconds."""
         self.store = store
         self.verbs = verbs
+        self.clock = clock
         self.port = 0
         self.device: str | None = None
-        self._channel: Any = None
-        self._listener: Any = None
+        self._channel: EventChannelApi | None = None
+        self._listener: CmIdApi | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._arena_address = store.arena.address
         self._tickets: dict[bytes, tuple[object, Namespace, float]] = {}
         self._sessions: dict[object, Session] = {}  # by owner (its TCP connection)
         self.counters = {"rdma_accepted": 0, "rdma_rejected": 0, "rdma_failed": 0, "rdma_probes": 0}
+        store.add_release_hook(self.drop_regions)  # until close()
 
     def start(self, host: str, port: int) -> None:
         """Listen on `host`:`port` with rdma-cm. Raises OSError (VerbsError) when it cannot."""
@@ -92,12 +106,13 @@ class RdmaService:
     def open(self, owner: object, ns: Namespace, chunk_pages: int, req_id: int) -> pp.Reply:
         """RDMA_OPEN: make `ns` an RDMA namespace and hand out a ticket for one connect."""
         self.store.open_rdma(ns, chunk_pages)
-        now = time.monotonic()
+        now = self.clock()
         for t, (_, _, until) in list(self._tickets.items()):
             if until < now:
                 del self._tickets[t]
         ticket = os.urandom(pp.NONCE_SIZE)
         self._tickets[ticket] = (owner, ns, now + TICKET_TTL_S)
+        assert self._listener is not None, "start() first"
         depth = self._listener.max_read_depth()
         return pp.RdmaOpenReply(req_id, self.port, depth, ticket)
 
@@ -126,8 +141,8 @@ class RdmaService:
                 self._register(s)
 
     def drop_regions(self, ns: Namespace) -> None:
-        """Deregister every region over `ns`'s slots (before they go back to the arena):
-        from now on its clients' rkeys are refused."""
+        """Deregister every region over `ns`'s slots (the store's release hook: before they
+        go back to the arena): from now on its clients' rkeys are refused."""
         for s in self._sessions.values():
             if s.ns is ns:
                 for region in s.regions.values():
@@ -153,6 +168,7 @@ class RdmaService:
         }
 
     def close(self) -> None:
+        self.store.remove_release_hook(self.drop_regions)
         for s in list(self._sessions.values()):
             self._close_session(s)
         self._sessions.clear()
@@ -220,7 +236,7 @@ class RdmaService:
                 elif cm is not self._listener:
                     cm.close()
 
-    def _on_connect_request(self, cm: Any, data: bytes) -> None:
+    def _on_connect_request(self, cm: CmIdApi, data: bytes) -> None:
         ticket = bytes(data[: pp.NONCE_SIZE])
         if ticket == PROBE_TICKET:  # `duvm doctor` asking whether we listen: no, politely
             self.counters["rdma_probes"] += 1
@@ -232,7 +248,7 @@ class RdmaService:
         why = ""
         if found is None:
             why = "unknown or used ticket"
-        elif until < time.monotonic():
+        elif until < self.clock():
             why = "expired ticket"
         elif ns.chunk_pages == 0 or self.store.namespaces.get(ns.client_id) is not ns:
             why = "its namespace is gone"

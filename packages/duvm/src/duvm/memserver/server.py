@@ -17,7 +17,7 @@ import logging
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -224,10 +224,18 @@ class MemServer:
         addr = self._server.sockets[0].getsockname()
         return addr[0], addr[1]
 
-    def start_rdma(self, host: str, port: int, *, required: bool) -> bool:
+    def start_rdma(
+        self,
+        host: str,
+        port: int,
+        *,
+        required: bool,
+        load_verbs: Callable[[], verbs.VerbsApi | None] = verbs.load,
+    ) -> bool:
         """Listen with rdma-cm on `host`:`port` beside TCP. True when listening; otherwise
-        `rdma_error` says why, and OSError is raised when `required`."""
-        v = verbs.load()
+        `rdma_error` says why, and OSError is raised when `required`. `load_verbs` gives the
+        verbs module (tests: a fake device, duvm.testing.fake_verbs)."""
+        v = load_verbs()
         try:
             if v is None:
                 raise OSError(f"the RDMA transport is not built ({verbs.state()})")

@@ -3,6 +3,11 @@
 `load()` returns `duvm.rdma._verbs` when it is built from the current source and loads, else
 None; `state()` says "compiled" or why not (for doctor and the logs). There is no pure-Python
 twin: without the module every peer uses TCP.
+
+`VerbsApi` and the protocols beside it declare the part of that module the memserver's RDMA
+service uses (rdma-cm events, connection ids, protection domains, memory regions): the seam
+through which tests give it a fake device (duvm.testing.fake_verbs) that enforces what a NIC
+enforces, since no RDMA device is there to run the real one.
 """
 
 from __future__ import annotations
@@ -10,7 +15,9 @@ from __future__ import annotations
 import importlib
 import select
 import time
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any, Protocol
 
 from duvm.base import accel
 
@@ -22,6 +29,83 @@ BUILD_FIX = (
 ACTIVE = 4  # IBV_PORT_ACTIVE
 PROBE_TICKET = bytes(32)  # a connect request with this ticket asks only "do you listen?"
 REJECT_CONSUMER = 28  # IB_CM_REJ_CONSUMER_DEFINED: the listener itself said no
+
+
+class RegionApi(Protocol):
+    """A registered memory region (`_verbs.Region`); `close` deregisters it: from then on the
+    NIC refuses its rkey."""
+
+    @property
+    def rkey(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class DomainApi(Protocol):
+    """A protection domain with its connection's queue pair (`_verbs.Domain`)."""
+
+    def register(self, addr: int, length: int, remote: bool) -> RegionApi: ...
+
+
+class CmIdApi(Protocol):
+    """One rdma-cm identifier (`_verbs.CmId`): a listener or a connection request."""
+
+    owner: Any
+
+    @property
+    def device(self) -> str | None: ...
+
+    def listen(self, host: str, port: int, backlog: int = 64) -> None: ...
+
+    def max_read_depth(self) -> int: ...
+
+    def create_domain(self, depth: int, events: bool) -> DomainApi: ...
+
+    def accept(self, read_depth: int) -> None: ...
+
+    def reject(self) -> None: ...
+
+    def disconnect(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EventChannelApi(Protocol):
+    """An rdma-cm event channel (`_verbs.EventChannel`): `fd` is readable while events wait;
+    `get_event` gives one as (event, status, CmId or None, private data), or None."""
+
+    @property
+    def fd(self) -> int: ...
+
+    def get_event(self) -> tuple[int, int, CmIdApi | None, bytes] | None: ...
+
+    def close(self) -> None: ...
+
+
+class CmIdFactory(Protocol):
+    """`_verbs.CmId` as a maker of identifiers."""
+
+    def create(self, channel: Any) -> CmIdApi: ...
+
+
+class VerbsApi(Protocol):
+    """What the memserver's RDMA service uses of the verbs module (`duvm.rdma._verbs`)."""
+
+    CONNECT_REQUEST: int
+    ESTABLISHED: int
+    DISCONNECTED: int
+    CONNECT_ERROR: int
+    UNREACHABLE: int
+    REJECTED: int
+    DEVICE_REMOVAL: int
+
+    @property
+    def EventChannel(self) -> Callable[[], EventChannelApi]: ...
+
+    @property
+    def CmId(self) -> CmIdFactory: ...
+
+    def event_name(self, event: int) -> str: ...
 
 
 def state() -> str:
