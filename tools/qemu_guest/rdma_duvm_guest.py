@@ -17,6 +17,10 @@ a `MemClient` per namespace connects with ``transport="rdma"``. Steps, each one 
 - ``stale``: after RELEASE the old rkeys are refused.
 - ``ticket``: an rdma-cm connect with a made-up ticket is rejected (no TCP handshake, so no
   region key is ever handed out).
+- ``expired``: a real ticket (RDMA_OPEN on an authenticated TCP connection that stays open),
+  used after its lifetime, is rejected.
+- ``past_end``: a client posts with its own rkey at the page just past its own region, where
+  another namespace's page lies in the arena: the NIC refuses it and nothing leaks.
 - ``fallback``: ``transport="auto"`` against a third memserver started with ``--rdma off``
   moves its pages by TCP and says why.
 - ``cpu``: the daemon-side CPU per 4 KiB request over RDMA and over TCP, same guest.
@@ -202,6 +206,68 @@ async def ticket() -> dict[str, Any]:
     return {"forged_ticket": "ACCEPTED"}
 
 
+async def expired() -> dict[str, Any]:
+    """A genuine ticket, presented after `TICKET_TTL_S`: its TCP connection is still open, so
+    only its age can make the memserver reject it."""
+    from duvm.memserver.rdma_service import TICKET_TTL_S
+    from duvm.rdma import verbs
+    from duvm.store import rdma_link
+    from duvm.wire import pageproto as pp
+
+    c = _client("guest/expired", PORTS[1], "tcp")
+    await c.connect()
+    reply = await c._request(pp.RdmaOpen(0, 256))
+    out: dict[str, Any] = {"ticket_issued": isinstance(reply, pp.RdmaOpenReply)}
+    await asyncio.sleep(TICKET_TTL_S + 2)
+    v = verbs.load()
+    try:
+        staging = rdma_link.new_staging(v, 16)
+        link = await rdma_link.open_link(v, IP, reply, 256, "expired", None, staging)
+    except rdma_link.LinkError as e:
+        out["expired_ticket"] = f"refused: {e}"
+    else:
+        link.close()
+        out["expired_ticket"] = "ACCEPTED"
+    out["tcp_still_connected"] = c.connected
+    await c.close()
+    return out
+
+
+async def past_end() -> dict[str, Any]:
+    """`edge` holds one chunk (its first region in a fresh arena); `neighbour`, a TCP namespace
+    attached after it, stores a page into the next free slot, the first one past that region.
+    `edge` then reads and writes that page with its own, valid rkey."""
+    edge = _client("guest/edge", PORTS[1], "rdma")
+    await edge.connect()
+    await edge.reserve(256)  # one chunk of 256 pages: one region
+    await edge.store_batch((5,), memoryview(os.urandom(PS)))  # maps chunk 0
+    neighbour = _client("guest/neighbour", PORTS[1], "tcp")
+    await neighbour.connect()
+    await neighbour.reserve(4)
+    secret = os.urandom(PS)
+    await neighbour.store([0], secret)
+    addr, rkey = edge._rdma.chunks[0]
+    edge._rdma.chunks[3] = (addr + 256 * PS, rkey)  # key 768: one page past the region
+    buf = bytearray(PS)
+    out: dict[str, Any] = {"transport": edge.transport_in_use}
+    out["past_end_read"] = repr(await _cb(edge, False, (768,), memoryview(buf)))
+    out["past_end_leaked"] = bytes(buf) == secret
+    if await reconnect(edge):
+        await edge.load_batch((5,), memoryview(bytearray(PS)))  # maps chunk 0 again
+        addr, rkey = edge._rdma.chunks[0]
+        edge._rdma.chunks[3] = (addr + 256 * PS, rkey)
+        junk = memoryview(os.urandom(PS))
+        out["past_end_write"] = repr(await _cb(edge, True, (768,), junk))
+        out["edge_reconnected_again"] = await reconnect(edge)
+    else:
+        out["past_end_write"] = f"no RDMA link after reconnecting: {edge.rdma_error}"
+    out["neighbour_intact"] = bytes(await neighbour.load([0])) == secret
+    for c in (edge, neighbour):
+        await c.release()
+        await c.close()
+    return out
+
+
 async def fallback() -> dict[str, Any]:
     """`auto` against a memserver that serves TCP only: TCP, with the reason."""
     c = _client("guest/auto", TCP_ONLY_PORT, "auto")
@@ -261,6 +327,8 @@ async def checks() -> None:
     emit("forged", **await forged(a, data, keys))
     emit("stale", **await stale(a))
     emit("ticket", **await ticket())
+    emit("expired", **await expired())
+    emit("past_end", **await past_end())
     emit("fallback", **await fallback())
     emit("cpu", **await cpu())
     emit("doctor", **doctor())

@@ -226,7 +226,8 @@ def test_duvm_pages_move_by_one_sided_rdma_and_forged_keys_are_refused() -> None
     Catches pages that do not round-trip, a memserver spending CPU per page (its STORE/LOAD
     counters must stay 0), a region a foreign rkey or an out-of-region address could reach
     (a leak of the other namespace's bytes, or anything but a broken link), a key still
-    honoured after RELEASE, a made-up ticket accepted, and `auto` not falling back to TCP.
+    honoured after RELEASE, a made-up or an expired ticket accepted, a region that reaches
+    the page just past the client's own, and `auto` not falling back to TCP.
     Seen failing with each of these planted: one protection domain shared by all clients (the
     foreign rkey read), each client's region over the whole arena (its own rkey reached the
     other's pages), regions kept after RELEASE, and an unknown ticket accepted."""
@@ -257,6 +258,14 @@ def test_duvm_pages_move_by_one_sided_rdma_and_forged_keys_are_refused() -> None
     assert ev["stale"]["stale_rkey"].startswith("MemserverUnreachable("), ev["stale"]
     assert ev["ticket"]["forged_ticket"].startswith("refused:"), ev["ticket"]
     assert "REJECTED" in ev["ticket"]["forged_ticket"], ev["ticket"]
+    ex = ev["expired"]
+    assert ex["ticket_issued"] and ex["tcp_still_connected"], ex
+    assert ex["expired_ticket"].startswith("refused:"), ex
+    pe = ev["past_end"]
+    assert pe["transport"] == "rdma" and pe["neighbour_intact"], pe
+    assert not pe["past_end_leaked"], pe
+    for attempt in ("past_end_read", "past_end_write"):
+        assert pe[attempt].startswith("MemserverUnreachable("), (attempt, pe)
     fb = ev["fallback"]
     assert (fb["transport"], fb["equal"]) == ("tcp", True), fb
     assert "does not serve RDMA" in fb["rdma_error"], fb
@@ -264,6 +273,7 @@ def test_duvm_pages_move_by_one_sided_rdma_and_forged_keys_are_refused() -> None
     assert (cpu["rdma_in_use"], cpu["tcp_in_use"]) == ("rdma", "tcp"), cpu
     logs = ev["memserver_logs"]["logs"]
     assert "unknown or used ticket" in logs["7071"], logs
+    assert "expired ticket" in logs["7071"], logs
     doc = "\n".join(ev["doctor"]["rdma_lines"])
     assert re.search(r"OK +rdma +verbs device\(s\) with an active port: rxe0", doc), doc
     assert re.search(r"FAIL +rdma-peers", doc), doc
