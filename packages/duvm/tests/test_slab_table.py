@@ -80,6 +80,38 @@ def test_only_written_pages_become_lost(SlabTable: Any) -> None:
     assert list(t.state[:4]) == [LOST, EMPTY, EMPTY, EMPTY] and t.counters.pages_lost == 1
 
 
+def test_a_failed_write_loses_every_page_and_one_in_doubt_counts_none(SlabTable: Any) -> None:
+    """Catches `write_failed` not counting the pages it loses (the pages_lost line gone), or
+    losing only the pages written before (a never-written page the write may have reached
+    would read zeros); and a write in doubt counted as lost."""
+    t, changes = table(SlabTable)
+    t.mark_stored(1, 1, memoryview(bytes(PS)), None)
+    t.mark_in_doubt(0, 3)
+    assert list(t.state[:4]) == [LOST, LOST, LOST, EMPTY] and t.counters.pages_lost == 0
+    t.record(0, 1, [crc32c(bytes(PS))])  # the general path stored it after all
+    t.write_failed(1, 3)
+    assert list(t.state[:5]) == [DATA, LOST, LOST, LOST, EMPTY] and t.counters.pages_lost == 3
+    assert changes == [(1, 1), (0, 3), (0, 1), (1, 3)]
+
+
+def test_a_write_under_a_trim_in_flight_leaves_its_pages_trimmed(SlabTable: Any) -> None:
+    """Catches `mark_stored` (or `record`) marking written a page that a trim in flight is
+    freeing (its `keep_trimmed` call gone): the trim's FREE may reach a memserver after the
+    write's STORE."""
+    t, changes = table(SlabTable)
+    t.mark_stored(2, 4, memoryview(os.urandom(4 * PS)), None)
+    token = t.trim_started(3, 2)
+    assert list(t.state[2:6]) == [DATA, EMPTY, EMPTY, DATA] and changes[-1] == (3, 2)
+    t.mark_stored(1, 6, memoryview(os.urandom(6 * PS)), None)
+    t.record(4, 1, [0])
+    t.mark_stored(3, 1, memoryview(os.urandom(PS)), None)
+    assert list(t.state[:8]) == [EMPTY, DATA, DATA, EMPTY, EMPTY, DATA, DATA, EMPTY]
+    t.trim_ended(token)
+    assert not t.trims
+    t.mark_stored(3, 1, memoryview(os.urandom(PS)), None)
+    assert t.state[3] == DATA
+
+
 def test_a_trim_frees_the_keys_of_pages_that_are_not_empty_by_slab(SlabTable: Any) -> None:
     t, _ = table(SlabTable)
     t.state[0:10] = bytes([DATA, EMPTY, LOST, EMPTY, DATA, DATA, EMPTY, EMPTY, EMPTY, DATA])
@@ -126,6 +158,7 @@ OPS = st.lists(
             [
                 *("store", "store", "record", "lost", "clear", "forget", "start", "end"),
                 *("bad", "bad", "match", "trim", "replicas", "per_peer"),
+                *("doubt", "failed", "trim_start", "trim_start", "trim_end"),
             ]
         ),
         st.integers(0, PAGES - 1),
@@ -143,6 +176,7 @@ def _drive(tx: Any, ops: list, tables: Any) -> list:
     t.on_placement_change = lambda: log.append(("placement", [list(x) for x in t.sets]))
     t.assign([[i % 3, (i + 1) % 3] for i in range(t.nslabs)])
     tokens: list[int] = []
+    trims: list[int] = []
     written: dict[int, bytes] = {}
     for op, first, count, b in ops:
         count = min(count, PAGES - first)
@@ -183,9 +217,19 @@ def _drive(tx: Any, ops: list, tables: Any) -> list:
             log.append(("degraded", t.degraded_slabs(2)))
         elif op == "per_peer":
             log.append(("per_peer", t.pages_per_peer()))
+        elif op == "doubt":
+            t.mark_in_doubt(first, count)
+        elif op == "failed":
+            t.write_failed(first, count)
+        elif op == "trim_start":
+            trims.append(t.trim_started(first, count))
+            log.append(("trim token", trims[-1]))
+        elif op == "trim_end" and trims:
+            t.trim_ended(trims.pop(b % len(trims)))
         log.append(
             (op, bytes(t.state), list(t.crc), t.counters.snapshot(), sorted(t.pending_writes))
         )
+        log.append(("trims", sorted(t.trims.items())))
     log.append(
         ("geometry", t.pages, t.slab_pages, t.nslabs, [t.slab_size(s) for s in range(t.nslabs)])
     )

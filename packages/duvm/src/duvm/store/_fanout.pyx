@@ -19,7 +19,7 @@ cdef extern from *:
 SOURCE_DIGEST = DUVM_SOURCE_DIGEST.decode()
 
 from duvm.store.memserver_errors import MemserverUnreachable
-from duvm.store.replica_errors import REPLICA_FAILURES
+from duvm.store.replica_errors import REPLICA_FAILURES, refused_everywhere
 
 cdef enum:
     PAGE_SHIFT = 12
@@ -33,7 +33,7 @@ cdef class ReplicatedWrite:
     cdef WriteFanOut owner
     cdef object data, done, tag, crcs, token
     cdef list failures
-    cdef Py_ssize_t slab, first, count, waiting
+    cdef Py_ssize_t slab, first, count, waiting, replicas
 
     def compute_crcs(self):
         self.crcs = self.owner.page_crcs(self.data, self.count)
@@ -65,6 +65,12 @@ cdef class ReplicatedWrite:
             counters.pages_stored += self.count
             done(tag, None)
         elif all(isinstance(e, REPLICA_FAILURES) for e in self.failures):
+            if not refused_everywhere(self.failures, self.replicas):
+                try:  # it may have reached a replica: EIO until the general path decides
+                    t.mark_in_doubt(self.first, self.count)
+                except Exception as e:  # never leave the request unanswered
+                    done(tag, e)
+                    return
             done(tag, w.store_slab(self.slab, self.first, self.count, self.data))
         else:
             done(tag, next(e for e in self.failures if not isinstance(e, REPLICA_FAILURES)))
@@ -103,7 +109,7 @@ cdef class WriteFanOut:
         w.owner = self
         w.slab, w.first, w.count = slab, first, count
         w.data, w.done, w.tag = data, done, tag
-        w.waiting = len(clients)
+        w.waiting = w.replicas = len(clients)
         keys = (first,) if count == 1 else tuple(range(first, first + count))
         self.inflight[slab] += 1  # a repair starting now waits for this write to finish
         if w.waiting > 1:  # registered before any STORE can leave

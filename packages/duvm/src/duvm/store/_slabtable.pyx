@@ -24,12 +24,13 @@ from array import array
 
 from crc32c import crc32c as crc32
 
-from duvm.store.slab_table import TableCounters, _ignore, page_crcs
+from duvm.store.slab_table import TableCounters, _ignore, keep_trimmed, page_crcs
 from duvm.store.storage import DATA, EMPTY, LOST
 
 cdef int C_DATA = DATA
 cdef int C_LOST = LOST
 cdef bytes ONE_DATA = bytes((DATA,))
+cdef bytes ONE_LOST = bytes((LOST,))
 
 
 cdef class SlabTable:
@@ -38,7 +39,7 @@ cdef class SlabTable:
     cdef readonly Py_ssize_t pages, slab_pages, nslabs
     cdef readonly tuple clients
     cdef readonly object counters
-    cdef public object state, crc, sets, slab_clients, inflight, pending_writes
+    cdef public object state, crc, sets, slab_clients, inflight, pending_writes, trims
     cdef public object on_change, on_placement_change
     cdef Py_ssize_t _next_token
 
@@ -59,6 +60,7 @@ cdef class SlabTable:
         self.inflight = array("i", bytes(4 * self.nslabs))
         self.pending_writes = {}
         self._next_token = 0
+        self.trims = {}
         self.on_change = _ignore
         self.on_placement_change = None
 
@@ -110,6 +112,8 @@ cdef class SlabTable:
         else:
             self.crc[first : first + count] = page_crcs(data, count) if crcs is None else crcs
             self.state[first : first + count] = ONE_DATA * count
+        if self.trims:
+            keep_trimmed(self, first, count)
 
     def record(self, Py_ssize_t first, Py_ssize_t count, crcs):
         cdef Py_ssize_t k
@@ -118,6 +122,8 @@ cdef class SlabTable:
         for k in range(count):
             crc[first + k] = crcs[k]
             st[first + k] = C_DATA
+        if self.trims:
+            keep_trimmed(self, first, count)
 
     def mark_lost(self, Py_ssize_t first, Py_ssize_t count):
         cdef Py_ssize_t p
@@ -128,9 +134,27 @@ cdef class SlabTable:
                 st[p] = C_LOST
                 self.counters.pages_lost += 1
 
+    def mark_in_doubt(self, Py_ssize_t first, Py_ssize_t count):
+        self.on_change(first, count)
+        self.state[first : first + count] = ONE_LOST * count
+
+    def write_failed(self, Py_ssize_t first, Py_ssize_t count):
+        self.on_change(first, count)
+        self.state[first : first + count] = ONE_LOST * count
+        self.counters.pages_lost += count
+
     def clear(self, Py_ssize_t first, Py_ssize_t count):
         self.on_change(first, count)
         self.state[first : first + count] = bytes(count)
+
+    def trim_started(self, Py_ssize_t first, Py_ssize_t count):
+        self.clear(first, count)
+        self._next_token += 1
+        self.trims[self._next_token] = (first, count)
+        return self._next_token
+
+    def trim_ended(self, token):
+        del self.trims[token]
 
     def forget(self):
         self.state = bytearray(self.pages)

@@ -29,8 +29,8 @@ Theory of operation:
   requests fail at once with MemserverUnreachable instead of each waiting for a connect timeout,
   so replicated callers fail over without stalling the kernel. The first request (or `probe()`)
   after the backoff is the half-open trial; a successful HELLO closes the breaker.
-- `on_namespace_lost(client)` (optional) is called when a reconnect finds the namespace gone,
-  before the reservation is restored, so the owner can mark the pages it held as lost.
+- `on_namespace_lost(client)` (optional) is called when a reconnect finds the namespace gone
+  (also one resumed, not reserved, here), before the reservation is restored: see `connect`.
 - Transport (`transport`): "tcp" moves pages in STORE/LOAD frames; "rdma" and "auto" open an
   RDMA connection after each handshake (`rdma_link`): STOREs and LOADs then move by one-sided
   RDMA WRITE/READ into the memserver's arena, and the TCP connection carries the rest (RESERVE,
@@ -258,6 +258,8 @@ class MemClient:
         self.queue.max_batch = max(1, min(reply.max_batch, pp.MAX_BATCH, fit))
         if self.transport != "tcp":
             await self._open_rdma(proto)
+        if reply.resumed and self._reserved is None:  # a namespace we did not reserve here
+            self._reserved = reply.reserved_pages  # (a resume): its loss is noticed as ours
         if not reply.resumed and self._reserved:
             self.namespace_losses += 1
             log.error(

@@ -11,10 +11,16 @@
   dropped from the slab. If no replica has good bytes, the pages are lost (EIO from now on); if
   replicas were merely unreachable, the read waits (`unreachable_wait`) for one to come back,
   then fails with EIO, and a later read may still succeed.
+- NOT_FOUND for a LOAD of several pages says only that one is missing: the pages are then
+  loaded one by one, so that only those missing (or bad) on every replica are lost. A replica
+  that lost our namespace unnoticed holds the pages written since; those were acknowledged,
+  and never read EIO. Nor does a page rewritten while the read was judging it (its checksum
+  changed meanwhile; a rewrite with the very same bytes is not told apart).
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 from dataclasses import dataclass
@@ -155,8 +161,10 @@ class RemoteReads:
         self.counters.read_errors += 1
         what = f"reading pages {first}..{first + count - 1}"
         if not unreachable:  # every replica answered and none had good bytes: gone for good
-            for p in sorted(bad_everywhere):
-                self.table.mark_lost(p, 1)
+            st, crc = self.table.state, self.table.crc
+            for p, judged in sorted((bad_everywhere or {}).items()):
+                if st[p] == DATA and crc[p] == judged:  # not rewritten since it was judged
+                    self.table.mark_lost(p, 1)
             raise StorageError(
                 errno.EIO, f"{what}: pages were lost by every replica: " + "; ".join(bad)
             )
@@ -169,14 +177,16 @@ class RemoteReads:
     async def _load_round(
         self, slab: int, first: int, count: int, keys: tuple[int, ...], out: memoryview
     ) -> tuple:
-        """Try each replica once. Returns (None, ...) on success, else the reasons."""
+        """Try each replica once. Returns (None, ...) on success, else the reasons and the
+        pages bad on every replica that answered, each with its checksum when judged."""
         t = self.table
         members = t.sets[slab]
         clients = t.slab_clients[slab]
         unreachable: list[str] = []
         bad: list[str] = []
-        bad_everywhere = set(range(first, first + count))  # bad on every replica that answered
+        bad_everywhere: dict[int, int] | None = None  # None: no replica answered yet
         for idx, client in zip(list(members), clients, strict=True):
+            missing: list[int] = []
             try:
                 await _load_one(client, keys, out)
             except MemserverUnreachable as e:
@@ -188,19 +198,62 @@ class RemoteReads:
                     self.counters.failovers += 1
                     unreachable.append(str(e))
                     continue
-                bad.append(f"{client.peer}: pages missing")
-                self.replication.drop_replica(slab, idx, "pages missing")
-                continue
-            bad_pages = t.bad_pages(first, count, out)
+                try:
+                    missing = await _missing_pages(client, first, count, out)
+                except REPLICA_FAILURES as e:
+                    self.counters.failovers += 1
+                    unreachable.append(str(e))
+                    continue
+            st = t.state
+            gone = []  # missing pages that hold data (or were lost meanwhile)
+            for p in missing:
+                if st[p] == EMPTY:  # trimmed meanwhile: zeros, as the table says
+                    out[(p - first) << 12 : (p - first + 1) << 12] = _ZERO_PAGE
+                else:
+                    gone.append(p)
+            crc_bad = t.bad_pages(first, count, out)
+            if missing:  # their bytes were never loaded: missing, not corrupt
+                crc_bad = list(set(crc_bad).difference(missing))
+            bad_pages = sorted({*crc_bad, *gone})
             if not bad_pages:
                 return None, None, None
-            nbad = len(bad_pages)
-            bad_everywhere.intersection_update(bad_pages)
-            self.counters.checksum_failures += nbad
-            bad.append(f"{client.peer}: {nbad} page(s) with bad checksums")
-            log.error("slab %d: %d page(s) from %s failed their checksum", slab, nbad, client.peer)
-            self.replication.drop_replica(slab, idx, "bad checksum")
+            crc = t.crc
+            bad_everywhere = {
+                p: crc[p] if bad_everywhere is None else bad_everywhere[p]
+                for p in bad_pages
+                if bad_everywhere is None or p in bad_everywhere
+            }
+            if crc_bad:
+                nbad = len(crc_bad)
+                self.counters.checksum_failures += nbad
+                bad.append(f"{client.peer}: {nbad} page(s) with bad checksums")
+                log.error(
+                    "slab %d: %d page(s) from %s failed their checksum", slab, nbad, client.peer
+                )
+            if gone:
+                bad.append(f"{client.peer}: {len(gone)} page(s) missing")
+            self.replication.drop_replica(slab, idx, "pages missing" if gone else "bad checksum")
         return unreachable, bad, bad_everywhere
+
+
+async def _missing_pages(client: MemClient, first: int, count: int, out: memoryview) -> list[int]:
+    """The pages of [first, first+count) that `client` does not hold, after its LOAD of them
+    answered NOT_FOUND: each is loaded on its own (into `out`), so those it holds are read.
+    Raises a replica failure other than NOT_FOUND."""
+    if count == 1:
+        return [first]
+    pages = range(first, first + count)
+    res = await asyncio.gather(
+        *(client.load((p,), out[(p - first) << 12 : (p - first + 1) << 12]) for p in pages),
+        return_exceptions=True,
+    )
+    missing = []
+    for p, r in zip(pages, res, strict=True):
+        if isinstance(r, PageServerError) and r.code == ErrorCode.NOT_FOUND:
+            missing.append(p)
+        elif isinstance(r, BaseException):
+            raise r
+    return missing
 
 
 async def _load_one(client: MemClient, keys: tuple[int, ...], out: memoryview) -> None:

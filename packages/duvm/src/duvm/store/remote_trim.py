@@ -3,6 +3,14 @@
 A replica that cannot free is dropped from the slab (its stale pages would hold capacity);
 the trim itself succeeds, since the pages read as zeros from then on. While a slab is being
 copied to a new replica, the FREE also goes to the target, under the copy's lock.
+
+A write racing the trim (same pages, both in flight) must leave them either written with its
+bytes everywhere or trimmed, never marked written in the table while a memserver freed them
+(a read would then meet "not found" there and take a healthy replica for a bad one). Its STORE
+may reach a memserver just before the FREE, and be acknowledged before the FREE is: so while
+the trim is in flight the write does not mark the pages written (`SlabTable.trim_started`,
+`keep_trimmed`), and once every FREE is answered the pages are cleared again, so that a write
+that failed meanwhile (pages marked lost) leaves them trimmed too.
 """
 
 from __future__ import annotations
@@ -35,13 +43,17 @@ class RemoteTrims:
         t = self.table
         first, count = offset // PAGE_SIZE, length // PAGE_SIZE
         slabs = t.trimmed_slabs(first, count)
-        t.clear(first, count)  # reads during the FREE see zeros, as they will after
-        if not slabs:
+        if not slabs:  # nothing on the memservers to free
+            t.clear(first, count)
             return
-        await asyncio.gather(*(self._free_slab(slab, keys) for slab, keys in slabs.items()))
-        # A STORE sent before this FREE on the same connection was acknowledged before it;
-        # clear again so such a write's mark does not outlive the page it refers to.
-        t.clear(first, count)
+        # reads during the FREE see zeros, as they will after; racing writes mark nothing
+        token = t.trim_started(first, count)
+        try:
+            await asyncio.gather(*(self._free_slab(slab, keys) for slab, keys in slabs.items()))
+            # A write that failed meanwhile marked the pages lost: trimmed, they read zeros.
+            t.clear(first, count)
+        finally:
+            t.trim_ended(token)
         self.counters.pages_freed += sum(len(k) for k in slabs.values())
 
     async def _free_slab(self, slab: int, keys: list[int]) -> None:

@@ -4,16 +4,19 @@
   (unreachable, stalled, refused) is dropped from the slab, which is then degraded, and the
   write is acknowledged by the survivors.
 - If no replica stored it, the write fails: with ENOSPC when every replica refused for space
-  (the old bytes remain everywhere), else with EIO, and the pages are marked lost, because the
-  replicas may now disagree and a read must never return bytes other than the last written.
-  Writes that reach no replica first wait (`unreachable_wait`) for one to come back.
+  (the old bytes remain everywhere), else with EIO, and every page of it is marked lost (EIO
+  until rewritten, whether it held data or not), because it may have reached a replica whose
+  answer was lost: the replicas may now disagree, and a read must never return bytes other
+  than the last written. So is a write given up on the way (cancelled: the NBD connection
+  went). Writes that reach no replica first wait (`unreachable_wait`) for one to come back.
 - While a slab is being copied to a new replica (`repairs`), writes to it also go to the
   target, under the copy's per-slab lock, so a copied chunk never overwrites a newer write.
 - The common write (one slab, every replica connected, no copy running) is one STORE per
   replica, sent at once; on the fast path (`WriteFanOut`, compiled in `duvm.store._fanout`)
   the last acknowledgement marks the pages from the receive callback. Any failure continues
   in `RemoteWrites.store_slab`, which sends it again (STORE is idempotent) and decides what it
-  means.
+  means; until it has, the pages read EIO (`SlabTable.mark_in_doubt`), and so they stay if the
+  caller never runs the continuation it was handed (an NBD connection that went away).
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ from duvm.store.replica_errors import (
     UnreachableWait,
     all_parts,
     check_request,
+    refused_everywhere,
     storage_error,
 )
 from duvm.store.replication import Replication, SlabRepair
 from duvm.store.slab_table import page_crcs
-from duvm.store.storage import PAGE_SIZE, Done
+from duvm.store.storage import PAGE_SIZE, Done, StorageError
 from duvm.wire.pageproto import ErrorCode
 
 _MASK = PAGE_SIZE - 1
@@ -59,8 +63,9 @@ class WriteFanOut:
     """The fast path of `RemoteWrites`: the common write (one slab, every replica connected,
     no repair copying it) as one STORE to each replica at once, acknowledged from the receive
     path when all stored it. Any failure continues in `RemoteWrites.store_slab`, which sends it
-    again (STORE is idempotent), drops the replicas that failed and decides what it means.
-    Compiled twin: `duvm.store._fanout` (see `fan_out_type`)."""
+    again (STORE is idempotent), drops the replicas that failed and decides what it means;
+    meanwhile the pages are in doubt (they read EIO), unless every replica refused the write
+    for space. Compiled twin: `duvm.store._fanout` (see `fan_out_type`)."""
 
     __slots__ = ("page_crcs", "replication", "table", "writes")
 
@@ -85,7 +90,7 @@ class WriteFanOut:
             return False
         writes = self.writes
         crcs: list[array] = []  # the pages' checksums, once computed (see below)
-        waiting = len(clients)
+        waiting = replicas = len(clients)
         failures: list[BaseException] = []
         token: int | None = None  # a replicated write in flight (SlabTable.write_started)
 
@@ -112,6 +117,12 @@ class WriteFanOut:
                 counters.pages_stored += count
                 done(tag, None)
             elif all(isinstance(e, REPLICA_FAILURES) for e in failures):
+                if not refused_everywhere(failures, replicas):
+                    try:  # it may have reached a replica: EIO until the general path decides
+                        t.mark_in_doubt(first, count)
+                    except Exception as e:  # never leave the request unanswered
+                        done(tag, e)
+                        return
                 done(tag, writes.store_slab(slab, first, count, data))
             else:
                 done(tag, next(e for e in failures if not isinstance(e, REPLICA_FAILURES)))
@@ -200,6 +211,9 @@ class RemoteWrites:
                     ok = True
                 except REPLICA_FAILURES:
                     ok = False
+                except BaseException:  # given up (cancelled): the STORE may have landed
+                    t.write_failed(first, count)
+                    raise
                 finally:
                     inflight[slab] -= 1
                 if ok:
@@ -218,18 +232,25 @@ class RemoteWrites:
 
     async def store_slab(self, slab: int, first: int, count: int, data: memoryview) -> None:
         """The general path for pages within one slab: every replica, the repair target too,
-        again until one stored it or none can."""
+        again until one stored it or none can. Given up on the way (cancelled), the write may
+        have reached a replica: its pages are lost, as when it fails."""
         rep = self.replication.repairs.get(slab)
-        if rep is None:
-            inflight = self.table.inflight
-            inflight[slab] += 1  # a repair starting now waits for this write to finish
-            try:
-                await self._store_replicas(slab, first, count, data, None)
-            finally:
-                inflight[slab] -= 1
-            return
-        async with rep.lock:  # the copier holds it per chunk: no copy overwrites this write
-            await self._store_replicas(slab, first, count, data, rep)
+        try:
+            if rep is None:
+                inflight = self.table.inflight
+                inflight[slab] += 1  # a repair starting now waits for this write to finish
+                try:
+                    await self._store_replicas(slab, first, count, data, None)
+                finally:
+                    inflight[slab] -= 1
+            else:
+                async with rep.lock:  # the copier holds it per chunk: no copy overwrites it
+                    await self._store_replicas(slab, first, count, data, rep)
+        except StorageError:
+            raise  # failed: `_store_replicas` marked what the failure means
+        except BaseException:  # given up on the way (cancelled) or a bug: it may have landed
+            self.table.write_failed(first, count)
+            raise
 
     async def _store_replicas(
         self, slab: int, first: int, count: int, data: memoryview, rep: SlabRepair | None
@@ -250,7 +271,7 @@ class RemoteWrites:
         what = f"writing pages {first}..{first + count - 1}"
         if isinstance(err, PageServerError) and err.code == ErrorCode.NO_SPACE:
             raise storage_error(err, what) from None  # refused everywhere: old bytes remain
-        self.table.mark_lost(first, count)  # replicas may disagree now: never serve either
+        self.table.write_failed(first, count)  # replicas may disagree now: never serve either
         raise storage_error(err, what) from None
 
     async def _store_round(

@@ -36,6 +36,14 @@ def storage_error(e: Exception, what: str) -> StorageError:
     return StorageError(errno.EIO, f"{what}: {e}")
 
 
+def refused_everywhere(failures: list[BaseException], replicas: int) -> bool:
+    """Every one of a write's `replicas` replicas refused it for space (NO_SPACE): it reached
+    none of them, and the bytes from before it remain everywhere."""
+    return len(failures) == replicas and all(
+        isinstance(e, PageServerError) and e.code == ErrorCode.NO_SPACE for e in failures
+    )
+
+
 def check_request(offset: int, length: int, is_open: bool) -> None:
     """Raise for a request the hot paths' quick test flagged. Bounds and alignment are the
     NBD layer's to validate (`nbdproto.validate`, EINVAL to the client); here a request that

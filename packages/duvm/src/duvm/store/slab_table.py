@@ -9,11 +9,15 @@
   and the count of unlocked writes and trims in flight (a repair waits for them).
 - The replicated writes still in flight, whose bytes a racing read may already see on one
   replica: they are not corruption.
+- The trims in flight (`trim_started` .. `trim_ended`): their pages read as zeros meanwhile,
+  and a write that races one never marks them written (`mark_stored`, `record`): its STORE
+  may have reached a memserver before the trim's FREE, which then freed the page there.
 
-Every change of a page's state or checksum goes through `mark_stored`, `record`, `mark_lost`
-or `clear`, which first tell `on_change` (the readahead's `invalidate`), so no window of old
-bytes outlives a change. Every change of a slab's replica set goes through `set_replicas`,
-which tells `on_placement_change` (the daemon persists the map).
+Every change of a page's state or checksum goes through `mark_stored`, `record`, `mark_lost`,
+`mark_in_doubt`, `write_failed`, `clear` or `trim_started`, which first tell `on_change` (the
+readahead's `invalidate`), so no window of old bytes outlives a change. Every change of a
+slab's replica set goes through `set_replicas`, which tells `on_placement_change` (the daemon
+persists the map).
 
 The per-request calls (a replicated write's `write_started`, `mark_stored` and `write_ended`,
 a read's `bad_pages`) run compiled where the compiled path is built: `SlabTable` has a twin in
@@ -60,6 +64,18 @@ def _ignore(first: int, count: int) -> None:
     pass
 
 
+def keep_trimmed(table: SlabTable, first: int, count: int) -> None:
+    """Pages of [first, first+count) under a trim in flight read as zeros again: a write
+    that raced the trim marks them written only once the trim has ended (after the
+    acknowledgement of its STORE, the trim's FREE may still free them on a memserver). Both
+    twins' `mark_stored` and `record` call it while a trim is in flight."""
+    st, end = table.state, first + count
+    for f, n in table.trims.values():
+        a, b = max(first, f), min(end, f + n)
+        if a < b:
+            st[a:b] = bytes(b - a)
+
+
 @dataclass(slots=True)
 class TableCounters(Counters):
     pages_lost: int = 0
@@ -93,6 +109,7 @@ class SlabTable:
         # see their bytes on one replica
         self.pending_writes: dict[int, tuple[int, int, memoryview]] = {}
         self._next_token = 0
+        self.trims: dict[int, tuple[int, int]] = {}  # trims in flight, by token: (first, pages)
         self.on_change: Callable[[int, int], None] = _ignore  # pages [first, first+count)
         self.on_placement_change: Callable[[], None] | None = None
 
@@ -151,6 +168,8 @@ class SlabTable:
         else:
             crc[first : first + count] = page_crcs(data, count) if crcs is None else crcs
             st[first : first + count] = bytes((DATA,)) * count
+        if self.trims:
+            keep_trimmed(self, first, count)
 
     def record(self, first: int, count: int, crcs: Sequence[int]) -> None:
         """The pages hold bytes with checksums `crcs` (a write counted by its caller)."""
@@ -159,6 +178,8 @@ class SlabTable:
         for k in range(count):
             crc[first + k] = crcs[k]
             st[first + k] = DATA
+        if self.trims:
+            keep_trimmed(self, first, count)
 
     def mark_lost(self, first: int, count: int) -> None:
         """The written pages among these are lost: reads fail with EIO until rewritten."""
@@ -169,10 +190,38 @@ class SlabTable:
                 st[p] = LOST
                 self.counters.pages_lost += 1
 
+    def mark_in_doubt(self, first: int, count: int) -> None:
+        """A write of these pages failed on a replica after it may have reached another, and
+        goes on in the general path: the replicas may disagree, so every page reads EIO until
+        a write of it is acknowledged (also if that never runs). Not counted as lost: a write
+        that then fails counts its pages (`write_failed`)."""
+        self.on_change(first, count)
+        self.state[first : first + count] = bytes((LOST,)) * count
+
+    def write_failed(self, first: int, count: int) -> None:
+        """A write of these pages failed (or was given up) after it may have reached a
+        replica: every page, written before or not, reads EIO until it is written again; never
+        the bytes from before the write (nor zeros). Each counts as lost."""
+        self.on_change(first, count)
+        self.state[first : first + count] = bytes((LOST,)) * count
+        self.counters.pages_lost += count
+
     def clear(self, first: int, count: int) -> None:
         """The pages are trimmed: they read as zeros."""
         self.on_change(first, count)
         self.state[first : first + count] = bytes(count)
+
+    def trim_started(self, first: int, count: int) -> int:
+        """A trim of these pages begins: they read as zeros from now on, and a write that
+        races it leaves them so (`keep_trimmed`) until `trim_ended`. Returns the token to
+        hand to `trim_ended`."""
+        self.clear(first, count)
+        self._next_token += 1
+        self.trims[self._next_token] = (first, count)
+        return self._next_token
+
+    def trim_ended(self, token: int) -> None:
+        del self.trims[token]
 
     def forget(self) -> None:
         """Every page is gone (the export was released). A new table, so that persisted
