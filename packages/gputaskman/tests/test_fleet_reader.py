@@ -247,6 +247,16 @@ def test_what_the_reader_takes_from_damaged_answers_h11_reads_the_same(answer, e
         assert got == H11Reference().read([raw], eof), raw
 
 
+@pytest.mark.parametrize("status", [200, 204, 304])
+def test_a_malformed_content_length_is_refused_even_where_no_body_follows(status):
+    """Found by the differential test above: a 204 with `Content-Length: :6` was taken (its
+    length ignored, as a 204 has no body) where h11 refuses the answer."""
+    raw = f"HTTP/1.0 {status} x\ty\r\nContent-Length: :6\r\n\r\n".encode()
+    with pytest.raises(HttpError, match="not a number"):
+        ResponseReader(100).feed(raw)
+    assert H11Reference().read([raw], True) is None  # h11 refuses it too
+
+
 def test_an_http_1_0_answer_never_keeps_the_connection():
     """As h11 reads it: HTTP/1.0 keep-alive is not spoken (``serve`` answers HTTP/1.1)."""
     raw = b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok"

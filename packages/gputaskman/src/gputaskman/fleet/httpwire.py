@@ -167,11 +167,12 @@ class ResponseReader:
         if encoding != "identity":
             raise HttpError(f"content encoding {encoding[:30]!r} was not asked for")
         length = headers.get("content-length")
+        if length is not None and not (length.isascii() and length.isdigit()):
+            # refused whatever the status, as h11 does ("²".isdigit() is True)
+            raise HttpError(f"Content-Length {length[:30]!r} is not a number")
         if status in (204, 304):  # never a body, whatever the headers say
             length = "0"
         if length is not None:
-            if not (length.isascii() and length.isdigit()):  # "²".isdigit() is True
-                raise HttpError(f"Content-Length {length[:30]!r} is not a number")
             if int(length) > self.max_body:
                 raise TooLarge(f"the document is {int(length)} bytes, over {self.max_body}")
             self._length = int(length)
