@@ -32,7 +32,9 @@ def free_port() -> int:
 
 class Prometheus:
     """One ``prometheus`` process on loopback with its own data directory, scraping
-    `targets` every second as the job ``gputaskman`` (extra YAML: `web_config` for TLS)."""
+    `targets` every second as the job ``gputaskman`` (extra YAML: `web_config` for TLS), or
+    as `config` says, or running the configuration file `config_file` where it lies (its
+    relative paths read from its own directory, as Prometheus reads them)."""
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class Prometheus:
         token_file: Path | None = None,
         web_config: str | None = None,
         config: str | None = None,
+        config_file: Path | None = None,
     ) -> None:
         if PROMETHEUS is None:
             pytest.skip("prometheus is not installed (apt install prometheus; .ci/run does)")
@@ -49,13 +52,15 @@ class Prometheus:
         auth = ""
         if token_file is not None:
             auth = f"    authorization:\n      credentials_file: {token_file}\n"
-        (d / "prometheus.yml").write_text(
-            config
-            or "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-            "scrape_configs:\n  - job_name: gputaskman\n"
-            f"{auth}"
-            f"    static_configs:\n      - targets: {json.dumps(targets)}\n"
-        )
+        self.config_file = config_file or d / "prometheus.yml"
+        if config_file is None:
+            self.config_file.write_text(
+                config
+                or "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                "scrape_configs:\n  - job_name: gputaskman\n"
+                f"{auth}"
+                f"    static_configs:\n      - targets: {json.dumps(targets)}\n"
+            )
         if web_config is not None:
             (d / "web.yml").write_text(web_config)
         self.web_config = web_config
@@ -66,7 +71,7 @@ class Prometheus:
     def _spawn(self) -> None:
         args = [
             PROMETHEUS,
-            f"--config.file={self.dir / 'prometheus.yml'}",
+            f"--config.file={self.config_file}",
             f"--storage.tsdb.path={self.dir / 'data'}",
             f"--web.listen-address=127.0.0.1:{self.port}",
             "--log.level=warn",
@@ -116,8 +121,12 @@ class Prometheus:
     def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant query straight from the HTTP API (plain HTTP only)."""
         q = urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=5) as r:
-            return json.loads(r.read())["data"]["result"]
+        return self.api(f"/api/v1/query?{q}")["result"]
+
+    def api(self, path: str) -> Any:
+        """The ``data`` of one HTTP API answer (plain HTTP only)."""
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=5) as r:
+            return json.loads(r.read())["data"]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -387,7 +387,7 @@ async def test_text_from_outside_shows_as_typed_never_as_markup():
         await settle(pilot, app)
         shown = re.sub(r"<[^>]+>", "", app.export_screenshot()).replace("&#160;", " ")
         assert "[bold]x[/bold]" in shown
-        assert "qwen2.5-7b-q4_k_m [mapped?]" in shown  # the model with its evidence marker
+        assert "qwen2.5-7b-q4_k_m [mapped✓]" in shown  # the model with its evidence marker
 
 
 def test_help_names_keys_as_typed_and_the_status_line_counts_in_english():

@@ -201,3 +201,34 @@ def test_mapped_store_blobs_without_extension(tmp_path: Path) -> None:
     idx = StoreIndex(StoreRoots(ollama=(str(root),)))
     ev = mapped_store_files(["/usr/lib/libc.so.6", str(blob)], idx.name_for)
     assert [(e.source, e.path) for e in ev] == [(Source.MAPPED, os.path.realpath(blob))]
+
+
+def test_the_demo_s_models_are_what_the_ladder_makes_of_their_evidence() -> None:
+    """Catches the demo's llama-server shown ``[mapped?]`` unconfirmed while its own command
+    line names the model (``-m``) and the same file is mapped: two corroborating sources, so
+    the ladder confirms it. The demo is hand-written (fixtures import nothing above base);
+    this runs its evidence through procinfo's steps (redact, model flags, resolve) and
+    `assess`, and its ModelRef must say what they say."""
+    from gputaskman.base.procargs import model_args
+    from gputaskman.fixtures.demo import demo_snapshot
+
+    with_model = [p for p in demo_snapshot().processes if p.model is not None]
+    assert with_model
+    for p in with_model:
+        d, m = p.detail, p.model
+        rows = [ModelEvidence("mapped", f) for f in d.model_files]
+        for a in model_args(redact_argv(d.cmdline or ())):
+            rows.append(ModelEvidence(a.evidence, resolve(a.raw, "/"), raw=a.raw, flag=a.flag))
+        assert d.model_evidence == tuple((r.evidence, r.path) for r in rows), p.name
+        claim = assess(from_procinfo(rows))[0]
+        got = (m.evidence, m.confirmed, m.status, m.sources, m.path)
+        want = (
+            claim.best.value,
+            claim.confirmed,
+            claim.status,
+            tuple(sorted(s.value for s in claim.sources)),
+            claim.path,
+        )
+        assert got == want, p.name
+    llama = next(p for p in with_model if p.name == "llama-server")
+    assert llama.model.confirmed  # `-m` and the mapping agree

@@ -108,11 +108,11 @@ def test_nvml_mocked_scrape_names_labels_and_provenance():
     assert [s.labels["gpu"] for s in got["gputaskman_gpu_power_watts"]] == ["0"]
     assert "gputaskman_gpu_encoder_utilization_percent" not in got  # not supported anywhere
     assert got["gputaskman_gpu_clock_sm_hertz"][0].value == 1800e6
-    # processes: measured VRAM under the base name; model label only when confirmed
+    # processes: measured VRAM under the base name; the model only in its info series
     vram = {s.labels["pid"]: s for s in got["gputaskman_process_vram_bytes"]}
     assert set(vram) == {"101", "102"}  # 103's memory is hidden: absent, not 0
-    assert vram["101"].labels["model"] == "qwen2.5-7b" and vram["101"].value == 3 * ms.GIB
-    assert vram["102"].labels["model"] == "" and vram["102"].labels["name"] == "python3"
+    assert "model" not in vram["101"].labels and vram["101"].value == 3 * ms.GIB
+    assert vram["102"].labels["name"] == "python3"
     assert vram["101"].labels["pci_bus_id"] == ms.BUS0
     # inferred, estimated and runtime values live under their own names, never the base one
     inf = got["gputaskman_process_vram_inferred_bytes"]
@@ -140,6 +140,56 @@ def test_nvml_mocked_scrape_names_labels_and_provenance():
     assert att == {"0": 3 * ms.GIB + 512 * ms.MIB}
     complete = {s.labels["gpu"]: s.value for s in got["gputaskman_gpu_attributed_complete"]}
     assert complete == {"0": 1}
+
+
+def test_a_process_s_series_keep_their_names_and_labels_when_its_model_is_confirmed():
+    """Catches a label that changes while a process lives on the series of its numbers
+    (the model, empty until confirmed: each VRAM series would end and a new one begin, and a
+    rate() or a dashboard's history would break there), a unit doubled in a name
+    (``..._gpu_percent_utilization_percent``), and a process row with no series at all (a
+    CPU-only runtime: every number unknown)."""
+    snap = _mock_snapshot()
+    engines = {
+        "gpu_percent": Reading.measured(87, "mock"),
+        "encoder_percent": Reading.measured(3, "m"),
+    }
+    guess = dataclasses.replace(snap.processes[1], engines=engines)
+    cpu_only = ms.proc(104, None, name="llama-cli", bus=None, reason=Reason.NOT_LISTED)
+    before = dataclasses.replace(
+        snap, processes=(snap.processes[0], guess, snap.processes[2], cpu_only)
+    )
+    model = dataclasses.replace(guess.model, confirmed=True, status="confirmed")
+    after = dataclasses.replace(
+        before,
+        processes=tuple(
+            dataclasses.replace(p, model=model) if p is guess else p for p in before.processes
+        ),
+    )
+
+    def series(snapshot) -> dict[str, set[tuple]]:
+        got = scrape(Cached(snapshot, None, time.time(), 0.01))
+        return {
+            n: {tuple(sorted(s.labels.items())) for s in got[n]}
+            for n in got
+            if n.startswith("gputaskman_process_") and n != "gputaskman_process_model_info"
+        }
+
+    was, now = series(before), series(after)
+    assert was == now
+    names = set(now)
+    assert "gputaskman_process_gpu_utilization_percent" in names
+    assert "gputaskman_process_encoder_utilization_percent" in names
+    assert not [n for n in names if n.count("_percent") > 1 or n.count("_bytes") > 1]
+    assert not [k for n in now for s in now[n] for k, _ in s if k == "model"]
+    # the model moves in its info series alone, joined on the process's labels
+    info = scrape(Cached(after, None, time.time(), 0.01))["gputaskman_process_model_info"]
+    (mine,) = [s for s in info if s.labels["pid"] == "102"]
+    assert (mine.labels["model_name"], mine.labels["confirmed"]) == ("maybe-model", "true")
+    # every row has its info series, the CPU-only one too (no GPU: empty GPU labels)
+    rows = {dict(labels)["pid"]: dict(labels) for labels in now["gputaskman_process_info"]}
+    assert set(rows) == {"101", "102", "103", "104"}
+    assert rows["104"]["pci_bus_id"] == "" and rows["104"]["contexts"] == ""
+    assert rows["101"]["contexts"] == "compute"
 
 
 def _platform_rows_snapshot():

@@ -129,6 +129,44 @@ def test_a_fleet_record_holds_each_host_answer_once_and_down_rounds_say_why(tmp_
     assert fleet_hosts(path) == list(HOSTS)
 
 
+def test_a_host_down_at_a_round_has_no_snapshot_in_it_even_a_new_one(tmp_path):
+    """Catches a record line holding the snapshot of a host that is down in that round (an
+    answer that arrived after the last round, before the host went down): whoever adds up a
+    line's snapshots counted a host that is down, which the line's own summary leaves out.
+    The answer is written once the host is up with it again."""
+    poller = FakePoller()
+    a, b, c = poller.targets
+
+    def up(t, seq: int) -> HostState:
+        raw = _doc(1000.0 + seq, 2.0)
+        body = json.dumps(raw).encode()
+        return HostState(t, HostStatus.UP, None, read_document(raw), body, 1000.0 + seq, 0.01, seq)
+
+    path = tmp_path / "fleet.jsonl"
+    fd = open_record(path, FLEET_LINE_PREFIX)
+    rec = FleetRecorder(fd, poller, interval=1.0)  # type: ignore[arg-type]
+    try:
+        poller.set((up(a, 1), up(b, 1), up(c, 1)))
+        rec.write_round()
+        # gpu-c answered a new sample, then went down before the next round
+        down = dataclasses.replace(up(c, 2), status=HostStatus.UNREACHABLE, reason="gone")
+        poller.set((up(a, 2), up(b, 2), down))
+        rec.write_round()
+        poller.set((up(a, 2), up(b, 2), up(c, 2)))  # up again with that sample (a 304)
+        rec.write_round()
+    finally:
+        os.close(fd)
+    lines = [json.loads(x) for x in path.read_bytes().splitlines()]
+    second = lines[1]
+    entry = fleetdoc.host_entry(second, "gpu-c")
+    assert entry["status"] == "unreachable" and entry["snapshot"] is None
+    snapshots = [h for h in second["hosts"] if h["snapshot"] is not None]
+    assert [h["name"] for h in snapshots] == ["gpu-a", "gpu-b"]
+    assert second["summary"]["hosts_up"] == len(snapshots) == 2
+    third = fleetdoc.host_entry(lines[2], "gpu-c")
+    assert third["status"] == "up" and third["snapshot"]["taken"] == 1002.0  # written once up
+
+
 def test_replay_summary_and_diff_read_one_host_of_a_fleet_record(tmp_path, capsys):
     path = tmp_path / "fleet.jsonl"
     _write_record(path)

@@ -39,8 +39,8 @@ ANSWERS = json.loads((HERE / "recordings" / "prometheus_answers.json").read_text
 UP = 'up{job="gputaskman"}'
 
 
-def _fleet(url: str, **kw) -> PromFleet:
-    return PromFleet(PromClient(url, timeout=kw.pop("timeout", 2.0), **kw), interval=60.0)
+def _fleet(url: str, job: str = "gputaskman", **kw) -> PromFleet:
+    return PromFleet(PromClient(url, timeout=kw.pop("timeout", 2.0), **kw), job=job, interval=60.0)
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -158,6 +158,41 @@ def test_a_broken_answer_is_one_line_error_never_a_traceback(handler, says):
     assert r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr
 
 
+_EMPTY = b'{"status":"success","data":{"resultType":"vector","result":[]}}'
+
+
+@pytest.mark.parametrize(
+    ("labels", "says"),
+    [
+        (
+            (200, b'{"status":"success","data":["node","gputaskman"]}'),
+            'Prometheus scrapes no target of job "nope" (--job); its jobs: "gputaskman", "node"',
+        ),
+        ((200, b'{"status":"success","data":[]}'), 'of job "nope", nor of any other job'),
+        ((404, b"404 page not found"), 'Prometheus scrapes no target of job "nope"'),
+        ((200, b"<html>"), 'Prometheus scrapes no target of job "nope"'),
+    ],
+    ids=["jobs", "none", "not-served", "garbage"],
+)
+def test_a_job_with_no_target_is_an_error_that_names_the_jobs_there_are(labels, says):
+    """Catches a mistyped --job read as an empty fleet ("hosts 0/0 up", exit 0), and a
+    server that cannot list its jobs (a query front end) crashing the error instead of
+    giving the bare fact."""
+
+    def handle(h, path: str, params) -> None:
+        if path == "/api/v1/label/job/values":
+            return answer(h, *labels)
+        answer(h, 200, _EMPTY)
+
+    with fake_prometheus(handle) as fake:
+        fleet = _fleet(fake.url, job="nope")
+        fleet.refresh()
+        assert fleet.error is not None and says in fleet.error and not fleet.states()
+        r = _cli("--prometheus", fake.url, "--job", "nope", "--once")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr
+
+
 def test_a_stalled_server_costs_one_timeout():
     """Catches a request without a deadline (a server that sends its headers a byte at a
     time would hold the fleet forever)."""
@@ -248,6 +283,13 @@ def test_a_bad_url_is_a_usage_error(text, says):
         parse_url(text)
     r = _cli("--prometheus", text, "--once")
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_empty_job_is_a_usage_error():
+    """Catches ``--job ""`` selecting the series without a job label (none: an empty fleet
+    and exit 0)."""
+    r = _cli("--prometheus", "http://127.0.0.1:9", "--job", "", "--once")
+    assert r.returncode == 2 and "--job names the scrape job" in r.stderr
 
 
 def test_urls_durations_and_scrape_errors_are_read_as_prometheus_writes_them():

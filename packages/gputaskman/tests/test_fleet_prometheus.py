@@ -83,10 +83,11 @@ def _example_scrape(targets: list[str], token: Path) -> str:
     """The shipped scrape example (prometheus/scrape.yml, with its rules.yml) as written,
     pointed at these hosts, and every second instead of every 15."""
     text = (EXAMPLES / "scrape.yml").read_text()
-    text = text.replace("scrape_interval: 15s", "scrape_interval: 1s\n  evaluation_interval: 1s")
+    text = text.replace("scrape_interval: 15s", "scrape_interval: 1s")
+    text = text.replace("evaluation_interval: 15s", "evaluation_interval: 1s")
     text = text.replace("scrape_timeout: 10s", "scrape_timeout: 1s")
     text = text.replace("- rules.yml", f"- {EXAMPLES / 'rules.yml'}")
-    text = text.replace("/etc/prometheus/gputaskman.token", str(token))
+    text = text.replace("credentials_file: gputaskman.token", f"credentials_file: {token}")
     hosts = "".join(f"          - {t}\n" for t in targets)
     return text.replace("          - gpu-node-01:9835\n          - gpu-node-02:9835\n", hosts)
 
@@ -172,6 +173,39 @@ def test_prometheus_agrees_with_direct_polling_on_every_measured_number(cluster)
         assert pdoc["summary"][key] == ddoc["summary"][key], key
 
 
+def test_direct_and_prometheus_fleets_agree_on_every_field_serve_exports(cluster):
+    """Catches a field serve exports that the fleet read from Prometheus loses or changes,
+    and one it does not export shown with a value: the lower-bound flag of the demo's
+    second GPU (its graphics process list failed), a process without a GPU (the demo's
+    CPU-only llama-cli), the driver version, a process's contexts, a model, the problems
+    with their GPU, the system panel. Each host's two documents are diffed field by field
+    (tests/prom_compare.py)."""
+    from prom_compare import differences, not_exported_violations
+
+    names, prom, a = cluster.names, cluster.prom, cluster.token
+    via = _fleet("--prometheus", prom.url, "--json")
+    direct = _fleet("--token-file", str(a), *names, "--json")
+    assert via.returncode == direct.returncode == 0, via.stderr + direct.stderr
+    pdoc = {h["name"]: h for h in json.loads(via.stdout)["hosts"]}
+    ddoc = {h["name"]: h for h in json.loads(direct.stdout)["hosts"]}
+    compared, wrong = 0, []
+    for name, d in ddoc.items():
+        if d["status"] != "up" or pdoc[name]["status"] != "up":
+            continue
+        s, p = d["snapshot"], pdoc[name]["snapshot"]
+        wrong += [f"{names[name]}: {w}" for w in differences(s, p) + not_exported_violations(p)]
+        compared += 1
+    assert wrong == [], "\n".join(wrong)
+    assert compared >= 3  # the DRM tree, the demo and the replayed recording (killed later)
+    demo = pdoc[next(n for n, k in names.items() if k == "demo")]["snapshot"]
+    # what the issue saw lost, as the document has it
+    assert [a["attributed_complete"] for a in demo["adapters"]] == [False, False]
+    assert demo["adapters"][1]["process_list"]["graphics"]["reason"] == "query failed"
+    assert demo["driver_version"] == "550.54.14"
+    (cpu_only,) = [p for p in demo["processes"] if p["name"] == "llama-cli"]
+    assert cpu_only["gpu"] is None and cpu_only["vram_bytes"]["value"] is None
+
+
 def test_an_open_host_is_its_live_view_while_its_serve_answers(cluster):
     """Catches a drill-down that stays on the view built from series when the host's own
     serve answers (no command lines, no memory split), or one that shows another host."""
@@ -198,6 +232,47 @@ def test_an_open_host_is_its_live_view_while_its_serve_answers(cluster):
         assert all(s.from_series or not s.up for s in others) and len(others) == len(names) - 1
         fleet.focus(None)
         assert state(demo).from_series
+    finally:
+        fleet.stop()
+
+
+def test_a_job_prometheus_scrapes_nothing_of_is_an_error_naming_its_jobs(cluster):
+    """Catches a mistyped --job shown as an empty fleet ("hosts 0/0 up", exit 0): the
+    error names the jobs Prometheus has, on stderr, and the exit status is 1."""
+    prom = cluster.prom
+    for mode in ("--once", "--json"):
+        r = _fleet("--prometheus", prom.url, "--job", "nope", mode)
+        assert r.returncode == 1 and r.stdout == "", r.stdout
+        assert 'scrapes no target of job "nope"' in r.stderr, r.stderr
+        assert 'its jobs: "gputaskman"' in r.stderr and r.stderr.count("\n") == 1
+
+
+async def test_an_open_host_whose_serve_refuses_the_fleet_says_so(cluster):
+    """Catches a host view built from series whose status says its own /snapshot.json
+    "did not answer" when it answered 401 (Prometheus has the hosts' token, the fleet was
+    given none): the status line must say what it answered."""
+    from gputaskman.fleet.promapi import PromClient
+    from gputaskman.fleet.promfleet import PromFleet
+    from gputaskman.tui.fleet_app import FleetApp
+
+    demo = f"127.0.0.1:{cluster.serves['demo'].port}"
+    fleet = PromFleet(PromClient(cluster.prom.url), interval=0.5, table_only=True)
+    fleet.refresh()
+    app = FleetApp(fleet)
+    try:
+        async with app.run_test(size=(200, 60)) as pilot:
+            app.drill(demo)
+            for _ in range(200):  # the open host's own serve polled once (a thread)
+                fleet.refresh()
+                app.request_refresh()
+                await pilot.pause(0.05)
+                if "HTTP 401" in str(app.status.content):
+                    break
+            state = app.host_state()
+            assert state.up and state.from_series and state.whole
+            status = str(app.status.content)
+            assert "built from Prometheus's series: its own /snapshot.json: refused" in status
+            assert "wants a token (HTTP 401)" in status and "did not answer" not in status
     finally:
         fleet.stop()
 
@@ -271,12 +346,17 @@ def test_a_host_killed_mid_run_says_why_and_the_others_stay_up(cluster):
     serves, names, prom = cluster.serves, cluster.names, cluster.prom
     serves["killed"].kill()
     killed = f"127.0.0.1:{serves['killed'].port}"
+    # a scrape after the kill, not an `up` of 0 left from a scrape before the host's first
+    # sample (HTTP 503): its error is what the fleet reads the host's state from
     wait_for(
         lambda: any(
-            r["metric"]["instance"] == killed and r["value"][1] == "0" for r in prom.query("up")
+            t["labels"]["instance"] == killed
+            and t["health"] == "down"
+            and "connection refused" in t["lastError"]
+            for t in prom.api("/api/v1/targets")["activeTargets"]
         ),
         30,
-        "Prometheus to see the killed host down",
+        "Prometheus to see the killed host refuse connections",
     )
     r = _fleet("--prometheus", prom.url, "--json")
     assert r.returncode == 0, r.stderr

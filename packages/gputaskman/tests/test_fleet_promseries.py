@@ -11,18 +11,17 @@ import json
 import math
 
 import pytest
-from gputaskman.base.readings import Kind, Reading, Reason
+from gputaskman.base.readings import Kind, ProcGpu, Reading, Reason
 from gputaskman.document.reader import read_document
-from gputaskman.fixtures.demo import TAKEN, demo_snapshot
+from gputaskman.fixtures.demo import TAKEN, demo_snapshot, unavailable_snapshot
 from gputaskman.fleet.promapi import Sample
+from gputaskman.fleet.promdoc import host_document, snapshot_document
 from gputaskman.fleet.promseries import (
     CPU_KEYS,
     MEMORY_KEYS,
     NO_SERIES,
     NOT_EXPORTED,
-    host_document,
     host_sample,
-    snapshot_document,
 )
 from gputaskman.offline.recordloop import as_served
 from gputaskman.render import report
@@ -31,6 +30,7 @@ from gputaskman.sampling import host
 from gputaskman.serve.sources import DemoSource
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prom_compare import differences, not_exported_violations
 from test_fleet_tui import HERE
 
 
@@ -431,3 +431,112 @@ def test_any_series_make_a_document_both_ways_alike_and_never_raise(raw):
             assert None in (total.value, used.value) or used.value <= total.value
     for r in readings:
         assert r.value is None or (r.value >= 0 and math.isfinite(r.value))
+
+
+# ------------------------------------------------------------------ every exported field
+
+
+def _served_wsl():
+    """The demo with rows as the WSL backend builds them (mocked: no Windows host here): a
+    Windows host row, a row whose bytes that host row's measured total counts (its own VRAM
+    unknown, `parent_pid` set), and an inferred value that admits one explanation."""
+    snapshot, system = _served_demo()
+    bus = snapshot.adapters[0].pci_bus_id
+    vmwp = ProcGpu(
+        4, None, "vmwp.exe", bus, ("compute",), Reading.measured(3 << 30, "pdh"), host="windows"
+    )
+    child = ProcGpu(
+        8080,
+        None,
+        "python3",
+        bus,
+        ("compute", "graphics"),
+        Reading.missing(Reason.UNAVAILABLE, "dxg", "inside vmwp.exe's total"),
+        inferred=Reading.inferred(1 << 30, "wsl:context"),
+        parent_pid=4,
+        unique=True,
+    )
+    return dataclasses.replace(snapshot, processes=(*snapshot.processes, vmwp, child)), system
+
+
+def _served_down():
+    """A host whose backend is down (no NVML library), with its host sample."""
+    _, system = _served_demo()
+    return unavailable_snapshot(), system
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_served_demo, _served_drm, _served_wsl, _served_down],
+    ids=["demo", "drm", "wsl", "down"],
+)
+def test_a_host_read_from_its_series_agrees_with_its_own_document_on_every_exported_field(make):
+    """Catches a field serve exports that comes back other than its own document has it (a
+    GPU's lower bound, a process row without a GPU, the driver version, contexts, a row
+    counted in its parent's total, the backend's problem), and one it does not export
+    shown with a value instead of "not exported to Prometheus" (tests/prom_compare.py)."""
+    snapshot, system = make()
+    direct = json.loads(json.dumps(report.to_json_dict(snapshot, system)))
+    _, body = host_document(*host_sample(_series(snapshot, system=system), note="test"))
+    prom = json.loads(body)
+    assert differences(direct, prom) == []
+    assert not_exported_violations(prom) == []
+
+
+def test_a_lower_bound_an_older_serve_exported_without_its_gpu_stays_a_lower_bound():
+    """Catches a GPU shown complete when its serve said its sum is a lower bound
+    (``gputaskman_gpu_attributed_complete 0``) but its problems name no GPU, as an older
+    serve's did: the sum must not read as the whole."""
+    series = [
+        Sample(
+            {k: v for k, v in s.labels.items() if k not in ("gpu", "pci_bus_id")}
+            if s.labels["__name__"] == "gputaskman_sample_problems"
+            else s.labels,
+            s.value,
+        )
+        for s in _series(demo_snapshot())
+    ]
+    snap, _ = host_sample(series, note="test")
+    second = snap.adapters[1].pci_bus_id
+    assert snap.attributed_complete_on(second) is False
+    (why,) = [p for p in snap.problems if p.adapter == second]
+    assert why.where == "processes.unexplained" and "lower bound" in why.detail
+    doc = json.loads(host_document(snap)[1])
+    assert doc["adapters"][1]["process_list"]["unexplained"]["reason"] == "unavailable"
+
+
+def test_an_older_serve_s_doubled_engine_name_reads_as_the_same_engine():
+    """Catches the engine shares of hosts still on an older serve
+    (``gputaskman_process_gpu_percent_utilization_percent``) lost or read as another
+    engine while a fleet is upgraded."""
+    old = "gputaskman_process_gpu_percent_utilization_percent"
+    series = [
+        Sample({**s.labels, "__name__": old}, s.value)
+        if s.labels["__name__"] == "gputaskman_process_gpu_utilization_percent"
+        else s
+        for s in _series(demo_snapshot())
+    ]
+    snap, _ = host_sample(series, note="test")
+    (llama,) = [p for p in snap.processes if p.pid == 4242]
+    assert list(llama.engines) == ["gpu_percent"] and llama.engines["gpu_percent"].value == 87
+
+
+def test_the_host_view_says_n_a_not_exported_where_serve_exports_nothing():
+    """Catches a host view built from series that shows "not scanned yet" (a scan that
+    will never come), RUNTIMES as pending ("…") or a process's contexts as "none" when
+    they were exported."""
+    from gputaskman.offline.recorded import replay_objects
+    from gputaskman.render import text_report
+    from gputaskman.tui.widgets.inspector import inspect_text
+
+    snapshot, system = _served_demo()
+    doc, _ = host_document(*host_sample(_series(snapshot, system=system), note="test"))
+    snap, sample = replay_objects(doc)
+    lookup = report.proc_host_lookup(sample)
+    (llama,) = [p for p in snap.processes if p.pid == 4242]
+    cells = text_report.process_cells(llama, lookup, snap)
+    cells = dict(zip(text_report.PROCESS_COLUMNS, cells, strict=True))
+    assert cells["RUNTIMES"] == "n/a"
+    text = inspect_text(llama, snap, sample)
+    assert "scan: unavailable — not exported to Prometheus" in text
+    assert "contexts compute" in text and "not scanned yet" not in text

@@ -20,18 +20,22 @@ from pathlib import Path
 import pytest
 from gputaskman.base.readings import Reading
 from gputaskman.document.fleetdoc import HostStatus, fleet_json, host_json
+from gputaskman.document.reader import read_table_document
 from gputaskman.fixtures.demo import TAKEN, DemoSystem, demo_snapshot
 from gputaskman.fleet.output import states_of
 from gputaskman.fleet.poller import HostState
 from gputaskman.fleet.promapi import PromClient, parse_url
 from gputaskman.fleet.promfleet import PromFleet
 from gputaskman.fleet.source import FixedSource
-from gputaskman.fleet.view import ViewCache, fleet_rows, fleet_totals, sort_value
+from gputaskman.fleet.view import ViewCache, fleet_rows, fleet_totals, render_text, sort_value
 from gputaskman.render import report
 from gputaskman.tui.fleet_app import FleetApp
 from gputaskman.tui.screens.fleet import FleetScreen
 from gputaskman.tui.screens.fleet_help import fleet_help_text
+from gputaskman.tui.screens.help import HelpScreen
 from prom_helpers import fake_prometheus, recorded
+from terminal_screen import Terminal
+from textual.widgets import Static
 
 HERE = Path(__file__).parent
 SIZES = [(80, 24), (200, 60)]
@@ -224,6 +228,36 @@ async def test_filter_narrows_the_rows_live_and_esc_clears_it(utc):
         assert [r.host for r in app.fleet.table.rows_shown.values()] == ["gpu-node-04"]
 
 
+async def test_the_filter_finds_a_process_by_its_command_line(utc):
+    """Catches a filter that reads only what the cells show: ``/vllm`` did not find the GPU
+    where ``python -m vllm.entrypoints.openai.api_server`` runs (its name is python3, and it
+    need not be among the few processes its cell names). Each host's document is read as the
+    TUI's poller reads it: the table's part only."""
+    doc = fleet_doc()
+    snap = doc["hosts"][0]["snapshot"]  # gpu-node-01: the demo
+    proc = next(p for p in snap["processes"] if p["pid"] == 5151)
+    proc["cmdline"] = ["python", "-m", "vllm.entrypoints.openai.api_server", "--port", "8000"]
+    states = tuple(
+        s
+        if s.body is None
+        else dataclasses.replace(s, document=read_table_document(s.body), whole=False)
+        for s in states_of(doc)
+    )
+    app = FleetApp(FixedFleet(states))
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        await pilot.press("slash", *"vllm")
+        await _settle(pilot)
+        t = app.fleet.table
+        rows = list(t.rows_shown.values())
+        assert [(r.host, r.adapter.pci_bus_id if r.adapter else None) for r in rows] == [
+            ("gpu-node-01", "00000000:01:00.0")
+        ]
+        assert "vllm" not in rows[0].processes + rows[0].models  # no cell says it
+        assert t.render_line(1).text.split()[0] == "gpu-node-01"  # drawn
+        assert "filter 'vllm': 1 rows shown" in str(app.fleet.status.content)
+
+
 async def test_enter_opens_the_host_live_view_and_esc_comes_back(utc):
     """Catches a drill-down that shows the wrong host, stays on a stale document when a new
     one arrives, or cannot get back to the fleet."""
@@ -266,6 +300,59 @@ async def test_enter_opens_the_host_live_view_and_esc_comes_back(utc):
         assert isinstance(app.screen, FleetScreen) and app.host_name is None
 
 
+def _data_lines(term: Terminal) -> list[str]:
+    """The terminal's lines under the fleet table's header, as drawn."""
+    lines = term.lines()
+    head = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("HOST"))
+    return lines[head + 1 :]
+
+
+async def test_back_from_a_host_the_fleet_is_drawn_again_and_its_keys_redraw_it(utc):
+    """Catches a fleet screen that Textual never draws again once it has been popped for a
+    host's view and pushed back (its update timer died with it): the host view stayed on the
+    terminal after esc, s, u and new answers redrew nothing, ? drew the fleet behind the help
+    and closing the help left the help box drawn. What is checked is what reached the
+    terminal (`terminal_screen`), waiting on the app's own timers: a pilot's pause() redraws
+    the screen itself, which hid this bug from every other test here."""
+    app, src = _app()
+    term = Terminal(200, 60)
+    app.driver_class = term.driver()
+    async with app.run_test(size=(200, 60), headless=False) as pilot:
+        await term.shows("hosts 3/6 up", "HOST ▲")
+        for _ in range(2):  # open and back twice: each back draws the fleet
+            await pilot.press("enter")
+            await term.shows("host gpu-node-01: up")
+            assert app.screen is not app.fleet
+            await pilot.press("escape")
+            await term.shows("hosts 3/6 up", "HOST ▲")
+            await term.lacks("host gpu-node-01: up", "esc fleet")
+            assert app.screen is app.fleet and app.host_name is None
+
+        await pilot.press("s")  # sort by MEMORY used, most first
+        await term.shows("MEMORY ▼", "sort MEMORY ▼")
+        t = app.fleet.table
+        order = [r.host for r in t.rows_shown.values()]
+        assert order[0] == "gpu-node-05"  # 12.5 GiB used
+        drawn = _data_lines(term)
+        assert [ln.split()[0] for ln in drawn[:2]] == order[:2]  # drawn in the table's order
+
+        await pilot.press("u")  # poll now: the source is asked, the next tick draws its answer
+        assert src.polled == 1
+        row = t.current()
+        assert row is not None and row.adapter is not None
+        newer = _with_used(row.state, row.adapter.pci_bus_id, 2**20)
+        src.set(tuple(newer if s is row.state else s for s in src.states()))
+        app.request_refresh()
+        await term.shows(" 1.0 MiB/16.0 GiB 0%")
+
+        await pilot.press("question_mark")
+        await term.shows("gputaskman fleet keys", "MEMORY ▼")
+        await pilot.press("escape")
+        await term.lacks("gputaskman fleet keys", "closes this help")
+        await term.shows("MEMORY ▼", "hosts 3/6 up")
+        assert app.screen is app.fleet
+
+
 async def test_a_host_that_never_answered_has_no_view_to_open(utc):
     app, _ = _app()
     async with app.run_test(size=(200, 60)) as pilot:
@@ -289,6 +376,28 @@ async def test_the_fleet_table_has_its_own_keys_and_the_host_view_cannot_signal(
         await _settle(pilot)
         assert app.check_action("signal", ()) is False  # read-only
         assert app.check_action("next_gpu", ()) is not False
+
+
+async def test_a_host_view_s_help_says_what_its_keys_do_here(utc):
+    """Catches the host view's help promising what a key does in the single-host TUI only:
+    enter rescanning a process (a fleet host's serve scans its own: enter only says so), u
+    "refresh now" without asking the hosts (it polls now, as u on the fleet table)."""
+    app, src = _app()
+    async with app.run_test(size=(200, 60)) as pilot:
+        await _settle(pilot)
+        await pilot.press("enter")
+        await _settle(pilot)
+        await pilot.press("question_mark")
+        await _settle(pilot)
+        assert isinstance(app.screen, HelpScreen)
+        text = str(app.screen.query_one("#help-text", Static).render())
+        keys = {ln.split()[0]: ln.split(None, 1)[1] for ln in text.splitlines()[1:16] if ln}
+        assert "⏎" not in keys and "rescan" not in text
+        assert keys["u"] == "poll every host now"
+        assert keys["esc"] == "clear the filter, else back to the fleet"
+        await pilot.press("escape", "u")
+        await _settle(pilot)
+        assert src.polled == 1
 
 
 def _renamed(s: HostState, name: str) -> HostState:
@@ -367,6 +476,26 @@ def test_the_fleet_help_explains_every_column_and_status():
     text = fleet_help_text(list(FleetScreen.BINDINGS))
     for word in ("unreachable", "slow", "refused", "incompatible", "MODELS", "apart"):
         assert word in text
+    keys = [ln.split()[0] for ln in text.splitlines()[1:9]]
+    assert keys == ["q", "?", "⏎", "s", "r", "/", "esc", "u"]  # as typed: "/", not "slash"
+
+
+def test_once_keeps_the_columns_to_their_data_and_says_a_long_reason_whole():
+    """Catches ``fleet --once`` padding every row's GPU column to one unreachable host's
+    reason (about 135 characters), or cutting that reason short."""
+    states = states_of(fleet_doc())
+    why = "no connection within 2 s: " + "the resolver said a long thing " * 4 + "(end)"
+    states = tuple(
+        dataclasses.replace(s, reason=why) if s.target.name == "gpu-node-03" else s for s in states
+    )
+    text = render_text(states).splitlines()
+    without = render_text(tuple(s for s in states if s.target.name != "gpu-node-03"))
+    # every other line (the header, each GPU row) as if that host were not there
+    assert [ln for ln in text[1:] if not ln.startswith("gpu-node-03")] == without.splitlines()[1:]
+    head = text[2]
+    assert head.index("MEMORY") - head.index("GPU") < 40  # the GPU names' width
+    line = next(ln for ln in text if ln.startswith("gpu-node-03"))
+    assert line.split(None, 1)[1] == f"unreachable: {why}"  # whole, on its host's line
 
 
 def test_rows_of_a_fleet_document_round_trip_through_states_of():

@@ -385,7 +385,7 @@ def test_serve_demo_and_replay_answer_as_hosts_and_say_what_they_are(tmp_path, s
         assert schema.errors(doc) == []
         d = read_document(doc)
         assert abs(d.taken - time.time()) < 30  # a sample of now
-        note = "synthetic data, not measured" if source == "demo" else "replayed recording"
+        note = "synthetic, not measured" if source == "demo" else "replayed recording"
         assert any(note in n for n in d.notes)
         assert d.adapters and d.processes
         assert _request(port, "GET", "/snapshot.json")[0] == 401
@@ -393,6 +393,16 @@ def test_serve_demo_and_replay_answer_as_hosts_and_say_what_they_are(tmp_path, s
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
+
+
+def test_the_demo_says_once_that_it_is_synthetic():
+    """Catches the demo served with two notes that say the same (the demo snapshot's own and
+    one the serve source added): a host view showed both."""
+    from gputaskman.fixtures.demo import NOTE
+    from gputaskman.serve.sources import DemoSource
+
+    snap, _system = DemoSource().sample_with_system()
+    assert [n for n in snap.notes if "synthetic" in n] == [NOTE]
 
 
 def test_serve_replay_of_a_file_that_holds_no_snapshot_is_a_usage_error(tmp_path):

@@ -71,6 +71,32 @@ async def test_the_filter_matches_pid_model_runtime_and_category(text, want):
         assert pids(app) == want
 
 
+async def test_the_filter_finds_a_process_by_its_command_line():
+    """Catches a filter that reads only the name: ``/vllm`` did not find ``python -m
+    vllm.entrypoints...`` (its name is python3); the help says the filter reads it."""
+    snap = demo_snapshot()
+    procs = list(snap.processes)
+    i = next(i for i, p in enumerate(procs) if p.pid == 5151)
+    cmd = ("python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/q.gguf")
+    procs[i] = dataclasses.replace(
+        procs[i], detail=dataclasses.replace(procs[i].detail, cmdline=cmd)
+    )
+    snap = dataclasses.replace(snap, processes=tuple(procs))
+    app = create_app(collector_factory=lambda: Fixed(snap), interval=60.0)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        await pilot.press("slash", *"vllm")
+        assert pids(app) == [5151] and "filter 'vllm': 1 shown" in status(app)
+        table = app.query_one(ProcessTable)
+        assert table.render_line(1).text.split()[:2] == ["5151", "python3"]  # drawn
+        await pilot.press("escape", "question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        assert "  /              filter rows (name, pid, command line," in help_text(
+            list(GtmApp.BINDINGS)
+        )
+
+
 # ------------------------------------------------------------------------ signal
 
 

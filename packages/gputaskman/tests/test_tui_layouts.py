@@ -103,7 +103,7 @@ async def test_every_size_keeps_pid_name_vram_and_the_model_with_its_marker(size
         assert {"PID", "NAME", "VRAM", "MODEL"} <= set(table.columns_shown)
         assert "VRAM ▼" in table.labels
         model = str(table.get_row("4242@00000000:01:00.0")[table.columns_shown.index("MODEL")])
-        assert model.endswith(" [mapped?]") and model.startswith("qwen2.5-7b-q4")
+        assert model.endswith(" [mapped✓]") and model.startswith("qwen2.5-7b-q4")
         widths = sum(w + 2 for w in table.widths)  # a cell's padding, one each side
         assert widths <= size[0]  # no sideways scrolling needed
         assert table.size.height >= 4  # the header and rows of at least three processes

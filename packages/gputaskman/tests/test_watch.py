@@ -86,7 +86,7 @@ def test_watch_block_shows_models_markers_and_cuts_to_the_top_processes():
     assert "[0] NVIDIA GeForce RTX 4080 SUPER  mem 12.0 GiB / 16.0 GiB  util 91%" in text
     row = next(ln for ln in lines if ln.lstrip().startswith("4242"))
     assert row.split()[:4] == ["4242", "llama-server", "9.5", "GiB"]
-    assert row.endswith("qwen2.5-7b-q4_k_m [mapped?]")  # the model with its evidence marker
+    assert row.endswith("qwen2.5-7b-q4_k_m [mapped✓]")  # the model with its evidence marker
     assert any(ln.split()[:2] == ["5151", "python3"] and "~2.0 GiB" in ln for ln in lines)
     assert "  … 1 more process" in lines and "777" not in text  # GPU 0: 3 rows, 2 shown
     # a runtime without a GPU context is listed apart, its unknown VRAM n/a

@@ -10,7 +10,11 @@ ever sent to a host but ``GET /snapshot.json``.
 
 ``--once`` and ``--json`` wait until every host has answered or failed once (at most the
 poll timeout), print, and exit 0 whatever the hosts' states: the output says each one.
-Without a terminal on stdout, the default is ``--once``.
+Without a terminal on stdout, the default is ``--once``. With ``--prometheus``, a server that
+does not answer, or a ``--job`` it scrapes no target of (the message names its jobs), is one
+line on stderr and exit 1. Polled directly, only the TUI reads
+the table's part of each host's document (and the open host's whole); the others read every
+document whole, so ``--once`` and ``--json`` agree on which hosts are up.
 """
 
 from __future__ import annotations
@@ -104,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prom.add_argument(
         "--job",
         default=DEFAULT_JOB,
-        help=f"the scrape job of the gputaskman serve hosts (default {DEFAULT_JOB})",
+        help=f"the scrape job of the gputaskman serve hosts (default {DEFAULT_JOB}; one "
+        "Prometheus scrapes no target of is an error naming the jobs it has)",
     )
     prom.add_argument(
         "--prometheus-token-file",
@@ -161,6 +166,8 @@ def make_prometheus(args: argparse.Namespace, table_only: bool) -> PromFleet:
     refusal = exposure_refusal(client.endpoint, token is not None, args.prometheus_cert is not None)
     if refusal is not None:
         raise UsageError(refusal)
+    if not args.job:
+        raise UsageError("--job names the scrape job of the hosts: give one (default gputaskman)")
     return PromFleet(
         client,
         job=args.job,
@@ -201,7 +208,10 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError("--prometheus reads the hosts from Prometheus: name no HOST")
             poller: FleetSource = make_prometheus(args, table_only=not whole)
         else:
-            poller = make_poller(args, targets_of(texts, args.hosts), table_only=not whole)
+            # each host's document read whole but in the TUI (one round costs little): a host
+            # whose whole document is refused is not "up" in --once where --json refuses it
+            tui = not (whole or args.once or not sys.stdout.isatty())
+            poller = make_poller(args, targets_of(texts, args.hosts), table_only=tui)
     except (UsageError, TargetError, TokenError, PromError) as exc:
         print(f"gputaskman fleet: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,9 @@ non-ASCII bytes, which no serve writes, is encoded again to keep record lines AS
 record line holds only answers that no earlier line holds (`FleetRecorder` keeps, per host,
 the `HostState.seq` it last wrote), so a host's snapshot is in the file once, and a round in
 which a host was down or had no new answer says so in its status, with a null snapshot,
-never a repeated or zeroed one.
+never a repeated or zeroed one: an answer that arrived between two rounds from a host that is
+down at the second is not written (a line's snapshots are of the hosts up in it, the ones its
+summary counts), unless the host is up with it again at a later round.
 
 `FleetRecorder` writes a line once every host has been polled (or the poll timeout has
 passed), then one line every `interval`, with the single-host recorder's guarantees
@@ -98,8 +100,8 @@ def fleet_line(
     taken: float | None = None,
 ) -> bytes:
     """The fleet document of `states` as one record line (see the module docstring): a
-    host's snapshot only when its `seq` is newer than `written` (host -> the `seq` already
-    in the file), its bytes spliced in."""
+    host's snapshot only when it is up and its `seq` is newer than `written` (host -> the
+    `seq` already in the file), its bytes spliced in."""
     doc = _document(states, [None] * len(states), interval, timeout, taken)
     hosts = doc.pop("hosts")
     doc["hosts"] = []  # last, so its entries go just before the closing "]}"
@@ -109,7 +111,7 @@ def fleet_line(
         h["snapshot"] = None  # last: its null is the last bytes before the closing "}"
         entry = encode_line(h)[: -len(b"null}\n")]
         snap = b"null"
-        if s.body is not None and s.seq > written.get(s.target.name, 0):
+        if s.up and s.body is not None and s.seq > written.get(s.target.name, 0):
             snap = _line_safe(s.body)
         parts += [b"," if i else b"", entry, snap, b"}"]
     parts.append(b"]}\n")
@@ -189,7 +191,8 @@ class FleetRecorder:
         with stops_held():  # a stop between the write and its bookkeeping would lose it
             write_line(self.fd, line)
             for s in states:
-                self.written[s.target.name] = s.seq
+                if s.up:  # a down host's newer answer is written if it is up with it again
+                    self.written[s.target.name] = s.seq
             self.result.samples += 1
         if self.on_line:
             self.on_line(self.result)

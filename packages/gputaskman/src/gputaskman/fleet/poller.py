@@ -31,6 +31,11 @@ read from, which ``fleet --json`` and ``fleet record`` write out), with its stat
 saying it is not current: a view shows the reason, never zeros. `seq` counts the distinct
 documents read, so a recorder knows which answers are new.
 
+Reading only the table's part (`table_only`, the TUI): the open host is read whole. When its
+whole document is refused where the table's part was read, the host takes that refusal's
+status (``incompatible``) and keeps it while it serves the same bytes (an ETag's 304 for them
+included), open or not; a new document is read afresh.
+
 Bounded memory: each answer is capped (`reader.MAX_DOCUMENT_BYTES`), and the bytes buffered by
 all answers in flight together are capped at `MAX_BUFFERED_BYTES`; an answer that would pass
 that is dropped with a reason.
@@ -220,6 +225,9 @@ class Poller:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gtm-fleet-poller", daemon=True)
         self._budget = _Budget(MAX_BUFFERED_BYTES)
+        # host index -> the bytes whose whole document was refused, and that refusal (the
+        # loop's thread only): those bytes served again are that refusal again, not "up"
+        self._refused: dict[int, tuple[bytes, Answer]] = {}
 
     # -- the UI's side (any thread)
 
@@ -260,11 +268,23 @@ class Poller:
         if prev.whole or prev.body is None:
             return
         ans = read_body(prev.body)
-        new = dataclasses.replace(prev, whole=True)
         if ans.document is not None:
-            new = dataclasses.replace(new, document=ans.document)
-        else:  # the whole document is refused where the table's part was not
-            new = dataclasses.replace(new, status=ans.status, reason=ans.reason)
+            new = dataclasses.replace(prev, document=ans.document, whole=True)
+        else:
+            # the whole document is refused where the table's part was not: the host is not
+            # up while it serves these bytes (`_host` answers them with this refusal), and
+            # what it holds is still only the table's part
+            self._refused[i] = (prev.body, ans)
+            if not prev.up:
+                return  # down already, for its own reason
+            failures = prev.failures + 1
+            new = dataclasses.replace(
+                prev,
+                status=ans.status,
+                reason=ans.reason,
+                failures=failures,
+                next_poll_in_s=self._backoff(failures),
+            )
         with self._changed:
             self._states[i] = new
             self.version += 1
@@ -381,12 +401,18 @@ class Poller:
                 resp, conn = await self._fetch(t, conn, request, started + self.timeout)
                 latency = loop.time() - started
                 held = self._states[i]
-                if resp.status == 200 and resp.body == body and (held.whole or not whole):
+                refused = self._refused.get(i)
+                if refused is not None and (
+                    resp.status == 304 or (resp.status == 200 and resp.body == refused[0])
+                ):
+                    ans = refused[1]  # the bytes whose whole document was refused, again
+                elif resp.status == 200 and resp.body == body and (held.whole or not whole):
                     ans = Answer(HostStatus.UP, unchanged=True)  # the same sample again
                 else:
                     ans = read_answer(resp, self.token is not None, whole)
                 if ans.status is HostStatus.UP and not ans.unchanged:
                     etag, body = resp.headers.get("etag"), resp.body
+                    self._refused.pop(i, None)
             except _Failed as f:
                 ans = Answer(f.status, f.reason)
             except TooLarge as exc:

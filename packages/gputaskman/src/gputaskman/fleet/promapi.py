@@ -1,5 +1,6 @@
-"""Prometheus's HTTP API as the fleet reads it: instant queries (``/api/v1/query``) and the
-scrape targets (``/api/v1/targets``), each answer read without trusting it.
+"""Prometheus's HTTP API as the fleet reads it: instant queries (``/api/v1/query``), the
+scrape targets (``/api/v1/targets``) and a label's values (``/api/v1/label/NAME/values``:
+the jobs, when a job has no target), each answer read without trusting it.
 
 Theory of operation
 -------------------
@@ -105,6 +106,12 @@ class _TargetsAnswer(msgspec.Struct, gc=False):
     error: str | None = None
 
 
+class _LabelAnswer(msgspec.Struct, gc=False):
+    status: str
+    data: list[str] | None = None
+    error: str | None = None
+
+
 class _ErrorAnswer(msgspec.Struct, gc=False):
     error: str | None = None
 
@@ -114,6 +121,7 @@ class _ErrorAnswer(msgspec.Struct, gc=False):
 _QUERY = msgspec.json.Decoder(_QueryAnswer[Sample], strict=False)
 _QUERY_TEXT = msgspec.json.Decoder(_QueryAnswer[_TextSample])
 _TARGETS = msgspec.json.Decoder(_TargetsAnswer)
+_LABEL = msgspec.json.Decoder(_LabelAnswer)
 _ERROR = msgspec.json.Decoder(_ErrorAnswer)
 
 
@@ -258,6 +266,18 @@ class PromClient:
             for t in ans.data.activeTargets
         ]
 
+    def label_values(self, label: str) -> list[str]:
+        """Every value `label` has in the server's series (sorted), or `PromError`."""
+        path = f"/api/v1/label/{urllib.parse.quote(label, safe='')}/values"
+        body = self._request(path, {})
+        try:
+            ans = _LABEL.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise PromError(f"{self.url} answered {path} with {_what(body, exc)}") from None
+        if ans.status != "success" or ans.data is None:
+            raise PromError(f"{self.url}: {label} values: {_one_line(ans.error or ans.status)}")
+        return sorted(ans.data)
+
     # -- HTTP
 
     def _request(self, path: str, params: Mapping[str, str]) -> bytes:
@@ -266,7 +286,8 @@ class PromClient:
         if self.token is not None:
             headers["Authorization"] = f"Bearer {self.token}"
         if len(form) <= MAX_GET_QUERY:
-            method, target, data = "GET", f"{self.endpoint.path}{path}?{form}", None
+            query = f"?{form}" if form else ""
+            method, target, data = "GET", f"{self.endpoint.path}{path}{query}", None
         else:
             method, target, data = "POST", f"{self.endpoint.path}{path}", form.encode()
             headers["Content-Type"] = "application/x-www-form-urlencoded"

@@ -32,11 +32,15 @@ it keeps its last document, as a polled host does, and its status says why, neve
 * `incompatible`: scraped, but it exports no ``gputaskman_*`` series.
 
 When Prometheus itself cannot answer, every host keeps its state and `error` (the
-`PromError` text, one line) says why; ``--once`` and ``--json`` print it and exit 1.
+`PromError` text, one line) says why; ``--once`` and ``--json`` print it and exit 1. So does
+a job Prometheus scrapes no target of (a mistyped ``--job``): the error names the jobs it has
+(``/api/v1/label/job/values``).
 
 `focus(name)` also polls that one host directly (`Poller`), with the token and TLS given: while
 its ``/snapshot.json`` answers, the host's state is the live one (drilling into a host in the
-TUI); while it does not, the state built from Prometheus's series, which says so in its notes.
+TUI); while it does not, the state built from Prometheus's series, which says so in its notes,
+and whose `reason` says what the host's own serve answered instead (``refused`` for a token
+it did not take, ``unreachable``, ``waiting`` until the first poll).
 """
 
 from __future__ import annotations
@@ -52,15 +56,14 @@ from collections.abc import Sequence
 from gputaskman.document.fleetdoc import HostStatus
 from gputaskman.fleet.poller import HostState, Poller
 from gputaskman.fleet.promapi import PromClient, PromError, Sample, ScrapeTarget
+from gputaskman.fleet.promdoc import host_document, snapshot_document
 from gputaskman.fleet.promseries import (
     NOTE,
     TABLE_NOTE,
     TABLE_REGEX,
     TIMESTAMP,
     by_instance,
-    host_document,
     host_sample,
-    snapshot_document,
 )
 from gputaskman.fleet.targets import DEFAULT_PORT, Target, TargetError, parse_target
 
@@ -168,9 +171,17 @@ class PromFleet:
         if focus is None:
             return states
         live = focus.states()[0]
-        if not live.up:
-            return states
         name = focus.targets[0].name
+        if not live.up:  # the view stays the one built from series: say why
+            why = f"its own /snapshot.json: {live.status}" + (
+                f" ({live.reason})" if live.reason else ""
+            )
+            return tuple(
+                dataclasses.replace(s, reason=why)
+                if s.target.name == name and s.up and s.from_series
+                else s
+                for s in states
+            )
         return tuple(
             dataclasses.replace(live, target=s.target) if s.target.name == name else s
             for s in states
@@ -252,6 +263,8 @@ class PromFleet:
         c, sel = self.client, self.selector
         up = {s.metric.get("instance", ""): s.value[1] for s in c.query(f"up{{{sel}}}").samples}
         up.pop("", None)
+        if not up:
+            raise PromError(self._no_targets())
         stamps = c.query(f"{TIMESTAMP}{{{sel}}}")
         now = stamps.at if stamps.at == stamps.at else time.time()
         if time.monotonic() - self._scraped_read >= self._scraped_every or any(
@@ -298,6 +311,18 @@ class PromFleet:
             else:
                 out[i] = self._host(i, up[i], series.get(i), i in full, sample_at.get(i), now)
         return out
+
+    def _no_targets(self) -> str:
+        """Why the job has no host: the jobs Prometheus has, so a mistyped --job shows."""
+        why = f"Prometheus scrapes no target of job {_quote(self.job)}"
+        try:
+            jobs = self.client.label_values("job")
+        except PromError:  # a query front end may not serve it: the bare fact will do
+            return why
+        if not jobs:
+            return f"{why}, nor of any other job"
+        shown = ", ".join(_quote(j) for j in jobs[:20]) + (", ..." if len(jobs) > 20 else "")
+        return f"{why} (--job); its jobs: {shown}"
 
     def _targets_due(self) -> bool:
         return self._targets_ok and time.monotonic() - self._targets_read >= TARGETS_EVERY

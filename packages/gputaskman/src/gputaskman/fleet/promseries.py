@@ -6,10 +6,10 @@ Theory of operation
 -------------------
 `host_sample` takes every ``gputaskman_*`` series of one host from one instant query and
 builds the model's `Snapshot` and the host sample beside it (a `recorded.RecordedSystem`, the
-host sample a document holds), which `host_document` turns into a snapshot document with the
-writer every other document comes from (`report.to_json_dict`) and reads back with the one
-reader (`reader.read_document`). So the fleet view, ``--json`` and ``fleet record`` see the
-same typed objects and the same JSON as when they poll hosts directly.
+host sample a document holds), which `promdoc.host_document` turns into a snapshot document
+with the writer every other document comes from (`report.to_json_dict`) and reads back with
+the one reader (`reader.read_document`). So the fleet view, ``--json`` and ``fleet record``
+see the same typed objects and the same JSON as when they poll hosts directly.
 
 What the series carry, and so what comes back:
 
@@ -17,8 +17,12 @@ What the series carry, and so what comes back:
   device readings from the names `exporter.DEVICE_FIELDS` gives each kind (a measured value
   under the base name, any other kind under a name that carries it): the kind survives the
   trip. Clocks come back from hertz to MHz.
-* Processes from ``gputaskman_process_*`` by their labels (PID, name, GPU): measured and
-  inferred VRAM, paged and footprint memory, engine shares, the model from
+* Processes from ``gputaskman_process_*`` by their labels (PID, name, GPU): each row from
+  ``gputaskman_process_info`` (its contexts, the parent row that counts its bytes and
+  whether its inferred memory admits one explanation), so a row whose every number is
+  unknown (a CPU-only runtime) is still there; measured and inferred VRAM, paged and
+  footprint memory, engine shares (``..._<engine>_utilization_percent``, and the doubled
+  ``..._gpu_percent_utilization_percent`` older serves wrote), the model from
   ``gputaskman_process_model_info`` (name, evidence, confirmed), and the host's RAM and CPU
   of each process (``gputaskman_process_ram_bytes``, ``gputaskman_process_cpu_percent``), each
   with its kind as its name carries it.
@@ -30,14 +34,21 @@ What the series carry, and so what comes back:
   ``null``, "no series in Prometheus", since no swap and unknown look alike). A host that
   exported none of these has no ``system`` object (``null``), as when its serve had none.
 * The sample's time (``gputaskman_sample_timestamp_seconds``), the backend's state
-  (``gputaskman_backend_up``) and its problems (``gputaskman_sample_problems``).
+  (``gputaskman_backend_up``), its name and driver version (``gputaskman_backend_info``) and
+  the sample's problems (``gputaskman_sample_problems``) with the GPU each concerns, so a
+  failed process list makes that GPU's attributed sum a lower bound here too. A GPU whose
+  ``gputaskman_gpu_attributed_complete`` is 0 stays a lower bound even when no series says
+  why (an older serve's problems carry no GPU): a problem ``processes.unexplained`` says
+  so. A problem's detail text is not exported: it reads "detail not exported to
+  Prometheus".
 
 A reading without a series is unknown with a reason (``unavailable``, "no series in
 Prometheus"), never 0: `serve` exports no series for an unknown value, and Prometheus cannot
 say which of the two it was. A value no host can have (negative bytes or percent, memory used
 over the total, all CPUs over 100 percent busy, NaN or infinity) is unknown too, with the
-value in its reason, and a problem saying so. Command lines, process details and the weights /
-KV cache / compute split are not exported; nor are RAM free, buffers and shared, swap free,
+value in its reason, and a problem saying so. Command lines, process details (the scan:
+``unavailable``, "not exported to Prometheus"), start times and the weights / KV cache /
+compute split are not exported; nor are RAM free, buffers and shared, swap free,
 the CPU count and load averages, a swap device's priority, the host sample's own time and the
 duvm pool: those readings are unknown ("not exported to Prometheus"), the time is ``null``
 and there is no ``duvm`` object. Whether a swap file was deleted while in use is not exported
@@ -47,7 +58,7 @@ document's notes say that it was built from series, from which server and query.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import re
 import sys
@@ -60,22 +71,22 @@ from gputaskman.base.readings import (
     Kind,
     ModelRef,
     Problem,
+    ProcDetail,
     ProcGpu,
     Reading,
     Reason,
     Snapshot,
     checked_reading,
 )
-from gputaskman.document.doctypes import AdapterDoc, ProcessDoc, SwapDeviceDoc, SwapDoc, SystemDoc
-from gputaskman.document.reader import Document, read_document
+from gputaskman.document.doctypes import SwapDeviceDoc, SwapDoc, SystemDoc
 from gputaskman.fleet.promapi import Sample
 from gputaskman.offline.recorded import RecordedSystem
-from gputaskman.render import report
 from gputaskman.render.exporter import DEVICE_FIELDS, SYSTEM_MEMORY, SYSTEM_SWAP, metric_name
 
 SOURCE = "prometheus"
 NO_SERIES = "no series in Prometheus"
 NOT_EXPORTED = "not exported to Prometheus"
+PROBLEM_DETAIL = "detail not exported to Prometheus"
 WHERE = "prometheus"
 TIMESTAMP = "gputaskman_sample_timestamp_seconds"
 KINDS = {k.value: k for k in Kind}
@@ -132,6 +143,8 @@ TABLE_SERIES = (
     TIMESTAMP,
     "gputaskman_backend_up",
     "gputaskman_sample_problems",
+    "gputaskman_gpu_attributed_complete",
+    "gputaskman_process_info",
     "gputaskman_process_model_info",
     *(
         name
@@ -140,7 +153,7 @@ TABLE_SERIES = (
     ),
     metric_name("gputaskman_process_vram", "bytes", Kind.MEASURED),
     metric_name("gputaskman_process_vram", "bytes", Kind.INFERRED),
-    "gputaskman_process_ram_bytes",  # names the processes whose VRAM is unknown
+    "gputaskman_process_ram_bytes",  # an older serve's only name for a row of unknown VRAM
 )
 TABLE_REGEX = "|".join(TABLE_SERIES)  # names of letters, digits and _: nothing to escape
 TABLE_NOTE = (
@@ -159,6 +172,9 @@ class _Proc:
     host: str | None
     name: str | None
     adapter: str | None
+    contexts: tuple[str, ...] = ()
+    parent_pid: int | None = None
+    unique: bool = False
     readings: dict[str, Reading] = field(default_factory=dict)
     engines: dict[str, Reading] = field(default_factory=dict)
     model: ModelRef | None = None
@@ -247,7 +263,9 @@ def host_sample(samples: Iterable[Sample], *, note: str) -> tuple[Snapshot, Reco
     procs: dict[tuple[str, str, str], _Proc] = {}
     taken: float | None = None
     backend_up: float | None = None
-    problems: list[tuple[str, str, float]] = []
+    backend_info: Mapping[str, str] = {}
+    problems: list[tuple[str, str, str, float]] = []
+    incomplete: set[str] = set()  # GPUs whose serve said the attributed sum is a lower bound
     for s in samples:
         labels = s.metric
         value = s.value[1]
@@ -256,8 +274,14 @@ def host_sample(samples: Iterable[Sample], *, note: str) -> tuple[Snapshot, Reco
             taken = value
         elif name == "gputaskman_backend_up":
             backend_up = value
+        elif name == "gputaskman_backend_info":
+            backend_info = labels
         elif name == "gputaskman_sample_problems":
-            problems.append((labels.get("where", ""), labels.get("reason", ""), value))
+            where, reason = labels.get("where", ""), labels.get("reason", "")
+            problems.append((where, reason, labels.get("pci_bus_id", ""), value))
+        elif name == "gputaskman_gpu_attributed_complete":
+            if value == 0:
+                incomplete.add(labels.get("pci_bus_id", ""))
         elif name == "gputaskman_gpu_info":
             pci = labels.get("pci_bus_id", "")
             index = labels.get("gpu", "")
@@ -296,19 +320,26 @@ def host_sample(samples: Iterable[Sample], *, note: str) -> tuple[Snapshot, Reco
     metrics = {pci: _device_metrics(b, pci, rs) for pci, rs in devices.items() if pci in adapters}
     for pci in adapters:
         metrics.setdefault(pci, _device_metrics(b, pci, {}))
-    backend = next(iter(adapters.values())).backend if adapters else SOURCE
-    backend_problem = None
-    if backend_up is not None and backend_up == 0:
-        backend_problem = Problem("backend", Reason.UNAVAILABLE, "gputaskman_backend_up is 0")
+    backend = backend_info.get("backend") or (
+        next(iter(adapters.values())).backend if adapters else SOURCE
+    )
     listed = [
         Problem(
             where or WHERE,
             REASONS.get(reason, Reason.QUERY_FAILED),
-            None if reason in REASONS else reason,
+            PROBLEM_DETAIL if reason in REASONS else reason,
+            pci or None,
         )
-        for where, reason, n in problems
+        for where, reason, pci, n in problems
         for _ in range(min(int(n), 100) if math.isfinite(n) and n > 0 else 0)
     ]
+    backend_problem = None
+    if backend_up is not None and backend_up == 0:
+        # the backend's own problem when the serve listed it (it counts each once)
+        backend_problem = next(
+            (p for p in listed if p.where.startswith("backend")),
+            Problem("backend", Reason.UNAVAILABLE, "gputaskman_backend_up is 0"),
+        )
     processes = tuple(_proc_gpu(p) for p in procs.values())
     host = RecordedSystem(_system_doc(b, system, swap_devices), _host_readings(procs))
     snapshot = Snapshot(
@@ -319,10 +350,28 @@ def host_sample(samples: Iterable[Sample], *, note: str) -> tuple[Snapshot, Reco
         processes=processes,
         problems=(*listed, *b.problems),
         notes=(note,),
+        driver_version=backend_info.get("driver_version") or None,
         backend_problem=backend_problem,
         extra_metrics=extra,
     )
-    return snapshot, host
+    return _unexplained(snapshot, incomplete & set(adapters)), host
+
+
+UNEXPLAINED = (
+    "gputaskman_gpu_attributed_complete is 0, and no series says why (an older serve's "
+    "problems name no GPU): the sum is a lower bound"
+)
+
+
+def _unexplained(snapshot: Snapshot, incomplete: set[str]) -> Snapshot:
+    """`snapshot` with a problem on each GPU in `incomplete` (its serve said its attributed
+    sum is a lower bound) whose series do not already say so."""
+    more = tuple(
+        Problem("processes.unexplained", Reason.UNAVAILABLE, UNEXPLAINED, pci)
+        for pci in sorted(incomplete)
+        if snapshot.attributed_complete_on(pci)
+    )
+    return dataclasses.replace(snapshot, problems=snapshot.problems + more) if more else snapshot
 
 
 def _not_over(
@@ -441,6 +490,13 @@ def _process_series(
     p = procs.get(key)
     if p is None:
         p = procs[key] = _Proc(pid[0], pid[1], labels.get("name") or None, pci or None)
+    if name == "gputaskman_process_info":
+        contexts = labels.get("contexts", "")
+        p.contexts = tuple(c for c in contexts.split(",") if c)
+        parent = labels.get("parent_pid", "")
+        p.parent_pid = int(parent) if parent.isdigit() else None
+        p.unique = labels.get("inferred_unique") == "true"
+        return
     if name == "gputaskman_process_model_info":
         model = labels.get("model_name")
         if model:
@@ -462,7 +518,9 @@ def _process_series(
         if unit == host_unit:
             p.host_readings[key] = b.reading(name, value, kind, 1, pci or None)
     elif unit == "percent" and what.endswith("_utilization"):
-        p.engines[what.removesuffix("_utilization")] = b.reading(name, value, kind, 1, pci or None)
+        # the document's name: "gpu_percent" (an older serve wrote "gpu_percent_utilization")
+        engine = what.removesuffix("_utilization").removesuffix("_percent") + "_percent"
+        p.engines[engine] = b.reading(name, value, kind, 1, pci or None)
     elif unit == "bytes" and what in _PROC_MEMORY:
         slot = _PROC_MEMORY[what]
         if what == "vram" and kind is Kind.INFERRED:
@@ -470,6 +528,10 @@ def _process_series(
         elif what == "vram" and kind is not Kind.MEASURED:
             return  # a model's estimated or runtime total: not the process's VRAM reading
         p.readings[slot] = b.reading(name, value, kind, 1, pci or None)
+
+
+# what the host's scan found (command line, runtimes, user, ...) is not exported
+_NO_DETAIL = ProcDetail(scanned=False, reason=Reason.UNAVAILABLE, reason_detail=NOT_EXPORTED)
 
 
 def _proc_gpu(p: _Proc) -> ProcGpu:
@@ -481,83 +543,17 @@ def _proc_gpu(p: _Proc) -> ProcGpu:
         create_time=None,
         name=p.name,
         adapter=p.adapter,
-        contexts=(),
+        contexts=p.contexts,
         dedicated=dedicated,
         inferred=p.readings.get("inferred"),
         engines=dict(sorted(p.engines.items())),
+        detail=_NO_DETAIL,
         model=p.model,
         paged=p.readings.get("paged"),
         footprint=p.readings.get("footprint"),
         host=p.host,
-    )
-
-
-def host_document(
-    snapshot: Snapshot, system: RecordedSystem | None = None
-) -> tuple[Document, bytes]:
-    """`snapshot` with its host sample `system` (`host_sample`'s) as a snapshot document: the
-    typed `Document` and the JSON bytes it was read from (what ``fleet --json`` and ``fleet
-    record`` write)."""
-    body = json.dumps(report.to_json_dict(snapshot, system), allow_nan=False, separators=(",", ":"))
-    raw = body.encode()
-    return read_document(raw), raw
-
-
-_NOT_SAMPLED = Reading.missing(Reason.UNAVAILABLE, report.HOST_SOURCE, "host not sampled")
-_NOT_IN_SAMPLE = Reading.missing(
-    Reason.UNAVAILABLE, report.HOST_SOURCE, "process not in host sample"
-)
-
-
-def _iso(taken: float) -> str | None:
-    when = report.utc_of(taken)  # as the writer writes ``taken_iso``
-    return None if when is None else when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def snapshot_document(snapshot: Snapshot, system: RecordedSystem | None = None) -> Document:
-    """`snapshot` as the `Document` `host_document` reads from its JSON, built without
-    writing and reading it: what the fleet table needs, several hundred times a second in a
-    large fleet (a differential test holds the two equal)."""
-    adapters = tuple(
-        AdapterDoc(
-            a.index,
-            a.vendor,
-            a.name,
-            a.uuid,
-            a.pci_bus_id,
-            a.backend,
-            snapshot.metrics.get(a.pci_bus_id),
-            dict(snapshot.extra_metrics.get(a.pci_bus_id, {})),
-            snapshot.attributed_on(a.pci_bus_id),
-            snapshot.attributed_complete_on(a.pci_bus_id),
-        )
-        for a in snapshot.adapters
-    )
-    processes = []
-    for p in snapshot.processes:
-        # the writer's words for a process without the host's readings
-        if p.host is None:
-            none = _NOT_SAMPLED if system is None else _NOT_IN_SAMPLE
-            got = {} if system is None else system.process_readings(p.pid, p.create_time)
-        else:
-            why = f"a {p.host} process: not in this machine's host sample"
-            none = Reading.missing(Reason.UNAVAILABLE, report.HOST_SOURCE, why)
-            got = {}
-        processes.append(ProcessDoc(p, got.get("ram_bytes", none), got.get("cpu_percent", none)))
-    return Document(
-        snapshot.taken,
-        snapshot.backend,
-        adapters,
-        tuple(processes),
-        snapshot.problems,
-        snapshot.notes,
-        snapshot.driver_version,
-        snapshot.backend_problem,
-        None,
-        None if system is None else system.doc,
-        _iso(snapshot.taken),
-        snapshot.attributed,
-        snapshot.attributed_complete,
+        parent_pid=p.parent_pid,
+        unique=p.unique,
     )
 
 

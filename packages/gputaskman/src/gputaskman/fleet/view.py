@@ -8,7 +8,8 @@ Theory of operation
 row per GPU of its document: memory used / total and utilisation as readings (with their
 provenance marks when shown; an Intel card's inferred memory shows ``~``), the processes with
 the most memory on that GPU, and the models held there with their evidence markers
-(`report_models.model_cell`). A host whose backend answered without GPUs gives one row
+(`report_models.model_cell`); and, not shown but filtered on (`matches`), every process's
+name and command line on that GPU. A host whose backend answered without GPUs gives one row
 saying why. A host that is not up gives one row whose GPU cell is its status and reason
 (and when it last answered, and when the next try is): never zeros, never stale numbers.
 
@@ -50,6 +51,10 @@ class FleetRow:
     util: Reading | None = None
     processes: str = ""
     models: str = ""
+    # not shown, for the filter: every process's name and command line on this GPU (the
+    # PROCESSES cell names only the few with the most memory; a command line is in a polled
+    # host's document, never in Prometheus's series)
+    commands: tuple[str, ...] = ()
 
     @property
     def host(self) -> str:
@@ -95,6 +100,16 @@ def _processes(procs: Sequence[ProcGpu]) -> str:
     return ", ".join(cells) + (f" +{more}" if more > 0 else "")
 
 
+def _commands(procs: Sequence[ProcGpu]) -> tuple[str, ...]:
+    out: list[str] = []
+    for p in procs:
+        if p.name:
+            out.append(p.name)
+        if p.detail.cmdline:
+            out.append(" ".join(p.detail.cmdline))
+    return tuple(out)
+
+
 def _models(procs: Sequence[ProcGpu]) -> str:
     seen = dict.fromkeys(cell for p in procs if p.model is not None and (cell := model_cell(p)))
     return ", ".join(seen)
@@ -107,7 +122,16 @@ def _gpu_rows(s: HostState, doc: Document) -> list[FleetRow]:
             why = f"no GPU usable via {doc.backend} ({doc.unavailable.reason})"
         else:
             why = f"{doc.backend} answered but lists no GPU"
-        return [FleetRow(f"{s.target.name}|", s, None, why, processes=_processes(procs))]
+        return [
+            FleetRow(
+                f"{s.target.name}|",
+                s,
+                None,
+                why,
+                processes=_processes(procs),
+                commands=_commands(procs),
+            )
+        ]
     rows = []
     for a in doc.adapters:
         mine = [p for p in procs if _on(p, a)]
@@ -123,6 +147,7 @@ def _gpu_rows(s: HostState, doc: Document) -> list[FleetRow]:
                 None if m is None else m.util_gpu_percent,
                 _processes(mine),
                 _models(mine),
+                _commands(mine),
             )
         )
     return rows
@@ -381,9 +406,10 @@ def sorted_rows(rows: Iterable[FleetRow], column: str, descending: bool) -> list
 
 
 def matches(row: FleetRow, text: str) -> bool:
-    """Whether `text` (any case) is in the row's host, status, GPU, processes or models."""
+    """Whether `text` (any case) is in the row's host, status, GPU, processes or models, or in
+    the name or command line of any process on that GPU."""
     needle = text.casefold()
-    hay = (row.host, str(row.status), row.gpu, row.processes, row.models)
+    hay = (row.host, str(row.status), row.gpu, row.processes, row.models, *row.commands)
     return any(needle in h.casefold() for h in hay)
 
 
@@ -420,15 +446,23 @@ def cells(row: FleetRow, first_of_host: bool = True) -> tuple[str, ...]:
 
 
 def render_text(states: Sequence[HostState]) -> str:
-    """``fleet --once``: the summary line, then the rows as a table."""
+    """``fleet --once``: the summary line, then the rows as a table. The columns fit the
+    GPU rows; a row about a host (not up, or no GPU) has its status and whole reason after
+    the host's name, running on past the columns, so one long reason widens no column."""
     rows = fleet_rows(states, live=False)
-    table = [COLUMNS]
+    table: list[tuple[str, ...]] = [COLUMNS]
     prev = None
     for r in rows:
-        table.append(cells(r, r.host != prev))
+        first = r.host != prev
+        if r.adapter is None:  # the host's words, outside the columns
+            procs = f" · processes: {r.processes}" if r.processes else ""
+            table.append((r.host if first else "", r.gpu + procs))
+        else:
+            table.append(cells(r, first))
         prev = r.host
-    widths = [max(len(t[i]) for t in table) for i in range(len(COLUMNS))]
+    widths = [max(len(t[i]) for t in table if len(t) == len(COLUMNS)) for i in range(len(COLUMNS))]
+    widths[0] = max(len(t[0]) for t in table)
     lines = [summary_line(fleet_totals(states)), ""]
     for t in table:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip())
+        lines.append("  ".join(c.ljust(w) for c, w in zip(t, widths, strict=False)).rstrip())
     return "\n".join(lines) + "\n"

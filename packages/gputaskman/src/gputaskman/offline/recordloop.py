@@ -69,11 +69,13 @@ class RecordLoop:
 
 
 def as_served(doc: Document, note: str) -> tuple[Snapshot, host.SystemInfo | None]:
-    """`doc` as a sample taken now: its snapshot with ``taken`` now and `note` added, and
-    host.py's `SystemInfo` from its ``system`` object and per-process readings."""
+    """`doc` as a sample taken now: its snapshot with ``taken`` now and `note` added (unless
+    it already has that note), and host.py's `SystemInfo` from its ``system`` object and
+    per-process readings."""
     now = time.time()
     snap = doc.snapshot()
-    snap = dataclasses.replace(snap, taken=now, notes=(*snap.notes, note))
+    notes = snap.notes if note in snap.notes else (*snap.notes, note)
+    snap = dataclasses.replace(snap, taken=now, notes=notes)
     if doc.system is None:
         return snap, None
     procs = {}

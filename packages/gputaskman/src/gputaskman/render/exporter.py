@@ -14,13 +14,24 @@ runtime-reported value under a name carrying its kind
 ``sum()`` never mixes them. Every sample also carries a ``provenance`` label with the kind.
 Unknown values (a `Reading` with a reason) are not exported at all: absent, never 0.
 
-Labels: GPUs by ``gpu`` (index), ``pci_bus_id``, ``uuid`` and ``name``; processes by ``pid``
-and ``name`` (the process name, not its command line) plus the GPU labels. A process of
-another OS (the Windows host seen from WSL) has ``pid="windows:1234"``, as in the table, so it
-never shares a series with a local process of the same number, and it gets no RAM/CPU series
-(this machine's host sample knows nothing of it). ``model`` is the
-model's name only when two kinds of evidence confirm it (see `model.ModelRef.confirmed`), else
-empty; `gputaskman_process_model_info` lists every identified model with its evidence.
+Labels: GPUs by ``gpu`` (index), ``pci_bus_id``, ``uuid`` and ``gpu_name``; processes by
+``pid`` and ``name`` (the process name, not its command line) plus the GPU labels (empty for
+a process with no GPU context, such as a CPU-only runtime). A process of another OS (the
+Windows host seen from WSL) has ``pid="windows:1234"``, as in the table, so it never shares a
+series with a local process of the same number, and it gets no RAM/CPU series (this
+machine's host sample knows nothing of it). What can change while a process lives is not a
+label of its numbers, so a series keeps its identity: the model is in
+``gputaskman_process_model_info`` (``model_name``, ``evidence``, ``confirmed``; joined by
+PromQL on ``instance``, ``pid`` and ``gpu``), and every process row has one
+``gputaskman_process_info`` (``contexts``, ``parent_pid``, ``inferred_unique``), so a row
+whose every number is unknown still exists. ``gputaskman_backend_info`` names the backend
+and the driver version; ``gputaskman_sample_problems`` counts problems by ``where``,
+``reason`` and the GPU they concern (``gpu``, ``pci_bus_id``; empty when none), so a failed
+process list of one GPU marks that GPU's attributed sum a lower bound, as
+``gputaskman_gpu_attributed_complete`` says.
+
+A process's engine shares are ``gputaskman_process_<engine>_utilization_percent`` (the
+document's ``gpu_percent`` is ``gputaskman_process_gpu_utilization_percent``).
 
 Per-process memory beside VRAM, as ``--json`` has it (``paged_bytes``, ``footprint_bytes``):
 ``gputaskman_process_paged_bytes`` is non-local / compressed graphics memory (Windows PDH
@@ -45,7 +56,10 @@ from gputaskman.render.report_models import breakdown_totals, breakdown_view
 from gputaskman.sampling.host import SystemInfo
 
 GPU_LABELS = ("gpu", "pci_bus_id", "uuid", "gpu_name")
-PROC_LABELS = ("pid", "name", "model", *GPU_LABELS)
+PROC_LABELS = ("pid", "name", *GPU_LABELS)
+PROC_INFO_LABELS = ("contexts", "parent_pid", "inferred_unique")
+MODEL_INFO_LABELS = ("model_name", "evidence", "confirmed")
+PROBLEM_LABELS = ("where", "reason", "gpu", "pci_bus_id")
 
 # DeviceMetrics field -> (metric base name, unit suffix, scale, help)
 DEVICE_FIELDS: dict[str, tuple[str, str, float, str]] = {
@@ -144,9 +158,24 @@ def _gpu_values(a: Adapter | None) -> tuple[str, ...]:
 
 
 def _proc_values(p: ProcGpu, a: Adapter | None) -> tuple[str, ...]:
-    model = p.model.name if p.model is not None and p.model.confirmed else ""
     pid = str(p.pid) if p.host is None else f"{p.host}:{p.pid}"  # another OS's PID
-    return (pid, p.name or "", model, *_gpu_values(a))
+    return (pid, p.name or "", *_gpu_values(a))
+
+
+def engine_metric(engine: str) -> str:
+    """The series of a process's engine share: the document's ``gpu_percent`` is
+    ``gputaskman_process_gpu_utilization`` (plus the kind and ``_percent``)."""
+    return f"gputaskman_process_{engine.removesuffix('_percent')}_utilization"
+
+
+def _info(
+    f: _Families, name: str, doc: str, labels: tuple[str, ...], values: tuple[str, ...]
+) -> None:
+    """One series of value 1 whose labels are the facts (the Prometheus info convention)."""
+    fam = f.fams.get(name)
+    if fam is None:
+        fam = f.fams[name] = GaugeMetricFamily(name, doc, labels=list(labels))
+    fam.add_metric(list(values), 1)
 
 
 def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
@@ -158,8 +187,8 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
     )
     yield GaugeMetricFamily(
         "gputaskman_sample_timestamp_seconds",
-        "When the cached sample finished (Unix time)",
-        value=c.sampled_at,
+        "When the cached sample was taken (Unix time; the document's taken)",
+        value=snap.taken,
     )
     yield GaugeMetricFamily(
         "gputaskman_sample_age_seconds",
@@ -169,20 +198,29 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "gputaskman_sample_duration_seconds", "Time the last sample took", value=c.duration_s
     )
-    counts: dict[tuple[str, str], int] = {}
+    backend = GaugeMetricFamily(
+        "gputaskman_backend_info",
+        "The GPU backend and the driver version it reports (empty: unknown)",
+        labels=["backend", "driver_version"],
+    )
+    backend.add_metric([snap.backend, snap.driver_version or ""], 1)
+    yield backend
+    counts: dict[tuple[str, str, str, str], int] = {}
     # the backend problem is usually also in `problems`: count each problem once
     for pr in dict.fromkeys(
         snap.problems + ((snap.backend_problem,) if snap.backend_problem else ())
     ):
-        key = (pr.where, str(pr.reason))
+        a = snap.adapter(pr.adapter) if pr.adapter else None
+        gpu = "" if a is None else str(a.index)
+        key = (pr.where, str(pr.reason), gpu, pr.adapter or "")
         counts[key] = counts.get(key, 0) + 1
     fam_problems = GaugeMetricFamily(
         "gputaskman_sample_problems",
-        "Problems that reduced what the latest sample shows",
-        labels=["where", "reason"],
+        "Problems that reduced what the latest sample shows, by the GPU they concern",
+        labels=list(PROBLEM_LABELS),
     )
-    for (where, reason), n in sorted(counts.items()):
-        fam_problems.add_metric([where, reason], n)
+    for key, n in sorted(counts.items()):
+        fam_problems.add_metric(list(key), n)
     yield fam_problems
 
     f = _Families()
@@ -224,10 +262,34 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
     from gputaskman.render.report import proc_host_lookup
 
     lookup = proc_host_lookup(system)
-    seen_model: set[tuple[str, ...]] = set()
+    seen: set[tuple[str, ...]] = set()
     for p in snap.processes:
         a = snap.adapter(p.adapter) if p.adapter else None
         pv = _proc_values(p, a)
+        if pv not in seen:  # one row per process and GPU (a duplicate adds no series)
+            seen.add(pv)
+            facts = (
+                ",".join(p.contexts),
+                "" if p.parent_pid is None else str(p.parent_pid),
+                "true" if p.unique else "false",
+            )
+            _info(
+                f,
+                "gputaskman_process_info",
+                "One per process row (a process on two GPUs has two): the row's facts",
+                PROC_LABELS + PROC_INFO_LABELS,
+                pv + facts,
+            )
+            if p.model is not None:
+                m = p.model
+                _info(
+                    f,
+                    "gputaskman_process_model_info",
+                    "The model a process holds, with "
+                    "its strongest evidence (confirmed: two kinds agree)",
+                    PROC_LABELS + MODEL_INFO_LABELS,
+                    (*pv, m.name, m.evidence, "true" if m.confirmed else "false"),
+                )
         f.reading(
             "gputaskman_process_vram", "bytes", "Process GPU memory", PROC_LABELS, pv, p.dedicated
         )
@@ -254,9 +316,9 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
         )
         for engine, r in sorted(p.engines.items()):
             f.reading(
-                f"gputaskman_process_{engine}_utilization",
+                engine_metric(engine),
                 "percent",
-                f"Process share of the {engine} engine",
+                f"Process share of the {engine.removesuffix('_percent')} engine",
                 PROC_LABELS,
                 pv,
                 r,
@@ -280,22 +342,6 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
             pv,
             host.get("cpu_percent"),
         )
-        if p.model is not None:
-            key = (*pv, p.model.name, p.model.evidence)
-            if key not in seen_model:
-                seen_model.add(key)
-                fam = f.fams.get("gputaskman_process_model_info")
-                if fam is None:
-                    fam = f.fams["gputaskman_process_model_info"] = GaugeMetricFamily(
-                        "gputaskman_process_model_info",
-                        "The model a process holds, with "
-                        "its strongest evidence (confirmed: two kinds agree)",
-                        labels=[*PROC_LABELS, "model_name", "evidence", "confirmed"],
-                    )
-                fam.add_metric(
-                    [*pv, p.model.name, p.model.evidence, "true" if p.model.confirmed else "false"],
-                    1,
-                )
         view = breakdown_view(p.breakdown)
         if view is not None:
             for part in view.parts:
@@ -310,6 +356,17 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
             for total in breakdown_totals(view):
                 f.reading(
                     "gputaskman_process_vram", "bytes", "Process GPU memory", PROC_LABELS, pv, total
+                )
+            # a runtime's own figures (runtime kind, never summed)
+            for name, r in view.figures or ():
+                base, _, unit = name.rpartition("_")
+                f.reading(
+                    "gputaskman_process_llm_figure",
+                    unit,
+                    "A serving runtime's own figure for its model (runtime_figures in --json)",
+                    (*PROC_LABELS, "figure"),
+                    (*pv, base),
+                    r,
                 )
     yield from f.fams.values()
     if system is not None:

@@ -161,6 +161,8 @@ def process_cells(
     else:  # only a reason the user can act on earns table width; the rest is plain n/a
         vram_text = fmt_reading(p.dedicated, reason=p.dedicated.reason in LOUD_REASONS)
     runtimes = ",".join(p.detail.runtimes) if p.detail.scanned else NOT_SCANNED_MARK
+    if not p.detail.scanned and p.detail.reason is Reason.UNAVAILABLE:
+        runtimes = NA  # no scan will come (another OS's process, a host read from Prometheus)
     model = model_cell(p)
     cells = (
         str(p.pid) if p.host is None else f"{p.host}:{p.pid}",

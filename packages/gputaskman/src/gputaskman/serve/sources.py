@@ -15,12 +15,12 @@ from typing import Any
 
 from gputaskman.base.readings import Snapshot
 from gputaskman.document.reader import read_document
-from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
+from gputaskman.fixtures.demo import NOTE, DemoSystem, demo_snapshot
 from gputaskman.offline.recordloop import RecordLoop, as_served
 from gputaskman.render import report
 from gputaskman.sampling import host
 
-DEMO_NOTE = "demo: gputaskman.fixtures.demo's synthetic data, not measured"
+DEMO_NOTE = NOTE  # the demo snapshot's own note: served once, not twice
 
 
 class DemoSource:

@@ -108,7 +108,10 @@ class GtmApp(App[int]):
         Binding("u", "refresh_now", "refresh now", show=False),
         Binding("enter", "rescan", "rescan the highlighted process now (inspector)", show=False),
         Binding(
-            "slash", "filter", "filter rows (name, pid, model, runtime); esc clears", show=False
+            "slash",
+            "filter",
+            "filter rows (name, pid, command line, model, runtime); esc clears",
+            show=False,
         ),
         Binding("escape", "clear_filter", "clear the filter", show=False),
         Binding("k", "signal", "signal the highlighted process (TERM, INT, KILL)", show=False),
@@ -160,7 +163,7 @@ class GtmApp(App[int]):
         self.inspector = Inspector(id="inspector")
         self.system_panel = SystemPanel(id="system")
         self.status = Static("", id="status")
-        self.filter_box = FilterBox("filter: name, pid, model, runtime", id="filter")
+        self.filter_box = FilterBox("filter: name, pid, command line, model, runtime", id="filter")
         yield self.header
         with Horizontal(id="main"):
             yield self.table
@@ -461,10 +464,12 @@ class GtmApp(App[int]):
 
 
 def matches(p: ProcGpu, text: str) -> bool:
-    """Whether row `p` matches a filter: `text` (any case) in its PID, name, model, runtimes
-    or category."""
+    """Whether row `p` matches a filter: `text` (any case) in its PID, name, command line
+    (as shown: secrets redacted), model, runtimes or category."""
     needle = text.casefold()
     hay = [str(p.pid), p.name or "", p.detail.category or "", *p.detail.runtimes]
+    if p.detail.cmdline:
+        hay.append(" ".join(p.detail.cmdline))
     if p.model is not None:
         hay.append(p.model.name)
     return any(needle in h.casefold() for h in hay)

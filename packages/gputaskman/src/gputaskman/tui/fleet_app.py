@@ -5,8 +5,9 @@ Theory of operation
 `FleetApp` subclasses `app.GtmApp`, so a host's view is the live app's own screen: header
 with sparklines, process table, inspector, system panel, sorting, filtering and GPU
 switching, all its code. The fleet table is a `screens.fleet.FleetScreen` pushed over it at
-start. ``enter`` on a host pops the fleet screen and shows that host; ``esc`` (once any
-filter is cleared) pushes the fleet screen back.
+start, installed (a popped screen that is not installed is removed, and Textual never draws
+one pushed back after that). ``enter`` on a host pops the fleet screen and shows that host;
+``esc`` (once any filter is cleared) pushes the fleet screen back.
 
 The seam is `GtmApp.request_refresh`, which the live app's timer calls every poll interval
 (as `replay_app` uses it): here nothing is sampled. It redraws the fleet screen when
@@ -21,8 +22,9 @@ notified once per new failure.
 
 A host that goes down while open keeps its last document on screen, and the status line says
 so: the host, its status and reason, and when that document arrived. The app is read-only
-(``k`` does not exist: remote processes are not this machine's to signal), and ``enter`` on
-a process does not rescan it (the host's own serve scans).
+(``k`` does not exist: remote processes are not this machine's to signal), ``enter`` on
+a process does not rescan it (the host's own serve scans; the host view's help leaves it
+out), and ``u`` there polls now, as on the fleet table.
 """
 
 from __future__ import annotations
@@ -42,8 +44,11 @@ from gputaskman.tui.screens.fleet_help import FleetHelpScreen
 from gputaskman.tui.screens.help import HelpScreen
 
 BACK = "clear the filter, else back to the fleet"
+# the host view's keys that do something else here, in the words its help gives them
+HOST_KEYS = {"clear_filter": BACK, "refresh_now": "poll every host now"}
 # the live app's actions that stay meaningful over the fleet table
 FLEET_ACTIONS = {"quit", "fleet_help", "help"}
+FLEET_SCREEN = "fleet"  # the fleet screen's name as installed
 
 
 def _no_collector() -> object:
@@ -70,7 +75,11 @@ class FleetApp(GtmApp):
 
     def on_mount(self) -> None:
         super().on_mount()
-        self.push_screen(self.fleet)
+        # installed, so that popping it (enter on a host) keeps it alive: Textual removes a
+        # popped screen that is not installed, and one pushed back after that is never drawn
+        # again (its update timer died with it)
+        self.install_screen(self.fleet, FLEET_SCREEN)
+        self.push_screen(FLEET_SCREEN)
 
     # -- the seam: the live app's timer lands here
 
@@ -134,7 +143,7 @@ class FleetApp(GtmApp):
         self.source.focus(None)
         self.sub_title = ""
         if self.screen is not self.fleet:
-            self.push_screen(self.fleet)
+            self.push_screen(FLEET_SCREEN)
 
     def action_clear_filter(self) -> None:
         """esc on a host: clear its filter first, then back to the fleet."""
@@ -146,10 +155,15 @@ class FleetApp(GtmApp):
     def action_rescan(self) -> None:
         self.notify("a fleet host's processes are scanned by its own serve")
 
+    def action_refresh_now(self) -> None:
+        """u on a host: poll now (every host, as the fleet's u), and show what is newest."""
+        self.source.poll_now()
+        super().action_refresh_now()
+
     def action_help(self) -> None:
         """The host view's keys, esc saying where it goes."""
         keys = [
-            Binding(b.key, b.action, BACK) if b.action == "clear_filter" else b
+            Binding(b.key, b.action, HOST_KEYS[b.action]) if b.action in HOST_KEYS else b
             for b in GtmApp.BINDINGS
             if self.check_action(b.action, ()) is not False
         ]
@@ -162,10 +176,9 @@ class FleetApp(GtmApp):
         # over the fleet table only its own keys and quit/help act; the host view's do not
         if self.screen is self.fleet and action not in FLEET_ACTIONS:
             return False
+        if action == "rescan":  # not a key here (enter on a process says why)
+            return False
         return super().check_action(action, parameters)
-
-    def poll_now(self) -> None:
-        self.source.poll_now()
 
     # -- status
 
@@ -178,12 +191,12 @@ class FleetApp(GtmApp):
             when = "" if s.answered_at is None else f", answered {_clock(s.answered_at)}"
             took = "" if s.latency_s is None else f" in {s.latency_s * 1000:.0f} ms"
             host = f"host {s.target.name}: up{when}{took}"
-            if s.from_series:
-                host += " (built from Prometheus's series: its own /snapshot.json did not answer)"
+            if s.from_series:  # the reason says what its own serve answered instead
+                why = s.reason or "its own /snapshot.json did not answer"
+                host += f" (built from Prometheus's series: {why})"
         else:
-            old = (
-                "" if s.answered_at is None else f"; showing its answer of {_clock(s.answered_at)}"
-            )
+            shown = s.answered_at is not None and self.snapshot is not None
+            old = f"; showing its answer of {_clock(s.answered_at)}" if shown else ""
             host = f"host {s.target.name}: {s.status} ({s.reason}){old}"
         self.status.update(Text(f"{host} · esc fleet · {self.status.content}"))
 

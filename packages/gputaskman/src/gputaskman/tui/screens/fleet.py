@@ -4,7 +4,8 @@
 table fits them); what opening a host and polling now do is the app's (`drill`,
 `poll_now`). Keys, as in the single-host TUI: ``s`` sorts by the next column (HOST, MEMORY
 used, MEMORY %, UTIL), ``r`` reverses (unknown values stay last either way), ``/`` filters
-the rows live (host, status, GPU, processes, models) and ``esc`` clears the filter, ``u``
+the rows live (host, status, GPU, models, and the name and command line of every process on
+the GPU, not only of those shown) and ``esc`` clears the filter, ``u``
 polls every host now, ``enter`` opens the highlighted host's full view, ``?`` lists keys,
 columns and statuses, ``q`` quits.
 
@@ -50,7 +51,12 @@ class FleetScreen(Screen[None]):
         Binding("enter", "drill", "host view"),
         Binding("s", "next_sort", "sort by next column"),
         Binding("r", "reverse_sort", "reverse sort order", show=False),
-        Binding("slash", "filter", "filter rows (host, status, GPU, process, model)", show=False),
+        Binding(
+            "slash",
+            "filter",
+            "filter rows (host, status, GPU, process and its command line, model)",
+            show=False,
+        ),
         Binding("escape", "clear_filter", "clear the filter", show=False),
         Binding("u", "poll_now", "poll every host now", show=False),
     ]
@@ -73,7 +79,9 @@ class FleetScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         self.summary = Static("", id="fleet-summary")
         self.table = FleetTable(id="fleet-table")
-        self.filter_box = FilterBox("filter: host, status, GPU, process, model", id="fleet-filter")
+        self.filter_box = FilterBox(
+            "filter: host, status, GPU, process, command line, model", id="fleet-filter"
+        )
         self.status = Static("", id="fleet-status")
         yield self.summary
         yield self.table

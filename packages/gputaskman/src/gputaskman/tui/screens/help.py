@@ -18,7 +18,7 @@ from typing import ClassVar
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.keys import KEY_DISPLAY_ALIASES, key_to_character
+from textual.keys import KEY_DISPLAY_ALIASES, REPLACED_KEYS, key_to_character
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
@@ -189,10 +189,16 @@ def help_text(
 
 
 def key_label(key: str) -> str:
-    """What a user presses for Textual's key name: `?` for "question_mark", `esc` for
-    "escape"; a plain letter stays itself."""
+    """What a user presses for Textual's key name: `?` for "question_mark", `/` for "slash"
+    (Textual's name for the character Unicode calls solidus), `esc` for "escape"; a plain
+    letter stays itself."""
     key = key.strip()
-    return KEY_DISPLAY_ALIASES.get(key) or key_to_character(key) or key
+    return (
+        KEY_DISPLAY_ALIASES.get(key)
+        or key_to_character(key)
+        or key_to_character(REPLACED_KEYS.get(key, key))
+        or key
+    )
 
 
 def key_lines(bindings: list[Binding]) -> list[str]:
