@@ -31,9 +31,14 @@ become a model path.
 Model arguments
 ---------------
 * ``cmdline`` evidence: the value of a model flag (`MODEL_FLAGS`: ``-m``, ``--model``,
-  ``--model-path``, ``--mmproj``, ``--lora``, ...). ``-m`` is ambiguous (``python -m mod``,
+  ``--model-path``, ``--model-id``, ``--mmproj``, ``--lora``, ...), or the positional model of
+  a serving program (`POSITIONAL_MODEL`: ``vllm serve MODEL``,
+  ``text-generation-server serve MODEL``). ``-m`` is ambiguous (``python -m mod``,
   other tools), so its value must look like a path or carry a model extension; Python
   interpreter options are skipped so ``python -m vllm.entrypoints`` is not a model.
+* A value shaped like a Hugging Face repo id (`is_repo_id`: ``Qwen/Qwen2.5-0.5B-Instruct``)
+  is a name the runtime looks up in its hub cache, not a path; `procinfo` keeps it as a name
+  unless a folder of that name exists in the process's working directory.
 * ``path-arg`` evidence: any other argument (or ``--flag=value`` value) ending in a model
   extension (`MODEL_EXTENSIONS`). Informational only (the evidence ladder ranks it below
   ``cmdline``). At most `MAX_MODEL_ARGS` candidates from the first `MAX_ARGS` arguments.
@@ -116,8 +121,13 @@ MODEL_FLAGS = frozenset(
         "--model_name_or_path",
         "--pretrained-model-name-or-path",
         "--pretrained_model_name_or_path",
+        "--model-id",  # text-generation-inference's launcher
+        "--model_id",
     }
 )
+# Programs whose first positional argument after a subcommand is the model
+# (``vllm serve MODEL``, TGI's shard ``text-generation-server serve MODEL``).
+POSITIONAL_MODEL = {"vllm": "serve", "text-generation-server": "serve"}
 # Flags whose values are model names rather than files; still `cmdline` evidence.
 _AMBIGUOUS_SHORT = frozenset({"-m", "-md"})
 
@@ -128,6 +138,8 @@ _ENV_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _URL_CRED_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):([^@\s/]+)@")
 _AUTH_RE = re.compile(r"(?i)\b(authorization:\s*|bearer\s+)\S.*")
 _PY_VALUE_OPTS = frozenset({"-X", "-W", "-Q"})
+# huggingface_hub's REPO_ID_REGEX (utils/_validators.py validate_repo_id, huggingface_hub 2.4)
+_REPO_ID_RE = re.compile(r"(\b[\w\-.]{1,96}\b/)?\b[\w\-.]{1,96}\b", re.ASCII)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +241,22 @@ def _looks_like_model(value: str) -> bool:
     return value.lower().endswith(MODEL_EXTENSIONS)
 
 
+def is_repo_id(value: str) -> bool:
+    """Whether `value` has the shape of a Hugging Face repo id (``name`` or
+    ``namespace/name``, huggingface_hub's ``validate_repo_id`` rules) and no model file
+    extension. Such a value on a command line is a *name* that a runtime looks up in its hub
+    cache, unless a folder of that name exists where the process runs (transformers' and
+    vLLM's own rule); the caller decides that with a stat."""
+    return (
+        value.count("/") <= 1
+        and _REPO_ID_RE.fullmatch(value) is not None
+        and "--" not in value
+        and ".." not in value
+        and not value.endswith(".git")
+        and not _looks_like_model(value)
+    )
+
+
 def _program_start(argv: tuple[str, ...]) -> int:
     """Index of the first argument that belongs to the program rather than to a Python
     interpreter's own options (so ``python -m pkg`` is not read as ``-m MODEL``)."""
@@ -254,6 +282,30 @@ def _program_start(argv: tuple[str, ...]) -> int:
     return i
 
 
+def program(argv: Sequence[str]) -> tuple[str | None, int]:
+    """``(program, index of its first argument)``: the program a command line runs, lower
+    case, as its executable's or script's base name (``vllm``, ``text-generation-server``)
+    or, for ``python -m pkg.mod``, the module's top package (``vllm``, ``sglang``); None for
+    ``python -c`` or an empty command line. Sans-io."""
+    argv = tuple(argv)
+    start = _program_start(argv)
+    if not argv or start < 1 or start > len(argv):
+        return None, start
+    base = posixpath.basename(argv[0]).lower()
+    if not (base.startswith("python") or base.startswith("pypy")):
+        return base, start
+    prev = argv[start - 1] if start >= 2 else ""
+    opt = argv[start - 2] if start >= 3 else ""
+    if opt == "-c" or prev.startswith("-c"):
+        return None, start
+    if opt == "-m":
+        return prev.split(".", 1)[0].lower() or None, start
+    if prev.startswith("-m") and len(prev) > 2:
+        return prev[2:].split(".", 1)[0].lower() or None, start
+    name = posixpath.basename(prev).lower()
+    return (name.removesuffix(".py") or None), start
+
+
 def model_args(args: RedactedArgs) -> tuple[ModelArg, ...]:
     """Model candidates in a redacted command line (bounded; redacted values skipped)."""
     if len(args.argv) == 1 and any(c.isspace() for c in args.argv[0]):
@@ -272,7 +324,12 @@ def model_args(args: RedactedArgs) -> tuple[ModelArg, ...]:
         if room or stronger:
             found[raw] = ModelArg(raw, evidence, flag, index)
 
-    i = _program_start(argv)
+    prog, i = program(argv)
+    sub = POSITIONAL_MODEL.get(prog or "")
+    if sub and i + 1 < len(argv) and argv[i] == sub and i + 1 not in skip:
+        val = argv[i + 1]
+        if val and not val.startswith("-"):
+            add(val, "cmdline", sub, i + 1)
     while i < len(argv):
         arg = argv[i]
         if i in skip:

@@ -239,8 +239,8 @@ class ModelRef:
     ``single source`` or ``informational`` (path-arg only). `store` names the model store
     that supplied `name` (names only, never evidence). `pending` is true while the costly
     look (API probe, header, logs) has not finished; `api_*` say what the local API probe
-    answered (errors are reasons, never secrets); `header_error` why the GGUF header could
-    not be read.
+    answered (errors are reasons, never secrets); `header_error` why the model's header
+    (GGUF, or safetensors headers and config.json) could not be read.
     """
 
     name: str

@@ -118,6 +118,11 @@ def _breakdown(o: Fields | None) -> LlmView | None:
         reported_total=value_of(o.reading("reported_total")),
         estimated_total=value_of(o.reading("estimated_total")),
         notes=o.texts("notes"),
+        format=o.text("format"),
+        kv_cache_dtype=o.text("kv_cache_dtype"),
+        figures=None
+        if o.obj("runtime_figures") is None
+        else tuple(o.readings("runtime_figures").items()),
     )
 
 

@@ -183,6 +183,9 @@ class BreakdownShape(Shape):
     reported_total: ReadingShape | None = None
     estimated_total: ReadingShape | None = None
     notes: SetTexts = None
+    format: Annotated[str | None, one_of("gguf", "safetensors")] = None
+    kv_cache_dtype: str | None = None
+    runtime_figures: Readings = None
 
 
 class AppShape(Shape):
@@ -366,6 +369,7 @@ class TableProcessShape(Shape):
     vram_bytes: ReadingShape
     name: str | None = None
     gpu: str | None = None
+    cmdline: Texts = None  # not shown: the table's filter reads it
     vram_inferred_bytes: ReadingShape | None = None
     model: ModelShape | None = None
     breakdown: TotalsShape | None = None

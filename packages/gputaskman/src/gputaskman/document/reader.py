@@ -156,9 +156,10 @@ def read_document(obj: bytes | bytearray | memoryview | Mapping[str, Any]) -> Do
 
 def read_table_document(body: bytes | bytearray | memoryview) -> Document:
     """The part of the document in `body` that the fleet table shows (`docshape`'s
-    `TableDocShape`): the adapters whole; of each process its identity, VRAM, model and its
-    breakdown's totals; nothing else (no problems, notes, system section or process
-    details: the table's MODELS cell names only models a process holds). A body this cannot
+    `TableDocShape`): the adapters whole; of each process its identity, VRAM, model, its
+    breakdown's totals and its command line (the table's filter reads it); nothing else (no
+    problems, notes, system section or other process details: the table's MODELS cell names
+    only models a process holds). A body this cannot
     read is read by `read_document`, whole, or refused in its words. Only the table reads
     such a document: a host's view reads the whole one."""
     try:
@@ -186,6 +187,7 @@ def read_table_document(body: bytes | bytearray | memoryview) -> Document:
 
 
 def _table_process(s: TableProcessShape) -> ProcessDoc:
+    cmdline = None if s.cmdline is None else tuple(s.cmdline)
     breakdown = None
     if s.breakdown is not None:
         b = s.breakdown
@@ -205,6 +207,9 @@ def _table_process(s: TableProcessShape) -> ProcessDoc:
             value_of(_maybe(b.reported_total)),
             value_of(_maybe(b.estimated_total)),
             (),
+            None,  # format
+            None,  # kv_cache_dtype
+            None,  # figures
         )
     proc = _ProcGpu(
         _num(s.pid),
@@ -215,7 +220,7 @@ def _table_process(s: TableProcessShape) -> ProcessDoc:
         _reading(s.vram_bytes),  # dedicated
         _maybe(s.vram_inferred_bytes),  # inferred
         {},  # engines
-        _ProcDetail(None, (), (), None, False, None, None, (), None, None, None),
+        _ProcDetail(cmdline, (), (), None, False, None, None, (), None, None, None),
         _model(s.model),
         breakdown,
         None,  # app_model
@@ -338,6 +343,11 @@ def _breakdown(s: BreakdownShape | None) -> LlmView | None:
         value_of(_maybe(s.reported_total)),
         value_of(_maybe(s.estimated_total)),
         _texts(s.notes),
+        s.format,
+        s.kv_cache_dtype,
+        None
+        if s.runtime_figures is None
+        else tuple((n, _reading(r)) for n, r in s.runtime_figures.items()),
     )
 
 

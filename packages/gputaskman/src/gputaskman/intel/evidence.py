@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gputaskman.base import procargs
+from gputaskman.intel import hfcache
 
 __all__ = [
     "CORROBORATING",
@@ -75,8 +76,11 @@ class ModelEvidence:
     `evidence` is ``mapped`` (the file is in the memory map), ``cmdline`` (the value of a
     model flag) or ``path-arg`` (a model-looking argument; informational only).
     `path` is the absolute path as the process sees it (None when relative and the cwd is
-    unknown); `raw` is the argument as written (None for mapped). `deleted` means the maps
-    line ended in ``(deleted)``. `exists` / `size_bytes` come from a stat through
+    unknown, or when the argument is a name); `raw` is the argument as written (None for
+    mapped); `name` is set instead of `path` for a Hugging Face repo id on the command line
+    (``--model Qwen/Qwen2.5-0.5B-Instruct`` with no such folder where the process runs): a
+    name, matched against an API's and the hub cache's, never joined to the cwd. `deleted`
+    means the maps line ended in ``(deleted)``. `exists` / `size_bytes` come from a stat through
     ``/proc/PID/root`` (mapped and cmdline evidence only) and are None when not checked.
     """
 
@@ -87,6 +91,7 @@ class ModelEvidence:
     deleted: bool = False
     exists: bool | None = None
     size_bytes: int | None = None
+    name: str | None = None
 
 
 def api_key_from_argv(argv: Sequence[str]) -> str | None:
@@ -97,17 +102,24 @@ def api_key_from_argv(argv: Sequence[str]) -> str | None:
 def from_procinfo(models: Iterable[ModelEvidence]) -> list[Evidence]:
     """Evidence from ``procinfo.ProcInfo.models`` (``ModelEvidence`` rows), paths resolved.
 
-    A row without a path (relative argument, unknown cwd) is dropped; a mapped file that was
-    deleted keeps its path (the process still holds it) with ``(deleted)`` in ``detail``.
+    A row without a path (relative argument, unknown cwd) is dropped unless it is a name (a
+    repo id on the command line: name-only evidence); a mapped file that was deleted keeps its
+    path (the process still holds it) with ``(deleted)`` in ``detail``.
     """
     out: list[Evidence] = []
     for m in models:
         path, kind = m.path, m.evidence
+        if not path and m.name and kind == Source.CMDLINE:
+            out.append(Evidence(Source.CMDLINE, model=m.name, detail=m.flag))
+            continue
         if not path or kind not in (Source.MAPPED, Source.CMDLINE, Source.PATH_ARG):
             continue
         real = path if m.deleted else os.path.realpath(path)
         detail = m.flag or ("(deleted)" if m.deleted else None)
-        out.append(Evidence(Source(kind), path=real, detail=detail))
+        # a hub cache path names its repo by its shape alone (no I/O): the row is named at once
+        cp = hfcache.parse_cache_path(real)
+        model = cp.repo_id if cp is not None and cp.repo_type == "model" else None
+        out.append(Evidence(Source(kind), path=real, model=model, detail=detail))
     return out
 
 

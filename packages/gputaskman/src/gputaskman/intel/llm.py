@@ -21,6 +21,10 @@ Three sources can say how a process's GPU (or host) bytes split:
 2. **Server APIs** (runtime-reported): :mod:`gputaskman.intel.serverprobe` (re-exported here).
 3. **The GGUF header** (estimated): weights from tensor sizes, KV cache from the formula in
    :mod:`gputaskman.intel.gguf`.
+4. **Safetensors headers and ``config.json``** (`hfmodel`): the weights' bytes (estimated in
+   VRAM), and, with a serving runtime's KV pool in tokens, the pool's bytes
+   (runtime-reported; `poolview`). A runtime's other figures (Ollama's ``size_vram``, the
+   pool's use) are kept beside the parts in ``figures``, never summed.
 
 :func:`build_view` combines them for one model claim of one process. Per part, a
 runtime-reported value beats an estimate; the estimate stays visible as an alternative, and
@@ -44,8 +48,10 @@ from typing import BinaryIO
 from gputaskman.base.filecache import ParsedFiles, read_tail
 from gputaskman.base.procargs import flag_value
 from gputaskman.base.readings import Kind, Reading, Reason
+from gputaskman.intel import poolview
 from gputaskman.intel.evidence import ModelClaim
 from gputaskman.intel.gguf import GGUFHeader
+from gputaskman.intel.hfmodel import ModelFiles
 from gputaskman.intel.kvcache import KV_CACHE_TYPES, kv_cache_estimate
 from gputaskman.intel.serverprobe import (
     ListenSocket,
@@ -246,6 +252,10 @@ class LlmView:
     reported_total: int | None = None
     estimated_total: int | None = None
     notes: tuple[str, ...] = field(default=())
+    format: str | None = None  # "gguf" | "safetensors": the header read
+    kv_cache_dtype: str | None = None  # the runtime's KV cache dtype, when it says
+    # a runtime's own figures beside the parts (runtime-reported); None: no runtime answered
+    figures: tuple[tuple[str, Reading], ...] | None = None
 
     def part(self, name: str) -> ViewPart | None:
         return next((p for p in self.parts if p.name == name), None)
@@ -267,6 +277,12 @@ class LlmView:
             "reported_total": self.reported_total,
             "estimated_total": self.estimated_total,
             "notes": list(self.notes),
+            "format": self.format,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "figures": {
+                n: {"value": r.value, "provenance": r.kind.value, "source": r.source}
+                for n, r in self.figures or ()
+            },
         }
 
 
@@ -294,17 +310,21 @@ def build_view(
     claim: ModelClaim,
     *,
     header: GGUFHeader | None = None,
+    files: ModelFiles | None = None,
     buffers: BufferSizes | None = None,
     served: ServedModel | None = None,
     runtime: str | None = None,
     friendly_name: str | None = None,
     argv: Sequence[str] = (),
+    server_argv: Sequence[str] = (),
     device: str | None = None,
     measured_bytes: int | None = None,
 ) -> LlmView | None:
     """The view of one model claim; None for an informational (path-arg only) claim.
 
-    ``header``: the model's GGUF header (read only when ``claim.allows_detail``).
+    ``header``: the model's GGUF header (read only when ``claim.allows_detail``); ``files``:
+    its safetensors headers and config.json instead. ``server_argv``: the command line of
+    the process whose API answered (its ``--dtype``, tensor-parallel size), else ``argv``.
     ``buffers``: parsed runtime log; ``served``: the API's row for this model.
     ``device``: restrict log buffers to one device (e.g. ``CUDA0``); None sums all.
     ``measured_bytes``: the process's measured bytes on that device, for ``other``.
@@ -341,10 +361,12 @@ def build_view(
                 bucket.append(Reading.runtime(v, f"{src}: {kind} buffer"))
         if not buffers.complete:
             notes.append("log has no complete set of buffer lines yet")
-    if served and served.weights_bytes is not None:
-        weights_rt.append(Reading.runtime(served.weights_bytes, f"{runtime} API model size"))
-
-    weights_est: list[tuple[Reading, bool]] = []
+    w_rt, weights_est = poolview.weights_readings(served, runtime, files)
+    weights_rt += w_rt
+    pool, pool_notes = poolview.kv_pool_reading(served, runtime, files, server_argv or argv)
+    if pool is not None:
+        kv_rt.append(pool)
+    notes += pool_notes
     kv_est: list[tuple[Reading, bool]] = []
     if header is not None:
         wb = header.weights_bytes
@@ -411,13 +433,26 @@ def build_view(
         status=claim.status,
         owner_marker="" if claim.confirmed else "?",
         runtime=runtime,
-        architecture=header.architecture if header else None,
-        file_type=header.file_type if header else None,
-        parameter_count=header.parameter_count if header else (served.n_params if served else None),
+        architecture=header.architecture
+        if header
+        else (files.config.model_type if files and files.config else None),
+        file_type=header.file_type if header else (files.file_type if files else None),
+        parameter_count=header.parameter_count
+        if header
+        else (files.parameter_count if files else None) or (served.n_params if served else None),
         n_ctx=n_ctx,
         n_ctx_source=n_ctx_src,
         parts=tuple(parts),
         reported_total=sum(rt_vals) if rt_vals else None,
         estimated_total=sum(est_vals) if est_vals else None,
         notes=tuple(notes),
+        format="gguf" if header is not None else ("safetensors" if files is not None else None),
+        kv_cache_dtype=(
+            poolview.kv_cache_dtype(
+                served, server_argv or argv, files.config if files else None, runtime
+            )
+            if served is not None and (served.kv_pool_tokens or served.kv_cache_dtype)
+            else None
+        ),
+        figures=poolview.figures(served, runtime, pool),
     )

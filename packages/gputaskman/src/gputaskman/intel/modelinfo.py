@@ -11,10 +11,14 @@ of that process. Resolution has two halves:
 * **Costly, in `gather`**: everything that does I/O. Mapped Ollama blobs (no model extension)
   are found by re-reading ``/proc/PID/maps`` for LLM-looking processes; the store index names
   the files; the process's own listening ports are probed (GET only, short timeouts) when a
-  claim allows detail or procinfo classified an LLM runtime from mapped libraries; an Ollama
-  runner child is linked to its ``ollama serve`` parent, whose ``/api/ps`` names the model;
-  the GGUF header is read (90-200 ms for a real model, cached by path/size/mtime); the
-  runtime's buffer log is parsed; an app adapter (`apps`) reads the selected model.
+  claim allows detail, procinfo classified an LLM runtime from mapped libraries or detected a
+  serving runtime (`runtimes.detect_server`); a process whose own ports do not answer is
+  linked to the process that answers for it (`api_owners`: an Ollama runner's ``ollama
+  serve``, a vLLM engine core's or worker's API server, a TGI shard's router); the evidence is
+  folded into model folders (`hubmodels.fold`: hub cache blobs and safetensors shards, repo
+  ids looked up in the hub cache); the model's header is read (GGUF: 90-200 ms for a real
+  model; safetensors headers and ``config.json``; cached by path/size/mtime); the runtime's
+  buffer log is parsed; an app adapter (`apps`) reads the selected model.
   `gather` returns `Inputs`; `llm.build_view` then turns them plus this refresh's measured
   bytes into an `llm.LlmView` (pure arithmetic, done every refresh).
 
@@ -40,11 +44,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from gputaskman.base import procfs
-from gputaskman.base.procargs import split_cmdline
+from gputaskman.base.procargs import program, redact_argv, split_cmdline
 from gputaskman.base.readings import ModelRef
-from gputaskman.intel import apps, evidence, gguf, llm, stores
+from gputaskman.intel import apps, evidence, gguf, hfcache, hfmodel, hubmodels, llm, stores
 from gputaskman.intel.evidence import Evidence, ModelClaim, Source
-from gputaskman.intel.runtimes import LLM
+from gputaskman.intel.runtimes import LLM, SERVER_PROGRAMS, SERVER_TITLES
 
 if TYPE_CHECKING:
     from gputaskman.intel.procinfo import ProcInfo
@@ -72,6 +76,8 @@ class Inputs:
     runtime: str | None = None
     app: apps.AppModel | None = None
     cost_s: float = 0.0
+    files: hfmodel.ModelFiles | None = None  # safetensors headers and config.json
+    server_argv: tuple[str, ...] = ()  # the redacted command line of the process probed
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +93,8 @@ def _runtime_hint(info: ProcInfo) -> str | None:
     """The API table to try, from the mapped runtime libraries (None: try every table)."""
     keys = set(info.runtime_keys)
     name = (info.name or "").lower()
+    if info.server is not None:
+        return info.server.key
     if name.startswith("ollama"):
         return "ollama"
     if "llama" in keys or any(k.startswith("ggml") for k in keys) or name.startswith("llama"):
@@ -140,14 +148,72 @@ def _link_names(
     return out
 
 
-def _parent_ollama(pid: int, proc: str) -> int | None:
-    """The PID of an ``ollama`` parent (``ollama serve`` answers the API for its runner)."""
+def _server_of(pid: int, proc: str) -> str | None:
+    """The serving runtime a process runs, from its name and command line alone."""
     try:
-        ppid = procfs.read_stat(pid, root=proc).ppid
-        parent = procfs.read_stat(ppid, root=proc)
+        st = procfs.read_stat(pid, root=proc)
+        argv = split_cmdline(procfs.read_proc(pid, "cmdline", root=proc))
     except procfs.ProcError:
         return None
-    return ppid if parent.name.lower().startswith("ollama") else None
+    if st.name.lower().startswith("ollama"):
+        return "ollama"
+    prog = program(argv)[0]
+    if prog in SERVER_PROGRAMS:
+        return SERVER_PROGRAMS[prog]
+    seen = [st.name.lower(), *(a.lower() for a in argv[:1])]
+    return next((k for p, k in SERVER_TITLES for x in seen if x.startswith(p)), None)
+
+
+def _children(pid: int, proc: str) -> list[int]:
+    try:
+        raw = procfs.read_proc(pid, f"task/{pid}/children", root=proc)
+    except procfs.ProcError:
+        return []  # a kernel without CONFIG_PROC_CHILDREN: no siblings to look at
+    return [int(x) for x in raw.split()[:64] if x.isdigit()]
+
+
+def api_owners(pid: int, runtime: str | None, proc: str = procfs.PROC) -> list[tuple[int, str]]:
+    """Processes whose API answers for ``pid``'s model, nearest first, as ``(pid, runtime)``:
+    an ``ollama serve`` parent (its runner's port is not the documented API); a parent (up
+    to 3 levels) running the same serving runtime (vLLM's engine core and workers, SGLang's
+    scheduler, whose API server spawned them); for text-generation-inference, the router its
+    launcher started beside the shard. The walk up stops at the first parent of another kind.
+    GET probes go to those processes' own ports only."""
+    out: list[tuple[int, str]] = []
+    cur = pid
+    for _ in range(3):
+        try:
+            cur = procfs.read_stat(cur, root=proc).ppid
+        except procfs.ProcError:
+            break
+        if cur <= 1:
+            break
+        rt = _server_of(cur, proc)
+        if rt == "ollama" and runtime in (None, "ollama", "llama.cpp"):
+            out.append((cur, "ollama"))
+            break
+        if rt is None or rt != runtime:
+            break  # the family ends here: nothing above it answers for this process
+        out.append((cur, rt))  # a TP worker's engine core, then the API server above it
+        if rt == "tgi":
+            out += [(c, "tgi") for c in _children(cur, proc) if c != pid]
+    return out
+
+
+def _sockets(pid: int, proc: str) -> list[llm.ListenSocket]:
+    try:
+        return llm.listening_sockets(pid, proc=proc)
+    except OSError:
+        return []
+
+
+def _blob_file(path: str) -> str | None:
+    """The snapshot file name of a hub cache blob (None for any other path)."""
+    cp = hfcache.parse_cache_path(path)
+    if cp is None or cp.kind != "blob" or cp.blob is None:
+        return None
+    links = hfcache.blob_files(cp.repo_dir, cp.blob)
+    return links[0][1] if links else None
 
 
 def gather(
@@ -183,9 +249,10 @@ def gather(
     probed = None
     runtime = _runtime_hint(info)
     raw: tuple[str, ...] = ()
-    if detail or _llm_by_libraries(info):
+    server_argv: tuple[str, ...] = ()
+    if detail or _llm_by_libraries(info) or info.server is not None:
         raw = _raw_argv(pid, proc)
-        socks = llm.listening_sockets(pid, proc=proc)
+        socks = _sockets(pid, proc)
         probed = pid
         if socks:
             result = llm.probe(
@@ -195,35 +262,48 @@ def gather(
                 timeout=probe_timeout,
                 deadline_s=probe_deadline,
             )
-        if (result is None or not result.ok) and any(
-            n.store == "ollama" for n in friendly.values()
-        ):
-            # an Ollama runner's own port is not the documented API; `ollama serve` is
-            parent = _parent_ollama(pid, proc)
-            psocks = llm.listening_sockets(parent, proc=proc) if parent is not None else []
-            if psocks:
-                probed, runtime = parent, "ollama"
-                result = llm.probe(
-                    psocks, "ollama", timeout=probe_timeout, deadline_s=probe_deadline
+        owners_for = (
+            "ollama" if any(n.store == "ollama" for n in friendly.values()) else None
+        ) or (info.server.key if info.server is not None else None)
+        if (result is None or not result.ok) and owners_for is not None:
+            for owner, rt in api_owners(pid, owners_for, proc):
+                osocks = _sockets(owner, proc)
+                if not osocks:
+                    continue
+                oraw = _raw_argv(owner, proc)
+                res = llm.probe(
+                    osocks,
+                    rt,
+                    api_key=evidence.api_key_from_argv(oraw),
+                    timeout=probe_timeout,
+                    deadline_s=probe_deadline,
                 )
+                if res.ok:
+                    probed, runtime, result, raw_owner = owner, rt, res, oraw
+                    server_argv = redact_argv(raw_owner).argv
+                    break
         if result is not None and result.ok:
             runtime = result.runtime
-            api = _link_names(result.evidence(cwd), friendly)
-            claims = evidence.assess([*evs, *api])
+            if not server_argv:
+                server_argv = redact_argv(raw).argv
+            evs = [*evs, *_link_names(result.evidence(cwd), friendly)]
+    argv_for = server_argv or info.cmdline or ()
+    roots = hubmodels.hub_roots(index.roots.huggingface, info.user, argv_for)
+    evs = hubmodels.fold(evs, roots, hubmodels.revision_from_argv(argv_for))
+    claims = evidence.assess(evs)
+    for c in claims:
+        if c.path is not None and c.path not in friendly:
+            n = index.name_for(c.path, cwd)
+            if n is not None:
+                friendly[c.path] = n
     header = None
     header_error = None
+    files = None
     buffers = None
     best = claims[0] if claims else None
     if best is not None and best.allows_detail and best.path is not None:
-        try:
-            header = gguf.read_header_cached(best.path)
-        except gguf.NotGGUFError as e:
-            # safetensors, ONNX, PyTorch files have no GGUF header to read; only a file
-            # named .gguf that does not begin like one is worth an error
-            if best.path.lower().endswith(".gguf"):
-                header_error = f"{type(e).__name__}: {e}"
-        except (OSError, gguf.GGUFError) as e:
-            header_error = f"{type(e).__name__}: {e}"
+        got = hubmodels.read_header(best.path, _blob_file(best.path))
+        header, files, header_error = got.gguf, got.files, got.error
         for p in llm.log_files(pid, raw, cwd, proc=proc):
             with contextlib.suppress(OSError):
                 buffers = llm.read_buffer_log(p)
@@ -240,6 +320,8 @@ def gather(
         runtime,
         app,
         time.perf_counter() - t0,
+        files,
+        server_argv,
     )
 
 
@@ -300,6 +382,8 @@ def build(
         view = llm.build_view(
             claim,
             header=inputs.header,
+            files=inputs.files,
+            server_argv=inputs.server_argv,
             buffers=inputs.buffers,
             served=_served_for(claim, inputs.probe),
             runtime=inputs.runtime,

@@ -42,6 +42,7 @@ except ImportError:  # Windows: no /proc to scan there either
     pwd = None  # type: ignore[assignment]
 from gputaskman.base.procargs import (
     MODEL_EXTENSIONS,
+    is_repo_id,
     model_args,
     redact_argv,
     resolve,
@@ -64,8 +65,10 @@ from gputaskman.intel.runtimes import (
     Classification,
     Runtime,
     RuntimeSpec,
+    ServerHint,
     classify,
     detect_runtimes,
+    detect_server,
 )
 
 __all__ = [
@@ -130,6 +133,7 @@ class ProcInfo:
     kernel_thread: bool = False  # no user memory: maps, cwd and exe are not read
     ppid: int | None = None  # the parent's PID (stat)
     user: str | None = None  # the user it runs as (effective uid) by name, or the uid
+    server: ServerHint | None = None  # the serving runtime it runs (vLLM, SGLang, TGI)
 
     @property
     def key(self) -> tuple[int, float | None]:
@@ -206,13 +210,19 @@ def mapped_paths(text: str) -> set[str]:
     return set(_PATH_RE.findall(text))
 
 
+# A Hugging Face hub cache blob (``models--ORG--NAME/blobs/<etag>``): the resolved path of a
+# cached file that safetensors' safe_open maps; it has no extension (see `hfcache`).
+_HF_BLOB = re.compile(r"/models--[^/]+/blobs/[^/]+\Z")
+
+
 def mapped_models(paths: Iterable[str]) -> list[tuple[str, bool]]:
-    """(path, deleted) for mapped files with a model extension, deduplicated, sorted."""
+    """(path, deleted) for mapped files with a model extension, and Hugging Face hub cache
+    model blobs (no extension), deduplicated, sorted."""
     out: dict[str, bool] = {}
     for p in paths:
         deleted = p.endswith(_DELETED)
         clean = p[: -len(_DELETED)] if deleted else p
-        if clean.lower().endswith(MODEL_EXTENSIONS):
+        if clean.lower().endswith(MODEL_EXTENSIONS) or _HF_BLOB.search(clean):
             out[clean] = out.get(clean, False) or deleted
     return sorted(out.items())
 
@@ -355,6 +365,11 @@ def scan_process(
         # path-arg is informational only: no stat (a stat of an arbitrary argument could
         # block on a dead network mount, and the ladder gives it no weight anyway).
         exists, size = _stat_model(pid, path, root) if ma.evidence == "cmdline" else (None, None)
+        if ma.evidence == "cmdline" and is_repo_id(ma.raw) and exists is not True:
+            # a Hugging Face repo id: the runtime looks it up in its hub cache (a folder of
+            # that name where the process runs would win, as in transformers and vLLM)
+            models.append(ModelEvidence("cmdline", None, raw=ma.raw, flag=ma.flag, name=ma.raw))
+            continue
         models.append(
             ModelEvidence(
                 ma.evidence, path, raw=ma.raw, flag=ma.flag, exists=exists, size_bytes=size
@@ -376,6 +391,11 @@ def scan_process(
         reasons=tuple(reasons),
         ppid=st.ppid,
         user=_user(pid, root),
+        # the runtimes' compiled modules are looked for only where PyTorch is mapped (every
+        # one of them needs it), so other processes pay nothing for the walk over paths
+        server=detect_server(
+            name, argv, paths if any(r.key == "pytorch" for r in runtimes) else ()
+        ),
     )
 
 

@@ -8,6 +8,10 @@ API
 * ``detect_runtimes(paths) -> tuple[Runtime, ...]``: which of them a set of mapped paths holds.
 * ``classify(name, argv, runtimes, models) -> Classification | None`` and the category
   names (`CATEGORIES`) with the name tables it uses.
+* ``detect_server(name, argv, paths) -> ServerHint | None``: which serving runtime (vLLM,
+  SGLang, text-generation-inference) a process runs, from the program its command line
+  runs, the title a runtime's worker sets, or the runtime's own compiled modules in its
+  memory map; it picks the API table to probe and allows the probe, never evidence or bytes.
 
 Theory of operation
 -------------------
@@ -30,6 +34,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gputaskman.base.procargs import program
 from gputaskman.intel.evidence import ModelEvidence
 
 _DELETED = " (deleted)"
@@ -471,4 +476,58 @@ def classify(
             return Classification(hint, True, f"maps {rt.library}")
     if keys & {"nvidia-gl", "vulkan", "opengl"}:
         return Classification(GRAPHICS, True, "maps GL/Vulkan libraries")
+    return None
+
+
+# --------------------------------------------------------------------------- servers
+
+# The program a command line runs (`procargs.program`) -> the serving runtime's API table.
+SERVER_PROGRAMS = {
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "text-generation-launcher": "tgi",
+    "text-generation-server": "tgi",
+    "text-generation-router": "tgi",
+}
+# The process title a runtime's worker sets (comm, lower case, truncated to 15 characters):
+# vLLM's engine core and workers ("VLLM::EngineCore", "VLLM::Worker_TP0"), SGLang's
+# scheduler ("sglang::scheduler").
+SERVER_TITLES = (("vllm::", "vllm"), ("sglang::", "sglang"))
+# A folder in the path of a mapped compiled module of the runtime's own package.
+SERVER_MODULES = (
+    ("/vllm/", "vllm"),
+    ("/sgl_kernel/", "sglang"),
+    ("/sglang/", "sglang"),
+    ("/text_generation_server/", "tgi"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerHint:
+    """A serving runtime a process runs (`key` is a `serverprobe.RUNTIMES` table) and what
+    says so. It picks which API to ask; it is never model evidence and changes no bytes."""
+
+    key: str
+    basis: str
+
+
+def detect_server(
+    name: str | None, argv: tuple[str, ...] | None, paths: Iterable[str] = ()
+) -> ServerHint | None:
+    """Which serving runtime the process runs: its command line's program (``vllm serve``,
+    ``python -m vllm.entrypoints.openai.api_server``, ``python -m sglang.launch_server``,
+    ``text-generation-launcher``), its worker title, else a mapped module of the runtime."""
+    prog = program(argv or ())[0] if argv else None
+    if prog in SERVER_PROGRAMS:
+        return ServerHint(SERVER_PROGRAMS[prog], f"command line runs {prog}")
+    for seen in (name or "", *(argv or ())[:1]):
+        for prefix, key in SERVER_TITLES:
+            if seen.lower().startswith(prefix):
+                return ServerHint(key, f"process title {seen[:40]}")
+    for p in paths:
+        if ".so" not in p:
+            continue
+        for folder, key in SERVER_MODULES:
+            if folder in p:
+                return ServerHint(key, f"maps {p[p.rfind('/') + 1 :]}")
     return None

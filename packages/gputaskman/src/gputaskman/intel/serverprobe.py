@@ -24,7 +24,10 @@ Endpoints (each runtime's documentation):
 * Ollama: ``/api/ps`` (loaded models with ``size`` and ``size_vram``), ``/api/tags`` (installed).
 * LM Studio: ``/api/v0/models`` (``state`` ``loaded``/``not-loaded``,
   ``loaded_context_length``).
-* vLLM: ``/v1/models`` (``id``, ``root``, ``max_model_len``), ``/metrics`` (``vllm:*`` gauges).
+* vLLM: ``/v1/models`` (``id``, ``root``, ``max_model_len``), ``/metrics`` (``vllm:*`` gauges,
+  the KV pool from ``vllm:cache_config_info`` and its use).
+* SGLang: ``/get_server_info``; text-generation-inference: ``/info``. Their shapes, and the
+  parsers of every runtime's KV pool figures, are `serverapis`'s.
 """
 
 from __future__ import annotations
@@ -43,6 +46,16 @@ from typing import Any
 
 from gputaskman.base.frozen import fields_of
 from gputaskman.intel.evidence import Evidence, Source
+from gputaskman.intel.serverapis import (
+    BadAnswer,
+    ServedModel,
+    parse_prometheus,
+    parse_sglang_server_info,
+    parse_tgi_info,
+    parse_vllm_metrics,
+    text,
+    uint,
+)
 
 __all__ = [
     "MAX_BODY",
@@ -125,20 +138,6 @@ def listening_sockets(pid: int, proc: str = "/proc") -> list[ListenSocket]:
 
 
 @dataclass(frozen=True, slots=True)
-class ServedModel:
-    """A model a server API reports. Byte counts are runtime-reported; unknown is None."""
-
-    name: str | None
-    path: str | None = None
-    loaded: bool | None = None
-    size_bytes: int | None = None  # Ollama "size": the runner's total
-    vram_bytes: int | None = None  # Ollama "size_vram"
-    weights_bytes: int | None = None  # llama-server /v1/models meta.size
-    n_params: int | None = None
-    n_ctx: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class ProbeResult:
     runtime: str | None
     endpoint: str | None  # "host:port" that answered
@@ -175,16 +174,8 @@ class ProbeResult:
         return out
 
 
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
-
-
-def _str(v: Any) -> str | None:
-    return v if isinstance(v, str) and v else None
-
-
-class _Bad(ValueError):
-    """A response that is not the documented shape."""
+_int, _str = uint, text
+_Bad = BadAnswer  # the name the tests and older callers use
 
 
 def _parse_props(doc: Any) -> tuple[list[ServedModel], dict[str, float]]:
@@ -237,13 +228,20 @@ def _parse_openai_models(doc: Any) -> tuple[list[ServedModel], dict[str, float]]
 
 
 def _parse_vllm_models(doc: Any) -> tuple[list[ServedModel], dict[str, float]]:
-    # llama-server answers /v1/models too; vLLM marks its rows owned_by "vllm".
+    # llama-server answers /v1/models too; vLLM marks its rows owned_by "vllm". Its `root` is
+    # the --model value as given: a path, or a Hugging Face repo id (a name) that names the
+    # model better than `id` (the --served-model-name).
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list) or not any(
         isinstance(d, dict) and d.get("owned_by") == "vllm" for d in data
     ):
         raise _Bad("no model owned_by vllm")
-    return _parse_openai_models(doc)
+    rows, gauges = _parse_openai_models(doc)
+    roots = [_str(d.get("root")) for d in data if isinstance(d, dict) and _str(d.get("id"))]
+    return [
+        replace(r, name=root) if root and not os.path.isabs(root) else r
+        for r, root in zip(rows, roots, strict=False)
+    ], gauges
 
 
 def _parse_ollama(doc: Any, loaded: bool) -> tuple[list[ServedModel], dict[str, float]]:
@@ -281,26 +279,6 @@ def _parse_lmstudio(doc: Any) -> tuple[list[ServedModel], dict[str, float]]:
     return out, {}
 
 
-def parse_prometheus(text: str, prefixes: Sequence[str]) -> dict[str, float]:
-    """Gauge samples whose name starts with one of ``prefixes`` (labels kept in the key)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines()[:10_000]:
-        if not line or line.startswith("#"):
-            continue
-        name, _, rest = line.rpartition(" ")
-        if not name or not name.startswith(tuple(prefixes)):
-            continue
-        try:
-            val = float(rest)
-        except ValueError:
-            continue
-        if val == val and val not in (float("inf"), float("-inf")):
-            out[name.strip()] = val
-    if not out:
-        raise _Bad("no matching metrics")
-    return out
-
-
 Parser = Callable[[Any], tuple[list[ServedModel], dict[str, float]]]
 
 
@@ -330,8 +308,10 @@ RUNTIMES: dict[str, tuple[Endpoint, ...]] = {
     "lmstudio": (Endpoint("/api/v0/models", _parse_lmstudio, identifies=True),),
     "vllm": (
         Endpoint("/v1/models", _parse_vllm_models, identifies=True),
-        Endpoint("/metrics", _metrics(["vllm:"]), text=True),
+        Endpoint("/metrics", parse_vllm_metrics, text=True),
     ),
+    "sglang": (Endpoint("/get_server_info", parse_sglang_server_info, identifies=True),),
+    "tgi": (Endpoint("/info", parse_tgi_info, identifies=True),),
 }
 
 
@@ -353,18 +333,27 @@ def _get(host: str, port: int, path: str, timeout: float, api_key: str | None) -
         conn.close()
 
 
+def _fill(m: ServedModel, n: ServedModel) -> ServedModel:
+    have = fields_of(m)
+    return replace(
+        m, **{k: v for k, v in fields_of(n).items() if have[k] is None and v is not None}
+    )
+
+
 def _merge(models: list[ServedModel], new: list[ServedModel]) -> None:
-    """Merge rows naming the same model (by name or path); later fields fill gaps."""
+    """Merge rows naming the same model (by name or path); later fields fill gaps. A row with
+    neither name nor path is about the whole server: it fills the gaps of every model."""
     for n in new:
+        if n.name is None and n.path is None:
+            models[:] = [_fill(m, n) for m in models]
+            continue
         for i, m in enumerate(models):
             if (
                 (m.name and m.name == n.name)
                 or (m.path and m.path == n.path)
                 or (m.path and n.name and os.path.basename(m.path) == os.path.basename(n.name))
             ):
-                have = fields_of(m)
-                fill = {k: v for k, v in fields_of(n).items() if have[k] is None and v is not None}
-                models[i] = replace(m, **fill)
+                models[i] = _fill(m, n)
                 break
         else:
             models.append(n)

@@ -23,9 +23,10 @@ same file matches however it was spelled. The stores:
 * **Hugging Face hub cache** (``$HF_HUB_CACHE``, ``$HF_HOME/hub``,
   ``$XDG_CACHE_HOME/huggingface/hub``, ``~/.cache/huggingface/hub``):
   ``models--<org>--<name>/snapshots/<rev>/<file>`` is a symlink into ``blobs/<sha>``; once
-  resolved, the path holds ``models--<org>--<name>/blobs/``, which names ``org/name``. The
-  path shape suffices, so no index is built (the file name in ``detail`` needs the snapshot
-  path, so a resolved blob reports ``detail=None``).
+  resolved, the path holds ``models--<org>--<name>/blobs/``, which names ``org/name``; a
+  snapshot folder (a model folder a runtime was pointed at) names its repo and revision. The
+  path shape suffices (`hfcache`), so no index is built (the file name in ``detail`` needs
+  the snapshot path, so a resolved blob reports ``detail=None``).
 
 Only Ollama needs an index (digest to names); :class:`StoreIndex` builds it with a bounded walk
 (``MAX_MANIFESTS``) and rebuilds it at most every ``ttl`` seconds.
@@ -40,6 +41,8 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from gputaskman.intel import hfcache
 
 __all__ = [
     "StoreIndex",
@@ -105,20 +108,19 @@ def default_roots(env: Mapping[str, str] | None = None, home: str | None = None)
 
 
 def huggingface_name(canonical: str) -> StoreName | None:
-    """Name a file by its Hugging Face hub cache path shape, wherever the cache lives."""
-    parts = canonical.split(os.sep)
-    for i, part in enumerate(parts):
-        if not part.startswith("models--") or i + 1 >= len(parts):
-            continue
-        repo = part[len("models--") :]
-        if not repo:
-            continue
-        name = "/".join(repo.split("--", 1))
-        if parts[i + 1] == "snapshots" and i + 3 < len(parts):
-            return StoreName(canonical, name, "huggingface", "/".join(parts[i + 3 :]))
-        if parts[i + 1] == "blobs" and i + 2 < len(parts):
-            return StoreName(canonical, name, "huggingface", None)
-    return None
+    """Name a file or snapshot folder by its Hugging Face hub cache path shape, wherever the
+    cache lives (`hfcache.parse_cache_path`): a snapshot file's detail is its path in the
+    snapshot, a snapshot folder's its revision, a blob's None."""
+    cp = hfcache.parse_cache_path(canonical)
+    if cp is None or cp.repo_type != "model" or cp.kind == "repo":
+        return None
+    if cp.kind == "file":
+        detail = cp.file
+    elif cp.kind == "snapshot" and cp.revision:
+        detail = f"revision {cp.revision[:12]}"
+    else:
+        detail = None
+    return StoreName(canonical, cp.repo_id, "huggingface", detail)
 
 
 def _ollama_name(registry: str, namespace: str, model: str, tag: str) -> str:

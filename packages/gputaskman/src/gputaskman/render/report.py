@@ -140,7 +140,16 @@ Top level::
                            "other": PART},
                  "reported_total": R,                 # runtime-reported parts only
                  "estimated_total": R,                # estimated parts only
-                 "notes": [str, ...]}
+                 "notes": [str, ...],
+                 "format": "gguf" | "safetensors" | null,   # the header that was read
+                 "kv_cache_dtype": str | null,        # the runtime's KV cache dtype
+                 "runtime_figures": {"model_vram_bytes": R, "model_size_bytes": R,
+                                     "kv_pool_tokens": R, "kv_used_percent": R,
+                                     "kv_used_bytes": R,
+                                     "gpu_memory_fraction_percent": R} | null}
+                                                      # kind runtime, each only when the
+                                                      # runtime gave it; null when no runtime
+                                                      # answered for the model; never summed
     PART = {"reading": R,                             # runtime beats estimated
             "marker": "*" | null,                     # only one explanation fits
             "alternatives": [R, ...]}                 # the other explanations

@@ -136,6 +136,15 @@ def app_json(app: object | None) -> dict[str, object] | None:
 
 
 BREAKDOWN_PARTS = ("weights", "kv_cache", "compute", "other")
+# A runtime's own figures beside the parts (`breakdown.runtime_figures`), in words.
+FIGURE_NAMES = {
+    "model_vram_bytes": "runtime: model in VRAM",
+    "model_size_bytes": "runtime: model size",
+    "kv_pool_tokens": "runtime: KV pool tokens",
+    "kv_used_percent": "runtime: KV pool used %",
+    "kv_used_bytes": "runtime: KV pool used",
+    "gpu_memory_fraction_percent": "runtime: GPU memory share %",
+}
 
 
 def breakdown_view(view: Breakdown | None) -> LlmView | None:
@@ -200,6 +209,12 @@ def breakdown_json(view: Breakdown | None) -> dict[str, Any] | None:
         "reported_total": reading_json(reported),
         "estimated_total": reading_json(estimated),
         "notes": list(view.notes),
+        "format": view.format,
+        "kv_cache_dtype": view.kv_cache_dtype,
+        # null: no runtime answered for the model (and in files written before the key was)
+        "runtime_figures": None
+        if view.figures is None
+        else {n: reading_json(r) for n, r in view.figures},
     }
 
 
@@ -270,7 +285,7 @@ def model_lines(p: ProcGpu) -> list[str]:
         elif m.api_errors:
             lines.append(f"  API probe: {m.api_errors[0]}")
         if m.header_error:
-            lines.append(f"  GGUF header: {m.header_error}")
+            lines.append(f"  model header: {m.header_error}")
         if m.pending:
             lines.append("  looking at API, header and logs…")
         elif m.status == "informational":
@@ -281,7 +296,8 @@ def model_lines(p: ProcGpu) -> list[str]:
     if vv is None:
         return lines
     lines.append(
-        f"  {vv.architecture or 'n/a'} {vv.file_type or ''}  params {_count(vv.parameter_count)}"
+        f"  {vv.format + ' ' if vv.format else ''}{vv.architecture or 'n/a'} {vv.file_type or ''}"
+        f"  params {_count(vv.parameter_count)}"
         f"  n_ctx {NA if vv.n_ctx is None else vv.n_ctx}"
         + (f" ({vv.n_ctx_source})" if vv.n_ctx_source else "")
         + ("  owner ?" if vv.owner_marker else "")
@@ -296,5 +312,13 @@ def model_lines(p: ProcGpu) -> list[str]:
         lines.append(f"  runtime-reported total {fmt_bytes(vv.reported_total)}")
     if vv.estimated_total is not None:
         lines.append(f"  estimated total {fmt_bytes(vv.estimated_total)} (never added to measured)")
+    if vv.kv_cache_dtype:
+        lines.append(f"  KV cache dtype {vv.kv_cache_dtype}")
+    for name, r in vv.figures or ():
+        as_bytes = name.endswith("_bytes")
+        lines.append(
+            f"  {FIGURE_NAMES.get(name, name)} {fmt_reading(r, as_bytes=as_bytes)}"
+            f"  [{r.kind}, {r.source}]"
+        )
     lines += [f"  note: {n}" for n in vv.notes]
     return lines
