@@ -1,6 +1,7 @@
 """What was parsed out of a file, kept per path while the file's size and mtime stay the same:
 the runtime logs (llm.py) and app logs (apps.py) re-read on every model look only when they
-changed, and only the bounded part a parser asks for (`read_tail`)."""
+changed, and only the bounded part a parser asks for (`read_tail`); model file headers (GGUF,
+safetensors) parsed once per file version."""
 
 from __future__ import annotations
 
@@ -42,3 +43,7 @@ class ParsedFiles(Generic[T]):
                 self._got.clear()
             self._got[path] = (key, res)
         return res
+
+    def clear(self) -> None:
+        with self._lock:
+            self._got.clear()

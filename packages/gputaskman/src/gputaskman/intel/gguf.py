@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
+
+from gputaskman.base.filecache import ParsedFiles
 
 __all__ = [
     "GGML_TYPES",
@@ -437,32 +438,23 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
         return parse_header(f, p, size)
 
 
-_cache: dict[tuple[str, int, int], GGUFHeader | GGUFError] = {}
-_cache_lock = threading.Lock()
-_CACHE_MAX = 256
+_headers: ParsedFiles[GGUFHeader | GGUFError] = ParsedFiles(256)  # failures kept too
+
+
+def _parse_or_error(f: BinaryIO, size: int) -> GGUFHeader | GGUFError:
+    try:
+        return parse_header(f, f.name, size)
+    except GGUFError as e:
+        return e
 
 
 def read_header_cached(path: str | os.PathLike[str]) -> GGUFHeader:
     """:func:`read_header`, cached by (real path, size, mtime); failures are cached too."""
-    real = os.path.realpath(os.fspath(path))
-    st = os.stat(real)
-    key = (real, st.st_size, st.st_mtime_ns)
-    with _cache_lock:
-        hit = _cache.get(key)
-    if hit is None:
-        try:
-            hit = read_header(real)
-        except GGUFError as e:
-            hit = e
-        with _cache_lock:
-            if len(_cache) >= _CACHE_MAX:
-                _cache.pop(next(iter(_cache)))
-            _cache[key] = hit
+    hit = _headers.get(os.path.realpath(os.fspath(path)), _parse_or_error)
     if isinstance(hit, GGUFError):
         raise type(hit)(str(hit))
     return hit
 
 
 def clear_cache() -> None:
-    with _cache_lock:
-        _cache.clear()
+    _headers.clear()

@@ -35,10 +35,11 @@ from __future__ import annotations
 import json
 import os
 import struct
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
+
+from gputaskman.base.filecache import ParsedFiles
 
 __all__ = [
     "DTYPE_BITS",
@@ -215,43 +216,36 @@ def parse_header(data: bytes, path: str = "", file_size: int | None = None) -> S
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """Read and parse the header of the safetensors file at ``path`` (8 + N bytes, no map).
     Raises `SafetensorsError` (bad content) or ``OSError`` (cannot open or read)."""
-    p = os.fspath(path)
-    with open(p, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) == 8:
-            (n,) = struct.unpack("<Q", head)
-            if n <= MAX_HEADER_BYTES and 8 + n <= size:
-                head += f.read(n)
-        return parse_header(head, p, size)
+    with open(os.fspath(path), "rb") as f:
+        return _read(f, os.fstat(f.fileno()).st_size)
 
 
-_cache: dict[tuple[str, int, int], SafetensorsHeader | SafetensorsError] = {}
-_cache_lock = threading.Lock()
-_CACHE_MAX = 512
+def _read(f: BinaryIO, size: int) -> SafetensorsHeader:
+    head = f.read(8)
+    if len(head) == 8:
+        (n,) = struct.unpack("<Q", head)
+        if n <= MAX_HEADER_BYTES and 8 + n <= size:
+            head += f.read(n)
+    return parse_header(head, f.name, size)
+
+
+_headers: ParsedFiles[SafetensorsHeader | SafetensorsError] = ParsedFiles(512)  # failures kept too
+
+
+def _parse_or_error(f: BinaryIO, size: int) -> SafetensorsHeader | SafetensorsError:
+    try:
+        return _read(f, size)
+    except SafetensorsError as e:
+        return e
 
 
 def read_header_cached(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """:func:`read_header`, cached by (real path, size, mtime); failures are cached too."""
-    real = os.path.realpath(os.fspath(path))
-    st = os.stat(real)
-    key = (real, st.st_size, st.st_mtime_ns)
-    with _cache_lock:
-        hit = _cache.get(key)
-    if hit is None:
-        try:
-            hit = read_header(real)
-        except SafetensorsError as e:
-            hit = e
-        with _cache_lock:
-            if len(_cache) >= _CACHE_MAX:
-                _cache.pop(next(iter(_cache)))
-            _cache[key] = hit
+    hit = _headers.get(os.path.realpath(os.fspath(path)), _parse_or_error)
     if isinstance(hit, SafetensorsError):
         raise SafetensorsError(str(hit))
     return hit
 
 
 def clear_cache() -> None:
-    with _cache_lock:
-        _cache.clear()
+    _headers.clear()
