@@ -29,6 +29,15 @@ class Relay:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.wait_closed()
 
+    def admit(self) -> bool:
+        """Whether a new client connection is relayed (False: it is closed at once)."""
+        return True
+
+    async def up(self, c_r: asyncio.StreamReader, s_w: asyncio.StreamWriter) -> None:
+        """What of the client's bytes the memserver gets (here: all of them)."""
+        while data := await c_r.read(1 << 16):
+            s_w.write(data)
+
     async def down(self, s_r: asyncio.StreamReader, c_w: asyncio.StreamWriter) -> None:
         """What of the memserver's bytes the client gets (here: all of them)."""
         while data := await s_r.read(1 << 16):
@@ -36,13 +45,14 @@ class Relay:
 
     async def _relay(self, c_r: asyncio.StreamReader, c_w: asyncio.StreamWriter) -> None:
         self.connections += 1
+        if not self.admit():
+            c_w.close()
+            return
         s_r, s_w = await asyncio.open_connection(*self.target)
-
-        async def up() -> None:  # client -> memserver, as is
-            while data := await c_r.read(1 << 16):
-                s_w.write(data)
-
-        tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(self.down(s_r, c_w))]
+        tasks = [
+            asyncio.ensure_future(self.up(c_r, s_w)),
+            asyncio.ensure_future(self.down(s_r, c_w)),
+        ]
         self._tasks.update(tasks)
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

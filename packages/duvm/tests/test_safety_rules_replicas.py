@@ -74,35 +74,20 @@ class Cut(Relay):
 
     mode = "pass"
 
-    async def _relay(self, c_r: asyncio.StreamReader, c_w: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        if self.mode != "pass":
-            c_w.close()
-            return
-        s_r, s_w = await asyncio.open_connection(*self.target)
+    def admit(self) -> bool:
+        return self.mode == "pass"
 
-        async def up() -> None:
-            while data := await c_r.read(1 << 16):
-                if self.mode == "drop":
-                    return
-                s_w.write(data)
+    async def up(self, c_r: asyncio.StreamReader, s_w: asyncio.StreamWriter) -> None:
+        while data := await c_r.read(1 << 16):
+            if self.mode == "drop":
+                return
+            s_w.write(data)
 
-        async def down() -> None:
-            while data := await s_r.read(1 << 16):
-                if self.mode == "land":
-                    return
-                c_w.write(data)
-
-        tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
-        self._tasks.update(tasks)
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in tasks:
-                t.cancel()
-            self._tasks.difference_update(tasks)
-            for w in (c_w, s_w):
-                w.close()
+    async def down(self, s_r: asyncio.StreamReader, c_w: asyncio.StreamWriter) -> None:
+        while data := await s_r.read(1 << 16):
+            if self.mode == "land":
+                return
+            c_w.write(data)
 
 
 @pytest.fixture
