@@ -16,12 +16,15 @@ directories `duvm.node.attach.systools` uses (never $PATH, so a doctor verdict c
 enable's), the kernel nbd device or the nbdfuse + FUSE + loop fallback for the configured
 method, the swap tools, a memory cgroup, the network reserve, the protections the daemon takes
 against memory pressure (tried in a throwaway child) and the RT throttling that bounds its
-realtime class. The cluster's are in :mod:`duvm.node.doctor.doctor_cluster`: the cluster secret file
-(root-owned, no group/other access, lines that are secrets), how the daemon will authenticate
-to its peers (decided by the daemon's own rule, `client_flags.client_security_from_args`, over the
-security flags in the config's ``daemon_args``), and each peer: a TCP connect with a timeout,
-then a page-protocol STATUS under that same authentication, so a port that answers but is not
-a memserver, or a memserver that refuses our secret, is caught. This module reads the command
+realtime class. For GPU work, :mod:`duvm.node.doctor.doctor_gpu` reports how much RAM processes
+keep locked or pinned (the pool never holds it) and whether the NVIDIA driver has HMM active
+(read through NVML where the driver is installed, skipped where it is not). The cluster's are
+in :mod:`duvm.node.doctor.doctor_cluster`: the cluster secret file (root-owned, no group/other
+access, lines that are secrets), how the daemon will authenticate to its peers (decided by the
+daemon's own rule, `client_flags.client_security_from_args`, over the security flags in the
+config's ``daemon_args``), and each peer: a TCP connect with a timeout, then a page-protocol
+STATUS under that same authentication, so a port that answers but is not a memserver, or a
+memserver that refuses our secret, is caught. This module reads the command
 line and the config into `Options` (:mod:`duvm.node.doctor.doctor_check`), runs the checks in a
 fixed order and reports them.
 
@@ -41,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from duvm.node.attach import attach_state
-from duvm.node.doctor import doctor_cluster, doctor_host, doctor_rdma
+from duvm.node.doctor import doctor_cluster, doctor_gpu, doctor_host, doctor_rdma
 from duvm.node.doctor.doctor_check import (
     FAIL,
     OK,
@@ -83,6 +86,8 @@ def run_checks(opts: Options, probe: doctor_host.Probe | None = None) -> list[Ch
         doctor_host.check_min_free(probe),
         doctor_host.check_swap_path(opts.daemon_args),
         doctor_host.check_rt_throttle(probe),
+        doctor_gpu.check_pinned(probe.proc, probe.meminfo),
+        doctor_gpu.check_gpu_hmm(),
         doctor_cluster.check_secret(doctor_cluster.secret_path(opts)),
         peer_auth[1],
         doctor_cluster.check_peers(opts.peers, opts.peer_timeout, peer_auth[0]),

@@ -30,6 +30,7 @@ class Probe:
     cgroup_root: Path = cgroup.CGROUP_ROOT
     min_free: Path = kernel_swap.MIN_FREE_SYSCTL
     meminfo: Path = Path("/proc/meminfo")
+    proc: Path = Path("/proc")
     rt_runtime: Path = pressure.RT_RUNTIME
     rt_period: Path = pressure.RT_PERIOD
 
