@@ -14,6 +14,17 @@ gputaskman importable (``PYTHONPATH=packages/gputaskman/src`` from the repositor
 Writes into DIR: ``report.json`` (every check), ``gputaskman.json`` and ``gputaskman-once.txt``,
 ``nvidia-smi.txt``, ``query-gpu.csv``, ``compute-apps.csv``, ``workload.log``. Exit status 0
 when no check failed, 1 when one did, 2 when there is no NVIDIA GPU to check.
+
+Health and MIG (every run; ``--health-only`` skips the workload and needs no PyTorch): each
+GPU's health readings and MIG state in ``gputaskman --json`` are compared with what
+``nvidia-smi -q -x`` says of the same GPU (`compare_health`, saved as ``nvidia-smi-q.xml``):
+ECC volatile and aggregate counts, retired pages, remapped rows, the fan, the slowdown clock
+event reasons, the MIG mode, each MIG instance's ids and memory and the instance of each
+process; PCIe rates (nvidia-smi samples 20 ms, gputaskman a refresh) and NVLink (not in
+``-q``) are listed with both values, not judged. XID: one gputaskman process samples twice
+and its count must then be measured. ``--cost`` times each NVML call a refresh makes for
+health and MIG on GPU 0 (median of 200, ``costs.json``). Nothing is set or cleared: only Get
+calls, and an XID event set of this process's own; a GPU's MIG mode is read, never changed.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import nvml_health_check as hc  # the health and MIG comparison (beside this file)
 
 MIB = 1 << 20
 
@@ -231,6 +244,17 @@ def compare(
     checks.add("model file found for the workload", got == model, got, model, f"sources {sources}")
 
 
+def health_checks(out: Path, doc: dict[str, Any], checks: Checks) -> None:
+    """`compare_health` against a ``nvidia-smi -q -x`` read now, and the XID two-sample check."""
+    xml_text = smi("-q", "-x")
+    (out / "nvidia-smi-q.xml").write_text(xml_text)
+    try:
+        hc.compare_health(doc, xml_text, checks)
+    except Exception as err:  # a format this script does not know: say so, do not crash
+        checks.add("nvidia-smi -q -x parses", False, None, None, repr(err))
+    hc.xid_two_samples(checks)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the report and raw outputs")
@@ -241,11 +265,26 @@ def main() -> int:
     ap.add_argument(
         "--seconds", type=float, default=40.0, help="how long the workload runs (default 40)"
     )
+    ap.add_argument(
+        "--health-only", action="store_true", help="health and MIG checks only (no PyTorch)"
+    )
+    ap.add_argument("--cost", action="store_true", help="time each health and MIG NVML call")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if shutil.which("nvidia-smi") is None:
         print("no nvidia-smi on the PATH: nothing to check", file=sys.stderr)
         return 2
+    if args.cost:
+        hc.nvml_costs(args.out)
+    if args.health_only:
+        checks = Checks()
+        text, _ = run_gputaskman("--json")
+        (args.out / "gputaskman.json").write_text(text)
+        try:
+            health_checks(args.out, json.loads(text), checks)
+        finally:
+            (args.out / "report.json").write_text(json.dumps(checks.rows, indent=1))
+        return 1 if checks.failed else 0
     (args.out / "nvidia-smi.txt").write_text(smi() + "\n" + smi("-q"))
     model = "/tmp/nvml-check-model.safetensors"
     log = (args.out / "workload.log").open("w")
@@ -299,6 +338,7 @@ def main() -> int:
             "one process start and sample",
         )
         compare(doc, before, after, csv_rows(apps_text), child.pid, ready, model, checks)
+        health_checks(args.out, doc, checks)  # while the workload still runs
     finally:
         child.terminate()
         child.wait(timeout=30)

@@ -54,9 +54,35 @@ def device(bus: str, name: str = "NVIDIA Mock GPU", **over: Any) -> dict[str, An
         "compute": [proc(100, 8 * GIB)],
         "graphics": [],
         "putil": [],
+        # MIG and health (tests/test_nvml_mig.py, test_nvml_health.py): by default a GPU
+        # without MIG, field values, clock event reasons or a fan; XID events register
+        "mig_mode": err(pynvml.NVML_ERROR_NOT_SUPPORTED),
+        "mig": [],  # MIG devices by index: a dict each (see `mig_device`), None for a gap
+        "fields": {},  # field id -> value (or an NVML error code as `err(...)`)
+        "field_time_us": 1_796_000_000_000_000,
+        "clock_reasons": err(pynvml.NVML_ERROR_NOT_SUPPORTED),
+        "throttle_reasons": err(pynvml.NVML_ERROR_NOT_SUPPORTED),
+        "fan": err(pynvml.NVML_ERROR_NOT_SUPPORTED),
+        "events": None,
     }
     d.update(over)
     return d
+
+
+def mig_device(gi: int, ci: int, total: int, used: int, compute: Any = ()) -> dict[str, Any]:
+    """One MIG device of a mocked GPU: its ids, memory slice and process list."""
+    return {
+        "gi": gi,
+        "ci": ci,
+        "uuid": f"MIG-mock-{gi}-{ci}",
+        "memory": SimpleNamespace(total=total, used=used, free=total - used),
+        "compute": list(compute) if not isinstance(compute, Exception) else compute,
+        "putil": err(pynvml.NVML_ERROR_NOT_SUPPORTED),
+    }
+
+
+class MigHandle(tuple):
+    """A mocked MIG device handle: (parent index, MIG index)."""
 
 
 class MockedNvml:
@@ -67,6 +93,7 @@ class MockedNvml:
     NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
     NVML_CLOCK_MEM = pynvml.NVML_CLOCK_MEM
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
+    NVMLError = pynvml.NVMLError  # pynvml's class: built from a field value's return code
 
     def __init__(self, devices: list[dict[str, Any]], init_error: Exception | None = None):
         self.devices = devices
@@ -74,6 +101,11 @@ class MockedNvml:
         self.init_calls = 0
         self.shutdown_calls = 0
         self.calls: list[str] = []
+        self.pending_events: list[Any] = []  # what nvmlEventSetWait hands out, in order
+        self.wait_timeouts: list[int] = []
+        self.event_set_error: Exception | None = None
+        self.freed: list[Any] = []
+        self.field_requests: list[list[Any]] = []
 
     @staticmethod
     def _answer(value: Any) -> Any:
@@ -81,8 +113,10 @@ class MockedNvml:
             raise value
         return value
 
-    def _dev(self, h: int, key: str) -> Any:
+    def _dev(self, h: Any, key: str) -> Any:
         self.calls.append(key)
+        if isinstance(h, MigHandle):
+            return self._answer(self.devices[h[0]]["mig"][h[1]][key])
         return self._answer(self.devices[h][key])
 
     def nvmlInit(self) -> None:
@@ -147,6 +181,75 @@ class MockedNvml:
 
     def nvmlDeviceGetProcessUtilization(self, h: int, since: int) -> Any:
         return self._dev(h, "putil")
+
+    # -- MIG
+
+    def nvmlDeviceGetMigMode(self, h: int) -> Any:
+        return self._dev(h, "mig_mode")
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: int) -> int:
+        self.calls.append("mig_max")
+        return len(self.devices[h]["mig"])
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: int, i: int) -> MigHandle:
+        self.calls.append("mig_handle")
+        if self.devices[h]["mig"][i] is None:
+            raise err(pynvml.NVML_ERROR_NOT_FOUND)
+        return MigHandle((h, i))
+
+    def nvmlDeviceGetGpuInstanceId(self, mh: MigHandle) -> int:
+        return self._dev(mh, "gi")
+
+    def nvmlDeviceGetComputeInstanceId(self, mh: MigHandle) -> int:
+        return self._dev(mh, "ci")
+
+    # -- health
+
+    def nvmlEventSetCreate(self) -> Any:
+        if self.event_set_error is not None:
+            raise self.event_set_error
+        return "event-set"
+
+    def nvmlDeviceRegisterEvents(self, h: int, types: int, es: Any) -> None:
+        assert types == pynvml.nvmlEventTypeXidCriticalError and es == "event-set"
+        self._dev(h, "events")
+
+    def nvmlEventSetWait(self, es: Any, timeout_ms: int) -> Any:
+        self.wait_timeouts.append(timeout_ms)
+        if not self.pending_events:
+            raise err(pynvml.NVML_ERROR_TIMEOUT)
+        return self._answer(self.pending_events.pop(0))
+
+    def nvmlEventSetFree(self, es: Any) -> None:
+        self.freed.append(es)
+
+    def nvmlDeviceGetFieldValues(self, h: int, ids: list[Any]) -> Any:
+        """Answers as pynvml does: an array of the real c_nvmlFieldValue_t, each with its
+        own return code and a value in the union member its valueType names."""
+        got = self._dev(h, "fields")
+        self.field_requests.append(list(ids))
+        values = (pynvml.c_nvmlFieldValue_t * len(ids))()
+        for fv, want in zip(values, ids, strict=True):
+            fid, scope = want if isinstance(want, tuple) else (want, 0)
+            fv.fieldId, fv.scopeId = fid, scope
+            fv.timestamp = self.devices[h]["field_time_us"]
+            v = got.get(fid, err(pynvml.NVML_ERROR_NOT_SUPPORTED))
+            if isinstance(v, pynvml.NVMLError):
+                fv.nvmlReturn = v.value
+            else:
+                fv.nvmlReturn = pynvml.NVML_SUCCESS
+                fv.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                fv.value.ullVal = v
+        return values
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h: int) -> Any:
+        return self._dev(h, "clock_reasons")
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: int) -> Any:
+        return self._dev(h, "throttle_reasons")
+
+    def nvmlDeviceGetFanSpeed(self, h: int) -> Any:
+        return self._dev(h, "fan")
 
 
 def sample(lib: MockedNvml):

@@ -29,6 +29,11 @@ turns an error into a number.
 Engine use per process comes from `nvmlDeviceGetProcessUtilization`, which returns samples
 newer than the last timestamp we pass; engine readings are independent of memory.
 
+Each GPU's health readings (`nvml_health`: XID events without blocking, ECC, retired pages,
+remapped rows, clock event reasons, fan, PCIe and NVLink rates) and MIG state (`nvml_mig`) go
+into `GpuSample.health` and `GpuSample.mig`; on a GPU in MIG mode the processes are listed per
+MIG instance and the parent's own lists are not asked, so no process counts twice.
+
 Not validated on hardware in this repository: the machine that built it has no GPU; the
 paths are exercised by tests/test_nvml_mocked.py through recorded/mocked NVML responses.
 """
@@ -44,46 +49,35 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
+from gputaskman.backends.nvml_calls import (
+    NOT_AVAILABLE_UINT,
+    NOT_AVAILABLE_ULL,
+    call,
+    normalise_bus_id,
+    reason_for,
+    used_memory,
+)
+from gputaskman.backends.nvml_calls import Lost as _Lost
+from gputaskman.backends.nvml_calls import detail_of as _detail
+from gputaskman.backends.nvml_calls import number as _number
+from gputaskman.backends.nvml_calls import text_of as _text
+from gputaskman.backends.nvml_health import NvmlHealth
+from gputaskman.backends.nvml_mig import NvmlMig
+from gputaskman.base.gpuhealth import HEALTH_FIELDS
 from gputaskman.base.gpusource import GpuProcess, GpuSample, GpuSource
-from gputaskman.base.readings import Adapter, DeviceMetrics, Problem, Reading, Reason
+from gputaskman.base.readings import Adapter, DeviceMetrics, MigState, Problem, Reading, Reason
+
+__all__ = [  # the shared names tests and the TCC backend take from here
+    "NOT_AVAILABLE_UINT",
+    "NOT_AVAILABLE_ULL",
+    "NvmlBackend",
+    "normalise_bus_id",
+    "reason_for",
+]
 
 BACKEND = "nvml"
 VENDOR = "nvidia"
-NOT_AVAILABLE_ULL = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE as unsigned long long
-NOT_AVAILABLE_UINT = 2**32 - 1
-
-# NVML error class name (pynvml generates NVMLError_<CamelCase>) -> reason.
-_REASONS: dict[str, Reason] = {
-    "NVMLError_LibraryNotFound": Reason.NO_LIBRARY,
-    "NVMLError_DriverNotLoaded": Reason.NO_DRIVER,
-    "NVMLError_NoPermission": Reason.DENIED,
-    "NVMLError_NotSupported": Reason.NOT_SUPPORTED,
-    "NVMLError_FunctionNotFound": Reason.NOT_SUPPORTED,
-    "NVMLError_GpuIsLost": Reason.GPU_LOST,
-    "NVMLError_GpuNotFound": Reason.GPU_LOST,
-    "NVMLError_NoData": Reason.UNAVAILABLE,
-    "NVMLError_NotFound": Reason.UNAVAILABLE,
-    "NVMLError_NotReady": Reason.UNAVAILABLE,
-}
-
 T = TypeVar("T")
-
-
-def reason_for(exc: BaseException) -> Reason:
-    """The one place an NVML (or binding) error becomes a Reason."""
-    for cls in type(exc).__mro__:
-        if cls.__name__ in _REASONS:
-            return _REASONS[cls.__name__]
-    return Reason.QUERY_FAILED
-
-
-def _detail(exc: BaseException) -> str:
-    try:
-        text = str(exc)
-    except Exception:  # pynvml's __str__ can itself call into NVML
-        text = ""
-    return text or type(exc).__name__
-
 
 LIBRARY = "libnvidia-ml.so.1"  # the name pynvml loads on Linux
 
@@ -104,32 +98,16 @@ def _library_missing() -> str | None:
     return None
 
 
-def _text(v: Any) -> str | None:
-    if v is None:
-        return None
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "replace").strip("\x00").strip()
-    return str(v).strip()
-
-
-def normalise_bus_id(bus: str) -> str:
-    """``00000000:01:00.0`` in lower case: the pairing key across probes."""
-    return bus.strip().lower()
-
-
-class _Lost(Exception):
-    """Raised inside one adapter's sampling once NVML said the GPU is lost."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
-
-
 class NvmlBackend(GpuSource):
     """Lazily initialised NVML. `lib` is the pynvml module (tests pass a mocked one)."""
 
-    def __init__(self, lib: ModuleType | Any | None = None) -> None:
+    def __init__(
+        self, lib: ModuleType | Any | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
         self._lib = lib
+        self._clock = clock  # wall clock: how long XID events have been watched
+        self._health: NvmlHealth | None = None  # made once the library is loaded
+        self._mig: NvmlMig | None = None
         self._ready = False
         self._init_problem: Problem | None = None
         self._lock = threading.Lock()
@@ -155,11 +133,15 @@ class NvmlBackend(GpuSource):
             self._init_problem = Problem("backend.init", reason_for(exc), _detail(exc))
             return self._init_problem
         self._ready = True
+        self._health = NvmlHealth(self._lib, self._clock)
+        self._mig = NvmlMig(self._lib)
         return None
 
     def close(self) -> None:
         with self._lock:
             if self._ready:
+                if self._health is not None:
+                    self._health.close()  # the XID event set, before the library goes
                 # shutting down a broken driver must not raise
                 with contextlib.suppress(Exception):
                     self._lib.nvmlShutdown()
@@ -191,6 +173,10 @@ class NvmlBackend(GpuSource):
         adapters: list[Adapter] = []
         metrics: dict[str, DeviceMetrics] = {}
         procs: list[GpuProcess] = []
+        health: dict[str, dict[str, Reading]] = {}
+        mig: dict[str, MigState] = {}
+        assert self._health is not None and self._mig is not None
+        self._health.begin()
         for index in range(count):
             try:
                 handle = lib.nvmlDeviceGetHandleByIndex(index)
@@ -213,12 +199,19 @@ class NvmlBackend(GpuSource):
             self._seen[bus] = adapter
             try:
                 metrics[bus] = self._metrics(handle)
-                procs.extend(self._processes(handle, bus, problems))
+                mig[bus], on_instances = self._mig.read(handle, bus, problems, self._engines)
+                if on_instances is None:
+                    procs.extend(self._processes(handle, bus, problems))
+                else:  # MIG: every process is listed on its instance, none on the parent
+                    procs.extend(on_instances)
+                self._health.watch(handle, bus)
+                health[bus] = self._health.counters(handle, bus)
             except _Lost as lost:
                 # readings taken before the loss stay; the rest are lost
                 metrics.setdefault(
                     bus, DeviceMetrics.all_missing(Reason.GPU_LOST, "nvml", lost.detail)
                 )
+                _lost_state(bus, lost.detail, health, mig)
                 for kind in ("compute", "graphics"):
                     problems.append(Problem(f"processes.{kind}", Reason.GPU_LOST, lost.detail, bus))
 
@@ -230,11 +223,24 @@ class NvmlBackend(GpuSource):
             detail = "adapter no longer enumerated by NVML"
             adapters.append(Adapter(old.index, old.vendor, old.name, old.uuid, bus, old.backend))
             metrics[bus] = DeviceMetrics.all_missing(Reason.GPU_LOST, "nvml", detail)
+            _lost_state(bus, detail, health, mig)
             problems.append(Problem("adapter", Reason.GPU_LOST, detail, bus))
             for kind in ("compute", "graphics"):
                 problems.append(Problem(f"processes.{kind}", Reason.GPU_LOST, detail, bus))
+        problems.extend(self._health.drain())  # XID events pending now, without waiting
+        for bus in health:
+            if not _all_lost(health[bus]):
+                health[bus] = {**self._health.xid(bus), **health[bus]}
         return GpuSample(
-            BACKEND, tuple(adapters), metrics, tuple(procs), tuple(problems), None, driver
+            BACKEND,
+            tuple(adapters),
+            metrics,
+            tuple(procs),
+            tuple(problems),
+            None,
+            driver,
+            health=health,
+            mig=mig,
         )
 
     @staticmethod
@@ -244,16 +250,10 @@ class NvmlBackend(GpuSource):
         except Exception:  # a name or UUID we cannot read is shown as n/a
             return None
 
-    def _call(self, fn: Callable[[], T], source: str) -> tuple[T | None, Reading | None]:
-        """Run one NVML call: (value, None) or (None, missing reading with the reason).
-        A lost GPU aborts the adapter (raises _Lost)."""
-        try:
-            return fn(), None
-        except Exception as exc:
-            reason = reason_for(exc)
-            if reason is Reason.GPU_LOST:
-                raise _Lost(_detail(exc)) from exc
-            return None, Reading.missing(reason, f"nvml:{source}", _detail(exc))
+    @staticmethod
+    def _call(fn: Callable[[], T], source: str) -> tuple[T | None, Reading | None]:
+        """`nvml_calls.call`: a value, or a missing reading; a lost GPU raises `_Lost`."""
+        return call(fn, source)
 
     def _metrics(self, h: Any) -> DeviceMetrics:
         lib = self._lib
@@ -345,16 +345,7 @@ class NvmlBackend(GpuSource):
                 continue
             for info in listed or ():
                 pid = int(info.pid)
-                used = info.usedGpuMemory  # pynvml makes NVML's "not available" None
-                if used is None or used in (NOT_AVAILABLE_ULL, NOT_AVAILABLE_UINT):
-                    r = Reading.missing(
-                        Reason.HIDDEN,
-                        f"nvml:{api}",
-                        "NVML lists the process but withholds usedGpuMemory "
-                        "(container PID namespace or permissions)",
-                    )
-                else:
-                    r = Reading.measured(int(used), f"nvml:{api}")
+                r = used_memory(info, api)  # hidden by the driver is never 0
                 contexts, prev = rows.get(pid, ([], None))
                 contexts.append(kind)
                 # A process in both lists reports the same per-process figure; keep the
@@ -399,13 +390,18 @@ class NvmlBackend(GpuSource):
         return out
 
 
+def _lost_state(
+    bus: str, detail: str, health: dict[str, dict[str, Reading]], mig: dict[str, MigState]
+) -> None:
+    """A lost GPU's health readings and MIG state: every one lost (those taken stay)."""
+    lost = Reading.missing(Reason.GPU_LOST, "nvml", detail)
+    health[bus] = dict.fromkeys(HEALTH_FIELDS, lost)
+    mig.setdefault(bus, MigState(lost))
+
+
+def _all_lost(h: dict[str, Reading]) -> bool:
+    return all(r.reason is Reason.GPU_LOST for r in h.values())
+
+
 def _engine_missing(r: Reading) -> dict[str, Reading]:
     return {k: r for k in ("gpu_percent", "memory_percent", "encoder_percent", "decoder_percent")}
-
-
-def _number(v: Any, api: str, scale: float = 1.0) -> Reading:
-    """A measured NVML number; the NOT_AVAILABLE sentinels become a missing reading."""
-    if v is None or v in (NOT_AVAILABLE_ULL, NOT_AVAILABLE_UINT):
-        return Reading.missing(Reason.UNAVAILABLE, f"nvml:{api}", "NVML_VALUE_NOT_AVAILABLE")
-    value: int | float = int(v) if scale == 1.0 else round(float(v) * scale, 3)
-    return Reading.measured(value, f"nvml:{api}")

@@ -37,7 +37,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from gputaskman.base.readings import Adapter, DeviceMetrics, Problem, Reading, Reason
+from gputaskman.base.readings import (
+    Adapter,
+    DeviceMetrics,
+    MigState,
+    Problem,
+    Reading,
+    Reason,
+)
 
 ProbeStatus = Literal["ok", "empty", "failed"]
 
@@ -136,6 +143,8 @@ class GpuProcess:
     host: str | None = None
     parent_pid: int | None = None
     unique: bool = False
+    # the MIG instance NVML lists it on: (gpu_instance_id, compute_instance_id); None: none
+    mig: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +153,8 @@ class GpuSample:
     ``drm``, ``ascend``, ``tcc``); `metrics` is keyed by `Adapter.pci_bus_id`;
     `extra_metrics` holds device readings beyond `DeviceMetrics`, by the same key (amdgpu's
     GTT: ``gtt_used_bytes``, ``gtt_total_bytes``); `parts` the sub-probes (see the module
-    docstring)."""
+    docstring); `health` and `mig` the GPU's health readings and MIG state (NVML only), by
+    the same key."""
 
     backend: str
     adapters: tuple[Adapter, ...] = ()
@@ -156,6 +166,8 @@ class GpuSample:
     notes: tuple[str, ...] = ()
     extra_metrics: Mapping[str, Mapping[str, Reading]] = field(default_factory=dict)
     parts: tuple[ProbeResult, ...] = ()
+    health: Mapping[str, Mapping[str, Reading]] = field(default_factory=dict)  # as Snapshot's
+    mig: Mapping[str, MigState] = field(default_factory=dict)  # as Snapshot's
 
     @property
     def probe(self) -> ProbeResult:
