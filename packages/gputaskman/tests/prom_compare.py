@@ -40,6 +40,25 @@ PROCESS_READINGS = (
     "footprint_bytes",
     "ram_bytes",
     "cpu_percent",
+    "swapped_bytes",
+    "locked_bytes",
+    "pinned_bytes",
+)
+# an owner's fields serve exports (gputaskman_process_owner_info's labels)
+OWNER_EXPORTED = (
+    "cgroup",
+    "user",
+    "pod_uid",
+    "pod_namespace",
+    "pod_name",
+    "qos",
+    "container_id",
+    "container_runtime",
+    "slurm_job",
+    "slurm_step",
+    "unit",
+    "user_unit",
+    "session",
 )
 # a process row's fields serve does not export, and what the Prometheus side has for each
 PROCESS_NOT_EXPORTED: dict[str, Any] = {
@@ -85,6 +104,33 @@ def problem(p: Mapping[str, Any] | None) -> object:
     if p is None:
         return None
     return (p["where"], p["reason"], p["adapter"] or "")
+
+
+def _state(v: Mapping[str, Any] | None) -> object:
+    """A health verdict; of the checks not made, which (why is not exported)."""
+    if v is None:
+        return None
+    return (v["state"], v["reasons"], sorted(u.split(":")[0] for u in v["unchecked"]))
+
+
+def _mig(m: Mapping[str, Any] | None) -> object:
+    """A GPU's MIG state: its mode and each instance whole (the sums derived again)."""
+    if m is None or (reading(m["mode"]) == NA and not m["instances"]):
+        return None  # a GPU without MIG exports no mode series
+    return (
+        reading(m["mode"]),
+        [
+            {**i, **{k: reading(i[k]) for k in ("memory_total_bytes", "memory_used_bytes")}}
+            for i in m["instances"]
+        ],
+    )
+
+
+def _owner(o: Mapping[str, Any] | None) -> object:
+    """An owner as Prometheus has it: only one whose cgroup was read has an info series."""
+    if o is None or o["cgroup"] is None:
+        return None
+    return tuple(o[k] for k in OWNER_EXPORTED)
 
 
 def _model(m: Mapping[str, Any] | None) -> object:
@@ -137,6 +183,9 @@ def exported(doc: Mapping[str, Any]) -> dict[str, object]:
             "process_list": {
                 k: v if v == "ok" else problem(v) for k, v in a["process_list"].items()
             },
+            "health": _readings(a.get("health")),
+            "health_state": _state(a.get("health_state")),
+            "mig": _mig(a.get("mig")),
         }
     for p in doc["processes"]:
         where = f"process {p['host'] or ''}:{p['pid']} on {p['gpu']}"
@@ -145,7 +194,11 @@ def exported(doc: Mapping[str, Any]) -> dict[str, object]:
             **{k: reading(p[k]) for k in PROCESS_READINGS},
             "engines": _readings(p["engines"]),
             "model": _model(p["model"]),
+            "mig": p.get("mig"),
+            "swapped_to": p.get("swapped_to"),
+            "owner": _owner(p.get("owner")),
         }
+    out["owner_totals"] = doc.get("owner_totals")
     out["system"] = _system(doc["system"])
     return out
 

@@ -363,8 +363,15 @@ def _as_the_writer_has_it(doc: dict[str, Any]) -> dict[str, Any]:
 
 # What the writer derives and the reader therefore does not read back: taken from the
 # writer's own output for the same document, so the rest can be compared whole.
-DERIVED = ("tool", "taken_iso", "available", "attributed_bytes", "attributed_complete")
-DERIVED_ADAPTER = ("attributed_bytes", "attributed_complete", "process_list")
+DERIVED = (
+    "tool",
+    "taken_iso",
+    "available",
+    "attributed_bytes",
+    "attributed_complete",
+    "owner_totals",  # measured VRAM by owner, from the rows
+)
+DERIVED_ADAPTER = ("attributed_bytes", "attributed_complete", "process_list", "health_state")
 
 
 def _with_derived_of(doc: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
@@ -374,6 +381,10 @@ def _with_derived_of(doc: dict[str, Any], written: dict[str, Any]) -> dict[str, 
     for a, w in zip(doc["adapters"], written["adapters"], strict=True):
         for key in DERIVED_ADAPTER:
             a[key] = w[key]
+        if a["mig"] is not None:  # a MIG instance's sums are derived too
+            for i, wi in zip(a["mig"]["instances"], w["mig"]["instances"], strict=True):
+                i["attributed_bytes"] = wi["attributed_bytes"]
+                i["attributed_complete"] = wi["attributed_complete"]
     for p, w in zip(doc["processes"], written["processes"], strict=True):
         p["shown_vram"] = w["shown_vram"]
     return doc

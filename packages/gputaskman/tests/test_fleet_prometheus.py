@@ -306,6 +306,36 @@ def test_the_shipped_recording_rules_sum_measured_memory_as_the_fleet_does(clust
     assert len(per_host) == 4
 
 
+POD = "6f1c2a4e-8b1d-4c3e-9a57-0d2b7e5f9c11"  # the DRM fixture tree's llama-server's pod
+
+
+def test_prometheus_scrapes_each_processs_owner_and_memory_and_records_vram_per_pod(cluster):
+    """Catches an owner or a swapped / locked / pinned reading lost between serve and a real
+    Prometheus (the DRM fixture tree's llama-server runs in a kubelet pod's containerd
+    container with 12 MiB swapped out), and a shipped per-pod rule that records other than
+    the process's measured VRAM."""
+    prom = cluster.prom
+    drm = next(f"127.0.0.1:{s.port}" for k, s in cluster.serves.items() if k == "drm")
+    (info,) = prom.query(f'gputaskman_process_owner_info{{instance="{drm}",pod_uid="{POD}"}}')
+    m = info["metric"]
+    assert (m["pid"], m["name"], m["qos"]) == ("4100", "llama-server", "burstable")
+    assert (m["container_id"], m["container_runtime"]) == ("3f" * 32, "containerd")
+    assert m["user"] == "root" and "slurm_job" not in m and "session" not in m  # empty: absent
+    sessions = prom.query(f'gputaskman_process_owner_info{{instance="{drm}",session="2"}}')
+    assert len(sessions) >= 3  # the tree's other processes: a login session's
+    (swapped,) = prom.query(f'gputaskman_process_swapped_bytes{{instance="{drm}",pid="4100"}}')
+    assert swapped["metric"]["swapped_to"] == "swap" and float(swapped["value"][1]) == 12 << 20
+    locked = prom.query(f'gputaskman_process_locked_bytes{{instance="{drm}"}}')
+    assert locked and all(float(r["value"][1]) == 0 for r in locked)  # a measured zero
+    vram = prom.query(f'sum(gputaskman_process_vram_bytes{{instance="{drm}",pid="4100"}})')
+    (total,) = prom.query(f'gputaskman_owner_vram_bytes{{instance="{drm}",by="pod",owner="{POD}"}}')
+    assert float(total["value"][1]) == float(vram[0]["value"][1]) > 0
+    rule = f'instance_pod:gputaskman_process_vram_bytes:sum{{instance="{drm}",pod_uid="{POD}"}}'
+    wait_for(lambda: bool(prom.query(rule)), 30, "the per-pod rule to be evaluated")
+    (recorded,) = prom.query(rule)
+    assert float(recorded["value"][1]) == float(vram[0]["value"][1])
+
+
 def test_a_global_prometheus_federating_the_site_shows_the_same_fleet(cluster, tmp_path):
     """Catches a federation example (prometheus/federation.yml) that loses the hosts'
     labels or their `up` series: the global fleet would miss hosts, or show a down host

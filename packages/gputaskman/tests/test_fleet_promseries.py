@@ -352,6 +352,14 @@ _NAMES = sorted(
         "gputaskman_process_x_utilization_runtime_percent",
         "gputaskman_system_memory_cached_estimated_bytes",
         "gputaskman_process_cpu_runtime_percent",
+        "gputaskman_gpu_health_fan_speed_percent",
+        "gputaskman_gpu_health_xid_critical_errors_inferred",
+        "gputaskman_gpu_unhealthy",
+        "gputaskman_gpu_mig_mode",
+        "gputaskman_mig_info",
+        "gputaskman_mig_memory_used_bytes",
+        "gputaskman_mig_attributed_bytes",
+        "gputaskman_process_mig_info",
     }
 )
 _LABEL = st.sampled_from(
@@ -370,6 +378,9 @@ _LABEL = st.sampled_from(
         "backend",
         "device",
         "type",
+        "gpu_instance",
+        "compute_instance",
+        "mig_uuid",
     ]
 )
 _TEXT = st.sampled_from(
@@ -459,6 +470,16 @@ def _served_wsl():
     return dataclasses.replace(snapshot, processes=(*snapshot.processes, vmwp, child)), system
 
 
+def _served_mig_and_health():
+    """A mocked NVML GPU in MIG mode with health counters, a thermal slowdown and an XID
+    event (tests/test_schema.py's), and the demo's host sample."""
+    from test_schema import _mig_and_health_doc
+
+    doc = _mig_and_health_doc()
+    _, system = _served_demo()
+    return read_document(doc).snapshot(), system
+
+
 def _served_down():
     """A host whose backend is down (no NVML library), with its host sample."""
     _, system = _served_demo()
@@ -467,8 +488,8 @@ def _served_down():
 
 @pytest.mark.parametrize(
     "make",
-    [_served_demo, _served_drm, _served_wsl, _served_down],
-    ids=["demo", "drm", "wsl", "down"],
+    [_served_demo, _served_drm, _served_wsl, _served_mig_and_health, _served_down],
+    ids=["demo", "drm", "wsl", "mig-health", "down"],
 )
 def test_a_host_read_from_its_series_agrees_with_its_own_document_on_every_exported_field(make):
     """Catches a field serve exports that comes back other than its own document has it (a

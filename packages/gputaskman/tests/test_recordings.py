@@ -28,14 +28,20 @@ def _writer():
     return mod
 
 
+# keys added later that the writer derives from what a line holds, whatever its age
+ADDED_DERIVED = frozenset({"owner_totals"})
+
+
 def without_added_nulls(written: Any, recorded: Any) -> Any:
     """`written` less the keys a later release added (additive within schema_version 1) that
-    the recorded line lacks and that are null: an older line has nothing to say about them."""
+    the recorded line lacks and that are null, or ``{}`` (an adapter's ``health`` where the
+    backend reads none), or derived (`ADDED_DERIVED`): an older line has nothing to say about
+    them."""
     if isinstance(written, dict) and isinstance(recorded, dict):
         return {
             k: without_added_nulls(v, recorded.get(k))
             for k, v in written.items()
-            if k in recorded or v is not None
+            if k in recorded or (v is not None and v != {} and k not in ADDED_DERIVED)
         }
     if isinstance(written, list) and isinstance(recorded, list) and len(written) == len(recorded):
         return [without_added_nulls(w, r) for w, r in zip(written, recorded, strict=True)]

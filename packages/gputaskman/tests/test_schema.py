@@ -203,6 +203,29 @@ def test_replay_loses_no_field_that_is_set(demo_doc: dict[str, Any]) -> None:
         exe="/usr/bin/llama-server",
         user="alice",
         ppid=1,
+        mig={"gpu_instance_id": 1, "compute_instance_id": 0},
+        swapped_bytes={**_r(3 << 20), "detail": "/dev/nbd0, the only active swap device"},
+        swapped_to="pool",
+        locked_bytes=_r(4 << 20),
+        pinned_bytes=_r(0),
+        owner={
+            "cgroup": "/kubepods/burstable/pod1234abcd-0000-4000-8000-00000000000a/" + "a" * 64,
+            "user": "alice",
+            "pod_uid": "1234abcd-0000-4000-8000-00000000000a",
+            "pod_namespace": "ml",
+            "pod_name": "trainer-0",
+            "pod_source": "/var/log/pods",
+            "qos": "burstable",
+            "container_id": "a" * 64,
+            "container_runtime": "containerd",
+            "slurm_job": "77",
+            "slurm_step": "batch",
+            "unit": "x.scope",
+            "user_unit": True,
+            "session": "3",
+            "reason": "denied",
+            "detail": "for the test",
+        },
         model_evidence=[{"evidence": "mapped", "path": "/m/a.gguf"}],
         app_model={
             "app": "Handy",
@@ -222,6 +245,9 @@ def test_replay_loses_no_field_that_is_set(demo_doc: dict[str, Any]) -> None:
     unset = [k for k, v in p.items() if v is None and k not in ("host", "parent_pid")]
     assert unset == [], unset  # every optional field of the row is set
     back = json.loads(json.dumps(report.to_json_dict(*snapshot_from_json(doc))))
+    # owner_totals is derived from the rows (never read back): the row's pod is there now
+    assert any(t["owner"] == p["owner"]["pod_uid"] for t in back.pop("owner_totals"))
+    doc.pop("owner_totals")
     assert back == doc
 
 
@@ -307,6 +333,7 @@ def _writer_documents(tmp_path: Path, demo_doc: dict[str, Any]) -> dict[str, Any
     docs["mocked NVML"] = ms.doc(
         ms.snapshot(ms.T0, procs=[ms.proc(10, 3 * ms.GIB), ms.proc(11, None)])
     )
+    docs["mocked NVML, MIG and health"] = _mig_and_health_doc()
     write_demo_tree(tmp_path)
     collector = sysroot_collector(str(tmp_path), scan_budget=None)
     try:
@@ -314,6 +341,27 @@ def _writer_documents(tmp_path: Path, demo_doc: dict[str, Any]) -> dict[str, Any
     finally:
         collector.close()
     return {name: json.loads(json.dumps(doc)) for name, doc in docs.items()}
+
+
+def _mig_and_health_doc() -> dict[str, Any]:
+    """The second sample of a mocked NVML GPU in MIG mode (one instance, one process) with
+    health counters, a thermal slowdown and an XID event: every health and MIG key written."""
+    from types import SimpleNamespace
+
+    import test_nvml_mocked as nv
+    from gputaskman.backends.nvml import NvmlBackend
+    from gputaskman.sampling.collector import Collector, NullScanner
+
+    ghost = 2**22 + 7  # above pid_max: no process of this machine's
+    mig = [nv.mig_device(1, 0, 40 << 30, 1 << 30, [nv.proc(ghost, 1 << 30)])]
+    dev = nv.device(
+        nv.BUS_A, mig_mode=[1, 1], mig=mig, fields={3: 0, 4: 1}, clock_reasons=0x40, fan=50
+    )
+    lib = nv.MockedNvml([dev])
+    c = Collector(source=NvmlBackend(lib), scanner=NullScanner())
+    c.sample()
+    lib.pending_events = [SimpleNamespace(device=0, eventType=0x8, eventData=79)]
+    return report.to_json_dict(c.sample(), None)
 
 
 # Declared keys no fixture's writer path writes, and why each may stay.

@@ -230,6 +230,28 @@ METRIC_NAMES: dict[str, str] = {
 
 
 @dataclass(frozen=True, slots=True)
+class MigInstance:
+    """One MIG device of a GPU in MIG mode: a GPU instance's compute instance, by the ids NVML
+    gives it (`gpu_instance_id`, `compute_instance_id`), with its own memory slice."""
+
+    gpu_instance_id: int
+    compute_instance_id: int
+    uuid: str | None
+    memory_total_bytes: Reading
+    memory_used_bytes: Reading
+
+
+@dataclass(frozen=True, slots=True)
+class MigState:
+    """A GPU's MIG mode as a reading (1 enabled, 0 disabled; missing with the reason where the
+    GPU has no MIG) and, when enabled, its instances. A process on an instance is one row
+    (`ProcGpu.mig`) on the parent GPU, never also listed on the parent."""
+
+    mode: Reading
+    instances: tuple[MigInstance, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRef:
     """Which model a process holds (filled by `modelinfo`).
 
@@ -283,6 +305,57 @@ class ProcDetail:
     ppid: int | None = None  # its parent's PID
 
 
+@dataclass(frozen=True, slots=True)
+class ProcMemory:
+    """A process's memory outside the GPU that swap concerns, from ``/proc/PID/status``.
+
+    `swapped` is ``VmSwap`` (its pages swapped out now), `locked` ``VmLck`` (``mlock``ed:
+    never swapped) and `pinned` ``VmPin`` (pinned by the kernel for a device, an RDMA
+    registration or io_uring: never swapped). `swapped_to` says where the swapped-out bytes
+    are: ``"pool"`` when duvm's device is the node's only active swap device (its daemon names
+    the device), ``"swap"`` otherwise, None when `swapped` is unknown; the reading's detail
+    says why. Machine RAM and swap, never GPU bytes, never in any GPU total.
+    """
+
+    swapped: Reading
+    locked: Reading
+    pinned: Reading
+    swapped_to: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who a process belongs to, as its cgroup path (``/proc/PID/cgroup``) names it.
+
+    Each field is set only where the path names it in the form the software that made the
+    cgroup writes (kubelet, a container runtime, slurmd, systemd): `pod_uid` and
+    `container_id` (with `container_runtime`: containerd, cri-o, docker, podman; `qos`: the
+    pod's QoS class), `slurm_job` and `slurm_step`, a systemd `unit` (and `user_unit`: it is
+    a user manager's) and a login `session`. None means the path does not name it; nothing is
+    guessed from a process's name. `user` is the user from ``/proc/PID/status`` (effective
+    uid, as ps shows it: a name, or the uid when unnamed). `pod_name` / `pod_namespace` come
+    only from a local read-only source, named in `pod_source`. `cgroup` is the path parsed
+    (None with `reason` when it could not be read: the process is gone, permission).
+    """
+
+    cgroup: str | None
+    user: str | None = None
+    pod_uid: str | None = None
+    container_id: str | None = None
+    container_runtime: str | None = None
+    qos: str | None = None
+    slurm_job: str | None = None
+    slurm_step: str | None = None
+    unit: str | None = None
+    user_unit: bool = False
+    session: str | None = None
+    pod_name: str | None = None
+    pod_namespace: str | None = None
+    pod_source: str | None = None
+    reason: Reason | None = None
+    detail: str | None = None
+
+
 class Breakdown(Protocol):
     """What the model layer's breakdown of a process's memory (`intel.llm.LlmView`) gives
     every layer: its totals, each of one kind, never added to a measured total."""
@@ -322,6 +395,10 @@ class ProcGpu:
     seen from WSL, never matched with this machine's /proc); `parent_pid` the host row
     whose measured total already counts this row's bytes (WSL: ``vmwp.exe``); `unique`
     that the inference admits one explanation only (the ``*`` marker).
+
+    Read from /proc for rows of this machine (None where not read): `memory`, what of the
+    process is swapped out, locked or pinned (`ProcMemory`), and `owner`, what its cgroup
+    names (`Owner`).
     """
 
     pid: int
@@ -343,6 +420,10 @@ class ProcGpu:
     host: str | None = None
     parent_pid: int | None = None
     unique: bool = False
+    memory: ProcMemory | None = None  # VmSwap / VmLck / VmPin (`ProcMemory`); None: not read
+    owner: Owner | None = None  # pod, container, Slurm job, unit from its cgroup; None: not read
+    # (gpu_instance_id, compute_instance_id) of the MIG instance NVML lists it on; None: none
+    mig: tuple[int, int] | None = None
 
     @property
     def started_at(self) -> float | None:
@@ -385,6 +466,10 @@ class Snapshot:
     # Backend-specific device readings beyond `DeviceMetrics`, keyed by pci_bus_id, e.g.
     # amdgpu's GTT (system memory the GPU has mapped): {"gtt_used_bytes": Reading, ...}.
     extra_metrics: Mapping[str, Mapping[str, Reading]] = field(default_factory=dict)
+    # Health readings by pci_bus_id (`gpuhealth.HEALTH_FIELDS`: XID events, ECC, retired pages,
+    # remapped rows, clock event reasons, fan, PCIe and NVLink rates); {} where not read.
+    health: Mapping[str, Mapping[str, Reading]] = field(default_factory=dict)
+    mig: Mapping[str, MigState] = field(default_factory=dict)  # by pci_bus_id; {}: not read
 
     @property
     def available(self) -> bool:

@@ -12,9 +12,13 @@ from gputaskman.base import schema
 from gputaskman.base.readings import (
     DeviceMetrics,
     Kind,
+    MigInstance,
+    MigState,
     ModelRef,
+    Owner,
     ProcDetail,
     ProcGpu,
+    ProcMemory,
     Reading,
     Reason,
 )
@@ -178,8 +182,56 @@ def _process(o: Fields) -> ProcessDoc:
         host=o.text("host"),
         parent_pid=o.integer("parent_pid"),
         unique=bool(o.flag("inferred_unique")),
+        memory=_memory(o),
+        owner=_owner(o.obj("owner")),
+        mig=_mig_ref(o.obj("mig")),
     )
     return ProcessDoc(proc, o.reading("ram_bytes"), o.reading("cpu_percent"))
+
+
+def _mig_ref(o: Fields | None) -> tuple[int, int] | None:
+    if o is None:
+        return None
+    return (o.need_integer("gpu_instance_id"), o.need_integer("compute_instance_id"))
+
+
+_NOT_RECORDED = Reading.missing(Reason.UNAVAILABLE, RECORDED_SOURCE, "not recorded")
+
+
+def _memory(o: Fields) -> ProcMemory | None:
+    got = [o.reading(k) for k in ("swapped_bytes", "locked_bytes", "pinned_bytes")]
+    if got == [None, None, None]:
+        return None
+    swapped, locked, pinned = (_NOT_RECORDED if r is None else r for r in got)
+    return ProcMemory(swapped, locked, pinned, o.text("swapped_to"))
+
+
+def _owner(o: Fields | None) -> Owner | None:
+    if o is None:
+        return None
+    why = o.m.get("reason")
+    reason, extra = (None, None) if why is None else reason_from_json(why, o.where("reason"))
+    detail = o.text("detail")
+    if extra is not None:  # a reason this version does not know: its word kept
+        detail = extra if detail is None else f"{detail} ({extra})"
+    return Owner(
+        cgroup=o.text("cgroup"),
+        user=o.text("user"),
+        pod_uid=o.text("pod_uid"),
+        container_id=o.text("container_id"),
+        container_runtime=o.text("container_runtime"),
+        qos=o.text("qos"),
+        slurm_job=o.text("slurm_job"),
+        slurm_step=o.text("slurm_step"),
+        unit=o.text("unit"),
+        user_unit=bool(o.flag("user_unit")),
+        session=o.text("session"),
+        pod_name=o.text("pod_name"),
+        pod_namespace=o.text("pod_namespace"),
+        pod_source=o.text("pod_source"),
+        reason=reason,
+        detail=detail,
+    )
 
 
 # ---------------------------------------------------------------------------- system
@@ -272,6 +324,7 @@ def _pool(o: Fields | None) -> duvmpool.PoolInfo | None:
             pages_lost=_runtime(d, "pages_lost"),
             health=d.text_or("health", "unknown"),
             reasons=d.texts("reasons"),
+            swap_device=d.text("swap_device"),
             peers=tuple(
                 duvmpool.PeerPages(
                     p.text_or("peer", "?"),
@@ -333,6 +386,22 @@ def _metrics(o: Fields | None) -> DeviceMetrics | None:
     return DeviceMetrics(*[o.need_reading(n) for n in DeviceMetrics.__slots__])
 
 
+def _mig(o: Fields | None) -> MigState | None:
+    if o is None:
+        return None
+    instances = tuple(
+        MigInstance(
+            gpu_instance_id=i.need_integer("gpu_instance_id"),
+            compute_instance_id=i.need_integer("compute_instance_id"),
+            uuid=i.text("uuid"),
+            memory_total_bytes=i.need_reading("memory_total_bytes"),
+            memory_used_bytes=i.need_reading("memory_used_bytes"),
+        )
+        for i in o.objs("instances")
+    )
+    return MigState(o.need_reading("mode"), instances)
+
+
 def _adapter(o: Fields, backend: str) -> AdapterDoc:
     return AdapterDoc(
         index=o.need_integer("index"),
@@ -345,6 +414,8 @@ def _adapter(o: Fields, backend: str) -> AdapterDoc:
         extra_metrics=o.readings("extra_metrics"),
         attributed_bytes=o.integer("attributed_bytes"),
         attributed_complete=o.flag("attributed_complete"),
+        health=o.readings("health"),
+        mig=_mig(o.obj("mig")),
     )
 
 

@@ -9,9 +9,9 @@ The Structs hold what a reader may rely on; what they cannot say is checked afte
 reading has a value or a reason, and which reasons this version knows (reasons are read as
 `str`, so one a later version writes still decodes). Keys not declared as fields are skipped
 (those of later versions, and the keys the writer derives, declared in each Struct's
-`DERIVED`: ``tool``, ``available``, ``shown_vram``, ``process_list``, an app's
-``evidence``, the ``kind`` of ``system`` and of its duvm pool). An optional key is ``None``
-when absent or null.
+`DERIVED`: ``tool``, ``available``, ``shown_vram``, ``process_list``, ``health_state``, a MIG
+instance's sums, an app's ``evidence``, the ``kind`` of ``system`` and of its duvm pool,
+``owner_totals``). An optional key is ``None`` when absent or null.
 
 What the writer promises beyond what a reader takes (files of older writers lack keys, later
 ones may add values) is said in `msgspec.Meta` annotations, which decoding ignores and the
@@ -116,9 +116,47 @@ MetricsShape = msgspec.defstruct(
 )
 
 
+class MigInstanceShape(Shape):
+    """One MIG instance of a GPU (`readings.MigInstance`); its sums are derived."""
+
+    DERIVED: ClassVar[dict[str, Any]] = {
+        "attributed_bytes": Annotated[int | None, ALWAYS],
+        "attributed_complete": Annotated[bool, ALWAYS],
+    }
+
+    gpu_instance_id: int
+    compute_instance_id: int
+    memory_total_bytes: ReadingShape
+    memory_used_bytes: ReadingShape
+    uuid: Annotated[str | None, ALWAYS] = None
+
+
+class MigShape(Shape):
+    """A GPU's MIG mode (1 enabled, 0 disabled) and its instances (`readings.MigState`)."""
+
+    mode: ReadingShape
+    instances: Annotated[list[MigInstanceShape] | None, ALWAYS, SET] = None
+
+
+class MigRefShape(Shape):
+    """The MIG instance a process is listed on."""
+
+    gpu_instance_id: int
+    compute_instance_id: int
+
+
+class HealthStateShape(Shape):
+    """What a GPU's health readings say (`gpuhealth.verdict`): derived, never read."""
+
+    state: Annotated[str, one_of("ok", "unhealthy", "unknown")]
+    reasons: list[str]
+    unchecked: list[str]
+
+
 class AdapterShape(Shape):
     DERIVED: ClassVar[dict[str, Any]] = {
         "process_list": dict[str, Literal["ok"] | ProblemShape],
+        "health_state": HealthStateShape | None,
     }
 
     index: int
@@ -131,6 +169,8 @@ class AdapterShape(Shape):
     extra_metrics: SetReadings = None
     attributed_bytes: int | None = None
     attributed_complete: Annotated[bool | None, SET] = None
+    health: SetReadings = None  # `gpuhealth.HEALTH_FIELDS`; {} where the backend reads none
+    mig: MigShape | None = None
 
 
 class ApiShape(Shape):
@@ -204,6 +244,40 @@ class EvidenceShape(Shape):
     path: str | None = None
 
 
+class OwnerShape(Shape):
+    """What a process's cgroup names (`readings.Owner`); null fields: not named."""
+
+    cgroup: str | None = None
+    user: str | None = None
+    pod_uid: str | None = None
+    pod_namespace: str | None = None
+    pod_name: str | None = None
+    pod_source: str | None = None
+    qos: Annotated[str | None, one_of("guaranteed", "burstable", "besteffort")] = None
+    container_id: str | None = None
+    container_runtime: str | None = None
+    slurm_job: str | None = None
+    slurm_step: str | None = None
+    unit: str | None = None
+    user_unit: Annotated[bool | None, SET] = None
+    session: str | None = None
+    reason: Annotated[str | None, code("reason")] = None
+    detail: str | None = None
+
+
+class OwnerTotalShape(Shape):
+    """Measured VRAM of one owner's rows (derived from the rows: `owners.owner_totals`)."""
+
+    by: Annotated[str, one_of("user", "pod", "job")]
+    state: Annotated[str, one_of("named", "none", "unknown")]
+    pids: list[int]
+    owner: str | None = None
+    attributed_bytes: int | None = None
+    attributed_complete: Annotated[bool | None, SET] = None
+    pod_namespace: str | None = None
+    pod_name: str | None = None
+
+
 class ProcessShape(Shape):
     DERIVED: ClassVar[dict[str, Any]] = {"shown_vram": ReadingShape | None}
 
@@ -236,6 +310,12 @@ class ProcessShape(Shape):
     inferred_unique: Annotated[bool | None, SET] = None
     ram_bytes: ReadingShape | None = None
     cpu_percent: ReadingShape | None = None
+    swapped_bytes: ReadingShape | None = None
+    swapped_to: Annotated[str | None, one_of("pool", "swap")] = None
+    locked_bytes: ReadingShape | None = None
+    pinned_bytes: ReadingShape | None = None
+    owner: OwnerShape | None = None
+    mig: MigRefShape | None = None
 
 
 class PeerShape(Shape):
@@ -257,6 +337,7 @@ class DaemonShape(Shape):
     health: Annotated[str | None, SET, one_of("ok", "degraded", "failing")] = None
     reasons: SetTexts = None
     peers: Annotated[list[PeerShape] | None, SET] = None
+    swap_device: str | None = None
 
 
 class BorrowerShape(Shape):
@@ -329,6 +410,7 @@ class DocShape(Shape):
     DERIVED: ClassVar[dict[str, Any]] = {
         "tool": ToolShape,
         "available": Annotated[bool, ALWAYS],
+        "owner_totals": list[OwnerTotalShape],
     }
 
     schema: Annotated[str, Meta(extra_json_schema={"const": NAME})]

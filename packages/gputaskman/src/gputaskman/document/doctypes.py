@@ -12,6 +12,7 @@ from typing import Any
 from gputaskman.base.readings import (
     Adapter,
     DeviceMetrics,
+    MigState,
     Problem,
     ProcGpu,
     Reading,
@@ -27,7 +28,8 @@ RECORDED_SOURCE = "recorded"  # the source of a system number an early file held
 class AdapterDoc:
     """One ``adapters[]`` entry. `pci_bus_id` may be None (a backend with no address);
     `attributed_bytes` / `attributed_complete` are the sums as recorded (None: not
-    recorded, or nothing measured)."""
+    recorded, or nothing measured); `health` its health readings ({}: none) and `mig` its
+    MIG state (None: not read)."""
 
     index: int
     vendor: str
@@ -39,6 +41,8 @@ class AdapterDoc:
     extra_metrics: Mapping[str, Reading] = field(default_factory=dict)
     attributed_bytes: int | None = None
     attributed_complete: bool | None = None
+    health: Mapping[str, Reading] = field(default_factory=dict)
+    mig: MigState | None = None
 
     def identity(self) -> dict[str, Any]:
         """Which adapter this is, as summary and diff write it in their JSON."""
@@ -121,6 +125,8 @@ class Document:
         adapters: list[Adapter] = []
         metrics: dict[str, DeviceMetrics] = {}
         extra: dict[str, Mapping[str, Reading]] = {}
+        health: dict[str, Mapping[str, Reading]] = {}
+        mig: dict[str, MigState] = {}
         for i, a in enumerate(self.adapters):
             if a.pci_bus_id is None:
                 raise SnapshotError(f"adapters[{i}].pci_bus_id: null (replay needs an address)")
@@ -129,6 +135,10 @@ class Document:
                 metrics[a.pci_bus_id] = a.metrics
             if a.extra_metrics:
                 extra[a.pci_bus_id] = a.extra_metrics
+            if a.health:
+                health[a.pci_bus_id] = a.health
+            if a.mig is not None:
+                mig[a.pci_bus_id] = a.mig
         return Snapshot(
             taken=self.taken,
             backend=self.backend,
@@ -140,6 +150,8 @@ class Document:
             driver_version=self.driver_version,
             backend_problem=self.unavailable,
             extra_metrics=extra,
+            health=health,
+            mig=mig,
         )
 
 

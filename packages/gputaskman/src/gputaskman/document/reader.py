@@ -73,6 +73,8 @@ from gputaskman.base.readings import (
     checked_reading,
 )
 from gputaskman.document.docfields import check_snapshot, read_parsed
+from gputaskman.document.dochealth import adapter_parts, mig_ref_of
+from gputaskman.document.docowner import memory_of, owner_of
 from gputaskman.document.docshape import (
     DOC_DECODER,
     TABLE_DECODER,
@@ -229,6 +231,9 @@ def _table_process(s: TableProcessShape) -> ProcessDoc:
         s.host,
         None,  # parent_pid
         False,  # unique
+        None,  # memory
+        None,  # owner
+        None,  # mig
     )
     return _ProcessDoc(proc, None, None)
 
@@ -401,6 +406,9 @@ def _process(s: ProcessShape) -> ProcessDoc:
         s.host,
         _num(s.parent_pid),
         bool(s.inferred_unique),  # unique
+        memory_of(s, _reading),
+        owner_of(s.owner),
+        mig_ref_of(s.mig, _num),
     )
     return _ProcessDoc(proc, _maybe(s.ram_bytes), _maybe(s.cpu_percent))
 
@@ -439,6 +447,7 @@ def _pool(s: PoolShape | None) -> duvmpool.PoolInfo | None:
                 )
                 for p in d.peers or ()
             ),
+            d.swap_device,
         )
         for d in s.daemons
     )
@@ -536,6 +545,7 @@ def _adapter(s: AdapterShape, backend: str) -> AdapterDoc:
         {} if extra is None else {k: _reading(v) for k, v in extra.items()},
         _num(s.attributed_bytes),
         s.attributed_complete,
+        *adapter_parts(s, _reading, _num),  # health, mig
     )
 
 

@@ -53,6 +53,8 @@ def snapshot_document(snapshot: Snapshot, system: RecordedSystem | None = None) 
             dict(snapshot.extra_metrics.get(a.pci_bus_id, {})),
             snapshot.attributed_on(a.pci_bus_id),
             snapshot.attributed_complete_on(a.pci_bus_id),
+            dict(snapshot.health.get(a.pci_bus_id, {})),
+            snapshot.mig.get(a.pci_bus_id),
         )
         for a in snapshot.adapters
     )

@@ -25,7 +25,10 @@ What the series carry, and so what comes back:
   ``..._gpu_percent_utilization_percent`` older serves wrote), the model from
   ``gputaskman_process_model_info`` (name, evidence, confirmed), and the host's RAM and CPU
   of each process (``gputaskman_process_ram_bytes``, ``gputaskman_process_cpu_percent``), each
-  with its kind as its name carries it.
+  with its kind as its name carries it; its swapped / locked / pinned bytes and its owner
+  (``gputaskman_process_owner_info``: `promowner`), from which the totals by owner follow.
+* A GPU's health readings (its verdict made again from them), MIG mode and instances, and a
+  row's MIG instance (`promhealth`).
 * The system panel (the document's ``system`` object) from ``gputaskman_system_*``: RAM total,
   available, used and cached, swap total and used, CPU busy percent (each named by its kind,
   as `exporter.SYSTEM_MEMORY` and `exporter.SYSTEM_SWAP` list them), and each swap device's
@@ -70,6 +73,7 @@ from gputaskman.base.readings import (
     DeviceMetrics,
     Kind,
     ModelRef,
+    Owner,
     Problem,
     ProcDetail,
     ProcGpu,
@@ -80,6 +84,8 @@ from gputaskman.base.readings import (
 )
 from gputaskman.document.doctypes import SwapDeviceDoc, SwapDoc, SystemDoc
 from gputaskman.fleet.promapi import Sample
+from gputaskman.fleet.promhealth import TABLE_PATTERN, HealthSeries
+from gputaskman.fleet.promowner import MEMORY_SERIES, OWNER_INFO, memory_from, owner_from
 from gputaskman.offline.recorded import RecordedSystem
 from gputaskman.render.exporter import DEVICE_FIELDS, SYSTEM_MEMORY, SYSTEM_SWAP, metric_name
 
@@ -101,7 +107,7 @@ _MEASURED_NAME = {
     fld: metric_name(base, unit, Kind.MEASURED)
     for fld, (base, unit, _scale, _doc) in DEVICE_FIELDS.items()
 }
-_PROC_MEMORY = {"vram": "dedicated", "paged": "paged", "footprint": "footprint"}
+_PROC_MEMORY = {"vram": "dedicated", "paged": "paged", "footprint": "footprint", **MEMORY_SERIES}
 # a process's host readings: the series' word -> (the document's key, the series' unit)
 _PROC_HOST = {"ram": ("ram_bytes", "bytes"), "cpu": ("cpu_percent", "percent")}
 # the system object's keys, as a host sampler writes them (`host.MemoryInfo`, `host.CpuInfo`)
@@ -154,8 +160,9 @@ TABLE_SERIES = (
     metric_name("gputaskman_process_vram", "bytes", Kind.MEASURED),
     metric_name("gputaskman_process_vram", "bytes", Kind.INFERRED),
     "gputaskman_process_ram_bytes",  # an older serve's only name for a row of unknown VRAM
+    TABLE_PATTERN,  # the GPU's health readings: the table flags an unhealthy GPU
 )
-TABLE_REGEX = "|".join(TABLE_SERIES)  # names of letters, digits and _: nothing to escape
+TABLE_REGEX = "|".join(TABLE_SERIES)  # names (and one name prefix + .+): nothing escaped
 TABLE_NOTE = (
     "built from the fleet table's series in Prometheus ({url}, {query}): open the host to "
     "read all it exported"
@@ -179,6 +186,8 @@ class _Proc:
     engines: dict[str, Reading] = field(default_factory=dict)
     model: ModelRef | None = None
     host_readings: dict[str, Reading] = field(default_factory=dict)  # ram_bytes, cpu_percent
+    swapped_to: str | None = None
+    owner: Owner | None = None
 
 
 def _kind(labels: Mapping[str, str], fallback: Kind) -> Kind:
@@ -254,7 +263,7 @@ def host_sample(samples: Iterable[Sample], *, note: str) -> tuple[Snapshot, Reco
     """The `Snapshot` one host's series describe and its host sample: the system object
     (None when the host exported none of its series) and each process's RAM and CPU, as a
     document's host sample is (`recorded.RecordedSystem`); see the module docstring."""
-    b = _Builder()
+    b, hm = _Builder(), HealthSeries()
     system: dict[str, dict[str, Reading]] = {}
     swap_devices: dict[tuple[str, str], dict[str, Reading]] = {}
     adapters: dict[str, Adapter] = {}
@@ -270,6 +279,8 @@ def host_sample(samples: Iterable[Sample], *, note: str) -> tuple[Snapshot, Reco
         labels = s.metric
         value = s.value[1]
         name = labels.get("__name__", "")
+        if hm.take(b, name, labels, value):  # a GPU's health and MIG series (`promhealth`)
+            continue
         if name == TIMESTAMP:
             taken = value
         elif name == "gputaskman_backend_up":
@@ -340,7 +351,7 @@ def host_sample(samples: Iterable[Sample], *, note: str) -> tuple[Snapshot, Reco
             (p for p in listed if p.where.startswith("backend")),
             Problem("backend", Reason.UNAVAILABLE, "gputaskman_backend_up is 0"),
         )
-    processes = tuple(_proc_gpu(p) for p in procs.values())
+    processes = tuple(hm.placed(key, _proc_gpu(p)) for key, p in procs.items())
     host = RecordedSystem(_system_doc(b, system, swap_devices), _host_readings(procs))
     snapshot = Snapshot(
         taken=taken if taken is not None and math.isfinite(taken) and taken > 0 else 0.0,
@@ -353,6 +364,8 @@ def host_sample(samples: Iterable[Sample], *, note: str) -> tuple[Snapshot, Reco
         driver_version=backend_info.get("driver_version") or None,
         backend_problem=backend_problem,
         extra_metrics=extra,
+        health=hm.health_of(adapters),
+        mig=hm.mig_of(adapters),
     )
     return _unexplained(snapshot, incomplete & set(adapters)), host
 
@@ -508,6 +521,9 @@ def _process_series(
                 status="confirmed" if confirmed else None,
             )
         return
+    if name == OWNER_INFO:
+        p.owner = owner_from(labels)
+        return
     parsed = _parsed(name)
     if parsed is None:
         return
@@ -527,6 +543,8 @@ def _process_series(
             slot = "inferred"
         elif what == "vram" and kind is not Kind.MEASURED:
             return  # a model's estimated or runtime total: not the process's VRAM reading
+        elif what == "swapped":
+            p.swapped_to = labels.get("swapped_to") or None
         p.readings[slot] = b.reading(name, value, kind, 1, pci or None)
 
 
@@ -554,6 +572,8 @@ def _proc_gpu(p: _Proc) -> ProcGpu:
         host=p.host,
         parent_pid=p.parent_pid,
         unique=p.unique,
+        memory=memory_from(p.readings, p.swapped_to),
+        owner=p.owner,
     )
 
 

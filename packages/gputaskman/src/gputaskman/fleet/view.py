@@ -8,10 +8,12 @@ Theory of operation
 row per GPU of its document: memory used / total and utilisation as readings (with their
 provenance marks when shown; an Intel card's inferred memory shows ``~``), the processes with
 the most memory on that GPU, and the models held there with their evidence markers
-(`report_models.model_cell`); and, not shown but filtered on (`matches`), every process's
-name and command line on that GPU. A host whose backend answered without GPUs gives one row
-saying why. A host that is not up gives one row whose GPU cell is its status and reason
-(and when it last answered, and when the next try is): never zeros, never stale numbers.
+(`report_models.model_cell`), with ``UNHEALTHY`` before the name of a GPU whose health
+readings say so (`health_flag`); and, not shown but filtered on (`matches`), every
+process's name and command line on that GPU. A host whose backend answered without GPUs
+gives one row saying why. A host that is not up gives one row whose GPU cell is its status
+and reason (and when it last answered, and when the next try is): never zeros, never stale
+numbers.
 
 `fleet_totals` adds up only measured memory of hosts that are up: used and total over the
 GPUs where both are measured, and how many GPUs that leaves out. Inferred device memory
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gputaskman.base.fmt import NA, fmt_bytes, fmt_reading, reading_json
+from gputaskman.base.gpuhealth import UNHEALTHY, verdict
 from gputaskman.base.readings import Kind, ProcGpu, Reading, Reason
 from gputaskman.document.fleetdoc import HostStatus
 from gputaskman.document.reader import AdapterDoc, Document
@@ -38,6 +41,7 @@ TOP_PROCESSES = 3
 COLUMNS = ("HOST", "GPU", "MEMORY", "UTIL", "PROCESSES", "MODELS")
 SORT_COLUMNS = ("HOST", "MEMORY", "MEM%", "UTIL")
 SUM_SOURCE = "fleet"
+UNHEALTHY_FLAG = "UNHEALTHY "  # before the GPU's name (a narrow cell cuts the name's end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,13 @@ def _models(procs: Sequence[ProcGpu]) -> str:
     return ", ".join(seen)
 
 
+def health_flag(a: AdapterDoc) -> str:
+    """What the GPU cell adds for a GPU whose health readings say it is unhealthy
+    (`gpuhealth.verdict`: a critical XID, uncorrected ECC, a pending retirement or remap, a
+    failed remap, a slowdown); nothing for a healthy GPU or one whose health is unknown."""
+    return UNHEALTHY_FLAG if a.health and verdict(a.health).state == UNHEALTHY else ""
+
+
 def _gpu_rows(s: HostState, doc: Document) -> list[FleetRow]:
     procs = [row.proc for row in doc.processes]
     if not doc.adapters:
@@ -141,7 +152,7 @@ def _gpu_rows(s: HostState, doc: Document) -> list[FleetRow]:
                 f"{s.target.name}|{a.pci_bus_id or a.index}",
                 s,
                 a,
-                f"{a.index} {a.name or NA}",
+                f"{a.index} {health_flag(a)}{a.name or NA}",
                 None if m is None else m.memory_used_bytes,
                 None if m is None else m.memory_total_bytes,
                 None if m is None else m.util_gpu_percent,

@@ -39,6 +39,21 @@ Per-process memory beside VRAM, as ``--json`` has it (``paged_bytes``, ``footpri
 the macOS physical footprint (CPU and GPU memory together: unified memory, not VRAM). Neither
 is part of ``gputaskman_process_vram_bytes`` or of any attributed sum, and a backend that does
 not measure them (NVML, DRM) exports no series at all, never 0.
+
+What of a process is out of RAM or held in it (``/proc/PID/status``, `procfacts`):
+``gputaskman_process_swapped_bytes`` (VmSwap, with ``swapped_to="pool"`` when duvm's device
+is the node's only active swap device, else ``"swap"``), ``gputaskman_process_locked_bytes``
+(VmLck) and ``gputaskman_process_pinned_bytes`` (VmPin). Who owns it:
+``gputaskman_process_owner_info`` (`OWNER_INFO_LABELS`: the cgroup path, user, pod UID,
+namespace and name where a local source gave them, container ID and runtime, Slurm job and
+step, systemd unit, session; empty where the path names none), one per row whose cgroup was
+read; and the totals by owner, ``gputaskman_owner_vram_bytes`` (measured VRAM only),
+``gputaskman_owner_vram_complete`` and ``gputaskman_owner_processes``, labelled ``by``
+(user, pod, job), ``owner``, ``state`` (named, none, unknown: the unknown counted apart).
+
+A GPU's health readings, its health verdict and its MIG instances, and a row's MIG instance:
+`exporter_health` (``gputaskman_gpu_health_*``, ``gputaskman_gpu_unhealthy``,
+``gputaskman_gpu_mig_mode``, ``gputaskman_mig_*``, ``gputaskman_process_mig_info``).
 """
 
 from __future__ import annotations
@@ -51,7 +66,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gputaskman.base.frozen import fields_of
+from gputaskman.base.owners import owner_totals
 from gputaskman.base.readings import Adapter, Kind, ProcGpu, Reading, Snapshot
+from gputaskman.render import exporter_health
 from gputaskman.render.report_models import breakdown_totals, breakdown_view
 from gputaskman.sampling.host import SystemInfo
 
@@ -60,6 +77,23 @@ PROC_LABELS = ("pid", "name", *GPU_LABELS)
 PROC_INFO_LABELS = ("contexts", "parent_pid", "inferred_unique")
 MODEL_INFO_LABELS = ("model_name", "evidence", "confirmed")
 PROBLEM_LABELS = ("where", "reason", "gpu", "pci_bus_id")
+# `readings.Owner` fields exported as labels of gputaskman_process_owner_info
+OWNER_INFO_LABELS = (
+    "cgroup",
+    "user",
+    "pod_uid",
+    "pod_namespace",
+    "pod_name",
+    "qos",
+    "container_id",
+    "container_runtime",
+    "slurm_job",
+    "slurm_step",
+    "unit",
+    "user_unit",
+    "session",
+)
+OWNER_TOTAL_LABELS = ("by", "owner", "state", "pod_namespace", "pod_name")
 
 # DeviceMetrics field -> (metric base name, unit suffix, scale, help)
 DEVICE_FIELDS: dict[str, tuple[str, str, float, str]] = {
@@ -242,6 +276,7 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
         for key, r in (snap.extra_metrics.get(a.pci_bus_id) or {}).items():
             base, _, unit = key.rpartition("_")
             f.reading(f"gputaskman_gpu_{base}", unit, f"Backend-specific: {key}", GPU_LABELS, gv, r)
+        exporter_health.gpu_families(f, snap, a.pci_bus_id, GPU_LABELS, gv)  # health, MIG
         attributed = snap.attributed_on(a.pci_bus_id)
         if attributed is not None:  # a sum of measured values only
             f.add(
@@ -342,6 +377,8 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
             pv,
             host.get("cpu_percent"),
         )
+        _process_memory_and_owner(f, p, pv)
+        exporter_health.process_families(f, p, PROC_LABELS, pv)  # its MIG instance
         view = breakdown_view(p.breakdown)
         if view is not None:
             for part in view.parts:
@@ -368,9 +405,85 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
                     (*pv, base),
                     r,
                 )
+    _owner_totals(f, snap)
     yield from f.fams.values()
     if system is not None:
         yield from system_families(system)
+
+
+def _process_memory_and_owner(f: _Families, p: ProcGpu, pv: tuple[str, ...]) -> None:
+    """A row's swapped / locked / pinned bytes and its owner's info series (`procfacts`)."""
+    m = p.memory
+    if m is not None:
+        f.reading(
+            "gputaskman_process_swapped",
+            "bytes",
+            "Process memory swapped out (VmSwap); swapped_to=pool: duvm's device is the "
+            "only active swap device",
+            (*PROC_LABELS, "swapped_to"),
+            (*pv, m.swapped_to or ""),
+            m.swapped,
+        )
+        f.reading(
+            "gputaskman_process_locked",
+            "bytes",
+            "Process memory locked with mlock (VmLck): never swapped",
+            PROC_LABELS,
+            pv,
+            m.locked,
+        )
+        f.reading(
+            "gputaskman_process_pinned",
+            "bytes",
+            "Process memory pinned by the kernel (VmPin: devices, RDMA, io_uring): never swapped",
+            PROC_LABELS,
+            pv,
+            m.pinned,
+        )
+    o = p.owner
+    if o is not None and o.cgroup is not None:
+        _info(
+            f,
+            "gputaskman_process_owner_info",
+            "Who owns a process row, as its cgroup names it (empty: not named)",
+            PROC_LABELS + OWNER_INFO_LABELS,
+            (*pv, *(_label(getattr(o, k)) for k in OWNER_INFO_LABELS)),
+        )
+
+
+def _label(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "" if v is None else str(v)
+
+
+def _owner_totals(f: _Families, snap: Snapshot) -> None:
+    """Measured VRAM summed by user, pod and job (`owners.owner_totals`); an owner whose rows
+    had no measured VRAM has no bytes series, and ``state="unknown"`` counts apart."""
+    for t in owner_totals(snap):
+        lv = (t.by, t.owner or "", t.state, t.pod_namespace or "", t.pod_name or "")
+        if t.attributed_bytes is not None:
+            f.add(
+                "gputaskman_owner_vram_bytes",
+                "Measured process VRAM summed by owner (by=user|pod|job)",
+                OWNER_TOTAL_LABELS,
+                lv,
+                t.attributed_bytes,
+            )
+        f.add(
+            "gputaskman_owner_vram_complete",
+            "1 if every row of the owner had measured VRAM (else its sum is a lower bound)",
+            OWNER_TOTAL_LABELS,
+            lv,
+            1 if t.complete else 0,
+        )
+        f.add(
+            "gputaskman_owner_processes",
+            "Process rows with a GPU context, by owner",
+            OWNER_TOTAL_LABELS,
+            lv,
+            len(t.pids),
+        )
 
 
 def system_families(system: SystemInfo) -> Iterator[Metric]:

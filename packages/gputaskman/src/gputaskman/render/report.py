@@ -47,8 +47,20 @@ Top level::
       "attributed_complete": bool,            # false: a memory was hidden or a list failed
       "problems": [PROBLEM, ...],
       "notes": ["...", ...],
-      "system": SYSTEM | null                 # RAM, swap, CPU as the OS reports them; never GPU
+      "system": SYSTEM | null,                # RAM, swap, CPU as the OS reports them; never GPU
+      "owner_totals": [OWNER_TOTAL, ...]      # measured VRAM by user, pod and job (derived
+                                              # from the rows: a reader derives it again)
     }
+
+    OWNER_TOTAL = {"by": "user" | "pod" | "job",
+                   "owner": str | null,       # the user, pod UID or Slurm job ID
+                   "state": "named" | "none" | "unknown",  # none: the cgroup names no pod
+                                              # (job); unknown: the owner was not readable,
+                                              # counted apart, never folded into another
+                   "attributed_bytes": int | null,   # measured VRAM only; null: none measured
+                   "attributed_complete": bool,      # false: a row's VRAM unknown, a list
+                                                     # failed (the sum is a lower bound)
+                   "pids": [int, ...], "pod_namespace": str | null, "pod_name": str | null}
 
     SYSTEM = {"taken": 1796000000.2, "kind": "measured",
               "memory": {"total_bytes": R, "available_bytes": R, "used_bytes": R, ...},
@@ -91,7 +103,11 @@ Top level::
                "extra_metrics": {"gtt_used_bytes": R, "gtt_total_bytes": R},  # amdgpu GTT;
                                                       # {} when the backend has none
                "attributed_bytes": int | null, "attributed_complete": bool,
-               "process_list": {"compute": "ok" | PROBLEM, "graphics": "ok" | PROBLEM}}
+               "process_list": {"compute": "ok" | PROBLEM, "graphics": "ok" | PROBLEM},
+               "health": {"xid_critical_errors": R, ...},   # {}: the backend reads none
+               "health_state": HEALTH_STATE | null,         # derived from "health"
+               "mig": MIG | null}                           # null: the backend reads none
+    (HEALTH, HEALTH_STATE and MIG: `report_health`; the health keys `gpuhealth.HEALTH_FIELDS`.)
 
     PROCESS = {"pid": 123, "started_at": 1795999000.5 | null, "name": str | null,
                "gpu": "<pci bus id>" | null,          # null: no GPU context known
@@ -107,7 +123,17 @@ Top level::
                "host": "windows" | null,              # pid is that OS's (WSL: a host row)
                "parent_pid": int | null,              # host row whose total counts this one
                "engines": {"gpu_percent": R, ...},    # {} when the backend has none
+               "mig": {"gpu_instance_id": int,        # the MIG instance NVML lists it on
+                       "compute_instance_id": int} | null,   # (null: none)
                "ram_bytes": R, "cpu_percent": R,      # from the host sample (OS-reported)
+               "swapped_bytes": R | null,             # /proc/PID/status VmSwap (null: not
+                                                      # read, e.g. another OS's process)
+               "swapped_to": "pool" | "swap" | null,  # pool: duvm's device is the only
+                                                      # active swap device (detail: why)
+               "locked_bytes": R | null,              # VmLck (mlock: never swapped)
+               "pinned_bytes": R | null,              # VmPin (pinned for a device, RDMA,
+                                                      # io_uring: never swapped)
+               "owner": null | OWNER,                 # what /proc/PID/cgroup names
                "cmdline": [str, ...] | null,          # secrets redacted by procinfo
                "runtimes": [str, ...], "model_files": [str, ...],
                "category": str | null,                # "?" suffix: names only (heuristic)
@@ -154,6 +180,20 @@ Top level::
             "marker": "*" | null,                     # only one explanation fits
             "alternatives": [R, ...]}                 # the other explanations
 
+    OWNER = {"cgroup": str | null,                   # the path parsed; null: not readable
+             "user": str | null,                     # effective uid (/proc/PID/status), named
+             "pod_uid": str | null, "pod_namespace": str | null, "pod_name": str | null,
+             "pod_source": str | null,               # where name/namespace came from
+             "qos": "guaranteed" | "burstable" | "besteffort" | null,
+             "container_id": str | null,
+             "container_runtime": "containerd" | "cri-o" | "docker" | "podman" | ... | null,
+             "slurm_job": str | null, "slurm_step": str | null,
+             "unit": str | null, "user_unit": bool,  # a systemd unit (a user manager's)
+             "session": str | null,                  # a logind session (session-N.scope)
+             "reason": "<reason>" | null, "detail": str | null}
+    (Each is set only where the path names it as kubelet, the container runtime, slurmd or
+    systemd write it: `base.cgroupname`; never guessed from a process's name.)
+
     APP = {"app": "Handy", "selected": str | null, "evidence": "settings",
            "last_event": str | null, "last_event_model": str | null,
            "last_event_time": str | null, "reasons": [str, ...]}
@@ -181,6 +221,7 @@ from gputaskman.base.readings import (
     Reason,
     Snapshot,
 )
+from gputaskman.render.report_health import adapter_json, mig_ref_json
 from gputaskman.render.report_models import (
     BREAKDOWN_PARTS,
     app_json,
@@ -192,6 +233,7 @@ from gputaskman.render.report_models import (
     model_mark,
     system_json,
 )
+from gputaskman.render.report_owners import memory_json, owner_json, totals_json
 from gputaskman.sampling import host
 
 SCHEMA = schema.NAME
@@ -323,8 +365,11 @@ def process_json(
         "host": p.host,
         "parent_pid": p.parent_pid,
         "engines": {k: reading_json(v) for k, v in p.engines.items()},
+        "mig": mig_ref_json(p.mig),
     }
     row.update(_host_readings(lookup, p, system))
+    row.update(memory_json(p.memory))
+    row["owner"] = owner_json(p.owner)
     row.update(
         {
             "cmdline": None if d.cmdline is None else list(d.cmdline),
@@ -392,6 +437,7 @@ def to_json_dict(
                 "attributed_bytes": snapshot.attributed_on(a.pci_bus_id),
                 "attributed_complete": snapshot.attributed_complete_on(a.pci_bus_id),
                 "process_list": _process_list_status(snapshot, a.pci_bus_id),
+                **adapter_json(snapshot, a.pci_bus_id),
             }
         )
     return {
@@ -414,6 +460,7 @@ def to_json_dict(
         "problems": [problem_json(p) for p in snapshot.problems],
         "notes": list(snapshot.notes),
         "system": system_document(system),
+        "owner_totals": totals_json(snapshot),
     }
 
 
@@ -436,6 +483,9 @@ PLAIN_NUMBER_KEYS = frozenset(
         "selected_gpu",
         "parameter_count",  # a fact of the model file, not a reading of memory
         "n_ctx",  # the context the runtime was set to (n_ctx_source says where from)
+        "gpu_instance_id",  # a MIG instance's identity
+        "compute_instance_id",
+        "pids",  # an owner's processes (owner_totals), identities
     }
 )
 

@@ -19,11 +19,13 @@ from gputaskman.base.readings import (
     Snapshot,
 )
 from gputaskman.render.report import ProcHostLookup, proc_host_lookup, utc_of
+from gputaskman.render.report_health import health_lines, mig_cell, mig_lines
 from gputaskman.render.report_models import (
     gtt_text,
     model_cell,
     model_lines,
 )
+from gputaskman.render.report_owners import memory_lines, owner_detail_lines, totals_lines
 from gputaskman.sampling import host
 
 # What a backend-wide failure means for a user, beside NVML's own words.
@@ -112,6 +114,8 @@ def _gpu_lines(snapshot: Snapshot, selected: str | None) -> list[str]:
             f"  attributed to processes (measured only): {fmt_bytes(att)}"
             + ("" if complete else "  (lower bound: some memory hidden or a list failed)")
         )
+        bus = a.pci_bus_id
+        lines += ["  " + line for line in health_lines(snapshot, bus) + mig_lines(snapshot, bus)]
     return lines
 
 
@@ -153,6 +157,8 @@ def process_cells(
     if p.adapter is not None:
         a = snapshot.adapter(p.adapter)
         gpu = str(a.index) if a is not None else p.adapter
+        if p.mig is not None:
+            gpu += f" {mig_cell(p.mig)}"  # its MIG instance (GPU / compute instance)
     vram = p.shown_vram
     if vram is not None:
         vram_text = fmt_reading(vram, as_bytes=True)
@@ -307,6 +313,30 @@ def render_text(
             seen.add(p.pid)
             out.append(f"  PID {p.pid} {p.name or NA}")
             out += ["    " + line for line in model_lines(p)]
+    memory = memory_lines(procs)
+    if memory:
+        out += [
+            "",
+            "HOST MEMORY  (/proc/PID/status, measured, not GPU: swapped out and where (pool: "
+            "duvm's device is the only active swap device); locked (mlock) and pinned, never "
+            "swapped)",
+            *("  " + line for line in memory),
+        ]
+    owners = totals_lines(snapshot, selected, limit=20)
+    if owners:
+        out += [
+            "",
+            "OWNERS  (measured VRAM summed per user, pod and job from /proc/PID/cgroup; + lower "
+            "bound; rows whose owner is unknown counted apart)",
+            *("  " + line for line in owners),
+        ]
+        seen_owner: set[int] = set()
+        for p in procs:
+            o = p.owner
+            if p.pid in seen_owner or o is None or not (o.pod_uid or o.slurm_job or o.container_id):
+                continue
+            seen_owner.add(p.pid)
+            out.append(f"  PID {p.pid} {p.name or NA}: " + "; ".join(owner_detail_lines(o)[1:]))
     problems = [p for p in snapshot.problems if p is not snapshot.backend_problem]
     if problems:
         out += ["", "PROBLEMS", *("  " + describe_problem(p) for p in problems)]

@@ -38,6 +38,10 @@ every other process whose scan found a GPU/AI runtime library or a mapped model 
 those rows have no adapter and VRAM ``n/a (not listed)``. A process the budget has not
 reached yet carries ``ProcDetail(scanned=False)`` until a later refresh gets to it.
 
+   Then, for the rows only (`procfacts.RowFacts`, where there is /proc): what of each
+   process is swapped out, locked or pinned (``/proc/PID/status``; swapped bytes labelled
+   as held by duvm's pool only when its device is the only active swap device) and who owns
+   it (``/proc/PID/cgroup``: pod, container, Slurm job, unit, session; the real user).
 4. **Models** (`modelinfo.ModelResolver`): for every row with a procinfo scan, which model
    it holds (`ProcGpu.model`), the weights / KV cache / compute view (`ProcGpu.breakdown`)
    and an app adapter's selection (`ProcGpu.app_model`). The costly part (API probes, GGUF
@@ -73,7 +77,7 @@ from gputaskman.base.readings import (
     Snapshot,
 )
 from gputaskman.sampling import host as host_mod
-from gputaskman.sampling import hostplat
+from gputaskman.sampling import hostplat, procfacts
 
 if TYPE_CHECKING:
     from gputaskman.intel.procinfo import ProcInfo
@@ -213,12 +217,17 @@ class Collector:
         host: host_mod.HostSampler | hostplat.PlatformHostSampler | None = None,
         scanner: ProcScanner | None = None,
         models: Any = _DEFAULT_MODELS,
+        facts: procfacts.RowFacts | None = None,
     ) -> None:
         self.gpu = gpu
         self.scan_budget = scan_budget
         self._source = source if source is not None else registry.gpu_source()
         self._host = host if host is not None else hostplat.default_sampler()
         self._scanner = scanner if scanner is not None else default_scanner()
+        # each row's swapped / locked / pinned memory and cgroup owner, where there is /proc
+        if facts is None and isinstance(self._host, host_mod.HostSampler):
+            facts = procfacts.RowFacts(self._host.proc_root)
+        self._facts = facts
         if models is _DEFAULT_MODELS:
             # Model resolution needs procinfo's ProcInfo; a test's scanner seam has none.
             models = None
@@ -306,6 +315,10 @@ class Collector:
             rows.append(ProcGpu(pid, ct, name, None, (), not_listed, detail=d))
 
         t4 = time.perf_counter()
+        if self._facts is not None:
+            swap, pool = (None, None) if system is None else (system.swap, system.duvm)
+            rows = self._facts.annotate(rows, swap, pool)
+        t4b = time.perf_counter()
         rows = self._add_models(rows, gpu.adapters)
         t5 = time.perf_counter()
 
@@ -319,7 +332,8 @@ class Collector:
             "gpu_s": t1 - t0,
             "host_s": t2 - t1,
             "scan_s": t3 - t2,
-            "model_s": t5 - t4,
+            "facts_s": t4b - t4,
+            "model_s": t5 - t4b,
             "total_s": time.perf_counter() - t0,
         }
         snap = Snapshot(
@@ -333,6 +347,8 @@ class Collector:
             driver_version=gpu.driver_version,
             backend_problem=gpu.backend_problem,
             extra_metrics=gpu.extra_metrics,
+            health=gpu.health,
+            mig=gpu.mig,
         )
         return snap, system
 
@@ -386,6 +402,11 @@ def sysroot_collector(
         host=host_mod.HostSampler(proc_root=proc),
         scanner=scanner,
         models=models,
+        facts=procfacts.RowFacts(
+            proc,
+            pods_dir=os.path.join(root, "var", "log", "pods"),
+            swaps=os.path.join(proc, "swaps"),  # the tree's own, never this machine's
+        ),
     )
     c.extra_notes = (
         f"--sysroot {root}: GPUs and processes come from the tree under it; NVML is not "
@@ -444,4 +465,5 @@ def _row(r: GpuProcess, name: str | None, ct: float | None, d: ProcDetail | None
         host=r.host,
         parent_pid=r.parent_pid,
         unique=r.unique,
+        mig=r.mig,
     )

@@ -9,7 +9,10 @@ gputaskman never imports duvm. It speaks the local status socket both duvm proce
   ``/run/duvm/*.ctl``. Its answer carries ``store`` (replication health: per peer
   ``pages`` (this node's written pages there, one count per replica), ``reserved_pages``,
   ``slabs``, ``connected``; ``degraded_slabs``, ``pages_lost_now``, ``replicas``) and ``nbd``
-  counters. ``store`` is null for a daemon without a pool (``--memory``).
+  counters. ``store`` is null for a daemon without a pool (``--memory``). An answer that
+  names the block device serving the export as swap (``"swap_device": "/dev/nbd0"``) lets
+  gputaskman label swapped-out bytes as held by the pool (`procfacts.swap_holder`); duvm's
+  daemon does not send it yet, and without it they are labelled swap.
 * A **memserver** started with ``--control-socket PATH`` (suggested:
   ``/run/duvm/memserver.ctl``) answers ``{"role": "memserver", ...}`` with its STATUS
   document: capacity, reservations and every client namespace with its stored pages, that is
@@ -75,6 +78,9 @@ class DaemonPool:
     health: str  # ok / degraded / failing / unknown
     reasons: tuple[str, ...]
     peers: tuple[PeerPages, ...]
+    # the block device it serves as swap, when its status names it ("swap_device"): what
+    # labels swapped-out bytes as held by the pool (`procfacts.swap_holder`); None: not named
+    swap_device: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +154,8 @@ def _health(store: Mapping[str, Any], peers: list[PeerPages]) -> tuple[str, tupl
 
 def _parse_daemon(st: Mapping[str, Any], path: str) -> DaemonPool:
     src = f"duvm daemon:{path}"
+    device = st.get("swap_device")
+    device = device if isinstance(device, str) and device.startswith("/") else None
     store = st.get("store")
     if store is not None and not isinstance(store, Mapping):
         raise ValueError("'store' is not an object")
@@ -167,6 +175,7 @@ def _parse_daemon(st: Mapping[str, Any], path: str) -> DaemonPool:
             "ok",
             ("no pool: the daemon serves local RAM",),
             (),
+            device,
         )
     raw_peers = store.get("peers", [])
     if not isinstance(raw_peers, list):
@@ -196,6 +205,7 @@ def _parse_daemon(st: Mapping[str, Any], path: str) -> DaemonPool:
         health,
         reasons,
         tuple(peers),
+        device,
     )
 
 
@@ -323,6 +333,7 @@ def pool_json(info: PoolInfo) -> dict[str, Any]:
                 "pages_written": reading_json(d.pages_written),
                 "degraded_slabs": reading_json(d.degraded_slabs),
                 "pages_lost": reading_json(d.pages_lost),
+                "swap_device": d.swap_device,
                 "peers": [
                     {
                         "peer": p.peer,

@@ -322,6 +322,11 @@ class HostSampler:
         # (pid, create_time) -> (cpu ticks, monotonic seconds) from the previous sample.
         self._proc_prev: dict[tuple[int, float], tuple[int, float]] = {}
 
+    @property
+    def proc_root(self) -> str:
+        """Where /proc is read (a fixture tree's in tests)."""
+        return self._root
+
     # -- machine-wide
 
     def memory_and_swap(self) -> tuple[MemoryInfo, SwapInfo]:

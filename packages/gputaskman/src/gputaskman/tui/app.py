@@ -33,6 +33,7 @@ from textual.widgets import Footer, Input, Static
 
 from gputaskman.base.readings import Adapter, ProcDetail, ProcGpu, Snapshot
 from gputaskman.render import text_report
+from gputaskman.render.report_owners import MEMORY_COLUMNS, OWNER_COLUMNS
 from gputaskman.render.text_report import PROCESS_COLUMNS
 from gputaskman.sampling.host import HostSample
 from gputaskman.tui import settings as settings_mod
@@ -116,6 +117,8 @@ class GtmApp(App[int]):
         Binding("escape", "clear_filter", "clear the filter", show=False),
         Binding("k", "signal", "signal the highlighted process (TERM, INT, KILL)", show=False),
         Binding("t", "toggle_tree", "tree: processes under their parent", show=False),
+        Binding("m", "toggle_memory", "columns SWAPPED, LOCKED, PINNED on/off", show=False),
+        Binding("o", "toggle_owner", "column OWNER (pod, job, unit) on/off", show=False),
     ]
 
     def __init__(
@@ -177,6 +180,7 @@ class GtmApp(App[int]):
         st = self.settings
         self.table.sort_column, self.table.descending = st.sort, st.descending
         self.table.hidden = st.hidden_columns
+        self.table.optional = st.shown_columns
         if st.theme is not None:
             if st.theme in self.available_themes:
                 self.theme = st.theme
@@ -450,6 +454,21 @@ class GtmApp(App[int]):
 
     def action_toggle_tree(self) -> None:
         self.table.as_tree = not self.table.as_tree
+        if self.snapshot is not None:
+            self.render_all()
+
+    def action_toggle_memory(self) -> None:
+        self._toggle_columns(MEMORY_COLUMNS)
+
+    def action_toggle_owner(self) -> None:
+        self._toggle_columns(OWNER_COLUMNS)
+
+    def _toggle_columns(self, columns: tuple[str, ...]) -> None:
+        """Turn `columns` on (when any is off) or off, and keep the choice in the settings."""
+        on = self.table.optional
+        on = tuple(c for c in on if c not in columns) if set(columns) <= set(on) else on + columns
+        self.table.optional = tuple(dict.fromkeys(on))
+        self._save_settings(shown_columns=self.table.optional)
         if self.snapshot is not None:
             self.render_all()
 

@@ -1,5 +1,6 @@
-"""The TUI's settings that outlive a session: sort column and order, hidden columns, refresh
-interval and theme, in ``tui.json`` under the user's config directory (`platformdirs`:
+"""The TUI's settings that outlive a session: sort column and order, hidden columns, the
+columns turned on (`shown_columns`: SWAPPED, LOCKED, PINNED, OWNER), refresh interval and
+theme, in ``tui.json`` under the user's config directory (`platformdirs`:
 ``~/.config/gputaskman`` on Linux).
 
 A missing file means the defaults. A file that cannot be read or parsed, or a value of the
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import platformdirs
 
+from gputaskman.render.report_owners import OPTIONAL_COLUMNS
 from gputaskman.render.text_report import PAGED_COLUMNS
 from gputaskman.tui.widgets.process_table import ALWAYS, SORTS
 
@@ -30,6 +32,7 @@ class Settings:
     sort: str = "VRAM"
     descending: bool = True
     hidden_columns: tuple[str, ...] = ()  # never PID, NAME, VRAM or MODEL
+    shown_columns: tuple[str, ...] = ()  # of OPTIONAL_COLUMNS (off by default), those turned on
     interval: float | None = None  # None: the CLI's default
     theme: str | None = None  # a Textual theme name; None: Textual's default
 
@@ -65,6 +68,11 @@ def _check(raw: object) -> tuple[Settings, list[str]]:
             f"hidden_columns may name only {', '.join(c for c in PAGED_COLUMNS if c not in ALWAYS)}"
         )
     got["hidden_columns"] = tuple(ok)
+    shown = raw.get("shown_columns", [])
+    on = [c for c in shown if c in OPTIONAL_COLUMNS] if isinstance(shown, list) else []
+    if not isinstance(shown, list) or len(on) != len(shown):
+        bad.append(f"shown_columns may name only {', '.join(OPTIONAL_COLUMNS)}")
+    got["shown_columns"] = tuple(dict.fromkeys(on))
     interval = raw.get("interval")
     if interval is None or (
         isinstance(interval, (int, float))
@@ -106,6 +114,7 @@ def save(settings: Settings, path: Path) -> str | None:
     """Write `settings` to `path` atomically; the problem in words if it could not be."""
     data = dataclasses.asdict(settings)
     data["hidden_columns"] = list(settings.hidden_columns)
+    data["shown_columns"] = list(settings.shown_columns)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tui.", suffix=".json")

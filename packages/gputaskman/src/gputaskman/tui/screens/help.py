@@ -27,6 +27,7 @@ from gputaskman.base.readings import Kind, Reason
 from gputaskman.intel import runtimes
 from gputaskman.intel.evidence import Source
 from gputaskman.render import report, report_models, text_report
+from gputaskman.render.report_owners import OPTIONAL_COLUMNS
 from gputaskman.tui.widgets.process_table import ENGINE_COLUMNS, IDENTITY_COLUMNS, SORT_MARKS
 
 COLUMN_HELP: dict[str, str] = {
@@ -50,6 +51,13 @@ COLUMN_HELP: dict[str, str] = {
     "USER": "the user it runs as (n/a until it is scanned)",
     "TIME": "how long it has run when the sample was taken (M:SS, H:MM:SS, D-HH:MM:SS)",
     "COMMAND": "its command line, secrets redacted as in the inspector",
+    "SWAPPED": "its memory swapped out (VmSwap, measured; m turns it on); 'pool': duvm's "
+    "device is the only active swap device, 'swap': any other swap",
+    "LOCKED": "its mlock'ed memory (VmLck, measured; m): swap never takes it",
+    "PINNED": "its memory the kernel pinned for a device, RDMA or io_uring (VmPin, measured; "
+    "m): swap never takes it",
+    "OWNER": "its pod (namespace/name where a local source names it), Slurm job.step, "
+    "container, session or unit, as its cgroup names them (o turns it on; n/a: unreadable)",
 }
 
 KIND_HELP: dict[Kind, str] = {
@@ -85,7 +93,7 @@ def _row(mark: str, text: str, width: int = 24) -> str:
 def column_lines(columns: tuple[str, ...] = text_report.PAGED_COLUMNS) -> list[str]:
     """One line per column the process table can show (KeyError: one is unexplained).
     `columns` is the widest memory table's (tests add one the help does not know)."""
-    labels = [*columns, *ENGINE_COLUMNS, *IDENTITY_COLUMNS]
+    labels = [*columns, *ENGINE_COLUMNS, *IDENTITY_COLUMNS, *OPTIONAL_COLUMNS]
     return [_row(label, COLUMN_HELP[label], 9) for label in labels]
 
 

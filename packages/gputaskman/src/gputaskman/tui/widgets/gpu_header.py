@@ -6,8 +6,11 @@ and, where the width allows, sparklines of memory use and utilisation from the s
 already took (`tui.history`). When either memory reading is unknown the line says n/a with the
 reason instead of drawing an empty bar. The focused GPU (``g``) is marked ``▶`` and its
 details follow: PCI address, driver, the other engines, what is attributed to processes, and
-its problems and notes. On a short terminal (`compact`) the details shrink to the attributed
-line and the problems. The header scrolls when it is taller than its share of the screen.
+its health (`report_health.health_lines`: the verdict, XID, ECC, retired pages, remapped
+rows, clock event reasons, fan, PCIe and NVLink rates; a GPU whose readings say it is unhealthy
+is marked ``UNHEALTHY`` on its line too) and MIG instances, its problems and notes. On a short
+terminal (`compact`) the details shrink to the attributed line, the health verdict and the
+problems. The header scrolls when it is taller than its share of the screen.
 
 When the backend is unavailable the header explains why (and what that means) in one
 statement in place of the GPUs.
@@ -22,8 +25,11 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from gputaskman.base.gpuhealth import UNHEALTHY, verdict
 from gputaskman.base.readings import Adapter, DeviceMetrics, Reading, Snapshot
 from gputaskman.render import report, text_report
+from gputaskman.render.report_health import health_lines, mig_lines
+from gputaskman.render.report_owners import totals_lines
 from gputaskman.tui.history import History, Series, sparkline
 from gputaskman.tui.widgets.unchanged import update_static
 
@@ -71,6 +77,9 @@ def gpu_line(
     else:
         rest = memory_cell(m.memory_used_bytes, m.memory_total_bytes, 10 if width < 100 else 16)
         rest.append(f"  gpu {f(m.util_gpu_percent, '%')}")
+    health = snapshot.health.get(bus)
+    if health and verdict(health).state == UNHEALTHY:
+        rest.append("  UNHEALTHY", style="bold red")  # why: in the focused GPU's details
     mark = f"{'▶' if focused else ' '} {adapter.index} "
     room = max(8, min(NAME_WIDTH, width - len(mark) - 2 - rest.cell_len))
     line = Text(mark, style="bold")
@@ -112,9 +121,17 @@ def details(snapshot: Snapshot, adapter: Adapter, compact: bool) -> Text:
             f"attributed to processes (measured only) {report.fmt_bytes(att)}"
             + ("" if complete else "  · lower bound: some memory hidden or a list failed")
         )
+    if not compact:  # measured VRAM by user, pod and job ("+": a lower bound)
+        for line in totals_lines(snapshot, adapter.pci_bus_id, limit=4):
+            out.append("\nby " + line)
     gtt = snapshot.extra_metrics.get(adapter.pci_bus_id)
     if gtt and not compact:
         out.append("\n" + report.gtt_text(gtt))
+    for line in health_lines(snapshot, adapter.pci_bus_id)[: 1 if compact else None]:
+        out.append("\n" + line, style="bold red" if line.startswith("health  UNHEALTHY") else "")
+    if not compact:
+        for line in mig_lines(snapshot, adapter.pci_bus_id):
+            out.append("\n" + line)
     for pr in snapshot.problems:
         if pr.adapter == adapter.pci_bus_id:
             detail = f": {pr.detail}" if pr.detail else ""

@@ -14,6 +14,7 @@ from textual.widgets import Static
 from gputaskman.base.fmt import fmt_bytes
 from gputaskman.base.readings import ProcGpu, Reading, Snapshot
 from gputaskman.render import report
+from gputaskman.render.report_owners import owner_detail_lines
 from gputaskman.sampling.host import HostSample
 from gputaskman.tui.history import History, Series, sparkline
 from gputaskman.tui.widgets.unchanged import update_static
@@ -83,6 +84,14 @@ def inspect_text(
         lines.append(reading_line(name, r, unit="%"))
     lines.append(reading_line("RAM", host.get("ram_bytes"), as_bytes=True))
     lines.append(reading_line("CPU", host.get("cpu_percent"), unit="%"))
+    m = p.memory
+    if m is not None:  # /proc/PID/status: out of RAM, or held in it (never swapped)
+        where = "" if m.swapped_to is None else f" in {m.swapped_to} ({m.swapped.detail})"
+        lines.append(reading_line("swapped out", m.swapped, as_bytes=True) + where)
+        lines.append(reading_line("locked (mlock)", m.locked, as_bytes=True))
+        lines.append(reading_line("pinned", m.pinned, as_bytes=True))
+    if p.owner is not None:  # what its cgroup names (None: not read, e.g. an older file)
+        lines += owner_detail_lines(p.owner)
     if not d.scanned:
         detail = f" — {d.reason_detail}" if d.reason_detail else ""
         lines.append(f"scan: {d.reason or 'not scanned yet'}{detail}")

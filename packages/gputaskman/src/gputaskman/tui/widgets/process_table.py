@@ -6,7 +6,10 @@ only); unknown is n/a, sorted after every known value whichever the direction. R
 keyed by ``pid@adapter`` so the cursor stays on the same process across refreshes.
 
 A PAGED column (Windows non-local / macOS compressed graphics memory) appears after VRAM
-only while some row has a paged reading (`text_report.process_columns`).
+only while some row has a paged reading (`text_report.process_columns`). SWAPPED, LOCKED
+and PINNED (``/proc/PID/status``; SWAPPED says ``pool`` when duvm's device is the only swap)
+and OWNER (pod, Slurm job, container, session or unit from the cgroup) are off until the
+user turns them on (keys m and o, kept in the settings' ``shown_columns``).
 
 The table fits its width: columns are kept in the order of `PRIORITY` while they fit (PID,
 NAME, VRAM and MODEL always, and the sort column, arrow included), and when even those do not
@@ -25,6 +28,7 @@ from textual import events
 from gputaskman.base.fmt import NA, fmt_reading
 from gputaskman.base.readings import ProcGpu, Reading
 from gputaskman.render import report, text_report
+from gputaskman.render.report_owners import OPTIONAL_COLUMNS, memory_cells, owner_cell
 from gputaskman.sampling.host import HostSample
 from gputaskman.tui.widgets.line_table import LineTable
 
@@ -49,6 +53,7 @@ CELL_LIMITS = {
     "CATEGORY": 16,
     "USER": 10,
     "COMMAND": 48,
+    "OWNER": 24,
 }
 # Which columns a narrow table keeps, first first; the first four are always kept.
 PRIORITY = (
@@ -59,6 +64,10 @@ PRIORITY = (
     "GPU%",
     "RAM",
     "CPU%",
+    "SWAPPED",
+    "LOCKED",
+    "PINNED",
+    "OWNER",
     "GPU",
     "PAGED",
     "ENC%",
@@ -270,6 +279,7 @@ class ProcessTable(LineTable):
         self.rows_shown: dict[str, ProcGpu] = {}
         self.columns_shown: tuple[str, ...] = COLUMNS
         self.hidden: tuple[str, ...] = ()  # columns the user's settings leave out
+        self.optional: tuple[str, ...] = ()  # of OPTIONAL_COLUMNS, those turned on (m, o)
         self.as_tree = False  # rows under their parent process (t)
         self._every: tuple[str, ...] = COLUMNS  # every column this refresh could show
         self._row_cells: Callable[[ProcGpu], tuple[str, ...]] = lambda _p: ()
@@ -294,7 +304,8 @@ class ProcessTable(LineTable):
         engines = engine_columns(rows)
         base = text_report.process_columns(snapshot)
         at = base.index("PAGED" if "PAGED" in base else "VRAM") + 1
-        every = (*base[:at], *engines, *base[at:], *IDENTITY_COLUMNS)  # loads after memory
+        # loads after memory; the columns a user turns on (m, o) last, fitted by PRIORITY
+        every = (*base[:at], *engines, *base[at:], *IDENTITY_COLUMNS, *OPTIONAL_COLUMNS)
         if self.sort_column not in every:  # the PAGED or an engine column went away
             self.sort_column, self.descending = "VRAM", True
         ordered = sorted_rows(rows, self.sort_column, self.descending, lookup)
@@ -308,6 +319,7 @@ class ProcessTable(LineTable):
             cells = text_report.process_cells(p, lookup, snapshot, base)
             loads = tuple(fmt_reading(p.engines.get(ENGINE_COLUMNS[c]), "%") for c in engines)
             row = [*cells[:at], *loads, *cells[at:], *identity_cells(p, taken)]
+            row += [*memory_cells(p), owner_cell(p.owner)]
             branch = branches.get(row_key(p))
             if branch:
                 row[name_at] = branch + row[name_at]
@@ -334,7 +346,11 @@ class ProcessTable(LineTable):
         every = self._every
         window = [self.keys[i] for i in self.visible_range()]
         sort = (self.sort_column, self.header_label(self.sort_column))
-        offered = tuple(c for c in every if c not in self.hidden)
+        offered = tuple(
+            c
+            for c in every
+            if c not in self.hidden and (c not in OPTIONAL_COLUMNS or c in self.optional)
+        )
         picks = [every.index(c) for c in offered]
         cells = [tuple(self._cells(k)[i] for i in picks) for k in window]
         columns, limits = fit_columns(offered, cells, self._room, sort)
