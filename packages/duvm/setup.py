@@ -4,7 +4,8 @@ Everything but `ext_modules` is in pyproject.toml. Each extension is a Cython mo
 pure-Python module it accelerates; it is optional: without a C compiler or the OpenSSL headers
 the build still succeeds and duvm runs the pure-Python path, saying so at start and in
 `duvm doctor` (duvm.base.accel). Each extension is built with the SHA-256 of its .pyx source
-(DUVM_SOURCE_DIGEST), so a build older than its source is noticed and not used.
+and of the .pxd beside it, if any (DUVM_SOURCE_DIGEST: its C interface, which other compiled
+modules cimport), so a build older than its source is noticed and not used.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ RDMA = {"duvm.rdma._verbs": ["ibverbs", "rdmacm"]}
 
 def extension(module: str, libraries: list[str]) -> Extension:
     rel = Path("src", *module.split(".")).with_suffix(".pyx")
-    digest = hashlib.sha256((HERE / rel).read_bytes()).hexdigest()
+    pxd = (HERE / rel).with_suffix(".pxd")  # duvm.base.accel digests the same bytes
+    source = (HERE / rel).read_bytes() + (pxd.read_bytes() if pxd.exists() else b"")
+    digest = hashlib.sha256(source).hexdigest()
     return Extension(
         module,
         [str(rel)],

@@ -134,7 +134,7 @@ async def roundtrip() -> dict[str, Any]:
     await tcp.connect()
     out["tcp_reads_same"] = bytes(await tcp.load(keys[:10])) == data[: 10 * PS]
     await tcp.close()
-    out["chunks_mapped"] = sorted(a._rdma.chunks)
+    out["chunks_mapped"] = sorted(a.rdma.chunks)
     return out | {"_client": a, "_data": data, "_keys": keys}
 
 
@@ -145,11 +145,11 @@ async def forged(a: Any, data: bytes, keys: tuple[int, ...]) -> dict[str, Any]:
     await b.reserve(256)
     mine = os.urandom(PS)
     await b.store_batch((5,), memoryview(mine))  # maps b's chunk 0
-    a_addr, a_rkey = a._rdma.chunks[0]
-    b_rkey = b._rdma.chunks[0][1]
+    a_addr, a_rkey = a.rdma.chunks[0]
+    b_rkey = b.rdma.chunks[0][1]
     out["distinct_rkeys"] = a_rkey != b_rkey
     # b claims a's chunk 0 with a's address and rkey: another domain's key
-    b._rdma.chunks[1] = (a_addr, a_rkey)
+    b.rdma.chunks[1] = (a_addr, a_rkey)
     buf = bytearray(PS)
     # b's key 256 + k would be a's key k: 356 is a's key 100, the first page a wrote
     out["foreign_rkey"] = repr(await _cb(b, False, (356,), memoryview(buf)))
@@ -158,10 +158,10 @@ async def forged(a: Any, data: bytes, keys: tuple[int, ...]) -> dict[str, Any]:
     out["b_link_after"] = b.transport_in_use
     # reconnected, b tries its own rkey at a's address (outside its regions)
     out["b_reconnected"] = await reconnect(b)
-    if b._rdma is not None:
+    if b.rdma is not None:
         await b.load_batch((5,), memoryview(bytearray(PS)))  # maps b's chunk 0 again
-        _, b_rkey2 = b._rdma.chunks[0]
-        b._rdma.chunks[2] = (a_addr, b_rkey2)
+        _, b_rkey2 = b.rdma.chunks[0]
+        b.rdma.chunks[2] = (a_addr, b_rkey2)
         out["own_rkey_foreign_address"] = repr(
             await _cb(b, True, (512,), memoryview(os.urandom(PS)))
         )
@@ -181,8 +181,8 @@ async def forged(a: Any, data: bytes, keys: tuple[int, ...]) -> dict[str, Any]:
 
 
 async def stale(a: Any) -> dict[str, Any]:
-    old = dict(a._rdma.chunks)
-    link = a._rdma
+    old = dict(a.rdma.chunks)
+    link = a.rdma
     await a.release()
     link.chunks.update(old)  # the client keeps using its old keys
     res = repr(await _cb(a, False, (100,), memoryview(bytearray(PS))))
@@ -246,16 +246,16 @@ async def past_end() -> dict[str, Any]:
     await neighbour.reserve(4)
     secret = os.urandom(PS)
     await neighbour.store([0], secret)
-    addr, rkey = edge._rdma.chunks[0]
-    edge._rdma.chunks[3] = (addr + 256 * PS, rkey)  # key 768: one page past the region
+    addr, rkey = edge.rdma.chunks[0]
+    edge.rdma.chunks[3] = (addr + 256 * PS, rkey)  # key 768: one page past the region
     buf = bytearray(PS)
     out: dict[str, Any] = {"transport": edge.transport_in_use}
     out["past_end_read"] = repr(await _cb(edge, False, (768,), memoryview(buf)))
     out["past_end_leaked"] = bytes(buf) == secret
     if await reconnect(edge):
         await edge.load_batch((5,), memoryview(bytearray(PS)))  # maps chunk 0 again
-        addr, rkey = edge._rdma.chunks[0]
-        edge._rdma.chunks[3] = (addr + 256 * PS, rkey)
+        addr, rkey = edge.rdma.chunks[0]
+        edge.rdma.chunks[3] = (addr + 256 * PS, rkey)
         junk = memoryview(os.urandom(PS))
         out["past_end_write"] = repr(await _cb(edge, True, (768,), junk))
         out["edge_reconnected_again"] = await reconnect(edge)

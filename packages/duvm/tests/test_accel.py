@@ -98,6 +98,31 @@ def test_a_stale_build_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert accel.load("stalepkg._current") is not None  # the check passes a current build
 
 
+def test_a_build_older_than_its_c_interface_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches a build older than the .pxd beside its .pyx (the C interface other compiled
+    modules cimport, as the encrypting filter's path cimports the page cipher's): the digest
+    covers both, as setup.py builds it."""
+    import hashlib
+
+    pkg = tmp_path / "pxdpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    source, interface = b"# the source\n", b"# the C interface as it is now\n"
+    for name in ("_old", "_new"):
+        (pkg / f"{name}.pyx").write_bytes(source)
+        (pkg / f"{name}.pxd").write_bytes(interface)
+    old = hashlib.sha256(source).hexdigest()  # built before the .pxd was there, or changed
+    (pkg / "_old.py").write_text(f"SOURCE_DIGEST = {old!r}\n")
+    new = hashlib.sha256(source + interface).hexdigest()
+    (pkg / "_new.py").write_text(f"SOURCE_DIGEST = {new!r}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(accel.ENV, raising=False)
+    assert "stale build" in accel.state("pxdpkg._old")
+    assert accel.load("pxdpkg._new") is not None
+
+
 def test_doctor_and_the_report_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(accel.ENV, raising=False)
     rep, check = accel.report(), doctor_host.check_request_path()

@@ -162,12 +162,27 @@ async def _run(store: CryptStore, below: _Below, reqs: list[tuple]) -> list:
     return log
 
 
-def _store(pure: bool) -> tuple[CryptStore, _Below]:
+class _Reserving(CryptStore):
+    """A store whose nonce hook does something (as PersistentCryptStore's stores the counter):
+    it records each call with the counter the cipher stood at, which must be before the seal."""
+
+    def __init__(self, inner: BlockStore, key: bytes) -> None:
+        super().__init__(inner, key=key)
+        self.reserved: list[tuple[int, int]] = []
+
+    def reserve_nonces(self, n: int) -> None:
+        self.reserved.append((n, self.cipher.counter))
+
+    def counters(self) -> dict[str, int]:
+        return {**super().counters(), "reserved": self.reserved}  # type: ignore[dict-item]
+
+
+def _store(pure: bool, cls: type[CryptStore] = CryptStore) -> tuple[CryptStore, _Below]:
     below = _Below()
     old = os.environ.get(accel.ENV)
     os.environ[accel.ENV] = "1" if pure else "0"
     try:
-        store = CryptStore(below, key=KEY)
+        store = cls(below, key=KEY)
     finally:
         if old is None:
             del os.environ[accel.ENV]
@@ -177,10 +192,14 @@ def _store(pure: bool) -> tuple[CryptStore, _Below]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests())
-def test_the_compiled_crypt_path_does_what_the_reference_does(reqs: list[tuple]) -> None:
-    ref, ref_below = _store(pure=True)
-    fast, fast_below = _store(pure=False)
+@given(requests(), st.sampled_from([CryptStore, _Reserving]))
+def test_the_compiled_crypt_path_does_what_the_reference_does(
+    reqs: list[tuple], cls: type[CryptStore]
+) -> None:
+    """Also with a nonce hook that does something: called with the same counts, before each
+    seal, on both paths (the compiled one skips only the base class's, which does nothing)."""
+    ref, ref_below = _store(pure=True, cls=cls)
+    fast, fast_below = _store(pure=False, cls=cls)
     assert type(ref.fast) is crypt_store.CryptFastPath
     assert type(fast.fast) is compiled.CryptFastPath
     assert asyncio.run(_run(fast, fast_below, reqs)) == asyncio.run(_run(ref, ref_below, reqs))
@@ -245,3 +264,34 @@ async def test_a_persistent_store_closes_while_a_connection_holds_its_fast_path(
     await store.close()
     tables.close()
     assert callable(held[0]) and store.fast is None
+
+
+def test_the_nonce_hook_is_skipped_only_where_it_does_nothing() -> None:
+    """`nonce_hook` is what the compiled path calls before each seal: None only for the base
+    class's own `reserve_nonces`; any override runs, a subclass's or one set on the object."""
+    from duvm.store import daemon_state as ds
+
+    base, _ = _store(pure=False)
+    assert base.nonce_hook() is None
+    reserving, _ = _store(pure=False, cls=_Reserving)
+    hook = reserving.nonce_hook()
+    assert hook is not None and hook.__func__ is _Reserving.reserve_nonces  # type: ignore[attr-defined]
+    assert ds.PersistentCryptStore.reserve_nonces is not CryptStore.reserve_nonces
+    calls: list[int] = []
+    base.reserve_nonces = calls.append  # type: ignore[method-assign]
+    assert base.nonce_hook() is not None
+    base.fast = compiled.CryptFastPath(base)
+    base.fast.start_write(0, memoryview(bytearray(3 * PS)), lambda tag, cont: None, 0)
+    assert calls == [3]
+
+
+def test_a_reserving_store_reserves_before_each_seal_on_both_paths() -> None:
+    """The counter a write's seal will reach is stored before it seals (PersistentCryptStore):
+    the hook sees the counter as it was before the seal, on both paths."""
+    for pure in (True, False):
+        store, _below = _store(pure, cls=_Reserving)
+        start_write = store.fast_entries()[1]
+        for first, count in ((0, 2), (5, 1), (7, 3)):
+            start_write(first * PS, memoryview(bytearray(count * PS)), lambda t, c: None, 0)
+        assert store.reserved == [(2, 0), (1, 2), (3, 3)]  # type: ignore[attr-defined]
+        assert store.cipher.counter == 6

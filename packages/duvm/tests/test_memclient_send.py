@@ -6,8 +6,10 @@ and a real `storage.Batching`: STOREs and LOADs on the callback path and the awa
 (which merge), FREEs and encoded messages (which do not), corking and uncorking, the loop's
 flushes, a smaller batch limit, the connection lost (the transport gone or closing, the table
 failed), a refused merged batch sent again part by part, an explicit flush, and replies
-completing pending requests. Every byte written and how it was split into writes, the table
-of pending requests, every completion and every waiter's state must be the same. Without the
+completing pending requests; a STORE's pages in a bytearray, in a bytes object viewed whole
+(sent as that object: `wire_part`), in part, or backwards. Every byte written, how it was
+split into writes and what each part was, the table of pending requests, every completion
+and every waiter's state must be the same. Without the
 compiled module these tests skip, except where DUVM_REQUIRE_COMPILED=1 (CI) makes that a
 failure.
 """
@@ -76,7 +78,8 @@ class _Transport:
         return self.closing
 
     def writelines(self, bufs: list) -> None:
-        self.log.append(("write", [len(b) for b in bufs], _digest(b"".join(bufs))))
+        parts = [(len(b), type(b).__name__) for b in bufs]
+        self.log.append(("write", parts, _digest(b"".join(bytes(b) for b in bufs))))
 
 
 PAGE_OPS = st.sampled_from(["store_cb"] * 3 + ["load_cb"] * 2 + ["store", "load"])
@@ -130,7 +133,14 @@ async def _run_async(queue_type: type, ops: list) -> list:
         before = q.busy_since
         if op in ("store_cb", "load_cb", "store", "load"):
             keys = tuple(range(a, a + b))
-            buf = memoryview(bytearray(bytes([n & 0xFF]) * (b * PS)))
+            fill = bytes([n & 0xFF, a & 0xFF]) * (b * PS // 2)
+            buf = memoryview(bytearray(fill))
+            if op in ("store_cb", "store") and a % 4:  # the bytes object a seal made, viewed:
+                buf = memoryview(fill)  # whole (sent as that object),
+                if a % 4 == 2:
+                    buf = memoryview(fill + bytes(PS))[: b * PS]  # in part,
+                elif a % 4 == 3:
+                    buf = memoryview(fill)[::-1]  # or backwards (sent as the view)
 
             def cb(exc: BaseException | None, n: int = n) -> None:
                 log.append(("cb", n, None if exc is None else (type(exc).__name__, str(exc))))
@@ -222,7 +232,8 @@ def test_both_queues_merge_a_burst_into_one_frame_and_one_write() -> None:
     for queue_type in (compiled.SendQueue, memclient_send.SendQueue):
         log = _run(queue_type, ops)
         writes = [e for e in log if e[0] == "write"]
-        assert len(writes) == 1 and writes[0][1] == [32 + 3 * 8, PS, PS, PS], writes
+        parts = [(32 + 3 * 8, "bytes")] + [(PS, "memoryview")] * 3
+        assert len(writes) == 1 and writes[0][1] == parts, writes
         assert [e for e in log if e[0] == "call_soon"] == [("call_soon",)]
         assert log[-2][1] == [(1, "Batch", [10, 11, 30])]  # one request id, three pages
 
@@ -286,3 +297,43 @@ def test_a_client_takes_the_chosen_queue(monkeypatch: pytest.MonkeyPatch) -> Non
     assert type(MemClient("h", 1, "c").queue) is memclient_send.SendQueue
     monkeypatch.delenv(accel.ENV)
     assert type(MemClient("h", 1, "c").queue) is compiled.SendQueue
+
+
+def test_a_whole_bytes_object_goes_out_as_itself_on_both_queues() -> None:
+    """The encrypting filter's sealed pages are a bytes object viewed whole: each queue sends
+    that object (uvloop then writes it as it is), the same bytes as the view; any other view
+    (of a bytearray, part of a bytes object, backwards) goes out as the view."""
+    assert compiled is not None
+    sealed = bytes(range(256)) * (2 * PS // 256)
+    cases = [
+        (memoryview(sealed), "bytes"),
+        (memoryview(memoryview(sealed)), "bytes"),
+        (memoryview(bytearray(sealed)), "memoryview"),
+        (memoryview(sealed + b"x")[: 2 * PS], "memoryview"),
+        (memoryview(sealed)[::-1], "memoryview"),
+    ]
+    got: list = []
+
+    class T:
+        def is_closing(self) -> bool:
+            return False
+
+        def writelines(self, bufs: list) -> None:
+            got.append(bufs)
+
+    for data, kind in cases:
+        for queue_type in (compiled.SendQueue, memclient_send.SendQueue):
+            got.clear()
+
+            async def main(queue_type: type = queue_type, data: memoryview = data) -> None:
+                q = queue_type("m", Batching())
+                q.connected(asyncio.get_running_loop(), T())
+                q.store_cb((5, 6), data, lambda exc: None)
+                q.send_queued()
+
+            asyncio.run(main())
+            part = got[0][1]
+            assert type(part).__name__ == kind, (queue_type, kind)
+            assert bytes(part) == bytes(data)
+            if kind == "bytes":
+                assert part is sealed

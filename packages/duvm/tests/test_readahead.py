@@ -108,17 +108,25 @@ async def test_random_reads_fetch_nothing_ahead(written, fast) -> None:
 
 async def test_writes_and_trims_never_leave_stale_bytes_in_a_window(memserver_pool, fast) -> None:
     """A model of every page, checked on every read, while a sequential reader keeps windows
-    loaded and writes (fast path and general path) and trims land inside and ahead of them."""
+    loaded and writes (fast path and general path) and trims land inside and ahead of them.
+    Whenever a window is held, the table tells the readahead of every change (`on_change`);
+    with none held, it calls nothing."""
     _srvs, addrs = await memserver_pool(1, 8 * MiB)
     pages = 1024
     store = await RemoteStore.open(addrs, pages * PS, "t:ra:3", replicas=1)
     rng = random.Random(11)
     model = bytearray(os.urandom(pages * PS))
+    ra = store.readahead
     try:
         await store.write(0, memoryview(bytes(model)))
+        assert not ra.windows and store.table.on_change is None
         out = bytearray(READ)
         pos = 0
+        unwatched = 0
         for step in range(600):
+            if ra.windows:
+                assert store.table.on_change == ra.invalidate, step
+            unwatched += store.table.on_change is None
             op = rng.random()
             if op < 0.6:  # the sequential reader
                 sp = store.table.slab_pages
@@ -146,6 +154,7 @@ async def test_writes_and_trims_never_leave_stale_bytes_in_a_window(memserver_po
                         await store.write(p * PS, memoryview(new))
                 model[p * PS : (p + n) * PS] = new
         assert store.counters()["ra_hits"] > 50 and store.counters()["ra_dropped"] > 0
+        assert unwatched > 0  # every window dropped at times: nothing called meanwhile
         whole = bytearray(pages * PS)
         await store.read(0, memoryview(whole))
         assert whole == model

@@ -3,9 +3,10 @@ reference (`duvm.store.remote_write.WriteFanOut`): differential.
 
 Each path gets its own real `SlabTable`, `Replication` and `RemoteWrites` over the same scripted
 memory clients, and the same writes drawn by Hypothesis: any page and length (within one slab
-or across two), replicas connected or not, a client whose `store_cb` declines at the last
-moment, a batch limit below the write, a repair copying the slab, the export not open, and
-each replica's answer (stored, unreachable, refused for space, a bug) in any order, with the
+or across two), replicas connected or not, by TCP (the STORE goes straight into the client's
+send queue) or by RDMA (through its `store_cb`, which may decline at the last moment), a
+batch limit below the write, a repair copying the slab, the export not open, and each
+replica's answer (stored, unreachable, refused for space, a bug) in any order, with the
 checksum callback run before or after them, and `on_change` (the readahead's hook) failing.
 Every return value, every STORE handed to a client (keys and bytes), every completion (its
 outcome, or that the general path continues it), the page table's state and checksums, the
@@ -54,18 +55,36 @@ class _Loop:
         self.soon.append(fn)
 
 
+class _Queue:
+    """A memory client's send queue: its `store_cb` records the STORE and keeps the
+    completion for the test to call."""
+
+    def __init__(self, client: _Client) -> None:
+        self.client = client
+
+    def store_cb(self, keys: tuple[int, ...], data: memoryview, cb: Any) -> None:
+        c = self.client
+        c.log.append(("queue.store_cb", c.peer, keys, _digest(data)))
+        c.waiting.append(cb)
+
+
 @dataclass(eq=False)
 class _Client:
-    """A memory client as the fan-out sees it: connected or not, its batch limit, and a
-    `store_cb` that records the STORE and keeps the completion for the test to call."""
+    """A memory client as the fan-out sees it: connected or not, by TCP (`rdma` None: its
+    `queue`) or RDMA, its batch limit, and a `store_cb` that records the STORE and keeps the
+    completion for the test to call."""
 
     peer: str
     log: list
     loop: _Loop
     hello: object | None = True
+    rdma: object | None = None
     max_batch: int = 64
     declines: bool = False  # store_cb finds the connection gone at the last moment
     waiting: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.queue = _Queue(self)
 
     def store_cb(self, keys: tuple[int, ...], data: memoryview, cb: Any) -> bool:
         self.log.append(("store_cb", self.peer, keys, _digest(data)))
@@ -118,6 +137,7 @@ def scenarios(draw: st.DrawFn) -> dict:
                 "count": count,
                 "fill": draw(st.binary(min_size=8, max_size=8)),
                 "hello": [draw(st.integers(0, 9)) > 0 for _ in range(nclients)],
+                "rdma": [draw(st.integers(0, 3)) == 0 for _ in range(nclients)],
                 "declines": [draw(st.integers(0, 9)) == 0 for _ in range(nclients)],
                 "max_batch": [draw(st.sampled_from([64] * 7 + [2])) for _ in range(nclients)],
                 "repairing": draw(st.integers(0, 9)) == 0,
@@ -141,10 +161,11 @@ def _run(fan_out_type: type, sc: dict) -> list:
     writes = RemoteWrites(rep, 0.0)
     fan = fan_out_type(writes)
     for i, w in enumerate(sc["writes"]):
-        for c, hello, declines, mb in zip(
-            clients, w["hello"], w["declines"], w["max_batch"], strict=True
+        for c, hello, rdma, declines, mb in zip(
+            clients, w["hello"], w["rdma"], w["declines"], w["max_batch"], strict=True
         ):
             c.hello, c.declines, c.max_batch = (True if hello else None), declines, mb
+            c.rdma = "link" if rdma else None
         rep.repairs = {w["first"] // SLAB_PAGES: object()} if w["repairing"] else {}
         rep.open = not w["closed"]
 
@@ -210,6 +231,7 @@ def test_both_paths_store_on_every_replica_and_acknowledge_once_all_stored() -> 
                 "count": 2,
                 "fill": b"\x5a" * 8,
                 "hello": [True, True],
+                "rdma": [False, True],
                 "declines": [False, False],
                 "max_batch": [64, 64],
                 "repairing": False,
@@ -223,9 +245,9 @@ def test_both_paths_store_on_every_replica_and_acknowledge_once_all_stored() -> 
     }
     for fan_out_type in (compiled.WriteFanOut, remote_write.WriteFanOut):
         log = _run(fan_out_type, sc)
-        stores = [e for e in log if e[0] == "store_cb"]
-        assert stores == [
-            ("store_cb", "m0", (3, 4), _digest(b"\x5a" * (2 * PS))),
+        stores = [e for e in log if e[0] in ("store_cb", "queue.store_cb")]
+        assert stores == [  # by TCP into m0's send queue, by RDMA through m1's store_cb
+            ("queue.store_cb", "m0", (3, 4), _digest(b"\x5a" * (2 * PS))),
             ("store_cb", "m1", (3, 4), _digest(b"\x5a" * (2 * PS))),
         ]
         assert ("taken", True) in log and (

@@ -8,7 +8,8 @@ the pure path must run:
 - DUVM_PURE_PYTHON=1 in the environment chooses the reference on purpose;
 - the module was not built (no compiler, no OpenSSL headers), or does not load;
 - it was built from an older source than the .pyx beside it (a stale build: its
-  SOURCE_DIGEST is not the source's SHA-256), which would run code nobody reads.
+  SOURCE_DIGEST is not the SHA-256 of the .pyx and of the .pxd beside it, if any: the C
+  interface other compiled modules cimport), which would run code nobody reads.
 
 `report()` says which path runs and why, for `duvm doctor` and `duvm status`; `announce()`
 logs it once at a daemon's or memserver's start, a warning when the pure path runs for want
@@ -69,10 +70,12 @@ def _stale(module: ModuleType) -> str | None:
     if origin is None:
         return None
     source = Path(origin).with_name(module.__name__.rsplit(".", 1)[1] + ".pyx")
+    pxd = source.with_suffix(".pxd")
     try:
-        digest = hashlib.sha256(source.read_bytes()).hexdigest()
+        code = source.read_bytes() + (pxd.read_bytes() if pxd.exists() else b"")
     except OSError:
         return None  # an install without the source: nothing to compare
+    digest = hashlib.sha256(code).hexdigest()
     if getattr(module, "SOURCE_DIGEST", None) != digest:
         return f"stale build (older than {source.name}); rebuild: uv sync --reinstall-package duvm"
     return None
@@ -83,6 +86,8 @@ def _import(name: str) -> tuple[ModuleType | None, str]:
         module = importlib.import_module(name)
     except ImportError as e:
         return None, f"not built ({e})"
+    except ValueError as e:  # a type it cimports was rebuilt with another layout (Cython)
+        return None, f"does not load ({e}); rebuild: uv sync --reinstall-package duvm"
     stale = _stale(module)
     return (None, stale) if stale else (module, "compiled")
 

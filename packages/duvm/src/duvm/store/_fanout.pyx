@@ -7,8 +7,9 @@ Per replicated 4 KiB write the reference runs the fan-out, the choice of replica
 completion per replica as interpreted frames over a closure; here they are typed C over one
 `ReplicatedWrite`, with the slab's in-flight counter written through a typed view of the
 table's array. What they touch outside (the table's `mark_stored`, `write_started` and
-`write_ended`, each memory client's `store_cb`, the general path `RemoteWrites.store_slab`)
-is the same Python code the reference calls, so every rule stays in one place.
+`write_ended`, each memory client's send queue, or its `store_cb` over RDMA, the general
+path `RemoteWrites.store_slab`) is the same code the reference calls, so every rule stays in
+one place.
 
 tests/test_remote_write_fanout.py holds both to the same behaviour.
 """
@@ -60,7 +61,7 @@ cdef class ReplicatedWrite:
             except Exception as e:  # never leave the request unanswered
                 done(tag, e)
                 return
-            counters = w.counters
+            counters = owner.counters
             counters.stores += 1
             counters.pages_stored += self.count
             done(tag, None)
@@ -80,6 +81,7 @@ cdef class WriteFanOut:
     """The fast path of `RemoteWrites` (see the reference)."""
 
     cdef readonly object writes, replication, table, page_crcs
+    cdef object counters  # the writes' counters, never replaced
     cdef int[::1] inflight
 
     def __init__(self, writes):
@@ -87,6 +89,7 @@ cdef class WriteFanOut:
         self.replication = writes.replication
         self.table = writes.table
         self.page_crcs = writes.page_crcs  # the writes' checksum function (see the reference)
+        self.counters = writes.counters
         self.inflight = self.table.inflight  # the table's own array, never replaced
 
     def start_write(self, Py_ssize_t offset, data, done, tag):
@@ -115,7 +118,9 @@ cdef class WriteFanOut:
         if w.waiting > 1:  # registered before any STORE can leave
             w.token = t.write_started(first, count, data)
         for c in clients:
-            if not c.store_cb(keys, data, w):  # not connected after all: a failure
+            if c.rdma is None:  # by TCP (connected, as just checked): into its send queue
+                c.queue.store_cb(keys, data, w)
+            elif not c.store_cb(keys, data, w):  # not connected after all: a failure
                 w(MemserverUnreachable(f"not connected to memserver {c.peer}"))
         if count > 1:  # the checksums, while the memservers copy the pages (see the reference)
             clients[0].loop.call_soon(w.compute_crcs)

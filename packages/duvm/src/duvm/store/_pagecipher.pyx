@@ -5,7 +5,9 @@
 The same key, counter, nonces, associated data and layout, so both produce the same bytes and
 either opens what the other sealed (tests/test_page_cipher.py compares them). One EVP context
 per direction is keyed once; each page then costs one IV set, one AAD update, one update over
-the page and the tag, with no Python object per page.
+the page and the tag, with no Python object per page. `seal_pages` (declared in
+`_pagecipher.pxd`) is the seal over raw buffers, which the encrypting filter's compiled fast
+path calls without a Python call per request.
 """
 
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
@@ -17,8 +19,6 @@ cdef extern from *:
     const char *DUVM_SOURCE_DIGEST
 
 cdef extern from "openssl/evp.h":
-    ctypedef struct EVP_CIPHER_CTX:
-        pass
     ctypedef struct EVP_CIPHER:
         pass
     ctypedef struct ENGINE:
@@ -38,8 +38,19 @@ cdef extern from "openssl/evp.h":
     int EVP_DecryptFinal_ex(EVP_CIPHER_CTX *ctx, unsigned char *out, int *outl)
     int EVP_CIPHER_CTX_ctrl(EVP_CIPHER_CTX *ctx, int type, int arg, void *ptr)
     enum:
-        EVP_CTRL_GCM_GET_TAG
         EVP_CTRL_GCM_SET_TAG
+
+cdef extern from "openssl/params.h":
+    ctypedef struct OSSL_PARAM:
+        void *data
+    OSSL_PARAM OSSL_PARAM_construct_octet_string(const char *key, void *buf, size_t bsize)
+    OSSL_PARAM OSSL_PARAM_construct_end()
+
+cdef extern from "openssl/core_names.h":
+    const char *OSSL_CIPHER_PARAM_AEAD_TAG
+
+cdef extern from "openssl/evp.h":
+    int EVP_CIPHER_CTX_get_params(EVP_CIPHER_CTX *ctx, OSSL_PARAM *params)
 
 SOURCE_DIGEST = DUVM_SOURCE_DIGEST.decode()
 
@@ -64,12 +75,8 @@ cdef inline void _aad(unsigned char *aad, uint64_t page, const unsigned char *no
 
 
 cdef class PageCipher:
-    """Seal and open runs of whole pages under one key (see PurePageCipher for the contract)."""
-
-    cdef EVP_CIPHER_CTX *_enc
-    cdef EVP_CIPHER_CTX *_dec
-    cdef uint64_t _lo  # the 96-bit nonce counter: low 64 bits ...
-    cdef uint32_t _hi  # ... and high 32 bits (the last nonce used)
+    """Seal and open runs of whole pages under one key (see PurePageCipher for the contract).
+    Its fields are declared in _pagecipher.pxd: the two EVP contexts and the nonce counter."""
 
     def __cinit__(self, const unsigned char[::1] key not None, counter=0):
         if key.shape[0] != 32:
@@ -107,37 +114,51 @@ cdef class PageCipher:
         """Encrypt the len(plain) // 4096 pages numbered from `first` into `sealed`, writing
         each page's nonce and tag into `meta` (28 bytes per page). Raises OverflowError (and
         seals nothing) when the counter cannot give that many nonces."""
-        cdef Py_ssize_t n = plain.shape[0] // PAGE, i
-        cdef unsigned char aad[AAD]
-        cdef unsigned char *nonce
-        cdef unsigned char tail[16]  # GCM's final step writes nothing; a place for it anyway
-        cdef int outl, b
+        cdef Py_ssize_t n = plain.shape[0] // PAGE
         if plain.shape[0] != n * PAGE or sealed.shape[0] != n * PAGE:
             raise ValueError("plain and sealed must be the same whole number of pages")
         if meta.shape[0] != n * META:
             raise ValueError("meta must hold 28 bytes per page")
+        if n:
+            self.seal_pages(first, &plain[0], &sealed[0], &meta[0], n)
+
+    cdef int seal_pages(self, uint64_t first, const unsigned char *plain,
+                        unsigned char *sealed, unsigned char *meta,
+                        Py_ssize_t n) except -1:
+        """`seal` over raw buffers: `plain` and `sealed` of n pages, `meta` of n * 28 bytes
+        (the caller's to size). OverflowError, having sealed nothing, when the counter cannot
+        give n nonces."""
+        cdef Py_ssize_t i
+        cdef unsigned char aad[AAD]
+        cdef unsigned char *nonce
+        cdef unsigned char tail[16]  # GCM's final step writes nothing; a place for it anyway
+        cdef int outl, b
+        cdef OSSL_PARAM get_tag[2]  # the tag read straight into meta (no ctrl translation)
         if self._hi == 0xFFFFFFFF and self._lo > 0xFFFFFFFFFFFFFFFF - <uint64_t>n:
             raise OverflowError("nonce space exhausted")
+        get_tag[0] = OSSL_PARAM_construct_octet_string(OSSL_CIPHER_PARAM_AEAD_TAG, NULL, TAG)
+        get_tag[1] = OSSL_PARAM_construct_end()
         for i in range(n):
             self._lo += 1
             if self._lo == 0:
                 self._hi += 1
-            nonce = &meta[i * META]
+            nonce = meta + i * META
             for b in range(8):
                 nonce[b] = <unsigned char>((self._lo >> (8 * b)) & 0xFF)
             for b in range(4):
                 nonce[8 + b] = <unsigned char>((self._hi >> (8 * b)) & 0xFF)
             _aad(aad, first + <uint64_t>i, nonce)
+            get_tag[0].data = nonce + NONCE
             if (
                 EVP_EncryptInit_ex(self._enc, NULL, NULL, NULL, nonce) != 1
                 or EVP_EncryptUpdate(self._enc, NULL, &outl, aad, AAD) != 1
-                or EVP_EncryptUpdate(self._enc, &sealed[i * PAGE], &outl, &plain[i * PAGE],
+                or EVP_EncryptUpdate(self._enc, sealed + i * PAGE, &outl, plain + i * PAGE,
                                      PAGE) != 1
                 or EVP_EncryptFinal_ex(self._enc, tail, &outl) != 1
-                or EVP_CIPHER_CTX_ctrl(self._enc, EVP_CTRL_GCM_GET_TAG, TAG,
-                                       &meta[i * META + NONCE]) != 1
+                or EVP_CIPHER_CTX_get_params(self._enc, get_tag) != 1
             ):
                 raise RuntimeError("OpenSSL AES-GCM encryption failed")
+        return 0
 
     def written(self, const unsigned char[::1] meta not None):
         """How many of the pages `meta` describes were written (their nonce is not zero)."""

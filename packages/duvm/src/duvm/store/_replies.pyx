@@ -4,7 +4,9 @@ of `ReplyProtocol._deliver` in `duvm.store.memclient_replies`, which stay the re
 document them.
 
 - `Callback`: two are made and completed per replicated 4 KiB write; completing one is a C
-  call into the caller's function instead of two interpreted frames.
+  call into the caller's function instead of two interpreted frames. It is final (no
+  subclass can change what `done` and `set_result` do), so `deliver` completes one through
+  its C method, without a method call for `done` and another for `set_result`.
 - `deliver` completes the plain replies at the front of the receive buffer: a STORE reply, or
   a LOAD reply of exactly its pages, with no error status, to a merged `Batch`. It stops at
   the first frame it leaves to the reference loop: an incomplete one, any other type, an error
@@ -17,6 +19,7 @@ tests/test_memclient_callback.py and tests/test_memclient_replies_hot.py hold bo
 behaviour.
 """
 
+cimport cython
 from cpython.buffer cimport PyBuffer_IsContiguous
 from cpython.memoryview cimport PyMemoryView_Check, PyMemoryView_GET_BUFFER
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
@@ -37,6 +40,7 @@ cdef enum:
 from duvm.store.memclient_replies import Batch, log  # the reference's batch type and logger
 
 
+@cython.final
 cdef class Callback:
     """Stands in for a Future on the callback fast path: completing it calls `cb(None)` or
     `cb(exception)` at once, from the receive path."""
@@ -131,14 +135,21 @@ def deliver(decoder, dict pending not None, Py_ssize_t load_limit):
             if mtype == STORE_REPLY:
                 for w in waiters:
                     fut = w[0]
-                    if not fut.done():
+                    if isinstance(fut, Callback):  # its done() and set_result(), in C
+                        if not (<Callback>fut).finished:
+                            (<Callback>fut)._call(None)
+                    elif not fut.done():
                         fut.set_result(None)
             else:
                 off = HEADER
                 for w in waiters:
                     fut, out = w[0], w[3]
                     n = PyMemoryView_GET_BUFFER(out).len
-                    if not fut.done():
+                    if isinstance(fut, Callback):
+                        if not (<Callback>fut).finished:
+                            memcpy(PyMemoryView_GET_BUFFER(out).buf, p + off, n)
+                            (<Callback>fut)._call(None)
+                    elif not fut.done():
                         memcpy(PyMemoryView_GET_BUFFER(out).buf, p + off, n)
                         fut.set_result(None)
                     off += n

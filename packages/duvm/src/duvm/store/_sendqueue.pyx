@@ -4,8 +4,9 @@
 
 Per request the reference queues into the open merged batch through interpreted frames, and
 per frame it packs the header and keys with `struct`; here the queue is a typed object that
-keeps the open batch's lists and page count in C fields, and a frame's header and keys are
-written straight into a new bytes object. What a request meets outside (the `Batch` the
+keeps the open batch's lists and page count in C fields, a frame's header and keys are
+written straight into a new bytes object, and a STORE's part (`wire_part`) is judged on the
+view's buffer in place. What a request meets outside (the `Batch` the
 receive side completes, `Batching`, the loop, `fail_requests`, the encoder for the rare
 non-page requests) is the reference's own code.
 
@@ -17,7 +18,10 @@ cdef extern from *:
 
 SOURCE_DIGEST = DUVM_SOURCE_DIGEST.decode()
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.buffer cimport PyBuffer_IsContiguous
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.memoryview cimport PyMemoryView_Check, PyMemoryView_GET_BUFFER
+from cpython.ref cimport PyObject
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
@@ -58,6 +62,31 @@ cdef inline double _monotonic() noexcept:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)  # what time.monotonic() reads
     return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef extern from *:
+    """
+    static PyObject *duvm_view_exporter(Py_buffer *view) { return view->obj; }
+    """
+    PyObject *duvm_view_exporter(Py_buffer *view)  # NULL for a view of raw memory
+
+
+cdef inline object _wire_part(object data):
+    """`memclient_send.wire_part`: the bytes object a C-contiguous view covers whole, else
+    `data` itself."""
+    cdef Py_buffer *view
+    cdef PyObject *obj
+    if PyMemoryView_Check(data):
+        view = PyMemoryView_GET_BUFFER(data)
+        obj = duvm_view_exporter(view)
+        if (
+            obj != NULL
+            and PyBytes_Check(<object>obj)
+            and PyBuffer_IsContiguous(view, b"C")
+            and view.len == PyBytes_GET_SIZE(<object>obj)
+        ):
+            return <object>obj
+    return data
 
 
 cdef bytes _prefix(int mtype, uint64_t req_id, list keys):
@@ -150,7 +179,7 @@ cdef class SendQueue:
         self._open_keys.extend(keys)
         self._open_count += n
         if data is not None:
-            self._open_parts.append(data)
+            self._open_parts.append(_wire_part(data))
         self._open_waiters.append((fut, keys, data, out))
         self._schedule()
 
@@ -189,7 +218,7 @@ cdef class SendQueue:
             solo = Batch(batch.mtype)
             solo.keys += keys
             if data is not None:
-                solo.parts.append(data)
+                solo.parts.append(_wire_part(data))
             solo.waiters.append((fut, keys, data, out))
             self._outq.append(solo)
         self._open = None

@@ -24,7 +24,7 @@ from array import array
 
 from crc32c import crc32c as crc32
 
-from duvm.store.slab_table import TableCounters, _ignore, keep_trimmed, page_crcs
+from duvm.store.slab_table import TableCounters, keep_trimmed, page_crcs
 from duvm.store.storage import DATA, EMPTY, LOST
 
 cdef int C_DATA = DATA
@@ -61,7 +61,7 @@ cdef class SlabTable:
         self.pending_writes = {}
         self._next_token = 0
         self.trims = {}
-        self.on_change = _ignore
+        self.on_change = None
         self.on_placement_change = None
 
     # --- geometry ---
@@ -105,7 +105,8 @@ cdef class SlabTable:
     # --- page state ---
 
     def mark_stored(self, Py_ssize_t first, Py_ssize_t count, data, crcs):
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         if count == 1:
             self.crc[first] = crc32(data)
             self.state[first] = C_DATA
@@ -117,7 +118,8 @@ cdef class SlabTable:
 
     def record(self, Py_ssize_t first, Py_ssize_t count, crcs):
         cdef Py_ssize_t k
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         st, crc = self.state, self.crc
         for k in range(count):
             crc[first + k] = crcs[k]
@@ -127,7 +129,8 @@ cdef class SlabTable:
 
     def mark_lost(self, Py_ssize_t first, Py_ssize_t count):
         cdef Py_ssize_t p
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         st = self.state
         for p in range(first, first + count):
             if st[p] == C_DATA:
@@ -135,16 +138,19 @@ cdef class SlabTable:
                 self.counters.pages_lost += 1
 
     def mark_in_doubt(self, Py_ssize_t first, Py_ssize_t count):
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         self.state[first : first + count] = ONE_LOST * count
 
     def write_failed(self, Py_ssize_t first, Py_ssize_t count):
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         self.state[first : first + count] = ONE_LOST * count
         self.counters.pages_lost += count
 
     def clear(self, Py_ssize_t first, Py_ssize_t count):
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         self.state[first : first + count] = bytes(count)
 
     def trim_started(self, Py_ssize_t first, Py_ssize_t count):

@@ -33,7 +33,7 @@ Theory of operation:
 from __future__ import annotations
 
 import errno
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -80,6 +80,14 @@ class CryptStore(StoreFilter):
 
     def reserve_nonces(self, n: int) -> None:
         """Called before `n` nonces are used (PersistentCryptStore stores the counter)."""
+
+    def nonce_hook(self) -> Callable[[int], None] | None:
+        """`reserve_nonces`, or None where it is this class's own, which does nothing: a
+        compiled fast path (which asks once, when it is built) then skips the call per write.
+        Any override (a subclass's method, or one set on the object) is returned, so it runs
+        before every seal."""
+        own = getattr(self.reserve_nonces, "__func__", None)
+        return None if own is CryptStore.reserve_nonces else self.reserve_nonces
 
     def seal(self, first: int, data: memoryview) -> tuple[bytearray, bytearray]:
         """The pages sealed, and their nonce|tag entries (not yet in the table)."""
@@ -152,7 +160,7 @@ class CryptStore(StoreFilter):
         await self.write_sealed(offset, first, *self.seal(first, data))
 
     async def write_sealed(
-        self, offset: int, first: int, sealed: bytearray, metas: bytearray
+        self, offset: int, first: int, sealed: bytes | bytearray, metas: bytearray
     ) -> None:
         """Write pages already sealed (`seal`), then commit their nonces and tags."""
         await self.inner.write(offset, memoryview(sealed))

@@ -108,7 +108,7 @@ class MemClient:
         pp.RdmaOpen(0, chunk_pages)  # validates the chunk size early
         self.transport = transport
         self.chunk_pages = chunk_pages  # keys per RDMA chunk: the store's slab
-        self._rdma: RdmaLink | None = None
+        self.rdma: RdmaLink | None = None  # while pages move by RDMA; else they go by `queue`
         self._staging: Any = None  # the RDMA staging buffer, kept across reconnects
         self.rdma_error: str | None = None  # why the last connect did not get RDMA
         self.host, self.port, self.client_id = host, port, client_id
@@ -174,7 +174,7 @@ class MemClient:
     def stalled_for(self, now: float) -> float:
         """Seconds requests have been outstanding with no byte (or RDMA completion) received
         (0 when idle)."""
-        link = self._rdma
+        link = self.rdma
         rdma = now - max(link.busy_since, link.last_completion) if link and link.in_flight else 0.0
         if not self.queue.pending or self._proto is None:
             return rdma
@@ -281,14 +281,14 @@ class MemClient:
     @property
     def rdma_device(self) -> str | None:
         """The verbs device of the RDMA connection (None without one)."""
-        return self._rdma.device if self._rdma is not None else None
+        return self.rdma.device if self.rdma is not None else None
 
     @property
     def transport_in_use(self) -> str | None:
         """ "rdma" or "tcp" while connected, else None."""
         if not self.connected:
             return None
-        return "rdma" if self._rdma is not None else "tcp"
+        return "rdma" if self.rdma is not None else "tcp"
 
     async def _open_rdma(self, proto: ReplyProtocol) -> None:
         """After the handshake: get an RDMA connection, or say why not (see module doc)."""
@@ -301,7 +301,7 @@ class MemClient:
                 if self._staging is None:
                     self._staging = new_staging(v)
                 reply = await self._request(pp.RdmaOpen(0, self.chunk_pages))
-                self._rdma = await open_link(
+                self.rdma = await open_link(
                     v,
                     self.host,
                     reply,
@@ -316,7 +316,7 @@ class MemClient:
                 why = str(e)
         if why is None:
             self.rdma_error = None
-            log.info("memserver %s: pages move by RDMA (%s)", self.peer, self._rdma.device)
+            log.info("memserver %s: pages move by RDMA (%s)", self.peer, self.rdma.device)
             return
         if self.transport == "rdma":
             self.rdma_error = why
@@ -340,12 +340,12 @@ class MemClient:
     def _rdma_broken(self, why: str) -> None:
         """The RDMA connection broke: drop the TCP one too (the store fails over as for any
         lost connection; the reconnect tries RDMA again)."""
-        self._rdma = None
+        self.rdma = None
         self.rdma_error = why
         self.abort(f"RDMA connection broken ({why})")
 
     def _close_rdma(self) -> None:
-        link, self._rdma = self._rdma, None
+        link, self.rdma = self.rdma, None
         if link is not None:
             link.close()  # its requests in flight fail as on a lost connection
 
@@ -417,8 +417,8 @@ class MemClient:
     ) -> Awaitable[Any]:
         """One request on the current connection: a STORE or LOAD by RDMA when there is an
         RDMA connection, anything else by TCP."""
-        if self._rdma is not None and msg is None and mtype != _FREE:
-            return self._rdma.call(mtype == _STORE, keys, data if mtype == _STORE else out)  # type: ignore[arg-type]
+        if self.rdma is not None and msg is None and mtype != _FREE:
+            return self.rdma.call(mtype == _STORE, keys, data if mtype == _STORE else out)  # type: ignore[arg-type]
         return self.queue.queue(mtype, keys, data, out, msg)
 
     async def _call(
@@ -470,15 +470,15 @@ class MemClient:
     def store_batch(self, keys: tuple[int, ...], data: memoryview) -> Awaitable[Any]:
         if self.hello is None:
             return self._call(_STORE, keys, data)
-        if self._rdma is not None:
-            return self._rdma.call(True, keys, data)
+        if self.rdma is not None:
+            return self.rdma.call(True, keys, data)
         return self.queue.queue(_STORE, keys, data, None)
 
     def load_batch(self, keys: tuple[int, ...], out: memoryview) -> Awaitable[Any]:
         if self.hello is None:
             return self._call(_LOAD, keys, None, out)
-        if self._rdma is not None:
-            return self._rdma.call(False, keys, out)
+        if self.rdma is not None:
+            return self.rdma.call(False, keys, out)
         return self.queue.queue(_LOAD, keys, None, out)
 
     # The callback fast path (the NBD daemon's hot path): as store_batch/load_batch, but the
@@ -491,7 +491,7 @@ class MemClient:
     ) -> bool:
         if self.hello is None:
             return False
-        link = self._rdma
+        link = self.rdma
         if link is None or not link.send(True, keys, data, cb):
             self.queue.store_cb(keys, data, cb)
         return True
@@ -501,7 +501,7 @@ class MemClient:
     ) -> bool:
         if self.hello is None:
             return False
-        link = self._rdma
+        link = self.rdma
         if link is None or not link.send(False, keys, out, cb):
             self.queue.load_cb(keys, out, cb)
         return True

@@ -7,7 +7,9 @@ and the table of those sent that wait for their reply.
 - Consecutive STOREs (or LOADs) merge into one frame (`Batch`) up to `MERGE_PAGES` pages
   (never beyond the memserver's `max_batch`): the memserver handles one request for many
   pages. A merged request gets its id when it is sent; other requests (FREE, RESERVE, HELLO
-  ...) get theirs when queued and are encoded at once.
+  ...) get theirs when queued and are encoded at once. A STORE's pages are sent from the
+  caller's buffer, never copied; a view of a whole bytes object (the encrypting filter's
+  sealed pages) is sent as that object (`wire_part`).
 - `pending` (request id -> Future, `Callback` or `Batch`) is what the receive side
   (`memclient_replies.ReplyProtocol`) completes; `fail_all` empties it and the queue before
   failing their waiters, so a waiter that sends again finds its new request kept.
@@ -37,6 +39,18 @@ from duvm.wire.pageencode import batch_prefix, encode
 MERGE_PAGES = 64
 
 STORE, LOAD = int(pp.MsgType.STORE), int(pp.MsgType.LOAD)
+
+
+def wire_part(data: memoryview) -> bytes | memoryview:
+    """What a frame sends of a STORE's `data`: the bytes object it views whole, else `data`
+    itself. The event loop (uvloop) sends a bytes object as it is and makes a new cast view
+    of anything else, which costs about as much as queueing the page did. The same bytes go
+    out either way; each replica's frame sends the same object."""
+    if isinstance(data, memoryview):
+        obj = data.obj
+        if isinstance(obj, bytes) and data.c_contiguous and data.nbytes == len(obj):
+            return obj
+    return data
 
 
 class _Corked:
@@ -126,7 +140,7 @@ class SendQueue:
                 self._outq.append(b)
             b.keys += keys
             if data is not None:
-                b.parts.append(data)
+                b.parts.append(wire_part(data))
             b.waiters.append((fut, keys, data, out))
         else:
             self._next_id += 1
@@ -161,7 +175,7 @@ class SendQueue:
             solo = Batch(batch.mtype)
             solo.keys += keys
             if data is not None:
-                solo.parts.append(data)
+                solo.parts.append(wire_part(data))
             solo.waiters.append((fut, keys, data, out))
             self._outq.append(solo)
         self._open = None

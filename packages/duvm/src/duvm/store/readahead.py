@@ -28,7 +28,9 @@ Theory of operation:
   Arrived pages are checked against the store's per-page CRC-32C and state, as any load is; a
   mismatch or failure drops the window quietly (the read path then loads the page itself and
   judges the replica). Every change to a page (write acknowledged, trim, page lost) drops the
-  windows that overlap it before any later read can look (`invalidate`). A LOAD that was sent
+  windows that overlap it before any later read can look (`invalidate`, the table's
+  `on_change` from the moment a window is opened; None while no window is held, so a stream
+  of writes calls nothing per page). A LOAD that was sent
   before a STORE to the same page is answered first (one connection, in order), so it carries
   the old bytes and the STORE's acknowledgement then drops it; one sent after the STORE carries
   bytes whose checksum the store has not accepted yet, and is dropped on arrival. Reads that
@@ -199,6 +201,7 @@ class Readahead:
         w = _Window(first, count)
         keys = tuple(range(first, first + count))
         if c.load_cb(keys, memoryview(w.buf), lambda exc: self._arrived(w, exc)):
+            t.on_change = self.invalidate  # before the window exists: no change goes unseen
             self.windows.append(w)
             self.counters.ra_loads += 1
 
@@ -216,6 +219,7 @@ class Readahead:
         elif w in self.windows:  # (a window invalidate() dropped is counted there)
             self.windows.remove(w)
             self.counters.ra_dropped += 1
+            self._unwatch()
         waiters, w.waiters = w.waiters, []
         for first, count, out, done, tag in waiters:
             if good:
@@ -238,8 +242,16 @@ class Readahead:
         if len(keep) != len(self.windows):
             self.counters.ra_dropped += len(self.windows) - len(keep)
             self.windows = keep
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        """No window left: the table's changes need not be told (`on_change` None) until the
+        next window opens (`_fetch`)."""
+        if not self.windows and self.table.on_change == self.invalidate:
+            self.table.on_change = None
 
     def clear(self) -> None:
         self.windows = []
         self.next_page = -1
         self._scheduled = None
+        self._unwatch()

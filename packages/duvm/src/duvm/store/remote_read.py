@@ -66,9 +66,9 @@ class RemoteReads:
         self.table = replication.table
         self.unreachable_wait = unreachable_wait
         self.counters = ReadCounters()
+        # every change to a page drops the windows that hold it before a read can look: the
+        # readahead sets the table's `on_change` while it holds a window
         self.readahead = Readahead(self.table, self.read)
-        # every change to a page drops the windows that hold it before a read can look
-        self.table.on_change = self.readahead.invalidate
         self.fast = read_path_type()(self)  # the callback fast path
 
     async def read(self, offset: int, out: memoryview) -> None:

@@ -133,7 +133,12 @@ class WriteFanOut:
         if waiting > 1:  # registered before any STORE can leave
             token = t.write_started(first, count, data)
         for c in clients:
-            if not c.store_cb(keys, data, stored):  # not connected after all: a failure
+            if c.rdma is None:
+                # by TCP (connected, as `_connected_replicas` just found, and nothing ran
+                # since that could change it): `MemClient.store_cb`'s common case, straight
+                # into its send queue
+                c.queue.store_cb(keys, data, stored)
+            elif not c.store_cb(keys, data, stored):  # not connected after all: a failure
                 stored(MemserverUnreachable(f"not connected to memserver {c.peer}"))
         if count > 1:
             # Needed only at the acknowledgement, so computed once the STOREs have left (this

@@ -15,7 +15,8 @@
 
 Every change of a page's state or checksum goes through `mark_stored`, `record`, `mark_lost`,
 `mark_in_doubt`, `write_failed`, `clear` or `trim_started`, which first tell `on_change` (the
-readahead's `invalidate`), so no window of old bytes outlives a change. Every change of a
+readahead's `invalidate`, which the readahead sets while it holds a window, and None while it
+holds none: then nothing is called), so no window of old bytes outlives a change. Every change of a
 slab's replica set goes through `set_replicas`, which tells `on_placement_change` (the daemon
 persists the map).
 
@@ -58,10 +59,6 @@ def page_crcs(buf: memoryview, count: int) -> array:
         else [slice(k << 12, (k + 1) << 12) for k in range(count)]
     )
     return array("I", map(crc32, map(buf.__getitem__, slices)))
-
-
-def _ignore(first: int, count: int) -> None:
-    pass
 
 
 def keep_trimmed(table: SlabTable, first: int, count: int) -> None:
@@ -110,7 +107,8 @@ class SlabTable:
         self.pending_writes: dict[int, tuple[int, int, memoryview]] = {}
         self._next_token = 0
         self.trims: dict[int, tuple[int, int]] = {}  # trims in flight, by token: (first, pages)
-        self.on_change: Callable[[int, int], None] = _ignore  # pages [first, first+count)
+        # pages [first, first+count) change: drop what holds them (None: nothing does)
+        self.on_change: Callable[[int, int], None] | None = None
         self.on_placement_change: Callable[[], None] | None = None
 
     # --- geometry ---
@@ -160,7 +158,8 @@ class SlabTable:
     def mark_stored(self, first: int, count: int, data: memoryview, crcs: array | None) -> None:
         """Every live replica acknowledged one STORE of these pages: they hold `data` (whose
         page checksums are `crcs`, when already computed) from now on."""
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         st, crc = self.state, self.crc
         if count == 1:
             crc[first] = crc32(data)
@@ -173,7 +172,8 @@ class SlabTable:
 
     def record(self, first: int, count: int, crcs: Sequence[int]) -> None:
         """The pages hold bytes with checksums `crcs` (a write counted by its caller)."""
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         st, crc = self.state, self.crc
         for k in range(count):
             crc[first + k] = crcs[k]
@@ -183,7 +183,8 @@ class SlabTable:
 
     def mark_lost(self, first: int, count: int) -> None:
         """The written pages among these are lost: reads fail with EIO until rewritten."""
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         st = self.state
         for p in range(first, first + count):
             if st[p] == DATA:
@@ -195,20 +196,23 @@ class SlabTable:
         goes on in the general path: the replicas may disagree, so every page reads EIO until
         a write of it is acknowledged (also if that never runs). Not counted as lost: a write
         that then fails counts its pages (`write_failed`)."""
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         self.state[first : first + count] = bytes((LOST,)) * count
 
     def write_failed(self, first: int, count: int) -> None:
         """A write of these pages failed (or was given up) after it may have reached a
         replica: every page, written before or not, reads EIO until it is written again; never
         the bytes from before the write (nor zeros). Each counts as lost."""
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         self.state[first : first + count] = bytes((LOST,)) * count
         self.counters.pages_lost += count
 
     def clear(self, first: int, count: int) -> None:
         """The pages are trimmed: they read as zeros."""
-        self.on_change(first, count)
+        if self.on_change is not None:
+            self.on_change(first, count)
         self.state[first : first + count] = bytes(count)
 
     def trim_started(self, first: int, count: int) -> int:
