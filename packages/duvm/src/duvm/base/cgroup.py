@@ -182,6 +182,13 @@ class MemoryCgroup:
                     out[key] = int(value)
         return out
 
+    def swap_bytes(self) -> int | None:
+        """Bytes of this group's memory now in swap (None: the kernel does not account swap
+        per group, cgroup v1 booted without swap accounting)."""
+        if self.version == 2:
+            return _read_int(self.path / "memory.swap.current")
+        return self.memory_stat().get("swap")
+
     def peak_bytes(self) -> int | None:
         name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
         try:
