@@ -374,6 +374,7 @@ def run_guest(
     sysctl: str = "",
     method: str = "kernel-nbd",
     cache: Path = build_initramfs.DEFAULT_CACHE,
+    guest_env: dict[str, str] | None = None,
 ) -> GuestRun:
     """Boot the guest once; always cleans up what it started.
 
@@ -399,8 +400,10 @@ def run_guest(
     secret made here, and the workload is a plain `python3 -c` holding os.urandom blocks,
     verified twice by SHA-256. `sysctl` ("kernel.sched_rt_runtime_us=-1 ...") is set in the
     guest at boot. `method` is how the guest's duvm attaches (`kernel-nbd`, or `nbdfuse-loop`:
-    the fallback for kernels without nbd). `python` must import duvm (the project's venv); the
-    guest uses the same path. Raises GuestUnavailable when this host cannot boot it.
+    the fallback for kernels without nbd). `guest_env` adds settings for the guest script
+    (experiments: `DUVM_NBD_IO_TIMEOUT_MS`, `DUVM_KILL_STOP_WORKLOAD`). `python` must import
+    duvm (the project's venv); the guest uses the same path. Raises GuestUnavailable when this
+    host cannot boot it.
     """
     if why := problems():
         raise GuestUnavailable("; ".join(why))
@@ -455,6 +458,7 @@ def run_guest(
             "DUVM_NBDKIT_ADDR": f"{host}:{servers[0].port}" if baseline_nbdkit else "",
             "DUVM_GUEST_IP": net.guest_ip if net is not None else "10.0.2.15",
             "DUVM_GATEWAY": net.host_ip if net is not None else HOST_FROM_GUEST,
+            **(guest_env or {}),
         }
         initrd = build_initramfs.build_initramfs(kernel, env, work / "initramfs.cpio")
         console, results = work / "console.log", work / "results.log"

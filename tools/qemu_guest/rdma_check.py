@@ -212,8 +212,8 @@ def run_swap(
     (None: none, it outgrows the guest), touching chunks of `chunk_kib` in `order`, and
     verifies every byte; with `kill_memserver_at` the guest SIGKILLs
     the second memserver when the fill reaches that percentage, with `kill_daemon_at` the
-    daemon (its supervisor must resume it onto the live device, over RDMA again; the workload
-    is stopped until then)."""
+    daemon (its supervisor's standby must take the live device over, over RDMA again; the
+    workload runs on)."""
     own_tmp = workdir is None
     work = Path(tempfile.mkdtemp(prefix="duvm-rdma-swap-")) if workdir is None else workdir
     try:

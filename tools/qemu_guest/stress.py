@@ -6,7 +6,10 @@ workload that is NOT in a memory cgroup, sized at a percentage of the guest's RA
 chunks sequentially or in random order and verifying every byte. With ``kill`` in a run's
 set-up there are two memservers (two copies of each page) and the last one is SIGKILLed when
 the fill reaches half-way; with ``stop`` the only memserver is SIGSTOPped there and continued
-20 s later (every request waits on the last replica, D36). A watchdog ends a run as hung
+20 s later (every request waits on the last replica, D36); with ``dkillP`` (issue 48) there are
+two memservers and the daemon itself is SIGKILLed at P % of the fill, the workload left running:
+the supervisor's standby must take the device over (the guest waits for it to be ready before
+the workload starts, as on a node that has been up a while). A watchdog ends a run as hung
 when no page moved (and the guest script said nothing) for `--stall` seconds. With ``rdma``
 the memservers run in the guest on Soft-RoCE and pages move by RDMA (``rdma_check.run_swap``;
 the guest gets their arenas on top of its RAM; no watchdog: a hang ends at the deadline).
@@ -25,6 +28,7 @@ Usage (root; a few minutes per run on a 2-core VM)::
 
     uv run python tools/qemu_guest/stress.py --out /tmp/stress            # the default matrix
     uv run python tools/qemu_guest/stress.py --only 384:110:random        # one set-up
+    uv run python tools/qemu_guest/stress.py --dkill --out /tmp/dkill     # the daemon-kill matrix
     uv run python tools/qemu_guest/stress.py --daemon-args=--no-realtime  # the old defaults
 
 Results: one JSON line per run in OUT/results.jsonl (with the kernel's messages of interest),
@@ -62,11 +66,24 @@ class Setup:
     kill: bool = False  # two memservers, the last SIGKILLed half-way through the fill
     stop: bool = False  # one memserver, SIGSTOPped half-way through the fill for 20 s
     rdma: bool = False  # memservers in the guest, pages over RDMA (Soft-RoCE), not on the host
+    dkill: int | None = None  # two memservers; the daemon SIGKILLed at this % of the fill
 
     @property
     def name(self) -> str:
-        event = ":kill" if self.kill else ":stop" if self.stop else ""
+        event = (
+            ":kill"
+            if self.kill
+            else ":stop"
+            if self.stop
+            else f":dkill{self.dkill}"
+            if self.dkill is not None
+            else ""
+        )
         return f"{self.mem_mib}:{self.pct}:{self.order}{event}{':rdma' if self.rdma else ''}"
+
+    @property
+    def memservers(self) -> int:
+        return 2 if self.kill or self.dkill is not None else 1
 
     @property
     def workload_mib(self) -> int:
@@ -82,8 +99,9 @@ class Setup:
             "swap_size": f"{swap_mib}M",
             "capacity": f"{swap_mib}M",
             "host_memservers": True,
-            "memservers": 2 if self.kill else 1,
+            "memservers": self.memservers,
             "kill_memserver_at": 50 if self.kill else None,
+            "kill_at_pct": self.dkill,
             "stop_memserver_at": 50 if self.stop else None,
             "order": self.order,
             "chunk_kib": 1024 if self.order == "sequential" else 64,
@@ -94,7 +112,7 @@ class Setup:
         arenas on top of `mem_mib` (its programs keep about the RAM of the host-memserver
         set-up) and the workload stays a percentage of `mem_mib`."""
         swap_mib = max(256, 2 * self.mem_mib)
-        memservers = 2 if self.kill else 1
+        memservers = self.memservers
         return {
             "mem_mib": self.mem_mib + memservers * swap_mib + 96,
             "workload_mib": self.workload_mib,
@@ -103,6 +121,7 @@ class Setup:
             "capacity": f"{swap_mib}M",
             "memservers": memservers,
             "kill_memserver_at": 50 if self.kill else None,
+            "kill_daemon_at": self.dkill,
             "order": self.order,
             "chunk_kib": 1024 if self.order == "sequential" else 64,
         }
@@ -113,15 +132,22 @@ class Setup:
         rdma = parts[-1:] == ["rdma"]
         if rdma:
             parts = parts[:-1]
-        if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in ("kill", "stop")):
-            raise ValueError(f"a set-up is MEM:PCT:ORDER[:kill|:stop][:rdma], not {text!r}")
+        event = parts[3] if len(parts) == 4 else ""
+        dkill = None
+        if event.startswith("dkill") and event[5:].isdigit() and 0 <= int(event[5:]) <= 100:
+            dkill = int(event[5:])
+        elif event not in ("", "kill", "stop"):
+            parts = []  # refused below
+        if len(parts) not in (3, 4):
+            raise ValueError(f"a set-up is MEM:PCT:ORDER[:kill|:stop|:dkillP][:rdma], not {text!r}")
         order = parts[2]
         if order not in ("sequential", "random"):
             raise ValueError(f"order must be sequential or random, not {order!r}")
-        event = parts[3] if len(parts) == 4 else ""
         if rdma and event == "stop":
             raise ValueError("a set-up over RDMA cannot stop its memserver (it runs in the guest)")
-        return cls(int(parts[0]), int(parts[1]), order, event == "kill", event == "stop", rdma)
+        return cls(
+            int(parts[0]), int(parts[1]), order, event == "kill", event == "stop", rdma, dkill
+        )
 
 
 def default_matrix() -> list[Setup]:
@@ -136,6 +162,50 @@ def default_matrix() -> list[Setup]:
     runs += [Setup(256, 95, o, kill=True) for o in ("sequential", "random")]
     runs += [Setup(384, 95, o, stop=True) for o in ("sequential", "random")]
     return runs
+
+
+def dkill_matrix() -> list[Setup]:
+    """Issue 48's matrix, 22 runs: the daemon SIGKILLed at 25, 50 and 90 % of the fill, with
+    the workload (no cgroup, left running) at 80, 95 and 110 % of a 384 MiB guest's RAM, in
+    random order for the 80 and 110 % runs and sequential for 95 %, over TCP (host
+    memservers) and over RDMA (memservers in the guest, Soft-RoCE); and at 95 %, killed
+    half-way, a 256 MiB and a 1 GiB guest over each."""
+    runs = [
+        Setup(384, p, "sequential" if p == 95 else "random", dkill=k, rdma=r)
+        for r in (False, True)
+        for p in (80, 95, 110)
+        for k in (25, 50, 90)
+    ]
+    return runs + [
+        Setup(m, 95, "random", dkill=50, rdma=r) for r in (False, True) for m in (256, 1024)
+    ]
+
+
+def gap_facts(run: boot.GuestRun) -> dict[str, Any]:
+    """What a daemon kill cost (``dkill`` runs), from the guest's own clock: when the first
+    request completed after the kill and when every request held across it had (the device's
+    counters), the supervisor's takeover line, the kernel's request-timer retry after the kill
+    (console), and the longest one chunk of the workload took."""
+    res = run.events.get("resumed", {})
+    killed = run.events.get("killed", {})
+    log = res.get("supervisor_log") or ""
+    took = next((ln for ln in log.splitlines() if "took over" in ln), None)
+    retry = None
+    at = killed.get("uptime_at_kill")
+    for m in re.finditer(r"\[\s*(\d+\.\d+)\] block nbd\d+: Connection timed out", run.console):
+        if at is not None and float(m.group(1)) >= at:
+            retry = round(float(m.group(1)) - at, 1)
+            break
+    result = (run.events.get("workload") or {}).get("result") or {}
+    return {
+        "resumed_s": res.get("seconds"),
+        "gap": res.get("gap"),
+        "takeover": took.split(" ", 2)[-1] if took else None,
+        "kernel_retry_after_kill_s": retry,
+        "max_chunk_s": result.get("max_chunk_s"),
+        "max_chunk_phase": result.get("max_chunk_phase"),
+        "standby": run.events.get("standby"),
+    }
 
 
 def classify(run: boot.GuestRun) -> tuple[str, str]:
@@ -192,6 +262,7 @@ def run_one(
     timeout_s: float,
     sysctl: str = "",
     method: str = "kernel-nbd",
+    guest_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Boot one guest for `setup`; its logs in OUT/NAME-TIME; one result record."""
     work = out / f"{setup.name.replace(':', '-')}-{time.strftime('%H%M%S')}"
@@ -212,6 +283,7 @@ def run_one(
             workdir=work,
             sysctl=sysctl,
             method=method,
+            guest_env=guest_env,
         )
     outcome, reason = classify(run)
     facts = boot.summary(run)
@@ -223,15 +295,26 @@ def run_one(
         "daemon_args": daemon_args,
         "sysctl": sysctl,
         "method": method,
+        "guest_env": guest_env or {},
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
         "seconds": run.seconds,
         "pages_out": facts["pages_out"],
         "pages_in": facts["pages_in"],
         "memserver_killed_at": run.memserver_killed_at,
         "memserver_stopped_at": run.memserver_stopped_at,
+        "daemon_kill": gap_facts(run) if setup.dkill is not None else None,
         "kernel": sorted(set(_KERNEL.findall(run.console)))[:20],
         "logs": str(work),
     }
+
+
+def _guest_env(a: argparse.Namespace) -> dict[str, str] | None:
+    env = {}
+    if a.nbd_io_timeout_ms:
+        env["DUVM_NBD_IO_TIMEOUT_MS"] = str(a.nbd_io_timeout_ms)
+    if a.console_loglevel is not None:
+        env["DUVM_CONSOLE_LOGLEVEL"] = str(a.console_loglevel)
+    return env or None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,9 +325,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         action="append",
-        metavar="MEM:PCT:ORDER[:kill|:stop][:rdma]",
-        help="run only these set-ups (repeatable), e.g. 384:110:random:kill, 384:95:random:stop; "
-        ":rdma runs the memservers in the guest and moves pages over Soft-RoCE (rdma_check.py)",
+        metavar="MEM:PCT:ORDER[:kill|:stop|:dkillP][:rdma]",
+        help="run only these set-ups (repeatable), e.g. 384:110:random:kill, 384:95:random:stop, "
+        "384:95:sequential:dkill50; :rdma runs the memservers in the guest and moves pages over "
+        "Soft-RoCE (rdma_check.py)",
+    )
+    p.add_argument(
+        "--nbd-io-timeout-ms",
+        type=int,
+        metavar="MS",
+        help="experiment (DECISIONS.md D48, item 6): the guest sets the nbd driver's request "
+        "timeout to 0 and the block queue's timer to MS after enable",
+    )
+    p.add_argument(
+        "--console-loglevel",
+        type=int,
+        metavar="N",
+        help="the guest kernel's console log level (7: a hung task's stack reaches the console)",
+    )
+    p.add_argument(
+        "--dkill",
+        action="store_true",
+        help="the daemon-kill matrix (issue 48: dkill_matrix) instead of the default one",
     )
     p.add_argument("--repeat", type=int, default=1, help="run the whole list N times")
     p.add_argument(
@@ -280,7 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     try:
-        setups = [Setup.parse(s) for s in a.only] if a.only else default_matrix()
+        setups = (
+            [Setup.parse(s) for s in a.only]
+            if a.only
+            else dkill_matrix()
+            if a.dkill
+            else default_matrix()
+        )
     except ValueError as exc:
         p.error(str(exc))
     if why := boot.problems():
@@ -300,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=a.timeout,
                 sysctl=a.sysctl,
                 method=a.method,
+                guest_env=_guest_env(a),
             )
         except boot.GuestUnavailable as exc:
             print(f"\nstress: cannot boot the guest here: {exc}", file=sys.stderr)
@@ -308,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.out / "results.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         print(f"{rec['outcome']} in {rec['seconds']} s {rec['reason']}".rstrip(), flush=True)
+        if rec["daemon_kill"]:
+            print(f"    daemon kill: {json.dumps(rec['daemon_kill'])}", flush=True)
         if a.stop_on_bad and rec["outcome"] in ("hung", "panicked", "bad-pages"):
             break
     counts = {o: sum(r["outcome"] == o for r in records) for o in OUTCOMES}

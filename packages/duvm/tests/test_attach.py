@@ -546,6 +546,20 @@ def test_device_problem_kernel_nbd_fake_sysfs(tmp_path: Path) -> None:
     assert attach.device_problem(att, sys_root=tmp_path) is None
 
 
+def test_writeback_throttling_is_turned_off_on_the_nbd_device(tmp_path: Path) -> None:
+    """Catches an attach that leaves the block layer's writeback throttling on: requests held
+    across a daemon crash count against it for the kernel's 60 s request timer, and kswapd and
+    every task short of memory waited in `wbt_wait` although a standby served the device again
+    (kernel stacks in a QEMU guest, DECISIONS.md D48). A sysfs tree under tmp_path stands in
+    for the kernel's (the QEMU guest test reads the real knob after enable)."""
+    knob = tmp_path / "block" / "nbd3" / "queue" / "wbt_lat_usec"
+    knob.parent.mkdir(parents=True)
+    knob.write_text("2000\n")
+    assert attach_kernel.no_writeback_throttle("/dev/nbd3", tmp_path) == "2000"
+    assert knob.read_text() == "0"
+    assert attach_kernel.no_writeback_throttle("/dev/nbd4", tmp_path).startswith("not set (")
+
+
 @needs_root
 def test_device_problem_loop_device_backed_by_another_file(tmp_path: Path) -> None:
     """Catches a detach that would swapoff and discard a loop device whose number was reused

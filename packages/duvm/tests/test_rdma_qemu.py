@@ -296,16 +296,16 @@ def test_kernel_nbd_swap_over_rdma_survives_a_killed_daemon_and_a_killed_memserv
     """The deployed configuration over rxe0 in the guest: `duvm enable --peers
     rdma://A,rdma://B --size 192M --secret-file F` (two copies, pages encrypted), kernel nbd,
     a 220 MiB workload in a 96 MiB memory cgroup of a 1 GiB guest, verified byte for byte, with
-    the daemon SIGKILLed at a quarter of the fill (its supervisor resumes it onto the live
-    device, over RDMA again: the namespaces, their chunks and their pages outlive the dead
-    daemon's queue pairs for the lease; the workload is stopped until then, see guest_check's
-    kill_and_resume) and the second memserver SIGKILLed at 60 %. The node itself keeps free
-    memory: a crash on a node out of memory as a whole can hang the restart, a limitation
-    (docs/ARCHITECTURE.md, "Not solved") this test does not cover. Catches pages lost
-    or corrupted on the RDMA path (seen failing with writes planted one page off), a replica
-    whose broken RDMA connection is not dropped like a broken TCP one (the workload would stall
-    or fail), a daemon that cannot come back over RDMA, and a daemon that silently used TCP
-    (the status names the transport)."""
+    the daemon SIGKILLed at a quarter of the fill (the standby its supervisor keeps, connected
+    over RDMA with its own staging buffers, takes the live device over: the namespaces, their
+    chunks and their pages outlive the dead daemon's queue pairs; the workload runs on, see
+    guest_check's kill_and_resume) and the second memserver SIGKILLed at 60 %. The workload
+    is in a cgroup, so the node keeps free memory; the ``:dkill`` set-ups of
+    tools/qemu_guest/stress.py kill the daemon on a node out of memory as a whole. Catches
+    pages lost or corrupted on the RDMA path (seen failing with writes planted one page off), a
+    replica whose broken RDMA connection is not dropped like a broken TCP one (the workload
+    would stall or fail), a daemon that cannot come back over RDMA, and a daemon that silently
+    used TCP (the status names the transport)."""
     check = _load_check()
     if why := check.problems():
         pytest.skip("cannot run the RDMA guest: " + "; ".join(why))
@@ -333,7 +333,7 @@ def test_kernel_nbd_swap_over_rdma_survives_a_killed_daemon_and_a_killed_memserv
     assert "2 copies of each page" in ev["enable"]["stdout"], ev["enable"]
     assert "memserver_killed" in ev, tail
     assert res["new_pid"] is not None and res["new_pid"] != ev["killed"]["pid"], res
-    assert f"resumed: daemon pid {res['new_pid']} serves /dev/nbd0" in res["supervisor_log"]
+    assert f"standby pid {res['new_pid']} took over /dev/nbd0" in res["supervisor_log"], tail
     peers = ev["filled"]["status"]["replication"]["peers"]  # the resumed daemon's
     assert peers[0]["transport_in_use"] == "rdma" and peers[0]["rdma_device"] == "rxe0", peers
     assert peers[1]["connected"] is False, peers  # the killed one, dropped

@@ -39,6 +39,7 @@ class Node:
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.gave_up: list[str] = []
         att = attach_state.Attachment(
             socket=str(state_dir / "nbd.sock"),
             method=attach_state.METHOD_KERNEL,
@@ -75,6 +76,17 @@ class Node:
         the daemon gone."""
         control.state_path(self.state_dir).unlink()
         self.kill(last)
+
+    def watch(self, **kw: object) -> int:
+        """The supervisor's loop without a standby (this file tests the restarts; the standby
+        is test_standby.py's), its give-ups recorded in `gave_up` instead of failing a
+        device's requests."""
+        return supervise.watch(
+            self.state_dir,
+            spares=None,
+            give_up=lambda att, why: self.gave_up.append(why),
+            **kw,  # type: ignore[arg-type]
+        )
 
     def close(self) -> None:
         for p in self.procs:
@@ -129,7 +141,7 @@ def test_a_killed_daemon_is_resumed_and_the_new_one_watched(node: Node) -> None:
 
     _when_watched(log, first, lambda: node.kill(first))
     before = signal.getsignal(signal.SIGTERM)
-    assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=log.append) == 0
+    assert node.watch(resume_fn=resume_fn, say=log.append) == 0
     assert len(resumed) == 2
     assert [m for m in log if m.startswith("watching daemon pid")] == [
         f"watching daemon pid {p} serving /dev/nbd7" for p in (first, *resumed)
@@ -150,8 +162,7 @@ def test_a_failing_resume_is_retried_then_given_up(node: Node) -> None:
 
     log: list[str] = []
     assert (
-        supervise.watch(
-            node.state_dir,
+        node.watch(
             resume_fn=resume_fn,
             say=log.append,
             policy=supervise.RestartPolicy(retry_delays=(0.01, 0.02)),
@@ -160,7 +171,13 @@ def test_a_failing_resume_is_retried_then_given_up(node: Node) -> None:
     )
     assert len(calls) == 3  # the first try and one per delay
     assert log.count("resume failed: a memserver is unreachable") == 3
-    assert log[-1] == "could not resume the daemon: giving up"
+    assert log[-1].startswith("giving up: could not resume the daemon; /dev/nbd7's held requests")
+    assert node.gave_up == ["could not resume the daemon"]  # failed now, not after the hold
+    # and `duvm status` says why nothing serves the device any more
+    (node.state_dir / supervisor_process.SUPERVISOR_FILE).write_text('{"pid": 1, "log": "l"}')
+    st = control.status(node.state_dir)
+    assert st["supervisor"]["gave_up"].endswith(" could not resume the daemon"), st
+    assert "; gave up at " in control.format_status(st)
 
 
 def test_tries_stop_at_the_kernels_dead_connection_timeout(node: Node) -> None:
@@ -178,8 +195,7 @@ def test_tries_stop_at_the_kernels_dead_connection_timeout(node: Node) -> None:
     log: list[str] = []
     t = time.monotonic()
     assert (
-        supervise.watch(
-            node.state_dir,
+        node.watch(
             resume_fn=resume_fn,
             say=log.append,
             policy=supervise.RestartPolicy(retry_delays=(0.4,) * 20),
@@ -187,7 +203,7 @@ def test_tries_stop_at_the_kernels_dead_connection_timeout(node: Node) -> None:
         == 1
     )
     assert time.monotonic() - t < 30 and 2 <= len(calls) <= 6, calls  # not 20 tries
-    assert "within the kernel's 2 s" in log[-1]
+    assert "within the kernel's 2 s" in log[-1] and len(node.gave_up) == 1
 
 
 def test_a_daemon_that_keeps_dying_is_not_restarted_forever(node: Node) -> None:
@@ -198,8 +214,7 @@ def test_a_daemon_that_keeps_dying_is_not_restarted_forever(node: Node) -> None:
 
     log: list[str] = []
     assert (
-        supervise.watch(
-            node.state_dir,
+        node.watch(
             resume_fn=resume_fn,
             say=log.append,
             policy=supervise.RestartPolicy(max_restarts=2),
@@ -208,6 +223,7 @@ def test_a_daemon_that_keeps_dying_is_not_restarted_forever(node: Node) -> None:
     )
     assert sum(m.startswith("resumed:") for m in log) == 2
     assert "after 2 restarts" in log[-1] and "giving up" in log[-1]
+    assert len(node.gave_up) == 1
 
 
 def test_a_resume_done_by_hand_meanwhile_is_taken_as_done(node: Node) -> None:
@@ -231,8 +247,7 @@ def test_a_resume_done_by_hand_meanwhile_is_taken_as_done(node: Node) -> None:
 
     _when_watched(log, first, lambda: node.kill(first))
     assert (
-        supervise.watch(
-            node.state_dir,
+        node.watch(
             resume_fn=resume_fn,
             say=log.append,
             policy=supervise.RestartPolicy(retry_delays=(0.05,)),
@@ -256,7 +271,7 @@ def test_no_pidfd_here_still_notices_the_death(node: Node, monkeypatch: pytest.M
 
     _later(0.2, lambda: node.kill(first))
     t = time.monotonic()
-    assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=lambda m: None) == 0
+    assert node.watch(resume_fn=resume_fn, say=lambda m: None) == 0
     assert len(resumed) == 1 and time.monotonic() - t < 10
 
 
@@ -293,7 +308,12 @@ def test_the_supervisor_process_starts_reports_and_stops(node: Node) -> None:
         # inherits the class from its first instruction (duvm.base.pressure)
         assert os.sched_getscheduler(pid) == os.SCHED_RR
         st = control.status(node.state_dir)
-        assert st["supervisor"] == {"pid": pid, "running": True, "log": info["log"]}
+        assert st["supervisor"] == {
+            "pid": pid,
+            "running": True,
+            "log": info["log"],
+            "gave_up": None,
+        }
         assert f"supervisor: pid {pid} running" in control.format_status(st)
     finally:
         supervisor_process.stop(node.state_dir)
@@ -493,10 +513,34 @@ def test_no_record_is_read_between_the_death_and_the_resume(node: Node) -> None:
 
     _later(0.2, kill)
     try:
-        assert supervise.watch(node.state_dir, resume_fn=resume_fn, say=lambda m: None) == 0
+        assert node.watch(resume_fn=resume_fn, say=lambda m: None) == 0
     finally:
         opens.close()
     assert records <= set(read_while_alive)  # the opens are seen
     assert reads_while_dead == []
     att, daemon = handed[0]  # type: ignore[misc]
     assert daemon.pid == first and att.device == "/dev/nbd7"
+
+
+def test_giving_up_fails_only_the_requests_of_a_device_still_ours() -> None:
+    """Catches a supervisor that, giving up, disconnects an nbd device that is no longer its
+    own: the number is reused once free, and another user's device would lose its
+    connection. The device's connection pid is stood in for (no nbd driver here)."""
+    att = attach_state.Attachment(
+        socket="s",
+        method=attach_state.METHOD_KERNEL,
+        device="/dev/nbd7",
+        nbd_device="/dev/nbd7",
+        nbd_netlink=True,
+        extra={"nbd_pid": "131"},
+    )
+    cut: list[str] = []
+    for now, want in (("131", ["/dev/nbd7"]), ("4242", []), (None, [])):
+        cut.clear()
+        done = supervise.fail_held_io(
+            att, "gave up", connection_pid=lambda dev, now=now: now, disconnect=cut.append
+        )
+        assert cut == want and done is bool(want), now
+    att.extra.pop("nbd_pid")  # a record from before the pid was kept: never ours for sure
+    ours = supervise.fail_held_io(att, "x", connection_pid=lambda d: "131", disconnect=cut.append)
+    assert not ours and cut == []

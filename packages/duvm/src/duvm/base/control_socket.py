@@ -30,6 +30,11 @@ MAX_LINE = 4096  # a request is one short JSON object
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
+# A standby daemon's sockets carry this suffix until its supervisor gives them the daemon's
+# names (`duvm.node.daemon.standby`, `duvm.node.lifecycle.resume.adopt`).
+STANDBY_SUFFIX = ".standby"
+
+
 def default_path(nbd_socket: str) -> str:
     """Where the daemon serving `nbd_socket` answers (also where `duvm status` asks)."""
     return f"{nbd_socket}.ctl"
@@ -46,8 +51,12 @@ def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
     return _UCRED.unpack(raw)[1]
 
 
-async def start(path: str, provider: Callable[[], dict[str, Any]]) -> asyncio.AbstractServer:
-    """Listen on `path` (replacing a stale socket) and answer `status` with `provider()`."""
+async def start(
+    path: str, provider: Callable[[], dict[str, Any]], sock: socket.socket | None = None
+) -> asyncio.AbstractServer:
+    """Listen on `path` (replacing a stale socket) and answer `status` with `provider()`.
+    With `sock` (a Unix socket already bound and listening, owner-only: `bind`), serve on it
+    and touch no file: a standby daemon's, bound before its takeover."""
     allowed = {0, os.getuid()}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -72,6 +81,8 @@ async def start(path: str, provider: Callable[[], dict[str, Any]]) -> asyncio.Ab
         finally:
             writer.close()
 
+    if sock is not None:
+        return await asyncio.start_unix_server(handle, sock=sock, limit=MAX_LINE)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     old = os.umask(0o077)  # the socket is created owner-only, no window with looser modes
@@ -81,6 +92,22 @@ async def start(path: str, provider: Callable[[], dict[str, Any]]) -> asyncio.Ab
         os.umask(old)
     os.chmod(path, 0o600)
     return server
+
+
+def bind(path: str) -> socket.socket:
+    """A Unix socket bound at `path` (owner-only, replacing a stale one) and listening, for
+    `start(..., sock=)` later."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o077)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
 
 
 def query(path: str, timeout: float = 2.0) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from duvm.base.libc import libc
@@ -49,6 +50,7 @@ OOM_SCORE_ADJ = -900  # far down the OOM killer's list, yet not immune (-1000)
 RT_PRIORITY = 1  # the lowest realtime priority: above every normal task, below the kernel's
 RT_RUNTIME = Path("/proc/sys/kernel/sched_rt_runtime_us")
 RT_PERIOD = Path("/proc/sys/kernel/sched_rt_period_us")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def lock_in_memory() -> str | None:
@@ -180,3 +182,31 @@ def reserve_heap(nbytes: int) -> None:
         blocks.append(p)
     for p in blocks:
         c.free(p)  # back to the heap, which keeps it
+
+
+def touch_mappings(wanted: Callable[[str], bool], maps: Path = Path("/proc/self/maps")) -> int:
+    """Read one byte of every page of this process's readable mappings of the files `wanted`
+    accepts (by path), so their pages are resident, and locked under mlockall, before a moment
+    that must not fault them in from disk (a standby's takeover). Returns the pages touched."""
+    touched = 0
+    for line in maps.read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[1].startswith("r") or not wanted(fields[5]):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        for addr in range(start, end, _PAGE):
+            ctypes.c_char.from_address(addr).value  # noqa: B018 - the read is the point
+            touched += 1
+    return touched
+
+
+def rss_kib(pid: int | str = "self", field: str = "VmRSS") -> int | None:
+    """Resident memory of process `pid` in KiB (`field`: VmRSS, or RssAnon for what it
+    allocated itself, RssFile for file pages it maps); None when it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

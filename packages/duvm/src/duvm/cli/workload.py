@@ -46,6 +46,10 @@ class Result:
     first_bad: list[dict[str, int]] = field(default_factory=list)
     fill_s: float | None = None
     verify_s: float | None = None
+    # the longest one chunk took to fill or verify, and where: an upper bound on how long any
+    # of its pages waited for the swap device (a daemon's crash shows up here)
+    max_chunk_s: float | None = None
+    max_chunk_phase: str | None = None
 
     @property
     def intact(self) -> bool:
@@ -80,16 +84,36 @@ def touch_order(chunks: int, order: str, seed: int, phase: str) -> list[int]:
     return idx
 
 
+class Slowest:
+    """The longest time one chunk took, and in which phase."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.phase: str | None = None
+
+    def note(self, phase: str, seconds: float) -> None:
+        if seconds > self.seconds:
+            self.seconds, self.phase = seconds, phase
+
+
 def fill(
-    view: memoryview, seed: int, chunk: int, progress: bool = False, order: str = "sequential"
+    view: memoryview,
+    seed: int,
+    chunk: int,
+    progress: bool = False,
+    order: str = "sequential",
+    slowest: Slowest | None = None,
 ) -> list[bytes]:
     """Write every chunk of `view` (in `order`); return each chunk's digest, by index."""
     chunks = len(view) // chunk
     step = max(1, chunks // 100)
     digests = [b""] * chunks
+    slowest = slowest or Slowest()
     for n, i in enumerate(touch_order(chunks, order, seed, "fill")):
         data = chunk_bytes(seed, i, chunk)
+        t = time.perf_counter()
         view[i * chunk : (i + 1) * chunk] = data
+        slowest.note("fill", time.perf_counter() - t)
         digests[i] = _digest(data)
         if n % step == 0:
             _progress(progress, "fill", n, chunks)
@@ -105,15 +129,20 @@ def verify(
     phase: str = "verify",
     progress: bool = False,
     order: str = "sequential",
+    slowest: Slowest | None = None,
 ) -> list[dict[str, int]]:
     """Read every byte back; one {"chunk", "offset"} per chunk that differs (first bad byte)."""
     bad = []
     chunks = len(digests)
     step = max(1, chunks // 100)
+    slowest = slowest or Slowest()
     for n, i in enumerate(touch_order(chunks, order, seed, phase)):
         want = digests[i]
         with view[i * chunk : (i + 1) * chunk] as part:
-            if _digest(part) != want:
+            t = time.perf_counter()
+            digest = _digest(part)
+            slowest.note(phase, time.perf_counter() - t)
+            if digest != want:
                 expected = chunk_bytes(seed, i, chunk)
                 off = next((k for k in range(chunk) if part[k] != expected[k]), 0)
                 bad.append({"chunk": i, "offset": i * chunk + off})
@@ -139,8 +168,9 @@ def run(
     mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         with memoryview(mem) as view:
+            slowest = Slowest()
             t0 = time.perf_counter()
-            digests = fill(view, seed, chunk, progress, order)
+            digests = fill(view, seed, chunk, progress, order, slowest)
             res.fill_s = round(time.perf_counter() - t0, 3)
             if hold:
                 # a test or the demo looks at the swapped-out state, then lets us go on
@@ -149,11 +179,14 @@ def run(
             t0 = time.perf_counter()
             bad: dict[int, dict[str, int]] = {}
             for p in range(passes):
-                for b in verify(view, digests, seed, chunk, f"verify{p + 1}", progress, order):
+                for b in verify(
+                    view, digests, seed, chunk, f"verify{p + 1}", progress, order, slowest
+                ):
                     bad.setdefault(b["chunk"], b)
             res.bad_chunks = len(bad)
             res.first_bad = [bad[k] for k in sorted(bad)][:MAX_REPORTED]
             res.verify_s = round(time.perf_counter() - t0, 3)
+            res.max_chunk_s, res.max_chunk_phase = round(slowest.seconds, 3), slowest.phase
     finally:
         mem.close()
     return res

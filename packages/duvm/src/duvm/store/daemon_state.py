@@ -19,6 +19,11 @@ has its predecessor's view of the pages, so that view lives in files, not only i
     (``MAP_SHARED`` of a file in RAM): a write costs no syscall and a SIGKILL loses nothing,
     because the bytes are in the page cache, not in the process.
 
+A standby daemon (`duvm daemon --standby-fd`) builds the store on these files while the
+daemon still serves (`open_standby`: tables mapped shared, connections open) and, once the
+daemon is dead, reads the slab map and the nonce counter again and joins its namespaces
+(`Standby.take_over`); `open_store` with `resume` is the same two steps at once.
+
 Both are root-only (files 0600 in a 0700 directory) and refused when their permissions, size
 or header do not match. `duvm enable` puts the directory on a ramfs of its own
 (``/run/duvm/daemon-state``, `duvm.base.ramfs`): the key is never on disk, and no page of the state
@@ -284,6 +289,13 @@ class PageTables:
         """(state, crc), as RemoteStore(tables=...) takes them."""
         return self.state, self.crc
 
+    def touch(self) -> None:
+        """Map every page of the tables now (one read per page): a standby that takes over
+        then faults in none of them."""
+        for m in self._maps:
+            for off in range(0, len(m), mmap.PAGESIZE):
+                m[off]
+
     def close(self) -> None:
         self.crc.release()
         for m in self._maps:
@@ -306,6 +318,12 @@ class PersistentCryptStore(CryptStore):
 
     def reserve_nonces(self, n: int) -> None:
         self._tables.nonce_counter = self.cipher.counter + n
+
+    def reload_counter(self) -> None:
+        """Continue from the counter in the tables: a standby built this store while the daemon
+        it took over from went on sealing pages, so the counter it read then is stale, and
+        sealing from it would use the dead daemon's nonces again under the same key."""
+        self.cipher.counter = self._tables.nonce_counter
 
     async def close(self) -> None:
         await super().close()
@@ -366,51 +384,47 @@ async def open_store(
 
     Fresh (`resume` False): new page tables; the namespace token of a predecessor with the same
     client id is kept (so its leftover namespaces are ours to release, not refused for a lease),
-    otherwise a new random one. Resume: the saved token, slab map, tables and key; the arguments
-    must describe the same device. Raises StateError, or StorageError from the memservers."""
+    otherwise a new random one. Resume: the saved token, slab map, tables and key (a standby's
+    store, `open_standby`, taken over at once); the arguments must describe the same device.
+    Raises StateError, or StorageError from the memservers."""
     import secrets
 
     from duvm.store.remote_store import RemoteStore
 
+    if resume:
+        standby = await open_standby(
+            state_dir,
+            peers,
+            size,
+            client_id,
+            replicas,
+            export_name=export_name,
+            repair=repair,
+            security=security,
+            transports=transports,
+        )
+        try:
+            await standby.take_over()
+        except BaseException:
+            await standby.abandon()
+            raise
+        return standby.store, standby.state
     sd = StateDir(state_dir)
     sd.ensure()
     pages = size // 4096
     old: SavedDaemon | None = None
-    if resume:
-        old = sd.load()
-        mismatch = [
-            f"{what} {a!r} (saved {b!r})"
-            for what, a, b in (
-                ("size", size, old.size),
-                ("client id", client_id, old.client_id),
-                ("replicas", replicas, old.replicas),
-                ("peers", [f"{h}:{p}" for h, p in peers], old.peers),
-            )
-            if a != b
-        ]
-        if mismatch:
-            raise StateError(
-                f"cannot resume from {sd.state_file}: it was saved for another "
-                "device: " + "; ".join(mismatch)
-            )
-        encrypted = old.key is not None  # the memservers hold what the saved key sealed
-    else:
-        with contextlib.suppress(StateError):
-            old = sd.load() if sd.exists() else None
-        encrypted = encrypt
+    with contextlib.suppress(StateError):
+        old = sd.load() if sd.exists() else None
     token = old.token if old is not None and old.client_id == client_id else secrets.token_bytes(32)
-    key = (
-        (old.key if resume and old is not None else secrets.token_bytes(32)) if encrypted else None
-    )
-    tables = (PageTables.open if resume else PageTables.create)(sd.pages_file, pages, encrypted)
+    key = secrets.token_bytes(32) if encrypt else None
+    tables = PageTables.create(sd.pages_file, pages, encrypt)
     try:
-        slab_pages = old.slab_pages if resume and old is not None else 256
         store = RemoteStore(
             peers,
             size,
             client_id,
             replicas=replicas,
-            slab_pages=slab_pages,
+            slab_pages=256,
             tables=tables.tables,
             repair=repair,
             security=security,
@@ -418,23 +432,8 @@ async def open_store(
         )
         for c in store.clients:
             c.token = token  # the same owner across restarts (memserver namespace isolation)
-        saved = SavedDaemon(
-            size=size,
-            slab_pages=slab_pages,
-            replicas=replicas,
-            client_id=client_id,
-            peers=[f"{h}:{p}" for h, p in peers],
-            token=token,
-            key=key,
-            export_name=export_name,
-        )
-        state = Persisted(sd, tables, saved)
-        if resume and old is not None:
-            saved.sets = old.sets
-            store.table.on_placement_change = state.placement_saver(store.table)
-            await store.reattach(old.sets)
-        else:
-            await store.connect()
+        state = Persisted(sd, tables, _saved(store, peers, token, key, export_name))
+        await store.connect()
         state.save_placement(store.table.sets)
         store.table.on_placement_change = state.placement_saver(store.table)
     except BaseException:
@@ -443,3 +442,135 @@ async def open_store(
     if key is not None:
         return PersistentCryptStore(store, key, tables), state
     return store, state
+
+
+def _saved(
+    store: Any, peers: list[tuple[str, int]], token: bytes, key: bytes | None, export_name: str
+) -> SavedDaemon:
+    return SavedDaemon(
+        size=store.size,
+        slab_pages=store.table.slab_pages,
+        replicas=store.replicas,
+        client_id=store.client_id,
+        peers=[f"{h}:{p}" for h, p in peers],
+        token=token,
+        key=key,
+        export_name=export_name,
+    )
+
+
+class Standby:
+    """A dead daemon's store, built before it died (`open_standby`): the page tables mapped,
+    the store and its encryption built, a connection open to every memserver, nothing begun.
+    `take_over` finishes the resume once the daemon is gone."""
+
+    def __init__(self, store: BlockStore, remote: Any, state: Persisted, seen: int) -> None:
+        self.store, self.remote, self.state = store, remote, state
+        self._seen = seen  # daemon-state.json's identity when it was read (`_identity`)
+
+    async def take_over(self) -> None:
+        """Serve from here on: the slab map as the dead daemon last saved it, its nonce counter,
+        the namespaces joined (connections lost meanwhile opened again) and the reservations
+        restored. Only once the daemon that wrote the tables is gone: two writers of one page
+        table would corrupt it. StateError when the state now belongs to another device.
+        The map is read again only when the file was replaced since (it is saved as a new file,
+        after a failover or a repair): parsing it allocates for every slab."""
+        mine = self.state.saved
+        if _identity(self.state.dir.state_file) != self._seen:
+            saved = self.state.dir.load()  # daemon-state.json on the ramfs: never swapped out
+            if (saved.token, saved.size, saved.client_id) != (
+                mine.token,
+                mine.size,
+                mine.client_id,
+            ):
+                raise StateError(
+                    f"{self.state.dir.state_file} now describes another device (enabled again "
+                    "since this standby started); it cannot take over"
+                )
+            mine.sets = saved.sets
+        if isinstance(self.store, PersistentCryptStore):
+            self.store.reload_counter()
+        table = self.remote.table
+        # saved again only if the takeover changes it (a memserver lost the namespace):
+        # copying and encoding the whole map would allocate for every slab
+        table.on_placement_change = self.state.placement_saver(table)
+        await self.remote.reattach(mine.sets)
+
+    async def abandon(self) -> None:
+        """Stop standing by: close the connections, unmap the tables; release nothing (the
+        pages belong to the device the daemon serves)."""
+        for c in self.remote.clients:
+            await c.close()
+        self.state.tables.close()
+
+
+async def open_standby(
+    state_dir: Path,
+    peers: list[tuple[str, int]],
+    size: int,
+    client_id: str,
+    replicas: int,
+    *,
+    export_name: str = "",
+    repair: bool = True,
+    security: PeerSecurity | None = None,
+    transports: list[str] | None = None,
+) -> Standby:
+    """The store a daemon that died would need, built ahead of its death from `state_dir` (the
+    saved token, slab map, tables and key; the arguments must describe the same device), with
+    its memserver connections open. Raises StateError, or StorageError from the memservers."""
+    from duvm.store.remote_store import RemoteStore
+
+    sd = StateDir(state_dir)
+    sd.ensure()
+    seen = _identity(sd.state_file)
+    old = sd.load()
+    mismatch = [
+        f"{what} {a!r} (saved {b!r})"
+        for what, a, b in (
+            ("size", size, old.size),
+            ("client id", client_id, old.client_id),
+            ("replicas", replicas, old.replicas),
+            ("peers", [f"{h}:{p}" for h, p in peers], old.peers),
+        )
+        if a != b
+    ]
+    if mismatch:
+        raise StateError(
+            f"cannot resume from {sd.state_file}: it was saved for another "
+            "device: " + "; ".join(mismatch)
+        )
+    # the memservers hold what the saved key sealed: encrypted exactly when it was
+    tables = PageTables.open(sd.pages_file, size // 4096, old.key is not None)
+    try:
+        store = RemoteStore(
+            peers,
+            size,
+            client_id,
+            replicas=replicas,
+            slab_pages=old.slab_pages,
+            tables=tables.tables,
+            repair=repair,
+            security=security,
+            transports=transports,
+        )
+        for c in store.clients:
+            c.token = old.token  # the same owner across restarts (namespace isolation)
+        state = Persisted(sd, tables, _saved(store, peers, old.token, old.key, export_name))
+        state.saved.sets = old.sets
+        store.table.assign(old.sets)  # built now; the takeover changes only what changed since
+        await store.open_connections(old.sets)
+    except BaseException:
+        tables.close()
+        raise
+    outer = PersistentCryptStore(store, old.key, tables) if old.key is not None else store
+    return Standby(outer, store, state, seen)
+
+
+def _identity(path: Path) -> int:
+    """Which version of a file is there now: it is only ever replaced whole (`StateDir.save`:
+    a new file renamed over it), so its inode number changes with every save."""
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return -1

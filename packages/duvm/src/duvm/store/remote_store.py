@@ -208,11 +208,40 @@ class RemoteStore(BlockStore):
             raise
         self._begin(placement, want)
 
+    async def open_connections(self, placement: list[list[int]]) -> None:
+        """Connect (HELLO, AUTH) every peer not connected yet, and nothing more: no RELEASE, no
+        reservation, no watchdog or repair. A standby daemon opens its connections this way
+        while the daemon it stands in for still serves: the namespaces are joined, not changed
+        (a memserver lets several connections of one token share a namespace, and keeps it out
+        of its lease while any is open). A peer that cannot be reached is left to the running
+        store's reconnects, as long as every slab of `placement` has a replica on a peer that
+        could be; else StorageError (every connection is closed then, never released: the
+        pages belong to a live device)."""
+        pending = [c for c in self.clients if not c.connected]
+        results = await asyncio.gather(*(c.connect() for c in pending), return_exceptions=True)
+        failed = [
+            f"{c.peer} ({r})"
+            for c, r in zip(pending, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        if not failed:
+            return
+        up = {i for i, c in enumerate(self.clients) if c.connected}
+        if all(up.intersection(p) for p in placement):
+            log.warning(
+                "memserver unreachable, its copies are read from the others: %s", "; ".join(failed)
+            )
+            return
+        for c in self.clients:
+            await c.close()  # never RELEASE here: the pages belong to a live device
+        raise StorageError(errno.EHOSTUNREACH, "memserver unreachable: " + "; ".join(failed))
+
     async def reattach(self, placement: list[list[int]]) -> None:
         """Take over the namespaces a crashed predecessor left (same client id and token, and
         this store built on its persisted page tables) with its slab map `placement`. Nothing
         is released: the memservers keep the pages for their lease. A memserver that lost the
-        namespace meanwhile is handled as on a reconnect (`Replication.namespace_lost`)."""
+        namespace meanwhile is handled as on a reconnect (`Replication.namespace_lost`).
+        Connections already open (`open_connections`, a standby's) are kept."""
         if len(placement) != self.table.nslabs or any(
             not p or len(set(p)) != len(p) or not all(0 <= i < len(self.clients) for i in p)
             for p in placement
@@ -220,26 +249,21 @@ class RemoteStore(BlockStore):
             raise ValueError(
                 f"placement must name 1+ distinct peers for each of {self.table.nslabs} slabs"
             )
-        results = await asyncio.gather(*(c.connect() for c in self.clients), return_exceptions=True)
-        failed = [
-            f"{c.peer} ({r})"
-            for c, r in zip(self.clients, results, strict=True)
-            if isinstance(r, BaseException)
-        ]
-        if failed:
-            for c in self.clients:
-                await c.close()  # never RELEASE here: the pages belong to a live device
-            raise StorageError(errno.EHOSTUNREACH, "memserver unreachable: " + "; ".join(failed))
+        await self.open_connections(placement)
         want = [0] * len(self.clients)
         for slab, peers in enumerate(placement):
             for i in peers:
                 want[i] += self.table.slab_size(slab)
         self._begin(placement, want)
         for c in self.clients:
-            if not c.hello.resumed:
+            if c.hello is not None and not c.hello.resumed:
                 self.replication.namespace_lost(c)
         res = await asyncio.gather(
-            *(c.reserve(n) for c, n in zip(self.clients, want, strict=True) if n),
+            *(
+                c.reserve(n)
+                for c, n in zip(self.clients, want, strict=True)
+                if n and c.connected  # an unreachable one: restored when it reconnects
+            ),
             return_exceptions=True,
         )
         for r in res:

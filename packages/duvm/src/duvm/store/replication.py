@@ -77,10 +77,18 @@ class Replication:
         self.on_dropped: Callable[[], None] = _nothing  # the repairer's wake-up
 
     def begin(self, placement: list[list[int]], want: list[int]) -> None:
-        """The slabs are placed as `placement` and `want` pages reserved on each peer."""
+        """The slabs are placed as `placement` and `want` pages reserved on each peer. A table
+        already assigned (a standby's, `SlabTable.assign` ahead of its takeover) changes only
+        the slabs whose set differs: the takeover allocates nothing per slab."""
         self.reserved = list(want)
         self.assigned = list(want)
-        self.table.assign(placement)
+        t = self.table
+        if len(t.sets) == len(placement):
+            for slab, members in enumerate(placement):
+                if t.sets[slab] != members:
+                    t.set_replicas(slab, list(members))
+        else:
+            t.assign(placement)
         self.open = True
 
     def degraded_slabs(self) -> list[int]:

@@ -60,6 +60,23 @@ def attach(att: Attachment, run_dir: Path, timeout_s: int, save: Saver) -> None:
     att.device = device
     att.size_bytes = int(Path("/sys/block", Path(device).name, "size").read_text()) * 512
     att.extra["nbd_pid"] = nbd_pid(device)
+    att.extra["wbt_lat_usec_before"] = no_writeback_throttle(device)
+
+
+def no_writeback_throttle(device: str, sys_root: Path = Path("/sys")) -> str:
+    """Turn the block layer's writeback throttling off on `device` (`queue/wbt_lat_usec` 0).
+    Requests held across a daemon's crash stay in flight until the kernel's request timer
+    resends them (60 s, DECISIONS.md D48); writeback throttling counts them, so reclaim (kswapd
+    and every task short of memory) waited in `wbt_wait` for that long although the device was
+    served again within a second (kernel stacks, QEMU guest, docs/BENCHMARKS.md "A daemon
+    crash"). What was there before, or why it could not be set."""
+    knob = sys_root / "block" / Path(device).name / "queue" / "wbt_lat_usec"
+    try:
+        before = knob.read_text().strip()
+        knob.write_text("0")
+    except OSError as exc:
+        return f"not set ({exc.strerror or exc})"
+    return before
 
 
 def nbd_pid(device: str, sys_root: Path = Path("/sys")) -> str | None:
@@ -107,12 +124,14 @@ def _attach_netlink(att: Attachment, device: str, timeout_s: int, save: Saver) -
     att.device = device
     att.size_bytes = int(Path("/sys/block", Path(device).name, "size").read_text()) * 512
     att.extra["nbd_pid"] = nbd_pid(device)
+    att.extra["wbt_lat_usec_before"] = no_writeback_throttle(device)
 
 
-def reattach(att: Attachment) -> None:
+def reattach(att: Attachment, socket_path: str | None = None) -> None:
     """Hand the (restarted) daemon's socket to the live device whose connection died:
     NBD_CMD_RECONFIGURE. The kernel then resends every request the dead daemon left
-    unanswered, and swap continues where it stopped."""
+    unanswered, and swap continues where it stopped. `socket_path`: where that daemon listens
+    when not at `att.socket` (a standby, before it takes the daemon's name)."""
     systools.require_root()
     if att.method != METHOD_KERNEL or not att.nbd_netlink or not att.nbd_device:
         raise AttachError(
@@ -126,7 +145,7 @@ def reattach(att: Attachment) -> None:
             f"timeout of {att.dead_conn_timeout_s} s passed?); its swapped pages "
             "are gone: `duvm disable --force`, then enable again"
         )
-    sock, _info = _handshake(att.socket)
+    sock, _info = _handshake(socket_path or att.socket)
     try:
         nbdnetlink.reconfigure(att.nbd_device, [sock.fileno()])
     except OSError as exc:

@@ -19,11 +19,15 @@ from pathlib import Path
 
 
 def spawn_detached(
-    cmd: list[str], log: Path, preexec: Callable[[], object] | None = None
+    cmd: list[str],
+    log: Path,
+    preexec: Callable[[], object] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """Start a long-lived helper in its own session, so it outlives `duvm enable`; `preexec`
-    runs in the child before the program starts. Record `start_time(proc.pid)` beside the pid:
-    it is what later tells this process from a recycled PID."""
+    runs in the child before the program starts, `pass_fds` stay open in it. Record
+    `start_time(proc.pid)` beside the pid: it is what later tells this process from a
+    recycled PID."""
     with open(log, "ab") as out:
         return subprocess.Popen(
             cmd,
@@ -32,6 +36,7 @@ def spawn_detached(
             stderr=out,
             start_new_session=True,
             preexec_fn=preexec,
+            pass_fds=pass_fds,
         )
 
 

@@ -24,8 +24,10 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from duvm.base import accel, pressure, quietlog
 from duvm.base.units import is_loopback, parse_listen, parse_peer, parse_size
@@ -35,6 +37,9 @@ from duvm.store.storage import BlockStore, StorageError
 from duvm.wire import auth
 from duvm.wire.nbdtrace import RequestTrace
 from duvm.wire.pageproto import PAGE_SIZE  # the one definition: the wire's page
+
+if TYPE_CHECKING:
+    from duvm.node.daemon.nbdserver import NBDServer
 
 log = logging.getLogger("duvm.node.daemon.daemon")
 
@@ -121,6 +126,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "reconnects its live device; see `duvm enable --resume`)",
     )
     parser.add_argument(
+        "--standby-fd",
+        type=int,
+        metavar="FD",
+        help="stand by (with --resume): build the store now, take the device over when told "
+        "on FD, one end of a socket pair (`duvm supervise` starts it; duvm.node.daemon.standby)",
+    )
+    parser.add_argument(
+        "--standby-for",
+        metavar="PID:START",
+        help="the daemon a standby stands in for (its pid and start time): never taken over "
+        "from while it runs",
+    )
+    parser.add_argument(
         "--no-realtime",
         dest="realtime",
         action="store_false",
@@ -175,7 +193,9 @@ def run(args: argparse.Namespace) -> int:
             io_flusher=args.io_flusher,
             oom_adj=args.oom_score_adj,
         )
-        if args.heap_reserve > 0 and not args.no_mlock:
+        # (a standby keeps its own heap once prepared; glibc is told to keep freed memory now,
+        # before the log writer's thread could take an arena of its own)
+        if (args.heap_reserve > 0 or args.standby_fd is not None) and not args.no_mlock:
             pressure.reserve_heap(args.heap_reserve << 20)
     else:
         pressure.lower_oom_score(args.oom_score_adj)
@@ -222,6 +242,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError("--resume needs --state-dir (where the dead daemon kept its state)")
     if args.state_dir and args.memory:
         raise ValueError("--state-dir keeps memserver state; --memory has none to keep")
+    if args.standby_fd is not None and not (args.resume and args.standby_for):
+        raise ValueError("--standby-fd stands in for a daemon: it needs --resume and --standby-for")
     return Settings(
         size=size,
         peers=peers,
@@ -246,6 +268,10 @@ def _run(args: argparse.Namespace) -> int:
             "(the programs that own them get I/O errors); use 2 or more peers"
         )
     try:
+        if args.standby_fd is not None:
+            from duvm.node.daemon import standby
+
+            return _run_loop(standby.stand_by(args, cfg, serve))
         return _run_loop(_serve(args, cfg))
     except DaemonError as e:
         return _fail(str(e))
@@ -330,6 +356,27 @@ async def _serve_store(args: argparse.Namespace, cfg: Settings, trace: RequestTr
     store, persisted = await open_store(args, cfg)
     server = NBDServer(store, args.export_name)
     server.trace = trace
+    return await serve(args, cfg, store, persisted, server)
+
+
+async def serve(
+    args: argparse.Namespace,
+    cfg: Settings,
+    store: BlockStore,
+    persisted: daemon_state.Persisted | None,
+    server: NBDServer,
+    say: Callable[[str], None] | None = None,
+    listen: Callable[[], Awaitable[None]] | None = None,
+    settle: Callable[[], Awaitable[None]] | None = None,
+    control_sock: socket.socket | None = None,
+) -> int:
+    """Serve `store` (reserved, or taken over by a standby) through `server` until SIGTERM or
+    SIGINT, then stop cleanly: in-flight requests answered, the reservations released, the
+    state forgotten. `say` announces that it serves (default: a line on stdout). A standby
+    passes `listen` (serve on its socket bound ahead, instead of binding `--socket` now),
+    `control_sock` (its control socket, bound ahead too) and `settle` (awaited once it serves):
+    then nothing here touches a file on /run, where another task may hold a lock while it
+    waits for the device this process serves."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -351,7 +398,10 @@ async def _serve_store(args: argparse.Namespace, cfg: Settings, trace: RequestTr
                     f"cannot serve metrics on {args.metrics}: {e.strerror or e}"
                 ) from None
             print(f"duvm daemon metrics on http://{bound[0]}:{bound[1]}/metrics", flush=True)
-        await server.start_unix(args.socket)
+        if listen is not None:
+            await listen()
+        else:
+            await server.start_unix(args.socket)
         where = f"unix:{args.socket}"
         if cfg.tcp is not None:
             host, port = await server.start_tcp(*cfg.tcp)
@@ -360,17 +410,19 @@ async def _serve_store(args: argparse.Namespace, cfg: Settings, trace: RequestTr
         from duvm.base import control_socket
         from duvm.node.daemon.status import daemon_status
 
+        line = (
+            f"duvm daemon serving export {args.export_name!r} ({cfg.size} bytes, {backend}) "
+            f"on {where}"
+        )
         ctl_path = args.control_socket or control_socket.default_path(args.socket)
         path = accel.announce(log).path
         replicas = None if args.memory else cfg.replicas
         ctl = await control_socket.start(
-            ctl_path, lambda: daemon_status(store, server, replicas, path).to_json()
+            ctl_path, lambda: daemon_status(store, server, replicas, path).to_json(), control_sock
         )
-        print(
-            f"duvm daemon serving export {args.export_name!r} ({cfg.size} bytes, {backend}) "
-            f"on {where}",
-            flush=True,
-        )
+        (say or (lambda m: print(m, flush=True)))(line)
+        if settle is not None:
+            await settle()
         await stop.wait()
         ctl.close()
         # asyncio leaves the socket file: gone with the daemon, so nobody reads a stale one

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import stat
 from typing import TYPE_CHECKING, TypedDict
 
@@ -128,6 +129,19 @@ class NBDServer:
         os.chmod(path, 0o600)
         self._servers.append(server)
         self._unix_paths.append(path)
+
+    async def start_unix_bound(self, sock: socket.socket, path: str) -> None:
+        """Serve on `sock`, a Unix socket already bound to `path` and listening (a standby's,
+        bound before the takeover: starting to serve then touches no file)."""
+        loop = asyncio.get_running_loop()
+        server = await loop.create_unix_server(lambda: NBDConnection(self), sock=sock)
+        self._servers.append(server)
+        self._unix_paths.append(path)
+
+    def renamed_unix(self, old: str, new: str) -> None:
+        """The socket at `old` was given the name `new` (by another process): the one to
+        remove when closing."""
+        self._unix_paths = [new if p == old else p for p in self._unix_paths]
 
     async def start_tcp(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         loop = asyncio.get_running_loop()

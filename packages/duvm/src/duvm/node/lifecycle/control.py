@@ -407,15 +407,6 @@ def node_status(path: Path = DEFAULT_NODE_CONTROL_SOCKET) -> dict[str, Any] | No
     }
 
 
-def _supervisor_status(state_dir: Path) -> dict[str, Any] | None:
-    info = supervisor_process.load(state_dir)
-    return (
-        None
-        if info is None
-        else {"pid": info["pid"], "running": supervisor_process.alive(info), "log": info.get("log")}
-    )
-
-
 def status(
     state_dir: Path = DEFAULT_STATE_DIR, node_socket: Path = DEFAULT_NODE_CONTROL_SOCKET
 ) -> dict[str, Any]:
@@ -460,7 +451,8 @@ def status(
             "replicas": daemon.replicas,
             "request_path": report.get("request_path"),
         },
-        "supervisor": _supervisor_status(state_dir),
+        "supervisor": supervisor_process.status(state_dir),
+        "standby": supervisor_process.standby_status(state_dir),
         "min_free_kbytes": {"before": att.min_free_before, "set": att.min_free_set}
         if att
         else None,
@@ -525,6 +517,14 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(
             f"supervisor: pid {sup['pid']} "
             f"{'running' if sup['running'] else 'NOT RUNNING'} (log {sup['log']})"
+            + (f"; gave up at {sup['gave_up']}" if sup.get("gave_up") else "")
+        )
+    if sb := st.get("standby"):
+        kib, own = sb["ready_kib"], sb.get("ready_anon_kib")
+        lines.append(
+            f"standby: pid {sb['pid']} {'ready' if sb['running'] else 'NOT RUNNING'}"
+            + (f" ({kib >> 10} MiB resident" if isinstance(kib, int) else " (")
+            + (f", {own >> 10} MiB its own)" if isinstance(own, int) else ")")
         )
     r = st.get("replication")
     if r:

@@ -28,9 +28,12 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import IO, Any, Protocol
 
+from duvm.base import control_socket
 from duvm.node.attach import attach_kernel, attach_state, processes, systools
 from duvm.node.lifecycle import control
 from duvm.node.lifecycle.supervisor_process import keeps_state
@@ -93,7 +96,7 @@ def resume(
         raise control.ControlError(
             f"duvm is not enabled with state in {state_dir}; nothing to resume (use `duvm enable`)"
         )
-    with open(state_dir / RESUME_LOCK, "a") as lock:
+    with resume_lock(state_dir) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _resume(state_dir, timeout, known)
 
@@ -164,3 +167,85 @@ def _resume(
     att.extra["resumed"] = int(att.extra.get("resumed", 0) or 0) + 1  # type: ignore[call-overload]
     attach_state.save_state(control.state_path(state_dir), att)
     return info, att
+
+
+class Successor(Protocol):
+    """A daemon already running that can take a dead one's device over (a standby,
+    `duvm.node.lifecycle.standby_process.Standby`)."""
+
+    pid: int
+    log: Path
+
+    def take_over(self) -> str:
+        """Serve the dead daemon's store; returns the socket it listens on."""
+        ...
+
+    def handed(self) -> None:
+        """The device has a connection to it: it may take the daemon's socket name."""
+        ...
+
+    def kill(self) -> None:
+        """SIGKILL (never SIGTERM: a clean stop would RELEASE the pages)."""
+        ...
+
+
+def adopt(
+    state_dir: Path,
+    known: Records,
+    successor: Successor,
+    lock: IO[Any],
+    reattach: Callable[[attach_state.Attachment, str], None] = attach_kernel.reattach,
+) -> tuple[control.DaemonInfo, attach_state.Attachment]:
+    """Hand the live device to `successor` once it serves (`reattach` gives the device a
+    connection to it): the fast resume, with no process started and no file opened before
+    the device is served again (`lock` is the resume lock, opened beforehand; other users of
+    /run may be waiting for the device). Same lock and same records as `resume`."""
+    systools.require_root()
+    att, old = known
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        if control.daemon_alive(old):
+            raise control.ControlError(f"the daemon (pid {old.pid}) still runs; nothing to resume")
+        path = successor.take_over()
+        try:
+            reattach(att, path)
+        except BaseException:
+            successor.kill()
+            raise
+        successor.handed()
+        for final in (old.socket, control_socket.default_path(old.socket)):
+            with contextlib.suppress(FileNotFoundError):  # the daemon's names, stale ones replaced
+                os.replace(final + control_socket.STANDBY_SUFFIX, final)
+        pid = successor.pid
+        # Its log stays where it is (renaming it would wait for the inode lock its writer
+        # thread may hold while that waits for a page the device has not given back yet), and
+        # the record is a new file renamed over the old (truncating the old could wait for a
+        # page of it being read back).
+        info = control.DaemonInfo(
+            pid,
+            old.socket,
+            old.peers,
+            old.size,
+            old.replicas,
+            str(successor.log),
+            time.time(),
+            old.client_id,
+            list(old.daemon_args),
+            processes.start_time(pid),
+        )
+        record = control.daemon_path(state_dir)
+        fresh = record.with_name(f".{record.name}.{os.getpid()}")
+        fresh.write_text(json.dumps(asdict(info)) + "\n")
+        os.replace(fresh, record)
+        att.extra["daemon_pid"] = pid
+        att.extra["resumed"] = int(att.extra.get("resumed", 0) or 0) + 1  # type: ignore[call-overload]
+        att.extra["taken_over"] = int(att.extra.get("taken_over", 0) or 0) + 1  # type: ignore[call-overload]
+        attach_state.save_state(control.state_path(state_dir), att)
+        return info, att
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def resume_lock(state_dir: Path) -> IO[Any]:
+    """The lock `resume` and `adopt` take, opened (for a supervisor to keep open)."""
+    return open(state_dir / RESUME_LOCK, "a")

@@ -4,11 +4,16 @@ Theory of operation
 -------------------
 `duvm enable` on kernel nbd over netlink starts this small watcher beside the daemon (state in
 ``STATE_DIR/supervisor.json``, log in ``STATE_DIR/supervisor.log``). It waits for the daemon
-process to end, event-driven (a pidfd; a 1 s check where the kernel has none), and then does
-exactly what ``duvm enable --resume`` does (:func:`duvm.node.lifecycle.resume.resume`): a new daemon
-from the saved state, handed the live device with ``NBD_CMD_RECONFIGURE``. The kernel holds the swap
-device's requests for the dead-connection timeout (60 s), so a resume that succeeds within it
-loses nothing; failed tries are repeated with backoff inside that time.
+process to end, event-driven (a pidfd; a 1 s check where the kernel has none). Beside it, when
+memory allows, it keeps a standby (`duvm.node.lifecycle.standby_process`): a second daemon with
+its store already built and its memory already faulted in. When the daemon dies, the standby
+takes over (milliseconds: nothing is started or read) and the device gets a connection to it
+(``NBD_CMD_RECONFIGURE``, :func:`duvm.node.lifecycle.resume.adopt`); a new standby follows once
+the device is served again. Without a ready standby, or when it cannot take over, it does
+exactly what ``duvm enable --resume`` does (:func:`duvm.node.lifecycle.resume.resume`): a new
+daemon from the saved state. The kernel holds the swap device's requests for the
+dead-connection timeout (60 s), so a resume that succeeds within it loses nothing; failed tries
+are repeated with backoff inside that time.
 
 - It runs locked in RAM (mlockall), realtime, as an I/O flusher and last in the OOM killer's
   list, like the daemon (`duvm.base.pressure`): a supervisor whose pages were swapped out to the
@@ -21,10 +26,12 @@ loses nothing; failed tries are repeated with backoff inside that time.
   left without a server because the supervisor was told to stop half-way through.
 - A daemon that keeps dying is not restarted forever: when it dies again after
   ``RestartPolicy.max_restarts`` restarts within its ``restart_window`` seconds, the
-  supervisor gives up and says so in its log (and `duvm status` shows the daemon not
-  running). Tries of one resume stop at the kernel's dead-connection timeout: after it the
-  held I/O has failed and the memservers' lease on the namespaces has run out, so a later
-  try would find nothing to serve.
+  supervisor gives up. Tries of one resume stop at the kernel's dead-connection timeout: after
+  it the held I/O has failed and the memservers' lease on the namespaces has run out, so a
+  later try would find nothing to serve. Giving up fails the device's held requests at once
+  (``NBD_CMD_DISCONNECT``, `fail_held_io`: the node falls back as with a failed swap disk,
+  instead of waiting out the rest of the hold) and the reason goes to its log and to
+  `duvm status`.
 - `duvm disable` stops it only after swapoff brought every page home and the device is gone
   (a daemon crash during that long swapoff is resumed like any other); a daemon that is dead
   when disable starts makes disable refuse (without --force) rather than fail the swapoff.
@@ -44,12 +51,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from duvm.base import pressure, quietlog
 from duvm.node.attach import attach_kernel, attach_state, processes, systools
-from duvm.node.lifecycle import control, resume
+from duvm.node.lifecycle import control, resume, standby_process, supervisor_process
 from duvm.node.lifecycle.supervisor_process import wanted
+from duvm.wire import nbdnetlink
 
 
 @dataclass(frozen=True)
@@ -82,42 +90,58 @@ class _Stop:
     def _note(self, signum: int, frame: object) -> None:
         self.requested = True
 
-    def wait(self, pid: int | None, timeout: float | None, start: int | None = None) -> None:
+    def wait(
+        self,
+        pid: int | None,
+        timeout: float | None,
+        start: int | None = None,
+        fds: tuple[int, ...] = (),
+    ) -> str:
         """Until `pid` (the process that started at `start`) ends (None: only the timeout), a
-        stop is requested or `timeout` s."""
+        stop is requested, one of `fds` is readable or `timeout` s pass. Says which: "ended",
+        "stop", "fd" or "timeout"."""
         poller = select.poll()
         poller.register(self._r, select.POLLIN)
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
         pidfd = -1
         if pid is not None:
             try:
                 pidfd = os.pidfd_open(pid)
             except ProcessLookupError:
-                return
+                return "ended"
             except (OSError, AttributeError):  # no pidfd here: look once a second
                 pidfd = -1
             else:
                 if not processes.pid_alive(pid, start):  # the pidfd names a later process
                     os.close(pidfd)
-                    return
+                    return "ended"
                 poller.register(pidfd, select.POLLIN)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not self.requested:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    return
+                    return "timeout"
                 if pid is not None and pidfd < 0:
                     left = 1.0 if left is None else min(left, 1.0)
                 events = poller.poll(None if left is None else max(1, int(left * 1000)))
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._r, 512)
-                if pidfd >= 0 and any(fd == pidfd for fd, _ in events):
-                    return
+                ready = {fd for fd, _ in events}
+                if pidfd >= 0 and pidfd in ready:
+                    return "ended"
                 if pid is not None and pidfd < 0 and not processes.pid_alive(pid, start):
-                    return
+                    return "ended"
+                if ready & set(fds):
+                    return "fd"
+            return "stop"
         finally:
             if pidfd >= 0:
                 os.close(pidfd)
+
+
+SparesFactory = Callable[[Path, Callable[[str], None]], standby_process.Spares]
 
 
 def watch(
@@ -126,15 +150,36 @@ def watch(
     resume_fn: Callable[..., Any] | None = None,
     say: Callable[[str], None] | None = None,
     policy: RestartPolicy | None = None,
+    spares: SparesFactory | None = standby_process.Spares,
+    give_up: Callable[[attach_state.Attachment, str], None] | None = None,
+    reattach: Callable[[attach_state.Attachment, str], None] = attach_kernel.reattach,
 ) -> int:
     """The supervisor's loop (see the module docstring). Returns the exit code: 0 when told to
-    stop or when duvm is no longer enabled, 1 when it gave up."""
+    stop or when duvm is no longer enabled, 1 when it gave up. `spares` keeps a standby beside
+    the daemon (None: none, every restart starts a new daemon); `give_up` fails the device's
+    held requests once nobody will serve them (default `fail_held_io`); `reattach` hands the
+    device a connection to the standby that took over."""
     resume_fn = resume_fn or resume.resume
     say = say or (lambda m: print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {m}", flush=True))
     stopper = _Stop()
+    keeper = spares(state_dir, say) if spares is not None else None
+    lock = resume.resume_lock(state_dir)  # opened now: the takeover opens no file
     try:
-        return _watch(state_dir, resume_fn, say, stopper, policy or RestartPolicy())
+        return _watch(
+            state_dir,
+            resume_fn,
+            say,
+            stopper,
+            policy or RestartPolicy(),
+            keeper,
+            give_up or fail_held_io,
+            reattach,
+            lock,
+        )
     finally:
+        lock.close()
+        if keeper is not None:
+            keeper.stop()
         stopper.close()
 
 
@@ -144,6 +189,10 @@ def _watch(
     say: Callable[[str], None],
     stopper: _Stop,
     policy: RestartPolicy,
+    keeper: standby_process.Spares | None,
+    give_up: Callable[[attach_state.Attachment, str], None],
+    reattach: Callable[[attach_state.Attachment, str], None],
+    lock: IO[Any],
 ) -> int:
     restarts: list[float] = []
     daemon_file = control.daemon_path(state_dir)
@@ -160,7 +209,7 @@ def _watch(
             return 0
         if control.daemon_alive(daemon):  # (a recorded pid that is no daemon any more: dead)
             say(f"watching daemon pid {daemon.pid} serving {att.device}")
-            stopper.wait(daemon.pid, None, daemon.start)
+            _serve_watch(daemon, stopper, keeper)
             if stopper.requested:
                 break
             if control.daemon_alive(daemon):
@@ -174,12 +223,19 @@ def _watch(
         died = time.monotonic()
         restarts = [t for t in restarts if died - t < policy.restart_window] + [died]
         if len(restarts) > policy.max_restarts:
-            say(
+            return _gave_up(
+                state_dir,
+                att,
                 f"the daemon died again after {policy.max_restarts} restarts within "
-                f"{policy.restart_window:.0f} s: giving up (see the daemon log); `duvm enable "
-                "--resume` tries again by hand"
+                f"{policy.restart_window:.0f} s (see the daemon log)",
+                say,
+                give_up,
             )
-            return 1
+        spare = keeper.take(daemon.pid) if keeper is not None else None
+        if spare is not None and _hand_over(
+            state_dir, att, daemon, spare, died, say, reattach, lock
+        ):
+            continue
         # The kernel holds the device's I/O (and the memservers the namespaces) this long.
         hold = att.dead_conn_timeout_s or attach_kernel.DEFAULT_DEAD_CONN_TIMEOUT_S
         deadline = died + hold
@@ -204,18 +260,19 @@ def _watch(
                     break
             left = deadline - time.monotonic()
             if left <= 0:
-                say(
-                    f"could not resume the daemon within the kernel's {hold} s: its held I/O "
-                    "has failed; giving up (`duvm enable --resume` tries again by hand)"
+                return _gave_up(
+                    state_dir,
+                    att,
+                    f"could not resume the daemon within the kernel's {hold} s",
+                    say,
+                    give_up,
                 )
-                return 1
             try:
                 resume_fn(state_dir, timeout=max(left, 5.0), known=(att, daemon))
             except Exception as exc:  # ControlError, AttachError, OSError: say it, try again
                 say(f"resume failed: {exc}")
                 if delay is None:
-                    say("could not resume the daemon: giving up")
-                    return 1
+                    return _gave_up(state_dir, att, "could not resume the daemon", say, give_up)
                 stopper.wait(None, min(delay, max(0.0, deadline - time.monotonic())))
                 continue
             new = control.load_daemon(state_dir)  # a daemon serves again: safe to read
@@ -223,6 +280,101 @@ def _watch(
             break
     say("stopped")
     return 0
+
+
+def _serve_watch(
+    daemon: control.DaemonInfo, stopper: _Stop, keeper: standby_process.Spares | None
+) -> None:
+    """Until the daemon ends or a stop is requested, keep a standby beside it."""
+    while True:
+        if keeper is not None:
+            keeper.tend(daemon)
+        why = stopper.wait(
+            daemon.pid,
+            keeper.next_wake() if keeper is not None else None,
+            daemon.start,
+            tuple(keeper.fds()) if keeper is not None else (),
+        )
+        if why in ("ended", "stop"):
+            return
+
+
+def _hand_over(
+    state_dir: Path,
+    att: attach_state.Attachment,
+    daemon: control.DaemonInfo,
+    spare: standby_process.Standby,
+    died: float,
+    say: Callable[[str], None],
+    reattach: Callable[[attach_state.Attachment, str], None],
+    lock: IO[Any],
+) -> bool:
+    """Give the device to the ready standby; False (it is gone then) when that failed."""
+    marks: dict[str, float] = {}
+
+    def hand(a: attach_state.Attachment, path: str) -> None:
+        marks["serving"] = time.monotonic()
+        reattach(a, path)
+        marks["handed"] = time.monotonic()
+
+    try:
+        resume.adopt(state_dir, (att, daemon), spare, lock, hand)
+    except (
+        standby_process.StandbyError,
+        control.ControlError,
+        attach_state.AttachError,
+        OSError,
+    ) as exc:
+        say(f"the standby could not take over ({exc}): starting a new daemon")
+        spare.kill()
+        return False
+    ms = (time.monotonic() - died) * 1000
+    steps = ", ".join(f"{k} at {(v - died) * 1000:.0f}" for k, v in marks.items())
+    say(
+        f"standby pid {spare.pid} took over {att.device} {ms:.0f} ms after daemon pid "
+        f"{daemon.pid} ended ({steps} ms; resident {spare.ready_kib} KiB when ready, "
+        f"{spare.told_kib} when told, {spare.serving_kib} when serving)"
+    )
+    return True
+
+
+def fail_held_io(
+    att: attach_state.Attachment,
+    why: str,
+    *,
+    connection_pid: Callable[[str], str | None] = attach_kernel.nbd_pid,
+    disconnect: Callable[[str], None] = nbdnetlink.disconnect,
+) -> bool:
+    """Nobody will serve the device again: NBD_CMD_DISCONNECT, so the kernel fails every
+    request it holds now (a swap-in's process gets SIGBUS or is OOM-killed, a swap-out keeps
+    its page) instead of after the rest of its dead-connection timeout. Only a device that is
+    still ours: connected, and by the connection recorded at attach (`connection_pid`, the
+    device's /sys/block/nbdN/pid), since the number is reused once it is free. True when it
+    was disconnected."""
+    recorded = att.extra.get("nbd_pid")
+    if not (att.nbd_device and recorded and connection_pid(att.nbd_device) == recorded):
+        return False
+    try:
+        disconnect(att.nbd_device)
+    except OSError:
+        return False
+    return True
+
+
+def _gave_up(
+    state_dir: Path,
+    att: attach_state.Attachment,
+    why: str,
+    say: Callable[[str], None],
+    give_up: Callable[[attach_state.Attachment, str], None],
+) -> int:
+    give_up(att, why)  # first: a file written below could wait on the dead device otherwise
+    supervisor_process.record_give_up(state_dir, why)
+    say(
+        f"giving up: {why}; {att.device}'s held requests were failed (its swapped-out pages "
+        "are lost); `duvm disable --force` cleans up"
+    )
+    return 1
 
 
 def _mtime(path: Path) -> int | None:

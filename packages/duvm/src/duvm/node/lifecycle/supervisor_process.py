@@ -5,6 +5,7 @@ that the control layer never imports the watcher (no import cycle)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -32,6 +33,9 @@ def keeps_state(daemon_args: list[str]) -> bool:
 
 
 SUPERVISOR_FILE = "supervisor.json"
+GAVE_UP_FILE = "supervisor-gave-up.txt"
+STANDBY_FILE = "standby.json"  # written by the supervisor (`standby_process.Spares`)
+STANDBY_LOGS = ("daemon-standby-1.log", "daemon-standby-2.log")  # (standby_process.spawn)
 
 
 def supervisor_path(state_dir: Path) -> Path:
@@ -49,6 +53,7 @@ def start(state_dir: Path, ready_timeout: float = 30.0) -> tuple[int, str | None
     daemon. Returns its pid and, when it is not watching, why (a warning for the user)."""
     log = state_dir / "supervisor.log"
     size = log.stat().st_size if log.exists() else 0
+    (state_dir / GAVE_UP_FILE).unlink(missing_ok=True)  # a new supervisor: an old give-up ends
     proc = processes.spawn_detached(
         [sys.executable, "-m", "duvm.cli", "supervise", "--state-dir", str(state_dir)], log
     )
@@ -100,3 +105,43 @@ def stop(state_dir: Path, timeout: float = 180.0) -> None:
             processes.send_signal(pid, signal.SIGKILL, start)
             processes.wait_pid_exit(pid, 10, start)
     supervisor_path(state_dir).unlink(missing_ok=True)
+
+
+def record_give_up(state_dir: Path, why: str) -> None:
+    """Keep why the supervisor gave up, for `duvm status` (a new file: nothing to swap in)."""
+    with contextlib.suppress(OSError):
+        (state_dir / GAVE_UP_FILE).write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {why}\n")
+
+
+def status(state_dir: Path) -> dict[str, Any] | None:
+    """The supervisor as `duvm status` shows it: pid, running, log, and why it gave up."""
+    info = load(state_dir)
+    if info is None:
+        return None
+    try:
+        gave_up: str | None = (state_dir / GAVE_UP_FILE).read_text().strip() or None
+    except OSError:
+        gave_up = None
+    return {"pid": info["pid"], "running": alive(info), "log": info.get("log"), "gave_up": gave_up}
+
+
+def standby_path(state_dir: Path) -> Path:
+    return state_dir / STANDBY_FILE
+
+
+def standby_status(state_dir: Path) -> dict[str, Any] | None:
+    """The supervisor's standby daemon as `duvm status` shows it: pid, running, resident KiB
+    when it said it was ready, log."""
+    try:
+        info = json.loads(standby_path(state_dir).read_text())
+        pid = int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    start = info.get("start") if isinstance(info.get("start"), int) else None
+    return {
+        "pid": pid,
+        "running": processes.duvm_runs(pid, "daemon", start),
+        "ready_kib": info.get("ready_kib"),
+        "ready_anon_kib": info.get("ready_anon_kib"),
+        "log": info.get("log"),
+    }
