@@ -235,6 +235,8 @@ def test_enable_status_disable_from_the_command_line(state_dir: Path) -> None:
         # status authenticates to the peers as the daemon does (they refuse anyone else)
         assert [p["health"] for p in st["peers"]] == ["ok"] * 3, st["peers"]
         assert st["daemon"]["replicas"] == 2 and st["replication"]["replicas"] == 2
+        # enable told the daemon its swap device: gputaskman labels swapped bytes the pool's
+        assert st["daemon"]["swap_device"] == st["device"], st["daemon"]
         # reserve before exposing: every page of the device reserved twice across the peers
         assert sum(p["our_reserved_pages"] for p in st["peers"]) >= 2 * size // PAGE
         pids += [st["daemon"]["pid"]]

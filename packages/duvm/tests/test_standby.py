@@ -259,6 +259,7 @@ def test_a_killed_daemon_is_taken_over_by_its_standby_and_the_same_client_is_ser
             assert new is not None
             st = _status(node.socket + ".ctl")
             seen["status_pid"] = st["pid"]
+            seen["swap_device"] = st.get("swap_device")  # told by the supervisor (adopt)
             seen["rss_after"] = float(pressure.rss_kib(new.pid) or -1)
             _wait_said(log, "standby pid", "ready", after="took over")  # the next standby
             seen["status"] = control.format_status(control.status(node.state_dir))
@@ -285,6 +286,7 @@ def test_a_killed_daemon_is_taken_over_by_its_standby_and_the_same_client_is_ser
     assert new is not None and f"standby pid {new.pid} took over /dev/nbd7" in took
     assert "--standby-fd" in Path(f"/proc/{new.pid}/cmdline").read_text()  # no new process
     assert seen["status_pid"] == new.pid  # `duvm status` finds it under the daemon's names
+    assert seen["swap_device"] == "/dev/nbd7"  # so gputaskman labels swapped bytes the pool's
     # its log stays its own (never renamed while the device may still owe its writer a page)
     assert new.log.endswith("daemon-standby-1.log") and "took over in" in Path(new.log).read_text()
     # the standby started after the takeover is gone with the supervisor (it released nothing)

@@ -21,8 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gputaskman.base.readings import Reading
 from gputaskman.render.report import null_rule_violations
-from gputaskman.sampling import duvmpool
+from gputaskman.sampling import duvmpool, host, procfacts
+from gputaskman.sampling.host import SwapDevice, SwapInfo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -249,6 +251,71 @@ async def test_tui_system_panel_shows_the_pool(pool: Pool, monkeypatch):
         text = str(app.query_one(SystemPanel).render())
     assert "duvm  pool ok" in text
     assert f"peer 127.0.0.1:{pool.ports[0]}  up  our pages 16 pages" in text
+
+
+# --------------------------------------------------------------------- where swapped bytes are
+
+
+def _swaps(*names: str) -> SwapInfo:
+    r = Reading.measured(0, "/proc/meminfo")
+    return SwapInfo(r, r, r, tuple(SwapDevice(n, "partition", 1 << 20, 0, -2) for n in names))
+
+
+def test_a_real_daemon_told_its_swap_device_makes_swapped_bytes_the_pools(tmp_path: Path):
+    """End to end with a real `duvm daemon` (local RAM) told its swap device through duvm's
+    own client, as `duvm enable` tells it: gputaskman reads the device from the daemon's
+    status and labels swapped bytes "pool" only when /proc/swaps' only active device is that
+    one. This machine's /proc/swaps is used where it lists exactly one device; otherwise
+    (none here, usually) the swap info is a constructed `host.SwapInfo`. Catches a daemon
+    that never names its device (the label could never be "pool") and a label given although
+    another device is active or the only one is not the daemon's."""
+    control_socket = pytest.importorskip("duvm.base.control_socket")
+    nbd = str(tmp_path / "nbd.sock")
+    ctl = nbd + ".ctl"
+    daemon = _start(
+        [
+            "daemon",
+            "--memory",
+            "--size",
+            "4M",
+            "--socket",
+            nbd,
+            "--no-mlock",
+            "--no-realtime",
+            "--no-io-flusher",
+        ],
+        "serving export",
+        tmp_path / "daemon.log",
+    )
+    try:
+        before = duvmpool.sample([ctl])
+        assert before.errors == {} and before.daemons[0].swap_device is None
+        held, why = procfacts.swap_holder(_swaps("/dev/nbd0"), before)
+        assert held == "swap" and "does not name its swap device" in why, why
+
+        real = host.HostSampler(duvm=False).sample([os.getpid()]).swap
+        ours = real.devices[0].filename if real.devices and len(real.devices) == 1 else None
+        device = ours or "/dev/nbd0"
+        control_socket.tell_swap_device(ctl, device)
+        after = duvmpool.sample([ctl])
+        (d,) = after.daemons
+        assert after.errors == {} and d.swap_device == device and d.socket == ctl
+        assert procfacts.swap_holder(_swaps(device), after) == (
+            "pool",
+            f"{device}, the only active swap device, is duvm's ({ctl})",
+        )
+        for other in (_swaps("/dev/sda2"), _swaps(device, "/swapfile"), _swaps()):
+            assert procfacts.swap_holder(other, after)[0] == "swap", other.devices
+        # this machine's own /proc/swaps: the pool's only where its one device is the told one
+        assert procfacts.swap_holder(real, after)[0] == ("pool" if ours else "swap")
+
+        # and through gputaskman's own process, as --json shows it
+        doc = json.loads(_gtm(["--json"], [ctl]).stdout)
+        (shown,) = doc["system"]["duvm"]["daemons"]
+        assert shown["swap_device"] == device
+    finally:
+        _stop(daemon)
+    assert daemon.returncode == 0 and not os.path.exists(ctl)
 
 
 # --------------------------------------------------------------------------- without a pool
@@ -515,6 +582,7 @@ def test_gtm_once_on_a_node_with_duvm_enabled_shows_where_its_pages_are(tmp_path
         assert used_pages > 0
         (d,) = doc["system"]["duvm"]["daemons"]
         assert d["health"] == "ok"
+        assert d["swap_device"] == att.device  # `duvm enable` told the daemon its device
         pages = {p["peer"]: p["pages"]["value"] for p in d["peers"]}
         assert set(pages) == set(servers.addrs)
         # every page the kernel swapped out is somewhere in the pool (one replica each);

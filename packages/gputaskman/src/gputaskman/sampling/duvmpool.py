@@ -12,7 +12,8 @@ gputaskman never imports duvm. It speaks the local status socket both duvm proce
   counters. ``store`` is null for a daemon without a pool (``--memory``). An answer that
   names the block device serving the export as swap (``"swap_device": "/dev/nbd0"``) lets
   gputaskman label swapped-out bytes as held by the pool (`procfacts.swap_holder`); duvm's
-  daemon does not send it yet, and without it they are labelled swap.
+  daemon sends it once `duvm enable` (or a resume, or a standby's takeover) told it, and
+  without it they are labelled swap.
 * A **memserver** started with ``--control-socket PATH`` (suggested:
   ``/run/duvm/memserver.ctl``) answers ``{"role": "memserver", ...}`` with its STATUS
   document: capacity, reservations and every client namespace with its stored pages, that is

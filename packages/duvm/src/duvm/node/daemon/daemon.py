@@ -27,7 +27,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from duvm.base import accel, pressure, quietlog
 from duvm.base.units import is_loopback, parse_listen, parse_peer, parse_size
@@ -46,6 +46,27 @@ log = logging.getLogger("duvm.node.daemon.daemon")
 
 class DaemonError(Exception):
     """A reason to exit non-zero with a one-line message (peer unreachable, pool full, ...)."""
+
+
+class ControlStatus:
+    """What the daemon's control socket answers (`duvm.base.control_socket`): its status
+    (`status()`, the `DaemonStatus` as JSON) plus "swap_device", the block device serving its
+    export as swap, null until told (`tell_swap_device`, called on the event loop for a
+    `swap_device` request: `duvm enable`, a resume or a standby's takeover send it). This
+    object is that device's one owner; it is kept in memory only, never read from a file (a
+    read could wait on the swap device this process serves)."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        self._status = status
+        self.swap_device: str | None = None
+
+    def tell_swap_device(self, device: str) -> None:
+        if device != self.swap_device:
+            log.info("serving swap device %s", device)
+        self.swap_device = device
+
+    def __call__(self) -> dict[str, Any]:
+        return {**self._status(), "swap_device": self.swap_device}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -417,8 +438,9 @@ async def serve(
         ctl_path = args.control_socket or control_socket.default_path(args.socket)
         path = accel.announce(log).path
         replicas = None if args.memory else cfg.replicas
+        report = ControlStatus(lambda: daemon_status(store, server, replicas, path).to_json())
         ctl = await control_socket.start(
-            ctl_path, lambda: daemon_status(store, server, replicas, path).to_json(), control_sock
+            ctl_path, report, control_sock, on_swap_device=report.tell_swap_device
         )
         (say or (lambda m: print(m, flush=True)))(line)
         if settle is not None:

@@ -17,7 +17,8 @@ The JSON keeps the names its readers know: "store" is the replication health wit
 beside it, flat (null without replicas), "nbd" the NBD counters; gputaskman reads "pid",
 "size_bytes", "replicas", "store" (its "peers" with "peer", "connected", "pages",
 "reserved_pages", "slabs"; "replicas", "pages_written", "degraded_slabs", "pages_lost_now") and
-the presence of "nbd"; `duvm status` reads "store" and "request_path".
+the presence of "nbd" and "swap_device" (the block device it serves as swap, once told: see
+`duvm.base.control_socket`); `duvm status` reads "store" and "request_path".
 """
 
 from __future__ import annotations

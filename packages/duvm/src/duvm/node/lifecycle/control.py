@@ -222,6 +222,8 @@ def enable(
         if unswappable is not None:
             ramfs.release(unswappable)
         raise
+    # the daemon's status names its swap device (for gputaskman); a failure is only logged
+    control_socket.try_tell_swap_device(control_socket.default_path(daemon.socket), att.device)
     if cfg.supervise and supervisor_process.wanted(att, cfg.daemon_args):
         att.extra["supervise"] = True  # `enable --resume` starts it again after a give-up
         attach_state.save_state(state_path(cfg.state_dir), att)
@@ -450,6 +452,7 @@ def status(
             "log": daemon.log,
             "replicas": daemon.replicas,
             "request_path": report.get("request_path"),
+            "swap_device": report.get("swap_device"),
         },
         "supervisor": supervisor_process.status(state_dir),
         "standby": supervisor_process.standby_status(state_dir),

@@ -166,6 +166,8 @@ def _resume(
     att.extra["daemon_pid"] = proc.pid
     att.extra["resumed"] = int(att.extra.get("resumed", 0) or 0) + 1  # type: ignore[call-overload]
     attach_state.save_state(control.state_path(state_dir), att)
+    # served again: its status names the device (a failure is only logged)
+    control_socket.try_tell_swap_device(control_socket.default_path(info.socket), att.device)
     return info, att
 
 
@@ -241,6 +243,11 @@ def adopt(
         att.extra["resumed"] = int(att.extra.get("resumed", 0) or 0) + 1  # type: ignore[call-overload]
         att.extra["taken_over"] = int(att.extra.get("taken_over", 0) or 0) + 1  # type: ignore[call-overload]
         attach_state.save_state(control.state_path(state_dir), att)
+        # once the device is served again and the sockets have the daemon's names: its
+        # status names the device (a failure is only logged; its socket is there already)
+        control_socket.try_tell_swap_device(
+            control_socket.default_path(info.socket), att.device, wait=False
+        )
         return info, att
     finally:
         fcntl.flock(lock, fcntl.LOCK_UN)
