@@ -206,6 +206,12 @@ _page_frames = st.one_of(
     st.builds(lambda r: encode_bytes(pp.Status(r)), st.integers(0, 9)),
     st.builds(lambda i: encode_bytes(pp.Hello(1, i)), st.text(min_size=1, max_size=8)),
     st.builds(lambda p: encode_bytes(pp.Auth(2, p)), st.binary(min_size=32, max_size=32)),
+    st.builds(lambda r, e: encode_bytes(pp.Fence(r, e)), st.integers(0, 9), st.integers(1, 3)),
+    st.builds(  # FENCE bodies of any length, epoch 0, reserved bits (answered INVALID)
+        lambda r, b: pp.HEADER.pack(pp.MAGIC, pp.MsgType.FENCE, 0, r, 0, len(b)) + b,
+        st.integers(0, 9),
+        st.binary(max_size=24),
+    ),
     st.binary(max_size=64),
 )
 

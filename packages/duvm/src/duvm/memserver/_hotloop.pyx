@@ -5,7 +5,8 @@
 `serve` serves the complete, well-formed STORE, LOAD and FREE frames at the front of the
 decoder's buffer, one after another, and stops at the first frame it leaves to the reference
 loop: an incomplete one, any other type, anything the decoder or the page store would refuse
-(a bad header or count, a STORE beyond the reservation, a LOAD of a page not stored) and a LOAD
+(a bad header or count, a STORE beyond the reservation, a LOAD of a page not stored, a STORE or FREE from a
+connection fenced off its namespace: `writable` False) and a LOAD
 larger than COPY_LOAD_PAGES (the reference sends those from the arena without a copy). So
 every error and refusal is produced by the reference code, with its messages and counters;
 what this loop serves, it serves with the same replies, the same slots and the same counters.
@@ -87,11 +88,14 @@ def serve(
     unsigned char[::1] memory not None,
     dict counters not None,
     list out not None,
+    bint writable,
 ):
     """Serve frames from buf[start:end], appending the replies to `out`; the new start
     (== start when nothing was served).
     `limit_store` and `limit_batch` are the decoder's payload limits for STORE and for
-    LOAD/FREE; `pages` and `reserved` the namespace's; `memory` the arena's bytes."""
+    LOAD/FREE; `pages` and `reserved` the namespace's; `memory` the arena's bytes;
+    `writable` False when a newer generation fenced the namespace (FENCE): then every STORE
+    and FREE is left to the reference loop, which refuses it (FENCED)."""
     cdef const unsigned char *p
     cdef const unsigned char *keys
     cdef unsigned char *w
@@ -129,6 +133,8 @@ def serve(
             if length != (8 + n * (8 + PAGE) if mtype == STORE else 8 + n * 8):
                 break
             keys = p + 32
+            if mtype != LOAD and not writable:
+                break  # fenced off: the reference refuses it
             if mtype == STORE:
                 slots = [pages.get(_u64(keys + 8 * i)) for i in range(n)]
                 new = slots.count(None)

@@ -13,7 +13,13 @@ page store and batch the replies.
   client id with another token is DENIED, so one client can never reach another's pages,
   whatever ids it sends (keys only ever index the connection's namespace).
 - A frame that breaks the protocol closes this one connection with a logged reason; other
-  connections and namespaces are untouched.
+  connections and namespaces are untouched. A well-framed FENCE with bad fields
+  (`pp.InvalidRequest`) is answered INVALID instead, and the connection stays.
+- Fencing (FENCE, docs/protocol.md): each connection has the `epoch` it last fenced with (0:
+  never). Every request that changes its namespace or gives write access to it (STORE, FREE,
+  RESERVE, RELEASE, RDMA_OPEN, RDMA_MAP) is refused FENCED when the namespace's epoch is
+  higher, on both loops: the compiled one is told whether this connection may write and leaves
+  a STORE or FREE it may not to this loop, which refuses it. LOAD and STATUS stay allowed.
 """
 
 from __future__ import annotations
@@ -49,6 +55,17 @@ _FREE_REPLY = _FREE | pp.REPLY_BIT
 _FREE_BODY = pp.FREE_REPLY_BODY.pack
 
 SUPPORTED_VERSIONS = (pp.MIN_VERSION, pp.PROTOCOL_VERSION)
+
+# the requests off the hot path that change a namespace or give write access to it (STORE
+# and FREE are checked on the hot path): refused from a connection fenced off (FENCED)
+_MUTATING = {
+    pp.Reserve: pp.MsgType.RESERVE,
+    pp.Release: pp.MsgType.RELEASE,
+    pp.RdmaOpen: pp.MsgType.RDMA_OPEN,
+    pp.RdmaMap: pp.MsgType.RDMA_MAP,
+    pp.Store: pp.MsgType.STORE,
+    pp.Free: pp.MsgType.FREE,
+}
 
 _IOV_MAX = 1024  # buffers per writev (Linux UIO_MAXIOV)
 _HOT_MODULE = "duvm.memserver._hotloop"
@@ -94,6 +111,7 @@ class Connection(asyncio.BufferedProtocol):
         self.authed = False
         self.tls_verified = False  # the peer presented a certificate our CA signed
         self.last_active = 0.0
+        self.epoch = 0  # the epoch this connection fenced with (FENCE); 0: never
         self._hello: pp.Hello | None = None
         self._nonce_s = b""
         self._secret: bytes | None = None
@@ -195,6 +213,7 @@ class Connection(asyncio.BufferedProtocol):
                         store.arena.memory,
                         store.counters,
                         out,
+                        self.epoch >= self.ns.epoch,  # may write: not fenced off
                     )
                     if to != start:
                         dec.consume(to)
@@ -213,6 +232,8 @@ class Connection(asyncio.BufferedProtocol):
                         arena_views = False
                     if mtype == _STORE and ns is not None:
                         keys, data = parse_batch(mtype, body)
+                        if self.epoch < ns.epoch:  # a newer generation fenced the namespace
+                            store.check_epoch(ns, self.epoch, pp.MsgType.STORE)
                         store.store(ns, keys, data)
                         out.append(_header(_STORE_REPLY, req_id, 0))
                     elif mtype == _LOAD and ns is not None:
@@ -227,7 +248,10 @@ class Connection(asyncio.BufferedProtocol):
                             out += views
                             arena_views = True
                     elif mtype == _FREE and ns is not None:
-                        n = store.free(ns, parse_batch(mtype, body)[0])
+                        keys = parse_batch(mtype, body)[0]
+                        if self.epoch < ns.epoch:
+                            store.check_epoch(ns, self.epoch, pp.MsgType.FREE)
+                        n = store.free(ns, keys)
                         out.append(_header(_FREE_REPLY, req_id, 8) + _FREE_BODY(n, 0))
                     else:
                         out += encode(self._dispatch(decode_frame(*frame)))
@@ -236,6 +260,14 @@ class Connection(asyncio.BufferedProtocol):
                 except Refused as e:
                     store.refused()
                     out += encode(pp.ErrorReply(req_id, pp.MsgType(mtype), e.code, str(e)))
+                except pp.InvalidRequest as e:  # whole frame, bad fields: answer, keep going
+                    if self.ns is None:
+                        self.server.count("unauthenticated_requests")
+                        raise pp.RemoteProtocolError(f"{e} (before authentication)") from None
+                    store.refused()
+                    out += encode(
+                        pp.ErrorReply(e.req_id, pp.MsgType(e.type), pp.ErrorCode.INVALID, str(e))
+                    )
                 if lat is not None:
                     lat.observe_ns(mtype, perf_counter_ns() - t0)
         except pp.RemoteProtocolError as e:
@@ -329,6 +361,10 @@ class Connection(asyncio.BufferedProtocol):
             self.server.count("unauthenticated_requests")
             raise pp.RemoteProtocolError(f"{type(msg).__name__} before authentication")
         rdma = self.server.rdma
+        if isinstance(msg, pp.Fence):  # the RDMA service's fence hook drops older regions
+            return pp.FenceReply(msg.req_id, store.fence(ns, msg.epoch, self))
+        if self.epoch < ns.epoch and type(msg) in _MUTATING:
+            store.check_epoch(ns, self.epoch, _MUTATING[type(msg)])
         if isinstance(msg, pp.Reserve):
             stored = store.reserve(ns, msg.pages)
             if rdma is not None:

@@ -19,6 +19,13 @@ client id, mapping the client's page numbers to slots, and the requests on them.
 - Releasing a namespace (RELEASE, or its lease expiring) first calls the release hooks
   (`add_release_hook`), then returns its slots: the RDMA service deregisters the namespace's
   regions there, so no rkey ever reaches a slot that went back to the arena.
+- Fencing (FENCE, docs/protocol.md): a namespace has an `epoch` (0 until a FENCE), which only
+  rises, and each connection the epoch it last fenced with. `fence` raises it and calls the
+  fence hooks (`add_fence_hook`: the RDMA service drops the regions of older connections
+  there); `check_epoch` is what every request that changes a namespace, or gives write access
+  to it, passes first: a connection of an older epoch is refused FENCED. The epoch lives on
+  the namespace, so it outlives connections for the lease, like the pages (a namespace that
+  holds nothing, not even a reservation, goes with its last connection, epoch and all).
 - No namespace ever reads bytes another one left in a slot. A TCP namespace cannot: a slot
   becomes one of its pages only through a STORE that writes all its bytes at once, and a key
   never stored answers NOT_FOUND. An RDMA namespace could, since its whole extents are
@@ -67,6 +74,8 @@ class Namespace:
     extents: list[tuple[int, int]] = field(default_factory=list)  # (first slot, slots)
     chunks: dict[int, int] = field(default_factory=dict)  # chunk index -> first slot
     spare: list[int] = field(default_factory=list)  # first slots of unmapped chunks held
+    # the highest FENCE epoch (0: never fenced); connections of a lower epoch may not write
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +133,8 @@ class PageStore:
         self.extra_status: Callable[[], dict[str, Any]] | None = None
         # called with a namespace before its slots go back to the arena (add_release_hook)
         self._release_hooks: list[Callable[[Namespace], None]] = []
+        # called with a namespace whose epoch just rose (add_fence_hook)
+        self._fence_hooks: list[Callable[[Namespace], None]] = []
         # requests and pages served, by kind (STATUS reports them)
         self.counters = {
             "store_requests": 0,
@@ -133,6 +144,9 @@ class PageStore:
             "pages_loaded": 0,
             "pages_freed": 0,
             "refused": 0,
+            "fences": 0,  # FENCE requests granted
+            "fence_refused": 0,  # FENCE with a stale epoch
+            "fenced_refused": 0,  # changes refused from a connection of an older epoch
         }
 
     @property
@@ -196,6 +210,47 @@ class PageStore:
         """Stop calling `hook` (nothing happens when it is not there)."""
         if hook in self._release_hooks:
             self._release_hooks.remove(hook)
+
+    def add_fence_hook(self, hook: Callable[[Namespace], None]) -> None:
+        """Call `hook(ns)` whenever `ns.epoch` rises, after the fencing connection took the
+        new epoch: the RDMA service drops there the regions of connections of older epochs,
+        which could otherwise still RDMA WRITE into the namespace."""
+        self._fence_hooks.append(hook)
+
+    def remove_fence_hook(self, hook: Callable[[Namespace], None]) -> None:
+        """Stop calling `hook` (nothing happens when it is not there)."""
+        if hook in self._fence_hooks:
+            self._fence_hooks.remove(hook)
+
+    def fence(self, ns: Namespace, epoch: int, conn: Any) -> int:
+        """FENCE: make `epoch` the epoch of `ns` and of `conn` (the connection asking, any
+        object with an `epoch` attribute), then, when it rose, call the fence hooks. Refused
+        FENCED, changing nothing, when `epoch` is below the namespace's (a stale generation).
+        Returns the namespace's epoch."""
+        if epoch < ns.epoch:
+            self.counters["fence_refused"] += 1
+            raise Refused(
+                pp.ErrorCode.FENCED,
+                f"epoch {epoch} is stale: namespace {ns.client_id!r} is at epoch {ns.epoch}",
+            )
+        rose = epoch > ns.epoch
+        ns.epoch = conn.epoch = epoch
+        self.counters["fences"] += 1
+        if rose:
+            for hook in self._fence_hooks:
+                hook(ns)
+        return ns.epoch
+
+    def check_epoch(self, ns: Namespace, epoch: int, what: pp.MsgType) -> None:
+        """Refuse (FENCED) a request that changes `ns` (or gives write access to it) from a
+        connection of epoch `epoch`, when a newer generation fenced the namespace."""
+        if epoch < ns.epoch:
+            self.counters["fenced_refused"] += 1
+            raise Refused(
+                pp.ErrorCode.FENCED,
+                f"{what.name} refused: namespace {ns.client_id!r} was fenced at epoch "
+                f"{ns.epoch}, this connection is at epoch {epoch}",
+            )
 
     def _release(self, ns: Namespace) -> int:
         for hook in self._release_hooks:  # first: nothing may still reach a freed slot

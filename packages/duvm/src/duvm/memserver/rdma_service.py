@@ -21,6 +21,11 @@ Theory of operation
   released (RELEASE, lease expiry), by the page store itself before any slot goes back to the
   arena (`drop_regions` is its release hook). A lease expires only with no connection, hence
   no session, left.
+- Fencing: when a FENCE raises a namespace's epoch, the regions of every session whose TCP
+  connection has an older epoch are deregistered at once (`fence_stale`, the store's fence
+  hook) and its tickets forgotten: a stale generation's queue pair could otherwise still RDMA
+  WRITE into the namespace, unseen by the memserver. Such a session is never registered again
+  (`sync_regions`), and a connect request from a fenced-off connection is rejected.
 - Everything runs on the memserver's event loop: the event channel's fd is an asyncio reader.
 - The verbs calls are a parameter (`VerbsApi`: the compiled `duvm.rdma._verbs` in production,
   duvm.testing.fake_verbs in tests), and so is the clock tickets expire by.
@@ -85,6 +90,7 @@ class RdmaService:
         self._sessions: dict[object, Session] = {}  # by owner (its TCP connection)
         self.counters = {"rdma_accepted": 0, "rdma_rejected": 0, "rdma_failed": 0, "rdma_probes": 0}
         store.add_release_hook(self.drop_regions)  # until close()
+        store.add_fence_hook(self.fence_stale)
 
     def start(self, host: str, port: int) -> None:
         """Listen on `host`:`port` with rdma-cm. Raises OSError (VerbsError) when it cannot."""
@@ -137,7 +143,7 @@ class RdmaService:
     def sync_regions(self, ns: Namespace) -> None:
         """Register every extent of `ns` (a RESERVE may have added some) in its sessions."""
         for s in self._sessions.values():
-            if s.ns is ns:
+            if s.ns is ns and not _stale(s.owner, ns):
                 self._register(s)
 
     def drop_regions(self, ns: Namespace) -> None:
@@ -148,6 +154,26 @@ class RdmaService:
                 for region in s.regions.values():
                     region.close()
                 s.regions.clear()
+
+    def fence_stale(self, ns: Namespace) -> None:
+        """`ns.epoch` rose (the store's fence hook): deregister the regions of the sessions
+        whose connection has an older epoch, so their rkeys are refused from now on, and
+        forget those connections' tickets."""
+        for t, (o, tns, _) in list(self._tickets.items()):
+            if tns is ns and _stale(o, ns):
+                del self._tickets[t]
+        for s in self._sessions.values():
+            if s.ns is ns and _stale(s.owner, ns) and s.regions:
+                for region in s.regions.values():
+                    region.close()
+                s.regions.clear()
+                log.warning(
+                    "namespace %r fenced at epoch %d: dropped the RDMA regions of a connection "
+                    "of epoch %d",
+                    ns.client_id,
+                    ns.epoch,
+                    _epoch(s.owner),
+                )
 
     def closed(self, owner: object) -> None:
         """`owner`'s TCP connection is gone: its ticket and its session go with it."""
@@ -169,6 +195,7 @@ class RdmaService:
 
     def close(self) -> None:
         self.store.remove_release_hook(self.drop_regions)
+        self.store.remove_fence_hook(self.fence_stale)
         for s in list(self._sessions.values()):
             self._close_session(s)
         self._sessions.clear()
@@ -254,6 +281,8 @@ class RdmaService:
             why = "its namespace is gone"
         elif owner in self._sessions:
             why = "its connection already has an RDMA connection"
+        elif _stale(owner, ns):
+            why = "its connection was fenced off (a newer epoch holds the namespace)"
         if why:
             self.counters["rdma_rejected"] += 1
             log.warning("rejecting an RDMA connect request: %s", why)
@@ -283,3 +312,13 @@ class RdmaService:
         s.cm.owner = None
         s.cm.disconnect()
         s.cm.close()
+
+
+def _epoch(owner: object) -> int:
+    """The FENCE epoch of a session's TCP connection (0: never fenced, or not a connection)."""
+    return getattr(owner, "epoch", 0)
+
+
+def _stale(owner: object, ns: Namespace) -> bool:
+    """Whether `owner`'s connection is of an older epoch than its namespace (fenced off)."""
+    return _epoch(owner) < ns.epoch

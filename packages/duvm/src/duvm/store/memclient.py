@@ -32,18 +32,25 @@ Theory of operation:
 - `on_namespace_lost(client)` (optional) is called when a reconnect finds the namespace gone
   (also one resumed, not reserved, here), before the reservation is restored: see `connect`.
 - Transport (`transport`): "tcp" moves pages in STORE/LOAD frames; "rdma" and "auto" open an
-  RDMA connection after each handshake (`rdma_link`): STOREs and LOADs then move by one-sided
-  RDMA WRITE/READ into the memserver's arena, and the TCP connection carries the rest (RESERVE,
-  chunk maps, FREE, STATUS) and tells a dead peer. "rdma" fails the connection when RDMA cannot
+  RDMA connection after each handshake (`memclient_rdma`, over `rdma_link`): STOREs and LOADs
+  then move by one-sided RDMA, the rest by TCP. "rdma" fails the connection when RDMA cannot
   be had; "auto" then uses TCP and says why (`rdma_error`). A broken RDMA connection drops
   the TCP one too, so the store fails over exactly as for a lost TCP connection.
+- Fencing (`epoch`, docs/protocol.md): a client given an epoch (at construction, or at run
+  time with `set_epoch`, which also fences the live connection) sends FENCE(epoch) on every
+  connection right after the handshake, before any other request (RDMA_OPEN, the RESERVE that
+  restores a lost namespace, and every caller's request, which wait for the reconnect), so
+  the memserver refuses, from then on, every change of the namespace from connections of an
+  older generation. A FENCE refused (FENCED) means a newer generation holds the namespace:
+  this client is stale, for good (`fenced_out`): its connection is dropped and every later
+  request raises PageServerError(FENCED) at once, without connecting again.
+  `memclient_group.fence_all` fences a list of clients concurrently.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import random
@@ -51,24 +58,16 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from duvm.rdma import verbs
+from duvm.store.memclient_rdma import open_rdma
 from duvm.store.memclient_replies import Batch, ReplyProtocol
 from duvm.store.memclient_send import LOAD as _LOAD
 from duvm.store.memclient_send import STORE as _STORE
 from duvm.store.memclient_send import send_queue_type
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
-from duvm.store.rdma_link import LinkError, RdmaLink, RdmaOwner, new_staging, open_link
+from duvm.store.rdma_link import RdmaLink
 from duvm.store.storage import Batching
 from duvm.wire import pageproto as pp
-from duvm.wire.auth import (
-    AuthError,
-    Keyring,
-    PeerSecurity,
-    SecretError,
-    answer_challenge,
-    default_token,
-    start_handshake,
-)
+from duvm.wire.auth import AuthError, PeerSecurity, answer_challenge, default_token, start_handshake
 from duvm.wire.pageproto import PAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -101,8 +100,11 @@ class MemClient:
         batching: Batching | None = None,
         transport: str = "tcp",
         chunk_pages: int = 256,
+        epoch: int | None = None,
     ) -> None:
         pp.Hello(0, client_id)  # validates the id early
+        if epoch is not None:
+            pp.Fence(0, epoch)  # validates the epoch early
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         pp.RdmaOpen(0, chunk_pages)  # validates the chunk size early
@@ -130,6 +132,11 @@ class MemClient:
         self._reconnecting: asyncio.Task | None = None
         self._closed = False
         self.on_namespace_lost: Callable[[MemClient], None] | None = None
+        # the generation this client writes as: FENCE(epoch) on every connection (None: never)
+        self.epoch = epoch
+        # set when a FENCE was refused: a newer generation holds the namespace; every request
+        # fails with it from then on, and no connect is tried again
+        self.fenced_out: PageServerError | None = None
         # circuit breaker and stall detection
         self.failures = 0  # consecutive failed connects/aborts; 0 once a HELLO succeeds
         self._retry_logged = False  # "retrying" said since the last successful HELLO
@@ -242,12 +249,18 @@ class MemClient:
             reply = await self._request(
                 answer_challenge(challenge, state, self.security, self.peer)
             )
+            sent = None  # fence before anything else goes out (set_epoch may change it)
+            while self.epoch is not None and self.epoch != sent:
+                sent = self.epoch
+                await self._request(pp.Fence(0, sent))
         except AuthError as e:
             proto.transport.abort()
             self._proto = None
             self.queue.disconnected()
             raise PageServerError(pp.ErrorCode.AUTH, str(e)) from None
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, PageServerError) and e.code == pp.ErrorCode.FENCED:
+                self._stale(e)
             proto.transport.abort()
             self._proto = None
             self.queue.disconnected()
@@ -257,7 +270,7 @@ class MemClient:
         fit = (reply.max_frame - pp.HEADER_SIZE - 8) // (8 + PAGE_SIZE)
         self.queue.max_batch = max(1, min(reply.max_batch, pp.MAX_BATCH, fit))
         if self.transport != "tcp":
-            await self._open_rdma(proto)
+            await open_rdma(self, proto)
         if reply.resumed and self._reserved is None:  # a namespace we did not reserve here
             self._reserved = reply.reserved_pages  # (a resume): its loss is noticed as ours
         if not reply.resumed and self._reserved:
@@ -289,60 +302,6 @@ class MemClient:
         if not self.connected:
             return None
         return "rdma" if self.rdma is not None else "tcp"
-
-    async def _open_rdma(self, proto: ReplyProtocol) -> None:
-        """After the handshake: get an RDMA connection, or say why not (see module doc)."""
-        why = None
-        v = verbs.load()
-        if v is None:
-            why = f"the RDMA transport is not built ({verbs.state()})"
-        else:
-            try:
-                if self._staging is None:
-                    self._staging = new_staging(v)
-                reply = await self._request(pp.RdmaOpen(0, self.chunk_pages))
-                self.rdma = await open_link(
-                    v,
-                    self.host,
-                    reply,
-                    self.chunk_pages,
-                    self.peer,
-                    RdmaOwner(self._request, self._tcp_cb, self._tcp_batch, self._rdma_broken),
-                    self._staging,
-                )
-            except PageServerError as e:
-                why = f"the memserver refused RDMA: {e}"
-            except LinkError as e:
-                why = str(e)
-        if why is None:
-            self.rdma_error = None
-            log.info("memserver %s: pages move by RDMA (%s)", self.peer, self.rdma.device)
-            return
-        if self.transport == "rdma":
-            self.rdma_error = why
-            proto.transport.abort()
-            self._proto = None
-            self.hello = None
-            self.queue.disconnected()
-            raise MemserverUnreachable(f"memserver {self.peer}: no RDMA connection: {why}")
-        if why != self.rdma_error:
-            log.warning("memserver %s: pages move by TCP, not RDMA: %s", self.peer, why)
-        self.rdma_error = why
-
-    def _tcp_cb(self, write: bool, keys: tuple[int, ...], buf: memoryview, cb: Callable) -> None:
-        (self.queue.store_cb if write else self.queue.load_cb)(keys, buf, cb)
-
-    def _tcp_batch(self, write: bool, keys: tuple[int, ...], buf: memoryview) -> Awaitable[Any]:
-        if write:
-            return self.queue.queue(_STORE, keys, buf, None)
-        return self.queue.queue(_LOAD, keys, None, buf)
-
-    def _rdma_broken(self, why: str) -> None:
-        """The RDMA connection broke: drop the TCP one too (the store fails over as for any
-        lost connection; the reconnect tries RDMA again)."""
-        self.rdma = None
-        self.rdma_error = why
-        self.abort(f"RDMA connection broken ({why})")
 
     def _close_rdma(self) -> None:
         link, self.rdma = self.rdma, None
@@ -377,6 +336,8 @@ class MemClient:
     async def _ensure_connected(self) -> None:
         if self._closed:
             raise MemserverUnreachable(f"client of memserver {self.peer} is closed")
+        if self.fenced_out is not None:
+            raise PageServerError(pp.ErrorCode.FENCED, self.fenced_out.message, self.peer)
         if self.connected:
             return
         if self._reconnecting is None or self._reconnecting.done():
@@ -563,6 +524,46 @@ class MemClient:
         )
         return sum(r.freed for r in replies)
 
+    async def fence(self, epoch: int) -> int:
+        """FENCE(epoch) on the current connection (connecting first if need be): the
+        memserver refuses, from now on, every change of this namespace from connections of a
+        lower epoch. Returns the namespace's epoch. Raises PageServerError(FENCED) when the
+        namespace is at a higher epoch (this client is then stale for good: `fenced_out`).
+        A reconnect does not repeat this one; `set_epoch` (or `epoch`) makes every one do it."""
+        msg = pp.Fence(0, epoch)  # validates: LocalProtocolError for 0 or beyond 64 bits
+        try:
+            reply = await self._call(0, msg=msg)
+        except PageServerError as e:
+            if e.code == pp.ErrorCode.FENCED:
+                self._stale(e)
+            raise
+        return reply.epoch
+
+    async def set_epoch(self, epoch: int) -> int | None:
+        """Write as generation `epoch` from now on (a standby taking over): every connection
+        is fenced with it, the live one now. Returns the namespace's epoch, or None when not
+        connected (the next connect fences). Raises as `fence`."""
+        pp.Fence(0, epoch)
+        self.epoch = epoch
+        if not self.connected:
+            return None
+        return await self.fence(epoch)
+
+    def _stale(self, e: PageServerError) -> None:
+        """A FENCE was refused: a newer generation holds the namespace. For good: drop the
+        connection, and fail every request from now on (no reconnect)."""
+        if self.fenced_out is None:
+            log.error(
+                "memserver %s: namespace %r is held by a newer generation (%s); this client stops",
+                self.peer,
+                self.client_id,
+                e.message,
+            )
+        self.fenced_out = e
+        proto = self._proto
+        if proto is not None and proto.transport is not None:
+            proto.transport.abort()
+
     async def status(self) -> dict:
         """The memserver's STATUS (see docs/protocol.md for the fields)."""
         reply = await self._call(0, msg=pp.Status(0))
@@ -577,19 +578,6 @@ class MemClient:
             if isinstance(r, BaseException):
                 raise r
         return res
-
-
-def reload_client_keyring(clients: list[MemClient], path: str) -> str:
-    """SIGHUP in the daemon: re-read the secret file into every MemClient's security (their
-    next connect proves the new current secret). Returns a log line without any secret."""
-    try:
-        keyring = Keyring.from_file(path)
-    except SecretError as e:
-        return f"SIGHUP: keeping the old secrets: {e}"
-    for c in clients:
-        if c.security is not None:
-            c.security = dataclasses.replace(c.security, keyring=keyring)
-    return f"SIGHUP: re-read {path}: current key id {keyring.current_id.hex()}"
 
 
 def _bytes_view(buf: bytes | bytearray | memoryview) -> memoryview:

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 from duvm.store.memclient import MemClient
+from duvm.store.memclient_group import fence_all
 from duvm.store.memserver_errors import MemserverUnreachable, PageServerError
 from duvm.wire.auth import PeerSecurity
 from duvm.wire.pageproto import PAGE_SIZE, ErrorCode, keys_tuple
@@ -204,6 +205,12 @@ class Pool:
             [self.clients[ci].free([keys[p] for p in pos]) for ci, pos in parts.items()], "free"
         )
         return sum(counts)
+
+    async def fence_all(self, epoch: int) -> list[int | Exception | None]:
+        """Write as generation `epoch` from now on, on every memserver at once (FENCE, see
+        `duvm.store.memclient_group.fence_all`): per memserver, its namespace's epoch, None
+        when not connected (the reconnect fences), or the exception met; never raises for one."""
+        return await fence_all(self.clients, epoch)
 
     async def status(self) -> list[dict]:
         """Each memserver's STATUS (capacity, used, reserved, namespaces, connections)."""

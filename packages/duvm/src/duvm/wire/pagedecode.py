@@ -22,6 +22,7 @@ from duvm.wire.pageproto import (
     AUTH_REQUIRED,
     BATCH_HEAD,
     CHALLENGE_BODY,
+    FENCE_BODY,
     FREE_REPLY_BODY,
     HEADER,
     HEADER_SIZE,
@@ -49,10 +50,13 @@ from duvm.wire.pageproto import (
     Challenge,
     ErrorCode,
     ErrorReply,
+    Fence,
+    FenceReply,
     Free,
     FreeReply,
     Hello,
     HelloReply,
+    InvalidRequest,
     Load,
     LoadReply,
     LocalProtocolError,
@@ -107,6 +111,7 @@ _REQUEST_LIMITS = {
     MsgType.STATUS: 0,
     MsgType.RDMA_OPEN: RDMA_OPEN_BODY.size,
     MsgType.RDMA_MAP: 8,
+    MsgType.FENCE: FENCE_BODY.size,
 }
 _REPLY_LIMITS = {
     MsgType.HELLO: CHALLENGE_BODY.size,
@@ -119,6 +124,7 @@ _REPLY_LIMITS = {
     MsgType.STATUS: MAX_STATUS,
     MsgType.RDMA_OPEN: RDMA_OPEN_REPLY_BODY.size,
     MsgType.RDMA_MAP: RDMA_MAP_REPLY_BODY.size,
+    MsgType.FENCE: FENCE_BODY.size,
 }
 
 
@@ -455,6 +461,31 @@ def _d_rdma_map_reply(req_id: int, body: memoryview) -> RdmaMapReply:
     return RdmaMapReply(req_id, *RDMA_MAP_REPLY_BODY.unpack(body))
 
 
+def _d_fence(req_id: int, body: memoryview) -> Fence:
+    """A bad FENCE (short, epoch 0, reserved fields set) is an `InvalidRequest`: the server
+    answers it INVALID and keeps the connection (a longer one is refused from its header)."""
+    if body.nbytes != FENCE_BODY.size:
+        raise InvalidRequest(
+            f"FENCE payload is {body.nbytes} bytes, expected {FENCE_BODY.size}",
+            req_id,
+            MsgType.FENCE,
+        )
+    epoch, r1, r2 = FENCE_BODY.unpack(body)
+    if r1 or r2:
+        raise InvalidRequest("FENCE reserved fields are not 0", req_id, MsgType.FENCE)
+    if epoch == 0:
+        raise InvalidRequest("FENCE epoch must be at least 1", req_id, MsgType.FENCE)
+    return Fence(req_id, epoch)
+
+
+def _d_fence_reply(req_id: int, body: memoryview) -> FenceReply:
+    _expect(body, FENCE_BODY.size, "FENCE reply")
+    epoch, r1, r2 = FENCE_BODY.unpack(body)
+    if r1 or r2:
+        raise RemoteProtocolError("FENCE reply reserved fields are not 0")
+    return FenceReply(req_id, epoch)
+
+
 _CODES = frozenset(int(c) for c in ErrorCode if c)
 _NAMES = {int(t): t.name for t in MsgType}
 _DECODERS = {
@@ -478,4 +509,6 @@ _DECODERS = {
     MsgType.RDMA_MAP: _d_rdma_map,
     MsgType.RDMA_OPEN | REPLY_BIT: _d_rdma_open_reply,
     MsgType.RDMA_MAP | REPLY_BIT: _d_rdma_map_reply,
+    MsgType.FENCE: _d_fence,
+    MsgType.FENCE | REPLY_BIT: _d_fence_reply,
 }

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from duvm.wire.pageproto import (
     AUTH_REQUIRED,
     CHALLENGE_BODY,
+    FENCE_BODY,
     FREE_REPLY_BODY,
     HEADER,
     HELLO_HEAD,
@@ -31,6 +32,8 @@ from duvm.wire.pageproto import (
     Auth,
     Challenge,
     ErrorReply,
+    Fence,
+    FenceReply,
     Free,
     FreeReply,
     Hello,
@@ -147,6 +150,12 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         case RdmaMapReply(req_id, address, rkey, pages):
             body = RDMA_MAP_REPLY_BODY.pack(address, rkey, pages)
             return [frame_header(MsgType.RDMA_MAP | REPLY_BIT, req_id, len(body)) + body]
+        case Fence(req_id, epoch):
+            body = FENCE_BODY.pack(epoch, 0, 0)
+            return [frame_header(MsgType.FENCE, req_id, len(body)) + body]
+        case FenceReply(req_id, epoch):
+            body = FENCE_BODY.pack(epoch, 0, 0)
+            return [frame_header(MsgType.FENCE | REPLY_BIT, req_id, len(body)) + body]
         case ErrorReply(req_id, mtype, code, message):
             raw = message.encode("utf-8", "replace")[:MAX_ERROR_MESSAGE]
             return [frame_header(mtype | REPLY_BIT, req_id, len(raw), code) + raw]

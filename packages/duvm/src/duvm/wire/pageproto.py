@@ -63,6 +63,8 @@ RDMA_OPEN_BODY = struct.Struct("<II")  # chunk pages, reserved (0)
 RDMA_OPEN_REPLY_BODY = struct.Struct(f"<HHI{NONCE_SIZE}s")  # rdma-cm port, reserved (0),
 # RDMA READs the server takes in flight, ticket
 RDMA_MAP_REPLY_BODY = struct.Struct("<QII")  # remote address, rkey, pages
+FENCE_BODY = struct.Struct("<QII")  # epoch, reserved (0), reserved (0): FENCE and its reply
+MAX_EPOCH: Final = (1 << 64) - 1
 MAX_CHUNK_PAGES: Final = 1 << 20  # 4 GiB: the largest chunk an RDMA_OPEN may ask for
 
 
@@ -77,6 +79,7 @@ class MsgType(IntEnum):
     AUTH = 8
     RDMA_OPEN = 9
     RDMA_MAP = 10
+    FENCE = 11
 
 
 class ErrorCode(IntEnum):
@@ -91,6 +94,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 6  # the server failed; the request had no effect
     AUTH = 7  # authentication failed or is required (the connection then closes)
     DENIED = 8  # the namespace belongs to another client (its token differs)
+    FENCED = 9  # a newer generation fenced the namespace: this connection may not change it
 
     def to_errno(self) -> int:
         return _ERRNO[self]
@@ -106,6 +110,7 @@ _ERRNO = {
     ErrorCode.INTERNAL: errno.EIO,
     ErrorCode.AUTH: errno.EACCES,
     ErrorCode.DENIED: errno.EPERM,
+    ErrorCode.FENCED: errno.ESTALE,
 }
 
 
@@ -119,6 +124,18 @@ class LocalProtocolError(ProtocolError):
 
 class RemoteProtocolError(ProtocolError):
     """The peer broke the protocol; close this connection (and only this one)."""
+
+
+class InvalidRequest(RemoteProtocolError):
+    """A whole, well-framed request whose fields are out of range (a FENCE with epoch 0, a
+    short body or reserved bits set). The frame is consumed, so a server may answer it with an
+    INVALID `ErrorReply` and keep the connection; anything that treats it as the
+    `RemoteProtocolError` it also is (closing the connection) stays correct."""
+
+    def __init__(self, message: str, req_id: int, mtype: int) -> None:
+        super().__init__(message)
+        self.req_id = req_id
+        self.type = mtype
 
 
 def keys_tuple(keys: Iterable[int]) -> tuple[int, ...]:
@@ -365,6 +382,29 @@ class RdmaMapReply:
 
 
 @dataclass(frozen=True, slots=True)
+class Fence:
+    """Raise this namespace's epoch to `epoch` and make it this connection's: from then on
+    the memserver refuses (FENCED) every request that changes the namespace, or gives write
+    access to it, from a connection whose epoch is lower. Refused FENCED when `epoch` is below
+    the namespace's (the caller is a stale generation)."""
+
+    req_id: int
+    epoch: int
+
+    def __post_init__(self) -> None:
+        if type(self.epoch) is not int or not 1 <= self.epoch <= MAX_EPOCH:
+            raise LocalProtocolError("epoch must be in [1, 2**64)")
+
+
+@dataclass(frozen=True, slots=True)
+class FenceReply:
+    """The namespace's epoch now (the one just set)."""
+
+    req_id: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorReply:
     """A refused request. `type` is the request's type; the request had no effect."""
 
@@ -378,7 +418,9 @@ class ErrorReply:
             raise LocalProtocolError("an error reply needs a non-zero code")
 
 
-Request = Hello | Auth | Reserve | Release | Store | Load | Free | Status | RdmaOpen | RdmaMap
+Request = (
+    Hello | Auth | Reserve | Release | Store | Load | Free | Status | RdmaOpen | RdmaMap | Fence
+)
 Reply = (
     Challenge
     | HelloReply
@@ -390,6 +432,7 @@ Reply = (
     | StatusReply
     | RdmaOpenReply
     | RdmaMapReply
+    | FenceReply
     | ErrorReply
 )
 Message = Request | Reply

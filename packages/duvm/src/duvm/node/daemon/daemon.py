@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from duvm.base import accel, pressure, quietlog
 from duvm.base.units import is_loopback, parse_listen, parse_peer, parse_size
-from duvm.store import client_flags, daemon_state, memclient
+from duvm.store import client_flags, daemon_state, memclient_group
 from duvm.store.placement import default_replicas
 from duvm.store.storage import BlockStore, StorageError
 from duvm.wire import auth
@@ -406,7 +406,9 @@ async def serve(
         clients = store.memserver_clients()
         loop.add_signal_handler(
             signal.SIGHUP,
-            lambda: log.warning("%s", memclient.reload_client_keyring(clients, args.secret_file)),
+            lambda: log.warning(
+                "%s", memclient_group.reload_client_keyring(clients, args.secret_file)
+            ),
         )
     try:
         if args.metrics:  # Prometheus exposition; NBD latencies observed from here on
