@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from duvm.store import daemon_state as ds
+from duvm.store import state_files as sf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,7 +43,7 @@ def test_state_round_trip_with_private_permissions(tmp_path: Path) -> None:
     assert sd.load() == saved
     assert (tmp_path / "st").stat().st_mode & 0o777 == 0o700
     assert sd.state_file.stat().st_mode & 0o777 == 0o600
-    assert [p.name for p in (tmp_path / "st").iterdir()] == [ds.STATE_FILE]  # no temp left
+    assert [p.name for p in (tmp_path / "st").iterdir()] == [sf.STATE_FILE]  # no temp left
 
 
 def test_readable_by_others_is_refused(tmp_path: Path) -> None:
@@ -266,7 +267,7 @@ def test_sigkilled_daemon_resumes_with_its_pages_and_never_serves_a_bad_one(
     d = _daemon(procs, port, sock, state)
     out = _qemu_io(sock, "write -P 0xab 0 64k", "write -P 0xcd 1M 8k")
     assert "wrote 65536/65536" in out and "wrote 8192/8192" in out, out
-    assert {p.name for p in state.iterdir()} == {ds.STATE_FILE, ds.PAGES_FILE}
+    assert {p.name for p in state.iterdir()} == {sf.STATE_FILE, sf.PAGES_FILE}
     d.send_signal(signal.SIGKILL)
     d.wait(30)
     assert _namespace(port)["stored_pages"] == 18  # kept for the lease  # type: ignore[index]
@@ -280,7 +281,7 @@ def test_sigkilled_daemon_resumes_with_its_pages_and_never_serves_a_bad_one(
     # a page whose checksum does not match what the memserver holds is EIO, never its bytes
     d.send_signal(signal.SIGKILL)
     d.wait(30)
-    t = ds.PageTables.open(state / ds.PAGES_FILE, 2048, encrypted=False)
+    t = ds.PageTables.open(state / sf.PAGES_FILE, 2048, encrypted=False)
     t.crc[1] ^= 1
     t.close()
     d = _daemon(procs, port, sock, state, "--resume")
@@ -327,7 +328,7 @@ def test_resume_for_another_device_is_refused(procs: _Procs, tmp_path: Path) -> 
     )
     assert p.wait(60) == 1
     assert "saved for another device: size 16777216 (saved 8388608)" in procs.log("bad.log")
-    assert (state / ds.PAGES_FILE).exists()  # a refused resume destroys nothing
+    assert (state / sf.PAGES_FILE).exists()  # a refused resume destroys nothing
 
 
 @pytest.mark.timeout(180)
@@ -347,19 +348,20 @@ def test_encrypted_pages_are_readable_after_sigkill_and_resume(
     assert saved.key is not None and len(saved.key) == 32
     d.send_signal(signal.SIGKILL)
     d.wait(30)
-    t = ds.PageTables.open(state / ds.PAGES_FILE, 2048, encrypted=True)
+    t = ds.PageTables.open(state / sf.PAGES_FILE, 2048, encrypted=True)
     counter = t.nonce_counter
     t.close()
     assert counter == 8  # one nonce per sealed page, stored before each seal
 
     d = _daemon(procs, port, sock, state, "--resume")
-    assert procs.log("daemon.log").count("pages encrypted") == 2  # both lives sealed pages
+    # both lives sealed pages (the line follows the socket's creation: wait for it)
+    _wait_for(lambda: procs.log("daemon.log").count("pages encrypted") == 2, 30, "its log")
     out = _qemu_io(sock, "read -P 0x5a 0 32k", "write -P 0x77 32k 4k", "read -P 0x77 32k 4k")
     assert out.count("read ") == 2 and "verification failed" not in out, out
     assert "error" not in out.lower(), out
     d.send_signal(signal.SIGKILL)
     d.wait(30)
-    t = ds.PageTables.open(state / ds.PAGES_FILE, 2048, encrypted=True)
+    t = ds.PageTables.open(state / sf.PAGES_FILE, 2048, encrypted=True)
     assert t.nonce_counter == 9  # continued after the saved counter, never reused
     t.close()
 
@@ -389,3 +391,68 @@ async def test_slab_map_changes_are_saved_coalesced(memserver_pool, tmp_path: Pa
         await store.close()
         state.discard()
     assert not sd.exists() and not sd.pages_file.exists()
+
+
+@pytest.mark.parametrize("path", ["reference", "compiled"])
+async def test_a_takeover_fences_the_dead_daemons_late_writes(
+    memserver_pool, tmp_path: Path, pick_path, path: str
+) -> None:
+    """Catches a standby that serves without fencing (`Standby._fence` not called, or called
+    with the dead daemon's own generation): a STORE the dead daemon still had in its socket's
+    send buffer reaches the memserver after the standby wrote the same page again (the kernel
+    resends the request in flight at the crash to the standby within a second, D48), and the
+    page then holds the old bytes under the standby's checksum: it reads EIO. Both memserver
+    request loops."""
+    from duvm.store.memserver_errors import PageServerError
+    from duvm.wire.pageproto import ErrorCode
+
+    pick_path(path, "duvm.memserver._hotloop")
+    _, addrs = await memserver_pool(2, 8 << 20)
+    st = tmp_path / "st"
+    store, state = await ds.open_store(
+        st, addrs, 4 << 20, "fence", 2, encrypt=False, resume=False, repair=False
+    )
+    standby = None
+    try:
+        gen = state.tables.generation
+        assert gen >= 1 and [c.epoch for c in store.clients] == [gen, gen]
+        standby = await ds.open_standby(st, addrs, 4 << 20, "fence", 2, repair=False)
+        assert [c.epoch for c in standby.remote.clients] == [gen, gen]  # joined, not fenced
+        old = b"\x01" * 4096
+        await store.write(0, memoryview(old))
+        # the daemon "dies" here: its connections stay open, as its sockets' buffers do
+        await standby.take_over()
+        new_gen = standby.state.tables.generation
+        assert new_gen > gen and state.tables.generation == new_gen  # one mapped header
+        assert [c.epoch for c in standby.remote.clients] == [new_gen, new_gen]
+        new = b"\x02" * 4096
+        await standby.store.write(0, memoryview(new))
+        # the dead daemon's STORE of page 0 arrives late, on its own connections
+        for peer in store.table.sets[0]:
+            with pytest.raises(PageServerError) as refused:
+                await store.clients[peer].store([0], old)
+            assert refused.value.code == ErrorCode.FENCED
+        out = bytearray(4096)
+        await standby.store.read(0, memoryview(out))
+        assert bytes(out) == new
+    finally:
+        if standby is not None:
+            await standby.store.close()
+        await store.close()
+        state.discard()
+
+
+def test_each_generation_is_above_the_last_and_kept_in_the_tables(tmp_path: Path) -> None:
+    """Catches a successor that counts from 0 again (a new daemon after `duvm disable
+    --force` would be refused by its own old namespaces, or worse a successor would fence with
+    its predecessor's generation and not fence it out)."""
+    assert sf.next_generation(5) >= 6 and sf.next_generation(1 << 62) == (1 << 62) + 1
+    t = ds.PageTables.create(tmp_path / sf.PAGES_FILE, 16, encrypted=False)
+    assert t.generation == 0
+    t.generation = 1234
+    t.close()
+    assert sf.generation_of(tmp_path / sf.PAGES_FILE) == 1234
+    t = ds.PageTables.open(tmp_path / sf.PAGES_FILE, 16, encrypted=False)
+    assert t.generation == 1234
+    t.close()
+    assert sf.generation_of(tmp_path / "missing") == 0

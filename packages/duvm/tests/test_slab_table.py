@@ -16,7 +16,7 @@ import pytest
 from crc32c import crc32c
 from duvm.base import accel
 from duvm.store import slab_table
-from duvm.store.daemon_state import PageTables
+from duvm.store.state_files import PageTables
 from duvm.store.storage import DATA, EMPTY, LOST
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -248,7 +248,7 @@ def test_compiled_table_matches_the_reference(ops: list, persisted: bool, tmp_pa
     runs = []
     for n, tx in enumerate((slab_table.SlabTable, compiled.SlabTable)):  # type: ignore[union-attr]
         tables = None
-        if persisted:  # the daemon's mapped tables (daemon_state.PageTables)
+        if persisted:  # the daemon's mapped tables (state_files.PageTables)
             path = tmp_path / f"pages-{n}.bin"
             path.unlink(missing_ok=True)
             pt = PageTables(path, PAGES, False, create=True)

@@ -32,6 +32,7 @@ from duvm.base import pressure
 from duvm.node.attach import attach_state, kernelnbd, processes
 from duvm.node.lifecycle import control, standby_process, supervise
 from duvm.store import daemon_state as ds
+from duvm.store import state_files as sf
 from duvm.store.memserver_status import query_status
 from duvm.wire import nbdconst as C
 
@@ -378,7 +379,7 @@ def test_a_standby_seals_with_nonces_after_those_the_dead_daemon_used(node: Node
         kernel.write(20 * PAGE, _pattern(20, 2))
         assert kernel.read(5 * PAGE, PAGE) == _pattern(5, 1)
         tables = ds.PageTables.open(
-            node.state_dir / "daemon-state" / ds.PAGES_FILE, SIZE // PAGE, encrypted=True
+            node.state_dir / "daemon-state" / sf.PAGES_FILE, SIZE // PAGE, encrypted=True
         )
         try:
             assert tables.meta is not None
@@ -449,7 +450,7 @@ def test_a_standby_serves_the_slab_map_the_daemon_saved_last(node: Node) -> None
     spare = standby_process.Standby.spawn(node.state_dir, daemon)
     try:
         _ready(spare)
-        state = node.state_dir / "daemon-state" / ds.STATE_FILE
+        state = node.state_dir / "daemon-state" / sf.STATE_FILE
         before = state.stat().st_ino
         node.memservers[1].kill()  # its copies are dropped at the next write
         node.memservers[1].wait(10)

@@ -4,7 +4,7 @@
   be shorter); page p of the export is key p on each memserver of its slab.
 - Per page: a state byte (`EMPTY` never written or trimmed: reads are zeros made here; `DATA`;
   `LOST`: reads fail with EIO until it is written again) and the CRC-32C of the bytes last
-  acknowledged. Both may live in persisted tables (`daemon_state.PageTables`).
+  acknowledged. Both may live in persisted tables (`state_files.PageTables`).
 - Per slab: the live replica set (peer indices, preferred first, and the same as connections)
   and the count of unlocked writes and trims in flight (a repair waits for them).
 - The replicated writes still in flight, whose bytes a racing read may already see on one
@@ -95,7 +95,7 @@ class SlabTable:
         self.counters = TableCounters()
         self.state = bytearray(pages)  # EMPTY / DATA / LOST per page
         self.crc = array("I", bytes(4 * pages))
-        if tables is not None:  # persisted tables (daemon_state.PageTables: mmap on a ramfs)
+        if tables is not None:  # persisted tables (state_files.PageTables: mmap on a ramfs)
             if len(tables[0]) != pages or len(tables[1]) != pages:
                 raise ValueError(f"page tables must have {pages} entries")
             self.state, self.crc = tables
