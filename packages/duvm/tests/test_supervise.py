@@ -26,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from duvm.node.attach import attach_state, processes
+from duvm.node.attach import attach_kernel, attach_state, processes
 from duvm.node.lifecycle import control, resume, supervise, supervisor_process
 
 STAND_IN = "import time; time.sleep(120)"
@@ -544,3 +544,99 @@ def test_giving_up_fails_only_the_requests_of_a_device_still_ours() -> None:
     att.extra.pop("nbd_pid")  # a record from before the pid was kept: never ours for sure
     ours = supervise.fail_held_io(att, "x", connection_pid=lambda d: "131", disconnect=cut.append)
     assert not ours and cut == []
+
+
+class KernelTimer:
+    """The kernel's side of `attach_kernel.RequestTimer`, as drivers/block/nbd.c (6.1) does it:
+    NBD_ATTR_TIMEOUT 0 sets the block queue's io_timeout to 30 s, any other value to itself;
+    a sysfs tree under tmp_path holds the device's pid and io_timeout."""
+
+    def __init__(self, root: Path, device: str = "nbd7", pid: str = "4242") -> None:
+        self.root, self.calls = root, []
+        self.queue = root / "block" / device / "queue"
+        self.queue.mkdir(parents=True)
+        (root / "block" / device / "pid").write_text(pid + "\n")
+        self.io_timeout.write_text("60000\n")
+
+    @property
+    def io_timeout(self) -> Path:
+        return self.queue / "io_timeout"
+
+    def set_timeout(self, device: str, timeout_s: int) -> None:
+        self.calls.append((device, timeout_s))
+        self.io_timeout.write_text(f"{(timeout_s or 30) * 1000}\n")
+
+    def timer(self) -> attach_kernel.RequestTimer:
+        return attach_kernel.RequestTimer(set_timeout=self.set_timeout, sys_root=self.root)
+
+
+def _ours(node: Node, pid: str = "4242") -> None:
+    att = attach_state.load_state(control.state_path(node.state_dir))
+    assert att is not None
+    att.extra["nbd_pid"] = pid
+    attach_state.save_state(control.state_path(node.state_dir), att)
+
+
+def test_while_watched_a_dead_connections_requests_are_resent_within_a_second(
+    node: Node, tmp_path: Path
+) -> None:
+    """Catches a supervisor that leaves the driver's 60 s request timer on (requests in flight
+    at a crash then wait a minute after the standby took over, issue 48), that sets the block
+    queue's timer before the driver's timeout (the kernel then resets it to 30 s), or that
+    leaves the driver's timeout at 0 when it exits (nothing would end a dead connection's
+    requests then)."""
+    kernel = KernelTimer(tmp_path / "sys")
+    _ours(node)
+    first = node.start()
+    log: list[str] = []
+    _when_watched(log, first, lambda: node.disable(first))
+    assert node.watch(say=log.append, timer=kernel.timer()) == 0
+    # armed once a daemon served: the driver never cuts a connection, the queue looks each second
+    assert kernel.calls == [("/dev/nbd7", 0), ("/dev/nbd7", 60)]
+    assert "requests in flight on /dev/nbd7 are resent 1000 ms after a takeover" in log
+    # and restored on the way out
+    assert kernel.io_timeout.read_text().strip() == "60000"
+    assert log[-1] == "/dev/nbd7's request timeout is the kernel's again"
+
+
+def test_the_timer_is_set_in_the_order_the_kernel_needs(tmp_path: Path) -> None:
+    kernel = KernelTimer(tmp_path)
+    att = attach_state.Attachment(
+        socket="s",
+        method=attach_state.METHOD_KERNEL,
+        device="/dev/nbd7",
+        nbd_device="/dev/nbd7",
+        nbd_netlink=True,
+        extra={"nbd_pid": "4242"},
+    )
+    assert kernel.timer().quick_requeue(att) is None
+    assert kernel.io_timeout.read_text().strip() == str(attach_kernel.REQUEUE_CHECK_MS)
+    assert kernel.timer().restore(att, 60) is None
+    assert kernel.calls == [("/dev/nbd7", 0), ("/dev/nbd7", 60)]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"extra": {"nbd_pid": "999"}},  # the number was reused by someone else's connection
+        {"extra": {}},  # no connection recorded at attach
+        {"nbd_netlink": False},  # an ioctl holder: no reconfigure
+        {"method": attach_state.METHOD_FUSE},
+    ],
+)
+def test_a_device_that_is_not_ours_is_left_alone(tmp_path: Path, change: dict) -> None:
+    """Catches a timer set on a device number that another connection took over since."""
+    kernel = KernelTimer(tmp_path)
+    att = attach_state.Attachment(
+        socket="s",
+        method=attach_state.METHOD_KERNEL,
+        device="/dev/nbd7",
+        nbd_device="/dev/nbd7",
+        nbd_netlink=True,
+        extra={"nbd_pid": "4242"},
+    )
+    for k, v in change.items():
+        setattr(att, k, v)
+    assert kernel.timer().quick_requeue(att) is not None
+    assert kernel.timer().restore(att, 60) is not None
+    assert kernel.calls == [] and kernel.io_timeout.read_text().strip() == "60000"

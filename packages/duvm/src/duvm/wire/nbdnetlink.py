@@ -376,6 +376,24 @@ def reconfigure(device: str, fds: list[int], *, dead_conn_timeout_s: int = 0) ->
             raise
 
 
+def set_timeout(device: str, timeout_s: int) -> None:
+    """NBD_CMD_RECONFIGURE with only NBD_ATTR_TIMEOUT: the driver's request timeout (0: its
+    timer never cuts a connection; it then also sets the block queue's `io_timeout` to 30 s,
+    so write that afterwards). Sockets are left as they are."""
+    if timeout_s < 0:
+        raise ValueError("a request timeout is >= 0 seconds")
+    attrs = nla_u32(NBD_ATTR_INDEX, device_index(device)) + nla_u64(NBD_ATTR_TIMEOUT, timeout_s)
+    with GenlSocket() as nl:
+        family = nl.family_id(NBD_GENL_FAMILY_NAME)
+        nl.request(
+            family,
+            NBD_CMD_RECONFIGURE,
+            attrs,
+            version=NBD_GENL_VERSION,
+            what=f"NBD_CMD_RECONFIGURE {device} timeout {timeout_s}",
+        )
+
+
 def disconnect(device: str) -> None:
     """NBD_CMD_DISCONNECT: end the device's connections; the device becomes free."""
     with GenlSocket() as nl:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from duvm.node.attach import kernelnbd, processes, systools
@@ -77,6 +78,63 @@ def no_writeback_throttle(device: str, sys_root: Path = Path("/sys")) -> str:
     except OSError as exc:
         return f"not set ({exc.strerror or exc})"
     return before
+
+
+# While a supervisor watches the daemon, the block queue's timer looks at each request in flight
+# this often (`queue/io_timeout`, ms): one still waiting on a connection that was replaced since
+# it was sent (a takeover) is resent then, instead of after the driver's 60 s (D48).
+REQUEUE_CHECK_MS = 1000
+
+
+class RequestTimer:
+    """How the kernel times the device's requests in flight (kernel nbd over netlink).
+
+    `quick_requeue`: the driver's timeout 0, so its timer never cuts a live daemon's connection
+    (it only logs "Possible stuck request" each check) and requeues a request whose connection
+    was replaced since it was sent; the queue's own timer `REQUEUE_CHECK_MS`. Nothing in the
+    kernel then ends the requests of a dead connection that nobody replaces: the supervisor that
+    arms this owes them a takeover, or the disconnect of giving up, and `restore` on its way
+    out. `restore`: the driver's timeout back to `timeout_s` (the block queue's follows).
+    Each returns None when done, else why not (the device is not ours, or the kernel refused)."""
+
+    def __init__(
+        self,
+        *,
+        set_timeout: Callable[[str, int], None] = nbdnetlink.set_timeout,
+        sys_root: Path = Path("/sys"),
+    ) -> None:
+        self._set_timeout = set_timeout
+        self._sys_root = sys_root
+
+    def _ours(self, att: Attachment) -> str | None:
+        if att.method != METHOD_KERNEL or not att.nbd_netlink or not att.nbd_device:
+            return "not a kernel nbd device attached over netlink"
+        recorded = att.extra.get("nbd_pid")
+        if not recorded or nbd_pid(att.nbd_device, self._sys_root) != recorded:
+            return f"{att.nbd_device} is not connected by duvm's connection"
+        return None
+
+    def quick_requeue(self, att: Attachment, check_ms: int = REQUEUE_CHECK_MS) -> str | None:
+        if why := self._ours(att):
+            return why
+        assert att.nbd_device is not None
+        knob = self._sys_root / "block" / Path(att.nbd_device).name / "queue" / "io_timeout"
+        try:
+            self._set_timeout(att.nbd_device, 0)
+            knob.write_text(str(check_ms))
+        except OSError as exc:
+            return f"{exc.strerror or exc}"
+        return None
+
+    def restore(self, att: Attachment, timeout_s: int) -> str | None:
+        if why := self._ours(att):
+            return why
+        assert att.nbd_device is not None
+        try:
+            self._set_timeout(att.nbd_device, timeout_s)
+        except OSError as exc:
+            return f"{exc.strerror or exc}"
+        return None
 
 
 def nbd_pid(device: str, sys_root: Path = Path("/sys")) -> str | None:

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from duvm.base import pressure, quietlog
-from duvm.node.attach import attach_kernel, attach_state, processes, systools
+from duvm.node.attach import attach, attach_kernel, attach_state, processes, systools
 from duvm.node.lifecycle import control, resume, standby_process, supervisor_process
 from duvm.node.lifecycle.supervisor_process import wanted
 from duvm.wire import nbdnetlink
@@ -153,17 +153,20 @@ def watch(
     spares: SparesFactory | None = standby_process.Spares,
     give_up: Callable[[attach_state.Attachment, str], None] | None = None,
     reattach: Callable[[attach_state.Attachment, str], None] = attach_kernel.reattach,
+    timer: attach_kernel.RequestTimer | None = None,
 ) -> int:
     """The supervisor's loop (see the module docstring). Returns the exit code: 0 when told to
     stop or when duvm is no longer enabled, 1 when it gave up. `spares` keeps a standby beside
     the daemon (None: none, every restart starts a new daemon); `give_up` fails the device's
     held requests once nobody will serve them (default `fail_held_io`); `reattach` hands the
-    device a connection to the standby that took over."""
+    device a connection to the standby that took over; `timer` sets how the kernel times the
+    device's requests while this watches (`attach_kernel.RequestTimer`)."""
     resume_fn = resume_fn or resume.resume
     say = say or (lambda m: print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {m}", flush=True))
     stopper = _Stop()
     keeper = spares(state_dir, say) if spares is not None else None
     lock = resume.resume_lock(state_dir)  # opened now: the takeover opens no file
+    timing = _Timing(timer or attach_kernel.RequestTimer(), say)
     try:
         return _watch(
             state_dir,
@@ -175,8 +178,10 @@ def watch(
             give_up or fail_held_io,
             reattach,
             lock,
+            timing,
         )
     finally:
+        timing.restore()
         lock.close()
         if keeper is not None:
             keeper.stop()
@@ -193,6 +198,7 @@ def _watch(
     give_up: Callable[[attach_state.Attachment, str], None],
     reattach: Callable[[attach_state.Attachment, str], None],
     lock: IO[Any],
+    timing: _Timing,
 ) -> int:
     restarts: list[float] = []
     daemon_file = control.daemon_path(state_dir)
@@ -208,6 +214,7 @@ def _watch(
             say(f"{att.device} via {att.method} cannot take a restarted daemon: nothing to do")
             return 0
         if control.daemon_alive(daemon):  # (a recorded pid that is no daemon any more: dead)
+            timing.arm(att)
             say(f"watching daemon pid {daemon.pid} serving {att.device}")
             _serve_watch(daemon, stopper, keeper)
             if stopper.requested:
@@ -280,6 +287,38 @@ def _watch(
             break
     say("stopped")
     return 0
+
+
+class _Timing:
+    """The device's request timing while this supervisor watches: armed once a daemon serves
+    (requests in flight at a crash are resent within `REQUEUE_CHECK_MS` of the takeover, not
+    after the driver's 60 s), restored when the supervisor ends, since nobody else would then
+    end the requests of a dead connection (D48)."""
+
+    def __init__(self, timer: attach_kernel.RequestTimer, say: Callable[[str], None]) -> None:
+        self._timer, self._say = timer, say
+        self._armed: attach_state.Attachment | None = None
+
+    def arm(self, att: attach_state.Attachment) -> None:
+        if self._armed is not None:
+            return
+        why = self._timer.quick_requeue(att)
+        if why is None:
+            self._armed = att
+            self._say(
+                f"requests in flight on {att.device} are resent "
+                f"{attach_kernel.REQUEUE_CHECK_MS} ms after a takeover"
+            )
+        elif att.nbd_netlink:
+            self._say(f"requests in flight at a crash wait for the kernel's 60 s timer: {why}")
+
+    def restore(self) -> None:
+        if self._armed is None:
+            return
+        att, self._armed = self._armed, None
+        why = self._timer.restore(att, attach.DEFAULT_NBD_TIMEOUT_S)
+        if why is None:
+            self._say(f"{att.device}'s request timeout is the kernel's again")
 
 
 def _serve_watch(
