@@ -119,7 +119,10 @@ def device_facts(nbd: str = "nbd0") -> dict[str, Any]:
         "min_free_kbytes": int(Path("/proc/sys/vm/min_free_kbytes").read_text()),
         "watermark_boost_factor": int(Path("/proc/sys/vm/watermark_boost_factor").read_text()),
         "state_files": sorted(os.listdir(STATE_DIR)) if os.path.isdir(STATE_DIR) else [],
-        "daemon_pids": _pids_with("duvm.cli\0daemon"),
+        # the daemon serving, and the standby the supervisor keeps beside it (D48): until a
+        # takeover only the standby's command line carries --standby-fd
+        "daemon_pids": [p for p in _pids_with("duvm.cli\0daemon") if p not in _standbys()],
+        "standby_pids": _standbys(),
         "holder_pids": _pids_with("duvm.node.attach.kernelnbd"),
         "supervisor_pids": _pids_with("duvm.cli\0supervise"),
         "daemon_policies": [_policy(p) for p in _pids_with("duvm.cli\0daemon")],
@@ -174,6 +177,10 @@ def meminfo() -> dict[str, int]:
     return _kib_fields(
         "/proc/meminfo", ("MemTotal", "MemFree", "MemAvailable", "SwapTotal", "SwapFree", "Mlocked")
     )
+
+
+def _standbys() -> list[int]:
+    return _pids_with("--standby-fd")
 
 
 def _pids_with(needle: str) -> list[int]:
@@ -449,9 +456,10 @@ def kill_in_flight(pid: int, timeout: float = 5.0, want: int = 16) -> tuple[int,
 
 
 def request_timer_experiment(io_timeout_ms: int, nbd: str = "nbd0") -> dict[str, Any]:
-    """D48's item 6, as an experiment: the driver's request timeout set to 0 (a live daemon's
-    connection is never cut; a request is requeued at its timer only when its socket was
-    replaced) and the block queue's own timer to `io_timeout_ms`."""
+    """D48's item 6 with another check interval than the supervisor's (which sets the same
+    from its start): the driver's request timeout set to 0 (a live daemon's connection is
+    never cut; a request is requeued at its timer only when its socket was replaced) and the
+    block queue's own timer to `io_timeout_ms`."""
     from duvm.wire import nbdnetlink as nl
 
     with nl.GenlSocket() as sock:

@@ -334,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         "--nbd-io-timeout-ms",
         type=int,
         metavar="MS",
-        help="experiment (DECISIONS.md D48, item 6): the guest sets the nbd driver's request "
-        "timeout to 0 and the block queue's timer to MS after enable",
+        help="the block queue's timer in ms instead of the supervisor's 1000 (DECISIONS.md "
+        "D48, item 6): the guest sets the nbd driver's request timeout to 0 and the queue's "
+        "io_timeout to MS after enable",
     )
     p.add_argument(
         "--console-loglevel",

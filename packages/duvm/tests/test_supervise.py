@@ -599,9 +599,9 @@ def test_while_watched_a_dead_connections_requests_are_resent_within_a_second(
     assert log[-1] == "/dev/nbd7's request timeout is the kernel's again"
 
 
-def test_the_timer_is_set_in_the_order_the_kernel_needs(tmp_path: Path) -> None:
-    kernel = KernelTimer(tmp_path)
-    att = attach_state.Attachment(
+def _netlink_att() -> attach_state.Attachment:
+    """/dev/nbd7 connected over netlink by the connection of pid 4242 (`KernelTimer`'s)."""
+    return attach_state.Attachment(
         socket="s",
         method=attach_state.METHOD_KERNEL,
         device="/dev/nbd7",
@@ -609,6 +609,11 @@ def test_the_timer_is_set_in_the_order_the_kernel_needs(tmp_path: Path) -> None:
         nbd_netlink=True,
         extra={"nbd_pid": "4242"},
     )
+
+
+def test_the_timer_is_set_in_the_order_the_kernel_needs(tmp_path: Path) -> None:
+    kernel = KernelTimer(tmp_path)
+    att = _netlink_att()
     assert kernel.timer().quick_requeue(att) is None
     assert kernel.io_timeout.read_text().strip() == str(attach_kernel.REQUEUE_CHECK_MS)
     assert kernel.timer().restore(att, 60) is None
@@ -627,14 +632,7 @@ def test_the_timer_is_set_in_the_order_the_kernel_needs(tmp_path: Path) -> None:
 def test_a_device_that_is_not_ours_is_left_alone(tmp_path: Path, change: dict) -> None:
     """Catches a timer set on a device number that another connection took over since."""
     kernel = KernelTimer(tmp_path)
-    att = attach_state.Attachment(
-        socket="s",
-        method=attach_state.METHOD_KERNEL,
-        device="/dev/nbd7",
-        nbd_device="/dev/nbd7",
-        nbd_netlink=True,
-        extra={"nbd_pid": "4242"},
-    )
+    att = _netlink_att()
     for k, v in change.items():
         setattr(att, k, v)
     assert kernel.timer().quick_requeue(att) is not None
