@@ -22,7 +22,7 @@ resumed daemon one above its predecessor's, written into the header before use. 
 connection of the serving daemon sends FENCE with it (docs/protocol.md, Fencing), so once a
 successor fenced, the memservers refuse every change from the dead daemon's connections: its
 STOREs still in their send buffers at the SIGKILL can never land after the same pages written
-again by the successor (the kernel resends the requests in flight at a crash within a second,
+again by the successor (the kernel resends the requests in flight at a crash within two seconds,
 DECISIONS.md D48). A standby joins as the serving generation and changes nothing until it fences.
 
 Ordering with the kernel's requeue (why a crash never serves wrong bytes)

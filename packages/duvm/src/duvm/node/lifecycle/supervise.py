@@ -291,7 +291,7 @@ def _watch(
 
 class _Timing:
     """The device's request timing while this supervisor watches: armed once a daemon serves
-    (requests in flight at a crash are resent within `REQUEUE_CHECK_MS` of the takeover, not
+    (requests in flight at a crash are resent at their next check after the takeover, not
     after the driver's 60 s), restored when the supervisor ends, since nobody else would then
     end the requests of a dead connection (D48)."""
 
@@ -306,8 +306,8 @@ class _Timing:
         if why is None:
             self._armed = att
             self._say(
-                f"requests in flight on {att.device} are resent "
-                f"{attach_kernel.REQUEUE_CHECK_MS} ms after a takeover"
+                f"requests in flight on {att.device} are looked at every "
+                f"{attach_kernel.REQUEUE_CHECK_MS} ms: a crash's are resent to its successor"
             )
         elif att.nbd_netlink:
             self._say(f"requests in flight at a crash wait for the kernel's 60 s timer: {why}")
