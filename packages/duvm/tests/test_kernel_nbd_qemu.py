@@ -222,7 +222,7 @@ def test_sigkilled_daemon_was_resumed_onto_the_live_device(guest_run: Any) -> No
     # kernel never said its "Connection timed out" (how long they waited is measured by
     # stress.py's :dkill set-ups, not judged here)
     assert "requests in flight on /dev/nbd0 are looked at every 1000 ms" in res["supervisor_log"]
-    assert "Connection timed out" not in guest_run.console
+    assert "nbd0: Connection timed out" not in guest_run.console
     assert "first_completion_s" in res["gap"], res["gap"]
     assert [s[0] for s in _swap_lines(res["proc_swaps"])] == ["/dev/nbd0"], res
     assert res["nbd_pid"] == att["nbd_pid"]  # the same live device, never re-created
