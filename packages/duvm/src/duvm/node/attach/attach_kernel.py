@@ -81,9 +81,11 @@ def no_writeback_throttle(device: str, sys_root: Path = Path("/sys")) -> str:
 
 
 # While a supervisor watches the daemon, the block queue's timer looks at each request in flight
-# this often (`queue/io_timeout`, ms): one still waiting on a connection that was replaced since
-# it was sent (a takeover) is resent then, instead of after the driver's 60 s (D48).
-REQUEUE_CHECK_MS = 1000
+# this long after it started, and again as long after each look (`queue/io_timeout`, ms; the
+# block layer arms its timer about a second later than asked, `blk_round_jiffies`): a request
+# still waiting on a connection that was replaced since it was sent (a takeover) is resent
+# then, instead of after the driver's 60 s (D48). 1000 ms made some wait 2.3 s.
+REQUEUE_CHECK_MS = 250
 
 
 class RequestTimer:

@@ -307,7 +307,8 @@ class _Timing:
             self._armed = att
             self._say(
                 f"requests in flight on {att.device} are looked at every "
-                f"{attach_kernel.REQUEUE_CHECK_MS} ms: a crash's are resent to its successor"
+                f"{attach_kernel.REQUEUE_CHECK_MS} ms (and the block layer's second): a "
+                "crash's are resent to its successor"
             )
         elif att.nbd_netlink:
             self._say(f"requests in flight at a crash wait for the kernel's 60 s timer: {why}")
