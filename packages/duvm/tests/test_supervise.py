@@ -641,3 +641,34 @@ def test_a_device_that_is_not_ours_is_left_alone(tmp_path: Path, change: dict) -
     assert kernel.timer().quick_requeue(att) is not None
     assert kernel.timer().restore(att, 60) is not None
     assert kernel.calls == [] and kernel.io_timeout.read_text().strip() == "60000"
+
+
+def test_the_kernels_timer_is_back_before_a_restart_the_slow_way(
+    node: Node, tmp_path: Path
+) -> None:
+    """Catches a supervisor that starts a new daemon (no standby ready) with the driver's timer
+    still off: that start can stall on the node's memory (seen over RDMA in the QEMU guest:
+    kthreadd and kswapd blocked for good), and then nothing would ever end the requests in
+    flight at the crash. With the driver's timeout back first they wait for a new connection
+    and fail after the dead-connection timeout whatever happens to the supervisor."""
+    kernel = KernelTimer(tmp_path / "sys")
+    _ours(node)
+    first = node.start()
+    log: list[str] = []
+    seen_at_resume: list[list] = []
+
+    def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
+        seen_at_resume.append(list(kernel.calls))
+        new = node.start()
+        _when_watched(log, new, lambda: node.disable(new))
+
+    _when_watched(log, first, lambda: node.kill(first))
+    assert node.watch(resume_fn=resume_fn, say=log.append, timer=kernel.timer()) == 0
+    # armed, back to the kernel's before the resume, armed again once the new daemon serves
+    assert seen_at_resume == [[("/dev/nbd7", 0), ("/dev/nbd7", 60)]]
+    assert kernel.calls == [
+        ("/dev/nbd7", 0),
+        ("/dev/nbd7", 60),
+        ("/dev/nbd7", 0),
+        ("/dev/nbd7", 60),
+    ]

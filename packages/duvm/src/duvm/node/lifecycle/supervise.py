@@ -243,6 +243,9 @@ def _watch(
             state_dir, att, daemon, spare, died, say, reattach, lock
         ):
             continue
+        # The slow way, which needs memory the node may not have: first the kernel's own
+        # timer back, so the requests in flight end even if this process cannot go on (D48).
+        timing.restore()
         # The kernel holds the device's I/O (and the memservers the namespaces) this long.
         hold = att.dead_conn_timeout_s or attach_kernel.DEFAULT_DEAD_CONN_TIMEOUT_S
         deadline = died + hold
@@ -293,7 +296,11 @@ class _Timing:
     """The device's request timing while this supervisor watches: armed once a daemon serves
     (requests in flight at a crash are resent at their next check after the takeover, not
     after the driver's 60 s), restored when the supervisor ends, since nobody else would then
-    end the requests of a dead connection (D48)."""
+    end the requests of a dead connection, and before a restart the slow way (a new daemon),
+    which can stall on the node's memory: with the driver's timer back, the requests in flight
+    go to wait for a new connection at their next check and fail after the dead-connection
+    timeout if none comes, whatever happens to this process (D48). Armed again once a daemon
+    serves again."""
 
     def __init__(self, timer: attach_kernel.RequestTimer, say: Callable[[str], None]) -> None:
         self._timer, self._say = timer, say
