@@ -510,3 +510,30 @@ def test_a_locked_memserver_locks_the_whole_process_not_only_its_arena(procs):
     locked_kb = int(next(ln for ln in status.splitlines() if ln.startswith("VmLck:")).split()[1])
     assert locked_kb > 4096 + 1024, status  # the arena (4 MiB) and the process's own mappings
     assert procs.stop(p) == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        (["--standby-for", "12:zz"], "needs --standby-fd"),
+        (["--standby-fd", "5"], "needs --resume and --standby-for"),
+        (
+            ["--standby-fd", "5", "--resume", "--state-dir", "/tmp/s", "--standby-for", "1:x"],
+            "takes PID:START",
+        ),
+    ],
+)
+def test_standby_flags_with_bad_input_are_refused_before_anything_starts(
+    extra: list[str], why: str
+) -> None:
+    """Catches `--standby-for` accepted alone or malformed: the daemon then served as if it
+    had not been given (seen by hand: `duvm daemon --memory ... --standby-for 12:zz`)."""
+    import argparse
+
+    from duvm.node.daemon import daemon as d
+
+    p = argparse.ArgumentParser()
+    d.add_arguments(p)
+    args = p.parse_args(["--peers", "127.0.0.1:1", "--size", "8M", "--socket", "/tmp/x", *extra])
+    with pytest.raises(ValueError, match=why):
+        d.settings_from_args(args)

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -265,6 +266,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError("--state-dir keeps memserver state; --memory has none to keep")
     if args.standby_fd is not None and not (args.resume and args.standby_for):
         raise ValueError("--standby-fd stands in for a daemon: it needs --resume and --standby-for")
+    if args.standby_for is not None and args.standby_fd is None:
+        raise ValueError(
+            "--standby-for names the daemon a standby stands in for: it needs --standby-fd"
+        )
+    if args.standby_for is not None and not re.fullmatch(r"\d+(:\d+)?", args.standby_for):
+        raise ValueError(f"--standby-for takes PID:START (numbers), not {args.standby_for!r}")
     return Settings(
         size=size,
         peers=peers,
