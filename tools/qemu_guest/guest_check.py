@@ -544,6 +544,29 @@ def kill_and_resume(workload: subprocess.Popen[str]) -> None:
     )
 
 
+def guard_check(nbd: str = "nbd0", timeout: float = 30.0) -> dict[str, Any]:
+    """The supervisor SIGKILLed alone (after the workload): the daemon holds its request-timer
+    guard (`duvm.wire.nbdguard`) and must put the driver's timeout back, which the block queue's
+    `io_timeout` shows (the supervisor's quick requeue had it at 250 ms). The real netlink
+    request and the real /sys/block/nbdN/pid check."""
+    knob = f"/sys/block/{nbd}/queue/io_timeout"
+    before = (_read(knob) or "").strip()
+    daemon = (status() or {}).get("daemon") or {}
+    out: dict[str, Any] = {"io_timeout_before": before, "guard_before": daemon.get("timer_guard")}
+    sups = _pids_with("duvm.cli\0supervise")
+    t = time.monotonic()
+    for pid in sups:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    while (_read(knob) or "").strip() == before and time.monotonic() - t < timeout:
+        time.sleep(0.05)
+    out["restored_after_s"] = round(time.monotonic() - t, 2)
+    out["io_timeout_after"] = (_read(knob) or "").strip()
+    out["killed"] = sups
+    out["guard_after"] = ((status() or {}).get("daemon") or {}).get("timer_guard")
+    return out
+
+
 def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
     assert proc.stdin and proc.stdout and proc.stderr
     held: dict[str, Any] = {}
@@ -854,6 +877,8 @@ def main() -> int:
             logs=logs(),
             meminfo=meminfo(),
         )
+        if os.environ.get("DUVM_KILL_AT_PCT"):
+            emit("guard", **guard_check())
         emit("disable", **duvm("disable", "--state-dir", STATE_DIR))
         disabled = True
         emit(

@@ -205,6 +205,11 @@ def gap_facts(run: boot.GuestRun) -> dict[str, Any]:
         "max_chunk_s": result.get("max_chunk_s"),
         "max_chunk_phase": result.get("max_chunk_phase"),
         "standby": run.events.get("standby"),
+        # the supervisor SIGKILLed after the workload: the daemon's guard restored the timer
+        "guard": {
+            k: (run.events.get("guard") or {}).get(k)
+            for k in ("io_timeout_before", "io_timeout_after", "restored_after_s")
+        },
     }
 
 

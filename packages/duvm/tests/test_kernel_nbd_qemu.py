@@ -237,6 +237,23 @@ def test_sigkilled_daemon_was_resumed_onto_the_live_device(guest_run: Any) -> No
 
 
 @qemu
+def test_a_supervisor_sigkilled_leaves_the_daemon_to_restore_the_request_timer(
+    guest_run: Any,
+) -> None:
+    """Catches a daemon that holds no request-timer guard, or whose restore does not reach
+    the kernel: with the supervisor SIGKILLed, nobody else would set the driver's timeout
+    back from 0, and a later crash's requests in flight would wait for ever. The block
+    queue's io_timeout shows it: about 250 ms while the supervisor watched, the driver's 60 s
+    (60000 ms) once the daemon restored it over netlink."""
+    g = _event(guest_run, "guard")
+    assert g["guard_before"]["watching"] is True and g["guard_before"]["device"] == "/dev/nbd0", g
+    # (250 ms in whole jiffies: 252 at the guest's HZ=250)
+    assert 250 <= int(g["io_timeout_before"]) < 1000 and g["killed"], g
+    assert g["io_timeout_after"] == "60000", g
+    assert g["guard_after"]["fired"] == "restored" and g["guard_after"]["watching"] is False, g
+
+
+@qemu
 def test_workload_swapped_through_nbd0_and_every_byte_came_back(guest_run: Any) -> None:
     work = _event(guest_run, "workload")
     assert work["rc"] == 0, work

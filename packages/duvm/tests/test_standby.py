@@ -35,6 +35,7 @@ from duvm.store import daemon_state as ds
 from duvm.store import state_files as sf
 from duvm.store.memserver_status import query_status
 from duvm.wire import nbdconst as C
+from duvm.wire.nbdguard import TimerGuard
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the supervisor and resume run as root")
 
@@ -358,6 +359,44 @@ def test_a_standby_that_is_stopped_releases_nothing(node: Node, how: str) -> Non
     finally:
         spare.kill()
         kernel.close()
+
+
+@pytest.mark.parametrize("end", ["killed", "stopped"])
+def test_a_standby_restores_the_timer_when_its_supervisor_is_killed(node: Node, end: str) -> None:
+    """Catches a standby that exits on its supervisor's EOF without keeping the guard it was
+    handed: a SIGKILLed supervisor closes the socket before its pidfd turns readable, so a
+    standby that does not wait for that (`GuardKeeper.settle`) never restores the timer, and
+    a supervisor killed with its daemon leaves requests waiting for ever. And one that fires
+    the guard when the supervisor only told it to stop (it would undo the quick requeue of a
+    supervisor that lives on). The restore runs for real: no /sys/block/nbd5 here, so it
+    finds the device not duvm's and says so in its log."""
+    daemon = node.start_daemon()
+    sup = subprocess.Popen(["sleep", "600"])
+    spare = standby_process.Standby.spawn(node.state_dir, daemon)
+    try:
+        _ready(spare)
+        spare.send_guard(
+            TimerGuard("/dev/nbd5", "4242", 60, sup.pid, processes.start_time(sup.pid))
+        )
+        if end == "killed":  # as the kernel does it: the socket first, the pidfd a moment later
+            spare.sock.close()
+            time.sleep(0.2)
+            sup.kill()
+        else:
+            spare.stop()
+            sup.kill()
+        assert spare.proc.wait(30) == 0
+        log = spare.log.read_text()
+        fired = f"supervisor pid {sup.pid} ended: /dev/nbd5's request timeout left as it is"
+        if end == "killed":
+            assert fired in log and "the supervisor is gone" in log
+        else:
+            assert fired not in log and "told to stop" in log
+    finally:
+        spare.kill()
+        if sup.poll() is None:
+            sup.kill()
+        sup.wait(10)
 
 
 def test_a_standby_seals_with_nonces_after_those_the_dead_daemon_used(node: Node) -> None:

@@ -20,6 +20,11 @@ absolute path under /dev/ of at most `MAX_DEVICE` characters, without changing a
 status names it ("swap_device"), which is how gputaskman learns that swapped-out bytes are
 held by the pool. The daemon never reads a file to learn it: a read could wait on the very
 swap device it serves.
+
+A third hands a daemon the supervisor's request-timer guard (`duvm.wire.nbdguard`):
+`{"cmd": "timer_guard", "guard": {...}}`, answered `{"ok": true}`, or `{"error": ...}` when the
+process takes none (`on_timer_guard` not given) or the guard is malformed (the callback's
+ValueError). `duvm supervise` sends it to each daemon it watches (`tell_timer_guard`).
 """
 
 from __future__ import annotations
@@ -91,17 +96,32 @@ def _swap_device(
     return {"ok": True}
 
 
+def _timer_guard(
+    req: dict[str, Any], on_timer_guard: Callable[[object], None] | None
+) -> dict[str, Any]:
+    """The answer to a `timer_guard` request (`on_timer_guard` validates and keeps it)."""
+    if on_timer_guard is None:
+        return {"error": "this process takes no request-timer guard"}
+    try:
+        on_timer_guard(req.get("guard"))
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"ok": True}
+
+
 async def start(
     path: str,
     provider: Callable[[], dict[str, Any]],
     sock: socket.socket | None = None,
     on_swap_device: Callable[[str], None] | None = None,
+    on_timer_guard: Callable[[object], None] | None = None,
 ) -> asyncio.AbstractServer:
     """Listen on `path` (replacing a stale socket) and answer `status` with `provider()`.
     With `sock` (a Unix socket already bound and listening, owner-only: `bind`), serve on it
     and touch no file: a standby daemon's, bound before its takeover. With `on_swap_device`,
     a valid `swap_device` request calls it with the device (on the event loop: it must only
-    keep it in memory); without, that request is refused."""
+    keep it in memory); without, that request is refused. `on_timer_guard` likewise gets a
+    `timer_guard` request's guard object, raising ValueError to refuse it."""
     allowed = {0, os.getuid()}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -119,6 +139,8 @@ async def start(
                     reply: dict[str, Any] = provider()
                 elif cmd == "swap_device":
                     reply = _swap_device(req, on_swap_device)
+                elif cmd == "timer_guard":
+                    reply = _timer_guard(req, on_timer_guard)
                 else:
                     reply = {"error": 'unknown request; send {"cmd": "status"}'}
                 writer.write(json.dumps(reply).encode() + b"\n")
@@ -171,6 +193,14 @@ def tell_swap_device(path: str, device: str, timeout: float = 2.0) -> None:
     reply = _ask(path, {"cmd": "swap_device", "device": device}, timeout)
     if reply.get("ok") is not True:
         raise ValueError(f"the control socket did not confirm: {reply}")
+
+
+def tell_timer_guard(path: str, guard: dict[str, Any], timeout: float = 2.0) -> None:
+    """Hand the daemon answering at `path` the request-timer guard `guard` (its JSON form).
+    Raises OSError or ValueError (a refusal, with its reason) on failure."""
+    reply = _ask(path, {"cmd": "timer_guard", "guard": guard}, timeout)
+    if reply.get("ok") is not True:
+        raise ValueError(f"the control socket did not take it: {reply}")
 
 
 def try_tell_swap_device(

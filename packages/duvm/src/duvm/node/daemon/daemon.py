@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 from duvm.base import accel, pressure, quietlog
 from duvm.base.units import is_loopback, parse_listen, parse_peer, parse_size
+from duvm.node.daemon.pidwatch import GuardKeeper
 from duvm.store import client_flags, daemon_state, memclient_group
 from duvm.store.placement import default_replicas
 from duvm.store.storage import BlockStore, StorageError
 from duvm.wire import auth
+from duvm.wire.nbdguard import TimerGuard
 from duvm.wire.nbdtrace import RequestTrace
 from duvm.wire.pageproto import PAGE_SIZE  # the one definition: the wire's page
 
@@ -55,11 +57,13 @@ class ControlStatus:
     export as swap, null until told (`tell_swap_device`, called on the event loop for a
     `swap_device` request: `duvm enable`, a resume or a standby's takeover send it). This
     object is that device's one owner; it is kept in memory only, never read from a file (a
-    read could wait on the swap device this process serves)."""
+    read could wait on the swap device this process serves). And "timer_guard": the request-
+    timer guard `guards` holds (`GuardKeeper.describe`), null when none was handed over."""
 
     def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
         self._status = status
         self.swap_device: str | None = None
+        self.guards: GuardKeeper | None = None
 
     def tell_swap_device(self, device: str) -> None:
         if device != self.swap_device:
@@ -67,7 +71,8 @@ class ControlStatus:
         self.swap_device = device
 
     def __call__(self) -> dict[str, Any]:
-        return {**self._status(), "swap_device": self.swap_device}
+        guard = self.guards.describe() if self.guards is not None else None
+        return {**self._status(), "swap_device": self.swap_device, "timer_guard": guard}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -397,6 +402,7 @@ async def serve(
     listen: Callable[[], Awaitable[None]] | None = None,
     settle: Callable[[], Awaitable[None]] | None = None,
     control_sock: socket.socket | None = None,
+    guards: GuardKeeper | None = None,
 ) -> int:
     """Serve `store` (reserved, or taken over by a standby) through `server` until SIGTERM or
     SIGINT, then stop cleanly: in-flight requests answered, the reservations released, the
@@ -404,7 +410,8 @@ async def serve(
     passes `listen` (serve on its socket bound ahead, instead of binding `--socket` now),
     `control_sock` (its control socket, bound ahead too) and `settle` (awaited once it serves):
     then nothing here touches a file on /run, where another task may hold a lock while it
-    waits for the device this process serves."""
+    waits for the device this process serves; and the request-timer guard it holds (`guards`,
+    `duvm.node.daemon.pidwatch`), which a `timer_guard` request replaces."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -448,13 +455,19 @@ async def serve(
         path = accel.announce(log).path
         replicas = None if args.memory else cfg.replicas
         report = ControlStatus(lambda: daemon_status(store, server, replicas, path).to_json())
+        report.guards = guards = guards or GuardKeeper()
         ctl = await control_socket.start(
-            ctl_path, report, control_sock, on_swap_device=report.tell_swap_device
+            ctl_path,
+            report,
+            control_sock,
+            on_swap_device=report.tell_swap_device,
+            on_timer_guard=lambda obj: guards.take(TimerGuard.from_json(obj)),
         )
         (say or (lambda m: print(m, flush=True)))(line)
         if settle is not None:
             await settle()
         await stop.wait()
+        guards.close()  # a clean stop: `duvm disable` ends the supervisor first
         ctl.close()
         # asyncio leaves the socket file: gone with the daemon, so nobody reads a stale one
         with contextlib.suppress(FileNotFoundError):

@@ -30,8 +30,14 @@ a hung node when the memory is not there (docs/ARCHITECTURE.md, "A daemon that d
    log's inode lock, a rename waited on it holding the directory's, and the event loop's own
    rename waited on that). From then on it is the daemon, and SIGTERM stops it as one (its
    reservations released).
-3. EOF on FD (the supervisor is gone) or SIGTERM before a takeover: it exits and releases
-   nothing: the pages belong to the device the daemon serves.
+3. ``guard JSON`` on FD, any time before the takeover: the request-timer guard
+   (`duvm.wire.nbdguard`). The standby watches the supervisor it names, and when that ends
+   (SIGKILLed with the daemon, say) puts the device's request timeout back, so the requests of
+   the dead daemon end by the kernel's timers instead of waiting for ever. It keeps the guard
+   when it becomes the daemon.
+4. ``stop`` or EOF on FD (the supervisor is gone) or SIGTERM before a takeover: it exits and
+   releases nothing: the pages belong to the device the daemon serves (on EOF it first waits up to
+   `SUPERVISOR_END_WAIT_S` for the supervisor's end, to keep its guard).
 
 A takeover that cannot be done (the daemon still runs, the state now belongs to another
 device, some slab has no copy on a memserver it can reach) answers ``refused REASON`` and exits
@@ -44,9 +50,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
-import select
 import signal
 import socket
 import time
@@ -56,8 +62,10 @@ from typing import Any
 
 from duvm.base import control_socket, pressure
 from duvm.base.control_socket import STANDBY_SUFFIX
+from duvm.node.daemon.pidwatch import GuardKeeper, Watched
 from duvm.store import daemon_state
 from duvm.store.storage import StorageError
+from duvm.wire.nbdguard import TimerGuard
 
 log = logging.getLogger("duvm.node.daemon.standby")
 log.setLevel(logging.INFO)  # its few lines say when it stood by and took over: always logged
@@ -67,58 +75,12 @@ log.setLevel(logging.INFO)  # its few lines say when it stood by and took over: 
 HEAP_RESERVE_MIB = 8
 
 READY, TAKEOVER, SERVING, REFUSED = b"ready", b"takeover", b"serving", b"refused"
+STOP = b"stop"  # the supervisor ends it on purpose (EOF alone: the supervisor ended)
+GUARD = b"guard "  # then the request-timer guard as JSON (`duvm.wire.nbdguard`)
+# A SIGKILLed supervisor closes its end before its pidfd turns readable: so long is waited for
+# that on EOF before the standby exits (`GuardKeeper.settle`).
+SUPERVISOR_END_WAIT_S = 1.0
 HANDED_TIMEOUT_S = 60.0  # for the supervisor's "handed" once it serves
-
-
-class Watched:
-    """The daemon a standby stands in for, named by pid and start time and held by a pidfd,
-    so a recycled pid is never taken for it."""
-
-    def __init__(self, spec: str) -> None:
-        pid, _, start = spec.partition(":")
-        self.pid, self.start = int(pid), int(start) if start else None
-        self._fd: int | None = None
-        self._no_pidfd = False  # a kernel without pidfd_open: /proc is asked instead
-        try:
-            self._fd = os.pidfd_open(self.pid)
-        except ProcessLookupError:
-            pass
-        except (OSError, AttributeError):
-            self._no_pidfd = True
-        # another process on the pid now (no start time recorded: the pid alone names it)
-        if self._fd is not None and not self._alive_in_proc():
-            os.close(self._fd)
-            self._fd = None
-
-    def _alive_in_proc(self) -> bool:
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return False
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) <= 19 or fields[0] in ("Z", "X"):
-            return False
-        return self.start is None or int(fields[19]) == self.start
-
-    def gone(self, wait_s: float = 2.0) -> bool:
-        """True once that daemon has exited (its pidfd turns readable when its last thread
-        has), waiting up to `wait_s` for it: /proc may show a SIGKILLed daemon's first thread
-        a zombie while its others still exit."""
-        if self._no_pidfd:
-            deadline = time.monotonic() + wait_s
-            while self._alive_in_proc() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            return not self._alive_in_proc()
-        if self._fd is None:
-            return True
-        p = select.poll()
-        p.register(self._fd, select.POLLIN)
-        return bool(p.poll(int(wait_s * 1000)))
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 class Link:
@@ -228,9 +190,24 @@ async def _wait_and_take_over(
         ready,
         len(standby.remote.clients),
     )
-    word = await _first(link.command(), quit_.wait())
+    guards = GuardKeeper()
+    while isinstance(word := await _first(link.command(), quit_.wait()), bytes):
+        if not word.startswith(GUARD):
+            break
+        _take_guard(guards, word)
     if word != TAKEOVER:
-        why = "stopped" if word is True else "the supervisor is gone" if word is None else word
+        if word is None:
+            guards.settle(SUPERVISOR_END_WAIT_S)
+        guards.close()
+        why = (
+            "stopped"
+            if word is True
+            else "the supervisor is gone"
+            if word is None
+            else "told to stop"
+            if word == STOP
+            else word.decode(errors="replace")
+        )
         log.info("standby: %s; exits without releasing anything", why)
         for sock in (listening, ctl):
             with contextlib.suppress(OSError):
@@ -249,6 +226,7 @@ async def _wait_and_take_over(
         except Exception as e:  # whatever it is, the supervisor must hear it and go on
             why = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
     if why is not None:
+        guards.close()
         log.error("standby: cannot take over: %s", why)
         link.say(REFUSED, why)
         listening.close()
@@ -296,7 +274,16 @@ async def _wait_and_take_over(
         listen=listen,
         settle=settle,
         control_sock=ctl,
+        guards=guards,
     )
+
+
+def _take_guard(guards: GuardKeeper, line: bytes) -> None:
+    """``guard JSON``: the request-timer guard the supervisor hands its standby."""
+    try:
+        guards.take(TimerGuard.from_json(json.loads(line[len(GUARD) :])))
+    except ValueError as e:  # (json's errors are ValueErrors too)
+        log.error("standby: a malformed guard from the supervisor ignored: %s", e)
 
 
 async def _first(*aws: Awaitable[Any]) -> Any:

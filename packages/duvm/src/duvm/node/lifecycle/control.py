@@ -453,6 +453,8 @@ def status(
             "replicas": daemon.replicas,
             "request_path": report.get("request_path"),
             "swap_device": report.get("swap_device"),
+            # the supervisor's request-timer guard it holds (duvm.wire.nbdguard)
+            "timer_guard": report.get("timer_guard"),
         },
         "supervisor": supervisor_process.status(state_dir),
         "standby": supervisor_process.standby_status(state_dir),

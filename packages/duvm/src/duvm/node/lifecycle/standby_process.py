@@ -41,6 +41,7 @@ from duvm.node.attach import processes
 from duvm.node.lifecycle import control
 from duvm.node.lifecycle.resume import resume_command
 from duvm.node.lifecycle.supervisor_process import STANDBY_LOGS, standby_path
+from duvm.wire.nbdguard import TimerGuard
 
 HEADROOM = 2  # MemAvailable must hold this many standbys of the expected size
 HEAP_RESERVE_MIB = 8  # the heap a standby keeps for its takeover (duvm.node.daemon.standby)
@@ -79,6 +80,7 @@ class Standby:
         self.serving_kib: int | None = None  # resident when it said it serves
         self.serving_ms: float | None = None  # its own time for the takeover
         self.ended: str | None = None  # why it is no standby any more
+        self.guarded: TimerGuard | None = None  # the guard it was handed last
         self._buf = b""
 
     @classmethod
@@ -182,6 +184,13 @@ class Standby:
                 raise StandbyError(f"the standby (pid {self.pid}) did not serve in {timeout} s")
             select.select([self.sock], [], [], left)
 
+    def send_guard(self, guard: TimerGuard) -> None:
+        """Hand it the request-timer guard (`duvm.wire.nbdguard`): it watches this supervisor
+        and restores the device's request timeout if this process is killed."""
+        with contextlib.suppress(OSError):
+            self.sock.sendall(b"guard " + json.dumps(guard.to_json()).encode() + b"\n")
+        self.guarded = guard
+
     def handed(self) -> None:
         """The device has a connection to it: it takes the daemon's socket name and control
         socket now (not before: other users of /run may have been waiting for the device)."""
@@ -197,8 +206,11 @@ class Standby:
         self.sock.close()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """End a standby that did not take over: EOF on its socket (it exits releasing
-        nothing), SIGKILL after `timeout` s."""
+        """End a standby that did not take over: ``stop`` and EOF on its socket (it exits
+        releasing nothing; EOF alone would be this supervisor's end, which it waits for to
+        keep its guard), SIGKILL after `timeout` s."""
+        with contextlib.suppress(OSError):
+            self.sock.sendall(b"stop\n")
         self.sock.close()
         try:
             self.proc.wait(timeout)
@@ -246,9 +258,10 @@ class Spares:
             return max(0.05, self._next_try - time.monotonic())
         return None
 
-    def tend(self, daemon: control.DaemonInfo) -> None:
+    def tend(self, daemon: control.DaemonInfo, guard: TimerGuard | None = None) -> None:
         """Read what the standby said; replace one that ended or was never ready; start one
-        when there is none and memory allows. Call while `daemon` serves. Standbys that keep
+        when there is none and memory allows; hand a ready one `guard` (the supervisor's
+        request-timer guard, None: none armed). Call while `daemon` serves. Standbys that keep
         ending are tried again after `retry_s`, doubling up to 64 times that, and only the
         first of such a run is said."""
         cur = self.current
@@ -278,6 +291,9 @@ class Spares:
                 self.last_ready_anon_kib = cur.ready_anon_kib
                 self._note("ready", f"standby pid {cur.pid} ready ({cur.ready_kib} KiB resident)")
                 self._write(cur)
+        cur = self.current
+        if cur is not None and cur.ready and guard is not None and cur.guarded != guard:
+            cur.send_guard(guard)
         if self.current is not None or time.monotonic() < self._next_try:
             return
         # what a standby adds: its anonymous memory (the files it maps are the daemon's too),

@@ -53,11 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from duvm.base import pressure, quietlog
+from duvm.base import control_socket, pressure, quietlog
 from duvm.node.attach import attach, attach_kernel, attach_state, processes, systools
 from duvm.node.lifecycle import control, resume, standby_process, supervisor_process
 from duvm.node.lifecycle.supervisor_process import wanted
-from duvm.wire import nbdnetlink
+from duvm.wire import nbdguard, nbdnetlink
 
 
 @dataclass(frozen=True)
@@ -214,9 +214,9 @@ def _watch(
             say(f"{att.device} via {att.method} cannot take a restarted daemon: nothing to do")
             return 0
         if control.daemon_alive(daemon):  # (a recorded pid that is no daemon any more: dead)
-            timing.arm(att)
+            timing.arm(att, daemon)
             say(f"watching daemon pid {daemon.pid} serving {att.device}")
-            _serve_watch(daemon, stopper, keeper)
+            _serve_watch(daemon, stopper, keeper, timing)
             if stopper.requested:
                 break
             if control.daemon_alive(daemon):
@@ -300,42 +300,71 @@ class _Timing:
     which can stall on the node's memory: with the driver's timer back, the requests in flight
     go to wait for a new connection at their next check and fail after the dead-connection
     timeout if none comes, whatever happens to this process (D48). Armed again once a daemon
-    serves again."""
+    serves again. While armed, each daemon it watches and its standby hold `guard`
+    (`duvm.wire.nbdguard`): SIGKILLed, this process cannot restore the timer, so they do."""
 
-    def __init__(self, timer: attach_kernel.RequestTimer, say: Callable[[str], None]) -> None:
-        self._timer, self._say = timer, say
+    def __init__(
+        self,
+        timer: attach_kernel.RequestTimer,
+        say: Callable[[str], None],
+        tell: Callable[[str, dict[str, Any]], None] = control_socket.tell_timer_guard,
+    ) -> None:
+        self._timer, self._say, self._tell = timer, say, tell
         self._armed: attach_state.Attachment | None = None
+        self.guard: nbdguard.TimerGuard | None = None
+        self._told: int | None = None  # the daemon pid that holds `guard`
 
-    def arm(self, att: attach_state.Attachment) -> None:
-        if self._armed is not None:
-            return
-        why = self._timer.quick_requeue(att)
-        if why is None:
-            self._armed = att
-            self._say(
-                f"requests in flight on {att.device} are looked at every "
-                f"{attach_kernel.REQUEUE_CHECK_MS} ms (and the block layer's second): a "
-                "crash's are resent to its successor"
-            )
-        elif att.nbd_netlink:
-            self._say(f"requests in flight at a crash wait for the kernel's 60 s timer: {why}")
+    def arm(self, att: attach_state.Attachment, daemon: control.DaemonInfo) -> None:
+        """Arm for `att` unless armed; hand `daemon` the guard unless it holds it."""
+        if self._armed is None:
+            why = self._timer.quick_requeue(att)
+            if why is None:
+                self._armed = att
+                self.guard = nbdguard.TimerGuard(
+                    str(att.nbd_device),
+                    str(att.extra.get("nbd_pid")),
+                    attach.DEFAULT_NBD_TIMEOUT_S,
+                    os.getpid(),
+                    processes.start_time(os.getpid()),
+                )
+                self._say(
+                    f"requests in flight on {att.device} are looked at every "
+                    f"{attach_kernel.REQUEUE_CHECK_MS} ms (and the block layer's second): a "
+                    "crash's are resent to its successor"
+                )
+            elif att.nbd_netlink:
+                self._say(f"requests in flight at a crash wait for the kernel's 60 s timer: {why}")
+        if self.guard is not None and self._told != daemon.pid:
+            self._told = daemon.pid
+            try:
+                self._tell(control_socket.default_path(daemon.socket), self.guard.to_json())
+            except (OSError, ValueError) as exc:
+                self._say(
+                    f"daemon pid {daemon.pid} holds no guard ({exc}): if this supervisor is "
+                    "killed with it, requests in flight then wait for ever"
+                )
 
     def restore(self) -> None:
         if self._armed is None:
             return
         att, self._armed = self._armed, None
+        self.guard, self._told = None, None
         why = self._timer.restore(att, attach.DEFAULT_NBD_TIMEOUT_S)
         if why is None:
             self._say(f"{att.device}'s request timeout is the kernel's again")
 
 
 def _serve_watch(
-    daemon: control.DaemonInfo, stopper: _Stop, keeper: standby_process.Spares | None
+    daemon: control.DaemonInfo,
+    stopper: _Stop,
+    keeper: standby_process.Spares | None,
+    timing: _Timing,
 ) -> None:
-    """Until the daemon ends or a stop is requested, keep a standby beside it."""
+    """Until the daemon ends or a stop is requested, keep a standby beside it (holding the
+    timer's guard)."""
     while True:
         if keeper is not None:
-            keeper.tend(daemon)
+            keeper.tend(daemon, timing.guard)
         why = stopper.wait(
             daemon.pid,
             keeper.next_wake() if keeper is not None else None,

@@ -1,0 +1,94 @@
+"""The request-timer guard: what a duvm process that outlives the supervisor owes the device.
+
+Theory of operation
+-------------------
+While `duvm supervise` watches a kernel nbd device it sets the driver's request timeout to 0
+(`duvm.node.attach.attach_kernel.RequestTimer`): the driver then never cuts a live daemon's
+connection, and a request whose connection was replaced is requeued at the queue's next check.
+But with timeout 0 nothing in the kernel ends the requests of a dead connection that nobody
+replaces: a supervisor SIGKILLed together with its daemon would leave them waiting for ever.
+So the supervisor hands a `TimerGuard` to each daemon process it owns (the daemon over its
+control socket, a standby over its socket pair): whoever sees the supervisor end first puts the
+driver's timeout back (`restore`), and the requests of a later crash fail after the kernel's
+timers instead of hanging the node. Only the device connected by the connection recorded at
+attach is touched (``/sys/block/nbdN/pid``), since the number is reused once it is free.
+
+A guard crosses a socket as a JSON object; `from_json` refuses anything malformed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from duvm.wire import nbdnetlink
+
+MAX_TIMEOUT_S = 86400  # a request timeout longer than a day is no timer
+
+
+@dataclass(frozen=True, slots=True)
+class TimerGuard:
+    """Restore `device`'s request timeout to `timeout_s` once the supervisor (`supervisor_pid`,
+    started at `supervisor_start` in clock ticks after boot, None: unknown) has ended, if the
+    device is still connected by `nbd_pid`'s connection."""
+
+    device: str
+    nbd_pid: str
+    timeout_s: int
+    supervisor_pid: int
+    supervisor_start: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: object) -> TimerGuard:
+        """The guard `obj` describes; ValueError saying what is wrong otherwise."""
+        if not isinstance(obj, dict):
+            raise ValueError("a timer guard is a JSON object")
+        device, nbd_pid = obj.get("device"), obj.get("nbd_pid")
+        timeout, pid, start = (
+            obj.get(k) for k in ("timeout_s", "supervisor_pid", "supervisor_start")
+        )
+        if not isinstance(device, str):
+            raise ValueError("'device' must be a string")
+        try:
+            nbdnetlink.device_index(device)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        if device != f"/dev/{Path(device).name}":
+            raise ValueError("'device' must be /dev/nbdN")
+        if not isinstance(nbd_pid, str) or not nbd_pid.isdigit() or len(nbd_pid) > 10:
+            raise ValueError("'nbd_pid' must be a process id as a string of digits")
+        if not _int(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
+            raise ValueError(f"'timeout_s' must be an integer from 1 to {MAX_TIMEOUT_S}")
+        if not _int(pid) or pid <= 0:
+            raise ValueError("'supervisor_pid' must be a positive integer")
+        if start is not None and (not _int(start) or start < 0):
+            raise ValueError("'supervisor_start' must be a non-negative integer or null")
+        return cls(device, nbd_pid, timeout, pid, start)
+
+    def restore(
+        self,
+        *,
+        set_timeout: Callable[[str, int], None] = nbdnetlink.set_timeout,
+        sys_root: Path = Path("/sys"),
+    ) -> str | None:
+        """Set the driver's request timeout back; None when done, else why not."""
+        try:
+            now = (sys_root / "block" / Path(self.device).name / "pid").read_text().strip()
+        except OSError:
+            now = ""
+        if now != self.nbd_pid:
+            return f"{self.device} is not connected by duvm's connection any more"
+        try:
+            set_timeout(self.device, self.timeout_s)
+        except OSError as exc:
+            return f"{exc.strerror or exc}"
+        return None
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
