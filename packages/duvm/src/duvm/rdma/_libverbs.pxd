@@ -23,6 +23,7 @@ cdef extern from "<sys/mman.h>":
     int PROT_READ
     int PROT_WRITE
     int MAP_PRIVATE
+    int MAP_SHARED
     int MAP_ANONYMOUS
     int MAP_POPULATE
     void *MAP_FAILED

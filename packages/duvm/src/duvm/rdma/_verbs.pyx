@@ -386,18 +386,21 @@ cdef class _Request:
 
 cdef class Staging:
     """`slots` pages of memory for RDMA transfers: mapped, populated and locked (when the
-    process may) once, and kept across connections (each registers it in its own domain)."""
+    process may) once, and kept across connections (each registers it in its own domain).
+    With `fd`, the file's pages mapped shared: the daemon's and its standby's (D48)."""
 
     cdef char *buf
     cdef readonly size_t nbytes
     cdef readonly int slots
     cdef readonly bint locked
+    cdef readonly bint shared
 
-    def __cinit__(self, int slots):
+    def __cinit__(self, int slots, int fd=-1):
         self.slots = slots
         self.nbytes = <size_t>slots * PAGE
-        self.buf = <char *>mmap(NULL, self.nbytes, PROT_READ | PROT_WRITE,
-                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0)
+        self.shared = fd >= 0
+        flags = (MAP_SHARED if self.shared else MAP_PRIVATE | MAP_ANONYMOUS) | MAP_POPULATE
+        self.buf = <char *>mmap(NULL, self.nbytes, PROT_READ | PROT_WRITE, flags, fd, 0)
         if <void *>self.buf == MAP_FAILED:
             self.buf = NULL
             _fail("mmap of the staging buffer")

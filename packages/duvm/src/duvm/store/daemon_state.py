@@ -50,8 +50,9 @@ import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from duvm.base import ramfs
 from duvm.store import state_files
 from duvm.store.crypt_store import CryptStore
 from duvm.store.memclient_group import fence_all
@@ -66,6 +67,9 @@ from duvm.store.state_files import (
 from duvm.store.storage import BlockStore
 from duvm.wire.auth import PeerSecurity
 from duvm.wire.pageproto import ErrorCode
+
+if TYPE_CHECKING:
+    from duvm.store.remote_store import RemoteStore
 
 
 class PersistentCryptStore(CryptStore):
@@ -154,8 +158,6 @@ async def open_store(
     Raises StateError, or StorageError from the memservers."""
     import secrets
 
-    from duvm.store.remote_store import RemoteStore
-
     if resume:
         standby = await open_standby(
             state_dir,
@@ -186,20 +188,21 @@ async def open_store(
     tables = PageTables.create(sd.pages_file, pages, encrypt)
     tables.generation = state_files.next_generation(before)
     try:
-        store = RemoteStore(
+        # FENCE on every connection as the new generation (see `next_generation`)
+        store = _remote_store(
+            sd,
             peers,
             size,
             client_id,
-            replicas=replicas,
-            slab_pages=256,
-            tables=tables.tables,
+            replicas,
+            256,
+            tables,
+            token,
+            tables.generation,
             repair=repair,
             security=security,
             transports=transports,
         )
-        for c in store.clients:
-            c.token = token  # the same owner across restarts (memserver namespace isolation)
-            c.epoch = tables.generation  # FENCE on every connection (see `next_generation`)
         state = Persisted(sd, tables, _saved(store, peers, token, key, export_name))
         await store.connect()
         state.save_placement(store.table.sets)
@@ -210,6 +213,44 @@ async def open_store(
     if key is not None:
         return PersistentCryptStore(store, key, tables), state
     return store, state
+
+
+def _remote_store(
+    sd: StateDir,
+    peers: list[tuple[str, int]],
+    size: int,
+    client_id: str,
+    replicas: int,
+    slab_pages: int,
+    tables: PageTables,
+    token: bytes,
+    epoch: int | None,
+    **options: Any,
+) -> RemoteStore:
+    """The RemoteStore of a daemon or a standby on `tables`: every connection owned by `token`
+    (the same owner across restarts: memserver namespace isolation), serving as generation
+    `epoch`, its RDMA staging in the state directory when that is a ramfs (shared by the
+    daemon, its standby and a restarted daemon: `StateDir.staging_file`). `options`:
+    RemoteStore's repair, security and transports."""
+    from duvm.store.remote_store import RemoteStore
+
+    store = RemoteStore(
+        peers,
+        size,
+        client_id,
+        replicas=replicas,
+        slab_pages=slab_pages,
+        tables=tables.tables,
+        **options,
+    )
+    # only on the ramfs `duvm enable` mounts: a staging file elsewhere could be swapped out
+    # (tmpfs) or written back to a disk, and its pages are the ones the NIC reads and writes
+    shared = ramfs.filesystem_of(sd.path) == "ramfs"
+    for c in store.clients:
+        c.token = token
+        c.epoch = epoch
+        c.staging_file = str(sd.staging_file(c.host, c.port)) if shared else None
+    return store
 
 
 def _saved(
@@ -304,8 +345,6 @@ async def open_standby(
     """The store a daemon that died would need, built ahead of its death from `state_dir` (the
     saved token, slab map, tables and key; the arguments must describe the same device), with
     its memserver connections open. Raises StateError, or StorageError from the memservers."""
-    from duvm.store.remote_store import RemoteStore
-
     sd = StateDir(state_dir)
     sd.ensure()
     seen = _identity(sd.state_file)
@@ -328,22 +367,22 @@ async def open_standby(
     # the memservers hold what the saved key sealed: encrypted exactly when it was
     tables = PageTables.open(sd.pages_file, size // 4096, old.key is not None)
     try:
-        store = RemoteStore(
+        # joins as the serving daemon's generation (its RDMA set-up is allowed then); it
+        # changes nothing before `take_over`, which fences with the next one
+        store = _remote_store(
+            sd,
             peers,
             size,
             client_id,
-            replicas=replicas,
-            slab_pages=old.slab_pages,
-            tables=tables.tables,
+            replicas,
+            old.slab_pages,
+            tables,
+            old.token,
+            tables.generation or None,
             repair=repair,
             security=security,
             transports=transports,
         )
-        for c in store.clients:
-            c.token = old.token  # the same owner across restarts (namespace isolation)
-            # joins as the serving daemon's generation (its RDMA set-up is allowed then); it
-            # changes nothing before `take_over`, which fences with the next one
-            c.epoch = tables.generation or None
         state = Persisted(sd, tables, _saved(store, peers, old.token, old.key, export_name))
         state.saved.sets = old.sets
         store.table.assign(old.sets)  # built now; the takeover changes only what changed since

@@ -112,6 +112,9 @@ class MemClient:
         self.chunk_pages = chunk_pages  # keys per RDMA chunk: the store's slab
         self.rdma: RdmaLink | None = None  # while pages move by RDMA; else they go by `queue`
         self._staging: Any = None  # the RDMA staging buffer, kept across reconnects
+        # where it lives (None: anonymous memory of this process): the daemon's file, which
+        # its standby maps too (`duvm.store.daemon_state`)
+        self.staging_file: str | None = None
         self.rdma_error: str | None = None  # why the last connect did not get RDMA
         self.host, self.port, self.client_id = host, port, client_id
         # shared with the other connections of one store and the NBD server in front of it

@@ -7,7 +7,8 @@ RDMA connection (`rdma_link.open_link`) or say why not, and tell the client when
   carries the rest (RESERVE, chunk maps, FREE, STATUS) and tells a dead peer. "rdma" fails
   the connection when RDMA cannot be had; "auto" then uses TCP and says why (`rdma_error`).
 - The staging buffer (`rdma_link.new_staging`) is made at the first RDMA connection and kept
-  on the client across reconnects.
+  on the client across reconnects; with `MemClient.staging_file` (the daemon's, on its ramfs
+  state directory) it is that file's pages, shared with the standby.
 - A broken RDMA connection drops the TCP one too (`MemClient.abort`), so the store fails over
   exactly as for a lost TCP connection; the reconnect tries RDMA again.
 """
@@ -42,7 +43,7 @@ async def open_rdma(client: MemClient, proto: ReplyProtocol) -> None:
     else:
         try:
             if client._staging is None:
-                client._staging = new_staging(v)
+                client._staging = new_staging(v, path=client.staging_file)
             reply = await client._request(pp.RdmaOpen(0, client.chunk_pages))
             client.rdma = await open_link(
                 v,

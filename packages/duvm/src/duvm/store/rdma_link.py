@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -48,11 +49,24 @@ class LinkError(Exception):
     """The RDMA connection could not be made; the message says which step and why."""
 
 
-def new_staging(verbs: ModuleType, pages: int = STAGING_PAGES) -> Any:
+def new_staging(verbs: ModuleType, pages: int = STAGING_PAGES, path: str | None = None) -> Any:
     """A memory client's staging buffer (`duvm.rdma._verbs.Staging`), warning when it could
-    not be locked. Raises LinkError when it cannot be mapped."""
+    not be locked. With `path` (a file on the daemon's ramfs state directory, created 0600 and
+    sized here), its pages are that file's: the daemon, its standby and a restarted daemon
+    share one staging buffer per memserver instead of each holding its own (D48). Raises
+    LinkError when it cannot be mapped."""
     try:
-        staging = verbs.Staging(pages)
+        if path is None:
+            staging = verbs.Staging(pages)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+                if os.fstat(fd).st_size < pages * 4096:
+                    os.ftruncate(fd, pages * 4096)
+                staging = verbs.Staging(pages, fd)
+            finally:
+                os.close(fd)
     except OSError as e:
         raise LinkError(f"no staging buffer: {e}") from None
     if not staging.locked:

@@ -35,6 +35,7 @@ from duvm.store.crypt_store import META
 
 STATE_FILE = "daemon-state.json"
 PAGES_FILE = "daemon-pages.bin"
+STAGING_PREFIX = "rdma-staging-"  # then the memserver, .bin: one RDMA staging buffer each
 FORMAT_VERSION = 1
 PAGES_MAGIC = b"DUVMPGT1"
 HEADER_SIZE = 4096
@@ -165,9 +166,15 @@ class StateDir:
             raise StateError(f"{self.state_file} is unreadable: {exc}") from None
         return SavedDaemon.from_json(text, str(self.state_file))
 
+    def staging_file(self, host: str, port: int) -> Path:
+        """The RDMA staging buffer for the memserver at `host`:`port`, which the daemon and its
+        standby map shared (`duvm.store.rdma_link.new_staging`)."""
+        name = "".join(c if c.isalnum() else "_" for c in f"{host}_{port}")
+        return self.path / f"{STAGING_PREFIX}{name}.bin"
+
     def remove(self) -> None:
         """Forget the state (clean shutdown: the namespaces were released)."""
-        for p in (self.state_file, self.pages_file):
+        for p in (self.state_file, self.pages_file, *self.path.glob(f"{STAGING_PREFIX}*.bin")):
             p.unlink(missing_ok=True)
 
 
