@@ -229,17 +229,23 @@ async def test_a_daemon_takes_a_guard_on_its_control_socket_and_refuses_a_bad_on
 
 
 def test_a_real_daemon_restores_when_its_supervisor_is_sigkilled(
+    tmp_path: Path,
     daemon: control.DaemonInfo,  # noqa: F811
     supervisor: subprocess.Popen[bytes],
 ) -> None:
     """Catches a `duvm daemon` process whose control socket takes no guard, or that holds
-    one and never watches its supervisor. Its restore runs for real: this machine has no
-    /sys/block/nbd5, so it finds the device not duvm's and says so (a restore that ignored
-    the connection check would call netlink and report its failure instead)."""
+    one and never watches its supervisor, and a `duvm status` that does not say so. Its
+    restore runs for real: this machine has no /sys/block/nbd5, so it finds the device not
+    duvm's and says so (a restore that ignored the connection check would call netlink and
+    report its failure instead)."""
     ctl = control_socket.default_path(daemon.socket)
+    no_node = tmp_path / "no-node.ctl"
+    assert "request timer" not in control.format_status(control.status(tmp_path, no_node))
     g = _guard(supervisor)
     control_socket.tell_timer_guard(ctl, g.to_json())
     assert control_socket.query(ctl)["timer_guard"]["watching"] is True
+    text = control.format_status(control.status(tmp_path, no_node))
+    assert f"request timer: quick requeue while supervisor pid {supervisor.pid} watches" in text
     supervisor.send_signal(signal.SIGKILL)
     deadline = time.monotonic() + 10
     while (st := control_socket.query(ctl)["timer_guard"])["fired"] is None:
@@ -247,6 +253,12 @@ def test_a_real_daemon_restores_when_its_supervisor_is_sigkilled(
         time.sleep(0.05)
     assert st["fired"] == "/dev/nbd5 is not connected by duvm's connection any more"
     assert "supervisor pid" in Path(daemon.log).read_text()
+    status = control.status(tmp_path, no_node)
+    assert status["daemon"]["timer_guard"] == st
+    assert (
+        f"request timer: supervisor pid {supervisor.pid} ended, not restored: /dev/nbd5 is "
+        "not connected" in control.format_status(status)
+    )
 
 
 class _Timer:

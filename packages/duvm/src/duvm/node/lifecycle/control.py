@@ -497,6 +497,16 @@ def _transport_text(t: dict[str, Any] | None) -> str:
     return f", by TCP{why}"
 
 
+def _guard_text(g: dict[str, Any]) -> str:
+    """The daemon's request-timer guard (duvm.wire.nbdguard) as one status line."""
+    who, fired = f"supervisor pid {g.get('supervisor_pid')}", g.get("fired")
+    if g.get("watching"):
+        return f"request timer: quick requeue while {who} watches (restored if it is killed)"
+    if fired == "restored":
+        return f"request timer: the kernel's again ({who} ended; the daemon restored it)"
+    return f"request timer: {who} ended, not restored: {fired}" if fired else ""
+
+
 def format_status(st: dict[str, Any]) -> str:
     def mib(n: int | None) -> str:
         return "n/a" if n is None else f"{n / (1 << 20):.1f} MiB"
@@ -517,6 +527,8 @@ def format_status(st: dict[str, Any]) -> str:
             f"daemon: pid {d['pid']} {'running' if d['running'] else 'NOT RUNNING'} "
             f"(log {d['log']}), request path {d.get('request_path') or 'n/a'}"
         )
+        if (guard := d.get("timer_guard")) and (text := _guard_text(guard)):
+            lines.append(text)
     sup = st.get("supervisor")
     if sup:
         lines.append(
