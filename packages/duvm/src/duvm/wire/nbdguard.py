@@ -48,7 +48,7 @@ class TimerGuard:
         """The guard `obj` describes; ValueError saying what is wrong otherwise."""
         if not isinstance(obj, dict):
             raise ValueError("a timer guard is a JSON object")
-        device, nbd_pid = obj.get("device"), obj.get("nbd_pid")
+        device, conn = obj.get("device"), obj.get("nbd_pid")
         timeout, pid, start = (
             obj.get(k) for k in ("timeout_s", "supervisor_pid", "supervisor_start")
         )
@@ -60,7 +60,7 @@ class TimerGuard:
             raise ValueError(str(e)) from None
         if device != f"/dev/{Path(device).name}":
             raise ValueError("'device' must be /dev/nbdN")
-        if not isinstance(nbd_pid, str) or not nbd_pid.isdigit() or len(nbd_pid) > 10:
+        if not isinstance(conn, str) or not conn.isdigit() or len(conn) > 10:
             raise ValueError("'nbd_pid' must be a process id as a string of digits")
         if not _int(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
             raise ValueError(f"'timeout_s' must be an integer from 1 to {MAX_TIMEOUT_S}")
@@ -68,7 +68,7 @@ class TimerGuard:
             raise ValueError("'supervisor_pid' must be a positive integer")
         if start is not None and (not _int(start) or start < 0):
             raise ValueError("'supervisor_start' must be a non-negative integer or null")
-        return cls(device, nbd_pid, timeout, pid, start)
+        return cls(device, conn, timeout, pid, start)
 
     def restore(
         self,
@@ -77,16 +77,22 @@ class TimerGuard:
         sys_root: Path = Path("/sys"),
     ) -> str | None:
         """Set the driver's request timeout back; None when done, else why not."""
-        try:
-            now = (sys_root / "block" / Path(self.device).name / "pid").read_text().strip()
-        except OSError:
-            now = ""
-        if now != self.nbd_pid:
+        if nbd_pid(self.device, sys_root) != self.nbd_pid:
             return f"{self.device} is not connected by duvm's connection any more"
         try:
             set_timeout(self.device, self.timeout_s)
         except OSError as exc:
             return f"{exc.strerror or exc}"
+        return None
+
+
+def nbd_pid(device: str, sys_root: Path = Path("/sys")) -> str | None:
+    """/sys/block/nbdN/pid: set when the device is connected, kept across a reconfigure, so
+    it tells our connection from someone else's on the same device number. `sys_root` is
+    where sysfs is mounted."""
+    try:
+        return (sys_root / "block" / Path(device).name / "pid").read_text().strip() or None
+    except OSError:
         return None
 
 

@@ -19,6 +19,7 @@ from duvm.node.attach import kernelnbd, processes, systools
 from duvm.node.attach.attach_state import METHOD_KERNEL, AttachError, Attachment, Saver
 from duvm.node.attach.systools import SYSTEM_TOOLS, Tools
 from duvm.wire import nbdnetlink
+from duvm.wire.nbdguard import nbd_pid  # the one reader of /sys/block/nbdN/pid
 
 # How long the kernel holds requests for a restarted daemon after the connection died. The
 # memservers keep a dead daemon's namespace for their lease (60 s by default); after that the
@@ -136,16 +137,6 @@ class RequestTimer:
             self._set_timeout(att.nbd_device, timeout_s)
         except OSError as exc:
             return f"{exc.strerror or exc}"
-        return None
-
-
-def nbd_pid(device: str, sys_root: Path = Path("/sys")) -> str | None:
-    """/sys/block/nbdN/pid: set when the device is connected, kept across a reconfigure, so
-    it tells our connection from someone else's on the same device number. `sys_root` is
-    where sysfs is mounted."""
-    try:
-        return (sys_root / "block" / Path(device).name / "pid").read_text().strip() or None
-    except OSError:
         return None
 
 

@@ -199,15 +199,8 @@ async def _wait_and_take_over(
         if word is None:
             guards.settle(SUPERVISOR_END_WAIT_S)
         guards.close()
-        why = (
-            "stopped"
-            if word is True
-            else "the supervisor is gone"
-            if word is None
-            else "told to stop"
-            if word == STOP
-            else word.decode(errors="replace")
-        )
+        said = {True: "stopped", None: "the supervisor is gone", STOP: "told to stop"}
+        why = said.get(word) or word.decode(errors="replace")
         log.info("standby: %s; exits without releasing anything", why)
         for sock in (listening, ctl):
             with contextlib.suppress(OSError):
