@@ -83,16 +83,8 @@ class Watch(threading.Thread):
         self.device_used_peak_kb = 0
         self.stop = threading.Event()
 
-    def cgroup_swap(self) -> int | None:
-        """What of the cgroup is in swap (None: the kernel does not account it)."""
-        if self.cg.version == 2:
-            with contextlib.suppress(OSError, ValueError):
-                return int((self.cg.path / "memory.swap.current").read_text())
-            return None
-        return self.cg.memory_stat().get("swap")  # v1: only with swap accounting on
-
     def sample(self) -> None:
-        now = self.cgroup_swap()
+        now = self.cg.swap_bytes()  # None: the kernel does not account it
         if now is not None:
             self.cgroup_swap_peak = max(self.cgroup_swap_peak or 0, now)
         entry = kernel_swap.swap_entry(self.device)
@@ -207,6 +199,7 @@ def run_worker(
             proc.wait()
             err.seek(0)
             summary["worker_exit"] = proc.returncode
+            summary["worker_oom_kills"] = cg.oom_kills()
             summary["worker_stderr_tail"] = err.read()[-2000:] or None
         watch.stop.set()
         watch.join(10)
@@ -236,6 +229,7 @@ def verdicts(result: dict[str, Any] | None, summary: dict[str, Any]) -> dict[str
         and r.get("pinned_checks", 0) > 0,
         "gpu kernel": not str(r.get("gpu_kernel", "")).startswith("FAIL"),
         "worker exit 0": summary.get("worker_exit") == 0,
+        "worker not OOM-killed": not summary.get("worker_oom_kills"),  # None: not reported
         "disabled cleanly": summary.get("swapoff_ok") is True,
         "nothing left behind": summary.get("left") == [],
     }

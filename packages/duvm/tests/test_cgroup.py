@@ -70,6 +70,8 @@ def test_limit_is_enforced() -> None:
         peak = cg.peak_bytes()
         assert peak is not None and 0 < peak <= limit
         assert res.returncode in (0, -9), res.stderr  # finished via swap, or OOM-killed
+        # the group's own count of OOM kills tells the two apart
+        assert cg.oom_kills() == (1 if res.returncode == -9 else 0)
         if cg.version == 1:
             assert int((cg.path / "memory.failcnt").read_text()) > 0, "the limit was hit"
 

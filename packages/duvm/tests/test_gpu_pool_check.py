@@ -33,7 +33,10 @@ from test_enable_e2e import leftovers
 
 TOOLS = Path(__file__).resolve().parents[3] / "tools"
 MIB = 1 << 20
-LIMIT_MIB, WORKLOAD_MIB, PINNED_MIB, ROUNDS = 64, 192, 16, 2
+# 4 MiB chunks: the worker holds a few chunk-sized copies at once, and 8 MiB ones left the
+# 64 MiB group so little room beside the pinned buffer that a slow machine's reclaim could
+# give up and OOM-kill the worker
+LIMIT_MIB, WORKLOAD_MIB, PINNED_MIB, CHUNK_MIB, ROUNDS = 64, 192, 16, 4, 2
 WORKER_ARGS = ("--mib", "16", "--pinned-mib", "1", "--chunk-mib", "4", "--rounds", "1")
 
 
@@ -90,6 +93,8 @@ def test_pool_holds_pageable_memory_and_never_the_pinned(state_dir: Path) -> Non
         str(LIMIT_MIB),
         "--pinned-mib",
         str(PINNED_MIB),
+        "--chunk-mib",
+        str(CHUNK_MIB),
         "--rounds",
         str(ROUNDS),
         "--state-dir",
@@ -99,6 +104,8 @@ def test_pool_holds_pageable_memory_and_never_the_pinned(state_dir: Path) -> Non
     assert summary["step"] == "summary", (lines[-3:], err[-2000:])
     assert summary.get("error") is None, summary["error"]
     w = summary["worker"]
+    why = ("worker_exit", "worker_oom_kills", "worker_stderr_tail")
+    assert w is not None and summary["worker_exit"] == 0, {k: summary.get(k) for k in why}
     # every byte, every round: the pageable buffer and the pinned one
     assert w["bad_chunks"] == 0 and w["intact"] is True and w["first_bad"] == []
     assert w["bytes_verified"] == (WORKLOAD_MIB + PINNED_MIB) * MIB * ROUNDS

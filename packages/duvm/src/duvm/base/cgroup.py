@@ -189,6 +189,16 @@ class MemoryCgroup:
             return _read_int(self.path / "memory.swap.current")
         return self.memory_stat().get("swap")
 
+    def oom_kills(self) -> int | None:
+        """Processes of this group the kernel's OOM killer ended (None: not reported)."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        with contextlib.suppress(OSError, ValueError):
+            for line in (self.path / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        return None
+
     def peak_bytes(self) -> int | None:
         name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
         try:
