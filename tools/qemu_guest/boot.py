@@ -493,8 +493,8 @@ def run_guest(
                 continue_at = None
             if watch.hung:
                 assert monitor is not None
-                sysrq(monitor, "wmt")  # the tasks' stacks and memory on the console, then stop
-                time.sleep(3)
+                sysrq(monitor, HUNG_SYSRQ)  # the stacks and memory on the console, then stop
+                time.sleep(HUNG_SYSRQ_FLUSH_S)
                 break
         rc = qemu.poll()
         timed_out = rc is None and not watch.hung
@@ -581,9 +581,15 @@ class Watchdog:
             self.hung = True
 
 
+# What a hung run's console gets before QEMU is stopped: blocked tasks (w), memory (m), the
+# running CPU's backtrace (l: a vCPU busy in the kernel shows where), every task (t)
+HUNG_SYSRQ, HUNG_SYSRQ_FLUSH_S = "wmlt", 8.0
+
+
 def sysrq(monitor: Path, keys: str) -> None:
     """Press Alt-SysRq-KEY in the guest for each key, through QEMU's monitor socket (the
-    guest's PS/2 keyboard): w = blocked tasks with their stacks, m = memory state, t = every
+    guest's PS/2 keyboard): w = blocked tasks with their stacks, m = memory state, l = the
+    backtrace of each running CPU, t = every
     task with its stack (running ones too: a livelock in reclaim shows only there); the kernel
     prints them on the console even when no process in the guest can run any more."""
     import socket

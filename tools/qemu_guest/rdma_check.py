@@ -138,8 +138,11 @@ def run_check(
     cache: Path = build_initramfs.DEFAULT_CACHE,
     script: Path = GUEST_SCRIPT,
     env: dict[str, str] | None = None,
+    stall_s: float | None = None,
 ) -> boot.GuestRun:
-    """Boot the RDMA guest once; always kills QEMU and removes its own temp folder."""
+    """Boot the RDMA guest once; always kills QEMU and removes its own temp folder. With
+    `stall_s`, the kernel-nbd guest's watchdog (boot.Watchdog) ends a run as hung, after the
+    kernel's SysRq dumps."""
     if why := problems():
         raise boot.GuestUnavailable("; ".join(why))
     try:
@@ -163,23 +166,29 @@ def run_check(
         }
         initrd = build_initramfs.build_initramfs(kernel, env, work / "initramfs.cpio")
         console, results = work / "console.log", work / "results.log"
-        cmd = boot.qemu_command(kernel, initrd, mem_mib, console, results)
+        monitor = work / "monitor.sock" if stall_s else None
+        cmd = boot.qemu_command(kernel, initrd, mem_mib, console, results, monitor=monitor)
         t0 = time.monotonic()
         qemu = boot.start_qemu(cmd, work / "qemu.log")
-        try:
-            rc: int | None = qemu.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
+        watch = boot.Watchdog(console, stall_s, None)
+        while qemu.poll() is None and time.monotonic() < t0 + timeout_s and not watch.hung:
+            time.sleep(1.0)
+            watch.poll(time.monotonic())
+        if watch.hung and monitor is not None:
+            boot.sysrq(monitor, boot.HUNG_SYSRQ)
+            time.sleep(boot.HUNG_SYSRQ_FLUSH_S)
+        rc = qemu.poll()
         seconds = round(time.monotonic() - t0, 1)
         boot.kill_group(qemu)
         events, markers = boot.parse_results(boot.read_text(results))
         return boot.GuestRun(
             rc,
-            rc is None,
+            rc is None and not watch.hung,
             seconds,
             events,
             markers,
             boot.read_text(console) + boot.read_text(work / "qemu.log"),
+            hung=watch.hung,
         )
     finally:
         if qemu is not None:
@@ -202,6 +211,7 @@ def run_swap(
     kill_memserver_at: int | None = None,
     kill_daemon_at: int | None = None,
     timeout_s: float = 600,
+    stall_s: float | None = None,
     workdir: Path | None = None,
 ) -> boot.GuestRun:
     """Kernel-nbd swap over duvm's RDMA transport: `guest_check.py` (the kernel-nbd guest's
@@ -242,6 +252,7 @@ def run_swap(
             workdir=work,
             script=boot.GUEST_SCRIPT,
             env=env,
+            stall_s=stall_s,
         )
     finally:
         if own_tmp:

@@ -12,7 +12,8 @@ the supervisor's standby must take the device over (the guest waits for it to be
 the workload starts, as on a node that has been up a while). A watchdog ends a run as hung
 when no page moved (and the guest script said nothing) for `--stall` seconds. With ``rdma``
 the memservers run in the guest on Soft-RoCE and pages move by RDMA (``rdma_check.run_swap``;
-the guest gets their arenas on top of its RAM; no watchdog: a hang ends at the deadline).
+the guest gets their arenas on top of its RAM; the same watchdog). A hung run's console ends
+with the kernel's SysRq dumps (blocked tasks, memory, the running CPU, every task).
 
 Every run ends as one of:
 
@@ -273,10 +274,12 @@ def run_one(
     work = out / f"{setup.name.replace(':', '-')}-{time.strftime('%H%M%S')}"
     work.mkdir(parents=True)
     started = time.time()
-    if setup.rdma:  # no watchdog there: a hang ends at the deadline
+    if setup.rdma:
         import rdma_check  # sibling module
 
-        run = rdma_check.run_swap(**setup.rdma_kwargs(), timeout_s=timeout_s, workdir=work)
+        run = rdma_check.run_swap(
+            **setup.rdma_kwargs(), timeout_s=timeout_s, stall_s=stall_s, workdir=work
+        )
         killed = run.events.get("memserver_killed")
         run.memserver_killed_at = killed["t"] if killed else None
     else:
