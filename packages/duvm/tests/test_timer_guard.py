@@ -252,7 +252,10 @@ def test_a_real_daemon_restores_when_its_supervisor_is_sigkilled(
         assert time.monotonic() < deadline, st
         time.sleep(0.05)
     assert st["fired"] == "/dev/nbd5 is not connected by duvm's connection any more"
-    assert "supervisor pid" in Path(daemon.log).read_text()
+    # the log is written by the daemon's writer thread, after the event loop moved on
+    while "supervisor pid" not in Path(daemon.log).read_text():
+        assert time.monotonic() < deadline, Path(daemon.log).read_text()[-1000:]
+        time.sleep(0.05)
     status = control.status(tmp_path, no_node)
     assert status["daemon"]["timer_guard"] == st
     assert (

@@ -17,6 +17,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+# re-exported: callers name a helper process through this module
+from duvm.base.procstat import pid_alive as pid_alive
+from duvm.base.procstat import start_time as start_time
+
 
 def spawn_detached(
     cmd: list[str],
@@ -38,31 +42,6 @@ def spawn_detached(
             preexec_fn=preexec,
             pass_fds=pass_fds,
         )
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (field 3, the state, first)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[-1].split()
-
-
-def start_time(pid: int) -> int | None:
-    """When process `pid` started (clock ticks after boot); None when no process has `pid`.
-    With the pid it names one process for the machine's uptime."""
-    fields = _stat(pid)
-    return int(fields[19]) if fields is not None and len(fields) > 19 else None
-
-
-def pid_alive(pid: int, start: int | None = None) -> bool:
-    """True while `pid` runs (an exited, unreaped one does not). With `start` (a recorded
-    `start_time`), only while `pid` is still that process and not a later one on its PID."""
-    fields = _stat(pid)
-    if fields is None or len(fields) <= 19 or fields[0] == "Z":
-        return False
-    return start is None or int(fields[19]) == start
 
 
 def wait_pid_exit(pid: int, timeout: float, start: int | None = None) -> bool:

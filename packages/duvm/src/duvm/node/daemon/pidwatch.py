@@ -19,8 +19,8 @@ import os
 import select
 import time
 from collections.abc import Callable
-from pathlib import Path
 
+from duvm.base import procstat
 from duvm.wire.nbdguard import TimerGuard
 
 log = logging.getLogger("duvm.node.daemon.pidwatch")
@@ -49,14 +49,7 @@ class Watched:
             self._fd = None
 
     def _alive_in_proc(self) -> bool:
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return False
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) <= 19 or fields[0] in ("Z", "X"):
-            return False
-        return self.start is None or int(fields[19]) == self.start
+        return procstat.pid_alive(self.pid, self.start)
 
     def gone(self, wait_s: float = 2.0) -> bool:
         """True once that daemon has exited (its pidfd turns readable when its last thread
