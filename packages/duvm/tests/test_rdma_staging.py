@@ -49,6 +49,9 @@ def test_a_staging_file_is_mapped_shared_not_copied(tmp_path: Path) -> None:
     st = path.stat()
     assert st.st_size == PAGES * 4096 and stat.S_IMODE(st.st_mode) == 0o600
     assert grew < (PAGES * 4) // 4, f"{grew} KiB of anonymous memory for two shared mappings"
+    # the kernel's own word: both mappings of the file are shared ("rw-s"), not private
+    maps = [ln.split() for ln in Path("/proc/self/maps").read_text().splitlines()]
+    assert [m[1] for m in maps if m[-1] == str(path)] == ["rw-s", "rw-s"]
     before = _anon_kib()
     own = new_staging(v, PAGES)
     assert not own.shared and _anon_kib() - before >= (PAGES * 4) * 3 // 4
