@@ -326,6 +326,47 @@ def test_large_write_is_received_straight_into_its_payload_buffer(codec):
     assert bytes(w.payload) == data
 
 
+def test_after_a_large_write_the_next_header_is_read_alone(codec):
+    """Catches a decoder that reads a large write's header together with the start of its
+    payload into its own buffer: the payload (256 KiB, all of it when the socket has it) is
+    then copied out of that buffer, instead of received straight into the payload buffer.
+    After a small request the receive buffer is offered whole again (small requests come in
+    batches, one read for many)."""
+    dec = codec.TransmissionDecoder(EXPORT)
+
+    def recv(data: bytes) -> None:  # recv_into, as the transport does it: as much as fits
+        view = memoryview(data)
+        while view:
+            dst = dec.get_buffer()
+            n = min(len(dst), len(view))
+            dst[:n] = view[:n]
+            dec.buffer_updated(n)
+            view = view[n:]
+
+    big = [bytes([i]) * (256 << 10) for i in (1, 2)]
+    assert len(dec.get_buffer()) == 256 << 10  # nothing seen yet: the whole buffer
+    recv(request(C.CMD_WRITE, 0, len(big[0]), payload=big[0])[: 28 + 4096])
+    assert dec.next_request() is None  # the first one: its payload partly copied
+    recv(big[0][4096:])
+    (first,) = drain(dec)
+    header = dec.get_buffer()
+    assert len(header) == 28  # the next header alone
+    header[:] = request(C.CMD_WRITE, 512 << 10, len(big[1]))
+    dec.buffer_updated(28)
+    assert dec.next_request() is None
+    direct = dec.get_buffer()
+    assert len(direct) == len(big[1])  # the payload buffer itself
+    direct[:] = big[1]
+    dec.buffer_updated(len(big[1]))
+    (second,) = drain(dec)
+    assert bytes(first.payload) == big[0] and bytes(second.payload) == big[1]
+    direct[:1] = b"x"
+    assert bytes(second.payload[:1]) == b"x"  # the same memory: received, not copied
+    recv(request(C.CMD_READ, 0, 4096))
+    (read,) = drain(dec)
+    assert read.cmd == C.CMD_READ and len(dec.get_buffer()) == 256 << 10
+
+
 E = EXPORT
 RO = ExportInfo("ro", SIZE, transmission_flags(Capabilities(can_write=False)))
 NOTRIM = ExportInfo("nt", SIZE, transmission_flags(Capabilities(can_trim=False)))

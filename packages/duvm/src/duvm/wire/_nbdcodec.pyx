@@ -173,6 +173,7 @@ cdef class TransmissionDecoder:
     cdef Py_ssize_t _skip
     cdef Request _skipped
     cdef bint _direct
+    cdef bint _large_writes  # as nbdproto's: the next header is read alone
 
     def __init__(self, export, pool=None, Py_ssize_t buffer_size=256 << 10):
         if buffer_size < 2 * REQ_SIZE:
@@ -194,6 +195,7 @@ cdef class TransmissionDecoder:
         self._pay = None
         self._got = self._skip = 0
         self._direct = False
+        self._large_writes = False
 
     # -- input
 
@@ -208,6 +210,8 @@ cdef class TransmissionDecoder:
         self._direct = False
         if self._start == self._end:
             self._start = self._end = 0
+            if self._large_writes and self._pending is None and not self._skip:
+                return self._mv[:REQ_SIZE]
         elif self._cap - self._end < REQ_SIZE or self._start > self._cap // 2:
             n = self._end - self._start
             memmove(self._p, self._p + self._start, n)
@@ -285,6 +289,7 @@ cdef class TransmissionDecoder:
             length = _u32(h + 24)
             start += REQ_SIZE
             self._start = start
+            self._large_writes = cmd == CMD_WRITE and length >= DIRECT_BYTES
             if magic != REQ_MAGIC:
                 raise NbdProtocolError(f"bad request magic 0x{magic:08x}")
             # Fast path: a plain aligned in-range READ or WRITE needs no further checks.

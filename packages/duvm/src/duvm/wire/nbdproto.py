@@ -14,6 +14,9 @@ module:
   buffer so a driver can `recv_into` it (`get_buffer`/`buffer_updated`, the shape of asyncio's
   BufferedProtocol); a write payload is copied out of that buffer as soon as it arrives, or,
   when it is large, received straight into the payload buffer that becomes the store's input.
+  After a large write it offers only a header's room for the next read, so a stream of large
+  writes (swap-out clusters) is received with no copy at all; any other request gives the
+  whole buffer back (small requests arrive many to a read).
   Every request is validated here, once (range, alignment to the advertised minimum block
   size, flags, payload size, commands the export does not offer); a bad request comes out with
   `error` set, its payload already skipped, so the connection keeps working. Only a broken
@@ -454,6 +457,9 @@ class TransmissionDecoder:
         self._skip = 0  # payload bytes of a refused write still to discard
         self._skipped: Request | None = None
         self._direct = False
+        # the last header was a large write's: the next one is read alone, so that its
+        # payload is received straight into the payload buffer rather than copied out of ours
+        self._large_writes = False
 
     # -- input
 
@@ -468,6 +474,8 @@ class TransmissionDecoder:
         self._direct = False
         if self._start == self._end:
             self._start = self._end = 0
+            if self._large_writes and pending is None and not self._skip:
+                return self._mv[:_REQ_SIZE]
         elif len(self._buf) - self._end < C.REQUEST_SIZE or self._start > len(self._buf) // 2:
             n = self._end - self._start
             self._buf[:n] = self._mv[self._start : self._end]
@@ -534,6 +542,7 @@ class TransmissionDecoder:
             magic, flags, cmd, cookie, offset, length = _unpack_request(self._buf, start)
             start += _REQ_SIZE
             self._start = start
+            self._large_writes = cmd == C.CMD_WRITE and length >= self.DIRECT_MIN
             if magic != _REQ_MAGIC:
                 raise NbdProtocolError(f"bad request magic 0x{magic:08x}")
             # Fast path: a plain aligned in-range READ or WRITE needs no further checks.
