@@ -213,6 +213,7 @@ def run_swap(
     timeout_s: float = 600,
     stall_s: float | None = None,
     workdir: Path | None = None,
+    guest_env: dict[str, str] | None = None,
 ) -> boot.GuestRun:
     """Kernel-nbd swap over duvm's RDMA transport: `guest_check.py` (the kernel-nbd guest's
     script) with DUVM_RDMA, so two memservers run in the guest on its eth0 address with
@@ -244,6 +245,7 @@ def run_swap(
             if kill_memserver_at is None
             else str(kill_memserver_at),
             "DUVM_KILL_AT_PCT": "" if kill_daemon_at is None else str(kill_daemon_at),
+            **(guest_env or {}),  # the stress runs' extra settings (console log level)
         }
         return run_check(
             python=python,

@@ -278,7 +278,11 @@ def run_one(
         import rdma_check  # sibling module
 
         run = rdma_check.run_swap(
-            **setup.rdma_kwargs(), timeout_s=timeout_s, stall_s=stall_s, workdir=work
+            **setup.rdma_kwargs(),
+            timeout_s=timeout_s,
+            stall_s=stall_s,
+            workdir=work,
+            guest_env=guest_env,
         )
         killed = run.events.get("memserver_killed")
         run.memserver_killed_at = killed["t"] if killed else None
