@@ -260,6 +260,20 @@ def _threads(pid: int) -> str:
     return f"{len(tids)} threads" + (f" [{'; '.join(busy)}]" if busy else " all S")
 
 
+def _locked_mib() -> str:
+    """Locked memory of the daemon and of the memservers started here, MiB: which of them
+    grows while the node is short of memory (a page they fault in must come from reclaim)."""
+    parts = [
+        f"{name} {_memory(p).get('VmLck', 0) >> 10}"
+        for name, pids in (
+            ("daemon", WATCHED["daemon"]),
+            ("memserver", [m.pid for m in LOCAL_MEMSERVERS if m.poll() is None]),
+        )
+        for p in pids
+    ]
+    return f" locked MiB {', '.join(parts)}" if parts else ""
+
+
 def monitor(stop: threading.Event, ports: set[int], every: float = 10.0) -> None:
     """One console line every few seconds: swap traffic, free RAM, what the daemon is doing,
     its memserver connections' queues. When the guest stalls, this shows where."""
@@ -267,6 +281,7 @@ def monitor(stop: threading.Event, ports: set[int], every: float = 10.0) -> None
         try:
             vm, mem = vmstat(), meminfo()
             tasks = " ".join(f"daemon {_threads(p)}" for p in WATCHED["daemon"])
+            tasks += _locked_mib()
             print(
                 f"duvm-guest: monitor {_uptime():.0f}s out {vm.get('pswpout')} in "
                 f"{vm.get('pswpin')} free {mem.get('MemFree')}k mlocked "
