@@ -13,7 +13,9 @@ pressure"). Growth in steady state is that risk, in KiB.
 The daemon runs as `duvm enable` starts it in the deployed configuration (two copies,
 encrypted, a cluster secret; locked in RAM, as root) with fio's nbd engine as the client:
 a fill of the whole device in random 64 KiB writes, 4 KiB random reads and writes for
-`--mix-s` seconds, then a read of every block in 128 KiB requests. Needs fio.
+`--mix-s` seconds, a read of every block in 128 KiB requests, then 256 KiB writes at QD64
+while one memserver is stopped for 4 s (what the daemon holds for a lagging memserver).
+Needs fio.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -117,13 +121,28 @@ def main() -> int:
                 ),
                 ("read of every block, 128 KiB", ["--rw=read", "--bs=128k", "--iodepth=8"]),
             ]
+            # a memserver that lags (here: stopped for 4 s) while 256 KiB writes keep coming:
+            # the daemon holds every write it let in until that memserver answers
+            phases.append(
+                (
+                    "256 KiB writes, one memserver stopped for 4 s",
+                    ["--rw=randwrite", "--bs=256k", "--iodepth=64", "--runtime=8", "--time_based"],
+                )
+            )
             before = {n: _memory(p.pid) for n, p in procs.items()}
             first = before
             print(f"device {args.size}, deployed (2 copies, encrypted); KiB: VmRSS / VmLck")
             start = "; ".join(f"{n} {m['VmRSS']} / {m['VmLck']}" for n, m in first.items())
             print(f"start: {start}")
             for name, extra in phases:
+                lag = None
+                if "stopped" in name:
+                    lag = threading.Timer(4.0, procs["memserver1"].send_signal, [signal.SIGCONT])
+                    procs["memserver1"].send_signal(signal.SIGSTOP)
+                    lag.start()
                 _fio(uri, args.size, *extra)
+                if lag is not None:
+                    lag.join()
                 now = {n: _memory(p.pid) for n, p in procs.items()}
                 grew = "; ".join(
                     f"{n} +{now[n]['VmRSS'] - before[n]['VmRSS']} / "
@@ -139,6 +158,7 @@ def main() -> int:
                     print(f"{n}: {rss * 1024 / pages:.0f} bytes of its own per page held")
         finally:
             for p in procs.values():
+                p.send_signal(signal.SIGCONT)
                 p.terminate()
             for p in procs.values():
                 p.wait(10)

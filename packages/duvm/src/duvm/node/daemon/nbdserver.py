@@ -82,6 +82,17 @@ class ServerStats:
         )
 
 
+# Payload bytes a connection may have in flight before its reading pauses (the client's
+# requests then wait in its socket). Each in-flight write also holds its sealed copy, so this
+# bounds what slow memservers can make the daemon allocate: in a QEMU guest short of memory,
+# with 64 MiB allowed, the daemon took 25 MiB of fresh pages in 10 s while its memservers
+# lagged, pages that had to come from reclaim waiting on the daemon itself (docs/BENCHMARKS.md,
+# "A daemon crash"). `benchmarks/swap_path_growth.py`, 256 KiB writes at QD64 with one
+# memserver stopped for 4 s: the daemon grew by 32.9 MiB with 64 MiB allowed, 8.5 MiB with
+# 4 MiB. 4 MiB keeps 16 requests of 256 KiB in flight.
+MAX_IN_FLIGHT_BYTES = 4 << 20
+
+
 class NBDServer:
     """Serve one `BlockStore` as one NBD export on Unix and/or TCP sockets."""
 
@@ -92,7 +103,7 @@ class NBDServer:
         *,
         description: str = "duvm",
         max_in_flight: int = 512,
-        max_in_flight_bytes: int = 64 << 20,
+        max_in_flight_bytes: int = MAX_IN_FLIGHT_BYTES,
         max_connections: int = 64,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     ) -> None:
