@@ -293,9 +293,23 @@ def monitor(stop: threading.Event, ports: set[int], every: float = 10.0) -> None
 
 
 def lock_self() -> None:
-    """Keep this reporter in RAM so it can still report while everything else is swapped."""
+    """Keep this reporter in RAM so it can still report while everything else is swapped, and
+    out of the OOM killer's reach: a workload past the node's RAM may be OOM-killed (a clean
+    outcome the run reports), the script that reports it must not be."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mlockall(1 | 2 | 4)  # MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT
+    Path("/proc/self/oom_score_adj").write_text("-1000")
+
+
+def _ordinary(proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    """A workload is as the OOM killer finds any program (this script, its parent, is out of
+    its reach: `lock_self`)."""
+    Path(f"/proc/{proc.pid}/oom_score_adj").write_text("0")
+    return proc
+
+
+def _ordinary_self() -> None:
+    Path("/proc/self/oom_score_adj").write_text("0")
 
 
 def run_workload(mib: int, cgroup_mib: int | None) -> dict[str, Any]:
@@ -326,11 +340,11 @@ def run_workload(mib: int, cgroup_mib: int | None) -> dict[str, Any]:
         "text": True,
     }
     if cgroup_mib is None:
-        return _drive(subprocess.Popen(cmd, **pipes), t)
+        return _drive(_ordinary(subprocess.Popen(cmd, **pipes)), t)
     from duvm.base.cgroup import MemoryCgroup
 
     with MemoryCgroup(cgroup_mib << 20, prefix="duvm-qemu") as group:
-        out = _drive(group.popen(cmd, **pipes), t)
+        out = _drive(_ordinary(group.popen(cmd, **pipes)), t)
         out["cgroup"] = {
             "version": group.version,
             "limit_mib": cgroup_mib,
@@ -362,6 +376,7 @@ def run_urandom_workload(mib: int) -> dict[str, Any]:
         capture_output=True,
         text=True,
         check=False,
+        preexec_fn=_ordinary_self,
     )
     lines = res.stdout.strip().splitlines()
     try:
