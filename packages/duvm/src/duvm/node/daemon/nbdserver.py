@@ -89,7 +89,8 @@ class ServerStats:
 # lagged, pages that had to come from reclaim waiting on the daemon itself (docs/BENCHMARKS.md,
 # "A daemon crash"). `benchmarks/swap_path_growth.py`, 256 KiB writes at QD64 with one
 # memserver stopped for 4 s: the daemon grew by 32.9 MiB with 64 MiB allowed, 8.5 MiB with
-# 4 MiB. 4 MiB keeps 16 requests of 256 KiB in flight.
+# 4 MiB. 4 MiB keeps 16 requests of 256 KiB in flight; a client that keeps 64 of them in
+# flight (nbdcopy) lost about 9 % of its write throughput to it (docs/BENCHMARKS.md).
 MAX_IN_FLIGHT_BYTES = 4 << 20
 
 
