@@ -14,9 +14,8 @@ module:
   buffer so a driver can `recv_into` it (`get_buffer`/`buffer_updated`, the shape of asyncio's
   BufferedProtocol); a write payload is copied out of that buffer as soon as it arrives, or,
   when it is large, received straight into the payload buffer that becomes the store's input.
-  After a large write it offers only a header's room for the next read, so a stream of large
-  writes (swap-out clusters) is received with no copy at all; any other request gives the
-  whole buffer back (small requests arrive many to a read).
+  After a large write it offers a header's room alone for the next read, so large writes in a
+  row are received with no copy; after any other request, the whole buffer (many to a read).
   Every request is validated here, once (range, alignment to the advertised minimum block
   size, flags, payload size, commands the export does not offer); a bad request comes out with
   `error` set, its payload already skipped, so the connection keeps working. Only a broken
@@ -457,9 +456,7 @@ class TransmissionDecoder:
         self._skip = 0  # payload bytes of a refused write still to discard
         self._skipped: Request | None = None
         self._direct = False
-        # the last header was a large write's: the next one is read alone, so that its
-        # payload is received straight into the payload buffer rather than copied out of ours
-        self._large_writes = False
+        self._large_writes = False  # the last header was a large write's: read the next alone
 
     # -- input
 
@@ -561,8 +558,7 @@ class TransmissionDecoder:
                     pay[:] = self._mv[start : start + length]
                     self._start = start + length
                     return Request(cmd, flags, cookie, offset, length, 0, pay, buf)
-                self._pay = pay
-                self._got = 0
+                self._pay, self._got = pay, 0
                 self._pending = Request(cmd, flags, cookie, offset, length, 0, pay, buf)
                 continue
             err = validate(self.export, self._allowed, cmd, flags, offset, length)
@@ -575,8 +571,7 @@ class TransmissionDecoder:
                 continue
             buf = self.pool.acquire(length)
             pay = buf if len(buf) == length else buf[:length]
-            self._pay = pay
-            self._got = 0
+            self._pay, self._got = pay, 0
             self._pending = Request(cmd, flags, cookie, offset, length, 0, pay, buf)
 
     @property
