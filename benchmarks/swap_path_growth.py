@@ -21,15 +21,16 @@ Needs fio.
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
+
+from daemon_instructions import wait_for  # a sibling script: benchmarks/ is on the path
+from duvm.base.units import parse_size
 
 PY = [sys.executable, "-m", "duvm.cli"]
 FIELDS = ("VmRSS", "VmLck")
@@ -42,18 +43,6 @@ def _memory(pid: int) -> dict[str, int]:
         if key in FIELDS:
             out[key] = int(rest.split()[0])
     return out
-
-
-def _wait_log(path: Path, pattern: str, proc: subprocess.Popen, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{proc.args} exited: {path.read_text()[-1500:]}")
-        m = re.search(pattern, path.read_text() if path.exists() else "")
-        if m:
-            return m.group(1)
-        time.sleep(0.2)
-    raise SystemExit(f"no {pattern!r} in {path} after {timeout} s")
 
 
 def _fio(uri: str, size: str, *extra: str) -> None:
@@ -84,7 +73,7 @@ def main() -> int:
                         stdout=out,
                         stderr=subprocess.STDOUT,
                     )
-                ports.append(_wait_log(log, r"listening on [\d.]+:(\d+)", p))
+                ports.append(wait_for(log, r"listening on [\d.]+:(\d+)", p))
             peers = ",".join(f"127.0.0.1:{p}" for p in ports)
             with open(d / "daemon.log", "wb") as out:
                 procs["daemon"] = daemon = subprocess.Popen(
@@ -105,7 +94,7 @@ def main() -> int:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                 )
-            _wait_log(d / "daemon.log", r"(serving)", daemon)
+            wait_for(d / "daemon.log", r"(serving)", daemon)
             uri = f"nbd+unix:///?socket={d}/nbd.sock"
             phases = [
                 ("fill, random 64 KiB writes", ["--rw=randwrite", "--bs=64k", "--iodepth=16"]),
@@ -151,7 +140,7 @@ def main() -> int:
                 )
                 print(f"{name}: {grew}")
                 before = now
-            pages = int(args.size.rstrip("MG")) << (8 if args.size.endswith("M") else 18)
+            pages = parse_size(args.size) // 4096
             for n in procs:
                 if n.startswith("memserver"):
                     rss = before[n]["VmRSS"] - first[n]["VmRSS"]
