@@ -195,6 +195,7 @@ class Connection(asyncio.BufferedProtocol):
                     and self.ns is not None
                     and not arena_views
                     and not self.ns.chunk_pages  # RDMA namespaces map slots by chunk
+                    and isinstance(self.ns.pages, hot.IndexCore)  # a store made compiled
                 ):
                     # the compiled loop serves what it can; the frame it stops at (anything
                     # to refuse included) is the reference loop's, below. Once the reference

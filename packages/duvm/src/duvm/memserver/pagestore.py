@@ -3,7 +3,8 @@ client id, mapping the client's page numbers to slots, and the requests on them.
 
 - Reservations are promises: the sum of all namespaces' reservations never exceeds the arena,
   and a namespace never stores more pages than it reserved, so a STORE within a reservation
-  always finds a free slot and receiving a page never allocates page memory.
+  always finds a free slot and receiving a page never allocates page memory. Nor any other:
+  a namespace's page index (`duvm.memserver.pageindex`) is sized when its reservation is.
 - Each request method is synchronous (every request is served from RAM) and refuses by
   raising `Refused`, having changed nothing.
 - A namespace belongs to the token of the client that created it (`attach` refuses another
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from duvm.memserver.arena import PAGE_SIZE, Arena, ArenaFull
+from duvm.memserver.pageindex import PageIndex, page_index_type
 from duvm.wire import auth
 from duvm.wire import pageproto as pp
 
@@ -65,7 +67,8 @@ class Namespace:
     client_id: str
     owner: bytes = b""  # digest of the creating client's namespace token
     reserved: int = 0
-    pages: dict[int, int] = field(default_factory=dict)
+    # sized with the reservation, never while pages arrive (duvm.memserver.pageindex)
+    pages: PageIndex = field(default_factory=PageIndex)
     connections: int = 0
     expires_at: float | None = None  # monotonic time; set while no connection holds it
     timer: asyncio.TimerHandle | None = None
@@ -121,9 +124,17 @@ class PageStore:
     """Arena, namespaces, reservations and the requests on them. No I/O."""
 
     def __init__(
-        self, capacity_pages: int, *, lease_s: float = DEFAULT_LEASE_S, lock: bool = True
+        self,
+        capacity_pages: int,
+        *,
+        lease_s: float = DEFAULT_LEASE_S,
+        lock: bool = True,
+        index_type: type[PageIndex] | None = None,
     ) -> None:
+        """`index_type`: the namespaces' page index (default: the compiled one where it runs,
+        which the compiled serving loop needs)."""
         self.arena = Arena(capacity_pages, lock=lock)
+        self.index_type = index_type or page_index_type()
         self.lease_s = lease_s
         self.namespaces: dict[str, Namespace] = {}
         self.reserved_total = 0
@@ -175,7 +186,7 @@ class PageStore:
                 f"namespace {client_id!r} belongs to another client (namespace token differs)",
             )
         if ns is None:
-            ns = self.namespaces[client_id] = Namespace(client_id, owner)
+            ns = self.namespaces[client_id] = Namespace(client_id, owner, pages=self.index_type())
         if ns.timer is not None:
             ns.timer.cancel()
             ns.timer = None
@@ -267,6 +278,7 @@ class PageStore:
             for slot in sorted(ns.pages.values(), reverse=True):  # reused in ascending order
                 free(slot)
         ns.pages.clear()
+        ns.pages.resize(0)
         self.reserved_total -= ns.reserved
         ns.reserved = 0
         return n
@@ -305,12 +317,12 @@ class PageStore:
         slots = list(map(pages.get, keys))
         new = slots.count(None)
         if new and len(pages) + new > ns.reserved:
-            new = len(set(keys).difference(pages))  # exact count (duplicate keys in the batch)
+            new = sum(k not in pages for k in set(keys))  # exact (keys repeated in the batch)
             if len(pages) + new > ns.reserved:
                 raise _no_room(new, ns)
         if new == len(keys) and len(set(keys)) == new:  # all new, no key twice
             slots = self.arena.alloc_many(new)
-            pages.update(zip(keys, slots, strict=True))
+            pages.update_from(zip(keys, slots, strict=True))
         elif new:
             alloc = self.arena.alloc
             for i, k in enumerate(keys):
@@ -399,9 +411,22 @@ class PageStore:
                 f"({want * PAGE_SIZE >> 20} MiB): {available} available of "
                 f"{self.capacity_pages}",
             )
+        self._size_index(ns, want)
         self.reserved_total += want - ns.reserved
         ns.reserved = want
         return stored
+
+    @staticmethod
+    def _size_index(ns: Namespace, capacity: int) -> None:
+        """Size the page index for `capacity` pages now, at RESERVE, so that storing pages
+        within the reservation never allocates."""
+        try:
+            ns.pages.resize(capacity)
+        except MemoryError:
+            raise Refused(
+                pp.ErrorCode.NO_SPACE,
+                f"cannot allocate the page index for {capacity} pages",
+            ) from None
 
     def release(self, ns: Namespace) -> int:
         return self._release(ns)
@@ -447,9 +472,11 @@ class PageStore:
                     f"cannot reserve {want} pages ({need} chunks of {cp}): "
                     f"{available} pages available of {self.capacity_pages}",
                 )
+            self._size_index(ns, ns.reserved + add)
             try:
                 runs = self.arena.alloc_runs(add, cp)
             except ArenaFull as e:
+                ns.pages.resize(ns.reserved)
                 raise Refused(pp.ErrorCode.NO_SPACE, str(e)) from None
             for first, count in runs:
                 # cleared before the RDMA service registers them (after this returns): its
@@ -477,9 +504,7 @@ class PageStore:
             )
         first = ns.chunks[chunk] = ns.spare.pop()
         cp = ns.chunk_pages
-        ns.pages.update(
-            zip(range(chunk * cp, (chunk + 1) * cp), range(first, first + cp), strict=True)
-        )
+        ns.pages.insert_run(chunk * cp, first, cp)
         return first
 
     def usage(self) -> StoreUsage:
