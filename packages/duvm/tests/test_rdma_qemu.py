@@ -20,6 +20,7 @@ import importlib.util
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -343,3 +344,57 @@ def test_kernel_nbd_swap_over_rdma_survives_a_killed_daemon_and_a_killed_memserv
     assert "pages encrypted" in work["logs"]["daemon.log"], work["logs"]
     assert ev["disable"]["rc"] == 0, ev["disable"]
     assert ev["detached"]["proc_swaps"].count("\n") == 1, ev["detached"]
+
+
+# A stand-in for QEMU (this test must run without it): boots, starts the workload, moves a few
+# pages, then prints the monitor line unchanged, as a guest stalled in reclaim does.
+_STALLED_GUEST = """
+import sys, time
+with open(sys.argv[1], "a") as c:
+    c.write("duvm-guest: enable at 1 s\\nduvm-guest: workload fill 0% at 2 s\\n")
+    for out in (5, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9):
+        c.write(f"duvm-guest: monitor 1s out {out} in 0 free 1k\\n")
+        c.flush()
+        time.sleep(0.5)
+time.sleep(60)
+"""
+
+
+def test_a_stalled_rdma_guest_is_ended_with_its_stacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches `run_check` not consulting the stall watchdog (a hung RDMA guest waits out its
+    whole timeout, 25 minutes for the 1 GiB set-up, and ends with no stacks) or not pressing
+    SysRq w, m, l and t before it stops QEMU. QEMU, the kernel and the initramfs are stand-ins
+    here (the real path is the slow RDMA tests and stress.py); the loop, the watchdog and the
+    process handling are the tool's own."""
+    check = _load_check()
+    boot = check.boot
+    guest = tmp_path / "guest.py"
+    guest.write_text(_STALLED_GUEST)
+    pressed: list[tuple[Path, str]] = []
+    monkeypatch.setattr(check, "problems", lambda: [])
+    monkeypatch.setattr(check.build_initramfs, "ensure_kernel", lambda *a, **k: object())
+    monkeypatch.setattr(
+        check.build_initramfs, "build_initramfs", lambda kernel, env, out: out.write_bytes(b"")
+    )
+    monkeypatch.setattr(
+        boot,
+        "qemu_command",
+        lambda kernel, initrd, mem, console, results, monitor=None: [
+            sys.executable,
+            str(guest),
+            str(console),
+        ],
+    )
+    monkeypatch.setattr(boot, "sysrq", lambda monitor, keys: pressed.append((monitor, keys)))
+    monkeypatch.setattr(boot, "HUNG_SYSRQ_FLUSH_S", 0.1)
+    work = tmp_path / "work"
+    work.mkdir()
+    t0 = time.monotonic()
+    run = check.run_check(timeout_s=50, stall_s=3, workdir=work)
+    took = time.monotonic() - t0
+    assert run.hung and not run.timed_out, run
+    assert pressed == [(work / "monitor.sock", boot.HUNG_SYSRQ)] and "w" in boot.HUNG_SYSRQ
+    assert took < 20, f"ended after {took:.1f} s, not when the stall was seen"
+    assert "monitor 1s out 9" in run.console  # what the guest printed is the run's console
