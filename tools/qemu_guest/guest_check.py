@@ -301,14 +301,9 @@ def lock_self() -> None:
     Path("/proc/self/oom_score_adj").write_text("-1000")
 
 
-def _ordinary(proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
-    """A workload is as the OOM killer finds any program (this script, its parent, is out of
-    its reach: `lock_self`)."""
-    Path(f"/proc/{proc.pid}/oom_score_adj").write_text("0")
-    return proc
-
-
 def _ordinary_self() -> None:
+    """A workload's preexec: it is as the OOM killer finds any program (this script, its
+    parent, is out of its reach: `lock_self`), from before its first allocation."""
     Path("/proc/self/oom_score_adj").write_text("0")
 
 
@@ -340,11 +335,11 @@ def run_workload(mib: int, cgroup_mib: int | None) -> dict[str, Any]:
         "text": True,
     }
     if cgroup_mib is None:
-        return _drive(_ordinary(subprocess.Popen(cmd, **pipes)), t)
+        return _drive(subprocess.Popen(cmd, preexec_fn=_ordinary_self, **pipes), t)
     from duvm.base.cgroup import MemoryCgroup
 
     with MemoryCgroup(cgroup_mib << 20, prefix="duvm-qemu") as group:
-        out = _drive(_ordinary(group.popen(cmd, **pipes)), t)
+        out = _drive(group.popen(cmd, preexec_fn=_ordinary_self, **pipes), t)
         out["cgroup"] = {
             "version": group.version,
             "limit_mib": cgroup_mib,

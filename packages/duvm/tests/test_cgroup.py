@@ -4,6 +4,7 @@ everything is removed afterwards, also with processes still inside. Root only.""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -88,6 +89,27 @@ def test_remove_kills_leftover_processes() -> None:
     assert grandchild.wait(10) == -9
     assert not cg.path.exists()
     cg.remove()  # idempotent
+
+
+def test_a_preexec_runs_in_the_child_after_it_joined(tmp_path: Path) -> None:
+    """Catches a `preexec_fn` dropped, or run before the join (what it sets up would then be
+    done outside the group): the child sees itself in the group when its preexec runs."""
+    with cgroup.MemoryCgroup(16 << 20) as cg:
+        code = "import sys; print(open(sys.argv[1]).read().strip())"
+        marker = tmp_path / "preexec"
+
+        def preexec() -> None:
+            own = Path("/proc/self/cgroup").read_text()
+            marker.write_text("joined" if cg.name in own else "outside")
+
+        proc = cg.popen(
+            [sys.executable, "-c", code, str(marker)],
+            preexec_fn=preexec,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        out, _ = proc.communicate(timeout=30)
+        assert (proc.returncode, out.strip()) == (0, "joined")
 
 
 def test_bad_limit_rejected() -> None:

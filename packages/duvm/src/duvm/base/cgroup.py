@@ -151,9 +151,19 @@ class MemoryCgroup:
     def add(self, pid: int) -> None:
         self._write(self.path / "cgroup.procs", str(pid))
 
-    def popen(self, cmd: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        """Start `cmd` inside the group (it joins before exec, so no allocation escapes)."""
-        return subprocess.Popen(cmd, preexec_fn=joiner(self.path), **kwargs)
+    def popen(
+        self, cmd: list[str], *, preexec_fn: Callable[[], None] | None = None, **kwargs: Any
+    ) -> subprocess.Popen[Any]:
+        """Start `cmd` inside the group (it joins before exec, so no allocation escapes);
+        `preexec_fn` runs in the child after it joined."""
+        join = joiner(self.path)
+
+        def setup() -> None:
+            join()
+            if preexec_fn is not None:
+                preexec_fn()
+
+        return subprocess.Popen(cmd, preexec_fn=setup, **kwargs)
 
     def run(
         self, cmd: list[str], timeout: float | None = None, **kwargs: Any
