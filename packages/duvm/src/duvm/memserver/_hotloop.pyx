@@ -30,6 +30,7 @@ from posix.mman cimport (
 from collections.abc import MutableMapping
 
 from duvm.memserver.pageindex import EMPTY as _EMPTY_PY
+from duvm.memserver.pageindex import GOLDEN as _GOLDEN_PY
 from duvm.memserver.pageindex import IndexFull, buckets_for
 
 cdef extern from *:
@@ -89,8 +90,7 @@ cdef void _header(unsigned char *p, uint16_t mtype, uint64_t req_id, uint32_t le
 
 
 cdef uint32_t EMPTY = _EMPTY_PY
-cdef uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL
-
+cdef uint64_t GOLDEN = _GOLDEN_PY
 
 
 cdef class IndexCore:

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from duvm.base import accel
 
 EMPTY = 0xFFFFFFFF  # a free bucket's slot (an arena has fewer slots)
-_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing
+GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing
 _MASK64 = (1 << 64) - 1
 MIN_BUCKETS = 8
 
@@ -119,7 +119,7 @@ class PageIndex(MutableMapping[int, int]):
             self._map = None
 
     def _home(self, key: int) -> int:
-        return ((key * _GOLDEN) & _MASK64) >> self._shift
+        return ((key * GOLDEN) & _MASK64) >> self._shift
 
     def _find(self, key: int) -> int:
         """The bucket holding `key`, else -1."""
