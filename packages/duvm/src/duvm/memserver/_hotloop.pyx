@@ -89,6 +89,9 @@ cdef void _header(unsigned char *p, uint16_t mtype, uint64_t req_id, uint32_t le
     _put32(p + 20, length)
 
 
+cdef extern from *:
+    ctypedef unsigned long long uint128 "unsigned __int128"
+
 cdef uint32_t EMPTY = _EMPTY_PY
 cdef uint64_t GOLDEN = _GOLDEN_PY
 
@@ -99,15 +102,11 @@ cdef class IndexCore:
     cdef uint64_t *keys
     cdef uint32_t *slots
     cdef Py_ssize_t size, count, cap
-    cdef uint64_t mask
-    cdef int shift
 
     def __cinit__(self, Py_ssize_t capacity=0):
         self.keys = NULL
         self.slots = NULL
         self.size = self.count = self.cap = 0
-        self.mask = 0
-        self.shift = 64
 
     def __init__(self, Py_ssize_t capacity=0):
         self.resize(capacity)
@@ -149,8 +148,6 @@ cdef class IndexCore:
             keys = <uint64_t *>m
             slots = <uint32_t *>(keys + size)
         self.keys, self.slots, self.size, self.count = keys, slots, size, 0
-        self.mask = size - 1 if size else 0
-        self.shift = 64 - (size.bit_length() - 1) if size else 64
         for i in range(old_size):
             if old_slots[i] != EMPTY:
                 self.put(old_keys[i], old_slots[i])
@@ -158,7 +155,7 @@ cdef class IndexCore:
             munmap(old_keys, old_size * 12)
 
     cdef inline Py_ssize_t home(self, uint64_t key) noexcept:
-        return <Py_ssize_t>((key * GOLDEN) >> self.shift)
+        return <Py_ssize_t>((<uint128>(key * GOLDEN) * <uint128>self.size) >> 64)
 
     cdef inline Py_ssize_t find(self, uint64_t key) noexcept:
         """The bucket holding `key`, else -1."""
@@ -168,7 +165,7 @@ cdef class IndexCore:
         while self.slots[i] != EMPTY:
             if self.keys[i] == key:
                 return i
-            i = (i + 1) & self.mask
+            i = i + 1 if i + 1 < self.size else 0
         return -1
 
     cdef int put(self, uint64_t key, uint32_t slot) except -1:
@@ -179,7 +176,7 @@ cdef class IndexCore:
                 if self.keys[i] == key:
                     self.slots[i] = slot
                     return 0
-                i = (i + 1) & self.mask
+                i = i + 1 if i + 1 < self.size else 0
             if self.count < self.cap:
                 self.keys[i] = key
                 self.slots[i] = slot
@@ -190,7 +187,7 @@ cdef class IndexCore:
     cdef void remove_at(self, Py_ssize_t i) noexcept:
         cdef Py_ssize_t j = i, h
         while True:
-            j = (j + 1) & self.mask
+            j = j + 1 if j + 1 < self.size else 0
             if self.slots[j] == EMPTY:
                 break
             h = self.home(self.keys[j])

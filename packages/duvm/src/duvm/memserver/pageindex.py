@@ -8,11 +8,13 @@ its swap, that growth was part of the stall of docs/ARCHITECTURE.md "What remain
 index is sized once, when the reservation is (`resize`), and then only overwrites its own
 memory:
 
-- an open-addressing table of `size` buckets (a power of two of at least 1.5 times the
-  capacity, so it is at most two-thirds full): two parallel arrays, the keys (8 bytes) and
-  the slots (4 bytes; EMPTY marks a free bucket), 18 to 36 bytes per reserved page, touched
-  when made, so a locked process (mlockall) holds them resident from then on;
-- linear probing from a Fibonacci hash of the key, so consecutive keys spread;
+- an open-addressing table of `size` buckets (1.5 times the capacity, so it is at most
+  two-thirds full): two parallel arrays, the keys (8 bytes) and the slots (4 bytes; EMPTY
+  marks a free bucket), 18 bytes per reserved page, touched when made, so a locked process
+  (mlockall) holds them resident from then on. Not rounded up to a power of two, which would
+  cost up to twice that, all of it taken when the device is enabled;
+- linear probing from a Fibonacci hash of the key scaled to the table (the high half of
+  hash x size), so consecutive keys spread;
 - removal by backward shift (Knuth's algorithm R): no tombstones, so probes stay short
   however many pages come and go;
 - an insert beyond `capacity` raises `IndexFull`: the page store refuses a STORE beyond the
@@ -54,20 +56,20 @@ class IndexFull(Exception):
 
 
 def buckets_for(capacity: int) -> int:
-    """The table size for `capacity` entries: a power of two of at least 1.5 times it (0 for
+    """The table size for `capacity` entries: 1.5 times it, at least MIN_BUCKETS (0 for
     none)."""
     if capacity < 0:
         raise ValueError(f"capacity {capacity} is negative")
     if capacity == 0:
         return 0
-    return max(MIN_BUCKETS, 1 << (capacity + (capacity + 1) // 2 - 1).bit_length())
+    return max(MIN_BUCKETS, capacity + (capacity + 1) // 2)
 
 
 class PageIndex(MutableMapping[int, int]):
     """key (a client's page number, 0 <= key < 2**64) -> arena slot (< EMPTY), holding at
     most `capacity` entries in memory allocated by `resize` alone."""
 
-    __slots__ = ("_capacity", "_count", "_keys", "_map", "_mask", "_shift", "_slots")
+    __slots__ = ("_capacity", "_count", "_keys", "_map", "_size", "_slots")
 
     def __init__(self, capacity: int = 0) -> None:
         self._count = 0
@@ -75,8 +77,7 @@ class PageIndex(MutableMapping[int, int]):
         self._map: mmap.mmap | None = None
         self._keys: memoryview | Sequence[int] = ()
         self._slots: memoryview | Sequence[int] = ()
-        self._mask = -1
-        self._shift = 64
+        self._size = 0
         self.resize(capacity)
 
     @property
@@ -103,8 +104,7 @@ class PageIndex(MutableMapping[int, int]):
             self._map = table(size * 12)
             self._keys = memoryview(self._map)[: size * 8].cast("Q")
             self._slots = memoryview(self._map)[size * 8 :].cast("I")
-        self._mask = size - 1
-        self._shift = 64 - (size.bit_length() - 1) if size else 64
+        self._size = size
         self._count = 0
         for key, slot in old:
             self[key] = slot
@@ -119,18 +119,18 @@ class PageIndex(MutableMapping[int, int]):
             self._map = None
 
     def _home(self, key: int) -> int:
-        return ((key * GOLDEN) & _MASK64) >> self._shift
+        return (((key * GOLDEN) & _MASK64) * self._size) >> 64
 
     def _find(self, key: int) -> int:
         """The bucket holding `key`, else -1."""
         if not self._count:
             return -1
-        keys, slots, mask = self._keys, self._slots, self._mask
+        keys, slots, size = self._keys, self._slots, self._size
         i = self._home(key)
         while slots[i] != EMPTY:
             if keys[i] == key:
                 return i
-            i = (i + 1) & mask
+            i = i + 1 if i + 1 < size else 0
         return -1
 
     def get(self, key: int, default: int | None = None) -> int | None:  # type: ignore[override]
@@ -149,14 +149,14 @@ class PageIndex(MutableMapping[int, int]):
     def __setitem__(self, key: int, slot: int) -> None:
         if not 0 <= key <= _MASK64 or not 0 <= slot < EMPTY:
             raise ValueError(f"key {key} or slot {slot} out of range")
-        keys, slots, mask = self._keys, self._slots, self._mask
+        keys, slots, size = self._keys, self._slots, self._size
         if self._capacity:
             i = self._home(key)
             while slots[i] != EMPTY:
                 if keys[i] == key:
                     slots[i] = slot
                     return
-                i = (i + 1) & mask
+                i = i + 1 if i + 1 < size else 0
             if self._count < self._capacity:
                 keys[i], slots[i] = key, slot
                 self._count += 1
@@ -181,10 +181,10 @@ class PageIndex(MutableMapping[int, int]):
 
     def _remove(self, i: int) -> None:
         """Empty bucket `i`, moving back each later entry of its run that may sit there."""
-        keys, slots, mask = self._keys, self._slots, self._mask
+        keys, slots, size = self._keys, self._slots, self._size
         j = i
         while True:
-            j = (j + 1) & mask
+            j = j + 1 if j + 1 < size else 0
             if slots[j] == EMPTY:
                 break
             home = self._home(keys[j])
