@@ -10,8 +10,10 @@ import signal
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from duvm.base import pressure
 from duvm.memserver.connection import Connection, _skip
 from duvm.memserver.pagestore import PageStore, Refused
 from duvm.memserver.server import MemServer
@@ -575,6 +577,42 @@ async def test_cli_serves_and_stops_cleanly_on_sigterm() -> None:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(10)
     assert rc == 0
+
+
+def _can_lower_oom_scores() -> bool:
+    """CAP_SYS_RESOURCE (bit 24 of CapEff): without it no process may go below 0."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 24 & 1)
+    return False
+
+
+def test_a_locked_memserver_is_last_in_the_oom_killers_list() -> None:
+    """Catches a memserver the OOM killer picks first: on a node that serves itself it is the
+    biggest process, and the supervisor asks the OOM killer for room when a crashed daemon's
+    restart is short of memory (duvm.node.lifecycle.room), which would then end the pages'
+    holder instead of a program. Locked like the daemon, it is as far down the list; where the
+    score cannot be lowered (no CAP_SYS_RESOURCE, as in some containers) it says so."""
+    if os.geteuid() != 0:
+        pytest.skip("locking the memserver needs root")
+    proc, _ = start_cli("--listen", "127.0.0.1:0", "--capacity", "8M", "--insecure")
+    plain, _ = start_cli("--listen", "127.0.0.1:0", "--capacity", "8M", "--insecure", "--no-mlock")
+    try:
+        adj = Path(f"/proc/{proc.pid}/oom_score_adj").read_text().strip()
+        # one that was told not to lock is an ordinary process, as asked
+        assert Path(f"/proc/{plain.pid}/oom_score_adj").read_text().strip() == "0"
+    finally:
+        for p in (proc, plain):
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(10) == 0
+    err = proc.stderr.read()
+    if _can_lower_oom_scores():
+        assert adj == str(pressure.OOM_SCORE_ADJ), err
+        assert "OOM killer" not in err
+    else:
+        assert adj == "0"
+        assert "the OOM killer may pick the memserver (oom_score_adj: Permission denied)" in err
+    assert "OOM killer" not in plain.stderr.read()
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from duvm.base import pressure
 from duvm.node.attach import attach_kernel, attach_state, processes
-from duvm.node.lifecycle import control, resume, supervise, supervisor_process
+from duvm.node.lifecycle import control, resume, room, supervise, supervisor_process
 
 STAND_IN = "import time; time.sleep(120)"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="duvm supervise and resume run as root")
@@ -80,7 +81,9 @@ class Node:
     def watch(self, **kw: object) -> int:
         """The supervisor's loop without a standby (this file tests the restarts; the standby
         is test_standby.py's), its give-ups recorded in `gave_up` instead of failing a
-        device's requests."""
+        device's requests, and no room made for a restart unless a test asks (the real room
+        would ask this machine's OOM killer for a victim)."""
+        kw.setdefault("make_room", lambda need_kib, say: contextlib.nullcontext())
         return supervise.watch(
             self.state_dir,
             spares=None,
@@ -672,3 +675,45 @@ def test_the_kernels_timer_is_back_before_a_restart_the_slow_way(
         ("/dev/nbd7", 0),
         ("/dev/nbd7", 60),
     ]
+
+
+def test_a_restart_the_slow_way_short_of_memory_gets_room_from_the_oom_killer(
+    node: Node,
+) -> None:
+    """Catches a supervisor whose restart the slow way (no standby ready) waits out the
+    kernel's 60 s on a node with no memory to give a new daemon: the held swap reads then fail
+    and whoever waited on them dies, init included (a kernel panic in the 256 MiB RDMA guest).
+    The restart runs inside `make_room`, told what the dead daemon held of its own (measured
+    while it lived); the room is asked only while no daemon serves."""
+    first = node.start()
+    expected = (pressure.rss_kib(first, "RssAnon") or 0) + (8 << 10)
+    log: list[str] = []
+    kills: list[float] = []
+    needs: list[int] = []
+    served_at: list[float] = []
+
+    def make_room(need_kib: int, say):
+        needs.append(need_kib)
+        return room.making_room(
+            need_kib,
+            say,
+            after_s=0.1,
+            every_s=0.1,
+            available=lambda: 1024,
+            kill=lambda: kills.append(time.monotonic()),
+        )
+
+    def resume_fn(state_dir: Path, timeout: float, known: object = None) -> None:
+        time.sleep(0.5)  # a new daemon stalled for memory
+        new = node.start()
+        served_at.append(time.monotonic())
+        _when_watched(log, new, lambda: _later(0.5, lambda: node.disable(new)))
+
+    _when_watched(log, first, lambda: node.kill(first))
+    assert node.watch(resume_fn=resume_fn, say=log.append, make_room=make_room) == 0
+    assert len(needs) == 1 and abs(needs[0] - expected) < 2048, (needs, expected)
+    assert 1 <= len(kills) <= 3, kills
+    assert all(t < served_at[0] for t in kills)  # none once a daemon serves again
+    asked = [m for m in log if "asked the kernel's OOM killer" in m]
+    assert len(asked) == len(kills)
+    assert asked[0].startswith(f"no daemon serves yet and 1024 KiB are available of the {needs[0]}")

@@ -282,13 +282,19 @@ def run(args: argparse.Namespace) -> int:
         # Every node of a symmetric cluster swaps too: a memserver whose own pages went out to
         # this node's duvm device would wait on other nodes' memservers to serve its peers,
         # which may be waiting on it. Locked (and an I/O flusher), it never waits on swap.
-        # Not realtime: it is not on this node's swap path, and a busy memserver would then
-        # take CPU from the node's own programs (duvm.base.pressure).
+        # Last in the OOM killer's list, like the daemon: it holds pages that are on no other
+        # copy but its replica's, and it is the biggest process on a node that serves itself,
+        # where the kernel would otherwise pick it first (duvm.node.lifecycle.room asks the
+        # OOM killer for a victim after a crash). Not realtime: it is not on this node's swap
+        # path, and a busy memserver would then take CPU from the node's own programs
+        # (duvm.base.pressure).
         from duvm.base import pressure
 
         if why := pressure.lock_in_memory():
             log.warning("cannot lock the memserver in RAM (%s): it may be swapped out", why)
         pressure.become_io_flusher()
+        if why := pressure.lower_oom_score():
+            log.warning("the OOM killer may pick the memserver (%s)", why)
     accel.announce(log)  # a warning when the pure-Python loop runs for want of a build
     try:
         run_loop(

@@ -13,7 +13,10 @@ the device is served again. Without a ready standby, or when it cannot take over
 exactly what ``duvm enable --resume`` does (:func:`duvm.node.lifecycle.resume.resume`): a new
 daemon from the saved state. The kernel holds the swap device's requests for the
 dead-connection timeout (60 s), so a resume that succeeds within it loses nothing; failed tries
-are repeated with backoff inside that time.
+are repeated with backoff inside that time. On a node whose memory is all taken, a new daemon
+cannot get its own (only swapping could free it, and the swap device waits for that daemon):
+while such a restart has not served, `duvm.node.lifecycle.room` asks the kernel's OOM killer
+for room, one program at a time, instead of letting the held swap reads fail after 60 s.
 
 - It runs locked in RAM (mlockall), realtime, as an I/O flusher and last in the OOM killer's
   list, like the daemon (`duvm.base.pressure`): a supervisor whose pages were swapped out to the
@@ -55,7 +58,7 @@ from typing import IO, Any
 
 from duvm.base import control_socket, pressure, quietlog
 from duvm.node.attach import attach, attach_kernel, attach_state, processes, systools
-from duvm.node.lifecycle import control, resume, standby_process, supervisor_process
+from duvm.node.lifecycle import control, resume, room, standby_process, supervisor_process
 from duvm.node.lifecycle.supervisor_process import wanted
 from duvm.wire import nbdguard, nbdnetlink
 
@@ -68,6 +71,9 @@ class RestartPolicy:
     restart_window: float = 600.0  # seconds
     # between failed resume attempts (~60 s in all, the kernel's dead-connection hold)
     retry_delays: tuple[float, ...] = (0.5, 1, 2, 4, 8, 15, 30)
+
+
+DEFAULT_NEED_KIB = 64 << 10  # a new daemon's own memory until one was measured here
 
 
 class _Stop:
@@ -142,6 +148,7 @@ class _Stop:
 
 
 SparesFactory = Callable[[Path, Callable[[str], None]], standby_process.Spares]
+RoomFactory = Callable[[int, Callable[[str], None]], contextlib.AbstractContextManager[Any]]
 
 
 def watch(
@@ -154,13 +161,15 @@ def watch(
     give_up: Callable[[attach_state.Attachment, str], None] | None = None,
     reattach: Callable[[attach_state.Attachment, str], None] = attach_kernel.reattach,
     timer: attach_kernel.RequestTimer | None = None,
+    make_room: RoomFactory = room.making_room,
 ) -> int:
     """The supervisor's loop (see the module docstring). Returns the exit code: 0 when told to
     stop or when duvm is no longer enabled, 1 when it gave up. `spares` keeps a standby beside
     the daemon (None: none, every restart starts a new daemon); `give_up` fails the device's
     held requests once nobody will serve them (default `fail_held_io`); `reattach` hands the
     device a connection to the standby that took over; `timer` sets how the kernel times the
-    device's requests while this watches (`attach_kernel.RequestTimer`)."""
+    device's requests while this watches (`attach_kernel.RequestTimer`); `make_room` watches a
+    restart the slow way and ends programs for its memory (`duvm.node.lifecycle.room`)."""
     resume_fn = resume_fn or resume.resume
     say = say or (lambda m: print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {m}", flush=True))
     stopper = _Stop()
@@ -179,6 +188,7 @@ def watch(
             reattach,
             lock,
             timing,
+            make_room,
         )
     finally:
         timing.restore()
@@ -199,9 +209,11 @@ def _watch(
     reattach: Callable[[attach_state.Attachment, str], None],
     lock: IO[Any],
     timing: _Timing,
+    make_room: RoomFactory,
 ) -> int:
     restarts: list[float] = []
     daemon_file = control.daemon_path(state_dir)
+    need_kib = DEFAULT_NEED_KIB  # what a new daemon needs: see `duvm.node.lifecycle.room`
     while not stopper.requested:
         # Read while the daemon lives (a swap-in can be served); kept in this locked process.
         att = attach_state.load_state(control.state_path(state_dir))
@@ -215,6 +227,8 @@ def _watch(
             return 0
         if control.daemon_alive(daemon):  # (a recorded pid that is no daemon any more: dead)
             timing.arm(att, daemon)
+            if own := pressure.rss_kib(daemon.pid, "RssAnon"):  # measured while it can be
+                need_kib = own + (standby_process.HEAP_RESERVE_MIB << 10)
             say(f"watching daemon pid {daemon.pid} serving {att.device}")
             _serve_watch(daemon, stopper, keeper, timing)
             if stopper.requested:
@@ -253,41 +267,42 @@ def _watch(
             f"daemon pid {daemon.pid} ended: resuming it onto {att.device} (the kernel holds "
             f"its I/O for {hold} s)"
         )
-        for delay in (*policy.retry_delays, None):
-            if stopper.requested:
-                say("stopped")
-                return 0
-            mtime = _mtime(daemon_file)
-            if mtime != seen:  # rewritten: by our last try or a manual resume
-                seen = mtime
-                current = control.load_daemon(state_dir)
-                if (
-                    current is not None
-                    and current.pid != daemon.pid
-                    and control.daemon_alive(current)
-                ):
-                    say(f"daemon pid {current.pid} already serves it (resumed by hand)")
-                    break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return _gave_up(
-                    state_dir,
-                    att,
-                    f"could not resume the daemon within the kernel's {hold} s",
-                    say,
-                    give_up,
-                )
-            try:
-                resume_fn(state_dir, timeout=max(left, 5.0), known=(att, daemon))
-            except Exception as exc:  # ControlError, AttachError, OSError: say it, try again
-                say(f"resume failed: {exc}")
-                if delay is None:
-                    return _gave_up(state_dir, att, "could not resume the daemon", say, give_up)
-                stopper.wait(None, min(delay, max(0.0, deadline - time.monotonic())))
-                continue
-            new = control.load_daemon(state_dir)  # a daemon serves again: safe to read
-            say(f"resumed: daemon pid {new.pid if new else '?'} serves {att.device} again")
-            break
+        with make_room(need_kib, say):
+            for delay in (*policy.retry_delays, None):
+                if stopper.requested:
+                    say("stopped")
+                    return 0
+                mtime = _mtime(daemon_file)
+                if mtime != seen:  # rewritten: by our last try or a manual resume
+                    seen = mtime
+                    current = control.load_daemon(state_dir)
+                    if (
+                        current is not None
+                        and current.pid != daemon.pid
+                        and control.daemon_alive(current)
+                    ):
+                        say(f"daemon pid {current.pid} already serves it (resumed by hand)")
+                        break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return _gave_up(
+                        state_dir,
+                        att,
+                        f"could not resume the daemon within the kernel's {hold} s",
+                        say,
+                        give_up,
+                    )
+                try:
+                    resume_fn(state_dir, timeout=max(left, 5.0), known=(att, daemon))
+                except Exception as exc:  # ControlError, AttachError, OSError: say it, try again
+                    say(f"resume failed: {exc}")
+                    if delay is None:
+                        return _gave_up(state_dir, att, "could not resume the daemon", say, give_up)
+                    stopper.wait(None, min(delay, max(0.0, deadline - time.monotonic())))
+                    continue
+                new = control.load_daemon(state_dir)  # a daemon serves again: safe to read
+                say(f"resumed: daemon pid {new.pid if new else '?'} serves {att.device} again")
+                break
     say("stopped")
     return 0
 
