@@ -152,13 +152,15 @@ class Memservers:
                 )
                 self.procs.append(p)
                 assert p.stdout is not None
-                line = p.stdout.readline()  # "... listening on HOST:PORT ..." once it serves
-                m = _LISTEN_RE.search(line)
-                if not m:
+                # "... listening on HOST:PORT ..." once it serves; warnings may come first
+                # (a protection it could not apply), and are shown as they are
+                said: list[str] = []
+                while (line := p.stdout.readline()) and not (m := _LISTEN_RE.search(line)):
+                    said.append(line)
+                    print(line.rstrip("\n"), file=sys.stderr)
+                if not line:
                     p.wait()
-                    raise control.ControlError(
-                        f"memserver did not start: {(line + p.stdout.read()).strip()}"
-                    )
+                    raise control.ControlError(f"memserver did not start: {''.join(said).strip()}")
                 self.addrs.append(f"{m.group(1)}:{m.group(2)}")
         except BaseException:
             self.close()
