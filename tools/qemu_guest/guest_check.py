@@ -213,6 +213,44 @@ def _task(pid: int) -> str:
     return out
 
 
+def _children(pid: int) -> list[int]:
+    """The children of every thread of `pid` (procfs keeps these lists in the kernel: reading
+    them never waits for a swapped-out page, unlike a process's cmdline)."""
+    found: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tids:
+        found += [int(c) for c in (_read(f"/proc/{pid}/task/{tid}/children") or "").split()]
+    return found
+
+
+def _all_threads(pid: int) -> str:
+    """Every thread of `pid` with its state and wait channel (stack top when blocked)."""
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return "gone"
+    return "; ".join(f"{t}:{_task(t)}" for t in tids)
+
+
+def watch_the_restart(
+    supervisor: int, t: float, done: threading.Event, every: float = 10.0
+) -> None:
+    """After the kill, until the new daemon serves: what the supervisor's threads and the
+    processes it started are waiting on (a restart that never serves shows where it stopped;
+    nothing here reads a file that could be swapped out)."""
+    while not done.wait(every):
+        kids = _children(supervisor)
+        print(
+            f"duvm-guest: restart {time.monotonic() - t:.0f}s supervisor {supervisor} "
+            f"[{_all_threads(supervisor)}]"
+            + "".join(f" child {k} [{_all_threads(k)}]" for k in kids),
+            flush=True,
+        )
+
+
 def _memory(pid: int) -> dict[str, int]:
     """A process's resident and locked memory in KiB (/proc/PID/status)."""
     return _kib_fields(f"/proc/{pid}/status", ("VmRSS", "RssAnon", "RssFile", "VmLck", "VmPin"))
@@ -409,12 +447,14 @@ def wait_for_standby(timeout: float = 240) -> dict[str, Any]:
     is on a node that has been up a while: the kill then tests the takeover, not the start."""
     t = time.monotonic()
     while time.monotonic() - t < timeout:
-        record = _read(f"{STATE_DIR}/standby.json")
-        if record:
-            return {"ready_after_s": round(time.monotonic() - t, 2), **json.loads(record)}
+        record = json.loads(_read(f"{STATE_DIR}/standby.json") or "null")
+        # ready: a pid and not "starting" (a record without a pid says why there is none)
+        if record and record.get("pid") and record.get("ready", True):
+            return {"ready_after_s": round(time.monotonic() - t, 2), **record}
         time.sleep(0.2)
     said = (_read(f"{STATE_DIR}/supervisor.log") or "")[-2000:]
-    return {"ready_after_s": None, "supervisor_log": said}
+    record = json.loads(_read(f"{STATE_DIR}/standby.json") or "null")
+    return {"ready_after_s": None, "supervisor_log": said, "record": record}
 
 
 def _nbd_stat(nbd: str = "nbd0") -> list[int]:
@@ -513,10 +553,12 @@ def kill_and_resume(workload: subprocess.Popen[str]) -> None:
     variant checks that this one cannot is the resume itself on a slow emulator, where a
     workload left running can meet the OOM killer before a new daemon has started."""
     old_pid = json.loads(Path(STATE_DIR, "daemon.json").read_text())["pid"]
+    supervisors = _pids_with("duvm.cli\0supervise")  # read while the daemon serves
     stopped = os.environ.get("DUVM_KILL_STOP_WORKLOAD") == "1"
     before = vmstat()
     gap: dict[str, Any] = {}
     done = threading.Event()
+    restarted = threading.Event()
     if stopped:
         workload.send_signal(signal.SIGSTOP)
     try:
@@ -536,8 +578,13 @@ def kill_and_resume(workload: subprocess.Popen[str]) -> None:
             state_files=sorted(os.listdir(STATE_DIR + "/daemon-state")),
         )
         at_kill = meminfo()
+        for sup in supervisors:
+            threading.Thread(
+                target=watch_the_restart, args=(sup, t, restarted), daemon=True
+            ).start()
         new_pid = _resumed_by_supervisor(old_pid, t)
     finally:
+        restarted.set()
         if stopped:
             workload.send_signal(signal.SIGCONT)
     resumed_after = round(time.monotonic() - t, 2)
