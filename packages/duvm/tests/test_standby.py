@@ -31,12 +31,15 @@ import duvm_processes
 import pytest
 from duvm.base import pressure
 from duvm.node.attach import attach_state, kernelnbd, processes
-from duvm.node.lifecycle import control, standby_process, supervise
+from duvm.node.lifecycle import control, standby_process, supervise, supervisor_process
+from duvm.node.lifecycle.enable import no_standby
 from duvm.store import daemon_state as ds
 from duvm.store import state_files as sf
 from duvm.store.memserver_status import query_status
 from duvm.wire import nbdconst as C
 from duvm.wire.nbdguard import TimerGuard
+
+STAND_IN = "import time; time.sleep(60)"
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the supervisor and resume run as root")
 
@@ -454,10 +457,53 @@ def test_no_standby_is_started_while_memory_is_short_and_that_is_said_once(tmp_p
     for _ in range(3):
         spares.tend(me)
     assert starts == [] and len(said) == 1 and said[0].startswith("no standby: 1024 KiB available")
+    # ... and recorded, so that `duvm enable` warns and `duvm status` says why
+    why = supervisor_process.standby_status(tmp_path)
+    assert why is not None and why["pid"] is None
+    assert why["none"].startswith("1024 KiB available, ") and "KiB wanted (2 x" in why["none"]
+    assert no_standby(tmp_path, wait_s=0) == why["none"]
+    shown = control.format_status(control.status(tmp_path))
+    assert f"standby: none ({why['none']}): a crash starts a new daemon" in shown
     free[0] = 1 << 40
     spares.tend(me)
     assert starts == [os.getpid()]
     assert said[-1] == "no standby: it cannot be started (not started in this test)"
+    assert no_standby(tmp_path, wait_s=0) == "it cannot be started: not started in this test"
+
+
+def test_a_standby_starting_is_recorded_at_once(tmp_path: Path) -> None:
+    """Catches a standby recorded only once ready (seconds under TCG): `duvm enable` would wait
+    its whole grace on every node, and `duvm status` would show nothing meanwhile."""
+    procs: list[subprocess.Popen[bytes]] = []
+    socks: list[socket.socket] = []
+
+    def spawn(state_dir: Path, daemon: control.DaemonInfo) -> standby_process.Standby:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)", "duvm.cli", "daemon"]
+        )
+        procs.append(proc)
+        mine, theirs = socket.socketpair()
+        socks.extend((mine, theirs))
+        return standby_process.Standby(proc, mine, state_dir / "standby.log", daemon.pid)
+
+    spares = standby_process.Spares(
+        tmp_path, lambda m: None, spawn=spawn, available=lambda: 1 << 40
+    )
+    try:
+        spares.tend(control.DaemonInfo(os.getpid(), "s", [], 1, 1, "l", 0.0))
+        sb = supervisor_process.standby_status(tmp_path)
+        assert sb is not None and sb["pid"] == procs[0].pid and sb["ready"] is False
+        assert no_standby(tmp_path, wait_s=5) is None  # at once: the record is there
+        shown = control.format_status(control.status(tmp_path))
+        assert f"standby: pid {procs[0].pid} starting\n" in shown + "\n", shown
+    finally:
+        for p in procs:  # a stand-in does not answer EOF by exiting as a standby does
+            p.kill()
+            p.wait()
+        spares.stop()
+        for so in socks:
+            so.close()
+    assert supervisor_process.standby_status(tmp_path) is None  # stopped: its record is gone
 
 
 def _att(node: Node) -> attach_state.Attachment:

@@ -537,12 +537,7 @@ def format_status(st: dict[str, Any]) -> str:
             + (f"; gave up at {sup['gave_up']}" if sup.get("gave_up") else "")
         )
     if sb := st.get("standby"):
-        kib, own = sb["ready_kib"], sb.get("ready_anon_kib")
-        lines.append(
-            f"standby: pid {sb['pid']} {'ready' if sb['running'] else 'NOT RUNNING'}"
-            + (f" ({kib >> 10} MiB resident" if isinstance(kib, int) else " (")
-            + (f", {own >> 10} MiB its own)" if isinstance(own, int) else ")")
-        )
+        lines.append(supervisor_process.standby_line(sb))
     r = st.get("replication")
     if r:
         rep = (

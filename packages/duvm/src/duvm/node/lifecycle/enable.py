@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from duvm.base.units import parse_size
@@ -151,6 +152,12 @@ def run(args: argparse.Namespace) -> int:
         att.extra.get("supervisor_problem"),
         "restarts the daemon onto the live device if it crashes",
     )
+    if att.extra.get("supervisor_pid") and (why := no_standby(args.state_dir)):
+        print(
+            f"duvm enable: warning: no standby daemon fits ({why}): "
+            f"{supervisor_process.NO_STANDBY}",
+            file=sys.stderr,
+        )
     for warning in (
         replica_warning(cfg),
         att.extra.get("state_problem"),
@@ -159,6 +166,18 @@ def run(args: argparse.Namespace) -> int:
         if warning:
             print(f"duvm enable: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def no_standby(state_dir: Path, wait_s: float = 2.0) -> str | None:
+    """Why the supervisor keeps no standby, when memory is too short for one: it decides on
+    its first look, right after it starts (`standby_process.Spares`); None when it starts
+    one (recorded as starting), or has said nothing within `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        sb = supervisor_process.standby_status(state_dir)
+        if sb is not None or time.monotonic() >= deadline:
+            return sb.get("none") if sb is not None else None
+        time.sleep(0.05)
 
 
 def replica_warning(cfg: control.Config) -> str | None:

@@ -20,7 +20,9 @@ another try comes `RETRY_S` later. After a takeover the next standby is started
 the same way, so never before the device is served again.
 
 What `duvm status` shows comes from ``STATE_DIR/standby.json``, written by the supervisor only
-while a daemon serves (a file on /run may be swapped out while none does).
+while a daemon serves (a file on /run may be swapped out while none does): the standby from
+when it starts (``ready`` false until it says so), or why there is none (memory short, or it
+cannot be started), which `duvm enable` reads to warn that a crash will cost a restart.
 """
 
 from __future__ import annotations
@@ -240,6 +242,7 @@ class Spares:
         self._next_try = 0.0
         self._said: str | None = None
         self._failures = 0  # standbys in a row that ended without taking over
+        self._none: str | None = None  # why there is none, as standby.json says it
 
     def _note(self, kind: str, text: str) -> None:
         """Say `text` unless the last thing said was of the same `kind`."""
@@ -304,20 +307,24 @@ class Spares:
         need = HEADROOM * own
         have = self._available()
         if have is not None and have < need:
+            why = f"{have} KiB available, {need} KiB wanted ({HEADROOM} x a standby's own memory)"
             self._note(
                 "memory",
-                f"no standby: {have} KiB available, {need} KiB wanted ({HEADROOM} x a "
-                f"standby's own memory); a crash now starts a new daemon. Trying again every "
+                f"no standby: {why}; a crash now starts a new daemon. Trying again every "
                 f"{self.retry_s:.0f} s",
             )
+            self._record_none(why)
             self._next_try = time.monotonic() + self.retry_s
             return
         try:
             self.current = self._spawn(self.state_dir, daemon)
         except (OSError, control.ControlError) as exc:
             self._note("spawn", f"no standby: it cannot be started ({exc})")
+            self._record_none(f"it cannot be started: {exc}")
             self._next_try = time.monotonic() + self.retry_s
             return
+        self._none = None
+        self._write(self.current)  # "starting": what `duvm enable` waits for
         if not self._failures:
             self._note("starting", f"standby pid {self.current.pid} starting")
 
@@ -341,20 +348,29 @@ class Spares:
         with contextlib.suppress(OSError):
             standby_path(self.state_dir).unlink()
 
-    def _write(self, cur: Standby | None) -> None:
-        """standby.json for `duvm status` (only while the daemon serves: see the module doc)."""
+    def _record_none(self, why: str) -> None:
+        if self._none != why:  # written when the reason changes, not every try
+            self._none = why
+            self._write(None, none=why)
+
+    def _write(self, cur: Standby | None, none: str | None = None) -> None:
+        """standby.json for `duvm status` and `duvm enable` (only while the daemon serves: see
+        the module doc): the ready standby, or why there is none (`none`), or nothing."""
         path = standby_path(self.state_dir)
         with contextlib.suppress(OSError):
-            if cur is None:
+            if cur is None and none is None:
                 path.unlink(missing_ok=True)
                 return
-            record = {
-                "pid": cur.pid,
-                "start": cur.start,
-                "ready_kib": cur.ready_kib,
-                "ready_anon_kib": cur.ready_anon_kib,
-                "log": str(cur.log),
-            }
+            record: dict[str, object] = {"pid": None, "none": none}
+            if cur is not None:
+                record = {
+                    "pid": cur.pid,
+                    "ready": cur.ready,
+                    "start": cur.start,
+                    "ready_kib": cur.ready_kib,
+                    "ready_anon_kib": cur.ready_anon_kib,
+                    "log": str(cur.log),
+                }
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
             tmp.write_text(json.dumps(record) + "\n")
             os.replace(tmp, path)

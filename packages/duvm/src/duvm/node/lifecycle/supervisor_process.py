@@ -129,19 +129,41 @@ def standby_path(state_dir: Path) -> Path:
     return state_dir / STANDBY_FILE
 
 
+NO_STANDBY = (
+    "a crash starts a new daemon (seconds, not the standby's milliseconds), and where memory "
+    "is too short for one the kernel's OOM killer ends a program to make room"
+)
+
+
 def standby_status(state_dir: Path) -> dict[str, Any] | None:
     """The supervisor's standby daemon as `duvm status` shows it: pid, running, resident KiB
-    when it said it was ready, log."""
+    when it said it was ready, log; or ``{"pid": None, "none": why}`` when memory is too short
+    for one."""
     try:
         info = json.loads(standby_path(state_dir).read_text())
+        if info.get("pid") is None and isinstance(info.get("none"), str):
+            return {"pid": None, "none": info["none"]}
         pid = int(info["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     start = info.get("start") if isinstance(info.get("start"), int) else None
     return {
         "pid": pid,
         "running": processes.duvm_runs(pid, "daemon", start),
+        "ready": info.get("ready", True) is not False,
         "ready_kib": info.get("ready_kib"),
         "ready_anon_kib": info.get("ready_anon_kib"),
         "log": info.get("log"),
     }
+
+
+def standby_line(sb: dict[str, Any]) -> str:
+    """`duvm status`'s line for `standby_status`'s answer."""
+    if sb["pid"] is None:
+        return f"standby: none ({sb['none']}): {NO_STANDBY}"
+    kib, own = sb["ready_kib"], sb.get("ready_anon_kib")
+    state = "NOT RUNNING" if not sb["running"] else "ready" if sb["ready"] else "starting"
+    if not isinstance(kib, int):
+        return f"standby: pid {sb['pid']} {state}"
+    mine = f", {own >> 10} MiB its own" if isinstance(own, int) else ""
+    return f"standby: pid {sb['pid']} {state} ({kib >> 10} MiB resident{mine})"
