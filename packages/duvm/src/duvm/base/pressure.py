@@ -54,12 +54,50 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def lock_in_memory() -> str | None:
-    """mlockall (on fault where possible). None on success, else why it failed."""
+    """mlockall (on fault where possible), then every page already out on swap brought back
+    (`fault_in_swapped`). None on success, else why it failed."""
     c = libc()
     for flags in (_MCL_CURRENT | _MCL_FUTURE | _MCL_ONFAULT, _MCL_CURRENT | _MCL_FUTURE):
         if c.mlockall(flags) == 0:
+            fault_in_swapped()
             return None
     return f"mlockall: {os.strerror(ctypes.get_errno())}"
+
+
+_SWAPPED = bytes.maketrans(bytes(b for b in range(256) if b & 0x40), b"\x01" * 128)
+_USER_TOP = 1 << 47  # above it: [vsyscall], which pagemap does not describe
+_SCAN_PAGES = 1 << 16  # pagemap entries read at once (512 KiB)
+
+
+def fault_in_swapped(
+    maps: Path = Path("/proc/self/maps"), pagemap: Path = Path("/proc/self/pagemap")
+) -> int:
+    """Touch every page of this process that is out on swap; returns how many.
+
+    mlockall with MCL_ONFAULT locks the pages that are resident and those faulted in later,
+    but leaves a page already swapped out where it is. A process that started while the node
+    swapped (the supervisor and a standby start after swapon, on a node short of memory) can
+    have pages of its interpreter out on the duvm device; the first touch after the daemon
+    died waited for that device for good (the supervisor's own restart, seen in the QEMU
+    guest: its main thread in do_swap_page). Touched once now, each is locked like the rest.
+    Bit 62 of a pagemap entry is "swapped" (Documentation/admin-guide/mm/pagemap.rst)."""
+    count = 0
+    with open(maps) as regions, open(pagemap, "rb", buffering=0) as entries:
+        for line in regions:
+            span, perms = line.split()[:2]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if "r" not in perms or start >= _USER_TOP:
+                continue
+            for first in range(start, end, _SCAN_PAGES * _PAGE):  # a huge arena: in pieces
+                entries.seek(first // _PAGE * 8)
+                raw = entries.read(min(_SCAN_PAGES, (end - first) // _PAGE) * 8)
+                flags = raw[7::8].translate(_SWAPPED)  # each entry's top byte: bit 62 -> 1
+                at = flags.find(1)
+                while at >= 0:
+                    ctypes.string_at(first + at * _PAGE, 1)  # a read fault swaps it in
+                    count += 1
+                    at = flags.find(1, at + 1)
+    return count
 
 
 def become_io_flusher() -> str | None:
