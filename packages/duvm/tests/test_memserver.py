@@ -589,10 +589,11 @@ def _can_lower_oom_scores() -> bool:
 
 def test_a_locked_memserver_is_last_in_the_oom_killers_list() -> None:
     """Catches a memserver the OOM killer picks first: on a node that serves itself it is the
-    biggest process, and the supervisor asks the OOM killer for room when a crashed daemon's
-    restart is short of memory (duvm.node.lifecycle.room), which would then end the pages'
-    holder instead of a program. Locked like the daemon, it is as far down the list; where the
-    score cannot be lowered (no CAP_SYS_RESOURCE, as in some containers) it says so."""
+    biggest process, and the score is also what keeps it out of the supervisor's choice when
+    a crashed daemon's restart is short of memory (duvm.node.lifecycle.room), which would
+    otherwise end the pages' holder instead of a program. Locked like the daemon, it is as
+    far down the list; where the score cannot be lowered (no CAP_SYS_RESOURCE, as in some
+    containers) it says so."""
     if os.geteuid() != 0:
         pytest.skip("locking the memserver needs root")
     proc, _ = start_cli("--listen", "127.0.0.1:0", "--capacity", "8M", "--insecure")

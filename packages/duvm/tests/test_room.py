@@ -1,100 +1,138 @@
-"""`duvm.node.lifecycle.room`: room for a new daemon on a node out of memory, from the kernel's
-OOM killer.
+"""`duvm.node.lifecycle.room`: room for a new daemon on a node out of memory, by ending one
+program.
 
-The OOM killer itself is never asked here (it would end the largest program on this machine):
-`kill` and `available` are stand-ins, and the supervisor tests pass a room that asks nothing.
-The real request runs in the QEMU guest's `:dkill` set-ups (tools/qemu_guest/stress.py),
-where a node with no room for a standby restarts its daemon the slow way."""
+The watch's timing and bounds run with stand-ins for `available`, `pick` and `kill` (ending a
+real program of this machine for real would be wrong); `pick_victim` reads a /proc tree laid
+out like the kernel's, and `end` ends a real child of this test. The whole path runs in the
+QEMU guest's `:dkill` set-ups (tools/qemu_guest/stress.py), where a node with no room for a
+standby restarts its daemon the slow way."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import pytest
 from duvm.node.lifecycle import room
+
+VICTIM = room.Victim(4242, "hog", 200_000)
 
 
 def _room(**kw: object):
-    kills: list[str] = []
+    ended: list[int] = []
     said: list[str] = []
+    kw.setdefault("pick", lambda: VICTIM)
     cm = room.making_room(
         40_000,
         said.append,
-        kill=lambda: kills.append("f"),
+        kill=ended.append,
         **kw,  # type: ignore[arg-type]
     )
-    return cm, kills, said
+    return cm, ended, said
 
 
-def test_memory_short_past_the_grace_asks_for_one_victim_at_a_time() -> None:
-    cm, kills, said = _room(after_s=0.05, every_s=0.05, max_kills=3, available=lambda: 1000)
-    with cm as asked:
+def test_memory_short_past_the_grace_ends_one_program_at_a_time() -> None:
+    cm, ended, said = _room(after_s=0.05, every_s=0.05, max_kills=3, available=lambda: 1000)
+    with cm as victims:
         time.sleep(0.6)
-    assert kills == ["f"] * 3  # bounded: past that the kernel's own timer decides
-    assert asked == [1000] * 3
-    assert said[0].startswith("no daemon serves yet and 1000 KiB are available of the 40000")
-    assert "(1 of at most 3)" in said[0] and "(3 of at most 3)" in said[2]
+    assert ended == [4242] * 3  # bounded: past that the kernel's own timer decides
+    assert victims == [VICTIM] * 3
+    assert said[0] == (
+        "no daemon serves yet and 1000 KiB are available of the 40000 a daemon needs: ended "
+        "pid 4242 (hog, 200000 KiB resident) to make room (1 of at most 3)"
+    )
+    assert said[2].endswith("(3 of at most 3)")
 
 
-def test_no_victim_within_the_grace_nor_with_memory_enough() -> None:
-    """Catches a room that kills at once (a new daemon that would have served in its ~5 s
-    under TCG costs a program) or whatever memory there is."""
-    cm, kills, _ = _room(after_s=5.0, available=lambda: 1000)
+def test_nothing_ended_within_the_grace_nor_with_memory_enough() -> None:
+    """Catches a room that ends a program at once (a new daemon that would have served in its
+    ~5 s under TCG costs a program) or whatever memory there is."""
+    cm, ended, _ = _room(after_s=5.0, available=lambda: 1000)
     with cm:
         time.sleep(0.2)
-    assert kills == []
-    cm, kills, _ = _room(after_s=0.01, every_s=0.01, available=lambda: 40_000)
+    assert ended == []
+    cm, ended, _ = _room(after_s=0.01, every_s=0.01, available=lambda: 40_000)
     with cm:
         time.sleep(0.2)
-    assert kills == []
-    cm, kills, _ = _room(after_s=0.01, every_s=0.01, available=lambda: None)
+    assert ended == []
+    cm, ended, _ = _room(after_s=0.01, every_s=0.01, available=lambda: None)
     with cm:
         time.sleep(0.1)
-    assert kills == []  # MemAvailable unreadable: nothing is killed on a guess
+    assert ended == []  # MemAvailable unreadable: nothing is ended on a guess
 
 
-def test_memory_back_stops_the_kills() -> None:
+def test_memory_back_stops_the_ends() -> None:
     readings = iter([1000, 50_000, 50_000, 50_000, 50_000])
-    cm, kills, _ = _room(
+    cm, ended, _ = _room(
         after_s=0.02, every_s=0.02, max_kills=3, available=lambda: next(readings, 50_000)
     )
     with cm:
         time.sleep(0.3)
-    assert kills == ["f"]
+    assert ended == [4242]
+
+
+def test_no_candidate_is_said_and_ends_the_watch() -> None:
+    cm, ended, said = _room(after_s=0.01, every_s=0.01, available=lambda: 1, pick=lambda: None)
+    with cm:
+        time.sleep(0.2)
+    assert ended == []
+    assert said == [
+        "1 KiB available of the 40000 a daemon needs, and no program holds memory that could "
+        "make room: the kernel's timer decides"
+    ]
 
 
 def test_the_watch_ends_with_the_restart() -> None:
     """Catches a watch thread left running after the restart served: it would end programs
     while the new daemon serves."""
-    cm, kills, _ = _room(after_s=0.1, every_s=0.01, available=lambda: 1000)
+    cm, ended, _ = _room(after_s=0.1, every_s=0.01, available=lambda: 1000)
     with cm:
         pass
     time.sleep(0.3)
-    assert kills == []
+    assert ended == []
     assert not [t for t in threading.enumerate() if t.name == "duvm-room"]
 
 
-def test_a_refused_request_is_said_and_ends_the_watch() -> None:
-    said: list[str] = []
-    calls: list[int] = []
-
-    def refuse() -> None:
-        calls.append(1)
-        raise PermissionError(13, "Permission denied")
-
-    with room.making_room(
-        40_000, said.append, after_s=0.01, every_s=0.01, available=lambda: 1, kill=refuse
-    ):
-        time.sleep(0.2)
-    assert calls == [1]
-    assert said == [
-        "cannot ask the OOM killer for room ([Errno 13] Permission denied): the kernel's "
-        "timer decides"
-    ]
+def _proc(root: Path, pid: int, adj: int, anon: int | None, shmem: int = 0, name: str = "x"):
+    d = root / str(pid)
+    d.mkdir()
+    (d / "oom_score_adj").write_text(f"{adj}\n")
+    (d / "comm").write_text(f"{name}\n")
+    mem = "" if anon is None else f"RssAnon:\t{anon} kB\nRssShmem:\t{shmem} kB\n"
+    (d / "status").write_text(f"Name:\t{name}\n{mem}VmSwap:\t999999 kB\n")
 
 
-def test_the_request_is_sysrq_f(tmp_path: Path) -> None:
-    trigger = tmp_path / "sysrq-trigger"
-    room.oom_kill(trigger)
-    assert trigger.read_text() == "f"  # include/linux/sysrq.h: 'f' is moom_op, the OOM killer
+def test_the_victim_holds_the_most_memory_and_is_none_of_duvms(tmp_path: Path) -> None:
+    """Catches the kernel's own ranking, which counts swap: in the QEMU guest SysRq f first
+    ended a workload all out on the dead device (nothing freed), then a memserver at -900."""
+    _proc(tmp_path, 1, 0, 900_000, name="init")
+    _proc(tmp_path, 10, -900, 500_000, name="memserver")
+    _proc(tmp_path, 11, -1000, 400_000, name="reporter")
+    _proc(tmp_path, 12, 0, 0, name="swapped")  # its 999999 kB are all out on swap
+    _proc(tmp_path, 13, 0, None, name="kthread")
+    _proc(tmp_path, 14, 0, 30_000, shmem=20_000, name="cache")
+    _proc(tmp_path, 15, 500, 40_000, name="workload")
+    _proc(tmp_path, 16, 0, 800_000, name="me")
+    (tmp_path / "self").mkdir()
+    assert room.pick_victim(tmp_path, me=16) == room.Victim(14, "cache", 50_000)
+    (tmp_path / "14" / "status").unlink()  # ended between the listing and the read
+    assert room.pick_victim(tmp_path, me=16) == room.Victim(15, "workload", 40_000)
+    _proc(tmp_path, 17, 0, 512, name="tiny")
+    (tmp_path / "15" / "oom_score_adj").write_text("-900\n")
+    assert room.pick_victim(tmp_path, me=16) is None  # too small to be worth it
+
+
+def test_end_kills_through_a_pidfd() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        room.end(child.pid)
+        assert child.wait(10) == -9
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    with pytest.raises(ProcessLookupError):  # reaped: the pid names nothing now
+        room.end(child.pid)

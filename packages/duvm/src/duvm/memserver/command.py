@@ -284,10 +284,10 @@ def run(args: argparse.Namespace) -> int:
         # which may be waiting on it. Locked (and an I/O flusher), it never waits on swap.
         # Last in the OOM killer's list, like the daemon: it holds pages that are on no other
         # copy but its replica's, and it is the biggest process on a node that serves itself,
-        # where the kernel would otherwise pick it first (duvm.node.lifecycle.room asks the
-        # OOM killer for a victim after a crash). Not realtime: it is not on this node's swap
-        # path, and a busy memserver would then take CPU from the node's own programs
-        # (duvm.base.pressure).
+        # where the kernel would otherwise pick it first (that score also keeps it out of the
+        # supervisor's choice when it makes room for a restart: duvm.node.lifecycle.room).
+        # Not realtime: it is not on this node's swap path, and a busy memserver would then
+        # take CPU from the node's own programs (duvm.base.pressure).
         from duvm.base import pressure
 
         if why := pressure.lock_in_memory():

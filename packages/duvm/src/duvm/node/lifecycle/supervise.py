@@ -15,8 +15,9 @@ daemon from the saved state. The kernel holds the swap device's requests for the
 dead-connection timeout (60 s), so a resume that succeeds within it loses nothing; failed tries
 are repeated with backoff inside that time. On a node whose memory is all taken, a new daemon
 cannot get its own (only swapping could free it, and the swap device waits for that daemon):
-while such a restart has not served, `duvm.node.lifecycle.room` asks the kernel's OOM killer
-for room, one program at a time, instead of letting the held swap reads fail after 60 s.
+while such a restart has not served, `duvm.node.lifecycle.room` ends the program holding the
+most memory (never duvm's own nor init), one at a time, instead of letting the held swap reads
+fail after 60 s.
 
 - It runs locked in RAM (mlockall), realtime, as an I/O flusher and last in the OOM killer's
   list, like the daemon (`duvm.base.pressure`): a supervisor whose pages were swapped out to the

@@ -131,7 +131,7 @@ def standby_path(state_dir: Path) -> Path:
 
 NO_STANDBY = (
     "a crash starts a new daemon (seconds, not the standby's milliseconds), and where memory "
-    "is too short for one the kernel's OOM killer ends a program to make room"
+    "is too short for one the supervisor ends the program holding the most to make room"
 )
 
 
