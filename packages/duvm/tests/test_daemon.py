@@ -5,6 +5,7 @@ the pages went."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -537,3 +538,49 @@ def test_standby_flags_with_bad_input_are_refused_before_anything_starts(
     args = p.parse_args(["--peers", "127.0.0.1:1", "--size", "8M", "--socket", "/tmp/x", *extra])
     with pytest.raises(ValueError, match=why):
         d.settings_from_args(args)
+
+
+def test_a_stdout_that_cannot_take_a_line_never_stops_the_daemon(tmp_path) -> None:
+    """Catches a daemon whose event loop prints its "serving" line itself: after a crash a new
+    daemon's stdout is a file on /run whose page may be out on the dead device, and the loop
+    stopped in that write and never answered the kernel's handshake (QEMU guest, 256 MiB
+    RDMA). Here its stdout is a pipe already full: the control socket must still answer."""
+    from duvm.base import control_socket
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(write_end, b"x" * 65536)  # full: the next write waits for a reader
+    os.set_blocking(write_end, True)
+    sock = str(tmp_path / "full.sock")
+    p = subprocess.Popen(
+        [*PY, "daemon", "--memory", "--size", "4M", "--socket", sock],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+    )
+    os.close(write_end)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sock + ".ctl") and time.monotonic() < deadline:
+            assert p.poll() is None, p.stderr.read() if p.stderr else ""
+            time.sleep(0.05)
+        time.sleep(0.5)  # the "serving" line is due by now
+        assert control_socket.query(sock + ".ctl", timeout=5)["size_bytes"] == 4 << 20
+        # the line comes out once the reader drains the pipe
+        drained = b""
+        os.set_blocking(read_end, False)
+        deadline = time.monotonic() + 10
+        while b"serving export" not in drained and time.monotonic() < deadline:
+            with contextlib.suppress(BlockingIOError):
+                drained = (drained + os.read(read_end, 1 << 20))[-4096:]
+            time.sleep(0.01)
+        assert b"duvm daemon serving export" in drained
+    finally:
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:  # its loop stuck in the write (the bug above)
+            p.kill()
+            p.wait()
+        os.close(read_end)

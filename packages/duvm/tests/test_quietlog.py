@@ -72,6 +72,27 @@ def test_a_blocked_log_file_never_blocks_the_logging_caller(restore_root_logging
     assert 40 <= text.count("line ") <= 51  # what the bounded queue held
 
 
+def test_lines_aside_never_block_the_caller_and_keep_their_order() -> None:
+    """Catches a daemon that prints its "serving" line from the event loop: a restarted
+    daemon's stdout is a file on /run whose page was out on the dead device, and the loop
+    stopped in that write and never answered its handshake (QEMU guest, 256 MiB RDMA)."""
+    out = BlockedStream()
+    aside = quietlog.Aside(out)
+    t = time.monotonic()
+    aside.write("duvm daemon metrics on http://127.0.0.1:1/metrics")
+    aside.write("duvm daemon serving export ''")
+    assert out.entered.wait(5)
+    assert time.monotonic() - t < 1.0  # returned while the write waits
+    assert out.getvalue() == ""
+    out.release.set()
+    deadline = time.monotonic() + 5
+    while out.getvalue().count("\n") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert out.getvalue() == (
+        "duvm daemon metrics on http://127.0.0.1:1/metrics\nduvm daemon serving export ''\n"
+    )
+
+
 def test_dropped_records_are_counted_in_the_next_line(restore_root_logging) -> None:
     stream = BlockedStream()
     listener = quietlog.start_background(logging.INFO, "%(message)s", stream, capacity=5)

@@ -20,10 +20,12 @@ device used to log 341 near-identical lines; now it logs one, then one summary.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import logging.handlers
 import queue
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -90,6 +92,34 @@ def start_background(
     listener = _Writer(q, out, respect_handler_level=False)
     listener.start()
     return listener
+
+
+class Aside:
+    """Lines a swap path process prints outside its log (the daemon's "serving" line), written
+    in order by a thread of their own: on a file on /run a write can wait for a page out on the
+    very device the caller serves (a restarted daemon's event loop stopped in such a write and
+    never answered its handshake)."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream
+        self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def write(self, text: str) -> None:
+        """Queue the line `text`; it is written to the stream (default stdout) after those
+        queued before it."""
+        self._lines.put(text)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._drain, name="duvm-aside", daemon=True)
+            self._thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            text = self._lines.get()
+            out = self._stream if self._stream is not None else sys.stdout
+            with contextlib.suppress(OSError, ValueError):  # closed, or no stream at all
+                out.write(text + "\n")
+                out.flush()
 
 
 class QuietLog:

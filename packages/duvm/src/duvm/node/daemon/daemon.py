@@ -406,12 +406,14 @@ async def serve(
 ) -> int:
     """Serve `store` (reserved, or taken over by a standby) through `server` until SIGTERM or
     SIGINT, then stop cleanly: in-flight requests answered, the reservations released, the
-    state forgotten. `say` announces that it serves (default: a line on stdout). A standby
+    state forgotten. `say` announces that it serves (default: a line on stdout, written by a
+    thread of its own, `quietlog.Aside`, as the metrics line is: never by the loop). A standby
     passes `listen` (serve on its socket bound ahead, instead of binding `--socket` now),
     `control_sock` (its control socket, bound ahead too) and `settle` (awaited once it serves):
     then nothing here touches a file on /run, where another task may hold a lock while it
     waits for the device this process serves; and the request-timer guard it holds (`guards`,
     `duvm.node.daemon.pidwatch`), which a `timer_guard` request replaces."""
+    aside = quietlog.Aside()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -434,7 +436,7 @@ async def serve(
                 raise DaemonError(
                     f"cannot serve metrics on {args.metrics}: {e.strerror or e}"
                 ) from None
-            print(f"duvm daemon metrics on http://{bound[0]}:{bound[1]}/metrics", flush=True)
+            aside.write(f"duvm daemon metrics on http://{bound[0]}:{bound[1]}/metrics")
         if listen is not None:
             await listen()
         else:
@@ -463,7 +465,7 @@ async def serve(
             on_swap_device=report.tell_swap_device,
             on_timer_guard=lambda obj: guards.take(TimerGuard.from_json(obj)),
         )
-        (say or (lambda m: print(m, flush=True)))(line)
+        (say or aside.write)(line)
         if settle is not None:
             await settle()
         await stop.wait()
