@@ -93,10 +93,11 @@ def test_refusals_before_anything_is_started(
 
 @needs_root
 def test_a_supervisors_resume_reads_no_record_and_starts_a_new_log(tmp_path: Path) -> None:
-    """Catches a resume that rereads state.json/daemon.json or appends to the dead daemon's
-    log although the supervisor handed it the records: on a node under pressure those pages
-    may be on the device whose server is dead, and touching them waits out the kernel's
-    dead-connection timeout (seen in CI: the restarted daemon's state read failed with EIO)."""
+    """Catches a resume that rereads state.json/daemon.json, appends to the dead daemon's log
+    or reads the new one back although the supervisor handed it the records: on a node under
+    pressure those pages may be on the device whose server is dead, and touching them waits
+    out the kernel's dead-connection timeout (seen in CI: the restarted daemon's state read
+    failed with EIO; in the QEMU guest: the supervisor stuck reading a failed try's log)."""
     att = attach_state.Attachment(
         socket=str(tmp_path / "nbd.sock"),
         method=attach_state.METHOD_KERNEL,
@@ -107,8 +108,9 @@ def test_a_supervisors_resume_reads_no_record_and_starts_a_new_log(tmp_path: Pat
     old = _daemon_info(tmp_path, _dead_pid(), ["--state-dir", str(tmp_path / "ds")])
     (tmp_path / "daemon.log").write_text("the dead daemon's last words\n")
     # no state.json, no daemon.json: read, they would make resume say "not enabled"
-    with pytest.raises(control.ControlError, match="the resumed daemon exited"):
+    with pytest.raises(control.ControlError) as failed:
         resume.resume(tmp_path, timeout=30, known=(att, old))
+    assert str(failed.value) == f"the resumed daemon exited: see {tmp_path / 'daemon.log'}"
     assert (tmp_path / "daemon.log.1").read_text() == "the dead daemon's last words\n"
     new_log = (tmp_path / "daemon.log").read_text()
     assert new_log.startswith("--- duvm enable --resume at ")

@@ -13,7 +13,9 @@ QEMU guest, docs/ARCHITECTURE.md "Staying alive under memory pressure"):
 ``lock_in_memory``
     mlockall: no page the process has touched is ever swapped out, so it never waits for a
     swap-in that only it could serve. (MCL_ONFAULT where the kernel has it: the interpreter's
-    untouched mappings stay unlocked, which keeps small nodes' locked memory down.)
+    untouched mappings stay unlocked, which keeps small nodes' locked memory down.) Pages that
+    went out before the call (a process started on a node already swapping) are touched back
+    in and locked with the rest, since mlockall leaves them out.
 ``become_io_flusher``
     PR_SET_IO_FLUSHER: the kernel's reclaim, when this process needs a page, never starts or
     waits for swap I/O on its behalf (GFP_NOIO), which would wait for this very process.

@@ -154,7 +154,9 @@ def _resume(
                 why = (
                     "exited" if proc.returncode is not None else f"not ready after {timeout:.0f} s"
                 )
-                tail = log.read_text(errors="replace")[-1500:].strip()
+                # (not read by the supervisor: the log is on /run, whose pages may be out on
+                # the very device that waits for this daemon)
+                tail = f"see {log}" if known else log.read_text(errors="replace")[-1500:].strip()
                 raise control.ControlError(f"the resumed daemon {why}: {tail}")
             time.sleep(0.05)
         attach_kernel.reattach(att)
