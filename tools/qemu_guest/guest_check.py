@@ -676,8 +676,11 @@ def _drive(proc: subprocess.Popen[str], t: float) -> dict[str, Any]:
                 "status": status(),
             }
             emit("filled", **held)
-            proc.stdin.write("\n")
-            proc.stdin.flush()
+            try:
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+            except BrokenPipeError:  # it ended after saying so (OOM-killed): its rc tells
+                pass
             last_shown = -1
         else:
             print(f"duvm-guest: workload says: {line.rstrip()}", flush=True)
