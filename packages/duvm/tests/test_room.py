@@ -96,18 +96,30 @@ def test_the_watch_ends_with_the_restart() -> None:
     assert not [t for t in threading.enumerate() if t.name == "duvm-room"]
 
 
-def _proc(root: Path, pid: int, adj: int, anon: int | None, shmem: int = 0, name: str = "x"):
+def _proc(
+    root: Path,
+    pid: int,
+    adj: int,
+    anon: int | None,
+    shmem: int = 0,
+    name: str = "x",
+    locked: int = 0,
+    ppid: int = 1,
+):
     d = root / str(pid)
     d.mkdir()
     (d / "oom_score_adj").write_text(f"{adj}\n")
     (d / "comm").write_text(f"{name}\n")
     mem = "" if anon is None else f"RssAnon:\t{anon} kB\nRssShmem:\t{shmem} kB\n"
-    (d / "status").write_text(f"Name:\t{name}\n{mem}VmSwap:\t999999 kB\n")
+    (d / "status").write_text(
+        f"Name:\t{name}\nPPid:\t{ppid}\nVmLck:\t{locked} kB\n{mem}VmSwap:\t999999 kB\n"
+    )
 
 
 def test_the_victim_holds_the_most_memory_and_is_none_of_duvms(tmp_path: Path) -> None:
     """Catches the kernel's own ranking, which counts swap: in the QEMU guest SysRq f first
-    ended a workload all out on the dead device (nothing freed), then a memserver at -900."""
+    ended a workload all out on the dead device (nothing freed), then a memserver at -900;
+    and a choice that would end duvm's own processes where their score stayed at 0."""
     _proc(tmp_path, 1, 0, 900_000, name="init")
     _proc(tmp_path, 10, -900, 500_000, name="memserver")
     _proc(tmp_path, 11, -1000, 400_000, name="reporter")
@@ -116,6 +128,10 @@ def test_the_victim_holds_the_most_memory_and_is_none_of_duvms(tmp_path: Path) -
     _proc(tmp_path, 14, 0, 30_000, shmem=20_000, name="cache")
     _proc(tmp_path, 15, 500, 40_000, name="workload")
     _proc(tmp_path, 16, 0, 800_000, name="me")
+    # where no OOM score could be lowered (no CAP_SYS_RESOURCE): duvm's processes are still
+    # locked, and the new daemon is the supervisor's child
+    _proc(tmp_path, 18, 0, 700_000, name="memserver", locked=700_000)
+    _proc(tmp_path, 19, 0, 600_000, name="new daemon", ppid=16)
     (tmp_path / "self").mkdir()
     assert room.pick_victim(tmp_path, me=16) == room.Victim(14, "cache", 50_000)
     (tmp_path / "14" / "status").unlink()  # ended between the listing and the read

@@ -21,11 +21,13 @@ memory stays short, at most `MAX_KILLS` times per restart.
 It chooses, rather than asking the kernel's OOM killer (SysRq f), because the kernel ranks by
 resident memory plus swap: tried in the QEMU guest, it first ended a workload whose pages were
 all out on the dead device (nothing freed), then a memserver despite its -900. Here a program
-qualifies only if it holds resident memory and is not init, not this process, and not one of
-duvm's own (an OOM score adjustment of -900 or lower: the daemon, the supervisor, the
-memservers). This is the design's promised fallback (a crashed pool falls back to OOM) made
-early and deliberate: one program ends so that the pages of all the others, init's included,
-are served again.
+qualifies only if it holds resident memory and is not init, not this process, not a process
+it started (the new daemon), not one of duvm's own (an OOM score adjustment of -900 or lower:
+the daemon, the supervisor, the memservers) and has locked no memory (duvm's processes lock
+theirs even where their OOM score could not be lowered, and a program that locked its memory
+asked to stay resident). This is the design's promised fallback (a crashed pool falls back
+to OOM) made early and deliberate: one program ends so that the pages of all the others,
+init's included, are served again.
 """
 
 from __future__ import annotations
@@ -78,9 +80,11 @@ def pick_victim(proc: Path = Path("/proc"), me: int | None = None) -> Victim | N
         try:
             if int((entry / "oom_score_adj").read_text()) <= OOM_SCORE_ADJ:
                 continue
-            mem = _status_fields(entry / "status", ("RssAnon", "RssShmem"))
+            mem = _status_fields(entry / "status", ("RssAnon", "RssShmem", "VmLck", "PPid"))
             if "RssAnon" not in mem:  # a kernel thread
                 continue
+            if mem.get("VmLck", 0) > 0 or mem.get("PPid") == me:
+                continue  # locked in RAM (as duvm's processes are), or the daemon started here
             kib = mem["RssAnon"] + mem.get("RssShmem", 0)
             if kib >= MIN_VICTIM_KIB and (best is None or kib > best.resident_kib):
                 best = Victim(int(entry.name), (entry / "comm").read_text().strip(), kib)
