@@ -612,7 +612,10 @@ def test_a_locked_memserver_is_last_in_the_oom_killers_list() -> None:
         assert "OOM killer" not in err
     else:
         assert adj == "0"
-        assert "the OOM killer may pick the memserver (oom_score_adj: Permission denied)" in err
+        assert (
+            "the OOM killer may pick the memserver (oom_score_adj: Permission denied; lowering it "
+            "needs CAP_SYS_RESOURCE)" in err
+        )
     assert "OOM killer" not in plain.stderr.read()
 
 

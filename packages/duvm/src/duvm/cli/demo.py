@@ -131,6 +131,7 @@ class Memservers:
         self.procs: list[subprocess.Popen[str]] = []
         self.addrs: list[str] = []
         extra = ["--secret-file", str(secret_file)] if secret_file else []
+        shown: set[str] = set()
         try:
             for _ in range(count):
                 p = subprocess.Popen(
@@ -157,7 +158,9 @@ class Memservers:
                 said: list[str] = []
                 while (line := p.stdout.readline()) and not (m := _LISTEN_RE.search(line)):
                     said.append(line)
-                    print(line.rstrip("\n"), file=sys.stderr)
+                    if line not in shown:  # each memserver warns alike: once is enough
+                        shown.add(line)
+                        print(line.rstrip("\n"), file=sys.stderr)
                 if not line:
                     p.wait()
                     raise control.ControlError(f"memserver did not start: {''.join(said).strip()}")

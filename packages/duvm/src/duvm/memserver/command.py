@@ -294,7 +294,10 @@ def run(args: argparse.Namespace) -> int:
             log.warning("cannot lock the memserver in RAM (%s): it may be swapped out", why)
         pressure.become_io_flusher()
         if why := pressure.lower_oom_score():
-            log.warning("the OOM killer may pick the memserver (%s)", why)
+            log.warning(
+                "the OOM killer may pick the memserver (%s; lowering it needs CAP_SYS_RESOURCE)",
+                why,
+            )
     accel.announce(log)  # a warning when the pure-Python loop runs for want of a build
     try:
         run_loop(
