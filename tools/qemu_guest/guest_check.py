@@ -635,7 +635,15 @@ def guard_check(nbd: str = "nbd0", timeout: float = 30.0) -> dict[str, Any]:
     out["restored_after_s"] = round(time.monotonic() - t, 2)
     out["io_timeout_after"] = (_read(knob) or "").strip()
     out["killed"] = sups
-    out["guard_after"] = ((status() or {}).get("daemon") or {}).get("timer_guard")
+    # the queue's timer goes back first; the guard has fired once the driver's follows
+    # (`nbdguard.set_back`: the old deadlines waited out, about 1.5 s)
+    guard = None
+    while time.monotonic() - t < timeout:
+        guard = ((status() or {}).get("daemon") or {}).get("timer_guard")
+        if guard and guard.get("fired"):
+            break
+        time.sleep(0.2)
+    out["guard_after"] = guard
     return out
 
 

@@ -29,6 +29,7 @@ import pytest
 from duvm.base import pressure
 from duvm.node.attach import attach_kernel, attach_state, processes
 from duvm.node.lifecycle import control, resume, room, supervise, supervisor_process
+from duvm.wire import nbdguard
 
 STAND_IN = "import time; time.sleep(120)"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="duvm supervise and resume run as root")
@@ -556,6 +557,7 @@ class KernelTimer:
 
     def __init__(self, root: Path, device: str = "nbd7", pid: str = "4242") -> None:
         self.root, self.calls = root, []
+        self.waits: list[tuple[float, str]] = []  # (seconds, io_timeout meanwhile)
         self.queue = root / "block" / device / "queue"
         self.queue.mkdir(parents=True)
         (root / "block" / device / "pid").write_text(pid + "\n")
@@ -569,8 +571,13 @@ class KernelTimer:
         self.calls.append((device, timeout_s))
         self.io_timeout.write_text(f"{(timeout_s or 30) * 1000}\n")
 
+    def wait(self, seconds: float) -> None:
+        self.waits.append((seconds, self.io_timeout.read_text().strip()))
+
     def timer(self) -> attach_kernel.RequestTimer:
-        return attach_kernel.RequestTimer(set_timeout=self.set_timeout, sys_root=self.root)
+        return attach_kernel.RequestTimer(
+            set_timeout=self.set_timeout, sys_root=self.root, wait=self.wait
+        )
 
 
 def _ours(node: Node, pid: str = "4242") -> None:
@@ -618,12 +625,23 @@ def _netlink_att() -> attach_state.Attachment:
 
 
 def test_the_timer_is_set_in_the_order_the_kernel_needs(tmp_path: Path) -> None:
+    """Catches a restore that sets the driver's timeout while requests started under the
+    quick requeue's 250 ms timer are still in flight: the next expiry then marks the live
+    connection dead, and with nobody to reconnect the held reads fail a minute later (the
+    QEMU guest's 1 GiB RDMA run panicked so when its supervisor was SIGKILLed). The queue's
+    timer goes to the full timeout first, the old deadlines are waited out, then the driver's."""
     kernel = KernelTimer(tmp_path)
     att = _netlink_att()
     assert kernel.timer().quick_requeue(att) is None
     assert kernel.io_timeout.read_text().strip() == str(attach_kernel.REQUEUE_CHECK_MS)
     assert kernel.timer().restore(att, 60) is None
     assert kernel.calls == [("/dev/nbd7", 0), ("/dev/nbd7", 60)]
+    # the wait came before the driver's timeout, with the queue's timer already at 60 s
+    assert kernel.waits == [(attach_kernel.REQUEUE_CHECK_MS / 1000 + nbdguard.SETTLE_S, "60000")]
+    # after a crash there is no live connection to spare: at once
+    assert kernel.timer().quick_requeue(att) is None
+    assert kernel.timer().restore(att, 60, live=False) is None
+    assert len(kernel.waits) == 1 and kernel.calls[-1] == ("/dev/nbd7", 60)
 
 
 @pytest.mark.parametrize(

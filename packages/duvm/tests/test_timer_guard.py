@@ -28,6 +28,7 @@ from duvm.node.daemon.status import daemon_status
 from duvm.node.lifecycle import control
 from duvm.node.lifecycle.supervise import _Timing
 from duvm.store.memory_store import MemoryStore
+from duvm.wire import nbdguard
 from duvm.wire.nbdguard import TimerGuard
 
 # the real `duvm daemon` fixture of the swap-device tests
@@ -118,6 +119,36 @@ def test_a_restore_touches_only_the_device_duvm_still_connects(tmp_path: Path) -
     assert g.restore(set_timeout=refused, sys_root=_sys(tmp_path, "4242")) == (
         "Operation not permitted"
     )
+
+
+def test_a_guard_spares_the_live_connection_when_it_restores(tmp_path: Path) -> None:
+    """Catches a guard that sets the driver's timeout straight back while requests started
+    under the quick requeue's 250 ms queue timer are in flight: their next expiry then marks
+    the live daemon's connection dead, and with the supervisor gone nobody reconnects (the
+    QEMU guest's 1 GiB RDMA run: the supervisor SIGKILLed during trims, the node panicked a
+    minute later). The queue's timer goes to the full timeout first, and the old deadlines
+    are waited out before the driver's timeout is set."""
+    root = _sys(tmp_path, "4242")
+    knob = root / "block" / "nbd5" / "queue" / "io_timeout"
+    knob.parent.mkdir()
+    knob.write_text("252\n")
+    events: list[tuple] = []
+    g = TimerGuard("/dev/nbd5", "4242", 60, 1, None)
+
+    def fake(device: str, timeout: int) -> None:
+        events.append(("set", device, timeout, knob.read_text().strip()))
+
+    assert (
+        g.restore(set_timeout=fake, sys_root=root, wait=lambda s: events.append(("wait", s)))
+        is None
+    )
+    assert events == [("wait", 0.252 + nbdguard.SETTLE_S), ("set", "/dev/nbd5", 60, "60000")]
+    events.clear()  # a queue timer already at the full timeout: nothing to wait for
+    assert (
+        g.restore(set_timeout=fake, sys_root=root, wait=lambda s: events.append(("wait", s)))
+        is None
+    )
+    assert events == [("set", "/dev/nbd5", 60, "60000")]
 
 
 async def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
@@ -274,8 +305,10 @@ class _Timer:
         self.calls.append("quick")
         return None
 
-    def restore(self, att: attach_state.Attachment, timeout_s: int) -> str | None:
-        self.calls.append(f"restore {timeout_s}")
+    def restore(
+        self, att: attach_state.Attachment, timeout_s: int, *, live: bool = True
+    ) -> str | None:
+        self.calls.append(f"restore {timeout_s}" + ("" if live else " at once"))
         return None
 
 

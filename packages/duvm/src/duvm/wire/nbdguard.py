@@ -18,6 +18,7 @@ A guard crosses a socket as a JSON object; `from_json` refuses anything malforme
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +27,36 @@ from typing import Any
 from duvm.wire import nbdnetlink
 
 MAX_TIMEOUT_S = 86400  # a request timeout longer than a day is no timer
+SETTLE_S = 1.25  # the block layer arms a request's timer up to about a second late
+
+
+def set_back(
+    device: str,
+    timeout_s: int,
+    *,
+    set_timeout: Callable[[str, int], None] = nbdnetlink.set_timeout,
+    sys_root: Path = Path("/sys"),
+    wait: Callable[[float], None] = time.sleep,
+) -> None:
+    """Put `device`'s request timeout back to `timeout_s` without cutting the live connection
+    (raises OSError when the kernel refuses).
+
+    The requests in flight were started under the short queue timer of the quick requeue
+    (``queue/io_timeout``, 250 ms). With the driver's timeout still 0, such a request that
+    expires is only re-armed; with it back to 60 s, the same expiry marks the connection dead
+    ("Connection timed out, retrying"), and with nobody to reconnect the held requests fail a
+    minute later: in the QEMU guest a supervisor SIGKILLed during trims panicked the node so.
+    So the queue's timer goes to the full timeout first, every request in flight is left time
+    to pass its old deadline and be re-armed under it, and only then the driver's timeout."""
+    knob = sys_root / "block" / Path(device).name / "queue" / "io_timeout"
+    try:
+        before_ms = int(knob.read_text())
+    except (OSError, ValueError):
+        before_ms = None
+    if before_ms is not None and before_ms < timeout_s * 1000:
+        knob.write_text(str(timeout_s * 1000))
+        wait(before_ms / 1000 + SETTLE_S)
+    set_timeout(device, timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +106,16 @@ class TimerGuard:
         *,
         set_timeout: Callable[[str, int], None] = nbdnetlink.set_timeout,
         sys_root: Path = Path("/sys"),
+        wait: Callable[[float], None] = time.sleep,
     ) -> str | None:
-        """Set the driver's request timeout back; None when done, else why not."""
+        """Set the driver's request timeout back (`set_back`: about 1.5 s, the connection is
+        live); None when done, else why not."""
         if nbd_pid(self.device, sys_root) != self.nbd_pid:
             return f"{self.device} is not connected by duvm's connection any more"
         try:
-            set_timeout(self.device, self.timeout_s)
+            set_back(
+                self.device, self.timeout_s, set_timeout=set_timeout, sys_root=sys_root, wait=wait
+            )
         except OSError as exc:
             return f"{exc.strerror or exc}"
         return None

@@ -19,7 +19,7 @@ from duvm.node.attach import kernelnbd, processes, systools
 from duvm.node.attach.attach_state import METHOD_KERNEL, AttachError, Attachment, Saver
 from duvm.node.attach.systools import SYSTEM_TOOLS, Tools
 from duvm.wire import nbdnetlink
-from duvm.wire.nbdguard import nbd_pid  # the one reader of /sys/block/nbdN/pid
+from duvm.wire.nbdguard import nbd_pid, set_back  # nbd_pid: the one reader of its sysfs file
 
 # How long the kernel holds requests for a restarted daemon after the connection died. The
 # memservers keep a dead daemon's namespace for their lease (60 s by default); after that the
@@ -97,7 +97,8 @@ class RequestTimer:
     was replaced since it was sent; the queue's own timer `REQUEUE_CHECK_MS`. Nothing in the
     kernel then ends the requests of a dead connection that nobody replaces: the supervisor that
     arms this owes them a takeover, or the disconnect of giving up, and `restore` on its way
-    out. `restore`: the driver's timeout back to `timeout_s` (the block queue's follows).
+    out. `restore`: the driver's timeout back to `timeout_s` (the block queue's follows), in
+    an order that cuts no live connection (`duvm.wire.nbdguard.set_back`).
     Each returns None when done, else why not (the device is not ours, or the kernel refused)."""
 
     def __init__(
@@ -105,9 +106,11 @@ class RequestTimer:
         *,
         set_timeout: Callable[[str, int], None] = nbdnetlink.set_timeout,
         sys_root: Path = Path("/sys"),
+        wait: Callable[[float], None] = time.sleep,
     ) -> None:
         self._set_timeout = set_timeout
         self._sys_root = sys_root
+        self._wait = wait
 
     def _ours(self, att: Attachment) -> str | None:
         if att.method != METHOD_KERNEL or not att.nbd_netlink or not att.nbd_device:
@@ -129,12 +132,23 @@ class RequestTimer:
             return f"{exc.strerror or exc}"
         return None
 
-    def restore(self, att: Attachment, timeout_s: int) -> str | None:
+    def restore(self, att: Attachment, timeout_s: int, *, live: bool = True) -> str | None:
+        """`live`: a daemon still serves the connection, which the restore must not cut
+        (`nbdguard.set_back`, about 1.5 s); without one (a crash) it is immediate."""
         if why := self._ours(att):
             return why
         assert att.nbd_device is not None
         try:
-            self._set_timeout(att.nbd_device, timeout_s)
+            if live:
+                set_back(
+                    att.nbd_device,
+                    timeout_s,
+                    set_timeout=self._set_timeout,
+                    sys_root=self._sys_root,
+                    wait=self._wait,
+                )
+            else:
+                self._set_timeout(att.nbd_device, timeout_s)
         except OSError as exc:
             return f"{exc.strerror or exc}"
         return None

@@ -7,8 +7,11 @@ watches (requests of a crashed daemon are then requeued to its successor at once
 back when it exits. SIGKILLed, it cannot: so the daemon (told over its control socket) and the
 standby (told over its socket pair) each keep a guard, watch the supervisor's pidfd on their
 event loop, and the first to see it end restores the timeout (the second finds it done, or
-restores it again: the same value). The restore is one netlink request, made on the event loop:
-nothing is read from /run, which may wait for the very device this process serves.
+restores it again: the same value). The restore is made on the event loop: the queue's timer
+through sysfs, a wait of about 1.5 s for the requests in flight to be re-armed under it (the
+loop holds, once: `duvm.wire.nbdguard.set_back` says why the live connection needs it), then
+one netlink request. Nothing is read from /run, which may wait for the very device this
+process serves.
 """
 
 from __future__ import annotations

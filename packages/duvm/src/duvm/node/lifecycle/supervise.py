@@ -260,7 +260,7 @@ def _watch(
             continue
         # The slow way, which needs memory the node may not have: first the kernel's own
         # timer back, so the requests in flight end even if this process cannot go on (D48).
-        timing.restore()
+        timing.restore(live=False)
         # The kernel holds the device's I/O (and the memservers the namespaces) this long.
         hold = att.dead_conn_timeout_s or attach_kernel.DEFAULT_DEAD_CONN_TIMEOUT_S
         deadline = died + hold
@@ -360,12 +360,14 @@ class _Timing:
                     "killed with it, requests in flight then wait for ever"
                 )
 
-    def restore(self) -> None:
+    def restore(self, *, live: bool = True) -> None:
+        """`live`: a daemon may still serve (this supervisor exits); False before a restart
+        the slow way, whose daemon is dead (no connection to spare, and no time to lose)."""
         if self._armed is None:
             return
         att, self._armed = self._armed, None
         self.guard, self._told = None, None
-        why = self._timer.restore(att, attach.DEFAULT_NBD_TIMEOUT_S)
+        why = self._timer.restore(att, attach.DEFAULT_NBD_TIMEOUT_S, live=live)
         if why is None:
             self._say(f"{att.device}'s request timeout is the kernel's again")
 
