@@ -636,7 +636,7 @@ def guard_check(nbd: str = "nbd0", timeout: float = 30.0) -> dict[str, Any]:
     out["io_timeout_after"] = (_read(knob) or "").strip()
     out["killed"] = sups
     # the queue's timer goes back first; the guard has fired once the driver's follows
-    # (`nbdguard.set_back`: the old deadlines waited out, about 1.5 s)
+    # (`nbdguard.set_back`: once the requests in flight have drained)
     guard = None
     while time.monotonic() - t < timeout:
         guard = ((status() or {}).get("daemon") or {}).get("timer_guard")

@@ -29,7 +29,6 @@ import pytest
 from duvm.base import pressure
 from duvm.node.attach import attach_kernel, attach_state, processes
 from duvm.node.lifecycle import control, resume, room, supervise, supervisor_process
-from duvm.wire import nbdguard
 
 STAND_IN = "import time; time.sleep(120)"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="duvm supervise and resume run as root")
@@ -562,6 +561,7 @@ class KernelTimer:
         self.queue.mkdir(parents=True)
         (root / "block" / device / "pid").write_text(pid + "\n")
         self.io_timeout.write_text("60000\n")
+        self.inflight.write_text("0 0\n")
 
     @property
     def io_timeout(self) -> Path:
@@ -571,8 +571,14 @@ class KernelTimer:
         self.calls.append((device, timeout_s))
         self.io_timeout.write_text(f"{(timeout_s or 30) * 1000}\n")
 
-    def wait(self, seconds: float) -> None:
+    def wait(self, seconds: float) -> None:  # each poll sees one request in flight complete
         self.waits.append((seconds, self.io_timeout.read_text().strip()))
+        left = max(0, int(self.inflight.read_text().split()[0]) - 1)
+        self.inflight.write_text(f"{left} 0\n")
+
+    @property
+    def inflight(self) -> Path:
+        return self.queue.parent / "inflight"
 
     def timer(self) -> attach_kernel.RequestTimer:
         return attach_kernel.RequestTimer(
@@ -629,19 +635,20 @@ def test_the_timer_is_set_in_the_order_the_kernel_needs(tmp_path: Path) -> None:
     quick requeue's 250 ms timer are still in flight: the next expiry then marks the live
     connection dead, and with nobody to reconnect the held reads fail a minute later (the
     QEMU guest's 1 GiB RDMA run panicked so when its supervisor was SIGKILLed). The queue's
-    timer goes to the full timeout first, the old deadlines are waited out, then the driver's."""
+    timer goes to the full timeout first, the requests in flight drain, then the driver's."""
     kernel = KernelTimer(tmp_path)
     att = _netlink_att()
     assert kernel.timer().quick_requeue(att) is None
     assert kernel.io_timeout.read_text().strip() == str(attach_kernel.REQUEUE_CHECK_MS)
+    kernel.inflight.write_text("2 0\n")  # two requests started under the 250 ms timer
     assert kernel.timer().restore(att, 60) is None
     assert kernel.calls == [("/dev/nbd7", 0), ("/dev/nbd7", 60)]
-    # the wait came before the driver's timeout, with the queue's timer already at 60 s
-    assert kernel.waits == [(attach_kernel.REQUEUE_CHECK_MS / 1000 + nbdguard.SETTLE_S, "60000")]
+    # the driver's timeout only once they drained, the queue's timer at 60 s meanwhile
+    assert kernel.waits == [(0.01, "60000"), (0.01, "60000")]
     # after a crash there is no live connection to spare: at once
     assert kernel.timer().quick_requeue(att) is None
     assert kernel.timer().restore(att, 60, live=False) is None
-    assert len(kernel.waits) == 1 and kernel.calls[-1] == ("/dev/nbd7", 60)
+    assert len(kernel.waits) == 2 and kernel.calls[-1] == ("/dev/nbd7", 60)
 
 
 @pytest.mark.parametrize(

@@ -122,33 +122,50 @@ def test_a_restore_touches_only_the_device_duvm_still_connects(tmp_path: Path) -
 
 
 def test_a_guard_spares_the_live_connection_when_it_restores(tmp_path: Path) -> None:
-    """Catches a guard that sets the driver's timeout straight back while requests started
-    under the quick requeue's 250 ms queue timer are in flight: their next expiry then marks
-    the live daemon's connection dead, and with the supervisor gone nobody reconnects (the
-    QEMU guest's 1 GiB RDMA run: the supervisor SIGKILLed during trims, the node panicked a
-    minute later). The queue's timer goes to the full timeout first, and the old deadlines
-    are waited out before the driver's timeout is set."""
+    """Catches a guard that sets the driver's timeout back while requests started under the
+    quick requeue's 250 ms queue timer are in flight: a request keeps its timeout for life, so
+    its next expiry under the restored driver timeout marks the live daemon's connection dead,
+    and with the supervisor gone nobody reconnects (the QEMU guest's 1 GiB RDMA run, twice: the
+    supervisor SIGKILLed during trims, the node panicked a minute later; a fixed 1.5 s wait did
+    not help). The queue's timer goes to the full timeout first, and the driver's timeout only
+    once the requests in flight have drained."""
     root = _sys(tmp_path, "4242")
-    knob = root / "block" / "nbd5" / "queue" / "io_timeout"
-    knob.parent.mkdir()
+    queue = root / "block" / "nbd5"
+    (queue / "queue").mkdir()
+    knob, inflight = queue / "queue" / "io_timeout", queue / "inflight"
     knob.write_text("252\n")
+    inflight.write_text("       3        1\n")
     events: list[tuple] = []
     g = TimerGuard("/dev/nbd5", "4242", 60, 1, None)
 
     def fake(device: str, timeout: int) -> None:
-        events.append(("set", device, timeout, knob.read_text().strip()))
+        events.append(("set", knob.read_text().strip(), inflight.read_text().split()))
 
-    assert (
-        g.restore(set_timeout=fake, sys_root=root, wait=lambda s: events.append(("wait", s)))
-        is None
-    )
-    assert events == [("wait", 0.252 + nbdguard.SETTLE_S), ("set", "/dev/nbd5", 60, "60000")]
+    def wait(seconds: float) -> None:  # the old requests complete one poll at a time
+        events.append(("wait", knob.read_text().strip()))
+        left = max(0, int(inflight.read_text().split()[0]) - 1)
+        inflight.write_text(f"{left} {left}\n")
+
+    assert g.restore(set_timeout=fake, sys_root=root, wait=wait) is None
+    assert events == [("wait", "60000")] * 3 + [("set", "60000", ["0", "0"])]
     events.clear()  # a queue timer already at the full timeout: nothing to wait for
-    assert (
-        g.restore(set_timeout=fake, sys_root=root, wait=lambda s: events.append(("wait", s)))
-        is None
+    inflight.write_text("5 5\n")
+    assert g.restore(set_timeout=fake, sys_root=root, wait=wait) is None
+    assert events == [("set", "60000", ["5", "5"])]
+    # never drained: set after the bound, not never
+    knob.write_text("252\n")
+    ticks = iter(range(100))
+    events.clear()
+    nbdguard.set_back(
+        "/dev/nbd5",
+        60,
+        set_timeout=fake,
+        sys_root=root,
+        wait=lambda s: None,
+        clock=lambda: float(next(ticks)),
+        idle_wait_s=5,
     )
-    assert events == [("set", "/dev/nbd5", 60, "60000")]
+    assert events == [("set", "60000", ["5", "5"])]
 
 
 async def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]

@@ -27,7 +27,7 @@ from typing import Any
 from duvm.wire import nbdnetlink
 
 MAX_TIMEOUT_S = 86400  # a request timeout longer than a day is no timer
-SETTLE_S = 1.25  # the block layer arms a request's timer up to about a second late
+IDLE_WAIT_S = 30.0  # at most this long for the requests in flight to drain
 
 
 def set_back(
@@ -37,26 +37,42 @@ def set_back(
     set_timeout: Callable[[str, int], None] = nbdnetlink.set_timeout,
     sys_root: Path = Path("/sys"),
     wait: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    idle_wait_s: float = IDLE_WAIT_S,
 ) -> None:
     """Put `device`'s request timeout back to `timeout_s` without cutting the live connection
-    (raises OSError when the kernel refuses).
+    (raises OSError when the kernel refuses). Blocks until the device's requests in flight
+    have drained once (at most `idle_wait_s`): never call it on the loop that answers them.
 
-    The requests in flight were started under the short queue timer of the quick requeue
-    (``queue/io_timeout``, 250 ms). With the driver's timeout still 0, such a request that
-    expires is only re-armed; with it back to 60 s, the same expiry marks the connection dead
-    ("Connection timed out, retrying"), and with nobody to reconnect the held requests fail a
-    minute later: in the QEMU guest a supervisor SIGKILLed during trims panicked the node so.
-    So the queue's timer goes to the full timeout first, every request in flight is left time
-    to pass its old deadline and be re-armed under it, and only then the driver's timeout."""
-    knob = sys_root / "block" / Path(device).name / "queue" / "io_timeout"
+    A request started under the quick requeue's short queue timer (``queue/io_timeout``, 250
+    ms) keeps that timeout for life: the block layer re-arms it with its own, not the queue's.
+    With the driver's timeout 0 its expiry only re-arms it; with the driver's timeout back, the
+    same expiry marks the connection dead ("Connection timed out, retrying"), and with nobody
+    to reconnect the held requests fail a minute later (in the QEMU guest a supervisor
+    SIGKILLed during trims panicked the node so). So the queue's timer goes to the full
+    timeout first (every request started from then on gets it), and the driver's timeout
+    follows once no request started before is left: when ``inflight`` reads 0 once."""
+    name = Path(device).name
+    knob = sys_root / "block" / name / "queue" / "io_timeout"
     try:
         before_ms = int(knob.read_text())
     except (OSError, ValueError):
         before_ms = None
     if before_ms is not None and before_ms < timeout_s * 1000:
         knob.write_text(str(timeout_s * 1000))
-        wait(before_ms / 1000 + SETTLE_S)
+        deadline = clock() + idle_wait_s
+        while _in_flight(sys_root / "block" / name / "inflight") and clock() < deadline:
+            wait(0.01)
     set_timeout(device, timeout_s)
+
+
+def _in_flight(path: Path) -> bool:
+    """Whether the device has requests in flight (``inflight``: reads and writes); False when
+    it cannot be read."""
+    try:
+        return any(int(n) for n in path.read_text().split())
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +124,8 @@ class TimerGuard:
         sys_root: Path = Path("/sys"),
         wait: Callable[[float], None] = time.sleep,
     ) -> str | None:
-        """Set the driver's request timeout back (`set_back`: about 1.5 s, the connection is
-        live); None when done, else why not."""
+        """Set the driver's request timeout back (`set_back`: the connection is live, so this
+        waits for its requests in flight to drain once); None when done, else why not."""
         if nbd_pid(self.device, sys_root) != self.nbd_pid:
             return f"{self.device} is not connected by duvm's connection any more"
         try:

@@ -134,7 +134,8 @@ class RequestTimer:
 
     def restore(self, att: Attachment, timeout_s: int, *, live: bool = True) -> str | None:
         """`live`: a daemon still serves the connection, which the restore must not cut
-        (`nbdguard.set_back`, about 1.5 s); without one (a crash) it is immediate."""
+        (`nbdguard.set_back`: it waits for the requests in flight to drain); without one (a
+        crash) it is immediate."""
         if why := self._ours(att):
             return why
         assert att.nbd_device is not None

@@ -7,11 +7,11 @@ watches (requests of a crashed daemon are then requeued to its successor at once
 back when it exits. SIGKILLed, it cannot: so the daemon (told over its control socket) and the
 standby (told over its socket pair) each keep a guard, watch the supervisor's pidfd on their
 event loop, and the first to see it end restores the timeout (the second finds it done, or
-restores it again: the same value). The restore is made on the event loop: the queue's timer
-through sysfs, a wait of about 1.5 s for the requests in flight to be re-armed under it (the
-loop holds, once: `duvm.wire.nbdguard.set_back` says why the live connection needs it), then
-one netlink request. Nothing is read from /run, which may wait for the very device this
-process serves.
+restores it again: the same value). The restore runs in a thread of its own: it sets the
+queue's timer through sysfs, waits for the requests in flight to drain once (which needs the
+event loop answering them: `duvm.wire.nbdguard.set_back` says why the live connection needs
+the wait), then makes one netlink request. Nothing is read from /run, which may wait for the
+very device this process serves.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import asyncio
 import logging
 import os
 import select
+import threading
 import time
 from collections.abc import Callable
 
 from duvm.base import procstat
+from duvm.wire import nbdguard
 from duvm.wire.nbdguard import TimerGuard
 
 log = logging.getLogger("duvm.node.daemon.pidwatch")
@@ -99,6 +101,7 @@ class GuardKeeper:
         self.fired: str | None = None  # "restored" or why not, once its supervisor ended
         self._watched: Watched | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None  # the restore, once fired
 
     @property
     def watching(self) -> bool:
@@ -120,7 +123,7 @@ class GuardKeeper:
         """Keep `guard` from now on (call on the event loop). A supervisor already gone
         fires it at once."""
         self._drop()
-        self.guard, self.fired = guard, None
+        self.guard, self.fired, self._thread = guard, None, None
         watched = Watched(f"{guard.supervisor_pid}:{guard.supervisor_start or ''}")
         fd = watched.fileno()
         if fd is None:
@@ -136,9 +139,11 @@ class GuardKeeper:
     def settle(self, wait_s: float) -> None:
         """Before this process exits because its supervisor's socket closed: a SIGKILLed
         supervisor closes its sockets before its pidfd turns readable, so wait up to `wait_s`
-        for that and fire then."""
+        for that and fire then, and let the restore finish."""
         if self._watched is not None and self._watched.gone(wait_s):
             self._fire()
+        if self._thread is not None:
+            self._thread.join(nbdguard.IDLE_WAIT_S + 5)
 
     def close(self) -> None:
         """Stop watching (a clean stop: the supervisor restores the timeout itself)."""
@@ -147,8 +152,15 @@ class GuardKeeper:
     def _fire(self) -> None:
         guard = self.guard
         self._drop()
-        if guard is None or self.fired is not None:
+        if guard is None or self.fired is not None or self._thread is not None:
             return
+        # not on the loop: the restore waits for the requests in flight, which the loop answers
+        self._thread = threading.Thread(
+            target=self._restore_now, args=(guard,), name="duvm-guard", daemon=True
+        )
+        self._thread.start()
+
+    def _restore_now(self, guard: TimerGuard) -> None:
         why = self._restore(guard)
         self.fired = why or "restored"
         if why is None:
