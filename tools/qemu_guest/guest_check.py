@@ -638,7 +638,7 @@ def guard_check(nbd: str = "nbd0", timeout: float = 30.0) -> dict[str, Any]:
     # the queue's timer goes back first; the guard has fired once the driver's follows
     # (`nbdguard.set_back`: once the requests in flight have drained)
     guard = None
-    while time.monotonic() - t < timeout:
+    while time.monotonic() - t < timeout + 45:  # the restore waits up to 30 s for a drain
         guard = ((status() or {}).get("daemon") or {}).get("timer_guard")
         if guard and guard.get("fired"):
             break
