@@ -226,15 +226,6 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _all_threads(pid: int) -> str:
-    """Every thread of `pid` with its state and wait channel (stack top when blocked)."""
-    try:
-        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
-    except OSError:
-        return "gone"
-    return "; ".join(f"{t}:{_task(t)}" for t in tids)
-
-
 def watch_the_restart(
     supervisor: int, t: float, done: threading.Event, every: float = 10.0
 ) -> None:
@@ -245,8 +236,8 @@ def watch_the_restart(
         kids = _children(supervisor)
         print(
             f"duvm-guest: restart {time.monotonic() - t:.0f}s supervisor {supervisor} "
-            f"[{_all_threads(supervisor)}]"
-            + "".join(f" child {k} [{_all_threads(k)}]" for k in kids),
+            f"{_threads(supervisor, every=True)}"
+            + "".join(f" child {k} {_threads(k, every=True)}" for k in kids),
             flush=True,
         )
 
@@ -288,13 +279,15 @@ def tcp_queues(ports: set[int]) -> str:
     return f"tcp tx/rx {','.join(out) or '-'} retrans {retrans}"
 
 
-def _threads(pid: int) -> str:
-    """Each thread of `pid` not sleeping interruptibly, with its state and wait channel."""
+def _threads(pid: int, every: bool = False) -> str:
+    """Each thread of `pid` not sleeping interruptibly (`every`: each thread), with its state
+    and wait channel."""
     try:
         tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
     except OSError:
         return "gone"
-    busy = [f"{t}:{_task(t)}" for t in tids if not _task(t).startswith("S ")]
+    tasks = [(t, _task(t)) for t in tids]
+    busy = [f"{t}:{task}" for t, task in tasks if every or not task.startswith("S ")]
     return f"{len(tids)} threads" + (f" [{'; '.join(busy)}]" if busy else " all S")
 
 
