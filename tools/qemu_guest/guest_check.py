@@ -435,15 +435,24 @@ def _resumed_by_supervisor(old_pid: int, t: float) -> int | None:
     return None
 
 
-def wait_for_standby(timeout: float = 240) -> dict[str, Any]:
+def wait_for_standby(timeout: float = 240, none_for: float = 30) -> dict[str, Any]:
     """Wait until the supervisor's standby daemon is ready (it writes standby.json then), as it
-    is on a node that has been up a while: the kill then tests the takeover, not the start."""
+    is on a node that has been up a while: the kill then tests the takeover, not the start.
+    A record that has said for `none_for` seconds that none fits ends the wait early (the
+    supervisor tries again only when memory allows, which a node at full pressure does not)."""
     t = time.monotonic()
+    none_since = None
     while time.monotonic() - t < timeout:
         record = json.loads(_read(f"{STATE_DIR}/standby.json") or "null")
         # ready: a pid and not "starting" (a record without a pid says why there is none)
         if record and record.get("pid") and record.get("ready", True):
             return {"ready_after_s": round(time.monotonic() - t, 2), **record}
+        if record and record.get("pid") is None and record.get("none"):
+            none_since = none_since or time.monotonic()
+            if time.monotonic() - none_since >= none_for:
+                break
+        else:
+            none_since = None
         time.sleep(0.2)
     said = (_read(f"{STATE_DIR}/supervisor.log") or "")[-2000:]
     record = json.loads(_read(f"{STATE_DIR}/standby.json") or "null")
