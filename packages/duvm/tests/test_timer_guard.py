@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -215,6 +216,37 @@ async def test_the_keeper_restores_once_when_its_supervisor_is_killed(supervisor
     third.wait(10)
     await asyncio.sleep(0.3)
     assert calls == [] and not keeper.watching
+
+
+async def test_the_keeper_restores_off_the_event_loop(supervisor) -> None:  # type: ignore[no-untyped-def]
+    """Catches a keeper that runs the restore on the event loop. The restore waits until no
+    request is in flight on the device (`nbdguard.set_back`), and only this loop answers
+    them: on the loop it would wait out its whole bound (30 s) while every request starved.
+    Here the restore waits for something only the loop does."""
+    answered = threading.Event()
+    started: list[bool] = []
+    waited: list[bool] = []
+
+    def restore(g: TimerGuard) -> str | None:
+        started.append(True)
+        waited.append(answered.wait(5))  # a request that only the loop answers
+        return None
+
+    async def loop_answers() -> None:
+        while not waited:
+            if started:
+                answered.set()
+            await asyncio.sleep(0.01)
+
+    keeper = GuardKeeper(restore=restore)
+    keeper.take(_guard(supervisor))
+    answering = asyncio.ensure_future(loop_answers())
+    supervisor.send_signal(signal.SIGKILL)
+    await _until(lambda: bool(waited))
+    await answering
+    assert waited == [True], "the restore blocked the event loop"
+    await _until(lambda: keeper.fired is not None)
+    assert keeper.fired == "restored"
 
 
 async def test_a_guard_whose_supervisor_is_gone_already_fires_at_once(supervisor) -> None:  # type: ignore[no-untyped-def]
