@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from duvm.base import pressure
 from duvm.node.lifecycle import room
 
 VICTIM = room.Victim(4242, "hog", 200_000)
@@ -152,3 +153,17 @@ def test_end_kills_through_a_pidfd() -> None:
             child.wait()
     with pytest.raises(ProcessLookupError):  # reaped: the pid names nothing now
         room.end(child.pid)
+
+
+def test_available_memory_is_read_from_meminfo_or_none(tmp_path: Path) -> None:
+    """Catches a reader that takes the wrong line (MemFree: the room would be judged by free
+    memory, which leaves out the page cache a kill is not needed for) or that raises on a
+    file it cannot read (the supervisor's restart would end with it)."""
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:  1000 kB\nMemFree:  100 kB\nMemAvailable:  700 kB\n")
+    assert pressure.mem_available_kib(info) == 700
+    info.write_text("MemTotal:  1000 kB\nMemAvailable:  junk kB\n")
+    assert pressure.mem_available_kib(info) is None
+    assert pressure.mem_available_kib(tmp_path / "absent") is None
+    real = pressure.mem_available_kib()
+    assert real is not None and real > 0

@@ -250,3 +250,15 @@ def rss_kib(pid: int | str = "self", field: str = "VmRSS") -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def mem_available_kib(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The kernel's estimate of memory that can be had without swapping (MemAvailable), in
+    KiB; None when it cannot be read."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from duvm.base import cgroup
+from duvm.base import cgroup, pressure
 from duvm.node.attach.attach_state import AttachError
 
 MIN_FREE_SYSCTL = Path("/proc/sys/vm/min_free_kbytes")
@@ -51,13 +51,6 @@ def mem_total_kb(meminfo: str | None = None) -> int:
         if line.startswith("MemTotal:"):
             return int(line.split()[1])
     raise AttachError("MemTotal missing from /proc/meminfo")
-
-
-def mem_available_kb() -> int | None:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1])
-    return None
 
 
 def raise_min_free(sysctl: Path = MIN_FREE_SYSCTL) -> tuple[int, int | None]:
@@ -148,7 +141,7 @@ def swapoff_problems(entry: SwapEntry) -> list[str]:
     problems: list[str] = []
     if entry.used_kb == 0:
         return problems
-    available = mem_available_kb()
+    available = pressure.mem_available_kib()
     if available is not None and entry.used_kb > available:
         problems.append(
             f"{entry.used_kb >> 10} MiB are swapped out to {entry.filename} but only "

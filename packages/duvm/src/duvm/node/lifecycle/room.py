@@ -42,8 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from duvm.base.libc import libc
-from duvm.base.pressure import OOM_SCORE_ADJ
-from duvm.node.lifecycle.standby_process import mem_available_kib
+from duvm.base.pressure import OOM_SCORE_ADJ, mem_available_kib
 
 AFTER_S = 10.0  # a new daemon serves within ~5 s under TCG, well under 1 s on hardware
 EVERY_S = 5.0  # between two ends while memory stays short

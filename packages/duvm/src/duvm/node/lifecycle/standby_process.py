@@ -55,16 +55,6 @@ class StandbyError(Exception):
     """The standby could not take over; the message says why."""
 
 
-def mem_available_kib(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 class Standby:
     """One standby process and the supervisor's end of its socket pair."""
 
@@ -231,7 +221,7 @@ class Spares:
         say: Callable[[str], None],
         *,
         spawn: Callable[[Path, control.DaemonInfo], Standby] = Standby.spawn,
-        available: Callable[[], int | None] = mem_available_kib,
+        available: Callable[[], int | None] = pressure.mem_available_kib,
         retry_s: float = RETRY_S,
     ) -> None:
         self.state_dir, self.say = state_dir, say
