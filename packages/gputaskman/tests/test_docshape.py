@@ -17,13 +17,13 @@ import pytest
 from doc_paths import json_paths
 from gputaskman.document.docfields import read_parsed
 from gputaskman.document.docshape import DOC_DECODER
+from gputaskman.document.docvalues import Refused
 from gputaskman.document.jsonfields import parse_json
 from gputaskman.document.reader import (
     Document,
     NotASnapshot,
     SnapshotError,
     _document,
-    _Refused,
     read_document,
 )
 from gputaskman.fixtures.demo import DemoSystem, demo_snapshot
@@ -50,7 +50,7 @@ def _fast(body: bytes) -> Document | None:
     reference reader."""
     try:
         return _document(DOC_DECODER.decode(body))
-    except (msgspec.MsgspecError, _Refused, SnapshotError):
+    except (msgspec.MsgspecError, Refused, SnapshotError):
         return None
 
 
@@ -178,7 +178,7 @@ LIMITS += [str(2**1024 - 2**970), str(-(2**1024 - 2**970)), str(2**1024 - 2**970
 
 @pytest.mark.parametrize("number", LIMITS)
 def test_a_reading_at_a_numbers_limits_reads_as_the_reference_reads_it(number: str) -> None:
-    """Catches the typed path's inline number check (`reader._reading`: an int within
+    """Catches the typed path's inline number check (`docvalues.reading`: an int within
     ±2**63, a float between ±the largest float) taking what `is_number` refuses or reading
     it otherwise (planted: the float's lower bound dropped, so -1e400 reads as -inf), from
     bytes and from a parsed object (msgspec refuses 1e400 in bytes; ``json.loads`` makes
