@@ -31,7 +31,7 @@ import duvm_processes
 import pytest
 from duvm.base import pressure
 from duvm.node.attach import attach_state, kernelnbd, processes
-from duvm.node.lifecycle import control, standby_process, supervise, supervisor_process
+from duvm.node.lifecycle import control, resume, standby_process, supervise, supervisor_process
 from duvm.node.lifecycle.enable import no_standby
 from duvm.store import daemon_state as ds
 from duvm.store import state_files as sf
@@ -59,11 +59,20 @@ class KernelStandIn:
         self.handed: queue.Queue[socket.socket] = queue.Queue()
         self._handle = 0
         self.reconnects = 0
+        self.given = 0  # connections `reattach` was given
+        self.drops = 0  # of those to come, how many to drop as the 6.1 driver may (see below)
 
     def reattach(self, att: attach_state.Attachment, path: str | None = None) -> None:
         """The supervisor's `reattach`: a new connection for the device (NBD_CMD_RECONFIGURE),
-        to the daemon at `path` (a standby's own socket) or `att.socket`."""
+        to the daemon at `path` (a standby's own socket) or `att.socket`. While `drops` is
+        above 0, the connection is closed instead of kept, as the driver does (answering
+        success) with one it is given before it has marked the dead daemon's dead."""
         sock, _ = kernelnbd.connect_unix(path or att.socket)
+        self.given += 1
+        if self.drops > 0:
+            self.drops -= 1
+            sock.close()
+            return
         self.handed.put(sock)
 
     def _exchange(self, cmd: int, offset: int, length: int, data: bytes) -> bytes:
@@ -628,3 +637,31 @@ def test_a_takeover_touches_no_name_on_run_until_the_device_has_its_connection(
     finally:
         spare.kill()
         kernel.close()
+
+
+def test_a_connection_the_device_drops_is_handed_again(node: Node) -> None:
+    """Catches a takeover that trusts NBD_CMD_RECONFIGURE's answer. The 6.1 driver takes a new
+    connection only in place of one it has marked dead, and answers success when it drops it
+    (no dead one yet: its receive worker had not run, the supervisor and the standby being
+    realtime). Seen in the QEMU guest (384:95:sequential:dkill25, 2 of 12 runs): the standby
+    served, the device had no connection to it, and every request waited for the 60 s
+    dead-connection timeout. `resume.adopt` asks the standby whether a client holds the
+    connection (``check``) and hands another until one is held."""
+    daemon = node.start_daemon()
+    kernel = KernelStandIn(node.socket)
+    kernel.write(0, _pattern(0, 1))
+    spare = standby_process.Standby.spawn(node.state_dir, daemon)
+    lock = resume.resume_lock(node.state_dir)
+    try:
+        _ready(spare)
+        os.kill(daemon.pid, signal.SIGKILL)
+        processes.wait_pid_exit(daemon.pid, 10, daemon.start)
+        kernel.drops = 2
+        info, _ = resume.adopt(node.state_dir, (_att(node), daemon), spare, lock, kernel.reattach)
+        assert (kernel.given, kernel.drops, info.pid) == (3, 0, spare.pid)
+        assert kernel.read(0, PAGE) == _pattern(0, 1)  # on the one connection kept
+        assert kernel.reconnects == 1
+    finally:
+        spare.kill()
+        kernel.close()
+        lock.close()

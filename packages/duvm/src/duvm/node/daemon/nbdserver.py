@@ -190,6 +190,20 @@ class NBDServer:
         """Connections open now (`stats.connections` counts every one accepted)."""
         return len(self._connections)
 
+    def clients_holding(self) -> int:
+        """Connections whose client still holds its end, looked at on each socket itself (not
+        through the event loop, which may not have seen an end of file queued a moment ago).
+        A standby asks this after the supervisor gave the kernel's driver a connection to it:
+        the driver drops a new connection, and still answers success, when it has not yet
+        marked the dead daemon's connection dead."""
+        held = 0
+        for conn in list(self._connections):
+            t = conn.transport
+            sock = None if t is None or t.is_closing() else t.get_extra_info("socket")
+            if sock is not None and _client_holds(sock.fileno()):
+                held += 1
+        return held
+
     async def close(self, timeout: float = 10.0) -> None:
         """Stop accepting, let in-flight requests finish and reply, then close connections."""
         self._closing = True
@@ -210,6 +224,23 @@ class NBDServer:
         for s in self._servers:
             await s.wait_closed()
         self._servers.clear()
+
+
+def _client_holds(fd: int) -> bool:
+    """The peer of the connected socket `fd` has not closed its end: a peek finds data or
+    nothing yet, never the end of file."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except (BlockingIOError, InterruptedError):
+        return True  # open, nothing to read yet
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 def _is_socket(path: str) -> bool:

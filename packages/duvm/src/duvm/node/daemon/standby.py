@@ -23,7 +23,10 @@ a hung node when the memory is not there (docs/ARCHITECTURE.md, "A daemon that d
    watched through a pidfd) is gone, reads the nonce counter again and the slab map if it was
    saved since (the daemon went on changing both), restores the reservations, serves on its
    socket and says ``serving RSS_KIB_THEN RSS_KIB_NOW MS PATH``; `duvm supervise` hands the
-   device a connection to PATH, says ``handed`` and gives its sockets (NBD and control, both
+   device a connection to PATH and says ``check``, answered ``kept`` when a client still holds
+   a connection to it or ``dropped`` when none does (the kernel's driver drops a connection it
+   is given before it has marked the dead daemon's dead, and answers success: the supervisor
+   then hands it another), then says ``handed`` and gives its sockets (NBD and control, both
    bound before, with the suffix ``.standby``) the daemon's names. The event loop touches no
    file on /run in all this: another task may hold a lock there while it waits for the very
    device this loop serves (seen in a QEMU guest: a log writer waiting for a swap-in held the
@@ -76,6 +79,8 @@ HEAP_RESERVE_MIB = 8
 
 READY, TAKEOVER, SERVING, REFUSED = b"ready", b"takeover", b"serving", b"refused"
 STOP = b"stop"  # the supervisor ends it on purpose (EOF alone: the supervisor ended)
+# after each connection the supervisor hands the device: does its client (the kernel) hold it?
+CHECK, KEPT, DROPPED = b"check", b"kept", b"dropped"
 GUARD = b"guard "  # then the request-timer guard as JSON (`duvm.wire.nbdguard`)
 # A SIGKILLed supervisor closes its end before its pidfd turns readable: so long is waited for
 # that on EOF before the standby exits (`GuardKeeper.settle`).
@@ -252,8 +257,14 @@ async def _wait_and_take_over(
         """Once the supervisor has handed the device a connection (it then gives the sockets
         the daemon's names, from its own process: a rename waits for locks on /run that
         another task may hold while it waits for the device this event loop serves)."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(link.command(), HANDED_TIMEOUT_S)
+        while True:
+            try:
+                word = await asyncio.wait_for(link.command(), HANDED_TIMEOUT_S)
+            except TimeoutError:
+                break
+            if word != CHECK:
+                break
+            link.say(KEPT if server.clients_holding() else DROPPED)
         link.close()
         server.renamed_unix(args.socket + STANDBY_SUFFIX, args.socket)
 

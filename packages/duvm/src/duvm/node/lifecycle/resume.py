@@ -184,6 +184,10 @@ class Successor(Protocol):
         """Serve the dead daemon's store; returns the socket it listens on."""
         ...
 
+    def kept(self) -> bool:
+        """Whether the connection just handed to the device is still held by the device."""
+        ...
+
     def handed(self) -> None:
         """The device has a connection to it: it may take the daemon's socket name."""
         ...
@@ -191,6 +195,38 @@ class Successor(Protocol):
     def kill(self) -> None:
         """SIGKILL (never SIGTERM: a clean stop would RELEASE the pages)."""
         ...
+
+
+# The kernel's driver takes a new connection only in place of one it has marked dead, which
+# its receive worker does once it reads the dead daemon's end of file; given one before that,
+# it drops it and still answers success. The supervisor and the standby run realtime, so they
+# can get there first: each retry sleeps, which lets that worker run.
+HAND_RETRY_S = 0.02
+HAND_WITHIN_S = 5.0
+
+
+def _hand_until_kept(
+    att: attach_state.Attachment,
+    path: str,
+    successor: Successor,
+    reattach: Callable[[attach_state.Attachment, str], None],
+    within_s: float = HAND_WITHIN_S,
+) -> int:
+    """Give the device connections to `successor` at `path` until one is kept (it says so);
+    returns how many were given. ControlError when none was kept within `within_s`."""
+    deadline = time.monotonic() + within_s
+    tries = 0
+    while True:
+        reattach(att, path)
+        tries += 1
+        if successor.kept():
+            return tries
+        if time.monotonic() >= deadline:
+            raise control.ControlError(
+                f"{att.device} did not keep a connection to the standby in {within_s:g} s "
+                f"({tries} given)"
+            )
+        time.sleep(HAND_RETRY_S)
 
 
 def adopt(
@@ -212,7 +248,7 @@ def adopt(
             raise control.ControlError(f"the daemon (pid {old.pid}) still runs; nothing to resume")
         path = successor.take_over()
         try:
-            reattach(att, path)
+            _hand_until_kept(att, path, successor, reattach)
         except BaseException:
             successor.kill()
             raise

@@ -8,7 +8,9 @@ beside the daemon it watches. It starts it with one end of a socket pair (the st
 ``--standby-fd``) and keeps the other: the standby says ``ready`` once its store is built and
 its memory faulted in, and the supervisor, once the daemon is dead, says ``takeover`` and waits
 for ``serving`` with the socket it listens on (or ``refused REASON``), hands the device a
-connection to it, and says ``handed``. Closing its end (EOF) makes a standby exit releasing
+connection to it, asks with ``check`` whether the device kept it (``kept`` or ``dropped``:
+`duvm.node.lifecycle.resume.adopt` hands another until one is kept), and says ``handed``.
+Closing its end (EOF) makes a standby exit releasing
 nothing. The pair is in the supervisor's poll set, so a standby that dies or refuses is
 noticed at once, and another is started after `RETRY_S`.
 
@@ -182,6 +184,26 @@ class Standby:
         with contextlib.suppress(OSError):
             self.sock.sendall(b"guard " + json.dumps(guard.to_json()).encode() + b"\n")
         self.guarded = guard
+
+    def kept(self, timeout: float = 5.0) -> bool:
+        """Whether the connection just handed to the device is still held by its client (the
+        kernel's driver). StandbyError when the standby ends or does not answer in `timeout`
+        s."""
+        try:
+            self.sock.sendall(b"check\n")
+        except OSError as exc:
+            raise StandbyError(f"the standby (pid {self.pid}) is gone ({exc})") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self._lines():
+                if line in (b"kept", b"dropped"):
+                    return line == b"kept"
+            if self.ended is not None:
+                raise StandbyError(f"the standby (pid {self.pid}) ended: {self.ended}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StandbyError(f"the standby (pid {self.pid}) did not answer in {timeout} s")
+            select.select([self.sock], [], [], left)
 
     def handed(self) -> None:
         """The device has a connection to it: it takes the daemon's socket name and control

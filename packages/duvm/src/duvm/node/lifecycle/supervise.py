@@ -405,11 +405,13 @@ def _hand_over(
 ) -> bool:
     """Give the device to the ready standby; False (it is gone then) when that failed."""
     marks: dict[str, float] = {}
+    given: list[float] = []  # each connection handed (the driver may drop one: `resume.adopt`)
 
     def hand(a: attach_state.Attachment, path: str) -> None:
-        marks["serving"] = time.monotonic()
+        marks.setdefault("serving", time.monotonic())
         reattach(a, path)
         marks["handed"] = time.monotonic()
+        given.append(marks["handed"])
 
     try:
         resume.adopt(state_dir, (att, daemon), spare, lock, hand)
@@ -424,9 +426,10 @@ def _hand_over(
         return False
     ms = (time.monotonic() - died) * 1000
     steps = ", ".join(f"{k} at {(v - died) * 1000:.0f}" for k, v in marks.items())
+    again = f", {len(given)} connections given" if len(given) > 1 else ""
     say(
         f"standby pid {spare.pid} took over {att.device} {ms:.0f} ms after daemon pid "
-        f"{daemon.pid} ended ({steps} ms; resident {spare.ready_kib} KiB when ready, "
+        f"{daemon.pid} ended ({steps} ms{again}; resident {spare.ready_kib} KiB when ready, "
         f"{spare.told_kib} when told, {spare.serving_kib} when serving)"
     )
     return True
