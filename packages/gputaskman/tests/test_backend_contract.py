@@ -49,6 +49,8 @@ from gputaskman.base.readings import Adapter, DeviceMetrics, Kind, Problem, Read
 from gputaskman.fixtures.drm_fixtures import AMD_PDEV, write_demo_tree
 from gputaskman.render import report
 from gputaskman.sampling.collector import Collector, NullScanner
+from gputaskman.sampling.host import HostSampler
+from gputaskman.sampling.procfacts import RowFacts
 
 HERE = Path(__file__).parent
 GIB = 1024**3
@@ -391,8 +393,21 @@ class OnlyTheContract(GpuSource):
         return self._inner.backend_for(sample, selected)
 
 
-def snapshot_docs(source: GpuSource, n: int, gpu: int | None) -> list[dict[str, Any]]:
-    c = Collector(gpu, None, source=source, scanner=NullScanner(), models=None)
+def snapshot_docs(source: GpuSource, n: int, gpu: int | None, tree: Path) -> list[dict[str, Any]]:
+    """`n` snapshot documents of `source`, its processes looked up in the fixture tree's /proc,
+    never this machine's: a live process on a mocked pid changes between two collectors (a
+    kernel worker's name names the work it does: this comparison failed now and then with
+    pid 100 a kworker)."""
+    proc = str(tree / "proc")
+    c = Collector(
+        gpu,
+        None,
+        source=source,
+        host=HostSampler(proc_root=proc),
+        scanner=NullScanner(),
+        models=None,
+        facts=RowFacts(proc, pods_dir=str(tree / "no-pods"), swaps=str(tree / "proc" / "swaps")),
+    )
     try:
         return [report.to_json_dict(c.sample(), None, selected_gpu=gpu) for _ in range(n)]
     finally:
@@ -430,8 +445,8 @@ def test_collector_mocked_needs_only_the_protocol(case: Case, tree: Path) -> Non
     """Catches a collector that reads a backend attribute the protocol does not declare
     (the snapshot through `OnlyTheContract` would differ, or raise)."""
     for gpu in (None, 1):
-        direct = snapshot_docs(case.build(tree), case.samples, gpu)
-        wrapped = snapshot_docs(OnlyTheContract(case.build(tree)), case.samples, gpu)
+        direct = snapshot_docs(case.build(tree), case.samples, gpu, tree)
+        wrapped = snapshot_docs(OnlyTheContract(case.build(tree)), case.samples, gpu, tree)
         for doc in wrapped:
             assert schema.errors(doc) == []  # the packaged JSON Schema
             assert report.null_rule_violations(doc) == []
