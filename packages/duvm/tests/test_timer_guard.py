@@ -218,6 +218,24 @@ async def test_the_keeper_restores_once_when_its_supervisor_is_killed(supervisor
     assert calls == [] and not keeper.watching
 
 
+async def test_the_same_guard_told_again_keeps_its_watch(supervisor) -> None:  # type: ignore[no-untyped-def]
+    """Catches a keeper that replaces its pidfd and the loop's reader when told the guard it
+    already holds (a standby that took over is told again the guard it had as a standby): the
+    churn of a closed and reused descriptor right after a takeover, and a window in which the
+    supervisor's end is not watched. The guard still fires once when the supervisor ends."""
+    calls: list[TimerGuard] = []
+    keeper = GuardKeeper(restore=lambda g: calls.append(g))  # type: ignore[func-returns-value]
+    guard = _guard(supervisor)
+    keeper.take(guard)
+    watched = keeper._watched
+    keeper.take(replace(guard))  # equal, another object
+    assert keeper._watched is watched and keeper.watching
+    supervisor.send_signal(signal.SIGKILL)
+    await _until(lambda: bool(calls))
+    await asyncio.sleep(0.2)
+    assert calls == [guard] and keeper.fired == "restored"
+
+
 async def test_the_keeper_restores_off_the_event_loop(supervisor) -> None:  # type: ignore[no-untyped-def]
     """Catches a keeper that runs the restore on the event loop. The restore waits until no
     request is in flight on the device (`nbdguard.set_back`), and only this loop answers

@@ -121,7 +121,11 @@ class GuardKeeper:
 
     def take(self, guard: TimerGuard) -> None:
         """Keep `guard` from now on (call on the event loop). A supervisor already gone
-        fires it at once."""
+        fires it at once. The guard already held and watched is kept as it is (a standby that
+        took over is told again the guard it had as a standby): its pidfd and the loop's
+        reader are not replaced by equal ones."""
+        if guard == self.guard and self._watched is not None and self.fired is None:
+            return
         self._drop()
         self.guard, self.fired, self._thread = guard, None, None
         watched = Watched(f"{guard.supervisor_pid}:{guard.supervisor_start or ''}")
