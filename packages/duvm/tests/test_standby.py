@@ -643,7 +643,7 @@ def test_a_connection_the_device_drops_is_handed_again(node: Node) -> None:
     """Catches a takeover that trusts NBD_CMD_RECONFIGURE's answer. The 6.1 driver takes a new
     connection only in place of one it has marked dead, and answers success when it drops it
     (no dead one yet: its receive worker had not run, the supervisor and the standby being
-    realtime). Seen in the QEMU guest (384:95:sequential:dkill25, 2 of 12 runs): the standby
+    realtime). Seen in the QEMU guest (384:95:sequential:dkill25, 2 of 10 runs): the standby
     served, the device had no connection to it, and every request waited for the 60 s
     dead-connection timeout. `resume.adopt` asks the standby whether a client holds the
     connection (``check``) and hands another until one is held."""

@@ -12,9 +12,12 @@ Since Linux 4.12 the nbd driver registers a generic-netlink family ``"nbd"``
 * When the server end of a socket dies, the kernel marks it dead. New requests then wait up to
   the dead-connection timeout for a replacement, and requests that were in flight are requeued
   when their request timer fires, instead of failing with EIO.
-* ``NBD_CMD_RECONFIGURE`` with a new socket fd replaces a *dead* socket on the live device
-  (the kernel answers ENOSPC when none is dead). That is how a restarted daemon gets its
-  device back with every swapped page still addressable.
+* ``NBD_CMD_RECONFIGURE`` with a new socket fd replaces a *dead* socket on the live device.
+  That is how a restarted daemon gets its device back with every swapped page still
+  addressable. When none is dead yet (the driver's receive worker has not read the old
+  server's end of file), the 6.1 driver drops the new socket and answers success
+  (`nbd_genl_reconfigure` turns its ``-ENOSPC`` into 0): the caller must find out from the
+  server whether the connection is held (`duvm.node.lifecycle.resume.adopt` does).
 
 This module is a small, typed encoder/decoder for exactly these messages (netlink header,
 generic-netlink header, attributes, nested attributes, ``NLMSG_ERROR``) plus the blocking
@@ -351,8 +354,9 @@ def connect(
 
 
 def reconfigure(device: str, fds: list[int], *, dead_conn_timeout_s: int = 0) -> None:
-    """NBD_CMD_RECONFIGURE: the live `device` takes `fds` in place of its dead sockets.
-    ENOSPC from the kernel means no socket of the device is dead (the old server still runs)."""
+    """NBD_CMD_RECONFIGURE: the live `device` takes `fds` in place of its dead sockets. With
+    no dead socket the 6.1 driver drops them and answers success (ENOSPC only where a kernel
+    passes it on): success does not prove the device holds them (module doc)."""
     attrs = nla_u32(NBD_ATTR_INDEX, device_index(device)) + sockets_attr(fds)
     if dead_conn_timeout_s:
         attrs += nla_u64(NBD_ATTR_DEAD_CONN_TIMEOUT, dead_conn_timeout_s)
