@@ -39,6 +39,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from duvm.base import pressure
 from duvm.node.attach import processes
@@ -46,6 +47,8 @@ from duvm.node.lifecycle import control
 from duvm.node.lifecycle.resume import resume_command
 from duvm.node.lifecycle.supervisor_process import STANDBY_LOGS, standby_path
 from duvm.wire.nbdguard import TimerGuard
+
+T = TypeVar("T")
 
 HEADROOM = 2  # MemAvailable must hold this many standbys of the expected size
 HEAP_RESERVE_MIB = 8  # the heap a standby keeps for its takeover (duvm.node.daemon.standby)
@@ -151,32 +154,24 @@ class Standby:
         Sets `serving_kib` and `serving_ms` (resident memory then, and its own time).
         StandbyError when it refuses, ends or does not answer in `timeout` s (it is killed
         then: a half-done takeover must not serve later beside another daemon)."""
-        try:
-            self.sock.sendall(b"takeover\n")
-        except OSError as exc:
-            raise StandbyError(f"the standby (pid {self.pid}) is gone ({exc})") from None
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in self._lines():
-                word, _, rest = line.partition(b" ")
-                if word == b"serving":
-                    told, kib, ms, path = [*rest.decode(errors="replace").split(" ", 3), *"   "][:4]
-                    self.told_kib = int(told) if told.isdigit() else None
-                    self.serving_kib = int(kib) if kib.isdigit() else None
-                    with contextlib.suppress(ValueError):
-                        self.serving_ms = float(ms)
-                    return path
-                if word == b"refused":
-                    self.ended = rest.decode(errors="replace")
-                    self.stop(timeout=5)  # it exits by itself, having said why in its log
-                    raise StandbyError(f"the standby (pid {self.pid}) refused: {self.ended}")
-            if self.ended is not None:
-                raise StandbyError(f"the standby (pid {self.pid}) ended: {self.ended}")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.kill()
-                raise StandbyError(f"the standby (pid {self.pid}) did not serve in {timeout} s")
-            select.select([self.sock], [], [], left)
+        self._say(b"takeover")
+
+        def serving(line: bytes) -> str | None:
+            word, _, rest = line.partition(b" ")
+            if word == b"serving":
+                told, kib, ms, path = [*rest.decode(errors="replace").split(" ", 3), *"   "][:4]
+                self.told_kib = int(told) if told.isdigit() else None
+                self.serving_kib = int(kib) if kib.isdigit() else None
+                with contextlib.suppress(ValueError):
+                    self.serving_ms = float(ms)
+                return path
+            if word == b"refused":
+                self.ended = rest.decode(errors="replace")
+                self.stop(timeout=5)  # it exits by itself, having said why in its log
+                raise StandbyError(f"the standby (pid {self.pid}) refused: {self.ended}")
+            return None
+
+        return self._answer(serving, timeout, "serve")
 
     def send_guard(self, guard: TimerGuard) -> None:
         """Hand it the request-timer guard (`duvm.wire.nbdguard`): it watches this supervisor
@@ -189,20 +184,32 @@ class Standby:
         """Whether the connection just handed to the device is still held by its client (the
         kernel's driver). StandbyError when the standby ends or does not answer in `timeout`
         s."""
+        self._say(b"check")
+        held = {b"kept": True, b"dropped": False}
+        return self._answer(held.get, timeout, "answer")
+
+    def _say(self, word: bytes) -> None:
         try:
-            self.sock.sendall(b"check\n")
+            self.sock.sendall(word + b"\n")
         except OSError as exc:
             raise StandbyError(f"the standby (pid {self.pid}) is gone ({exc})") from None
+
+    def _answer(self, pick: Callable[[bytes], T | None], timeout: float, what: str) -> T:
+        """The first line `pick` makes something of. StandbyError when the standby ends or
+        does not `what` in `timeout` s (it is killed then: a half-done takeover must not
+        serve later beside another daemon)."""
         deadline = time.monotonic() + timeout
         while True:
             for line in self._lines():
-                if line in (b"kept", b"dropped"):
-                    return line == b"kept"
+                got = pick(line)
+                if got is not None:
+                    return got
             if self.ended is not None:
                 raise StandbyError(f"the standby (pid {self.pid}) ended: {self.ended}")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise StandbyError(f"the standby (pid {self.pid}) did not answer in {timeout} s")
+                self.kill()
+                raise StandbyError(f"the standby (pid {self.pid}) did not {what} in {timeout} s")
             select.select([self.sock], [], [], left)
 
     def handed(self) -> None:
