@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import queue
+import select
 import signal
 import socket
 import struct
@@ -31,12 +32,20 @@ import duvm_processes
 import pytest
 from duvm.base import pressure
 from duvm.node.attach import attach_state, kernelnbd, processes
-from duvm.node.lifecycle import control, resume, standby_process, supervise, supervisor_process
+from duvm.node.lifecycle import (
+    control,
+    linkmend,
+    resume,
+    standby_process,
+    supervise,
+    supervisor_process,
+)
 from duvm.node.lifecycle.enable import no_standby
 from duvm.store import daemon_state as ds
 from duvm.store import state_files as sf
 from duvm.store.memserver_status import query_status
 from duvm.wire import nbdconst as C
+from duvm.wire import nbdnetlink
 from duvm.wire.nbdguard import TimerGuard
 
 STAND_IN = "import time; time.sleep(60)"
@@ -61,6 +70,7 @@ class KernelStandIn:
         self.reconnects = 0
         self.given = 0  # connections `reattach` was given
         self.drops = 0  # of those to come, how many to drop as the 6.1 driver may (see below)
+        self.hold_s = 60.0  # a request's wait for a new connection (the dead-connection timeout)
 
     def reattach(self, att: attach_state.Attachment, path: str | None = None) -> None:
         """The supervisor's `reattach`: a new connection for the device (NBD_CMD_RECONFIGURE),
@@ -99,11 +109,21 @@ class KernelStandIn:
                 return self._exchange(cmd, offset, length, data)
             except (ConnectionError, BrokenPipeError):
                 self.sock.close()
-                self.sock = self.handed.get(timeout=60)  # held, like the kernel's requests
+                self.sock = self.handed.get(timeout=self.hold_s)  # held, like the kernel's
                 self.reconnects += 1
 
     def write(self, offset: int, data: bytes) -> None:
         self.request(C.CMD_WRITE, offset, len(data), data)
+
+    def cut(self, reports: socket.socket, family: int) -> None:
+        """What the driver's receive worker of a dead connection does when it ends late: the
+        connection that took its slot meanwhile is shut down, and the cut reported
+        (NBD_CMD_LINK_DEAD for /dev/nbd7, as `nbd_mcast_index` sends it) on `reports`."""
+        self.sock.shutdown(socket.SHUT_RDWR)
+        index = nbdnetlink.nla_u32(nbdnetlink.NBD_ATTR_INDEX, 7)
+        reports.send(
+            nbdnetlink.genl_message(family, nbdnetlink.NBD_CMD_LINK_DEAD, index, 0, flags=0)
+        )
 
     def read(self, offset: int, length: int) -> bytes:
         return self.request(C.CMD_READ, offset, length)
@@ -665,3 +685,66 @@ def test_a_connection_the_device_drops_is_handed_again(node: Node) -> None:
         spare.kill()
         kernel.close()
         lock.close()
+
+
+def test_a_connection_the_kernel_cuts_after_a_takeover_is_handed_again(node: Node) -> None:
+    """Catches a supervisor that takes a takeover for done once the device kept the standby's
+    connection. The driver's receive worker of the dead daemon's connection marks its slot
+    dead when it ends, whatever socket the slot holds by then. Seen in the QEMU guest
+    (384:95:sequential:dkill25, host loaded, 3 of 23 runs): a send had marked the slot dead,
+    the standby's connection took it, and the old worker, kept off the CPU by the realtime
+    supervisor and standby, ended 68 ms later and cut it; every request then waited for the
+    60 s dead-connection timeout while the new daemon idled. The driver reports the cut
+    (NBD_CMD_LINK_DEAD); the supervisor hands the device a new connection
+    (`duvm.node.lifecycle.linkmend`), and only for its own device's report."""
+    daemon = node.start_daemon()
+    kernel = KernelStandIn(node.socket)
+    kernel.hold_s = 20  # far beyond a mending; a test that fails need not wait 60 s
+    kernel.write(0, _pattern(0, 1))
+    reports, heard = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    family = 0x1D
+    log: list[str] = []
+    errors: list[BaseException] = []
+
+    def events() -> None:
+        try:
+            _wait_said(log, "standby pid", "ready")
+            os.kill(daemon.pid, signal.SIGKILL)
+            assert kernel.read(0, PAGE) == _pattern(0, 1)  # the standby serves
+            _wait_said(log, "took over")
+            other = nbdnetlink.nla_u32(nbdnetlink.NBD_ATTR_INDEX, 3)  # another device's
+            reports.send(nbdnetlink.genl_message(family, nbdnetlink.NBD_CMD_LINK_DEAD, other, 0))
+            deadline = time.monotonic() + 10
+            while select.select([heard], [], [], 0)[0]:  # until the supervisor has read it
+                assert time.monotonic() < deadline, "the supervisor never read its reports"
+                time.sleep(0.01)
+            time.sleep(20 * linkmend.SETTLE_S)  # a handing for it would have come by now
+            kernel.cut(reports, family)
+            kernel.write(PAGE, _pattern(1, 2))  # held, then sent on the connection handed
+            assert kernel.read(0, 2 * PAGE) == _pattern(0, 1) + _pattern(1, 2)
+            _wait_said(log, "connection dead while daemon pid", "handed it a new one")
+        except BaseException as exc:  # judged in the main thread
+            errors.append(exc)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    t = threading.Thread(target=events, daemon=True)
+    t.start()
+    rc = supervise.watch(
+        node.state_dir,
+        say=log.append,
+        resume_fn=lambda *a, **k: errors.append(AssertionError("a new daemon was started")),
+        give_up=lambda att, why: errors.append(AssertionError(why)),
+        reattach=kernel.reattach,
+        make_room=lambda need_kib, say: contextlib.nullcontext(),
+        link_events=lambda say: nbdnetlink.LinkDeadEvents(heard, family),
+    )
+    t.join(30)
+    kernel.close()
+    reports.close()
+    assert not errors, (errors, log)
+    new = control.load_daemon(node.state_dir)
+    assert rc == 0 and new is not None and new.pid != daemon.pid, log
+    # one connection at the takeover, one for the cut; none for the other device's report
+    assert (kernel.given, kernel.reconnects) == (2, 2), log
+    assert heard.fileno() == -1  # the supervisor closed its reports socket

@@ -1,4 +1,5 @@
-"""The kernel NBD driver's generic-netlink interface: connect, reconfigure, disconnect.
+"""The kernel NBD driver's generic-netlink interface: connect, reconfigure, disconnect, and
+its reports of dead connections.
 
 Theory of operation
 -------------------
@@ -18,6 +19,11 @@ Since Linux 4.12 the nbd driver registers a generic-netlink family ``"nbd"``
   server's end of file), the 6.1 driver drops the new socket and answers success
   (`nbd_genl_reconfigure` turns its ``-ENOSPC`` into 0): the caller must find out from the
   server whether the connection is held (`duvm.node.lifecycle.resume.adopt` does).
+* Each time one of a device's connections goes from live to dead, the driver multicasts
+  ``NBD_CMD_LINK_DEAD`` with the device's index to the family's group ``"nbd_mc_group"``
+  (`subscribe_link_dead`). Its receive worker marks its connection slot dead when its loop
+  ends, whatever socket the slot holds by then: a worker that ran late can cut the connection
+  that replaced its own (`duvm.node.lifecycle.linkmend` hands another).
 
 This module is a small, typed encoder/decoder for exactly these messages (netlink header,
 generic-netlink header, attributes, nested attributes, ``NLMSG_ERROR``) plus the blocking
@@ -46,6 +52,11 @@ GENL_ID_CTRL = 0x10
 CTRL_CMD_GETFAMILY = 3
 CTRL_ATTR_FAMILY_ID = 1
 CTRL_ATTR_FAMILY_NAME = 2
+CTRL_ATTR_MCAST_GROUPS = 7  # nested: one nested item per group { NAME str, ID u32 }
+CTRL_ATTR_MCAST_GRP_NAME = 1
+CTRL_ATTR_MCAST_GRP_ID = 2
+SOL_NETLINK = 270
+NETLINK_ADD_MEMBERSHIP = 1
 NLA_F_NESTED = 1 << 15
 NLA_TYPE_MASK = ~((1 << 15) | (1 << 14)) & 0xFFFF
 
@@ -53,6 +64,8 @@ NLA_TYPE_MASK = ~((1 << 15) | (1 << 14)) & 0xFFFF
 NBD_GENL_FAMILY_NAME = "nbd"
 NBD_GENL_VERSION = 1
 NBD_CMD_CONNECT, NBD_CMD_DISCONNECT, NBD_CMD_RECONFIGURE = 1, 2, 3
+NBD_CMD_LINK_DEAD = 4  # multicast to NBD_GENL_MCAST_GROUP_NAME, with NBD_ATTR_INDEX
+NBD_GENL_MCAST_GROUP_NAME = "nbd_mc_group"
 NBD_ATTR_INDEX = 1  # u32
 NBD_ATTR_SIZE_BYTES = 2  # u64
 NBD_ATTR_BLOCK_SIZE_BYTES = 3  # u64
@@ -68,6 +81,7 @@ _NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid (host byte ord
 _GENLHDR = struct.Struct("=BBH")  # cmd, version, reserved
 _NLATTR = struct.Struct("=HH")  # len, type
 MAX_REPLY = 1 << 16
+LOST = -1  # in place of a device index: reports were lost (or garbled), any device may be meant
 
 
 class NetlinkError(OSError):
@@ -273,6 +287,11 @@ class GenlSocket:
 
     def family_id(self, name: str) -> int:
         """The numeric id of generic-netlink family `name`. FamilyNotFound when absent."""
+        return self.family(name)[0]
+
+    def family(self, name: str) -> tuple[int, dict[str, int]]:
+        """Family `name`'s numeric id and its multicast groups (name -> id). FamilyNotFound
+        when absent."""
         try:
             replies = self.request(
                 GENL_ID_CTRL,
@@ -290,8 +309,94 @@ class GenlSocket:
         for attrs in replies:
             value = attrs.get(CTRL_ATTR_FAMILY_ID)
             if value is not None and len(value) == 2:
-                return int(struct.unpack("=H", value)[0])
+                return int(struct.unpack("=H", value)[0]), mcast_groups(
+                    attrs.get(CTRL_ATTR_MCAST_GROUPS, b"")
+                )
         raise NetlinkError(errno.EPROTO, f"the kernel named no id for family {name!r}")
+
+
+def mcast_groups(value: bytes) -> dict[str, int]:
+    """CTRL_ATTR_MCAST_GROUPS' value: multicast group name -> id."""
+    groups: dict[str, int] = {}
+    for item in parse_attrs(value).values():
+        attrs = parse_attrs(item)
+        gid = attr_u32(attrs, CTRL_ATTR_MCAST_GRP_ID)
+        raw = attrs.get(CTRL_ATTR_MCAST_GRP_NAME)
+        if gid is not None and raw is not None:
+            groups[raw.split(b"\0", 1)[0].decode(errors="replace")] = gid
+    return groups
+
+
+def parse_link_dead(data: bytes, family: int) -> list[int]:
+    """The device indexes of the NBD_CMD_LINK_DEAD messages of `family` in one datagram
+    (`LOST` for one that names none); other messages are skipped. NetlinkError when the
+    datagram is malformed."""
+    out: list[int] = []
+    for msg in parse_messages(data):
+        if msg.type != family or len(msg.payload) < _GENLHDR.size:
+            continue
+        if msg.payload[0] != NBD_CMD_LINK_DEAD:
+            continue
+        index = attr_u32(parse_attrs(msg.payload[_GENLHDR.size :]), NBD_ATTR_INDEX)
+        out.append(LOST if index is None else index)
+    return out
+
+
+class LinkDeadEvents:
+    """The nbd driver's reports that one of a device's connections went from live to dead
+    (``NBD_CMD_LINK_DEAD``, multicast from `nbd_mark_nsock_dead`), read from `sock`, a
+    non-blocking socket subscribed to them (`subscribe_link_dead`)."""
+
+    def __init__(self, sock: socket.socket, family: int) -> None:
+        self.sock, self.family = sock, family
+        self.sock.setblocking(False)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def take(self) -> list[int]:
+        """The device indexes reported since the last call, without waiting. `LOST` among
+        them when reports were dropped (the socket's buffer overflowed) or garbled."""
+        out: list[int] = []
+        while True:
+            try:
+                data = self.sock.recv(MAX_REPLY)
+            except (BlockingIOError, InterruptedError):
+                return out
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise
+                out.append(LOST)
+                continue
+            try:
+                out.extend(parse_link_dead(data, self.family))
+            except NetlinkError:
+                out.append(LOST)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def subscribe(family_name: str, group: str) -> tuple[socket.socket, int]:
+    """A netlink socket that hears multicast group `group` of family `family_name`, and the
+    family's id. FamilyNotFound without the family; NetlinkError when it has no such group."""
+    with GenlSocket(timeout=5) as nl:
+        family, groups = nl.family(family_name)
+    if group not in groups:
+        raise NetlinkError(errno.ENOENT, f"family {family_name!r} has no multicast group {group!r}")
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_GENERIC)
+    try:
+        sock.bind((0, 0))
+        sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, groups[group])
+    except BaseException:
+        sock.close()
+        raise
+    return sock, family
+
+
+def subscribe_link_dead() -> LinkDeadEvents:
+    """The nbd driver's ``NBD_CMD_LINK_DEAD`` reports. FamilyNotFound without the driver."""
+    return LinkDeadEvents(*subscribe(NBD_GENL_FAMILY_NAME, NBD_GENL_MCAST_GROUP_NAME))
 
 
 # --- NBD commands ---------------------------------------------------------------------------

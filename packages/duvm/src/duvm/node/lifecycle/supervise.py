@@ -59,7 +59,14 @@ from typing import IO, Any
 
 from duvm.base import control_socket, pressure, quietlog
 from duvm.node.attach import attach, attach_kernel, attach_state, processes, systools
-from duvm.node.lifecycle import control, resume, room, standby_process, supervisor_process
+from duvm.node.lifecycle import (
+    control,
+    linkmend,
+    resume,
+    room,
+    standby_process,
+    supervisor_process,
+)
 from duvm.node.lifecycle.supervisor_process import wanted
 from duvm.wire import nbdguard, nbdnetlink
 
@@ -150,6 +157,7 @@ class _Stop:
 
 SparesFactory = Callable[[Path, Callable[[str], None]], standby_process.Spares]
 RoomFactory = Callable[[int, Callable[[str], None]], contextlib.AbstractContextManager[Any]]
+LinkEventsFactory = Callable[[Callable[[str], None]], linkmend.LinkEvents | None]
 
 
 def watch(
@@ -163,6 +171,7 @@ def watch(
     reattach: Callable[[attach_state.Attachment, str], None] = attach_kernel.reattach,
     timer: attach_kernel.RequestTimer | None = None,
     make_room: RoomFactory = room.making_room,
+    link_events: LinkEventsFactory = linkmend.kernel_events,
 ) -> int:
     """The supervisor's loop (see the module docstring). Returns the exit code: 0 when told to
     stop or when duvm is no longer enabled, 1 when it gave up. `spares` keeps a standby beside
@@ -170,13 +179,17 @@ def watch(
     held requests once nobody will serve them (default `fail_held_io`); `reattach` hands the
     device a connection to the standby that took over; `timer` sets how the kernel times the
     device's requests while this watches (`attach_kernel.RequestTimer`); `make_room` watches a
-    restart the slow way and ends programs for its memory (`duvm.node.lifecycle.room`)."""
+    restart the slow way and ends programs for its memory (`duvm.node.lifecycle.room`);
+    `link_events` hears the kernel report a connection dead while a daemon serves
+    (`duvm.node.lifecycle.linkmend`: it is handed a new one)."""
     resume_fn = resume_fn or resume.resume
     say = say or (lambda m: print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {m}", flush=True))
     stopper = _Stop()
     keeper = spares(state_dir, say) if spares is not None else None
     lock = resume.resume_lock(state_dir)  # opened now: the takeover opens no file
     timing = _Timing(timer or attach_kernel.RequestTimer(), say)
+    events = link_events(say)
+    mender = linkmend.Mender(events, reattach, say) if events is not None else None
     try:
         return _watch(
             state_dir,
@@ -190,8 +203,11 @@ def watch(
             lock,
             timing,
             make_room,
+            mender,
         )
     finally:
+        if mender is not None:
+            mender.close()
         timing.restore()
         lock.close()
         if keeper is not None:
@@ -211,14 +227,19 @@ def _watch(
     lock: IO[Any],
     timing: _Timing,
     make_room: RoomFactory,
+    mender: linkmend.Mender | None,
 ) -> int:
     restarts: list[float] = []
     daemon_file = control.daemon_path(state_dir)
     need_kib = DEFAULT_NEED_KIB  # what a new daemon needs: see `duvm.node.lifecycle.room`
+    taken: tuple[control.DaemonInfo, attach_state.Attachment] | None = None
     while not stopper.requested:
-        # Read while the daemon lives (a swap-in can be served); kept in this locked process.
-        att = attach_state.load_state(control.state_path(state_dir))
-        daemon = control.load_daemon(state_dir)
+        if taken is not None:  # not read back: the kernel may cut the new connection yet
+            (daemon, att), taken = taken, None
+        else:
+            # Read while the daemon lives (a swap-in can be served); kept in this locked process.
+            att = attach_state.load_state(control.state_path(state_dir))
+            daemon = control.load_daemon(state_dir)
         seen = _mtime(daemon_file)
         if att is None or daemon is None:
             say("duvm is not enabled here any more: supervisor exits")
@@ -231,7 +252,7 @@ def _watch(
             if own := pressure.rss_kib(daemon.pid, "RssAnon"):  # measured while it can be
                 need_kib = own + (standby_process.HEAP_RESERVE_MIB << 10)
             say(f"watching daemon pid {daemon.pid} serving {att.device}")
-            _serve_watch(daemon, stopper, keeper, timing)
+            _serve_watch(att, daemon, stopper, keeper, timing, mender)
             if stopper.requested:
                 break
             if control.daemon_alive(daemon):
@@ -254,10 +275,10 @@ def _watch(
                 give_up,
             )
         spare = keeper.take(daemon.pid) if keeper is not None else None
-        if spare is not None and _hand_over(
-            state_dir, att, daemon, spare, died, say, reattach, lock
-        ):
-            continue
+        if spare is not None:
+            taken = _hand_over(state_dir, att, daemon, spare, died, say, reattach, lock)
+            if taken is not None:
+                continue
         # The slow way, which needs memory the node may not have: first the kernel's own
         # timer back, so the requests in flight end even if this process cannot go on (D48).
         timing.restore(live=False)
@@ -373,24 +394,29 @@ class _Timing:
 
 
 def _serve_watch(
+    att: attach_state.Attachment,
     daemon: control.DaemonInfo,
     stopper: _Stop,
     keeper: standby_process.Spares | None,
     timing: _Timing,
+    mender: linkmend.Mender | None,
 ) -> None:
     """Until the daemon ends or a stop is requested, keep a standby beside it (holding the
-    timer's guard)."""
+    timer's guard), and hand the device a new connection when the kernel cuts its own."""
     while True:
         if keeper is not None:
             keeper.tend(daemon, timing.guard)
+        fds = tuple(keeper.fds()) if keeper is not None else ()
         why = stopper.wait(
             daemon.pid,
             keeper.next_wake() if keeper is not None else None,
             daemon.start,
-            tuple(keeper.fds()) if keeper is not None else (),
+            (*fds, mender.fileno()) if mender is not None else fds,
         )
         if why in ("ended", "stop"):
             return
+        if mender is not None:
+            mender.mend(att, daemon)
 
 
 def _hand_over(
@@ -402,8 +428,9 @@ def _hand_over(
     say: Callable[[str], None],
     reattach: Callable[[attach_state.Attachment, str], None],
     lock: IO[Any],
-) -> bool:
-    """Give the device to the ready standby; False (it is gone then) when that failed."""
+) -> tuple[control.DaemonInfo, attach_state.Attachment] | None:
+    """Give the device to the ready standby: the records of its new daemon, or None (the
+    standby is gone then) when that failed."""
     marks: dict[str, float] = {}
     given: list[float] = []  # each connection handed (the driver may drop one: `resume.adopt`)
 
@@ -414,7 +441,7 @@ def _hand_over(
         given.append(marks["handed"])
 
     try:
-        resume.adopt(state_dir, (att, daemon), spare, lock, hand)
+        taken = resume.adopt(state_dir, (att, daemon), spare, lock, hand)
     except (
         standby_process.StandbyError,
         control.ControlError,
@@ -423,7 +450,7 @@ def _hand_over(
     ) as exc:
         say(f"the standby could not take over ({exc}): starting a new daemon")
         spare.kill()
-        return False
+        return None
     ms = (time.monotonic() - died) * 1000
     steps = ", ".join(f"{k} at {(v - died) * 1000:.0f}" for k, v in marks.items())
     again = f", {len(given)} connections given" if len(given) > 1 else ""
@@ -432,7 +459,7 @@ def _hand_over(
         f"{daemon.pid} ended ({steps} ms{again}; resident {spare.ready_kib} KiB when ready, "
         f"{spare.told_kib} when told, {spare.serving_kib} when serving)"
     )
-    return True
+    return taken
 
 
 def fail_held_io(
