@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import guest_cut  # beside this script
+
 RESULT_PORT = "/dev/ttyS1"
 STATE_DIR = "/run/duvm"
 T0 = time.monotonic()
@@ -963,6 +965,8 @@ def main() -> int:
             meminfo=meminfo(),
         )
         if os.environ.get("DUVM_KILL_AT_PCT"):
+            # while the supervisor still watches: its connection handed again after a cut
+            emit("cut", **guest_cut.cut_check(STATE_DIR))
             emit("guard", **guard_check())
         emit("disable", **duvm("disable", "--state-dir", STATE_DIR))
         disabled = True

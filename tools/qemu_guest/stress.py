@@ -206,6 +206,10 @@ def gap_facts(run: boot.GuestRun) -> dict[str, Any]:
         "max_chunk_s": result.get("max_chunk_s"),
         "max_chunk_phase": result.get("max_chunk_phase"),
         "standby": run.events.get("standby"),
+        # connections the kernel took after the kill (each "reconnected socket"), and those the
+        # supervisor handed because the kernel reported the device's connection dead
+        "reconnected": len(re.findall(r"block nbd\d+: reconnected socket", run.console)),
+        "mended": sum("connection dead while daemon pid" in ln for ln in log.splitlines()),
         # the supervisor SIGKILLed after the workload: the daemon's guard restored the timer
         "guard": {
             k: (run.events.get("guard") or {}).get(k)
