@@ -263,6 +263,7 @@ def test_a_connection_cut_while_the_daemon_runs_is_handed_again(guest_run: Any) 
     guest makes that cut on purpose (`guest_cut`: the daemon's end shut down through
     pidfd_getfd) and reads a block of the device directly."""
     cut = _event(guest_run, "cut")
+    print(f"cut: {cut}")
     assert len(cut["connections"]) == 1, cut
     assert cut["read_before_s"] is not None, cut
     # served again by the same daemon within seconds, not after the driver's 60 s
