@@ -51,7 +51,10 @@ def set_back(
     to reconnect the held requests fail a minute later (in the QEMU guest a supervisor
     SIGKILLed during trims panicked the node so). So the queue's timer goes to the full
     timeout first (every request started from then on gets it), and the driver's timeout
-    follows once no request started before is left: when ``inflight`` reads 0 once."""
+    follows once no request started before is left: when ``inflight`` reads 0 once. A device
+    under constant load may never read 0; after `idle_wait_s` a request started before is one
+    held that long, which a live daemon does not do, and ending such a request is what the
+    driver's timer is put back for."""
     name = Path(device).name
     knob = sys_root / "block" / name / "queue" / "io_timeout"
     try:

@@ -14,7 +14,7 @@ supervisor listens, and when a report names its device while the daemon runs, it
 `SETTLE_S` (the cutting worker ends first; it could cut the next connection too) and hands the
 device a new connection to the daemon. A report that needs nothing (the crash's own, read
 after the takeover) costs one connection the driver drops: it takes one only in place of a
-dead one.
+dead one (DECISIONS.md D51).
 """
 
 from __future__ import annotations
