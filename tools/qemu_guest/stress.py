@@ -210,6 +210,11 @@ def gap_facts(run: boot.GuestRun) -> dict[str, Any]:
         # supervisor handed because the kernel reported the device's connection dead
         "reconnected": len(re.findall(r"block nbd\d+: reconnected socket", run.console)),
         "mended": sum("connection dead while daemon pid" in ln for ln in log.splitlines()),
+        # the daemon's connection cut on purpose after the workload (`guest_cut`)
+        "cut": {
+            k: (run.events.get("cut") or {}).get(k)
+            for k in ("served_after_s", "read_error", "error", "reconnected_before")
+        },
         # the supervisor SIGKILLed after the workload: the daemon's guard restored the timer
         "guard": {
             k: (run.events.get("guard") or {}).get(k)
