@@ -20,7 +20,8 @@ from duvm.memserver.connection import Connection
 from duvm.memserver.server import MemServer
 from duvm.wire import nbdconst as C
 from duvm.wire import pageproto as pp
-from duvm.wire.nbdproto import ExportInfo, Handshake, NbdProtocolError, TransmissionDecoder
+from duvm.wire.nbdhandshake import Handshake
+from duvm.wire.nbdproto import ExportInfo, NbdProtocolError, TransmissionDecoder
 from duvm.wire.pagedecode import HANDSHAKE_FRAME, NEED_DATA, Decoder
 from duvm.wire.pageencode import encode_bytes
 from hypothesis import HealthCheck, given, settings

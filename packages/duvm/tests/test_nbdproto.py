@@ -20,12 +20,10 @@ from duvm.node.daemon.nbdserver import transmission_flags
 from duvm.store.storage import Capabilities
 from duvm.wire import nbdconst as C
 from duvm.wire import nbdproto
+from duvm.wire.nbdhandshake import MAX_OPTION_DATA, Handshake, HandshakeState
 from duvm.wire.nbdproto import (
-    MAX_OPTION_DATA,
     BufferPool,
     ExportInfo,
-    Handshake,
-    HandshakeState,
     NbdProtocolError,
     Request,
     TransmissionDecoder,

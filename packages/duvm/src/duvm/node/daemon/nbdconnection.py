@@ -2,7 +2,7 @@
 phase (`duvm.node.daemon.nbd_transmission`), the hot path of every swap request.
 
 Each connection is an `asyncio.BufferedProtocol`. During the handshake it feeds bytes to a
-`nbdproto.Handshake` (a client that does not finish within the server's handshake timeout is
+`nbdhandshake.Handshake` (a client that does not finish within the server's handshake timeout is
 dropped); once transmission starts it hands every transport event to its `Transmission`, which
 decodes, dispatches and answers the requests.
 """
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from duvm.base.sockets import set_buffers
 from duvm.node.daemon.nbd_transmission import Transmission, transmission_type
-from duvm.wire.nbdproto import Handshake, HandshakeState, NbdProtocolError, transmission_decoder
+from duvm.wire.nbdhandshake import Handshake, HandshakeState
+from duvm.wire.nbdproto import NbdProtocolError, transmission_decoder
 
 if TYPE_CHECKING:
     from duvm.node.daemon.nbdserver import NBDServer
