@@ -24,10 +24,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 from duvm.node.attach import attach_state
-from duvm.node.lifecycle import control
+from duvm.node.lifecycle import control, resume
 from duvm.wire import nbdnetlink
 
-SETTLE_S = 0.02  # as `resume.HAND_RETRY_S`: lets the driver's workers run before a handing
+# the takeover's pause between handings, for the same reason: the driver's workers run first
+SETTLE_S = resume.HAND_RETRY_S
 
 
 class LinkEvents(Protocol):
