@@ -135,6 +135,7 @@ def start_memserver(
                 f"{host}:0",
                 "--capacity",
                 capacity,
+                "-v",  # each connection's start and end in the run's log
                 *auth,
             ],
             stdout=out,
@@ -474,9 +475,11 @@ def run_guest(
         killed_at: float | None = None
         stopped_at: float | None = None
         continue_at: float | None = None
+        tcp_log = HostTcpLog(work / "host_tcp.log", [s.port for s in servers], net)
         while qemu.poll() is None and time.monotonic() < t0 + timeout_s:
             time.sleep(1.0)
             now = time.monotonic()
+            tcp_log.poll(now - t0)
             if sysrq_due and now >= t0 + sysrq_due[0]:  # diagnostics, see --sysrq-at
                 sysrq_due.pop(0)
                 assert monitor is not None
@@ -524,6 +527,37 @@ def run_guest(
             net.close()
         if own_tmp:
             shutil.rmtree(work, ignore_errors=True)
+
+
+class HostTcpLog:
+    """Every few seconds, the host's side of the memservers' TCP connections (`ss -tin`: the
+    memserver's end and QEMU's user network's end, queues, retransmits, windows) appended to
+    `path`; when a guest's connections stall, this says which side stopped."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, path: Path, ports: list[int], net: TapNet | None) -> None:
+        self.path = path
+        self.ports = ports
+        self.prefix = net.exec_prefix() if net is not None else []
+        self._next = 0.0
+
+    def poll(self, t: float) -> None:
+        if not self.ports or t < self._next or shutil.which("ss") is None:
+            return
+        self._next = t + self.EVERY_S
+        match = " or ".join(f"sport = :{p} or dport = :{p}" for p in self.ports)
+        try:
+            out = subprocess.run(
+                [*self.prefix, "ss", "-tinoa", f"( {match} )"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            out = f"ss failed: {exc}\n"
+        with open(self.path, "a") as f:
+            f.write(f"--- t {t:.0f} s\n{out}")
 
 
 class Watchdog:

@@ -267,14 +267,35 @@ def watch_daemon() -> None:
     WATCHED["daemon"] = _state_pids("daemon.json", "pid")
 
 
+# /proc/net/tcp's state numbers (include/net/tcp_states.h)
+TCP_STATES = {
+    1: "est",
+    2: "syn-sent",
+    3: "syn-recv",
+    4: "fin-wait1",
+    5: "fin-wait2",
+    6: "time-wait",
+    7: "close",
+    8: "close-wait",
+    9: "last-ack",
+    10: "listen",
+    11: "closing",
+}
+
+
 def tcp_queues(ports: set[int]) -> str:
-    """send/receive queue bytes of the TCP connections to the memservers (/proc/net/tcp)."""
+    """Each TCP connection to the memservers (/proc/net/tcp): send/receive queue bytes, its
+    state where not established, and its unanswered retransmission timeouts where any (a
+    connection that lost its peer shows them climbing)."""
     out = []
     for line in (_read("/proc/net/tcp") or "").splitlines()[1:]:
         f = line.split()
-        if len(f) > 4 and int(f[2].split(":")[1], 16) in ports:
+        if len(f) > 6 and int(f[2].split(":")[1], 16) in ports:
             tx, rx = (int(x, 16) for x in f[4].split(":"))
-            out.append(f"{tx}/{rx}")
+            state, timeouts = int(f[3], 16), int(f[6], 16)
+            extra = "" if state == 1 else f" {TCP_STATES.get(state, state)}"
+            extra += f" rto{timeouts}" if timeouts else ""
+            out.append(f"{tx}/{rx}{extra}")
     snmp = (_read("/proc/net/snmp") or "").splitlines()
     tcp = [x.split() for x in snmp if x.startswith("Tcp:")]
     retrans = dict(zip(tcp[0], tcp[1], strict=False)).get("RetransSegs") if len(tcp) == 2 else None
