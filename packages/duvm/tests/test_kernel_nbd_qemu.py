@@ -79,7 +79,7 @@ def guest_run() -> Any:
             swap_size=SWAP,
             capacity=SWAP,
             memservers=1,
-            mem_mib=512,  # room for the standby (twice its own memory, D48) beside all else
+            mem_mib=512,  # room for the standby (1.5x its own memory, D48) beside all else
             timeout_s=QEMU_DEADLINE_S,
             kill_at_pct=KILL_AT_PCT,
         )

@@ -489,7 +489,7 @@ def test_no_standby_is_started_while_memory_is_short_and_that_is_said_once(tmp_p
     # ... and recorded, so that `duvm enable` warns and `duvm status` says why
     why = supervisor_process.standby_status(tmp_path)
     assert why is not None and why["pid"] is None
-    assert why["none"].startswith("1024 KiB available, ") and "KiB wanted (2 x" in why["none"]
+    assert why["none"].startswith("1024 KiB available, ") and "KiB wanted (1.5 x" in why["none"]
     assert no_standby(tmp_path, wait_s=0) == why["none"]
     shown = control.format_status(control.status(tmp_path))
     assert f"standby: none ({why['none']}): a crash starts a new daemon" in shown
@@ -498,6 +498,36 @@ def test_no_standby_is_started_while_memory_is_short_and_that_is_said_once(tmp_p
     assert starts == [os.getpid()]
     assert said[-1] == "no standby: it cannot be started (not started in this test)"
     assert no_standby(tmp_path, wait_s=0) == "it cannot be started: not started in this test"
+
+
+def test_a_standby_is_started_where_half_its_memory_stays_available_beside_it(
+    tmp_path: Path,
+) -> None:
+    """The bound itself: a standby expected to add 40,000 KiB (what the last one held) starts
+    at 60,000 KiB available, not at 59,999. Catches the old bound (twice its memory: the 384
+    MiB RDMA guest, 79 MiB available against 83 wanted, then had none and waited seconds for a
+    new daemon at a crash) and a bound below one and a half (the standby would leave the node
+    less than half its size)."""
+    starts: list[int] = []
+
+    def spawn(state_dir: Path, daemon: control.DaemonInfo) -> standby_process.Standby:
+        starts.append(daemon.pid)
+        raise OSError("not started in this test")
+
+    free = [59_999]
+    spares = standby_process.Spares(
+        tmp_path, lambda _: None, spawn=spawn, available=lambda: free[0], retry_s=0
+    )
+    spares.last_ready_anon_kib = 40_000
+    me = control.DaemonInfo(os.getpid(), "s", [], 1, 1, "l", 0.0)
+    spares.tend(me)
+    assert starts == []
+    assert no_standby(tmp_path, wait_s=0) == (
+        "59999 KiB available, 60000 KiB wanted (1.5 x a standby's own memory)"
+    )
+    free[0] = 60_000
+    spares.tend(me)
+    assert starts == [os.getpid()]
 
 
 def test_a_standby_starting_is_recorded_at_once(tmp_path: Path) -> None:

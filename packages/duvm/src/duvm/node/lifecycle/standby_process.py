@@ -17,9 +17,11 @@ noticed at once, and another is started after `RETRY_S`.
 A standby costs about the daemon's own memory. It is started only when ``MemAvailable`` is
 at least `HEADROOM` times what it is expected to add (the anonymous memory the last one held
 when ready, else the daemon's plus the heap a standby keeps; the files it maps are the
-daemon's too): on a node already short of memory the slow path (a new daemon) is left, and
-another try comes `RETRY_S` later. After a takeover the next standby is started
-the same way, so never before the device is served again.
+daemon's too), so that half a standby's memory stays available beside it: on a node already
+that short the slow path (a new daemon) is left, and another try comes `RETRY_S` later. Not
+more: a restart the slow way needs about the same memory, at the worst moment (D48, D50).
+After a takeover the next standby is started the same way, so never before the device is
+served again.
 
 What `duvm status` shows comes from ``STATE_DIR/standby.json``, written by the supervisor only
 while a daemon serves (a file on /run may be swapped out while none does): the standby from
@@ -50,7 +52,7 @@ from duvm.wire.nbdguard import TimerGuard
 
 T = TypeVar("T")
 
-HEADROOM = 2  # MemAvailable must hold this many standbys of the expected size
+HEADROOM = 1.5  # MemAvailable must hold this many standbys of the expected size
 HEAP_RESERVE_MIB = 8  # the heap a standby keeps for its takeover (duvm.node.daemon.standby)
 RETRY_S = 10.0  # between tries to start one (memory short, or the last one ended)
 READY_TIMEOUT_S = 120.0  # a standby not ready by then is stopped (Python under TCG: ~5 s)
@@ -323,10 +325,10 @@ class Spares:
         own = self.last_ready_anon_kib or (
             (pressure.rss_kib(daemon.pid, "RssAnon") or 0) + (HEAP_RESERVE_MIB << 10)
         )
-        need = HEADROOM * own
+        need = int(HEADROOM * own)
         have = self._available()
         if have is not None and have < need:
-            why = f"{have} KiB available, {need} KiB wanted ({HEADROOM} x a standby's own memory)"
+            why = f"{have} KiB available, {need} KiB wanted ({HEADROOM:g} x a standby's own memory)"
             self._note(
                 "memory",
                 f"no standby: {why}; a crash now starts a new daemon. Trying again every "
