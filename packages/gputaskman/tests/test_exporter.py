@@ -21,7 +21,8 @@ import pytest
 from gputaskman.base.readings import Kind, ModelRef, Reading, Reason
 from gputaskman.cli import serve
 from gputaskman.intel.llm import LlmView, ViewPart
-from gputaskman.render.exporter import Cached, SnapshotCollector, metric_name
+from gputaskman.render.exporter import Cached, SnapshotCollector
+from gputaskman.render.exporter_families import metric_name
 from gputaskman.sampling.host import HostSampler
 from gputaskman.serve import server
 from hypothesis import given

@@ -16,16 +16,13 @@ from gputaskman.document.reader import read_document
 from gputaskman.fixtures.demo import TAKEN, demo_snapshot, unavailable_snapshot
 from gputaskman.fleet.promapi import Sample
 from gputaskman.fleet.promdoc import host_document, snapshot_document
-from gputaskman.fleet.promseries import (
-    CPU_KEYS,
-    MEMORY_KEYS,
-    NO_SERIES,
-    NOT_EXPORTED,
-    host_sample,
-)
+from gputaskman.fleet.promreadings import NO_SERIES, NOT_EXPORTED
+from gputaskman.fleet.promseries import host_sample
+from gputaskman.fleet.promsystem import CPU_KEYS, MEMORY_KEYS
 from gputaskman.offline.recordloop import as_served
 from gputaskman.render import report
-from gputaskman.render.exporter import Cached, metric_name, snapshot_families
+from gputaskman.render.exporter import Cached, snapshot_families
+from gputaskman.render.exporter_families import metric_name
 from gputaskman.sampling import host
 from gputaskman.serve.sources import DemoSource
 from hypothesis import given, settings

@@ -21,7 +21,7 @@ from gputaskman.base import schema
 from gputaskman.base.gpusource import GpuSample, GpuSource
 from gputaskman.base.readings import Reason
 from gputaskman.render import report, text_report
-from gputaskman.render.exporter import system_families
+from gputaskman.render.exporter_system import system_families
 from gputaskman.render.report_models import system_json
 from gputaskman.sampling import collector, host, hostplat
 

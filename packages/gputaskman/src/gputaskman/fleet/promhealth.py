@@ -19,7 +19,8 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from gputaskman.base.gpuhealth import HEALTH_FIELDS
-from gputaskman.base.readings import Kind, MigInstance, MigState, ProcGpu, Reading, Reason
+from gputaskman.base.readings import Kind, MigInstance, MigState, ProcGpu, Reading
+from gputaskman.fleet.promreadings import KINDS, absent
 from gputaskman.render.exporter_health import (
     HEALTH_PREFIX,
     MIG_INFO,
@@ -29,9 +30,6 @@ from gputaskman.render.exporter_health import (
     UNHEALTHY_SERIES,
 )
 
-SOURCE = "prometheus"
-NO_SERIES = "no series in Prometheus"
-KINDS = {k.value: k for k in Kind}
 DERIVED = ("gputaskman_mig_attributed_bytes", "gputaskman_mig_attributed_complete")
 # what the fleet table needs of each host (its unhealthy flag): a regex for `promseries`
 TABLE_PATTERN = f"{HEALTH_PREFIX}.+"
@@ -45,10 +43,6 @@ class Builder(Protocol):
     def reading(
         self, name: str, value: float, kind: Kind, scale: float = 1, adapter: str | None = None
     ) -> Reading: ...
-
-
-def _absent(name: str) -> Reading:
-    return Reading.missing(Reason.UNAVAILABLE, f"{SOURCE}:{name}", NO_SERIES)
 
 
 def _ids(labels: Mapping[str, str]) -> tuple[int, int] | None:
@@ -100,7 +94,7 @@ class HealthSeries:
         for pci in gpus:
             got = self.health.get(pci)
             if got:
-                known = {k: got.get(k) or _absent(f"{HEALTH_PREFIX}{k}") for k in HEALTH_FIELDS}
+                known = {k: got.get(k) or absent(f"{HEALTH_PREFIX}{k}") for k in HEALTH_FIELDS}
                 out[pci] = {**known, **got}
         return out
 
@@ -116,12 +110,12 @@ class HealthSeries:
                     gi,
                     ci,
                     got.get("uuid"),  # type: ignore[arg-type]
-                    got.get("memory_total_bytes") or _absent("gputaskman_mig_memory_total_bytes"),  # type: ignore[arg-type]
-                    got.get("memory_used_bytes") or _absent("gputaskman_mig_memory_used_bytes"),  # type: ignore[arg-type]
+                    got.get("memory_total_bytes") or absent("gputaskman_mig_memory_total_bytes"),  # type: ignore[arg-type]
+                    got.get("memory_used_bytes") or absent("gputaskman_mig_memory_used_bytes"),  # type: ignore[arg-type]
                 )
                 for (gi, ci), got in sorted(found.items())
             )
-            out[pci] = MigState(self.modes.get(pci) or _absent(MIG_MODE), instances)
+            out[pci] = MigState(self.modes.get(pci) or absent(MIG_MODE), instances)
         return out
 
     def placed(self, key: ProcKey, row: ProcGpu) -> ProcGpu:

@@ -1,5 +1,5 @@
 """A process row's host memory and owner rebuilt from the series its serve exported
-(`render.exporter`): ``gputaskman_process_{swapped,locked,pinned}_bytes`` into a
+(`render.exporter_owners`): ``gputaskman_process_{swapped,locked,pinned}_bytes`` into a
 `readings.ProcMemory` and ``gputaskman_process_owner_info``'s labels into a `readings.Owner`,
 for `promseries`.
 
@@ -13,18 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gputaskman.base.readings import Owner, ProcMemory, Reading, Reason
+from gputaskman.base.readings import Owner, ProcMemory, Reading
+from gputaskman.fleet.promreadings import absent
 
 OWNER_INFO = "gputaskman_process_owner_info"
 # the series' word -> the slot `promseries` keeps its reading in
 MEMORY_SERIES = {"swapped": "swapped", "locked": "locked", "pinned": "pinned"}
-NO_SERIES = "no series in Prometheus"
-_ABSENT = {
-    slot: Reading.missing(
-        Reason.UNAVAILABLE, f"prometheus:gputaskman_process_{slot}_bytes", NO_SERIES
-    )
-    for slot in MEMORY_SERIES.values()
-}
+_ABSENT = {slot: absent(f"gputaskman_process_{slot}_bytes") for slot in MEMORY_SERIES.values()}
 
 
 def memory_from(readings: Mapping[str, Reading], swapped_to: str | None) -> ProcMemory | None:

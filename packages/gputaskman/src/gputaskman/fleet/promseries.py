@@ -31,11 +31,12 @@ What the series carry, and so what comes back:
   row's MIG instance (`promhealth`).
 * The system panel (the document's ``system`` object) from ``gputaskman_system_*``: RAM total,
   available, used and cached, swap total and used, CPU busy percent (each named by its kind,
-  as `exporter.SYSTEM_MEMORY` and `exporter.SYSTEM_SWAP` list them), and each swap device's
-  size and used bytes (``gputaskman_system_swap_device_*``, by file name and type, in name
-  order: the exporter does not keep /proc/swaps's; without a device series the list is
-  ``null``, "no series in Prometheus", since no swap and unknown look alike). A host that
-  exported none of these has no ``system`` object (``null``), as when its serve had none.
+  as `exporter_system.SYSTEM_MEMORY` and `exporter_system.SYSTEM_SWAP` list them), and each
+  swap device's size and used bytes (``gputaskman_system_swap_device_*``, by file name and
+  type, in name order: the exporter does not keep /proc/swaps's; without a device series the
+  list is ``null``, "no series in Prometheus", since no swap and unknown look alike). A host that
+  exported none of these has no ``system`` object (``null``), as when its serve had none
+  (`promsystem`).
 * The sample's time (``gputaskman_sample_timestamp_seconds``), the backend's state
   (``gputaskman_backend_up``), its name and driver version (``gputaskman_backend_info``) and
   the sample's problems (``gputaskman_sample_problems``) with the GPU each concerns, so a
@@ -82,20 +83,18 @@ from gputaskman.base.readings import (
     Snapshot,
     checked_reading,
 )
-from gputaskman.document.doctypes import SwapDeviceDoc, SwapDoc, SystemDoc
 from gputaskman.fleet.promapi import Sample
 from gputaskman.fleet.promhealth import TABLE_PATTERN, HealthSeries
 from gputaskman.fleet.promowner import MEMORY_SERIES, OWNER_INFO, memory_from, owner_from
+from gputaskman.fleet.promreadings import KINDS, NO_SERIES, NOT_EXPORTED, SOURCE, absent
+from gputaskman.fleet.promsystem import SWAP_DEVICE_SERIES, SYSTEM_SERIES, system_doc
 from gputaskman.offline.recorded import RecordedSystem
-from gputaskman.render.exporter import DEVICE_FIELDS, SYSTEM_MEMORY, SYSTEM_SWAP, metric_name
+from gputaskman.render.exporter import DEVICE_FIELDS
+from gputaskman.render.exporter_families import metric_name
 
-SOURCE = "prometheus"
-NO_SERIES = "no series in Prometheus"
-NOT_EXPORTED = "not exported to Prometheus"
 PROBLEM_DETAIL = "detail not exported to Prometheus"
 WHERE = "prometheus"
 TIMESTAMP = "gputaskman_sample_timestamp_seconds"
-KINDS = {k.value: k for k in Kind}
 REASONS = {r.value: r for r in Reason}
 # a series name -> (DeviceMetrics field, its kind, what its value is divided by)
 DEVICE_SERIES: dict[str, tuple[str, Kind, float]] = {
@@ -110,35 +109,6 @@ _MEASURED_NAME = {
 _PROC_MEMORY = {"vram": "dedicated", "paged": "paged", "footprint": "footprint", **MEMORY_SERIES}
 # a process's host readings: the series' word -> (the document's key, the series' unit)
 _PROC_HOST = {"ram": ("ram_bytes", "bytes"), "cpu": ("cpu_percent", "percent")}
-# the system object's keys, as a host sampler writes them (`host.MemoryInfo`, `host.CpuInfo`)
-MEMORY_KEYS = (
-    "total_bytes",
-    "available_bytes",
-    "used_bytes",
-    "free_bytes",
-    "cached_bytes",
-    "buffers_bytes",
-    "shared_bytes",
-)
-CPU_KEYS = ("logical_cpus", "load_1", "load_5", "load_15", "percent")
-SWAP_KEYS = ("total_bytes", "free_bytes", "used_bytes")
-# a system series' name -> (the system object's section, its key there, the kind)
-_SYSTEM_BYTES = [("memory", n) for n in SYSTEM_MEMORY] + [("swap", n) for n in SYSTEM_SWAP]
-SYSTEM_SERIES: dict[str, tuple[str, str, Kind]] = {
-    metric_name(f"gputaskman_system_{sec}_{n}", "bytes", k): (sec, f"{n}_bytes", k)
-    for sec, n in _SYSTEM_BYTES
-    for k in Kind
-} | {metric_name("gputaskman_system_cpu", "percent", k): ("cpu", "percent", k) for k in Kind}
-_SYSTEM_MEASURED = {
-    (section, key): name
-    for name, (section, key, kind) in SYSTEM_SERIES.items()
-    if kind is Kind.MEASURED
-}
-# a swap device's series (always measured: the exporter writes /proc/swaps's numbers)
-SWAP_DEVICE_SERIES = {
-    "gputaskman_system_swap_device_size_bytes": "size_bytes",
-    "gputaskman_system_swap_device_used_bytes": "used_bytes",
-}
 _PROC_NAME = re.compile(
     r"gputaskman_process_(\w+?)(?:_(inferred|estimated|runtime))?_(bytes|percent)"
 )
@@ -248,10 +218,7 @@ class _Builder:
 
 
 # a reading without a series: immutable, so one object per field serves every host
-_ABSENT = {
-    fld: Reading.missing(Reason.UNAVAILABLE, f"{SOURCE}:{name}", NO_SERIES)
-    for fld, name in _MEASURED_NAME.items()
-}
+_ABSENT = {fld: absent(name) for fld, name in _MEASURED_NAME.items()}
 
 
 def _pid(text: str) -> tuple[int, str | None] | None:
@@ -352,7 +319,7 @@ def host_sample(samples: Iterable[Sample], *, note: str) -> tuple[Snapshot, Reco
             Problem("backend", Reason.UNAVAILABLE, "gputaskman_backend_up is 0"),
         )
     processes = tuple(hm.placed(key, _proc_gpu(p)) for key, p in procs.items())
-    host = RecordedSystem(_system_doc(b, system, swap_devices), _host_readings(procs))
+    host = RecordedSystem(system_doc(b, system, swap_devices), _host_readings(procs))
     snapshot = Snapshot(
         taken=taken if taken is not None and math.isfinite(taken) and taken > 0 else 0.0,
         backend=backend,
@@ -387,69 +354,6 @@ def _unexplained(snapshot: Snapshot, incomplete: set[str]) -> Snapshot:
     return dataclasses.replace(snapshot, problems=snapshot.problems + more) if more else snapshot
 
 
-def _not_over(
-    b: _Builder, rs: dict[str, Reading], used: str, total: str, what: str = "the total"
-) -> None:
-    """Refuses ``rs[used]`` when it is over ``rs[total]`` (memory no host can have used)."""
-    u, t = rs.get(used), rs.get(total)
-    if u is None or t is None or u.value is None or t.value is None or u.value <= t.value:
-        return
-    name = u.source.removeprefix(f"{SOURCE}:")
-    rs[used] = b.impossible(name, float(u.value), u.kind, None, f": over {what} of {t.value:g}")
-
-
-_NOT_EXPORTED = Reading.missing(Reason.UNAVAILABLE, SOURCE, NOT_EXPORTED)
-
-
-def _absent(name: str) -> Reading:
-    return Reading.missing(Reason.UNAVAILABLE, f"{SOURCE}:{name}", NO_SERIES)
-
-
-def _section(got: dict[str, Reading], section: str, keys: tuple[str, ...]) -> dict[str, Reading]:
-    """Every key of a system section: its series' reading, unknown without one."""
-    out = {}
-    for key in keys:
-        r = got.get(key)
-        if r is None:
-            name = _SYSTEM_MEASURED.get((section, key))
-            r = _NOT_EXPORTED if name is None else _absent(name)
-        out[key] = r
-    return out
-
-
-def _system_doc(
-    b: _Builder,
-    parts: dict[str, dict[str, Reading]],
-    devices: dict[tuple[str, str], dict[str, Reading]],
-) -> SystemDoc | None:
-    if not parts and not devices:
-        return None
-    memory, swap, cpu = parts.get("memory", {}), parts.get("swap", {}), parts.get("cpu", {})
-    _not_over(b, memory, "used_bytes", "total_bytes")
-    _not_over(b, swap, "used_bytes", "total_bytes")
-    busy = cpu.get("percent")
-    if busy is not None and busy.value is not None and busy.value > 100:
-        name = busy.source.removeprefix(f"{SOURCE}:")
-        why = ": over 100 percent of all CPUs"
-        cpu["percent"] = b.impossible(name, float(busy.value), busy.kind, None, why)
-    listed = []
-    for (filename, swap_type), rs in sorted(devices.items()):
-        _not_over(b, rs, "used_bytes", "size_bytes", "the size")
-        size = rs.get("size_bytes") or _absent("gputaskman_system_swap_device_size_bytes")
-        used = rs.get("used_bytes") or _absent("gputaskman_system_swap_device_used_bytes")
-        listed.append(SwapDeviceDoc(filename, swap_type, size, used, _NOT_EXPORTED))
-    return SystemDoc(
-        None,  # the host sample's own time is not exported
-        _section(memory, "memory", MEMORY_KEYS),
-        SwapDoc(
-            *_section(swap, "swap", SWAP_KEYS).values(),
-            tuple(listed) if devices else None,
-            None if devices else NO_SERIES,
-        ),
-        _section(cpu, "cpu", CPU_KEYS),
-    )
-
-
 def _host_readings(procs: Mapping[tuple[str, str, str], _Proc]) -> dict[tuple, dict[str, Reading]]:
     """Each of this host's processes' RAM and CPU readings (a process on two GPUs has the
     same ones in both rows), unknown without a series; by (PID, start time) as a host
@@ -465,7 +369,7 @@ def _host_readings(procs: Mapping[tuple[str, str, str], _Proc]) -> dict[tuple, d
     for got in out.values():
         for what, (key, unit) in _PROC_HOST.items():
             if key not in got:
-                got[key] = _absent(f"gputaskman_process_{what}_{unit}")
+                got[key] = absent(f"gputaskman_process_{what}_{unit}")
     return out
 
 

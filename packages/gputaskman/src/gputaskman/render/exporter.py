@@ -40,16 +40,9 @@ the macOS physical footprint (CPU and GPU memory together: unified memory, not V
 is part of ``gputaskman_process_vram_bytes`` or of any attributed sum, and a backend that does
 not measure them (NVML, DRM) exports no series at all, never 0.
 
-What of a process is out of RAM or held in it (``/proc/PID/status``, `procfacts`):
-``gputaskman_process_swapped_bytes`` (VmSwap, with ``swapped_to="pool"`` when duvm's device
-is the node's only active swap device, else ``"swap"``), ``gputaskman_process_locked_bytes``
-(VmLck) and ``gputaskman_process_pinned_bytes`` (VmPin). Who owns it:
-``gputaskman_process_owner_info`` (`OWNER_INFO_LABELS`: the cgroup path, user, pod UID,
-namespace and name where a local source gave them, container ID and runtime, Slurm job and
-step, systemd unit, session; empty where the path names none), one per row whose cgroup was
-read; and the totals by owner, ``gputaskman_owner_vram_bytes`` (measured VRAM only),
-``gputaskman_owner_vram_complete`` and ``gputaskman_owner_processes``, labelled ``by``
-(user, pod, job), ``owner``, ``state`` (named, none, unknown: the unknown counted apart).
+What of a process is out of RAM or held in it (swapped, locked, pinned bytes), who owns it,
+and the totals by owner: `exporter_owners`. The host sample's RAM, swap, CPU and duvm pool:
+`exporter_system`. The families, the naming rule and the shared labels: `exporter_families`.
 
 A GPU's health readings, its health verdict and its MIG instances, and a row's MIG instance:
 `exporter_health` (``gputaskman_gpu_health_*``, ``gputaskman_gpu_unhealthy``,
@@ -66,35 +59,17 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gputaskman.base.frozen import fields_of
-from gputaskman.base.owners import owner_totals
-from gputaskman.base.readings import Adapter, Kind, ProcGpu, Reading, Snapshot
+from gputaskman.base.readings import Adapter, ProcGpu, Snapshot
 from gputaskman.render import exporter_health
+from gputaskman.render.exporter_families import GPU_LABELS, PROC_LABELS, Families, info_series
+from gputaskman.render.exporter_owners import owner_totals_families, process_memory_and_owner
+from gputaskman.render.exporter_system import system_families
 from gputaskman.render.report_models import breakdown_totals, breakdown_view
 from gputaskman.sampling.host import SystemInfo
 
-GPU_LABELS = ("gpu", "pci_bus_id", "uuid", "gpu_name")
-PROC_LABELS = ("pid", "name", *GPU_LABELS)
 PROC_INFO_LABELS = ("contexts", "parent_pid", "inferred_unique")
 MODEL_INFO_LABELS = ("model_name", "evidence", "confirmed")
 PROBLEM_LABELS = ("where", "reason", "gpu", "pci_bus_id")
-# `readings.Owner` fields exported as labels of gputaskman_process_owner_info
-OWNER_INFO_LABELS = (
-    "cgroup",
-    "user",
-    "pod_uid",
-    "pod_namespace",
-    "pod_name",
-    "qos",
-    "container_id",
-    "container_runtime",
-    "slurm_job",
-    "slurm_step",
-    "unit",
-    "user_unit",
-    "session",
-)
-OWNER_TOTAL_LABELS = ("by", "owner", "state", "pod_namespace", "pod_name")
-
 # DeviceMetrics field -> (metric base name, unit suffix, scale, help)
 DEVICE_FIELDS: dict[str, tuple[str, str, float, str]] = {
     "memory_total_bytes": ("gputaskman_gpu_memory_total", "bytes", 1, "GPU memory size"),
@@ -123,19 +98,6 @@ DEVICE_FIELDS: dict[str, tuple[str, str, float, str]] = {
 }
 
 
-# the host sample's numbers `system_families` exports, by the system object's section: the
-# series ``gputaskman_system_<section>_<name>_bytes`` (and ``gputaskman_system_cpu_percent``)
-SYSTEM_MEMORY = ("total", "available", "used", "cached")
-SYSTEM_SWAP = ("total", "used")
-
-
-def metric_name(base: str, unit: str, kind: Kind) -> str:
-    """``base_unit`` for measured values, ``base_<kind>_unit`` for every other kind."""
-    if kind is Kind.MEASURED:
-        return f"{base}_{unit}" if unit else base
-    return f"{base}_{kind.value}_{unit}" if unit else f"{base}_{kind.value}"
-
-
 @dataclass(frozen=True)
 class Cached:
     """One sample as the sampling thread left it."""
@@ -144,45 +106,6 @@ class Cached:
     system: SystemInfo | None
     sampled_at: float  # time.time() when the sample finished
     duration_s: float
-
-
-class _Families:
-    """Gauge families by name, created on first use with the labels they need."""
-
-    def __init__(self) -> None:
-        self.fams: dict[str, GaugeMetricFamily] = {}
-
-    def add(
-        self,
-        name: str,
-        doc: str,
-        labels: tuple[str, ...],
-        values: tuple[str, ...],
-        value: float,
-        kind: Kind = Kind.MEASURED,
-    ) -> None:
-        fam = self.fams.get(name)
-        if fam is None:
-            fam = self.fams[name] = GaugeMetricFamily(name, doc, labels=[*labels, "provenance"])
-        fam.add_metric([*values, kind.value], value)
-
-    def reading(
-        self,
-        base: str,
-        unit: str,
-        doc: str,
-        labels: tuple[str, ...],
-        values: tuple[str, ...],
-        r: Reading | None,
-        scale: float = 1,
-    ) -> None:
-        """Export `r` under the name of its kind; nothing when unknown."""
-        if r is None or r.value is None:
-            return
-        kind_doc = "" if r.kind is Kind.MEASURED else f" ({r.kind.value}, not measured)"
-        self.add(
-            metric_name(base, unit, r.kind), doc + kind_doc, labels, values, r.value * scale, r.kind
-        )
 
 
 def _gpu_values(a: Adapter | None) -> tuple[str, ...]:
@@ -200,16 +123,6 @@ def engine_metric(engine: str) -> str:
     """The series of a process's engine share: the document's ``gpu_percent`` is
     ``gputaskman_process_gpu_utilization`` (plus the kind and ``_percent``)."""
     return f"gputaskman_process_{engine.removesuffix('_percent')}_utilization"
-
-
-def _info(
-    f: _Families, name: str, doc: str, labels: tuple[str, ...], values: tuple[str, ...]
-) -> None:
-    """One series of value 1 whose labels are the facts (the Prometheus info convention)."""
-    fam = f.fams.get(name)
-    if fam is None:
-        fam = f.fams[name] = GaugeMetricFamily(name, doc, labels=list(labels))
-    fam.add_metric(list(values), 1)
 
 
 def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
@@ -257,7 +170,7 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
         fam_problems.add_metric(list(key), n)
     yield fam_problems
 
-    f = _Families()
+    f = Families()
     for a in snap.adapters:
         gv = _gpu_values(a)
         info = f.fams.get("gputaskman_gpu_info")
@@ -308,7 +221,7 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
                 "" if p.parent_pid is None else str(p.parent_pid),
                 "true" if p.unique else "false",
             )
-            _info(
+            info_series(
                 f,
                 "gputaskman_process_info",
                 "One per process row (a process on two GPUs has two): the row's facts",
@@ -317,7 +230,7 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
             )
             if p.model is not None:
                 m = p.model
-                _info(
+                info_series(
                     f,
                     "gputaskman_process_model_info",
                     "The model a process holds, with "
@@ -377,7 +290,7 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
             pv,
             host.get("cpu_percent"),
         )
-        _process_memory_and_owner(f, p, pv)
+        process_memory_and_owner(f, p, pv)
         exporter_health.process_families(f, p, PROC_LABELS, pv)  # its MIG instance
         view = breakdown_view(p.breakdown)
         if view is not None:
@@ -405,165 +318,10 @@ def snapshot_families(c: Cached, now: float | None = None) -> Iterator[Metric]:
                     (*pv, base),
                     r,
                 )
-    _owner_totals(f, snap)
+    owner_totals_families(f, snap)
     yield from f.fams.values()
     if system is not None:
         yield from system_families(system)
-
-
-def _process_memory_and_owner(f: _Families, p: ProcGpu, pv: tuple[str, ...]) -> None:
-    """A row's swapped / locked / pinned bytes and its owner's info series (`procfacts`)."""
-    m = p.memory
-    if m is not None:
-        f.reading(
-            "gputaskman_process_swapped",
-            "bytes",
-            "Process memory swapped out (VmSwap); swapped_to=pool: duvm's device is the "
-            "only active swap device",
-            (*PROC_LABELS, "swapped_to"),
-            (*pv, m.swapped_to or ""),
-            m.swapped,
-        )
-        f.reading(
-            "gputaskman_process_locked",
-            "bytes",
-            "Process memory locked with mlock (VmLck): never swapped",
-            PROC_LABELS,
-            pv,
-            m.locked,
-        )
-        f.reading(
-            "gputaskman_process_pinned",
-            "bytes",
-            "Process memory pinned by the kernel (VmPin: devices, RDMA, io_uring): never swapped",
-            PROC_LABELS,
-            pv,
-            m.pinned,
-        )
-    o = p.owner
-    if o is not None and o.cgroup is not None:
-        _info(
-            f,
-            "gputaskman_process_owner_info",
-            "Who owns a process row, as its cgroup names it (empty: not named)",
-            PROC_LABELS + OWNER_INFO_LABELS,
-            (*pv, *(_label(getattr(o, k)) for k in OWNER_INFO_LABELS)),
-        )
-
-
-def _label(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return "" if v is None else str(v)
-
-
-def _owner_totals(f: _Families, snap: Snapshot) -> None:
-    """Measured VRAM summed by user, pod and job (`owners.owner_totals`); an owner whose rows
-    had no measured VRAM has no bytes series, and ``state="unknown"`` counts apart."""
-    for t in owner_totals(snap):
-        lv = (t.by, t.owner or "", t.state, t.pod_namespace or "", t.pod_name or "")
-        if t.attributed_bytes is not None:
-            f.add(
-                "gputaskman_owner_vram_bytes",
-                "Measured process VRAM summed by owner (by=user|pod|job)",
-                OWNER_TOTAL_LABELS,
-                lv,
-                t.attributed_bytes,
-            )
-        f.add(
-            "gputaskman_owner_vram_complete",
-            "1 if every row of the owner had measured VRAM (else its sum is a lower bound)",
-            OWNER_TOTAL_LABELS,
-            lv,
-            1 if t.complete else 0,
-        )
-        f.add(
-            "gputaskman_owner_processes",
-            "Process rows with a GPU context, by owner",
-            OWNER_TOTAL_LABELS,
-            lv,
-            len(t.pids),
-        )
-
-
-def system_families(system: SystemInfo) -> Iterator[Metric]:
-    """RAM, swap devices, CPU (OS-measured) and the duvm pool (runtime) of the host sample."""
-    f = _Families()
-    m, s, c = system.memory, system.swap, system.cpu
-    memory, swap = fields_of(m), fields_of(s)
-    for name in SYSTEM_MEMORY:
-        r = memory[f"{name}_bytes"]
-        f.reading(f"gputaskman_system_memory_{name}", "bytes", f"System RAM {name}", (), (), r)
-    for name in SYSTEM_SWAP:
-        r = swap[f"{name}_bytes"]
-        f.reading(f"gputaskman_system_swap_{name}", "bytes", f"Swap {name}", (), (), r)
-    f.reading("gputaskman_system_cpu", "percent", "CPU busy, all CPUs", (), (), c.percent)
-    for d in s.devices or ():
-        lv = (d.filename, d.type)
-        if d.size_bytes is not None:
-            f.add(
-                "gputaskman_system_swap_device_size_bytes",
-                "Swap device size",
-                ("device", "type"),
-                lv,
-                d.size_bytes,
-            )
-        if d.used_bytes is not None:
-            f.add(
-                "gputaskman_system_swap_device_used_bytes",
-                "Swap device used",
-                ("device", "type"),
-                lv,
-                d.used_bytes,
-            )
-    pool = system.duvm
-    if pool is not None:
-        for d in pool.daemons:
-            f.add(
-                "gputaskman_duvm_pool_health",
-                "duvm pool health from the daemon (1 on the current state)",
-                ("socket", "state"),
-                (d.socket, d.health),
-                1,
-                Kind.RUNTIME,
-            )
-            for p in d.peers:
-                f.reading(
-                    "gputaskman_duvm_peer_pages",
-                    "bytes",
-                    "This node's pages held by a duvm peer",
-                    ("socket", "peer"),
-                    (d.socket, p.peer),
-                    p.pages,
-                    4096,
-                )
-        for ln in pool.lending:
-            f.reading(
-                "gputaskman_duvm_lent",
-                "bytes",
-                "RAM this node's memserver holds for clients",
-                ("socket",),
-                (ln.socket,),
-                ln.used_bytes,
-            )
-            f.reading(
-                "gputaskman_duvm_lend_capacity",
-                "bytes",
-                "This node's memserver capacity",
-                ("socket",),
-                (ln.socket,),
-                ln.capacity_bytes,
-            )
-            for b in ln.borrowers:
-                f.reading(
-                    "gputaskman_duvm_lent_to",
-                    "bytes",
-                    "RAM lent to one client",
-                    ("socket", "client_id"),
-                    (ln.socket, b.client_id),
-                    b.stored_bytes,
-                )
-    yield from f.fams.values()
 
 
 class SnapshotCollector(Collector):

@@ -22,12 +22,9 @@ Series (each with the GPU's labels, ``gpu``, ``pci_bus_id``, ``uuid``, ``gpu_nam
 
 from __future__ import annotations
 
-from typing import Protocol
-
-from prometheus_client.core import GaugeMetricFamily
-
 from gputaskman.base.gpuhealth import HEALTH_FIELDS, OK, UNHEALTHY, instance_attributed, verdict
-from gputaskman.base.readings import Kind, ProcGpu, Reading, Snapshot
+from gputaskman.base.readings import ProcGpu, Snapshot
+from gputaskman.render.exporter_families import Families, info_series
 
 HEALTH_PREFIX = "gputaskman_gpu_health_"
 UNHEALTHY_SERIES = "gputaskman_gpu_unhealthy"
@@ -40,40 +37,6 @@ MIG_READINGS = {
     "gputaskman_mig_memory_total_bytes": "memory_total_bytes",
     "gputaskman_mig_memory_used_bytes": "memory_used_bytes",
 }
-
-
-class Families(Protocol):
-    """What `exporter._Families` offers (gauge families by name, made on first use)."""
-
-    fams: dict[str, GaugeMetricFamily]
-
-    def add(
-        self,
-        name: str,
-        doc: str,
-        labels: tuple[str, ...],
-        values: tuple[str, ...],
-        value: float,
-        kind: Kind = Kind.MEASURED,
-    ) -> None: ...
-
-    def reading(
-        self,
-        base: str,
-        unit: str,
-        doc: str,
-        labels: tuple[str, ...],
-        values: tuple[str, ...],
-        r: Reading | None,
-        scale: float = 1,
-    ) -> None: ...
-
-
-def _info(f: Families, name: str, doc: str, labels: tuple[str, ...], values: tuple[str, ...]):
-    fam = f.fams.get(name)
-    if fam is None:
-        fam = f.fams[name] = GaugeMetricFamily(name, doc, labels=list(labels))
-    fam.add_metric(list(values), 1)
 
 
 def gpu_families(
@@ -101,7 +64,7 @@ def gpu_families(
     for inst in mig.instances:
         iv = (*gv, str(inst.gpu_instance_id), str(inst.compute_instance_id))
         il = (*labels, *MIG_LABELS)
-        _info(f, MIG_INFO, "One per MIG instance", (*il, "mig_uuid"), (*iv, inst.uuid or ""))
+        info_series(f, MIG_INFO, "One per MIG instance", (*il, "mig_uuid"), (*iv, inst.uuid or ""))
         for name, fld in MIG_READINGS.items():
             r = getattr(inst, fld)
             f.reading(name.removesuffix("_bytes"), "bytes", f"MIG instance {fld}", il, iv, r)
@@ -117,4 +80,4 @@ def process_families(f: Families, p: ProcGpu, labels: tuple[str, ...], pv: tuple
     """A process row's MIG instance, when it is on one."""
     if p.mig is not None:
         doc = "The MIG instance a process row is on (gpu_instance / compute_instance)"
-        _info(f, PROCESS_MIG_INFO, doc, (*labels, *MIG_LABELS), (*pv, *map(str, p.mig)))
+        info_series(f, PROCESS_MIG_INFO, doc, (*labels, *MIG_LABELS), (*pv, *map(str, p.mig)))
