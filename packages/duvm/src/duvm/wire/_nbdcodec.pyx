@@ -9,7 +9,8 @@ at the same points (tests/test_nbdproto.py runs its transmission tests against b
 differential test feeds both the same generated streams). Headers are read from the receive
 buffer by pointer, payloads copied with one memcpy, and the common request (a plain, aligned,
 in-range READ or WRITE) needs no Python call; the rest is validated by the reference's
-`validate`, so every error decision is made in one place.
+`validate`, so every error decision is made in one place. The classes' fields and C methods
+are declared in `_nbdcodec.pxd`, which the compiled transmission cimports.
 """
 
 from cpython.bytearray cimport PyByteArray_AS_STRING
@@ -65,15 +66,6 @@ cdef inline char *_view_ptr(object view):
 cdef class Request:
     """One decoded request: `nbdproto.Request`'s fields, typed."""
 
-    cdef public int cmd
-    cdef public int flags
-    cdef public uint64_t cookie
-    cdef public uint64_t offset
-    cdef public uint64_t length
-    cdef public int error
-    cdef public object payload
-    cdef public object buffer
-
     def __init__(self, int cmd, int flags, uint64_t cookie, uint64_t offset, uint64_t length,
                  int error, payload=None, buffer=None):
         self.cmd = cmd
@@ -109,11 +101,6 @@ cdef inline Request _request(int cmd, int flags, uint64_t cookie, uint64_t offse
 
 cdef class BufferPool:
     """Reusable buffers in power-of-two size classes: `nbdproto.BufferPool`'s rules."""
-
-    cdef Py_ssize_t _keep_bytes
-    cdef Py_ssize_t _min
-    cdef dict _free
-    cdef list _small
 
     def __init__(self, Py_ssize_t keep_bytes=16 << 20, Py_ssize_t min_size=4096):
         self._keep_bytes = keep_bytes
@@ -152,28 +139,6 @@ cdef class TransmissionDecoder:
     """Request stream -> `Request`s, validated: `nbdproto.TransmissionDecoder`'s interface."""
 
     DIRECT_MIN = DIRECT_BYTES
-
-    cdef readonly object export
-    cdef readonly object pool
-    cdef object _pool_acquire
-    cdef dict _allowed
-    cdef uint64_t _align
-    cdef uint64_t _size
-    cdef uint64_t _max_payload
-    cdef int _max_rw_cmd
-    cdef bytearray _buf
-    cdef object _mv
-    cdef unsigned char *_p
-    cdef Py_ssize_t _cap
-    cdef Py_ssize_t _start
-    cdef Py_ssize_t _end
-    cdef Request _pending
-    cdef object _pay
-    cdef Py_ssize_t _got
-    cdef Py_ssize_t _skip
-    cdef Request _skipped
-    cdef bint _direct
-    cdef bint _large_writes  # as nbdproto's: the next header is read alone
 
     def __init__(self, export, pool=None, Py_ssize_t buffer_size=256 << 10):
         if buffer_size < 2 * REQ_SIZE:

@@ -8,7 +8,9 @@ is a typed object whose counters and flags are C fields, the common request (a R
 flagless WRITE the store's fast path takes, answered without error) makes no Python call of
 its own beyond the store's, and a reply header is written straight into a new bytes object.
 What a request meets outside (the decoder, the pool, the store, the loop, Tasks, logging) is
-the same code the reference calls.
+the same code the reference calls; the decoder and its requests are read through their C
+interface (`duvm.wire._nbdcodec`'s .pxd: a field read is a load, the next request a C call),
+since the compiled path runs all its modules or none (`duvm.base.accel`).
 
 tests/test_nbd_transmission.py holds both to the same behaviour.
 """
@@ -20,6 +22,8 @@ SOURCE_DIGEST = DUVM_SOURCE_DIGEST.decode()
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
+
+from duvm.wire._nbdcodec cimport Request, TransmissionDecoder
 
 import asyncio
 import errno
@@ -66,7 +70,8 @@ cdef class Transmission:
     cdef readonly object store, stats, pool
     cdef public object transport
     cdef readonly str peer
-    cdef object _dec, _loop, _batching, _start_read, _start_write, _lat, _trace
+    cdef TransmissionDecoder _dec  # the compiled decoder: the compiled path runs all or none
+    cdef object _loop, _batching, _start_read, _start_write, _lat, _trace
     cdef object _fast_done, _flush, _finished
     cdef Py_ssize_t _max_reqs, _max_bytes, _in_flight, _in_flight_bytes
     cdef list _segments, _held, _sent_held
@@ -147,14 +152,15 @@ cdef class Transmission:
     # ---------------------------------------------------------------- requests
 
     cdef void _process(self) except *:
-        next_request = self._dec.next_request
+        cdef TransmissionDecoder dec = self._dec
+        cdef Request req
         batching = self._batching
         corked = batching.cork()
         try:
             while not self._disconnecting:
                 if self._in_flight >= self._max_reqs or self._in_flight_bytes >= self._max_bytes:
                     break
-                req = next_request()
+                req = dec.next_request()
                 if req is None:
                     break
                 self._dispatch(req)
@@ -168,7 +174,7 @@ cdef class Transmission:
         self._update_reading()
         self.flush()
 
-    cdef void _dispatch(self, req) except *:
+    cdef void _dispatch(self, Request req) except *:
         cdef int cmd
         cdef Py_ssize_t n
         self.stats.requests += 1
@@ -221,7 +227,7 @@ cdef class Transmission:
         self._in_flight += 1
         self._run(req, coro)
 
-    cdef bint _started(self, start, req, view) except -1:
+    cdef bint _started(self, start, Request req, view) except -1:
         if self._timed:
             self._t0[req] = perf_counter_ns()
         self._in_flight += 1
@@ -239,7 +245,7 @@ cdef class Transmission:
         self._t0.pop(req, None)
         return False
 
-    def fast_done(self, req, cont):
+    def fast_done(self, Request req not None, cont):
         if self._aborted:
             if cont is not None and not isinstance(cont, (BaseException, memoryview)):
                 cont.close()
@@ -272,7 +278,7 @@ cdef class Transmission:
         if self._in_flight > self.stats.peak_in_flight:
             self.stats.peak_in_flight = self._in_flight
 
-    def finished(self, req, task):
+    def finished(self, Request req not None, task):
         cdef int err
         if self._waiting.pop(req, None) is None:
             return
@@ -292,7 +298,7 @@ cdef class Transmission:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
-    cdef void _done(self, req, int err) except *:
+    cdef void _done(self, Request req, int err) except *:
         cdef int cmd = req.cmd
         self._in_flight -= 1
         buf = req.buffer
@@ -324,7 +330,7 @@ cdef class Transmission:
         if self._disconnecting:
             self._maybe_close()
 
-    cdef void _reply_error(self, req, int err) except *:
+    cdef void _reply_error(self, Request req, int err) except *:
         self.stats.errors += 1
         if err not in QUIET_ERRORS:
             log.warning("%s: %r failed: %s", self.peer, req, os.strerror(err))
