@@ -371,6 +371,42 @@ def test_a_standby_never_takes_over_from_a_daemon_that_still_runs(node: Node) ->
         kernel.close()
 
 
+def _policies(pid: int) -> set[int]:
+    """The scheduling policy of every thread of `pid`."""
+    return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_a_standby_prepares_at_normal_priority_and_is_realtime_once_ready(node: Node) -> None:
+    """Catches a standby that prepares at realtime priority (seconds of CPU under emulation:
+    in the QEMU guest the standby started right after a takeover starved the kernel's workers
+    that resend the held requests, which waited 9 s) and one that turns only its main thread
+    realtime when ready (its log writer would wait behind every other task). The standby is
+    held in its preparation by a stopped memserver, once its memory is locked (the protections
+    it applies first), then let go."""
+    if pressure.become_realtime() is not None:
+        pytest.skip("SCHED_RR is not allowed here: nothing to tell apart")
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    daemon = node.start_daemon()
+    stopped = node.memservers[1]
+    stopped.send_signal(signal.SIGSTOP)
+    spare = standby_process.Standby.spawn(node.state_dir, daemon)
+    try:
+        deadline = time.monotonic() + 60
+        while pressure.rss_kib(spare.pid, "VmLck") in (None, 0):  # protections applied
+            assert spare.proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert not spare.ready and spare.proc.poll() is None
+        assert _policies(spare.pid) == {os.SCHED_OTHER}
+        stopped.send_signal(signal.SIGCONT)
+        _ready(spare)
+        assert _policies(spare.pid) == {os.SCHED_RR}
+        assert len(os.listdir(f"/proc/{spare.pid}/task")) > 1  # the log writer's thread too
+    finally:
+        stopped.send_signal(signal.SIGCONT)
+        spare.kill()
+
+
 @pytest.mark.parametrize("how", ["eof", "sigterm"])
 def test_a_standby_that_is_stopped_releases_nothing(node: Node, how: str) -> None:
     """Catches a standby whose stop RELEASEs the namespaces (as a daemon's clean stop does):

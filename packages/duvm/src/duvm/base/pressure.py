@@ -109,10 +109,13 @@ def become_io_flusher() -> str | None:
     return f"PR_SET_IO_FLUSHER: {os.strerror(ctypes.get_errno())}"
 
 
-def become_realtime(priority: int = RT_PRIORITY) -> str | None:
-    """SCHED_RR at `priority` for this process. None on success, else why not."""
+def become_realtime(priority: int = RT_PRIORITY, every_thread: bool = False) -> str | None:
+    """SCHED_RR at `priority` for the calling thread (and the threads it starts later), or with
+    `every_thread` for every thread the process has now. None on success, else why not."""
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if every_thread else [0]
     try:
-        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(priority))
+        for tid in tids:
+            os.sched_setscheduler(tid, os.SCHED_RR, os.sched_param(priority))
     except OSError as exc:
         return f"SCHED_RR: {exc.strerror or exc}"
     return None

@@ -211,11 +211,14 @@ def _fail(msg: str, code: int = 1) -> int:
 
 def run(args: argparse.Namespace) -> int:
     # Protections first, so the threads started below (the log writer) inherit the scheduling
-    # class and every page touched from here on is locked.
+    # class and every page touched from here on is locked. A standby prepares at normal
+    # priority and turns realtime once ready (`standby._wait_and_take_over`): seconds of
+    # realtime preparing would starve the kernel's workers that resend a takeover's held
+    # requests, and every other task, right after the takeover that started it.
     if not args.memory:
         pressure.protect(
             "duvm daemon",
-            realtime=args.realtime,
+            realtime=args.realtime and args.standby_fd is None,
             mlock=not args.no_mlock,
             io_flusher=args.io_flusher,
             oom_adj=args.oom_score_adj,

@@ -11,7 +11,9 @@ a hung node when the memory is not there (docs/ARCHITECTURE.md, "A daemon that d
 `duvm supervise` keeps this second daemon running beside the first, and:
 
 1. Before the daemon dies (`duvm.store.daemon_state.open_standby`): the protections of every
-   process on the swap path (`duvm.base.pressure`: locked, realtime, I/O flusher), a heap of
+   process on the swap path (`duvm.base.pressure`: locked, I/O flusher; realtime, every
+   thread, only once ready: preparing is seconds of CPU under emulation, which at realtime
+   priority would starve the kernel's workers resending a takeover's held requests), a heap of
    `HEAP_RESERVE_MIB` faulted in and kept (glibc keeps freed memory, so what the takeover
    allocates comes from resident, locked pages), the modules of the serving path imported,
    the page tables mapped shared (it sees every write of the living daemon), the store and its
@@ -187,6 +189,8 @@ async def _wait_and_take_over(
         (args.control_socket or control_socket.default_path(args.socket)) + STANDBY_SUFFIX
     )
     _warm(standby, heap=not args.no_mlock)
+    if args.realtime and (why := pressure.become_realtime(every_thread=True)) is not None:
+        log.warning("standby: %s: under memory pressure it may wait like every other task", why)
     ready, ready_anon = pressure.rss_kib(), pressure.rss_kib(field="RssAnon")
     link.say(READY, ready, ready_anon)
     log.info(
