@@ -36,6 +36,7 @@ less protected), and `duvm doctor` says what to change (`doctor_host.check_swap_
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -115,7 +116,8 @@ def become_realtime(priority: int = RT_PRIORITY, every_thread: bool = False) -> 
     tids = [int(t) for t in os.listdir("/proc/self/task")] if every_thread else [0]
     try:
         for tid in tids:
-            os.sched_setscheduler(tid, os.SCHED_RR, os.sched_param(priority))
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setscheduler(tid, os.SCHED_RR, os.sched_param(priority))
     except OSError as exc:
         return f"SCHED_RR: {exc.strerror or exc}"
     return None
