@@ -540,16 +540,18 @@ class HostTcpLog:
         self.path = path
         self.ports = ports
         self.prefix = net.exec_prefix() if net is not None else []
+        self.ss = shutil.which("ss")  # iproute2; without it nothing is logged
+        match = " or ".join(f"sport = :{p} or dport = :{p}" for p in ports)
+        self.filter = f"( {match} )"
         self._next = 0.0
 
     def poll(self, t: float) -> None:
-        if not self.ports or t < self._next or shutil.which("ss") is None:
+        if not self.ports or self.ss is None or t < self._next:
             return
         self._next = t + self.EVERY_S
-        match = " or ".join(f"sport = :{p} or dport = :{p}" for p in self.ports)
         try:
             out = subprocess.run(
-                [*self.prefix, "ss", "-tinoa", f"( {match} )"],
+                [*self.prefix, self.ss, "-tinoa", self.filter],
                 capture_output=True,
                 text=True,
                 timeout=5,
