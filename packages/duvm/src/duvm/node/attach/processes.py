@@ -80,6 +80,13 @@ def send_signal(pid: int, sig: int, start: int | None = None) -> bool:
         os.close(pidfd)
 
 
+def reap(pid: int) -> None:
+    """Collect `pid`'s exit status if it is an ended child of this process (a daemon the
+    supervisor forked); nothing otherwise."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
 CMDLINE_WAIT_S = 0.5
 
 

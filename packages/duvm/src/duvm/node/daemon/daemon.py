@@ -204,6 +204,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     client_flags.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
 
 
+def main(argv: list[str]) -> int:
+    """`duvm daemon ARGV` in this process: what a daemon forked from the supervisor runs
+    (`duvm.node.lifecycle.warm_start`), with the arguments a started one would get."""
+    parser = argparse.ArgumentParser(prog="duvm daemon")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
 def _fail(msg: str, code: int = 1) -> int:
     print(f"duvm daemon: {msg}", file=sys.stderr)
     return code

@@ -80,12 +80,38 @@ def resume_command(info: control.DaemonInfo) -> list[str]:
 Records = tuple[attach_state.Attachment, control.DaemonInfo]
 
 
+class Started(Protocol):
+    """A daemon process just started: a Popen, or a `warm_start.ForkedDaemon`."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+
+Starter = Callable[[list[str], Path], Started]
+
+
+def _start_the_usual_way(cmd: list[str], log: Path) -> Started:
+    return processes.spawn_detached(cmd, log)
+
+
 def resume(
-    state_dir: Path, timeout: float = 120.0, known: Records | None = None
+    state_dir: Path,
+    timeout: float = 120.0,
+    known: Records | None = None,
+    start: Starter = _start_the_usual_way,
+    reattach: Callable[[attach_state.Attachment], None] = attach_kernel.reattach,
 ) -> tuple[control.DaemonInfo, attach_state.Attachment]:
     """Restart the dead daemon of `state_dir` and reattach its live device (see above).
     One at a time: the supervisor and a manual `--resume` wait for each other here, and the
-    second then finds the daemon running.
+    second then finds the daemon running. `start` starts the daemon's command line with its
+    log (the supervisor forks its own loaded code: `warm_start`); `reattach` gives the device
+    a connection to it.
 
     `known`: the attachment and daemon records as the caller read them while the daemon lived
     (the supervisor). The files on /run may have been swapped out since, to the very device
@@ -98,11 +124,15 @@ def resume(
         )
     with resume_lock(state_dir) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _resume(state_dir, timeout, known)
+        return _resume(state_dir, timeout, known, start, reattach)
 
 
 def _resume(
-    state_dir: Path, timeout: float, known: Records | None
+    state_dir: Path,
+    timeout: float,
+    known: Records | None,
+    start: Starter,
+    reattach: Callable[[attach_state.Attachment], None],
 ) -> tuple[control.DaemonInfo, attach_state.Attachment]:
     att, old = known if known is not None else (None, None)
     if att is None:
@@ -133,7 +163,7 @@ def _resume(
         os.replace(log, log.with_name(log.name + ".1"))
     with open(log, "w") as f:
         f.write(f"--- duvm enable --resume at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
-    proc = processes.spawn_detached(cmd, log)
+    proc = start(cmd, log)
     info = control.DaemonInfo(
         proc.pid,
         old.socket,
@@ -158,11 +188,11 @@ def _resume(
                 # the very device that waits for this daemon)
                 tail = f"see {log}" if known else log.read_text(errors="replace")[-1500:].strip()
                 raise control.ControlError(f"the resumed daemon {why}: {tail}")
-            time.sleep(0.05)
-        attach_kernel.reattach(att)
+            time.sleep(0.02)
+        reattach(att)
     except BaseException:
         # never SIGTERM: a clean stop would RELEASE the pages the live device still needs
-        proc.kill()  # its own Popen: it reaps no one else's pid
+        proc.kill()  # its own child: it reaps no one else's pid
         proc.wait(10)
         raise
     att.extra["daemon_pid"] = proc.pid

@@ -11,7 +11,9 @@ takes over (milliseconds: nothing is started or read) and the device gets a conn
 (``NBD_CMD_RECONFIGURE``, :func:`duvm.node.lifecycle.resume.adopt`); a new standby follows once
 the device is served again. Without a ready standby, or when it cannot take over, it does
 exactly what ``duvm enable --resume`` does (:func:`duvm.node.lifecycle.resume.resume`): a new
-daemon from the saved state. The kernel holds the swap device's requests for the
+daemon from the saved state, forked from this process, which loaded the daemon's code when it
+started (`duvm.node.lifecycle.warm_start`: no interpreter to start, no module to read from disk);
+a retry starts one by its command line. The kernel holds the swap device's requests for the
 dead-connection timeout (60 s), so a resume that succeeds within it loses nothing; failed tries
 are repeated with backoff inside that time. On a node whose memory is all taken, a new daemon
 cannot get its own (only swapping could free it, and the swap device waits for that daemon):
@@ -66,6 +68,7 @@ from duvm.node.lifecycle import (
     room,
     standby_process,
     supervisor_process,
+    warm_start,
 )
 from duvm.node.lifecycle.supervisor_process import wanted
 from duvm.wire import nbdguard, nbdnetlink
@@ -172,6 +175,7 @@ def watch(
     timer: attach_kernel.RequestTimer | None = None,
     make_room: RoomFactory = room.making_room,
     link_events: LinkEventsFactory = linkmend.kernel_events,
+    start: resume.Starter | None = None,
 ) -> int:
     """The supervisor's loop (see the module docstring). Returns the exit code: 0 when told to
     stop or when duvm is no longer enabled, 1 when it gave up. `spares` keeps a standby beside
@@ -181,7 +185,9 @@ def watch(
     device's requests while this watches (`attach_kernel.RequestTimer`); `make_room` watches a
     restart the slow way and ends programs for its memory (`duvm.node.lifecycle.room`);
     `link_events` hears the kernel report a connection dead while a daemon serves
-    (`duvm.node.lifecycle.linkmend`: it is handed a new one)."""
+    (`duvm.node.lifecycle.linkmend`: it is handed a new one); `start`, when given, starts the
+    first try of each restart the slow way (`duvm.node.lifecycle.warm_start.fork_daemon`),
+    whose retries start a daemon the usual way."""
     resume_fn = resume_fn or resume.resume
     say = say or (lambda m: print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {m}", flush=True))
     stopper = _Stop()
@@ -204,6 +210,7 @@ def watch(
             timing,
             make_room,
             mender,
+            start,
         )
     finally:
         if mender is not None:
@@ -228,6 +235,7 @@ def _watch(
     timing: _Timing,
     make_room: RoomFactory,
     mender: linkmend.Mender | None,
+    start: resume.Starter | None,
 ) -> int:
     restarts: list[float] = []
     daemon_file = control.daemon_path(state_dir)
@@ -263,6 +271,7 @@ def _watch(
         if not control.state_path(state_dir).exists():
             say("duvm was disabled: supervisor exits")
             return 0
+        processes.reap(daemon.pid)  # a daemon forked here is this process's child
         died = time.monotonic()
         restarts = [t for t in restarts if died - t < policy.restart_window] + [died]
         if len(restarts) > policy.max_restarts:
@@ -290,7 +299,7 @@ def _watch(
             f"its I/O for {hold} s)"
         )
         with make_room(need_kib, say):
-            for delay in (*policy.retry_delays, None):
+            for tried, delay in enumerate((*policy.retry_delays, None)):
                 if stopper.requested:
                     say("stopped")
                     return 0
@@ -314,8 +323,9 @@ def _watch(
                         say,
                         give_up,
                     )
+                how = {"start": start} if start is not None and tried == 0 else {}
                 try:
-                    resume_fn(state_dir, timeout=max(left, 5.0), known=(att, daemon))
+                    resume_fn(state_dir, timeout=max(left, 5.0), known=(att, daemon), **how)
                 except Exception as exc:  # ControlError, AttachError, OSError: say it, try again
                     say(f"resume failed: {exc}")
                     if delay is None:
@@ -531,7 +541,13 @@ def run(args: Any) -> int:
     )
     # Its log is on /run too: a write waiting for a swapped-out page must not delay a resume.
     writer = quietlog.start_background(logging.INFO, "%(asctime)s %(message)s", sys.stdout)
+    say = logging.getLogger("duvm.node.lifecycle.supervise").info
+    # The daemon's code, loaded now while the daemon serves: a restart without a standby forks
+    # this process instead of starting an interpreter that reads it from disk (warm_start).
+    if missing := warm_start.preload():
+        say(f"a restart will import {', '.join(missing)} itself: not importable here")
+    start = warm_start.fork_daemon if warm_start.loaded() else None
     try:
-        return watch(args.state_dir, say=logging.getLogger("duvm.node.lifecycle.supervise").info)
+        return watch(args.state_dir, say=say, start=start)
     finally:
         writer.stop()
