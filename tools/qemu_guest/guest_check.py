@@ -636,6 +636,7 @@ def kill_and_resume(workload: subprocess.Popen[str]) -> None:
         new_daemon_pids=new,
         new_daemon_cmdline=[(_read(f"/proc/{p}/cmdline") or "").replace("\0", " ") for p in new],
         new_daemon_memory=[_memory(p) for p in new],
+        new_daemon_log=logs()["daemon"],  # forked or started, and what it read from disk
         meminfo_at_kill=at_kill,
         state=json.loads(Path(STATE_DIR, "state.json").read_text()),
     )
