@@ -46,7 +46,7 @@ def test_resume_command_needs_a_daemon_that_kept_state(tmp_path: Path) -> None:
     with pytest.raises(control.ControlError, match="without --state-dir"):
         resume.resume_command(_daemon_info(tmp_path, 1, ["-v"]))
     cmd = resume.resume_command(_daemon_info(tmp_path, 1, ["--state-dir", "/s"]))
-    assert cmd[-3:] == ["--state-dir", "/s", "--resume"] and "--client-id" in cmd
+    assert cmd[4] == "--resume" and cmd[-2:] == ["--state-dir", "/s"] and "--client-id" in cmd
 
 
 def _dead_pid() -> int:

@@ -175,7 +175,7 @@ def test_a_daemon_killed_with_no_standby_is_forked_from_the_loaded_code_and_serv
             mine.close()
     new, log = seen["new"], seen["log"]
     assert seen["ppid"] == os.getpid() and seen["alive"], log
-    assert seen["words"][:4] == [sys.executable, "-m", "duvm.cli", "daemon"]
+    assert seen["words"][:5] == [sys.executable, "-m", "duvm.cli", "daemon", "--resume"]
     text = Path(new.log).read_text()
     assert f"a daemon forked from the supervisor (pid {os.getpid()})" in text, text
     assert "after the warm start" not in text, text  # every module was loaded already

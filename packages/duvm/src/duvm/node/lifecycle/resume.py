@@ -57,11 +57,14 @@ def resume_command(info: control.DaemonInfo) -> list[str]:
             "cannot be served again: `duvm disable --force`, then "
             "enable again"
         )
+    # --resume first: a daemon forked from the supervisor shows only the words that fit in
+    # the supervisor's command line (warm_start), and `ps` should tell a resumed one
     return [
         sys.executable,
         "-m",
         "duvm.cli",
         "daemon",
+        "--resume",
         "--socket",
         info.socket,
         "--peers",
@@ -73,7 +76,6 @@ def resume_command(info: control.DaemonInfo) -> list[str]:
         "--replicas",
         str(info.replicas),
         *info.daemon_args,
-        "--resume",
     ]
 
 

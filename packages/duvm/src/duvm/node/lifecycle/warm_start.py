@@ -69,7 +69,8 @@ PRELOAD = (
 )
 DAEMON_ENTRY = "duvm.node.daemon.daemon"
 # the words of the daemon's command line that must show: the interpreter, -m duvm.cli daemon
-KEEP_WORDS = 4
+# --resume (what `ps`, the node's checks and the QEMU guests tell a resumed daemon by)
+KEEP_WORDS = 5
 FAILED_TO_BECOME = 75  # the child could not become a daemon (EX_TEMPFAIL): nothing was served
 
 
