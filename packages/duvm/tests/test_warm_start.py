@@ -205,3 +205,22 @@ def test_a_fork_that_cannot_read_as_a_daemon_is_followed_by_a_daemon_started_the
     assert "forked from the supervisor" not in text
     old = Path(new.log).with_name(Path(new.log).name + ".1").read_text()
     assert "cannot become a daemon here (no /proc/self/mem here)" in old, old
+
+
+@pytest.mark.parametrize(
+    ("peers", "verbs"), [(["127.0.0.1:1"], False), (["rdma://10.0.0.1:5"], True)]
+)
+def test_the_rdma_transport_is_loaded_only_for_a_daemon_that_may_use_it(
+    peers: list[str], verbs: bool
+) -> None:
+    """Catches a supervisor that loads the verbs library beside a daemon that never uses
+    RDMA, and one that leaves it for an RDMA daemon to read from disk during its restart."""
+    code = (
+        "import sys\n"
+        "from duvm.node.lifecycle import warm_start\n"
+        "print(warm_start.preload(sys.argv[1:]), 'duvm.rdma._verbs' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *peers], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["[]", str(verbs)], out.stderr

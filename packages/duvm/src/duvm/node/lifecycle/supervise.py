@@ -544,7 +544,7 @@ def run(args: Any) -> int:
     say = logging.getLogger("duvm.node.lifecycle.supervise").info
     # The daemon's code, loaded now while the daemon serves: a restart without a standby forks
     # this process instead of starting an interpreter that reads it from disk (warm_start).
-    if missing := warm_start.preload():
+    if missing := warm_start.preload(daemon.peers if daemon is not None else []):
         say(f"a restart will import {', '.join(missing)} itself: not importable here")
     start = warm_start.fork_daemon if warm_start.loaded() else None
     try:

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from duvm.base import accel, proctitle
+from duvm.base.units import parse_peer
 from duvm.node.attach import processes
 
 # What a daemon imports on its way to serving, beyond what the supervisor has loaded already:
@@ -66,7 +67,9 @@ PRELOAD = (
     "duvm.base.control_socket",
     "uvloop",
     "encodings.idna",
+    "encodings.ascii",
 )
+RDMA_PRELOAD = ("duvm.rdma._verbs",)  # only where a memserver is reached over RDMA
 DAEMON_ENTRY = "duvm.node.daemon.daemon"
 # the words of the daemon's command line that must show: the interpreter, -m duvm.cli daemon
 # --resume (what `ps`, the node's checks and the QEMU guests tell a resumed daemon by)
@@ -74,17 +77,30 @@ KEEP_WORDS = 5
 FAILED_TO_BECOME = 75  # the child could not become a daemon (EX_TEMPFAIL): nothing was served
 
 
-def preload() -> list[str]:
-    """Import what a daemon needs, in the supervisor; returns the modules that could not be
-    imported (the child would import them itself, or fail as a started daemon would)."""
+def preload(peers: list[str] | None = None) -> list[str]:
+    """Import what a daemon of `peers` (its memserver addresses) needs, in the supervisor;
+    returns the modules that could not be imported (the child would import them itself, or
+    fail as a started daemon would)."""
     missing = []
-    for name in PRELOAD:
+    for name in PRELOAD + (RDMA_PRELOAD if _over_rdma(peers or []) else ()):
         try:
             importlib.import_module(name)
         except ImportError:
             missing.append(name)
     accel.report()  # imports each compiled module once, as the daemon's first use would
     return missing
+
+
+def _over_rdma(peers: list[str]) -> bool:
+    """Whether a peer may be reached over RDMA ("rdma" or "auto"; one that does not parse
+    counts, as the daemon will say what is wrong with it)."""
+    for peer in peers:
+        try:
+            if parse_peer(peer)[2] != "tcp":
+                return True
+        except ValueError:
+            return True
+    return False
 
 
 def loaded() -> bool:
