@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,18 +27,9 @@ from duvm.base import proctitle
 from duvm.base.procstat import stat_fields
 from duvm.node.attach import processes
 from duvm.node.lifecycle import control, resume, supervise, warm_start
-from test_standby import PAGE, KernelStandIn, Node, _pattern, _wait_said
+from test_standby import PAGE, KernelStandIn, Node, _pattern, _wait_said, node  # noqa: F401
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the supervisor and resume run as root")
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    try:
-        yield n
-    finally:
-        n.close()
 
 
 def _words(pid: int) -> list[str]:
@@ -89,11 +79,11 @@ def test_a_rewritten_command_line_reads_as_a_daemon_within_the_area_the_kernel_g
         proc.wait()
 
 
-def _restart(node: Node, start: resume.Starter, during=None) -> dict:
+def _restart(stand: Node, start: resume.Starter, during=None) -> dict:
     """Kill the node's daemon under a watching supervisor (no standby) whose restarts start
     with `start`, with a request of the client held; return what was seen."""
-    daemon = node.start_daemon()
-    kernel = KernelStandIn(node.socket)
+    daemon = stand.start_daemon()
+    kernel = KernelStandIn(stand.socket)
     for p in range(0, 128, 2):
         kernel.write(p * PAGE, _pattern(p, 1))
     log: list[str] = []
@@ -113,7 +103,7 @@ def _restart(node: Node, start: resume.Starter, during=None) -> dict:
             kernel.write(200 * PAGE, _pattern(200, 3))
             assert kernel.read(200 * PAGE, PAGE) == _pattern(200, 3)
             _wait_said(log, "resumed: daemon pid")
-            new = control.load_daemon(node.state_dir)
+            new = control.load_daemon(stand.state_dir)
             assert new is not None
             seen["new"] = new
             seen["alive"] = control.daemon_alive(new)
@@ -130,7 +120,7 @@ def _restart(node: Node, start: resume.Starter, during=None) -> dict:
     t.start()
     gave_up: list[str] = []
     rc = supervise.watch(
-        node.state_dir,
+        stand.state_dir,
         say=log.append,
         spares=None,
         resume_fn=functools.partial(resume.resume, reattach=kernel.reattach),
@@ -148,7 +138,7 @@ def _restart(node: Node, start: resume.Starter, during=None) -> dict:
 
 
 def test_a_daemon_killed_with_no_standby_is_forked_from_the_loaded_code_and_serves_again(
-    node: Node,
+    node: Node,  # noqa: F811 - the fixture
 ) -> None:
     """The whole restart without a standby but the kernel: the daemon is SIGKILLed with a
     request of the client held, the supervisor forks a new daemon from its loaded code, which
@@ -184,7 +174,7 @@ def test_a_daemon_killed_with_no_standby_is_forked_from_the_loaded_code_and_serv
 
 
 def test_a_fork_that_cannot_read_as_a_daemon_is_followed_by_a_daemon_started_the_usual_way(
-    node: Node,
+    node: Node,  # noqa: F811 - the fixture
 ) -> None:
     """Catches a warm start that serves although its command line could not be rewritten
     (the supervisor would take it for dead and start another over it), and a supervisor that
