@@ -214,3 +214,24 @@ def test_the_rdma_transport_is_loaded_only_for_a_daemon_that_may_use_it(
         [sys.executable, "-c", code, *peers], capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["[]", str(verbs)], out.stderr
+
+
+def test_a_fork_that_fails_unforeseen_ends_and_never_returns_into_the_supervisor(
+    tmp_path: Path,
+) -> None:
+    """Catches a child whose unforeseen error propagates out of `fork_daemon`: it would go on
+    as a second copy of the supervisor (here, of this test session) instead of ending."""
+    assert warm_start.preload() == []
+
+    def unforeseen(words: list[str], keep: int) -> list[str]:
+        raise RuntimeError("something nobody planned for")
+
+    log = tmp_path / "daemon.log"
+    cmd = [sys.executable, "-m", "duvm.cli", "daemon", "--resume"]
+    child = warm_start.fork_daemon(cmd, log, rename=unforeseen)
+    try:
+        assert child.wait(30) == 70
+    finally:
+        child.kill()
+        child.wait(10)
+    assert "RuntimeError: something nobody planned for" in log.read_text()

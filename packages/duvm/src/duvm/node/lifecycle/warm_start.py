@@ -154,7 +154,14 @@ def fork_daemon(
     try:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child's coverage is not collected
-            os._exit(_become_daemon(cmd, out, null, rename))
+            # whatever happens, the child never returns into the supervisor's code
+            code = 70
+            try:
+                code = _become_daemon(cmd, out, null, rename)
+            except BaseException:
+                _say(traceback.format_exc())
+            finally:
+                os._exit(code)
     finally:
         os.close(out)
         os.close(null)
