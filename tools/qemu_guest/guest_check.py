@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import guest_cut  # beside this script
+import guest_fork
 
 RESULT_PORT = "/dev/ttyS1"
 STATE_DIR = "/run/duvm"
@@ -989,6 +990,8 @@ def main() -> int:
         if os.environ.get("DUVM_KILL_AT_PCT"):
             # while the supervisor still watches: its connection handed again after a cut
             emit("cut", **guest_cut.cut_check(STATE_DIR))
+            # a second crash, with the standby gone: the supervisor forks a new daemon
+            emit("fork", **guest_fork.fork_check(STATE_DIR))
             emit("guard", **guard_check())
         emit("disable", **duvm("disable", "--state-dir", STATE_DIR))
         disabled = True

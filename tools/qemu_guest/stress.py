@@ -215,6 +215,11 @@ def gap_facts(run: boot.GuestRun) -> dict[str, Any]:
             k: (run.events.get("cut") or {}).get(k)
             for k in ("served_after_s", "read_error", "error", "reconnected_before")
         },
+        # a second crash with the standby gone: a daemon forked from the supervisor (`guest_fork`)
+        "fork": {
+            k: (run.events.get("fork") or {}).get(k)
+            for k in ("served_after_s", "read_error", "error", "replaced")
+        },
         # the supervisor SIGKILLed after the workload: the daemon's guard restored the timer
         "guard": {
             k: (run.events.get("guard") or {}).get(k)

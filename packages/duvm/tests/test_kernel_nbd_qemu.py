@@ -276,6 +276,28 @@ def test_a_connection_cut_while_the_daemon_runs_is_handed_again(guest_run: Any) 
 
 
 @qemu
+def test_a_second_crash_with_the_standby_gone_is_served_by_a_fork_of_the_supervisor(
+    guest_run: Any,
+) -> None:
+    """The restart without a standby under the real `duvm supervise` and the kernel's driver
+    (D52): after the workload the guest ends the standby, then the daemon (`guest_fork`).
+    Catches a supervisor that starts an interpreter after all (no fork line in the new
+    daemon's log, a parent other than the supervisor), a preload that misses a module the
+    daemon then reads from disk, a fork whose command line the node does not take for a
+    resumed daemon (the supervisor would not watch it, and disable below would not stop it),
+    and a restart that does not serve the device."""
+    f = _event(guest_run, "fork")
+    print(f"fork: {f}")
+    assert f.get("error") is None and f["standby_pid"] and f["standby_forgotten"], f
+    assert f["read_error"] is None and f["served_after_s"] < 10, f
+    assert f["replaced"] and f["new_parent"] == f["supervisor_pid"], f
+    assert f["new_words"][2:5] == ["duvm.cli", "daemon", "--resume"], f
+    assert f"a daemon forked from the supervisor (pid {f['supervisor_pid']})" in f["new_log"], f
+    assert "after the warm start" not in f["new_log"], f
+    assert f"resumed: daemon pid {f['new_pid']} serves /dev/nbd0 again" in f["supervisor_log"], f
+
+
+@qemu
 def test_workload_swapped_through_nbd0_and_every_byte_came_back(guest_run: Any) -> None:
     work = _event(guest_run, "workload")
     assert work["rc"] == 0, work
