@@ -4,9 +4,10 @@ answer without a standby, by forking itself into a new daemon (D52).
 Theory of operation: after the workload, while the supervisor watches, its standby is
 SIGKILLed; once the supervisor has seen it end (it removes its standby record, and waits
 `RETRY_S` before starting another), the daemon is SIGKILLed too, as a second crash before
-the next standby is ready would. A direct read of one block of the device measures how soon
-the new daemon serves; the facts say whether it is a fork of the supervisor (its parent,
-its log's first line) and whether its command line reads as a resumed daemon's.
+the next standby is ready would. A direct read of one block of the device, sent once the
+daemon is dead, measures how soon the new daemon serves; the facts say whether it is a fork
+of the supervisor (its parent, its log's first line) and whether its command line reads as a
+resumed daemon's.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ def _parent(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
+        return None
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return None
 
 
@@ -64,8 +72,10 @@ def fork_check(state_dir: str, device: str = "/dev/nbd0", wait_s: float = 30.0) 
         )
     t = time.monotonic()
     os.kill(daemon.pid, signal.SIGKILL)
+    # the read waits for the death: sent before it, the dying daemon could still answer it
+    _until(lambda: _parent(daemon.pid) is None or _state(daemon.pid) in ("Z", "X"), wait_s)
+    out["dead_after_s"] = round(time.monotonic() - t, 3)
     out["served_after_s"], out["read_error"] = timed_read(device, 8192, wait_s)
-    out["read_at_s"] = round(time.monotonic() - t, 3)
 
     def replaced() -> bool:
         new = control.load_daemon(state)
