@@ -5,8 +5,9 @@ daemon's (duvm.base.proctitle).
 The restart tests run the supervisor's loop in this process over a real daemon and real
 memservers (test_standby.py's `Node`), so the daemon is forked from pytest's interpreter; the
 kernel's part is `KernelStandIn`, as in test_standby.py. The same restart under the real
-`duvm supervise` and the kernel's driver runs in the QEMU guest (stress.py's ``:dkill`` set-up
-on a node with no room for a standby).
+`duvm supervise` and the kernel's driver runs in the QEMU guests: the kernel-nbd CI guest ends
+the standby, then the daemon (test_kernel_nbd_qemu.py, `guest_fork`), as every ``:dkill``
+stress run does after its workload.
 """
 
 from __future__ import annotations
