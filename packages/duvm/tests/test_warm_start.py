@@ -117,22 +117,34 @@ def _restart(stand: Node, start: resume.Starter, during=None) -> dict:
         finally:
             os.kill(os.getpid(), signal.SIGTERM)  # ends watch(): its _Stop notes it
 
+    started: list[resume.Started] = []
+
+    def starting(cmd: list[str], log: Path) -> resume.Started:
+        proc = start(cmd, log)
+        started.append(proc)  # every daemon of the test ends with it, even with a rule broken
+        return proc
+
     t = threading.Thread(target=events, daemon=True)
     t.start()
     gave_up: list[str] = []
-    rc = supervise.watch(
-        stand.state_dir,
-        say=log.append,
-        spares=None,
-        resume_fn=functools.partial(resume.resume, reattach=kernel.reattach),
-        start=start,
-        give_up=lambda att, why: gave_up.append(why),
-        reattach=kernel.reattach,
-        make_room=lambda need_kib, say: contextlib.nullcontext(),  # never this machine's OOM
-        link_events=lambda say: None,
-    )
-    t.join(30)
-    kernel.close()
+    try:
+        rc = supervise.watch(
+            stand.state_dir,
+            say=log.append,
+            spares=None,
+            resume_fn=functools.partial(resume.resume, reattach=kernel.reattach),
+            start=starting,
+            give_up=lambda att, why: gave_up.append(why),
+            reattach=kernel.reattach,
+            make_room=lambda need_kib, say: contextlib.nullcontext(),  # never this machine's OOM
+            link_events=lambda say: None,
+        )
+        t.join(30)
+    finally:
+        kernel.close()
+        for proc in started:
+            proc.kill()
+            proc.wait(10)
     assert not errors, (errors, log)
     assert rc == 0 and gave_up == [] and kernel.reconnects == 1, log
     return seen
