@@ -45,6 +45,15 @@ def test_words_that_do_not_fit_are_left_off_and_an_option_without_its_value_too(
         proctitle.fitting(["a" * 20], 16)
 
 
+def test_a_flag_among_the_words_that_must_show_stays_when_the_next_option_does_not_fit() -> None:
+    """Catches the rule above applied to `--resume`, a flag among the words that must show:
+    in a supervisor started as `python .../pytest` (66 bytes here) it was left off, the fork
+    could not read as a resumed daemon, and every restart fell back to a new interpreter."""
+    words = ["/ci/.venv/bin/python", "-m", "duvm.cli", "daemon", "--resume", "--socket", "/s"]
+    room = sum(len(w) + 1 for w in words[:5]) + 5  # "--socket" does not fit
+    assert proctitle.fitting(words, room, keep=5).rstrip(b"\0").split(b"\0")[4] == b"--resume"
+
+
 def test_a_rewritten_command_line_reads_as_a_daemon_within_the_area_the_kernel_gave() -> None:
     """Catches a rewrite that runs past the argument area (the kernel would then read one
     string into the environment, and `duvm_runs` would not find "daemon" among the words),

@@ -29,14 +29,15 @@ def argument_area() -> tuple[int, int] | None:
     return (start, end) if 0 < start < end else None
 
 
-def fitting(words: list[str], room: int) -> bytes:
+def fitting(words: list[str], room: int, keep: int = 1) -> bytes:
     """`words` NUL-separated and NUL-padded to `room` bytes, leaving off the words that do not
-    fit (and an option whose value does not); ValueError when not even the first fits."""
+    fit, and an option past the first `keep` words whose value does not (a flag among the
+    first `keep` stays); ValueError when not even the first fits."""
     out = b""
     for i, word in enumerate(words):
         encoded = word.encode() + b"\0"
         if len(out) + len(encoded) > room:
-            if i > 1 and words[i - 1].startswith("-"):  # an option whose value is left off
+            if i - 1 >= keep and words[i - 1].startswith("-"):  # its value is left off
                 out = out[: -len(words[i - 1].encode()) - 1]
             break
         out += encoded
@@ -53,7 +54,7 @@ def set_command_line(words: list[str], keep: int) -> list[str]:
     if area is None:
         raise OSError("this kernel does not say where the command line lies")
     start, end = area
-    payload = fitting(words, end - start)
+    payload = fitting(words, end - start, keep)
     shown = [w.decode() for w in payload.rstrip(b"\0").split(b"\0")]
     if len(shown) < keep:
         raise ValueError(
