@@ -98,15 +98,11 @@ class Started(Protocol):
 Starter = Callable[[list[str], Path], Started]
 
 
-def _start_the_usual_way(cmd: list[str], log: Path) -> Started:
-    return processes.spawn_detached(cmd, log)
-
-
 def resume(
     state_dir: Path,
     timeout: float = 120.0,
     known: Records | None = None,
-    start: Starter = _start_the_usual_way,
+    start: Starter = processes.spawn_detached,
     reattach: Callable[[attach_state.Attachment], None] = attach_kernel.reattach,
 ) -> tuple[control.DaemonInfo, attach_state.Attachment]:
     """Restart the dead daemon of `state_dir` and reattach its live device (see above).
