@@ -146,3 +146,27 @@ def test_a_process_still_inside_execve_is_read_again(monkeypatch) -> None:
     t0 = time.monotonic()
     assert not processes.duvm_runs(proc.pid, "supervise")
     assert time.monotonic() - t0 < processes.CMDLINE_WAIT_S
+
+
+def test_reap_collects_an_ended_forked_child_and_ignores_anything_else() -> None:
+    """Catches a supervisor that leaves each forked daemon it outlives as a zombie: `reap`
+    (what `supervise` calls when its daemon died) must collect the exit status of an ended
+    child, and do nothing, without raising, for a live child or a pid that is not its child."""
+    pid = os.fork()
+    if pid == 0:  # the child: ends at once, as a SIGKILLed daemon would
+        os._exit(0)
+    deadline = time.monotonic() + 30
+    while "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1][:3]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    processes.reap(pid)
+    assert not Path(f"/proc/{pid}").exists()  # collected: no zombie left
+    processes.reap(pid)  # no longer a child: nothing happens
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        processes.reap(live.pid)  # a live child is not waited for
+        assert live.poll() is None
+    finally:
+        live.kill()
+        live.wait()
+    processes.reap(1)  # init: never our child
