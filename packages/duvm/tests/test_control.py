@@ -129,6 +129,8 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) ->
         ("size = [1]", "size must be a size"),
         ('secret_file = ""', "secret_file must be a non-empty string"),
         ('secret_file = "/x"\ndaemon_args = ["--secret-file", "/y"]', "keep one"),
+        ('daemon_args = ["--workers", "2"]', "daemon_args has --workers"),
+        ('daemon_args = ["--workers=2"]', "daemon_args has --workers"),
         ("node = 5", "node must be a table"),
         ('[node]\ncapacity = "1G"', "node.listen is missing"),
         ('[node]\nlisten = "a:1"', "node.capacity is missing"),

@@ -72,30 +72,43 @@ if TYPE_CHECKING:
     from duvm.store.remote_store import RemoteStore
 
 
+_LOW64 = (1 << 64) - 1
+
+
 class PersistentCryptStore(CryptStore):
     """CryptStore whose nonce/tag table and nonce counter live in `tables` (daemon-pages.bin),
     with the key from daemon-state.json, so a restarted daemon can open its pages. The counter
     a request's seal will reach is stored before it seals, so no nonce is ever used twice
-    under the key."""
+    under the key. Worker `worker` of a daemon with several (`duvm daemon --workers`) seals
+    with nonces whose high 32 bits are its index, counting in its own slot of the tables: the
+    workers share the key and never a nonce."""
 
-    def __init__(self, inner: BlockStore, key: bytes, tables: PageTables) -> None:
+    def __init__(self, inner: BlockStore, key: bytes, tables: PageTables, worker: int = 0) -> None:
         if tables.meta is None:
             raise ValueError("the page tables were created without encryption")
         super().__init__(inner, key=key, meta=tables.meta)
         self._tables = tables
-        self.cipher.counter = tables.nonce_counter
+        self._worker = worker
+        self.reload_counter()
 
     def reserve_nonces(self, n: int) -> None:
-        self._tables.nonce_counter = self.cipher.counter + n
+        end = self.cipher.counter + n
+        if end >> 64 != self._worker:  # 2**64 pages sealed by one worker: never in practice
+            raise OverflowError("this worker's nonce space is exhausted")
+        self._tables.set_worker_counter(self._worker, end & _LOW64)
 
     def reload_counter(self) -> None:
         """Continue from the counter in the tables: a standby built this store while the daemon
         it took over from went on sealing pages, so the counter it read then is stale, and
         sealing from it would use the dead daemon's nonces again under the same key."""
-        self.cipher.counter = self._tables.nonce_counter
+        self.cipher.counter = self._worker << 64 | self._tables.worker_counter(self._worker)
 
     async def close(self) -> None:
         await super().close()
+        self._meta_mv.release()
+
+    def unmap(self) -> None:
+        """Let go of the tables' mapping without closing the store below (a worker leaving)."""
         self._meta_mv.release()
 
 
@@ -148,6 +161,7 @@ async def open_store(
     repair: bool = True,
     security: PeerSecurity | None = None,
     transports: list[str] | None = None,
+    readahead: bool = True,
 ) -> tuple[BlockStore, Persisted]:
     """The daemon's store on persisted state in `state_dir`.
 
@@ -155,6 +169,7 @@ async def open_store(
     client id is kept (so its leftover namespaces are ours to release, not refused for a lease),
     otherwise a new random one. Resume: the saved token, slab map, tables and key (a standby's
     store, `open_standby`, taken over at once); the arguments must describe the same device.
+    `readahead` is False for worker 0 of a daemon with several (`Standby.join` says why).
     Raises StateError, or StorageError from the memservers."""
     import secrets
 
@@ -170,6 +185,7 @@ async def open_store(
             security=security,
             transports=transports,
         )
+        standby.remote.reads.readahead.enabled = readahead
         try:
             await standby.take_over()
         except BaseException:
@@ -203,6 +219,7 @@ async def open_store(
             security=security,
             transports=transports,
         )
+        store.reads.readahead.enabled = readahead
         state = Persisted(sd, tables, _saved(store, peers, token, key, export_name))
         await store.connect()
         state.save_placement(store.table.sets)
@@ -322,6 +339,29 @@ class Standby:
         if refused:  # a newer generation serves these namespaces: never write beside it
             raise StateError("a newer daemon holds the namespaces: " + "; ".join(refused))
 
+    async def join(self, generation: int) -> None:
+        """Serve beside the daemon that serves as `generation`, as one more of its workers
+        (`duvm daemon --workers`): its slab map as it saved it, reservations as they are (a
+        RESERVE of the same size changes nothing), no repair and no readahead (another
+        worker's write could not drop a window here), the placement never saved from here.
+        StateError when the tables now name another generation: a successor took over and
+        this worker would write beside it."""
+        if self.state.tables.generation != generation:
+            raise StateError(
+                f"the daemon serving generation {generation} is no longer the one the tables "
+                f"name ({self.state.tables.generation}): not joining"
+            )
+        self.remote.reads.readahead.enabled = False
+        await self.remote.reattach(self.state.dir.load().sets)
+
+    async def leave(self) -> None:
+        """Stop serving as a worker: connections closed, nothing released (worker 0 releases
+        the pages when the daemon stops), the tables unmapped."""
+        await self.remote.detach()
+        if isinstance(self.store, PersistentCryptStore):
+            self.store.unmap()
+        self.state.tables.close()
+
     async def abandon(self) -> None:
         """Stop standing by: close the connections, unmap the tables; release nothing (the
         pages belong to the device the daemon serves)."""
@@ -341,6 +381,7 @@ async def open_standby(
     repair: bool = True,
     security: PeerSecurity | None = None,
     transports: list[str] | None = None,
+    worker: int = 0,
 ) -> Standby:
     """The store a daemon that died would need, built ahead of its death from `state_dir` (the
     saved token, slab map, tables and key; the arguments must describe the same device), with
@@ -390,7 +431,7 @@ async def open_standby(
     except BaseException:
         tables.close()
         raise
-    outer = PersistentCryptStore(store, old.key, tables) if old.key is not None else store
+    outer = PersistentCryptStore(store, old.key, tables, worker) if old.key is not None else store
     return Standby(outer, store, state, seen)
 
 

@@ -90,6 +90,9 @@ class Readahead:
         self._scheduled: int | None = None  # first page of a fetch due after this reply
         self._loop: asyncio.AbstractEventLoop | None = None
         self.counters = ReadaheadCounters()
+        # False in a daemon with several workers: another process's write to a page could not
+        # drop a window held here (`invalidate` sees only this process's changes)
+        self.enabled = True
 
     def hit(self, first: int, count: int, out: memoryview, done: Done, tag: object) -> bool:
         """Serve a read that lies inside a window (now, or when the window arrives) and keep
@@ -135,7 +138,7 @@ class Readahead:
     def missed(self, first: int, count: int) -> None:
         """A read the caller sent to a memserver itself: if it continues the previous one,
         the reader is sequential, so fetch ahead (after its own LOAD, which goes first)."""
-        if count > self.window_pages // 4:
+        if count > self.window_pages // 4 or not self.enabled:
             return  # a large reader already asks for enough at once: fetching ahead of it
             # only races its own requests in flight (measured: 256 KiB reads lost 25%)
         sequential = first == self.next_page

@@ -313,6 +313,19 @@ class RemoteStore(BlockStore):
         """Release the pages on every memserver and close the connections."""
         await self.release()
 
+    async def detach(self) -> None:
+        """Stop serving and close the connections, freeing nothing: a worker of a daemon with
+        several (`duvm daemon --workers`) leaves the pages to worker 0, which releases them."""
+        self.replication.open = False
+        tasks = [*self._tasks, *self.monitor.probes]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks = []
+        self.reads.readahead.clear()
+        for c in self.clients:
+            await c.close()
+
     async def peer_status(self) -> list[dict | None]:
         """Each memserver's STATUS (None for a peer that cannot answer)."""
         res = await asyncio.gather(*(c.status() for c in self.clients), return_exceptions=True)

@@ -42,6 +42,10 @@ HEADER_SIZE = 4096
 _HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, pages, nonce counter
 _COUNTER_OFFSET = 24
 _GENERATION_OFFSET = 32  # u64 after the header: the serving daemon's generation (FENCE epoch)
+# then one u64 nonce counter per worker 1..MAX_WORKERS-1 (`duvm daemon --workers`); worker 0's
+# is the header's own, so tables of a one-worker daemon read the same as before workers existed
+_WORKER_COUNTERS_OFFSET = 40
+MAX_WORKERS = 64
 FLAG_ENCRYPTED = 1
 
 
@@ -253,11 +257,21 @@ class PageTables:
 
     @property
     def nonce_counter(self) -> int:
-        return int(struct.unpack_from("<Q", self._header, _COUNTER_OFFSET)[0])
+        """Worker 0's nonce counter (the only one of a one-worker daemon)."""
+        return self.worker_counter(0)
 
     @nonce_counter.setter
     def nonce_counter(self, value: int) -> None:
-        struct.pack_into("<Q", self._header, _COUNTER_OFFSET, value)
+        self.set_worker_counter(0, value)
+
+    def worker_counter(self, worker: int) -> int:
+        """The last nonce counter value worker `worker` stored (its low 64 bits: the worker's
+        index is the nonce's high 32, `daemon_state.PersistentCryptStore`). Each worker owns
+        its own slot, so no two processes ever write one."""
+        return int(struct.unpack_from("<Q", self._header, _counter_offset(worker))[0])
+
+    def set_worker_counter(self, worker: int, value: int) -> None:
+        struct.pack_into("<Q", self._header, _counter_offset(worker), value)
 
     @property
     def generation(self) -> int:
@@ -288,6 +302,12 @@ class PageTables:
         for m in self._maps:
             with contextlib.suppress(BufferError):  # a view still held: the mapping stays
                 m.close()
+
+
+def _counter_offset(worker: int) -> int:
+    if not 0 <= worker < MAX_WORKERS:
+        raise ValueError(f"worker must be 0..{MAX_WORKERS - 1}, not {worker}")
+    return _COUNTER_OFFSET if worker == 0 else _WORKER_COUNTERS_OFFSET + 8 * (worker - 1)
 
 
 def next_generation(previous: int) -> int:

@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 from duvm.base import accel, pressure, quietlog
 from duvm.base.units import is_loopback, parse_listen, parse_peer, parse_size
+from duvm.node.daemon import workers
 from duvm.node.daemon.pidwatch import GuardKeeper
 from duvm.store import client_flags, daemon_state, memclient_group
 from duvm.store.placement import default_replicas
+from duvm.store.state_files import MAX_WORKERS
 from duvm.store.storage import BlockStore, StorageError
 from duvm.wire import auth
 from duvm.wire.nbdguard import TimerGuard
@@ -200,6 +202,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "command, offset, length, errno) to FILE, for finding where time goes "
         "(benchmarks/nbd_trace.py summarises it; about 1.5 µs per request)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve the export's connections in N processes (default 1; needs --state-dir, "
+        "where they share the page tables): one core each, a connection each in turn "
+        "(duvm.node.daemon.workers)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log connections and errors")
     client_flags.add_client_arguments(parser)  # --secret-file, --tls-*, --encrypt/--no-encrypt
 
@@ -218,6 +229,12 @@ def _fail(msg: str, code: int = 1) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    team: workers.Workers | workers.Seat | None = None
+    if args.workers != 1:  # forked before anything opens; each process protects itself below
+        why = _workers_refused(args)
+        if why:
+            return _fail(why, 2)
+        team = workers.fork_workers(args.workers)
     # Protections first, so the threads started below (the log writer) inherit the scheduling
     # class and every page touched from here on is locked. A standby prepares at normal
     # priority and turns realtime once ready (`standby._wait_and_take_over`): seconds of
@@ -240,10 +257,59 @@ def run(args: argparse.Namespace) -> int:
     logger = quietlog.start_background(
         logging.INFO if args.verbose else logging.WARNING, "duvm daemon: %(levelname)s %(message)s"
     )
+    if isinstance(team, workers.Seat):
+        code = 1
+        try:
+            code = _run_worker(args, team)
+        finally:
+            logger.stop()
+            os._exit(code)  # a fork: never its parent's exit handlers
     try:
-        return _run(args)
+        return _run(args, team)
     finally:
         logger.stop()
+
+
+def _workers_refused(args: argparse.Namespace) -> str | None:
+    if not 1 <= args.workers <= MAX_WORKERS:
+        return f"--workers must be 1..{MAX_WORKERS}, not {args.workers}"
+    if args.memory:
+        return "--workers serves pages held by memservers; --memory keeps them in one process"
+    if not args.state_dir:
+        return "--workers needs --state-dir: the workers share the page tables kept there"
+    if args.standby_fd is not None:
+        return "a standby for a daemon with several workers is not supported (--standby-fd)"
+    return None
+
+
+def _run_worker(args: argparse.Namespace, seat: workers.Seat) -> int:
+    """Worker `seat.index` of a daemon with several (duvm.node.daemon.workers)."""
+    try:
+        cfg = settings_from_args(args)
+    except (ValueError, auth.SecretError, OSError) as e:
+        return _fail(str(e), 2)
+
+    async def join(generation: int) -> tuple[BlockStore, workers.Leaver]:
+        standby = await daemon_state.open_standby(
+            Path(args.state_dir),
+            cfg.peers,
+            cfg.size,
+            cfg.client_id,
+            cfg.replicas,
+            export_name=args.export_name,
+            repair=False,
+            security=cfg.security,
+            transports=cfg.transports,
+            worker=seat.index,
+        )
+        try:
+            await standby.join(generation)
+        except BaseException:
+            await standby.abandon()
+            raise
+        return standby.store, standby
+
+    return _run_loop(workers.serve_as_worker(seat, join, args.export_name))
 
 
 @dataclass(frozen=True)
@@ -299,7 +365,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, team: workers.Workers | None = None) -> int:
     try:
         cfg = settings_from_args(args)
     except (ValueError, auth.SecretError) as e:
@@ -316,8 +382,8 @@ def _run(args: argparse.Namespace) -> int:
             from duvm.node.daemon import standby
 
             return _run_loop(standby.stand_by(args, cfg, serve))
-        return _run_loop(_serve(args, cfg))
-    except DaemonError as e:
+        return _run_loop(_serve(args, cfg, team))
+    except (DaemonError, workers.WorkerError) as e:
         return _fail(str(e))
     except OSError as e:
         return _fail(f"cannot serve on {args.socket}: {e.strerror or e}")
@@ -352,6 +418,7 @@ async def open_store(
                 cfg.replicas,
                 encrypt=client_flags.encryption_wanted(args, cfg.peers),
                 resume=args.resume,
+                readahead=args.workers == 1,
                 export_name=args.export_name,
                 security=cfg.security,
                 transports=cfg.transports,
@@ -378,7 +445,9 @@ async def open_store(
     return store, None
 
 
-async def _serve(args: argparse.Namespace, cfg: Settings) -> int:
+async def _serve(
+    args: argparse.Namespace, cfg: Settings, team: workers.Workers | None = None
+) -> int:
     trace = None
     if getattr(args, "trace", None):  # opened first: a bad path fails before reserving
         try:
@@ -388,19 +457,24 @@ async def _serve(args: argparse.Namespace, cfg: Settings) -> int:
                 f"cannot write the trace to {args.trace}: {e.strerror or e}"
             ) from None
     try:
-        return await _serve_store(args, cfg, trace)
+        return await _serve_store(args, cfg, trace, team)
     finally:
         if trace is not None:
             trace.close()
 
 
-async def _serve_store(args: argparse.Namespace, cfg: Settings, trace: RequestTrace | None) -> int:
+async def _serve_store(
+    args: argparse.Namespace,
+    cfg: Settings,
+    trace: RequestTrace | None,
+    team: workers.Workers | None = None,
+) -> int:
     from duvm.node.daemon.nbdserver import NBDServer
 
     store, persisted = await open_store(args, cfg)
     server = NBDServer(store, args.export_name)
     server.trace = trace
-    return await serve(args, cfg, store, persisted, server)
+    return await serve(args, cfg, store, persisted, server, team=team)
 
 
 async def serve(
@@ -414,6 +488,7 @@ async def serve(
     settle: Callable[[], Awaitable[None]] | None = None,
     control_sock: socket.socket | None = None,
     guards: GuardKeeper | None = None,
+    team: workers.Workers | None = None,
 ) -> int:
     """Serve `store` (reserved, or taken over by a standby) through `server` until SIGTERM or
     SIGINT, then stop cleanly: in-flight requests answered, the reservations released, the
@@ -423,7 +498,9 @@ async def serve(
     `control_sock` (its control socket, bound ahead too) and `settle` (awaited once it serves):
     then nothing here touches a file on /run, where another task may hold a lock while it
     waits for the device this process serves; and the request-timer guard it holds (`guards`,
-    `duvm.node.daemon.pidwatch`), which a `timer_guard` request replaces."""
+    `duvm.node.daemon.pidwatch`), which a `timer_guard` request replaces. `team`: the other
+    workers of a daemon with several, started here once the store is open and stopped before
+    anything is released."""
     aside = quietlog.Aside()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -448,6 +525,9 @@ async def serve(
                     f"cannot serve metrics on {args.metrics}: {e.strerror or e}"
                 ) from None
             aside.write(f"duvm daemon metrics on http://{bound[0]}:{bound[1]}/metrics")
+        if team is not None and persisted is not None:
+            await team.start(persisted.tables.generation)
+            server.spreader = team
         if listen is not None:
             await listen()
         else:
@@ -464,6 +544,9 @@ async def serve(
             f"duvm daemon serving export {args.export_name!r} ({cfg.size} bytes, {backend}) "
             f"on {where}"
         )
+        if team is not None:
+            pids = " ".join(map(str, [os.getpid(), *team.pids]))
+            line += f" with {args.workers} workers (pids {pids})"
         ctl_path = args.control_socket or control_socket.default_path(args.socket)
         path = accel.announce(log).path
         replicas = None if args.memory else cfg.replicas
@@ -488,6 +571,8 @@ async def serve(
         log.info("stopping: finishing in-flight requests")
     finally:
         await server.close()
+        if team is not None:
+            await team.stop()  # every worker's writes answered before anything is released
         await store.close()  # a RemoteStore RELEASEs its reservations on every memserver
         if persisted is not None:
             persisted.discard()  # released: nothing is left to resume

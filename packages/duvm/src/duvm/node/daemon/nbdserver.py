@@ -16,7 +16,8 @@ import logging
 import os
 import socket
 import stat
-from typing import TYPE_CHECKING, TypedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from duvm.node.daemon.nbdconnection import DEFAULT_HANDSHAKE_TIMEOUT, NBDConnection
 from duvm.store.storage import BlockStore, Capabilities
@@ -94,6 +95,34 @@ class ServerStats:
 MAX_IN_FLIGHT_BYTES = 4 << 20
 
 
+class ConnectionSpreader(Protocol):
+    """Who serves each accepted connection (`duvm.node.daemon.workers.Workers`)."""
+
+    def take(self) -> Callable[[socket.socket], bool] | None:
+        """None: this server serves the next connection; else a function that hands its socket
+        to another process (False when it cannot, and this server serves it)."""
+        ...
+
+
+class _HandedOff(asyncio.Protocol):
+    """An accepted connection that another process serves: its socket is handed over before
+    anything is read from it, then closed here (the other process holds its own descriptor)."""
+
+    def __init__(self, server: NBDServer, give: Callable[[socket.socket], bool]) -> None:
+        self.server, self.give = server, give
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.pause_reading()  # type: ignore[attr-defined]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and self.give(sock):
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        conn = NBDConnection(self.server)  # the other process cannot: served here
+        transport.set_protocol(conn)
+        conn.connection_made(transport)
+        transport.resume_reading()  # type: ignore[attr-defined]
+
+
 class NBDServer:
     """Serve one `BlockStore` as one NBD export on Unix and/or TCP sockets."""
 
@@ -130,6 +159,12 @@ class NBDServer:
         self._connections: set[NBDConnection] = set()
         self._unix_paths: list[str] = []
         self._closing = False
+        # hands connections to other workers (`duvm daemon --workers`); None: all served here
+        self.spreader: ConnectionSpreader | None = None
+
+    def _protocol(self) -> asyncio.Protocol:
+        give = self.spreader.take() if self.spreader is not None else None
+        return NBDConnection(self) if give is None else _HandedOff(self, give)
 
     async def start_unix(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -137,7 +172,7 @@ class NBDServer:
                 raise FileExistsError(f"{path} exists and is not a socket")
             os.unlink(path)
         loop = asyncio.get_running_loop()
-        server = await loop.create_unix_server(lambda: NBDConnection(self), path, backlog=128)
+        server = await loop.create_unix_server(self._protocol, path, backlog=128)
         os.chmod(path, 0o600)
         self._servers.append(server)
         self._unix_paths.append(path)
@@ -146,7 +181,7 @@ class NBDServer:
         """Serve on `sock`, a Unix socket already bound to `path` and listening (a standby's,
         bound before the takeover: starting to serve then touches no file)."""
         loop = asyncio.get_running_loop()
-        server = await loop.create_unix_server(lambda: NBDConnection(self), sock=sock)
+        server = await loop.create_unix_server(self._protocol, sock=sock)
         self._servers.append(server)
         self._unix_paths.append(path)
 
@@ -157,7 +192,7 @@ class NBDServer:
 
     async def start_tcp(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: NBDConnection(self), host, port, backlog=128)
+        server = await loop.create_server(self._protocol, host, port, backlog=128)
         self._servers.append(server)
         return server.sockets[0].getsockname()[:2]
 

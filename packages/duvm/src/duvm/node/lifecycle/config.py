@@ -140,6 +140,12 @@ class Config:
             raise ControlError(f"swap priority {self.priority} is outside -1..32767")
         if self.method not in METHODS:
             raise ControlError(f"method {self.method!r} is not one of {', '.join(METHODS)}")
+        if any(a == "--workers" or a.startswith("--workers=") for a in self.daemon_args):
+            raise ControlError(
+                "daemon_args has --workers: `duvm enable` attaches the device by one connection "
+                "and keeps a standby, which a daemon with several workers has not yet (DECISIONS "
+                "D49); --workers is for `duvm daemon` serving NBD clients itself"
+            )
         return self
 
 

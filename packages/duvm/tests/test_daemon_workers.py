@@ -1,0 +1,221 @@
+"""`duvm daemon --workers N` (duvm.node.daemon.workers): one export served by N processes over
+two real memservers, encrypted, two copies, through real NBD connections (test_standby.py's
+`Node` and `KernelStandIn`, a blocking NBD client).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from duvm.base.procstat import stat_fields
+from duvm.store import state_files as sf
+from test_standby import PAGE, SIZE, KernelStandIn, Node, node  # noqa: F401
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the daemon locks its memory as root")
+
+
+def _page(p: int, version: int) -> bytes:
+    """A page whose every 8 bytes say which page and version it is."""
+    return (p.to_bytes(4, "little") + version.to_bytes(4, "little")) * (PAGE // 8)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(x) for x in (task / "children").read_text().split()]
+    return out
+
+
+def _cpu_ticks(pid: int) -> int:
+    f = stat_fields(pid)
+    assert f is not None
+    return int(f[11]) + int(f[12])  # utime + stime
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = stat_fields(pid)
+        if st is None or st[0] == "Z":
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _two_workers(stand: Node) -> tuple[int, int, KernelStandIn, KernelStandIn]:
+    if "--workers" not in stand.daemon_args:
+        stand.daemon_args += ["--workers", "2"]
+    daemon = stand.start_daemon()
+    kids = _children(daemon.pid)
+    assert len(kids) == 1, kids
+    a = KernelStandIn(stand.socket)  # accepted first: worker 0's turn
+    b = KernelStandIn(stand.socket)  # then worker 1's
+    return daemon.pid, kids[0], a, b
+
+
+@needs_root
+def test_two_workers_serve_a_connection_each_and_read_each_others_writes(
+    node: Node,  # noqa: F811 - the fixture
+) -> None:
+    """Catches connections left with worker 0 (one core again, whatever --workers says) and a
+    worker that does not see the pages another one wrote (its own page tables, not the shared
+    mapping)."""
+    daemon, worker, a, b = _two_workers(node)
+    try:
+        for p in range(64):
+            (a if p % 2 else b).write(p * PAGE, _page(p, 1))
+        for p in range(64):
+            assert a.read(p * PAGE, PAGE) == _page(p, 1), p
+            assert b.read(p * PAGE, PAGE) == _page(p, 1), p
+        b.write(3 * PAGE, _page(3, 2))
+        a.write(4 * PAGE, _page(4, 2))
+        assert a.read(3 * PAGE, PAGE) == _page(3, 2)
+        assert b.read(4 * PAGE, PAGE) == _page(4, 2)
+        # the mechanism: requests on b cost the worker's CPU, not worker 0's
+        before = _cpu_ticks(worker), _cpu_ticks(daemon)
+        for i in range(5000):
+            assert b.read((i % 64) * PAGE, PAGE)[:4] == (i % 64).to_bytes(4, "little")
+        spent = _cpu_ticks(worker) - before[0], _cpu_ticks(daemon) - before[1]
+        assert spent[0] >= 5 and spent[0] > 3 * spent[1], spent
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_root
+def test_each_worker_seals_with_nonces_of_its_own(
+    node: Node,  # noqa: F811 - the fixture
+) -> None:
+    """Catches two workers counting nonces from one counter: both would seal their first page
+    under nonce 1 with the shared key, and AES-GCM under a repeated nonce gives away the XOR of
+    the two pages and lets the tags be forged."""
+    _, _, a, b = _two_workers(node)
+    try:
+        for p in range(32):
+            (a if p < 16 else b).write(p * PAGE, _page(p, 1))
+        tables = sf.PageTables.open(
+            node.state_dir / "daemon-state" / sf.PAGES_FILE, SIZE // PAGE, True
+        )
+        try:
+            assert tables.meta is not None
+            nonces = [
+                int.from_bytes(tables.meta[p * sf.META : p * sf.META + 12], "little")
+                for p in range(32)
+            ]
+            counters = tables.worker_counter(0), tables.worker_counter(1)
+        finally:
+            tables.close()
+        assert len(set(nonces)) == 32 and 0 not in nonces
+        assert [n >> 64 for n in nonces] == [0] * 16 + [1] * 16  # the sealing worker's index
+        assert counters[0] >= 16 and counters[1] >= 16
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_root
+def test_a_page_another_worker_wrote_is_never_read_from_a_stale_window(
+    node: Node,  # noqa: F811 - the fixture
+) -> None:
+    """Catches readahead left on with several workers: worker 0 fetches ahead of a sequential
+    reader, worker 1 writes a page of that window, and a window, which only this process's
+    writes drop, no longer holds the page's bytes (seen with the rule broken: the read of the
+    page failed with EIO)."""
+    _, _, a, b = _two_workers(node)
+    try:
+        for p in range(256):
+            a.write(p * PAGE, _page(p, 1))
+        for first in range(0, 64, 8):  # 32 KiB sequential reads, as swap-in does
+            a.read(first * PAGE, 8 * PAGE)
+        b.write(80 * PAGE, _page(80, 2))
+        for first in range(64, 96, 8):
+            got = a.read(first * PAGE, 8 * PAGE)
+            for i in range(8):
+                want = _page(first + i, 2 if first + i == 80 else 1)
+                assert got[i * PAGE : (i + 1) * PAGE] == want, first + i
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_root
+def test_workers_stop_before_worker_0_releases_and_die_with_it(
+    node: Node,  # noqa: F811 - the fixture
+) -> None:
+    """Catches a worker left running after a clean stop, pages left reserved by it, and a
+    worker that outlives a worker 0 that was killed (it would serve beside the daemon that
+    resumes). Each worker has two ways to end with worker 0 (PR_SET_PDEATHSIG, and end of file
+    on its socket pair): seen failing with both removed."""
+    daemon, worker, a, b = _two_workers(node)
+    a.write(0, _page(0, 1))
+    b.write(PAGE, _page(1, 1))
+    assert node.stored_pages() == [2, 2]
+    a.close()
+    b.close()
+    os.kill(daemon, signal.SIGTERM)
+    assert node.procs[-1].wait(30) == 0
+    assert _gone(worker)
+    assert node.stored_pages() == [0, 0]  # released, by worker 0, once
+    assert not os.path.exists(node.socket)
+    assert "ended; its connections are gone" not in (node.state_dir / "daemon.log").read_text()
+    daemon, worker, a, b = _two_workers(node)
+    a.close()
+    b.close()
+    os.kill(daemon, signal.SIGKILL)
+    assert _gone(worker), "a worker outlived worker 0"
+
+
+@needs_root
+def test_a_worker_that_dies_alone_leaves_the_rotation(
+    node: Node,  # noqa: F811 - the fixture
+) -> None:
+    """Catches connections still handed to a worker that died (seen with the rotation and the
+    hand-over both blind to it: the connection closed during its handshake). Worker 0 serves
+    every later connection itself and says what happened."""
+    _, worker, a, b = _two_workers(node)
+    a.write(0, _page(0, 1))
+    os.kill(worker, signal.SIGKILL)
+    assert _gone(worker)
+    b.close()
+    log = node.state_dir / "daemon.log"
+    deadline = time.monotonic() + 10
+    while "worker 1 (pid" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.02)
+    for version in (2, 3, 4):  # three connections: none of them lands on the dead worker
+        c = KernelStandIn(node.socket)
+        c.sock.settimeout(10)
+        c.write(PAGE, _page(1, version))
+        assert c.read(PAGE, PAGE) == _page(1, version)
+        assert c.read(0, PAGE) == _page(0, 1)
+        c.close()
+    a.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--workers", "0"], "--workers must be 1..64"),
+        (["--workers", "65"], "--workers must be 1..64"),
+        (["--workers", "2"], "--workers needs --state-dir"),
+        (["--workers", "2", "--memory"], "--memory keeps them in one process"),
+    ],
+)
+def test_bad_worker_counts_are_refused_before_anything_starts(
+    tmp_path: Path, extra: list[str], says: str
+) -> None:
+    sock = tmp_path / "nbd.sock"
+    peers = [] if "--memory" in extra else ["--peers", "127.0.0.1:9"]
+    cmd = [sys.executable, "-m", "duvm.cli", "daemon", "--socket", str(sock), "--size", "8M"]
+    out = subprocess.run(
+        [*cmd, *peers, "--no-mlock", *extra], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2, out.stderr
+    assert says in out.stderr
+    assert not sock.exists()
