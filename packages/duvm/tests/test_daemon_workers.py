@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from duvm.base import control_socket
 from duvm.base.procstat import stat_fields
 from duvm.store import state_files as sf
 from test_standby import PAGE, SIZE, KernelStandIn, Node, node  # noqa: F401
@@ -83,6 +84,8 @@ def test_two_workers_serve_a_connection_each_and_read_each_others_writes(
             assert b.read((i % 64) * PAGE, PAGE)[:4] == (i % 64).to_bytes(4, "little")
         spent = _cpu_ticks(worker) - before[0], _cpu_ticks(daemon) - before[1]
         assert spent[0] >= 5 and spent[0] > 3 * spent[1], spent
+        status = control_socket.query(control_socket.default_path(node.socket))
+        assert status["workers"] == [daemon, worker]
     finally:
         a.close()
         b.close()

@@ -550,7 +550,13 @@ async def serve(
         ctl_path = args.control_socket or control_socket.default_path(args.socket)
         path = accel.announce(log).path
         replicas = None if args.memory else cfg.replicas
-        report = ControlStatus(lambda: daemon_status(store, server, replicas, path).to_json())
+
+        def pids() -> list[int] | None:
+            return None if team is None else [os.getpid(), *team.pids]
+
+        report = ControlStatus(
+            lambda: daemon_status(store, server, replicas, path, pids()).to_json()
+        )
         report.guards = guards = guards or GuardKeeper()
         ctl = await control_socket.start(
             ctl_path,

@@ -12,6 +12,8 @@ One meaning per word:
 * `counters`: every layer's counters (`BlockStore.counters`), each kept by its owner.
 * `nbd`: the NBD server's counters since it started (`NbdCounts`; its `connections` counts
   every connection accepted); `open_connections` is how many are open now.
+* `workers`: with `--workers N`, the pids of the processes serving now, worker 0 (this one)
+  first; None with one. `counters`, `nbd` and `open_connections` are then worker 0's own.
 
 The JSON keeps the names its readers know: "store" is the replication health with the counters
 beside it, flat (null without replicas), "nbd" the NBD counters; gputaskman reads "pid",
@@ -44,6 +46,7 @@ class DaemonStatus:
     counters: dict[str, int]
     nbd: NbdCounts | None  # None without an NBD server (a store reported on its own)
     open_connections: int | None
+    workers: list[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The control socket's answer (keys as documented above; unknown parts are null)."""
@@ -54,6 +57,7 @@ class DaemonStatus:
             "request_path": self.request_path,
             "store": None if self.replication is None else {**self.replication, **self.counters},
             "nbd": None if self.nbd is None else dict(self.nbd),
+            "workers": self.workers,
         }
 
 
@@ -62,6 +66,7 @@ def daemon_status(
     server: NBDServer | None,
     replicas: int | None = None,
     request_path: str | None = None,
+    workers: list[int] | None = None,
 ) -> DaemonStatus:
     """The status of the daemon serving `store` through `server`; call on the loop thread."""
     return DaemonStatus(
@@ -74,4 +79,5 @@ def daemon_status(
         counters=store.counters(),  # every layer's (BlockStore.counters)
         nbd=server.stats.as_dict() if server is not None else None,
         open_connections=server.open_connections if server is not None else None,
+        workers=workers,
     )
