@@ -282,6 +282,21 @@ def _workers_refused(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _reload_on_hangup(
+    store: BlockStore, secret_file: str, team: workers.Workers | None = None
+) -> None:
+    """Re-read the cluster secret into every memserver connection on SIGHUP (a rotation), and
+    pass the signal on to the other workers, whose connections are their own."""
+    clients = store.memserver_clients()
+
+    def reload() -> None:
+        log.warning("%s", memclient_group.reload_client_keyring(clients, secret_file))
+        if team is not None:
+            team.signal(signal.SIGHUP)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+
+
 def _run_worker(args: argparse.Namespace, seat: workers.Seat) -> int:
     """Worker `seat.index` of a daemon with several (duvm.node.daemon.workers)."""
     try:
@@ -307,6 +322,8 @@ def _run_worker(args: argparse.Namespace, seat: workers.Seat) -> int:
         except BaseException:
             await standby.abandon()
             raise
+        if args.secret_file:
+            _reload_on_hangup(standby.store, args.secret_file)
         return standby.store, standby
 
     return _run_loop(workers.serve_as_worker(seat, join, args.export_name))
@@ -419,6 +436,7 @@ async def open_store(
                 encrypt=client_flags.encryption_wanted(args, cfg.peers),
                 resume=args.resume,
                 readahead=args.workers == 1,
+                repair=args.workers == 1,  # D49: the workers' writes do not reach a copy
                 export_name=args.export_name,
                 security=cfg.security,
                 transports=cfg.transports,
@@ -507,13 +525,7 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if getattr(args, "secret_file", None):  # secret rotation: re-read on SIGHUP
-        clients = store.memserver_clients()
-        loop.add_signal_handler(
-            signal.SIGHUP,
-            lambda: log.warning(
-                "%s", memclient_group.reload_client_keyring(clients, args.secret_file)
-            ),
-        )
+        _reload_on_hangup(store, args.secret_file, team)
     try:
         if args.metrics:  # Prometheus exposition; NBD latencies observed from here on
             from duvm.node.daemon import metrics

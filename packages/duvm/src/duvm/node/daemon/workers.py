@@ -22,8 +22,13 @@ daemon with N workers serves its connections in N processes:
   readahead: a window held by one worker could not see another worker's write.
 - **Not shared yet**: a replica one worker finds failed is dropped by that worker alone (its
   reads then judge every copy by the shared tables, so a copy another worker still wrote is
-  checked, never trusted), and only worker 0 repairs and saves the map; the workers learn a
-  repaired or moved slab at their next start.
+  checked, never trusted); only worker 0 saves the map, and nobody repairs (a copy made by
+  worker 0 would miss the other workers' writes during it), so a slab that lost a copy stays
+  degraded until the daemon restarts with one worker. A slab whose every copy is lost is
+  placed again by each worker that meets it, perhaps on different memservers: its later
+  pages read as errors from the other workers (never as other bytes).
+- **Per worker**: the metrics, the trace and the counters `duvm status` shows are worker 0's;
+  SIGHUP (a new cluster secret) reaches worker 0, which passes it on.
 - **Lifetimes**: a worker dies with worker 0 (PR_SET_PDEATHSIG, and end of file on its socket
   pair), so a restart resumes with N new workers. Worker 0 stops every worker before it
   releases anything. A worker that dies alone leaves the rotation; its connections drop.
@@ -185,6 +190,13 @@ class Workers:
             self._gone(c)
             return False
         return True
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to every worker running."""
+        for c in self._children:
+            if c.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(c.pid, sig)
 
     async def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop every worker: each finishes its requests in flight and closes its connections,
