@@ -201,6 +201,34 @@ def test_a_worker_that_dies_alone_leaves_the_rotation(
     a.close()
 
 
+@needs_root
+def test_a_new_cluster_secret_reaches_every_worker(tmp_path: Path) -> None:
+    """Catches SIGHUP (a rotated cluster secret) reloaded by worker 0 alone: the other workers'
+    connections would keep the old secret and fail their next authentication once the
+    memservers drop it."""
+    secret = tmp_path / "secret"
+    cli = [sys.executable, "-m", "duvm.cli", "secret"]
+    subprocess.run([*cli, "generate", str(secret)], check=True, capture_output=True)
+    stand = Node(tmp_path, ("--secret-file", str(secret)))
+    try:
+        stand.daemon_args += ["--secret-file", str(secret)]
+        daemon, _, a, b = _two_workers(stand)
+        a.write(0, _page(0, 1))
+        b.write(PAGE, _page(1, 1))
+        subprocess.run([*cli, "add", str(secret)], check=True, capture_output=True)
+        os.kill(daemon, signal.SIGHUP)
+        log = stand.state_dir / "daemon.log"
+        deadline = time.monotonic() + 10
+        while log.read_text().count("SIGHUP: re-read") < 2:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        assert b.read(0, PAGE) == _page(0, 1) and a.read(PAGE, PAGE) == _page(1, 1)
+        a.close()
+        b.close()
+    finally:
+        stand.close()
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [

@@ -136,8 +136,9 @@ class Node:
     """Two memservers, and a daemon started and recorded as `duvm enable` does on kernel nbd
     over netlink (an attachment of /dev/nbd7 that never reaches a kernel here)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, memserver_args: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
+        self.memserver_args = memserver_args
         self.state_dir = tmp / "run"
         self.state_dir.mkdir()
         self.procs: list[subprocess.Popen] = []
@@ -161,7 +162,10 @@ class Node:
         log = self.tmp / f"ms{i}.log"
         self.memservers.append(
             duvm_processes.start(
-                ["memserver", "--listen", "127.0.0.1:0", "--capacity", "64M", "--no-mlock"],
+                [
+                    *("memserver", "--listen", "127.0.0.1:0", "--capacity", "64M", "--no-mlock"),
+                    *self.memserver_args,
+                ],
                 "listening on",
                 log,
             )
