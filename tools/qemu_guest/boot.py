@@ -286,6 +286,7 @@ def qemu_command(
     results: Path,
     net: TapNet | None = None,
     monitor: Path | None = None,
+    cpus: int = 1,
 ) -> list[str]:
     netdev = (
         f"tap,id=n0,ifname={net.tap},script=no,downscript=no" if net is not None else "user,id=n0"
@@ -298,7 +299,7 @@ def qemu_command(
         "-accel",
         "tcg",
         "-smp",
-        "1",
+        str(cpus),
         "-m",
         str(mem_mib),
         "-nodefaults",
@@ -376,6 +377,8 @@ def run_guest(
     method: str = "kernel-nbd",
     cache: Path = build_initramfs.DEFAULT_CACHE,
     guest_env: dict[str, str] | None = None,
+    cpus: int = 1,
+    workers: int = 1,
 ) -> GuestRun:
     """Boot the guest once; always cleans up what it started.
 
@@ -401,7 +404,10 @@ def run_guest(
     secret made here, and the workload is a plain `python3 -c` holding os.urandom blocks,
     verified twice by SHA-256. `sysctl` ("kernel.sched_rt_runtime_us=-1 ...") is set in the
     guest at boot. `method` is how the guest's duvm attaches (`kernel-nbd`, or `nbdfuse-loop`:
-    the fallback for kernels without nbd). `guest_env` adds settings for the guest script
+    the fallback for kernels without nbd). `cpus`: the guest's vCPUs; `workers`: `duvm enable
+    --workers N --no-supervise` (one kernel nbd connection per daemon worker, D49; the driver
+    maps each vCPU to one of them, so they see requests only with as many vCPUs). `guest_env`
+    adds settings for the guest script
     (experiments: `DUVM_NBD_IO_TIMEOUT_MS`, `DUVM_KILL_STOP_WORKLOAD`). `python` must import
     duvm (the project's venv); the guest uses the same path. Raises GuestUnavailable when this
     host cannot boot it.
@@ -459,12 +465,13 @@ def run_guest(
             "DUVM_NBDKIT_ADDR": f"{host}:{servers[0].port}" if baseline_nbdkit else "",
             "DUVM_GUEST_IP": net.guest_ip if net is not None else "10.0.2.15",
             "DUVM_GATEWAY": net.host_ip if net is not None else HOST_FROM_GUEST,
+            "DUVM_WORKERS": str(workers),
             **(guest_env or {}),
         }
         initrd = build_initramfs.build_initramfs(kernel, env, work / "initramfs.cpio")
         console, results = work / "console.log", work / "results.log"
         monitor = work / "monitor.sock" if sysrq_at or stall_s else None
-        cmd = qemu_command(kernel, initrd, mem_mib, console, results, net, monitor)
+        cmd = qemu_command(kernel, initrd, mem_mib, console, results, net, monitor, cpus)
         t0 = time.monotonic()
         qemu = start_qemu(cmd, work / "qemu.log")
         if kill_memserver_at is not None and stop_memserver_at is not None:

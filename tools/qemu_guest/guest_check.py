@@ -94,6 +94,26 @@ def duvm(*args: str, timeout: float = 300) -> dict[str, Any]:
     }
 
 
+def worker_facts() -> dict[str, Any]:
+    """A daemon with several workers (DUVM_WORKERS): the pids its status names, its kernel nbd
+    connections, the hardware queues the driver made for them, and each worker's CPU ticks so
+    far (a worker the kernel sends no requests spends none)."""
+    st = status() or {}
+    pids = (st.get("daemon") or {}).get("workers") or []
+    ticks = {}
+    for pid in pids:
+        if text := _read(f"/proc/{pid}/stat"):
+            f = text.rsplit(")", 1)[1].split()
+            ticks[str(pid)] = int(f[11]) + int(f[12])
+    mq = "/sys/block/nbd0/mq"
+    return {
+        "pids": pids,
+        "connections": st.get("connections"),
+        "hw_queues": sorted(os.listdir(mq)) if os.path.isdir(mq) else None,
+        "ticks": ticks,
+    }
+
+
 def status() -> dict[str, Any] | None:
     """What `duvm status --json` prints, computed in this process: a new interpreter costs
     5-25 s under TCG, the call itself well under one."""
@@ -952,16 +972,17 @@ def main() -> int:
         + (["--insecure", "--no-encrypt"] if os.environ.get("DUVM_PEERS") else [])
         + os.environ.get("DUVM_DAEMON_ARGS", "").split()
     )
+    workers = int(os.environ.get("DUVM_WORKERS") or 1)
     config.write_text(
         f'peers = {json.dumps(peers.split(","))}\nsize = "{size}"\n'
         f'method = "{os.environ.get("DUVM_METHOD") or "kernel-nbd"}"\nstate_dir = "{STATE_DIR}"\n'
-        f"daemon_args = {json.dumps(daemon_args)}\n"
+        f"daemon_args = {json.dumps(daemon_args)}\nworkers = {workers}\n"
     )
     secret = os.environ.get("DUVM_SECRET_FILE")
     if secret:  # exactly what a user types: the defaults, the cluster secret, nothing else
         enable = duvm("enable", "--peers", peers, "--size", size, "--secret-file", secret)
-    else:
-        enable = duvm("enable", "--config", str(config))
+    else:  # several workers: no supervisor yet (DECISIONS.md D49)
+        enable = duvm("enable", "--config", str(config), *(["--no-supervise"] * (workers > 1)))
     emit("enable", **enable)
     watch_daemon()
     if enable["rc"] != 0:
@@ -969,6 +990,8 @@ def main() -> int:
     disabled = False
     try:
         emit("attached", **device_facts(), vmstat=vmstat(), meminfo=meminfo())
+        if workers > 1:
+            emit("workers", **worker_facts())
         if os.environ.get("DUVM_SWAP_NO_DISCARD"):
             swap_without_discard("/dev/nbd0")
         if os.environ.get("DUVM_KILL_AT_PCT"):
@@ -979,6 +1002,8 @@ def main() -> int:
                 **request_timer_experiment(int(os.environ["DUVM_NBD_IO_TIMEOUT_MS"])),
             )
         work = run_workloads(mib, cgroup_mib, peers)
+        if workers > 1:
+            emit("workers_after", **worker_facts())
         emit(
             "workload",
             **work,

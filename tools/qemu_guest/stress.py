@@ -283,8 +283,10 @@ def run_one(
     sysctl: str = "",
     method: str = "kernel-nbd",
     guest_env: dict[str, str] | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
-    """Boot one guest for `setup`; its logs in OUT/NAME-TIME; one result record."""
+    """Boot one guest for `setup` (with `workers` daemon workers and as many vCPUs); its logs
+    in OUT/NAME-TIME; one result record."""
     work = out / f"{setup.name.replace(':', '-')}-{time.strftime('%H%M%S')}"
     work.mkdir(parents=True)
     started = time.time()
@@ -310,6 +312,8 @@ def run_one(
             sysctl=sysctl,
             method=method,
             guest_env=guest_env,
+            cpus=workers,
+            workers=workers,
         )
     outcome, reason = classify(run)
     facts = boot.summary(run)
@@ -319,6 +323,7 @@ def run_one(
         "outcome": outcome,
         "reason": reason,
         "daemon_args": daemon_args,
+        "workers": workers,
         "sysctl": sysctl,
         "method": method,
         "guest_env": guest_env or {},
@@ -403,6 +408,14 @@ def main(argv: list[str] | None = None) -> int:
         help="how the guest's duvm attaches (nbdfuse-loop: the fallback without kernel nbd)",
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="`duvm enable --workers N --no-supervise` in a guest of N vCPUs (DECISIONS.md D49; "
+        "not with :dkill, which needs the supervisor, nor :rdma)",
+    )
+    p.add_argument(
         "--stop-on-bad",
         action="store_true",
         help="stop after the first run that hung, panicked or lost pages",
@@ -418,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         p.error(str(exc))
+    if not 1 <= a.workers <= 8:
+        p.error("--workers takes 1 to 8 (one vCPU each)")
+    if a.workers > 1 and (bad := [s.name for s in setups if s.dkill or s.rdma]):
+        p.error(f"--workers {a.workers} runs without a supervisor and over TCP: not {bad}")
     if why := boot.problems():
         print(f"stress: cannot boot the guest here: {'; '.join(why)}", file=sys.stderr)
         return 2
@@ -436,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                 sysctl=a.sysctl,
                 method=a.method,
                 guest_env=_guest_env(a),
+                workers=a.workers,
             )
         except boot.GuestUnavailable as exc:
             print(f"\nstress: cannot boot the guest here: {exc}", file=sys.stderr)

@@ -129,8 +129,12 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) ->
         ("size = [1]", "size must be a size"),
         ('secret_file = ""', "secret_file must be a non-empty string"),
         ('secret_file = "/x"\ndaemon_args = ["--secret-file", "/y"]', "keep one"),
-        ('daemon_args = ["--workers", "2"]', "daemon_args has --workers"),
-        ('daemon_args = ["--workers=2"]', "daemon_args has --workers"),
+        ('daemon_args = ["--workers", "2"]', "daemon_args has --workers: use workers = N"),
+        ('daemon_args = ["--workers=2"]', "daemon_args has --workers: use workers = N"),
+        ("workers = 0", "workers = 0 is outside 1..64"),
+        ("workers = 65", "workers = 65 is outside 1..64"),
+        ('workers = "2"', "workers must be a whole number"),
+        ('workers = 2\nmethod = "nbdfuse-loop"', "workers = 2 needs kernel nbd"),
         ("node = 5", "node must be a table"),
         ('[node]\ncapacity = "1G"', "node.listen is missing"),
         ('[node]\nlisten = "a:1"', "node.capacity is missing"),
@@ -350,6 +354,32 @@ def test_status_when_nothing_is_enabled(tmp_path: Path) -> None:
 def test_unreachable_peer_is_unknown_not_zero(dead_port: int) -> None:
     (st,) = control.peer_statuses([f"127.0.0.1:{dead_port}"], timeout=2)
     assert st["health"] == "unreachable" and st["pages"] is None and st["error"]
+
+
+def test_workers_reach_the_daemon_and_its_record_and_need_no_supervisor(tmp_path: Path) -> None:
+    """Catches `workers` read but not given to the daemon (one process serving N sockets),
+    left out of daemon.json (a `duvm enable --resume` would restart one worker), or allowed
+    under a supervisor that cannot restart a daemon with several."""
+    from duvm.node.lifecycle import enable
+
+    cfg = control.load_config(write(tmp_path, 'peers = ["a:1", "b:1"]\nsize = "1G"\nworkers = 4'))
+    assert cfg.workers == 4
+    cmd = control.daemon_command(cfg)
+    assert cmd[cmd.index("--workers") + 1] == "4"
+    assert cfg.daemon_flags()[:2] == ["--workers", "4"]  # what daemon.json records
+    assert "needs --no-supervise" in (cfg.unsupervisable() or "")
+    parser = argparse.ArgumentParser()
+    enable.add_arguments(parser)
+    base = ["--peers", "a:1,b:1", "--size", "1G"]
+    one = enable.config_from_args(parser.parse_args(base))
+    assert one.workers == 1 and "--workers" not in control.daemon_command(one)
+    assert one.unsupervisable() is None
+    two = enable.config_from_args(parser.parse_args([*base, "--workers", "2", "--no-supervise"]))
+    assert two.workers == 2 and two.unsupervisable() is None
+    res = run_cli("enable", *base, "--workers", "2", "--state-dir", str(tmp_path))
+    assert res.returncode == 1
+    assert ("needs --no-supervise" if os.geteuid() == 0 else "root") in res.stderr
+    assert not (tmp_path / "daemon.json").exists()  # refused before anything started
 
 
 def test_enable_argument_errors(tmp_path: Path) -> None:

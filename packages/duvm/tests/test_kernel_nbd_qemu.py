@@ -136,6 +136,34 @@ def big_guest_run() -> Any:
         pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
 
 
+# The fourth: `duvm enable --workers 2 --no-supervise` in a guest with two vCPUs and two
+# memservers (two copies of each page): the device has two connections, one per worker
+# (DECISIONS.md D49), and the driver maps each vCPU to one of them.
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def workers_guest_run() -> Any:
+    boot = _load_boot()
+    if why := boot.problems():
+        pytest.skip("cannot boot the kernel-nbd test guest: " + "; ".join(why))
+    try:
+        return boot.run_guest(
+            workload_mib=WORKLOAD_MIB,
+            cgroup_mib=CGROUP_MIB,
+            swap_size=SWAP,
+            capacity=SWAP,
+            memservers=2,
+            mem_mib=512,
+            cpus=2,
+            workers=WORKERS,
+            stall_s=60,
+            timeout_s=WATCHED_DEADLINE_S,
+        )
+    except boot.GuestUnavailable as exc:
+        pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
+
+
 def _event(run: Any, name: str) -> dict[str, Any]:
     ev = run.events.get(name)
     assert ev is not None, (
@@ -344,6 +372,37 @@ def test_disable_swapped_off_detached_and_cleaned_up(guest_run: Any) -> None:
     assert "cleanup" not in guest_run.events  # the forced fallback disable never ran
     pages = [m["used_pages"] for m in det["memservers"]]
     assert pages and all(p == 0 for p in pages), det["memservers"]
+
+
+@qemu
+def test_a_device_served_by_two_workers_spreads_the_swap_over_both(
+    workers_guest_run: Any,
+) -> None:
+    """Catches `--workers` reaching the daemon but the device attached by one connection (the
+    second worker idle), and a worker the kernel's requests never reach: each must spend CPU
+    on the workload, which must come back intact, and disable must end both."""
+    run = workers_guest_run
+    assert not run.timed_out and run.rc == 0 and run.guest_exit == 0, run.console_tail()
+    assert "hung" not in run.events and "crash" not in run.events, run.events
+    enable = _event(run, "enable")
+    assert enable["rc"] == 0, enable
+    att = _event(run, "attached")
+    assert len(att["daemon_pids"]) == WORKERS, att  # worker 0 and its fork
+    before = _event(run, "workers")
+    assert len(before["pids"]) == WORKERS and sorted(before["pids"]) == sorted(att["daemon_pids"])
+    assert before["connections"] == WORKERS
+    assert before["hw_queues"] == [str(i) for i in range(WORKERS)], before
+    work = _event(run, "workload")
+    res = work["result"]
+    assert work["rc"] == 0 and res["intact"] is True and res["bad_chunks"] == 0, work
+    must = (WORKLOAD_MIB - CGROUP_MIB) << 8
+    assert work["vmstat"]["pswpout"] - _event(run, "start")["vmstat"]["pswpout"] >= must
+    after = _event(run, "workers_after")
+    spent = {p: after["ticks"][p] - before["ticks"][p] for p in before["ticks"]}
+    assert len(spent) == WORKERS and all(t > 0 for t in spent.values()), (before, after)
+    det = _event(run, "detached")
+    assert det["daemon_pids"] == [] and _swap_lines(det["proc_swaps"]) == [], det
+    assert all(m["used_pages"] == 0 for m in det["memservers"]), det["memservers"]
 
 
 @qemu

@@ -91,12 +91,14 @@ def attach(
     extra: dict[str, object] | None = None,
     realtime: bool = True,
     tools: Tools = SYSTEM_TOOLS,
+    connections: int = 1,
 ) -> Attachment:
     """Attach the NBD export at `socket_path` and activate it as swap. Root only.
 
     `method` is "auto" (kernel nbd; refused without it), METHOD_KERNEL or METHOD_FUSE.
     `realtime` runs nbdfuse at SCHED_RR like the daemon (duvm.base.pressure); `tools` is
-    where the system tools are found. On failure everything done so far is undone and
+    where the system tools are found; `connections`: kernel nbd sockets to the daemon (one per
+    worker of a daemon with several; netlink only). On failure everything done so far is undone and
     AttachError raised.
     """
     systools.require_root()
@@ -113,7 +115,15 @@ def attach(
         raise AttachError(f"no NBD server socket at {socket_path} (is the daemon running?)")
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    att = Attachment(socket=socket_path, method=method, priority=priority, extra=extra or {})
+    if connections != 1 and method != METHOD_KERNEL:
+        raise AttachError(f"{connections} connections need kernel nbd; {method} has one")
+    att = Attachment(
+        socket=socket_path,
+        method=method,
+        priority=priority,
+        extra=extra or {},
+        connections=connections,
+    )
 
     def save() -> None:
         attach_state.save_state(state_path, att)

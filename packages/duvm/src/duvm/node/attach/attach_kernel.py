@@ -47,6 +47,11 @@ def attach(att: Attachment, run_dir: Path, timeout_s: int, save: Saver) -> None:
     if nbdnetlink.available():
         _attach_netlink(att, device, timeout_s, save)
         return
+    if att.connections != 1:
+        raise AttachError(
+            f"{att.connections} connections to one device need the nbd driver's netlink "
+            "interface, which this kernel does not offer"
+        )
     logpath = run_dir / f"holder-{Path(device).name}.log"
     proc = processes.spawn_detached(
         kernelnbd.holder_command(device, att.socket, timeout_s), logpath
@@ -162,17 +167,32 @@ def _handshake(socket_path: str) -> tuple[socket.socket, kernelnbd.NegotiatedExp
         raise AttachError(f"NBD handshake with the daemon at {socket_path} failed: {exc}") from exc
 
 
+def _handshakes(socket_path: str, n: int) -> tuple[list[socket.socket], kernelnbd.NegotiatedExport]:
+    """`n` connections to the daemon, each through its handshake (a daemon with workers hands
+    them out in turn, one per worker)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            sock, info = _handshake(socket_path)
+            socks.append(sock)
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+    return socks, info
+
+
 def _attach_netlink(att: Attachment, device: str, timeout_s: int, save: Saver) -> None:
     """NBD_CMD_CONNECT: the kernel takes its own reference on the socket, so nothing of
     ours has to stay running; the dead-connection timeout lets a new daemon take over."""
-    sock, info = _handshake(att.socket)
+    socks, info = _handshakes(att.socket, att.connections)
     att.nbd_netlink = True
     att.dead_conn_timeout_s = DEFAULT_DEAD_CONN_TIMEOUT_S
     save()  # from here a failure must disconnect the device
     try:
         nbdnetlink.connect(
             device,
-            [sock.fileno()],
+            [s.fileno() for s in socks],
             info.size,
             server_flags=info.transmission_flags,
             timeout_s=timeout_s,
@@ -181,7 +201,8 @@ def _attach_netlink(att: Attachment, device: str, timeout_s: int, save: Saver) -
     except OSError as exc:
         raise AttachError(f"kernel nbd attach of {device} over netlink failed: {exc}") from exc
     finally:
-        sock.close()
+        for s in socks:
+            s.close()
     deadline = time.monotonic() + 30
     while not kernelnbd.device_started(device):
         if time.monotonic() > deadline:
@@ -211,15 +232,16 @@ def reattach(att: Attachment, socket_path: str | None = None) -> None:
             f"timeout of {att.dead_conn_timeout_s} s passed?); its swapped pages "
             "are gone: `duvm disable --force`, then enable again"
         )
-    sock, _info = _handshake(socket_path or att.socket)
+    socks, _info = _handshakes(socket_path or att.socket, att.connections)
     try:
-        nbdnetlink.reconfigure(att.nbd_device, [sock.fileno()])
+        nbdnetlink.reconfigure(att.nbd_device, [s.fileno() for s in socks])
     except OSError as exc:
         raise AttachError(
             f"handing the daemon's new connection to {att.nbd_device} failed: {exc}"
         ) from exc
     finally:
-        sock.close()
+        for s in socks:
+            s.close()
 
 
 def device_problem(att: Attachment, sys_root: Path = Path("/sys")) -> str | None:

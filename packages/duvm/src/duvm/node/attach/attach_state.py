@@ -41,6 +41,7 @@ class Attachment:
     holder_start: int | None = None  # its start time: tells it from a recycled pid
     nbd_netlink: bool = False  # connected over netlink (no holder; can be reconfigured)
     dead_conn_timeout_s: int | None = None
+    connections: int = 1  # kernel nbd sockets to the daemon: one per worker (DECISIONS.md D49)
     mountdir: str | None = None
     fuse_file: str | None = None
     nbdfuse_pid: int | None = None

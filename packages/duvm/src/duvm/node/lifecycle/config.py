@@ -37,6 +37,7 @@ from typing import Any
 from duvm.base.units import parse_listen, parse_peer, parse_size
 from duvm.node.attach import attach_state
 from duvm.store.placement import default_replicas
+from duvm.store.state_files import MAX_WORKERS
 
 DEFAULT_STATE_DIR = Path("/run/duvm")
 MEMSERVER_PORT = 7070
@@ -53,6 +54,7 @@ TOP_KEYS = (
     "state_dir",
     "daemon_args",
     "secret_file",
+    "workers",
     "node",
 )
 NODE_KEYS = ("listen", "capacity", "lease", "control_socket", "metrics", "memserver_args")
@@ -105,6 +107,7 @@ class Config:
     state_dir: Path = DEFAULT_STATE_DIR
     daemon_args: list[str] = field(default_factory=list)
     supervise: bool = True  # restart a crashed daemon (kernel nbd over netlink only)
+    workers: int = 1  # daemon processes, one kernel nbd connection each (DECISIONS.md D49)
     secret_file: Path | None = None  # already folded into daemon_args (see with_secret)
     node: NodeConfig | None = None
     skipped_self: list[str] = field(default_factory=list)  # own memserver, dropped from peers
@@ -112,6 +115,11 @@ class Config:
     @property
     def socket(self) -> str:
         return str(self.state_dir / "nbd.sock")
+
+    def daemon_flags(self) -> list[str]:
+        """The daemon's own flags: `daemon_args`, and `--workers` when there are several."""
+        workers = ["--workers", str(self.workers)] if self.workers != 1 else []
+        return [*workers, *self.daemon_args]
 
     def validate(self) -> Config:
         if not self.peers:
@@ -141,12 +149,23 @@ class Config:
         if self.method not in METHODS:
             raise ControlError(f"method {self.method!r} is not one of {', '.join(METHODS)}")
         if any(a == "--workers" or a.startswith("--workers=") for a in self.daemon_args):
-            raise ControlError(
-                "daemon_args has --workers: `duvm enable` attaches the device by one connection "
-                "and keeps a standby, which a daemon with several workers has not yet (DECISIONS "
-                "D49); --workers is for `duvm daemon` serving NBD clients itself"
-            )
+            raise ControlError("daemon_args has --workers: use workers = N (--workers N)")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ControlError(f"workers = {self.workers} is outside 1..{MAX_WORKERS}")
+        if self.workers > 1 and self.method == attach_state.METHOD_FUSE:
+            raise ControlError(f"workers = {self.workers} needs kernel nbd (method = kernel-nbd)")
         return self
+
+    def unsupervisable(self) -> str | None:
+        """Why this daemon cannot run under `duvm supervise`, when it is to (checked once the
+        command line had its say: `--no-supervise` comes after the file is read)."""
+        if self.workers > 1 and self.supervise:
+            return (
+                f"workers = {self.workers} needs --no-supervise: the supervisor's standby and "
+                "restart of a daemon with several workers are not built yet (DECISIONS.md D49), "
+                "so nothing would bring a crashed one back"
+            )
+        return None
 
 
 def with_secret(daemon_args: list[str], secret_file: Path | None) -> list[str]:
@@ -327,6 +346,7 @@ def load_config(path: Path) -> Config:
         secret_file=secret,
         node=node,
         skipped_self=own,
+        workers=r.integer("workers", 1),
     )
     try:
         return cfg.validate()

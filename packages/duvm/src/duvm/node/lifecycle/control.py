@@ -41,8 +41,7 @@ from duvm.base.units import parse_peer
 from duvm.node.attach import attach, attach_state, kernel_swap, processes, systools
 from duvm.node.lifecycle import supervisor_process
 
-# The config file lives in duvm.node.lifecycle.config; its names are re-exported here for the
-# commands.
+# The config file lives in duvm.node.lifecycle.config; its names are re-exported for the commands
 from duvm.node.lifecycle.config import (
     DEFAULT_NODE_CONTROL_SOCKET,
     DEFAULT_STATE_DIR,
@@ -79,8 +78,7 @@ class DaemonInfo:
     client_id: str | None = None
     # the daemon's extra flags: `duvm status` authenticates to the peers with its security flags
     daemon_args: list[str] = field(default_factory=list)
-    # its start time (processes.start_time): with the pid, names this daemon and no later
-    # process on a recycled pid; None in records written before it was kept
+    # its start time (processes.start_time): with the pid, names this daemon; None in old records
     start: int | None = None
 
 
@@ -126,7 +124,7 @@ def daemon_command(cfg: Config) -> list[str]:
     ]
     # Always explicit: the daemon's own default (2 with 2+ peers) must not override the config.
     cmd += ["--replicas", str(cfg.replicas)]
-    return cmd + cfg.daemon_args
+    return cmd + cfg.daemon_flags()
 
 
 def daemon_alive(info: DaemonInfo | None) -> bool:
@@ -149,7 +147,7 @@ def start_daemon(cfg: Config, timeout: float = 60.0) -> DaemonInfo:
         str(log),
         time.time(),
         client_id(cfg),
-        list(cfg.daemon_args),
+        cfg.daemon_flags(),
         processes.start_time(proc.pid),
     )
     daemon_path(cfg.state_dir).write_text(json.dumps(asdict(info)) + "\n")
@@ -190,6 +188,8 @@ def enable(
     path for `cfg.method` (attach.resolve_method), before anything starts."""
     systools.require_root()
     cfg.validate()
+    if why := cfg.unsupervisable():
+        raise ControlError(why)
     method = resolve_method(cfg.method)  # refused before anything starts
     existing = attach_state.load_state(state_path(cfg.state_dir))
     if existing is not None or daemon_alive(load_daemon(cfg.state_dir)):
@@ -215,6 +215,7 @@ def enable(
             priority=cfg.priority,
             extra={"daemon_pid": daemon.pid, **extra},
             realtime=pressure.realtime_wanted(cfg.daemon_args),
+            connections=cfg.workers,  # one per worker: the kernel spreads requests over them
         )
     except BaseException:
         if daemon is not None:
@@ -455,7 +456,9 @@ def status(
             "swap_device": report.get("swap_device"),
             # the supervisor's request-timer guard it holds (duvm.wire.nbdguard)
             "timer_guard": report.get("timer_guard"),
+            "workers": report.get("workers"),  # pids, worker 0 first; None with one
         },
+        "connections": att.connections if att else None,
         "supervisor": supervisor_process.status(state_dir),
         "standby": supervisor_process.standby_status(state_dir),
         "min_free_kbytes": {"before": att.min_free_before, "set": att.min_free_set}
@@ -527,6 +530,8 @@ def format_status(st: dict[str, Any]) -> str:
             f"daemon: pid {d['pid']} {'running' if d['running'] else 'NOT RUNNING'} "
             f"(log {d['log']}), request path {d.get('request_path') or 'n/a'}"
         )
+        if w := d.get("workers"):  # several: pids, worker 0 first
+            lines.append(f"workers: pids {' '.join(map(str, w))}; {st['connections']} sockets")
         if (guard := d.get("timer_guard")) and (text := _guard_text(guard)):
             lines.append(text)
     sup = st.get("supervisor")

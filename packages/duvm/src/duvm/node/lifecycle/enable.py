@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="FILE",
         help="TOML config, e.g. /etc/duvm/duvm.toml (peers, size, replicas, "
-        "priority, secret_file, state_dir, daemon_args; see duvm.example.toml)",
+        "priority, secret_file, state_dir, daemon_args, workers; see duvm.example.toml)",
     )
     parser.add_argument(
         "--peers", metavar="HOST:PORT[,...]", help="memservers to reserve on (instead of --config)"
@@ -66,6 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "onto the live device (kernel nbd over netlink only)",
     )
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve the device with N daemon processes, one kernel nbd connection each (the "
+        "kernel spreads requests over them by CPU); default 1 (workers = N in the config). "
+        "Needs --no-supervise for now (DECISIONS.md D49)",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="the daemon died: restart it from its saved state and hand it the "
@@ -81,7 +90,9 @@ def config_from_args(args: argparse.Namespace) -> control.Config:
             )
         cfg = control.load_config(args.config)
         cfg.supervise = args.supervise
-        return cfg
+        if args.workers is not None:
+            cfg.workers = args.workers
+        return cfg.validate()
     if not args.peers or not args.size:
         raise control.ControlError("give --config FILE, or both --peers and --size")
     try:
@@ -98,6 +109,7 @@ def config_from_args(args: argparse.Namespace) -> control.Config:
         daemon_args=with_secret([], args.secret_file),
         secret_file=args.secret_file,
         supervise=args.supervise,
+        workers=1 if args.workers is None else args.workers,
     ).validate()
 
 
