@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from duvm.base import control_socket
 from duvm.base.procstat import stat_fields
+from duvm.node.attach import attach_state
+from duvm.node.lifecycle import control, resume
 from duvm.store import state_files as sf
 from test_standby import PAGE, SIZE, KernelStandIn, Node, node  # noqa: F401
 
@@ -102,18 +104,10 @@ def test_each_worker_seals_with_nonces_of_its_own(
     try:
         for p in range(32):
             (a if p < 16 else b).write(p * PAGE, _page(p, 1))
-        tables = sf.PageTables.open(
-            node.state_dir / "daemon-state" / sf.PAGES_FILE, SIZE // PAGE, True
-        )
-        try:
-            assert tables.meta is not None
-            nonces = [
-                int.from_bytes(tables.meta[p * sf.META : p * sf.META + 12], "little")
-                for p in range(32)
-            ]
-            counters = tables.worker_counter(0), tables.worker_counter(1)
-        finally:
-            tables.close()
+        nonces = _nonces(node, range(32))
+        tables = _tables(node)
+        counters = tables.worker_counter(0), tables.worker_counter(1)
+        tables.close()
         assert len(set(nonces)) == 32 and 0 not in nonces
         assert [n >> 64 for n in nonces] == [0] * 16 + [1] * 16  # the sealing worker's index
         assert counters[0] >= 16 and counters[1] >= 16
@@ -227,6 +221,63 @@ def test_a_new_cluster_secret_reaches_every_worker(tmp_path: Path) -> None:
         b.close()
     finally:
         stand.close()
+
+
+def _tables(stand: Node) -> sf.PageTables:
+    return sf.PageTables.open(stand.state_dir / "daemon-state" / sf.PAGES_FILE, SIZE // PAGE, True)
+
+
+def _nonces(stand: Node, pages: range) -> list[int]:
+    tables = _tables(stand)
+    try:
+        assert tables.meta is not None
+        return [
+            int.from_bytes(tables.meta[p * sf.META : p * sf.META + 12], "little") for p in pages
+        ]
+    finally:
+        tables.close()
+
+
+@needs_root
+def test_a_resumed_daemon_serves_with_all_its_workers_and_never_reuses_their_nonces(
+    node: Node,  # noqa: F811 - the fixture
+) -> None:
+    """Catches a restart (`duvm enable --resume`, the kernel's device live) that comes back
+    with one worker, or starts a worker's nonces from 0 again (the new worker 1 would seal its
+    first page under the dead worker 1's first nonce: seen with the counter slot not read)."""
+    daemon, worker, a, b = _two_workers(node)
+    for p in range(8):
+        (a if p % 2 else b).write(p * PAGE, _page(p, 1))
+    path = control.state_path(node.state_dir)
+    att = attach_state.load_state(path)
+    assert att is not None
+    att.connections = 2  # as `duvm enable --workers 2` records it
+    attach_state.save_state(path, att)
+    os.kill(daemon, signal.SIGKILL)
+    assert _gone(worker)
+    a.close()
+    b.close()
+    handed: list[KernelStandIn] = []
+
+    def reattach(att: attach_state.Attachment) -> None:  # the driver's part: one per connection
+        handed.extend(KernelStandIn(att.socket) for _ in range(att.connections))
+
+    info, _ = resume.resume(node.state_dir, reattach=reattach)
+    try:
+        assert "--workers" in info.daemon_args
+        assert len(handed) == 2 and len(_children(info.pid)) == 1
+        c, d = handed
+        for p in range(8):
+            assert (c if p % 2 else d).read(p * PAGE, PAGE) == _page(p, 1), p
+        d.write(20 * PAGE, _page(20, 2))  # worker 1 again, a new process
+        assert c.read(20 * PAGE, PAGE) == _page(20, 2)
+        nonces = _nonces(node, range(21))
+        ones = [n for n in nonces if n >> 64 == 1]
+        assert len(ones) == 5 and len(set(ones)) == 5, ones  # pages 0, 2, 4, 6 and 20
+        assert nonces[20] > max(nonces[p] for p in (0, 2, 4, 6))
+    finally:
+        for h in handed:
+            h.close()  # the resumed daemon is in daemon.json: `Node.close` ends it
 
 
 @pytest.mark.parametrize(
