@@ -88,6 +88,8 @@ def test_two_workers_serve_a_connection_each_and_read_each_others_writes(
         assert spent[0] >= 5 and spent[0] > 3 * spent[1], spent
         status = control_socket.query(control_socket.default_path(node.socket))
         assert status["workers"] == [daemon, worker]
+        shown = control.format_status(control.status(node.state_dir))
+        assert f"workers: pids {daemon} {worker}, connections 1" in shown  # Node attached one
     finally:
         a.close()
         b.close()

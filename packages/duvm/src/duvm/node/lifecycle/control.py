@@ -531,7 +531,7 @@ def format_status(st: dict[str, Any]) -> str:
             f"(log {d['log']}), request path {d.get('request_path') or 'n/a'}"
         )
         if w := d.get("workers"):  # several: pids, worker 0 first
-            lines.append(f"workers: pids {' '.join(map(str, w))}; {st['connections']} sockets")
+            lines.append(f"workers: pids {' '.join(map(str, w))}, connections {st['connections']}")
         if (guard := d.get("timer_guard")) and (text := _guard_text(guard)):
             lines.append(text)
     sup = st.get("supervisor")
