@@ -405,8 +405,8 @@ def run_guest(
     verified twice by SHA-256. `sysctl` ("kernel.sched_rt_runtime_us=-1 ...") is set in the
     guest at boot. `method` is how the guest's duvm attaches (`kernel-nbd`, or `nbdfuse-loop`:
     the fallback for kernels without nbd). `cpus`: the guest's vCPUs; `workers`: `duvm enable
-    --workers N --no-supervise` (one kernel nbd connection per daemon worker, D49; the driver
-    maps each vCPU to one of them, so they see requests only with as many vCPUs). `guest_env`
+    --workers N` (one kernel nbd connection per daemon worker, D49; the driver maps each vCPU
+    to one of them, so they see requests only with as many vCPUs). `guest_env`
     adds settings for the guest script
     (experiments: `DUVM_NBD_IO_TIMEOUT_MS`, `DUVM_KILL_STOP_WORKLOAD`). `python` must import
     duvm (the project's venv); the guest uses the same path. Raises GuestUnavailable when this

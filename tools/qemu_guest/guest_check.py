@@ -96,21 +96,22 @@ def duvm(*args: str, timeout: float = 300) -> dict[str, Any]:
 
 def worker_facts() -> dict[str, Any]:
     """A daemon with several workers (DUVM_WORKERS): the pids its status names, its kernel nbd
-    connections, the hardware queues the driver made for them, and each worker's CPU ticks so
-    far (a worker the kernel sends no requests spends none)."""
+    connections, the hardware queues the driver made for them (one per connection, each
+    served by one worker) and the requests each queue has taken so far (blk-mq's debugfs)."""
     st = status() or {}
-    pids = (st.get("daemon") or {}).get("workers") or []
-    ticks = {}
-    for pid in pids:
-        if text := _read(f"/proc/{pid}/stat"):
-            f = text.rsplit(")", 1)[1].split()
-            ticks[str(pid)] = int(f[11]) + int(f[12])
+    debug = Path("/sys/kernel/debug")
+    if not Path(debug, "block").is_dir():
+        subprocess.run(["mount", "-t", "debugfs", "none", str(debug)], check=False)
+    queued = {}
+    for hctx in sorted(Path(debug, "block", "nbd0").glob("hctx*")):
+        text = _read(str(hctx / "queued"))
+        queued[hctx.name] = int(text) if text and text.strip().isdigit() else None
     mq = "/sys/block/nbd0/mq"
     return {
-        "pids": pids,
+        "pids": (st.get("daemon") or {}).get("workers") or [],
         "connections": st.get("connections"),
         "hw_queues": sorted(os.listdir(mq)) if os.path.isdir(mq) else None,
-        "ticks": ticks,
+        "queued": queued,
     }
 
 
@@ -981,8 +982,8 @@ def main() -> int:
     secret = os.environ.get("DUVM_SECRET_FILE")
     if secret:  # exactly what a user types: the defaults, the cluster secret, nothing else
         enable = duvm("enable", "--peers", peers, "--size", size, "--secret-file", secret)
-    else:  # several workers: no supervisor yet (DECISIONS.md D49)
-        enable = duvm("enable", "--config", str(config), *(["--no-supervise"] * (workers > 1)))
+    else:
+        enable = duvm("enable", "--config", str(config))
     emit("enable", **enable)
     watch_daemon()
     if enable["rc"] != 0:

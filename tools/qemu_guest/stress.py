@@ -412,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         metavar="N",
-        help="`duvm enable --workers N --no-supervise` in a guest of N vCPUs (DECISIONS.md D49; "
-        "not with :dkill, which needs the supervisor, nor :rdma)",
+        help="`duvm enable --workers N` in a guest of N vCPUs (DECISIONS.md D49; not with :rdma)",
     )
     p.add_argument(
         "--stop-on-bad",
@@ -433,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if not 1 <= a.workers <= 8:
         p.error("--workers takes 1 to 8 (one vCPU each)")
-    if a.workers > 1 and (bad := [s.name for s in setups if s.dkill or s.rdma]):
-        p.error(f"--workers {a.workers} runs without a supervisor and over TCP: not {bad}")
+    if a.workers > 1 and (bad := [s.name for s in setups if s.rdma]):
+        p.error(f"--workers {a.workers} runs over TCP (the guest's memservers on the host): {bad}")
     if why := boot.problems():
         print(f"stress: cannot boot the guest here: {'; '.join(why)}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from duvm.node.lifecycle import config, control
+from duvm.node.lifecycle import config, control, supervisor_process
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -356,10 +356,9 @@ def test_unreachable_peer_is_unknown_not_zero(dead_port: int) -> None:
     assert st["health"] == "unreachable" and st["pages"] is None and st["error"]
 
 
-def test_workers_reach_the_daemon_and_its_record_and_need_no_supervisor(tmp_path: Path) -> None:
-    """Catches `workers` read but not given to the daemon (one process serving N sockets),
-    left out of daemon.json (a `duvm enable --resume` would restart one worker), or allowed
-    under a supervisor that cannot restart a daemon with several."""
+def test_workers_reach_the_daemon_and_its_record(tmp_path: Path) -> None:
+    """Catches `workers` read but not given to the daemon (one process serving N sockets), or
+    left out of daemon.json (a restart would come back with one worker)."""
     from duvm.node.lifecycle import enable
 
     cfg = control.load_config(write(tmp_path, 'peers = ["a:1", "b:1"]\nsize = "1G"\nworkers = 4'))
@@ -367,19 +366,14 @@ def test_workers_reach_the_daemon_and_its_record_and_need_no_supervisor(tmp_path
     cmd = control.daemon_command(cfg)
     assert cmd[cmd.index("--workers") + 1] == "4"
     assert cfg.daemon_flags()[:2] == ["--workers", "4"]  # what daemon.json records
-    assert "needs --no-supervise" in (cfg.unsupervisable() or "")
+    assert supervisor_process.workers_arg(cfg.daemon_flags()) == 4
     parser = argparse.ArgumentParser()
     enable.add_arguments(parser)
     base = ["--peers", "a:1,b:1", "--size", "1G"]
     one = enable.config_from_args(parser.parse_args(base))
     assert one.workers == 1 and "--workers" not in control.daemon_command(one)
-    assert one.unsupervisable() is None
-    two = enable.config_from_args(parser.parse_args([*base, "--workers", "2", "--no-supervise"]))
-    assert two.workers == 2 and two.unsupervisable() is None
-    res = run_cli("enable", *base, "--workers", "2", "--state-dir", str(tmp_path))
-    assert res.returncode == 1
-    assert ("needs --no-supervise" if os.geteuid() == 0 else "root") in res.stderr
-    assert not (tmp_path / "daemon.json").exists()  # refused before anything started
+    two = enable.config_from_args(parser.parse_args([*base, "--workers", "2"]))
+    assert two.workers == 2 and two.supervise
 
 
 def test_enable_argument_errors(tmp_path: Path) -> None:

@@ -5,10 +5,13 @@ two real memservers, encrypted, two copies, through real NBD connections (test_s
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,9 +19,16 @@ import pytest
 from duvm.base import control_socket
 from duvm.base.procstat import stat_fields
 from duvm.node.attach import attach_state
-from duvm.node.lifecycle import control, resume
+from duvm.node.lifecycle import (
+    control,
+    resume,
+    standby_process,
+    supervise,
+    supervisor_process,
+    warm_start,
+)
 from duvm.store import state_files as sf
-from test_standby import PAGE, SIZE, KernelStandIn, Node, node  # noqa: F401
+from test_standby import PAGE, SIZE, KernelStandIn, Node, _wait_said, node  # noqa: F401
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the daemon locks its memory as root")
 
@@ -223,6 +233,118 @@ def test_a_new_cluster_secret_reaches_every_worker(tmp_path: Path) -> None:
         b.close()
     finally:
         stand.close()
+
+
+def test_the_supervisor_keeps_no_standby_for_a_daemon_of_several_workers(tmp_path: Path) -> None:
+    """Catches a standby started for a daemon of several workers: a standby is one process,
+    refuses `--workers` (it would serve every connection on one core, or not start at all), and
+    would hold memory for nothing. A crash of such a daemon starts a new one (all its workers)
+    by `--resume`; the reason is said once and recorded for `duvm status`."""
+    said: list[str] = []
+    starts: list[int] = []
+
+    def spawn(state_dir: Path, daemon: control.DaemonInfo) -> standby_process.Standby:
+        starts.append(daemon.pid)
+        raise OSError("not started in this test")
+
+    spares = standby_process.Spares(
+        tmp_path, said.append, spawn=spawn, available=lambda: 1 << 40, retry_s=0
+    )
+    args = ["--state-dir", "/run/duvm/daemon-state"]
+    several = control.DaemonInfo(
+        os.getpid(), "s", [], 1, 1, "l", 0.0, "c", ["--workers", "2", *args]
+    )
+    for _ in range(3):
+        spares.tend(several)
+    assert starts == [] and said == [
+        "no standby: a daemon of 2 workers has none yet (DECISIONS.md D49); "
+        "a crash starts a new daemon"
+    ]
+    status = supervisor_process.standby_status(tmp_path)
+    assert status is not None and "2 workers" in status["none"]
+    one = control.DaemonInfo(os.getpid(), "s", [], 1, 1, "l", 0.0, "c", ["--workers=1", *args])
+    spares.tend(one)
+    assert starts == [os.getpid()]  # one worker: a standby as ever
+
+
+@needs_root
+def test_a_supervised_daemon_of_two_workers_killed_comes_back_with_both(
+    node: Node,  # noqa: F811 - the fixture
+) -> None:
+    """The supervisor's restart of a daemon of two workers, the kernel's part played by two
+    clients that hold their requests across the death (one per connection): the daemon is
+    SIGKILLed, its worker dies with it, the supervisor forks `--resume --workers 2` from its
+    loaded code and hands the device two new connections. Catches a restart with one worker,
+    one connection handed (the second client's held request never served), or pages lost."""
+    assert warm_start.preload() == []  # as `duvm supervise` does when it starts
+    daemon, worker, a, b = _two_workers(node)
+    for p in range(16):
+        (a if p % 2 else b).write(p * PAGE, _page(p, 1))
+    path = control.state_path(node.state_dir)
+    att = attach_state.load_state(path)
+    assert att is not None
+    att.connections = 2  # as `duvm enable --workers 2` records it
+    attach_state.save_state(path, att)
+    clients = (a, b)
+
+    def reattach(att: attach_state.Attachment, where: str | None = None) -> None:
+        for client in clients[: att.connections]:  # the driver's one socket per connection
+            client.reattach(att, where)
+
+    log: list[str] = []
+    seen: dict = {}
+    errors: list[BaseException] = []
+
+    def events() -> None:
+        try:
+            _wait_said(log, f"watching daemon pid {daemon}")
+            os.kill(daemon, signal.SIGKILL)
+            for p in range(16):  # each held across the death, then served by a new worker
+                assert (b if p % 2 else a).read(p * PAGE, PAGE) == _page(p, 1), p
+            b.write(40 * PAGE, _page(40, 2))
+            assert a.read(40 * PAGE, PAGE) == _page(40, 2)
+            _wait_said(log, "resumed: daemon pid")
+            new = control.load_daemon(node.state_dir)
+            assert new is not None
+            seen["workers"] = _children(new.pid)
+            seen["worker_gone"] = _gone(worker)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # ends watch()
+
+    started: list[resume.Started] = []
+
+    def starting(cmd: list[str], out: Path) -> resume.Started:
+        proc = warm_start.fork_daemon(cmd, out)
+        started.append(proc)
+        return proc
+
+    t = threading.Thread(target=events, daemon=True)
+    t.start()
+    try:
+        rc = supervise.watch(
+            node.state_dir,
+            say=log.append,
+            resume_fn=functools.partial(resume.resume, reattach=reattach),
+            start=starting,
+            give_up=lambda att, why: errors.append(AssertionError(why)),
+            reattach=reattach,
+            make_room=lambda need_kib, say: contextlib.nullcontext(),
+            link_events=lambda say: None,
+        )
+        t.join(30)
+    finally:
+        a.close()
+        b.close()
+        for proc in started:
+            proc.kill()
+            proc.wait(10)
+    assert not errors, (errors, log)
+    assert rc == 0 and a.reconnects == 1 and b.reconnects == 1, log
+    assert len(seen["workers"]) == 1 and seen["worker_gone"], (seen, log)
+    assert any("no standby: a daemon of 2 workers" in m for m in log), log
+    assert not any("failed" in m for m in log), log  # the first try, a fork, served
 
 
 def _tables(stand: Node) -> sf.PageTables:

@@ -136,9 +136,11 @@ def big_guest_run() -> Any:
         pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
 
 
-# The fourth: `duvm enable --workers 2 --no-supervise` in a guest with two vCPUs and two
-# memservers (two copies of each page): the device has two connections, one per worker
-# (DECISIONS.md D49), and the driver maps each vCPU to one of them.
+# The fourth: `duvm enable --workers 2` in a guest with two vCPUs and two memservers (two copies
+# of each page): the device has two connections, one per worker (DECISIONS.md D49), and the
+# driver maps each vCPU to one of them. The daemon is SIGKILLed half-way through the fill: with
+# no standby for several workers, the supervisor forks a new daemon of two and hands the device
+# two connections.
 WORKERS = 2
 
 
@@ -157,6 +159,7 @@ def workers_guest_run() -> Any:
             mem_mib=512,
             cpus=2,
             workers=WORKERS,
+            kill_at_pct=KILL_AT_PCT,
             stall_s=60,
             timeout_s=WATCHED_DEADLINE_S,
         )
@@ -379,8 +382,10 @@ def test_a_device_served_by_two_workers_spreads_the_swap_over_both(
     workers_guest_run: Any,
 ) -> None:
     """Catches `--workers` reaching the daemon but the device attached by one connection (the
-    second worker idle), and a worker the kernel's requests never reach: each must spend CPU
-    on the workload, which must come back intact, and disable must end both."""
+    second worker idle), a connection the kernel's requests never reach, and a restart after
+    the daemon's death that comes back with fewer workers or connections: every hardware
+    queue (one per connection, one worker each) must take requests, the workload must come
+    back intact, and disable must end every worker."""
     run = workers_guest_run
     assert not run.timed_out and run.rc == 0 and run.guest_exit == 0, run.console_tail()
     assert "hung" not in run.events and "crash" not in run.events, run.events
@@ -389,17 +394,22 @@ def test_a_device_served_by_two_workers_spreads_the_swap_over_both(
     att = _event(run, "attached")
     assert len(att["daemon_pids"]) == WORKERS, att  # worker 0 and its fork
     before = _event(run, "workers")
-    assert len(before["pids"]) == WORKERS and sorted(before["pids"]) == sorted(att["daemon_pids"])
+    assert sorted(before["pids"]) == sorted(att["daemon_pids"])
     assert before["connections"] == WORKERS
     assert before["hw_queues"] == [str(i) for i in range(WORKERS)], before
+    assert "2 workers" in (_event(run, "standby").get("record") or {}).get("none", ""), run.events
+    resumed = _event(run, "resumed")
+    assert resumed["gap"].get("first_completion_s") is not None, resumed
     work = _event(run, "workload")
     res = work["result"]
     assert work["rc"] == 0 and res["intact"] is True and res["bad_chunks"] == 0, work
     must = (WORKLOAD_MIB - CGROUP_MIB) << 8
     assert work["vmstat"]["pswpout"] - _event(run, "start")["vmstat"]["pswpout"] >= must
     after = _event(run, "workers_after")
-    spent = {p: after["ticks"][p] - before["ticks"][p] for p in before["ticks"]}
-    assert len(spent) == WORKERS and all(t > 0 for t in spent.values()), (before, after)
+    assert len(after["pids"]) == WORKERS and set(after["pids"]).isdisjoint(before["pids"]), after
+    assert after["connections"] == WORKERS, after
+    took = {q: after["queued"][q] - (before["queued"].get(q) or 0) for q in after["queued"]}
+    assert len(took) == WORKERS and all(n > 100 for n in took.values()), (before, after)
     det = _event(run, "detached")
     assert det["daemon_pids"] == [] and _swap_lines(det["proc_swaps"]) == [], det
     assert all(m["used_pages"] == 0 for m in det["memservers"]), det["memservers"]

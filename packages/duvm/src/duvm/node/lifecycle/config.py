@@ -156,17 +156,6 @@ class Config:
             raise ControlError(f"workers = {self.workers} needs kernel nbd (method = kernel-nbd)")
         return self
 
-    def unsupervisable(self) -> str | None:
-        """Why this daemon cannot run under `duvm supervise`, when it is to (checked once the
-        command line had its say: `--no-supervise` comes after the file is read)."""
-        if self.workers > 1 and self.supervise:
-            return (
-                f"workers = {self.workers} needs --no-supervise: the supervisor's standby and "
-                "restart of a daemon with several workers are not built yet (DECISIONS.md D49), "
-                "so nothing would bring a crashed one back"
-            )
-        return None
-
 
 def with_secret(daemon_args: list[str], secret_file: Path | None) -> list[str]:
     """`daemon_args` with `--secret-file` in front when a cluster secret is configured.

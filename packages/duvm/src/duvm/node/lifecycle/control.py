@@ -188,8 +188,6 @@ def enable(
     path for `cfg.method` (attach.resolve_method), before anything starts."""
     systools.require_root()
     cfg.validate()
-    if why := cfg.unsupervisable():
-        raise ControlError(why)
     method = resolve_method(cfg.method)  # refused before anything starts
     existing = attach_state.load_state(state_path(cfg.state_dir))
     if existing is not None or daemon_alive(load_daemon(cfg.state_dir)):

@@ -47,7 +47,7 @@ from duvm.base import pressure
 from duvm.node.attach import processes
 from duvm.node.lifecycle import control
 from duvm.node.lifecycle.resume import resume_command
-from duvm.node.lifecycle.supervisor_process import STANDBY_LOGS, standby_path
+from duvm.node.lifecycle.supervisor_process import STANDBY_LOGS, standby_path, workers_arg
 from duvm.wire.nbdguard import TimerGuard
 
 T = TypeVar("T")
@@ -319,6 +319,12 @@ class Spares:
         if cur is not None and cur.ready and guard is not None and cur.guarded != guard:
             cur.send_guard(guard)
         if self.current is not None or time.monotonic() < self._next_try:
+            return
+        if (workers := workers_arg(daemon.daemon_args)) > 1:
+            why = f"a daemon of {workers} workers has none yet (DECISIONS.md D49)"
+            self._note("workers", f"no standby: {why}; a crash starts a new daemon")
+            self._record_none(why)
+            self._next_try = time.monotonic() + self.retry_s
             return
         # what a standby adds: its anonymous memory (the files it maps are the daemon's too),
         # as the last one held it, else as the daemon holds it plus the kept heap

@@ -16,15 +16,27 @@ from typing import Any
 from duvm.node.attach import attach_state, processes
 
 
-def state_dir_arg(daemon_args: list[str]) -> Path | None:
-    """The daemon's `--state-dir` among `daemon_args` (the last one wins, as in argparse)."""
+def _option(daemon_args: list[str], name: str) -> str | None:
+    """The value of option `name` among `daemon_args` (the last one wins, as in argparse)."""
     found = None
     for i, a in enumerate(daemon_args):
-        if a == "--state-dir" and i + 1 < len(daemon_args):
+        if a == name and i + 1 < len(daemon_args):
             found = daemon_args[i + 1]
-        elif a.startswith("--state-dir="):
+        elif a.startswith(name + "="):
             found = a.split("=", 1)[1]
+    return found
+
+
+def state_dir_arg(daemon_args: list[str]) -> Path | None:
+    """The daemon's `--state-dir` among `daemon_args`."""
+    found = _option(daemon_args, "--state-dir")
     return Path(found) if found is not None else None
+
+
+def workers_arg(daemon_args: list[str]) -> int:
+    """The daemon's `--workers` among `daemon_args` (1 when not given)."""
+    found = _option(daemon_args, "--workers")
+    return int(found) if found is not None and found.isdigit() else 1
 
 
 def keeps_state(daemon_args: list[str]) -> bool:
