@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="serve the device with N daemon processes, one kernel nbd connection each (the "
         "kernel spreads requests over them by CPU); default 1 (workers = N in the config). "
-        "Needs --no-supervise for now (DECISIONS.md D49)",
+        "No standby then: a crash costs a restart (DECISIONS.md D49)",
     )
     parser.add_argument(
         "--resume",
