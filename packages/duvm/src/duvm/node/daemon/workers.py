@@ -31,7 +31,9 @@ daemon with N workers serves its connections in N processes:
   SIGHUP (a new cluster secret) reaches worker 0, which passes it on.
 - **Lifetimes**: a worker dies with worker 0 (PR_SET_PDEATHSIG, and end of file on its socket
   pair), so a restart resumes with N new workers. Worker 0 stops every worker before it
-  releases anything. A worker that dies alone leaves the rotation; its connections drop.
+  releases anything. A worker that dies alone leaves the rotation and its connections drop;
+  the kernel reports a kernel nbd one dead and the supervisor hands the device a new one
+  (D51), which a live worker then serves.
 """
 
 from __future__ import annotations
