@@ -5,10 +5,12 @@ two real memservers, encrypted, two copies, through real NBD connections (test_s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ import pytest
 from duvm.base import control_socket
 from duvm.base.procstat import stat_fields
 from duvm.node.attach import attach_state
+from duvm.node.daemon import workers
 from duvm.node.lifecycle import (
     control,
     resume,
@@ -402,6 +405,39 @@ def test_a_resumed_daemon_serves_with_all_its_workers_and_never_reuses_their_non
     finally:
         for h in handed:
             h.close()  # the resumed daemon is in daemon.json: `Node.close` ends it
+
+
+def test_a_worker_that_cannot_join_is_ended_and_worker_0_serves_alone() -> None:
+    """Catches a worker that could not join left running, or left in the rotation: worker 0's
+    `serve` logs the failure and serves every connection itself (failing instead would
+    release the pages of a live device). A sleeping process stands in for the worker; this
+    test answers on its socket pair as the worker would."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    team = workers.Workers([workers._Child(1, stand_in.pid, mine)])
+
+    async def main() -> object:
+        loop = asyncio.get_running_loop()
+        theirs.setblocking(False)
+
+        async def worker() -> bytes:
+            got = await loop.sock_recv(theirs, 64)
+            await loop.sock_sendall(theirs, workers.FAILED + b"cannot open the tables")
+            return got
+
+        answered = asyncio.ensure_future(worker())
+        with pytest.raises(workers.WorkerError, match="worker 1 cannot serve: cannot open"):
+            await team.start(7, timeout=10)
+        assert await answered == workers.GO + b"7"
+        return team.take()
+
+    try:
+        assert asyncio.run(main()) is None  # every connection stays with worker 0
+        assert team.pids == [] and not Path(f"/proc/{stand_in.pid}").exists()
+    finally:
+        theirs.close()
+        if stand_in.poll() is None:
+            stand_in.kill()
 
 
 @pytest.mark.parametrize(

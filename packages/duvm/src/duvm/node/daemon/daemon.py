@@ -400,7 +400,7 @@ def _run(args: argparse.Namespace, team: workers.Workers | None = None) -> int:
 
             return _run_loop(standby.stand_by(args, cfg, serve))
         return _run_loop(_serve(args, cfg, team))
-    except (DaemonError, workers.WorkerError) as e:
+    except DaemonError as e:
         return _fail(str(e))
     except OSError as e:
         return _fail(f"cannot serve on {args.socket}: {e.strerror or e}")
@@ -538,7 +538,10 @@ async def serve(
                 ) from None
             aside.write(f"duvm daemon metrics on http://{bound[0]}:{bound[1]}/metrics")
         if team is not None and persisted is not None:
-            await team.start(persisted.tables.generation)
+            try:  # a worker that cannot join must not cost the device its daemon
+                await team.start(persisted.tables.generation)
+            except workers.WorkerError as e:
+                log.error("%s; worker 0 serves every connection alone", e)
             server.spreader = team
         if listen is not None:
             await listen()
