@@ -106,9 +106,9 @@ def fork_workers(n: int) -> Workers | Seat:
                 libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
                 if os.getppid() != parent:  # worker 0 died before the line above
                     os._exit(0)
-                for a, b in pairs:
+                for a, b in pairs:  # worker 0's ends, and the other workers' pairs
+                    a.close()
                     if b is not theirs:
-                        a.close()
                         b.close()
                 return Seat(index, theirs)
             except BaseException:
