@@ -86,11 +86,24 @@ class Seat:
 
 
 class _Child:
-    __slots__ = ("alive", "index", "pid", "sock")
+    """A worker as worker 0 knows it: `alive` while in the rotation; `reaped` once its exit
+    status is collected (its pid may then name another process: never signalled again)."""
+
+    __slots__ = ("alive", "index", "pid", "reaped", "sock")
 
     def __init__(self, index: int, pid: int, sock: socket.socket) -> None:
         self.index, self.pid, self.sock = index, pid, sock
         self.alive = True
+        self.reaped = False
+
+    def reap(self) -> bool:
+        """Collect the exit status if the worker has ended; True once collected."""
+        if not self.reaped:
+            try:
+                self.reaped = os.waitpid(self.pid, os.WNOHANG)[0] == self.pid
+            except ChildProcessError:
+                self.reaped = True
+        return self.reaped
 
 
 def fork_workers(n: int) -> Workers | Seat:
@@ -165,10 +178,14 @@ class Workers:
         with contextlib.suppress(ValueError, OSError):
             asyncio.get_running_loop().remove_reader(c.sock.fileno())
         c.sock.close()
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(c.pid, os.WNOHANG)
+        self._collect(c)
         if not self._stopping:
             log.error("worker %d (pid %d) ended; its connections are gone", c.index, c.pid)
+
+    def _collect(self, c: _Child, tries: int = 100) -> None:
+        """Reap a worker that closed its end: it may still be exiting, so look again later."""
+        if not c.reap() and tries:
+            asyncio.get_running_loop().call_later(0.05, self._collect, c, tries - 1)
 
     def take(self) -> Callable[[socket.socket], bool] | None:
         """Who serves the next accepted connection: None for worker 0 itself, else a function
@@ -196,7 +213,7 @@ class Workers:
     def signal(self, sig: int) -> None:
         """Send `sig` to every worker running."""
         for c in self._children:
-            if c.alive:
+            if c.alive and not c.reaped:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(c.pid, sig)
 
@@ -210,29 +227,24 @@ class Workers:
                     c.sock.send(STOP)
         deadline = time.monotonic() + timeout
         for c in self._children:
-            while not _reaped(c.pid) and time.monotonic() < deadline:
+            while not c.reap() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         self.kill()
 
     def kill(self) -> None:
-        """End every worker now (SIGKILL) and collect it."""
+        """End every worker not yet collected (SIGKILL) and collect it."""
         for c in self._children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(c.pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(c.pid, 0)
+            if not c.reaped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(c.pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(c.pid, 0)
+                c.reaped = True
             if c.alive:
                 c.alive = False
                 with contextlib.suppress(ValueError, OSError, RuntimeError):
                     asyncio.get_running_loop().remove_reader(c.sock.fileno())
                 c.sock.close()
-
-
-def _reaped(pid: int) -> bool:
-    try:
-        return os.waitpid(pid, os.WNOHANG)[0] == pid
-    except ChildProcessError:
-        return True
 
 
 async def serve_as_worker(
