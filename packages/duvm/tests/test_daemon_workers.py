@@ -64,6 +64,15 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
+def _attached_by(stand: Node, connections: int) -> None:
+    """Record the device as attached by `connections`, as `duvm enable --workers N` does."""
+    path = control.state_path(stand.state_dir)
+    att = attach_state.load_state(path)
+    assert att is not None
+    att.connections = connections
+    attach_state.save_state(path, att)
+
+
 def _two_workers(stand: Node) -> tuple[int, int, KernelStandIn, KernelStandIn]:
     if "--workers" not in stand.daemon_args:
         stand.daemon_args += ["--workers", "2"]
@@ -283,11 +292,7 @@ def test_a_supervised_daemon_of_two_workers_killed_comes_back_with_both(
     daemon, worker, a, b = _two_workers(node)
     for p in range(16):
         (a if p % 2 else b).write(p * PAGE, _page(p, 1))
-    path = control.state_path(node.state_dir)
-    att = attach_state.load_state(path)
-    assert att is not None
-    att.connections = 2  # as `duvm enable --workers 2` records it
-    attach_state.save_state(path, att)
+    _attached_by(node, 2)
     clients = (a, b)
 
     def reattach(att: attach_state.Attachment, where: str | None = None) -> None:
@@ -375,11 +380,7 @@ def test_a_resumed_daemon_serves_with_all_its_workers_and_never_reuses_their_non
     daemon, worker, a, b = _two_workers(node)
     for p in range(8):
         (a if p % 2 else b).write(p * PAGE, _page(p, 1))
-    path = control.state_path(node.state_dir)
-    att = attach_state.load_state(path)
-    assert att is not None
-    att.connections = 2  # as `duvm enable --workers 2` records it
-    attach_state.save_state(path, att)
+    _attached_by(node, 2)
     os.kill(daemon, signal.SIGKILL)
     assert _gone(worker)
     a.close()

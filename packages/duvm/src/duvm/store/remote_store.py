@@ -299,15 +299,19 @@ class RemoteStore(BlockStore):
         """Free every page and reservation on the memservers (the data is gone afterwards)."""
         if not self.replication.open:
             return
+        await self._stop_serving()
+        self.table.forget()
+        await self._abandon()
+
+    async def _stop_serving(self) -> None:
+        """No more requests: the watchdog, probes and repair stopped, the readahead dropped."""
         self.replication.open = False
         tasks = [*self._tasks, *self.monitor.probes]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
-        self.table.forget()
         self.reads.readahead.clear()
-        await self._abandon()
 
     async def close(self) -> None:
         """Release the pages on every memserver and close the connections."""
@@ -316,13 +320,7 @@ class RemoteStore(BlockStore):
     async def detach(self) -> None:
         """Stop serving and close the connections, freeing nothing: a worker of a daemon with
         several (`duvm daemon --workers`) leaves the pages to worker 0, which releases them."""
-        self.replication.open = False
-        tasks = [*self._tasks, *self.monitor.probes]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks = []
-        self.reads.readahead.clear()
+        await self._stop_serving()
         for c in self.clients:
             await c.close()
 

@@ -304,19 +304,10 @@ def _run_worker(args: argparse.Namespace, seat: workers.Seat) -> int:
     except (ValueError, auth.SecretError, OSError) as e:
         return _fail(str(e), 2)
 
+    from duvm.node.daemon.standby import open_prepared
+
     async def join(generation: int) -> tuple[BlockStore, workers.Leaver]:
-        standby = await daemon_state.open_standby(
-            Path(args.state_dir),
-            cfg.peers,
-            cfg.size,
-            cfg.client_id,
-            cfg.replicas,
-            export_name=args.export_name,
-            repair=False,
-            security=cfg.security,
-            transports=cfg.transports,
-            worker=seat.index,
-        )
+        standby = await open_prepared(args, cfg, repair=False, worker=seat.index)
         try:
             await standby.join(generation)
         except BaseException:

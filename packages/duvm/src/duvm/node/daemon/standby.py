@@ -140,6 +140,23 @@ def _warm(standby: daemon_state.Standby, heap: bool) -> None:
 Serve = Callable[..., Awaitable[int]]
 
 
+async def open_prepared(args: argparse.Namespace, cfg: Any, **options: Any) -> daemon_state.Standby:
+    """The store of the device that `args` and `cfg` (the daemon's `Settings`) describe, built
+    from its state directory with its connections open: a standby's, or a worker's (`options`:
+    `daemon_state.open_standby`'s `repair` and `worker`)."""
+    return await daemon_state.open_standby(
+        Path(args.state_dir),
+        cfg.peers,
+        cfg.size,
+        cfg.client_id,
+        cfg.replicas,
+        export_name=args.export_name,
+        security=cfg.security,
+        transports=cfg.transports,
+        **options,
+    )
+
+
 async def stand_by(args: argparse.Namespace, cfg: Any, serve: Serve) -> int:
     """The standby's life (see the module docstring); `serve` is `duvm.node.daemon.daemon.serve`,
     which runs the daemon once the device is taken over."""
@@ -150,16 +167,7 @@ async def stand_by(args: argparse.Namespace, cfg: Any, serve: Serve) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, quit_.set)
     try:
-        standby = await daemon_state.open_standby(
-            Path(args.state_dir),
-            cfg.peers,
-            cfg.size,
-            cfg.client_id,
-            cfg.replicas,
-            export_name=args.export_name,
-            security=cfg.security,
-            transports=cfg.transports,
-        )
+        standby = await open_prepared(args, cfg)
     except (StorageError, ValueError, daemon_state.StateError, OSError) as e:
         why = getattr(e, "reason", None) or str(e)
         log.error("standby: cannot stand by: %s", why)
