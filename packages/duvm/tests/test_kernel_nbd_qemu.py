@@ -67,24 +67,29 @@ def _load_boot() -> ModuleType:
     return module
 
 
-@pytest.fixture(scope="module")
-def guest_run() -> Any:
+def _boot(**kwargs: Any) -> Any:
+    """One guest run (`boot.run_guest`), or a SKIP saying why this host cannot boot it."""
     boot = _load_boot()
     if why := boot.problems():
         pytest.skip("cannot boot the kernel-nbd test guest: " + "; ".join(why))
     try:
-        return boot.run_guest(
-            workload_mib=WORKLOAD_MIB,
-            cgroup_mib=CGROUP_MIB,
-            swap_size=SWAP,
-            capacity=SWAP,
-            memservers=1,
-            mem_mib=512,  # room for the standby (1.5x its own memory, D48) beside all else
-            timeout_s=QEMU_DEADLINE_S,
-            kill_at_pct=KILL_AT_PCT,
-        )
+        return boot.run_guest(**kwargs)
     except boot.GuestUnavailable as exc:
         pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
+
+
+@pytest.fixture(scope="module")
+def guest_run() -> Any:
+    return _boot(
+        workload_mib=WORKLOAD_MIB,
+        cgroup_mib=CGROUP_MIB,
+        swap_size=SWAP,
+        capacity=SWAP,
+        memservers=1,
+        mem_mib=512,  # room for the standby (1.5x its own memory, D48) beside all else
+        timeout_s=QEMU_DEADLINE_S,
+        kill_at_pct=KILL_AT_PCT,
+    )
 
 
 # The second guest is issue 18's reproduction: memservers on the host (reached through QEMU's
@@ -101,39 +106,27 @@ PRESSURE_SETUP = "256:80:sequential"
 
 @pytest.fixture(scope="module")
 def pressure_guest_run() -> Any:
-    boot, stress = _load_boot(), _load_stress()
-    if why := boot.problems():
-        pytest.skip("cannot boot the kernel-nbd test guest: " + "; ".join(why))
-    try:
-        return boot.run_guest(
-            **stress.Setup.parse(PRESSURE_SETUP).guest_kwargs(),
-            stall_s=60,
-            timeout_s=WATCHED_DEADLINE_S,
-        )
-    except boot.GuestUnavailable as exc:
-        pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
+    return _boot(
+        **_load_stress().Setup.parse(PRESSURE_SETUP).guest_kwargs(),
+        stall_s=60,
+        timeout_s=WATCHED_DEADLINE_S,
+    )
 
 
 @pytest.fixture(scope="module")
 def big_guest_run() -> Any:
-    boot = _load_boot()
-    if why := boot.problems():
-        pytest.skip("cannot boot the kernel-nbd test guest: " + "; ".join(why))
-    try:
-        return boot.run_guest(
-            workload_mib=BIG_MIB,
-            cgroup_mib=None,
-            swap_size=BIG_SWAP,
-            capacity=BIG_SWAP,
-            memservers=1,
-            mem_mib=BIG_MEM_MIB,
-            host_memservers=True,
-            reproduction=True,
-            stall_s=60,
-            timeout_s=WATCHED_DEADLINE_S,
-        )
-    except boot.GuestUnavailable as exc:
-        pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
+    return _boot(
+        workload_mib=BIG_MIB,
+        cgroup_mib=None,
+        swap_size=BIG_SWAP,
+        capacity=BIG_SWAP,
+        memservers=1,
+        mem_mib=BIG_MEM_MIB,
+        host_memservers=True,
+        reproduction=True,
+        stall_s=60,
+        timeout_s=WATCHED_DEADLINE_S,
+    )
 
 
 # The fourth: `duvm enable --workers 2` in a guest with two vCPUs and two memservers (two copies
@@ -146,25 +139,19 @@ WORKERS = 2
 
 @pytest.fixture(scope="module")
 def workers_guest_run() -> Any:
-    boot = _load_boot()
-    if why := boot.problems():
-        pytest.skip("cannot boot the kernel-nbd test guest: " + "; ".join(why))
-    try:
-        return boot.run_guest(
-            workload_mib=WORKLOAD_MIB,
-            cgroup_mib=CGROUP_MIB,
-            swap_size=SWAP,
-            capacity=SWAP,
-            memservers=2,
-            mem_mib=512,
-            cpus=2,
-            workers=WORKERS,
-            kill_at_pct=KILL_AT_PCT,
-            stall_s=60,
-            timeout_s=WATCHED_DEADLINE_S,
-        )
-    except boot.GuestUnavailable as exc:
-        pytest.skip(f"cannot boot the kernel-nbd test guest: {exc}")
+    return _boot(
+        workload_mib=WORKLOAD_MIB,
+        cgroup_mib=CGROUP_MIB,
+        swap_size=SWAP,
+        capacity=SWAP,
+        memservers=2,
+        mem_mib=512,
+        cpus=2,
+        workers=WORKERS,
+        kill_at_pct=KILL_AT_PCT,
+        stall_s=60,
+        timeout_s=WATCHED_DEADLINE_S,
+    )
 
 
 def _event(run: Any, name: str) -> dict[str, Any]:
