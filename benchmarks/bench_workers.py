@@ -91,6 +91,15 @@ class Daemon:
     def cpu(self) -> float:
         return sum(cpu_seconds(p) for p in self.pids)
 
+    def own_kib(self) -> list[int]:
+        """Each worker's own memory (RssAnon: what another worker costs the node)."""
+        out = []
+        for pid in self.pids:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    out.append(int(line.split()[1]))
+        return out
+
     def stop(self) -> None:
         for p in reversed(self.procs):  # the daemon first, so it can release
             if p.poll() is None:
@@ -162,6 +171,7 @@ def main() -> int:
     info = machine()
     tmp = tempfile.mkdtemp(prefix="bench-workers-", dir="/dev/shm")
     raw: dict[str, dict[int, list[dict]]] = {}
+    own: dict[int, list[int]] = {}
     daemons: dict[int, Daemon] = {}
     try:
         for w in counts:
@@ -178,6 +188,7 @@ def main() -> int:
                         f"{r['daemon_cpu_us']:.1f} us daemon CPU/request",
                         flush=True,
                     )
+        own = {w: d.own_kib() for w, d in daemons.items()}
     finally:
         for d in daemons.values():
             d.stop()
@@ -189,6 +200,8 @@ def main() -> int:
         for t, d in raw.items()
     }
     print(f"\n{info['cpu']}, {info['cpus']} CPUs, steal {info['steal_pct']} %")
+    for w, kib in own.items():
+        print(f"{w} workers: own memory (RssAnon) per worker, MiB: {[k >> 10 for k in kib]}")
     print("| test | workers (fio jobs) | IOPS | vs 1 worker | daemon CPU µs/request |")
     print("|---|---|---|---|---|")
     for t, d in median.items():
@@ -198,7 +211,7 @@ def main() -> int:
             print(f"| 4 KiB {t} | {w} | {m['iops']:,.0f} | {ratio} | {m['daemon_cpu_us']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "raw": raw, "median": median}, f, indent=1)
+            json.dump({"machine": info, "raw": raw, "median": median, "own_kib": own}, f, indent=1)
     return 0
 
 
