@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import shutil
+import socket
 import struct
 import sys
 from pathlib import Path
@@ -654,3 +656,29 @@ def test_watchdog_fires_only_when_nothing_moves(tmp_path: Path) -> None:
     console.write_text(console.read_text() + "duvm-guest: workload fill 50% at 41 s\n")
     dog.poll(263)
     assert dog.kill_due
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="ss (iproute2) is not installed")
+def test_the_host_tcp_log_records_the_memservers_connections_every_few_seconds(
+    tmp_path: Path,
+) -> None:
+    """Catches a host TCP log that records nothing for the memservers' ports (a stall of the
+    guest's connections would then go unexplained, as ddf979b's did) or records at every poll
+    (the watchdog polls every 0.2 s: the log would grow by megabytes a run)."""
+    boot = _load_boot()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    log = tmp_path / "host_tcp.log"
+    try:
+        tcp = boot.HostTcpLog(log, [port], None)
+        tcp.poll(100.0)
+        tcp.poll(100.2)  # within EVERY_S: nothing more
+        text = log.read_text()
+        assert text.count("--- t ") == 1 and f":{port}" in text and "ESTAB" in text, text
+        tcp.poll(100.0 + boot.HostTcpLog.EVERY_S)
+        assert log.read_text().count("--- t ") == 2
+    finally:
+        for s in (client, served, listener):
+            s.close()
