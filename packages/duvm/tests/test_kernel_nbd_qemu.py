@@ -26,6 +26,7 @@ import shutil
 import socket
 import struct
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -679,6 +680,35 @@ def test_the_host_tcp_log_records_the_memservers_connections_every_few_seconds(
         assert text.count("--- t ") == 1 and f":{port}" in text and "ESTAB" in text, text
         tcp.poll(100.0 + boot.HostTcpLog.EVERY_S)
         assert log.read_text().count("--- t ") == 2
+    finally:
+        for s in (client, served, listener):
+            s.close()
+
+
+def test_the_guests_tcp_line_names_each_memserver_connections_queues_and_state() -> None:
+    """Catches the guest monitor's TCP line (`guest_check.tcp_queues`, what told the ddf979b
+    stall's unacknowledged bytes) reading the wrong /proc/net/tcp column: a connection to a
+    memserver's port must show its queues, and a state other than established by name."""
+    sys.path.insert(0, str(TOOLS))  # guest_check imports its siblings
+    spec = importlib.util.spec_from_file_location("duvm_guest_check", TOOLS / "guest_check.py")
+    assert spec is not None and spec.loader is not None
+    guest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guest)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    try:
+        line = guest.tcp_queues({port})
+        assert line.startswith("tcp tx/rx 0/0 retrans "), line  # established: no state named
+        served.close()  # the memserver's end gone: ours waits in CLOSE_WAIT
+        deadline = time.monotonic() + 5
+        while "close-wait" not in (line := guest.tcp_queues({port})):
+            assert time.monotonic() < deadline, line
+            time.sleep(0.01)
+        # (the peer's FIN counts as one byte received and never read)
+        assert line.startswith("tcp tx/rx 0/1 close-wait retrans "), line
+        assert guest.tcp_queues({1}).startswith("tcp tx/rx - ")  # no connection to port 1
     finally:
         for s in (client, served, listener):
             s.close()
