@@ -29,18 +29,19 @@ def _words(pid: int) -> list[str]:
     return raw.rstrip(b"\0").decode(errors="replace").split("\0")
 
 
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie (one read of /proc/PID/stat)."""
+    from duvm.base.procstat import stat_fields
+
+    fields = stat_fields(pid)
+    return fields is None or fields[0] in ("Z", "X")
+
+
 def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    from duvm.base.procstat import stat_fields
 
-
-def _state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields is not None else None
 
 
 def _until(what, wait_s: float) -> bool:
@@ -73,7 +74,7 @@ def fork_check(state_dir: str, device: str = "/dev/nbd0", wait_s: float = 30.0) 
     t = time.monotonic()
     os.kill(daemon.pid, signal.SIGKILL)
     # the read waits for the death: sent before it, the dying daemon could still answer it
-    _until(lambda: _parent(daemon.pid) is None or _state(daemon.pid) in ("Z", "X"), wait_s)
+    _until(lambda: _dead(daemon.pid), wait_s)
     out["dead_after_s"] = round(time.monotonic() - t, 3)
     out["served_after_s"], out["read_error"] = timed_read(device, 8192, wait_s)
 
