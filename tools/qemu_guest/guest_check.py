@@ -996,7 +996,8 @@ def main() -> int:
         if os.environ.get("DUVM_SWAP_NO_DISCARD"):
             swap_without_discard("/dev/nbd0")
         if os.environ.get("DUVM_KILL_AT_PCT"):
-            emit("standby", **wait_for_standby())
+            # a daemon of several workers has no standby: its record says so at once
+            emit("standby", **wait_for_standby(none_for=30 if workers == 1 else 2))
         if os.environ.get("DUVM_NBD_IO_TIMEOUT_MS"):
             emit(
                 "request_timer",
