@@ -96,22 +96,21 @@ def duvm(*args: str, timeout: float = 300) -> dict[str, Any]:
 
 def worker_facts() -> dict[str, Any]:
     """A daemon with several workers (DUVM_WORKERS): the pids its status names, its kernel nbd
-    connections, the hardware queues the driver made for them (one per connection, each
-    served by one worker) and the requests each queue has taken so far (blk-mq's debugfs)."""
+    connections, the hardware queues the driver made for them (one per connection) and the
+    bytes each worker has read from its sockets and files so far (/proc/PID/io `rchar`: the
+    pages of the requests it served, and the memservers' replies to it)."""
     st = status() or {}
-    debug = Path("/sys/kernel/debug")
-    if not Path(debug, "block").is_dir():
-        subprocess.run(["mount", "-t", "debugfs", "none", str(debug)], check=False)
-    queued = {}
-    for hctx in sorted(Path(debug, "block", "nbd0").glob("hctx*")):
-        text = _read(str(hctx / "queued"))
-        queued[hctx.name] = int(text) if text and text.strip().isdigit() else None
+    pids = (st.get("daemon") or {}).get("workers") or []
+    read = {}
+    for pid in pids:
+        io = dict(line.split(": ", 1) for line in (_read(f"/proc/{pid}/io") or "").splitlines())
+        read[str(pid)] = int(io["rchar"]) if "rchar" in io else None
     mq = "/sys/block/nbd0/mq"
     return {
-        "pids": (st.get("daemon") or {}).get("workers") or [],
+        "pids": pids,
         "connections": st.get("connections"),
         "hw_queues": sorted(os.listdir(mq)) if os.path.isdir(mq) else None,
-        "queued": queued,
+        "read_bytes": read,
     }
 
 
