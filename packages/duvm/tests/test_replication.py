@@ -396,8 +396,11 @@ async def test_daemon_status_is_its_declared_shape_and_the_json_readers_know(ser
         assert set(st.nbd) == set(typing.get_type_hints(NbdCounts))
         assert (st.size_bytes, st.open_connections, st.counters) == (MiB, 0, store.counters())
         js = st.to_json()
-        assert set(js) == {"pid", "size_bytes", "replicas", "request_path", "store", "nbd"}
+        assert set(js) == {
+            *("pid", "size_bytes", "replicas", "request_path", "store", "nbd", "workers")
+        }
         assert (js["pid"], js["size_bytes"], js["replicas"]) == (os.getpid(), MiB, 2)
+        assert js["workers"] is None  # one worker (the list with several: test_daemon_workers)
         assert js["request_path"] == "pure" and js["nbd"] == dict(st.nbd)
         # "store": the replication report with every layer's counters beside it, flat
         assert js["store"] == {**st.replication, **st.counters}
